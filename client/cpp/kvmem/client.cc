@@ -1,0 +1,325 @@
+#include "kvmem/client.h"
+
+#include <thread>
+
+#include "grpcpp/grpcpp.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
+
+namespace kvmem::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+template <typename Repeated>
+auto ToVector(const Repeated& r) {
+  return std::vector<typename Repeated::value_type>(r.begin(), r.end());
+}
+
+void ToProto(const Layout& layout, v1::Layout* out) {
+  out->set_num_layers(layout.num_layers);
+  out->set_num_kv_heads(layout.num_kv_heads);
+  out->set_head_dim(layout.head_dim);
+  out->set_dtype(static_cast<v1::DType>(layout.dtype));
+  out->set_block_tokens(layout.block_tokens);
+  out->set_vocab_size(layout.vocab_size);
+}
+
+Layout FromProto(const v1::Layout& layout) {
+  return Layout{layout.num_layers(), layout.num_kv_heads(), layout.head_dim(),
+                static_cast<DType>(layout.dtype()), layout.block_tokens(), layout.vocab_size()};
+}
+
+void ToProto(const AppendArgs& args, uint64_t id, v1::AppendRequest* out) {
+  out->set_sequence_id(id);
+  out->mutable_positions()->Add(args.positions.begin(), args.positions.end());
+  out->mutable_token_ids()->Add(args.token_ids.begin(), args.token_ids.end());
+  out->set_k(std::string(args.k));
+  out->set_v(std::string(args.v));
+  out->mutable_token_entropy()->Add(args.token_entropy.begin(), args.token_entropy.end());
+  out->mutable_layer_distance()->Add(args.layer_distance.begin(), args.layer_distance.end());
+}
+
+AppendResult FromProto(const v1::AppendResponse& r) {
+  return AppendResult{r.appended_tokens(), r.max_stream_tokens(), r.epoch(), r.kv_bytes()};
+}
+
+template <typename Out>
+void AddSignals(const std::vector<StreamSignal>& in, Out* out) {
+  for (const StreamSignal& s : in) {
+    auto* row = out->Add();
+    row->set_layer(s.layer);
+    row->set_kv_head(s.kv_head);
+    if constexpr (std::is_same_v<std::decay_t<decltype(*row)>, v1::AttentionRow>) {
+      row->mutable_weights()->Add(s.values.begin(), s.values.end());
+    } else {
+      row->mutable_scores()->Add(s.values.begin(), s.values.end());
+    }
+  }
+}
+
+}  // namespace
+
+uint32_t DTypeBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::KvCache::Stub> stub;
+
+  // Runs `attempt(context)` until it succeeds, fails with a code other than UNAVAILABLE,
+  // or runs out of attempts; each attempt gets a fresh context and deadline.
+  template <typename Attempt>
+  absl::Status Call(Attempt attempt) {
+    absl::Duration backoff = options.initial_backoff;
+    for (int i = 1;; ++i) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() +
+                           absl::ToChronoMilliseconds(options.deadline));
+      const grpc::Status status = attempt(context);
+      if (status.error_code() != grpc::StatusCode::UNAVAILABLE || i >= options.max_attempts) {
+        return FromGrpc(status);
+      }
+      std::this_thread::sleep_for(absl::ToChronoMilliseconds(backoff));
+      backoff = std::min(backoff * 2, options.max_backoff);
+    }
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
+                                                        ClientOptions options) {
+  if (target.empty()) return absl::InvalidArgumentError("target: empty address");
+  if (options.max_attempts < 1) {
+    return absl::InvalidArgumentError("options.max_attempts: must be at least 1");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  impl->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  impl->stub = v1::KvCache::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<Info> Client::GetInfo() {
+  v1::GetInfoResponse r;
+  absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
+    return impl_->stub->GetInfo(&c, v1::GetInfoRequest(), &r);
+  });
+  if (!s.ok()) return s;
+  Info info;
+  info.version = r.version();
+  info.backend = r.backend();
+  info.device_name = r.device_name();
+  info.pool_bytes = r.pool_bytes();
+  info.pool_free_bytes = r.pool_free_bytes();
+  info.page_bytes = r.page_bytes();
+  info.default_block_tokens = r.default_block_tokens();
+  info.max_sequences = r.max_sequences();
+  info.default_lease_seconds = r.default_lease_seconds();
+  info.max_message_bytes = r.max_message_bytes();
+  for (const v1::PolicyInfo& p : r.policies()) {
+    PolicyInfo pi{p.name(), p.description(), {}, ToVector(p.step_signals()),
+                  ToVector(p.compress_signals())};
+    for (const v1::ParamInfo& param : p.params()) {
+      pi.params.push_back({param.name(), param.default_value(), param.min_value(),
+                           param.max_value(), param.description()});
+    }
+    info.policies.push_back(std::move(pi));
+  }
+  info.shm_name = r.shared_memory().name();
+  info.shm_bytes = r.shared_memory().segment_bytes();
+  info.epoch_board_name = r.epoch_board().name();
+  info.epoch_stride = r.epoch_board().stride();
+  info.epoch_slots = r.epoch_board().slots();
+  return info;
+}
+
+absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const PolicySpec& policy,
+                                                uint32_t lease_seconds) {
+  v1::CreateSequenceRequest q;
+  ToProto(layout, q.mutable_layout());
+  q.mutable_policy()->set_name(policy.name);
+  for (const auto& [k, v] : policy.params) (*q.mutable_policy()->mutable_params())[k] = v;
+  q.set_lease_seconds(lease_seconds);
+  v1::CreateSequenceResponse r;
+  absl::Status s = impl_->Call(
+      [&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
+  if (!s.ok()) return s;
+  return Sequence{r.sequence_id(), r.lease_seconds(), r.block_tokens(), r.epoch_slot()};
+}
+
+absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args) {
+  v1::AppendRequest q;
+  ToProto(args, sequence_id, &q);
+  v1::AppendResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Append(&c, q, &r); });
+  if (!s.ok()) return s;
+  return FromProto(r);
+}
+
+absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
+                                                  absl::Span<const AppendArgs> chunks) {
+  v1::AppendResponse r;
+  absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
+    std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
+        impl_->stub->AppendStream(&c, &r);
+    for (const AppendArgs& chunk : chunks) {
+      v1::AppendRequest q;
+      ToProto(chunk, sequence_id, &q);
+      if (!writer->Write(q)) break;  // the daemon ended the call; Finish() says why
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  });
+  if (!s.ok()) return s;
+  return FromProto(r);
+}
+
+absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& args) {
+  v1::StepRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_epoch(args.epoch);
+  if (args.logit_stats) {
+    v1::LogitStats* ls = q.mutable_logit_stats();
+    ls->set_entropy(args.logit_stats->entropy);
+    ls->set_p1(args.logit_stats->p1);
+    ls->set_p2(args.logit_stats->p2);
+    ls->mutable_top_logprobs()->Add(args.logit_stats->top_logprobs.begin(),
+                                    args.logit_stats->top_logprobs.end());
+  }
+  AddSignals(args.attention, q.mutable_attention());
+  v1::StepResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Step(&c, q, &r); });
+  if (!s.ok()) return s;
+  return StepResult{r.confidence(),     r.budget_tokens(),  r.evicted_tokens(),
+                    r.quantized_tokens(), r.kv_bytes_before(), r.kv_bytes_after(),
+                    r.epoch(),          r.step()};
+}
+
+absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args) {
+  v1::CompressRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_epoch(args.epoch);
+  q.set_target_tokens(args.target_tokens);
+  AddSignals(args.window_scores, q.mutable_window_scores());
+  AddSignals(args.attention, q.mutable_attention());
+  v1::CompressResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Compress(&c, q, &r); });
+  if (!s.ok()) return s;
+  CompressResult out{{}, r.evicted_tokens(), r.kv_bytes_before(), r.kv_bytes_after(), r.epoch()};
+  for (const v1::LayerKept& l : r.layers()) {
+    out.layers.push_back({l.layer(), l.kept_tokens(), l.before_tokens()});
+  }
+  return out;
+}
+
+absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
+  v1::GetBlockTableRequest q;
+  q.set_sequence_id(sequence_id);
+  v1::BlockTable r;
+  absl::Status s = impl_->Call(
+      [&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &r); });
+  if (!s.ok()) return s;
+  BlockTable table{r.sequence_id(), r.epoch(), r.block_tokens(), r.block_bytes(),
+                   FromProto(r.layout()), r.epoch_slot(), {}};
+  for (const v1::StreamTable& st : r.streams()) {
+    table.streams.push_back({st.layer(), st.kv_head(), ToVector(st.block_ids()),
+                             ToVector(st.block_offsets()), st.last_block_fill(),
+                             ToVector(st.positions())});
+  }
+  return table;
+}
+
+absl::StatusOr<std::vector<StreamKV>> Client::ReadKV(uint64_t sequence_id, uint64_t epoch,
+                                                     uint32_t layer_begin, uint32_t layer_end) {
+  v1::ReadKVRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_epoch(epoch);
+  q.set_layer_begin(layer_begin);
+  q.set_layer_end(layer_end);
+  std::vector<StreamKV> out;
+  absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
+    out.clear();
+    std::unique_ptr<grpc::ClientReader<v1::KVChunk>> reader = impl_->stub->ReadKV(&c, q);
+    v1::KVChunk chunk;
+    while (reader->Read(&chunk)) {
+      out.push_back({chunk.layer(), chunk.kv_head(), chunk.epoch(), ToVector(chunk.positions()),
+                     std::move(*chunk.mutable_k()), std::move(*chunk.mutable_v())});
+    }
+    return reader->Finish();
+  });
+  if (!s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, uint32_t lease_seconds) {
+  v1::ForkRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_lease_seconds(lease_seconds);
+  v1::ForkResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Fork(&c, q, &r); });
+  if (!s.ok()) return s;
+  return Sequence{r.sequence_id(), lease_seconds, 0, r.epoch_slot()};
+}
+
+absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {
+  v1::ReleaseRequest q;
+  q.set_sequence_id(sequence_id);
+  v1::ReleaseResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Release(&c, q, &r); });
+  if (!s.ok()) return s;
+  return r.freed_blocks();
+}
+
+absl::StatusOr<uint32_t> Client::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  v1::KeepAliveRequest q;
+  q.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
+  v1::KeepAliveResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->KeepAlive(&c, q, &r); });
+  if (!s.ok()) return s;
+  return r.renewed();
+}
+
+absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
+  v1::StatsRequest q;
+  q.set_include_sequences(include_sequences);
+  v1::StatsResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Stats(&c, q, &r); });
+  if (!s.ok()) return s;
+  Stats out{r.pool_bytes(),  r.pool_used_bytes(),  r.pool_free_bytes(), r.pages_total(),
+            r.pages_used(),  r.blocks_used(),      r.sequences_active(), r.tokens_appended(),
+            r.tokens_evicted(), r.steps(),         r.leases_expired(),  {}};
+  for (const v1::SequenceStats& q2 : r.sequences()) {
+    out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
+                             q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),
+                             q2.steps(), q2.lease_remaining_seconds(), q2.parent_id()});
+  }
+  return out;
+}
+
+absl::StatusOr<uint64_t> Client::Publish(uint64_t sequence_id, uint64_t up_to_tokens) {
+  v1::PublishRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_up_to_tokens(up_to_tokens);
+  v1::PublishResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Publish(&c, q, &r); });
+  if (!s.ok()) return s;
+  return r.published_tokens();
+}
+
+}  // namespace kvmem::client

@@ -1,0 +1,214 @@
+#pragma once
+// libkvmem_client: a typed C++ client for kvmemd. No protobuf or gRPC type appears here.
+//
+// Every call carries a deadline (ClientOptions::deadline per attempt) and is retried with
+// exponential backoff while the daemon answers UNAVAILABLE (restarting, not yet listening).
+// Errors are the daemon's gRPC status as absl::Status, message unchanged.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace kvmem::client {
+
+enum class DType { kF16 = 1, kBF16 = 2, kF32 = 3 };
+uint32_t DTypeBytes(DType dtype);
+
+struct Layout {
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  DType dtype = DType::kF16;
+  uint32_t block_tokens = 0;  // 0 = the daemon's default
+  uint32_t vocab_size = 0;
+};
+
+struct PolicySpec {
+  std::string name;  // "" = full
+  std::map<std::string, double> params;
+};
+
+struct ClientOptions {
+  absl::Duration deadline = absl::Seconds(30);  // per attempt
+  int max_attempts = 8;                          // on UNAVAILABLE (about 6 s in all)
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(2);
+};
+
+struct ParamInfo {
+  std::string name;
+  double default_value = 0, min_value = 0, max_value = 0;
+  std::string description;
+};
+
+struct PolicyInfo {
+  std::string name;
+  std::string description;
+  std::vector<ParamInfo> params;
+  std::vector<std::string> step_signals;
+  std::vector<std::string> compress_signals;
+};
+
+struct Info {
+  std::string version, backend, device_name;
+  uint64_t pool_bytes = 0, pool_free_bytes = 0, page_bytes = 0;
+  uint32_t default_block_tokens = 0, max_sequences = 0, default_lease_seconds = 0;
+  uint64_t max_message_bytes = 0;
+  std::vector<PolicyInfo> policies;
+  std::string shm_name;  // empty when the pool cannot be attached
+  uint64_t shm_bytes = 0;
+  std::string epoch_board_name;
+  uint32_t epoch_stride = 0, epoch_slots = 0;
+};
+
+struct Sequence {
+  uint64_t id = 0;
+  uint32_t lease_seconds = 0;
+  uint32_t block_tokens = 0;
+  uint32_t epoch_slot = 0;
+};
+
+// n new tokens. k and v are [L][H][n][D] in the layout dtype.
+struct AppendArgs {
+  absl::Span<const int64_t> positions;
+  absl::Span<const int32_t> token_ids;
+  std::string_view k;
+  std::string_view v;
+  absl::Span<const float> token_entropy;
+  absl::Span<const float> layer_distance;
+};
+
+struct AppendResult {
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t epoch = 0;
+  uint64_t kv_bytes = 0;
+};
+
+struct LogitStats {
+  float entropy = 0, p1 = 0, p2 = 0;
+  std::vector<float> top_logprobs;
+};
+
+struct StreamSignal {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  std::vector<float> values;
+};
+
+struct StepArgs {
+  uint64_t epoch = 0;
+  std::optional<LogitStats> logit_stats;
+  std::vector<StreamSignal> attention;
+};
+
+struct StepResult {
+  double confidence = 0;
+  uint32_t budget_tokens = 0;
+  uint64_t evicted_tokens = 0, quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0, kv_bytes_after = 0;
+  uint64_t epoch = 0, step = 0;
+};
+
+struct CompressArgs {
+  uint64_t epoch = 0;
+  uint32_t target_tokens = 0;
+  std::vector<StreamSignal> window_scores;
+  std::vector<StreamSignal> attention;
+};
+
+struct LayerKept {
+  uint32_t layer = 0;
+  uint64_t kept_tokens = 0, before_tokens = 0;
+};
+
+struct CompressResult {
+  std::vector<LayerKept> layers;
+  uint64_t evicted_tokens = 0, kv_bytes_before = 0, kv_bytes_after = 0, epoch = 0;
+};
+
+struct StreamTable {
+  uint32_t layer = 0, kv_head = 0;
+  std::vector<uint32_t> block_ids;
+  std::vector<uint64_t> block_offsets;  // bytes into the pool
+  uint32_t last_block_fill = 0;
+  std::vector<int64_t> positions;
+};
+
+struct BlockTable {
+  uint64_t sequence_id = 0, epoch = 0;
+  uint32_t block_tokens = 0;
+  uint64_t block_bytes = 0;
+  Layout layout;
+  uint32_t epoch_slot = 0;
+  std::vector<StreamTable> streams;  // index = layer * H + kv_head
+};
+
+struct StreamKV {
+  uint32_t layer = 0, kv_head = 0;
+  uint64_t epoch = 0;
+  std::vector<int64_t> positions;
+  std::string k, v;  // [n][D] each, layout dtype
+};
+
+struct SequenceStats {
+  uint64_t sequence_id = 0;
+  std::string policy;
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t kv_bytes = 0, blocks = 0, epoch = 0, steps = 0;
+  double lease_remaining_seconds = 0;
+  uint64_t parent_id = 0;
+};
+
+struct Stats {
+  uint64_t pool_bytes = 0, pool_used_bytes = 0, pool_free_bytes = 0;
+  uint64_t pages_total = 0, pages_used = 0, blocks_used = 0;
+  uint32_t sequences_active = 0;
+  uint64_t tokens_appended = 0, tokens_evicted = 0, steps = 0, leases_expired = 0;
+  std::vector<SequenceStats> sequences;
+};
+
+class Client {
+ public:
+  // target: "host:port" or "unix:path". Connecting is lazy; the first call waits for it.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& target,
+                                                         ClientOptions options = {});
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  absl::StatusOr<Info> GetInfo();
+  absl::StatusOr<Sequence> CreateSequence(const Layout& layout, const PolicySpec& policy,
+                                          uint32_t lease_seconds = 0);
+  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args);
+  // One client stream of chunks; the daemon applies them all or none.
+  absl::StatusOr<AppendResult> AppendStream(uint64_t sequence_id,
+                                            absl::Span<const AppendArgs> chunks);
+  absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepArgs& args);
+  absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressArgs& args);
+  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
+  // Retained K/V of layers [layer_begin, layer_end) (both 0 = all); epoch 0 = current.
+  absl::StatusOr<std::vector<StreamKV>> ReadKV(uint64_t sequence_id, uint64_t epoch = 0,
+                                               uint32_t layer_begin = 0, uint32_t layer_end = 0);
+  absl::StatusOr<Sequence> Fork(uint64_t sequence_id, uint32_t lease_seconds = 0);
+  absl::StatusOr<uint64_t> Release(uint64_t sequence_id);  // freed blocks
+  absl::StatusOr<uint32_t> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  absl::StatusOr<Stats> GetStats(bool include_sequences);
+  // Prefix sharing (UNIMPLEMENTED by this daemon version; the call reports it).
+  absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, uint64_t up_to_tokens);
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvmem::client

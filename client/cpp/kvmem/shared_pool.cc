@@ -1,0 +1,127 @@
+#include "kvmem/shared_pool.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::client {
+namespace {
+
+absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shared memory ", name, ": ", std::strerror(errno),
+                                               " (is the daemon on this host?)"));
+  }
+  void* data = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (data == MAP_FAILED) {
+    return absl::UnavailableError(
+        absl::StrCat("shared memory ", name, ": mmap: ", std::strerror(err)));
+  }
+  return static_cast<const uint8_t*>(data);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info) {
+  if (info.shm_name.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "shared_memory: the daemon's ", info.backend, " backend does not export its pool"));
+  }
+  std::unique_ptr<SharedPool> pool(new SharedPool());
+  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
+  if (!data.ok()) return data.status();
+  pool->pool_ = *data;
+  pool->pool_bytes_ = info.shm_bytes;
+  pool->stride_ = info.epoch_stride;
+  pool->slots_ = info.epoch_slots;
+  pool->board_bytes_ = uint64_t{info.epoch_stride} * info.epoch_slots;
+  absl::StatusOr<const uint8_t*> board = MapReadOnly(info.epoch_board_name, pool->board_bytes_);
+  if (!board.ok()) return board.status();
+  pool->board_ = *board;
+  return pool;
+}
+
+SharedPool::~SharedPool() {
+  if (pool_ != nullptr) munmap(const_cast<uint8_t*>(pool_), pool_bytes_);
+  if (board_ != nullptr) munmap(const_cast<uint8_t*>(board_), board_bytes_);
+}
+
+uint64_t SharedPool::EpochWord(uint32_t slot) const {
+  const auto* word = reinterpret_cast<const std::atomic<uint64_t>*>(board_ + uint64_t{slot} * stride_);
+  return word->load(std::memory_order_acquire);
+}
+
+absl::Status SharedPool::BeginRead(const BlockTable& table) const {
+  if (table.epoch_slot >= slots_) {
+    return absl::InvalidArgumentError(absl::StrCat("table.epoch_slot: ", table.epoch_slot,
+                                                   " is outside [0, ", slots_, ")"));
+  }
+  const uint64_t word = EpochWord(table.epoch_slot);
+  if (word != 2 * table.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: the table is at epoch ", table.epoch, " but the sequence is ",
+        word & 1 ? "being rewritten or released" : absl::StrCat("at epoch ", word / 2),
+        "; fetch the block table again"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SharedPool::EndRead(const BlockTable& table) const {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (EpochWord(table.epoch_slot) != 2 * table.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: the sequence left epoch ", table.epoch, " during the read; discard it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
+                                                                uint32_t layer,
+                                                                uint32_t kv_head) const {
+  const Layout& layout = table.layout;
+  if (layer >= layout.num_layers || kv_head >= layout.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("stream (", layer, ", ", kv_head,
+                                                   ") is outside the layout"));
+  }
+  const StreamTable& st = table.streams[size_t{layer} * layout.num_kv_heads + kv_head];
+  const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
+  std::vector<BlockView> views;
+  views.reserve(st.block_offsets.size());
+  for (size_t b = 0; b < st.block_offsets.size(); ++b) {
+    const uint64_t off = st.block_offsets[b];
+    if (off > pool_bytes_ || table.block_bytes > pool_bytes_ - off) {
+      return absl::OutOfRangeError(absl::StrCat("block_offsets[", b, "]: ", off,
+                                                " is outside the mapped pool"));
+    }
+    const uint32_t fill =
+        b + 1 == st.block_offsets.size() ? st.last_block_fill : table.block_tokens;
+    views.push_back({pool_ + off, pool_ + off + uint64_t{table.block_tokens} * row, fill});
+  }
+  return views;
+}
+
+absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
+                                    std::string* k, std::string* v) const {
+  absl::StatusOr<std::vector<BlockView>> blocks = StreamBlocks(table, layer, kv_head);
+  if (!blocks.ok()) return blocks.status();
+  if (absl::Status s = BeginRead(table); !s.ok()) return s;
+  const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
+  k->clear();
+  v->clear();
+  for (const BlockView& b : *blocks) {
+    k->append(reinterpret_cast<const char*>(b.k), b.fill * row);
+    v->append(reinterpret_cast<const char*>(b.v), b.fill * row);
+  }
+  return EndRead(table);
+}
+
+}  // namespace kvmem::client

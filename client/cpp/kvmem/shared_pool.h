@@ -1,0 +1,54 @@
+#pragma once
+// SharedPool: same-host, zero-copy access to a CPU-backend daemon's pool.
+//
+// The pool and the epoch board are mapped read-only. Blocks named by a BlockTable are read
+// in place; a read is trustworthy only if the sequence's epoch word equals 2 * table.epoch
+// both before and after it (a seqlock). Protocol for a worker:
+//   1. table = GetBlockTable(seq)             (after each Step/Compress that changed epoch)
+//   2. BeginRead(table)                      (FAILED_PRECONDITION: table stale, refetch)
+//   3. read through StreamBlocks(...) pointers
+//   4. EndRead(table)                        (FAILED_PRECONDITION: discard what you read)
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvmem/client.h"
+
+namespace kvmem::client {
+
+struct BlockView {
+  const uint8_t* k;  // [fill][head_dim] in the layout dtype
+  const uint8_t* v;
+  uint32_t fill;     // valid slots in this block
+};
+
+class SharedPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
+  ~SharedPool();
+  SharedPool(const SharedPool&) = delete;
+  SharedPool& operator=(const SharedPool&) = delete;
+
+  absl::Status BeginRead(const BlockTable& table) const;
+  absl::Status EndRead(const BlockTable& table) const;
+  // Pointers into the mapping for one stream's blocks, in order.
+  absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,
+                                                      uint32_t kv_head) const;
+  // Copies one stream's retained K and V ([n][D] each) with the full read protocol.
+  absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
+                          std::string* k, std::string* v) const;
+
+ private:
+  SharedPool() = default;
+  uint64_t EpochWord(uint32_t slot) const;
+  const uint8_t* pool_ = nullptr;
+  uint64_t pool_bytes_ = 0;
+  const uint8_t* board_ = nullptr;
+  uint64_t board_bytes_ = 0;
+  uint32_t stride_ = 0;
+  uint32_t slots_ = 0;
+};
+
+}  // namespace kvmem::client

@@ -1,0 +1,123 @@
+// kvmemctl: look inside a running kvmemd.
+//   kvmemctl [--target=HOST:PORT|unix:PATH] info|stats|sequences
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_join.h"
+#include "kvmem/client.h"
+
+namespace {
+
+std::string Bytes(uint64_t b) {
+  char buf[64];
+  if (b >= (1ull << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ull << 30));
+  } else if (b >= (1ull << 20)) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / double(1ull << 20));
+  } else if (b >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(b));
+  }
+  return buf;
+}
+
+int Info(kvmem::client::Client& client) {
+  absl::StatusOr<kvmem::client::Info> info = client.GetInfo();
+  if (!info.ok()) {
+    std::fprintf(stderr, "kvmemctl info: %s\n", info.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("kvmemd %s\n", info->version.c_str());
+  std::printf("backend          %s (%s)\n", info->backend.c_str(), info->device_name.c_str());
+  std::printf("pool             %s total, %s free, pages of %s\n", Bytes(info->pool_bytes).c_str(),
+              Bytes(info->pool_free_bytes).c_str(), Bytes(info->page_bytes).c_str());
+  std::printf("block tokens     %u (default)\n", info->default_block_tokens);
+  std::printf("max sequences    %u\n", info->max_sequences);
+  std::printf("lease            %u s (default)\n", info->default_lease_seconds);
+  std::printf("max message      %s of K+V per Append\n", Bytes(info->max_message_bytes).c_str());
+  std::printf("same-host attach %s\n",
+              info->shm_name.empty() ? "none" : ("shm " + info->shm_name).c_str());
+  std::printf("policies:\n");
+  for (const auto& p : info->policies) {
+    std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
+    for (const auto& param : p.params) {
+      std::printf("    %-16s default %-10g range [%g, %g]  %s\n", param.name.c_str(),
+                  param.default_value, param.min_value, param.max_value,
+                  param.description.c_str());
+    }
+    if (!p.step_signals.empty()) {
+      std::printf("    step signals: %s\n", absl::StrJoin(p.step_signals, ", ").c_str());
+    }
+    if (!p.compress_signals.empty()) {
+      std::printf("    compress signals: %s\n", absl::StrJoin(p.compress_signals, ", ").c_str());
+    }
+  }
+  return 0;
+}
+
+int Stats(kvmem::client::Client& client, bool sequences) {
+  absl::StatusOr<kvmem::client::Stats> stats = client.GetStats(sequences);
+  if (!stats.ok()) {
+    std::fprintf(stderr, "kvmemctl: %s\n", stats.status().ToString().c_str());
+    return 1;
+  }
+  if (!sequences) {
+    std::printf("pool             %s used of %s (%llu/%llu pages), %llu blocks\n",
+                Bytes(stats->pool_used_bytes).c_str(), Bytes(stats->pool_bytes).c_str(),
+                static_cast<unsigned long long>(stats->pages_used),
+                static_cast<unsigned long long>(stats->pages_total),
+                static_cast<unsigned long long>(stats->blocks_used));
+    std::printf("sequences        %u active, %llu leases expired\n", stats->sequences_active,
+                static_cast<unsigned long long>(stats->leases_expired));
+    std::printf("tokens           %llu appended, %llu evicted\n",
+                static_cast<unsigned long long>(stats->tokens_appended),
+                static_cast<unsigned long long>(stats->tokens_evicted));
+    std::printf("steps            %llu\n", static_cast<unsigned long long>(stats->steps));
+    return 0;
+  }
+  std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s\n", "id", "policy", "appended",
+              "longest", "kv bytes", "blocks", "epoch", "steps", "lease s", "parent");
+  for (const auto& s : stats->sequences) {
+    std::printf("%8llu %-10s %10llu %8u %12s %8llu %8llu %8llu %8.1f %7llu\n",
+                static_cast<unsigned long long>(s.sequence_id), s.policy.c_str(),
+                static_cast<unsigned long long>(s.appended_tokens), s.max_stream_tokens,
+                Bytes(s.kv_bytes).c_str(), static_cast<unsigned long long>(s.blocks),
+                static_cast<unsigned long long>(s.epoch), static_cast<unsigned long long>(s.steps),
+                s.lease_remaining_seconds, static_cast<unsigned long long>(s.parent_id));
+  }
+  if (stats->sequences.empty()) std::printf("(no sequences)\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string target = "127.0.0.1:50551";
+  std::string command;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--target=", 9) == 0) {
+      target = argv[i] + 9;
+    } else if (command.empty()) {
+      command = argv[i];
+    } else {
+      command.clear();
+      break;
+    }
+  }
+  if (command != "info" && command != "stats" && command != "sequences") {
+    std::fprintf(stderr, "usage: kvmemctl [--target=HOST:PORT|unix:PATH] info|stats|sequences\n");
+    return 2;
+  }
+  kvmem::client::ClientOptions options;
+  options.deadline = absl::Seconds(5);
+  absl::StatusOr<std::unique_ptr<kvmem::client::Client>> client =
+      kvmem::client::Client::Connect(target, options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "kvmemctl: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  if (command == "info") return Info(**client);
+  return Stats(**client, command == "sequences");
+}

@@ -1,0 +1,839 @@
+#include "server/engine/engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/string_view.h"
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace kvmem::engine {
+namespace {
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+absl::Status CheckFinite(absl::Span<const float> values, const std::string& field, float min,
+                         float max) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: ", values[i],
+                                                     " is not a finite value in [", min, ", ",
+                                                     max, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Appends a move/write op, merging it into the previous one when both ranges continue it.
+void PushMove(std::vector<store::MoveOp>& ops, uint64_t src, uint64_t dst, uint64_t bytes) {
+  if (!ops.empty()) {
+    store::MoveOp& last = ops.back();
+    if (last.src + last.bytes == src && last.dst + last.bytes == dst) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  ops.push_back({src, dst, bytes});
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config,
+                                                       std::unique_ptr<store::Backend> backend,
+                                                       const Clock* clock) {
+  if (config.max_sequences == 0 || config.max_sequences > (1u << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_sequences: ", config.max_sequences,
+                                                   " is outside [1, 1048576]"));
+  }
+  if (config.default_block_tokens == 0 || config.default_block_tokens > kMaxBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("block_tokens: ", config.default_block_tokens,
+                                                   " is outside [1, ", kMaxBlockTokens, "]"));
+  }
+  if (config.default_lease <= absl::ZeroDuration() || config.default_lease > config.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_seconds: ", absl::ToDoubleSeconds(config.default_lease), " is outside (0, ",
+        absl::ToDoubleSeconds(config.max_lease), "]"));
+  }
+  absl::StatusOr<std::unique_ptr<store::BlockPool>> pool =
+      store::BlockPool::Create(std::min(config.pool_bytes, backend->pool_bytes()),
+                               config.page_bytes);
+  if (!pool.ok()) return pool.status();
+  absl::StatusOr<std::unique_ptr<EpochBoard>> board = EpochBoard::Create(config.max_sequences);
+  if (!board.ok()) return board.status();
+  return std::unique_ptr<Engine>(
+      new Engine(config, std::move(backend), *std::move(pool), *std::move(board), clock));
+}
+
+Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
+               std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
+               const Clock* clock)
+    : config_(config),
+      backend_(std::move(backend)),
+      pool_(std::move(pool)),
+      board_(std::move(board)),
+      clock_(clock) {}
+
+Engine::~Engine() {
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.swap(sequences_);
+  }
+  for (auto& [id, seq] : all) {
+    absl::MutexLock seq_lock(&seq->mu);
+    ReleaseLocked(*seq);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
+                                            " (never created, released, or its lease lapsed)"));
+  }
+  return it->second;
+}
+
+// Looks a sequence up and locks it; NOT_FOUND if it was released meanwhile.
+#define KVMEM_LOCK_SEQUENCE(seq, id)                                                   \
+  absl::StatusOr<std::shared_ptr<Sequence>> seq##_or = Find(id);                       \
+  if (!seq##_or.ok()) return seq##_or.status();                                        \
+  Sequence& seq = **seq##_or;                                                          \
+  absl::MutexLock seq##_lock(&seq.mu);                                                 \
+  if (seq.released) {                                                                  \
+    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", id, " was released")); \
+  }
+
+absl::StatusOr<absl::Duration> Engine::ResolveLease(absl::Duration lease) const {
+  if (lease == absl::ZeroDuration()) return config_.default_lease;
+  if (lease < absl::ZeroDuration() || lease > config_.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(lease),
+                                                   " is outside [1, ",
+                                                   absl::ToDoubleSeconds(config_.max_lease), "]"));
+  }
+  return lease;
+}
+
+void Engine::Renew(Sequence& seq) {
+  seq.lease_deadline_ns.store(absl::ToUnixNanos(clock_->Now() + seq.lease),
+                              std::memory_order_relaxed);
+}
+
+absl::StatusOr<CreateResult> Engine::Register(std::shared_ptr<Sequence> seq) {
+  Renew(*seq);
+  CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
+                      seq->layout.block_tokens, seq->epoch_slot};
+  absl::MutexLock lock(&mu_);
+  result.sequence_id = seq->id;
+  sequences_.emplace(seq->id, std::move(seq));
+  return result;
+}
+
+absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_view policy_name,
+                                                    const policy::ParamOverrides& params,
+                                                    absl::Duration lease) {
+  if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
+  if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<policy::Policy>> policy = policy::CreatePolicy(policy_name, params);
+  if (!policy.ok()) return policy.status();
+  absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
+  if (!granted.ok()) return granted.status();
+
+  const uint64_t epoch = next_epoch_.fetch_add(1);
+  absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
+  if (!slot.ok()) return slot.status();
+  uint64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_id_++;
+  }
+  auto seq = std::make_shared<Sequence>(id, layout, std::string((*policy)->descriptor().name),
+                                        params, *std::move(policy), *granted, *slot);
+  {
+    absl::MutexLock lock(&seq->mu);
+    seq->epoch = epoch;
+    seq->streams.resize(layout.num_streams());
+  }
+  spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
+                layout.num_streams());
+  return Register(std::move(seq));
+}
+
+absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
+                                   int64_t* last_position) const {
+  const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
+  const size_t n = chunk.positions.size();
+  const Layout& layout = seq.layout;
+  if (n == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "positions: at least one token is required"));
+  }
+  const uint64_t max_tokens = config_.max_append_bytes / (2 * layout.payload_bytes(1));
+  if (n > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "positions: ", n, " tokens exceed the per-message limit of ", max_tokens,
+        " tokens (", config_.max_append_bytes, " bytes of K+V); split them with AppendStream"));
+  }
+  const uint64_t want = layout.payload_bytes(n);
+  if (chunk.k.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "k: ", chunk.k.size(), " bytes, expected ", want, " = layers ", layout.num_layers,
+        " x kv_heads ", layout.num_kv_heads, " x tokens ", n, " x head_dim ", layout.head_dim,
+        " x ", DTypeBytes(layout.dtype), " bytes (", DTypeName(layout.dtype), ")"));
+  }
+  if (chunk.v.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "v: ", chunk.v.size(),
+                                                   " bytes, expected ", want, " (same shape as k)"));
+  }
+  if (!chunk.token_ids.empty() && chunk.token_ids.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "token_ids: ", chunk.token_ids.size(),
+                                                   " ids for ", n, " positions (send 0 or ", n, ")"));
+  }
+  for (size_t i = 0; i < chunk.token_ids.size(); ++i) {
+    if (chunk.token_ids[i] < 0 || static_cast<uint32_t>(chunk.token_ids[i]) >= layout.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "token_ids[", i, "]: ",
+                                                     chunk.token_ids[i], " is outside [0, ",
+                                                     layout.vocab_size, ")"));
+    }
+  }
+  if (!chunk.token_entropy.empty() && chunk.token_entropy.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "token_entropy: ",
+                                                   chunk.token_entropy.size(), " values for ", n,
+                                                   " positions (send 0 or ", n, ")"));
+  }
+  if (auto s = CheckFinite(chunk.token_entropy, where + "token_entropy", 0.0f, 1e6f); !s.ok()) {
+    return s;
+  }
+  if (!chunk.layer_distance.empty() && chunk.layer_distance.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "layer_distance: ",
+                                                   chunk.layer_distance.size(), " values for ", n,
+                                                   " positions (send 0 or ", n, ")"));
+  }
+  if (auto s = CheckFinite(chunk.layer_distance, where + "layer_distance", 0.0f, 2.0f); !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (chunk.positions[i] <= *last_position) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "positions[", i, "]: ", chunk.positions[i],
+          " must be greater than the previous position ", *last_position));
+    }
+    *last_position = chunk.positions[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
+                                            absl::Span<const AppendChunk> chunks) {
+  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+  const Layout& layout = seq.layout;
+  int64_t last_position = seq.last_position;
+  uint64_t total = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (absl::Status s = ValidateChunk(seq, chunks[c], c, &last_position); !s.ok()) return s;
+    total += chunks[c].positions.size();
+  }
+  if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
+
+  // Blocks: new tail blocks per stream, plus a private copy of a shared, partly filled last
+  // block (copy-on-write after Fork).
+  const uint32_t B = layout.block_tokens;
+  size_t needed = 0;
+  std::vector<bool> cow(seq.streams.size(), false);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    needed += CeilDiv(st.size() + total, B) - st.blocks.size();
+    if (st.size() % B != 0 && pool_->refs(st.blocks.back()) > 1) {
+      cow[s] = true;
+      ++needed;
+    }
+  }
+  std::vector<store::BlockId> fresh;
+  if (absl::Status s = pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), needed, &fresh);
+      !s.ok()) {
+    return s;
+  }
+
+  // Plan: block lists after the append, copies for copy-on-write, then the writes.
+  const uint64_t row = layout.row_bytes();
+  const uint64_t v_region = uint64_t{B} * row;
+  std::vector<std::vector<store::BlockId>> new_blocks(seq.streams.size());
+  std::vector<store::BlockId> replaced;
+  std::vector<store::MoveOp> copies;
+  std::vector<store::WriteOp> writes;
+  size_t next_fresh = 0;
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    std::vector<store::BlockId>& blocks = new_blocks[s];
+    blocks = st.blocks;
+    if (cow[s]) {
+      const store::BlockId copy = fresh[next_fresh++];
+      copies.push_back({pool_->offset(blocks.back()), pool_->offset(copy), layout.block_bytes()});
+      replaced.push_back(blocks.back());
+      blocks.back() = copy;
+    }
+    while (blocks.size() < CeilDiv(st.size() + total, B)) blocks.push_back(fresh[next_fresh++]);
+    std::vector<uint64_t> offsets(blocks.size());
+    for (size_t b = 0; b < blocks.size(); ++b) offsets[b] = pool_->offset(blocks[b]);
+
+    uint64_t slot = st.size();
+    for (const AppendChunk& chunk : chunks) {
+      const uint64_t n = chunk.positions.size();
+      const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
+      for (uint64_t i = 0; i < n;) {
+        const uint64_t in_block = std::min<uint64_t>(n - i, B - slot % B);
+        const uint64_t dst = offsets[slot / B] + (slot % B) * row;
+        writes.push_back({chunk.k.data() + src + i * row, dst, in_block * row});
+        writes.push_back({chunk.v.data() + src + i * row, dst + v_region, in_block * row});
+        i += in_block;
+        slot += in_block;
+      }
+    }
+  }
+  absl::Status io = backend_->Move(copies);
+  if (io.ok()) io = backend_->Write(writes);
+  if (io.ok()) io = backend_->Synchronize();
+  if (!io.ok()) {
+    pool_->Unref(fresh);
+    return io;
+  }
+
+  // Commit metadata.
+  const int64_t arrival = static_cast<int64_t>(seq.steps);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    Stream& st = seq.streams[s];
+    st.blocks = std::move(new_blocks[s]);
+    for (const AppendChunk& chunk : chunks) {
+      const size_t n = chunk.positions.size();
+      st.positions.insert(st.positions.end(), chunk.positions.begin(), chunk.positions.end());
+      st.scores.insert(st.scores.end(), n, 0.0f);
+      if (chunk.token_entropy.empty()) {
+        st.token_entropy.insert(st.token_entropy.end(), n, std::nanf(""));
+      } else {
+        st.token_entropy.insert(st.token_entropy.end(), chunk.token_entropy.begin(),
+                                chunk.token_entropy.end());
+      }
+      if (chunk.layer_distance.empty()) {
+        st.layer_distance.insert(st.layer_distance.end(), n, std::nanf(""));
+      } else {
+        st.layer_distance.insert(st.layer_distance.end(), chunk.layer_distance.begin(),
+                                 chunk.layer_distance.end());
+      }
+      st.arrival_step.insert(st.arrival_step.end(), n, arrival);
+    }
+  }
+  pool_->Unref(replaced);
+  for (const AppendChunk& chunk : chunks) {
+    if (chunk.token_ids.empty()) {
+      seq.token_ids.insert(seq.token_ids.end(), chunk.positions.size(), -1);
+    } else {
+      seq.token_ids.insert(seq.token_ids.end(), chunk.token_ids.begin(), chunk.token_ids.end());
+    }
+  }
+  seq.last_position = last_position;
+  seq.appended += total;
+  tokens_appended_ += total;
+  Renew(seq);
+  return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes()};
+}
+
+absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
+    const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
+    bool require_all, absl::string_view why) const {
+  const Layout& layout = seq.layout;
+  std::vector<absl::Span<const float>> by_stream(seq.streams.size());
+  std::vector<bool> seen(seq.streams.size(), false);
+  for (size_t i = 0; i < signals.size(); ++i) {
+    const StreamSignal& sig = signals[i];
+    if (sig.layer >= layout.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].layer: ", sig.layer,
+                                                     " is outside [0, ", layout.num_layers, ")"));
+    }
+    if (sig.kv_head >= layout.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].kv_head: ", sig.kv_head,
+                                                     " is outside [0, ", layout.num_kv_heads,
+                                                     ")"));
+    }
+    const size_t s = size_t{sig.layer} * layout.num_kv_heads + sig.kv_head;
+    if (seen[s]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: stream (layer ", sig.layer,
+                                                     ", kv_head ", sig.kv_head,
+                                                     ") appears twice"));
+    }
+    seen[s] = true;
+    const std::string name = absl::StrCat(field, "[", i, "]");
+    if (sig.values.size() != seq.streams[s].size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": ", sig.values.size(), " values but stream (layer ", sig.layer, ", kv_head ",
+          sig.kv_head, ") retains ", seq.streams[s].size(), " slots"));
+    }
+    if (auto st = CheckFinite(sig.values, name, 0.0f, 1e30f); !st.ok()) return st;
+    by_stream[s] = sig.values;
+  }
+  if (require_all && signals.size() != seq.streams.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", why, " needs one entry per stream (",
+                                                   seq.streams.size(), " = layers x kv_heads), got ",
+                                                   signals.size()));
+  }
+  return by_stream;
+}
+
+std::vector<policy::StreamState> Engine::StreamStates(Sequence& seq) {
+  std::vector<policy::StreamState> states(seq.streams.size());
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    Stream& st = seq.streams[s];
+    policy::StreamState& state = states[s];
+    state.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    state.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    state.positions = st.positions;
+    state.scores = absl::MakeSpan(st.scores);
+    state.token_entropy = st.token_entropy;
+    state.layer_distance = st.layer_distance;
+    state.arrival_step = st.arrival_step;
+  }
+  return states;
+}
+
+absl::StatusOr<uint64_t> Engine::ApplyDecision(Sequence& seq, const policy::Decision& decision) {
+  const Layout& layout = seq.layout;
+  const uint32_t B = layout.block_tokens;
+  if (decision.keep.size() != seq.streams.size()) {
+    return absl::InternalError(absl::StrCat("policy ", seq.policy_name, " returned ",
+                                            decision.keep.size(), " keep-sets for ",
+                                            seq.streams.size(), " streams"));
+  }
+  // Validate the policy's output before touching anything.
+  size_t unshare = 0;
+  std::vector<std::vector<bool>> needs_copy(seq.streams.size());
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (!decision.keep[s]) continue;
+    const std::vector<uint32_t>& keep = *decision.keep[s];
+    const Stream& st = seq.streams[s];
+    for (size_t j = 0; j < keep.size(); ++j) {
+      if (keep[j] >= st.size() || (j > 0 && keep[j] <= keep[j - 1])) {
+        return absl::InternalError(absl::StrCat("policy ", seq.policy_name,
+                                                " returned an invalid keep-set for stream ", s));
+      }
+    }
+    // A shared block that receives a moved slot is copied first (copy-on-write).
+    needs_copy[s].assign(CeilDiv(keep.size(), B), false);
+    for (size_t j = 0; j < keep.size(); ++j) {
+      if (keep[j] != j && !needs_copy[s][j / B] && pool_->refs(st.blocks[j / B]) > 1) {
+        needs_copy[s][j / B] = true;
+        ++unshare;
+      }
+    }
+  }
+  std::vector<store::BlockId> fresh;
+  if (absl::Status s =
+          pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), unshare, &fresh);
+      !s.ok()) {
+    return s;
+  }
+
+  const uint64_t row = layout.row_bytes();
+  const uint64_t v_region = uint64_t{B} * row;
+  std::vector<store::MoveOp> copies;
+  std::vector<store::MoveOp> moves;
+  std::vector<store::BlockId> dropped;
+  std::vector<std::vector<store::BlockId>> new_blocks(seq.streams.size());
+  size_t next_fresh = 0;
+  uint64_t evicted = 0;
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (!decision.keep[s]) continue;
+    const std::vector<uint32_t>& keep = *decision.keep[s];
+    const Stream& st = seq.streams[s];
+    if (keep.size() == st.size()) continue;
+    evicted += st.size() - keep.size();
+    std::vector<store::BlockId>& blocks = new_blocks[s];
+    blocks.assign(st.blocks.begin(), st.blocks.begin() + CeilDiv(keep.size(), B));
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (needs_copy[s][b]) {
+        const store::BlockId copy = fresh[next_fresh++];
+        copies.push_back({pool_->offset(blocks[b]), pool_->offset(copy), layout.block_bytes()});
+        dropped.push_back(blocks[b]);
+        blocks[b] = copy;
+      }
+    }
+    dropped.insert(dropped.end(), st.blocks.begin() + blocks.size(), st.blocks.end());
+    // Slot j <- slot keep[j]. keep[j] >= j, so moving in ascending j never reads a slot that
+    // an earlier move overwrote. Sources are read from the old blocks (unchanged for shared
+    // ones, identical for private ones).
+    std::vector<store::MoveOp> k_moves;
+    std::vector<store::MoveOp> v_moves;
+    for (size_t j = 0; j < keep.size(); ++j) {
+      if (keep[j] == j) continue;
+      const uint64_t src = pool_->offset(st.blocks[keep[j] / B]) + (keep[j] % B) * row;
+      const uint64_t dst = pool_->offset(blocks[j / B]) + (j % B) * row;
+      PushMove(k_moves, src, dst, row);
+      PushMove(v_moves, src + v_region, dst + v_region, row);
+    }
+    moves.insert(moves.end(), k_moves.begin(), k_moves.end());
+    moves.insert(moves.end(), v_moves.begin(), v_moves.end());
+  }
+  if (evicted == 0) {
+    pool_->Unref(fresh);
+    return 0;
+  }
+
+  // Readers of the old table must see the epoch word change before any byte moves and
+  // before any dropped block can be reused.
+  const uint64_t new_epoch = next_epoch_.fetch_add(1);
+  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  absl::Status io = backend_->Move(copies);
+  if (io.ok()) io = backend_->Move(moves);
+  if (io.ok()) io = backend_->Synchronize();
+  if (!io.ok()) {
+    // Data may be half-moved: the sequence's content can no longer be trusted. Publish the
+    // new epoch so readers notice, keep metadata consistent with the old blocks and report.
+    pool_->Unref(fresh);
+    seq.epoch = new_epoch;
+    board_->EndWrite(seq.epoch_slot, seq.epoch);
+    return io;
+  }
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (!decision.keep[s] || decision.keep[s]->size() == seq.streams[s].size()) continue;
+    seq.streams[s].blocks = std::move(new_blocks[s]);
+    seq.streams[s].KeepSlots(*decision.keep[s]);
+  }
+  pool_->Unref(dropped);
+  seq.epoch = new_epoch;
+  board_->EndWrite(seq.epoch_slot, seq.epoch);
+  tokens_evicted_ += evicted;
+  return evicted;
+}
+
+absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
+  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const std::string why = absl::StrCat("policy ", desc.name);
+
+  if (!input.attention.empty() && input.epoch != seq.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: attention rows were computed on epoch ", input.epoch,
+        " but the block table is at epoch ", seq.epoch, "; fetch the block table again"));
+  }
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
+      IndexSignals(seq, input.attention, "attention",
+                   (desc.step_signals & policy::kAttentionRows) != 0, why);
+  if (!rows.ok()) return rows.status();
+
+  policy::CallContext ctx;
+  ctx.step = seq.steps;
+  ctx.num_layers = seq.layout.num_layers;
+  ctx.num_kv_heads = seq.layout.num_kv_heads;
+  ctx.vocab_size = seq.layout.vocab_size;
+  if (input.logits) {
+    absl::StatusOr<policy::LogitStats> stats =
+        input.logits->top_logprobs.empty()
+            ? policy::CheckLogitStats({input.logits->entropy, input.logits->p1, input.logits->p2},
+                                      seq.layout.vocab_size)
+            : policy::LogitStatsFromTopLogprobs(input.logits->top_logprobs);
+    if (!stats.ok()) return stats.status();
+    ctx.logits = *stats;
+  } else if (desc.step_signals & policy::kLogitStats) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_stats: ", why, " needs them every step"));
+  }
+
+  const uint64_t before = seq.kv_bytes();
+  std::vector<policy::StreamState> states = StreamStates(seq);
+  for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
+  const policy::Decision decision = seq.policy->Step(ctx, absl::MakeSpan(states));
+  absl::StatusOr<uint64_t> evicted = ApplyDecision(seq, decision);
+  if (!evicted.ok()) return evicted.status();
+
+  StepResult result;
+  result.confidence = decision.confidence;
+  result.budget_tokens = decision.budget_tokens;
+  result.evicted_tokens = *evicted;
+  result.kv_bytes_before = before;
+  result.kv_bytes_after = seq.kv_bytes();
+  result.epoch = seq.epoch;
+  result.step = seq.steps++;
+  ++steps_;
+  Renew(seq);
+  return result;
+}
+
+absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const CompressInput& input) {
+  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const std::string why = absl::StrCat("policy ", desc.name);
+  if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: signals were computed on epoch ", input.epoch, " but the block table is at epoch ",
+        seq.epoch, "; fetch the block table again"));
+  }
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
+      IndexSignals(seq, input.attention, "attention",
+                   (desc.compress_signals & policy::kAttentionRows) != 0, why);
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<std::vector<absl::Span<const float>>> window =
+      IndexSignals(seq, input.window_scores, "window_scores",
+                   (desc.compress_signals & policy::kWindowScores) != 0, why);
+  if (!window.ok()) return window.status();
+
+  policy::CallContext ctx;
+  ctx.step = seq.steps;
+  ctx.num_layers = seq.layout.num_layers;
+  ctx.num_kv_heads = seq.layout.num_kv_heads;
+  ctx.vocab_size = seq.layout.vocab_size;
+  ctx.target_tokens = input.target_tokens;
+
+  CompressResult result;
+  result.kv_bytes_before = seq.kv_bytes();
+  result.layers.resize(seq.layout.num_layers);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    LayerKept& layer = result.layers[s / seq.layout.num_kv_heads];
+    layer.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    layer.before_tokens += seq.streams[s].size();
+  }
+  std::vector<policy::StreamState> states = StreamStates(seq);
+  for (size_t s = 0; s < states.size(); ++s) {
+    states[s].attention = (*rows)[s];
+    states[s].window_scores = (*window)[s];
+  }
+  const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
+  absl::StatusOr<uint64_t> evicted = ApplyDecision(seq, decision);
+  if (!evicted.ok()) return evicted.status();
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    result.layers[s / seq.layout.num_kv_heads].kept_tokens += seq.streams[s].size();
+  }
+  result.evicted_tokens = *evicted;
+  result.kv_bytes_after = seq.kv_bytes();
+  result.epoch = seq.epoch;
+  Renew(seq);
+  return result;
+}
+
+absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
+  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+  BlockTable table;
+  table.sequence_id = seq.id;
+  table.epoch = seq.epoch;
+  table.layout = seq.layout;
+  table.epoch_slot = seq.epoch_slot;
+  table.streams.resize(seq.streams.size());
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    StreamTable& out = table.streams[s];
+    out.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    out.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    out.block_ids = st.blocks;
+    out.block_offsets.reserve(st.blocks.size());
+    for (store::BlockId id : st.blocks) out.block_offsets.push_back(pool_->offset(id));
+    out.last_block_fill =
+        st.blocks.empty() ? 0 : static_cast<uint32_t>(st.size() - (st.blocks.size() - 1) * seq.layout.block_tokens);
+    out.positions = st.positions;
+  }
+  Renew(seq);
+  return table;
+}
+
+absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                            uint32_t layer_end,
+                            const std::function<absl::Status(StreamKV&&)>& sink) {
+  absl::StatusOr<std::shared_ptr<Sequence>> seq_or = Find(sequence_id);
+  if (!seq_or.ok()) return seq_or.status();
+  Sequence& seq = **seq_or;
+  const Layout& layout = seq.layout;
+  if (layer_begin == 0 && layer_end == 0) layer_end = layout.num_layers;
+  if (layer_end > layout.num_layers || layer_begin >= layer_end) {
+    return absl::InvalidArgumentError(absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ",
+                                                   layer_end, ") is not a non-empty range within [0, ",
+                                                   layout.num_layers, ")"));
+  }
+  uint64_t read_epoch = epoch;
+  for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+    for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
+      StreamKV out;
+      {
+        absl::MutexLock lock(&seq.mu);
+        if (seq.released) {
+          return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", sequence_id,
+                                                  " was released"));
+        }
+        if (read_epoch == 0) read_epoch = seq.epoch;
+        if (seq.epoch != read_epoch) {
+          return layer == layer_begin && head == 0
+                     ? absl::FailedPreconditionError(absl::StrCat(
+                           "epoch: asked for epoch ", read_epoch, " but the block table is at epoch ",
+                           seq.epoch))
+                     : absl::AbortedError(absl::StrCat("epoch: the block table changed from epoch ",
+                                                       read_epoch, " to ", seq.epoch,
+                                                       " during the read; read again"));
+        }
+        const Stream& st = seq.streams[size_t{layer} * layout.num_kv_heads + head];
+        const uint64_t row = layout.row_bytes();
+        const uint32_t B = layout.block_tokens;
+        out.layer = layer;
+        out.kv_head = head;
+        out.epoch = seq.epoch;
+        out.positions = st.positions;
+        out.k.resize(st.size() * row);
+        out.v.resize(st.size() * row);
+        std::vector<store::ReadOp> reads;
+        for (size_t b = 0; b < st.blocks.size(); ++b) {
+          const uint64_t first = b * B;
+          const uint64_t count = std::min<uint64_t>(B, st.size() - first);
+          const uint64_t off = pool_->offset(st.blocks[b]);
+          reads.push_back({off, out.k.data() + first * row, count * row});
+          reads.push_back({off + uint64_t{B} * row, out.v.data() + first * row, count * row});
+        }
+        absl::Status io = backend_->Read(reads);
+        if (io.ok()) io = backend_->Synchronize();
+        if (!io.ok()) return io;
+        Renew(seq);
+      }
+      if (absl::Status s = sink(std::move(out)); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration lease) {
+  absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
+  if (!granted.ok()) return granted.status();
+  KVMEM_LOCK_SEQUENCE(parent, sequence_id);
+  absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+      policy::CreatePolicy(parent.policy_name, parent.policy_params);
+  if (!policy.ok()) return policy.status();
+  absl::StatusOr<uint32_t> slot = board_->Acquire(parent.epoch);
+  if (!slot.ok()) return slot.status();
+  uint64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_id_++;
+  }
+  auto child = std::make_shared<Sequence>(id, parent.layout, parent.policy_name,
+                                          parent.policy_params, *std::move(policy), *granted, *slot);
+  child->parent_id = parent.id;
+  {
+    absl::MutexLock lock(&child->mu);
+    child->streams = parent.streams;
+    child->token_ids = parent.token_ids;
+    child->last_position = parent.last_position;
+    child->appended = parent.appended;
+    child->epoch = parent.epoch;
+    child->steps = parent.steps;
+    for (const Stream& st : child->streams) pool_->Ref(st.blocks);
+  }
+  Renew(parent);
+  return Register(std::move(child));
+}
+
+uint64_t Engine::ReleaseLocked(Sequence& seq) {
+  uint64_t freed = 0;
+  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  for (Stream& st : seq.streams) {
+    freed += pool_->Unref(st.blocks);
+    st = Stream{};
+  }
+  board_->Release(seq.epoch_slot);
+  seq.released = true;
+  return freed;
+}
+
+absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(sequence_id);
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
+                                              " (never created, released, or its lease lapsed)"));
+    }
+    seq = std::move(it->second);
+    sequences_.erase(it);
+  }
+  absl::MutexLock lock(&seq->mu);
+  return ReleaseLocked(*seq);
+}
+
+absl::StatusOr<uint32_t> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  std::vector<std::shared_ptr<Sequence>> found;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < sequence_ids.size(); ++i) {
+      auto it = sequences_.find(sequence_ids[i]);
+      if (it == sequences_.end()) {
+        return absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ",
+                                                sequence_ids[i]));
+      }
+      found.push_back(it->second);
+    }
+  }
+  for (const auto& seq : found) Renew(*seq);
+  return static_cast<uint32_t>(found.size());
+}
+
+uint32_t Engine::ExpireLeases() {
+  const int64_t now = absl::ToUnixNanos(clock_->Now());
+  std::vector<std::shared_ptr<Sequence>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = sequences_.begin(); it != sequences_.end();) {
+      if (it->second->lease_deadline_ns.load(std::memory_order_relaxed) < now) {
+        expired.push_back(std::move(it->second));
+        sequences_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& seq : expired) {
+    absl::MutexLock lock(&seq->mu);
+    const uint64_t freed = ReleaseLocked(*seq);
+    spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id,
+                 absl::ToInt64Seconds(seq->lease), freed);
+  }
+  leases_expired_ += expired.size();
+  return static_cast<uint32_t>(expired.size());
+}
+
+void Engine::RunLeaseReaper(absl::Duration period, absl::Notification* stop) {
+  while (!stop->WaitForNotificationWithTimeout(period)) ExpireLeases();
+}
+
+EngineStats Engine::Stats(bool include_sequences) {
+  EngineStats stats;
+  stats.pool = pool_->usage();
+  stats.pool_free_bytes = pool_->free_bytes();
+  stats.tokens_appended = tokens_appended_;
+  stats.tokens_evicted = tokens_evicted_;
+  stats.steps = steps_;
+  stats.leases_expired = leases_expired_;
+  std::vector<std::shared_ptr<Sequence>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    stats.sequences_active = static_cast<uint32_t>(sequences_.size());
+    if (include_sequences) {
+      for (const auto& [id, seq] : sequences_) all.push_back(seq);
+    }
+  }
+  const absl::Time now = clock_->Now();
+  for (const auto& seq : all) {
+    absl::MutexLock lock(&seq->mu);
+    if (seq->released) continue;
+    SequenceSummary sum;
+    sum.sequence_id = seq->id;
+    sum.policy = seq->policy_name;
+    sum.appended_tokens = seq->appended;
+    sum.max_stream_tokens = seq->max_stream_tokens();
+    sum.kv_bytes = seq->kv_bytes();
+    sum.blocks = seq->block_count();
+    sum.epoch = seq->epoch;
+    sum.steps = seq->steps;
+    sum.lease_remaining_seconds = absl::ToDoubleSeconds(
+        absl::FromUnixNanos(seq->lease_deadline_ns.load(std::memory_order_relaxed)) - now);
+    sum.parent_id = seq->parent_id;
+    stats.sequences.push_back(std::move(sum));
+  }
+  std::sort(stats.sequences.begin(), stats.sequences.end(),
+            [](const SequenceSummary& a, const SequenceSummary& b) {
+              return a.sequence_id < b.sequence_id;
+            });
+  return stats;
+}
+
+}  // namespace kvmem::engine

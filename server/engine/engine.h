@@ -1,0 +1,247 @@
+#pragma once
+// Engine: owns every sequence, the pool bookkeeping and the backend; applies policies.
+//
+// Lock order: Sequence::mu -> Engine::mu_ (the registry) -> BlockPool's mutex; the registry
+// lock is never held while waiting for a sequence. Calls on different sequences run in
+// parallel; calls on one sequence are serialized.
+// Every method validates its whole input before changing anything: an error return means
+// no state changed.
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "server/engine/clock.h"
+#include "server/engine/epoch_board.h"
+#include "server/engine/layout.h"
+#include "server/engine/sequence.h"
+#include "server/policy/policy.h"
+#include "server/store/backend.h"
+#include "server/store/block_pool.h"
+
+namespace kvmem::engine {
+
+struct EngineConfig {
+  uint64_t pool_bytes = 1ull << 30;
+  uint64_t page_bytes = 64 * 1024;
+  uint32_t default_block_tokens = 16;
+  uint32_t max_sequences = 1024;
+  absl::Duration default_lease = absl::Seconds(60);
+  absl::Duration max_lease = absl::Hours(24);
+  uint64_t max_append_bytes = 64ull << 20;  // K+V bytes of one Append message
+};
+
+struct AppendChunk {
+  absl::Span<const int64_t> positions;
+  absl::Span<const int32_t> token_ids;
+  absl::string_view k;  // [L][H][n][D] in the layout dtype
+  absl::string_view v;
+  absl::Span<const float> token_entropy;
+  absl::Span<const float> layer_distance;
+};
+
+struct AppendResult {
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t epoch = 0;
+  uint64_t kv_bytes = 0;
+};
+
+// One per-stream signal vector (attention row or window scores).
+struct StreamSignal {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  absl::Span<const float> values;
+};
+
+struct RawLogitStats {
+  float entropy = 0, p1 = 0, p2 = 0;
+  std::vector<float> top_logprobs;  // alternative to the three numbers
+};
+
+struct StepInput {
+  uint64_t epoch = 0;
+  std::optional<RawLogitStats> logits;
+  std::vector<StreamSignal> attention;
+};
+
+struct StepResult {
+  double confidence = 0;
+  uint32_t budget_tokens = 0;
+  uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+};
+
+struct CompressInput {
+  uint64_t epoch = 0;
+  uint32_t target_tokens = 0;
+  std::vector<StreamSignal> window_scores;
+  std::vector<StreamSignal> attention;
+};
+
+struct LayerKept {
+  uint32_t layer = 0;
+  uint64_t kept_tokens = 0;
+  uint64_t before_tokens = 0;
+};
+
+struct CompressResult {
+  std::vector<LayerKept> layers;
+  uint64_t evicted_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+};
+
+struct StreamTable {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  std::vector<store::BlockId> block_ids;
+  std::vector<uint64_t> block_offsets;
+  uint32_t last_block_fill = 0;
+  std::vector<int64_t> positions;
+};
+
+struct BlockTable {
+  uint64_t sequence_id = 0;
+  uint64_t epoch = 0;
+  Layout layout;
+  uint32_t epoch_slot = 0;
+  std::vector<StreamTable> streams;
+};
+
+// One stream's retained K/V in the layout dtype, [n][D] each.
+struct StreamKV {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  uint64_t epoch = 0;
+  std::vector<int64_t> positions;
+  std::string k;
+  std::string v;
+};
+
+struct CreateResult {
+  uint64_t sequence_id = 0;
+  uint32_t lease_seconds = 0;
+  uint32_t block_tokens = 0;
+  uint32_t epoch_slot = 0;
+};
+
+struct SequenceSummary {
+  uint64_t sequence_id = 0;
+  std::string policy;
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t kv_bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t epoch = 0;
+  uint64_t steps = 0;
+  double lease_remaining_seconds = 0;
+  uint64_t parent_id = 0;
+};
+
+struct EngineStats {
+  store::PoolUsage pool;
+  uint64_t pool_free_bytes = 0;
+  uint32_t sequences_active = 0;
+  uint64_t tokens_appended = 0;
+  uint64_t tokens_evicted = 0;
+  uint64_t steps = 0;
+  uint64_t leases_expired = 0;
+  std::vector<SequenceSummary> sequences;
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
+                                                        std::unique_ptr<store::Backend> backend,
+                                                        const Clock* clock);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  ~Engine();
+
+  const EngineConfig& config() const { return config_; }
+  const store::Backend& backend() const { return *backend_; }
+  const EpochBoard& epoch_board() const { return *board_; }
+  uint64_t pool_free_bytes() const { return pool_->free_bytes(); }
+
+  absl::StatusOr<CreateResult> CreateSequence(Layout layout, absl::string_view policy_name,
+                                              const policy::ParamOverrides& params,
+                                              absl::Duration lease);
+  // Appends the chunks in order, atomically: all are validated and their blocks allocated
+  // before any byte is written.
+  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks);
+  absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepInput& input);
+  absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
+  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
+  // Calls `sink` once per stream of layers [layer_begin, layer_end) in order. The sequence
+  // lock is not held while `sink` runs; an epoch change between streams is ABORTED.
+  // A non-OK status from `sink` stops the read and is returned.
+  absl::Status ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                      uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink);
+  absl::StatusOr<CreateResult> Fork(uint64_t sequence_id, absl::Duration lease);
+  // Returns the number of blocks whose last reference this dropped.
+  absl::StatusOr<uint64_t> Release(uint64_t sequence_id);
+  // All ids must exist (else NOT_FOUND and nothing is renewed).
+  absl::StatusOr<uint32_t> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  // Releases every sequence whose lease has lapsed; returns how many.
+  uint32_t ExpireLeases();
+  // Runs ExpireLeases every `period` until `stop` is notified.
+  void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
+  EngineStats Stats(bool include_sequences);
+
+ private:
+  Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
+         std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
+         const Clock* clock);
+
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t sequence_id);
+  absl::StatusOr<absl::Duration> ResolveLease(absl::Duration lease) const;
+  void Renew(Sequence& seq);
+  absl::StatusOr<CreateResult> Register(std::shared_ptr<Sequence> seq);
+  absl::Status ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
+                             int64_t* last_position) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // Checks per-stream signals (range, duplicates, lengths, finiteness) and returns them
+  // indexed by stream (empty span where absent).
+  absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
+      const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
+      bool require_all, absl::string_view why) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // Applies a policy decision: compacts every stream with a keep-set, bumps the epoch.
+  absl::StatusOr<uint64_t> ApplyDecision(Sequence& seq, const policy::Decision& decision)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  std::vector<policy::StreamState> StreamStates(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+
+  const EngineConfig config_;
+  const std::unique_ptr<store::Backend> backend_;
+  const std::unique_ptr<store::BlockPool> pool_;
+  const std::unique_ptr<EpochBoard> board_;
+  const Clock* const clock_;
+
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Epochs are unique across all sequences (see EpochBoard).
+  std::atomic<uint64_t> next_epoch_{1};
+
+  std::atomic<uint64_t> tokens_appended_{0};
+  std::atomic<uint64_t> tokens_evicted_{0};
+  std::atomic<uint64_t> steps_{0};
+  std::atomic<uint64_t> leases_expired_{0};
+};
+
+}  // namespace kvmem::engine

@@ -1,0 +1,72 @@
+#pragma once
+// Sequence and Stream: one request's cache as the engine holds it.
+//
+// A stream (layer, kv_head) keeps its retained slots densely in `blocks`: slot i lives in
+// blocks[i / B] at index i % B; every block is full except possibly the last. The per-slot
+// vectors (positions, scores, ...) are aligned with the slots, in block-table order.
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/engine/layout.h"
+#include "server/policy/policy.h"
+#include "server/store/block_pool.h"
+
+namespace kvmem::engine {
+
+struct Stream {
+  std::vector<store::BlockId> blocks;
+  std::vector<int64_t> positions;
+  std::vector<float> scores;          // policy score state (EMA or accumulated attention)
+  std::vector<float> token_entropy;   // NaN where not sent
+  std::vector<float> layer_distance;  // NaN where not sent
+  std::vector<int64_t> arrival_step;
+
+  size_t size() const { return positions.size(); }
+  // Keeps only the slots listed (ascending) in every per-slot vector.
+  void KeepSlots(const std::vector<uint32_t>& keep);
+};
+
+struct Sequence {
+  Sequence(uint64_t id, Layout layout, std::string policy_name, policy::ParamOverrides params,
+           std::unique_ptr<policy::Policy> policy, absl::Duration lease, uint32_t epoch_slot)
+      : id(id),
+        layout(layout),
+        policy_name(std::move(policy_name)),
+        policy_params(std::move(params)),
+        policy(std::move(policy)),
+        lease(lease),
+        epoch_slot(epoch_slot) {}
+
+  const uint64_t id;
+  const Layout layout;
+  const std::string policy_name;
+  const policy::ParamOverrides policy_params;
+  const std::unique_ptr<policy::Policy> policy;
+  const absl::Duration lease;
+  const uint32_t epoch_slot;
+  uint64_t parent_id = 0;
+  // Read by the lease reaper without the sequence lock.
+  std::atomic<int64_t> lease_deadline_ns{0};
+
+  absl::Mutex mu;
+  bool released ABSL_GUARDED_BY(mu) = false;
+  std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
+  std::vector<int32_t> token_ids ABSL_GUARDED_BY(mu);
+  int64_t last_position ABSL_GUARDED_BY(mu) = -1;
+  uint64_t appended ABSL_GUARDED_BY(mu) = 0;
+  uint64_t epoch ABSL_GUARDED_BY(mu) = 0;
+  uint64_t steps ABSL_GUARDED_BY(mu) = 0;
+
+  uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // KV bytes held (ALGORITHMS.md): retained slots x 2 (K,V) x D x dtype bytes.
+  uint64_t kv_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  uint64_t block_count() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+};
+
+}  // namespace kvmem::engine

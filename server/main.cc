@@ -1,0 +1,90 @@
+// kvmemd: the kvmem daemon. Serves kvmem.v1.KvCache, grpc.health.v1 and reflection.
+// SIGTERM or SIGINT drains: health turns NOT_SERVING, in-flight calls finish, exit code 0.
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "server/service/server.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50551", "host:port (port 0 picks one) or unix:path");
+ABSL_FLAG(std::string, backend, "cpu", "cpu or cuda");
+ABSL_FLAG(uint64_t, pool_bytes, 1ull << 30, "pool size in bytes; never grows");
+ABSL_FLAG(uint64_t, page_bytes, 64 * 1024, "pool page size; a block must fit one page");
+ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
+ABSL_FLAG(uint32_t, max_sequences, 1024, "most sequences held at once");
+ABSL_FLAG(uint32_t, lease_seconds, 60, "default lease of a sequence; renewed by every call");
+ABSL_FLAG(uint64_t, max_message_bytes, 64ull << 20, "K+V bytes one Append may carry");
+ABSL_FLAG(double, drain_seconds, 10, "how long SIGTERM waits for in-flight calls");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+
+namespace {
+// Flags are documented with dashes (--pool-bytes); absl names them with underscores.
+// Rewrites the name part of each "--flag[=value]" argument so both spellings work.
+std::vector<char*> DashesToUnderscores(int argc, char** argv, std::vector<std::string>* storage) {
+  storage->reserve(argc);
+  std::vector<char*> out;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (i > 0 && arg.rfind("--", 0) == 0) {
+      const size_t end = std::min(arg.find('='), arg.size());
+      std::replace(arg.begin() + 2, arg.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
+    }
+    storage->push_back(std::move(arg));
+    out.push_back(storage->back().data());
+  }
+  return out;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("kvmemd: KV-cache memory service for LLM inference");
+  std::vector<std::string> storage;
+  std::vector<char*> args = DashesToUnderscores(argc, argv, &storage);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+
+  // Signals are taken by a dedicated sigwait, never by an async handler.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  kvmem::service::ServerConfig config;
+  config.listen = absl::GetFlag(FLAGS_listen);
+  config.backend = absl::GetFlag(FLAGS_backend);
+  config.engine.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  config.engine.page_bytes = absl::GetFlag(FLAGS_page_bytes);
+  config.engine.default_block_tokens = absl::GetFlag(FLAGS_block_tokens);
+  config.engine.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
+  config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+
+  absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
+      kvmem::service::Server::Start(config);
+  if (!server.ok()) {
+    spdlog::error("kvmemd: {}", server.status().ToString());
+    return 2;
+  }
+  const auto& info = (*server)->engine();
+  spdlog::info("kvmemd listening on {} (port {}), backend {} ({}), pool {} bytes", config.listen,
+               (*server)->port(), std::string(info.backend().kind()), info.backend().device_name(),
+               info.config().pool_bytes);
+  // A line a supervising script can wait for.
+  std::printf("READY port=%d\n", (*server)->port());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("kvmemd: signal {} received, draining", sig);
+  (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  server->reset();
+  spdlog::info("kvmemd: drained, exiting");
+  return 0;
+}

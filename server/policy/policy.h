@@ -1,0 +1,102 @@
+#pragma once
+// The policy interface: pure functions from per-stream state and per-step signals to a
+// keep-set per stream. No I/O, no device code, no knowledge of blocks or the pool.
+//
+// The engine calls Step() once per decode step and Compress() on explicit compression
+// (after prefill, every N tokens). Before calling, the engine has validated every signal
+// the policy declares it needs (lengths, finiteness, epochs), so policies trust their input.
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/policy/params.h"
+
+namespace kvmem::policy {
+
+// Signals a policy may need; a worker sends only what its sequence's policy declares.
+enum Signal : uint32_t {
+  kLogitStats = 1u << 0,      // entropy, p1, p2 of the next-token distribution
+  kAttentionRows = 1u << 1,   // newest query's attention per stream
+  kWindowScores = 1u << 2,    // prefill window column sums per stream
+  kTokenEntropy = 1u << 3,    // per appended token
+  kLayerDistance = 1u << 4,   // per appended token
+};
+using SignalSet = uint32_t;
+std::vector<std::string> SignalNames(SignalSet signals);
+
+struct PolicyDescriptor {
+  std::string name;
+  std::string description;
+  std::vector<ParamSpec> params;
+  SignalSet step_signals = 0;
+  SignalSet compress_signals = 0;
+};
+
+struct LogitStats {
+  float entropy;  // nats, over the full vocabulary
+  float p1;
+  float p2;
+};
+
+// One stream (layer, kv_head) as a policy sees it. Every span is aligned with the stream's
+// retained slots in block-table order.
+struct StreamState {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  absl::Span<const int64_t> positions;      // original token positions, increasing
+  absl::Span<float> scores;                 // policy-owned score state, kept across calls
+  absl::Span<const float> attention;        // this call's row; empty when not sent
+  absl::Span<const float> window_scores;    // Compress only; empty when not sent
+  absl::Span<const float> token_entropy;    // per slot; NaN where the worker sent none
+  absl::Span<const float> layer_distance;   // per slot; NaN where the worker sent none
+  absl::Span<const int64_t> arrival_step;   // step at which the slot was appended
+};
+
+struct CallContext {
+  uint64_t step = 0;  // index of this decode step (Step) or of the next one (Compress)
+  uint32_t num_layers = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t vocab_size = 0;
+  std::optional<LogitStats> logits;
+  uint32_t target_tokens = 0;  // Compress: per-stream target asked by the caller; 0 = own rule
+};
+
+struct Decision {
+  double confidence = std::nan("");
+  uint32_t budget_tokens = 0;  // 0 = unbounded
+  // keep[s]: ascending slot indices of stream s to retain; nullopt = keep every slot.
+  std::vector<std::optional<std::vector<uint32_t>>> keep;
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual const PolicyDescriptor& descriptor() const = 0;
+  virtual Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
+  virtual Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
+};
+
+// Every policy this build knows, in a stable order.
+const std::vector<PolicyDescriptor>& AllPolicies();
+
+// A policy instance for one sequence; "" means "full". Errors name policy.name or
+// policy.params[...].
+absl::StatusOr<std::unique_ptr<Policy>> CreatePolicy(absl::string_view name,
+                                                     const ParamOverrides& overrides);
+
+// Checks worker-sent logit stats: entropy in [0, ln V], p1 in (0, 1], p2 in [0, p1].
+absl::StatusOr<LogitStats> CheckLogitStats(const LogitStats& stats, uint32_t vocab_size);
+// Derives the stats from the top-k log-probabilities (descending, k >= 2). [ours] The mass
+// outside the top k counts as one outcome, so the entropy is a lower bound of the full one.
+absl::StatusOr<LogitStats> LogitStatsFromTopLogprobs(absl::Span<const float> top_logprobs);
+
+// Ascending indices of the last min(n, w) slots of a stream of n.
+std::vector<uint32_t> KeepLast(size_t n, size_t w);
+
+}  // namespace kvmem::policy

@@ -1,0 +1,270 @@
+#include "server/service/kv_cache_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/service/convert.h"
+
+namespace kvmem::service {
+namespace {
+
+constexpr uint32_t kMaxLeaseSeconds = 86400;
+
+absl::Status CheckLeaseSeconds(uint32_t seconds) {
+  if (seconds > kMaxLeaseSeconds) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_seconds: ", seconds, " exceeds the limit of ", kMaxLeaseSeconds));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                                     v1::GetInfoResponse* response) {
+  const engine::EngineConfig& config = engine_->config();
+  const store::Backend& backend = engine_->backend();
+  response->set_version(version_);
+  response->set_backend(std::string(backend.kind()));
+  response->set_device_name(backend.device_name());
+  const engine::EngineStats stats = engine_->Stats(false);
+  response->set_pool_bytes(stats.pool.pool_bytes);
+  response->set_pool_free_bytes(stats.pool_free_bytes);
+  response->set_page_bytes(stats.pool.page_bytes);
+  response->set_default_block_tokens(config.default_block_tokens);
+  response->set_max_sequences(config.max_sequences);
+  response->set_default_lease_seconds(
+      static_cast<uint32_t>(absl::ToInt64Seconds(config.default_lease)));
+  response->set_max_message_bytes(config.max_append_bytes);
+  for (const policy::PolicyDescriptor& d : policy::AllPolicies()) {
+    v1::PolicyInfo* info = response->add_policies();
+    info->set_name(d.name);
+    info->set_description(d.description);
+    for (const policy::ParamSpec& p : d.params) {
+      v1::ParamInfo* param = info->add_params();
+      param->set_name(p.name);
+      param->set_default_value(p.default_value);
+      param->set_min_value(p.min_value);
+      param->set_max_value(p.max_value);
+      param->set_description(p.description);
+    }
+    for (const std::string& s : policy::SignalNames(d.step_signals)) info->add_step_signals(s);
+    for (const std::string& s : policy::SignalNames(d.compress_signals)) {
+      info->add_compress_signals(s);
+    }
+  }
+  if (std::optional<store::PoolExport> exported = backend.pool_export()) {
+    response->mutable_shared_memory()->set_name(exported->shm_name);
+    response->mutable_shared_memory()->set_segment_bytes(exported->bytes);
+  }
+  const engine::EpochBoard& board = engine_->epoch_board();
+  response->mutable_epoch_board()->set_name(board.name());
+  response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
+  response->mutable_epoch_board()->set_slots(board.slots());
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
+                                            const v1::CreateSequenceRequest* request,
+                                            v1::CreateSequenceResponse* response) {
+  if (!request->has_layout()) {
+    return ToGrpc(absl::InvalidArgumentError("layout: required"));
+  }
+  absl::StatusOr<engine::Layout> layout = FromProto(request->layout());
+  if (!layout.ok()) return ToGrpc(layout.status());
+  if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
+  policy::ParamOverrides params(request->policy().params().begin(),
+                                request->policy().params().end());
+  absl::StatusOr<engine::CreateResult> created = engine_->CreateSequence(
+      *layout, request->policy().name(), params, absl::Seconds(request->lease_seconds()));
+  if (!created.ok()) return ToGrpc(created.status());
+  response->set_sequence_id(created->sequence_id);
+  response->set_reused_prefix_tokens(0);
+  response->set_lease_seconds(created->lease_seconds);
+  response->set_block_tokens(created->block_tokens);
+  response->set_epoch_slot(created->epoch_slot);
+  return grpc::Status::OK;
+}
+
+namespace {
+void FillAppendResponse(uint64_t id, const engine::AppendResult& r, v1::AppendResponse* out) {
+  out->set_sequence_id(id);
+  out->set_appended_tokens(r.appended_tokens);
+  out->set_max_stream_tokens(r.max_stream_tokens);
+  out->set_epoch(r.epoch);
+  out->set_kv_bytes(r.kv_bytes);
+}
+}  // namespace
+
+grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendRequest* request,
+                                    v1::AppendResponse* response) {
+  const engine::AppendChunk chunk = ChunkView(*request);
+  absl::StatusOr<engine::AppendResult> result =
+      engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
+  if (!result.ok()) return ToGrpc(result.status());
+  FillAppendResponse(request->sequence_id(), *result, response);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::AppendStream(grpc::ServerContext*,
+                                          grpc::ServerReader<v1::AppendRequest>* reader,
+                                          v1::AppendResponse* response) {
+  // Chunks are held until the stream ends so that the append is all-or-nothing; what the
+  // pool cannot hold is refused as soon as it is seen.
+  std::vector<v1::AppendRequest> requests;
+  uint64_t bytes = 0;
+  v1::AppendRequest request;
+  while (reader->Read(&request)) {
+    if (!requests.empty() && request.sequence_id() != requests.front().sequence_id()) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "chunk ", requests.size(), ": sequence_id: ", request.sequence_id(),
+          " differs from the stream's first chunk (", requests.front().sequence_id(), ")")));
+    }
+    bytes += request.k().size() + request.v().size();
+    if (bytes > engine_->config().pool_bytes) {
+      return ToGrpc(absl::ResourceExhaustedError(
+          absl::StrCat("pool: the stream carries more than ", bytes, " bytes of K+V, beyond the pool of ",
+                       engine_->config().pool_bytes, " bytes")));
+    }
+    requests.push_back(std::move(request));
+    request.Clear();
+  }
+  if (requests.empty()) {
+    return ToGrpc(absl::InvalidArgumentError("stream: no chunk was sent"));
+  }
+  std::vector<engine::AppendChunk> chunks;
+  chunks.reserve(requests.size());
+  for (const v1::AppendRequest& r : requests) chunks.push_back(ChunkView(r));
+  const uint64_t id = requests.front().sequence_id();
+  absl::StatusOr<engine::AppendResult> result = engine_->Append(id, chunks);
+  if (!result.ok()) return ToGrpc(result.status());
+  FillAppendResponse(id, *result, response);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* request,
+                                  v1::StepResponse* response) {
+  engine::StepInput input;
+  input.epoch = request->epoch();
+  if (request->has_logit_stats()) {
+    const v1::LogitStats& ls = request->logit_stats();
+    input.logits = engine::RawLogitStats{ls.entropy(), ls.p1(), ls.p2(),
+                                         {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
+  }
+  input.attention = SignalViews(request->attention());
+  absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
+  if (!result.ok()) return ToGrpc(result.status());
+  response->set_confidence(result->confidence);
+  response->set_budget_tokens(result->budget_tokens);
+  response->set_evicted_tokens(result->evicted_tokens);
+  response->set_quantized_tokens(result->quantized_tokens);
+  response->set_kv_bytes_before(result->kv_bytes_before);
+  response->set_kv_bytes_after(result->kv_bytes_after);
+  response->set_epoch(result->epoch);
+  response->set_step(result->step);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
+                                      v1::CompressResponse* response) {
+  engine::CompressInput input;
+  input.epoch = request->epoch();
+  input.target_tokens = request->target_tokens();
+  input.attention = SignalViews(request->attention());
+  input.window_scores = SignalViews(request->window_scores());
+  absl::StatusOr<engine::CompressResult> result =
+      engine_->Compress(request->sequence_id(), input);
+  if (!result.ok()) return ToGrpc(result.status());
+  for (const engine::LayerKept& layer : result->layers) {
+    v1::LayerKept* out = response->add_layers();
+    out->set_layer(layer.layer);
+    out->set_kept_tokens(layer.kept_tokens);
+    out->set_before_tokens(layer.before_tokens);
+  }
+  response->set_evicted_tokens(result->evicted_tokens);
+  response->set_kv_bytes_before(result->kv_bytes_before);
+  response->set_kv_bytes_after(result->kv_bytes_after);
+  response->set_epoch(result->epoch);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
+                                           const v1::GetBlockTableRequest* request,
+                                           v1::BlockTable* response) {
+  absl::StatusOr<engine::BlockTable> table = engine_->GetBlockTable(request->sequence_id());
+  if (!table.ok()) return ToGrpc(table.status());
+  ToProto(*table, table->layout.block_bytes(), response);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context,
+                                    const v1::ReadKVRequest* request,
+                                    grpc::ServerWriter<v1::KVChunk>* writer) {
+  absl::Status status = engine_->ReadKV(
+      request->sequence_id(), request->epoch(), request->layer_begin(), request->layer_end(),
+      [&](engine::StreamKV&& kv) {
+        if (context->IsCancelled()) return absl::CancelledError("ReadKV: the client cancelled");
+        v1::KVChunk chunk;
+        chunk.set_layer(kv.layer);
+        chunk.set_kv_head(kv.kv_head);
+        chunk.set_epoch(kv.epoch);
+        chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
+        chunk.set_k(std::move(kv.k));
+        chunk.set_v(std::move(kv.v));
+        if (!writer->Write(chunk)) return absl::CancelledError("ReadKV: the stream was closed");
+        return absl::OkStatus();
+      });
+  return ToGrpc(status);
+}
+
+grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* request,
+                                  v1::ForkResponse* response) {
+  if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
+  absl::StatusOr<engine::CreateResult> child =
+      engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
+  if (!child.ok()) return ToGrpc(child.status());
+  response->set_sequence_id(child->sequence_id);
+  response->set_epoch_slot(child->epoch_slot);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
+                                     v1::PublishResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "Publish: prefix sharing across requests is not available in this "
+                      "version of kvmemd; Fork shares blocks within a request");
+}
+
+grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest*,
+                                    v1::LookupResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "Lookup: prefix sharing across requests is not available in this "
+                      "version of kvmemd");
+}
+
+grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequest* request,
+                                     v1::ReleaseResponse* response) {
+  absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
+  if (!freed.ok()) return ToGrpc(freed.status());
+  response->set_freed_blocks(*freed);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*,
+                                       const v1::KeepAliveRequest* request,
+                                       v1::KeepAliveResponse* response) {
+  if (request->sequence_ids().empty()) {
+    return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));
+  }
+  absl::StatusOr<uint32_t> renewed = engine_->KeepAlive(
+      absl::MakeConstSpan(request->sequence_ids().data(), request->sequence_ids().size()));
+  if (!renewed.ok()) return ToGrpc(renewed.status());
+  response->set_renewed(*renewed);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest* request,
+                                   v1::StatsResponse* response) {
+  ToProto(engine_->Stats(request->include_sequences()), response);
+  return grpc::Status::OK;
+}
+
+}  // namespace kvmem::service

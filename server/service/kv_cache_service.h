@@ -1,0 +1,49 @@
+#pragma once
+// KvCacheService: the gRPC handlers of kvmem.v1.KvCache. Each handler validates what only
+// the request can tell, translates to engine types, calls the engine and translates back.
+// No cache logic lives here.
+#include <string>
+
+#include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::service {
+
+class KvCacheService final : public v1::KvCache::Service {
+ public:
+  KvCacheService(engine::Engine* engine, std::string version)
+      : engine_(engine), version_(std::move(version)) {}
+
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+                       v1::GetInfoResponse*) override;
+  grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
+                              v1::CreateSequenceResponse*) override;
+  grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*,
+                      v1::AppendResponse*) override;
+  grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendRequest>*,
+                            v1::AppendResponse*) override;
+  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+  grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
+                        v1::CompressResponse*) override;
+  grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,
+                             v1::BlockTable*) override;
+  grpc::Status ReadKV(grpc::ServerContext*, const v1::ReadKVRequest*,
+                      grpc::ServerWriter<v1::KVChunk>*) override;
+  grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*) override;
+  grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*,
+                       v1::PublishResponse*) override;
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*,
+                      v1::LookupResponse*) override;
+  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*,
+                       v1::ReleaseResponse*) override;
+  grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*,
+                         v1::KeepAliveResponse*) override;
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse*) override;
+
+ private:
+  engine::Engine* const engine_;
+  const std::string version_;
+};
+
+}  // namespace kvmem::service

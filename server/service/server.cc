@@ -1,0 +1,96 @@
+#include "server/service/server.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "server/service/kv_cache_service.h"
+#include "server/store/cpu_backend.h"
+#include "spdlog/spdlog.h"
+
+#ifndef KVMEM_VERSION
+#define KVMEM_VERSION "0.0.0"
+#endif
+
+namespace kvmem::service {
+
+absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
+                                                            uint64_t pool_bytes) {
+  if (name == "cpu") {
+    absl::StatusOr<std::unique_ptr<store::CpuBackend>> cpu = store::CpuBackend::Create(pool_bytes);
+    if (!cpu.ok()) return cpu.status();
+    return std::unique_ptr<store::Backend>(*std::move(cpu));
+  }
+  if (name == "cuda") {
+#ifdef KVMEM_WITH_CUDA
+    return absl::UnimplementedError(
+        "--backend=cuda: this build has CUDA, but the CUDA backend is not part of this "
+        "version of kvmemd yet; use --backend=cpu");
+#else
+    return absl::FailedPreconditionError(
+        "--backend=cuda: this kvmemd was built without CUDA (configure with -DWITH_CUDA=ON on "
+        "a machine with nvcc); use --backend=cpu");
+#endif
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--backend: unknown backend \"", name, "\" (known: cpu, cuda)"));
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config,
+                                                      const engine::Clock* clock) {
+  std::unique_ptr<Server> server(new Server());
+  if (clock == nullptr) clock = &server->real_clock_;
+  absl::StatusOr<std::unique_ptr<store::Backend>> backend =
+      MakeBackend(config.backend, config.engine.pool_bytes);
+  if (!backend.ok()) return backend.status();
+  absl::StatusOr<std::unique_ptr<engine::Engine>> engine =
+      engine::Engine::Create(config.engine, *std::move(backend), clock);
+  if (!engine.ok()) return engine.status();
+  server->engine_ = *std::move(engine);
+  server->service_ = std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->service_.get());
+  // The transport admits a little more than the payload limit so that an oversized Append
+  // reaches the handler and gets a message naming the limit.
+  const uint64_t max_message = config.engine.max_append_bytes + (4u << 20);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  builder.SetMaxSendMessageSize(INT32_MAX);
+  server->grpc_server_ = builder.BuildAndStart();
+  if (server->grpc_server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", config.listen));
+  }
+  grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+  Server* raw = server.get();
+  const absl::Duration period = config.reaper_period;
+  server->reaper_ = std::thread([raw, period] {
+    raw->engine_->RunLeaseReaper(period, &raw->stop_reaper_);
+  });
+  return server;
+}
+
+void Server::Drain(absl::Duration deadline) {
+  if (drained_) return;
+  drained_ = true;
+  // Shutdown() of the health service turns every status NOT_SERVING for good.
+  grpc_server_->GetHealthCheckService()->Shutdown();
+  grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(deadline));
+  grpc_server_->Wait();
+  stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+Server::~Server() {
+  if (grpc_server_ != nullptr) Drain(absl::Seconds(5));
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+}  // namespace kvmem::service

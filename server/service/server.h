@@ -1,0 +1,56 @@
+#pragma once
+// Server: assembles backend, engine, the KvCache service, grpc.health.v1 and reflection,
+// and the lease reaper; used by kvmemd's main and by in-process integration tests.
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/server.h"
+#include "server/engine/clock.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::service {
+
+inline constexpr char kServiceName[] = "kvmem.v1.KvCache";
+
+struct ServerConfig {
+  std::string listen = "127.0.0.1:50551";  // host:port (port 0 picks one) or unix:path
+  std::string backend = "cpu";             // cpu | cuda
+  engine::EngineConfig engine;
+  absl::Duration reaper_period = absl::Seconds(1);
+};
+
+class KvCacheService;
+
+class Server {
+ public:
+  // `clock` must outlive the server; nullptr means the real clock.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerConfig& config,
+                                                       const engine::Clock* clock = nullptr);
+  ~Server();
+
+  int port() const { return port_; }  // 0 for unix sockets
+  engine::Engine& engine() { return *engine_; }
+  // Health turns NOT_SERVING, new calls are refused, in-flight calls finish (up to
+  // `deadline`), then the reaper stops. Idempotent.
+  void Drain(absl::Duration deadline);
+
+ private:
+  Server() = default;
+  engine::RealClock real_clock_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  int port_ = 0;
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
+  bool drained_ = false;
+};
+
+// Builds the backend named by `name`; a clear error for one this build does not include.
+absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
+                                                            uint64_t pool_bytes);
+
+}  // namespace kvmem::service

@@ -1,0 +1,64 @@
+#pragma once
+// Backend: the device that holds the pool and does the data work on it.
+//
+// One implementation per device (CpuBackend here; CudaBackend behind the same interface).
+// The engine decides *what* moves; a backend only moves bytes. Every call takes a batch
+// covering all streams of one request (one launch per operation per step on a GPU), and
+// may complete asynchronously: work is ordered, and Synchronize() waits for all of it.
+// Host pointers in a batch must stay valid until Synchronize() returns.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace kvmem::store {
+
+// Host -> pool: `bytes` from `src` to pool offset `dst`.
+struct WriteOp {
+  const void* src;
+  uint64_t dst;
+  uint64_t bytes;
+};
+
+// Pool -> host.
+struct ReadOp {
+  uint64_t src;
+  void* dst;
+  uint64_t bytes;
+};
+
+// Pool -> pool. Ops in one batch apply in order, each as if by memmove; compaction relies
+// on this (a stream's retained slots move toward its front, possibly overlapping).
+struct MoveOp {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t bytes;
+};
+
+// How a same-host process maps the pool without copies.
+struct PoolExport {
+  std::string shm_name;  // POSIX shared memory (CPU backend)
+  uint64_t bytes = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual absl::string_view kind() const = 0;  // "cpu", "cuda"
+  virtual std::string device_name() const = 0;
+  virtual uint64_t pool_bytes() const = 0;
+
+  [[nodiscard]] virtual absl::Status Write(absl::Span<const WriteOp> ops) = 0;
+  [[nodiscard]] virtual absl::Status Read(absl::Span<const ReadOp> ops) = 0;
+  [[nodiscard]] virtual absl::Status Move(absl::Span<const MoveOp> ops) = 0;
+  [[nodiscard]] virtual absl::Status Synchronize() = 0;
+
+  // The same-host export of the pool, when the backend has one.
+  virtual std::optional<PoolExport> pool_export() const { return std::nullopt; }
+};
+
+}  // namespace kvmem::store

@@ -1,0 +1,161 @@
+#include "server/store/block_pool.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::store {
+namespace {
+uint32_t RoundUp(uint32_t bytes) {
+  return (bytes + kBlockAlignment - 1) / kBlockAlignment * kBlockAlignment;
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes,
+                                                             uint64_t page_bytes) {
+  if (page_bytes < kBlockAlignment || page_bytes % kBlockAlignment != 0 ||
+      page_bytes > (1ull << 30)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_bytes: ", page_bytes, " must be a multiple of ", kBlockAlignment, " in [",
+        kBlockAlignment, ", 1 GiB]"));
+  }
+  const uint64_t pages = pool_bytes / page_bytes;
+  if (pages == 0 || pages > 0xffffffffull) {
+    return absl::InvalidArgumentError(absl::StrCat("pool_bytes: ", pool_bytes,
+                                                   " must hold between 1 and 2^32-1 pages of ",
+                                                   page_bytes, " bytes"));
+  }
+  return std::unique_ptr<BlockPool>(new BlockPool(page_bytes, static_cast<uint32_t>(pages)));
+}
+
+BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages)
+    : page_bytes_(page_bytes), num_pages_(num_pages) {
+  pages_.resize(num_pages);
+  free_pages_.reserve(num_pages);
+  for (uint32_t p = num_pages; p-- > 0;) free_pages_.push_back(p);
+}
+
+absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes) {
+  uint32_t page_index;
+  auto partial = partial_.find(class_bytes);
+  if (partial != partial_.end() && !partial->second.empty()) {
+    page_index = *partial->second.begin();
+  } else {
+    if (free_pages_.empty()) {
+      return absl::ResourceExhaustedError("no free page");
+    }
+    page_index = free_pages_.back();
+    free_pages_.pop_back();
+    ++pages_used_;
+    Page& page = pages_[page_index];
+    page.class_bytes = class_bytes;
+    page.used = 0;
+    const uint32_t slots = static_cast<uint32_t>(page_bytes_ / class_bytes);
+    page.free_slots.resize(slots);
+    for (uint32_t s = 0; s < slots; ++s) page.free_slots[s] = slots - 1 - s;
+    partial_[class_bytes].insert(page_index);
+  }
+  Page& page = pages_[page_index];
+  const uint32_t slot = page.free_slots.back();
+  page.free_slots.pop_back();
+  ++page.used;
+  if (page.free_slots.empty()) partial_[class_bytes].erase(page_index);
+
+  BlockId id;
+  if (!free_ids_.empty()) {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  } else {
+    id = static_cast<BlockId>(blocks_.size());
+    blocks_.emplace_back();
+  }
+  blocks_[id] = Block{page_index * page_bytes_ + uint64_t{slot} * class_bytes, class_bytes, 1};
+  ++blocks_used_;
+  block_bytes_used_ += class_bytes;
+  return id;
+}
+
+void BlockPool::FreeLocked(BlockId id) {
+  Block& block = blocks_[id];
+  const uint32_t page_index = static_cast<uint32_t>(block.offset / page_bytes_);
+  Page& page = pages_[page_index];
+  page.free_slots.push_back(static_cast<uint32_t>((block.offset % page_bytes_) / block.class_bytes));
+  --page.used;
+  if (page.used == 0) {
+    partial_[page.class_bytes].erase(page_index);
+    page.class_bytes = 0;
+    page.free_slots.clear();
+    page.free_slots.shrink_to_fit();
+    free_pages_.push_back(page_index);
+    --pages_used_;
+  } else {
+    partial_[page.class_bytes].insert(page_index);
+  }
+  --blocks_used_;
+  block_bytes_used_ -= block.class_bytes;
+  block = Block{};
+  free_ids_.push_back(id);
+}
+
+absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count,
+                                     std::vector<BlockId>* out) {
+  if (block_bytes == 0 || block_bytes > page_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("block_bytes: ", block_bytes,
+                                                   " must be in [1, page_bytes=", page_bytes_,
+                                                   "]"));
+  }
+  const uint32_t class_bytes = RoundUp(block_bytes);
+  absl::MutexLock lock(&mu_);
+  const size_t first = out->size();
+  for (size_t i = 0; i < count; ++i) {
+    absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes);
+    if (!id.ok()) {
+      for (size_t j = first; j < out->size(); ++j) FreeLocked((*out)[j]);
+      out->resize(first);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
+          " bytes) but the pool of ", pool_bytes(), " bytes has ", free_pages_.size(),
+          " free pages of ", page_bytes_, " bytes and ", blocks_used_, " blocks in use"));
+    }
+    out->push_back(*id);
+  }
+  return absl::OkStatus();
+}
+
+void BlockPool::Ref(absl::Span<const BlockId> ids) {
+  absl::MutexLock lock(&mu_);
+  for (BlockId id : ids) ++blocks_[id].refs;
+}
+
+size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
+  absl::MutexLock lock(&mu_);
+  size_t freed = 0;
+  for (BlockId id : ids) {
+    if (--blocks_[id].refs == 0) {
+      FreeLocked(id);
+      ++freed;
+    }
+  }
+  return freed;
+}
+
+uint64_t BlockPool::offset(BlockId id) const {
+  absl::MutexLock lock(&mu_);
+  return blocks_[id].offset;
+}
+
+uint32_t BlockPool::refs(BlockId id) const {
+  absl::MutexLock lock(&mu_);
+  return blocks_[id].refs;
+}
+
+PoolUsage BlockPool::usage() const {
+  absl::MutexLock lock(&mu_);
+  return PoolUsage{pool_bytes(), page_bytes_, num_pages_, pages_used_, blocks_used_,
+                   block_bytes_used_};
+}
+
+uint64_t BlockPool::free_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return free_pages_.size() * page_bytes_;
+}
+
+}  // namespace kvmem::store

@@ -1,0 +1,94 @@
+#pragma once
+// BlockPool: offset bookkeeping for the daemon's fixed-size pool.
+//
+// The pool is one allocation of `pool_bytes`, carved into pages of `page_bytes`. A page in
+// use serves blocks of a single size class (block bytes rounded up to 64), so blocks of
+// different layouts and precisions share the pool without external fragmentation; a page
+// returns to the free list when its last block is freed. The pool never grows.
+//
+// Blocks are reference counted from creation (Fork and prefix sharing map one physical block
+// into several streams). Thread-safe: every method takes the pool's mutex.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+
+namespace kvmem::store {
+
+using BlockId = uint32_t;
+inline constexpr uint32_t kBlockAlignment = 64;
+
+struct PoolUsage {
+  uint64_t pool_bytes = 0;
+  uint64_t page_bytes = 0;
+  uint64_t pages_total = 0;
+  uint64_t pages_used = 0;
+  uint64_t blocks_used = 0;
+  uint64_t block_bytes_used = 0;  // sum of live blocks' size-class bytes
+};
+
+class BlockPool {
+ public:
+  // pool_bytes is rounded down to whole pages; at least one page is required.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(uint64_t pool_bytes,
+                                                           uint64_t page_bytes);
+
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // Allocates `count` blocks of `block_bytes` each, all or none, each with one reference.
+  // RESOURCE_EXHAUSTED names the pool and what was asked when it cannot.
+  [[nodiscard]] absl::Status AllocateMany(uint32_t block_bytes, size_t count,
+                                          std::vector<BlockId>* out);
+  // Adds a reference to each block.
+  void Ref(absl::Span<const BlockId> ids);
+  // Drops one reference from each block; returns how many blocks were freed.
+  size_t Unref(absl::Span<const BlockId> ids);
+
+  uint64_t offset(BlockId id) const;
+  uint32_t refs(BlockId id) const;
+  PoolUsage usage() const;
+  uint64_t pool_bytes() const { return page_bytes_ * num_pages_; }
+  uint64_t page_bytes() const { return page_bytes_; }
+  uint64_t free_bytes() const;
+
+ private:
+  BlockPool(uint64_t page_bytes, uint32_t num_pages);
+
+  struct Page {
+    uint32_t class_bytes = 0;  // 0 = free page
+    uint32_t used = 0;
+    std::vector<uint32_t> free_slots;  // slot indices, popped from the back
+  };
+  struct Block {
+    uint64_t offset = 0;
+    uint32_t class_bytes = 0;
+    uint32_t refs = 0;  // 0 = id is free
+  };
+
+  absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint64_t page_bytes_;
+  const uint32_t num_pages_;
+  mutable absl::Mutex mu_;
+  std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> free_pages_ ABSL_GUARDED_BY(mu_);  // stack, lowest index on top
+  // Pages with at least one free slot, per size class; lowest page first keeps pages dense.
+  std::map<uint32_t, std::set<uint32_t>> partial_ ABSL_GUARDED_BY(mu_);
+  std::vector<Block> blocks_ ABSL_GUARDED_BY(mu_);
+  std::vector<BlockId> free_ids_ ABSL_GUARDED_BY(mu_);
+  uint64_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t block_bytes_used_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t pages_used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvmem::store

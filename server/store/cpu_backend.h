@@ -1,0 +1,33 @@
+#pragma once
+// CpuBackend: the pool in host memory, in a named shared-memory segment so that same-host
+// workers can map it read-only and read blocks in place. Work is synchronous.
+#include <memory>
+
+#include "absl/strings/string_view.h"
+#include "absl/status/statusor.h"
+#include "server/store/backend.h"
+#include "server/store/shared_segment.h"
+
+namespace kvmem::store {
+
+class CpuBackend final : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(uint64_t pool_bytes);
+
+  absl::string_view kind() const override { return "cpu"; }
+  std::string device_name() const override;
+  uint64_t pool_bytes() const override { return segment_->bytes(); }
+
+  absl::Status Write(absl::Span<const WriteOp> ops) override;
+  absl::Status Read(absl::Span<const ReadOp> ops) override;
+  absl::Status Move(absl::Span<const MoveOp> ops) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  std::optional<PoolExport> pool_export() const override;
+
+ private:
+  explicit CpuBackend(std::unique_ptr<SharedSegment> segment) : segment_(std::move(segment)) {}
+  absl::Status CheckRange(uint64_t offset, uint64_t bytes, const char* what) const;
+  std::unique_ptr<SharedSegment> segment_;
+};
+
+}  // namespace kvmem::store
