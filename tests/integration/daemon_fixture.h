@@ -1,0 +1,76 @@
+#pragma once
+// kvmemd started in-process on loopback (port 0) with a fake clock, driven through the
+// C++ client exactly as a worker would.
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "kvmem/client.h"
+#include "server/service/server.h"
+#include "tests/testing/payload.h"
+
+namespace kvmem {
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kL = 4, kH = 2, kD = 64;
+
+  void SetUp() override { StartDaemon(64ull << 20); }
+  void TearDown() override {
+    client_.reset();
+    server_.reset();
+  }
+
+  void StartDaemon(uint64_t pool_bytes, uint64_t max_message_bytes = 8ull << 20) {
+    client_.reset();
+    server_.reset();
+    service::ServerConfig config;
+    config.listen = "127.0.0.1:0";
+    config.engine.pool_bytes = pool_bytes;
+    config.engine.max_sequences = 64;
+    config.engine.max_append_bytes = max_message_bytes;
+    config.reaper_period = absl::Hours(1);  // tests expire leases explicitly
+    auto server = service::Server::Start(config, &clock_);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    client::ClientOptions options;
+    options.deadline = absl::Seconds(20);
+    client_ = *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()), options);
+  }
+
+  static client::Layout TestLayout() {
+    return client::Layout{kL, kH, kD, client::DType::kF16, 16, 49152};
+  }
+
+  uint64_t Create(const std::string& policy = "full", std::map<std::string, double> params = {},
+                  uint32_t lease_seconds = 0) {
+    auto seq = client_->CreateSequence(TestLayout(), {policy, params}, lease_seconds);
+    EXPECT_TRUE(seq.ok()) << seq.status();
+    return seq.ok() ? seq->id : 0;
+  }
+
+  absl::StatusOr<client::AppendResult> AppendRange(uint64_t id, int64_t first, uint32_t n) {
+    positions_ = testing::Range(first, n);
+    k_ = testing::Payload16(kL * kH, first, n, kD, 0);
+    v_ = testing::Payload16(kL * kH, first, n, kD, 1);
+    return client_->Append(id, {positions_, {}, k_, v_, {}, {}});
+  }
+
+  void ExpectContentMatchesPositions(uint64_t id) {
+    auto streams = client_->ReadKV(id);
+    ASSERT_TRUE(streams.ok()) << streams.status();
+    ASSERT_EQ(streams->size(), kL * kH);
+    for (const client::StreamKV& kv : *streams) {
+      const uint32_t s = kv.layer * kH + kv.kv_head;
+      ASSERT_EQ(kv.k, testing::Expected16(s, kv.positions, kD, 0)) << "stream " << s;
+      ASSERT_EQ(kv.v, testing::Expected16(s, kv.positions, kD, 1)) << "stream " << s;
+    }
+  }
+
+  engine::FakeClock clock_;
+  std::unique_ptr<service::Server> server_;
+  std::unique_ptr<client::Client> client_;
+  std::vector<int64_t> positions_;
+  std::string k_, v_;
+};
+
+}  // namespace kvmem

@@ -1,0 +1,153 @@
+#include "gmock/gmock.h"
+#include "tests/integration/daemon_fixture.h"
+
+namespace kvmem {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST_F(DaemonTest, ThousandTokensOverFourLayersTwoHeadsReadBackBitExact) {
+  const uint64_t id = Create();
+  // A prefill of 600 in one Append, then 400 decode-style appends of one token.
+  ASSERT_TRUE(AppendRange(id, 0, 600).ok());
+  for (int64_t t = 600; t < 1000; ++t) ASSERT_TRUE(AppendRange(id, t, 1).ok());
+  ExpectContentMatchesPositions(id);
+  auto streams = *client_->ReadKV(id);
+  EXPECT_EQ(streams[0].positions, testing::Range(0, 1000));
+  auto table = *client_->GetBlockTable(id);
+  EXPECT_EQ(table.streams.size(), kL * kH);
+  EXPECT_EQ(table.streams[7].block_ids.size(), 63u);  // ceil(1000 / 16)
+  EXPECT_EQ(table.streams[7].last_block_fill, 1000u - 62 * 16);
+}
+
+TEST_F(DaemonTest, AppendStreamIsAtomic) {
+  const uint64_t id = Create();
+  std::vector<std::vector<int64_t>> pos = {testing::Range(0, 300), testing::Range(300, 300)};
+  std::vector<std::string> ks = {testing::Payload16(kL * kH, 0, 300, kD, 0),
+                                 testing::Payload16(kL * kH, 300, 300, kD, 0)};
+  std::vector<std::string> vs = {testing::Payload16(kL * kH, 0, 300, kD, 1),
+                                 testing::Payload16(kL * kH, 300, 300, kD, 1)};
+  std::vector<client::AppendArgs> chunks = {{pos[0], {}, ks[0], vs[0], {}, {}},
+                                            {pos[1], {}, ks[1], vs[1], {}, {}}};
+  auto r = client_->AppendStream(id, chunks);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->appended_tokens, 600u);
+  ExpectContentMatchesPositions(id);
+
+  // A bad second chunk (positions going back) rejects the whole stream.
+  std::vector<int64_t> bad_pos = testing::Range(650, 10);
+  std::vector<int64_t> back_pos = testing::Range(640, 10);
+  const std::string k10 = testing::Payload16(kL * kH, 650, 10, kD, 0);
+  std::vector<client::AppendArgs> bad = {{bad_pos, {}, k10, k10, {}, {}},
+                                         {back_pos, {}, k10, k10, {}, {}}};
+  auto rejected = client_->AppendStream(id, bad);
+  EXPECT_EQ(rejected.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(rejected.status().message(), HasSubstr("chunk 1: positions[0]"));
+  EXPECT_EQ(client_->GetStats(true)->sequences[0].appended_tokens, 600u);
+}
+
+TEST_F(DaemonTest, WindowKeepsLastWAndEpochsChangeOnEveryEviction) {
+  const uint64_t id = Create("window", {{"window", 100}});
+  ASSERT_TRUE(AppendRange(id, 0, 1000).ok());
+  uint64_t epoch = client_->GetBlockTable(id)->epoch;
+  auto step = *client_->Step(id, {});
+  EXPECT_EQ(step.evicted_tokens, 900u * kL * kH);
+  EXPECT_EQ(step.budget_tokens, 100u);
+  EXPECT_NE(step.epoch, epoch);
+  EXPECT_EQ(step.kv_bytes_after, 100u * kL * kH * 2 * kD * 2);
+  std::set<uint64_t> epochs = {epoch, step.epoch};
+  for (int64_t t = 1000; t < 1050; ++t) {
+    ASSERT_TRUE(AppendRange(id, t, 1).ok());
+    auto s = *client_->Step(id, {});
+    EXPECT_EQ(s.evicted_tokens, kL * kH);
+    EXPECT_TRUE(epochs.insert(s.epoch).second) << "epoch reused at step " << t;
+  }
+  const client::BlockTable table = *client_->GetBlockTable(id);
+  for (const auto& st : table.streams) {
+    EXPECT_EQ(st.positions, testing::Range(950, 100));
+  }
+  ExpectContentMatchesPositions(id);
+  // The pool holds only what the window needs: ceil(100/16) = 7 blocks per stream.
+  EXPECT_EQ(client_->GetStats(false)->blocks_used, 7u * kL * kH);
+}
+
+TEST_F(DaemonTest, ForkChildrenDivergeWithoutTouchingTheParent) {
+  const uint64_t parent = Create("window", {{"window", 64}});
+  ASSERT_TRUE(AppendRange(parent, 0, 100).ok());
+  auto a = client_->Fork(parent);
+  auto b = client_->Fork(parent);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Child a evicts; child b appends different tokens.
+  ASSERT_TRUE(client_->Step(a->id, {}).ok());
+  const std::vector<int64_t> pos = {100};
+  const std::string k = std::string(kL * kH * kD * 2, '\x7f');
+  ASSERT_TRUE(client_->Append(b->id, {pos, {}, k, k, {}, {}}).ok());
+  EXPECT_EQ(client_->GetBlockTable(a->id)->streams[0].positions, testing::Range(36, 64));
+  EXPECT_EQ(client_->GetBlockTable(b->id)->streams[0].positions.size(), 101u);
+  EXPECT_EQ(client_->GetBlockTable(parent)->streams[0].positions, testing::Range(0, 100));
+  ExpectContentMatchesPositions(parent);
+  ExpectContentMatchesPositions(a->id);
+  auto stats = *client_->GetStats(true);
+  ASSERT_EQ(stats.sequences.size(), 3u);
+  EXPECT_EQ(stats.sequences[1].parent_id, parent);
+}
+
+TEST_F(DaemonTest, LapsedLeaseFreesEveryBlock) {
+  const uint64_t id = Create("full", {}, 5);
+  ASSERT_TRUE(AppendRange(id, 0, 500).ok());
+  EXPECT_GT(client_->GetStats(false)->blocks_used, 0u);
+  clock_.Advance(absl::Seconds(3));
+  ASSERT_TRUE(client_->KeepAlive({id}).ok());
+  clock_.Advance(absl::Seconds(3));
+  EXPECT_EQ(server_->engine().ExpireLeases(), 0u);
+  clock_.Advance(absl::Seconds(3));
+  EXPECT_EQ(server_->engine().ExpireLeases(), 1u);
+  auto stats = *client_->GetStats(false);
+  EXPECT_EQ(stats.blocks_used, 0u);
+  EXPECT_EQ(stats.pages_used, 0u);
+  EXPECT_EQ(stats.sequences_active, 0u);
+  EXPECT_EQ(client_->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(DaemonTest, FullPoolGivesResourceExhaustedAndChangesNothing) {
+  StartDaemon(1 << 20);  // 16 pages of 64 KiB; a block is 16*64*2*2 = 4 KiB
+  const uint64_t a = Create();
+  ASSERT_TRUE(AppendRange(a, 0, 16 * 30).ok());  // 30 blocks x 8 streams = 240 of 256
+  const auto before = *client_->GetStats(true);
+  auto r = AppendRange(a, 480, 64);  // 4 more blocks per stream = 32 > 16 free
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("pool"));
+  EXPECT_THAT(r.status().message(), HasSubstr("32 blocks of 4096 bytes"));
+  const auto after = *client_->GetStats(true);
+  EXPECT_EQ(after.blocks_used, before.blocks_used);
+  EXPECT_EQ(after.sequences[0].appended_tokens, before.sequences[0].appended_tokens);
+  EXPECT_EQ(after.sequences[0].kv_bytes, before.sequences[0].kv_bytes);
+  ExpectContentMatchesPositions(a);
+  // Releasing another sequence's memory is how room comes back.
+  const uint64_t b = Create();
+  EXPECT_EQ(AppendRange(b, 0, 48).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(client_->Release(a).ok());
+  EXPECT_TRUE(AppendRange(b, 0, 48).ok());
+}
+
+TEST_F(DaemonTest, PrefixSharingIsUnimplementedWithAMessage) {
+  const uint64_t id = Create();
+  auto r = client_->Publish(id, 16);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(r.status().message(), HasSubstr("prefix sharing"));
+}
+
+TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
+  auto info = client_->GetInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->backend, "cpu");
+  EXPECT_EQ(info->pool_bytes, 64ull << 20);
+  ASSERT_GE(info->policies.size(), 2u);
+  EXPECT_EQ(info->policies[1].name, "window");
+  EXPECT_EQ(info->policies[1].params[0].default_value, 512);
+  EXPECT_FALSE(info->shm_name.empty());
+  EXPECT_FALSE(info->epoch_board_name.empty());
+}
+
+}  // namespace
+}  // namespace kvmem

@@ -1,0 +1,241 @@
+// Every malformed request gets INVALID_ARGUMENT / NOT_FOUND / FAILED_PRECONDITION with a
+// message naming the field, and changes nothing. Driven through the raw gRPC stub so that
+// requests the typed client cannot express (unknown enum values, zero sizes) are covered.
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
+#include "tests/integration/daemon_fixture.h"
+
+namespace kvmem {
+namespace {
+
+using ::testing::HasSubstr;
+
+class ValidationTest : public DaemonTest {
+ protected:
+  void SetUp() override {
+    DaemonTest::SetUp();
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    stub_ = v1::KvCache::NewStub(grpc::CreateCustomChannel(
+        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials(), args));
+    id_ = Create("window", {{"window", 32}});
+    ASSERT_TRUE(AppendRange(id_, 0, 40).ok());
+  }
+
+  v1::AppendRequest GoodAppend(int64_t first, uint32_t n) {
+    v1::AppendRequest q;
+    q.set_sequence_id(id_);
+    for (int64_t p : testing::Range(first, n)) q.add_positions(p);
+    q.set_k(testing::Payload16(kL * kH, first, n, kD, 0));
+    q.set_v(testing::Payload16(kL * kH, first, n, kD, 1));
+    return q;
+  }
+
+  // A fingerprint of all daemon state a request could change.
+  std::string Snapshot() {
+    auto stats = *client_->GetStats(true);
+    std::string s = std::to_string(stats.blocks_used) + "/" + std::to_string(stats.pages_used) +
+                    "/" + std::to_string(stats.tokens_appended) + "/" +
+                    std::to_string(stats.tokens_evicted) + "/" +
+                    std::to_string(stats.sequences_active);
+    for (const auto& q : stats.sequences) {
+      s += "|" + std::to_string(q.sequence_id) + ":" + std::to_string(q.appended_tokens) + ":" +
+           std::to_string(q.kv_bytes) + ":" + std::to_string(q.epoch) + ":" +
+           std::to_string(q.steps) + ":" + std::to_string(q.blocks);
+    }
+    return s;
+  }
+
+  template <typename Call>
+  void ExpectRejected(const char* what, grpc::StatusCode code, const std::string& field,
+                      Call call) {
+    const std::string before = Snapshot();
+    grpc::ClientContext context;
+    const grpc::Status status = call(&context);
+    EXPECT_EQ(status.error_code(), code) << what << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(field)) << what;
+    EXPECT_EQ(Snapshot(), before) << what << " changed state";
+  }
+
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+  uint64_t id_ = 0;
+};
+
+TEST_F(ValidationTest, MalformedAppendsAreRejectedAndChangeNothing) {
+  const auto INVALID = grpc::StatusCode::INVALID_ARGUMENT;
+  v1::AppendResponse r;
+  auto append = [&](v1::AppendRequest q) {
+    return [this, q, &r](grpc::ClientContext* c) { return stub_->Append(c, q, &r); };
+  };
+  v1::AppendRequest q = GoodAppend(40, 4);
+  q.mutable_k()->pop_back();
+  ExpectRejected("short k", INVALID, "k: ", append(q));
+  q = GoodAppend(40, 4);
+  q.mutable_v()->append("xx");
+  ExpectRejected("long v", INVALID, "v: ", append(q));
+  q = GoodAppend(40, 4);
+  q.clear_positions();
+  ExpectRejected("no tokens", INVALID, "positions", append(q));
+  q = GoodAppend(39, 4);
+  ExpectRejected("position not increasing", INVALID, "positions[0]", append(q));
+  q = GoodAppend(40, 4);
+  q.set_positions(2, 41);
+  ExpectRejected("positions out of order", INVALID, "positions[2]", append(q));
+  q = GoodAppend(40, 4);
+  q.add_token_ids(1);
+  ExpectRejected("token_ids count", INVALID, "token_ids", append(q));
+  q = GoodAppend(40, 1);
+  q.add_token_ids(49152);
+  ExpectRejected("token id out of vocab", INVALID, "token_ids[0]", append(q));
+  q = GoodAppend(40, 2);
+  q.add_token_entropy(1.0f);
+  q.add_token_entropy(NAN);
+  ExpectRejected("NaN entropy", INVALID, "token_entropy[1]", append(q));
+  q = GoodAppend(40, 1);
+  q.add_layer_distance(3.0f);
+  ExpectRejected("distance out of range", INVALID, "layer_distance[0]", append(q));
+  q = GoodAppend(40, 1);
+  q.set_sequence_id(424242);
+  ExpectRejected("unknown sequence", grpc::StatusCode::NOT_FOUND, "sequence_id", append(q));
+}
+
+TEST_F(ValidationTest, OversizedAppendNamesTheLimit) {
+  // 8 MiB limit; 2 x (8 streams x 4100 tokens x 128 bytes) = 8.4 MB of K+V.
+  v1::AppendRequest q = GoodAppend(40, 4100);
+  v1::AppendResponse r;
+  ExpectRejected("oversized", grpc::StatusCode::INVALID_ARGUMENT, "per-message limit",
+                 [&](grpc::ClientContext* c) { return stub_->Append(c, q, &r); });
+}
+
+TEST_F(ValidationTest, MalformedLayoutsAreRejected) {
+  const auto INVALID = grpc::StatusCode::INVALID_ARGUMENT;
+  v1::CreateSequenceResponse r;
+  auto create = [&](v1::CreateSequenceRequest q) {
+    return [this, q, &r](grpc::ClientContext* c) { return stub_->CreateSequence(c, q, &r); };
+  };
+  v1::CreateSequenceRequest good;
+  good.mutable_layout()->set_num_layers(2);
+  good.mutable_layout()->set_num_kv_heads(2);
+  good.mutable_layout()->set_head_dim(64);
+  good.mutable_layout()->set_dtype(v1::DTYPE_F16);
+  good.mutable_layout()->set_vocab_size(100);
+  v1::CreateSequenceRequest q = good;
+  q.clear_layout();
+  ExpectRejected("no layout", INVALID, "layout", create(q));
+  q = good;
+  q.mutable_layout()->set_dtype(static_cast<v1::DType>(7));
+  ExpectRejected("unknown dtype", INVALID, "layout.dtype", create(q));
+  q = good;
+  q.mutable_layout()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  ExpectRejected("unspecified dtype", INVALID, "layout.dtype", create(q));
+  q = good;
+  q.mutable_layout()->set_num_layers(0);
+  ExpectRejected("zero layers", INVALID, "layout.num_layers", create(q));
+  q = good;
+  q.mutable_layout()->set_num_kv_heads(0);
+  ExpectRejected("zero heads", INVALID, "layout.num_kv_heads", create(q));
+  q = good;
+  q.mutable_layout()->set_head_dim(0);
+  ExpectRejected("zero head_dim", INVALID, "layout.head_dim", create(q));
+  q = good;
+  q.mutable_layout()->set_head_dim(100000);
+  ExpectRejected("huge head_dim", INVALID, "layout.head_dim", create(q));
+  q = good;
+  q.mutable_layout()->set_vocab_size(0);
+  ExpectRejected("zero vocab", INVALID, "layout.vocab_size", create(q));
+  q = good;
+  q.mutable_layout()->set_block_tokens(4096);
+  ExpectRejected("block over a page", INVALID, "page", create(q));
+  q = good;
+  q.mutable_policy()->set_name("nope");
+  ExpectRejected("unknown policy", INVALID, "policy.name", create(q));
+  q = good;
+  q.mutable_policy()->set_name("window");
+  (*q.mutable_policy()->mutable_params())["window"] = -1;
+  ExpectRejected("negative window", INVALID, "policy.params[window]", create(q));
+  q = good;
+  q.set_lease_seconds(1000000);
+  ExpectRejected("lease too long", INVALID, "lease_seconds", create(q));
+}
+
+TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
+  const auto INVALID = grpc::StatusCode::INVALID_ARGUMENT;
+  const uint64_t epoch = client_->GetBlockTable(id_)->epoch;
+  v1::StepResponse r;
+  auto step = [&](v1::StepRequest q) {
+    return [this, q, &r](grpc::ClientContext* c) { return stub_->Step(c, q, &r); };
+  };
+  auto row = [&](uint32_t layer, uint32_t head, size_t n, float value) {
+    v1::AttentionRow a;
+    a.set_layer(layer);
+    a.set_kv_head(head);
+    for (size_t i = 0; i < n; ++i) a.add_weights(value);
+    return a;
+  };
+  v1::StepRequest q;
+  q.set_sequence_id(id_);
+  q.set_epoch(epoch);
+  *q.add_attention() = row(kL, 0, 40, 0.025f);
+  ExpectRejected("layer out of range", INVALID, "attention[0].layer", step(q));
+  q.clear_attention();
+  *q.add_attention() = row(0, kH, 40, 0.025f);
+  ExpectRejected("head out of range", INVALID, "attention[0].kv_head", step(q));
+  q.clear_attention();
+  *q.add_attention() = row(0, 0, 39, 0.025f);
+  ExpectRejected("row length", INVALID, "retains 40 slots", step(q));
+  q.clear_attention();
+  *q.add_attention() = row(0, 0, 40, 0.025f);
+  q.mutable_attention(0)->set_weights(5, INFINITY);
+  ExpectRejected("infinite weight", INVALID, "attention[0][5]", step(q));
+  q.clear_attention();
+  *q.add_attention() = row(1, 1, 40, 0.025f);
+  *q.add_attention() = row(1, 1, 40, 0.025f);
+  ExpectRejected("duplicate stream", INVALID, "appears twice", step(q));
+  q.clear_attention();
+  *q.add_attention() = row(0, 0, 40, 0.025f);
+  q.set_epoch(epoch + 1);
+  ExpectRejected("stale epoch", grpc::StatusCode::FAILED_PRECONDITION, "epoch", step(q));
+  q.set_epoch(epoch);
+  q.clear_attention();
+  q.mutable_logit_stats()->set_entropy(1.0f);
+  q.mutable_logit_stats()->set_p1(1.5f);
+  ExpectRejected("p1 above 1", INVALID, "logit_stats.p1", step(q));
+  q.mutable_logit_stats()->set_p1(0.5f);
+  q.mutable_logit_stats()->set_entropy(NAN);
+  ExpectRejected("NaN entropy", INVALID, "logit_stats.entropy", step(q));
+  q.set_sequence_id(0);
+  ExpectRejected("sequence 0", grpc::StatusCode::NOT_FOUND, "sequence_id", step(q));
+}
+
+TEST_F(ValidationTest, OtherCallsNameTheirFields) {
+  v1::ReadKVRequest rq;
+  rq.set_sequence_id(id_);
+  rq.set_layer_begin(3);
+  rq.set_layer_end(9);
+  ExpectRejected("layer range", grpc::StatusCode::INVALID_ARGUMENT, "layer_begin/layer_end",
+                 [&](grpc::ClientContext* c) {
+                   auto reader = stub_->ReadKV(c, rq);
+                   v1::KVChunk chunk;
+                   while (reader->Read(&chunk)) {
+                   }
+                   return reader->Finish();
+                 });
+  v1::KeepAliveRequest kq;
+  v1::KeepAliveResponse kr;
+  ExpectRejected("empty keepalive", grpc::StatusCode::INVALID_ARGUMENT, "sequence_ids",
+                 [&](grpc::ClientContext* c) { return stub_->KeepAlive(c, kq, &kr); });
+  v1::ForkRequest fq;
+  fq.set_sequence_id(777);
+  v1::ForkResponse fr;
+  ExpectRejected("fork unknown", grpc::StatusCode::NOT_FOUND, "sequence_id",
+                 [&](grpc::ClientContext* c) { return stub_->Fork(c, fq, &fr); });
+  v1::ReleaseRequest relq;
+  relq.set_sequence_id(777);
+  v1::ReleaseResponse relr;
+  ExpectRejected("release unknown", grpc::StatusCode::NOT_FOUND, "sequence_id",
+                 [&](grpc::ClientContext* c) { return stub_->Release(c, relq, &relr); });
+}
+
+}  // namespace
+}  // namespace kvmem

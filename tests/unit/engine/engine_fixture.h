@@ -1,0 +1,67 @@
+#pragma once
+// A small engine on the CPU backend with a fake clock, for engine unit tests.
+#include <memory>
+
+#include "gtest/gtest.h"
+#include "server/engine/engine.h"
+#include "server/store/cpu_backend.h"
+#include "tests/testing/payload.h"
+
+namespace kvmem::engine {
+
+class EngineTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kL = 4, kH = 2, kD = 8, kB = 16;
+
+  void SetUp() override { MakeEngine(1 << 20); }
+
+  void MakeEngine(uint64_t pool_bytes) {
+    engine_.reset();
+    EngineConfig config;
+    config.pool_bytes = pool_bytes;
+    config.page_bytes = 4096;
+    config.max_sequences = 8;
+    config.default_lease = absl::Seconds(10);
+    auto backend = *store::CpuBackend::Create(pool_bytes);
+    engine_ = *Engine::Create(config, std::move(backend), &clock_);
+  }
+
+  static Layout TestLayout() { return Layout{kL, kH, kD, DType::kF16, kB, 1000}; }
+
+  uint64_t Create(const std::string& policy = "full", policy::ParamOverrides params = {},
+                  absl::Duration lease = absl::ZeroDuration()) {
+    auto created = engine_->CreateSequence(TestLayout(), policy, params, lease);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.ok() ? created->sequence_id : 0;
+  }
+
+  // Appends positions first..first+n-1 with K salt 0 and V salt 1.
+  absl::StatusOr<AppendResult> AppendRange(uint64_t id, int64_t first, uint32_t n) {
+    positions_ = testing::Range(first, n);
+    k_ = testing::Payload16(kL * kH, first, n, kD, 0);
+    v_ = testing::Payload16(kL * kH, first, n, kD, 1);
+    AppendChunk chunk{positions_, {}, k_, v_, {}, {}};
+    return engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
+  }
+
+  // Reads every stream and checks K and V against the positions the table names.
+  void ExpectContentMatchesPositions(uint64_t id) {
+    size_t streams = 0;
+    absl::Status s = engine_->ReadKV(id, 0, 0, 0, [&](StreamKV&& kv) {
+      const uint32_t stream = kv.layer * kH + kv.kv_head;
+      EXPECT_EQ(kv.k, testing::Expected16(stream, kv.positions, kD, 0)) << "stream " << stream;
+      EXPECT_EQ(kv.v, testing::Expected16(stream, kv.positions, kD, 1)) << "stream " << stream;
+      ++streams;
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_EQ(streams, kL * kH);
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<Engine> engine_;
+  std::vector<int64_t> positions_;
+  std::string k_, v_;
+};
+
+}  // namespace kvmem::engine

@@ -1,0 +1,58 @@
+#include "gmock/gmock.h"
+#include "tests/unit/engine/engine_fixture.h"
+
+namespace kvmem::engine {
+namespace {
+
+TEST_F(EngineTest, ForkSharesBlocksUntilAChildWrites) {
+  const uint64_t parent = Create("window", {{"window", 24}});
+  ASSERT_TRUE(AppendRange(parent, 0, 20).ok());  // last block partly filled (20 = 16 + 4)
+  const uint64_t blocks_before = engine_->Stats(false).pool.blocks_used;
+  auto child = engine_->Fork(parent, absl::ZeroDuration());
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, blocks_before);  // shared, not copied
+
+  // The child appends different data at positions 20..29: copy-on-write of the last block.
+  positions_ = testing::Range(20, 10);
+  k_ = testing::Payload16(kL * kH, 20, 10, kD, 5);
+  v_ = testing::Payload16(kL * kH, 20, 10, kD, 6);
+  AppendChunk chunk{positions_, {}, k_, v_, {}, {}};
+  ASSERT_TRUE(engine_->Append(child->sequence_id, absl::MakeConstSpan(&chunk, 1)).ok());
+  // The parent appends its own continuation and evicts (window 24).
+  ASSERT_TRUE(AppendRange(parent, 20, 10).ok());
+  ASSERT_TRUE(engine_->Step(parent, {}).ok());
+
+  ExpectContentMatchesPositions(parent);
+  // The child still holds positions 0..29, the first 20 from before the fork.
+  absl::Status s = engine_->ReadKV(child->sequence_id, 0, 0, 0, [&](StreamKV&& kv) {
+    const uint32_t stream = kv.layer * kH + kv.kv_head;
+    EXPECT_EQ(kv.positions, testing::Range(0, 30));
+    const size_t head = 20 * kD * 2;
+    EXPECT_EQ(kv.k.substr(0, head), testing::Expected16(stream, testing::Range(0, 20), kD, 0));
+    EXPECT_EQ(kv.k.substr(head), testing::Expected16(stream, testing::Range(20, 10), kD, 5));
+    EXPECT_EQ(kv.v.substr(head), testing::Expected16(stream, testing::Range(20, 10), kD, 6));
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(s.ok()) << s;
+
+  // Releasing the parent leaves the child whole; releasing the child empties the pool.
+  ASSERT_TRUE(engine_->Release(parent).ok());
+  EXPECT_EQ(engine_->GetBlockTable(child->sequence_id)->streams[0].positions.size(), 30u);
+  ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 0u);
+}
+
+TEST_F(EngineTest, EvictionInAChildNeverTouchesTheParent) {
+  const uint64_t parent = Create("window", {{"window", 8}});
+  ASSERT_TRUE(AppendRange(parent, 0, 40).ok());
+  auto child = *engine_->Fork(parent, absl::ZeroDuration());
+  auto step = engine_->Step(child.sequence_id, {});
+  ASSERT_TRUE(step.ok());
+  EXPECT_EQ(step->evicted_tokens, 32u * kL * kH);
+  EXPECT_EQ(engine_->GetBlockTable(parent)->streams[0].positions, testing::Range(0, 40));
+  ExpectContentMatchesPositions(parent);
+  ExpectContentMatchesPositions(child.sequence_id);
+}
+
+}  // namespace
+}  // namespace kvmem::engine

@@ -1,0 +1,147 @@
+#include "gmock/gmock.h"
+#include "tests/unit/engine/engine_fixture.h"
+
+namespace kvmem::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST_F(EngineTest, AppendThenReadIsBitExact) {
+  const uint64_t id = Create();
+  ASSERT_TRUE(AppendRange(id, 0, 37).ok());
+  ASSERT_TRUE(AppendRange(id, 37, 1).ok());
+  auto r = AppendRange(id, 38, 100);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->appended_tokens, 138u);
+  EXPECT_EQ(r->kv_bytes, 138u * kL * kH * 2 * kD * 2);
+  ExpectContentMatchesPositions(id);
+  auto table = *engine_->GetBlockTable(id);
+  ASSERT_EQ(table.streams.size(), kL * kH);
+  EXPECT_EQ(table.streams[0].block_ids.size(), 9u);  // ceil(138 / 16)
+  EXPECT_EQ(table.streams[0].last_block_fill, 138u - 8 * 16);
+}
+
+TEST_F(EngineTest, WindowKeepsExactlyTheLastWAndEpochChangesOnEveryEviction) {
+  const uint64_t id = Create("window", {{"window", 20}});
+  ASSERT_TRUE(AppendRange(id, 0, 50).ok());
+  uint64_t epoch = engine_->GetBlockTable(id)->epoch;
+  auto step = engine_->Step(id, {});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->evicted_tokens, 30u * kL * kH);
+  EXPECT_NE(step->epoch, epoch);
+  epoch = step->epoch;
+  for (int t = 50; t < 90; ++t) {
+    ASSERT_TRUE(AppendRange(id, t, 1).ok());
+    auto s = engine_->Step(id, {});
+    ASSERT_TRUE(s.ok());
+    EXPECT_EQ(s->evicted_tokens, kL * kH);
+    EXPECT_NE(s->epoch, epoch) << "step " << t;
+    epoch = s->epoch;
+  }
+  auto table = *engine_->GetBlockTable(id);
+  for (const StreamTable& st : table.streams) {
+    EXPECT_EQ(st.positions, testing::Range(70, 20));
+    EXPECT_EQ(st.block_ids.size(), 2u);  // compacted: emptied blocks went back
+  }
+  ExpectContentMatchesPositions(id);
+  // A step that evicts nothing leaves the epoch alone.
+  auto idle = engine_->Step(id, {});
+  EXPECT_EQ(idle->evicted_tokens, 0u);
+  EXPECT_EQ(idle->epoch, epoch);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 2u * kL * kH);
+}
+
+TEST_F(EngineTest, StaleEpochIsFailedPreconditionAndChangesNothing) {
+  const uint64_t id = Create("window", {{"window", 4}});
+  ASSERT_TRUE(AppendRange(id, 0, 8).ok());
+  const uint64_t epoch = engine_->GetBlockTable(id)->epoch;
+  std::vector<float> row(8, 1.0f / 8);
+  StepInput input;
+  input.epoch = epoch + 1000;
+  input.attention.push_back({0, 0, row});
+  auto s = engine_->Step(id, input);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.status().message(), HasSubstr("epoch"));
+  EXPECT_EQ(engine_->GetBlockTable(id)->streams[0].positions.size(), 8u);
+  input.epoch = epoch;
+  EXPECT_TRUE(engine_->Step(id, input).ok());
+}
+
+TEST_F(EngineTest, FullPoolIsResourceExhaustedAndChangesNothing) {
+  MakeEngine(16 * 4096);  // 16 pages of 4 KiB; one block = 16*8*2*2 = 512 bytes
+  const uint64_t a = Create();
+  ASSERT_TRUE(AppendRange(a, 0, 16 * 15).ok());  // 15 blocks x 8 streams = 120 of 128 slots
+  const EngineStats before = engine_->Stats(true);
+  auto r = AppendRange(a, 240, 32);  // needs 16 more blocks
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("pool"));
+  const EngineStats after = engine_->Stats(true);
+  EXPECT_EQ(after.pool.blocks_used, before.pool.blocks_used);
+  EXPECT_EQ(after.sequences[0].appended_tokens, before.sequences[0].appended_tokens);
+  EXPECT_EQ(after.tokens_appended, before.tokens_appended);
+  ExpectContentMatchesPositions(a);
+  // What fits still fits.
+  EXPECT_TRUE(AppendRange(a, 240, 16).ok());
+}
+
+TEST_F(EngineTest, LapsedLeaseFreesEveryBlock) {
+  const uint64_t a = Create("full", {}, absl::Seconds(5));
+  const uint64_t b = Create("full", {}, absl::Seconds(30));
+  ASSERT_TRUE(AppendRange(a, 0, 100).ok());
+  ASSERT_TRUE(AppendRange(b, 0, 10).ok());
+  const uint64_t b_blocks = engine_->Stats(false).pool.blocks_used - 7 * kL * kH;
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_EQ(engine_->ExpireLeases(), 0u);
+  ASSERT_TRUE(engine_->KeepAlive({a}).ok());  // renews a for another 5 s
+  clock_.Advance(absl::Seconds(4));
+  EXPECT_EQ(engine_->ExpireLeases(), 0u);
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(engine_->ExpireLeases(), 1u);
+  EXPECT_EQ(engine_->GetBlockTable(a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, b_blocks);
+  EXPECT_EQ(engine_->Stats(false).leases_expired, 1u);
+  clock_.Advance(absl::Seconds(30));
+  EXPECT_EQ(engine_->ExpireLeases(), 1u);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 0u);
+  EXPECT_EQ(engine_->Stats(false).pool.pages_used, 0u);
+}
+
+TEST_F(EngineTest, KeepAliveWithAnUnknownIdRenewsNothing) {
+  const uint64_t a = Create("full", {}, absl::Seconds(5));
+  clock_.Advance(absl::Seconds(4));
+  auto r = engine_->KeepAlive({a, 999});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.status().message(), HasSubstr("sequence_ids[1]"));
+  clock_.Advance(absl::Seconds(2));
+  EXPECT_EQ(engine_->ExpireLeases(), 1u);
+}
+
+TEST_F(EngineTest, MaxSequencesIsResourceExhaustedAndSlotsReturn) {
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back(Create());
+  auto r = engine_->CreateSequence(TestLayout(), "full", {}, absl::ZeroDuration());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(r.status().message(), HasSubstr("max-sequences"));
+  ASSERT_TRUE(engine_->Release(ids[3]).ok());
+  EXPECT_TRUE(engine_->CreateSequence(TestLayout(), "full", {}, absl::ZeroDuration()).ok());
+}
+
+TEST_F(EngineTest, CompressReportsPerLayerKeptTokens) {
+  const uint64_t id = Create("window", {{"window", 40}});
+  ASSERT_TRUE(AppendRange(id, 0, 50).ok());
+  CompressInput input;
+  input.target_tokens = 10;
+  auto r = engine_->Compress(id, input);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->layers.size(), kL);
+  for (const LayerKept& l : r->layers) {
+    EXPECT_EQ(l.before_tokens, 50u * kH);
+    EXPECT_EQ(l.kept_tokens, 10u * kH);
+  }
+  EXPECT_EQ(r->evicted_tokens, 40u * kL * kH);
+  EXPECT_EQ(r->kv_bytes_after, 10u * kL * kH * 2 * kD * 2);
+  ExpectContentMatchesPositions(id);
+}
+
+}  // namespace
+}  // namespace kvmem::engine
