@@ -20,7 +20,8 @@ ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
 ABSL_FLAG(uint32_t, max_sequences, 1024, "most sequences held at once");
 ABSL_FLAG(uint32_t, lease_seconds, 60, "default lease of a sequence; renewed by every call");
 ABSL_FLAG(uint64_t, max_message_bytes, 64ull << 20, "K+V bytes one Append may carry");
-ABSL_FLAG(double, drain_seconds, 10, "how long SIGTERM waits for in-flight calls");
+ABSL_FLAG(double, drain_seconds, 5,
+          "how long SIGTERM waits for in-flight calls (and connected clients) before cancelling");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 
 namespace {

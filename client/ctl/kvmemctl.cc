@@ -44,8 +44,7 @@ int Info(kvmem::client::Client& client) {
     std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
     for (const auto& param : p.params) {
       std::printf("    %-16s default %-10g range [%g, %g]  %s\n", param.name.c_str(),
-                  param.default_value, param.min_value, param.max_value,
-                  param.description.c_str());
+                  param.default_value, param.min_value, param.max_value, param.description.c_str());
     }
     if (!p.step_signals.empty()) {
       std::printf("    step signals: %s\n", absl::StrJoin(p.step_signals, ", ").c_str());

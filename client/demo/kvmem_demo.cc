@@ -87,7 +87,8 @@ int main(int argc, char** argv) {
   const uint64_t full_bytes =
       total * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim * 2;
   std::printf("decode: %u steps, %llu tokens evicted, epoch %llu\n", steps,
-              static_cast<unsigned long long>(evicted), static_cast<unsigned long long>(last.epoch));
+              static_cast<unsigned long long>(evicted),
+              static_cast<unsigned long long>(last.epoch));
 
   auto table = (*client)->GetBlockTable(seq->id);
   if (!table.ok()) return Fail("GetBlockTable", table.status());
@@ -118,12 +119,13 @@ int main(int argc, char** argv) {
 
   auto stats = (*client)->GetStats(true);
   if (!stats.ok()) return Fail("Stats", stats.status());
-  std::printf("memory held: %llu KV bytes for %llu tokens (full cache would hold %llu: %.1f%% "
-              "saved); pool %llu blocks in use\n",
-              static_cast<unsigned long long>(last.kv_bytes_after),
-              static_cast<unsigned long long>(total), static_cast<unsigned long long>(full_bytes),
-              100.0 * (1.0 - double(last.kv_bytes_after) / double(full_bytes)),
-              static_cast<unsigned long long>(stats->blocks_used));
+  std::printf(
+      "memory held: %llu KV bytes for %llu tokens (full cache would hold %llu: %.1f%% "
+      "saved); pool %llu blocks in use\n",
+      static_cast<unsigned long long>(last.kv_bytes_after), static_cast<unsigned long long>(total),
+      static_cast<unsigned long long>(full_bytes),
+      100.0 * (1.0 - double(last.kv_bytes_after) / double(full_bytes)),
+      static_cast<unsigned long long>(stats->blocks_used));
   auto freed = (*client)->Release(seq->id);
   if (!freed.ok()) return Fail("Release", freed.status());
   std::printf("released: %llu blocks returned to the pool\n",

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
 namespace kvmem::engine {
@@ -16,9 +16,8 @@ absl::Status CheckFinite(absl::Span<const float> values, const std::string& fiel
                          float max) {
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: ", values[i],
-                                                     " is not a finite value in [", min, ", ",
-                                                     max, "]"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "]: ", values[i], " is not a finite value in [", min, ", ", max, "]"));
     }
   }
   return absl::OkStatus();
@@ -42,21 +41,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                                                        std::unique_ptr<store::Backend> backend,
                                                        const Clock* clock) {
   if (config.max_sequences == 0 || config.max_sequences > (1u << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("max_sequences: ", config.max_sequences,
-                                                   " is outside [1, 1048576]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sequences: ", config.max_sequences, " is outside [1, 1048576]"));
   }
   if (config.default_block_tokens == 0 || config.default_block_tokens > kMaxBlockTokens) {
     return absl::InvalidArgumentError(absl::StrCat("block_tokens: ", config.default_block_tokens,
                                                    " is outside [1, ", kMaxBlockTokens, "]"));
   }
   if (config.default_lease <= absl::ZeroDuration() || config.default_lease > config.max_lease) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lease_seconds: ", absl::ToDoubleSeconds(config.default_lease), " is outside (0, ",
-        absl::ToDoubleSeconds(config.max_lease), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(config.default_lease),
+                     " is outside (0, ", absl::ToDoubleSeconds(config.max_lease), "]"));
   }
-  absl::StatusOr<std::unique_ptr<store::BlockPool>> pool =
-      store::BlockPool::Create(std::min(config.pool_bytes, backend->pool_bytes()),
-                               config.page_bytes);
+  absl::StatusOr<std::unique_ptr<store::BlockPool>> pool = store::BlockPool::Create(
+      std::min(config.pool_bytes, backend->pool_bytes()), config.page_bytes);
   if (!pool.ok()) return pool.status();
   absl::StatusOr<std::unique_ptr<EpochBoard>> board = EpochBoard::Create(config.max_sequences);
   if (!board.ok()) return board.status();
@@ -96,12 +94,12 @@ absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t sequence_id) {
 }
 
 // Looks a sequence up and locks it; NOT_FOUND if it was released meanwhile.
-#define KVMEM_LOCK_SEQUENCE(seq, id)                                                   \
-  absl::StatusOr<std::shared_ptr<Sequence>> seq##_or = Find(id);                       \
-  if (!seq##_or.ok()) return seq##_or.status();                                        \
-  Sequence& seq = **seq##_or;                                                          \
-  absl::MutexLock seq##_lock(&seq.mu);                                                 \
-  if (seq.released) {                                                                  \
+#define KVMEM_LOCK_SEQUENCE(seq, id)                                                         \
+  absl::StatusOr<std::shared_ptr<Sequence>> seq##_or = Find(id);                             \
+  if (!seq##_or.ok()) return seq##_or.status();                                              \
+  Sequence& seq = **seq##_or;                                                                \
+  absl::MutexLock seq##_lock(&seq.mu);                                                       \
+  if (seq.released) {                                                                        \
     return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", id, " was released")); \
   }
 
@@ -135,7 +133,8 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
                                                     absl::Duration lease) {
   if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
   if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
-  absl::StatusOr<std::unique_ptr<policy::Policy>> policy = policy::CreatePolicy(policy_name, params);
+  absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+      policy::CreatePolicy(policy_name, params);
   if (!policy.ok()) return policy.status();
   absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
   if (!granted.ok()) return granted.status();
@@ -166,7 +165,8 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
   const size_t n = chunk.positions.size();
   const Layout& layout = seq.layout;
   if (n == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "positions: at least one token is required"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "positions: at least one token is required"));
   }
   const uint64_t max_tokens = config_.max_append_bytes / (2 * layout.payload_bytes(1));
   if (n > max_tokens) {
@@ -182,41 +182,42 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
         " x ", DTypeBytes(layout.dtype), " bytes (", DTypeName(layout.dtype), ")"));
   }
   if (chunk.v.size() != want) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "v: ", chunk.v.size(),
-                                                   " bytes, expected ", want, " (same shape as k)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "v: ", chunk.v.size(), " bytes, expected ", want, " (same shape as k)"));
   }
   if (!chunk.token_ids.empty() && chunk.token_ids.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat(where, "token_ids: ", chunk.token_ids.size(),
-                                                   " ids for ", n, " positions (send 0 or ", n, ")"));
+                                                   " ids for ", n, " positions (send 0 or ", n,
+                                                   ")"));
   }
   for (size_t i = 0; i < chunk.token_ids.size(); ++i) {
     if (chunk.token_ids[i] < 0 || static_cast<uint32_t>(chunk.token_ids[i]) >= layout.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(where, "token_ids[", i, "]: ",
-                                                     chunk.token_ids[i], " is outside [0, ",
+      return absl::InvalidArgumentError(absl::StrCat(where, "token_ids[", i,
+                                                     "]: ", chunk.token_ids[i], " is outside [0, ",
                                                      layout.vocab_size, ")"));
     }
   }
   if (!chunk.token_entropy.empty() && chunk.token_entropy.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "token_entropy: ",
-                                                   chunk.token_entropy.size(), " values for ", n,
-                                                   " positions (send 0 or ", n, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "token_entropy: ", chunk.token_entropy.size(), " values for ", n,
+                     " positions (send 0 or ", n, ")"));
   }
   if (auto s = CheckFinite(chunk.token_entropy, where + "token_entropy", 0.0f, 1e6f); !s.ok()) {
     return s;
   }
   if (!chunk.layer_distance.empty() && chunk.layer_distance.size() != n) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "layer_distance: ",
-                                                   chunk.layer_distance.size(), " values for ", n,
-                                                   " positions (send 0 or ", n, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "layer_distance: ", chunk.layer_distance.size(), " values for ", n,
+                     " positions (send 0 or ", n, ")"));
   }
   if (auto s = CheckFinite(chunk.layer_distance, where + "layer_distance", 0.0f, 2.0f); !s.ok()) {
     return s;
   }
   for (size_t i = 0; i < n; ++i) {
     if (chunk.positions[i] <= *last_position) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "positions[", i, "]: ", chunk.positions[i],
-          " must be greater than the previous position ", *last_position));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "positions[", i, "]: ", chunk.positions[i],
+                       " must be greater than the previous position ", *last_position));
     }
     *last_position = chunk.positions[i];
   }
@@ -249,7 +250,8 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     }
   }
   std::vector<store::BlockId> fresh;
-  if (absl::Status s = pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), needed, &fresh);
+  if (absl::Status s =
+          pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), needed, &fresh);
       !s.ok()) {
     return s;
   }
@@ -351,29 +353,27 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     }
     if (sig.kv_head >= layout.num_kv_heads) {
       return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].kv_head: ", sig.kv_head,
-                                                     " is outside [0, ", layout.num_kv_heads,
-                                                     ")"));
+                                                     " is outside [0, ", layout.num_kv_heads, ")"));
     }
     const size_t s = size_t{sig.layer} * layout.num_kv_heads + sig.kv_head;
     if (seen[s]) {
       return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: stream (layer ", sig.layer,
-                                                     ", kv_head ", sig.kv_head,
-                                                     ") appears twice"));
+                                                     ", kv_head ", sig.kv_head, ") appears twice"));
     }
     seen[s] = true;
     const std::string name = absl::StrCat(field, "[", i, "]");
     if (sig.values.size() != seq.streams[s].size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": ", sig.values.size(), " values but stream (layer ", sig.layer, ", kv_head ",
-          sig.kv_head, ") retains ", seq.streams[s].size(), " slots"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", sig.values.size(), " values but stream (layer ", sig.layer,
+                       ", kv_head ", sig.kv_head, ") retains ", seq.streams[s].size(), " slots"));
     }
     if (auto st = CheckFinite(sig.values, name, 0.0f, 1e30f); !st.ok()) return st;
     by_stream[s] = sig.values;
   }
   if (require_all && signals.size() != seq.streams.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": ", why, " needs one entry per stream (",
-                                                   seq.streams.size(), " = layers x kv_heads), got ",
-                                                   signals.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", why, " needs one entry per stream (", seq.streams.size(),
+                     " = layers x kv_heads), got ", signals.size()));
   }
   return by_stream;
 }
@@ -513,9 +513,8 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
         "epoch: attention rows were computed on epoch ", input.epoch,
         " but the block table is at epoch ", seq.epoch, "; fetch the block table again"));
   }
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
-      IndexSignals(seq, input.attention, "attention",
-                   (desc.step_signals & policy::kAttentionRows) != 0, why);
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
+      seq, input.attention, "attention", (desc.step_signals & policy::kAttentionRows) != 0, why);
   if (!rows.ok()) return rows.status();
 
   policy::CallContext ctx;
@@ -623,7 +622,9 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
     out.block_offsets.reserve(st.blocks.size());
     for (store::BlockId id : st.blocks) out.block_offsets.push_back(pool_->offset(id));
     out.last_block_fill =
-        st.blocks.empty() ? 0 : static_cast<uint32_t>(st.size() - (st.blocks.size() - 1) * seq.layout.block_tokens);
+        st.blocks.empty()
+            ? 0
+            : static_cast<uint32_t>(st.size() - (st.blocks.size() - 1) * seq.layout.block_tokens);
     out.positions = st.positions;
   }
   Renew(seq);
@@ -639,9 +640,9 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
   const Layout& layout = seq.layout;
   if (layer_begin == 0 && layer_end == 0) layer_end = layout.num_layers;
   if (layer_end > layout.num_layers || layer_begin >= layer_end) {
-    return absl::InvalidArgumentError(absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ",
-                                                   layer_end, ") is not a non-empty range within [0, ",
-                                                   layout.num_layers, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ", layer_end,
+                     ") is not a non-empty range within [0, ", layout.num_layers, ")"));
   }
   uint64_t read_epoch = epoch;
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
@@ -650,15 +651,15 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
       {
         absl::MutexLock lock(&seq.mu);
         if (seq.released) {
-          return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", sequence_id,
-                                                  " was released"));
+          return absl::NotFoundError(
+              absl::StrCat("sequence_id: sequence ", sequence_id, " was released"));
         }
         if (read_epoch == 0) read_epoch = seq.epoch;
         if (seq.epoch != read_epoch) {
           return layer == layer_begin && head == 0
-                     ? absl::FailedPreconditionError(absl::StrCat(
-                           "epoch: asked for epoch ", read_epoch, " but the block table is at epoch ",
-                           seq.epoch))
+                     ? absl::FailedPreconditionError(
+                           absl::StrCat("epoch: asked for epoch ", read_epoch,
+                                        " but the block table is at epoch ", seq.epoch))
                      : absl::AbortedError(absl::StrCat("epoch: the block table changed from epoch ",
                                                        read_epoch, " to ", seq.epoch,
                                                        " during the read; read again"));
@@ -705,8 +706,9 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
     absl::MutexLock lock(&mu_);
     id = next_id_++;
   }
-  auto child = std::make_shared<Sequence>(id, parent.layout, parent.policy_name,
-                                          parent.policy_params, *std::move(policy), *granted, *slot);
+  auto child =
+      std::make_shared<Sequence>(id, parent.layout, parent.policy_name, parent.policy_params,
+                                 *std::move(policy), *granted, *slot);
   child->parent_id = parent.id;
   {
     absl::MutexLock lock(&child->mu);
@@ -757,8 +759,8 @@ absl::StatusOr<uint32_t> Engine::KeepAlive(absl::Span<const uint64_t> sequence_i
     for (size_t i = 0; i < sequence_ids.size(); ++i) {
       auto it = sequences_.find(sequence_ids[i]);
       if (it == sequences_.end()) {
-        return absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ",
-                                                sequence_ids[i]));
+        return absl::NotFoundError(
+            absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i]));
       }
       found.push_back(it->second);
     }

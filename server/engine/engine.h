@@ -12,11 +12,11 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -223,7 +223,8 @@ class Engine {
   // Applies a policy decision: compacts every stream with a keep-set, bumps the epoch.
   absl::StatusOr<uint64_t> ApplyDecision(Sequence& seq, const policy::Decision& decision)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  std::vector<policy::StreamState> StreamStates(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  std::vector<policy::StreamState> StreamStates(Sequence& seq)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
 
   const EngineConfig config_;

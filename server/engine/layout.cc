@@ -1,7 +1,7 @@
 #include "server/engine/layout.h"
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace kvmem::engine {
 

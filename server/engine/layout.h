@@ -1,9 +1,9 @@
 #pragma once
 // Layout: the shape of one model's cache, and the sizes derived from it.
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace kvmem::engine {
 

@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 
 namespace kvmem::policy {
 

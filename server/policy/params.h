@@ -2,11 +2,11 @@
 // Policy parameters: each policy declares its parameters with defaults and bounds; a
 // sequence's overrides are checked against them once, at CreateSequence.
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace kvmem::policy {
 

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "server/policy/window.h"
 
 namespace kvmem::policy {
@@ -29,10 +29,11 @@ const std::vector<Entry>& Registry() {
 }  // namespace
 
 std::vector<std::string> SignalNames(SignalSet signals) {
-  static constexpr std::pair<Signal, const char*> kNames[] = {
-      {kLogitStats, "logit_stats"},     {kAttentionRows, "attention_rows"},
-      {kWindowScores, "window_scores"}, {kTokenEntropy, "token_entropy"},
-      {kLayerDistance, "layer_distance"}};
+  static constexpr std::pair<Signal, const char*> kNames[] = {{kLogitStats, "logit_stats"},
+                                                              {kAttentionRows, "attention_rows"},
+                                                              {kWindowScores, "window_scores"},
+                                                              {kTokenEntropy, "token_entropy"},
+                                                              {kLayerDistance, "layer_distance"}};
   std::vector<std::string> names;
   for (const auto& [bit, name] : kNames) {
     if (signals & bit) names.emplace_back(name);
@@ -62,16 +63,15 @@ absl::StatusOr<std::unique_ptr<Policy>> CreatePolicy(absl::string_view name,
   std::vector<std::string> known;
   for (const Entry& e : Registry()) known.push_back(e.descriptor->name);
   return absl::InvalidArgumentError(absl::StrCat("policy.name: unknown policy \"", name,
-                                                 "\" (known: ", absl::StrJoin(known, ", "),
-                                                 ")"));
+                                                 "\" (known: ", absl::StrJoin(known, ", "), ")"));
 }
 
 absl::StatusOr<LogitStats> CheckLogitStats(const LogitStats& stats, uint32_t vocab_size) {
   const double max_entropy = std::log(static_cast<double>(vocab_size)) * (1 + 1e-4) + 1e-4;
   if (!std::isfinite(stats.entropy) || stats.entropy < 0 || stats.entropy > max_entropy) {
     return absl::InvalidArgumentError(absl::StrCat("logit_stats.entropy: ", stats.entropy,
-                                                   " is outside [0, ln(vocab_size) = ",
-                                                   max_entropy, "]"));
+                                                   " is outside [0, ln(vocab_size) = ", max_entropy,
+                                                   "]"));
   }
   if (!std::isfinite(stats.p1) || stats.p1 <= 0 || stats.p1 > 1) {
     return absl::InvalidArgumentError(
@@ -86,26 +86,25 @@ absl::StatusOr<LogitStats> CheckLogitStats(const LogitStats& stats, uint32_t voc
 
 absl::StatusOr<LogitStats> LogitStatsFromTopLogprobs(absl::Span<const float> top_logprobs) {
   if (top_logprobs.size() < 2) {
-    return absl::InvalidArgumentError(absl::StrCat("logit_stats.top_logprobs: ",
-                                                   top_logprobs.size(),
-                                                   " values; at least 2 are required"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "logit_stats.top_logprobs: ", top_logprobs.size(), " values; at least 2 are required"));
   }
   double mass = 0;
   double entropy = 0;
   for (size_t i = 0; i < top_logprobs.size(); ++i) {
     const float lp = top_logprobs[i];
     if (!std::isfinite(lp) || lp > 0 || (i > 0 && lp > top_logprobs[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "logit_stats.top_logprobs[", i, "]: ", lp,
-          " must be a finite log-probability <= 0, not above the one before it"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_stats.top_logprobs[", i, "]: ", lp,
+                       " must be a finite log-probability <= 0, not above the one before it"));
     }
     const double p = std::exp(static_cast<double>(lp));
     mass += p;
     entropy -= p * lp;
   }
   if (mass > 1 + 1e-3) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "logit_stats.top_logprobs: probabilities sum to ", mass, ", more than 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("logit_stats.top_logprobs: probabilities sum to ", mass, ", more than 1"));
   }
   const double rest = std::max(0.0, 1 - mass);
   if (rest > 0) entropy -= rest * std::log(rest);

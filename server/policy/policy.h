@@ -10,10 +10,10 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "server/policy/params.h"
 
@@ -21,11 +21,11 @@ namespace kvmem::policy {
 
 // Signals a policy may need; a worker sends only what its sequence's policy declares.
 enum Signal : uint32_t {
-  kLogitStats = 1u << 0,      // entropy, p1, p2 of the next-token distribution
-  kAttentionRows = 1u << 1,   // newest query's attention per stream
-  kWindowScores = 1u << 2,    // prefill window column sums per stream
-  kTokenEntropy = 1u << 3,    // per appended token
-  kLayerDistance = 1u << 4,   // per appended token
+  kLogitStats = 1u << 0,     // entropy, p1, p2 of the next-token distribution
+  kAttentionRows = 1u << 1,  // newest query's attention per stream
+  kWindowScores = 1u << 2,   // prefill window column sums per stream
+  kTokenEntropy = 1u << 3,   // per appended token
+  kLayerDistance = 1u << 4,  // per appended token
 };
 using SignalSet = uint32_t;
 std::vector<std::string> SignalNames(SignalSet signals);
@@ -49,13 +49,13 @@ struct LogitStats {
 struct StreamState {
   uint32_t layer = 0;
   uint32_t kv_head = 0;
-  absl::Span<const int64_t> positions;      // original token positions, increasing
-  absl::Span<float> scores;                 // policy-owned score state, kept across calls
-  absl::Span<const float> attention;        // this call's row; empty when not sent
-  absl::Span<const float> window_scores;    // Compress only; empty when not sent
-  absl::Span<const float> token_entropy;    // per slot; NaN where the worker sent none
-  absl::Span<const float> layer_distance;   // per slot; NaN where the worker sent none
-  absl::Span<const int64_t> arrival_step;   // step at which the slot was appended
+  absl::Span<const int64_t> positions;     // original token positions, increasing
+  absl::Span<float> scores;                // policy-owned score state, kept across calls
+  absl::Span<const float> attention;       // this call's row; empty when not sent
+  absl::Span<const float> window_scores;   // Compress only; empty when not sent
+  absl::Span<const float> token_entropy;   // per slot; NaN where the worker sent none
+  absl::Span<const float> layer_distance;  // per slot; NaN where the worker sent none
+  absl::Span<const int64_t> arrival_step;  // step at which the slot was appended
 };
 
 struct CallContext {

@@ -7,7 +7,8 @@ class FullPolicy final : public Policy {
  public:
   const PolicyDescriptor& descriptor() const override { return FullDescriptor(); }
   Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
-    return Decision{std::nan(""), 0, std::vector<std::optional<std::vector<uint32_t>>>(streams.size())};
+    return Decision{std::nan(""), 0,
+                    std::vector<std::optional<std::vector<uint32_t>>>(streams.size())};
   }
   // `full` never evicts, even when a target is asked: that is what the name promises.
   Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
@@ -51,12 +52,12 @@ const PolicyDescriptor& FullDescriptor() {
 }
 
 const PolicyDescriptor& WindowDescriptor() {
-  static const PolicyDescriptor* d = new PolicyDescriptor{
-      "window",
-      "Sliding window: keeps the last W tokens of every stream, every step.",
-      {{"window", 512, 1, 1 << 24, true, "W, tokens kept per stream"}},
-      0,
-      0};
+  static const PolicyDescriptor* d =
+      new PolicyDescriptor{"window",
+                           "Sliding window: keeps the last W tokens of every stream, every step.",
+                           {{"window", 512, 1, 1 << 24, true, "W, tokens kept per stream"}},
+                           0,
+                           0};
   return *d;
 }
 

@@ -22,9 +22,9 @@ absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout) {
       out.dtype = engine::DType::kF32;
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layout.dtype: ", static_cast<int>(layout.dtype()),
-          " is not a known dtype (DTYPE_F16 = 1, DTYPE_BF16 = 2, DTYPE_F32 = 3)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout.dtype: ", static_cast<int>(layout.dtype()),
+                       " is not a known dtype (DTYPE_F16 = 1, DTYPE_BF16 = 2, DTYPE_F32 = 3)"));
   }
   out.num_layers = layout.num_layers();
   out.num_kv_heads = layout.num_kv_heads();
@@ -82,12 +82,14 @@ std::vector<engine::StreamSignal> Views(const google::protobuf::RepeatedPtrField
 
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows) {
-  return Views(rows, [](const v1::AttentionRow& r) -> const auto& { return r.weights(); });
+  return Views(
+      rows, [](const v1::AttentionRow& r) -> const auto& { return r.weights(); });
 }
 
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::WindowScores>& scores) {
-  return Views(scores, [](const v1::WindowScores& w) -> const auto& { return w.scores(); });
+  return Views(
+      scores, [](const v1::WindowScores& w) -> const auto& { return w.scores(); });
 }
 
 void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTable* out) {

@@ -120,9 +120,9 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext*,
     }
     bytes += request.k().size() + request.v().size();
     if (bytes > engine_->config().pool_bytes) {
-      return ToGrpc(absl::ResourceExhaustedError(
-          absl::StrCat("pool: the stream carries more than ", bytes, " bytes of K+V, beyond the pool of ",
-                       engine_->config().pool_bytes, " bytes")));
+      return ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
+          "pool: the stream carries more than ", bytes, " bytes of K+V, beyond the pool of ",
+          engine_->config().pool_bytes, " bytes")));
     }
     requests.push_back(std::move(request));
     request.Clear();
@@ -146,8 +146,8 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
   input.epoch = request->epoch();
   if (request->has_logit_stats()) {
     const v1::LogitStats& ls = request->logit_stats();
-    input.logits = engine::RawLogitStats{ls.entropy(), ls.p1(), ls.p2(),
-                                         {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
+    input.logits = engine::RawLogitStats{
+        ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
   }
   input.attention = SignalViews(request->attention());
   absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
@@ -170,8 +170,7 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
   input.target_tokens = request->target_tokens();
   input.attention = SignalViews(request->attention());
   input.window_scores = SignalViews(request->window_scores());
-  absl::StatusOr<engine::CompressResult> result =
-      engine_->Compress(request->sequence_id(), input);
+  absl::StatusOr<engine::CompressResult> result = engine_->Compress(request->sequence_id(), input);
   if (!result.ok()) return ToGrpc(result.status());
   for (const engine::LayerKept& layer : result->layers) {
     v1::LayerKept* out = response->add_layers();
@@ -195,23 +194,24 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context,
-                                    const v1::ReadKVRequest* request,
+grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context, const v1::ReadKVRequest* request,
                                     grpc::ServerWriter<v1::KVChunk>* writer) {
-  absl::Status status = engine_->ReadKV(
-      request->sequence_id(), request->epoch(), request->layer_begin(), request->layer_end(),
-      [&](engine::StreamKV&& kv) {
-        if (context->IsCancelled()) return absl::CancelledError("ReadKV: the client cancelled");
-        v1::KVChunk chunk;
-        chunk.set_layer(kv.layer);
-        chunk.set_kv_head(kv.kv_head);
-        chunk.set_epoch(kv.epoch);
-        chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
-        chunk.set_k(std::move(kv.k));
-        chunk.set_v(std::move(kv.v));
-        if (!writer->Write(chunk)) return absl::CancelledError("ReadKV: the stream was closed");
-        return absl::OkStatus();
-      });
+  absl::Status status =
+      engine_->ReadKV(request->sequence_id(), request->epoch(), request->layer_begin(),
+                      request->layer_end(), [&](engine::StreamKV&& kv) {
+                        if (context->IsCancelled())
+                          return absl::CancelledError("ReadKV: the client cancelled");
+                        v1::KVChunk chunk;
+                        chunk.set_layer(kv.layer);
+                        chunk.set_kv_head(kv.kv_head);
+                        chunk.set_epoch(kv.epoch);
+                        chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
+                        chunk.set_k(std::move(kv.k));
+                        chunk.set_v(std::move(kv.v));
+                        if (!writer->Write(chunk))
+                          return absl::CancelledError("ReadKV: the stream was closed");
+                        return absl::OkStatus();
+                      });
   return ToGrpc(status);
 }
 
@@ -248,8 +248,7 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*,
-                                       const v1::KeepAliveRequest* request,
+grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,
                                        v1::KeepAliveResponse* response) {
   if (request->sequence_ids().empty()) {
     return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));

@@ -18,8 +18,7 @@ class KvCacheService final : public v1::KvCache::Service {
                        v1::GetInfoResponse*) override;
   grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
                               v1::CreateSequenceResponse*) override;
-  grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*,
-                      v1::AppendResponse*) override;
+  grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*, v1::AppendResponse*) override;
   grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendRequest>*,
                             v1::AppendResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
@@ -32,14 +31,12 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*) override;
   grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*,
                        v1::PublishResponse*) override;
-  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*,
-                      v1::LookupResponse*) override;
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
   grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*,
                        v1::ReleaseResponse*) override;
   grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*,
                          v1::KeepAliveResponse*) override;
-  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
-                     v1::StatsResponse*) override;
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
 
  private:
   engine::Engine* const engine_;

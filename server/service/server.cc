@@ -70,9 +70,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   health->SetServingStatus(kServiceName, true);
   Server* raw = server.get();
   const absl::Duration period = config.reaper_period;
-  server->reaper_ = std::thread([raw, period] {
-    raw->engine_->RunLeaseReaper(period, &raw->stop_reaper_);
-  });
+  server->reaper_ =
+      std::thread([raw, period] { raw->engine_->RunLeaseReaper(period, &raw->stop_reaper_); });
   return server;
 }
 

@@ -13,9 +13,9 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes
                                                              uint64_t page_bytes) {
   if (page_bytes < kBlockAlignment || page_bytes % kBlockAlignment != 0 ||
       page_bytes > (1ull << 30)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "page_bytes: ", page_bytes, " must be a multiple of ", kBlockAlignment, " in [",
-        kBlockAlignment, ", 1 GiB]"));
+    return absl::InvalidArgumentError(absl::StrCat("page_bytes: ", page_bytes,
+                                                   " must be a multiple of ", kBlockAlignment,
+                                                   " in [", kBlockAlignment, ", 1 GiB]"));
   }
   const uint64_t pages = pool_bytes / page_bytes;
   if (pages == 0 || pages > 0xffffffffull) {
@@ -77,7 +77,8 @@ void BlockPool::FreeLocked(BlockId id) {
   Block& block = blocks_[id];
   const uint32_t page_index = static_cast<uint32_t>(block.offset / page_bytes_);
   Page& page = pages_[page_index];
-  page.free_slots.push_back(static_cast<uint32_t>((block.offset % page_bytes_) / block.class_bytes));
+  page.free_slots.push_back(
+      static_cast<uint32_t>((block.offset % page_bytes_) / block.class_bytes));
   --page.used;
   if (page.used == 0) {
     partial_[page.class_bytes].erase(page_index);
@@ -98,9 +99,8 @@ void BlockPool::FreeLocked(BlockId id) {
 absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count,
                                      std::vector<BlockId>* out) {
   if (block_bytes == 0 || block_bytes > page_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("block_bytes: ", block_bytes,
-                                                   " must be in [1, page_bytes=", page_bytes_,
-                                                   "]"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block_bytes: ", block_bytes, " must be in [1, page_bytes=", page_bytes_, "]"));
   }
   const uint32_t class_bytes = RoundUp(block_bytes);
   absl::MutexLock lock(&mu_);
@@ -149,8 +149,8 @@ uint32_t BlockPool::refs(BlockId id) const {
 
 PoolUsage BlockPool::usage() const {
   absl::MutexLock lock(&mu_);
-  return PoolUsage{pool_bytes(), page_bytes_, num_pages_, pages_used_, blocks_used_,
-                   block_bytes_used_};
+  return PoolUsage{pool_bytes(), page_bytes_,  num_pages_,
+                   pages_used_,  blocks_used_, block_bytes_used_};
 }
 
 uint64_t BlockPool::free_bytes() const {

@@ -33,8 +33,7 @@ std::string CpuBackend::device_name() const {
 absl::Status CpuBackend::CheckRange(uint64_t offset, uint64_t bytes, const char* what) const {
   if (offset > segment_->bytes() || bytes > segment_->bytes() - offset) {
     return absl::InternalError(absl::StrCat(what, ": range [", offset, ", ", offset + bytes,
-                                            ") outside the pool of ", segment_->bytes(),
-                                            " bytes"));
+                                            ") outside the pool of ", segment_->bytes(), " bytes"));
   }
   return absl::OkStatus();
 }

@@ -3,8 +3,8 @@
 // workers can map it read-only and read blocks in place. Work is synchronous.
 #include <memory>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "server/store/backend.h"
 #include "server/store/shared_segment.h"
 

@@ -24,9 +24,8 @@ absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::
     const int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("shared memory ", name, ": cannot size to ", bytes, " bytes: ",
-                     std::strerror(err)));
+    return absl::ResourceExhaustedError(absl::StrCat("shared memory ", name, ": cannot size to ",
+                                                     bytes, " bytes: ", std::strerror(err)));
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;

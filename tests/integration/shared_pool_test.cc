@@ -1,10 +1,11 @@
 // Same-host attach: blocks read in place from the shared pool, zero copies, and the
 // seqlock protocol that keeps a reader from trusting a block the daemon is rewriting.
+#include "kvmem/shared_pool.h"
+
 #include <atomic>
 #include <thread>
 
 #include "gmock/gmock.h"
-#include "kvmem/shared_pool.h"
 #include "tests/integration/daemon_fixture.h"
 
 namespace kvmem {
@@ -88,7 +89,8 @@ TEST_F(SharedPoolTest, ConcurrentReaderNeverAcceptsARewrittenBlock) {
         // Unchecked copy first, to show what a reader without the protocol would see.
         auto blocks = *pool_->StreamBlocks(*table, s / kH, s % kH);
         std::string raw;
-        for (const auto& b : blocks) raw.append(reinterpret_cast<const char*>(b.k), b.fill * kD * 2);
+        for (const auto& b : blocks)
+          raw.append(reinterpret_cast<const char*>(b.k), b.fill * kD * 2);
         const std::string want = testing::Expected16(s, table->streams[s].positions, kD, 0);
         if (raw != want) ++torn_unchecked;
         const absl::Status status = pool_->ReadStream(*table, s / kH, s % kH, &k, &v);

@@ -28,8 +28,9 @@ void ToProto(const Layout& layout, v1::Layout* out) {
 }
 
 Layout FromProto(const v1::Layout& layout) {
-  return Layout{layout.num_layers(), layout.num_kv_heads(), layout.head_dim(),
-                static_cast<DType>(layout.dtype()), layout.block_tokens(), layout.vocab_size()};
+  return Layout{layout.num_layers(),   layout.num_kv_heads(),
+                layout.head_dim(),     static_cast<DType>(layout.dtype()),
+                layout.block_tokens(), layout.vocab_size()};
 }
 
 void ToProto(const AppendArgs& args, uint64_t id, v1::AppendRequest* out) {
@@ -109,9 +110,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
 
 absl::StatusOr<Info> Client::GetInfo() {
   v1::GetInfoResponse r;
-  absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
-    return impl_->stub->GetInfo(&c, v1::GetInfoRequest(), &r);
-  });
+  absl::Status s = impl_->Call(
+      [&](grpc::ClientContext& c) { return impl_->stub->GetInfo(&c, v1::GetInfoRequest(), &r); });
   if (!s.ok()) return s;
   Info info;
   info.version = r.version();
@@ -125,8 +125,8 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.default_lease_seconds = r.default_lease_seconds();
   info.max_message_bytes = r.max_message_bytes();
   for (const v1::PolicyInfo& p : r.policies()) {
-    PolicyInfo pi{p.name(), p.description(), {}, ToVector(p.step_signals()),
-                  ToVector(p.compress_signals())};
+    PolicyInfo pi{
+        p.name(), p.description(), {}, ToVector(p.step_signals()), ToVector(p.compress_signals())};
     for (const v1::ParamInfo& param : p.params()) {
       pi.params.push_back({param.name(), param.default_value(), param.min_value(),
                            param.max_value(), param.description()});
@@ -149,8 +149,8 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
   for (const auto& [k, v] : policy.params) (*q.mutable_policy()->mutable_params())[k] = v;
   q.set_lease_seconds(lease_seconds);
   v1::CreateSequenceResponse r;
-  absl::Status s = impl_->Call(
-      [&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
   if (!s.ok()) return s;
   return Sequence{r.sequence_id(), r.lease_seconds(), r.block_tokens(), r.epoch_slot()};
 }
@@ -200,9 +200,9 @@ absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& ar
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Step(&c, q, &r); });
   if (!s.ok()) return s;
-  return StepResult{r.confidence(),     r.budget_tokens(),  r.evicted_tokens(),
-                    r.quantized_tokens(), r.kv_bytes_before(), r.kv_bytes_after(),
-                    r.epoch(),          r.step()};
+  return StepResult{
+      r.confidence(),      r.budget_tokens(),  r.evicted_tokens(), r.quantized_tokens(),
+      r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step()};
 }
 
 absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args) {
@@ -227,11 +227,12 @@ absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
   v1::GetBlockTableRequest q;
   q.set_sequence_id(sequence_id);
   v1::BlockTable r;
-  absl::Status s = impl_->Call(
-      [&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &r); });
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &r); });
   if (!s.ok()) return s;
-  BlockTable table{r.sequence_id(), r.epoch(), r.block_tokens(), r.block_bytes(),
-                   FromProto(r.layout()), r.epoch_slot(), {}};
+  BlockTable table{
+      r.sequence_id(), r.epoch(), r.block_tokens(), r.block_bytes(), FromProto(r.layout()),
+      r.epoch_slot(),  {}};
   for (const v1::StreamTable& st : r.streams()) {
     table.streams.push_back({st.layer(), st.kv_head(), ToVector(st.block_ids()),
                              ToVector(st.block_offsets()), st.last_block_fill(),
@@ -300,9 +301,9 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Stats(&c, q, &r); });
   if (!s.ok()) return s;
-  Stats out{r.pool_bytes(),  r.pool_used_bytes(),  r.pool_free_bytes(), r.pages_total(),
-            r.pages_used(),  r.blocks_used(),      r.sequences_active(), r.tokens_appended(),
-            r.tokens_evicted(), r.steps(),         r.leases_expired(),  {}};
+  Stats out{r.pool_bytes(),     r.pool_used_bytes(), r.pool_free_bytes(),  r.pages_total(),
+            r.pages_used(),     r.blocks_used(),     r.sequences_active(), r.tokens_appended(),
+            r.tokens_evicted(), r.steps(),           r.leases_expired(),   {}};
   for (const v1::SequenceStats& q2 : r.sequences()) {
     out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
                              q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),

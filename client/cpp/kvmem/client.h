@@ -37,7 +37,7 @@ struct PolicySpec {
 
 struct ClientOptions {
   absl::Duration deadline = absl::Seconds(30);  // per attempt
-  int max_attempts = 8;                          // on UNAVAILABLE (about 6 s in all)
+  int max_attempts = 8;                         // on UNAVAILABLE (about 6 s in all)
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
 };

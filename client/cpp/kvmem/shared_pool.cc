@@ -33,8 +33,8 @@ absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t byt
 
 absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info) {
   if (info.shm_name.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "shared_memory: the daemon's ", info.backend, " backend does not export its pool"));
+    return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
+                                                      " backend does not export its pool"));
   }
   std::unique_ptr<SharedPool> pool(new SharedPool());
   absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
@@ -56,21 +56,22 @@ SharedPool::~SharedPool() {
 }
 
 uint64_t SharedPool::EpochWord(uint32_t slot) const {
-  const auto* word = reinterpret_cast<const std::atomic<uint64_t>*>(board_ + uint64_t{slot} * stride_);
+  const auto* word =
+      reinterpret_cast<const std::atomic<uint64_t>*>(board_ + uint64_t{slot} * stride_);
   return word->load(std::memory_order_acquire);
 }
 
 absl::Status SharedPool::BeginRead(const BlockTable& table) const {
   if (table.epoch_slot >= slots_) {
-    return absl::InvalidArgumentError(absl::StrCat("table.epoch_slot: ", table.epoch_slot,
-                                                   " is outside [0, ", slots_, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("table.epoch_slot: ", table.epoch_slot, " is outside [0, ", slots_, ")"));
   }
   const uint64_t word = EpochWord(table.epoch_slot);
   if (word != 2 * table.epoch) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "epoch: the table is at epoch ", table.epoch, " but the sequence is ",
-        word & 1 ? "being rewritten or released" : absl::StrCat("at epoch ", word / 2),
-        "; fetch the block table again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("epoch: the table is at epoch ", table.epoch, " but the sequence is ",
+                     word & 1 ? "being rewritten or released" : absl::StrCat("at epoch ", word / 2),
+                     "; fetch the block table again"));
   }
   return absl::OkStatus();
 }
@@ -78,8 +79,8 @@ absl::Status SharedPool::BeginRead(const BlockTable& table) const {
 absl::Status SharedPool::EndRead(const BlockTable& table) const {
   std::atomic_thread_fence(std::memory_order_acquire);
   if (EpochWord(table.epoch_slot) != 2 * table.epoch) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "epoch: the sequence left epoch ", table.epoch, " during the read; discard it"));
+    return absl::FailedPreconditionError(absl::StrCat("epoch: the sequence left epoch ",
+                                                      table.epoch, " during the read; discard it"));
   }
   return absl::OkStatus();
 }
@@ -89,8 +90,8 @@ absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable
                                                                 uint32_t kv_head) const {
   const Layout& layout = table.layout;
   if (layer >= layout.num_layers || kv_head >= layout.num_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("stream (", layer, ", ", kv_head,
-                                                   ") is outside the layout"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stream (", layer, ", ", kv_head, ") is outside the layout"));
   }
   const StreamTable& st = table.streams[size_t{layer} * layout.num_kv_heads + kv_head];
   const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
@@ -99,8 +100,8 @@ absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable
   for (size_t b = 0; b < st.block_offsets.size(); ++b) {
     const uint64_t off = st.block_offsets[b];
     if (off > pool_bytes_ || table.block_bytes > pool_bytes_ - off) {
-      return absl::OutOfRangeError(absl::StrCat("block_offsets[", b, "]: ", off,
-                                                " is outside the mapped pool"));
+      return absl::OutOfRangeError(
+          absl::StrCat("block_offsets[", b, "]: ", off, " is outside the mapped pool"));
     }
     const uint32_t fill =
         b + 1 == st.block_offsets.size() ? st.last_block_fill : table.block_tokens;

@@ -21,7 +21,7 @@ namespace kvmem::client {
 struct BlockView {
   const uint8_t* k;  // [fill][head_dim] in the layout dtype
   const uint8_t* v;
-  uint32_t fill;     // valid slots in this block
+  uint32_t fill;  // valid slots in this block
 };
 
 class SharedPool {
@@ -37,8 +37,8 @@ class SharedPool {
   absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,
                                                       uint32_t kv_head) const;
   // Copies one stream's retained K and V ([n][D] each) with the full read protocol.
-  absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
-                          std::string* k, std::string* v) const;
+  absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head, std::string* k,
+                          std::string* v) const;
 
  private:
   SharedPool() = default;
