@@ -95,13 +95,13 @@ int main(int argc, char** argv) {
   const auto& st = table->streams[0];
   std::printf("block table (layer 0, kv_head 0), epoch %llu, %u tokens per block:\n",
               static_cast<unsigned long long>(table->epoch), table->block_tokens);
-  for (size_t b = 0; b < st.block_ids.size(); ++b) {
-    const size_t first = b * table->block_tokens;
-    const size_t fill = b + 1 == st.block_ids.size() ? st.last_block_fill : table->block_tokens;
-    std::printf("  block %-6u offset %-10llu positions %lld..%lld (%zu slots)\n", st.block_ids[b],
-                static_cast<unsigned long long>(st.block_offsets[b]),
+  size_t first = 0;
+  for (const auto& b : st.blocks) {
+    std::printf("  block %-6u offset %-10llu slots [%2u, %2u)  positions %lld..%lld\n", b.id,
+                static_cast<unsigned long long>(b.offset), b.start, b.start + b.count,
                 static_cast<long long>(st.positions[first]),
-                static_cast<long long>(st.positions[first + fill - 1]), fill);
+                static_cast<long long>(st.positions[first + b.count - 1]));
+    first += b.count;
   }
 
   // Same-host zero-copy read of that stream, checked against what was appended.

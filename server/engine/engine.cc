@@ -10,8 +10,6 @@
 namespace kvmem::engine {
 namespace {
 
-uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
-
 absl::Status CheckFinite(absl::Span<const float> values, const std::string& field, float min,
                          float max) {
   for (size_t i = 0; i < values.size(); ++i) {
@@ -21,18 +19,6 @@ absl::Status CheckFinite(absl::Span<const float> values, const std::string& fiel
     }
   }
   return absl::OkStatus();
-}
-
-// Appends a move/write op, merging it into the previous one when both ranges continue it.
-void PushMove(std::vector<store::MoveOp>& ops, uint64_t src, uint64_t dst, uint64_t bytes) {
-  if (!ops.empty()) {
-    store::MoveOp& last = ops.back();
-    if (last.src + last.bytes == src && last.dst + last.bytes == dst) {
-      last.bytes += bytes;
-      return;
-    }
-  }
-  ops.push_back({src, dst, bytes});
 }
 
 }  // namespace
@@ -130,7 +116,7 @@ absl::StatusOr<CreateResult> Engine::Register(std::shared_ptr<Sequence> seq) {
 
 absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_view policy_name,
                                                     const policy::ParamOverrides& params,
-                                                    absl::Duration lease) {
+                                                    QuantConfig quant, absl::Duration lease) {
   if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
   if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
@@ -138,6 +124,19 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
   if (!policy.ok()) return policy.status();
   absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
   if (!granted.ok()) return granted.status();
+  if (quant.recent_tokens > kMaxRecentTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.quantization_recent_tokens: ", quant.recent_tokens, " exceeds ", kMaxRecentTokens));
+  }
+  if (quant.type) {
+    const BlockFormat format(layout, quant.type);
+    if (format.block_bytes(format.quant_precision()) > pool_->page_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat("layout.block_tokens: a quantized block is ",
+                                                     format.block_bytes(format.quant_precision()),
+                                                     " bytes, more than the pool page of ",
+                                                     pool_->page_bytes(), " bytes"));
+    }
+  }
 
   const uint64_t epoch = next_epoch_.fetch_add(1);
   absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
@@ -148,7 +147,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
     id = next_id_++;
   }
   auto seq = std::make_shared<Sequence>(id, layout, std::string((*policy)->descriptor().name),
-                                        params, *std::move(policy), *granted, *slot);
+                                        params, *std::move(policy), quant, *granted, *slot);
   {
     absl::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
@@ -236,69 +235,40 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
   }
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
 
-  // Blocks: new tail blocks per stream, plus a private copy of a shared, partly filled last
-  // block (copy-on-write after Fork).
-  const uint32_t B = layout.block_tokens;
-  size_t needed = 0;
-  std::vector<bool> cow(seq.streams.size(), false);
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    const Stream& st = seq.streams[s];
-    needed += CeilDiv(st.size() + total, B) - st.blocks.size();
-    if (st.size() % B != 0 && pool_->refs(st.blocks.back()) > 1) {
-      cow[s] = true;
-      ++needed;
-    }
-  }
-  std::vector<store::BlockId> fresh;
-  if (absl::Status s =
-          pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), needed, &fresh);
+  // Plan every stream's writes (and copy-on-write of a shared last block); allocation is
+  // all-or-nothing because an abandoned batch releases what it took.
+  OpBatch batch;
+  StreamPlanner planner(seq.format, pool_.get(), &batch);
+  uint64_t needed = 0;
+  for (const Stream& st : seq.streams) needed += planner.BlocksForAppend(st.blocks, total);
+  std::vector<store::BlockId> reserve;
+  if (absl::Status s = pool_->AllocateMany(
+          static_cast<uint32_t>(seq.format.block_bytes(Precision::kLayout)), needed, &reserve);
       !s.ok()) {
     return s;
   }
-
-  // Plan: block lists after the append, copies for copy-on-write, then the writes.
+  batch.allocated = reserve;
+  planner.Reserve(std::move(reserve));
   const uint64_t row = layout.row_bytes();
-  const uint64_t v_region = uint64_t{B} * row;
-  std::vector<std::vector<store::BlockId>> new_blocks(seq.streams.size());
-  std::vector<store::BlockId> replaced;
-  std::vector<store::MoveOp> copies;
-  std::vector<store::WriteOp> writes;
-  size_t next_fresh = 0;
+  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
+  std::vector<AppendRun> runs(chunks.size());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
-    const Stream& st = seq.streams[s];
-    std::vector<store::BlockId>& blocks = new_blocks[s];
-    blocks = st.blocks;
-    if (cow[s]) {
-      const store::BlockId copy = fresh[next_fresh++];
-      copies.push_back({pool_->offset(blocks.back()), pool_->offset(copy), layout.block_bytes()});
-      replaced.push_back(blocks.back());
-      blocks.back() = copy;
-    }
-    while (blocks.size() < CeilDiv(st.size() + total, B)) blocks.push_back(fresh[next_fresh++]);
-    std::vector<uint64_t> offsets(blocks.size());
-    for (size_t b = 0; b < blocks.size(); ++b) offsets[b] = pool_->offset(blocks[b]);
-
-    uint64_t slot = st.size();
-    for (const AppendChunk& chunk : chunks) {
-      const uint64_t n = chunk.positions.size();
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const uint64_t n = chunks[c].positions.size();
       const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
-      for (uint64_t i = 0; i < n;) {
-        const uint64_t in_block = std::min<uint64_t>(n - i, B - slot % B);
-        const uint64_t dst = offsets[slot / B] + (slot % B) * row;
-        writes.push_back({chunk.k.data() + src + i * row, dst, in_block * row});
-        writes.push_back({chunk.v.data() + src + i * row, dst + v_region, in_block * row});
-        i += in_block;
-        slot += in_block;
-      }
+      runs[c] = {chunks[c].k.data() + src, chunks[c].v.data() + src, static_cast<uint32_t>(n)};
+    }
+    new_blocks[s] = seq.streams[s].blocks;
+    if (absl::Status st = planner.Append(new_blocks[s], runs); !st.ok()) {
+      pool_->Unref(batch.allocated);
+      return st;
     }
   }
-  absl::Status io = backend_->Move(copies);
-  if (io.ok()) io = backend_->Write(writes);
-  if (io.ok()) io = backend_->Synchronize();
-  if (!io.ok()) {
-    pool_->Unref(fresh);
-    return io;
+  if (!planner.unused_reserve().empty()) {  // the count above and the plan disagree: a bug
+    pool_->Unref(batch.allocated);
+    return absl::InternalError("append: block reservation does not match the plan");
   }
+  if (absl::Status io = Execute(seq, batch); !io.ok()) return io;
 
   // Commit metadata.
   const int64_t arrival = static_cast<int64_t>(seq.steps);
@@ -324,7 +294,7 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
       st.arrival_step.insert(st.arrival_step.end(), n, arrival);
     }
   }
-  pool_->Unref(replaced);
+  pool_->Unref(batch.dropped);
   for (const AppendChunk& chunk : chunks) {
     if (chunk.token_ids.empty()) {
       seq.token_ids.insert(seq.token_ids.end(), chunk.positions.size(), -1);
@@ -394,113 +364,87 @@ std::vector<policy::StreamState> Engine::StreamStates(Sequence& seq) {
   return states;
 }
 
-absl::StatusOr<uint64_t> Engine::ApplyDecision(Sequence& seq, const policy::Decision& decision) {
-  const Layout& layout = seq.layout;
-  const uint32_t B = layout.block_tokens;
+absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
+  const kernels::QuantGeometry& geometry = seq.format.quant_geometry();
+  absl::Status io = backend_->Move(batch.moves);
+  if (io.ok()) io = backend_->Write(batch.writes);
+  if (io.ok() && !batch.quantizes.empty()) {
+    io = backend_->Quantize(seq.format.elem(), geometry, batch.quantizes);
+  }
+  if (io.ok()) io = backend_->Synchronize();
+  if (!io.ok()) pool_->Unref(batch.allocated);
+  return io;
+}
+
+absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
+                                                      const policy::Decision& decision) {
   if (decision.keep.size() != seq.streams.size()) {
     return absl::InternalError(absl::StrCat("policy ", seq.policy_name, " returned ",
                                             decision.keep.size(), " keep-sets for ",
                                             seq.streams.size(), " streams"));
   }
   // Validate the policy's output before touching anything.
-  size_t unshare = 0;
-  std::vector<std::vector<bool>> needs_copy(seq.streams.size());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (!decision.keep[s]) continue;
     const std::vector<uint32_t>& keep = *decision.keep[s];
-    const Stream& st = seq.streams[s];
     for (size_t j = 0; j < keep.size(); ++j) {
-      if (keep[j] >= st.size() || (j > 0 && keep[j] <= keep[j - 1])) {
+      if (keep[j] >= seq.streams[s].size() || (j > 0 && keep[j] <= keep[j - 1])) {
         return absl::InternalError(absl::StrCat("policy ", seq.policy_name,
                                                 " returned an invalid keep-set for stream ", s));
       }
     }
-    // A shared block that receives a moved slot is copied first (copy-on-write).
-    needs_copy[s].assign(CeilDiv(keep.size(), B), false);
-    for (size_t j = 0; j < keep.size(); ++j) {
-      if (keep[j] != j && !needs_copy[s][j / B] && pool_->refs(st.blocks[j / B]) > 1) {
-        needs_copy[s][j / B] = true;
-        ++unshare;
-      }
-    }
-  }
-  std::vector<store::BlockId> fresh;
-  if (absl::Status s =
-          pool_->AllocateMany(static_cast<uint32_t>(layout.block_bytes()), unshare, &fresh);
-      !s.ok()) {
-    return s;
   }
 
-  const uint64_t row = layout.row_bytes();
-  const uint64_t v_region = uint64_t{B} * row;
-  std::vector<store::MoveOp> copies;
-  std::vector<store::MoveOp> moves;
-  std::vector<store::BlockId> dropped;
-  std::vector<std::vector<store::BlockId>> new_blocks(seq.streams.size());
-  size_t next_fresh = 0;
-  uint64_t evicted = 0;
+  OpBatch batch;
+  StreamPlanner planner(seq.format, pool_.get(), &batch);
+  Applied applied;
+  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
+  std::vector<bool> changed(seq.streams.size(), false);
   for (size_t s = 0; s < seq.streams.size(); ++s) {
-    if (!decision.keep[s]) continue;
-    const std::vector<uint32_t>& keep = *decision.keep[s];
     const Stream& st = seq.streams[s];
-    if (keep.size() == st.size()) continue;
-    evicted += st.size() - keep.size();
-    std::vector<store::BlockId>& blocks = new_blocks[s];
-    blocks.assign(st.blocks.begin(), st.blocks.begin() + CeilDiv(keep.size(), B));
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      if (needs_copy[s][b]) {
-        const store::BlockId copy = fresh[next_fresh++];
-        copies.push_back({pool_->offset(blocks[b]), pool_->offset(copy), layout.block_bytes()});
-        dropped.push_back(blocks[b]);
-        blocks[b] = copy;
-      }
+    std::vector<StreamBlock>& blocks = new_blocks[s];
+    blocks = st.blocks;
+    absl::Status planned = absl::OkStatus();
+    if (decision.keep[s] && decision.keep[s]->size() < st.size()) {
+      applied.evicted += st.size() - decision.keep[s]->size();
+      planned = planner.Keep(blocks, *decision.keep[s]);
+      if (planned.ok()) planned = planner.Merge(blocks);
+      changed[s] = true;
     }
-    dropped.insert(dropped.end(), st.blocks.begin() + blocks.size(), st.blocks.end());
-    // Slot j <- slot keep[j]. keep[j] >= j, so moving in ascending j never reads a slot that
-    // an earlier move overwrote. Sources are read from the old blocks (unchanged for shared
-    // ones, identical for private ones).
-    std::vector<store::MoveOp> k_moves;
-    std::vector<store::MoveOp> v_moves;
-    for (size_t j = 0; j < keep.size(); ++j) {
-      if (keep[j] == j) continue;
-      const uint64_t src = pool_->offset(st.blocks[keep[j] / B]) + (keep[j] % B) * row;
-      const uint64_t dst = pool_->offset(blocks[j / B]) + (j % B) * row;
-      PushMove(k_moves, src, dst, row);
-      PushMove(v_moves, src + v_region, dst + v_region, row);
+    const size_t quantized_before = batch.quantizes.size();
+    if (planned.ok()) planned = planner.Quantize(blocks, seq.quant.recent_tokens);
+    if (batch.quantizes.size() != quantized_before) changed[s] = true;
+    if (!planned.ok()) {
+      pool_->Unref(batch.allocated);
+      return planned;
     }
-    moves.insert(moves.end(), k_moves.begin(), k_moves.end());
-    moves.insert(moves.end(), v_moves.begin(), v_moves.end());
   }
-  if (evicted == 0) {
-    pool_->Unref(fresh);
-    return 0;
-  }
+  applied.quantized = batch.quantized_slots;
+  if (applied.evicted == 0 && applied.quantized == 0) return applied;
 
   // Readers of the old table must see the epoch word change before any byte moves and
   // before any dropped block can be reused.
   const uint64_t new_epoch = next_epoch_.fetch_add(1);
   board_->BeginWrite(seq.epoch_slot, seq.epoch);
-  absl::Status io = backend_->Move(copies);
-  if (io.ok()) io = backend_->Move(moves);
-  if (io.ok()) io = backend_->Synchronize();
-  if (!io.ok()) {
-    // Data may be half-moved: the sequence's content can no longer be trusted. Publish the
-    // new epoch so readers notice, keep metadata consistent with the old blocks and report.
-    pool_->Unref(fresh);
+  if (absl::Status io = Execute(seq, batch); !io.ok()) {
+    // Data may be half-moved: publish a new epoch so that readers notice, and report.
     seq.epoch = new_epoch;
     board_->EndWrite(seq.epoch_slot, seq.epoch);
     return io;
   }
   for (size_t s = 0; s < seq.streams.size(); ++s) {
-    if (!decision.keep[s] || decision.keep[s]->size() == seq.streams[s].size()) continue;
+    if (!changed[s]) continue;
+    if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
+      seq.streams[s].KeepSlots(*decision.keep[s]);
+    }
     seq.streams[s].blocks = std::move(new_blocks[s]);
-    seq.streams[s].KeepSlots(*decision.keep[s]);
   }
-  pool_->Unref(dropped);
+  pool_->Unref(batch.dropped);
   seq.epoch = new_epoch;
   board_->EndWrite(seq.epoch_slot, seq.epoch);
-  tokens_evicted_ += evicted;
-  return evicted;
+  tokens_evicted_ += applied.evicted;
+  tokens_quantized_ += applied.quantized;
+  return applied;
 }
 
 absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
@@ -538,13 +482,14 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
   std::vector<policy::StreamState> states = StreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
   const policy::Decision decision = seq.policy->Step(ctx, absl::MakeSpan(states));
-  absl::StatusOr<uint64_t> evicted = ApplyDecision(seq, decision);
-  if (!evicted.ok()) return evicted.status();
+  absl::StatusOr<Applied> applied = ApplyDecision(seq, decision);
+  if (!applied.ok()) return applied.status();
 
   StepResult result;
   result.confidence = decision.confidence;
   result.budget_tokens = decision.budget_tokens;
-  result.evicted_tokens = *evicted;
+  result.evicted_tokens = applied->evicted;
+  result.quantized_tokens = applied->quantized;
   result.kv_bytes_before = before;
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch;
@@ -593,12 +538,13 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
     states[s].window_scores = (*window)[s];
   }
   const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
-  absl::StatusOr<uint64_t> evicted = ApplyDecision(seq, decision);
-  if (!evicted.ok()) return evicted.status();
+  absl::StatusOr<Applied> applied = ApplyDecision(seq, decision);
+  if (!applied.ok()) return applied.status();
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     result.layers[s / seq.layout.num_kv_heads].kept_tokens += seq.streams[s].size();
   }
-  result.evicted_tokens = *evicted;
+  result.evicted_tokens = applied->evicted;
+  result.quantized_tokens = applied->quantized;
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch;
   Renew(seq);
@@ -612,19 +558,19 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
   table.epoch = seq.epoch;
   table.layout = seq.layout;
   table.epoch_slot = seq.epoch_slot;
+  table.quantization = seq.format.quant_precision();
+  table.quantized_block_bytes =
+      seq.quant.type ? seq.format.block_bytes(seq.format.quant_precision()) : 0;
   table.streams.resize(seq.streams.size());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     const Stream& st = seq.streams[s];
     StreamTable& out = table.streams[s];
     out.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     out.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
-    out.block_ids = st.blocks;
-    out.block_offsets.reserve(st.blocks.size());
-    for (store::BlockId id : st.blocks) out.block_offsets.push_back(pool_->offset(id));
-    out.last_block_fill =
-        st.blocks.empty()
-            ? 0
-            : static_cast<uint32_t>(st.size() - (st.blocks.size() - 1) * seq.layout.block_tokens);
+    out.blocks.reserve(st.blocks.size());
+    for (const StreamBlock& b : st.blocks) {
+      out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
+    }
     out.positions = st.positions;
   }
   Renew(seq);
@@ -674,14 +620,24 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
         out.k.resize(st.size() * row);
         out.v.resize(st.size() * row);
         std::vector<store::ReadOp> reads;
-        for (size_t b = 0; b < st.blocks.size(); ++b) {
-          const uint64_t first = b * B;
-          const uint64_t count = std::min<uint64_t>(B, st.size() - first);
-          const uint64_t off = pool_->offset(st.blocks[b]);
-          reads.push_back({off, out.k.data() + first * row, count * row});
-          reads.push_back({off + uint64_t{B} * row, out.v.data() + first * row, count * row});
+        std::vector<store::DequantizeOp> dequantizes;
+        uint64_t first = 0;
+        for (const StreamBlock& b : st.blocks) {
+          const uint64_t off = pool_->offset(b.id);
+          if (b.precision == Precision::kLayout) {
+            reads.push_back({off + b.start * row, out.k.data() + first * row, b.count * row});
+            reads.push_back(
+                {off + (uint64_t{B} + b.start) * row, out.v.data() + first * row, b.count * row});
+          } else {
+            dequantizes.push_back(
+                {off, b.start, b.count, out.k.data() + first * row, out.v.data() + first * row});
+          }
+          first += b.count;
         }
         absl::Status io = backend_->Read(reads);
+        if (io.ok() && !dequantizes.empty()) {
+          io = backend_->Dequantize(seq.format.quant_geometry(), seq.format.elem(), dequantizes);
+        }
         if (io.ok()) io = backend_->Synchronize();
         if (!io.ok()) return io;
         Renew(seq);
@@ -708,7 +664,7 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
   }
   auto child =
       std::make_shared<Sequence>(id, parent.layout, parent.policy_name, parent.policy_params,
-                                 *std::move(policy), *granted, *slot);
+                                 *std::move(policy), parent.quant, *granted, *slot);
   child->parent_id = parent.id;
   {
     absl::MutexLock lock(&child->mu);
@@ -718,7 +674,9 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
     child->appended = parent.appended;
     child->epoch = parent.epoch;
     child->steps = parent.steps;
-    for (const Stream& st : child->streams) pool_->Ref(st.blocks);
+    for (const Stream& st : child->streams) {
+      for (const StreamBlock& b : st.blocks) pool_->Ref({b.id});
+    }
   }
   Renew(parent);
   return Register(std::move(child));
@@ -728,7 +686,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   uint64_t freed = 0;
   board_->BeginWrite(seq.epoch_slot, seq.epoch);
   for (Stream& st : seq.streams) {
-    freed += pool_->Unref(st.blocks);
+    for (const StreamBlock& b : st.blocks) freed += pool_->Unref({b.id});
     st = Stream{};
   }
   board_->Release(seq.epoch_slot);
@@ -803,6 +761,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.pool_free_bytes = pool_->free_bytes();
   stats.tokens_appended = tokens_appended_;
   stats.tokens_evicted = tokens_evicted_;
+  stats.tokens_quantized = tokens_quantized_;
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
   std::vector<std::shared_ptr<Sequence>> all;
@@ -824,6 +783,9 @@ EngineStats Engine::Stats(bool include_sequences) {
     sum.max_stream_tokens = seq->max_stream_tokens();
     sum.kv_bytes = seq->kv_bytes();
     sum.blocks = seq->block_count();
+    sum.pool_bytes_held = seq->block_bytes_held();
+    sum.quantization =
+        seq->quant.type ? std::string(PrecisionName(seq->format.quant_precision())) : "none";
     sum.epoch = seq->epoch;
     sum.steps = seq->steps;
     sum.lease_remaining_seconds = absl::ToDoubleSeconds(

@@ -31,6 +31,8 @@
 
 namespace kvmem::engine {
 
+inline constexpr uint32_t kMaxRecentTokens = 1u << 20;
+
 struct EngineConfig {
   uint64_t pool_bytes = 1ull << 30;
   uint64_t page_bytes = 64 * 1024;
@@ -102,17 +104,24 @@ struct LayerKept {
 struct CompressResult {
   std::vector<LayerKept> layers;
   uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
   uint64_t kv_bytes_before = 0;
   uint64_t kv_bytes_after = 0;
   uint64_t epoch = 0;
 };
 
+struct TableBlock {
+  store::BlockId id = 0;
+  uint64_t offset = 0;  // bytes into the pool
+  uint32_t start = 0;   // live slots [start, start + count) of the block
+  uint32_t count = 0;
+  Precision precision = Precision::kLayout;
+};
+
 struct StreamTable {
   uint32_t layer = 0;
   uint32_t kv_head = 0;
-  std::vector<store::BlockId> block_ids;
-  std::vector<uint64_t> block_offsets;
-  uint32_t last_block_fill = 0;
+  std::vector<TableBlock> blocks;
   std::vector<int64_t> positions;
 };
 
@@ -120,6 +129,8 @@ struct BlockTable {
   uint64_t sequence_id = 0;
   uint64_t epoch = 0;
   Layout layout;
+  Precision quantization = Precision::kLayout;
+  uint64_t quantized_block_bytes = 0;
   uint32_t epoch_slot = 0;
   std::vector<StreamTable> streams;
 };
@@ -152,6 +163,8 @@ struct SequenceSummary {
   uint64_t steps = 0;
   double lease_remaining_seconds = 0;
   uint64_t parent_id = 0;
+  uint64_t pool_bytes_held = 0;
+  std::string quantization;
 };
 
 struct EngineStats {
@@ -160,6 +173,7 @@ struct EngineStats {
   uint32_t sequences_active = 0;
   uint64_t tokens_appended = 0;
   uint64_t tokens_evicted = 0;
+  uint64_t tokens_quantized = 0;
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   std::vector<SequenceSummary> sequences;
@@ -181,7 +195,7 @@ class Engine {
 
   absl::StatusOr<CreateResult> CreateSequence(Layout layout, absl::string_view policy_name,
                                               const policy::ParamOverrides& params,
-                                              absl::Duration lease);
+                                              QuantConfig quant, absl::Duration lease);
   // Appends the chunks in order, atomically: all are validated and their blocks allocated
   // before any byte is written.
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks);
@@ -220,9 +234,16 @@ class Engine {
   absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
       bool require_all, absl::string_view why) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
-  // Applies a policy decision: compacts every stream with a keep-set, bumps the epoch.
-  absl::StatusOr<uint64_t> ApplyDecision(Sequence& seq, const policy::Decision& decision)
+  struct Applied {
+    uint64_t evicted = 0;
+    uint64_t quantized = 0;
+  };
+  // Applies a policy decision: compacts every stream with a keep-set, merges sparse blocks,
+  // quantizes blocks that left the recent window, and bumps the epoch if anything changed.
+  absl::StatusOr<Applied> ApplyDecision(Sequence& seq, const policy::Decision& decision)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Runs a planned batch on the backend; releases its allocations if it fails.
+  absl::Status Execute(Sequence& seq, OpBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   std::vector<policy::StreamState> StreamStates(Sequence& seq)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
@@ -241,6 +262,7 @@ class Engine {
 
   std::atomic<uint64_t> tokens_appended_{0};
   std::atomic<uint64_t> tokens_evicted_{0};
+  std::atomic<uint64_t> tokens_quantized_{0};
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
 };

@@ -31,12 +31,26 @@ uint64_t Sequence::retained_slots() const {
   return n;
 }
 
-uint64_t Sequence::kv_bytes() const { return retained_slots() * 2 * layout.row_bytes(); }
+uint64_t Sequence::kv_bytes() const {
+  uint64_t bytes = 0;
+  for (const Stream& s : streams) {
+    for (const StreamBlock& b : s.blocks) bytes += format.KvBytes(b.precision, b.count);
+  }
+  return bytes;
+}
 
 uint64_t Sequence::block_count() const {
   uint64_t n = 0;
   for (const Stream& s : streams) n += s.blocks.size();
   return n;
+}
+
+uint64_t Sequence::block_bytes_held() const {
+  uint64_t bytes = 0;
+  for (const Stream& s : streams) {
+    for (const StreamBlock& b : s.blocks) bytes += format.block_bytes(b.precision);
+  }
+  return bytes;
 }
 
 }  // namespace kvmem::engine

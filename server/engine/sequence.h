@@ -1,25 +1,28 @@
 #pragma once
 // Sequence and Stream: one request's cache as the engine holds it.
 //
-// A stream (layer, kv_head) keeps its retained slots densely in `blocks`: slot i lives in
-// blocks[i / B] at index i % B; every block is full except possibly the last. The per-slot
-// vectors (positions, scores, ...) are aligned with the slots, in block-table order.
+// A stream (layer, kv_head) keeps its retained slots in `blocks`, each holding a contiguous
+// run of live slots [start, start + count); the stream's slot order is block order. The
+// per-slot vectors (positions, scores, ...) are aligned with the slots in that order.
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/engine/block_format.h"
 #include "server/engine/layout.h"
+#include "server/engine/stream_planner.h"
 #include "server/policy/policy.h"
 #include "server/store/block_pool.h"
 
 namespace kvmem::engine {
 
 struct Stream {
-  std::vector<store::BlockId> blocks;
+  std::vector<StreamBlock> blocks;
   std::vector<int64_t> positions;
   std::vector<float> scores;          // policy score state (EMA or accumulated attention)
   std::vector<float> token_entropy;   // NaN where not sent
@@ -31,11 +34,21 @@ struct Stream {
   void KeepSlots(const std::vector<uint32_t>& keep);
 };
 
+// Quantization of a sequence: blocks whose slots all lie before the last `recent_tokens`
+// of their stream are stored as `type`.
+struct QuantConfig {
+  std::optional<kernels::QuantType> type;
+  uint32_t recent_tokens = 128;
+};
+
 struct Sequence {
   Sequence(uint64_t id, Layout layout, std::string policy_name, policy::ParamOverrides params,
-           std::unique_ptr<policy::Policy> policy, absl::Duration lease, uint32_t epoch_slot)
+           std::unique_ptr<policy::Policy> policy, QuantConfig quant, absl::Duration lease,
+           uint32_t epoch_slot)
       : id(id),
         layout(layout),
+        format(layout, quant.type),
+        quant(quant),
         policy_name(std::move(policy_name)),
         policy_params(std::move(params)),
         policy(std::move(policy)),
@@ -44,6 +57,8 @@ struct Sequence {
 
   const uint64_t id;
   const Layout layout;
+  const BlockFormat format;
+  const QuantConfig quant;
   const std::string policy_name;
   const policy::ParamOverrides policy_params;
   const std::unique_ptr<policy::Policy> policy;
@@ -64,9 +79,12 @@ struct Sequence {
 
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);
-  // KV bytes held (ALGORITHMS.md): retained slots x 2 (K,V) x D x dtype bytes.
+  // KV bytes held (ALGORITHMS.md): retained slots x 2 (K,V) x bytes per element, plus the
+  // scales of quantized blocks.
   uint64_t kv_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t block_count() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // Pool bytes of the blocks referenced (shared blocks counted in full).
+  uint64_t block_bytes_held() const ABSL_SHARED_LOCKS_REQUIRED(mu);
 };
 
 }  // namespace kvmem::engine

@@ -53,6 +53,46 @@ void ToProto(const engine::Layout& layout, v1::Layout* out) {
   out->set_vocab_size(layout.vocab_size);
 }
 
+v1::Precision ToProto(engine::Precision p) {
+  switch (p) {
+    case engine::Precision::kLayout:
+      return v1::PRECISION_LAYOUT;
+    case engine::Precision::kInt8:
+      return v1::PRECISION_INT8;
+    case engine::Precision::kInt4:
+      return v1::PRECISION_INT4;
+    case engine::Precision::kNF4:
+      return v1::PRECISION_NF4;
+  }
+  return v1::PRECISION_UNSPECIFIED;
+}
+
+absl::StatusOr<engine::QuantConfig> QuantFromProto(const v1::PolicySpec& policy) {
+  engine::QuantConfig quant;
+  switch (policy.quantization()) {
+    case v1::PRECISION_UNSPECIFIED:
+    case v1::PRECISION_LAYOUT:
+      break;
+    case v1::PRECISION_INT8:
+      quant.type = kernels::QuantType::kInt8;
+      break;
+    case v1::PRECISION_INT4:
+      quant.type = kernels::QuantType::kInt4;
+      break;
+    case v1::PRECISION_NF4:
+      quant.type = kernels::QuantType::kNF4;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.quantization: ", static_cast<int>(policy.quantization()),
+          " is not a known precision (PRECISION_LAYOUT = 1, INT8 = 2, INT4 = 3, NF4 = 4)"));
+  }
+  if (policy.quantization_recent_tokens() != 0) {
+    quant.recent_tokens = policy.quantization_recent_tokens();
+  }
+  return quant;
+}
+
 engine::AppendChunk ChunkView(const v1::AppendRequest& request) {
   engine::AppendChunk chunk;
   chunk.positions = absl::MakeConstSpan(request.positions().data(), request.positions().size());
@@ -98,17 +138,20 @@ void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTab
   out->set_block_tokens(table.layout.block_tokens);
   out->set_block_bytes(block_bytes);
   out->set_epoch_slot(table.epoch_slot);
+  out->set_quantization(ToProto(table.quantization));
+  out->set_quantized_block_bytes(table.quantized_block_bytes);
   ToProto(table.layout, out->mutable_layout());
   for (const engine::StreamTable& st : table.streams) {
     v1::StreamTable* s = out->add_streams();
     s->set_layer(st.layer);
     s->set_kv_head(st.kv_head);
-    s->mutable_block_ids()->Add(st.block_ids.begin(), st.block_ids.end());
-    s->mutable_block_offsets()->Add(st.block_offsets.begin(), st.block_offsets.end());
-    for (size_t i = 0; i < st.block_ids.size(); ++i) {
-      s->add_block_precisions(v1::PRECISION_LAYOUT);
+    for (const engine::TableBlock& b : st.blocks) {
+      s->add_block_ids(b.id);
+      s->add_block_offsets(b.offset);
+      s->add_block_precisions(ToProto(b.precision));
+      s->add_block_starts(b.start);
+      s->add_block_counts(b.count);
     }
-    s->set_last_block_fill(st.last_block_fill);
     s->mutable_positions()->Add(st.positions.begin(), st.positions.end());
   }
 }
@@ -123,6 +166,7 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_sequences_active(stats.sequences_active);
   out->set_tokens_appended(stats.tokens_appended);
   out->set_tokens_evicted(stats.tokens_evicted);
+  out->set_tokens_quantized(stats.tokens_quantized);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   for (const engine::SequenceSummary& s : stats.sequences) {
@@ -137,6 +181,8 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
     o->set_steps(s.steps);
     o->set_lease_remaining_seconds(s.lease_remaining_seconds);
     o->set_parent_id(s.parent_id);
+    o->set_pool_bytes_held(s.pool_bytes_held);
+    o->set_quantization(s.quantization);
   }
 }
 

@@ -14,6 +14,10 @@ grpc::Status ToGrpc(const absl::Status& status);
 absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout);
 void ToProto(const engine::Layout& layout, v1::Layout* out);
 
+v1::Precision ToProto(engine::Precision p);
+// The quantization part of a policy spec; messages name policy.quantization.
+absl::StatusOr<engine::QuantConfig> QuantFromProto(const v1::PolicySpec& policy);
+
 engine::AppendChunk ChunkView(const v1::AppendRequest& request);
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows);

@@ -55,6 +55,22 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
     response->mutable_shared_memory()->set_name(exported->shm_name);
     response->mutable_shared_memory()->set_segment_bytes(exported->bytes);
   }
+  static constexpr struct {
+    v1::Precision precision;
+    const char* name;
+    const char* description;
+  } kQuantizers[] = {
+      {v1::PRECISION_INT8, "int8",
+       "symmetric int8, per-channel absmax scales over each block (K and V separately)"},
+      {v1::PRECISION_INT4, "int4", "symmetric int4 (-7..7), per-channel absmax scales per block"},
+      {v1::PRECISION_NF4, "nf4", "NormalFloat4 codes, absmax scale per 64 values of a token"}};
+  for (const auto& q : kQuantizers) {
+    v1::QuantizerInfo* info = response->add_quantizers();
+    info->set_precision(q.precision);
+    info->set_name(q.name);
+    info->set_description(q.description);
+  }
+  response->set_default_quantization_recent_tokens(engine::QuantConfig{}.recent_tokens);
   const engine::EpochBoard& board = engine_->epoch_board();
   response->mutable_epoch_board()->set_name(board.name());
   response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
@@ -73,8 +89,10 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
   if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
   policy::ParamOverrides params(request->policy().params().begin(),
                                 request->policy().params().end());
+  absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
+  if (!quant.ok()) return ToGrpc(quant.status());
   absl::StatusOr<engine::CreateResult> created = engine_->CreateSequence(
-      *layout, request->policy().name(), params, absl::Seconds(request->lease_seconds()));
+      *layout, request->policy().name(), params, *quant, absl::Seconds(request->lease_seconds()));
   if (!created.ok()) return ToGrpc(created.status());
   response->set_sequence_id(created->sequence_id);
   response->set_reused_prefix_tokens(0);
@@ -179,6 +197,7 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
     out->set_before_tokens(layer.before_tokens);
   }
   response->set_evicted_tokens(result->evicted_tokens);
+  response->set_quantized_tokens(result->quantized_tokens);
   response->set_kv_bytes_before(result->kv_bytes_before);
   response->set_kv_bytes_after(result->kv_bytes_after);
   response->set_epoch(result->epoch);

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/quantize.h"
 
 namespace kvmem::store {
 
@@ -38,6 +39,24 @@ struct MoveOp {
   uint64_t bytes;
 };
 
+// Layout block -> quantized block: live slots [start, start + count) of both planes.
+struct QuantizeOp {
+  uint64_t src;
+  uint64_t dst;
+  uint32_t start;
+  uint32_t count;
+};
+
+// Quantized block -> host, in the layout dtype: slots [start, start + count) of K and V,
+// [count][D] each.
+struct DequantizeOp {
+  uint64_t src;
+  uint32_t start;
+  uint32_t count;
+  void* k_dst;
+  void* v_dst;
+};
+
 // How a same-host process maps the pool without copies.
 struct PoolExport {
   std::string shm_name;  // POSIX shared memory (CPU backend)
@@ -55,6 +74,13 @@ class Backend {
   [[nodiscard]] virtual absl::Status Write(absl::Span<const WriteOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Read(absl::Span<const ReadOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Move(absl::Span<const MoveOp> ops) = 0;
+  // Quantization entry points (kernels/quantize.h is the contract); one call per batch.
+  [[nodiscard]] virtual absl::Status Quantize(kernels::ElemType elem,
+                                              const kernels::QuantGeometry& geometry,
+                                              absl::Span<const QuantizeOp> ops) = 0;
+  [[nodiscard]] virtual absl::Status Dequantize(const kernels::QuantGeometry& geometry,
+                                                kernels::ElemType elem,
+                                                absl::Span<const DequantizeOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
 
   // The same-host export of the pool, when the backend has one.

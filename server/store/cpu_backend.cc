@@ -65,6 +65,38 @@ absl::Status CpuBackend::Move(absl::Span<const MoveOp> ops) {
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::Quantize(kernels::ElemType elem, const kernels::QuantGeometry& geometry,
+                                  absl::Span<const QuantizeOp> ops) {
+  const uint64_t layout_bytes =
+      2ull * geometry.block_tokens * geometry.head_dim * kernels::ElemBytes(elem);
+  for (const QuantizeOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, layout_bytes, "quantize source"); !s.ok()) return s;
+    if (absl::Status s = CheckRange(op.dst, geometry.block_bytes(), "quantize destination");
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (const QuantizeOp& op : ops) {
+    kernels::QuantizeBlockRef(segment_->data() + op.src, elem, geometry, op.start, op.count,
+                              segment_->data() + op.dst);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,
+                                    absl::Span<const DequantizeOp> ops) {
+  for (const DequantizeOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, geometry.block_bytes(), "dequantize"); !s.ok()) {
+      return s;
+    }
+  }
+  for (const DequantizeOp& op : ops) {
+    kernels::DequantizeBlockRef(segment_->data() + op.src, geometry, op.start, op.count, elem,
+                                op.k_dst, op.v_dst);
+  }
+  return absl::OkStatus();
+}
+
 std::optional<PoolExport> CpuBackend::pool_export() const {
   return PoolExport{segment_->name(), segment_->bytes()};
 }

@@ -21,6 +21,10 @@ class CpuBackend final : public Backend {
   absl::Status Write(absl::Span<const WriteOp> ops) override;
   absl::Status Read(absl::Span<const ReadOp> ops) override;
   absl::Status Move(absl::Span<const MoveOp> ops) override;
+  absl::Status Quantize(kernels::ElemType elem, const kernels::QuantGeometry& geometry,
+                        absl::Span<const QuantizeOp> ops) override;
+  absl::Status Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,
+                          absl::Span<const DequantizeOp> ops) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
   std::optional<PoolExport> pool_export() const override;
 

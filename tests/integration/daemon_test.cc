@@ -16,8 +16,8 @@ TEST_F(DaemonTest, ThousandTokensOverFourLayersTwoHeadsReadBackBitExact) {
   EXPECT_EQ(streams[0].positions, testing::Range(0, 1000));
   auto table = *client_->GetBlockTable(id);
   EXPECT_EQ(table.streams.size(), kL * kH);
-  EXPECT_EQ(table.streams[7].block_ids.size(), 63u);  // ceil(1000 / 16)
-  EXPECT_EQ(table.streams[7].last_block_fill, 1000u - 62 * 16);
+  ASSERT_EQ(table.streams[7].blocks.size(), 63u);  // ceil(1000 / 16)
+  EXPECT_EQ(table.streams[7].blocks.back().count, 1000u - 62 * 16);
 }
 
 TEST_F(DaemonTest, AppendStreamIsAtomic) {

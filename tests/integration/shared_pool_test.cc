@@ -90,7 +90,7 @@ TEST_F(SharedPoolTest, ConcurrentReaderNeverAcceptsARewrittenBlock) {
         auto blocks = *pool_->StreamBlocks(*table, s / kH, s % kH);
         std::string raw;
         for (const auto& b : blocks)
-          raw.append(reinterpret_cast<const char*>(b.k), b.fill * kD * 2);
+          raw.append(reinterpret_cast<const char*>(b.k), b.count * kD * 2);
         const std::string want = testing::Expected16(s, table->streams[s].positions, kD, 0);
         if (raw != want) ++torn_unchecked;
         const absl::Status status = pool_->ReadStream(*table, s / kH, s % kH, &k, &v);

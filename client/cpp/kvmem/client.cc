@@ -133,6 +133,10 @@ absl::StatusOr<Info> Client::GetInfo() {
     }
     info.policies.push_back(std::move(pi));
   }
+  for (const v1::QuantizerInfo& q : r.quantizers()) {
+    info.quantizers.push_back({static_cast<Precision>(q.precision()), q.name(), q.description()});
+  }
+  info.default_quantization_recent_tokens = r.default_quantization_recent_tokens();
   info.shm_name = r.shared_memory().name();
   info.shm_bytes = r.shared_memory().segment_bytes();
   info.epoch_board_name = r.epoch_board().name();
@@ -146,6 +150,8 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
   v1::CreateSequenceRequest q;
   ToProto(layout, q.mutable_layout());
   q.mutable_policy()->set_name(policy.name);
+  q.mutable_policy()->set_quantization(static_cast<v1::Precision>(policy.quantization));
+  q.mutable_policy()->set_quantization_recent_tokens(policy.quantization_recent_tokens);
   for (const auto& [k, v] : policy.params) (*q.mutable_policy()->mutable_params())[k] = v;
   q.set_lease_seconds(lease_seconds);
   v1::CreateSequenceResponse r;
@@ -216,7 +222,12 @@ absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const Comp
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Compress(&c, q, &r); });
   if (!s.ok()) return s;
-  CompressResult out{{}, r.evicted_tokens(), r.kv_bytes_before(), r.kv_bytes_after(), r.epoch()};
+  CompressResult out;
+  out.evicted_tokens = r.evicted_tokens();
+  out.quantized_tokens = r.quantized_tokens();
+  out.kv_bytes_before = r.kv_bytes_before();
+  out.kv_bytes_after = r.kv_bytes_after();
+  out.epoch = r.epoch();
   for (const v1::LayerKept& l : r.layers()) {
     out.layers.push_back({l.layer(), l.kept_tokens(), l.before_tokens()});
   }
@@ -230,13 +241,22 @@ absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &r); });
   if (!s.ok()) return s;
-  BlockTable table{
-      r.sequence_id(), r.epoch(), r.block_tokens(), r.block_bytes(), FromProto(r.layout()),
-      r.epoch_slot(),  {}};
+  BlockTable table;
+  table.sequence_id = r.sequence_id();
+  table.epoch = r.epoch();
+  table.block_tokens = r.block_tokens();
+  table.block_bytes = r.block_bytes();
+  table.layout = FromProto(r.layout());
+  table.epoch_slot = r.epoch_slot();
+  table.quantization = static_cast<Precision>(r.quantization());
+  table.quantized_block_bytes = r.quantized_block_bytes();
   for (const v1::StreamTable& st : r.streams()) {
-    table.streams.push_back({st.layer(), st.kv_head(), ToVector(st.block_ids()),
-                             ToVector(st.block_offsets()), st.last_block_fill(),
-                             ToVector(st.positions())});
+    StreamTable out{st.layer(), st.kv_head(), {}, ToVector(st.positions())};
+    for (int b = 0; b < st.block_ids_size(); ++b) {
+      out.blocks.push_back({st.block_ids(b), st.block_offsets(b), st.block_starts(b),
+                            st.block_counts(b), static_cast<Precision>(st.block_precisions(b))});
+    }
+    table.streams.push_back(std::move(out));
   }
   return table;
 }
@@ -301,13 +321,24 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Stats(&c, q, &r); });
   if (!s.ok()) return s;
-  Stats out{r.pool_bytes(),     r.pool_used_bytes(), r.pool_free_bytes(),  r.pages_total(),
-            r.pages_used(),     r.blocks_used(),     r.sequences_active(), r.tokens_appended(),
-            r.tokens_evicted(), r.steps(),           r.leases_expired(),   {}};
+  Stats out;
+  out.pool_bytes = r.pool_bytes();
+  out.pool_used_bytes = r.pool_used_bytes();
+  out.pool_free_bytes = r.pool_free_bytes();
+  out.pages_total = r.pages_total();
+  out.pages_used = r.pages_used();
+  out.blocks_used = r.blocks_used();
+  out.sequences_active = r.sequences_active();
+  out.tokens_appended = r.tokens_appended();
+  out.tokens_evicted = r.tokens_evicted();
+  out.tokens_quantized = r.tokens_quantized();
+  out.steps = r.steps();
+  out.leases_expired = r.leases_expired();
   for (const v1::SequenceStats& q2 : r.sequences()) {
     out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
                              q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),
-                             q2.steps(), q2.lease_remaining_seconds(), q2.parent_id()});
+                             q2.steps(), q2.lease_remaining_seconds(), q2.parent_id(),
+                             q2.pool_bytes_held(), q2.quantization()});
   }
   return out;
 }

@@ -30,9 +30,14 @@ struct Layout {
   uint32_t vocab_size = 0;
 };
 
+// Storage precision of a block.
+enum class Precision { kLayout = 1, kInt8 = 2, kInt4 = 3, kNF4 = 4 };
+
 struct PolicySpec {
   std::string name;  // "" = full
   std::map<std::string, double> params;
+  Precision quantization = Precision::kLayout;  // kLayout = never quantize
+  uint32_t quantization_recent_tokens = 0;      // 0 = the daemon default (128)
 };
 
 struct ClientOptions {
@@ -56,12 +61,19 @@ struct PolicyInfo {
   std::vector<std::string> compress_signals;
 };
 
+struct QuantizerInfo {
+  Precision precision = Precision::kLayout;
+  std::string name, description;
+};
+
 struct Info {
   std::string version, backend, device_name;
   uint64_t pool_bytes = 0, pool_free_bytes = 0, page_bytes = 0;
   uint32_t default_block_tokens = 0, max_sequences = 0, default_lease_seconds = 0;
   uint64_t max_message_bytes = 0;
   std::vector<PolicyInfo> policies;
+  std::vector<QuantizerInfo> quantizers;
+  uint32_t default_quantization_recent_tokens = 0;
   std::string shm_name;  // empty when the pool cannot be attached
   uint64_t shm_bytes = 0;
   std::string epoch_board_name;
@@ -131,15 +143,23 @@ struct LayerKept {
 
 struct CompressResult {
   std::vector<LayerKept> layers;
-  uint64_t evicted_tokens = 0, kv_bytes_before = 0, kv_bytes_after = 0, epoch = 0;
+  uint64_t evicted_tokens = 0, quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0, kv_bytes_after = 0, epoch = 0;
+};
+
+// One block of a stream: its live slots are [start, start + count).
+struct TableBlock {
+  uint32_t id = 0;
+  uint64_t offset = 0;  // bytes into the pool
+  uint32_t start = 0;
+  uint32_t count = 0;
+  Precision precision = Precision::kLayout;
 };
 
 struct StreamTable {
   uint32_t layer = 0, kv_head = 0;
-  std::vector<uint32_t> block_ids;
-  std::vector<uint64_t> block_offsets;  // bytes into the pool
-  uint32_t last_block_fill = 0;
-  std::vector<int64_t> positions;
+  std::vector<TableBlock> blocks;
+  std::vector<int64_t> positions;  // retained original positions, in block then slot order
 };
 
 struct BlockTable {
@@ -148,6 +168,8 @@ struct BlockTable {
   uint64_t block_bytes = 0;
   Layout layout;
   uint32_t epoch_slot = 0;
+  Precision quantization = Precision::kLayout;
+  uint64_t quantized_block_bytes = 0;
   std::vector<StreamTable> streams;  // index = layer * H + kv_head
 };
 
@@ -166,13 +188,16 @@ struct SequenceStats {
   uint64_t kv_bytes = 0, blocks = 0, epoch = 0, steps = 0;
   double lease_remaining_seconds = 0;
   uint64_t parent_id = 0;
+  uint64_t pool_bytes_held = 0;
+  std::string quantization;
 };
 
 struct Stats {
   uint64_t pool_bytes = 0, pool_used_bytes = 0, pool_free_bytes = 0;
   uint64_t pages_total = 0, pages_used = 0, blocks_used = 0;
   uint32_t sequences_active = 0;
-  uint64_t tokens_appended = 0, tokens_evicted = 0, steps = 0, leases_expired = 0;
+  uint64_t tokens_appended = 0, tokens_evicted = 0, tokens_quantized = 0;
+  uint64_t steps = 0, leases_expired = 0;
   std::vector<SequenceStats> sequences;
 };
 

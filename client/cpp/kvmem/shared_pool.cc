@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quantize.h"
 
 namespace kvmem::client {
 namespace {
@@ -85,6 +86,21 @@ absl::Status SharedPool::EndRead(const BlockTable& table) const {
   return absl::OkStatus();
 }
 
+namespace {
+kernels::ElemType ToElem(DType d) {
+  return d == DType::kF32
+             ? kernels::ElemType::kF32
+             : (d == DType::kBF16 ? kernels::ElemType::kBF16 : kernels::ElemType::kF16);
+}
+kernels::QuantGeometry Geometry(const BlockTable& table) {
+  const kernels::QuantType type = table.quantization == Precision::kInt4 ? kernels::QuantType::kInt4
+                                  : table.quantization == Precision::kNF4
+                                      ? kernels::QuantType::kNF4
+                                      : kernels::QuantType::kInt8;
+  return {type, table.block_tokens, table.layout.head_dim};
+}
+}  // namespace
+
 absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
                                                                 uint32_t layer,
                                                                 uint32_t kv_head) const {
@@ -96,16 +112,25 @@ absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable
   const StreamTable& st = table.streams[size_t{layer} * layout.num_kv_heads + kv_head];
   const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
   std::vector<BlockView> views;
-  views.reserve(st.block_offsets.size());
-  for (size_t b = 0; b < st.block_offsets.size(); ++b) {
-    const uint64_t off = st.block_offsets[b];
-    if (off > pool_bytes_ || table.block_bytes > pool_bytes_ - off) {
+  views.reserve(st.blocks.size());
+  for (size_t b = 0; b < st.blocks.size(); ++b) {
+    const TableBlock& block = st.blocks[b];
+    const uint64_t bytes =
+        block.precision == Precision::kLayout ? table.block_bytes : table.quantized_block_bytes;
+    if (block.offset > pool_bytes_ || bytes > pool_bytes_ - block.offset ||
+        block.start + block.count > table.block_tokens) {
       return absl::OutOfRangeError(
-          absl::StrCat("block_offsets[", b, "]: ", off, " is outside the mapped pool"));
+          absl::StrCat("blocks[", b, "]: offset ", block.offset, " slots [", block.start, ", ",
+                       block.start + block.count, ") is outside the mapped pool or block"));
     }
-    const uint32_t fill =
-        b + 1 == st.block_offsets.size() ? st.last_block_fill : table.block_tokens;
-    views.push_back({pool_ + off, pool_ + off + uint64_t{table.block_tokens} * row, fill});
+    const uint8_t* base = pool_ + block.offset;
+    if (block.precision == Precision::kLayout) {
+      views.push_back({base + block.start * row,
+                       base + (uint64_t{table.block_tokens} + block.start) * row, base, block.start,
+                       block.count, block.precision});
+    } else {
+      views.push_back({nullptr, nullptr, base, block.start, block.count, block.precision});
+    }
   }
   return views;
 }
@@ -116,11 +141,21 @@ absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uin
   if (!blocks.ok()) return blocks.status();
   if (absl::Status s = BeginRead(table); !s.ok()) return s;
   const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
-  k->clear();
-  v->clear();
+  uint64_t n = 0;
+  for (const BlockView& b : *blocks) n += b.count;
+  k->resize(n * row);
+  v->resize(n * row);
+  uint64_t first = 0;
   for (const BlockView& b : *blocks) {
-    k->append(reinterpret_cast<const char*>(b.k), b.fill * row);
-    v->append(reinterpret_cast<const char*>(b.v), b.fill * row);
+    if (b.precision == Precision::kLayout) {
+      std::memcpy(k->data() + first * row, b.k, b.count * row);
+      std::memcpy(v->data() + first * row, b.v, b.count * row);
+    } else {
+      kernels::DequantizeBlockRef(b.block, Geometry(table), b.start, b.count,
+                                  ToElem(table.layout.dtype), k->data() + first * row,
+                                  v->data() + first * row);
+    }
+    first += b.count;
   }
   return EndRead(table);
 }

@@ -18,10 +18,16 @@
 
 namespace kvmem::client {
 
+// One block of a stream as mapped. For layout precision, k and v point at the first live
+// slot's row ([count][head_dim] in the layout dtype each). For quantized blocks, `block`
+// points at the whole block (kernels/quantize.h layout) and k/v are null.
 struct BlockView {
-  const uint8_t* k;  // [fill][head_dim] in the layout dtype
+  const uint8_t* k;
   const uint8_t* v;
-  uint32_t fill;  // valid slots in this block
+  const uint8_t* block;
+  uint32_t start;  // first live slot in the block
+  uint32_t count;  // live slots
+  Precision precision;
 };
 
 class SharedPool {
@@ -36,7 +42,8 @@ class SharedPool {
   // Pointers into the mapping for one stream's blocks, in order.
   absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,
                                                       uint32_t kv_head) const;
-  // Copies one stream's retained K and V ([n][D] each) with the full read protocol.
+  // Copies one stream's retained K and V ([n][D] each, dequantized to the layout dtype)
+  // with the full read protocol.
   absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head, std::string* k,
                           std::string* v) const;
 

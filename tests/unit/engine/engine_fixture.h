@@ -29,8 +29,8 @@ class EngineTest : public ::testing::Test {
   static Layout TestLayout() { return Layout{kL, kH, kD, DType::kF16, kB, 1000}; }
 
   uint64_t Create(const std::string& policy = "full", policy::ParamOverrides params = {},
-                  absl::Duration lease = absl::ZeroDuration()) {
-    auto created = engine_->CreateSequence(TestLayout(), policy, params, lease);
+                  absl::Duration lease = absl::ZeroDuration(), QuantConfig quant = {}) {
+    auto created = engine_->CreateSequence(TestLayout(), policy, params, quant, lease);
     EXPECT_TRUE(created.ok()) << created.status();
     return created.ok() ? created->sequence_id : 0;
   }

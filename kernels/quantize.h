@@ -1,0 +1,86 @@
+#pragma once
+// Quantize / dequantize: the contract shared by the C++ reference (quantize_ref.cc, used by
+// the CPU backend and the client library) and the CUDA implementation.
+//
+// A block holds B slots of one stream. Quantized block layout, in bytes:
+//   [K codes: B x code_row][V codes: B x code_row][K scales][V scales]
+//   int8  code_row = D        (int8, symmetric, -127..127)
+//         scales   = [D] f32 per plane: s_c = max over the block's live slots |x[t,c]| / 127
+//   int4  code_row = ceil(D/2) (two channels a byte, low nibble = even channel, q + 8)
+//         scales   = [D] f32 per plane: s_c = max |x[t,c]| / 7; q in -7..7
+//   nf4   code_row = ceil(D/2) (nibble = index into kNf4Codes)
+//         scales   = [B][G] f32 per plane, G = ceil(D/64): absmax of each run of 64 values
+//                    of one slot (a slot carries its own scales, so moving it is exact)
+// Per-channel scales (int8, int4) are computed over the live slots [start, start+count) of
+// the block; slots then move only within their block, so codes never re-round.
+// x_hat = q * s (int8/int4) or kNf4Codes[q] * s (nf4). Error bound per element:
+//   int8 |x - x_hat| <= s_c / 2, int4 <= s_c / 2, nf4 <= s * (largest gap between codes) / 2.
+// A channel whose absmax is 0 gets scale 0 and decodes to exactly 0.
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace kvmem::kernels {
+
+enum class QuantType : uint8_t { kInt8, kInt4, kNF4 };
+
+inline constexpr float kNf4Codes[16] = {-1.0f,
+                                        -0.6961928009986877f,
+                                        -0.5250730514526367f,
+                                        -0.39491748809814453f,
+                                        -0.28444138169288635f,
+                                        -0.18477343022823334f,
+                                        -0.09105003625154495f,
+                                        0.0f,
+                                        0.07958029955625534f,
+                                        0.16093020141124725f,
+                                        0.24611230194568634f,
+                                        0.33791524171829224f,
+                                        0.44070982933044434f,
+                                        0.5626170039176941f,
+                                        0.7229568362236023f,
+                                        1.0f};
+
+struct QuantGeometry {
+  QuantType type;
+  uint32_t block_tokens;  // B
+  uint32_t head_dim;      // D
+
+  uint32_t code_row_bytes() const {
+    return type == QuantType::kInt8 ? head_dim : (head_dim + 1) / 2;
+  }
+  // nf4 scale groups per slot; per-channel types have none per slot.
+  uint32_t groups() const { return type == QuantType::kNF4 ? (head_dim + 63) / 64 : 0; }
+  // Rounded up to 16 bytes so that the float scales that follow stay aligned.
+  uint64_t codes_bytes() const {
+    return (uint64_t{block_tokens} * code_row_bytes() + 15) / 16 * 16;
+  }
+  uint64_t scale_floats() const {
+    return type == QuantType::kNF4 ? uint64_t{block_tokens} * groups() : head_dim;
+  }
+  uint64_t v_codes_offset() const { return codes_bytes(); }
+  uint64_t k_scales_offset() const { return 2 * codes_bytes(); }
+  uint64_t v_scales_offset() const { return k_scales_offset() + 4 * scale_floats(); }
+  uint64_t block_bytes() const { return v_scales_offset() + 4 * scale_floats(); }
+  // Bytes one live slot accounts for (codes of K and V, plus nf4's own scales).
+  uint64_t slot_bytes() const { return 2 * (uint64_t{code_row_bytes()} + 4ull * groups()); }
+  // Scale bytes a block carries regardless of its fill (int8/int4 per-channel scales).
+  uint64_t block_scale_bytes() const { return type == QuantType::kNF4 ? 0 : 8ull * head_dim; }
+};
+
+// Quantizes one plane (K or V) of a layout-precision block: rows [start, start+count) of
+// `src` ([B][D] in `elem`) into `codes` ([B][code_row]) and `scales` (see above).
+void QuantizePlaneRef(const void* src, ElemType elem, const QuantGeometry& g, uint32_t start,
+                      uint32_t count, uint8_t* codes, float* scales);
+
+// Dequantizes rows [start, start+count) of one plane into `dst` ([count][D] in `elem`).
+void DequantizePlaneRef(const uint8_t* codes, const float* scales, const QuantGeometry& g,
+                        uint32_t start, uint32_t count, ElemType elem, void* dst);
+
+// Whole block, both planes: `src` is a layout block (K [B][D] then V [B][D]).
+void QuantizeBlockRef(const uint8_t* src, ElemType elem, const QuantGeometry& g, uint32_t start,
+                      uint32_t count, uint8_t* dst);
+void DequantizeBlockRef(const uint8_t* block, const QuantGeometry& g, uint32_t start,
+                        uint32_t count, ElemType elem, void* k_dst, void* v_dst);
+
+}  // namespace kvmem::kernels

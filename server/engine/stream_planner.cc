@@ -1,0 +1,236 @@
+#include "server/engine/stream_planner.h"
+
+#include <algorithm>
+
+namespace kvmem::engine {
+namespace {
+
+// Appends a move, merging it into the previous one when both ranges continue it and one
+// memmove of the union does what the two sequential ones would: the first move's
+// destination must not overwrite the second's source before it is read.
+void PushMove(std::vector<store::MoveOp>& ops, uint64_t src, uint64_t dst, uint64_t bytes) {
+  if (!ops.empty()) {
+    store::MoveOp& last = ops.back();
+    if (last.src + last.bytes == src && last.dst + last.bytes == dst &&
+        (last.dst <= last.src || last.dst >= src + bytes)) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  ops.push_back({src, dst, bytes});
+}
+
+}  // namespace
+
+uint64_t StreamPlanner::BlocksForAppend(const std::vector<StreamBlock>& blocks,
+                                        uint64_t tokens) const {
+  const uint32_t B = format_.block_tokens();
+  uint64_t room = 0;
+  uint64_t copies = 0;
+  if (!blocks.empty() && blocks.back().precision == Precision::kLayout) {
+    room = B - (blocks.back().start + blocks.back().count);
+    if (room > 0 && Shared(blocks.back().id)) copies = 1;
+  }
+  if (tokens <= room) return copies;
+  return copies + (tokens - room + B - 1) / B;
+}
+
+absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p) {
+  if (p == Precision::kLayout && !reserve_.empty()) {
+    const store::BlockId id = reserve_.back();
+    reserve_.pop_back();
+    return id;
+  }
+  std::vector<store::BlockId> ids;
+  if (absl::Status s = pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids);
+      !s.ok()) {
+    return s;
+  }
+  batch_->allocated.push_back(ids[0]);
+  return ids[0];
+}
+
+void StreamPlanner::MoveSlot(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst) {
+  ByteRange s[4], d[4];
+  const int n = format_.SlotRanges(p, from, src, s);
+  format_.SlotRanges(p, to, dst, d);
+  for (int i = 0; i < n; ++i) PushMove(batch_->moves, s[i].offset, d[i].offset, s[i].bytes);
+}
+
+absl::Status StreamPlanner::Unshare(StreamBlock& block) {
+  absl::StatusOr<store::BlockId> copy = Allocate(block.precision);
+  if (!copy.ok()) return copy.status();
+  // The whole block: codes, and for quantized blocks their per-block scales too.
+  batch_->moves.push_back(
+      {pool_->offset(block.id), pool_->offset(*copy), format_.block_bytes(block.precision)});
+  batch_->dropped.push_back(block.id);
+  block.id = *copy;
+  return absl::OkStatus();
+}
+
+absl::Status StreamPlanner::Append(std::vector<StreamBlock>& blocks,
+                                   absl::Span<const AppendRun> runs) {
+  const uint32_t B = format_.block_tokens();
+  const uint64_t row = format_.block_bytes(Precision::kLayout) / (2ull * B);
+  bool unshared = false;
+  for (const AppendRun& run : runs) {
+    for (uint32_t i = 0; i < run.count;) {
+      if (blocks.empty() || blocks.back().precision != Precision::kLayout ||
+          blocks.back().start + blocks.back().count == B) {
+        absl::StatusOr<store::BlockId> id = Allocate(Precision::kLayout);
+        if (!id.ok()) return id.status();
+        blocks.push_back({*id, 0, 0, Precision::kLayout});
+        unshared = true;
+      } else if (!unshared) {
+        if (Shared(blocks.back().id)) {
+          if (absl::Status s = Unshare(blocks.back()); !s.ok()) return s;
+        }
+        unshared = true;
+      }
+      StreamBlock& last = blocks.back();
+      const uint32_t slot = last.start + last.count;
+      const uint32_t n = std::min(run.count - i, B - slot);
+      const uint64_t off = pool_->offset(last.id);
+      batch_->writes.push_back({run.k + i * row, off + slot * row, n * row});
+      batch_->writes.push_back({run.v + i * row, off + (uint64_t{B} + slot) * row, n * row});
+      last.count += n;
+      i += n;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
+                                 absl::Span<const uint32_t> keep) {
+  std::vector<StreamBlock> out;
+  out.reserve(blocks.size());
+  size_t k = 0;
+  uint64_t first_slot = 0;  // stream index of the block's first live slot
+  std::vector<uint32_t> local;
+  for (StreamBlock block : blocks) {
+    local.clear();
+    while (k < keep.size() && keep[k] < first_slot + block.count) {
+      local.push_back(static_cast<uint32_t>(keep[k++] - first_slot));
+    }
+    first_slot += block.count;
+    if (local.empty()) {
+      batch_->dropped.push_back(block.id);
+      continue;
+    }
+    const uint32_t kept = static_cast<uint32_t>(local.size());
+    if (kept == block.count) {
+      out.push_back(block);
+      continue;
+    }
+    if (local.back() - local.front() + 1 == kept) {  // already contiguous: no data moves
+      block.start += local.front();
+      block.count = kept;
+      out.push_back(block);
+      continue;
+    }
+    if (Shared(block.id)) {
+      if (absl::Status s = Unshare(block); !s.ok()) return s;
+    }
+    const uint64_t off = pool_->offset(block.id);
+    // Pack toward whichever kept end leaves fewer slots to move. Toward the front, each
+    // destination is at or before its source, so ascending order never overwrites a slot
+    // still to be read; toward the back, descending order has the same property.
+    uint32_t front_moves = 0, back_moves = 0;
+    for (uint32_t j = 0; j < kept; ++j) {
+      front_moves += local[j] != local.front() + j;
+      back_moves += local[j] != local.back() - (kept - 1 - j);
+    }
+    if (front_moves <= back_moves) {
+      const uint32_t base = block.start + local.front();
+      for (uint32_t j = 0; j < kept; ++j) {
+        if (local[j] != local.front() + j) {
+          MoveSlot(block.precision, off, block.start + local[j], off, base + j);
+        }
+      }
+      block.start = base;
+    } else {
+      const uint32_t top = block.start + local.back();
+      for (uint32_t j = kept; j-- > 0;) {
+        if (local[j] != local.back() - (kept - 1 - j)) {
+          MoveSlot(block.precision, off, block.start + local[j], off, top - (kept - 1 - j));
+        }
+      }
+      block.start = top - (kept - 1);
+    }
+    block.count = kept;
+    out.push_back(block);
+  }
+  blocks = std::move(out);
+  return absl::OkStatus();
+}
+
+absl::Status StreamPlanner::Merge(std::vector<StreamBlock>& blocks) {
+  const uint32_t B = format_.block_tokens();
+  std::vector<StreamBlock> out;
+  out.reserve(blocks.size());
+  for (StreamBlock block : blocks) {
+    if (out.empty()) {
+      out.push_back(block);
+      continue;
+    }
+    StreamBlock& prev = out.back();
+    if (prev.precision != Precision::kLayout || block.precision != Precision::kLayout ||
+        prev.count + block.count > B || Shared(prev.id) || Shared(block.id)) {
+      out.push_back(block);
+      continue;
+    }
+    const uint64_t prev_off = pool_->offset(prev.id);
+    const uint64_t off = pool_->offset(block.id);
+    if (block.start >= prev.count) {
+      // prev's slots fit in front of block's: move them there, drop prev.
+      for (uint32_t j = 0; j < prev.count; ++j) {
+        MoveSlot(Precision::kLayout, prev_off, prev.start + j, off, block.start - prev.count + j);
+      }
+      block.start -= prev.count;
+      block.count += prev.count;
+      batch_->dropped.push_back(prev.id);
+      prev = block;
+      continue;
+    }
+    if (prev.start + prev.count + block.count > B) {
+      // Slide prev's slots to the front of their block first (ascending: safe in place).
+      for (uint32_t j = 0; j < prev.count; ++j) {
+        MoveSlot(Precision::kLayout, prev_off, prev.start + j, prev_off, j);
+      }
+      prev.start = 0;
+    }
+    for (uint32_t j = 0; j < block.count; ++j) {
+      MoveSlot(Precision::kLayout, off, block.start + j, prev_off, prev.start + prev.count + j);
+    }
+    prev.count += block.count;
+    batch_->dropped.push_back(block.id);
+  }
+  blocks = std::move(out);
+  return absl::OkStatus();
+}
+
+absl::Status StreamPlanner::Quantize(std::vector<StreamBlock>& blocks, uint32_t recent) {
+  if (!format_.quantizes()) return absl::OkStatus();
+  uint64_t total = 0;
+  for (const StreamBlock& b : blocks) total += b.count;
+  if (total <= recent) return absl::OkStatus();
+  const uint64_t old_end = total - recent;  // slots [0, old_end) are outside the window
+  uint64_t end = 0;
+  for (StreamBlock& block : blocks) {
+    end += block.count;
+    if (end > old_end) break;
+    if (block.precision != Precision::kLayout) continue;
+    const Precision target = format_.quant_precision();
+    absl::StatusOr<store::BlockId> id = Allocate(target);
+    if (!id.ok()) return id.status();
+    batch_->quantizes.push_back(
+        {pool_->offset(block.id), pool_->offset(*id), block.start, block.count});
+    batch_->dropped.push_back(block.id);
+    batch_->quantized_slots += block.count;
+    block.id = *id;
+    block.precision = target;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvmem::engine

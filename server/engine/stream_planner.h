@@ -1,0 +1,80 @@
+#pragma once
+// StreamPlanner: turns a change to one stream's slots (append, keep-set, merge, quantize)
+// into backend operations and a new block list, without touching the stream itself.
+//
+// Plans accumulate in an OpBatch across all streams of a request; the engine runs the
+// batch (moves, then writes, then quantizations, each in order) and only then commits the
+// new block lists. Blocks the plan allocated are released if the batch is abandoned;
+// blocks it stopped using are released after commit. Shared blocks (refs > 1, after Fork)
+// are never written: a private copy is made first (copy-on-write).
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "server/engine/block_format.h"
+#include "server/store/backend.h"
+#include "server/store/block_pool.h"
+
+namespace kvmem::engine {
+
+// One block of a stream: live slots [start, start + count).
+struct StreamBlock {
+  store::BlockId id = 0;
+  uint32_t start = 0;
+  uint32_t count = 0;
+  Precision precision = Precision::kLayout;
+};
+
+struct OpBatch {
+  std::vector<store::MoveOp> moves;
+  std::vector<store::WriteOp> writes;
+  std::vector<store::QuantizeOp> quantizes;
+  std::vector<store::BlockId> allocated;  // released if the batch is abandoned
+  std::vector<store::BlockId> dropped;    // released once the batch is committed
+  uint64_t quantized_slots = 0;
+};
+
+// Source of one appended run: `count` consecutive tokens' K and V rows.
+struct AppendRun {
+  const char* k;  // count rows of row_bytes
+  const char* v;
+  uint32_t count;
+};
+
+class StreamPlanner {
+ public:
+  StreamPlanner(const BlockFormat& format, store::BlockPool* pool, OpBatch* batch)
+      : format_(format), pool_(pool), batch_(batch) {}
+
+  // Layout blocks Append would allocate for `tokens` more tokens (copy-on-write included).
+  uint64_t BlocksForAppend(const std::vector<StreamBlock>& blocks, uint64_t tokens) const;
+  // Blocks allocated beforehand (all or nothing) that Allocate hands out first.
+  void Reserve(std::vector<store::BlockId> ids) { reserve_ = std::move(ids); }
+  // Reserved blocks not handed out (they stay in the batch's `allocated`).
+  const std::vector<store::BlockId>& unused_reserve() const { return reserve_; }
+
+  // Appends the runs in order after the stream's last slot.
+  absl::Status Append(std::vector<StreamBlock>& blocks, absl::Span<const AppendRun> runs);
+  // Keeps only the listed slots (ascending indices over the stream, validated by caller).
+  absl::Status Keep(std::vector<StreamBlock>& blocks, absl::Span<const uint32_t> keep);
+  // Merges neighbouring layout-precision blocks whose live slots fit one block.
+  absl::Status Merge(std::vector<StreamBlock>& blocks);
+  // Quantizes every layout block whose slots all lie before the last `recent` slots.
+  absl::Status Quantize(std::vector<StreamBlock>& blocks, uint32_t recent);
+
+ private:
+  absl::StatusOr<store::BlockId> Allocate(Precision p);
+  bool Shared(store::BlockId id) const { return pool_->refs(id) > 1; }
+  // Moves slot `src` of block `from` to slot `dst` of block `to` (same precision).
+  void MoveSlot(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst);
+  // Replaces a shared block by a private copy of its live slots (same positions).
+  absl::Status Unshare(StreamBlock& block);
+
+  const BlockFormat& format_;
+  store::BlockPool* const pool_;
+  OpBatch* const batch_;
+  std::vector<store::BlockId> reserve_;
+};
+
+}  // namespace kvmem::engine
