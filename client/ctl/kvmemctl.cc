@@ -43,7 +43,7 @@ int Info(kvmem::client::Client& client) {
   for (const auto& p : info->policies) {
     std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
     for (const auto& param : p.params) {
-      std::printf("    %-16s default %-10g range [%g, %g]  %s\n", param.name.c_str(),
+      std::printf("    %-16s default %-10g range [%.10g, %.10g]  %s\n", param.name.c_str(),
                   param.default_value, param.min_value, param.max_value, param.description.c_str());
     }
     if (!p.step_signals.empty()) {
@@ -52,6 +52,14 @@ int Info(kvmem::client::Client& client) {
     if (!p.compress_signals.empty()) {
       std::printf("    compress signals: %s\n", absl::StrJoin(p.compress_signals, ", ").c_str());
     }
+    if (!p.append_signals.empty()) {
+      std::printf("    append signals: %s\n", absl::StrJoin(p.append_signals, ", ").c_str());
+    }
+  }
+  std::printf("quantizers (recent window %u tokens by default):\n",
+              info->default_quantization_recent_tokens);
+  for (const auto& q : info->quantizers) {
+    std::printf("  %-14s %s\n", q.name.c_str(), q.description.c_str());
   }
   return 0;
 }
@@ -70,9 +78,10 @@ int Stats(kvmem::client::Client& client, bool sequences) {
                 static_cast<unsigned long long>(stats->blocks_used));
     std::printf("sequences        %u active, %llu leases expired\n", stats->sequences_active,
                 static_cast<unsigned long long>(stats->leases_expired));
-    std::printf("tokens           %llu appended, %llu evicted\n",
+    std::printf("tokens           %llu appended, %llu evicted, %llu quantized\n",
                 static_cast<unsigned long long>(stats->tokens_appended),
-                static_cast<unsigned long long>(stats->tokens_evicted));
+                static_cast<unsigned long long>(stats->tokens_evicted),
+                static_cast<unsigned long long>(stats->tokens_quantized));
     std::printf("steps            %llu\n", static_cast<unsigned long long>(stats->steps));
     return 0;
   }

@@ -234,6 +234,19 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     total += chunks[c].positions.size();
   }
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
+  const policy::SignalSet needs = seq.policy->descriptor().append_signals;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if ((needs & policy::kTokenEntropy) && chunks[c].token_entropy.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          c == 0 ? "" : absl::StrCat("chunk ", c, ": "), "token_entropy: policy ",
+          seq.policy_name, " needs one value per appended token"));
+    }
+    if ((needs & policy::kLayerDistance) && chunks[c].layer_distance.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          c == 0 ? "" : absl::StrCat("chunk ", c, ": "), "layer_distance: policy ",
+          seq.policy_name, " needs one value per appended token"));
+    }
+  }
 
   // Plan every stream's writes (and copy-on-write of a shared last block); allocation is
   // all-or-nothing because an abandoned batch releases what it took.
@@ -278,7 +291,7 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     for (const AppendChunk& chunk : chunks) {
       const size_t n = chunk.positions.size();
       st.positions.insert(st.positions.end(), chunk.positions.begin(), chunk.positions.end());
-      st.scores.insert(st.scores.end(), n, 0.0f);
+      st.scores.insert(st.scores.end(), n, seq.policy->descriptor().initial_score);
       if (chunk.token_entropy.empty()) {
         st.token_entropy.insert(st.token_entropy.end(), n, std::nanf(""));
       } else {

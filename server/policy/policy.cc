@@ -6,6 +6,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/policy/baselines.h"
+#include "server/policy/confkv.h"
+#include "server/policy/infokv.h"
+#include "server/policy/refreekv.h"
+#include "server/policy/snapkv.h"
 #include "server/policy/window.h"
 
 namespace kvmem::policy {
@@ -22,6 +27,16 @@ const std::vector<Entry>& Registry() {
   static const std::vector<Entry>* entries = new std::vector<Entry>{
       {&FullDescriptor(), &MakeFullPolicy},
       {&WindowDescriptor(), &MakeWindowPolicy},
+      {&StreamingLlmDescriptor(), &MakeStreamingLlmPolicy},
+      {&H2oDescriptor(), &MakeH2oPolicy},
+      {&SnapKvDescriptor(), &MakeSnapKvPolicy},
+      {&PyramidKvDescriptor(), &MakePyramidKvPolicy},
+      {&ConfKvDescriptor(), &MakeConfKvPolicy},
+      {&ConfKvLDescriptor(), &MakeConfKvLPolicy},
+      {&RefreeKvDescriptor(), &MakeRefreeKvPolicy},
+      {&RefreeKvH2oDescriptor(), &MakeRefreeKvH2oPolicy},
+      {&InfoKvDescriptor(), &MakeInfoKvPolicy},
+      {&InfoKvAdaptiveDescriptor(), &MakeInfoKvAdaptivePolicy},
   };
   return *entries;
 }
@@ -58,6 +73,9 @@ absl::StatusOr<std::unique_ptr<Policy>> CreatePolicy(absl::string_view name,
     absl::StatusOr<ResolvedParams> params =
         ResolvedParams::Resolve(name, e.descriptor->params, overrides);
     if (!params.ok()) return params.status();
+    if (e.descriptor->check != nullptr) {
+      if (absl::Status s = e.descriptor->check(*params); !s.ok()) return s;
+    }
     return e.make(*std::move(params));
   }
   std::vector<std::string> known;

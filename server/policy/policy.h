@@ -34,8 +34,13 @@ struct PolicyDescriptor {
   std::string name;
   std::string description;
   std::vector<ParamSpec> params;
-  SignalSet step_signals = 0;
-  SignalSet compress_signals = 0;
+  SignalSet step_signals = 0;      // required on every Step
+  SignalSet compress_signals = 0;  // required on every Compress
+  SignalSet append_signals = 0;    // per-token signals required on every Append
+  // Score state of a newly appended slot (NaN = "not scored yet").
+  float initial_score = 0.0f;
+  // Cross-parameter check run once the parameters are resolved (may be null).
+  absl::Status (*check)(const ResolvedParams& params) = nullptr;
 };
 
 struct LogitStats {

@@ -50,6 +50,9 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
     for (const std::string& s : policy::SignalNames(d.compress_signals)) {
       info->add_compress_signals(s);
     }
+    for (const std::string& s : policy::SignalNames(d.append_signals)) {
+      info->add_append_signals(s);
+    }
   }
   if (std::optional<store::PoolExport> exported = backend.pool_export()) {
     response->mutable_shared_memory()->set_name(exported->shm_name);

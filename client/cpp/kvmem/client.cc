@@ -125,8 +125,12 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.default_lease_seconds = r.default_lease_seconds();
   info.max_message_bytes = r.max_message_bytes();
   for (const v1::PolicyInfo& p : r.policies()) {
-    PolicyInfo pi{
-        p.name(), p.description(), {}, ToVector(p.step_signals()), ToVector(p.compress_signals())};
+    PolicyInfo pi{p.name(),
+                  p.description(),
+                  {},
+                  ToVector(p.step_signals()),
+                  ToVector(p.compress_signals()),
+                  ToVector(p.append_signals())};
     for (const v1::ParamInfo& param : p.params()) {
       pi.params.push_back({param.name(), param.default_value(), param.min_value(),
                            param.max_value(), param.description()});

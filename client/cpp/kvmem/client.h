@@ -59,6 +59,7 @@ struct PolicyInfo {
   std::vector<ParamInfo> params;
   std::vector<std::string> step_signals;
   std::vector<std::string> compress_signals;
+  std::vector<std::string> append_signals;
 };
 
 struct QuantizerInfo {

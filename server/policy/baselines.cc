@@ -1,0 +1,143 @@
+#include "server/policy/baselines.h"
+
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "server/policy/scoring.h"
+
+namespace kvmem::policy {
+namespace {
+
+Decision KeepAll(size_t streams) {
+  Decision d;
+  d.keep.resize(streams);
+  return d;
+}
+
+// Keep the first S (sinks) and the last C - S slots, every step.
+class StreamingLlmPolicy final : public Policy {
+ public:
+  explicit StreamingLlmPolicy(const ResolvedParams& p)
+      : sinks_(static_cast<uint32_t>(p.Get("sinks"))),
+        budget_(static_cast<uint32_t>(p.Get("budget"))) {}
+  const PolicyDescriptor& descriptor() const override { return StreamingLlmDescriptor(); }
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+    return Apply(streams, budget_);
+  }
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    return Apply(streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
+  }
+
+ private:
+  Decision Apply(absl::Span<StreamState> streams, uint32_t budget) const {
+    Decision d = KeepAll(streams.size());
+    d.budget_tokens = budget;
+    const uint32_t sinks = std::min(sinks_, budget);
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const size_t n = streams[s].positions.size();
+      if (n <= budget) continue;
+      std::vector<uint32_t> keep(sinks);
+      std::iota(keep.begin(), keep.end(), 0u);
+      for (size_t i = n - (budget - sinks); i < n; ++i) keep.push_back(static_cast<uint32_t>(i));
+      d.keep[s] = std::move(keep);
+    }
+    return d;
+  }
+  const uint32_t sinks_;
+  const uint32_t budget_;
+};
+
+// Accumulated attention s_j += a_j; when n > C keep the last R plus the top C - R by s.
+class H2oPolicy final : public Policy {
+ public:
+  explicit H2oPolicy(const ResolvedParams& p)
+      : budget_(static_cast<uint32_t>(p.Get("budget"))),
+        recent_(p.Get("recent") > 0 ? static_cast<uint32_t>(p.Get("recent")) : budget_ / 2) {}
+  const PolicyDescriptor& descriptor() const override { return H2oDescriptor(); }
+
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+    for (StreamState& st : streams) {
+      for (size_t j = 0; j < st.attention.size(); ++j) st.scores[j] += st.attention[j];
+    }
+    return Apply(streams, budget_);
+  }
+  // At prefill the accumulators start from the window scores over all prompt queries.
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    for (StreamState& st : streams) {
+      for (size_t j = 0; j < st.window_scores.size(); ++j) st.scores[j] = st.window_scores[j];
+    }
+    return Apply(streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
+  }
+
+ private:
+  Decision Apply(absl::Span<StreamState> streams, uint32_t budget) const {
+    Decision d = KeepAll(streams.size());
+    d.budget_tokens = budget;
+    const uint32_t recent = std::min(recent_, budget);
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const size_t n = streams[s].positions.size();
+      if (n > budget) d.keep[s] = KeepWindowPlusTop(n, recent, budget, streams[s].scores);
+    }
+    return d;
+  }
+  const uint32_t budget_;
+  const uint32_t recent_;
+};
+
+absl::Status CheckSinks(const ResolvedParams& p) {
+  if (p.Get("sinks") >= p.Get("budget")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.params[sinks]: ", p.Get("sinks"),
+                                                   " must be below budget (", p.Get("budget"),
+                                                   ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRecent(const ResolvedParams& p) {
+  if (p.Get("recent") > p.Get("budget")) {
+    return absl::InvalidArgumentError(absl::StrCat("policy.params[recent]: ", p.Get("recent"),
+                                                   " must not exceed budget (", p.Get("budget"),
+                                                   ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const PolicyDescriptor& StreamingLlmDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "streaming_llm",
+      "StreamingLLM: keeps the first S tokens (attention sinks) and the last C - S, every step.",
+      {{"sinks", 4, 0, 1 << 20, true, "S, attention-sink tokens kept at the start"},
+       {"budget", 512, 1, 1 << 24, true, "C, tokens kept per stream"}},
+      0,
+      0,
+      0,
+      0.0f,
+      &CheckSinks};
+  return *d;
+}
+
+const PolicyDescriptor& H2oDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "h2o",
+      "H2O heavy hitters: accumulated attention; keeps the last R plus the top C - R, every "
+      "step. Compress with window scores seeds the accumulators at prefill.",
+      {{"budget", 256, 1, 1 << 24, true, "C, tokens kept per stream"},
+       {"recent", 0, 0, 1 << 24, true, "R, recent tokens always kept; 0 = C/2"}},
+      kAttentionRows,
+      0,
+      0,
+      0.0f,
+      &CheckRecent};
+  return *d;
+}
+
+std::unique_ptr<Policy> MakeStreamingLlmPolicy(ResolvedParams params) {
+  return std::make_unique<StreamingLlmPolicy>(params);
+}
+std::unique_ptr<Policy> MakeH2oPolicy(ResolvedParams params) {
+  return std::make_unique<H2oPolicy>(params);
+}
+
+}  // namespace kvmem::policy

@@ -1,0 +1,205 @@
+#include "server/policy/confkv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "server/policy/scoring.h"
+
+namespace kvmem::policy {
+
+uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, uint32_t floor) {
+  const double scaled = base * std::pow(0.5, static_cast<double>(layer) / num_layers);
+  return std::max(floor, static_cast<uint32_t>(scaled));
+}
+
+std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
+                                 uint32_t budget, uint32_t protect, double attention_weight) {
+  const size_t n = positions.size();
+  std::vector<uint32_t> all(n);
+  std::iota(all.begin(), all.end(), 0u);
+  if (n <= budget) return all;
+  protect = std::min<uint32_t>(protect, budget);
+  const size_t unprotected = n - protect;
+  float max_e = 0;
+  for (float e : ema) max_e = std::max(max_e, e);
+  const double span = static_cast<double>(positions[n - 1] - positions[0]);
+  std::vector<float> priority(n);
+  for (size_t j = 0; j < n; ++j) {
+    const double e_hat = max_e > 0 ? ema[j] / max_e : 0.0;
+    const double recency = span > 0 ? (positions[j] - positions[0]) / span : 1.0;
+    priority[j] =
+        static_cast<float>(attention_weight * e_hat + (1.0 - attention_weight) * recency);
+  }
+  std::vector<uint32_t> keep =
+      TopK(priority, absl::MakeConstSpan(all).first(unprotected), budget - protect);
+  for (size_t j = unprotected; j < n; ++j) keep.push_back(static_cast<uint32_t>(j));
+  return keep;
+}
+
+namespace {
+
+struct ConfKvParams {
+  double theta, lambda, w_entropy, w_gap, w_p1, attention_weight;
+  uint32_t c_high, c_low, protect, interval, layer_floor;
+  bool per_layer;
+
+  static ConfKvParams From(const ResolvedParams& p, bool per_layer) {
+    return {p.Get("theta"),
+            p.Get("lambda"),
+            p.Get("w_entropy"),
+            p.Get("w_gap"),
+            p.Get("w_p1"),
+            p.Get("attention_weight"),
+            static_cast<uint32_t>(p.Get("c_high")),
+            static_cast<uint32_t>(p.Get("c_low")),
+            static_cast<uint32_t>(p.Get("protect")),
+            static_cast<uint32_t>(p.Get("interval")),
+            per_layer ? static_cast<uint32_t>(p.Get("layer_floor")) : 0,
+            per_layer};
+  }
+};
+
+class ConfKvPolicy final : public Policy {
+ public:
+  explicit ConfKvPolicy(ConfKvParams p) : p_(p) {}
+  const PolicyDescriptor& descriptor() const override {
+    return p_.per_layer ? ConfKvLDescriptor() : ConfKvDescriptor();
+  }
+
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d;
+    d.keep.resize(streams.size());
+    const LogitStats& ls = *ctx.logits;  // required: the engine checked it
+    d.confidence =
+        Confidence(ls.entropy, ls.p1, ls.p2, ctx.vocab_size, p_.w_entropy, p_.w_gap, p_.w_p1);
+    const uint32_t base = d.confidence > p_.theta ? p_.c_high : p_.c_low;
+    d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
+    for (StreamState& st : streams) UpdateEma(st);
+    if (ctx.step % p_.interval != 0) return d;
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
+      if (streams[s].positions.size() > budget) {
+        d.keep[s] = ConfKvKeep(streams[s].scores, streams[s].positions, budget, p_.protect,
+                               p_.attention_weight);
+      }
+    }
+    return d;
+  }
+
+  // Explicit compression (after prefill): window scores, when sent, seed the EMA of slots
+  // not scored yet; the target (default C_low) applies with the same priority rule.
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d;
+    d.keep.resize(streams.size());
+    const uint32_t base = ctx.target_tokens > 0 ? ctx.target_tokens : p_.c_low;
+    d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
+    for (size_t s = 0; s < streams.size(); ++s) {
+      StreamState& st = streams[s];
+      for (size_t j = 0; j < st.scores.size(); ++j) {
+        if (std::isnan(st.scores[j]) && j < st.window_scores.size()) {
+          st.scores[j] = st.window_scores[j];
+        }
+      }
+      const uint32_t budget = BudgetFor(base, st.layer, ctx.num_layers);
+      if (st.positions.size() <= budget) continue;
+      std::vector<float> ema(st.scores.begin(), st.scores.end());
+      for (float& e : ema) {
+        if (std::isnan(e)) e = 0;  // never scored: only recency speaks for it
+      }
+      d.keep[s] = ConfKvKeep(ema, st.positions, budget, p_.protect, p_.attention_weight);
+    }
+    return d;
+  }
+
+ private:
+  uint32_t BudgetFor(uint32_t base, uint32_t layer, uint32_t num_layers) const {
+    return p_.per_layer ? ConfKvLayerBudget(base, layer, num_layers, p_.layer_floor) : base;
+  }
+  // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a.
+  void UpdateEma(StreamState& st) const {
+    for (size_t j = 0; j < st.attention.size(); ++j) {
+      const float a = st.attention[j];
+      st.scores[j] = std::isnan(st.scores[j])
+                         ? a
+                         : static_cast<float>(p_.lambda * st.scores[j] + (1 - p_.lambda) * a);
+    }
+  }
+  const ConfKvParams p_;
+};
+
+absl::Status CheckConfKv(const ResolvedParams& p) {
+  const double smallest = std::min(p.Get("c_high"), p.Get("c_low"));
+  const double floor = p.values().count("layer_floor") ? p.Get("layer_floor") : smallest;
+  if (p.Get("protect") >= std::min(smallest, floor)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.params[protect]: ", p.Get("protect"),
+                     " must be below every budget (smallest ", std::min(smallest, floor), ")"));
+  }
+  if (std::fabs(p.Get("w_entropy") + p.Get("w_gap") + p.Get("w_p1") - 1.0) > 1e-6) {
+    return absl::InvalidArgumentError(
+        "policy.params[w_entropy]: w_entropy + w_gap + w_p1 must sum to 1");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<ParamSpec> ConfKvParamSpecs(bool per_layer) {
+  std::vector<ParamSpec> specs = {
+      {"theta", 0.7, 0, 1, false, "confidence threshold: above it the budget is c_high"},
+      {"c_high", 128, 1, 1 << 24, true, "budget (tokens per stream) when confident"},
+      {"c_low", 256, 1, 1 << 24, true, "budget when not confident"},
+      {"lambda", 0.9, 0, 1, false, "EMA decay of attention scores"},
+      {"w_entropy", 0.4, 0, 1, false, "confidence weight of 1 - H / ln V"},
+      {"w_gap", 0.3, 0, 1, false, "confidence weight of 1 - p2 / p1"},
+      {"w_p1", 0.3, 0, 1, false, "confidence weight of p1"},
+      {"attention_weight", 0.65, 0, 1, false,
+       "priority weight of normalized EMA (recency gets the rest)"},
+      {"protect", 32, 0, 1 << 20, true, "P, newest tokens never evicted (64 for long context)"},
+      {"interval", 1, 1, 1 << 20, true, "evict every k steps (scores update every step)"}};
+  if (per_layer) {
+    specs.push_back({"layer_floor", 96, 1, 1 << 24, true,
+                     "per-layer budgets are max(floor, C * 0.5^(l/L))"});
+  }
+  return specs;
+}
+
+}  // namespace
+
+const PolicyDescriptor& ConfKvDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "confkv",
+      "CONF-KV: confidence-scheduled budget (c_high when confident, else c_low), EMA attention "
+      "mixed with recency, protected recent window. Pair with quantization int8 for "
+      "confkv+int8.",
+      ConfKvParamSpecs(false),
+      kLogitStats | kAttentionRows,
+      0,
+      0,
+      std::nanf(""),
+      &CheckConfKv};
+  return *d;
+}
+
+const PolicyDescriptor& ConfKvLDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "confkv_l",
+      "CONF-KV-L: CONF-KV with pyramid layer budgets C(l) = max(96, C * 0.5^(l/L)) for both "
+      "c_high and c_low.",
+      ConfKvParamSpecs(true),
+      kLogitStats | kAttentionRows,
+      0,
+      0,
+      std::nanf(""),
+      &CheckConfKv};
+  return *d;
+}
+
+std::unique_ptr<Policy> MakeConfKvPolicy(ResolvedParams params) {
+  return std::make_unique<ConfKvPolicy>(ConfKvParams::From(params, false));
+}
+std::unique_ptr<Policy> MakeConfKvLPolicy(ResolvedParams params) {
+  return std::make_unique<ConfKvPolicy>(ConfKvParams::From(params, true));
+}
+
+}  // namespace kvmem::policy

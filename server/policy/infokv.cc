@@ -1,0 +1,243 @@
+#include "server/policy/infokv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <numeric>
+
+#include "server/policy/scoring.h"
+
+namespace kvmem::policy {
+namespace {
+
+std::vector<float> FillNan(absl::Span<const float> x) {
+  double sum = 0;
+  size_t count = 0;
+  for (float v : x) {
+    if (!std::isnan(v)) {
+      sum += v;
+      ++count;
+    }
+  }
+  const float mean = count > 0 ? static_cast<float>(sum / count) : 0.0f;
+  std::vector<float> out(x.begin(), x.end());
+  for (float& v : out) {
+    if (std::isnan(v)) v = mean;
+  }
+  return out;
+}
+
+std::vector<float> EntropyScores(absl::Span<const float> token_entropy,
+                                 absl::Span<const float> layer_distance, double tau) {
+  const std::vector<float> h = FillNan(token_entropy);
+  const std::vector<float> d = FillNan(layer_distance);
+  std::vector<float> e(h.size());
+  for (size_t i = 0; i < h.size(); ++i) e[i] = static_cast<float>(h[i] * (d[i] + tau));
+  return e;
+}
+
+void NormalizeByMax(std::vector<float>& x) {
+  float m = 0;
+  for (float v : x) m = std::max(m, v);
+  if (m > 0) {
+    for (float& v : x) v /= m;
+  }
+}
+
+}  // namespace
+
+std::vector<float> InfoKvScores(absl::Span<const float> attention,
+                                absl::Span<const float> token_entropy,
+                                absl::Span<const float> layer_distance, double alpha, double tau) {
+  std::vector<float> a(attention.begin(), attention.end());
+  std::vector<float> e = EntropyScores(token_entropy, layer_distance, tau);
+  NormalizeByMax(a);
+  NormalizeByMax(e);
+  std::vector<float> s(a.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    s[i] = static_cast<float>(alpha * a[i] + (1 - alpha) * e[i]);
+  }
+  return s;
+}
+
+namespace {
+
+class InfoKvPolicy final : public Policy {
+ public:
+  InfoKvPolicy(const ResolvedParams& p, bool adaptive)
+      : alpha_(p.Get("alpha")),
+        tau_(p.Get("tau")),
+        window_(static_cast<uint32_t>(p.Get("window"))),
+        kernel_(static_cast<uint32_t>(p.Get("kernel"))),
+        prefill_ratio_(p.Get("prefill_ratio")),
+        decode_ratio_(p.Get("decode_ratio")),
+        decode_interval_(static_cast<uint32_t>(p.Get("decode_interval"))),
+        history_(static_cast<uint32_t>(p.Get("history"))),
+        adaptive_(adaptive) {}
+
+  const PolicyDescriptor& descriptor() const override {
+    return adaptive_ ? InfoKvAdaptiveDescriptor() : InfoKvDescriptor();
+  }
+
+  // Decode: remember the last R attention rows (by position); every N steps compress the
+  // tokens generated since the last compression to decode_ratio of their number [ours].
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d;
+    d.keep.resize(streams.size());
+    if (history_rows_.size() != streams.size()) history_rows_.assign(streams.size(), {});
+    for (size_t s = 0; s < streams.size(); ++s) {
+      auto& rows = history_rows_[s];
+      rows.push_back({std::vector<int64_t>(streams[s].positions.begin(), streams[s].positions.end()),
+                      std::vector<float>(streams[s].attention.begin(), streams[s].attention.end())});
+      while (rows.size() > history_) rows.pop_front();
+    }
+    if (decode_interval_ == 0 || (ctx.step + 1) % decode_interval_ != 0) return d;
+    d.budget_tokens = 0;
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const StreamState& st = streams[s];
+      // The region: slots generated after the last compression point.
+      std::vector<uint32_t> region;
+      for (uint32_t j = 0; j < st.positions.size(); ++j) {
+        if (st.positions[j] > region_start_) region.push_back(j);
+      }
+      if (region.size() <= window_) continue;
+      const uint32_t target = std::max<uint32_t>(
+          window_, static_cast<uint32_t>(std::ceil(decode_ratio_ * region.size())));
+      if (target >= region.size()) continue;
+      const std::vector<float> attention = HistorySums(s, st.positions);
+      const std::vector<float> scores =
+          InfoKvScores(attention, st.token_entropy, st.layer_distance, alpha_, tau_);
+      std::vector<uint32_t> older(region.begin(), region.end() - window_);
+      std::vector<uint32_t> keep = TopK(scores, older, target - window_);
+      keep.insert(keep.end(), region.end() - window_, region.end());
+      std::vector<uint32_t> outside;
+      for (uint32_t j = 0; j < region.front(); ++j) outside.push_back(j);
+      d.keep[s] = MergeSorted(outside, keep);
+    }
+    int64_t newest = region_start_;
+    for (const StreamState& st : streams) {
+      if (!st.positions.empty()) newest = std::max(newest, st.positions.back());
+    }
+    region_start_ = newest;
+    return d;
+  }
+
+  // Prefill: pooled window scores for attention; C = prefill_ratio * n (or the target).
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d;
+    d.keep.resize(streams.size());
+    const uint32_t H = ctx.num_kv_heads;
+    std::vector<uint32_t> budgets(streams.size());
+    std::vector<std::vector<float>> scores(streams.size());
+    std::vector<double> layer_e(ctx.num_layers, 0.0);
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const StreamState& st = streams[s];
+      const size_t n = st.positions.size();
+      budgets[s] = ctx.target_tokens > 0
+                       ? ctx.target_tokens
+                       : static_cast<uint32_t>(std::ceil(prefill_ratio_ * static_cast<double>(n)));
+      const std::vector<float> pooled = AvgPool(st.window_scores, kernel_);
+      scores[s] = InfoKvScores(pooled, st.token_entropy, st.layer_distance, alpha_, tau_);
+      const std::vector<float> e = EntropyScores(st.token_entropy, st.layer_distance, tau_);
+      layer_e[st.layer] += std::accumulate(e.begin(), e.end(), 0.0);
+    }
+    if (adaptive_) {
+      // Same total, split across layers in proportion to their summed E.
+      const double total_e = std::accumulate(layer_e.begin(), layer_e.end(), 0.0);
+      if (total_e > 0) {
+        for (size_t s = 0; s < streams.size(); ++s) {
+          const double share = layer_e[streams[s].layer] / total_e * ctx.num_layers;
+          budgets[s] = static_cast<uint32_t>(std::max(
+              double{window_}, std::min<double>(streams[s].positions.size(), budgets[s] * share)));
+        }
+      }
+    }
+    d.budget_tokens = budgets.empty() ? 0 : budgets[0];
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const size_t n = streams[s].positions.size();
+      if (n <= budgets[s]) continue;
+      d.keep[s] = KeepWindowPlusTop(n, window_, budgets[s], scores[s]);
+    }
+    for (const StreamState& st : streams) {
+      if (!st.positions.empty()) region_start_ = std::max(region_start_, st.positions.back());
+    }
+    (void)H;
+    return d;
+  }
+
+ private:
+  struct Row {
+    std::vector<int64_t> positions;
+    std::vector<float> weights;
+  };
+
+  // Per slot, the sum of its weights over the remembered rows (matched by position).
+  std::vector<float> HistorySums(size_t stream, absl::Span<const int64_t> positions) const {
+    std::vector<float> sums(positions.size(), 0.0f);
+    if (stream >= history_rows_.size()) return sums;
+    for (const Row& row : history_rows_[stream]) {
+      size_t i = 0;
+      for (size_t j = 0; j < positions.size(); ++j) {
+        while (i < row.positions.size() && row.positions[i] < positions[j]) ++i;
+        if (i < row.positions.size() && row.positions[i] == positions[j]) sums[j] += row.weights[i];
+      }
+    }
+    return sums;
+  }
+
+  const double alpha_, tau_;
+  const uint32_t window_, kernel_;
+  const double prefill_ratio_, decode_ratio_;
+  const uint32_t decode_interval_, history_;
+  const bool adaptive_;
+  std::vector<std::deque<Row>> history_rows_;
+  int64_t region_start_ = -1;  // positions after this were generated since the last compression
+};
+
+std::vector<ParamSpec> InfoKvParams() {
+  return {{"alpha", 0.9, 0, 1, false, "weight of normalized attention (entropy gets the rest)"},
+          {"tau", 1, 0, 100, false, "tau in E = H (d + tau)"},
+          {"window", 32, 1, 4096, true, "w, last tokens always kept"},
+          {"kernel", 5, 1, 63, true, "pooling kernel for prefill window scores"},
+          {"prefill_ratio", 0.4, 0.01, 1, false, "prefill budget as a share of n (40% or 20%)"},
+          {"decode_ratio", 0.25, 0.01, 1, false,
+           "decode budget as a share of each generated chunk (25% or 12.5%)"},
+          {"decode_interval", 1024, 0, 1 << 24, true,
+           "compress the generated region every N steps; 0 = never"},
+          {"history", 32, 1, 4096, true, "R, decode attention = sum of the last R rows [ours]"}};
+}
+
+}  // namespace
+
+const PolicyDescriptor& InfoKvDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "infokv",
+      "InfoKV: score = alpha * attention + (1 - alpha) * entropy H (d + tau), normalized per "
+      "stream; prefill keeps prefill_ratio of n, decode compresses each generated chunk.",
+      InfoKvParams(),
+      kAttentionRows,
+      kWindowScores,
+      kTokenEntropy | kLayerDistance};
+  return *d;
+}
+
+const PolicyDescriptor& InfoKvAdaptiveDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "infokv_adaptive",
+      "InfoKV with layer budgets proportional to each layer's summed entropy score (total "
+      "unchanged).",
+      InfoKvParams(),
+      kAttentionRows,
+      kWindowScores,
+      kTokenEntropy | kLayerDistance};
+  return *d;
+}
+
+std::unique_ptr<Policy> MakeInfoKvPolicy(ResolvedParams params) {
+  return std::make_unique<InfoKvPolicy>(params, false);
+}
+std::unique_ptr<Policy> MakeInfoKvAdaptivePolicy(ResolvedParams params) {
+  return std::make_unique<InfoKvPolicy>(params, true);
+}
+
+}  // namespace kvmem::policy

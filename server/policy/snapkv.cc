@@ -1,0 +1,143 @@
+#include "server/policy/snapkv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "server/policy/scoring.h"
+
+namespace kvmem::policy {
+
+std::vector<uint32_t> SnapKvKeep(absl::Span<const float> window_scores, uint32_t window,
+                                 uint32_t keep_prefix, uint32_t kernel) {
+  const size_t n = window_scores.size();
+  const size_t w = std::min<size_t>(window, n);
+  const size_t prefix = n - w;
+  const std::vector<float> pooled = AvgPool(window_scores.first(prefix), kernel);
+  std::vector<uint32_t> candidates(prefix);
+  std::iota(candidates.begin(), candidates.end(), 0u);
+  std::vector<uint32_t> keep = TopK(pooled, candidates, keep_prefix);
+  for (size_t i = prefix; i < n; ++i) keep.push_back(static_cast<uint32_t>(i));
+  return keep;
+}
+
+namespace {
+
+// Budget C per stream: an explicit Compress target, else ratio * n when ratio > 0, else C.
+uint32_t Budget(const CallContext& ctx, double ratio, uint32_t budget, size_t n) {
+  if (ctx.target_tokens > 0) return ctx.target_tokens;
+  if (ratio > 0) return static_cast<uint32_t>(std::ceil(ratio * static_cast<double>(n)));
+  return budget;
+}
+
+Decision NoEviction(size_t streams) {
+  Decision d;
+  d.keep.resize(streams);
+  return d;
+}
+
+class SnapKvPolicy final : public Policy {
+ public:
+  explicit SnapKvPolicy(const ResolvedParams& p)
+      : budget_(static_cast<uint32_t>(p.Get("budget"))),
+        ratio_(p.Get("ratio")),
+        window_(static_cast<uint32_t>(p.Get("window"))),
+        kernel_(static_cast<uint32_t>(p.Get("kernel"))) {}
+  const PolicyDescriptor& descriptor() const override { return SnapKvDescriptor(); }
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+    return NoEviction(streams.size());
+  }
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d = NoEviction(streams.size());
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const size_t n = streams[s].positions.size();
+      const uint32_t budget = Budget(ctx, ratio_, budget_, n);
+      d.budget_tokens = budget;
+      if (n <= budget) continue;
+      const uint32_t w = std::min(window_, budget);
+      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, budget - w, kernel_);
+    }
+    return d;
+  }
+
+ private:
+  const uint32_t budget_;
+  const double ratio_;
+  const uint32_t window_;
+  const uint32_t kernel_;
+};
+
+class PyramidKvPolicy final : public Policy {
+ public:
+  explicit PyramidKvPolicy(const ResolvedParams& p)
+      : budget_(static_cast<uint32_t>(p.Get("budget"))),
+        ratio_(p.Get("ratio")),
+        window_(static_cast<uint32_t>(p.Get("window"))),
+        kernel_(static_cast<uint32_t>(p.Get("kernel"))),
+        beta_(static_cast<uint32_t>(p.Get("beta"))) {}
+  const PolicyDescriptor& descriptor() const override { return PyramidKvDescriptor(); }
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+    return NoEviction(streams.size());
+  }
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+    Decision d = NoEviction(streams.size());
+    for (size_t s = 0; s < streams.size(); ++s) {
+      const size_t n = streams[s].positions.size();
+      const uint32_t budget = Budget(ctx, ratio_, budget_, n);
+      d.budget_tokens = budget;
+      const uint32_t w = std::min(window_, budget);
+      const std::vector<uint32_t> budgets =
+          PyramidBudgets(static_cast<uint32_t>(n), budget, w, ctx.num_layers, beta_);
+      if (budgets.empty()) continue;
+      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, budgets[streams[s].layer], kernel_);
+    }
+    return d;
+  }
+
+ private:
+  const uint32_t budget_;
+  const double ratio_;
+  const uint32_t window_;
+  const uint32_t kernel_;
+  const uint32_t beta_;
+};
+
+}  // namespace
+
+const PolicyDescriptor& SnapKvDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "snapkv",
+      "SnapKV (prefill): pooled observation-window scores; keeps the window plus the top "
+      "C - w. Runs on Compress; no-op when n <= C.",
+      {{"budget", 1024, 1, 1 << 24, true, "C, tokens kept per stream [ours: default]"},
+       {"ratio", 0, 0, 1, false, "C as a share of n when > 0"},
+       {"window", 32, 1, 4096, true, "w, observation window (last prompt queries)"},
+       {"kernel", 5, 1, 63, true, "average-pooling kernel (odd)"}},
+      0,
+      kWindowScores};
+  return *d;
+}
+
+const PolicyDescriptor& PyramidKvDescriptor() {
+  static const PolicyDescriptor* d = new PolicyDescriptor{
+      "pyramidkv",
+      "PyramidKV (prefill): SnapKV scoring with per-layer budgets falling linearly with depth "
+      "(beta sets the floor).",
+      {{"budget", 1024, 1, 1 << 24, true, "C, mean tokens kept per stream [ours: default]"},
+       {"ratio", 0, 0, 1, false, "C as a share of n when > 0"},
+       {"window", 32, 1, 4096, true, "w, observation window"},
+       {"kernel", 5, 1, 63, true, "average-pooling kernel (odd)"},
+       {"beta", 20, 1, 1000, true, "beta: the last layer keeps (C - w) / beta"}},
+      0,
+      kWindowScores};
+  return *d;
+}
+
+std::unique_ptr<Policy> MakeSnapKvPolicy(ResolvedParams params) {
+  return std::make_unique<SnapKvPolicy>(params);
+}
+std::unique_ptr<Policy> MakePyramidKvPolicy(ResolvedParams params) {
+  return std::make_unique<PyramidKvPolicy>(params);
+}
+
+}  // namespace kvmem::policy
