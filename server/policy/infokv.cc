@@ -155,6 +155,8 @@ class InfoKvPolicy final : public Policy {
     d.budget_tokens = budgets.empty() ? 0 : budgets[0];
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
+      // The recent window is never evicted, however small the ratio.
+      budgets[s] = std::max<uint32_t>(budgets[s], static_cast<uint32_t>(std::min<size_t>(window_, n)));
       if (n <= budgets[s]) continue;
       d.keep[s] = KeepWindowPlusTop(n, window_, budgets[s], scores[s]);
     }
