@@ -237,14 +237,14 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
   const policy::SignalSet needs = seq.policy->descriptor().append_signals;
   for (size_t c = 0; c < chunks.size(); ++c) {
     if ((needs & policy::kTokenEntropy) && chunks[c].token_entropy.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          c == 0 ? "" : absl::StrCat("chunk ", c, ": "), "token_entropy: policy ",
-          seq.policy_name, " needs one value per appended token"));
+      return absl::InvalidArgumentError(absl::StrCat(c == 0 ? "" : absl::StrCat("chunk ", c, ": "),
+                                                     "token_entropy: policy ", seq.policy_name,
+                                                     " needs one value per appended token"));
     }
     if ((needs & policy::kLayerDistance) && chunks[c].layer_distance.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          c == 0 ? "" : absl::StrCat("chunk ", c, ": "), "layer_distance: policy ",
-          seq.policy_name, " needs one value per appended token"));
+      return absl::InvalidArgumentError(absl::StrCat(c == 0 ? "" : absl::StrCat("chunk ", c, ": "),
+                                                     "layer_distance: policy ", seq.policy_name,
+                                                     " needs one value per appended token"));
     }
   }
 
@@ -385,7 +385,13 @@ absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
     io = backend_->Quantize(seq.format.elem(), geometry, batch.quantizes);
   }
   if (io.ok()) io = backend_->Synchronize();
-  if (!io.ok()) pool_->Unref(batch.allocated);
+  if (!io.ok()) {
+    pool_->Unref(batch.allocated);
+    return io;
+  }
+  uint64_t moved = 0;
+  for (const store::MoveOp& op : batch.moves) moved += op.bytes;
+  bytes_moved_ += moved;
   return io;
 }
 
@@ -775,6 +781,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.tokens_appended = tokens_appended_;
   stats.tokens_evicted = tokens_evicted_;
   stats.tokens_quantized = tokens_quantized_;
+  stats.bytes_moved = bytes_moved_;
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
   std::vector<std::shared_ptr<Sequence>> all;

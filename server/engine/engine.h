@@ -174,6 +174,7 @@ struct EngineStats {
   uint64_t tokens_appended = 0;
   uint64_t tokens_evicted = 0;
   uint64_t tokens_quantized = 0;
+  uint64_t bytes_moved = 0;  // pool bytes moved by compaction, merges and copy-on-write
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   std::vector<SequenceSummary> sequences;
@@ -263,6 +264,7 @@ class Engine {
   std::atomic<uint64_t> tokens_appended_{0};
   std::atomic<uint64_t> tokens_evicted_{0};
   std::atomic<uint64_t> tokens_quantized_{0};
+  std::atomic<uint64_t> bytes_moved_{0};
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
 };

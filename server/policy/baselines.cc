@@ -86,9 +86,8 @@ class H2oPolicy final : public Policy {
 
 absl::Status CheckSinks(const ResolvedParams& p) {
   if (p.Get("sinks") >= p.Get("budget")) {
-    return absl::InvalidArgumentError(absl::StrCat("policy.params[sinks]: ", p.Get("sinks"),
-                                                   " must be below budget (", p.Get("budget"),
-                                                   ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.params[sinks]: ", p.Get("sinks"), " must be below budget (", p.Get("budget"), ")"));
   }
   return absl::OkStatus();
 }

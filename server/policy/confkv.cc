@@ -17,25 +17,41 @@ uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, u
 std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
                                  uint32_t budget, uint32_t protect, double attention_weight) {
   const size_t n = positions.size();
-  std::vector<uint32_t> all(n);
-  std::iota(all.begin(), all.end(), 0u);
-  if (n <= budget) return all;
+  std::vector<uint32_t> keep(n);
+  std::iota(keep.begin(), keep.end(), 0u);
+  if (n <= budget) return keep;
   protect = std::min<uint32_t>(protect, budget);
   const size_t unprotected = n - protect;
   float max_e = 0;
   for (float e : ema) max_e = std::max(max_e, e);
-  const double span = static_cast<double>(positions[n - 1] - positions[0]);
-  std::vector<float> priority(n);
-  for (size_t j = 0; j < n; ++j) {
-    const double e_hat = max_e > 0 ? ema[j] / max_e : 0.0;
-    const double recency = span > 0 ? (positions[j] - positions[0]) / span : 1.0;
-    priority[j] =
-        static_cast<float>(attention_weight * e_hat + (1.0 - attention_weight) * recency);
+  // r = a * e / max_e + (1 - a) * (pos - pos_min) / (pos_max - pos_min), in float with the
+  // divisions hoisted: this runs for every slot of every stream on every step.
+  const int64_t span = positions[n - 1] - positions[0];
+  const float e_scale = max_e > 0 ? static_cast<float>(attention_weight) / max_e : 0.0f;
+  const float r_scale = span > 0 ? static_cast<float>(1.0 - attention_weight) / span : 0.0f;
+  const float r_const = span > 0 ? 0.0f : static_cast<float>(1.0 - attention_weight);
+  auto priority_of = [&](size_t j) {
+    return ema[j] * e_scale + static_cast<float>(positions[j] - positions[0]) * r_scale + r_const;
+  };
+  if (n - budget == 1) {  // the steady state of decoding: one slot out, one pass, no sort
+    size_t worst = 0;
+    float worst_r = priority_of(0);
+    for (size_t j = 1; j < unprotected; ++j) {
+      const float r = priority_of(j);
+      if (r <= worst_r) {  // ties: the newer slot goes, as in TopK
+        worst = j;
+        worst_r = r;
+      }
+    }
+    keep.erase(keep.begin() + static_cast<std::ptrdiff_t>(worst));
+    return keep;
   }
-  std::vector<uint32_t> keep =
-      TopK(priority, absl::MakeConstSpan(all).first(unprotected), budget - protect);
-  for (size_t j = unprotected; j < n; ++j) keep.push_back(static_cast<uint32_t>(j));
-  return keep;
+  std::vector<float> priority(n);
+  for (size_t j = 0; j < n; ++j) priority[j] = priority_of(j);
+  std::vector<uint32_t> kept =
+      TopK(priority, absl::MakeConstSpan(keep).first(unprotected), budget - protect);
+  kept.insert(kept.end(), keep.begin() + unprotected, keep.end());
+  return kept;
 }
 
 namespace {
@@ -119,11 +135,10 @@ class ConfKvPolicy final : public Policy {
   }
   // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a.
   void UpdateEma(StreamState& st) const {
+    const float lambda = static_cast<float>(p_.lambda);
     for (size_t j = 0; j < st.attention.size(); ++j) {
       const float a = st.attention[j];
-      st.scores[j] = std::isnan(st.scores[j])
-                         ? a
-                         : static_cast<float>(p_.lambda * st.scores[j] + (1 - p_.lambda) * a);
+      st.scores[j] = std::isnan(st.scores[j]) ? a : lambda * st.scores[j] + (1 - lambda) * a;
     }
   }
   const ConfKvParams p_;
@@ -133,9 +148,9 @@ absl::Status CheckConfKv(const ResolvedParams& p) {
   const double smallest = std::min(p.Get("c_high"), p.Get("c_low"));
   const double floor = p.values().count("layer_floor") ? p.Get("layer_floor") : smallest;
   if (p.Get("protect") >= std::min(smallest, floor)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("policy.params[protect]: ", p.Get("protect"),
-                     " must be below every budget (smallest ", std::min(smallest, floor), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("policy.params[protect]: ", p.Get("protect"),
+                                                   " must be below every budget (smallest ",
+                                                   std::min(smallest, floor), ")"));
   }
   if (std::fabs(p.Get("w_entropy") + p.Get("w_gap") + p.Get("w_p1") - 1.0) > 1e-6) {
     return absl::InvalidArgumentError(
@@ -158,8 +173,8 @@ std::vector<ParamSpec> ConfKvParamSpecs(bool per_layer) {
       {"protect", 32, 0, 1 << 20, true, "P, newest tokens never evicted (64 for long context)"},
       {"interval", 1, 1, 1 << 20, true, "evict every k steps (scores update every step)"}};
   if (per_layer) {
-    specs.push_back({"layer_floor", 96, 1, 1 << 24, true,
-                     "per-layer budgets are max(floor, C * 0.5^(l/L))"});
+    specs.push_back(
+        {"layer_floor", 96, 1, 1 << 24, true, "per-layer budgets are max(floor, C * 0.5^(l/L))"});
   }
   return specs;
 }

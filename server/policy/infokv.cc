@@ -87,8 +87,9 @@ class InfoKvPolicy final : public Policy {
     if (history_rows_.size() != streams.size()) history_rows_.assign(streams.size(), {});
     for (size_t s = 0; s < streams.size(); ++s) {
       auto& rows = history_rows_[s];
-      rows.push_back({std::vector<int64_t>(streams[s].positions.begin(), streams[s].positions.end()),
-                      std::vector<float>(streams[s].attention.begin(), streams[s].attention.end())});
+      rows.push_back(
+          {std::vector<int64_t>(streams[s].positions.begin(), streams[s].positions.end()),
+           std::vector<float>(streams[s].attention.begin(), streams[s].attention.end())});
       while (rows.size() > history_) rows.pop_front();
     }
     if (decode_interval_ == 0 || (ctx.step + 1) % decode_interval_ != 0) return d;
@@ -156,7 +157,8 @@ class InfoKvPolicy final : public Policy {
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
       // The recent window is never evicted, however small the ratio.
-      budgets[s] = std::max<uint32_t>(budgets[s], static_cast<uint32_t>(std::min<size_t>(window_, n)));
+      budgets[s] =
+          std::max<uint32_t>(budgets[s], static_cast<uint32_t>(std::min<size_t>(window_, n)));
       if (n <= budgets[s]) continue;
       d.keep[s] = KeepWindowPlusTop(n, window_, budgets[s], scores[s]);
     }

@@ -125,9 +125,7 @@ const PolicyDescriptor& RefreeKvDescriptor() {
       "refreekv",
       "ReFreeKV: per layer from layer 2, evicts the oldest candidates while the lost attention "
       "norm stays within T; the kept share is the policy's own decision (reported).",
-      RefreeParams(false),
-      0,
-      kAttentionRows};
+      RefreeParams(false), 0, kAttentionRows};
   return *d;
 }
 
@@ -136,9 +134,7 @@ const PolicyDescriptor& RefreeKvH2oDescriptor() {
       "refreekv_h2o",
       "ReFreeKV with candidates ordered by window scores (w = 8), least first; the last 8 "
       "tokens kept.",
-      RefreeParams(true),
-      0,
-      kAttentionRows | kWindowScores};
+      RefreeParams(true), 0, kAttentionRows | kWindowScores};
   return *d;
 }
 

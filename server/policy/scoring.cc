@@ -8,17 +8,34 @@ namespace kvmem::policy {
 
 std::vector<uint32_t> TopK(absl::Span<const float> scores, absl::Span<const uint32_t> candidates,
                            size_t k) {
-  std::vector<uint32_t> order(candidates.begin(), candidates.end());
-  if (k >= order.size()) {
-    std::sort(order.begin(), order.end());
-    return order;
+  const size_t m = candidates.size();
+  if (k >= m) return std::vector<uint32_t>(candidates.begin(), candidates.end());
+  // "Better" = higher score, ties to the older slot. Decode steps drop a handful of slots
+  // from hundreds, so the code finds the m - k worst and returns the rest in order.
+  auto worse = [&](uint32_t a, uint32_t b) {
+    return scores[a] < scores[b] || (scores[a] == scores[b] && a > b);
+  };
+  const size_t drop = m - k;
+  std::vector<uint32_t> dropped;
+  if (drop == 1) {
+    dropped.push_back(*std::min_element(candidates.begin(), candidates.end(), worse));
+  } else {
+    dropped.assign(candidates.begin(), candidates.end());
+    std::nth_element(dropped.begin(), dropped.begin() + (drop - 1), dropped.end(), worse);
+    dropped.resize(drop);
   }
-  std::nth_element(order.begin(), order.begin() + k, order.end(), [&](uint32_t a, uint32_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  });
-  order.resize(k);
-  std::sort(order.begin(), order.end());
-  return order;
+  std::sort(dropped.begin(), dropped.end());
+  std::vector<uint32_t> keep;
+  keep.reserve(k);
+  size_t d = 0;
+  for (uint32_t c : candidates) {
+    if (d < dropped.size() && dropped[d] == c) {
+      ++d;
+    } else {
+      keep.push_back(c);
+    }
+  }
+  return keep;
 }
 
 std::vector<uint32_t> MergeSorted(absl::Span<const uint32_t> a, absl::Span<const uint32_t> b) {
@@ -49,7 +66,8 @@ std::vector<uint32_t> KeepWindowPlusTop(size_t n, size_t window, size_t budget,
   if (n <= budget) return all;
   window = std::min(window, budget);
   const size_t prefix = n - window;
-  std::vector<uint32_t> kept = TopK(scores, absl::MakeConstSpan(all).first(prefix), budget - window);
+  std::vector<uint32_t> kept =
+      TopK(scores, absl::MakeConstSpan(all).first(prefix), budget - window);
   for (size_t i = prefix; i < n; ++i) kept.push_back(static_cast<uint32_t>(i));
   return kept;
 }
@@ -65,7 +83,8 @@ std::vector<uint32_t> PyramidBudgets(uint32_t n, uint32_t budget, uint32_t windo
                                      uint32_t num_layers, uint32_t beta) {
   if (n < budget || budget <= window) return {};
   const int64_t cw = int64_t{budget} - window;
-  if (n < 2 * cw || num_layers < 2) return std::vector<uint32_t>(num_layers, static_cast<uint32_t>(cw));
+  if (n < 2 * cw || num_layers < 2)
+    return std::vector<uint32_t>(num_layers, static_cast<uint32_t>(cw));
   int64_t min_budget = cw / beta;
   int64_t max_budget = 2 * cw - min_budget;
   if (max_budget >= int64_t{n} - window) {

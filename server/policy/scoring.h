@@ -9,8 +9,8 @@
 
 namespace kvmem::policy {
 
-// Indices (ascending) of the `k` largest values among `candidates`; ties go to the older
-// (smaller) index so that selection is deterministic.
+// The `k` candidates with the largest scores, in candidate order; ties go to the older
+// (smaller) index so that selection is deterministic. `candidates` must be ascending.
 std::vector<uint32_t> TopK(absl::Span<const float> scores, absl::Span<const uint32_t> candidates,
                            size_t k);
 

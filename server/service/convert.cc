@@ -167,6 +167,7 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_tokens_appended(stats.tokens_appended);
   out->set_tokens_evicted(stats.tokens_evicted);
   out->set_tokens_quantized(stats.tokens_quantized);
+  out->set_bytes_moved(stats.bytes_moved);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   for (const engine::SequenceSummary& s : stats.sequences) {

@@ -93,9 +93,9 @@ class QuantizedEngineTest : public EngineTest {
 };
 
 TEST_F(QuantizedEngineTest, Int8CodesNeverReRoundAcrossAThousandCompactions) {
-  auto created = engine_->CreateSequence(F32Layout(), "h2o", {{"budget", 48}, {"recent", 4}},
-                                         QuantConfig{kernels::QuantType::kInt8, 16},
-                                         absl::ZeroDuration());
+  auto created =
+      engine_->CreateSequence(F32Layout(), "h2o", {{"budget", 48}, {"recent", 4}},
+                              QuantConfig{kernels::QuantType::kInt8, 16}, absl::ZeroDuration());
   ASSERT_TRUE(created.ok()) << created.status();
   const uint64_t id = created->sequence_id;
   float channel_max[kD32] = {};
@@ -152,9 +152,8 @@ TEST_F(QuantizedEngineTest, Int8CodesNeverReRoundAcrossAThousandCompactions) {
 }
 
 TEST_F(QuantizedEngineTest, KvBytesCountCodesAndScales) {
-  auto created = engine_->CreateSequence(F32Layout(), "full", {},
-                                         QuantConfig{kernels::QuantType::kInt8, 8},
-                                         absl::ZeroDuration());
+  auto created = engine_->CreateSequence(
+      F32Layout(), "full", {}, QuantConfig{kernels::QuantType::kInt8, 8}, absl::ZeroDuration());
   const uint64_t id = created->sequence_id;
   for (int64_t t = 0; t < 40; ++t) ASSERT_TRUE(AppendF32(id, t).ok());
   auto step = engine_->Step(id, {});
@@ -202,7 +201,8 @@ TEST_F(EngineTest, RefreeKvReportsItsOwnKeptSharePerLayer) {
   CompressInput input;
   input.epoch = epoch;
   for (size_t s = 0; s < rows.size(); ++s) {
-    input.attention.push_back({static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), rows[s]});
+    input.attention.push_back(
+        {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), rows[s]});
   }
   auto r = engine_->Compress(id, input);
   ASSERT_TRUE(r.ok()) << r.status();

@@ -11,10 +11,10 @@ namespace {
 struct Case {
   const char* policy;
   ParamOverrides params;
-  uint32_t budget;       // most slots a stream may keep after a decision
-  uint32_t keep_first;   // slots at the start that must survive
-  uint32_t keep_last;    // slots at the end that must survive
-  bool compress;         // exercise Compress instead of Step
+  uint32_t budget;      // most slots a stream may keep after a decision
+  uint32_t keep_first;  // slots at the start that must survive
+  uint32_t keep_last;   // slots at the end that must survive
+  bool compress;        // exercise Compress instead of Step
 };
 
 class PolicyPropertyTest : public ::testing::TestWithParam<Case> {};
@@ -49,8 +49,8 @@ TEST_P(PolicyPropertyTest, RandomStreams) {
         arrival[s].push_back(j < n / 2 ? 0 : 1 + j);
       }
       for (float& a : rows[s]) a /= sum;
-      streams[s] = {s / H,      s % H,      positions[s], absl::MakeSpan(scores[s]),
-                    rows[s],    window[s],  entropy[s],   distance[s],
+      streams[s] = {s / H,     s % H,     positions[s], absl::MakeSpan(scores[s]),
+                    rows[s],   window[s], entropy[s],   distance[s],
                     arrival[s]};
     }
     CallContext ctx;
@@ -91,12 +91,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"pyramidkv", {{"budget", 80}}, 2 * 48 + 32, 0, 32, true},
         Case{"confkv", {{"c_high", 40}, {"c_low", 70}, {"protect", 16}}, 70, 0, 16, false},
         Case{"confkv", {{"c_high", 40}, {"c_low", 70}, {"protect", 16}}, 70, 0, 16, true},
-        Case{"confkv_l", {{"c_high", 100}, {"c_low", 200}, {"layer_floor", 50}}, 200, 0, 32,
-             false},
-        Case{"refreekv", {}, 400, 4, 0, true},
-        Case{"refreekv_h2o", {}, 400, 4, 8, true},
-        Case{"infokv", {}, 400, 0, 32, true},
-        Case{"infokv_adaptive", {}, 400, 0, 32, true}),
+        Case{"confkv_l", {{"c_high", 100}, {"c_low", 200}, {"layer_floor", 50}}, 200, 0, 32, false},
+        Case{"refreekv", {}, 400, 4, 0, true}, Case{"refreekv_h2o", {}, 400, 4, 8, true},
+        Case{"infokv", {}, 400, 0, 32, true}, Case{"infokv_adaptive", {}, 400, 0, 32, true}),
     [](const ::testing::TestParamInfo<Case>& info) {
       return std::string(info.param.policy) + (info.param.compress ? "_compress" : "_step");
     });

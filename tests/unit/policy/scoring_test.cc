@@ -48,9 +48,9 @@ TEST(ConfKvTest, TwelveTokenStreamEvictsTheKnownSet) {
   EXPECT_EQ(d.budget_tokens, 6u);  // c <= theta -> C_low
   // e = 0.9 e + 0.1 a; new slots take their first weight:
   // [.48 .09 .09 .09 .28 .09 .11 .09 .09 .10 .2 .1]
-  EXPECT_THAT(ema, Pointwise(FloatNear(1e-6), std::vector<float>{0.48, 0.09, 0.09, 0.09, 0.28,
-                                                                  0.09, 0.11, 0.09, 0.09, 0.10,
-                                                                  0.2, 0.1}));
+  EXPECT_THAT(
+      ema, Pointwise(FloatNear(1e-6), std::vector<float>{0.48, 0.09, 0.09, 0.09, 0.28, 0.09, 0.11,
+                                                         0.09, 0.09, 0.10, 0.2, 0.1}));
   // r = 0.65 e/0.48 + 0.35 j/11 over slots 0..9 (10, 11 protected):
   // .650 .154 .186 .217 .506 .281 .340 .345 .376 .422 -> top 4: 0, 4, 9, 8.
   ASSERT_TRUE(d.keep[0].has_value());
@@ -175,7 +175,7 @@ TEST(StreamingLlmTest, SinksPlusRecent) {
 }
 
 TEST(PolicyParamsTest, CrossChecks) {
-  EXPECT_FALSE(CreatePolicy("confkv", {{"protect", 200}}).ok());  // >= c_high
+  EXPECT_FALSE(CreatePolicy("confkv", {{"protect", 200}}).ok());    // >= c_high
   EXPECT_FALSE(CreatePolicy("confkv", {{"w_entropy", 0.5}}).ok());  // weights sum to 1.1
   EXPECT_FALSE(CreatePolicy("streaming_llm", {{"sinks", 600}}).ok());
   EXPECT_FALSE(CreatePolicy("h2o", {{"recent", 300}}).ok());
