@@ -24,18 +24,17 @@ void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8) {
   const uint64_t token_bytes = 2ull * shape.layers * shape.heads * shape.dim * 2;
   config.pool_bytes = (shape.budget + 512) * token_bytes * 2 + (64 << 20);
   config.page_bytes = 256 * 1024;
-  auto engine = *engine::Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes),
-                                        &clock);
-  const engine::Layout layout{shape.layers, shape.heads, shape.dim, engine::DType::kF16, 16,
-                              49152};
+  auto engine =
+      *engine::Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  const engine::Layout layout{shape.layers, shape.heads, shape.dim, engine::DType::kF16, 16, 49152};
   engine::QuantConfig quant;
   if (int8) quant.type = kernels::QuantType::kInt8;
   const double budget = shape.budget;
-  const uint64_t id = engine
-                          ->CreateSequence(layout, "confkv",
-                                           {{"c_high", budget / 2}, {"c_low", budget}}, quant,
-                                           absl::Hours(1))
-                          ->sequence_id;
+  const uint64_t id =
+      engine
+          ->CreateSequence(layout, "confkv", {{"c_high", budget / 2}, {"c_low", budget}}, quant,
+                           absl::Hours(1))
+          ->sequence_id;
   const uint32_t streams = shape.layers * shape.heads;
   std::mt19937 rng(1);
   std::uniform_int_distribution<int> byte(0, 255);
@@ -81,11 +80,14 @@ void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8) {
 }
 
 BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256, Shape{30, 3, 64, 256}, false)
-    ->Unit(benchmark::kMicrosecond)->MinTime(2.0);
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_int8, Shape{30, 3, 64, 256}, true)
-    ->Unit(benchmark::kMicrosecond)->MinTime(2.0);
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096, Shape{32, 8, 128, 4096}, false)
-    ->Unit(benchmark::kMicrosecond)->MinTime(2.0);
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
 
 void BM_Memcpy(benchmark::State& state) {
   const size_t bytes = 64 << 20;

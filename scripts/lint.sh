@@ -5,6 +5,12 @@ cd "$(dirname "$0")/.."
 files=$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
 clang-format --dry-run --Werror $files
 echo "lint: clang-format clean ($(echo "$files" | wc -w) files)"
-tidy_files=$(git ls-files 'server/policy/*.cc' 'server/store/*.cc' 'server/engine/*.cc')
-clang-tidy -p build --quiet $tidy_files 2>/dev/null | grep -E "warning|error" && exit 1
+tidy_files=$(git ls-files 'server/policy/*.cc' 'server/store/*.cc' 'server/engine/*.cc' 'kernels/*.cc')
+findings=$(echo "$tidy_files" | xargs -P "${KVMEM_JOBS:-2}" -n 4 clang-tidy -p build --quiet 2>/dev/null \
+  | grep -E "(warning|error):" || true)
+if [ -n "$findings" ]; then
+  echo "$findings"
+  echo "lint: clang-tidy found the problems above"
+  exit 1
+fi
 echo "lint: clang-tidy clean ($(echo "$tidy_files" | wc -w) files)"

@@ -104,13 +104,13 @@ void Engine::Renew(Sequence& seq) {
                               std::memory_order_relaxed);
 }
 
-absl::StatusOr<CreateResult> Engine::Register(std::shared_ptr<Sequence> seq) {
+absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& seq) {
   Renew(*seq);
   CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
                       seq->layout.block_tokens, seq->epoch_slot};
   absl::MutexLock lock(&mu_);
   result.sequence_id = seq->id;
-  sequences_.emplace(seq->id, std::move(seq));
+  sequences_.emplace(seq->id, seq);
   return result;
 }
 
@@ -146,8 +146,9 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
     absl::MutexLock lock(&mu_);
     id = next_id_++;
   }
-  auto seq = std::make_shared<Sequence>(id, layout, std::string((*policy)->descriptor().name),
-                                        params, *std::move(policy), quant, *granted, *slot);
+  std::string name((*policy)->descriptor().name);
+  auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
+                                        quant, *granted, *slot);
   {
     absl::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
@@ -155,7 +156,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
   }
   spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
                 layout.num_streams());
-  return Register(std::move(seq));
+  return Register(seq);
 }
 
 absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
@@ -698,7 +699,7 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
     }
   }
   Renew(parent);
-  return Register(std::move(child));
+  return Register(child);
 }
 
 uint64_t Engine::ReleaseLocked(Sequence& seq) {

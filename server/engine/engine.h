@@ -227,7 +227,7 @@ class Engine {
   absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t sequence_id);
   absl::StatusOr<absl::Duration> ResolveLease(absl::Duration lease) const;
   void Renew(Sequence& seq);
-  absl::StatusOr<CreateResult> Register(std::shared_ptr<Sequence> seq);
+  absl::StatusOr<CreateResult> Register(const std::shared_ptr<Sequence>& seq);
   absl::Status ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
                              int64_t* last_position) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Checks per-stream signals (range, duplicates, lengths, finiteness) and returns them

@@ -132,10 +132,10 @@ const PolicyDescriptor& H2oDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeStreamingLlmPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeStreamingLlmPolicy(const ResolvedParams& params) {
   return std::make_unique<StreamingLlmPolicy>(params);
 }
-std::unique_ptr<Policy> MakeH2oPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeH2oPolicy(const ResolvedParams& params) {
   return std::make_unique<H2oPolicy>(params);
 }
 

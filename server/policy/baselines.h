@@ -9,7 +9,7 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& StreamingLlmDescriptor();
 const PolicyDescriptor& H2oDescriptor();
-std::unique_ptr<Policy> MakeStreamingLlmPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakeH2oPolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeStreamingLlmPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakeH2oPolicy(const ResolvedParams& params);
 
 }  // namespace kvmem::policy

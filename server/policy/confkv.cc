@@ -210,10 +210,10 @@ const PolicyDescriptor& ConfKvLDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeConfKvPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeConfKvPolicy(const ResolvedParams& params) {
   return std::make_unique<ConfKvPolicy>(ConfKvParams::From(params, false));
 }
-std::unique_ptr<Policy> MakeConfKvLPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeConfKvLPolicy(const ResolvedParams& params) {
   return std::make_unique<ConfKvPolicy>(ConfKvParams::From(params, true));
 }
 

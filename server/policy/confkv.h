@@ -10,8 +10,8 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& ConfKvDescriptor();
 const PolicyDescriptor& ConfKvLDescriptor();
-std::unique_ptr<Policy> MakeConfKvPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakeConfKvLPolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeConfKvPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakeConfKvLPolicy(const ResolvedParams& params);
 
 // Per-layer budget of confkv_l: max(floor, base * 0.5^(l / L)), rounded down.
 uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, uint32_t floor);

@@ -148,8 +148,9 @@ class InfoKvPolicy final : public Policy {
       if (total_e > 0) {
         for (size_t s = 0; s < streams.size(); ++s) {
           const double share = layer_e[streams[s].layer] / total_e * ctx.num_layers;
-          budgets[s] = static_cast<uint32_t>(std::max(
-              double{window_}, std::min<double>(streams[s].positions.size(), budgets[s] * share)));
+          const double n = static_cast<double>(streams[s].positions.size());
+          budgets[s] = static_cast<uint32_t>(
+              std::max(static_cast<double>(window_), std::min(n, budgets[s] * share)));
         }
       }
     }
@@ -237,10 +238,10 @@ const PolicyDescriptor& InfoKvAdaptiveDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeInfoKvPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeInfoKvPolicy(const ResolvedParams& params) {
   return std::make_unique<InfoKvPolicy>(params, false);
 }
-std::unique_ptr<Policy> MakeInfoKvAdaptivePolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeInfoKvAdaptivePolicy(const ResolvedParams& params) {
   return std::make_unique<InfoKvPolicy>(params, true);
 }
 

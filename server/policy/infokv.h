@@ -11,8 +11,8 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& InfoKvDescriptor();
 const PolicyDescriptor& InfoKvAdaptiveDescriptor();
-std::unique_ptr<Policy> MakeInfoKvPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakeInfoKvAdaptivePolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeInfoKvPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakeInfoKvAdaptivePolicy(const ResolvedParams& params);
 
 // s_i = alpha * A_i / max A + (1 - alpha) * E_i / max E with E_i = H_i (d_i + tau); NaN
 // entropies or distances take the mean of the stream's others [ours].

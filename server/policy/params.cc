@@ -21,6 +21,7 @@ absl::StatusOr<ResolvedParams> ResolvedParams::Resolve(absl::string_view policy,
     }
     if (spec == nullptr) {
       std::vector<std::string> known;
+      known.reserve(specs.size());
       for (const ParamSpec& s : specs) known.push_back(s.name);
       return absl::InvalidArgumentError(
           absl::StrCat("policy.params[", name, "]: unknown parameter of policy \"", policy,

@@ -16,7 +16,7 @@
 namespace kvmem::policy {
 namespace {
 
-using Factory = std::unique_ptr<Policy> (*)(ResolvedParams);
+using Factory = std::unique_ptr<Policy> (*)(const ResolvedParams&);
 
 struct Entry {
   const PolicyDescriptor* descriptor;

@@ -138,10 +138,10 @@ const PolicyDescriptor& RefreeKvH2oDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeRefreeKvPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeRefreeKvPolicy(const ResolvedParams& params) {
   return std::make_unique<RefreeKvPolicy>(params, false);
 }
-std::unique_ptr<Policy> MakeRefreeKvH2oPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeRefreeKvH2oPolicy(const ResolvedParams& params) {
   return std::make_unique<RefreeKvPolicy>(params, true);
 }
 

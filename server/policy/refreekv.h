@@ -11,7 +11,7 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& RefreeKvDescriptor();
 const PolicyDescriptor& RefreeKvH2oDescriptor();
-std::unique_ptr<Policy> MakeRefreeKvPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakeRefreeKvH2oPolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeRefreeKvPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakeRefreeKvH2oPolicy(const ResolvedParams& params);
 
 }  // namespace kvmem::policy

@@ -83,8 +83,9 @@ std::vector<uint32_t> PyramidBudgets(uint32_t n, uint32_t budget, uint32_t windo
                                      uint32_t num_layers, uint32_t beta) {
   if (n < budget || budget <= window) return {};
   const int64_t cw = int64_t{budget} - window;
-  if (n < 2 * cw || num_layers < 2)
+  if (n < 2 * cw || num_layers < 2) {
     return std::vector<uint32_t>(num_layers, static_cast<uint32_t>(cw));
+  }
   int64_t min_budget = cw / beta;
   int64_t max_budget = 2 * cw - min_budget;
   if (max_budget >= int64_t{n} - window) {

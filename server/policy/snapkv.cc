@@ -133,10 +133,10 @@ const PolicyDescriptor& PyramidKvDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeSnapKvPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakeSnapKvPolicy(const ResolvedParams& params) {
   return std::make_unique<SnapKvPolicy>(params);
 }
-std::unique_ptr<Policy> MakePyramidKvPolicy(ResolvedParams params) {
+std::unique_ptr<Policy> MakePyramidKvPolicy(const ResolvedParams& params) {
   return std::make_unique<PyramidKvPolicy>(params);
 }
 

@@ -9,8 +9,8 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& SnapKvDescriptor();
 const PolicyDescriptor& PyramidKvDescriptor();
-std::unique_ptr<Policy> MakeSnapKvPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakePyramidKvPolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeSnapKvPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakePyramidKvPolicy(const ResolvedParams& params);
 
 // SnapKV's keep-set for one stream: the last `window` slots plus the top `keep_prefix` of
 // the rest by window scores average-pooled over the rest (kernel `kernel`).

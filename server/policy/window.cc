@@ -18,7 +18,7 @@ class FullPolicy final : public Policy {
 
 class WindowPolicy final : public Policy {
  public:
-  explicit WindowPolicy(ResolvedParams params)
+  explicit WindowPolicy(const ResolvedParams& params)
       : window_(static_cast<uint32_t>(params.Get("window"))) {}
   const PolicyDescriptor& descriptor() const override { return WindowDescriptor(); }
   Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
@@ -61,9 +61,11 @@ const PolicyDescriptor& WindowDescriptor() {
   return *d;
 }
 
-std::unique_ptr<Policy> MakeFullPolicy(ResolvedParams) { return std::make_unique<FullPolicy>(); }
-std::unique_ptr<Policy> MakeWindowPolicy(ResolvedParams params) {
-  return std::make_unique<WindowPolicy>(std::move(params));
+std::unique_ptr<Policy> MakeFullPolicy(const ResolvedParams&) {
+  return std::make_unique<FullPolicy>();
+}
+std::unique_ptr<Policy> MakeWindowPolicy(const ResolvedParams& params) {
+  return std::make_unique<WindowPolicy>(params);
 }
 
 }  // namespace kvmem::policy

@@ -9,7 +9,7 @@ namespace kvmem::policy {
 
 const PolicyDescriptor& FullDescriptor();
 const PolicyDescriptor& WindowDescriptor();
-std::unique_ptr<Policy> MakeFullPolicy(ResolvedParams params);
-std::unique_ptr<Policy> MakeWindowPolicy(ResolvedParams params);
+std::unique_ptr<Policy> MakeFullPolicy(const ResolvedParams& params);
+std::unique_ptr<Policy> MakeWindowPolicy(const ResolvedParams& params);
 
 }  // namespace kvmem::policy
