@@ -87,7 +87,7 @@ void DequantizePlaneRef(const uint8_t* codes, const float* scales, const QuantGe
     const uint8_t* row = codes + uint64_t{t} * row_bytes;
     const uint64_t out = uint64_t{t - start} * D;
     for (uint32_t c = 0; c < D; ++c) {
-      float x;
+      float x = 0;
       switch (g.type) {
         case QuantType::kInt8:
           x = static_cast<float>(static_cast<int8_t>(row[c])) * scales[c];

@@ -1,3 +1,7 @@
+#include <unistd.h>
+
+#include <thread>
+
 #include "gmock/gmock.h"
 #include "tests/integration/daemon_fixture.h"
 
@@ -147,6 +151,37 @@ TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
   EXPECT_EQ(info->policies[1].params[0].default_value, 512);
   EXPECT_FALSE(info->shm_name.empty());
   EXPECT_FALSE(info->epoch_board_name.empty());
+}
+
+}  // namespace
+}  // namespace kvmem
+
+namespace kvmem {
+namespace {
+
+// The client retries UNAVAILABLE with backoff: a call made before the daemon listens
+// succeeds once it does.
+TEST(ClientRetryTest, WaitsForADaemonThatStartsLate) {
+  const std::string socket = "unix:/tmp/kvmem-retry-" + std::to_string(getpid()) + ".sock";
+  client::ClientOptions options;
+  options.max_attempts = 10;
+  options.initial_backoff = absl::Milliseconds(50);
+  auto client = *client::Client::Connect(socket, options);
+  std::unique_ptr<service::Server> server;
+  std::thread starter([&] {
+    absl::SleepFor(absl::Milliseconds(400));
+    service::ServerConfig config;
+    config.listen = socket;
+    config.engine.pool_bytes = 1 << 20;
+    server = *service::Server::Start(config);
+  });
+  auto info = client->GetInfo();
+  starter.join();
+  EXPECT_TRUE(info.ok()) << info.status();
+  // With one attempt, a missing daemon is UNAVAILABLE at once.
+  options.max_attempts = 1;
+  auto lone = *client::Client::Connect("unix:/tmp/kvmem-nobody-here.sock", options);
+  EXPECT_EQ(lone->GetInfo().status().code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -68,7 +68,9 @@ TEST_P(PolicyPropertyTest, RandomStreams) {
       EXPECT_LE(keep.size(), c.budget) << c.policy << " n=" << n;
       for (size_t j = 0; j < keep.size(); ++j) {
         ASSERT_LT(keep[j], n);
-        if (j > 0) ASSERT_GT(keep[j], keep[j - 1]);
+        if (j > 0) {
+          ASSERT_GT(keep[j], keep[j - 1]);
+        }
       }
       for (uint32_t j = 0; j < std::min(c.keep_first, n); ++j) {
         EXPECT_TRUE(std::binary_search(keep.begin(), keep.end(), j)) << c.policy << " sink " << j;
