@@ -7,7 +7,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libucx-dev prometheus-cpp-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  clang-format clang-tidy python3
+  clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,159 @@
+#include "kv_stores.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/quantize.h"
+
+namespace kvmem::worker {
+
+LocalKvStore::LocalKvStore(const ModelConfig& config) : config_(config) {
+  const uint32_t streams = config.num_layers * config.num_kv_heads;
+  positions_.resize(streams);
+  k_.resize(streams);
+  v_.resize(streams);
+}
+
+absl::Status LocalKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* out) {
+  const uint32_t s = layer * config_.num_kv_heads + kv_head;
+  out->runs.clear();
+  out->positions = positions_[s];
+  if (!positions_[s].empty()) {
+    out->runs.push_back({k_[s].data(), v_[s].data(), static_cast<uint32_t>(positions_[s].size())});
+  }
+  return absl::OkStatus();
+}
+
+void LocalKvStore::Append(absl::Span<const int64_t> positions, const ForwardResult& r) {
+  const uint64_t T = positions.size(), D = config_.head_dim;
+  for (uint32_t s = 0; s < positions_.size(); ++s) {
+    positions_[s].insert(positions_[s].end(), positions.begin(), positions.end());
+    k_[s].insert(k_[s].end(), r.k.begin() + s * T * D, r.k.begin() + (s + 1) * T * D);
+    v_[s].insert(v_[s].end(), r.v.begin() + s * T * D, r.v.begin() + (s + 1) * T * D);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Client* client,
+                                                                   const ModelConfig& config,
+                                                                   const client::PolicySpec& policy,
+                                                                   ReadPath path) {
+  std::unique_ptr<KvmemKvStore> store(new KvmemKvStore());
+  store->client_ = client;
+  store->config_ = config;
+  store->path_ = path;
+  absl::StatusOr<client::Info> info = client->GetInfo();
+  if (!info.ok()) return info.status();
+  store->max_message_bytes_ = info->max_message_bytes;
+  if (path == ReadPath::kSharedMemory) {
+    absl::StatusOr<std::unique_ptr<client::SharedPool>> pool = client::SharedPool::Attach(*info);
+    if (!pool.ok()) return pool.status();
+    store->pool_ = *std::move(pool);
+  }
+  const client::Layout layout{
+      config.num_layers, config.num_kv_heads, config.head_dim, client::DType::kF32, 16,
+      config.vocab};
+  absl::StatusOr<client::Sequence> seq = client->CreateSequence(layout, policy);
+  if (!seq.ok()) return seq.status();
+  store->sequence_ = *seq;
+  return store;
+}
+
+KvmemKvStore::~KvmemKvStore() {
+  if (client_ != nullptr && sequence_.id != 0) (void)client_->Release(sequence_.id);
+}
+
+absl::Status KvmemKvStore::BeginForward() {
+  absl::StatusOr<client::BlockTable> table = client_->GetBlockTable(sequence_.id);
+  if (!table.ok()) return table.status();
+  table_ = *std::move(table);
+  if (path_ == ReadPath::kGrpc) {
+    absl::StatusOr<std::vector<client::StreamKV>> kv = client_->ReadKV(sequence_.id, table_.epoch);
+    if (!kv.ok()) return kv.status();
+    grpc_kv_ = *std::move(kv);
+    return absl::OkStatus();
+  }
+  return pool_->BeginRead(table_);
+}
+
+absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* out) {
+  const uint32_t s = layer * config_.num_kv_heads + kv_head;
+  const uint32_t D = config_.head_dim;
+  out->runs.clear();
+  out->scratch.clear();
+  if (path_ == ReadPath::kGrpc) {
+    const client::StreamKV& kv = grpc_kv_[s];
+    out->positions = kv.positions;
+    if (!kv.positions.empty()) {
+      out->runs.push_back({reinterpret_cast<const float*>(kv.k.data()),
+                           reinterpret_cast<const float*>(kv.v.data()),
+                           static_cast<uint32_t>(kv.positions.size())});
+    }
+    return absl::OkStatus();
+  }
+  out->positions = table_.streams[s].positions;
+  absl::StatusOr<std::vector<client::BlockView>> blocks =
+      pool_->StreamBlocks(table_, layer, kv_head);
+  if (!blocks.ok()) return blocks.status();
+  // Quantized blocks are dequantized into scratch first, so that run pointers stay valid.
+  uint64_t quantized_slots = 0;
+  for (const client::BlockView& b : *blocks) {
+    if (b.precision != client::Precision::kLayout) quantized_slots += b.count;
+  }
+  out->scratch.resize(2 * quantized_slots * D);
+  float* scratch = out->scratch.data();
+  const kernels::QuantType type =
+      table_.quantization == client::Precision::kInt4  ? kernels::QuantType::kInt4
+      : table_.quantization == client::Precision::kNF4 ? kernels::QuantType::kNF4
+                                                       : kernels::QuantType::kInt8;
+  const kernels::QuantGeometry geometry{type, table_.block_tokens, D};
+  for (const client::BlockView& b : *blocks) {
+    if (b.precision == client::Precision::kLayout) {
+      // In place: the pool's own bytes (f32 layout).
+      out->runs.push_back(
+          {reinterpret_cast<const float*>(b.k), reinterpret_cast<const float*>(b.v), b.count});
+      continue;
+    }
+    float* k = scratch;
+    float* v = scratch + uint64_t{b.count} * D;
+    kernels::DequantizeBlockRef(b.block, geometry, b.start, b.count, kernels::ElemType::kF32, k, v);
+    out->runs.push_back({k, v, b.count});
+    scratch += 2ull * b.count * D;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvmemKvStore::EndForward() {
+  if (path_ == ReadPath::kGrpc) return absl::OkStatus();
+  return pool_->EndRead(table_);
+}
+
+absl::StatusOr<client::AppendResult> KvmemKvStore::Append(absl::Span<const int64_t> positions,
+                                                          absl::Span<const int32_t> token_ids,
+                                                          const ForwardResult& r,
+                                                          absl::Span<const float> token_entropy) {
+  const uint64_t T = positions.size(), D = config_.head_dim;
+  const uint64_t streams = uint64_t{config_.num_layers} * config_.num_kv_heads;
+  const uint64_t per_token = 2 * streams * D * 4;
+  const uint64_t chunk = std::max<uint64_t>(1, max_message_bytes_ / per_token);
+  absl::StatusOr<client::AppendResult> result;
+  for (uint64_t t0 = 0; t0 < T; t0 += chunk) {
+    const uint64_t n = std::min(chunk, T - t0);
+    // Re-lay [L][H][T][D] as [L][H][n][D] for tokens t0..t0+n.
+    std::string k(streams * n * D * 4, '\0'), v(k.size(), '\0');
+    for (uint64_t s = 0; s < streams; ++s) {
+      std::memcpy(k.data() + s * n * D * 4, r.k.data() + (s * T + t0) * D, n * D * 4);
+      std::memcpy(v.data() + s * n * D * 4, r.v.data() + (s * T + t0) * D, n * D * 4);
+    }
+    client::AppendArgs args{positions.subspan(t0, n),
+                            token_ids.subspan(t0, n),
+                            k,
+                            v,
+                            token_entropy.subspan(t0, n),
+                            absl::MakeConstSpan(r.layer_distance).subspan(t0, n)};
+    result = client_->Append(sequence_.id, args);
+    if (!result.ok()) return result.status();
+  }
+  return result;
+}
+
+}  // namespace kvmem::worker

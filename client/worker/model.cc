@@ -1,0 +1,335 @@
+#include "model.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::worker {
+namespace {
+
+absl::StatusOr<std::vector<float>> Weight(const GgufFile& file, const std::string& name,
+                                          std::vector<uint64_t> dims) {
+  absl::StatusOr<const GgufTensor*> t = file.Tensor(name);
+  if (!t.ok()) return t.status();
+  if ((*t)->dims != dims) {
+    std::string want, got;
+    for (uint64_t d : dims) want += absl::StrCat(d, " ");
+    for (uint64_t d : (*t)->dims) got += absl::StrCat(d, " ");
+    return absl::DataLossError(
+        absl::StrCat("gguf: tensor ", name, " has dims [", got, "], expected [", want, "]"));
+  }
+  return file.ToFloat(**t);
+}
+
+void RmsNorm(const float* x, const float* w, uint32_t n, float eps, float* out) {
+  double ss = 0;
+  for (uint32_t i = 0; i < n; ++i) ss += double{x[i]} * x[i];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (uint32_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
+}
+
+// y[T][out] = x[T][in] * W^T with W stored [out][in] (GGUF dims [in, out]).
+void MatMul(const float* x, const std::vector<float>& w, uint32_t T, uint32_t in, uint32_t out,
+            float* y) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), static_cast<int>(out),
+              static_cast<int>(in), 1.0f, x, static_cast<int>(in), w.data(), static_cast<int>(in),
+              0.0f, y, static_cast<int>(out));
+}
+
+// Rotary embedding, llama.cpp "normal" mode: pairs (2i, 2i+1) rotated by pos * base^(-2i/d).
+void Rope(float* x, uint32_t heads, uint32_t dim, int64_t pos, float base) {
+  for (uint32_t i = 0; i < dim / 2; ++i) {
+    const double theta = static_cast<double>(pos) * std::pow(base, -2.0 * i / dim);
+    const float c = static_cast<float>(std::cos(theta)), s = static_cast<float>(std::sin(theta));
+    for (uint32_t h = 0; h < heads; ++h) {
+      float* p = x + h * dim + 2 * i;
+      const float a = p[0], b = p[1];
+      p[0] = a * c - b * s;
+      p[1] = a * s + b * c;
+    }
+  }
+}
+
+}  // namespace
+
+LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k) {
+  const float max = *std::max_element(logits.begin(), logits.end());
+  double z = 0;
+  for (float l : logits) z += std::exp(static_cast<double>(l - max));
+  const double log_z = std::log(z);
+  double entropy = 0;
+  std::vector<float> probs(logits.size());
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const double lp = (logits[i] - max) - log_z;
+    const double p = std::exp(lp);
+    probs[i] = static_cast<float>(p);
+    if (p > 0) entropy -= p * lp;
+  }
+  const size_t k = std::min<size_t>(top_k, probs.size());
+  std::vector<float> top(probs);
+  std::partial_sort(top.begin(), top.begin() + static_cast<std::ptrdiff_t>(k), top.end(),
+                    std::greater<float>());
+  double mass = 0;
+  for (size_t i = 0; i < k; ++i) mass += top[i];
+  double topk_entropy = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const double p = top[i] / mass;
+    if (p > 0) topk_entropy -= p * std::log(p);
+  }
+  return {static_cast<float>(entropy), top[0], k > 1 ? top[1] : 0.0f,
+          static_cast<float>(topk_entropy)};
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& file) {
+  absl::StatusOr<std::string> arch = file.GetString("general.architecture");
+  if (!arch.ok()) return arch.status();
+  if (*arch != "llama") {
+    return absl::UnimplementedError(absl::StrCat("model: architecture ", *arch, " (llama only)"));
+  }
+  std::unique_ptr<LlamaModel> m(new LlamaModel());
+  ModelConfig& c = m->config_;
+  auto geti = [&](const char* key, uint32_t* out) -> absl::Status {
+    absl::StatusOr<int64_t> v = file.GetInt(absl::StrCat("llama.", key));
+    if (!v.ok()) return v.status();
+    if (*v <= 0 || *v > (1 << 24)) {
+      return absl::DataLossError(absl::StrCat("gguf: llama.", key, " = ", *v, " is implausible"));
+    }
+    *out = static_cast<uint32_t>(*v);
+    return absl::OkStatus();
+  };
+  for (auto [key, out] : std::initializer_list<std::pair<const char*, uint32_t*>>{
+           {"block_count", &c.num_layers},
+           {"embedding_length", &c.embed},
+           {"feed_forward_length", &c.ffn},
+           {"attention.head_count", &c.num_heads},
+           {"attention.head_count_kv", &c.num_kv_heads},
+           {"context_length", &c.context}}) {
+    if (absl::Status s = geti(key, out); !s.ok()) return s;
+  }
+  if (c.embed % c.num_heads != 0 || c.num_heads % c.num_kv_heads != 0) {
+    return absl::DataLossError("gguf: head counts do not divide the embedding");
+  }
+  c.head_dim = c.embed / c.num_heads;
+  if (auto v = file.GetFloat("llama.rope.freq_base"); v.ok()) c.rope_base = static_cast<float>(*v);
+  if (auto v = file.GetFloat("llama.attention.layer_norm_rms_epsilon"); v.ok()) {
+    c.norm_eps = static_cast<float>(*v);
+  }
+  absl::StatusOr<const GgufTensor*> embd = file.Tensor("token_embd.weight");
+  if (!embd.ok()) return embd.status();
+  if ((*embd)->dims.size() != 2 || (*embd)->dims[0] != c.embed) {
+    return absl::DataLossError("gguf: token_embd.weight has the wrong shape");
+  }
+  c.vocab = static_cast<uint32_t>((*embd)->dims[1]);
+  absl::StatusOr<std::vector<float>> e = file.ToFloat(**embd);
+  if (!e.ok()) return e.status();
+  m->embedding = *std::move(e);
+  absl::StatusOr<std::vector<float>> norm = Weight(file, "output_norm.weight", {c.embed});
+  if (!norm.ok()) return norm.status();
+  m->output_norm = *std::move(norm);
+  if (file.Tensor("output.weight").ok()) {
+    absl::StatusOr<std::vector<float>> out = Weight(file, "output.weight", {c.embed, c.vocab});
+    if (!out.ok()) return out.status();
+    m->output = *std::move(out);
+  }
+  const uint32_t kv = c.num_kv_heads * c.head_dim;
+  m->layers_.resize(c.num_layers);
+  for (uint32_t l = 0; l < c.num_layers; ++l) {
+    Layer& L = m->layers_[l];
+    const std::string p = absl::StrCat("blk.", l, ".");
+    struct Item {
+      const char* name;
+      std::vector<float>* dst;
+      std::vector<uint64_t> dims;
+    };
+    for (const Item& it : std::vector<Item>{{"attn_norm.weight", &L.attn_norm, {c.embed}},
+                                            {"attn_q.weight", &L.wq, {c.embed, c.embed}},
+                                            {"attn_k.weight", &L.wk, {c.embed, kv}},
+                                            {"attn_v.weight", &L.wv, {c.embed, kv}},
+                                            {"attn_output.weight", &L.wo, {c.embed, c.embed}},
+                                            {"ffn_norm.weight", &L.ffn_norm, {c.embed}},
+                                            {"ffn_gate.weight", &L.w_gate, {c.embed, c.ffn}},
+                                            {"ffn_up.weight", &L.w_up, {c.embed, c.ffn}},
+                                            {"ffn_down.weight", &L.w_down, {c.ffn, c.embed}}}) {
+      absl::StatusOr<std::vector<float>> w = Weight(file, p + it.name, it.dims);
+      if (!w.ok()) return w.status();
+      *it.dst = *std::move(w);
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> tokens,
+                                                  absl::Span<const int64_t> positions,
+                                                  KvStore& store,
+                                                  const ForwardOptions& options) const {
+  const ModelConfig& c = config_;
+  const uint32_t T = static_cast<uint32_t>(tokens.size());
+  if (T == 0 || positions.size() != T) {
+    return absl::InvalidArgumentError("forward: tokens and positions must be non-empty and equal");
+  }
+  for (int32_t t : tokens) {
+    if (t < 0 || static_cast<uint32_t>(t) >= c.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("forward: token id ", t, " outside the vocabulary"));
+    }
+  }
+  const uint32_t E = c.embed, D = c.head_dim, H = c.num_heads, HKV = c.num_kv_heads;
+  const uint32_t group = H / HKV, KV = HKV * D;
+  if (absl::Status s = store.BeginForward(); !s.ok()) return s;
+
+  ForwardResult r;
+  r.k.resize(uint64_t{c.num_layers} * HKV * T * D);
+  r.v.resize(r.k.size());
+  if (options.attention_rows) r.attention_rows.resize(c.num_layers * HKV);
+  if (options.window > 0) r.window_scores.resize(c.num_layers * HKV);
+
+  std::vector<float> x(uint64_t{T} * E), h(uint64_t{T} * E), q(uint64_t{T} * E),
+      k(uint64_t{T} * KV), v(uint64_t{T} * KV), attn(uint64_t{T} * E), o(uint64_t{T} * E),
+      gate(uint64_t{T} * c.ffn), up(uint64_t{T} * c.ffn), mid_hidden;
+  for (uint32_t t = 0; t < T; ++t) {
+    std::copy_n(embedding.data() + uint64_t(tokens[t]) * E, E, x.data() + uint64_t{t} * E);
+  }
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
+  PastStream past;
+  std::vector<float> scores;
+  for (uint32_t l = 0; l < c.num_layers; ++l) {
+    const Layer& L = layers_[l];
+    for (uint32_t t = 0; t < T; ++t) {
+      RmsNorm(&x[uint64_t{t} * E], L.attn_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
+    }
+    MatMul(h.data(), L.wq, T, E, E, q.data());
+    MatMul(h.data(), L.wk, T, E, KV, k.data());
+    MatMul(h.data(), L.wv, T, E, KV, v.data());
+    for (uint32_t t = 0; t < T; ++t) {
+      Rope(&q[uint64_t{t} * E], H, D, positions[t], c.rope_base);
+      Rope(&k[uint64_t{t} * KV], HKV, D, positions[t], c.rope_base);
+    }
+    for (uint32_t g = 0; g < HKV; ++g) {
+      // New K/V of this stream, [T][D], into the result for the store.
+      float* rk = &r.k[(uint64_t{l} * HKV + g) * T * D];
+      float* rv = &r.v[(uint64_t{l} * HKV + g) * T * D];
+      for (uint32_t t = 0; t < T; ++t) {
+        std::copy_n(&k[uint64_t{t} * KV + g * D], D, rk + uint64_t{t} * D);
+        std::copy_n(&v[uint64_t{t} * KV + g * D], D, rv + uint64_t{t} * D);
+      }
+      if (absl::Status s = store.Past(l, g, &past); !s.ok()) return s;
+      const size_t n_past = past.positions.size();
+      const size_t n = n_past + T;
+      std::vector<float>* row_out =
+          options.attention_rows ? &r.attention_rows[l * HKV + g] : nullptr;
+      std::vector<float>* win_out = options.window > 0 ? &r.window_scores[l * HKV + g] : nullptr;
+      if (row_out) row_out->assign(n, 0.0f);
+      if (win_out) win_out->assign(n, 0.0f);
+      scores.resize(n);
+      for (uint32_t hh = 0; hh < group; ++hh) {
+        const uint32_t head = g * group + hh;
+        for (uint32_t t = 0; t < T; ++t) {
+          const float* qt = &q[uint64_t{t} * E + head * D];
+          // Scores over the past (causal by original position), then the new tokens <= t.
+          size_t j = 0;
+          for (const PastStream::Run& run : past.runs) {
+            for (uint32_t i = 0; i < run.count; ++i, ++j) {
+              const float* kr = run.k + uint64_t{i} * D;
+              float dot = 0;
+              for (uint32_t d = 0; d < D; ++d) dot += qt[d] * kr[d];
+              scores[j] = past.positions[j] <= positions[t] ? dot * inv_sqrt_d : -INFINITY;
+            }
+          }
+          for (uint32_t u = 0; u < T; ++u) {
+            const float* kr = rk + uint64_t{u} * D;
+            float dot = 0;
+            for (uint32_t d = 0; d < D; ++d) dot += qt[d] * kr[d];
+            scores[n_past + u] = u <= t ? dot * inv_sqrt_d : -INFINITY;
+          }
+          const float mx = *std::max_element(scores.begin(), scores.end());
+          double z = 0;
+          for (float& s : scores) z += (s = std::exp(s - mx));
+          const float inv_z = static_cast<float>(1.0 / z);
+          float* out = &attn[uint64_t{t} * E + head * D];
+          std::fill_n(out, D, 0.0f);
+          j = 0;
+          for (const PastStream::Run& run : past.runs) {
+            for (uint32_t i = 0; i < run.count; ++i, ++j) {
+              const float w = scores[j] * inv_z;
+              if (w == 0) continue;
+              const float* vr = run.v + uint64_t{i} * D;
+              for (uint32_t d = 0; d < D; ++d) out[d] += w * vr[d];
+            }
+          }
+          for (uint32_t u = 0; u <= t; ++u) {
+            const float w = scores[n_past + u] * inv_z;
+            const float* vr = rv + uint64_t{u} * D;
+            for (uint32_t d = 0; d < D; ++d) out[d] += w * vr[d];
+          }
+          if (row_out && t + 1 == T) {
+            for (size_t jj = 0; jj < n; ++jj) (*row_out)[jj] += scores[jj] * inv_z / group;
+          }
+          if (win_out && t + options.window >= T) {
+            for (size_t jj = 0; jj < n; ++jj) (*win_out)[jj] += scores[jj] * inv_z / group;
+          }
+        }
+      }
+    }
+    MatMul(attn.data(), L.wo, T, E, E, o.data());
+    for (uint64_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    for (uint32_t t = 0; t < T; ++t) {
+      RmsNorm(&x[uint64_t{t} * E], L.ffn_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
+    }
+    MatMul(h.data(), L.w_gate, T, E, c.ffn, gate.data());
+    MatMul(h.data(), L.w_up, T, E, c.ffn, up.data());
+    for (uint64_t i = 0; i < gate.size(); ++i) {
+      const float g = gate[i];
+      gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
+    MatMul(gate.data(), L.w_down, T, c.ffn, E, o.data());
+    for (uint64_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    if (options.layer_distance && l + 1 == c.num_layers / 2) mid_hidden = x;
+  }
+  if (absl::Status s = store.EndForward(); !s.ok()) return s;
+  if (options.layer_distance) {
+    // 1 - cos(h after layer L/2, h after the last layer, before the final norm).
+    r.layer_distance.resize(T);
+    for (uint32_t t = 0; t < T; ++t) {
+      double dot = 0, a2 = 0, b2 = 0;
+      for (uint32_t i = 0; i < E; ++i) {
+        const double a = mid_hidden[uint64_t{t} * E + i], b = x[uint64_t{t} * E + i];
+        dot += a * b;
+        a2 += a * a;
+        b2 += b * b;
+      }
+      const double cos = (a2 > 0 && b2 > 0) ? dot / std::sqrt(a2 * b2) : 1.0;
+      r.layer_distance[t] = static_cast<float>(std::clamp(1.0 - cos, 0.0, 2.0));
+    }
+  }
+  if (options.next_token_stats) {
+    // Row by row in chunks, so that a long prompt never holds T x vocab logits at once.
+    constexpr uint32_t kChunk = 32;
+    std::vector<float> chunk_logits(uint64_t{kChunk} * c.vocab);
+    r.next_token_stats.resize(T);
+    for (uint32_t t0 = 0; t0 < T; t0 += kChunk) {
+      const uint32_t rows = std::min(kChunk, T - t0);
+      for (uint32_t t = 0; t < rows; ++t) {
+        RmsNorm(&x[uint64_t{t0 + t} * E], output_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
+      }
+      MatMul(h.data(), output.empty() ? embedding : output, rows, E, c.vocab, chunk_logits.data());
+      for (uint32_t t = 0; t < rows; ++t) {
+        r.next_token_stats[t0 + t] = SummarizeLogits(
+            absl::MakeConstSpan(chunk_logits.data() + uint64_t{t} * c.vocab, c.vocab));
+      }
+    }
+  }
+  const uint32_t first = options.all_logits ? 0 : T - 1;
+  const uint32_t rows = T - first;
+  for (uint32_t t = first; t < T; ++t) {
+    RmsNorm(&x[uint64_t{t} * E], output_norm.data(), E, c.norm_eps, &h[uint64_t{t - first} * E]);
+  }
+  r.logits.resize(uint64_t{rows} * c.vocab);
+  MatMul(h.data(), output.empty() ? embedding : output, rows, E, c.vocab, r.logits.data());
+  return r;
+}
+
+}  // namespace kvmem::worker

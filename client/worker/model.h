@@ -1,0 +1,104 @@
+#pragma once
+// LlamaModel: the Llama architecture (RMSNorm, RoPE, grouped-query attention, SwiGLU) on the
+// CPU, weights from a GGUF file dequantized to f32 once, matrix work through OpenBLAS.
+//
+// The model does not own a cache. Forward() attends over the past K/V a KvStore supplies
+// (in the store's order, with the tokens' original positions) plus the new tokens, and
+// hands the new tokens' K/V back for the store to append. It also computes the signals
+// kvmemd's policies use.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gguf.h"
+
+namespace kvmem::worker {
+
+struct ModelConfig {
+  uint32_t num_layers = 0;
+  uint32_t embed = 0;
+  uint32_t ffn = 0;
+  uint32_t num_heads = 0;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t vocab = 0;
+  uint32_t context = 0;
+  float rope_base = 10000.0f;
+  float norm_eps = 1e-5f;
+};
+
+// Past K/V of one stream (layer, kv head) as contiguous runs of f32 rows [count][head_dim],
+// in cache order. Runs point into the store's memory (zero copy) or into `scratch`.
+struct PastStream {
+  struct Run {
+    const float* k;
+    const float* v;
+    uint32_t count;
+  };
+  std::vector<Run> runs;
+  std::vector<int64_t> positions;  // one per slot, across the runs in order
+  std::vector<float> scratch;
+};
+
+class KvStore {
+ public:
+  virtual ~KvStore() = default;
+  // Called once per Forward before any Past(): fetch what the store needs (block table).
+  virtual absl::Status BeginForward() = 0;
+  virtual absl::Status Past(uint32_t layer, uint32_t kv_head, PastStream* out) = 0;
+  // Called after Forward() computed everything it reads.
+  virtual absl::Status EndForward() { return absl::OkStatus(); }
+};
+
+// Logit statistics of one distribution: full-vocabulary entropy (nats), p1, p2, and the
+// entropy of the top-k renormalized (k = 256 for token entropy).
+struct LogitSummary {
+  float entropy, p1, p2, topk_entropy;
+};
+struct ForwardOptions {
+  bool all_logits = false;        // logits for every token (else only the last)
+  uint32_t window = 0;            // > 0: window scores over the last `window` queries
+  bool attention_rows = false;    // the last query's attention over past + new keys
+  bool layer_distance = false;    // 1 - cos(h_mid, h_last) per token
+  bool next_token_stats = false;  // LogitSummary of every token's next-token distribution
+};
+
+struct ForwardResult {
+  std::vector<float> logits;  // [T or 1][vocab]
+  // New tokens' K and V, [L][H_kv][T][D] (K after RoPE): what the store appends.
+  std::vector<float> k;
+  std::vector<float> v;
+  // Per stream (l * H_kv + h), over past slots then new tokens, GQA-group mean.
+  std::vector<std::vector<float>> attention_rows;
+  std::vector<std::vector<float>> window_scores;
+  std::vector<float> layer_distance;           // [T]
+  std::vector<LogitSummary> next_token_stats;  // [T]
+};
+
+class LlamaModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const GgufFile& file);
+  const ModelConfig& config() const { return config_; }
+
+  absl::StatusOr<ForwardResult> Forward(absl::Span<const int32_t> tokens,
+                                        absl::Span<const int64_t> positions, KvStore& store,
+                                        const ForwardOptions& options) const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down;
+  };
+  LlamaModel() = default;
+  ModelConfig config_;
+  std::vector<float> embedding;  // [vocab][embed], tied output
+  std::vector<float> output_norm;
+  std::vector<float> output;  // empty when tied to the embedding
+  std::vector<Layer> layers_;
+};
+
+LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k = 256);
+
+}  // namespace kvmem::worker

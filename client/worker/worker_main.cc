@@ -1,0 +1,342 @@
+// kvmem_worker: SmolLM2 (or any Llama-family GGUF) on the CPU with its KV cache in kvmemd.
+//
+//   kvmem_worker generate   --model M --prompt "..." [--policy confkv] [--target ADDR]
+//   kvmem_worker perplexity --model M --text FILE [--policy window --param window=512]
+//   kvmem_worker dump       --model M --prompt "..."   (JSON: ids and full-cache logits)
+//
+// --cache=kvmemd (default) keeps the cache in the daemon; --cache=local keeps it in process.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kv_stores.h"
+#include "model.h"
+#include "tokenizer.h"
+
+ABSL_FLAG(std::string, model, "", "path to the GGUF file (scripts/fetch_model.sh prints it)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address");
+ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
+ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKV)");
+ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
+ABSL_FLAG(std::vector<std::string>, param, {}, "policy parameters, name=value");
+ABSL_FLAG(std::string, quantization, "none", "none, int8, int4, nf4");
+ABSL_FLAG(std::string, prompt, "", "user message (generate, dump)");
+ABSL_FLAG(bool, raw, false, "use the prompt as is, without the chat template");
+ABSL_FLAG(uint32_t, max_tokens, 64, "tokens to generate");
+ABSL_FLAG(double, temperature, 0, "0 = greedy");
+ABSL_FLAG(uint32_t, seed, 1, "sampling seed");
+ABSL_FLAG(std::string, text, "", "text file (perplexity)");
+ABSL_FLAG(uint32_t, max_eval_tokens, 0, "perplexity: stop after this many tokens (0 = all)");
+ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
+
+namespace kvmem::worker {
+namespace {
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "kvmem_worker: %s: %s\n", what.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+absl::StatusOr<client::PolicySpec> PolicyFromFlags() {
+  client::PolicySpec spec;
+  spec.name = absl::GetFlag(FLAGS_policy);
+  for (const std::string& p : absl::GetFlag(FLAGS_param)) {
+    std::vector<std::string> kv = absl::StrSplit(p, absl::MaxSplits('=', 1));
+    double value;
+    if (kv.size() != 2 || !absl::SimpleAtod(kv[1], &value)) {
+      return absl::InvalidArgumentError("--param: expected name=value, got " + p);
+    }
+    spec.params[kv[0]] = value;
+  }
+  const std::string q = absl::GetFlag(FLAGS_quantization);
+  if (q == "int8")
+    spec.quantization = client::Precision::kInt8;
+  else if (q == "int4")
+    spec.quantization = client::Precision::kInt4;
+  else if (q == "nf4")
+    spec.quantization = client::Precision::kNF4;
+  else if (q != "none")
+    return absl::InvalidArgumentError("--quantization: none, int8, int4 or nf4");
+  return spec;
+}
+
+// One model run against one cache: prefill, then a token at a time, sending the signals the
+// daemon's policies use after every step.
+class Session {
+ public:
+  Session(const LlamaModel& model, KvStore& store, KvmemKvStore* daemon)
+      : model_(model),
+        store_(store),
+        daemon_(daemon),
+        local_(dynamic_cast<LocalKvStore*>(&store)) {}
+
+  // Runs `tokens` (at the next positions); returns the last token's logits.
+  absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill) {
+    std::vector<int64_t> positions(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i)
+      positions[i] = next_position_ + static_cast<int64_t>(i);
+    ForwardOptions options;
+    options.attention_rows = daemon_ != nullptr;
+    options.layer_distance = daemon_ != nullptr;
+    options.next_token_stats = daemon_ != nullptr;
+    options.window = prefill && daemon_ != nullptr ? absl::GetFlag(FLAGS_window) : 0;
+    absl::StatusOr<ForwardResult> r = model_.Forward(tokens, positions, store_, options);
+    if (!r.ok()) return r.status();
+    next_position_ += static_cast<int64_t>(tokens.size());
+    if (local_ != nullptr) local_->Append(positions, *r);
+    if (daemon_ != nullptr) {
+      // Token entropy of token i: the distribution that predicted it (the first token of the
+      // sequence gets the mean of the others).
+      std::vector<float> entropy(tokens.size());
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        entropy[i] = i == 0 ? last_topk_entropy_ : r->next_token_stats[i - 1].topk_entropy;
+      }
+      if (std::isnan(entropy[0])) {
+        double sum = 0;
+        for (size_t i = 1; i < entropy.size(); ++i) sum += entropy[i];
+        entropy[0] = entropy.size() > 1 ? static_cast<float>(sum / (entropy.size() - 1)) : 0.0f;
+      }
+      last_topk_entropy_ = r->next_token_stats.back().topk_entropy;
+      const uint64_t epoch = daemon_->table_epoch();
+      absl::StatusOr<client::AppendResult> appended =
+          daemon_->Append(positions, tokens, *r, entropy);
+      if (!appended.ok()) return appended.status();
+      const LogitSummary& s = r->next_token_stats.back();
+      std::vector<client::StreamSignal> rows(r->attention_rows.size());
+      const uint32_t H = model_.config().num_kv_heads;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i] = {static_cast<uint32_t>(i / H), static_cast<uint32_t>(i % H),
+                   r->attention_rows[i]};
+      }
+      if (prefill) {
+        client::CompressArgs args;
+        args.epoch = epoch;
+        args.attention = rows;
+        for (size_t i = 0; i < rows.size(); ++i) {
+          args.window_scores.push_back({rows[i].layer, rows[i].kv_head, r->window_scores[i]});
+        }
+        absl::StatusOr<client::CompressResult> c =
+            daemon_->client()->Compress(daemon_->sequence_id(), args);
+        if (!c.ok()) return c.status();
+        evicted_ += c->evicted_tokens;
+        kv_bytes_ = c->kv_bytes_after;
+      } else {
+        client::StepArgs args;
+        args.epoch = epoch;
+        args.logit_stats = client::LogitStats{s.entropy, s.p1, s.p2, {}};
+        args.attention = std::move(rows);
+        absl::StatusOr<client::StepResult> step =
+            daemon_->client()->Step(daemon_->sequence_id(), args);
+        if (!step.ok()) return step.status();
+        evicted_ += step->evicted_tokens;
+        kv_bytes_ = step->kv_bytes_after;
+      }
+    }
+    const uint32_t V = model_.config().vocab;
+    return std::vector<float>(r->logits.end() - V, r->logits.end());
+  }
+
+  uint64_t evicted() const { return evicted_; }
+  uint64_t kv_bytes() const { return kv_bytes_; }
+  int64_t tokens() const { return next_position_; }
+
+ private:
+  const LlamaModel& model_;
+  KvStore& store_;
+  KvmemKvStore* daemon_;
+  LocalKvStore* local_;
+  int64_t next_position_ = 0;
+  float last_topk_entropy_ = std::nanf("");
+  uint64_t evicted_ = 0;
+  uint64_t kv_bytes_ = 0;
+};
+
+int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
+  if (temperature <= 0) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> w(logits.size());
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::exp((logits[i] - mx) / temperature);
+  std::discrete_distribution<int32_t> d(w.begin(), w.end());
+  return d(rng);
+}
+
+struct Env {
+  std::unique_ptr<GgufFile> file;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<LocalKvStore> local;
+  std::unique_ptr<KvmemKvStore> daemon;
+  KvStore* store = nullptr;
+};
+
+absl::Status Setup(Env& env, bool force_local) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(absl::GetFlag(FLAGS_model));
+  if (!file.ok()) return file.status();
+  env.file = *std::move(file);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(*env.file);
+  if (!tok.ok()) return tok.status();
+  env.tokenizer = *std::move(tok);
+  absl::StatusOr<std::unique_ptr<LlamaModel>> model = LlamaModel::Load(*env.file);
+  if (!model.ok()) return model.status();
+  env.model = *std::move(model);
+  if (force_local || absl::GetFlag(FLAGS_cache) == "local") {
+    env.local = std::make_unique<LocalKvStore>(env.model->config());
+    env.store = env.local.get();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
+  if (!policy.ok()) return policy.status();
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(absl::GetFlag(FLAGS_target));
+  if (!c.ok()) return c.status();
+  env.client = *std::move(c);
+  const auto path = absl::GetFlag(FLAGS_read_path) == "grpc"
+                        ? KvmemKvStore::ReadPath::kGrpc
+                        : KvmemKvStore::ReadPath::kSharedMemory;
+  absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
+      KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, path);
+  if (!d.ok()) return d.status();
+  env.daemon = *std::move(d);
+  env.store = env.daemon.get();
+  return absl::OkStatus();
+}
+
+uint64_t FullCacheBytes(const ModelConfig& c, int64_t tokens, uint32_t bytes_per_element) {
+  return uint64_t(tokens) * c.num_layers * c.num_kv_heads * 2 * c.head_dim * bytes_per_element;
+}
+
+int Generate() {
+  Env env;
+  if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
+  const std::string prompt = absl::GetFlag(FLAGS_raw)
+                                 ? absl::GetFlag(FLAGS_prompt)
+                                 : env.tokenizer->ChatPrompt(absl::GetFlag(FLAGS_prompt));
+  const std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
+  Session session(*env.model, *env.store, env.daemon.get());
+  std::mt19937 rng(absl::GetFlag(FLAGS_seed));
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
+  if (!logits.ok()) return Fail("prefill", logits.status());
+  const auto t1 = std::chrono::steady_clock::now();
+  std::string answer;
+  uint32_t generated = 0;
+  for (; generated < absl::GetFlag(FLAGS_max_tokens); ++generated) {
+    const int32_t next = Pick(*logits, absl::GetFlag(FLAGS_temperature), rng);
+    if (next == env.tokenizer->eos() || next == env.tokenizer->im_end()) break;
+    answer += env.tokenizer->Decode(next);
+    std::fprintf(stderr, "\r%u/%u tokens", generated + 1, absl::GetFlag(FLAGS_max_tokens));
+    logits = session.Feed({next}, false);
+    if (!logits.ok()) return Fail("decode", logits.status());
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "\n");
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  std::printf("%s\n", answer.c_str());
+  std::printf("---\nprompt %zu tokens, %.1f tokens/s prefill; %u generated, %.1f tokens/s decode\n",
+              ids.size(), ids.size() / prefill_s, generated,
+              generated > 0 ? generated / decode_s : 0.0);
+  if (env.daemon != nullptr) {
+    const uint64_t full = FullCacheBytes(env.model->config(), session.tokens(), 4);
+    std::printf(
+        "kvmemd (%s): %llu KV bytes held for %lld tokens; full cache %llu (%.1f%% saved); "
+        "%llu tokens evicted\n",
+        absl::GetFlag(FLAGS_policy).c_str(), static_cast<unsigned long long>(session.kv_bytes()),
+        static_cast<long long>(session.tokens()), static_cast<unsigned long long>(full),
+        100.0 * (1.0 - double(session.kv_bytes()) / double(full)),
+        static_cast<unsigned long long>(session.evicted()));
+  }
+  return 0;
+}
+
+int Perplexity() {
+  Env env;
+  if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
+  std::ifstream in(absl::GetFlag(FLAGS_text));
+  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  const uint32_t limit = absl::GetFlag(FLAGS_max_eval_tokens);
+  if (limit > 0 && ids.size() > limit + 1) ids.resize(limit + 1);
+  if (ids.size() < 2) return Fail("--text", absl::InvalidArgumentError("fewer than 2 tokens"));
+  Session session(*env.model, *env.store, env.daemon.get());
+  double nll = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    absl::StatusOr<std::vector<float>> logits = session.Feed({ids[i]}, false);
+    if (!logits.ok()) return Fail("step", logits.status());
+    const float mx = *std::max_element(logits->begin(), logits->end());
+    double z = 0;
+    for (float l : *logits) z += std::exp(l - mx);
+    nll -= ((*logits)[ids[i + 1]] - mx) - std::log(z);
+    if ((i + 1) % 16 == 0 || i + 2 == ids.size()) {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double eta = elapsed / (i + 1) * (ids.size() - 2 - i);
+      std::fprintf(stderr, "\r%zu/%zu tokens, ppl %.3f, ETA %.0fs   ", i + 1, ids.size() - 1,
+                   std::exp(nll / (i + 1)), eta);
+    }
+  }
+  std::fprintf(stderr, "\n");
+  const size_t n = ids.size() - 1;
+  std::printf("perplexity %.4f over %zu tokens (policy %s, KV bytes at end %llu)\n",
+              std::exp(nll / n), n, env.daemon ? absl::GetFlag(FLAGS_policy).c_str() : "local",
+              static_cast<unsigned long long>(session.kv_bytes()));
+  return 0;
+}
+
+// JSON for the parity tests: token ids of the prompt, and the full-cache logits of its last
+// token (local cache, no daemon).
+int Dump() {
+  Env env;
+  if (absl::Status s = Setup(env, absl::GetFlag(FLAGS_cache) == "local"); !s.ok())
+    return Fail("setup", s);
+  const std::vector<int32_t> ids = env.tokenizer->Encode(absl::GetFlag(FLAGS_prompt), true);
+  std::printf("{\"ids\": [");
+  for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
+  std::printf("]");
+  if (!ids.empty()) {
+    Session session(*env.model, *env.store, env.daemon.get());
+    absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
+    if (!logits.ok()) return Fail("forward", logits.status());
+    std::printf(", \"logits\": [");
+    for (size_t i = 0; i < logits->size(); ++i) std::printf("%s%.6g", i ? ", " : "", (*logits)[i]);
+    std::printf("]");
+  }
+  std::printf("}\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvmem::worker
+
+extern "C" void openblas_set_num_threads(int);
+
+int main(int argc, char** argv) {
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  // One BLAS thread unless asked: decode is matrix-vector work where OpenBLAS threads spin
+  // and fight the daemon for the cores.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  const std::string mode = args.size() > 1 ? args[1] : "";
+  if (absl::GetFlag(FLAGS_model).empty()) {
+    std::fprintf(stderr, "kvmem_worker: --model is required (bash scripts/fetch_model.sh)\n");
+    return 2;
+  }
+  if (mode == "generate") return kvmem::worker::Generate();
+  if (mode == "perplexity") return kvmem::worker::Perplexity();
+  if (mode == "dump") return kvmem::worker::Dump();
+  std::fprintf(stderr, "usage: kvmem_worker generate|perplexity|dump --model=PATH ...\n");
+  return 2;
+}
