@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what it needs, builds, checks style, runs every test
-# (unit, integration, and the reference-implementation kernel tests), prints the summary.
+# (unit, integration, the reference-implementation kernel tests, the worker on the real
+# model, and the parity tests against llama.cpp), and prints the summaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
 bash scripts/lint.sh
-cd build
-ctest -j "${KVMEM_JOBS:-2}" --output-on-failure --timeout 600 | grep -v -E "^ *(Start|[0-9]+/[0-9]+ Test) "
+KVMEM_MODEL=$(bash scripts/fetch_model.sh)
+export KVMEM_MODEL
+(
+  cd build
+  ctest -j "${KVMEM_JOBS:-2}" --output-on-failure --timeout 900 |
+    grep -v -E "^ *(Start|[0-9]+/[0-9]+ Test) "
+)
+bash scripts/python_deps.sh
+python3 -m pytest -q tests/python

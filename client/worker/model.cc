@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -11,8 +12,8 @@
 namespace kvmem::worker {
 namespace {
 
-absl::StatusOr<std::vector<float>> Weight(const GgufFile& file, const std::string& name,
-                                          std::vector<uint64_t> dims) {
+absl::StatusOr<std::vector<float>> LoadF32(const GgufFile& file, const std::string& name,
+                                           std::vector<uint64_t> dims) {
   absl::StatusOr<const GgufTensor*> t = file.Tensor(name);
   if (!t.ok()) return t.status();
   if ((*t)->dims != dims) {
@@ -56,6 +57,20 @@ void Rope(float* x, uint32_t heads, uint32_t dim, int64_t pos, float base) {
 
 }  // namespace
 
+void LlamaModel::Apply(const Weight& w, const float* x, uint32_t T, uint32_t in, uint32_t out,
+                       float* y) {
+  if (T == 1 && w.quant.data != nullptr) {
+    QuantMatVec(w.quant, x, y);
+    return;
+  }
+  MatMul(x, w.f32, T, in, out, y);
+}
+
+namespace {
+absl::StatusOr<LlamaModel::Weight> LoadWeight(const GgufFile& file, const std::string& name,
+                                              std::vector<uint64_t> dims);
+}  // namespace
+
 LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k) {
   const float max = *std::max_element(logits.begin(), logits.end());
   double z = 0;
@@ -84,7 +99,26 @@ LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k) {
           static_cast<float>(topk_entropy)};
 }
 
+namespace {
+absl::StatusOr<LlamaModel::Weight> LoadWeight(const GgufFile& file, const std::string& name,
+                                              std::vector<uint64_t> dims) {
+  LlamaModel::Weight w;
+  absl::StatusOr<std::vector<float>> f32 = LoadF32(file, name, dims);
+  if (!f32.ok()) return f32.status();
+  w.f32 = *std::move(f32);
+  const GgufTensor* t = *file.Tensor(name);
+  if ((t->type == 3 || t->type == 8) && dims.size() == 2) {
+    w.quant = QuantMatrix{t->type, static_cast<uint32_t>(dims[1]), static_cast<uint32_t>(dims[0]),
+                          t->data};
+  }
+  return w;
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& file) {
+  // One BLAS thread unless OPENBLAS_NUM_THREADS says otherwise: decode is matrix-vector work
+  // where OpenBLAS's threads spin and fight the daemon for the cores.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
   absl::StatusOr<std::string> arch = file.GetString("general.architecture");
   if (!arch.ok()) return arch.status();
   if (*arch != "llama") {
@@ -124,14 +158,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& fil
     return absl::DataLossError("gguf: token_embd.weight has the wrong shape");
   }
   c.vocab = static_cast<uint32_t>((*embd)->dims[1]);
-  absl::StatusOr<std::vector<float>> e = file.ToFloat(**embd);
+  absl::StatusOr<Weight> e = LoadWeight(file, "token_embd.weight", {c.embed, c.vocab});
   if (!e.ok()) return e.status();
   m->embedding = *std::move(e);
-  absl::StatusOr<std::vector<float>> norm = Weight(file, "output_norm.weight", {c.embed});
+  absl::StatusOr<std::vector<float>> norm = LoadF32(file, "output_norm.weight", {c.embed});
   if (!norm.ok()) return norm.status();
   m->output_norm = *std::move(norm);
   if (file.Tensor("output.weight").ok()) {
-    absl::StatusOr<std::vector<float>> out = Weight(file, "output.weight", {c.embed, c.vocab});
+    absl::StatusOr<Weight> out = LoadWeight(file, "output.weight", {c.embed, c.vocab});
     if (!out.ok()) return out.status();
     m->output = *std::move(out);
   }
@@ -140,21 +174,26 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& fil
   for (uint32_t l = 0; l < c.num_layers; ++l) {
     Layer& L = m->layers_[l];
     const std::string p = absl::StrCat("blk.", l, ".");
+    for (auto [name, dst] :
+         {std::pair<const char*, std::vector<float>*>{"attn_norm.weight", &L.attn_norm},
+          {"ffn_norm.weight", &L.ffn_norm}}) {
+      absl::StatusOr<std::vector<float>> w = LoadF32(file, p + name, {c.embed});
+      if (!w.ok()) return w.status();
+      *dst = *std::move(w);
+    }
     struct Item {
       const char* name;
-      std::vector<float>* dst;
+      Weight* dst;
       std::vector<uint64_t> dims;
     };
-    for (const Item& it : std::vector<Item>{{"attn_norm.weight", &L.attn_norm, {c.embed}},
-                                            {"attn_q.weight", &L.wq, {c.embed, c.embed}},
+    for (const Item& it : std::vector<Item>{{"attn_q.weight", &L.wq, {c.embed, c.embed}},
                                             {"attn_k.weight", &L.wk, {c.embed, kv}},
                                             {"attn_v.weight", &L.wv, {c.embed, kv}},
                                             {"attn_output.weight", &L.wo, {c.embed, c.embed}},
-                                            {"ffn_norm.weight", &L.ffn_norm, {c.embed}},
                                             {"ffn_gate.weight", &L.w_gate, {c.embed, c.ffn}},
                                             {"ffn_up.weight", &L.w_up, {c.embed, c.ffn}},
                                             {"ffn_down.weight", &L.w_down, {c.ffn, c.embed}}}) {
-      absl::StatusOr<std::vector<float>> w = Weight(file, p + it.name, it.dims);
+      absl::StatusOr<Weight> w = LoadWeight(file, p + it.name, it.dims);
       if (!w.ok()) return w.status();
       *it.dst = *std::move(w);
     }
@@ -191,7 +230,7 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       k(uint64_t{T} * KV), v(uint64_t{T} * KV), attn(uint64_t{T} * E), o(uint64_t{T} * E),
       gate(uint64_t{T} * c.ffn), up(uint64_t{T} * c.ffn), mid_hidden;
   for (uint32_t t = 0; t < T; ++t) {
-    std::copy_n(embedding.data() + uint64_t(tokens[t]) * E, E, x.data() + uint64_t{t} * E);
+    std::copy_n(embedding.f32.data() + uint64_t(tokens[t]) * E, E, x.data() + uint64_t{t} * E);
   }
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   PastStream past;
@@ -201,9 +240,9 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
     for (uint32_t t = 0; t < T; ++t) {
       RmsNorm(&x[uint64_t{t} * E], L.attn_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
     }
-    MatMul(h.data(), L.wq, T, E, E, q.data());
-    MatMul(h.data(), L.wk, T, E, KV, k.data());
-    MatMul(h.data(), L.wv, T, E, KV, v.data());
+    Apply(L.wq, h.data(), T, E, E, q.data());
+    Apply(L.wk, h.data(), T, E, KV, k.data());
+    Apply(L.wv, h.data(), T, E, KV, v.data());
     for (uint32_t t = 0; t < T; ++t) {
       Rope(&q[uint64_t{t} * E], H, D, positions[t], c.rope_base);
       Rope(&k[uint64_t{t} * KV], HKV, D, positions[t], c.rope_base);
@@ -274,18 +313,18 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
         }
       }
     }
-    MatMul(attn.data(), L.wo, T, E, E, o.data());
+    Apply(L.wo, attn.data(), T, E, E, o.data());
     for (uint64_t i = 0; i < x.size(); ++i) x[i] += o[i];
     for (uint32_t t = 0; t < T; ++t) {
       RmsNorm(&x[uint64_t{t} * E], L.ffn_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
     }
-    MatMul(h.data(), L.w_gate, T, E, c.ffn, gate.data());
-    MatMul(h.data(), L.w_up, T, E, c.ffn, up.data());
+    Apply(L.w_gate, h.data(), T, E, c.ffn, gate.data());
+    Apply(L.w_up, h.data(), T, E, c.ffn, up.data());
     for (uint64_t i = 0; i < gate.size(); ++i) {
       const float g = gate[i];
       gate[i] = g / (1.0f + std::exp(-g)) * up[i];
     }
-    MatMul(gate.data(), L.w_down, T, c.ffn, E, o.data());
+    Apply(L.w_down, gate.data(), T, c.ffn, E, o.data());
     for (uint64_t i = 0; i < x.size(); ++i) x[i] += o[i];
     if (options.layer_distance && l + 1 == c.num_layers / 2) mid_hidden = x;
   }
@@ -315,7 +354,8 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       for (uint32_t t = 0; t < rows; ++t) {
         RmsNorm(&x[uint64_t{t0 + t} * E], output_norm.data(), E, c.norm_eps, &h[uint64_t{t} * E]);
       }
-      MatMul(h.data(), output.empty() ? embedding : output, rows, E, c.vocab, chunk_logits.data());
+      Apply(output.f32.empty() ? embedding : output, h.data(), rows, E, c.vocab,
+            chunk_logits.data());
       for (uint32_t t = 0; t < rows; ++t) {
         r.next_token_stats[t0 + t] = SummarizeLogits(
             absl::MakeConstSpan(chunk_logits.data() + uint64_t{t} * c.vocab, c.vocab));
@@ -328,7 +368,7 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
     RmsNorm(&x[uint64_t{t} * E], output_norm.data(), E, c.norm_eps, &h[uint64_t{t - first} * E]);
   }
   r.logits.resize(uint64_t{rows} * c.vocab);
-  MatMul(h.data(), output.empty() ? embedding : output, rows, E, c.vocab, r.logits.data());
+  Apply(output.f32.empty() ? embedding : output, h.data(), rows, E, c.vocab, r.logits.data());
   return r;
 }
 

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "gguf.h"
+#include "quant_matvec.h"
 
 namespace kvmem::worker {
 
@@ -80,6 +81,14 @@ struct ForwardResult {
 
 class LlamaModel {
  public:
+  // A weight both as f32 (prefill: matrix-matrix through BLAS) and, when GGUF stores it
+  // quantized, as its raw blocks (decode: matrix-vector reading 0.6-1.1 bytes per weight).
+  struct Weight {
+    std::vector<float> f32;  // [out][in]
+    QuantMatrix quant;       // data == nullptr when not quantized
+  };
+
+  // `file` must outlive the model: decode reads quantized weights where they lie.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const GgufFile& file);
   const ModelConfig& config() const { return config_; }
 
@@ -89,13 +98,17 @@ class LlamaModel {
 
  private:
   struct Layer {
-    std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down;
+    std::vector<float> attn_norm, ffn_norm;
+    Weight wq, wk, wv, wo, w_gate, w_up, w_down;
   };
+  // y[T][out] = x[T][in] W^T.
+  static void Apply(const Weight& w, const float* x, uint32_t T, uint32_t in, uint32_t out,
+                    float* y);
   LlamaModel() = default;
   ModelConfig config_;
-  std::vector<float> embedding;  // [vocab][embed], tied output
+  Weight embedding;  // [vocab][embed], also the output projection when tied
   std::vector<float> output_norm;
-  std::vector<float> output;  // empty when tied to the embedding
+  Weight output;  // empty when tied to the embedding
   std::vector<Layer> layers_;
 };
 

@@ -36,6 +36,8 @@ ABSL_FLAG(uint32_t, seed, 1, "sampling seed");
 ABSL_FLAG(std::string, text, "", "text file (perplexity)");
 ABSL_FLAG(uint32_t, max_eval_tokens, 0, "perplexity: stop after this many tokens (0 = all)");
 ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
+ABSL_FLAG(bool, ids_only, false, "dump: token ids only, no forward pass");
+ABSL_FLAG(std::string, prompt_file, "", "dump: read the text from this file instead of --prompt");
 
 namespace kvmem::worker {
 namespace {
@@ -303,11 +305,18 @@ int Dump() {
   Env env;
   if (absl::Status s = Setup(env, absl::GetFlag(FLAGS_cache) == "local"); !s.ok())
     return Fail("setup", s);
-  const std::vector<int32_t> ids = env.tokenizer->Encode(absl::GetFlag(FLAGS_prompt), true);
+  std::string text = absl::GetFlag(FLAGS_prompt);
+  if (!absl::GetFlag(FLAGS_prompt_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_prompt_file), std::ios::binary);
+    std::stringstream buf;
+    buf << in.rdbuf();
+    text = buf.str();
+  }
+  const std::vector<int32_t> ids = env.tokenizer->Encode(text, true);
   std::printf("{\"ids\": [");
   for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
   std::printf("]");
-  if (!ids.empty()) {
+  if (!ids.empty() && !absl::GetFlag(FLAGS_ids_only)) {
     Session session(*env.model, *env.store, env.daemon.get());
     absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
     if (!logits.ok()) return Fail("forward", logits.status());
@@ -322,13 +331,8 @@ int Dump() {
 }  // namespace
 }  // namespace kvmem::worker
 
-extern "C" void openblas_set_num_threads(int);
-
 int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  // One BLAS thread unless asked: decode is matrix-vector work where OpenBLAS threads spin
-  // and fight the daemon for the cores.
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
   const std::string mode = args.size() > 1 ? args[1] : "";
   if (absl::GetFlag(FLAGS_model).empty()) {
     std::fprintf(stderr, "kvmem_worker: --model is required (bash scripts/fetch_model.sh)\n");

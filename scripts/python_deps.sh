@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Python packages for the parity tests and the evaluation harness, from PyPI.
+# llama-cpp-python ships no binary wheels on PyPI, so pip builds llama.cpp from source the
+# first time (about 10 minutes on 2 cores); the built wheel is cached under ~/.cache/kvmem.
+set -euo pipefail
+have() { python3 -c "import $1" 2>/dev/null; }
+cache="${KVMEM_CACHE:-$HOME/.cache/kvmem}/wheels"
+mkdir -p "$cache"
+have pytest && have gguf || python3 -m pip install --quiet pytest numpy gguf
+if ! have llama_cpp; then
+  if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl
+  else
+    echo "python_deps: building llama-cpp-python from PyPI (once; about 10 minutes)" >&2
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_OPENMP=OFF" MAKEFLAGS="-j${KVMEM_JOBS:-2}" \
+      python3 -m pip wheel --quiet --no-deps "llama-cpp-python==0.3.36" -w "$cache"
+    python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl
+  fi
+fi
