@@ -116,9 +116,9 @@ absl::StatusOr<LlamaModel::Weight> LoadWeight(const GgufFile& file, const std::s
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& file) {
-  // One BLAS thread unless OPENBLAS_NUM_THREADS says otherwise: decode is matrix-vector work
-  // where OpenBLAS's threads spin and fight the daemon for the cores.
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+  // BLAS threads as many as the worker's own (KVMEM_WORKER_THREADS), not OpenBLAS's default
+  // of every core: its idle threads spin and fight the daemon for the cores.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(WorkerThreads());
   absl::StatusOr<std::string> arch = file.GetString("general.architecture");
   if (!arch.ok()) return arch.status();
   if (*arch != "llama") {
@@ -272,17 +272,13 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
           size_t j = 0;
           for (const PastStream::Run& run : past.runs) {
             for (uint32_t i = 0; i < run.count; ++i, ++j) {
-              const float* kr = run.k + uint64_t{i} * D;
-              float dot = 0;
-              for (uint32_t d = 0; d < D; ++d) dot += qt[d] * kr[d];
-              scores[j] = past.positions[j] <= positions[t] ? dot * inv_sqrt_d : -INFINITY;
+              scores[j] = past.positions[j] <= positions[t]
+                              ? Dot(qt, run.k + uint64_t{i} * D, D) * inv_sqrt_d
+                              : -INFINITY;
             }
           }
           for (uint32_t u = 0; u < T; ++u) {
-            const float* kr = rk + uint64_t{u} * D;
-            float dot = 0;
-            for (uint32_t d = 0; d < D; ++d) dot += qt[d] * kr[d];
-            scores[n_past + u] = u <= t ? dot * inv_sqrt_d : -INFINITY;
+            scores[n_past + u] = u <= t ? Dot(qt, rk + uint64_t{u} * D, D) * inv_sqrt_d : -INFINITY;
           }
           const float mx = *std::max_element(scores.begin(), scores.end());
           double z = 0;
@@ -295,14 +291,11 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
             for (uint32_t i = 0; i < run.count; ++i, ++j) {
               const float w = scores[j] * inv_z;
               if (w == 0) continue;
-              const float* vr = run.v + uint64_t{i} * D;
-              for (uint32_t d = 0; d < D; ++d) out[d] += w * vr[d];
+              Axpy(w, run.v + uint64_t{i} * D, out, D);
             }
           }
           for (uint32_t u = 0; u <= t; ++u) {
-            const float w = scores[n_past + u] * inv_z;
-            const float* vr = rv + uint64_t{u} * D;
-            for (uint32_t d = 0; d < D; ++d) out[d] += w * vr[d];
+            Axpy(scores[n_past + u] * inv_z, rv + uint64_t{u} * D, out, D);
           }
           if (row_out && t + 1 == T) {
             for (size_t jj = 0; jj < n; ++jj) (*row_out)[jj] += scores[jj] * inv_z / group;

@@ -14,7 +14,14 @@ struct QuantMatrix {
   const uint8_t* data = nullptr;  // rows x (cols / 32) blocks, row-major
 };
 
-// y[rows] = W x[cols].
+// y[rows] = W x[cols], rows split across WorkerThreads().
 void QuantMatVec(const QuantMatrix& w, const float* x, float* y);
+
+// Threads the worker computes with: KVMEM_WORKER_THREADS, else min(2, cores).
+int WorkerThreads();
+
+// Vector helpers for attention (AVX2 where available).
+float Dot(const float* a, const float* b, uint32_t n);
+void Axpy(float w, const float* x, float* y, uint32_t n);  // y += w x
 
 }  // namespace kvmem::worker
