@@ -6,7 +6,7 @@ set -euo pipefail
 have() { python3 -c "import $1" 2>/dev/null; }
 cache="${KVMEM_CACHE:-$HOME/.cache/kvmem}/wheels"
 mkdir -p "$cache"
-have pytest && have gguf || python3 -m pip install --quiet pytest numpy gguf
+have pytest && have gguf && have matplotlib || python3 -m pip install --quiet pytest numpy gguf matplotlib
 if ! have llama_cpp; then
   if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl

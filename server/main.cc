@@ -10,6 +10,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "server/service/server.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50551", "host:port (port 0 picks one) or unix:path");
@@ -48,6 +49,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> storage;
   std::vector<char*> args = DashesToUnderscores(argc, argv, &storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  // Logs go to stderr; stdout carries only the READY line a supervisor waits for.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvmemd"));
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
 
   // Signals are taken by a dedicated sigwait, never by an async handler.

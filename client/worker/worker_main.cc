@@ -26,8 +26,10 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address");
 ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
 ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKV)");
 ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
-ABSL_FLAG(std::vector<std::string>, param, {}, "policy parameters, name=value");
+ABSL_FLAG(std::vector<std::string>, param, {},
+          "policy parameters, comma-separated name=value pairs (one --param flag)");
 ABSL_FLAG(std::string, quantization, "none", "none, int8, int4, nf4");
+ABSL_FLAG(uint32_t, quant_recent, 0, "tokens kept unquantized at the end of each stream (0 = 128)");
 ABSL_FLAG(std::string, prompt, "", "user message (generate, dump)");
 ABSL_FLAG(bool, raw, false, "use the prompt as is, without the chat template");
 ABSL_FLAG(uint32_t, max_tokens, 64, "tokens to generate");
@@ -140,6 +142,8 @@ class Session {
         if (!step.ok()) return step.status();
         evicted_ += step->evicted_tokens;
         kv_bytes_ = step->kv_bytes_after;
+        kv_bytes_sum_ += static_cast<double>(step->kv_bytes_after);
+        ++steps_;
       }
     }
     const uint32_t V = model_.config().vocab;
@@ -148,6 +152,7 @@ class Session {
 
   uint64_t evicted() const { return evicted_; }
   uint64_t kv_bytes() const { return kv_bytes_; }
+  double mean_kv_bytes() const { return steps_ > 0 ? kv_bytes_sum_ / steps_ : 0.0; }
   int64_t tokens() const { return next_position_; }
 
  private:
@@ -159,6 +164,8 @@ class Session {
   float last_topk_entropy_ = std::nanf("");
   uint64_t evicted_ = 0;
   uint64_t kv_bytes_ = 0;
+  double kv_bytes_sum_ = 0;
+  uint64_t steps_ = 0;
 };
 
 int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
@@ -293,9 +300,14 @@ int Perplexity() {
   }
   std::fprintf(stderr, "\n");
   const size_t n = ids.size() - 1;
-  std::printf("perplexity %.4f over %zu tokens (policy %s, KV bytes at end %llu)\n",
-              std::exp(nll / n), n, env.daemon ? absl::GetFlag(FLAGS_policy).c_str() : "local",
-              static_cast<unsigned long long>(session.kv_bytes()));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf(
+      "perplexity %.4f over %zu tokens (policy %s, KV bytes at end %llu, mean %.0f, "
+      "%llu evicted, %.1f tokens/s)\n",
+      std::exp(nll / n), n, env.daemon ? absl::GetFlag(FLAGS_policy).c_str() : "local",
+      static_cast<unsigned long long>(session.kv_bytes()), session.mean_kv_bytes(),
+      static_cast<unsigned long long>(session.evicted()), n / seconds);
   return 0;
 }
 

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Evaluation harness: drives kvmemd and the reference worker (SmolLM2-135M-Instruct) and
+writes result tables (Markdown) and PNG plots under bench/eval/results/.
+
+Studies implemented so far:
+  ppl    streaming perplexity, token by token with eviction after every step, per policy,
+         with the mean KV bytes each held and the share of the window->full gap it closes.
+  quant  int8 / int4 / nf4 storage of tokens outside the recent window: perplexity change
+         against the unquantized cache at the same policy.
+
+Text: the Lee Background Corpus (300 ABC news articles, ~60k words) that the PyPI wheel of
+gensim ships as gensim/test/test_data/lee_background.cor: journalists' running English, not
+lists, code or legal boilerplate; the articles are concatenated in file order.
+
+Usage:
+  python3 bench/eval/eval.py ppl --tokens 4096        # the full run (minutes per policy)
+  python3 bench/eval/eval.py ppl --small              # a few hundred tokens (tests)
+  python3 bench/eval/eval.py quant --tokens 2048
+"""
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("KVMEM_EVAL_OUT", ROOT / "bench" / "eval" / "results"))
+CACHE = Path(os.environ.get("KVMEM_CACHE", Path.home() / ".cache" / "kvmem"))
+
+
+def corpus_path():
+    """The Lee background corpus, taken from gensim's wheel (pip download, no install)."""
+    dst = CACHE / "data" / "lee_background.txt"
+    if dst.exists():
+        return dst
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob("gensim-4.4.0-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "gensim==4.4.0", "-d", str(wheels)], check=True)
+        found = sorted(wheels.glob("gensim-4.4.0-*.whl"))
+    with zipfile.ZipFile(found[0]) as z:
+        text = z.read("gensim/test/test_data/lee_background.cor").decode("utf-8")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("\n\n".join(line.strip() for line in text.splitlines() if line.strip()))
+    return dst
+
+
+def model_path():
+    return subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+class Daemon:
+    def __init__(self):
+        self.sock = f"/tmp/kvmem-eval-{os.getpid()}.sock"
+        self.proc = subprocess.Popen([str(ROOT / "build" / "kvmemd"), f"--listen=unix:{self.sock}",
+                                      "--pool-bytes=2147483648", "--page-bytes=262144",
+                                      "--lease-seconds=3600"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout.readline().startswith("READY")
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait()
+
+
+PPL_RE = re.compile(r"perplexity ([\d.]+) over (\d+) tokens \(policy (\S+), KV bytes at end (\d+), "
+                    r"mean (\d+), (\d+) evicted, ([\d.]+) tokens/s\)")
+
+
+def perplexity(model, text, tokens, target, policy, params=(), quant="none", recent=0):
+    args = [str(ROOT / "build" / "kvmem_worker"), "perplexity", f"--model={model}", f"--text={text}",
+            f"--max_eval_tokens={tokens}"]
+    if policy == "local":
+        args.append("--cache=local")
+    else:
+        args += [f"--target={target}", f"--policy={policy}", f"--quantization={quant}",
+                 f"--quant_recent={recent}"]
+        if params:
+            args.append("--param=" + ",".join(f"{k}={v}" for k, v in params))
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    m = PPL_RE.search(out)
+    return {"ppl": float(m.group(1)), "tokens": int(m.group(2)), "kv_end": int(m.group(4)),
+            "kv_mean": float(m.group(5)), "evicted": int(m.group(6)), "tps": float(m.group(7))}
+
+
+def progress(i, n, start, label):
+    elapsed = time.time() - start
+    eta = elapsed / max(i, 1) * (n - i)
+    print(f"[{i}/{n}] {label}  elapsed {elapsed:.0f}s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+
+
+def plot(rows, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in rows:
+        ax.scatter(r["kv_mean"] / 2**20, r["ppl"])
+        ax.annotate(name, (r["kv_mean"] / 2**20, r["ppl"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xlabel("mean KV bytes held (MiB)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def study_ppl(args):
+    n = args.tokens
+    # Budgets scale with the run so that the small version still evicts.
+    w = 512 if not args.small else 64
+    scale = w / 512
+    c_high, c_low = int(128 * scale), int(256 * scale)
+    protect = max(4, int(32 * scale))
+    runs = [
+        ("full", "full", (), "none"),
+        (f"window-{w}", "window", (("window", w),), "none"),
+        (f"streaming_llm-{w}", "streaming_llm", (("budget", w),), "none"),
+        (f"h2o-{c_low}", "h2o", (("budget", c_low),), "none"),
+        ("confkv", "confkv", (("c_high", c_high), ("c_low", c_low), ("protect", protect)), "none"),
+        ("confkv+int8", "confkv", (("c_high", c_high), ("c_low", c_low), ("protect", protect)), "int8"),
+        ("confkv_l", "confkv_l", (("c_high", c_high), ("c_low", c_low), ("protect", protect),
+                                  ("layer_floor", max(protect + 1, int(96 * scale)))), "none"),
+    ]
+    if args.only:
+        runs = [r for r in runs if r[0] in args.only.split(",")]
+    text = corpus_path()
+    model = model_path()
+    daemon = Daemon()
+    results = []
+    start = time.time()
+    try:
+        for i, (name, policy, params, quant) in enumerate(runs):
+            progress(i, len(runs), start, f"{name} over {n} tokens")
+            results.append((name, perplexity(model, text, n, f"unix:{daemon.sock}", policy, params,
+                                             quant, recent=int(128 * scale))))
+    finally:
+        daemon.close()
+    duration = time.time() - start
+    by = dict(results)
+    OUT.mkdir(parents=True, exist_ok=True)
+    tag = "small" if args.small else str(n)
+    lines = [f"### Streaming perplexity, {n} tokens of the Lee corpus ({tag})",
+             f"Command: `python3 bench/eval/eval.py ppl --tokens {n}{' --small' if args.small else ''}`"
+             f"; took {duration:.0f} s on this machine ({time.strftime('%Y-%m-%d')}).", "",
+             "| policy | perplexity | mean KV bytes | KV vs full | gap closed (window→full) | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    full, win = by.get("full"), by.get(f"window-{w}")
+    for name, r in results:
+        gap = ""
+        if full and win and win["ppl"] != full["ppl"]:
+            gap = f"{100 * (win['ppl'] - r['ppl']) / (win['ppl'] - full['ppl']):.0f} %"
+        share = f"{100 * r['kv_mean'] / full['kv_mean']:.0f} %" if full else ""
+        lines.append(f"| {name} | {r['ppl']:.3f} | {r['kv_mean'] / 2**20:.2f} MiB | {share} | {gap} | {r['tps']:.1f} |")
+    table = "\n".join(lines) + "\n"
+    (OUT / f"ppl-{tag}.md").write_text(table)
+    plot(results, OUT / f"ppl-{tag}.png", f"Streaming perplexity, {n} tokens")
+    print(table)
+    return results
+
+
+def study_quant(args):
+    n = args.tokens
+    text, model = corpus_path(), model_path()
+    daemon = Daemon()
+    results = []
+    start = time.time()
+    recent = 16 if args.small else 128
+    try:
+        for i, quant in enumerate(["none", "int8", "int4", "nf4"]):
+            progress(i, 4, start, f"full + {quant}")
+            results.append((quant, perplexity(model, text, n, f"unix:{daemon.sock}", "full", (), quant,
+                                              recent=recent)))
+    finally:
+        daemon.close()
+    base = results[0][1]["ppl"]
+    lines = [f"### Quantized storage beyond the recent {recent} tokens, {n} tokens, policy full",
+             f"Command: `python3 bench/eval/eval.py quant --tokens {n}{' --small' if args.small else ''}`"
+             f"; took {time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}).", "",
+             "| storage | perplexity | change | mean KV bytes |", "|---|---|---|---|"]
+    for q, r in results:
+        lines.append(f"| {q} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['kv_mean'] / 2**20:.2f} MiB |")
+    table = "\n".join(lines) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"quant-{'small' if args.small else n}.md").write_text(table)
+    print(table)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("study", choices=["ppl", "quant"])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
+    ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
+    args = ap.parse_args()
+    if args.small:
+        args.tokens = min(args.tokens, 160)
+    {"ppl": study_ppl, "quant": study_quant}[args.study](args)
+
+
+if __name__ == "__main__":
+    main()
