@@ -133,56 +133,38 @@ bool HasAvx2() {
 
 }  // namespace
 
+namespace {
+// Rows [r0, r1) of y = W x, with the kernel the CPU supports.
+void Rows(const QuantMatrix& w, const float* x, const float* block_sums, uint32_t r0, uint32_t r1,
+          float* y) {
+  const uint32_t blocks = w.cols / 32;
+  const uint64_t row_bytes = uint64_t{blocks} * (w.type == 3 ? 20 : 34);
+  const uint8_t* data = w.data + r0 * row_bytes;
+  if (w.type == 3) {
+    (HasAvx2() ? Q4_1RowsAvx2 : Q4_1Rows)(data, r1 - r0, blocks, x, block_sums, y + r0);
+  } else {
+    (HasAvx2() ? Q8_0RowsAvx2 : Q8_0Rows)(data, r1 - r0, blocks, x, y + r0);
+  }
+}
+}  // namespace
+
 void QuantMatVec(const QuantMatrix& w, const float* x, float* y) {
   const uint32_t blocks = w.cols / 32;
-  // Rows split across the worker's threads (OpenMP); each thread runs the kernel on a slice.
-  const int threads = WorkerThreads();
-  if (threads > 1 && w.rows >= 256) {
-    std::vector<float> sums;
-    if (w.type == 3) {
-      sums.resize(blocks);
-      for (uint32_t b = 0; b < blocks; ++b) {
-        float s = 0;
-        for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
-        sums[b] = s;
-      }
-    }
-    const uint64_t row_bytes = uint64_t{blocks} * (w.type == 3 ? 20 : 34);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; ++t) {
-      const uint32_t r0 = static_cast<uint32_t>(uint64_t{w.rows} * t / threads);
-      const uint32_t r1 = static_cast<uint32_t>(uint64_t{w.rows} * (t + 1) / threads);
-      const QuantMatrix slice{w.type, r1 - r0, w.cols, w.data + r0 * row_bytes};
-      if (w.type == 3) {
-        if (HasAvx2()) {
-          Q4_1RowsAvx2(slice.data, slice.rows, blocks, x, sums.data(), y + r0);
-        } else {
-          Q4_1Rows(slice.data, slice.rows, blocks, x, sums.data(), y + r0);
-        }
-      } else if (HasAvx2()) {
-        Q8_0RowsAvx2(slice.data, slice.rows, blocks, x, y + r0);
-      } else {
-        Q8_0Rows(slice.data, slice.rows, blocks, x, y + r0);
-      }
-    }
-    return;
-  }
+  std::vector<float> sums;  // per-block sums of x, for Q4_1's offsets
   if (w.type == 3) {
-    std::vector<float> sums(blocks);
+    sums.resize(blocks);
     for (uint32_t b = 0; b < blocks; ++b) {
       float s = 0;
       for (int j = 0; j < 32; ++j) s += x[b * 32 + j];
       sums[b] = s;
     }
-    if (HasAvx2()) {
-      Q4_1RowsAvx2(w.data, w.rows, blocks, x, sums.data(), y);
-    } else {
-      Q4_1Rows(w.data, w.rows, blocks, x, sums.data(), y);
-    }
-  } else if (HasAvx2()) {
-    Q8_0RowsAvx2(w.data, w.rows, blocks, x, y);
-  } else {
-    Q8_0Rows(w.data, w.rows, blocks, x, y);
+  }
+  // Rows split across the worker's threads (OpenMP), one contiguous slice each.
+  const int threads = w.rows >= 256 ? WorkerThreads() : 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int t = 0; t < threads; ++t) {
+    Rows(w, x, sums.data(), static_cast<uint32_t>(uint64_t{w.rows} * t / threads),
+         static_cast<uint32_t>(uint64_t{w.rows} * (t + 1) / threads), y);
   }
 }
 

@@ -36,46 +36,18 @@ Decision NoEviction(size_t streams) {
   return d;
 }
 
-class SnapKvPolicy final : public Policy {
+// SnapKV, and PyramidKV when `pyramid` (per-layer budgets from PyramidBudgets).
+class PrefillSelectPolicy final : public Policy {
  public:
-  explicit SnapKvPolicy(const ResolvedParams& p)
-      : budget_(static_cast<uint32_t>(p.Get("budget"))),
-        ratio_(p.Get("ratio")),
-        window_(static_cast<uint32_t>(p.Get("window"))),
-        kernel_(static_cast<uint32_t>(p.Get("kernel"))) {}
-  const PolicyDescriptor& descriptor() const override { return SnapKvDescriptor(); }
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
-    return NoEviction(streams.size());
-  }
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
-    Decision d = NoEviction(streams.size());
-    for (size_t s = 0; s < streams.size(); ++s) {
-      const size_t n = streams[s].positions.size();
-      const uint32_t budget = Budget(ctx, ratio_, budget_, n);
-      d.budget_tokens = budget;
-      if (n <= budget) continue;
-      const uint32_t w = std::min(window_, budget);
-      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, budget - w, kernel_);
-    }
-    return d;
-  }
-
- private:
-  const uint32_t budget_;
-  const double ratio_;
-  const uint32_t window_;
-  const uint32_t kernel_;
-};
-
-class PyramidKvPolicy final : public Policy {
- public:
-  explicit PyramidKvPolicy(const ResolvedParams& p)
+  PrefillSelectPolicy(const ResolvedParams& p, bool pyramid)
       : budget_(static_cast<uint32_t>(p.Get("budget"))),
         ratio_(p.Get("ratio")),
         window_(static_cast<uint32_t>(p.Get("window"))),
         kernel_(static_cast<uint32_t>(p.Get("kernel"))),
-        beta_(static_cast<uint32_t>(p.Get("beta"))) {}
-  const PolicyDescriptor& descriptor() const override { return PyramidKvDescriptor(); }
+        beta_(pyramid ? static_cast<uint32_t>(p.Get("beta")) : 0) {}
+  const PolicyDescriptor& descriptor() const override {
+    return beta_ > 0 ? PyramidKvDescriptor() : SnapKvDescriptor();
+  }
   Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
     return NoEviction(streams.size());
   }
@@ -86,10 +58,16 @@ class PyramidKvPolicy final : public Policy {
       const uint32_t budget = Budget(ctx, ratio_, budget_, n);
       d.budget_tokens = budget;
       const uint32_t w = std::min(window_, budget);
-      const std::vector<uint32_t> budgets =
-          PyramidBudgets(static_cast<uint32_t>(n), budget, w, ctx.num_layers, beta_);
-      if (budgets.empty()) continue;
-      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, budgets[streams[s].layer], kernel_);
+      uint32_t keep_prefix = budget - w;
+      if (beta_ > 0) {
+        const std::vector<uint32_t> budgets =
+            PyramidBudgets(static_cast<uint32_t>(n), budget, w, ctx.num_layers, beta_);
+        if (budgets.empty()) continue;
+        keep_prefix = budgets[streams[s].layer];
+      } else if (n <= budget) {
+        continue;
+      }
+      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, keep_prefix, kernel_);
     }
     return d;
   }
@@ -99,7 +77,7 @@ class PyramidKvPolicy final : public Policy {
   const double ratio_;
   const uint32_t window_;
   const uint32_t kernel_;
-  const uint32_t beta_;
+  const uint32_t beta_;  // 0 = one budget for every layer (SnapKV)
 };
 
 }  // namespace
@@ -134,10 +112,10 @@ const PolicyDescriptor& PyramidKvDescriptor() {
 }
 
 std::unique_ptr<Policy> MakeSnapKvPolicy(const ResolvedParams& params) {
-  return std::make_unique<SnapKvPolicy>(params);
+  return std::make_unique<PrefillSelectPolicy>(params, /*pyramid=*/false);
 }
 std::unique_ptr<Policy> MakePyramidKvPolicy(const ResolvedParams& params) {
-  return std::make_unique<PyramidKvPolicy>(params);
+  return std::make_unique<PrefillSelectPolicy>(params, /*pyramid=*/true);
 }
 
 }  // namespace kvmem::policy
