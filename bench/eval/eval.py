@@ -84,7 +84,8 @@ def perplexity(model, text, tokens, target, policy, params=(), quant="none", rec
                  f"--quant_recent={recent}"]
         if params:
             args.append("--param=" + ",".join(f"{k}={v}" for k, v in params))
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    # The worker's progress line (tokens, running perplexity, ETA) goes straight to stderr.
+    out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True).stdout
     m = PPL_RE.search(out)
     return {"ppl": float(m.group(1)), "tokens": int(m.group(2)), "kv_end": int(m.group(4)),
             "kv_mean": float(m.group(5)), "evicted": int(m.group(6)), "tps": float(m.group(7))}

@@ -4,19 +4,22 @@
 
 namespace kvmem::engine {
 namespace {
+// Slots before the first eviction stay where they are; only the rest shift.
 template <typename T>
-void KeepIndices(std::vector<T>& v, const std::vector<uint32_t>& keep) {
-  for (size_t j = 0; j < keep.size(); ++j) v[j] = v[keep[j]];
+void KeepIndices(std::vector<T>& v, const std::vector<uint32_t>& keep, size_t first_moved) {
+  for (size_t j = first_moved; j < keep.size(); ++j) v[j] = v[keep[j]];
   v.resize(keep.size());
 }
 }  // namespace
 
 void Stream::KeepSlots(const std::vector<uint32_t>& keep) {
-  KeepIndices(positions, keep);
-  KeepIndices(scores, keep);
-  KeepIndices(token_entropy, keep);
-  KeepIndices(layer_distance, keep);
-  KeepIndices(arrival_step, keep);
+  size_t first_moved = 0;
+  while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
+  KeepIndices(positions, keep, first_moved);
+  KeepIndices(scores, keep, first_moved);
+  KeepIndices(token_entropy, keep, first_moved);
+  KeepIndices(layer_distance, keep, first_moved);
+  KeepIndices(arrival_step, keep, first_moved);
 }
 
 uint32_t Sequence::max_stream_tokens() const {

@@ -108,6 +108,15 @@ absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
   uint64_t first_slot = 0;  // stream index of the block's first live slot
   std::vector<uint32_t> local;
   for (StreamBlock block : blocks) {
+    // Fast path: keep-sets are ascending, so a block is kept whole exactly when its first and
+    // last slots are both kept at the expected indices.
+    if (k + block.count <= keep.size() && keep[k] == first_slot &&
+        keep[k + block.count - 1] == first_slot + block.count - 1) {
+      k += block.count;
+      first_slot += block.count;
+      out.push_back(block);
+      continue;
+    }
     local.clear();
     while (k < keep.size() && keep[k] < first_slot + block.count) {
       local.push_back(static_cast<uint32_t>(keep[k++] - first_slot));
