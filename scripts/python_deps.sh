@@ -3,6 +3,9 @@
 # llama-cpp-python ships no binary wheels on PyPI, so pip builds llama.cpp from source the
 # first time (about 10 minutes on 2 cores); the built wheel is cached under ~/.cache/kvmem.
 set -euo pipefail
+# Debian's own python3 refuses system-wide pip installs (PEP 668) unless told; pyenv and
+# virtualenv Pythons ignore the variable.
+export PIP_BREAK_SYSTEM_PACKAGES=1
 have() { python3 -c "import $1" 2>/dev/null; }
 cache="${KVMEM_CACHE:-$HOME/.cache/kvmem}/wheels"
 mkdir -p "$cache"
