@@ -15,19 +15,25 @@ uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, u
 }
 
 std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
-                                 uint32_t budget, uint32_t protect, double attention_weight) {
+                                 uint32_t budget, uint32_t protect, double attention_weight,
+                                 float max_ema) {
   const size_t n = positions.size();
-  std::vector<uint32_t> keep(n);
-  std::iota(keep.begin(), keep.end(), 0u);
-  if (n <= budget) return keep;
+  std::vector<uint32_t> keep;
+  if (n <= budget) {
+    keep.resize(n);
+    std::iota(keep.begin(), keep.end(), 0u);
+    return keep;
+  }
   protect = std::min<uint32_t>(protect, budget);
   const size_t unprotected = n - protect;
-  float max_e = 0;
-  for (float e : ema) max_e = std::max(max_e, e);
+  if (std::isnan(max_ema)) {
+    max_ema = 0;
+    for (float e : ema) max_ema = std::max(max_ema, e);
+  }
   // r = a * e / max_e + (1 - a) * (pos - pos_min) / (pos_max - pos_min), in float with the
   // divisions hoisted: this runs for every slot of every stream on every step.
   const int64_t span = positions[n - 1] - positions[0];
-  const float e_scale = max_e > 0 ? static_cast<float>(attention_weight) / max_e : 0.0f;
+  const float e_scale = max_ema > 0 ? static_cast<float>(attention_weight) / max_ema : 0.0f;
   const float r_scale = span > 0 ? static_cast<float>(1.0 - attention_weight) / span : 0.0f;
   const float r_const = span > 0 ? 0.0f : static_cast<float>(1.0 - attention_weight);
   auto priority_of = [&](size_t j) {
@@ -43,15 +49,19 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
         worst_r = r;
       }
     }
-    keep.erase(keep.begin() + static_cast<std::ptrdiff_t>(worst));
+    keep.resize(n - 1);
+    std::iota(keep.begin(), keep.begin() + static_cast<std::ptrdiff_t>(worst), 0u);
+    std::iota(keep.begin() + static_cast<std::ptrdiff_t>(worst), keep.end(),
+              static_cast<uint32_t>(worst + 1));
     return keep;
   }
+  std::vector<uint32_t> all(n);
+  std::iota(all.begin(), all.end(), 0u);
   std::vector<float> priority(n);
   for (size_t j = 0; j < n; ++j) priority[j] = priority_of(j);
-  std::vector<uint32_t> kept =
-      TopK(priority, absl::MakeConstSpan(keep).first(unprotected), budget - protect);
-  kept.insert(kept.end(), keep.begin() + unprotected, keep.end());
-  return kept;
+  keep = TopK(priority, absl::MakeConstSpan(all).first(unprotected), budget - protect);
+  keep.insert(keep.end(), all.begin() + static_cast<std::ptrdiff_t>(unprotected), all.end());
+  return keep;
 }
 
 namespace {
@@ -92,13 +102,13 @@ class ConfKvPolicy final : public Policy {
         Confidence(ls.entropy, ls.p1, ls.p2, ctx.vocab_size, p_.w_entropy, p_.w_gap, p_.w_p1);
     const uint32_t base = d.confidence > p_.theta ? p_.c_high : p_.c_low;
     d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
-    for (StreamState& st : streams) UpdateEma(st);
-    if (ctx.step % p_.interval != 0) return d;
+    const bool evict = ctx.step % p_.interval == 0;
     for (size_t s = 0; s < streams.size(); ++s) {
+      const float max_ema = UpdateEma(streams[s]);
       const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
-      if (streams[s].positions.size() > budget) {
+      if (evict && streams[s].positions.size() > budget) {
         d.keep[s] = ConfKvKeep(streams[s].scores, streams[s].positions, budget, p_.protect,
-                               p_.attention_weight);
+                               p_.attention_weight, max_ema);
       }
     }
     return d;
@@ -133,13 +143,18 @@ class ConfKvPolicy final : public Policy {
   uint32_t BudgetFor(uint32_t base, uint32_t layer, uint32_t num_layers) const {
     return p_.per_layer ? ConfKvLayerBudget(base, layer, num_layers, p_.layer_floor) : base;
   }
-  // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a.
-  void UpdateEma(StreamState& st) const {
+  // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a. Returns max e (the
+  // stream's normalizer), or NaN when some slot was left unscored.
+  float UpdateEma(StreamState& st) const {
     const float lambda = static_cast<float>(p_.lambda);
+    float max_ema = 0;
     for (size_t j = 0; j < st.attention.size(); ++j) {
       const float a = st.attention[j];
-      st.scores[j] = std::isnan(st.scores[j]) ? a : lambda * st.scores[j] + (1 - lambda) * a;
+      const float e = std::isnan(st.scores[j]) ? a : lambda * st.scores[j] + (1 - lambda) * a;
+      st.scores[j] = e;
+      max_ema = std::max(max_ema, e);
     }
+    return st.attention.size() == st.scores.size() ? max_ema : std::nanf("");
   }
   const ConfKvParams p_;
 };

@@ -2,6 +2,7 @@
 // CONF-KV: a per-step budget chosen from the model's confidence (high confidence -> the
 // smaller budget), EMA attention scores mixed with recency, a protected recent window.
 // confkv_l adds pyramid-style per-layer budgets.
+#include <cmath>
 #include <memory>
 
 #include "server/policy/policy.h"
@@ -19,7 +20,9 @@ uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, u
 // The keep-set of one stream under CONF-KV's priority rule: r = a_mix * e/max(e) +
 // (1 - a_mix) * recency, the last `protect` slots kept, the lowest r evicted down to
 // `budget`. `ema` must be initialized (finite).
+// `max_ema` is max(ema) when the caller has it (NaN: computed here).
 std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
-                                 uint32_t budget, uint32_t protect, double attention_weight);
+                                 uint32_t budget, uint32_t protect, double attention_weight,
+                                 float max_ema = std::nanf(""));
 
 }  // namespace kvmem::policy
