@@ -422,10 +422,12 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   std::vector<bool> changed(seq.streams.size(), false);
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     const Stream& st = seq.streams[s];
+    const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
+    if (!evicts && !seq.format.quantizes()) continue;  // nothing can change in this stream
     std::vector<StreamBlock>& blocks = new_blocks[s];
     blocks = st.blocks;
     absl::Status planned = absl::OkStatus();
-    if (decision.keep[s] && decision.keep[s]->size() < st.size()) {
+    if (evicts) {
       applied.evicted += st.size() - decision.keep[s]->size();
       planned = planner.Keep(blocks, *decision.keep[s]);
       if (planned.ok()) planned = planner.Merge(blocks);
