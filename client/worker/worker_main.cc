@@ -3,6 +3,7 @@
 //   kvmem_worker generate   --model M --prompt "..." [--policy confkv] [--target ADDR]
 //   kvmem_worker perplexity --model M --text FILE [--policy window --param window=512]
 //   kvmem_worker dump       --model M --prompt "..."   (JSON: ids and full-cache logits)
+//   kvmem_worker kl         --model M --text FILE     (confidence inputs and KL per step)
 //
 // --cache=kvmemd (default) keeps the cache in the daemon; --cache=local keeps it in process.
 #include <chrono>
@@ -39,6 +40,8 @@ ABSL_FLAG(std::string, text, "", "text file (perplexity)");
 ABSL_FLAG(uint32_t, max_eval_tokens, 0, "perplexity: stop after this many tokens (0 = all)");
 ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
 ABSL_FLAG(bool, ids_only, false, "dump: token ids only, no forward pass");
+ABSL_FLAG(uint32_t, kl_warmup, 512, "kl: tokens before the first measured step");
+ABSL_FLAG(uint32_t, kl_drop, 256, "kl: newest tokens dropped for the second distribution");
 ABSL_FLAG(std::string, prompt_file, "", "dump: read the text from this file instead of --prompt");
 
 namespace kvmem::worker {
@@ -311,6 +314,105 @@ int Perplexity() {
   return 0;
 }
 
+// A view of a store without the slots whose positions fall in [drop_from, drop_to).
+class DroppingKvStore final : public KvStore {
+ public:
+  DroppingKvStore(KvStore& inner, int64_t drop_from, int64_t drop_to)
+      : inner_(inner), from_(drop_from), to_(drop_to) {}
+  absl::Status BeginForward() override { return inner_.BeginForward(); }
+  absl::Status Past(uint32_t layer, uint32_t kv_head, PastStream* out) override {
+    PastStream all;
+    if (absl::Status s = inner_.Past(layer, kv_head, &all); !s.ok()) return s;
+    out->runs.clear();
+    out->positions.clear();
+    out->scratch = std::move(all.scratch);  // runs may point into it; moving keeps the buffer
+    size_t base = 0;                        // index in all.positions of the run's first slot
+    for (const PastStream::Run& run : all.runs) {
+      uint32_t begin = 0;
+      for (uint32_t i = 0; i <= run.count; ++i) {
+        const bool end = i == run.count;
+        const bool dropped =
+            !end && all.positions[base + i] >= from_ && all.positions[base + i] < to_;
+        if (!end && !dropped) continue;
+        if (i > begin) {
+          out->runs.push_back(
+              {run.k + uint64_t{begin} * dim_, run.v + uint64_t{begin} * dim_, i - begin});
+          out->positions.insert(out->positions.end(), all.positions.begin() + base + begin,
+                                all.positions.begin() + base + i);
+        }
+        begin = i + 1;
+      }
+      base += run.count;
+    }
+    return absl::OkStatus();
+  }
+  void set_dim(uint32_t d) { dim_ = d; }
+
+ private:
+  KvStore& inner_;
+  int64_t from_, to_;
+  uint32_t dim_ = 0;
+};
+
+// Confidence against KL: teacher-forced over a text with the in-process cache; at every
+// step after --kl_warmup tokens, the next-token distribution with the full cache (p) and
+// with the last --kl_drop tokens dropped (q). Prints "step entropy p1 p2 kl" per line.
+int KlStudy() {
+  Env env;
+  if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
+  std::ifstream in(absl::GetFlag(FLAGS_text));
+  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  const uint32_t warmup = absl::GetFlag(FLAGS_kl_warmup), drop = absl::GetFlag(FLAGS_kl_drop);
+  const uint32_t steps = absl::GetFlag(FLAGS_max_eval_tokens);
+  if (ids.size() < warmup + steps) {
+    return Fail("--text", absl::InvalidArgumentError("text shorter than warmup + steps"));
+  }
+  const ModelConfig& c = env.model->config();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint32_t i = 0; i < warmup + steps; ++i) {
+    const int64_t pos = i;
+    const std::vector<int32_t> token = {ids[i]};
+    if (i >= warmup) {
+      DroppingKvStore dropped(*env.local, pos - drop, pos);
+      dropped.set_dim(c.head_dim);
+      absl::StatusOr<ForwardResult> q = env.model->Forward(token, {pos}, dropped, {});
+      if (!q.ok()) return Fail("forward", q.status());
+      absl::StatusOr<ForwardResult> p = env.model->Forward(token, {pos}, *env.local, {});
+      if (!p.ok()) return Fail("forward", p.status());
+      env.local->Append(std::vector<int64_t>{pos}, *p);
+      // KL(p || q) over the full vocabulary, in nats.
+      auto log_softmax = [](const std::vector<float>& l) {
+        const float mx = *std::max_element(l.begin(), l.end());
+        double z = 0;
+        for (float x : l) z += std::exp(static_cast<double>(x - mx));
+        std::vector<double> out(l.size());
+        for (size_t k = 0; k < l.size(); ++k) out[k] = (l[k] - mx) - std::log(z);
+        return out;
+      };
+      const std::vector<double> lp = log_softmax(p->logits), lq = log_softmax(q->logits);
+      double kl = 0;
+      for (size_t k = 0; k < lp.size(); ++k) kl += std::exp(lp[k]) * (lp[k] - lq[k]);
+      const LogitSummary s = SummarizeLogits(p->logits);
+      std::printf("%u %.6f %.6f %.6f %.6f\n", i - warmup, s.entropy, s.p1, s.p2, kl);
+    } else {
+      absl::StatusOr<ForwardResult> p = env.model->Forward(token, {pos}, *env.local, {});
+      if (!p.ok()) return Fail("forward", p.status());
+      env.local->Append(std::vector<int64_t>{pos}, *p);
+    }
+    if ((i + 1) % 32 == 0) {
+      const double el =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::fprintf(stderr, "\r%u/%u tokens, ETA %.0fs   ", i + 1, warmup + steps,
+                   el / (i + 1) * (warmup + steps - i - 1));
+    }
+  }
+  std::fprintf(stderr, "\n");
+  return 0;
+}
+
 // JSON for the parity tests: token ids of the prompt, and the full-cache logits of its last
 // token (local cache, no daemon).
 int Dump() {
@@ -353,6 +455,7 @@ int main(int argc, char** argv) {
   if (mode == "generate") return kvmem::worker::Generate();
   if (mode == "perplexity") return kvmem::worker::Perplexity();
   if (mode == "dump") return kvmem::worker::Dump();
+  if (mode == "kl") return kvmem::worker::KlStudy();
   std::fprintf(stderr, "usage: kvmem_worker generate|perplexity|dump --model=PATH ...\n");
   return 2;
 }

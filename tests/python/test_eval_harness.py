@@ -39,3 +39,19 @@ def test_small_quantization_study(tmp_path):
     # int8 barely moves perplexity; int4 moves it more.
     assert abs(r["int8"] - r["none"]) < 0.05 * r["none"]
     assert abs(r["int4"] - r["none"]) >= abs(r["int8"] - r["none"])
+
+
+def test_kl_study_measures_what_it_says(tmp_path):
+    # Dropping nothing gives the same distribution: KL exactly 0.
+    model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    text = tmp_path / "t.txt"
+    text.write_text("The river rose through the night, and by morning the town had moved to the hill. " * 8)
+    out = subprocess.run([str(ROOT / "build" / "kvmem_worker"), "kl", f"--model={model}",
+                          f"--text={text}", "--kl_warmup=40", "--kl_drop=0", "--max_eval_tokens=4"],
+                         check=True, capture_output=True, text=True).stdout.split("\n")
+    assert all(float(line.split()[4]) == 0.0 for line in out if line)
+    run("kl", tmp_path)
+    table = (tmp_path / "kl-small.md").read_text()
+    r = float(table.strip().splitlines()[-1].split("|")[2])
+    assert -1.0 <= r <= 1.0
