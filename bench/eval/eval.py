@@ -7,6 +7,8 @@ Studies implemented so far:
          with the mean KV bytes each held and the share of the window->full gap it closes.
   quant  int8 / int4 / nf4 storage of tokens outside the recent window: perplexity change
          against the unquantized cache at the same policy.
+  speed  decode tokens/s and daemon time per step at 1k, 4k and 8k tokens of context for
+         full, window-512 and confkv.
   kl     CONF-KV's confidence against KL(full || newest 256 tokens dropped), per decode step,
          and their Pearson correlation (article: -0.77 on GPT-2, -0.36..-0.41 larger models).
 
@@ -250,16 +252,59 @@ def study_kl(args):
     return r
 
 
+GEN_RE = re.compile(r"prompt (\d+) tokens, ([\d.]+) tokens/s prefill; (\d+) generated, ([\d.]+) tokens/s decode")
+DAEMON_RE = re.compile(r"daemon calls: ([\d.]+) ms per decode step")
+
+
+def study_speed(args):
+    contexts = [128, 256] if args.small else [1024, 4096, 8000]
+    decode = 8 if args.small else 32
+    runs = [("full", "full", ""), ("window-512", "window", "window=512"),
+            ("confkv", "confkv", "")]
+    text, model = corpus_path(), model_path()
+    daemon = Daemon()
+    rows = []
+    start = time.time()
+    try:
+        total = len(contexts) * len(runs)
+        for ctx in contexts:
+            for name, policy, params in runs:
+                progress(len(rows), total, start, f"{name} at {ctx} tokens")
+                cmd = [str(ROOT / "build" / "kvmem_worker"), "generate", f"--model={model}",
+                       f"--target=unix:{daemon.sock}", f"--policy={policy}", "--raw",
+                       f"--prompt_file={text}", f"--max_prompt_tokens={ctx}", f"--max_tokens={decode}"]
+                if params:
+                    cmd.append(f"--param={params}")
+                out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+                g, d = GEN_RE.search(out), DAEMON_RE.search(out)
+                rows.append((ctx, name, float(g.group(2)), float(g.group(4)), float(d.group(1))))
+    finally:
+        daemon.close()
+    lines = [f"### Speed at long context, {decode} greedy tokens after the prompt",
+             f"Command: `python3 bench/eval/eval.py speed{' --small' if args.small else ''}`; took "
+             f"{time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). Prompt: the first N tokens of "
+             "the Lee corpus; cache in kvmemd (f32), read in place.", "",
+             "| context | policy | prefill tok/s | decode tok/s | daemon calls per step (ms) |",
+             "|---|---|---|---|---|"]
+    for ctx, name, pre, dec, dms in rows:
+        lines.append(f"| {ctx} | {name} | {pre:.1f} | {dec:.1f} | {dms:.2f} |")
+    table = "\n".join(lines) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"speed-{'small' if args.small else 'long'}.md").write_text(table)
+    print(table)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("study", choices=["ppl", "quant", "kl"])
+    ap.add_argument("study", choices=["ppl", "quant", "kl", "speed"])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)
-    {"ppl": study_ppl, "quant": study_quant, "kl": study_kl}[args.study](args)
+    {"ppl": study_ppl, "quant": study_quant, "kl": study_kl, "speed": study_speed}[args.study](args)
 
 
 if __name__ == "__main__":

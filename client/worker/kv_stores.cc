@@ -1,5 +1,6 @@
 #include "kv_stores.h"
 
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +64,7 @@ KvmemKvStore::~KvmemKvStore() {
 }
 
 absl::Status KvmemKvStore::BeginForward() {
+  const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<client::BlockTable> table = client_->GetBlockTable(sequence_.id);
   if (!table.ok()) return table.status();
   table_ = *std::move(table);
@@ -70,9 +72,9 @@ absl::Status KvmemKvStore::BeginForward() {
     absl::StatusOr<std::vector<client::StreamKV>> kv = client_->ReadKV(sequence_.id, table_.epoch);
     if (!kv.ok()) return kv.status();
     grpc_kv_ = *std::move(kv);
-    return absl::OkStatus();
   }
-  return pool_->BeginRead(table_);
+  table_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return path_ == ReadPath::kGrpc ? absl::OkStatus() : pool_->BeginRead(table_);
 }
 
 absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* out) {

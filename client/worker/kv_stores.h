@@ -51,6 +51,8 @@ class KvmemKvStore final : public KvStore {
   uint64_t table_epoch() const { return table_.epoch; }
   const client::BlockTable& table() const { return table_; }
   client::Client* client() const { return client_; }
+  // Seconds spent fetching block tables (and ReadKV on the gRPC path) so far.
+  double table_seconds() const { return table_seconds_; }
 
  private:
   KvmemKvStore() = default;
@@ -62,6 +64,7 @@ class KvmemKvStore final : public KvStore {
   client::BlockTable table_;
   std::vector<client::StreamKV> grpc_kv_;  // kGrpc: this forward's streams
   uint64_t max_message_bytes_ = 0;
+  double table_seconds_ = 0;
 };
 
 }  // namespace kvmem::worker

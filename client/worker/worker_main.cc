@@ -42,7 +42,8 @@ ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
 ABSL_FLAG(bool, ids_only, false, "dump: token ids only, no forward pass");
 ABSL_FLAG(uint32_t, kl_warmup, 512, "kl: tokens before the first measured step");
 ABSL_FLAG(uint32_t, kl_drop, 256, "kl: newest tokens dropped for the second distribution");
-ABSL_FLAG(std::string, prompt_file, "", "dump: read the text from this file instead of --prompt");
+ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file instead of --prompt");
+ABSL_FLAG(uint32_t, max_prompt_tokens, 0, "generate: cut the prompt to this many tokens");
 
 namespace kvmem::worker {
 namespace {
@@ -113,6 +114,7 @@ class Session {
       }
       last_topk_entropy_ = r->next_token_stats.back().topk_entropy;
       const uint64_t epoch = daemon_->table_epoch();
+      const auto daemon_start = std::chrono::steady_clock::now();
       absl::StatusOr<client::AppendResult> appended =
           daemon_->Append(positions, tokens, *r, entropy);
       if (!appended.ok()) return appended.status();
@@ -147,6 +149,8 @@ class Session {
         kv_bytes_ = step->kv_bytes_after;
         kv_bytes_sum_ += static_cast<double>(step->kv_bytes_after);
         ++steps_;
+        daemon_seconds_ +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - daemon_start).count();
       }
     }
     const uint32_t V = model_.config().vocab;
@@ -156,6 +160,12 @@ class Session {
   uint64_t evicted() const { return evicted_; }
   uint64_t kv_bytes() const { return kv_bytes_; }
   double mean_kv_bytes() const { return steps_ > 0 ? kv_bytes_sum_ / steps_ : 0.0; }
+  // Mean wall time per decode step spent in daemon calls: Append + Step, and the block-table
+  // fetch before the forward pass.
+  double daemon_ms_per_step() const {
+    if (steps_ == 0 || daemon_ == nullptr) return 0.0;
+    return 1e3 * (daemon_seconds_ + daemon_->table_seconds()) / steps_;
+  }
   int64_t tokens() const { return next_position_; }
 
  private:
@@ -169,6 +179,7 @@ class Session {
   uint64_t kv_bytes_ = 0;
   double kv_bytes_sum_ = 0;
   uint64_t steps_ = 0;
+  double daemon_seconds_ = 0;
 };
 
 int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
@@ -224,6 +235,15 @@ absl::Status Setup(Env& env, bool force_local) {
   return absl::OkStatus();
 }
 
+// The prompt text: --prompt_file when given, else --prompt.
+std::string PromptText() {
+  if (absl::GetFlag(FLAGS_prompt_file).empty()) return absl::GetFlag(FLAGS_prompt);
+  std::ifstream in(absl::GetFlag(FLAGS_prompt_file), std::ios::binary);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return buf.str();
+}
+
 uint64_t FullCacheBytes(const ModelConfig& c, int64_t tokens, uint32_t bytes_per_element) {
   return uint64_t(tokens) * c.num_layers * c.num_kv_heads * 2 * c.head_dim * bytes_per_element;
 }
@@ -231,10 +251,11 @@ uint64_t FullCacheBytes(const ModelConfig& c, int64_t tokens, uint32_t bytes_per
 int Generate() {
   Env env;
   if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
-  const std::string prompt = absl::GetFlag(FLAGS_raw)
-                                 ? absl::GetFlag(FLAGS_prompt)
-                                 : env.tokenizer->ChatPrompt(absl::GetFlag(FLAGS_prompt));
-  const std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
+  const std::string prompt =
+      absl::GetFlag(FLAGS_raw) ? PromptText() : env.tokenizer->ChatPrompt(PromptText());
+  std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
+  const uint32_t max_prompt = absl::GetFlag(FLAGS_max_prompt_tokens);
+  if (max_prompt > 0 && ids.size() > max_prompt) ids.resize(max_prompt);
   Session session(*env.model, *env.store, env.daemon.get());
   std::mt19937 rng(absl::GetFlag(FLAGS_seed));
   const auto t0 = std::chrono::steady_clock::now();
@@ -268,6 +289,8 @@ int Generate() {
         static_cast<long long>(session.tokens()), static_cast<unsigned long long>(full),
         100.0 * (1.0 - double(session.kv_bytes()) / double(full)),
         static_cast<unsigned long long>(session.evicted()));
+    std::printf("daemon calls: %.2f ms per decode step (block table, Append, Step)\n",
+                session.daemon_ms_per_step());
   }
   return 0;
 }
@@ -419,14 +442,7 @@ int Dump() {
   Env env;
   if (absl::Status s = Setup(env, absl::GetFlag(FLAGS_cache) == "local"); !s.ok())
     return Fail("setup", s);
-  std::string text = absl::GetFlag(FLAGS_prompt);
-  if (!absl::GetFlag(FLAGS_prompt_file).empty()) {
-    std::ifstream in(absl::GetFlag(FLAGS_prompt_file), std::ios::binary);
-    std::stringstream buf;
-    buf << in.rdbuf();
-    text = buf.str();
-  }
-  const std::vector<int32_t> ids = env.tokenizer->Encode(text, true);
+  const std::vector<int32_t> ids = env.tokenizer->Encode(PromptText(), true);
   std::printf("{\"ids\": [");
   for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
   std::printf("]");
