@@ -55,3 +55,12 @@ def test_kl_study_measures_what_it_says(tmp_path):
     table = (tmp_path / "kl-small.md").read_text()
     r = float(table.strip().splitlines()[-1].split("|")[2])
     assert -1.0 <= r <= 1.0
+
+
+def test_small_speed_study(tmp_path):
+    run("speed", tmp_path)
+    lines = [l for l in (tmp_path / "speed-small.md").read_text().splitlines() if l.startswith("| 1") or l.startswith("| 2")]
+    assert len(lines) == 6
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0
