@@ -101,12 +101,29 @@ def progress(i, n, start, label):
     print(f"[{i}/{n}] {label}  elapsed {elapsed:.0f}s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
 
 
-def plot(rows, path, title):
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_table(name, lines):
+    """Writes a study's Markdown table under OUT and prints it."""
+    table = "\n".join(lines) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.md").write_text(table)
+    print(table)
+    return table
+
+
+def plot(rows, path, title):
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in rows:
@@ -154,7 +171,6 @@ def study_ppl(args):
         daemon.close()
     duration = time.time() - start
     by = dict(results)
-    OUT.mkdir(parents=True, exist_ok=True)
     tag = "small" if args.small else str(n)
     lines = [f"### Streaming perplexity, {n} tokens of the Lee corpus ({tag})",
              f"Command: `python3 bench/eval/eval.py ppl --tokens {n}{' --small' if args.small else ''}`"
@@ -168,10 +184,8 @@ def study_ppl(args):
             gap = f"{100 * (win['ppl'] - r['ppl']) / (win['ppl'] - full['ppl']):.0f} %"
         share = f"{100 * r['kv_mean'] / full['kv_mean']:.0f} %" if full else ""
         lines.append(f"| {name} | {r['ppl']:.3f} | {r['kv_mean'] / 2**20:.2f} MiB | {share} | {gap} | {r['tps']:.1f} |")
-    table = "\n".join(lines) + "\n"
-    (OUT / f"ppl-{tag}.md").write_text(table)
+    write_table(f"ppl-{tag}", lines)
     plot(results, OUT / f"ppl-{tag}.png", f"Streaming perplexity, {n} tokens")
-    print(table)
     return results
 
 
@@ -196,10 +210,7 @@ def study_quant(args):
              "| storage | perplexity | change | mean KV bytes |", "|---|---|---|---|"]
     for q, r in results:
         lines.append(f"| {q} | {r['ppl']:.3f} | {r['ppl'] - base:+.3f} | {r['kv_mean'] / 2**20:.2f} MiB |")
-    table = "\n".join(lines) + "\n"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"quant-{'small' if args.small else n}.md").write_text(table)
-    print(table)
+    write_table(f"quant-{'small' if args.small else n}", lines)
     return results
 
 
@@ -232,13 +243,9 @@ def study_kl(args):
              f"Lee corpus after {warmup} tokens of context, in-process cache.", "",
              "| steps | Pearson r | mean confidence | mean KL (nats) |", "|---|---|---|---|",
              f"| {n} | {r:.3f} | {mc:.3f} | {mk:.3f} |"]
-    table = "\n".join(lines) + "\n"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"kl-{'small' if args.small else steps}.md").write_text(table)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    write_table(f"kl-{'small' if args.small else steps}", lines)
+    plt = pyplot()
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.scatter(c, kl, s=4, alpha=0.5)
         ax.set_xlabel("confidence c_t")
@@ -246,9 +253,6 @@ def study_kl(args):
         ax.set_title(f"Pearson r = {r:.3f} over {n} steps")
         fig.tight_layout()
         fig.savefig(OUT / f"kl-{'small' if args.small else steps}.png", dpi=120)
-    except ImportError:
-        pass
-    print(table)
     return r
 
 
@@ -288,10 +292,7 @@ def study_speed(args):
              "|---|---|---|---|---|"]
     for ctx, name, pre, dec, dms in rows:
         lines.append(f"| {ctx} | {name} | {pre:.1f} | {dec:.1f} | {dms:.2f} |")
-    table = "\n".join(lines) + "\n"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"speed-{'small' if args.small else 'long'}.md").write_text(table)
-    print(table)
+    write_table(f"speed-{'small' if args.small else 'long'}", lines)
     return rows
 
 

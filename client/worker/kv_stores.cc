@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/quantize.h"
 
 namespace kvmem::worker {
 
@@ -103,11 +102,6 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
   }
   out->scratch.resize(2 * quantized_slots * D);
   float* scratch = out->scratch.data();
-  const kernels::QuantType type =
-      table_.quantization == client::Precision::kInt4  ? kernels::QuantType::kInt4
-      : table_.quantization == client::Precision::kNF4 ? kernels::QuantType::kNF4
-                                                       : kernels::QuantType::kInt8;
-  const kernels::QuantGeometry geometry{type, table_.block_tokens, D};
   for (const client::BlockView& b : *blocks) {
     if (b.precision == client::Precision::kLayout) {
       // In place: the pool's own bytes (f32 layout).
@@ -117,7 +111,7 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
     }
     float* k = scratch;
     float* v = scratch + uint64_t{b.count} * D;
-    kernels::DequantizeBlockRef(b.block, geometry, b.start, b.count, kernels::ElemType::kF32, k, v);
+    client::DequantizeBlock(table_, b, client::DType::kF32, k, v);
     out->runs.push_back({k, v, b.count});
     scratch += 2ull * b.count * D;
   }

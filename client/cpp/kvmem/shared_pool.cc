@@ -101,6 +101,11 @@ kernels::QuantGeometry Geometry(const BlockTable& table) {
 }
 }  // namespace
 
+void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out, void* k, void* v) {
+  kernels::DequantizeBlockRef(block.block, Geometry(table), block.start, block.count, ToElem(out),
+                              k, v);
+}
+
 absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
                                                                 uint32_t layer,
                                                                 uint32_t kv_head) const {
@@ -151,9 +156,8 @@ absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uin
       std::memcpy(k->data() + first * row, b.k, b.count * row);
       std::memcpy(v->data() + first * row, b.v, b.count * row);
     } else {
-      kernels::DequantizeBlockRef(b.block, Geometry(table), b.start, b.count,
-                                  ToElem(table.layout.dtype), k->data() + first * row,
-                                  v->data() + first * row);
+      DequantizeBlock(table, b, table.layout.dtype, k->data() + first * row,
+                      v->data() + first * row);
     }
     first += b.count;
   }

@@ -30,6 +30,10 @@ struct BlockView {
   Precision precision;
 };
 
+// Dequantizes the live slots of a quantized block view into `k` and `v` ([count][D] each,
+// in `out` dtype), with the geometry the table describes.
+void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out, void* k, void* v);
+
 class SharedPool {
  public:
   static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
