@@ -31,9 +31,14 @@ import time
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prompts  # noqa: E402  (bench/eval/prompts.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("KVMEM_EVAL_OUT", ROOT / "bench" / "eval" / "results"))
 CACHE = Path(os.environ.get("KVMEM_CACHE", Path.home() / ".cache" / "kvmem"))
+# Where kvmemd and kvmem_worker are (a copy keeps a long run safe from rebuilds).
+BIN = Path(os.environ.get("KVMEM_BIN", ROOT / "build"))
 
 
 def corpus_path():
@@ -63,7 +68,7 @@ def model_path():
 class Daemon:
     def __init__(self):
         self.sock = f"/tmp/kvmem-eval-{os.getpid()}.sock"
-        self.proc = subprocess.Popen([str(ROOT / "build" / "kvmemd"), f"--listen=unix:{self.sock}",
+        self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}",
                                       "--pool-bytes=2147483648", "--page-bytes=262144",
                                       "--lease-seconds=3600"],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -78,9 +83,10 @@ PPL_RE = re.compile(r"perplexity ([\d.]+) over (\d+) tokens \(policy (\S+), KV b
                     r"mean (\d+), (\d+) evicted, ([\d.]+) tokens/s\)")
 
 
-def perplexity(model, text, tokens, target, policy, params=(), quant="none", recent=0):
-    args = [str(ROOT / "build" / "kvmem_worker"), "perplexity", f"--model={model}", f"--text={text}",
-            f"--max_eval_tokens={tokens}"]
+def perplexity(model, text, tokens, target, policy, params=(), quant="none", recent=0,
+               prefill=0):
+    args = [str(BIN / "kvmem_worker"), "perplexity", f"--model={model}", f"--text={text}",
+            f"--max_eval_tokens={tokens}", f"--prefill_tokens={prefill}"]
     if policy == "local":
         args.append("--cache=local")
     else:
@@ -139,21 +145,40 @@ def plot(rows, path, title):
 
 
 def study_ppl(args):
+    """Streaming perplexity at matched KV bytes: every policy's budget is set so that its
+    mean KV bytes come out at window-W's (W = 512: the articles' comparison point)."""
     n = args.tokens
-    # Budgets scale with the run so that the small version still evicts.
     w = 512 if not args.small else 64
     scale = w / 512
-    c_high, c_low = int(128 * scale), int(256 * scale)
     protect = max(4, int(32 * scale))
+
+    def conf(c_high, *extra):
+        # confkv's mean budget sits just above c_high: a confident step cuts the stream to
+        # c_high and it grows back one token per step (ALGORITHMS.md), so c_low = 2 c_high
+        # is rarely reached.
+        return (("c_high", int(c_high)), ("c_low", int(2 * c_high)), ("protect", protect)) + extra
+
+    # Budgets for the same bytes as W f32 tokens per stream: confkv c_high ~ W (mean about
+    # 1 % above c_high); confkv_l's layer factors 0.5^(l/L) average 0.726 over 30 layers;
+    # confkv+int8 keeps the newest 128 in f32 (512 B per token and stream) and the rest
+    # int8 (128 B + 32 B of per-block scales), so W * 512 B hold 128 + (W - 128) * 512 / 160.
+    c_conf = int(w * 0.985)
+    c_l = int(c_conf / 0.7265)
+    recent = int(128 * scale)
+    c_int8 = int((recent + (w - recent) * 512 / 160) * 0.985)
     runs = [
         ("full", "full", (), "none"),
         (f"window-{w}", "window", (("window", w),), "none"),
         (f"streaming_llm-{w}", "streaming_llm", (("budget", w),), "none"),
-        (f"h2o-{c_low}", "h2o", (("budget", c_low),), "none"),
-        ("confkv", "confkv", (("c_high", c_high), ("c_low", c_low), ("protect", protect)), "none"),
-        ("confkv+int8", "confkv", (("c_high", c_high), ("c_low", c_low), ("protect", protect)), "int8"),
-        ("confkv_l", "confkv_l", (("c_high", c_high), ("c_low", c_low), ("protect", protect),
-                                  ("layer_floor", max(protect + 1, int(96 * scale)))), "none"),
+        (f"h2o-{w}", "h2o", (("budget", w),), "none"),
+        (f"pyramid-{w}", "h2o", (("budget", w), ("pyramid", 1)), "none"),
+        ("confkv", "confkv", conf(c_conf), "none"),
+        ("confkv+int8", "confkv", conf(c_int8), "int8"),
+        ("confkv_l", "confkv_l",
+         conf(c_l, ("layer_floor", max(protect + 1, int(96 * scale)))), "none"),
+        ("random", "confkv", conf(c_conf, ("random", 1)), "none"),
+        ("recency only", "confkv", conf(c_conf, ("attention_weight", 0)), "none"),
+        ("attention only", "confkv", conf(c_conf, ("attention_weight", 1)), "none"),
     ]
     if args.only:
         runs = [r for r in runs if r[0] in args.only.split(",")]
@@ -166,26 +191,40 @@ def study_ppl(args):
         for i, (name, policy, params, quant) in enumerate(runs):
             progress(i, len(runs), start, f"{name} over {n} tokens")
             results.append((name, perplexity(model, text, n, f"unix:{daemon.sock}", policy, params,
-                                             quant, recent=int(128 * scale))))
+                                             quant, recent=recent)))
     finally:
         daemon.close()
     duration = time.time() - start
     by = dict(results)
     tag = "small" if args.small else str(n)
-    lines = [f"### Streaming perplexity, {n} tokens of the Lee corpus ({tag})",
-             f"Command: `python3 bench/eval/eval.py ppl --tokens {n}{' --small' if args.small else ''}`"
-             f"; took {duration:.0f} s on this machine ({time.strftime('%Y-%m-%d')}).", "",
-             "| policy | perplexity | mean KV bytes | KV vs full | gap closed (window→full) | tokens/s |",
-             "|---|---|---|---|---|---|"]
     full, win = by.get("full"), by.get(f"window-{w}")
-    for name, r in results:
+
+    def row(name, r):
         gap = ""
         if full and win and win["ppl"] != full["ppl"]:
             gap = f"{100 * (win['ppl'] - r['ppl']) / (win['ppl'] - full['ppl']):.0f} %"
-        share = f"{100 * r['kv_mean'] / full['kv_mean']:.0f} %" if full else ""
-        lines.append(f"| {name} | {r['ppl']:.3f} | {r['kv_mean'] / 2**20:.2f} MiB | {share} | {gap} | {r['tps']:.1f} |")
+        vs_full = f"{100 * r['kv_mean'] / full['kv_mean']:.1f} %" if full else ""
+        vs_win = f"{100 * r['kv_mean'] / win['kv_mean']:.2f}" if win else ""
+        return (f"| {name} | {r['ppl']:.3f} | {r['kv_mean'] / 2**20:.2f} MiB | {vs_full} | "
+                f"{vs_win} | {gap} | {r['tps']:.1f} |")
+
+    params = {name: ", ".join(f"{k}={v}" for k, v in p) + (f", {q}" if q != "none" else "")
+              for name, _, p, q in runs}
+    head = ["| policy | perplexity | mean KV bytes | KV vs full | KV / window's | gap closed "
+            "(window→full) | tokens/s |", "|---|---|---|---|---|---|---|"]
+    ablation = {"random", "recency only", "attention only"}
+    lines = [f"### Streaming perplexity at matched KV bytes, {n} tokens of the Lee corpus ({tag})",
+             f"Command: `python3 bench/eval/eval.py ppl --tokens {n}{' --small' if args.small else ''}`"
+             f"; one run, {duration:.0f} s on this machine ({time.strftime('%Y-%m-%d')}). Every "
+             f"policy's budget is set for the KV bytes of window-{w} (column 'KV / window's'); "
+             "eviction after every token.", ""] + head
+    lines += [row(name, r) for name, r in results if name not in ablation]
+    lines += ["", f"Ablation at equal trigger frequency (confkv's budgets and schedule, every step; "
+              "only the choice of which tokens go differs):", ""] + head
+    lines += [row(name, r) for name, r in results if name in ablation or name == "confkv"]
+    lines += ["", "Parameters: " + "; ".join(f"{k}: {v or 'defaults'}" for k, v in params.items())]
     write_table(f"ppl-{tag}", lines)
-    plot(results, OUT / f"ppl-{tag}.png", f"Streaming perplexity, {n} tokens")
+    plot(results, OUT / f"ppl-{tag}.png", f"Streaming perplexity at matched KV bytes, {n} tokens")
     return results
 
 
@@ -224,7 +263,7 @@ def study_kl(args):
     warmup = 300 if args.small else 512
     text, model = corpus_path(), model_path()
     start = time.time()
-    out = subprocess.run([str(ROOT / "build" / "kvmem_worker"), "kl", f"--model={model}",
+    out = subprocess.run([str(BIN / "kvmem_worker"), "kl", f"--model={model}",
                           f"--text={text}", f"--kl_warmup={warmup}", "--kl_drop=256",
                           f"--max_eval_tokens={steps}"], check=True, stdout=subprocess.PIPE,
                          text=True).stdout
@@ -274,7 +313,7 @@ def study_speed(args):
         for ctx in contexts:
             for name, policy, params in runs:
                 progress(len(rows), total, start, f"{name} at {ctx} tokens")
-                cmd = [str(ROOT / "build" / "kvmem_worker"), "generate", f"--model={model}",
+                cmd = [str(BIN / "kvmem_worker"), "generate", f"--model={model}",
                        f"--target=unix:{daemon.sock}", f"--policy={policy}", "--raw",
                        f"--prompt_file={text}", f"--max_prompt_tokens={ctx}", f"--max_tokens={decode}"]
                 if params:
@@ -296,16 +335,281 @@ def study_speed(args):
     return rows
 
 
+# ---- retrieval (study 2), with the prefill halves of studies 3 and 4 on the same prompts ----
+
+# Fixed-budget policies at 512 tokens per stream; confkv at twice its defaults with the
+# long-context protected window (64); refreekv chooses its own share; infokv at its two
+# prefill ratios, against attention-only scoring (infokv with alpha = 1) at the same ratios.
+RETRIEVAL_POLICIES = [
+    ("full", "full"),
+    ("window-512", "window,window=512"),
+    ("h2o-512", "h2o,budget=512"),
+    ("snapkv-512", "snapkv,budget=512"),
+    ("confkv", "confkv,c_high=256,c_low=512,protect=64"),
+    ("refreekv", "refreekv"),
+    ("infokv-40%", "infokv,prefill_ratio=0.4"),
+    ("infokv-20%", "infokv,prefill_ratio=0.2"),
+    ("attention-40%", "infokv,prefill_ratio=0.4,alpha=1"),
+    ("attention-20%", "infokv,prefill_ratio=0.2,alpha=1"),
+]
+
+
+def token_counter(model):
+    def count(text):
+        path = Path(f"/tmp/kvmem-eval-count-{os.getpid()}.txt")
+        path.write_text(text)
+        out = subprocess.run([str(BIN / "kvmem_worker"), "dump", f"--model={model}", "--ids_only",
+                              f"--prompt_file={path}"], check=True, capture_output=True,
+                             text=True).stdout
+        return out.count(",") + 1
+    return count
+
+
+def run_multi(model, daemon, prompt, policies, max_tokens, stop_at_number=True):
+    """One prompt through `kvmem_worker multi`: {label: record} for every policy."""
+    import json
+    path = Path(f"/tmp/kvmem-eval-prompt-{os.getpid()}.txt")
+    path.write_text(prompt["text"])
+    spec = ";".join(p for _, p in policies)
+    out = subprocess.run([str(BIN / "kvmem_worker"), "multi", f"--model={model}",
+                          f"--target=unix:{daemon.sock}", f"--prompt_file={path}",
+                          f"--answer_prefix={prompt['prefix']}", f"--max_tokens={max_tokens}",
+                          f"--policies={spec}"] + (["--stop_at_number"] if stop_at_number else []),
+                         check=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True).stdout
+    by_spec = {json.loads(line)["policy"]: json.loads(line) for line in out.splitlines() if line}
+    return {label: by_spec[p] for label, p in policies}
+
+
+def run_prompts(prompts, policies, log, max_tokens, label):
+    """Runs every prompt not yet in `log` (JSON lines; a rerun resumes), with progress and
+    an ETA weighted by prompt length^1.5 (prefill dominates and grows faster than linear)."""
+    import json
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            done[r["key"]] = r
+    log.parent.mkdir(parents=True, exist_ok=True)
+    todo = [p for p in prompts if p["key"] not in done]
+    weight = lambda p: p["length"] ** 1.5
+    total, spent, already = sum(weight(p) for p in todo), 0.0, len(done)
+    start = time.time()
+    model, daemon = model_path(), Daemon()
+    try:
+        for i, p in enumerate(todo):
+            elapsed = time.time() - start
+            eta = elapsed / spent * (total - spent) if spent else 0
+            print(f"[{already + i}/{len(prompts)}] {label}: {p['key']}  elapsed {elapsed:.0f}s,"
+                  f" ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            results = run_multi(model, daemon, p, policies, max_tokens,
+                                stop_at_number=p["kind"] != "summary")
+            record = {k: v for k, v in p.items() if k != "text"}
+            record["results"] = results
+            with log.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            done[p["key"]] = record
+            spent += weight(p)
+    finally:
+        daemon.close()
+    return [done[p["key"]] for p in prompts]
+
+
+def retrieval_prompts(args):
+    lengths = [256, 512] if args.small else [1000, 2000, 4000, 7800]
+    depths = [0.1, 0.9] if args.small else [0.1, 0.5, 0.9]
+    samples = 2 if args.small else 5
+    corpus = corpus_path().read_text()
+    grid = prompts.retrieval_grid(lengths, depths, samples, corpus, token_counter(model_path()))
+    for p in grid:
+        p["key"] = f"{p['kind']}-{p['length']}-{p['depth']}-{p['sample']}"
+    return grid, lengths, depths, samples
+
+
+def study_retrieval(args):
+    grid, lengths, depths, samples = retrieval_prompts(args)
+    tag = "small" if args.small else "full"
+    start = time.time()
+    runs = run_prompts(grid, RETRIEVAL_POLICIES, OUT / f"retrieval-{tag}.jsonl", 10, "retrieval")
+    for r in runs:
+        for res in r["results"].values():
+            res["correct"] = prompts.correct(r, res["answer"])
+    names = [n for n, _ in RETRIEVAL_POLICIES]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
+    acc = {n: mean([r["results"][n]["correct"] for r in runs]) for n in names}
+    lines = [f"### Retrieval: passkey and needle, {len(runs)} prompts ({tag})",
+             f"Command: `python3 bench/eval/eval.py retrieval{' --small' if args.small else ''}`; "
+             f"lengths {lengths} tokens, depths {depths}, {samples} samples per cell (passkey and "
+             f"needle alternate); {time.strftime('%Y-%m-%d')}, this run {time.time() - start:.0f} s"
+             " (prompts already in the log are not rerun). Greedy answer after the assistant "
+             "prefix; correct = its first number is the key.", "",
+             "| policy | accuracy | relative to full | passkey | needle | "
+             + " | ".join(f"{n} tok" for n in lengths) + " | mean KV bytes | KV vs full |",
+             "|---|---|---|---|---|" + "---|" * len(lengths) + "---|---|"]
+    full_kv = mean([r["results"]["full"]["kv_bytes_mean"] for r in runs])
+    for n in names:
+        by_kind = {k: mean([r["results"][n]["correct"] for r in runs if r["kind"] == k])
+                   for k in ("passkey", "needle")}
+        by_len = [mean([r["results"][n]["correct"] for r in runs if r["length"] == L])
+                  for L in lengths]
+        kv = mean([r["results"][n]["kv_bytes_mean"] for r in runs])
+        rel = f"{100 * acc[n] / acc['full']:.0f} %" if acc["full"] > 0 else "n/a"
+        lines.append(f"| {n} | {100 * acc[n]:.0f} % | {rel} | {100 * by_kind['passkey']:.0f} % | "
+                     f"{100 * by_kind['needle']:.0f} % | "
+                     + " | ".join(f"{100 * a:.0f} %" for a in by_len)
+                     + f" | {kv / 2**20:.1f} MiB | {100 * kv / full_kv:.0f} % |")
+    write_table(f"retrieval-{tag}", lines)
+    plt = pyplot()
+    if plt is not None:
+        for n in names:
+            grid_acc = [[mean([r["results"][n]["correct"] for r in runs
+                               if r["length"] == L and r["depth"] == d]) for L in lengths]
+                        for d in depths]
+            fig, ax = plt.subplots(figsize=(5, 4))
+            im = ax.imshow(grid_acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+            ax.set_yticks(range(len(depths)), [f"{int(100 * d)} %" for d in depths])
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    ax.text(j, i, f"{100 * grid_acc[i][j]:.0f}", ha="center", va="center",
+                            fontsize=8)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"{n}: {100 * acc[n]:.0f} % ({samples} per cell)")
+            fig.colorbar(im, ax=ax)
+            fig.tight_layout()
+            fig.savefig(OUT / f"retrieval-{tag}-{n.replace('%', 'pct')}.png", dpi=100)
+            plt.close(fig)
+    return runs
+
+
+# ---- ReFreeKV on prompt kinds (study 3) -------------------------------------------------
+
+def study_refreekv(args):
+    """The cache share refreekv chooses per prompt kind and its answers against full's:
+    retrieval (the retrieval study's prompts), summary-like and arithmetic prompts."""
+    import json
+    samples = 2 if args.small else 5
+    tag = "small" if args.small else "full"
+    corpus = corpus_path().read_text()
+    extra = [prompts.summary(i, corpus) for i in range(samples)]
+    extra += [prompts.arith(i, corpus) for i in range(samples)]
+    for p in extra:
+        p["key"], p["length"] = f"{p['kind']}-{p['sample']}", 0
+    start = time.time()
+    policies = [("full", "full"), ("refreekv", "refreekv")]
+    runs = run_prompts(extra, policies, OUT / f"refreekv-{tag}.jsonl", 48, "refreekv")
+    log = OUT / f"retrieval-{tag}.jsonl"
+    retrieval = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    lines = [f"### ReFreeKV: the cache share it chooses per prompt kind ({tag})",
+             f"Command: `python3 bench/eval/eval.py refreekv{' --small' if args.small else ''}` "
+             f"(retrieval rows from `eval.py retrieval`'s log); {time.strftime('%Y-%m-%d')}, "
+             f"{time.time() - start:.0f} s. Share = KV bytes kept after the prompt's compression "
+             "/ full. Retrieval and arithmetic: correct = the expected number; summary: ROUGE-L "
+             "F1 of refreekv's summary against full's (1 = identical). Same answer: the same first "
+             "number (the same text for summaries).", "",
+             "| prompt kind | prompts | mean prompt tokens | refreekv share (mean, min–max) | "
+             "full | refreekv | same answer as full |", "|---|---|---|---|---|---|---|"]
+    for kind in ("passkey", "needle", "arith", "summary"):
+        rows = [r for r in (retrieval if kind in ("passkey", "needle") else runs)
+                if r["kind"] == kind]
+        if not rows:
+            continue
+        share = [r["results"]["refreekv"]["kv_bytes_prompt"] / r["results"]["refreekv"]["kv_bytes_full"]
+                 for r in rows]
+        tokens = sum(r["results"]["full"]["prompt_tokens"] for r in rows) / len(rows)
+        def same_answer(r):
+            a, b = r["results"]["refreekv"]["answer"], r["results"]["full"]["answer"]
+            if kind == "summary":
+                return a.strip() == b.strip()
+            return prompts.numbers_in(a)[:1] == prompts.numbers_in(b)[:1]
+        same = sum(same_answer(r) for r in rows) / len(rows)
+        if kind == "summary":
+            score = sum(prompts.rouge_l(r["results"]["refreekv"]["answer"], r["results"]["full"]["answer"])
+                        for r in rows) / len(rows)
+            full_cell, ref_cell = "reference", f"ROUGE-L {score:.2f}"
+        else:
+            acc = {n: sum(prompts.correct(r, r["results"][n]["answer"]) for r in rows) / len(rows)
+                   for n in ("full", "refreekv")}
+            full_cell, ref_cell = f"{100 * acc['full']:.0f} %", f"{100 * acc['refreekv']:.0f} %"
+        lines.append(f"| {kind} | {len(rows)} | {tokens:.0f} | {100 * sum(share) / len(share):.0f} % "
+                     f"({100 * min(share):.0f}–{100 * max(share):.0f} %) | {full_cell} | {ref_cell} | "
+                     f"{100 * same:.0f} % |")
+    write_table(f"refreekv-{tag}", lines)
+    return runs
+
+
+# ---- InfoKV against attention-only scoring (study 4) --------------------------------------
+
+def study_infokv(args):
+    """Prefill budgets 40 % / 20 % on the retrieval prompts (from the retrieval study's log)
+    and decode budgets 25 % / 12.5 %: teacher-forced perplexity of the text that follows a
+    prompt, the generated region compressed every 1,024 tokens (every 64 in --small)."""
+    import json
+    tag = "small" if args.small else "full"
+    prompt_tokens, scored = (128, 192) if args.small else (1024, 2048)
+    interval = 64 if args.small else 1024
+    log = OUT / f"retrieval-{tag}.jsonl"
+    retrieval = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    lines = [f"### InfoKV against attention-only scoring ({tag})",
+             f"Command: `python3 bench/eval/eval.py infokv{' --small' if args.small else ''}` "
+             f"(prefill rows from `eval.py retrieval`'s log); {time.strftime('%Y-%m-%d')}. "
+             "Attention only = infokv with alpha = 1 (pooled window scores, the recent window "
+             "kept: SnapKV at the same ratio).", "",
+             "Prefill budgets, retrieval accuracy over the retrieval prompts:", "",
+             "| budget | infokv | attention only | mean KV bytes | prompts |", "|---|---|---|---|---|"]
+    for ratio in ("40%", "20%"):
+        rows = [r for r in retrieval if f"infokv-{ratio}" in r["results"]]
+        if not rows:
+            continue
+        acc = {n: sum(prompts.correct(r, r["results"][f"{n}-{ratio}"]["answer"]) for r in rows)
+               / len(rows) for n in ("infokv", "attention")}
+        kv = sum(r["results"][f"infokv-{ratio}"]["kv_bytes_mean"] for r in rows) / len(rows)
+        lines.append(f"| {ratio} | {100 * acc['infokv']:.0f} % | {100 * acc['attention']:.0f} % | "
+                     f"{kv / 2**20:.1f} MiB | {len(rows)} |")
+    text, model = corpus_path(), model_path()
+    daemon = Daemon()
+    start = time.time()
+    runs = [("full", "full", ())]
+    for ratio in (0.25, 0.125):
+        for name, alpha in (("infokv", 0.9), ("attention only", 1.0)):
+            runs.append((f"{name} {100 * ratio:g} %", "infokv",
+                         (("prefill_ratio", 1), ("decode_ratio", ratio), ("alpha", alpha),
+                          ("decode_interval", interval), ("window", 4 if args.small else 32))))
+    results = []
+    try:
+        for i, (name, policy, params) in enumerate(runs):
+            progress(i, len(runs), start, f"{name}, {scored} tokens after a {prompt_tokens}-token prompt")
+            results.append((name, perplexity(model, text, prompt_tokens + scored,
+                                             f"unix:{daemon.sock}", policy, params,
+                                             prefill=prompt_tokens)))
+    finally:
+        daemon.close()
+    base = results[0][1]
+    lines += ["", f"Decode budgets: perplexity of {scored} teacher-forced tokens after a "
+              f"{prompt_tokens}-token prompt (kept whole), the generated region compressed to "
+              f"the ratio every {interval} tokens; {time.time() - start:.0f} s:", "",
+              "| policy | perplexity | change vs full | mean KV bytes while decoding |",
+              "|---|---|---|---|"]
+    for name, r in results:
+        lines.append(f"| {name} | {r['ppl']:.3f} | {r['ppl'] - base['ppl']:+.3f} | "
+                     f"{r['kv_mean'] / 2**20:.2f} MiB |")
+    write_table(f"infokv-{tag}", lines)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("study", choices=["ppl", "quant", "kl", "speed"])
+    ap.add_argument("study", choices=["ppl", "quant", "kl", "speed", "retrieval", "refreekv",
+                                      "infokv"])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)
-    {"ppl": study_ppl, "quant": study_quant, "kl": study_kl, "speed": study_speed}[args.study](args)
+    {"ppl": study_ppl, "quant": study_quant, "kl": study_kl, "speed": study_speed,
+     "retrieval": study_retrieval, "refreekv": study_refreekv, "infokv": study_infokv}[args.study](args)
 
 
 if __name__ == "__main__":

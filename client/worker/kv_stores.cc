@@ -55,6 +55,7 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
   absl::StatusOr<client::Sequence> seq = client->CreateSequence(layout, policy);
   if (!seq.ok()) return seq.status();
   store->sequence_ = *seq;
+  store->policy_ = policy;
   return store;
 }
 

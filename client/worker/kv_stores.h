@@ -48,6 +48,7 @@ class KvmemKvStore final : public KvStore {
                                               const ForwardResult& r,
                                               absl::Span<const float> token_entropy);
   uint64_t sequence_id() const { return sequence_.id; }
+  const client::PolicySpec& policy() const { return policy_; }
   uint64_t table_epoch() const { return table_.epoch; }
   const client::BlockTable& table() const { return table_; }
   client::Client* client() const { return client_; }
@@ -59,6 +60,7 @@ class KvmemKvStore final : public KvStore {
   client::Client* client_ = nullptr;
   ModelConfig config_;
   client::Sequence sequence_;
+  client::PolicySpec policy_;
   ReadPath path_ = ReadPath::kSharedMemory;
   std::unique_ptr<client::SharedPool> pool_;
   client::BlockTable table_;

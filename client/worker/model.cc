@@ -55,6 +55,62 @@ void Rope(float* x, uint32_t heads, uint32_t dim, int64_t pos, float base) {
   }
 }
 
+// Prompts at least this long attend through matrix products (BlockedAttention).
+constexpr uint32_t kBlockedMinTokens = 32;
+
+// Causal attention of T new queries of `heads` query heads (starting at `head0`, all sharing
+// one KV stream) over the stream's past (every past position before the new ones) and the
+// new keys, as matrix products over chunks of queries: S = Q K^T / sqrt(d) through BLAS,
+// a row softmax over the visible keys, O = P V through BLAS. `accumulate(t, p, valid)`
+// receives every query's weights. Same arithmetic as the row-by-row path up to summation
+// order; O(T * n) memory per chunk instead of per row.
+template <typename Accumulate>
+void BlockedAttention(const float* q, uint32_t q_stride, uint32_t head0, uint32_t heads, uint32_t T,
+                      const PastStream& past, const float* new_k, const float* new_v, uint32_t D,
+                      float scale, float* out, Accumulate&& accumulate) {
+  constexpr uint32_t kChunk = 128;
+  const size_t n_past = past.positions.size();
+  const size_t n = n_past + T;
+  // K and V of the stream, past then new, contiguous [n][D].
+  std::vector<float> k(n * D), v(n * D);
+  size_t at = 0;
+  for (const PastStream::Run& run : past.runs) {
+    std::copy_n(run.k, uint64_t{run.count} * D, k.data() + at * D);
+    std::copy_n(run.v, uint64_t{run.count} * D, v.data() + at * D);
+    at += run.count;
+  }
+  std::copy_n(new_k, uint64_t{T} * D, k.data() + n_past * D);
+  std::copy_n(new_v, uint64_t{T} * D, v.data() + n_past * D);
+  std::vector<float> s(uint64_t{kChunk} * n);
+  const int threads = WorkerThreads();
+  for (uint32_t h = head0; h < head0 + heads; ++h) {
+    for (uint32_t t0 = 0; t0 < T; t0 += kChunk) {
+      const uint32_t rows = std::min(kChunk, T - t0);
+      const size_t keys = n_past + t0 + rows;  // what the chunk's last query sees
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(rows),
+                  static_cast<int>(keys), static_cast<int>(D), scale,
+                  q + uint64_t{t0} * q_stride + uint64_t{h} * D, static_cast<int>(q_stride),
+                  k.data(), static_cast<int>(D), 0.0f, s.data(), static_cast<int>(keys));
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+      for (int r = 0; r < static_cast<int>(rows); ++r) {
+        float* row = s.data() + uint64_t(r) * keys;
+        const size_t valid = n_past + t0 + r + 1;
+        const float mx = *std::max_element(row, row + valid);
+        const float inv_z = 1.0f / ExpShiftSum(row, valid, mx);
+        for (size_t j = 0; j < valid; ++j) row[j] *= inv_z;
+        std::fill(row + valid, row + keys, 0.0f);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
+                  static_cast<int>(D), static_cast<int>(keys), 1.0f, s.data(),
+                  static_cast<int>(keys), v.data(), static_cast<int>(D), 0.0f,
+                  out + uint64_t{t0} * q_stride + uint64_t{h} * D, static_cast<int>(q_stride));
+      for (uint32_t r = 0; r < rows; ++r) {
+        accumulate(t0 + r, s.data() + uint64_t{r} * keys, n_past + t0 + r + 1);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void LlamaModel::Apply(const Weight& w, const float* x, uint32_t T, uint32_t in, uint32_t out,
@@ -70,6 +126,15 @@ namespace {
 absl::StatusOr<LlamaModel::Weight> LoadWeight(const GgufFile& file, const std::string& name,
                                               std::vector<uint64_t> dims);
 }  // namespace
+
+std::string BlasCoreTypeOverride() {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return "";
+  const std::string core = openblas_get_corename();
+  if (core != "Prescott" && core != "Core2" && core != "Nehalem") return "";
+  if (__builtin_cpu_supports("avx512f")) return "SkylakeX";
+  if (__builtin_cpu_supports("avx2")) return "Haswell";
+  return "";
+}
 
 LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k) {
   const float max = *std::max_element(logits.begin(), logits.end());
@@ -224,7 +289,9 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
   r.k.resize(uint64_t{c.num_layers} * HKV * T * D);
   r.v.resize(r.k.size());
   if (options.attention_rows) r.attention_rows.resize(c.num_layers * HKV);
-  if (options.window > 0) r.window_scores.resize(c.num_layers * HKV);
+  for (uint32_t w : options.windows) {
+    r.window_scores.push_back({w, std::vector<std::vector<float>>(c.num_layers * HKV)});
+  }
 
   std::vector<float> x(uint64_t{T} * E), h(uint64_t{T} * E), q(uint64_t{T} * E),
       k(uint64_t{T} * KV), v(uint64_t{T} * KV), attn(uint64_t{T} * E), o(uint64_t{T} * E),
@@ -260,9 +327,24 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       const size_t n = n_past + T;
       std::vector<float>* row_out =
           options.attention_rows ? &r.attention_rows[l * HKV + g] : nullptr;
-      std::vector<float>* win_out = options.window > 0 ? &r.window_scores[l * HKV + g] : nullptr;
       if (row_out) row_out->assign(n, 0.0f);
-      if (win_out) win_out->assign(n, 0.0f);
+      for (WindowScores& ws : r.window_scores) ws.streams[l * HKV + g].assign(n, 0.0f);
+      // Signals from query t's attention weights p[0, valid) (zero beyond), GQA-group mean.
+      const float inv_group = 1.0f / static_cast<float>(group);
+      auto accumulate = [&](uint32_t t, const float* p, size_t valid) {
+        if (row_out && t + 1 == T) Axpy(inv_group, p, row_out->data(), valid);
+        for (WindowScores& ws : r.window_scores) {
+          if (uint64_t{t} + ws.window < T) continue;
+          Axpy(inv_group, p, ws.streams[l * HKV + g].data(), valid);
+        }
+      };
+      bool past_before_new = true;
+      for (int64_t pos : past.positions) past_before_new &= pos < positions[0];
+      if (T >= kBlockedMinTokens && past_before_new) {
+        BlockedAttention(q.data(), E, g * group, group, T, past, rk, rv, D, inv_sqrt_d, attn.data(),
+                         accumulate);
+        continue;
+      }
       scores.resize(n);
       for (uint32_t hh = 0; hh < group; ++hh) {
         const uint32_t head = g * group + hh;
@@ -281,28 +363,19 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
             scores[n_past + u] = u <= t ? Dot(qt, rk + uint64_t{u} * D, D) * inv_sqrt_d : -INFINITY;
           }
           const float mx = *std::max_element(scores.begin(), scores.end());
-          double z = 0;
-          for (float& s : scores) z += (s = std::exp(s - mx));
-          const float inv_z = static_cast<float>(1.0 / z);
+          const float inv_z = 1.0f / ExpShiftSum(scores.data(), n, mx);
+          for (float& s : scores) s *= inv_z;
           float* out = &attn[uint64_t{t} * E + head * D];
           std::fill_n(out, D, 0.0f);
           j = 0;
           for (const PastStream::Run& run : past.runs) {
             for (uint32_t i = 0; i < run.count; ++i, ++j) {
-              const float w = scores[j] * inv_z;
-              if (w == 0) continue;
-              Axpy(w, run.v + uint64_t{i} * D, out, D);
+              if (scores[j] == 0) continue;
+              Axpy(scores[j], run.v + uint64_t{i} * D, out, D);
             }
           }
-          for (uint32_t u = 0; u <= t; ++u) {
-            Axpy(scores[n_past + u] * inv_z, rv + uint64_t{u} * D, out, D);
-          }
-          if (row_out && t + 1 == T) {
-            for (size_t jj = 0; jj < n; ++jj) (*row_out)[jj] += scores[jj] * inv_z / group;
-          }
-          if (win_out && t + options.window >= T) {
-            for (size_t jj = 0; jj < n; ++jj) (*win_out)[jj] += scores[jj] * inv_z / group;
-          }
+          for (uint32_t u = 0; u <= t; ++u) Axpy(scores[n_past + u], rv + uint64_t{u} * D, out, D);
+          accumulate(t, scores.data(), n);
         }
       }
     }

@@ -60,11 +60,19 @@ struct LogitSummary {
   float entropy, p1, p2, topk_entropy;
 };
 struct ForwardOptions {
-  bool all_logits = false;        // logits for every token (else only the last)
-  uint32_t window = 0;            // > 0: window scores over the last `window` queries
+  bool all_logits = false;  // logits for every token (else only the last)
+  // Window scores over the last w queries for each w here (w >= T: every query).
+  std::vector<uint32_t> windows;
   bool attention_rows = false;    // the last query's attention over past + new keys
   bool layer_distance = false;    // 1 - cos(h_mid, h_last) per token
   bool next_token_stats = false;  // LogitSummary of every token's next-token distribution
+};
+
+// Per stream (l * H_kv + h), over past slots then new tokens: the column sums of the last
+// `window` queries' attention (GQA-group mean).
+struct WindowScores {
+  uint32_t window;
+  std::vector<std::vector<float>> streams;
 };
 
 struct ForwardResult {
@@ -74,7 +82,7 @@ struct ForwardResult {
   std::vector<float> v;
   // Per stream (l * H_kv + h), over past slots then new tokens, GQA-group mean.
   std::vector<std::vector<float>> attention_rows;
-  std::vector<std::vector<float>> window_scores;
+  std::vector<WindowScores> window_scores;     // one per ForwardOptions::windows
   std::vector<float> layer_distance;           // [T]
   std::vector<LogitSummary> next_token_stats;  // [T]
 };
@@ -111,6 +119,13 @@ class LlamaModel {
   Weight output;  // empty when tied to the embedding
   std::vector<Layer> layers_;
 };
+
+// OpenBLAS (Debian's dynamic-arch build) picks its kernels from the CPU model at load time
+// and falls back to generic SSE3 ("Prescott") kernels on models it does not know, at half
+// the speed or less. Returns the core type to force through OPENBLAS_CORETYPE (read only
+// at load, so the process must re-execute itself) when that happened on a CPU with AVX2 or
+// AVX-512, else an empty string.
+std::string BlasCoreTypeOverride();
 
 LogitSummary SummarizeLogits(absl::Span<const float> logits, uint32_t top_k = 256);
 

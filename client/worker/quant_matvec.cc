@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -181,7 +182,7 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b
   return s;
 }
 
-__attribute__((target("avx2,fma"))) void AxpyAvx2(float w, const float* x, float* y, uint32_t n) {
+__attribute__((target("avx2,fma"))) void AxpyAvx2(float w, const float* x, float* y, size_t n) {
   const __m256 wv = _mm256_set1_ps(w);
   uint32_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -198,7 +199,54 @@ float Dot(const float* a, const float* b, uint32_t n) {
   return s;
 }
 
-void Axpy(float w, const float* x, float* y, uint32_t n) {
+namespace {
+// exp(x) for x <= 0 (softmax inputs after subtracting the max): 2^k * p(r) with
+// x = k ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial (relative error < 2e-7,
+// a few float ulps, like std::exp's float results). Inputs below -87 give 0.
+__attribute__((target("avx2,fma"))) __m256 ExpNonPositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k ln2, with ln2 split in a high and a low part for precision.
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+__attribute__((target("avx2,fma"))) float ExpShiftSumAvx2(float* s, size_t n, float shift) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float sum = HorizontalSum(acc);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
+  return sum;
+}
+}  // namespace
+
+float ExpShiftSum(float* s, size_t n, float shift) {
+  if (HasAvx2()) return ExpShiftSumAvx2(s, n, shift);
+  float sum = 0;
+  for (size_t i = 0; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
+  return sum;
+}
+
+void Axpy(float w, const float* x, float* y, size_t n) {
   if (HasAvx2()) {
     AxpyAvx2(w, x, y, n);
     return;

@@ -4,13 +4,20 @@
 //   kvmem_worker perplexity --model M --text FILE [--policy window --param window=512]
 //   kvmem_worker dump       --model M --prompt "..."   (JSON: ids and full-cache logits)
 //   kvmem_worker kl         --model M --text FILE     (confidence inputs and KL per step)
+//   kvmem_worker multi      --model M --prompt_file F --policies "full;h2o,budget=256"
+//                           (one prefill, then per policy: compress, answer, KV bytes)
 //
 // --cache=kvmemd (default) keeps the cache in the daemon; --cache=local keeps it in process.
+#include <unistd.h>
+
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
+#include <numeric>
 #include <random>
 #include <sstream>
 
@@ -44,6 +51,16 @@ ABSL_FLAG(uint32_t, kl_warmup, 512, "kl: tokens before the first measured step")
 ABSL_FLAG(uint32_t, kl_drop, 256, "kl: newest tokens dropped for the second distribution");
 ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file instead of --prompt");
 ABSL_FLAG(uint32_t, max_prompt_tokens, 0, "generate: cut the prompt to this many tokens");
+ABSL_FLAG(std::string, policies, "",
+          "multi: ';'-separated policies, each name[,key=value...] (keys as in --param, plus "
+          "quantization=int8|int4|nf4 and quant_recent=N)");
+ABSL_FLAG(std::string, answer_prefix, "",
+          "generate/multi: text appended after the assistant turn opens (e.g. 'The pass key is')");
+ABSL_FLAG(bool, stop_at_number, false,
+          "multi: stop an answer at the first non-digit after a number (retrieval, arithmetic)");
+ABSL_FLAG(uint32_t, prefill_tokens, 0,
+          "perplexity: feed the first N tokens as one prompt (prefill + Compress), then score "
+          "the rest token by token");
 
 namespace kvmem::worker {
 namespace {
@@ -53,27 +70,51 @@ int Fail(const std::string& what, const absl::Status& s) {
   return 1;
 }
 
-absl::StatusOr<client::PolicySpec> PolicyFromFlags() {
+absl::StatusOr<client::Precision> ParsePrecision(absl::string_view q) {
+  if (q == "int8") return client::Precision::kInt8;
+  if (q == "int4") return client::Precision::kInt4;
+  if (q == "nf4") return client::Precision::kNF4;
+  if (q == "none") return client::Precision::kLayout;
+  return absl::InvalidArgumentError(
+      absl::StrCat("quantization: none, int8, int4 or nf4, got '", q, "'"));
+}
+
+// Policy `name` with "key=value" parameters; the keys "quantization" (none/int8/int4/nf4)
+// and "quant_recent" set the storage precision instead of a policy parameter.
+absl::StatusOr<client::PolicySpec> ParsePolicy(const std::string& name,
+                                               const std::vector<std::string>& params,
+                                               absl::string_view quantization,
+                                               uint32_t quant_recent) {
   client::PolicySpec spec;
-  spec.name = absl::GetFlag(FLAGS_policy);
-  for (const std::string& p : absl::GetFlag(FLAGS_param)) {
+  spec.name = name;
+  absl::StatusOr<client::Precision> precision = ParsePrecision(quantization);
+  if (!precision.ok()) return precision.status();
+  spec.quantization = *precision;
+  spec.quantization_recent_tokens = quant_recent;
+  for (const std::string& p : params) {
     std::vector<std::string> kv = absl::StrSplit(p, absl::MaxSplits('=', 1));
+    if (kv.size() == 2 && kv[0] == "quantization") {
+      precision = ParsePrecision(kv[1]);
+      if (!precision.ok()) return precision.status();
+      spec.quantization = *precision;
+      continue;
+    }
     double value;
     if (kv.size() != 2 || !absl::SimpleAtod(kv[1], &value)) {
-      return absl::InvalidArgumentError("--param: expected name=value, got " + p);
+      return absl::InvalidArgumentError("policy parameter: expected name=value, got " + p);
     }
-    spec.params[kv[0]] = value;
+    if (kv[0] == "quant_recent") {
+      spec.quantization_recent_tokens = static_cast<uint32_t>(value);
+    } else {
+      spec.params[kv[0]] = value;
+    }
   }
-  const std::string q = absl::GetFlag(FLAGS_quantization);
-  if (q == "int8")
-    spec.quantization = client::Precision::kInt8;
-  else if (q == "int4")
-    spec.quantization = client::Precision::kInt4;
-  else if (q == "nf4")
-    spec.quantization = client::Precision::kNF4;
-  else if (q != "none")
-    return absl::InvalidArgumentError("--quantization: none, int8, int4 or nf4");
   return spec;
+}
+
+absl::StatusOr<client::PolicySpec> PolicyFromFlags() {
+  return ParsePolicy(absl::GetFlag(FLAGS_policy), absl::GetFlag(FLAGS_param),
+                     absl::GetFlag(FLAGS_quantization), absl::GetFlag(FLAGS_quant_recent));
 }
 
 // One model run against one cache: prefill, then a token at a time, sending the signals the
@@ -86,18 +127,33 @@ class Session {
         daemon_(daemon),
         local_(dynamic_cast<LocalKvStore*>(&store)) {}
 
-  // Runs `tokens` (at the next positions); returns the last token's logits.
+  // Runs `tokens` (at the next positions) and commits them to the cache; returns the last
+  // token's logits.
   absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill) {
-    std::vector<int64_t> positions(tokens.size());
-    for (size_t i = 0; i < tokens.size(); ++i)
-      positions[i] = next_position_ + static_cast<int64_t>(i);
+    const std::vector<int64_t> positions = NextPositions(tokens.size());
     ForwardOptions options;
     options.attention_rows = daemon_ != nullptr;
     options.layer_distance = daemon_ != nullptr;
     options.next_token_stats = daemon_ != nullptr;
-    options.window = prefill && daemon_ != nullptr ? absl::GetFlag(FLAGS_window) : 0;
+    if (prefill && daemon_ != nullptr) options.windows = {PrefillWindow(daemon_->policy())};
     absl::StatusOr<ForwardResult> r = model_.Forward(tokens, positions, store_, options);
     if (!r.ok()) return r.status();
+    return Commit(tokens, *r, prefill);
+  }
+
+  std::vector<int64_t> NextPositions(size_t count) const {
+    std::vector<int64_t> positions(count);
+    for (size_t i = 0; i < count; ++i) positions[i] = next_position_ + static_cast<int64_t>(i);
+    return positions;
+  }
+
+  // Commits a forward pass over `tokens` at the next positions (computed against this
+  // session's cache, or, for a prompt, against an empty one): appends their K/V with the
+  // signals, then compresses (prefill) or steps. Returns the last token's logits.
+  absl::StatusOr<std::vector<float>> Commit(const std::vector<int32_t>& tokens,
+                                            const ForwardResult& fr, bool prefill) {
+    const ForwardResult* r = &fr;
+    const std::vector<int64_t> positions = NextPositions(tokens.size());
     next_position_ += static_cast<int64_t>(tokens.size());
     if (local_ != nullptr) local_->Append(positions, *r);
     if (daemon_ != nullptr) {
@@ -129,8 +185,12 @@ class Session {
         client::CompressArgs args;
         args.epoch = epoch;
         args.attention = rows;
+        const WindowScores* ws = PickWindow(*r, PrefillWindow(daemon_->policy()));
+        if (ws == nullptr) {
+          return absl::InternalError("prefill: no window scores for the policy's window");
+        }
         for (size_t i = 0; i < rows.size(); ++i) {
-          args.window_scores.push_back({rows[i].layer, rows[i].kv_head, r->window_scores[i]});
+          args.window_scores.push_back({rows[i].layer, rows[i].kv_head, ws->streams[i]});
         }
         absl::StatusOr<client::CompressResult> c =
             daemon_->client()->Compress(daemon_->sequence_id(), args);
@@ -155,6 +215,24 @@ class Session {
     }
     const uint32_t V = model_.config().vocab;
     return std::vector<float>(r->logits.end() - V, r->logits.end());
+  }
+
+  // The prefill window scores each policy reads: H2O starts its accumulators from every
+  // prompt query's attention; refreekv_h2o uses its `window` parameter (8); the others the
+  // SnapKV observation window (--window, 32).
+  static uint32_t PrefillWindow(const client::PolicySpec& policy) {
+    if (policy.name == "h2o") return std::numeric_limits<uint32_t>::max();
+    if (policy.name == "refreekv_h2o") {
+      auto it = policy.params.find("window");
+      return it != policy.params.end() ? static_cast<uint32_t>(it->second) : 8;
+    }
+    return absl::GetFlag(FLAGS_window);
+  }
+  static const WindowScores* PickWindow(const ForwardResult& r, uint32_t window) {
+    for (const WindowScores& ws : r.window_scores) {
+      if (ws.window == window) return &ws;
+    }
+    return nullptr;
   }
 
   uint64_t evicted() const { return evicted_; }
@@ -252,7 +330,8 @@ int Generate() {
   Env env;
   if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
   const std::string prompt =
-      absl::GetFlag(FLAGS_raw) ? PromptText() : env.tokenizer->ChatPrompt(PromptText());
+      (absl::GetFlag(FLAGS_raw) ? PromptText() : env.tokenizer->ChatPrompt(PromptText())) +
+      absl::GetFlag(FLAGS_answer_prefix);
   std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
   const uint32_t max_prompt = absl::GetFlag(FLAGS_max_prompt_tokens);
   if (max_prompt > 0 && ids.size() > max_prompt) ids.resize(max_prompt);
@@ -306,26 +385,41 @@ int Perplexity() {
   const uint32_t limit = absl::GetFlag(FLAGS_max_eval_tokens);
   if (limit > 0 && ids.size() > limit + 1) ids.resize(limit + 1);
   if (ids.size() < 2) return Fail("--text", absl::InvalidArgumentError("fewer than 2 tokens"));
+  const size_t prefix = absl::GetFlag(FLAGS_prefill_tokens);
+  if (prefix + 1 >= ids.size()) {
+    return Fail("--prefill_tokens", absl::InvalidArgumentError("must leave tokens to score"));
+  }
   Session session(*env.model, *env.store, env.daemon.get());
   double nll = 0;
+  size_t n = 0;  // tokens scored
+  auto score = [&](const std::vector<float>& logits, int32_t next) {
+    const float mx = *std::max_element(logits.begin(), logits.end());
+    double z = 0;
+    for (float l : logits) z += std::exp(l - mx);
+    nll -= (logits[next] - mx) - std::log(z);
+    ++n;
+  };
   const auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+  if (prefix > 0) {
+    absl::StatusOr<std::vector<float>> logits =
+        session.Feed(std::vector<int32_t>(ids.begin(), ids.begin() + prefix), true);
+    if (!logits.ok()) return Fail("prefill", logits.status());
+    score(*logits, ids[prefix]);
+  }
+  const size_t first = prefix > 0 ? prefix : 0;
+  for (size_t i = first; i + 1 < ids.size(); ++i) {
     absl::StatusOr<std::vector<float>> logits = session.Feed({ids[i]}, false);
     if (!logits.ok()) return Fail("step", logits.status());
-    const float mx = *std::max_element(logits->begin(), logits->end());
-    double z = 0;
-    for (float l : *logits) z += std::exp(l - mx);
-    nll -= ((*logits)[ids[i + 1]] - mx) - std::log(z);
+    score(*logits, ids[i + 1]);
     if ((i + 1) % 16 == 0 || i + 2 == ids.size()) {
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double eta = elapsed / (i + 1) * (ids.size() - 2 - i);
+      const double eta = elapsed / (i + 1 - first) * (ids.size() - 2 - i);
       std::fprintf(stderr, "\r%zu/%zu tokens, ppl %.3f, ETA %.0fs   ", i + 1, ids.size() - 1,
-                   std::exp(nll / (i + 1)), eta);
+                   std::exp(nll / n), eta);
     }
   }
   std::fprintf(stderr, "\n");
-  const size_t n = ids.size() - 1;
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf(
@@ -436,9 +530,124 @@ int KlStudy() {
   return 0;
 }
 
+// JSON string literal of `s` (UTF-8 passes through; control characters escaped).
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+// Whether `piece` ends a number that `answer` already holds: its first character is not a
+// digit and the answer has one.
+bool EndsNumber(const std::string& answer, const std::string& piece) {
+  auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
+  const bool has_digit = std::any_of(answer.begin(), answer.end(), digit);
+  return has_digit && !piece.empty() && !digit(piece[0]);
+}
+
+// One prompt, many policies: the prompt's forward pass runs once (in process, every signal
+// any policy needs); then, per policy, a kvmemd sequence receives the prompt's K/V and
+// signals, compresses, and the answer is decoded greedily through it. Prints one JSON line
+// per policy: answer, KV bytes after the prompt's compression, mean KV bytes while decoding.
+int Multi() {
+  Env env;
+  if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(absl::GetFlag(FLAGS_target));
+  if (!c.ok()) return Fail("connect", c.status());
+  std::vector<client::PolicySpec> specs;
+  std::vector<std::string> labels;
+  for (absl::string_view entry :
+       absl::StrSplit(absl::GetFlag(FLAGS_policies), ';', absl::SkipWhitespace())) {
+    std::vector<std::string> parts = absl::StrSplit(entry, ',', absl::SkipWhitespace());
+    absl::StatusOr<client::PolicySpec> spec =
+        ParsePolicy(parts[0], std::vector<std::string>(parts.begin() + 1, parts.end()), "none", 0);
+    if (!spec.ok()) return Fail("--policies", spec.status());
+    specs.push_back(*spec);
+    labels.emplace_back(entry);
+  }
+  if (specs.empty()) return Fail("--policies", absl::InvalidArgumentError("no policy given"));
+  const std::string prompt =
+      (absl::GetFlag(FLAGS_raw) ? PromptText() : env.tokenizer->ChatPrompt(PromptText())) +
+      absl::GetFlag(FLAGS_answer_prefix);
+  const std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
+  ForwardOptions options;
+  options.attention_rows = options.layer_distance = options.next_token_stats = true;
+  for (const client::PolicySpec& spec : specs) {
+    const uint32_t w = Session::PrefillWindow(spec);
+    if (std::find(options.windows.begin(), options.windows.end(), w) == options.windows.end()) {
+      options.windows.push_back(w);
+    }
+  }
+  std::vector<int64_t> positions(ids.size());
+  std::iota(positions.begin(), positions.end(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<ForwardResult> r = env.model->Forward(ids, positions, *env.local, options);
+  if (!r.ok()) return Fail("prefill", r.status());
+  std::fprintf(stderr, "prompt %zu tokens, prefill %.1f s\n", ids.size(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const uint64_t full = FullCacheBytes(env.model->config(), static_cast<int64_t>(ids.size()), 4);
+  for (size_t p = 0; p < specs.size(); ++p) {
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> store = KvmemKvStore::Create(
+        c->get(), env.model->config(), specs[p], KvmemKvStore::ReadPath::kSharedMemory);
+    if (!store.ok()) return Fail(labels[p], store.status());
+    // The new sequence's table (and epoch) before committing signals computed elsewhere.
+    absl::Status fetched = (*store)->BeginForward();
+    if (fetched.ok()) fetched = (*store)->EndForward();
+    if (!fetched.ok()) return Fail(labels[p], fetched);
+    Session session(*env.model, **store, store->get());
+    absl::StatusOr<std::vector<float>> logits = session.Commit(ids, *r, true);
+    if (!logits.ok()) return Fail(labels[p], logits.status());
+    const uint64_t kv_prompt = session.kv_bytes();
+    std::string answer;
+    for (uint32_t i = 0; i < absl::GetFlag(FLAGS_max_tokens); ++i) {
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin());
+      if (next == env.tokenizer->eos() || next == env.tokenizer->im_end()) break;
+      const std::string piece = env.tokenizer->Decode(next);
+      if (absl::GetFlag(FLAGS_stop_at_number) && EndsNumber(answer, piece)) break;
+      answer += piece;
+      logits = session.Feed({next}, false);
+      if (!logits.ok()) return Fail(labels[p], logits.status());
+    }
+    std::printf(
+        "{\"policy\": %s, \"prompt_tokens\": %zu, \"kv_bytes_full\": %llu, "
+        "\"kv_bytes_prompt\": %llu, \"kv_bytes_mean\": %.0f, \"evicted\": %llu, "
+        "\"answer\": %s}\n",
+        JsonString(labels[p]).c_str(), ids.size(), static_cast<unsigned long long>(full),
+        static_cast<unsigned long long>(kv_prompt),
+        session.mean_kv_bytes() > 0 ? session.mean_kv_bytes() : static_cast<double>(kv_prompt),
+        static_cast<unsigned long long>(session.evicted()), JsonString(answer).c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 // JSON for the parity tests: token ids of the prompt, and the full-cache logits of its last
 // token (local cache, no daemon).
 int Dump() {
+  if (absl::GetFlag(FLAGS_ids_only)) {  // the tokenizer alone: no weights loaded
+    absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(absl::GetFlag(FLAGS_model));
+    if (!file.ok()) return Fail("--model", file.status());
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromGguf(**file);
+    if (!tok.ok()) return Fail("--model", tok.status());
+    const std::vector<int32_t> ids = (*tok)->Encode(PromptText(), true);
+    std::printf("{\"ids\": [");
+    for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
+    std::printf("]}\n");
+    return 0;
+  }
   Env env;
   if (absl::Status s = Setup(env, absl::GetFlag(FLAGS_cache) == "local"); !s.ok())
     return Fail("setup", s);
@@ -446,7 +655,7 @@ int Dump() {
   std::printf("{\"ids\": [");
   for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
   std::printf("]");
-  if (!ids.empty() && !absl::GetFlag(FLAGS_ids_only)) {
+  if (!ids.empty()) {
     Session session(*env.model, *env.store, env.daemon.get());
     absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
     if (!logits.ok()) return Fail("forward", logits.status());
@@ -462,6 +671,11 @@ int Dump() {
 }  // namespace kvmem::worker
 
 int main(int argc, char** argv) {
+  // Generic BLAS kernels on a CPU OpenBLAS does not know: run again with the right ones.
+  if (const std::string core = kvmem::worker::BlasCoreTypeOverride(); !core.empty()) {
+    setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+    execv("/proc/self/exe", argv);  // returns only on failure: go on with the generic kernels
+  }
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string mode = args.size() > 1 ? args[1] : "";
   if (absl::GetFlag(FLAGS_model).empty()) {
@@ -472,6 +686,7 @@ int main(int argc, char** argv) {
   if (mode == "perplexity") return kvmem::worker::Perplexity();
   if (mode == "dump") return kvmem::worker::Dump();
   if (mode == "kl") return kvmem::worker::KlStudy();
-  std::fprintf(stderr, "usage: kvmem_worker generate|perplexity|dump --model=PATH ...\n");
+  if (mode == "multi") return kvmem::worker::Multi();
+  std::fprintf(stderr, "usage: kvmem_worker generate|perplexity|dump|kl|multi --model=PATH ...\n");
   return 2;
 }

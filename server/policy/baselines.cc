@@ -1,5 +1,6 @@
 #include "server/policy/baselines.h"
 
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -48,40 +49,54 @@ class StreamingLlmPolicy final : public Policy {
 };
 
 // Accumulated attention s_j += a_j; when n > C keep the last R plus the top C - R by s.
+// With pyramid = 1, layer l keeps R + b_l instead, b_l the PyramidKV schedule for C - R
+// (linear from 2(C - R) - m at layer 0 down to m = (C - R) / beta at the last), so that the
+// budgets average C: pyramid-style layer budgets at the memory of plain H2O [ours: the
+// PyramidKV rule with n unbounded, since in streaming n never reaches 2(C - R)].
 class H2oPolicy final : public Policy {
  public:
   explicit H2oPolicy(const ResolvedParams& p)
       : budget_(static_cast<uint32_t>(p.Get("budget"))),
-        recent_(p.Get("recent") > 0 ? static_cast<uint32_t>(p.Get("recent")) : budget_ / 2) {}
+        recent_(p.Get("recent") > 0 ? static_cast<uint32_t>(p.Get("recent")) : budget_ / 2),
+        pyramid_(p.Get("pyramid") > 0),
+        beta_(static_cast<uint32_t>(p.Get("beta"))) {}
   const PolicyDescriptor& descriptor() const override { return H2oDescriptor(); }
 
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
     for (StreamState& st : streams) {
       for (size_t j = 0; j < st.attention.size(); ++j) st.scores[j] += st.attention[j];
     }
-    return Apply(streams, budget_);
+    return Apply(ctx, streams, budget_);
   }
   // At prefill the accumulators start from the window scores over all prompt queries.
   Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
     for (StreamState& st : streams) {
       for (size_t j = 0; j < st.window_scores.size(); ++j) st.scores[j] = st.window_scores[j];
     }
-    return Apply(streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
+    return Apply(ctx, streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
   }
 
  private:
-  Decision Apply(absl::Span<StreamState> streams, uint32_t budget) const {
+  Decision Apply(const CallContext& ctx, absl::Span<StreamState> streams, uint32_t budget) const {
     Decision d = KeepAll(streams.size());
     d.budget_tokens = budget;
     const uint32_t recent = std::min(recent_, budget);
+    std::vector<uint32_t> pyramid;  // tokens beyond the recent window, per layer
+    if (pyramid_ && ctx.num_layers >= 2 && budget > recent) {
+      pyramid = PyramidBudgets(std::numeric_limits<uint32_t>::max(), budget, recent, ctx.num_layers,
+                               beta_);
+    }
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
-      if (n > budget) d.keep[s] = KeepWindowPlusTop(n, recent, budget, streams[s].scores);
+      const uint32_t b = pyramid.empty() ? budget : recent + pyramid[streams[s].layer];
+      if (n > b) d.keep[s] = KeepWindowPlusTop(n, recent, b, streams[s].scores);
     }
     return d;
   }
   const uint32_t budget_;
   const uint32_t recent_;
+  const bool pyramid_;
+  const uint32_t beta_;
 };
 
 absl::Status CheckSinks(const ResolvedParams& p) {
@@ -122,8 +137,10 @@ const PolicyDescriptor& H2oDescriptor() {
       "h2o",
       "H2O heavy hitters: accumulated attention; keeps the last R plus the top C - R, every "
       "step. Compress with window scores seeds the accumulators at prefill.",
-      {{"budget", 256, 1, 1 << 24, true, "C, tokens kept per stream"},
-       {"recent", 0, 0, 1 << 24, true, "R, recent tokens always kept; 0 = C/2"}},
+      {{"budget", 256, 1, 1 << 24, true, "C, tokens kept per stream (mean over layers)"},
+       {"recent", 0, 0, 1 << 24, true, "R, recent tokens always kept; 0 = C/2"},
+       {"pyramid", 0, 0, 1, true, "1 = PyramidKV-style layer budgets averaging C"},
+       {"beta", 20, 1, 1 << 20, true, "pyramid: the last layer keeps (C - R) / beta + R"}},
       kAttentionRows,
       0,
       0,

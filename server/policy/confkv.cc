@@ -64,12 +64,36 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
   return keep;
 }
 
+std::vector<uint32_t> RandomKeep(absl::Span<const int64_t> positions, uint32_t layer,
+                                 uint32_t kv_head, uint32_t budget, uint32_t protect) {
+  const size_t n = positions.size();
+  std::vector<uint32_t> all(n);
+  std::iota(all.begin(), all.end(), 0u);
+  if (n <= budget) return all;
+  protect = std::min(protect, budget);
+  // A fixed pseudo-random priority per (stream, position): splitmix64 of the three.
+  std::vector<float> priority(n);
+  for (size_t j = 0; j < n; ++j) {
+    uint64_t z = (uint64_t(layer) << 48) ^ (uint64_t(kv_head) << 40) ^ uint64_t(positions[j]);
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    priority[j] = static_cast<float>(z >> 40) / static_cast<float>(1 << 24);
+  }
+  const size_t unprotected = n - protect;
+  std::vector<uint32_t> keep =
+      TopK(priority, absl::MakeConstSpan(all).first(unprotected), budget - protect);
+  keep.insert(keep.end(), all.begin() + static_cast<std::ptrdiff_t>(unprotected), all.end());
+  return keep;
+}
+
 namespace {
 
 struct ConfKvParams {
   double theta, lambda, w_entropy, w_gap, w_p1, attention_weight;
   uint32_t c_high, c_low, protect, interval, layer_floor;
-  bool per_layer;
+  bool per_layer, random;
 
   static ConfKvParams From(const ResolvedParams& p, bool per_layer) {
     return {p.Get("theta"),
@@ -83,7 +107,8 @@ struct ConfKvParams {
             static_cast<uint32_t>(p.Get("protect")),
             static_cast<uint32_t>(p.Get("interval")),
             per_layer ? static_cast<uint32_t>(p.Get("layer_floor")) : 0,
-            per_layer};
+            per_layer,
+            p.Get("random") > 0};
   }
 };
 
@@ -107,8 +132,10 @@ class ConfKvPolicy final : public Policy {
       const float max_ema = UpdateEma(streams[s]);
       const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
       if (evict && streams[s].positions.size() > budget) {
-        d.keep[s] = ConfKvKeep(streams[s].scores, streams[s].positions, budget, p_.protect,
-                               p_.attention_weight, max_ema);
+        d.keep[s] = p_.random ? RandomKeep(streams[s].positions, streams[s].layer,
+                                           streams[s].kv_head, budget, p_.protect)
+                              : ConfKvKeep(streams[s].scores, streams[s].positions, budget,
+                                           p_.protect, p_.attention_weight, max_ema);
       }
     }
     return d;
@@ -186,7 +213,9 @@ std::vector<ParamSpec> ConfKvParamSpecs(bool per_layer) {
       {"attention_weight", 0.65, 0, 1, false,
        "priority weight of normalized EMA (recency gets the rest)"},
       {"protect", 32, 0, 1 << 20, true, "P, newest tokens never evicted (64 for long context)"},
-      {"interval", 1, 1, 1 << 20, true, "evict every k steps (scores update every step)"}};
+      {"interval", 1, 1, 1 << 20, true, "evict every k steps (scores update every step)"},
+      {"random", 0, 0, 1, true,
+       "ablation: 1 = evict uniformly at random among unprotected slots (same budgets)"}};
   if (per_layer) {
     specs.push_back(
         {"layer_floor", 96, 1, 1 << 24, true, "per-layer budgets are max(floor, C * 0.5^(l/L))"});

@@ -25,4 +25,9 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
                                  uint32_t budget, uint32_t protect, double attention_weight,
                                  float max_ema = std::nanf(""));
 
+// The ablation "random" at confkv's budgets: the last `protect` slots kept, the others kept
+// by a fixed pseudo-random priority of (layer, kv_head, position), down to `budget`.
+std::vector<uint32_t> RandomKeep(absl::Span<const int64_t> positions, uint32_t layer,
+                                 uint32_t kv_head, uint32_t budget, uint32_t protect);
+
 }  // namespace kvmem::policy

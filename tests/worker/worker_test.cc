@@ -1,6 +1,7 @@
 // The reference worker on the real model (KVMEM_MODEL, set by scripts/test.sh): tokenizer
 // round trips, the full policy through kvmemd gives the in-process cache's logits, and the
 // shared-memory and gRPC read paths agree.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -135,6 +136,60 @@ TEST_F(WorkerTest, Int8CacheStaysCloseAndWindowEvicts) {
   bool any_int8 = false;
   for (const auto& b : table.streams[0].blocks) any_int8 |= b.precision == client::Precision::kInt8;
   EXPECT_TRUE(any_int8);
+}
+
+// A prompt attends through matrix products (BlockedAttention); one token at a time through
+// the row-by-row path. Both must give the same logits and the same signals.
+TEST_F(WorkerTest, BlockedPrefillMatchesTokenByToken) {
+  const std::vector<int32_t> ids = tokenizer_->Encode(
+      "The committee met on Tuesday to discuss the budget for the new library, and after a "
+      "long debate about the roof, the windows and the parking lot, it approved the plan with "
+      "two changes that the mayor had asked for in her letter of March.",
+      true);
+  ASSERT_GE(ids.size(), 48u);
+  std::vector<int64_t> positions(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) positions[i] = static_cast<int64_t>(i);
+  ForwardOptions options;
+  options.attention_rows = true;
+  options.windows = {8, 1000};
+  LocalKvStore empty(model_->config());
+  auto blocked = model_->Forward(ids, positions, empty, options);
+  ASSERT_TRUE(blocked.ok()) << blocked.status();
+
+  LocalKvStore local(model_->config());
+  ForwardOptions one;
+  one.attention_rows = true;
+  std::vector<std::vector<float>> window8(blocked->attention_rows.size());
+  std::vector<std::vector<float>> all(blocked->attention_rows.size());
+  absl::StatusOr<ForwardResult> r;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    r = model_->Forward({ids[i]}, {positions[i]}, local, one);
+    ASSERT_TRUE(r.ok()) << r.status();
+    local.Append(std::vector<int64_t>{positions[i]}, *r);
+    // Column sums of every query (window 1000 >= T) and of the last 8, from the rows.
+    for (size_t s = 0; s < r->attention_rows.size(); ++s) {
+      all[s].resize(ids.size(), 0.0f);
+      window8[s].resize(ids.size(), 0.0f);
+      for (size_t j = 0; j < r->attention_rows[s].size(); ++j) {
+        all[s][j] += r->attention_rows[s][j];
+        if (i + 8 >= ids.size()) window8[s][j] += r->attention_rows[s][j];
+      }
+    }
+  }
+  const uint32_t V = model_->config().vocab;
+  const std::vector<float> last(blocked->logits.end() - V, blocked->logits.end());
+  double max_diff = 0;
+  for (uint32_t i = 0; i < V; ++i)
+    max_diff = std::max(max_diff, double(std::fabs(last[i] - r->logits[i])));
+  EXPECT_LT(max_diff, 2e-3);  // f32, different summation order
+  ASSERT_EQ(blocked->window_scores.size(), 2u);
+  for (size_t s = 0; s < all.size(); ++s) {
+    for (size_t j = 0; j < ids.size(); ++j) {
+      EXPECT_NEAR(blocked->attention_rows[s][j], r->attention_rows[s][j], 1e-4) << s << " " << j;
+      EXPECT_NEAR(blocked->window_scores[0].streams[s][j], window8[s][j], 1e-4) << s << " " << j;
+      EXPECT_NEAR(blocked->window_scores[1].streams[s][j], all[s][j], 1e-3) << s << " " << j;
+    }
+  }
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Hand-computed cases for every policy formula (values worked out in the comments).
 #include "server/policy/scoring.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -164,6 +166,46 @@ TEST(H2oTest, HeavyAndRecentSplit) {
   EXPECT_THAT(acc, ElementsAre(5, 1, 3, 0, 0, 0));
   ASSERT_TRUE(d.keep[0].has_value());
   EXPECT_THAT(*d.keep[0], ElementsAre(0, 2, 4, 5));
+}
+
+TEST(H2oTest, PyramidBudgetsAverageTheBudget) {
+  // C = 64, R = 32, 4 layers, beta 20: C - R = 32, min 1, max 63, step 20 -> 63 43 23 3.
+  auto policy = *CreatePolicy("h2o", {{"budget", 64}, {"recent", 32}, {"pyramid", 1}});
+  std::vector<int64_t> positions(200);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<std::vector<float>> scores(4, std::vector<float>(200, 0.0f));
+  std::vector<StreamState> streams(4);
+  for (uint32_t l = 0; l < 4; ++l) {
+    streams[l].layer = l;
+    streams[l].positions = positions;
+    streams[l].scores = absl::MakeSpan(scores[l]);
+  }
+  CallContext ctx;
+  ctx.num_layers = 4;
+  Decision d = policy->Step(ctx, absl::MakeSpan(streams));
+  const std::vector<size_t> want = {32 + 63, 32 + 43, 32 + 23, 32 + 3};
+  for (uint32_t l = 0; l < 4; ++l) {
+    ASSERT_TRUE(d.keep[l].has_value());
+    EXPECT_EQ(d.keep[l]->size(), want[l]) << l;
+    EXPECT_EQ(d.keep[l]->back(), 199u);  // the recent window stays
+    EXPECT_EQ((*d.keep[l])[d.keep[l]->size() - 32], 168u);
+  }
+}
+
+TEST(ConfKvTest, RandomAblationKeepsProtectedAndBudget) {
+  std::vector<int64_t> positions(100);
+  std::iota(positions.begin(), positions.end(), 0);
+  const std::vector<uint32_t> keep = RandomKeep(positions, 3, 1, 40, 10);
+  ASSERT_EQ(keep.size(), 40u);
+  EXPECT_TRUE(std::is_sorted(keep.begin(), keep.end()));
+  for (uint32_t j = 90; j < 100; ++j) EXPECT_EQ(keep[j - 60], j);
+  // Deterministic per (stream, position), and different across streams.
+  EXPECT_EQ(keep, RandomKeep(positions, 3, 1, 40, 10));
+  EXPECT_NE(keep, RandomKeep(positions, 4, 1, 40, 10));
+  // Spread over the unprotected range, not clustered at one end.
+  const size_t early = std::count_if(keep.begin(), keep.end(), [](uint32_t j) { return j < 45; });
+  EXPECT_GT(early, 5u);
+  EXPECT_LT(early, 25u);
 }
 
 TEST(StreamingLlmTest, SinksPlusRecent) {
