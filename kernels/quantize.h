@@ -46,26 +46,30 @@ struct QuantGeometry {
   uint32_t block_tokens;  // B
   uint32_t head_dim;      // D
 
-  uint32_t code_row_bytes() const {
+  KVMEM_HD uint32_t code_row_bytes() const {
     return type == QuantType::kInt8 ? head_dim : (head_dim + 1) / 2;
   }
   // nf4 scale groups per slot; per-channel types have none per slot.
-  uint32_t groups() const { return type == QuantType::kNF4 ? (head_dim + 63) / 64 : 0; }
+  KVMEM_HD uint32_t groups() const { return type == QuantType::kNF4 ? (head_dim + 63) / 64 : 0; }
   // Rounded up to 16 bytes so that the float scales that follow stay aligned.
-  uint64_t codes_bytes() const {
+  KVMEM_HD uint64_t codes_bytes() const {
     return (uint64_t{block_tokens} * code_row_bytes() + 15) / 16 * 16;
   }
-  uint64_t scale_floats() const {
+  KVMEM_HD uint64_t scale_floats() const {
     return type == QuantType::kNF4 ? uint64_t{block_tokens} * groups() : head_dim;
   }
-  uint64_t v_codes_offset() const { return codes_bytes(); }
-  uint64_t k_scales_offset() const { return 2 * codes_bytes(); }
-  uint64_t v_scales_offset() const { return k_scales_offset() + 4 * scale_floats(); }
-  uint64_t block_bytes() const { return v_scales_offset() + 4 * scale_floats(); }
+  KVMEM_HD uint64_t v_codes_offset() const { return codes_bytes(); }
+  KVMEM_HD uint64_t k_scales_offset() const { return 2 * codes_bytes(); }
+  KVMEM_HD uint64_t v_scales_offset() const { return k_scales_offset() + 4 * scale_floats(); }
+  KVMEM_HD uint64_t block_bytes() const { return v_scales_offset() + 4 * scale_floats(); }
   // Bytes one live slot accounts for (codes of K and V, plus nf4's own scales).
-  uint64_t slot_bytes() const { return 2 * (uint64_t{code_row_bytes()} + 4ull * groups()); }
+  KVMEM_HD uint64_t slot_bytes() const {
+    return 2 * (uint64_t{code_row_bytes()} + 4ull * groups());
+  }
   // Scale bytes a block carries regardless of its fill (int8/int4 per-channel scales).
-  uint64_t block_scale_bytes() const { return type == QuantType::kNF4 ? 0 : 8ull * head_dim; }
+  KVMEM_HD uint64_t block_scale_bytes() const {
+    return type == QuantType::kNF4 ? 0 : 8ull * head_dim;
+  }
 };
 
 // Quantizes one plane (K or V) of a layout-precision block: rows [start, start+count) of

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/select.h"
 #include "server/policy/scoring.h"
 
 namespace kvmem::policy {
@@ -24,29 +25,27 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
     std::iota(keep.begin(), keep.end(), 0u);
     return keep;
   }
-  protect = std::min<uint32_t>(protect, budget);
-  const size_t unprotected = n - protect;
   if (std::isnan(max_ema)) {
     max_ema = 0;
     for (float e : ema) max_ema = std::max(max_ema, e);
   }
-  // r = a * e / max_e + (1 - a) * (pos - pos_min) / (pos_max - pos_min), in float with the
-  // divisions hoisted: this runs for every slot of every stream on every step.
-  const int64_t span = positions[n - 1] - positions[0];
-  const float e_scale = max_ema > 0 ? static_cast<float>(attention_weight) / max_ema : 0.0f;
-  const float r_scale = span > 0 ? static_cast<float>(1.0 - attention_weight) / span : 0.0f;
-  const float r_const = span > 0 ? 0.0f : static_cast<float>(1.0 - attention_weight);
-  auto priority_of = [&](size_t j) {
-    return ema[j] * e_scale + static_cast<float>(positions[j] - positions[0]) * r_scale + r_const;
-  };
-  if (n - budget == 1) {  // the steady state of decoding: one slot out, one pass, no sort
+  const float weight = static_cast<float>(attention_weight);
+  if (n - budget == 1) {
+    // The steady state of decoding: one slot out, one pass, no sort. The slot with the
+    // smallest selection key goes (kernels/select.h: lowest priority, the newer on ties),
+    // exactly what SelectTopRef would evict.
+    const uint32_t unprotected = static_cast<uint32_t>(n) - std::min(protect, budget);
+    const kernels::PriorityScale p =
+        kernels::PriorityScaleFor(weight, max_ema, positions[n - 1] - positions[0]);
     size_t worst = 0;
-    float worst_r = priority_of(0);
-    for (size_t j = 1; j < unprotected; ++j) {
-      const float r = priority_of(j);
-      if (r <= worst_r) {  // ties: the newer slot goes, as in TopK
+    uint64_t worst_key = ~uint64_t{0};
+    for (uint32_t j = 0; j < unprotected; ++j) {
+      const float a = ema[j] * p.e_scale;
+      const float b = static_cast<float>(positions[j] - positions[0]) * p.r_scale;
+      const uint64_t key = kernels::SelectionKey((a + b) + p.r_const, j);
+      if (key < worst_key) {
         worst = j;
-        worst_r = r;
+        worst_key = key;
       }
     }
     keep.resize(n - 1);
@@ -55,12 +54,14 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
               static_cast<uint32_t>(worst + 1));
     return keep;
   }
-  std::vector<uint32_t> all(n);
-  std::iota(all.begin(), all.end(), 0u);
-  std::vector<float> priority(n);
-  for (size_t j = 0; j < n; ++j) priority[j] = priority_of(j);
-  keep = TopK(priority, absl::MakeConstSpan(all).first(unprotected), budget - protect);
-  keep.insert(keep.end(), all.begin() + static_cast<std::ptrdiff_t>(unprotected), all.end());
+  // The general case is the kernel reference itself (kernels/select.h), so that the CPU and
+  // CUDA backends keep the same slots.
+  const kernels::StreamSlice slice{0, static_cast<uint32_t>(n), budget, protect};
+  std::vector<uint8_t> flags(n);
+  kernels::SelectTopRef(&slice, 1, ema.data(), &max_ema, positions.data(), weight, flags.data());
+  for (uint32_t j = 0; j < n; ++j) {
+    if (flags[j]) keep.push_back(j);
+  }
   return keep;
 }
 

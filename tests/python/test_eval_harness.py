@@ -1,11 +1,14 @@
 """The small version of the evaluation harness: keeps bench/eval/eval.py working end to end
 (corpus from gensim's wheel, kvmemd, the worker, tables), on a few hundred tokens."""
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "eval"))
+import prompts  # noqa: E402
 
 
 def run(study, tmp_path, *extra):
@@ -24,9 +27,9 @@ def rows(path):
 
 
 def test_small_perplexity_study(tmp_path):
-    run("ppl", tmp_path, "--only", "full,window-64,streaming_llm-64,confkv")
+    run("ppl", tmp_path, "--only", "full,window-64,streaming_llm-64,pyramid-64,confkv,random")
     r = rows(tmp_path / "ppl-small.md")
-    assert set(r) == {"full", "window-64", "streaming_llm-64", "confkv"}
+    assert set(r) == {"full", "window-64", "streaming_llm-64", "pyramid-64", "confkv", "random"}
     assert 5 < r["full"] < 200
     # A 64-token window loses context the full cache keeps.
     assert r["window-64"] > r["full"]
@@ -64,3 +67,49 @@ def test_small_speed_study(tmp_path):
     for line in lines:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[2]) > 0 and float(cells[3]) > 0 and float(cells[4]) > 0
+
+
+def test_prompt_builders():
+    p = prompts.passkey(1000, 0.5, 3)
+    key = p["answer"]
+    assert p["text"].count(key) == 2 and len(key) == 5
+    # The needle sits near the middle of the filler.
+    at = p["text"].index(key) / len(p["text"])
+    assert 0.4 < at < 0.6
+    assert prompts.passkey(1000, 0.5, 3) == p  # deterministic per sample
+    assert prompts.correct(p, f" {key}. It") and not prompts.correct(p, " 12345.")
+    corpus = "First sentence here. " * 2000
+    n = prompts.needle(2000, 0.1, 1, corpus)
+    assert n["answer"] in n["text"] and n["text"].index(n["answer"]) < 0.2 * len(n["text"])
+    assert prompts.rouge_l("the cat sat on the mat", "the cat sat on the mat") == 1.0
+    assert prompts.rouge_l("a b c", "x y z") == 0.0
+    assert 0 < prompts.rouge_l("the cat sat", "the dog sat") < 1
+
+
+def test_small_retrieval_refreekv_and_infokv_studies(tmp_path):
+    run("retrieval", tmp_path)
+    runs = [json.loads(line) for line in (tmp_path / "retrieval-small.jsonl").read_text().splitlines()]
+    assert len(runs) == 8
+    for r in runs:
+        assert 0.9 * r["length"] <= r["results"]["full"]["prompt_tokens"] <= r["length"] + 60
+        full = r["results"]["full"]
+        assert full["kv_bytes_prompt"] == full["kv_bytes_full"] and full["evicted"] == 0
+        # A 20 % prefill budget keeps about a fifth (the recent window on top).
+        share = r["results"]["infokv-20%"]["kv_bytes_prompt"] / full["kv_bytes_full"]
+        assert 0.15 < share < 0.35
+    table = (tmp_path / "retrieval-small.md").read_text()
+    for name in ("full", "window-512", "h2o-512", "snapkv-512", "confkv", "refreekv", "infokv-40%"):
+        assert f"| {name} |" in table
+    # The full cache finds the key in short prompts: the ceiling the others are measured by.
+    full_acc = sum(prompts.correct(r, r["results"]["full"]["answer"]) for r in runs) / len(runs)
+    assert full_acc >= 0.5
+    run("refreekv", tmp_path)
+    table = (tmp_path / "refreekv-small.md").read_text()
+    assert "| passkey |" in table and "| summary |" in table and "| arith |" in table
+    run("infokv", tmp_path)
+    kv = {}
+    for line in (tmp_path / "infokv-small.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[3].endswith("MiB"):
+            kv[cells[0]] = float(cells[3].split()[0])
+    assert kv["infokv 12.5 %"] < kv["infokv 25 %"] < kv["full"]

@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <random>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/select.h"
 #include "server/policy/confkv.h"
 #include "server/policy/infokv.h"
 #include "server/policy/policy.h"
@@ -189,6 +191,32 @@ TEST(H2oTest, PyramidBudgetsAverageTheBudget) {
     EXPECT_EQ(d.keep[l]->size(), want[l]) << l;
     EXPECT_EQ(d.keep[l]->back(), 199u);  // the recent window stays
     EXPECT_EQ((*d.keep[l])[d.keep[l]->size() - 32], 168u);
+  }
+}
+
+// The one-out fast path and the general path (the kernel reference) pick the same slots.
+TEST(ConfKvTest, OneOutFastPathMatchesTheKernelReference) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const uint32_t n = 2 + rng() % 100;
+    std::vector<float> ema(n);
+    std::vector<int64_t> positions(n);
+    int64_t at = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      ema[j] = static_cast<float>(rng() % 4) / 4;  // ties are common
+      positions[j] = at += 1 + rng() % 2;
+    }
+    const uint32_t protect = rng() % n;
+    const std::vector<uint32_t> fast = ConfKvKeep(ema, positions, n - 1, protect, 0.65);
+    const kernels::StreamSlice slice{0, n, n - 1, protect};
+    float mx = *std::max_element(ema.begin(), ema.end());
+    std::vector<uint8_t> flags(n);
+    kernels::SelectTopRef(&slice, 1, ema.data(), &mx, positions.data(), 0.65f, flags.data());
+    std::vector<uint32_t> ref;
+    for (uint32_t j = 0; j < n; ++j) {
+      if (flags[j]) ref.push_back(j);
+    }
+    ASSERT_EQ(fast, ref) << "trial " << trial;
   }
 }
 

@@ -1,0 +1,36 @@
+#pragma once
+// Batched byte copies on the pool: compaction moves, appends (scatter from a staging
+// buffer into blocks) and reads (gather from blocks into a staging buffer). The C++
+// reference (copy_ref.cc) is what the CPU backend runs; copy.cu is the CUDA twin.
+//
+// Semantics of a move batch: the ops apply in order, each as if by memmove (an op may
+// overlap itself). The CUDA twin runs a batch as few "waves" as that allows: within a wave
+// every source is read before any destination is written (gather to scratch, then
+// scatter), so a wave may not contain an op whose source overlaps an earlier op's
+// destination in the same wave (read after write), nor two ops writing the same bytes
+// (write after write). MoveWaves() splits a batch at exactly those points; reading what a
+// later op overwrites (write after read) is fine within a wave. Results are byte-exact
+// against the reference for every batch.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace kvmem::kernels {
+
+struct CopyOp {
+  uint64_t src;    // byte offset in the source buffer
+  uint64_t dst;    // byte offset in the destination buffer
+  uint64_t bytes;  // length; 0 is allowed and copies nothing
+};
+
+// In-order memmove of every op inside one buffer.
+void MoveBatchRef(uint8_t* base, const CopyOp* ops, size_t n);
+
+// From `src` to `dst` (distinct buffers): ops[i] copies [src+ops[i].src, +bytes) to
+// [dst+ops[i].dst, +bytes). Destinations must not overlap (the order is unspecified).
+void CopyBatchRef(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n);
+
+// Start indices of the waves of a move batch (always begins with 0; empty for n = 0).
+std::vector<size_t> MoveWaves(const CopyOp* ops, size_t n);
+
+}  // namespace kvmem::kernels

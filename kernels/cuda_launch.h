@@ -1,0 +1,51 @@
+#pragma once
+// Host entry points of the CUDA twins (copy.cu, select.cu, quantize.cu). Pointers are device
+// pointers; every launch is asynchronous on `stream` and returns the launch error (errors
+// of the work itself surface at the next synchronization). Contracts: the headers of each
+// operation (copy.h, select.h, quantize.h).
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/copy.h"
+#include "kernels/quantize.h"
+#include "kernels/select.h"
+
+namespace kvmem::kernels::cuda {
+
+// ops[i] copies [src + ops[i].src, + bytes) to [dst + ops[i].dst, + bytes); destinations
+// must not overlap each other or any source (a move wave goes pool -> scratch -> pool).
+cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
+                      cudaStream_t stream);
+
+// Quantize / dequantize batches over the pool at `base` (QuantizeOp / this op's offsets).
+struct QuantizeDeviceOp {
+  uint64_t src;  // layout block (K plane then V plane)
+  uint64_t dst;  // quantized block
+  uint32_t start, count;
+};
+struct DequantizeDeviceOp {
+  uint64_t src;           // quantized block in the pool
+  uint64_t k_out, v_out;  // byte offsets in `out` for [count][D] rows of K and V
+  uint32_t start, count;
+};
+cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
+                           const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream);
+cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
+                             const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
+                             cudaStream_t stream);
+
+// select.h, one block per stream.
+cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
+                         uint32_t num_streams, const float* attention, float* scores,
+                         float* stream_max, cudaStream_t stream);
+cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                      const float* stream_max, const int64_t* positions, float attention_weight,
+                      uint8_t* keep, cudaStream_t stream);
+cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                            const float* threshold, uint8_t* keep, cudaStream_t stream);
+cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
+                         float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
+                         cudaStream_t stream);
+
+}  // namespace kvmem::kernels::cuda

@@ -1,0 +1,174 @@
+// CUDA twin of select_ref.cc (contract: select.h): one thread block per stream, all streams
+// of a step in one launch. Products and sums use __fmul_rn / __fadd_rn so that nothing is
+// fused and every value matches the reference bit for bit.
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda_launch.h"
+
+namespace kvmem::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSlice* streams,
+                                   const float* attention, float* scores, float* stream_max) {
+  const StreamSlice st = streams[blockIdx.x];
+  __shared__ float partial[kThreads];
+  float mx = 0.0f;
+  const float keep = 1.0f - lambda;
+  for (uint32_t j = st.offset + threadIdx.x; j < st.offset + st.length; j += blockDim.x) {
+    const float a = attention[j], s = scores[j];
+    float e;
+    if (rule == ScoreRule::kAccumulate) {
+      e = __fadd_rn(s, a);
+    } else if (isnan(s)) {
+      e = a;
+    } else {
+      e = __fadd_rn(__fmul_rn(lambda, s), __fmul_rn(keep, a));
+    }
+    scores[j] = e;
+    mx = fmaxf(mx, e);
+  }
+  partial[threadIdx.x] = mx;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      partial[threadIdx.x] = fmaxf(partial[threadIdx.x], partial[threadIdx.x + half]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) stream_max[blockIdx.x] = partial[0];
+}
+
+__device__ uint64_t KeyOf(const float* scores, const int64_t* pos, PriorityScale p, uint32_t j) {
+  const float a = __fmul_rn(scores[j], p.e_scale);
+  const float b = __fmul_rn(__ll2float_rn(pos[j] - pos[0]), p.r_scale);
+  return SelectionKey(__fadd_rn(__fadd_rn(a, b), p.r_const), j);
+}
+
+// The take-th largest key among the unprotected slots by an 8-pass radix select (keys are
+// unique, so exactly `take` keys are >= it), then the keep flags.
+__global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
+                                const float* stream_max, const int64_t* positions,
+                                float attention_weight, uint8_t* keep) {
+  const StreamSlice st = streams[blockIdx.x];
+  uint8_t* k = keep + st.offset;
+  if (st.length <= st.budget) {
+    for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) k[j] = 1;
+    return;
+  }
+  const uint32_t protect = min(st.protect, st.budget);
+  const uint32_t unprotected = st.length - protect;
+  const uint32_t take = st.budget - protect;
+  const float* sc = scores + st.offset;
+  const int64_t* pos = positions + st.offset;
+  const PriorityScale p =
+      PriorityScaleFor(attention_weight, stream_max[blockIdx.x], pos[st.length - 1] - pos[0]);
+  __shared__ uint32_t hist[256];
+  __shared__ uint64_t prefix_s;
+  __shared__ uint32_t remaining_s;
+  uint64_t prefix = 0, mask = 0;
+  uint32_t remaining = take;
+  for (int pass = 0; pass < 8 && take > 0; ++pass) {
+    const int shift = 56 - 8 * pass;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < unprotected; j += blockDim.x) {
+      const uint64_t key = KeyOf(sc, pos, p, j);
+      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t above = 0;
+      int d = 255;
+      for (; d > 0; --d) {
+        if (above + hist[d] >= remaining) break;
+        above += hist[d];
+      }
+      remaining_s = remaining - above;
+      prefix_s = prefix | (uint64_t(d) << shift);
+    }
+    __syncthreads();
+    remaining = remaining_s;
+    prefix = prefix_s;
+    mask |= uint64_t{0xff} << shift;
+  }
+  for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) {
+    k[j] = j >= unprotected || (take > 0 && KeyOf(sc, pos, p, j) >= prefix);
+  }
+}
+
+__global__ void SelectThresholdKernel(const StreamSlice* streams, const float* scores,
+                                      const float* threshold, uint8_t* keep) {
+  const StreamSlice st = streams[blockIdx.x];
+  const uint32_t unprotected = st.length - min(st.protect, st.length);
+  for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) {
+    keep[st.offset + j] = j >= unprotected || scores[st.offset + j] >= threshold[blockIdx.x];
+  }
+}
+
+// Stable in-place compaction: chunk by chunk, every thread reads its slot, the block scans
+// the keep flags, then the kept slots are written at or before their old index.
+__global__ void CompactSlotsKernel(const StreamSlice* streams, const uint8_t* keep, float* scores,
+                                   int64_t* positions, uint32_t* kept_index, uint32_t* kept) {
+  using Scan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const StreamSlice st = streams[blockIdx.x];
+  uint32_t carry = 0;
+  for (uint32_t base = 0; base < st.length; base += kThreads) {
+    const uint32_t j = base + threadIdx.x;
+    const bool in = j < st.length;
+    const uint32_t flag = in ? keep[st.offset + j] : 0;
+    const float s = in ? scores[st.offset + j] : 0.0f;
+    const int64_t q = in ? positions[st.offset + j] : 0;
+    uint32_t rank, total;
+    Scan(temp).ExclusiveSum(flag, rank, total);
+    __syncthreads();  // every read of this chunk is done before any write
+    if (flag) {
+      scores[st.offset + carry + rank] = s;
+      positions[st.offset + carry + rank] = q;
+      kept_index[st.offset + carry + rank] = j;
+    }
+    carry += total;
+    __syncthreads();  // temp storage reused by the next chunk
+  }
+  if (threadIdx.x == 0) kept[blockIdx.x] = carry;
+}
+
+}  // namespace
+
+cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
+                         uint32_t num_streams, const float* attention, float* scores,
+                         float* stream_max, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;
+  UpdateScoresKernel<<<num_streams, kThreads, 0, stream>>>(rule, lambda, streams, attention, scores,
+                                                           stream_max);
+  return cudaGetLastError();
+}
+
+cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                      const float* stream_max, const int64_t* positions, float attention_weight,
+                      uint8_t* keep, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;
+  SelectTopKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, stream_max, positions,
+                                                        attention_weight, keep);
+  return cudaGetLastError();
+}
+
+cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                            const float* threshold, uint8_t* keep, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;
+  SelectThresholdKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, threshold, keep);
+  return cudaGetLastError();
+}
+
+cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
+                         float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
+                         cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;
+  CompactSlotsKernel<<<num_streams, kThreads, 0, stream>>>(streams, keep, scores, positions,
+                                                           kept_index, kept);
+  return cudaGetLastError();
+}
+
+}  // namespace kvmem::kernels::cuda

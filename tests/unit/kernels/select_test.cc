@@ -1,0 +1,126 @@
+// Scoring and selection references (select.h) against oracles written the obvious way.
+#include "kernels/select.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvmem::kernels {
+namespace {
+
+using ::testing::ElementsAre;
+
+TEST(SelectTest, EmaAndAccumulateByHand) {
+  std::vector<StreamSlice> streams = {{0, 3, 0, 0}, {3, 2, 0, 0}};
+  std::vector<float> scores = {std::nanf(""), 1.0f, 0.5f, 2.0f, 0.0f};
+  const std::vector<float> att = {0.25f, 0.5f, 0.25f, 1.0f, 3.0f};
+  std::vector<float> mx(2);
+  UpdateScoresRef(ScoreRule::kEma, 0.9f, streams.data(), 1, att.data(), scores.data(), mx.data());
+  // NaN -> a; 0.9 * 1 + 0.1 * 0.5 = 0.95; 0.9 * 0.5 + 0.1 * 0.25 = 0.475.
+  EXPECT_FLOAT_EQ(scores[0], 0.25f);
+  EXPECT_FLOAT_EQ(scores[1], 0.95f);
+  EXPECT_FLOAT_EQ(scores[2], 0.475f);
+  EXPECT_FLOAT_EQ(mx[0], 0.95f);
+  UpdateScoresRef(ScoreRule::kAccumulate, 0, streams.data() + 1, 1, att.data(), scores.data(),
+                  mx.data() + 1);
+  EXPECT_FLOAT_EQ(scores[3], 3.0f);
+  EXPECT_FLOAT_EQ(scores[4], 3.0f);
+  EXPECT_FLOAT_EQ(mx[1], 3.0f);
+}
+
+// Oracle: priorities by the formula, a full sort by (priority desc, index asc).
+std::vector<uint8_t> OracleTop(const StreamSlice& st, const float* scores, float mx,
+                               const int64_t* pos, float w) {
+  std::vector<uint8_t> keep(st.length, 1);
+  if (st.length <= st.budget) return keep;
+  const uint32_t protect = std::min(st.protect, st.budget);
+  const uint32_t unprotected = st.length - protect;
+  const PriorityScale p = PriorityScaleFor(w, mx, pos[st.length - 1] - pos[0]);
+  std::vector<std::pair<float, uint32_t>> r;
+  for (uint32_t j = 0; j < unprotected; ++j) {
+    const float a = scores[j] * p.e_scale;
+    const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
+    r.push_back({(a + b) + p.r_const, j});
+  }
+  std::sort(r.begin(), r.end(), [](auto x, auto y) {
+    return x.first != y.first ? x.first > y.first : x.second < y.second;
+  });
+  for (uint32_t j = 0; j < unprotected; ++j) keep[j] = 0;
+  for (uint32_t i = 0; i < st.budget - protect; ++i) keep[r[i].second] = 1;
+  return keep;
+}
+
+TEST(SelectTest, TopMatchesTheSortOracleOnRandomStreams) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<StreamSlice> streams;
+    std::vector<float> scores, mx;
+    std::vector<int64_t> positions;
+    const uint32_t num = 1 + rng() % 6;
+    for (uint32_t s = 0; s < num; ++s) {
+      const uint32_t n = rng() % 300;
+      const uint32_t budget = 1 + rng() % 200;
+      streams.push_back(
+          {static_cast<uint32_t>(scores.size()), n, budget, static_cast<uint32_t>(rng() % 40)});
+      int64_t at = rng() % 5;
+      float m = 0;
+      for (uint32_t j = 0; j < n; ++j) {
+        // Coarse values so that ties are common.
+        scores.push_back(static_cast<float>(rng() % 8) / 8);
+        m = std::max(m, scores.back());
+        positions.push_back(at);
+        at += 1 + rng() % 3;
+      }
+      mx.push_back(m);
+    }
+    const float w = trial % 3 == 0 ? 1.0f : 0.65f;
+    std::vector<uint8_t> keep(scores.size(), 7);
+    SelectTopRef(streams.data(), num, scores.data(), mx.data(), positions.data(), w, keep.data());
+    for (uint32_t s = 0; s < num; ++s) {
+      const StreamSlice& st = streams[s];
+      const std::vector<uint8_t> want =
+          OracleTop(st, scores.data() + st.offset, mx[s], positions.data() + st.offset, w);
+      ASSERT_EQ(
+          std::vector<uint8_t>(keep.begin() + st.offset, keep.begin() + st.offset + st.length),
+          want)
+          << "trial " << trial << " stream " << s;
+      const uint32_t kept = std::accumulate(want.begin(), want.end(), 0u);
+      EXPECT_EQ(kept, std::min(st.length, st.budget));
+    }
+  }
+}
+
+TEST(SelectTest, ThresholdKeepsProtectedTail) {
+  std::vector<StreamSlice> streams = {{0, 5, 0, 2}};
+  const std::vector<float> scores = {0.5f, 0.1f, 0.3f, 0.0f, 0.0f};
+  const float threshold = 0.3f;
+  std::vector<uint8_t> keep(5);
+  SelectThresholdRef(streams.data(), 1, scores.data(), &threshold, keep.data());
+  EXPECT_THAT(keep, ElementsAre(1, 0, 1, 1, 1));
+}
+
+TEST(SelectTest, CompactMovesKeptSlotsToTheFrontInOrder) {
+  std::vector<StreamSlice> streams = {{0, 4, 0, 0}, {4, 3, 0, 0}};
+  const std::vector<uint8_t> keep = {0, 1, 0, 1, 1, 1, 0};
+  std::vector<float> scores = {0, 1, 2, 3, 4, 5, 6};
+  std::vector<int64_t> positions = {10, 11, 12, 13, 20, 21, 22};
+  std::vector<uint32_t> index(7, 99), kept(2);
+  CompactSlotsRef(streams.data(), 2, keep.data(), scores.data(), positions.data(), index.data(),
+                  kept.data());
+  EXPECT_THAT(kept, ElementsAre(2, 2));
+  EXPECT_THAT(std::vector<float>(scores.begin(), scores.begin() + 2), ElementsAre(1, 3));
+  EXPECT_THAT(std::vector<int64_t>(positions.begin() + 4, positions.begin() + 6),
+              ElementsAre(20, 21));
+  EXPECT_EQ(index[0], 1u);
+  EXPECT_EQ(index[1], 3u);
+  EXPECT_EQ(index[4], 0u);
+  EXPECT_EQ(index[5], 1u);
+}
+
+}  // namespace
+}  // namespace kvmem::kernels
