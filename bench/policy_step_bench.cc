@@ -72,7 +72,7 @@ void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8) {
   const uint64_t moved = engine->Stats(false).bytes_moved - moved_before;
   // Bytes a step touches: per slot, the row (4), the score read+write (8), the position (8),
   // the priority (4) and the per-slot metadata compaction (2 x 28); plus K/V bytes moved.
-  const double slots = double{streams} * (shape.budget + 1);
+  const double slots = static_cast<double>(streams) * (shape.budget + 1);
   const double touched = slots * (4 + 8 + 8 + 4 + 56) + double(moved) / state.iterations();
   state.counters["bytes_touched"] = touched;
   state.counters["kv_moved_per_step"] = double(moved) / state.iterations();

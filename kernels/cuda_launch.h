@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/compact.h"
 #include "kernels/copy.h"
 #include "kernels/quantize.h"
 #include "kernels/select.h"
@@ -47,5 +48,11 @@ cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, co
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
                          cudaStream_t stream);
+
+// compact.h, one block per stream.
+cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
+                        const uint32_t* kept_index, const uint32_t* kept,
+                        const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
+                        uint8_t* base, uint32_t* blocks_used, cudaStream_t stream);
 
 }  // namespace kvmem::kernels::cuda

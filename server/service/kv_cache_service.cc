@@ -55,8 +55,17 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
     }
   }
   if (std::optional<store::PoolExport> exported = backend.pool_export()) {
-    response->mutable_shared_memory()->set_name(exported->shm_name);
-    response->mutable_shared_memory()->set_segment_bytes(exported->bytes);
+    if (!exported->shm_name.empty()) {
+      response->mutable_shared_memory()->set_name(exported->shm_name);
+      response->mutable_shared_memory()->set_segment_bytes(exported->bytes);
+    }
+    if (!exported->cuda_ipc_handle.empty()) {
+      v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
+      ipc->set_handle(exported->cuda_ipc_handle);
+      ipc->set_pool_bytes(exported->bytes);
+      ipc->set_device(exported->cuda_device);
+      ipc->set_device_uuid(exported->cuda_device_uuid);
+    }
   }
   static constexpr struct {
     v1::Precision precision;

@@ -8,6 +8,9 @@
 #include "grpcpp/server_builder.h"
 #include "server/service/kv_cache_service.h"
 #include "server/store/cpu_backend.h"
+#ifdef KVMEM_WITH_CUDA
+#include "server/store/cuda_backend.h"
+#endif
 #include "spdlog/spdlog.h"
 
 #ifndef KVMEM_VERSION
@@ -25,9 +28,10 @@ absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& n
   }
   if (name == "cuda") {
 #ifdef KVMEM_WITH_CUDA
-    return absl::UnimplementedError(
-        "--backend=cuda: this build has CUDA, but the CUDA backend is not part of this "
-        "version of kvmemd yet; use --backend=cpu");
+    absl::StatusOr<std::unique_ptr<store::CudaBackend>> cuda =
+        store::CudaBackend::Create(pool_bytes);
+    if (!cuda.ok()) return cuda.status();
+    return std::unique_ptr<store::Backend>(*std::move(cuda));
 #else
     return absl::FailedPreconditionError(
         "--backend=cuda: this kvmemd was built without CUDA (configure with -DWITH_CUDA=ON on "

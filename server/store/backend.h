@@ -32,7 +32,8 @@ struct ReadOp {
 };
 
 // Pool -> pool. Ops in one batch apply in order, each as if by memmove; compaction relies
-// on this (a stream's retained slots move toward its front, possibly overlapping).
+// on this (a stream's retained slots move toward its front, possibly overlapping; a copied
+// block is then compacted in place). kernels/copy.h states how the CUDA twin keeps it.
 struct MoveOp {
   uint64_t src;
   uint64_t dst;
@@ -57,10 +58,14 @@ struct DequantizeOp {
   void* v_dst;
 };
 
-// How a same-host process maps the pool without copies.
+// How a same-host process maps the pool without copies: a POSIX shared-memory segment (CPU
+// backend) or a CUDA IPC handle of the device allocation (CUDA backend).
 struct PoolExport {
-  std::string shm_name;  // POSIX shared memory (CPU backend)
-  uint64_t bytes = 0;
+  std::string shm_name;          // CPU: shm_open name
+  uint64_t bytes = 0;            // mapping size; block offsets index into it
+  std::string cuda_ipc_handle;   // CUDA: cudaIpcMemHandle_t bytes
+  int cuda_device = -1;          // CUDA: device ordinal in the daemon
+  std::string cuda_device_uuid;  // CUDA: the GPU's UUID (hex), to find it in another process
 };
 
 class Backend {

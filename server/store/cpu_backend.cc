@@ -98,7 +98,10 @@ absl::Status CpuBackend::Dequantize(const kernels::QuantGeometry& geometry, kern
 }
 
 std::optional<PoolExport> CpuBackend::pool_export() const {
-  return PoolExport{segment_->name(), segment_->bytes()};
+  PoolExport e;
+  e.shm_name = segment_->name();
+  e.bytes = segment_->bytes();
+  return e;
 }
 
 }  // namespace kvmem::store

@@ -143,6 +143,8 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.default_quantization_recent_tokens = r.default_quantization_recent_tokens();
   info.shm_name = r.shared_memory().name();
   info.shm_bytes = r.shared_memory().segment_bytes();
+  info.cuda_ipc_handle = r.cuda_ipc().handle();
+  info.cuda_device_uuid = r.cuda_ipc().device_uuid();
   info.epoch_board_name = r.epoch_board().name();
   info.epoch_stride = r.epoch_board().stride();
   info.epoch_slots = r.epoch_board().slots();

@@ -77,6 +77,8 @@ struct Info {
   uint32_t default_quantization_recent_tokens = 0;
   std::string shm_name;  // empty when the pool cannot be attached
   uint64_t shm_bytes = 0;
+  // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID.
+  std::string cuda_ipc_handle, cuda_device_uuid;
   std::string epoch_board_name;
   uint32_t epoch_stride = 0, epoch_slots = 0;
 };

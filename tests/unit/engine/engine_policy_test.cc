@@ -138,7 +138,9 @@ TEST_F(QuantizedEngineTest, Int8CodesNeverReRoundAcrossAThousandCompactions) {
             // Bound: |x - x_hat| <= s_c / 2 <= (channel absmax) / 254, and it never grows.
             EXPECT_LE(std::fabs(xh - x), channel_max[d] / 254 * (1 + 1e-5));
             auto [it, inserted] = first_seen.try_emplace({stream, pos, d}, xh);
-            if (!inserted) EXPECT_EQ(it->second, xh) << "re-rounded at step " << t;
+            if (!inserted) {
+              EXPECT_EQ(it->second, xh) << "re-rounded at step " << t;
+            }
           }
         }
       }

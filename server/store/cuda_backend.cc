@@ -1,0 +1,344 @@
+#include "server/store/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/cuda_launch.h"
+
+namespace kvmem::store {
+namespace {
+
+absl::Status FromCuda(cudaError_t e, absl::string_view what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  const std::string message =
+      absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+    return absl::FailedPreconditionError(message);
+  }
+  return absl::InternalError(message);
+}
+
+uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
+
+}  // namespace
+
+// Staging and op-list buffers, grown on demand and reused; one request at a time uses them.
+struct CudaBackend::Buffers {
+  absl::Mutex mu;
+  cudaStream_t stream = nullptr;
+  uint8_t* device_staging = nullptr;
+  uint64_t device_staging_bytes = 0;
+  uint8_t* host_staging = nullptr;  // pinned
+  uint64_t host_staging_bytes = 0;
+  uint8_t* device_ops = nullptr;
+  uint64_t device_ops_bytes = 0;
+
+  ~Buffers() {
+    cudaFree(device_staging);
+    cudaFreeHost(host_staging);
+    cudaFree(device_ops);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+  absl::Status Reserve(uint64_t staging, uint64_t ops) {
+    if (staging > device_staging_bytes) {
+      cudaFree(device_staging);
+      device_staging = nullptr;
+      device_staging_bytes = 0;
+      if (absl::Status s = FromCuda(cudaMalloc(&device_staging, staging), "staging buffer");
+          !s.ok()) {
+        return s;
+      }
+      device_staging_bytes = staging;
+    }
+    if (staging > host_staging_bytes) {
+      cudaFreeHost(host_staging);
+      host_staging = nullptr;
+      host_staging_bytes = 0;
+      if (absl::Status s = FromCuda(cudaMallocHost(&host_staging, staging), "pinned staging");
+          !s.ok()) {
+        return s;
+      }
+      host_staging_bytes = staging;
+    }
+    if (ops > device_ops_bytes) {
+      cudaFree(device_ops);
+      device_ops = nullptr;
+      device_ops_bytes = 0;
+      if (absl::Status s = FromCuda(cudaMalloc(&device_ops, ops), "op list"); !s.ok()) return s;
+      device_ops_bytes = ops;
+    }
+    return absl::OkStatus();
+  }
+  // Uploads an op list (synchronous: the host vector may go right after).
+  template <typename T>
+  absl::Status Upload(const std::vector<T>& ops, uint64_t at = 0) {
+    if (ops.empty()) return absl::OkStatus();
+    return FromCuda(cudaMemcpyAsync(device_ops + at, ops.data(), ops.size() * sizeof(T),
+                                    cudaMemcpyHostToDevice, stream),
+                    "op list upload");
+  }
+  absl::Status Wait(absl::string_view what) {
+    return FromCuda(cudaStreamSynchronize(stream), what);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_bytes, int device) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--backend=cuda: no CUDA device is visible (",
+        e == cudaSuccess ? "0 devices" : cudaGetErrorString(e), "); use --backend=cpu"));
+  }
+  if (device < 0 || device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda device ", device, ": only ", count, " visible"));
+  }
+  std::unique_ptr<CudaBackend> b(new CudaBackend());
+  b->device_ = device;
+  b->pool_bytes_ = pool_bytes;
+  if (absl::Status s = FromCuda(cudaSetDevice(device), "set device"); !s.ok()) return s;
+  cudaDeviceProp prop{};
+  if (absl::Status s = FromCuda(cudaGetDeviceProperties(&prop, device), "device properties");
+      !s.ok()) {
+    return s;
+  }
+  b->device_name_ = prop.name;
+  for (unsigned char c : prop.uuid.bytes)
+    absl::StrAppend(&b->device_uuid_, absl::Hex(c, absl::kZeroPad2));
+  size_t free_bytes = 0, total_bytes = 0;
+  (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+  const cudaError_t alloc = cudaMalloc(&b->pool_, pool_bytes);
+  if (alloc == cudaErrorMemoryAllocation) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("--pool-bytes: ", pool_bytes, " bytes do not fit on ", b->device_name_, " (",
+                     free_bytes, " of ", total_bytes, " bytes free)"));
+  }
+  if (absl::Status s = FromCuda(alloc, "pool allocation"); !s.ok()) return s;
+  if (absl::Status s = FromCuda(cudaMemset(b->pool_, 0, pool_bytes), "pool clear"); !s.ok()) {
+    return s;
+  }
+  cudaIpcMemHandle_t handle;
+  if (cudaIpcGetMemHandle(&handle, b->pool_) == cudaSuccess) {
+    b->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+  } else {
+    (void)cudaGetLastError();  // no IPC on this platform: the pool is simply not exported
+  }
+  b->buffers_ = std::make_unique<Buffers>();
+  if (absl::Status s = FromCuda(
+          cudaStreamCreateWithFlags(&b->buffers_->stream, cudaStreamNonBlocking), "stream");
+      !s.ok()) {
+    return s;
+  }
+  return b;
+}
+
+CudaBackend::~CudaBackend() {
+  buffers_.reset();
+  if (pool_ != nullptr) cudaFree(pool_);
+}
+
+absl::Status CudaBackend::CheckRange(uint64_t offset, uint64_t bytes, const char* what) const {
+  if (offset > pool_bytes_ || bytes > pool_bytes_ - offset) {
+    return absl::InternalError(absl::StrCat(what, ": range [", offset, ", ", offset + bytes,
+                                            ") outside the pool of ", pool_bytes_, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Write(absl::Span<const WriteOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  std::vector<kernels::CopyOp> scatter;
+  uint64_t total = 0;
+  for (const WriteOp& op : ops) {
+    if (absl::Status s = CheckRange(op.dst, op.bytes, "write"); !s.ok()) return s;
+    scatter.push_back({total, op.dst, op.bytes});
+    total = Align16(total + op.bytes);
+  }
+  Buffers& b = *buffers_;
+  absl::MutexLock lock(&b.mu);
+  if (absl::Status s = b.Reserve(total, scatter.size() * sizeof(kernels::CopyOp)); !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::memcpy(b.host_staging + scatter[i].src, ops[i].src, ops[i].bytes);
+  }
+  if (absl::Status s = b.Upload(scatter); !s.ok()) return s;
+  absl::Status s = FromCuda(
+      cudaMemcpyAsync(b.device_staging, b.host_staging, total, cudaMemcpyHostToDevice, b.stream),
+      "write upload");
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::CopyBatch(b.device_staging, pool_,
+                                          reinterpret_cast<kernels::CopyOp*>(b.device_ops),
+                                          static_cast<uint32_t>(scatter.size()), b.stream),
+                 "write scatter");
+  }
+  absl::Status waited = b.Wait("write");
+  return s.ok() ? waited : s;
+}
+
+absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  std::vector<kernels::CopyOp> gather;
+  uint64_t total = 0;
+  for (const ReadOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, op.bytes, "read"); !s.ok()) return s;
+    gather.push_back({op.src, total, op.bytes});
+    total = Align16(total + op.bytes);
+  }
+  Buffers& b = *buffers_;
+  absl::MutexLock lock(&b.mu);
+  if (absl::Status s = b.Reserve(total, gather.size() * sizeof(kernels::CopyOp)); !s.ok()) {
+    return s;
+  }
+  absl::Status s = b.Upload(gather);
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging,
+                                          reinterpret_cast<kernels::CopyOp*>(b.device_ops),
+                                          static_cast<uint32_t>(gather.size()), b.stream),
+                 "read gather");
+  }
+  if (s.ok()) {
+    s = FromCuda(
+        cudaMemcpyAsync(b.host_staging, b.device_staging, total, cudaMemcpyDeviceToHost, b.stream),
+        "read download");
+  }
+  absl::Status waited = b.Wait("read");
+  if (!s.ok()) return s;
+  if (!waited.ok()) return waited;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::memcpy(ops[i].dst, b.host_staging + gather[i].dst, ops[i].bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  std::vector<kernels::CopyOp> moves;
+  for (const MoveOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, op.bytes, "move source"); !s.ok()) return s;
+    if (absl::Status s = CheckRange(op.dst, op.bytes, "move destination"); !s.ok()) return s;
+    moves.push_back({op.src, op.dst, op.bytes});
+  }
+  // Per wave (copy.h): every source to scratch, then scratch to every destination. Both op
+  // lists of every wave go up in one copy: gathers in [0, n), scatters in [n, 2n).
+  const std::vector<size_t> waves = kernels::MoveWaves(moves.data(), moves.size());
+  std::vector<kernels::CopyOp> lists(2 * moves.size());
+  uint64_t scratch = 0;
+  for (size_t w = 0; w < waves.size(); ++w) {
+    const size_t end = w + 1 < waves.size() ? waves[w + 1] : moves.size();
+    uint64_t at = 0;
+    for (size_t i = waves[w]; i < end; ++i) {
+      lists[i] = {moves[i].src, at, moves[i].bytes};
+      lists[moves.size() + i] = {at, moves[i].dst, moves[i].bytes};
+      at = Align16(at + moves[i].bytes);
+    }
+    scratch = std::max(scratch, at);
+  }
+  Buffers& b = *buffers_;
+  absl::MutexLock lock(&b.mu);
+  if (absl::Status s = b.Reserve(scratch, lists.size() * sizeof(kernels::CopyOp)); !s.ok()) {
+    return s;
+  }
+  absl::Status s = b.Upload(lists);
+  const auto* list = reinterpret_cast<const kernels::CopyOp*>(b.device_ops);
+  for (size_t w = 0; s.ok() && w < waves.size(); ++w) {
+    const size_t end = w + 1 < waves.size() ? waves[w + 1] : moves.size();
+    const auto n = static_cast<uint32_t>(end - waves[w]);
+    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging, list + waves[w], n, b.stream),
+                 "move gather");
+    if (s.ok()) {
+      s = FromCuda(kernels::cuda::CopyBatch(b.device_staging, pool_, list + moves.size() + waves[w],
+                                            n, b.stream),
+                   "move scatter");
+    }
+  }
+  absl::Status waited = b.Wait("move");
+  return s.ok() ? waited : s;
+}
+
+absl::Status CudaBackend::Quantize(kernels::ElemType elem, const kernels::QuantGeometry& geometry,
+                                   absl::Span<const QuantizeOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  const uint64_t layout_bytes =
+      2ull * geometry.block_tokens * geometry.head_dim * kernels::ElemBytes(elem);
+  std::vector<kernels::cuda::QuantizeDeviceOp> list;
+  for (const QuantizeOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, layout_bytes, "quantize source"); !s.ok()) return s;
+    if (absl::Status s = CheckRange(op.dst, geometry.block_bytes(), "quantize destination");
+        !s.ok()) {
+      return s;
+    }
+    list.push_back({op.src, op.dst, op.start, op.count});
+  }
+  Buffers& b = *buffers_;
+  absl::MutexLock lock(&b.mu);
+  if (absl::Status s = b.Reserve(0, list.size() * sizeof(list[0])); !s.ok()) return s;
+  absl::Status s = b.Upload(list);
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::QuantizeBlocks(
+                     pool_, elem, geometry,
+                     reinterpret_cast<const kernels::cuda::QuantizeDeviceOp*>(b.device_ops),
+                     static_cast<uint32_t>(list.size()), b.stream),
+                 "quantize");
+  }
+  absl::Status waited = b.Wait("quantize");
+  return s.ok() ? waited : s;
+}
+
+absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,
+                                     absl::Span<const DequantizeOp> ops) {
+  if (ops.empty()) return absl::OkStatus();
+  const uint64_t row = uint64_t{geometry.head_dim} * kernels::ElemBytes(elem);
+  std::vector<kernels::cuda::DequantizeDeviceOp> list;
+  uint64_t total = 0;
+  for (const DequantizeOp& op : ops) {
+    if (absl::Status s = CheckRange(op.src, geometry.block_bytes(), "dequantize"); !s.ok()) {
+      return s;
+    }
+    const uint64_t k_out = total, v_out = Align16(total + op.count * row);
+    list.push_back({op.src, k_out, v_out, op.start, op.count});
+    total = Align16(v_out + op.count * row);
+  }
+  Buffers& b = *buffers_;
+  absl::MutexLock lock(&b.mu);
+  if (absl::Status s = b.Reserve(total, list.size() * sizeof(list[0])); !s.ok()) return s;
+  absl::Status s = b.Upload(list);
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::DequantizeBlocks(
+                     pool_, geometry, elem,
+                     reinterpret_cast<const kernels::cuda::DequantizeDeviceOp*>(b.device_ops),
+                     static_cast<uint32_t>(list.size()), b.device_staging, b.stream),
+                 "dequantize");
+  }
+  if (s.ok()) {
+    s = FromCuda(
+        cudaMemcpyAsync(b.host_staging, b.device_staging, total, cudaMemcpyDeviceToHost, b.stream),
+        "dequantize download");
+  }
+  absl::Status waited = b.Wait("dequantize");
+  if (!s.ok()) return s;
+  if (!waited.ok()) return waited;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::memcpy(ops[i].k_dst, b.host_staging + list[i].k_out, ops[i].count * row);
+    std::memcpy(ops[i].v_dst, b.host_staging + list[i].v_out, ops[i].count * row);
+  }
+  return absl::OkStatus();
+}
+
+std::optional<PoolExport> CudaBackend::pool_export() const {
+  if (ipc_handle_.empty()) return std::nullopt;
+  PoolExport e;
+  e.bytes = pool_bytes_;
+  e.cuda_ipc_handle = ipc_handle_;
+  e.cuda_device = device_;
+  e.cuda_device_uuid = device_uuid_;
+  return e;
+}
+
+}  // namespace kvmem::store

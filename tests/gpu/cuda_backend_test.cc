@@ -1,0 +1,86 @@
+// CudaBackend against CpuBackend: the same batches of writes, moves (with the hazards the
+// engine produces), quantization and reads leave byte-identical pools. Skipped without a
+// CUDA device; the error paths that need no device run everywhere.
+#include "server/store/cuda_backend.h"
+
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/store/cpu_backend.h"
+
+namespace kvmem::store {
+namespace {
+
+TEST(CudaBackendTest, NoDeviceOrTooLargeIsAClearError) {
+  auto huge = CudaBackend::Create(uint64_t{1} << 52);
+  ASSERT_FALSE(huge.ok());
+  // Without a GPU: FAILED_PRECONDITION naming the flag; with one: RESOURCE_EXHAUSTED naming
+  // --pool-bytes. Never an abort.
+  EXPECT_TRUE(huge.status().code() == absl::StatusCode::kFailedPrecondition ||
+              huge.status().code() == absl::StatusCode::kResourceExhausted)
+      << huge.status();
+  EXPECT_NE(huge.status().message().find("--"), std::string::npos) << huge.status();
+}
+
+class CudaBackendParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto cuda = CudaBackend::Create(kPool);
+    if (!cuda.ok() && cuda.status().code() == absl::StatusCode::kFailedPrecondition) {
+      GTEST_SKIP() << cuda.status();
+    }
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    cuda_ = *std::move(cuda);
+    cpu_ = *CpuBackend::Create(kPool);
+  }
+  std::vector<uint8_t> ReadAll(Backend& b) {
+    std::vector<uint8_t> out(kPool);
+    ReadOp op{0, out.data(), kPool};
+    EXPECT_TRUE(b.Read({&op, 1}).ok());
+    return out;
+  }
+  static constexpr uint64_t kPool = 1 << 20;
+  std::unique_ptr<CudaBackend> cuda_;
+  std::unique_ptr<CpuBackend> cpu_;
+};
+
+TEST_F(CudaBackendParity, WritesMovesQuantizeAndReadsMatchTheCpuBackend) {
+  std::mt19937 rng(9);
+  std::vector<uint8_t> data(kPool);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  WriteOp w{data.data(), 0, kPool};
+  ASSERT_TRUE(cpu_->Write({&w, 1}).ok());
+  ASSERT_TRUE(cuda_->Write({&w, 1}).ok());
+  for (int trial = 0; trial < 50; ++trial) {
+    std::vector<MoveOp> moves(1 + rng() % 40);
+    for (MoveOp& m : moves) {
+      m.bytes = rng() % 4096;
+      m.src = rng() % (kPool - m.bytes);
+      m.dst = rng() % (kPool - m.bytes);
+    }
+    ASSERT_TRUE(cpu_->Move(moves).ok());
+    ASSERT_TRUE(cuda_->Move(moves).ok());
+  }
+  EXPECT_EQ(ReadAll(*cpu_), ReadAll(*cuda_));
+  // f16 layout blocks at 0.., quantized into the second half.
+  const kernels::QuantGeometry g{kernels::QuantType::kInt8, 16, 128};
+  std::vector<QuantizeOp> q;
+  for (uint32_t b = 0; b < 32; ++b) q.push_back({b * 8192ull, kPool / 2 + b * 8192ull, 0, 16});
+  ASSERT_TRUE(cpu_->Quantize(kernels::ElemType::kF16, g, q).ok());
+  ASSERT_TRUE(cuda_->Quantize(kernels::ElemType::kF16, g, q).ok());
+  EXPECT_EQ(ReadAll(*cpu_), ReadAll(*cuda_));
+  std::vector<uint8_t> k1(16 * 256), v1(16 * 256), k2(16 * 256), v2(16 * 256);
+  DequantizeOp d1{kPool / 2, 0, 16, k1.data(), v1.data()},
+      d2{kPool / 2, 0, 16, k2.data(), v2.data()};
+  ASSERT_TRUE(cpu_->Dequantize(g, kernels::ElemType::kF16, {&d1, 1}).ok());
+  ASSERT_TRUE(cuda_->Dequantize(g, kernels::ElemType::kF16, {&d2, 1}).ok());
+  EXPECT_EQ(k1, k2);
+  EXPECT_EQ(v1, v2);
+  EXPECT_TRUE(cuda_->pool_export().has_value());
+  MoveOp bad{kPool - 8, 0, 16};
+  EXPECT_EQ(cuda_->Move({&bad, 1}).code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace kvmem::store

@@ -1,0 +1,313 @@
+// GPU parity: every CUDA kernel against its C++ reference on random inputs. Needs CUDA and
+// CMake only (no GoogleTest here: tests/gpu/run.sh builds on bare GPU machines). Exits 0
+// when all checks pass, 1 on a mismatch, 77 (skipped) when no CUDA device is present.
+//
+// Tolerances: none. Every kernel is specified bit for bit (copies, compaction, selection
+// keys with unfused f32 arithmetic, quantization with IEEE division and round-half-even),
+// so each comparison is byte-exact.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_launch.h"
+
+namespace kvmem::kernels {
+namespace {
+
+int checks = 0, failures = 0;
+
+void Check(bool ok, const std::string& what) {
+  ++checks;
+  if (!ok) {
+    ++failures;
+    if (failures <= 20) std::printf("MISMATCH: %s\n", what.c_str());
+  }
+}
+
+#define CUDA_OK(expr)                                                                       \
+  do {                                                                                      \
+    cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                  #expr);                                                                   \
+      std::exit(1);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+// A device copy of a host vector, freed with the object.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(const std::vector<T>& host) : n_(host.size()) {
+    CUDA_OK(cudaMalloc(&ptr_, std::max<size_t>(1, n_) * sizeof(T)));
+    if (n_ > 0) CUDA_OK(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~DeviceArray() { cudaFree(ptr_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  T* get() { return ptr_; }
+  std::vector<T> Host() const {
+    std::vector<T> out(n_);
+    CUDA_OK(cudaDeviceSynchronize());
+    if (n_ > 0) CUDA_OK(cudaMemcpy(out.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return out;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+std::mt19937 rng(2024);
+
+void MoveBatches() {
+  for (int trial = 0; trial < 300; ++trial) {
+    const uint64_t size = 1 << 16;
+    std::vector<uint8_t> pool(size);
+    for (auto& b : pool) b = static_cast<uint8_t>(rng());
+    std::vector<CopyOp> ops(1 + rng() % 64);
+    for (CopyOp& op : ops) {
+      const bool aligned = rng() % 2;
+      op.bytes = aligned ? 16 * (rng() % 64) : rng() % 700;
+      op.src = rng() % (size - op.bytes + 1);
+      op.dst = rng() % (size - op.bytes + 1);
+      if (aligned) op.src &= ~15ull, op.dst &= ~15ull;
+    }
+    DeviceArray<uint8_t> d_pool(pool);
+    MoveBatchRef(pool.data(), ops.data(), ops.size());
+    // The CUDA backend's way: per wave, pool -> scratch, then scratch -> pool.
+    const std::vector<size_t> starts = MoveWaves(ops.data(), ops.size());
+    for (size_t w = 0; w < starts.size(); ++w) {
+      const size_t end = w + 1 < starts.size() ? starts[w + 1] : ops.size();
+      std::vector<CopyOp> gather, scatter;
+      uint64_t at = 0;
+      for (size_t i = starts[w]; i < end; ++i) {
+        gather.push_back({ops[i].src, at, ops[i].bytes});
+        scatter.push_back({at, ops[i].dst, ops[i].bytes});
+        at = (at + ops[i].bytes + 15) / 16 * 16;
+      }
+      DeviceArray<uint8_t> scratch(std::vector<uint8_t>(at + 16));
+      DeviceArray<CopyOp> g(gather), s(scatter);
+      CUDA_OK(cuda::CopyBatch(d_pool.get(), scratch.get(), g.get(), gather.size(), nullptr));
+      CUDA_OK(cuda::CopyBatch(scratch.get(), d_pool.get(), s.get(), scatter.size(), nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+    }
+    Check(d_pool.Host() == pool, "move batch, trial " + std::to_string(trial));
+  }
+}
+
+void Quantization() {
+  const ElemType elems[] = {ElemType::kF16, ElemType::kBF16, ElemType::kF32};
+  const QuantType types[] = {QuantType::kInt8, QuantType::kInt4, QuantType::kNF4};
+  const uint32_t dims[] = {64, 128, 96, 80, 7};
+  std::normal_distribution<float> normal(0.0f, 1.5f);
+  for (ElemType elem : elems) {
+    for (QuantType type : types) {
+      for (uint32_t D : dims) {
+        const QuantGeometry g{type, 16, D};
+        const uint32_t blocks = 40;
+        const uint64_t layout = 2ull * g.block_tokens * D * ElemBytes(elem);
+        const uint64_t qbytes = g.block_bytes();
+        // Pool: `blocks` layout blocks, then `blocks` quantized blocks (zeroed).
+        std::vector<uint8_t> pool(blocks * (layout + qbytes), 0);
+        for (uint64_t i = 0; i < uint64_t{blocks} * 2 * g.block_tokens * D; ++i) {
+          float x = normal(rng);
+          if (i % 97 == 0) x = 0;
+          if (i % 1013 == 0) x *= 1000;
+          StoreElem(pool.data(), i, elem, x);
+        }
+        // A zero channel in block 0 (scale 0 decodes to 0).
+        for (uint32_t t = 0; t < g.block_tokens; ++t) StoreElem(pool.data(), t * D, elem, 0.0f);
+        std::vector<cuda::QuantizeDeviceOp> ops;
+        for (uint32_t b = 0; b < blocks; ++b) {
+          const uint32_t start = rng() % g.block_tokens;
+          const uint32_t count = 1 + rng() % (g.block_tokens - start);
+          ops.push_back({b * layout, blocks * layout + b * qbytes, start, count});
+        }
+        DeviceArray<uint8_t> d_pool(pool);
+        DeviceArray<cuda::QuantizeDeviceOp> d_ops(ops);
+        for (const auto& op : ops) {
+          QuantizeBlockRef(pool.data() + op.src, elem, g, op.start, op.count, pool.data() + op.dst);
+        }
+        CUDA_OK(cuda::QuantizeBlocks(d_pool.get(), elem, g, d_ops.get(), ops.size(), nullptr));
+        const std::string what = "quantize elem " + std::to_string(int(elem)) + " type " +
+                                 std::to_string(int(type)) + " D " + std::to_string(D);
+        Check(d_pool.Host() == pool, what);
+        // Dequantize every op's live rows into a staging buffer.
+        std::vector<cuda::DequantizeDeviceOp> dops;
+        uint64_t at = 0;
+        const uint64_t row = uint64_t{D} * ElemBytes(elem);
+        std::vector<uint8_t> want;
+        for (const auto& op : ops) {
+          dops.push_back({op.dst, at, at + op.count * row, op.start, op.count});
+          at += 2 * op.count * row;
+        }
+        want.resize(at);
+        for (size_t i = 0; i < ops.size(); ++i) {
+          DequantizeBlockRef(pool.data() + ops[i].dst, g, ops[i].start, ops[i].count, elem,
+                             want.data() + dops[i].k_out, want.data() + dops[i].v_out);
+        }
+        DeviceArray<uint8_t> out(std::vector<uint8_t>(at, 0));
+        DeviceArray<cuda::DequantizeDeviceOp> d_dops(dops);
+        CUDA_OK(cuda::DequantizeBlocks(d_pool.get(), g, elem, d_dops.get(), dops.size(), out.get(),
+                                       nullptr));
+        Check(out.Host() == want, "de" + what);
+      }
+    }
+  }
+}
+
+struct Streams {
+  std::vector<StreamSlice> slices;
+  std::vector<float> scores, attention, mx;
+  std::vector<int64_t> positions;
+};
+
+Streams RandomStreams(uint32_t num, uint32_t max_len) {
+  Streams s;
+  for (uint32_t i = 0; i < num; ++i) {
+    const uint32_t n = rng() % max_len;
+    s.slices.push_back({static_cast<uint32_t>(s.scores.size()), n,
+                        static_cast<uint32_t>(1 + rng() % (max_len / 2 + 1)),
+                        static_cast<uint32_t>(rng() % 64)});
+    int64_t at = rng() % 10;
+    for (uint32_t j = 0; j < n; ++j) {
+      const uint32_t kind = rng() % 10;
+      s.scores.push_back(kind == 0 ? std::nanf("") : static_cast<float>(rng() % 16) / 16);
+      s.attention.push_back(static_cast<float>(rng() % 1000) / 1000);
+      s.positions.push_back(at += 1 + rng() % 3);
+    }
+  }
+  s.mx.assign(num, 0);
+  return s;
+}
+
+template <typename T>
+bool BitEqual(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+void Selection() {
+  for (int trial = 0; trial < 60; ++trial) {
+    const uint32_t num = 1 + rng() % 300;
+    Streams s = RandomStreams(num, trial % 10 == 0 ? 6000 : 600);
+    const ScoreRule rule = trial % 2 ? ScoreRule::kEma : ScoreRule::kAccumulate;
+    if (rule == ScoreRule::kAccumulate) {
+      for (float& x : s.scores) x = std::isnan(x) ? 0.0f : x;
+    }
+    DeviceArray<StreamSlice> d_slices(s.slices);
+    DeviceArray<float> d_scores(s.scores), d_att(s.attention), d_mx(s.mx);
+    DeviceArray<int64_t> d_pos(s.positions);
+    UpdateScoresRef(rule, 0.9f, s.slices.data(), num, s.attention.data(), s.scores.data(),
+                    s.mx.data());
+    CUDA_OK(cuda::UpdateScores(rule, 0.9f, d_slices.get(), num, d_att.get(), d_scores.get(),
+                               d_mx.get(), nullptr));
+    const std::string t = " trial " + std::to_string(trial);
+    Check(BitEqual(d_scores.Host(), s.scores), "update scores" + t);
+    Check(BitEqual(d_mx.Host(), s.mx), "stream max" + t);
+    for (float w : {0.65f, 1.0f, 0.0f}) {
+      std::vector<uint8_t> keep(s.scores.size(), 9);
+      DeviceArray<uint8_t> d_keep(keep);
+      SelectTopRef(s.slices.data(), num, s.scores.data(), s.mx.data(), s.positions.data(), w,
+                   keep.data());
+      CUDA_OK(cuda::SelectTop(d_slices.get(), num, d_scores.get(), d_mx.get(), d_pos.get(), w,
+                              d_keep.get(), nullptr));
+      Check(d_keep.Host() == keep, "select top w=" + std::to_string(w) + t);
+    }
+    std::vector<float> threshold(num);
+    for (float& x : threshold) x = static_cast<float>(rng() % 16) / 16;
+    std::vector<uint8_t> keep(s.scores.size(), 9);
+    DeviceArray<uint8_t> d_keep(keep);
+    DeviceArray<float> d_thr(threshold);
+    SelectThresholdRef(s.slices.data(), num, s.scores.data(), threshold.data(), keep.data());
+    CUDA_OK(cuda::SelectThreshold(d_slices.get(), num, d_scores.get(), d_thr.get(), d_keep.get(),
+                                  nullptr));
+    Check(d_keep.Host() == keep, "select threshold" + t);
+    // Compaction of the metadata to the threshold's keep-set.
+    std::vector<uint32_t> index(s.scores.size(), 0), kept(num, 0);
+    DeviceArray<uint32_t> d_index(index), d_kept(kept);
+    CompactSlotsRef(s.slices.data(), num, keep.data(), s.scores.data(), s.positions.data(),
+                    index.data(), kept.data());
+    CUDA_OK(cuda::CompactSlots(d_slices.get(), num, d_keep.get(), d_scores.get(), d_pos.get(),
+                               d_index.get(), d_kept.get(), nullptr));
+    const std::vector<uint32_t> got_kept = d_kept.Host(), got_index = d_index.Host();
+    const std::vector<float> got_scores = d_scores.Host();
+    const std::vector<int64_t> got_pos = d_pos.Host();
+    bool same = got_kept == kept;
+    for (uint32_t i = 0; same && i < num; ++i) {
+      for (uint32_t r = 0; r < kept[i]; ++r) {
+        const uint32_t at = s.slices[i].offset + r;
+        same = same && got_index[at] == index[at] && got_pos[at] == s.positions[at] &&
+               std::memcmp(&got_scores[at], &s.scores[at], 4) == 0;
+      }
+    }
+    Check(same, "compact slots" + t);
+  }
+}
+
+void RowCompaction() {
+  for (int trial = 0; trial < 40; ++trial) {
+    const RowGeometry g{16, static_cast<uint32_t>(4 * (1 + rng() % 64))};
+    const uint64_t block_bytes = 2ull * g.block_tokens * g.row_bytes;
+    const uint32_t num = 1 + rng() % 64;
+    std::vector<StreamSlice> slices;
+    std::vector<uint32_t> first;
+    std::vector<uint8_t> keep;
+    uint32_t blocks = 0;
+    for (uint32_t s = 0; s < num; ++s) {
+      const uint32_t n = rng() % 300;
+      slices.push_back({static_cast<uint32_t>(keep.size()), n, 0, 0});
+      first.push_back(blocks);
+      blocks += (n + g.block_tokens - 1) / g.block_tokens;
+      for (uint32_t j = 0; j < n; ++j) keep.push_back(rng() % 4 != 0);
+    }
+    std::vector<uint64_t> offsets(blocks);
+    for (uint32_t i = 0; i < blocks; ++i) offsets[i] = i * block_bytes;
+    std::shuffle(offsets.begin(), offsets.end(), rng);
+    std::vector<uint8_t> pool(std::max<uint64_t>(1, blocks * block_bytes));
+    for (auto& b : pool) b = static_cast<uint8_t>(rng());
+    std::vector<float> scores(keep.size(), 0);
+    std::vector<int64_t> positions(keep.size(), 0);
+    std::vector<uint32_t> index(keep.size()), kept(num), used(num, 0);
+    CompactSlotsRef(slices.data(), num, keep.data(), scores.data(), positions.data(), index.data(),
+                    kept.data());
+    DeviceArray<uint8_t> d_pool(pool);
+    DeviceArray<StreamSlice> d_slices(slices);
+    DeviceArray<uint32_t> d_index(index), d_kept(kept), d_first(first), d_used(used);
+    DeviceArray<uint64_t> d_offsets(offsets);
+    CompactRowsRef(slices.data(), num, index.data(), kept.data(), offsets.data(), first.data(), g,
+                   pool.data(), used.data());
+    CUDA_OK(cuda::CompactRows(d_slices.get(), num, d_index.get(), d_kept.get(), d_offsets.get(),
+                              d_first.get(), g, d_pool.get(), d_used.get(), nullptr));
+    Check(d_pool.Host() == pool, "compact rows trial " + std::to_string(trial));
+    Check(d_used.Host() == used, "blocks used trial " + std::to_string(trial));
+  }
+}
+
+}  // namespace
+}  // namespace kvmem::kernels
+
+int main() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("gpu parity: no CUDA device, skipped\n");
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("gpu parity on %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
+  using namespace kvmem::kernels;
+  MoveBatches();
+  Quantization();
+  Selection();
+  RowCompaction();
+  std::printf("gpu parity: %d checks, %d mismatches\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
