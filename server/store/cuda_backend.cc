@@ -109,8 +109,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
     return s;
   }
   b->device_name_ = prop.name;
-  for (unsigned char c : prop.uuid.bytes)
-    absl::StrAppend(&b->device_uuid_, absl::Hex(c, absl::kZeroPad2));
+  for (char c : prop.uuid.bytes) {
+    absl::StrAppend(&b->device_uuid_, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+  }
   size_t free_bytes = 0, total_bytes = 0;
   (void)cudaMemGetInfo(&free_bytes, &total_bytes);
   const cudaError_t alloc = cudaMalloc(&b->pool_, pool_bytes);
