@@ -17,19 +17,10 @@
 #include <vector>
 
 #include "kernels/cuda_launch.h"
+#include "tests/gpu/cuda_check.h"
 
 namespace kvmem::kernels {
 namespace {
-
-#define CUDA_OK(expr)                                                                       \
-  do {                                                                                      \
-    cudaError_t e_ = (expr);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                  #expr);                                                                   \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 template <typename T>
 T* Upload(const std::vector<T>& host) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cuda_launch.h"
+#include "tests/gpu/cuda_check.h"
 
 namespace kvmem::kernels {
 namespace {
@@ -30,16 +31,6 @@ void Check(bool ok, const std::string& what) {
     if (failures <= 20) std::printf("MISMATCH: %s\n", what.c_str());
   }
 }
-
-#define CUDA_OK(expr)                                                                       \
-  do {                                                                                      \
-    cudaError_t e_ = (expr);                                                                \
-    if (e_ != cudaSuccess) {                                                                \
-      std::printf("CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                  #expr);                                                                   \
-      std::exit(1);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 // A device copy of a host vector, freed with the object.
 template <typename T>
