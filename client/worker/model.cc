@@ -82,7 +82,6 @@ void BlockedAttention(const float* q, uint32_t q_stride, uint32_t head0, uint32_
   std::copy_n(new_k, uint64_t{T} * D, k.data() + n_past * D);
   std::copy_n(new_v, uint64_t{T} * D, v.data() + n_past * D);
   std::vector<float> s(uint64_t{kChunk} * n);
-  const int threads = WorkerThreads();
   for (uint32_t h = head0; h < head0 + heads; ++h) {
     for (uint32_t t0 = 0; t0 < T; t0 += kChunk) {
       const uint32_t rows = std::min(kChunk, T - t0);
@@ -91,7 +90,8 @@ void BlockedAttention(const float* q, uint32_t q_stride, uint32_t head0, uint32_
                   static_cast<int>(keys), static_cast<int>(D), scale,
                   q + uint64_t{t0} * q_stride + uint64_t{h} * D, static_cast<int>(q_stride),
                   k.data(), static_cast<int>(D), 0.0f, s.data(), static_cast<int>(keys));
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+      // One thread: OpenMP here would spin against OpenBLAS's own threads between the two
+      // products (measured: most of the prefill time went to the two pools' waiting).
       for (int r = 0; r < static_cast<int>(rows); ++r) {
         float* row = s.data() + uint64_t(r) * keys;
         const size_t valid = n_past + t0 + r + 1;
