@@ -253,6 +253,29 @@ def study_quant(args):
     return results
 
 
+def study_quanterr(args):
+    """int8 / int4 / nf4 relative error ||x - x_hat|| / ||x|| on the model's real K and V
+    (every full 16-token block of every stream, kernels' reference quantizer)."""
+    n = args.tokens
+    text, model = corpus_path(), model_path()
+    start = time.time()
+    out = subprocess.run([str(BIN / "kvmem_worker"), "quanterr", f"--model={model}",
+                          f"--text={text}", f"--max_eval_tokens={n}"], check=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
+    tag = "small" if args.small else str(n)
+    lines = [f"### Quantization error on real K/V, {n} tokens of the Lee corpus",
+             f"Command: `python3 bench/eval/eval.py quanterr --tokens {n}"
+             f"{' --small' if args.small else ''}`; {time.time() - start:.0f} s "
+             f"({time.strftime('%Y-%m-%d')}). Error = ||x - x_hat|| / ||x|| over every full "
+             "16-token block of all 90 streams (K after RoPE).", "",
+             "| storage | K relative error | V relative error | article |", "|---|---|---|---|"]
+    article = {"int8": "0.38 %", "int4": "", "nf4": ""}
+    for line in out.splitlines():
+        name, k, v = line.split()
+        lines.append(f"| {name} | {100 * float(k):.2f} % | {100 * float(v):.2f} % | {article[name]} |")
+    write_table(f"quant-error-{tag}", lines)
+
+
 def confidence(entropy, p1, p2, vocab=49152):
     """CONF-KV's c_t with the default weights (server/policy/scoring.cc Confidence)."""
     return 0.4 * max(0.0, min(1.0, 1 - entropy / math.log(vocab))) + 0.3 * (1 - p2 / p1) + 0.3 * p1
@@ -600,15 +623,16 @@ def study_infokv(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("study", choices=["ppl", "quant", "kl", "speed", "retrieval", "refreekv",
-                                      "infokv"])
+    ap.add_argument("study", choices=["ppl", "quant", "quanterr", "kl", "speed", "retrieval",
+                                      "refreekv", "infokv"])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)
-    {"ppl": study_ppl, "quant": study_quant, "kl": study_kl, "speed": study_speed,
+    {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
+     "speed": study_speed,
      "retrieval": study_retrieval, "refreekv": study_refreekv, "infokv": study_infokv}[args.study](args)
 
 

@@ -4,6 +4,7 @@
 //   kvmem_worker perplexity --model M --text FILE [--policy window --param window=512]
 //   kvmem_worker dump       --model M --prompt "..."   (JSON: ids and full-cache logits)
 //   kvmem_worker kl         --model M --text FILE     (confidence inputs and KL per step)
+//   kvmem_worker quanterr   --model M --text FILE     (int8/int4/nf4 error on real K/V)
 //   kvmem_worker multi      --model M --prompt_file F --policies "full;h2o,budget=256"
 //                           (one prefill, then per policy: compress, answer, KV bytes)
 //
@@ -25,6 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "kernels/quantize.h"
 #include "kv_stores.h"
 #include "model.h"
 #include "tokenizer.h"
@@ -634,6 +636,57 @@ int Multi() {
   return 0;
 }
 
+// Relative error of int8 / int4 / nf4 on this model's real K and V: the first
+// --max_eval_tokens tokens of --text through the model (in process), every full block of 16
+// tokens of every stream quantized and dequantized with the kernels' reference
+// (kernels/quantize.h). Prints "type k_error v_error" with error = ||x - x_hat|| / ||x||
+// over all blocks (K after RoPE).
+int QuantError() {
+  Env env;
+  if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
+  std::ifstream in(absl::GetFlag(FLAGS_text));
+  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  const uint32_t limit = absl::GetFlag(FLAGS_max_eval_tokens);
+  if (limit > 0 && ids.size() > limit) ids.resize(limit);
+  constexpr uint32_t kBlock = 16;
+  if (ids.size() < kBlock) return Fail("--text", absl::InvalidArgumentError("under 16 tokens"));
+  std::vector<int64_t> positions(ids.size());
+  std::iota(positions.begin(), positions.end(), 0);
+  absl::StatusOr<ForwardResult> r = env.model->Forward(ids, positions, *env.local, {});
+  if (!r.ok()) return Fail("forward", r.status());
+  const ModelConfig& c = env.model->config();
+  const uint32_t D = c.head_dim, T = static_cast<uint32_t>(ids.size());
+  for (auto [type, name] :
+       {std::pair{kernels::QuantType::kInt8, "int8"}, std::pair{kernels::QuantType::kInt4, "int4"},
+        std::pair{kernels::QuantType::kNF4, "nf4"}}) {
+    const kernels::QuantGeometry g{type, kBlock, D};
+    std::vector<uint8_t> codes(g.codes_bytes());
+    std::vector<float> scales(g.scale_floats()), out(uint64_t{kBlock} * D);
+    double err[2] = {0, 0}, norm[2] = {0, 0};
+    for (int plane = 0; plane < 2; ++plane) {
+      const std::vector<float>& x = plane == 0 ? r->k : r->v;
+      for (uint32_t s = 0; s < c.num_layers * c.num_kv_heads; ++s) {
+        for (uint32_t t0 = 0; t0 + kBlock <= T; t0 += kBlock) {
+          const float* src = x.data() + (uint64_t{s} * T + t0) * D;
+          kernels::QuantizePlaneRef(src, kernels::ElemType::kF32, g, 0, kBlock, codes.data(),
+                                    scales.data());
+          kernels::DequantizePlaneRef(codes.data(), scales.data(), g, 0, kBlock,
+                                      kernels::ElemType::kF32, out.data());
+          for (uint32_t i = 0; i < kBlock * D; ++i) {
+            err[plane] += double(src[i] - out[i]) * (src[i] - out[i]);
+            norm[plane] += double(src[i]) * src[i];
+          }
+        }
+      }
+    }
+    std::printf("%s %.6f %.6f\n", name, std::sqrt(err[0] / norm[0]), std::sqrt(err[1] / norm[1]));
+  }
+  return 0;
+}
+
 // JSON for the parity tests: token ids of the prompt, and the full-cache logits of its last
 // token (local cache, no daemon).
 int Dump() {
@@ -687,6 +740,8 @@ int main(int argc, char** argv) {
   if (mode == "dump") return kvmem::worker::Dump();
   if (mode == "kl") return kvmem::worker::KlStudy();
   if (mode == "multi") return kvmem::worker::Multi();
-  std::fprintf(stderr, "usage: kvmem_worker generate|perplexity|dump|kl|multi --model=PATH ...\n");
+  if (mode == "quanterr") return kvmem::worker::QuantError();
+  std::fprintf(stderr,
+               "usage: kvmem_worker generate|perplexity|dump|kl|multi|quanterr --model=PATH ...\n");
   return 2;
 }

@@ -44,6 +44,18 @@ def test_small_quantization_study(tmp_path):
     assert abs(r["int4"] - r["none"]) >= abs(r["int8"] - r["none"])
 
 
+def test_quantization_error_on_real_kv(tmp_path):
+    run("quanterr", tmp_path)
+    err = {}
+    for line in (tmp_path / "quant-error-small.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("int8", "int4", "nf4"):
+            err[cells[0]] = float(cells[1].rstrip(" %"))
+    # int8 keeps K within about half a percent; 4-bit codes are an order of magnitude coarser.
+    assert 0 < err["int8"] < 1.0
+    assert err["int4"] > 5 * err["int8"] and err["nf4"] > 5 * err["int8"]
+
+
 def test_kl_study_measures_what_it_says(tmp_path):
     # Dropping nothing gives the same distribution: KL exactly 0.
     model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
