@@ -282,40 +282,51 @@ def confidence(entropy, p1, p2, vocab=49152):
 
 
 def study_kl(args):
+    """Pearson r between confidence and KL(full || dropped), dropping the newest 256 tokens
+    (the article's wording) and, as a second reading, the 256 before the newest 32."""
     steps = 64 if args.small else max(args.tokens, 1000)
     warmup = 300 if args.small else 512
     text, model = corpus_path(), model_path()
     start = time.time()
-    out = subprocess.run([str(BIN / "kvmem_worker"), "kl", f"--model={model}",
-                          f"--text={text}", f"--kl_warmup={warmup}", "--kl_drop=256",
-                          f"--max_eval_tokens={steps}"], check=True, stdout=subprocess.PIPE,
-                         text=True).stdout
-    c, kl = [], []
-    for line in out.splitlines():
-        _, h, p1, p2, k = line.split()
-        c.append(confidence(float(h), float(p1), float(p2)))
-        kl.append(float(k))
-    n = len(c)
-    mc, mk = sum(c) / n, sum(kl) / n
-    cov = sum((a - mc) * (b - mk) for a, b in zip(c, kl))
-    r = cov / math.sqrt(sum((a - mc) ** 2 for a in c) * sum((b - mk) ** 2 for b in kl))
-    lines = [f"### Confidence vs KL(full || newest 256 dropped), {n} decode steps",
+    rows = []
+    for keep in (0, 32):
+        out = subprocess.run([str(BIN / "kvmem_worker"), "kl", f"--model={model}",
+                              f"--text={text}", f"--kl_warmup={warmup}", "--kl_drop=256",
+                              f"--kl_keep_recent={keep}", f"--max_eval_tokens={steps}"],
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
+        c, kl = [], []
+        for line in out.splitlines():
+            _, h, p1, p2, k = line.split()
+            c.append(confidence(float(h), float(p1), float(p2)))
+            kl.append(float(k))
+        n = len(c)
+        mc, mk = sum(c) / n, sum(kl) / n
+        cov = sum((a - mc) * (b - mk) for a, b in zip(c, kl))
+        r = cov / math.sqrt(sum((a - mc) ** 2 for a in c) * sum((b - mk) ** 2 for b in kl))
+        rows.append((keep, n, r, mc, mk, c, kl))
+    tag = "small" if args.small else str(steps)
+    lines = [f"### Confidence vs KL(full || 256 tokens dropped), {steps} decode steps",
              f"Command: `python3 bench/eval/eval.py kl{' --small' if args.small else f' --tokens {steps}'}`"
              f"; took {time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). Teacher-forced over the "
              f"Lee corpus after {warmup} tokens of context, in-process cache.", "",
-             "| steps | Pearson r | mean confidence | mean KL (nats) |", "|---|---|---|---|",
-             f"| {n} | {r:.3f} | {mc:.3f} | {mk:.3f} |"]
-    write_table(f"kl-{'small' if args.small else steps}", lines)
+             "| tokens dropped | steps | Pearson r | mean confidence | mean KL (nats) |",
+             "|---|---|---|---|---|"]
+    for keep, n, r, mc, mk, _, _ in rows:
+        what = "the newest 256" if keep == 0 else f"the 256 before the newest {keep}"
+        lines.append(f"| {what} | {n} | {r:.3f} | {mc:.3f} | {mk:.3f} |")
+    write_table(f"kl-{tag}", lines)
     plt = pyplot()
     if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.scatter(c, kl, s=4, alpha=0.5)
-        ax.set_xlabel("confidence c_t")
-        ax.set_ylabel("KL(full || newest 256 dropped), nats")
-        ax.set_title(f"Pearson r = {r:.3f} over {n} steps")
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, (keep, n, r, _, _, c, kl) in zip(axes, rows):
+            ax.scatter(c, kl, s=4, alpha=0.5)
+            ax.set_xlabel("confidence c_t")
+            ax.set_ylabel("KL, nats")
+            what = "newest 256 dropped" if keep == 0 else f"256 before the newest {keep} dropped"
+            ax.set_title(f"{what}: r = {r:.3f}")
         fig.tight_layout()
-        fig.savefig(OUT / f"kl-{'small' if args.small else steps}.png", dpi=120)
-    return r
+        fig.savefig(OUT / f"kl-{tag}.png", dpi=120)
+    return rows[0][2]
 
 
 GEN_RE = re.compile(r"prompt (\d+) tokens, ([\d.]+) tokens/s prefill; (\d+) generated, ([\d.]+) tokens/s decode")

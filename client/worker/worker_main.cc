@@ -51,6 +51,8 @@ ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
 ABSL_FLAG(bool, ids_only, false, "dump: token ids only, no forward pass");
 ABSL_FLAG(uint32_t, kl_warmup, 512, "kl: tokens before the first measured step");
 ABSL_FLAG(uint32_t, kl_drop, 256, "kl: newest tokens dropped for the second distribution");
+ABSL_FLAG(uint32_t, kl_keep_recent, 0,
+          "kl: keep this many newest tokens and drop the --kl_drop before them instead");
 ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file instead of --prompt");
 ABSL_FLAG(uint32_t, max_prompt_tokens, 0, "generate: cut the prompt to this many tokens");
 ABSL_FLAG(std::string, policies, "",
@@ -475,7 +477,8 @@ class DroppingKvStore final : public KvStore {
 
 // Confidence against KL: teacher-forced over a text with the in-process cache; at every
 // step after --kl_warmup tokens, the next-token distribution with the full cache (p) and
-// with the last --kl_drop tokens dropped (q). Prints "step entropy p1 p2 kl" per line.
+// with the last --kl_drop tokens dropped (q) — or, with --kl_keep_recent R, the --kl_drop
+// tokens before the newest R. Prints "step entropy p1 p2 kl" per line.
 int KlStudy() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
@@ -485,6 +488,7 @@ int KlStudy() {
   buf << in.rdbuf();
   std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
   const uint32_t warmup = absl::GetFlag(FLAGS_kl_warmup), drop = absl::GetFlag(FLAGS_kl_drop);
+  const int64_t keep = absl::GetFlag(FLAGS_kl_keep_recent);
   const uint32_t steps = absl::GetFlag(FLAGS_max_eval_tokens);
   if (ids.size() < warmup + steps) {
     return Fail("--text", absl::InvalidArgumentError("text shorter than warmup + steps"));
@@ -495,7 +499,7 @@ int KlStudy() {
     const int64_t pos = i;
     const std::vector<int32_t> token = {ids[i]};
     if (i >= warmup) {
-      DroppingKvStore dropped(*env.local, pos - drop, pos);
+      DroppingKvStore dropped(*env.local, pos - keep - drop, pos - keep);
       dropped.set_dim(c.head_dim);
       absl::StatusOr<ForwardResult> q = env.model->Forward(token, {pos}, dropped, {});
       if (!q.ok()) return Fail("forward", q.status());
