@@ -204,7 +204,7 @@ def study_ppl(args):
         if full and win and win["ppl"] != full["ppl"]:
             gap = f"{100 * (win['ppl'] - r['ppl']) / (win['ppl'] - full['ppl']):.0f} %"
         vs_full = f"{100 * r['kv_mean'] / full['kv_mean']:.1f} %" if full else ""
-        vs_win = f"{100 * r['kv_mean'] / win['kv_mean']:.2f}" if win else ""
+        vs_win = f"{r['kv_mean'] / win['kv_mean']:.2f}" if win else ""
         return (f"| {name} | {r['ppl']:.3f} | {r['kv_mean'] / 2**20:.2f} MiB | {vs_full} | "
                 f"{vs_win} | {gap} | {r['tps']:.1f} |")
 
