@@ -118,12 +118,28 @@ def pyplot():
     return plt
 
 
+RESULTS = ROOT / "bench" / "RESULTS.md"
+
+
 def write_table(name, lines):
-    """Writes a study's Markdown table under OUT and prints it."""
+    """Writes a study's Markdown table under OUT, prints it, and puts it into
+    bench/RESULTS.md between <!-- eval:NAME --> and <!-- /eval:NAME --> (appended at the end
+    the first time). Runs with KVMEM_EVAL_OUT set (the tests) leave RESULTS.md alone."""
     table = "\n".join(lines) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.md").write_text(table)
     print(table)
+    if "KVMEM_EVAL_OUT" not in os.environ and RESULTS.exists():
+        # One heading level below the section the tables live in.
+        block = "".join("#" + line if line.startswith("###") else line
+                        for line in table.splitlines(keepends=True))
+        text = RESULTS.read_text()
+        begin, end = f"<!-- eval:{name} -->", f"<!-- /eval:{name} -->"
+        if begin in text and end in text:
+            text = text[:text.index(begin) + len(begin)] + "\n" + block + text[text.index(end):]
+        else:
+            text = text.rstrip("\n") + f"\n\n{begin}\n{block}{end}\n"
+        RESULTS.write_text(text)
     return table
 
 
@@ -632,19 +648,32 @@ def study_infokv(args):
     return results
 
 
+def study_all(args):
+    """Every study in turn, each at the size its table in RESULTS.md was run at."""
+    for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
+                         ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0)):
+        sub = argparse.Namespace(**vars(args))
+        if tokens and not args.small:
+            sub.tokens = tokens
+        print(f"== {name}", file=sys.stderr, flush=True)
+        STUDIES[name](sub)
+
+
+STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
+           "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
+           "infokv": study_infokv, "all": study_all}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("study", choices=["ppl", "quant", "quanterr", "kl", "speed", "retrieval",
-                                      "refreekv", "infokv"])
+    ap.add_argument("study", choices=sorted(STUDIES))
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)
-    {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
-     "speed": study_speed,
-     "retrieval": study_retrieval, "refreekv": study_refreekv, "infokv": study_infokv}[args.study](args)
+    STUDIES[args.study](args)
 
 
 if __name__ == "__main__":
