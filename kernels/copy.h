@@ -33,4 +33,15 @@ void CopyBatchRef(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n)
 // Start indices of the waves of a move batch (always begins with 0; empty for n = 0).
 std::vector<size_t> MoveWaves(const CopyOp* ops, size_t n);
 
+// How the CUDA twin runs a move batch: per wave, `gather` copies every source into a
+// scratch buffer (packed, each run 16-byte aligned, `scratch_bytes` in all) and `scatter`
+// copies the scratch to the destinations. Running the waves in order, each gather before
+// its scatter, equals MoveBatchRef.
+struct MoveWave {
+  std::vector<CopyOp> gather;   // pool -> scratch
+  std::vector<CopyOp> scatter;  // scratch -> pool
+  uint64_t scratch_bytes = 0;
+};
+std::vector<MoveWave> PlanMoveWaves(const CopyOp* ops, size_t n);
+
 }  // namespace kvmem::kernels

@@ -61,4 +61,19 @@ std::vector<size_t> MoveWaves(const CopyOp* ops, size_t n) {
   return starts;
 }
 
+std::vector<MoveWave> PlanMoveWaves(const CopyOp* ops, size_t n) {
+  const std::vector<size_t> starts = MoveWaves(ops, n);
+  std::vector<MoveWave> waves(starts.size());
+  for (size_t w = 0; w < starts.size(); ++w) {
+    const size_t end = w + 1 < starts.size() ? starts[w + 1] : n;
+    MoveWave& wave = waves[w];
+    for (size_t i = starts[w]; i < end; ++i) {
+      wave.gather.push_back({ops[i].src, wave.scratch_bytes, ops[i].bytes});
+      wave.scatter.push_back({wave.scratch_bytes, ops[i].dst, ops[i].bytes});
+      wave.scratch_bytes = (wave.scratch_bytes + ops[i].bytes + 15) / 16 * 16;
+    }
+  }
+  return waves;
+}
+
 }  // namespace kvmem::kernels

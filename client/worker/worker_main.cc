@@ -326,6 +326,15 @@ std::string PromptText() {
   return buf.str();
 }
 
+// The token ids of --text (no special tokens).
+absl::StatusOr<std::vector<int32_t>> TextTokens(const Tokenizer& tokenizer) {
+  std::ifstream in(absl::GetFlag(FLAGS_text));
+  if (!in) return absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return tokenizer.Encode(buf.str(), false);
+}
+
 uint64_t FullCacheBytes(const ModelConfig& c, int64_t tokens, uint32_t bytes_per_element) {
   return uint64_t(tokens) * c.num_layers * c.num_kv_heads * 2 * c.head_dim * bytes_per_element;
 }
@@ -381,11 +390,9 @@ int Generate() {
 int Perplexity() {
   Env env;
   if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
-  std::ifstream in(absl::GetFlag(FLAGS_text));
-  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  absl::StatusOr<std::vector<int32_t>> text = TextTokens(*env.tokenizer);
+  if (!text.ok()) return Fail("--text", text.status());
+  std::vector<int32_t> ids = *std::move(text);
   const uint32_t limit = absl::GetFlag(FLAGS_max_eval_tokens);
   if (limit > 0 && ids.size() > limit + 1) ids.resize(limit + 1);
   if (ids.size() < 2) return Fail("--text", absl::InvalidArgumentError("fewer than 2 tokens"));
@@ -482,11 +489,9 @@ class DroppingKvStore final : public KvStore {
 int KlStudy() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
-  std::ifstream in(absl::GetFlag(FLAGS_text));
-  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  absl::StatusOr<std::vector<int32_t>> text = TextTokens(*env.tokenizer);
+  if (!text.ok()) return Fail("--text", text.status());
+  std::vector<int32_t> ids = *std::move(text);
   const uint32_t warmup = absl::GetFlag(FLAGS_kl_warmup), drop = absl::GetFlag(FLAGS_kl_drop);
   const int64_t keep = absl::GetFlag(FLAGS_kl_keep_recent);
   const uint32_t steps = absl::GetFlag(FLAGS_max_eval_tokens);
@@ -648,11 +653,9 @@ int Multi() {
 int QuantError() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
-  std::ifstream in(absl::GetFlag(FLAGS_text));
-  if (!in) return Fail("--text", absl::NotFoundError("cannot read " + absl::GetFlag(FLAGS_text)));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  std::vector<int32_t> ids = env.tokenizer->Encode(buf.str(), false);
+  absl::StatusOr<std::vector<int32_t>> text = TextTokens(*env.tokenizer);
+  if (!text.ok()) return Fail("--text", text.status());
+  std::vector<int32_t> ids = *std::move(text);
   const uint32_t limit = absl::GetFlag(FLAGS_max_eval_tokens);
   if (limit > 0 && ids.size() > limit) ids.resize(limit);
   constexpr uint32_t kBlock = 16;

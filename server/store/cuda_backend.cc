@@ -45,34 +45,21 @@ struct CudaBackend::Buffers {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
   absl::Status Reserve(uint64_t staging, uint64_t ops) {
-    if (staging > device_staging_bytes) {
-      cudaFree(device_staging);
-      device_staging = nullptr;
-      device_staging_bytes = 0;
-      if (absl::Status s = FromCuda(cudaMalloc(&device_staging, staging), "staging buffer");
-          !s.ok()) {
-        return s;
-      }
-      device_staging_bytes = staging;
-    }
-    if (staging > host_staging_bytes) {
-      cudaFreeHost(host_staging);
-      host_staging = nullptr;
-      host_staging_bytes = 0;
-      if (absl::Status s = FromCuda(cudaMallocHost(&host_staging, staging), "pinned staging");
-          !s.ok()) {
-        return s;
-      }
-      host_staging_bytes = staging;
-    }
-    if (ops > device_ops_bytes) {
-      cudaFree(device_ops);
-      device_ops = nullptr;
-      device_ops_bytes = 0;
-      if (absl::Status s = FromCuda(cudaMalloc(&device_ops, ops), "op list"); !s.ok()) return s;
-      device_ops_bytes = ops;
-    }
-    return absl::OkStatus();
+    absl::Status s = Grow(&device_staging, &device_staging_bytes, staging, false, "staging");
+    if (s.ok()) s = Grow(&host_staging, &host_staging_bytes, staging, true, "pinned staging");
+    if (s.ok()) s = Grow(&device_ops, &device_ops_bytes, ops, false, "op list");
+    return s;
+  }
+  // Replaces *buffer with one of at least `needed` bytes (device, or pinned host memory).
+  static absl::Status Grow(uint8_t** buffer, uint64_t* bytes, uint64_t needed, bool pinned,
+                           absl::string_view what) {
+    if (needed <= *bytes) return absl::OkStatus();
+    (void)(pinned ? cudaFreeHost(*buffer) : cudaFree(*buffer));
+    *buffer = nullptr;
+    *bytes = 0;
+    const cudaError_t e = pinned ? cudaMallocHost(buffer, needed) : cudaMalloc(buffer, needed);
+    if (e == cudaSuccess) *bytes = needed;
+    return FromCuda(e, what);
   }
   // Uploads an op list (synchronous: the host vector may go right after).
   template <typename T>
@@ -226,20 +213,17 @@ absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
     if (absl::Status s = CheckRange(op.dst, op.bytes, "move destination"); !s.ok()) return s;
     moves.push_back({op.src, op.dst, op.bytes});
   }
-  // Per wave (copy.h): every source to scratch, then scratch to every destination. Both op
-  // lists of every wave go up in one copy: gathers in [0, n), scatters in [n, 2n).
-  const std::vector<size_t> waves = kernels::MoveWaves(moves.data(), moves.size());
-  std::vector<kernels::CopyOp> lists(2 * moves.size());
+  // Per wave (copy.h): every source to scratch, then scratch to every destination. Every
+  // wave's two op lists go up in one copy: wave w's gathers, then its scatters.
+  const std::vector<kernels::MoveWave> waves = kernels::PlanMoveWaves(moves.data(), moves.size());
+  std::vector<kernels::CopyOp> lists;
+  std::vector<size_t> first;  // index in `lists` of each wave's gathers
   uint64_t scratch = 0;
-  for (size_t w = 0; w < waves.size(); ++w) {
-    const size_t end = w + 1 < waves.size() ? waves[w + 1] : moves.size();
-    uint64_t at = 0;
-    for (size_t i = waves[w]; i < end; ++i) {
-      lists[i] = {moves[i].src, at, moves[i].bytes};
-      lists[moves.size() + i] = {at, moves[i].dst, moves[i].bytes};
-      at = Align16(at + moves[i].bytes);
-    }
-    scratch = std::max(scratch, at);
+  for (const kernels::MoveWave& wave : waves) {
+    first.push_back(lists.size());
+    lists.insert(lists.end(), wave.gather.begin(), wave.gather.end());
+    lists.insert(lists.end(), wave.scatter.begin(), wave.scatter.end());
+    scratch = std::max(scratch, wave.scratch_bytes);
   }
   Buffers& b = *buffers_;
   absl::MutexLock lock(&b.mu);
@@ -249,14 +233,13 @@ absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
   absl::Status s = b.Upload(lists);
   const auto* list = reinterpret_cast<const kernels::CopyOp*>(b.device_ops);
   for (size_t w = 0; s.ok() && w < waves.size(); ++w) {
-    const size_t end = w + 1 < waves.size() ? waves[w + 1] : moves.size();
-    const auto n = static_cast<uint32_t>(end - waves[w]);
-    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging, list + waves[w], n, b.stream),
+    const auto n = static_cast<uint32_t>(waves[w].gather.size());
+    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging, list + first[w], n, b.stream),
                  "move gather");
     if (s.ok()) {
-      s = FromCuda(kernels::cuda::CopyBatch(b.device_staging, pool_, list + moves.size() + waves[w],
-                                            n, b.stream),
-                   "move scatter");
+      s = FromCuda(
+          kernels::cuda::CopyBatch(b.device_staging, pool_, list + first[w] + n, n, b.stream),
+          "move scatter");
     }
   }
   absl::Status waited = b.Wait("move");

@@ -74,20 +74,11 @@ void MoveBatches() {
     DeviceArray<uint8_t> d_pool(pool);
     MoveBatchRef(pool.data(), ops.data(), ops.size());
     // The CUDA backend's way: per wave, pool -> scratch, then scratch -> pool.
-    const std::vector<size_t> starts = MoveWaves(ops.data(), ops.size());
-    for (size_t w = 0; w < starts.size(); ++w) {
-      const size_t end = w + 1 < starts.size() ? starts[w + 1] : ops.size();
-      std::vector<CopyOp> gather, scatter;
-      uint64_t at = 0;
-      for (size_t i = starts[w]; i < end; ++i) {
-        gather.push_back({ops[i].src, at, ops[i].bytes});
-        scatter.push_back({at, ops[i].dst, ops[i].bytes});
-        at = (at + ops[i].bytes + 15) / 16 * 16;
-      }
-      DeviceArray<uint8_t> scratch(std::vector<uint8_t>(at + 16));
-      DeviceArray<CopyOp> g(gather), s(scatter);
-      CUDA_OK(cuda::CopyBatch(d_pool.get(), scratch.get(), g.get(), gather.size(), nullptr));
-      CUDA_OK(cuda::CopyBatch(scratch.get(), d_pool.get(), s.get(), scatter.size(), nullptr));
+    for (const MoveWave& wave : PlanMoveWaves(ops.data(), ops.size())) {
+      DeviceArray<uint8_t> scratch(std::vector<uint8_t>(wave.scratch_bytes + 16));
+      DeviceArray<CopyOp> g(wave.gather), s(wave.scatter);
+      CUDA_OK(cuda::CopyBatch(d_pool.get(), scratch.get(), g.get(), wave.gather.size(), nullptr));
+      CUDA_OK(cuda::CopyBatch(scratch.get(), d_pool.get(), s.get(), wave.scatter.size(), nullptr));
       CUDA_OK(cudaDeviceSynchronize());
     }
     Check(d_pool.Host() == pool, "move batch, trial " + std::to_string(trial));

@@ -12,22 +12,13 @@
 namespace kvmem::kernels {
 namespace {
 
-// What copy.cu does with a move batch: per wave, pool -> scratch for every op, then
-// scratch -> pool.
+// What the CUDA backend does with a move batch (PlanMoveWaves): per wave, pool -> scratch
+// for every op, then scratch -> pool.
 void MoveByWaves(uint8_t* base, const std::vector<CopyOp>& ops) {
-  const std::vector<size_t> starts = MoveWaves(ops.data(), ops.size());
-  for (size_t w = 0; w < starts.size(); ++w) {
-    const size_t end = w + 1 < starts.size() ? starts[w + 1] : ops.size();
-    std::vector<CopyOp> gather, scatter;
-    uint64_t at = 0;
-    for (size_t i = starts[w]; i < end; ++i) {
-      gather.push_back({ops[i].src, at, ops[i].bytes});
-      scatter.push_back({at, ops[i].dst, ops[i].bytes});
-      at += ops[i].bytes;
-    }
-    std::vector<uint8_t> scratch(at);
-    CopyBatchRef(base, scratch.data(), gather.data(), gather.size());
-    CopyBatchRef(scratch.data(), base, scatter.data(), scatter.size());
+  for (const MoveWave& wave : PlanMoveWaves(ops.data(), ops.size())) {
+    std::vector<uint8_t> scratch(wave.scratch_bytes);
+    CopyBatchRef(base, scratch.data(), wave.gather.data(), wave.gather.size());
+    CopyBatchRef(scratch.data(), base, wave.scatter.data(), wave.scatter.size());
   }
 }
 
