@@ -441,13 +441,13 @@ def run_prompts(prompts, policies, log, max_tokens, label):
             r = json.loads(line)
             done[r["key"]] = r
     log.parent.mkdir(parents=True, exist_ok=True)
-    todo = [p for p in prompts if p["key"] not in done]
+    pending = [p for p in prompts if p["key"] not in done]
     weight = lambda p: p["length"] ** 1.5
-    total, spent, already = sum(weight(p) for p in todo), 0.0, len(done)
+    total, spent, already = sum(weight(p) for p in pending), 0.0, len(done)
     start = time.time()
     model, daemon = model_path(), Daemon()
     try:
-        for i, p in enumerate(todo):
+        for i, p in enumerate(pending):
             elapsed = time.time() - start
             eta = elapsed / spent * (total - spent) if spent else 0
             print(f"[{already + i}/{len(prompts)}] {label}: {p['key']}  elapsed {elapsed:.0f}s,"
