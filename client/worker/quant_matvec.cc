@@ -66,6 +66,16 @@ __attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
 
 // The same sums with explicit AVX2: per block, the 32 codes widen to f32 in four groups of
 // eight and meet x in four FMAs; the block scale joins through one more FMA.
+// Sum over 32 weights of q[i] * x[i], the codes already widened to 4 x 8 int32 lanes: one
+// multiply and three fused adds, the same order for Q4_1 and Q8_0.
+__attribute__((target("avx2,fma"))) inline __m256 Dot32(__m256i q0, __m256i q1, __m256i q2,
+                                                        __m256i q3, const float* x) {
+  __m256 acc = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(x));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(x + 8), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q2), _mm256_loadu_ps(x + 16), acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q3), _mm256_loadu_ps(x + 24), acc);
+}
+
 __attribute__((target("avx2,fma"))) void Q4_1RowsAvx2(const uint8_t* data, uint32_t rows,
                                                       uint32_t blocks, const float* x,
                                                       const float* block_sums, float* y) {
@@ -79,13 +89,9 @@ __attribute__((target("avx2,fma"))) void Q4_1RowsAvx2(const uint8_t* data, uint3
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
       const __m128i lo = _mm_and_si128(q, low_mask);
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low_mask);
-      __m256 acc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_loadu_ps(xb));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                            _mm256_loadu_ps(xb + 8), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_loadu_ps(xb + 16),
-                            acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))),
-                            _mm256_loadu_ps(xb + 24), acc);
+      const __m256 acc =
+          Dot32(_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), xb);
       total = _mm256_fmadd_ps(acc, _mm256_set1_ps(Half(p)), total);
       offset += Half(p + 2) * block_sums[b];
     }
@@ -102,13 +108,9 @@ __attribute__((target("avx2,fma"))) void Q8_0RowsAvx2(const uint8_t* data, uint3
       const float* xb = x + uint64_t{b} * 32;
       const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
       const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18));
-      __m256 acc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), _mm256_loadu_ps(xb));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))),
-                            _mm256_loadu_ps(xb + 8), acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), _mm256_loadu_ps(xb + 16),
-                            acc);
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))),
-                            _mm256_loadu_ps(xb + 24), acc);
+      const __m256 acc =
+          Dot32(_mm256_cvtepi8_epi32(q0), _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)),
+                _mm256_cvtepi8_epi32(q1), _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)), xb);
       total = _mm256_fmadd_ps(acc, _mm256_set1_ps(Half(p)), total);
     }
     y[r] = HorizontalSum(total);
