@@ -63,7 +63,8 @@ __global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
   const float* sc = scores + st.offset;
   const int64_t* pos = positions + st.offset;
   const PriorityScale p =
-      PriorityScaleFor(attention_weight, stream_max[blockIdx.x], pos[st.length - 1] - pos[0]);
+      PriorityScaleFor(attention_weight, stream_max != nullptr ? stream_max[blockIdx.x] : 1.0f,
+                       pos[st.length - 1] - pos[0]);
   __shared__ uint32_t hist[256];
   __shared__ uint64_t prefix_s;
   __shared__ uint32_t remaining_s;

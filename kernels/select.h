@@ -37,9 +37,10 @@ void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, u
 // with e_scale = w / max (0 when max is 0), r_scale = (1 - w) / (pos_{n-1} - pos_0) and
 // r_const = 0 (r_scale = 0, r_const = 1 - w when pos_{n-1} = pos_0), w = attention_weight:
 // CONF-KV's 0.65 * normalized EMA + 0.35 * recency; w = 1 with max = 1 gives the raw score
-// (H2O). The top (budget - protect) by r are kept, ties going to the older (lower) slot;
-// the protected tail always. keep[offset + j] = 1 for kept slots, else 0; streams with
-// n <= budget keep everything.
+// (H2O); stream_max = nullptr stands for max = 1 in every stream. The top
+// (budget - protect) by r are kept, ties going to the older (lower) slot; the protected
+// tail always. keep[offset + j] = 1 for kept slots, else 0; streams with n <= budget keep
+// everything.
 void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                   const float* stream_max, const int64_t* positions, float attention_weight,
                   uint8_t* keep);
@@ -55,6 +56,16 @@ void SelectThresholdRef(const StreamSlice* streams, uint32_t num_streams, const 
 // unspecified.
 void CompactSlotsRef(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                      float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept);
+
+// One step of the chain UpdateScores -> SelectTop as a policy states it (the per-stream
+// budgets and protected tails go in the StreamSlices).
+struct ScoreStep {
+  ScoreRule rule = ScoreRule::kEma;
+  float lambda = 0.0f;            // kEma's decay
+  float attention_weight = 1.0f;  // SelectTop's w
+  bool normalize = true;          // false: SelectTop gets stream_max = nullptr (raw scores)
+  bool select = true;             // false: update the scores only
+};
 
 // r_j's scale factors for one stream (see SelectTopRef), shared by both twins.
 struct PriorityScale {

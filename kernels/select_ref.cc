@@ -45,8 +45,8 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
     const uint32_t unprotected = st.length - protect;
     const uint32_t take = st.budget - protect;
     const int64_t* pos = positions + st.offset;
-    const PriorityScale p =
-        PriorityScaleFor(attention_weight, stream_max[s], pos[st.length - 1] - pos[0]);
+    const PriorityScale p = PriorityScaleFor(attention_weight, stream_max ? stream_max[s] : 1.0f,
+                                             pos[st.length - 1] - pos[0]);
     keys.resize(unprotected);
     for (uint32_t j = 0; j < unprotected; ++j) {
       const float a = scores[st.offset + j] * p.e_scale;
@@ -54,7 +54,10 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
       keys[j] = SelectionKey((a + b) + p.r_const, j);
     }
     uint64_t threshold = ~uint64_t{0};  // take = 0 keeps none of them
-    if (take > 0) {
+    if (take > 0 && take + 1 == unprotected) {
+      // The steady state of decoding, one slot out: the smallest key goes (keys are unique).
+      threshold = *std::min_element(keys.begin(), keys.end()) + 1;
+    } else if (take > 0) {
       std::vector<uint64_t> sorted(keys);
       std::nth_element(sorted.begin(), sorted.begin() + (take - 1), sorted.end(),
                        std::greater<uint64_t>());

@@ -138,6 +138,14 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
     }
   }
 
+  std::unique_ptr<store::SlotState> slots;
+  if (config_.device_step && (*policy)->has_kernel_step()) {
+    absl::StatusOr<std::unique_ptr<store::SlotState>> created =
+        backend_->CreateSlotState(layout.num_streams());
+    if (!created.ok()) return created.status();
+    slots = *std::move(created);
+  }
+
   const uint64_t epoch = next_epoch_.fetch_add(1);
   absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
   if (!slot.ok()) return slot.status();
@@ -153,6 +161,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
     absl::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
     seq->streams.resize(layout.num_streams());
+    seq->slots = std::move(slots);
   }
   spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
                 layout.num_streams());
@@ -282,7 +291,22 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     pool_->Unref(batch.allocated);
     return absl::InternalError("append: block reservation does not match the plan");
   }
-  if (absl::Status io = Execute(seq, batch); !io.ok()) return io;
+  const float initial_score = seq.policy->descriptor().initial_score;
+  if (seq.slots) {
+    std::vector<int64_t> positions;
+    positions.reserve(total);
+    for (const AppendChunk& chunk : chunks) {
+      positions.insert(positions.end(), chunk.positions.begin(), chunk.positions.end());
+    }
+    if (absl::Status s = seq.slots->Append(positions, initial_score); !s.ok()) {
+      pool_->Unref(batch.allocated);
+      return s;
+    }
+  }
+  if (absl::Status io = Execute(seq, batch); !io.ok()) {
+    if (seq.slots) seq.slots->DropNewest(static_cast<uint32_t>(total));
+    return io;
+  }
 
   // Commit metadata.
   const int64_t arrival = static_cast<int64_t>(seq.steps);
@@ -292,7 +316,7 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     for (const AppendChunk& chunk : chunks) {
       const size_t n = chunk.positions.size();
       st.positions.insert(st.positions.end(), chunk.positions.begin(), chunk.positions.end());
-      st.scores.insert(st.scores.end(), n, seq.policy->descriptor().initial_score);
+      if (!seq.slots) st.scores.insert(st.scores.end(), n, initial_score);
       if (chunk.token_entropy.empty()) {
         st.token_entropy.insert(st.token_entropy.end(), n, std::nanf(""));
       } else {
@@ -469,6 +493,34 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   return applied;
 }
 
+absl::StatusOr<policy::Decision> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
+                                                    absl::Span<const absl::Span<const float>> rows,
+                                                    Applied* applied) {
+  const policy::KernelStep plan = seq.policy->PlanKernelStep(ctx);
+  const uint32_t H = seq.layout.num_kv_heads;
+  std::vector<uint32_t> budget(seq.streams.size());
+  for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
+  policy::Decision decision;
+  decision.confidence = plan.confidence;
+  decision.budget_tokens = plan.budget_tokens;
+  if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision.keep);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<Applied> done = ApplyDecision(seq, decision);
+  if (!done.ok()) return done.status();  // the selection is dropped with the step
+  if (absl::Status s = seq.slots->CommitStep(); !s.ok()) return s;
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (seq.slots->length(static_cast<uint32_t>(s)) != seq.streams[s].size()) {
+      return absl::InternalError(absl::StrCat("sequence ", seq.id, ": slot state of stream ", s,
+                                              " holds ", seq.slots->length(s), " slots, the table ",
+                                              seq.streams[s].size()));
+    }
+  }
+  *applied = *done;
+  return decision;
+}
+
 absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
   KVMEM_LOCK_SEQUENCE(seq, sequence_id);
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
@@ -501,11 +553,21 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
   }
 
   const uint64_t before = seq.kv_bytes();
-  std::vector<policy::StreamState> states = StreamStates(seq);
-  for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
-  const policy::Decision decision = seq.policy->Step(ctx, absl::MakeSpan(states));
-  absl::StatusOr<Applied> applied = ApplyDecision(seq, decision);
-  if (!applied.ok()) return applied.status();
+  policy::Decision decision;
+  absl::StatusOr<Applied> applied;
+  if (seq.slots) {
+    Applied kernel_applied;
+    absl::StatusOr<policy::Decision> kernel = KernelStep(seq, ctx, *rows, &kernel_applied);
+    if (!kernel.ok()) return kernel.status();
+    decision = *std::move(kernel);
+    applied = kernel_applied;
+  } else {
+    std::vector<policy::StreamState> states = StreamStates(seq);
+    for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
+    decision = seq.policy->Step(ctx, absl::MakeSpan(states));
+    applied = ApplyDecision(seq, decision);
+    if (!applied.ok()) return applied.status();
+  }
 
   StepResult result;
   result.confidence = decision.confidence;
@@ -554,6 +616,13 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
     layer.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     layer.before_tokens += seq.streams[s].size();
   }
+  // Compress runs on the host: scores kept in a SlotState come over for the call and go
+  // back, compacted, after it (once per prompt, not per step).
+  if (seq.slots) {
+    std::vector<std::vector<float>> scores;
+    if (absl::Status s = seq.slots->ReadScores(&scores); !s.ok()) return s;
+    for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].scores = std::move(scores[s]);
+  }
   std::vector<policy::StreamState> states = StreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {
     states[s].attention = (*rows)[s];
@@ -561,6 +630,13 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
   }
   const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
   absl::StatusOr<Applied> applied = ApplyDecision(seq, decision);
+  if (seq.slots) {
+    absl::Status synced = applied.ok() ? seq.slots->Keep(decision.keep) : absl::OkStatus();
+    std::vector<std::vector<float>> scores(seq.streams.size());
+    for (size_t s = 0; s < seq.streams.size(); ++s) scores[s].swap(seq.streams[s].scores);
+    if (synced.ok()) synced = seq.slots->WriteScores(scores);
+    if (!synced.ok()) return synced;
+  }
   if (!applied.ok()) return applied.status();
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     result.layers[s / seq.layout.num_kv_heads].kept_tokens += seq.streams[s].size();
@@ -677,6 +753,12 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(parent.policy_name, parent.policy_params);
   if (!policy.ok()) return policy.status();
+  std::unique_ptr<store::SlotState> slots;
+  if (parent.slots) {
+    absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots->Clone();
+    if (!copy.ok()) return copy.status();
+    slots = *std::move(copy);
+  }
   absl::StatusOr<uint32_t> slot = board_->Acquire(parent.epoch);
   if (!slot.ok()) return slot.status();
   uint64_t id;
@@ -691,6 +773,7 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
   {
     absl::MutexLock lock(&child->mu);
     child->streams = parent.streams;
+    child->slots = std::move(slots);
     child->token_ids = parent.token_ids;
     child->last_position = parent.last_position;
     child->appended = parent.appended;
@@ -711,6 +794,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
     for (const StreamBlock& b : st.blocks) freed += pool_->Unref({b.id});
     st = Stream{};
   }
+  seq.slots.reset();
   board_->Release(seq.epoch_slot);
   seq.released = true;
   return freed;

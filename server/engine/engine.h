@@ -41,6 +41,9 @@ struct EngineConfig {
   absl::Duration default_lease = absl::Seconds(60);
   absl::Duration max_lease = absl::Hours(24);
   uint64_t max_append_bytes = 64ull << 20;  // K+V bytes of one Append message
+  // Policies with a kernel step keep their scores in the backend (store::SlotState: device
+  // memory on a GPU) and run each Step there; false runs every policy on the host.
+  bool device_step = true;
 };
 
 struct AppendChunk {
@@ -246,6 +249,12 @@ class Engine {
   // Runs a planned batch on the backend; releases its allocations if it fails.
   absl::Status Execute(Sequence& seq, OpBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   std::vector<policy::StreamState> StreamStates(Sequence& seq)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Step of a policy with a kernel step: the scores update and the selection run in the
+  // sequence's SlotState; the K/V rows then move as for any decision.
+  absl::StatusOr<policy::Decision> KernelStep(Sequence& seq, const policy::CallContext& ctx,
+                                              absl::Span<const absl::Span<const float>> rows,
+                                              Applied* applied)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
 

@@ -16,7 +16,7 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep) {
   size_t first_moved = 0;
   while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
   KeepIndices(positions, keep, first_moved);
-  KeepIndices(scores, keep, first_moved);
+  if (!scores.empty()) KeepIndices(scores, keep, first_moved);  // empty: they live in SlotState
   KeepIndices(token_entropy, keep, first_moved);
   KeepIndices(layer_distance, keep, first_moved);
   KeepIndices(arrival_step, keep, first_moved);

@@ -18,6 +18,7 @@
 #include "server/engine/stream_planner.h"
 #include "server/policy/policy.h"
 #include "server/store/block_pool.h"
+#include "server/store/slot_state.h"
 
 namespace kvmem::engine {
 
@@ -71,6 +72,9 @@ struct Sequence {
   absl::Mutex mu;
   bool released ABSL_GUARDED_BY(mu) = false;
   std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
+  // Where the scores live when the policy has a kernel step (Stream::scores is then empty
+  // between calls); null otherwise.
+  std::unique_ptr<store::SlotState> slots ABSL_GUARDED_BY(mu);
   std::vector<int32_t> token_ids ABSL_GUARDED_BY(mu);
   int64_t last_position ABSL_GUARDED_BY(mu) = -1;
   uint64_t appended ABSL_GUARDED_BY(mu) = 0;

@@ -76,19 +76,39 @@ class H2oPolicy final : public Policy {
     return Apply(ctx, streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
   }
 
+  // Accumulate, then the raw score's top (budget - R) plus the last R: KeepWindowPlusTop
+  // as a selection with R protected and no normalizer.
+  bool has_kernel_step() const override { return true; }
+  KernelStep PlanKernelStep(const CallContext& ctx) const override {
+    KernelStep k;
+    k.op = {kernels::ScoreRule::kAccumulate, 0.0f, 1.0f, false, true};
+    k.layer_budget = LayerBudgets(ctx, budget_);
+    k.protect = std::min(recent_, budget_);
+    k.budget_tokens = budget_;
+    return k;
+  }
+
  private:
+  // Budget per layer: C, or R + the pyramid's share beyond the recent window.
+  std::vector<uint32_t> LayerBudgets(const CallContext& ctx, uint32_t budget) const {
+    const uint32_t recent = std::min(recent_, budget);
+    std::vector<uint32_t> layer(ctx.num_layers, budget);
+    if (pyramid_ && ctx.num_layers >= 2 && budget > recent) {
+      const std::vector<uint32_t> pyramid = PyramidBudgets(std::numeric_limits<uint32_t>::max(),
+                                                           budget, recent, ctx.num_layers, beta_);
+      for (uint32_t l = 0; l < ctx.num_layers; ++l) layer[l] = recent + pyramid[l];
+    }
+    return layer;
+  }
+
   Decision Apply(const CallContext& ctx, absl::Span<StreamState> streams, uint32_t budget) const {
     Decision d = KeepAll(streams.size());
     d.budget_tokens = budget;
     const uint32_t recent = std::min(recent_, budget);
-    std::vector<uint32_t> pyramid;  // tokens beyond the recent window, per layer
-    if (pyramid_ && ctx.num_layers >= 2 && budget > recent) {
-      pyramid = PyramidBudgets(std::numeric_limits<uint32_t>::max(), budget, recent, ctx.num_layers,
-                               beta_);
-    }
+    const std::vector<uint32_t> layer = LayerBudgets(ctx, budget);
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
-      const uint32_t b = pyramid.empty() ? budget : recent + pyramid[streams[s].layer];
+      const uint32_t b = streams[s].layer < layer.size() ? layer[streams[s].layer] : budget;
       if (n > b) d.keep[s] = KeepWindowPlusTop(n, recent, b, streams[s].scores);
     }
     return d;

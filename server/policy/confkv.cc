@@ -142,6 +142,23 @@ class ConfKvPolicy final : public Policy {
     return d;
   }
 
+  bool has_kernel_step() const override { return !p_.random; }
+  KernelStep PlanKernelStep(const CallContext& ctx) const override {
+    KernelStep k;
+    const LogitStats& ls = *ctx.logits;
+    k.confidence =
+        Confidence(ls.entropy, ls.p1, ls.p2, ctx.vocab_size, p_.w_entropy, p_.w_gap, p_.w_p1);
+    const uint32_t base = k.confidence > p_.theta ? p_.c_high : p_.c_low;
+    k.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
+    k.op = {kernels::ScoreRule::kEma, static_cast<float>(p_.lambda),
+            static_cast<float>(p_.attention_weight), true, ctx.step % p_.interval == 0};
+    for (uint32_t l = 0; l < ctx.num_layers; ++l) {
+      k.layer_budget.push_back(BudgetFor(base, l, ctx.num_layers));
+    }
+    k.protect = p_.protect;
+    return k;
+  }
+
   // Explicit compression (after prefill): window scores, when sent, seed the EMA of slots
   // not scored yet; the target (default C_low) applies with the same priority rule.
   Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {

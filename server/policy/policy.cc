@@ -137,4 +137,8 @@ std::vector<uint32_t> KeepLast(size_t n, size_t w) {
   return keep;
 }
 
+KernelStep Policy::PlanKernelStep(const CallContext&) const {
+  return {};  // never called: has_kernel_step() is false
+}
+
 }  // namespace kvmem::policy

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/select.h"
 #include "server/policy/params.h"
 
 namespace kvmem::policy {
@@ -79,12 +80,28 @@ struct Decision {
   std::vector<std::optional<std::vector<uint32_t>>> keep;
 };
 
+// A Step whose whole work is "update every slot's score with the newest attention row by
+// a rule, then keep each stream's top slots by priority" (kernels/select.h), so that it
+// can run where the scores live (store::SlotState, on the device) instead of in Step().
+// It decides exactly what Step() would.
+struct KernelStep {
+  kernels::ScoreStep op;
+  std::vector<uint32_t> layer_budget;  // SelectTop budget per layer
+  uint32_t protect = 0;                // newest slots always kept
+  double confidence = std::nan("");
+  uint32_t budget_tokens = 0;
+};
+
 class Policy {
  public:
   virtual ~Policy() = default;
   virtual const PolicyDescriptor& descriptor() const = 0;
   virtual Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
   virtual Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
+  // Policies with a kernel step say so (it decides, at creation, where a sequence's scores
+  // live) and plan every Step with PlanKernelStep instead of calling Step().
+  virtual bool has_kernel_step() const { return false; }
+  virtual KernelStep PlanKernelStep(const CallContext& ctx) const;
 };
 
 // Every policy this build knows, in a stable order.

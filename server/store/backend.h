@@ -7,6 +7,7 @@
 // may complete asynchronously: work is ordered, and Synchronize() waits for all of it.
 // Host pointers in a batch must stay valid until Synchronize() returns.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -14,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/quantize.h"
+#include "server/store/slot_state.h"
 
 namespace kvmem::store {
 
@@ -87,6 +89,9 @@ class Backend {
                                                 kernels::ElemType elem,
                                                 absl::Span<const DequantizeOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
+
+  // Per-sequence slot metadata where this backend computes (slot_state.h).
+  virtual absl::StatusOr<std::unique_ptr<SlotState>> CreateSlotState(uint32_t num_streams) = 0;
 
   // The same-host export of the pool, when the backend has one.
   virtual std::optional<PoolExport> pool_export() const { return std::nullopt; }

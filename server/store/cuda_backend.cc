@@ -8,25 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda_launch.h"
+#include "server/store/cuda_status.h"
 
 namespace kvmem::store {
-namespace {
-
-absl::Status FromCuda(cudaError_t e, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  const std::string message =
-      absl::StrCat("cuda: ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
-  if (e == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
-  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
-    return absl::FailedPreconditionError(message);
-  }
-  return absl::InternalError(message);
-}
-
-uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
-
-}  // namespace
-
 // Staging and op-list buffers, grown on demand and reused; one request at a time uses them.
 struct CudaBackend::Buffers {
   absl::Mutex mu;
@@ -313,6 +297,10 @@ absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, ker
     std::memcpy(ops[i].v_dst, b.host_staging + list[i].v_out, ops[i].count * row);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SlotState>> CudaBackend::CreateSlotState(uint32_t num_streams) {
+  return MakeCudaSlotState(num_streams, device_);
 }
 
 std::optional<PoolExport> CudaBackend::pool_export() const {

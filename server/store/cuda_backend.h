@@ -32,6 +32,7 @@ class CudaBackend final : public Backend {
   absl::Status Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,
                           absl::Span<const DequantizeOp> ops) override;
   absl::Status Synchronize() override { return absl::OkStatus(); }
+  absl::StatusOr<std::unique_ptr<SlotState>> CreateSlotState(uint32_t num_streams) override;
   std::optional<PoolExport> pool_export() const override;
 
  private:

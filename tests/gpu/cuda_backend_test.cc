@@ -1,13 +1,19 @@
 // CudaBackend against CpuBackend: the same batches of writes, moves (with the hazards the
-// engine produces), quantization and reads leave byte-identical pools. Skipped without a
-// CUDA device; the error paths that need no device run everywhere.
+// engine produces), quantization and reads leave byte-identical pools; the CUDA SlotState
+// follows the same model as the host one; an engine on the CUDA backend (scores and the
+// per-step selection on the device) decides exactly what the host policies decide. Skipped
+// without a CUDA device; the error paths that need no device run everywhere.
 #include "server/store/cuda_backend.h"
 
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
+#include "server/store/cuda_status.h"
+#include "tests/testing/engine_twins.h"
+#include "tests/testing/slot_state_script.h"
 
 namespace kvmem::store {
 namespace {
@@ -81,6 +87,48 @@ TEST_F(CudaBackendParity, WritesMovesQuantizeAndReadsMatchTheCpuBackend) {
   MoveOp bad{kPool - 8, 0, 16};
   EXPECT_EQ(cuda_->Move({&bad, 1}).code(), absl::StatusCode::kInternal);
 }
+
+bool HaveDevice() {
+  absl::StatusOr<std::unique_ptr<SlotState>> probe = MakeCudaSlotState(1, 0);
+  return probe.ok() || probe.status().code() != absl::StatusCode::kFailedPrecondition;
+}
+
+TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  for (uint32_t seed = 0; seed < 40; ++seed) {
+    testing::RunSlotStateScript(
+        [](uint32_t streams) -> std::unique_ptr<SlotState> {
+          absl::StatusOr<std::unique_ptr<SlotState>> s = MakeCudaSlotState(streams, 0);
+          EXPECT_TRUE(s.ok()) << s.status();
+          return s.ok() ? *std::move(s) : nullptr;
+        },
+        seed, 120);
+    if (HasFatalFailure()) return;
+  }
+}
+
+class CudaEngineTest : public ::testing::TestWithParam<engine::twins::Case> {};
+
+TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
+  auto cuda = CudaBackend::Create(8 << 20);
+  if (!cuda.ok() && cuda.status().code() == absl::StatusCode::kFailedPrecondition) {
+    GTEST_SKIP() << cuda.status();
+  }
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  engine::FakeClock clock;
+  engine::EngineConfig config;
+  config.pool_bytes = 8 << 20;
+  config.page_bytes = 4096;
+  auto on_gpu = *engine::Engine::Create(config, *std::move(cuda), &clock);
+  config.device_step = false;
+  auto on_host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
+  engine::twins::RunTwinWorkload(*on_gpu, *on_host, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, CudaEngineTest, ::testing::ValuesIn(engine::twins::Cases()),
+                         [](const ::testing::TestParamInfo<engine::twins::Case>& info) {
+                           return std::string(info.param.policy) + "_" + std::to_string(info.index);
+                         });
 
 }  // namespace
 }  // namespace kvmem::store

@@ -203,6 +203,15 @@ void Selection() {
                               d_keep.get(), nullptr));
       Check(d_keep.Host() == keep, "select top w=" + std::to_string(w) + t);
     }
+    {  // raw scores (H2O): no normalizer
+      std::vector<uint8_t> keep(s.scores.size(), 9);
+      DeviceArray<uint8_t> d_keep(keep);
+      SelectTopRef(s.slices.data(), num, s.scores.data(), nullptr, s.positions.data(), 1.0f,
+                   keep.data());
+      CUDA_OK(cuda::SelectTop(d_slices.get(), num, d_scores.get(), nullptr, d_pos.get(), 1.0f,
+                              d_keep.get(), nullptr));
+      Check(d_keep.Host() == keep, "select top raw" + t);
+    }
     std::vector<float> threshold(num);
     for (float& x : threshold) x = static_cast<float>(rng() % 16) / 16;
     std::vector<uint8_t> keep(s.scores.size(), 9);

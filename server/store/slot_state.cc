@@ -1,0 +1,251 @@
+#include "server/store/slot_state.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::store {
+
+absl::StatusOr<uint32_t> SlotBook::CapacityFor(uint32_t count) const {
+  uint64_t longest = 0;
+  for (uint32_t n : length_) longest = std::max<uint64_t>(longest, n);
+  const uint64_t need = longest + count;
+  if (need > kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("positions: a stream would hold ", need,
+                                                   " slots, over the limit of ", kMaxSlots));
+  }
+  uint64_t capacity = std::max<uint64_t>(capacity_, 16);
+  while (capacity < need) capacity *= 2;
+  return static_cast<uint32_t>(std::min<uint64_t>(capacity, kMaxSlots));
+}
+
+void SlotBook::Grow(uint32_t count) {
+  for (uint32_t& n : length_) n += count;
+}
+
+void SlotBook::Shrink(uint32_t count) {
+  for (uint32_t& n : length_) n -= std::min(n, count);
+}
+
+std::vector<kernels::StreamSlice> SlotBook::Slices(absl::Span<const uint32_t> budget,
+                                                   uint32_t protect) const {
+  std::vector<kernels::StreamSlice> slices(length_.size());
+  for (size_t s = 0; s < length_.size(); ++s) {
+    slices[s] = {static_cast<uint32_t>(s * capacity_), length_[s], budget.empty() ? 0 : budget[s],
+                 protect};
+  }
+  return slices;
+}
+
+KeepSets SlotBook::ToKeepSets(const uint8_t* flags) const {
+  KeepSets keep(length_.size());
+  for (size_t s = 0; s < length_.size(); ++s) {
+    const uint8_t* f = flags + s * capacity_;
+    const uint32_t n = length_[s];
+    if (std::all_of(f, f + n, [](uint8_t x) { return x != 0; })) continue;
+    std::vector<uint32_t>& kept = keep[s].emplace();
+    for (uint32_t j = 0; j < n; ++j) {
+      if (f[j]) kept.push_back(j);
+    }
+  }
+  return keep;
+}
+
+absl::Status SlotBook::FromKeepSets(const KeepSets& keep, uint8_t* flags) const {
+  if (keep.size() != length_.size()) {
+    return absl::InternalError(
+        absl::StrCat("slot state: ", keep.size(), " keep-sets for ", length_.size(), " streams"));
+  }
+  for (size_t s = 0; s < length_.size(); ++s) {
+    uint8_t* f = flags + s * capacity_;
+    const uint32_t n = length_[s];
+    if (!keep[s]) {
+      std::fill(f, f + n, 1);
+      continue;
+    }
+    std::fill(f, f + n, 0);
+    const std::vector<uint32_t>& kept = *keep[s];
+    for (size_t i = 0; i < kept.size(); ++i) {
+      if (kept[i] >= n || (i > 0 && kept[i] <= kept[i - 1])) {
+        return absl::InternalError(
+            absl::StrCat("slot state: keep-set of stream ", s, " is not ascending within ", n));
+      }
+      f[kept[i]] = 1;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void SlotBook::ApplyKeep(const KeepSets& keep) {
+  for (size_t s = 0; s < length_.size(); ++s) {
+    if (keep[s]) length_[s] = static_cast<uint32_t>(keep[s]->size());
+  }
+}
+
+namespace {
+
+class HostSlotState final : public SlotState {
+ public:
+  explicit HostSlotState(uint32_t num_streams) : book_(num_streams) {}
+
+  uint32_t num_streams() const override { return book_.num_streams(); }
+  uint32_t length(uint32_t stream) const override { return book_.length(stream); }
+  uint64_t bytes() const override {
+    return book_.total_slots() * (sizeof(float) + sizeof(int64_t) + 1 + sizeof(uint32_t));
+  }
+
+  absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
+    const uint32_t count = static_cast<uint32_t>(positions.size());
+    absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
+    if (!capacity.ok()) return capacity.status();
+    if (*capacity != book_.capacity()) Relayout(*capacity);
+    const uint32_t cap = book_.capacity();
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      const size_t at = size_t{s} * cap + book_.length(s);
+      std::copy(positions.begin(), positions.end(), positions_.begin() + at);
+      std::fill_n(scores_.begin() + at, count, initial_score);
+    }
+    book_.Grow(count);
+    pending_ = false;
+    return absl::OkStatus();
+  }
+
+  void DropNewest(uint32_t count) override {
+    book_.Shrink(count);
+    pending_ = false;
+  }
+
+  absl::Status Step(const kernels::ScoreStep& step, absl::Span<const absl::Span<const float>> rows,
+                    absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
+    const uint32_t S = book_.num_streams();
+    if (rows.size() != S || budget.size() != S) {
+      return absl::InternalError("slot state: step needs one row and one budget per stream");
+    }
+    const size_t cap = book_.capacity();
+    for (uint32_t s = 0; s < S; ++s) {
+      if (rows[s].size() != book_.length(s)) {
+        return absl::InternalError(absl::StrCat("slot state: row of stream ", s, " has ",
+                                                rows[s].size(), " values for ", book_.length(s),
+                                                " slots"));
+      }
+    }
+    // Stream by stream, so that the rows are read where they lie.
+    for (uint32_t s = 0; s < S; ++s) {
+      const kernels::StreamSlice one{0, book_.length(s), budget[s], protect};
+      float max_score = 0;
+      kernels::UpdateScoresRef(step.rule, step.lambda, &one, 1, rows[s].data(),
+                               scores_.data() + s * cap, &max_score);
+      if (step.select) {
+        kernels::SelectTopRef(&one, 1, scores_.data() + s * cap,
+                              step.normalize ? &max_score : nullptr, positions_.data() + s * cap,
+                              step.attention_weight, flags_.data() + s * cap);
+      }
+    }
+    if (!step.select) {
+      *keep = KeepSets(S);
+      pending_ = false;
+      return absl::OkStatus();
+    }
+    *keep = book_.ToKeepSets(flags_.data());
+    pending_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status CommitStep() override {
+    if (!pending_) return absl::OkStatus();
+    pending_ = false;
+    Compact();
+    return absl::OkStatus();
+  }
+
+  absl::Status Keep(const KeepSets& keep) override {
+    pending_ = false;
+    if (absl::Status s = book_.FromKeepSets(keep, flags_.data()); !s.ok()) return s;
+    Compact();
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
+    scores->resize(book_.num_streams());
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      const auto first = scores_.begin() + size_t{s} * book_.capacity();
+      (*scores)[s].assign(first, first + book_.length(s));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteScores(const std::vector<std::vector<float>>& scores) override {
+    if (scores.size() != book_.num_streams()) {
+      return absl::InternalError("slot state: one score vector per stream expected");
+    }
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      if (scores[s].size() != book_.length(s)) {
+        return absl::InternalError(absl::StrCat("slot state: ", scores[s].size(),
+                                                " scores for stream ", s, " of ", book_.length(s)));
+      }
+      std::copy(scores[s].begin(), scores[s].end(), scores_.begin() + size_t{s} * book_.capacity());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadPositions(std::vector<std::vector<int64_t>>* positions) override {
+    positions->resize(book_.num_streams());
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      const auto first = positions_.begin() + size_t{s} * book_.capacity();
+      (*positions)[s].assign(first, first + book_.length(s));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<SlotState>> Clone() const override {
+    auto copy = std::make_unique<HostSlotState>(*this);
+    copy->pending_ = false;
+    return copy;
+  }
+
+ private:
+  // Moves every stream's live slots to a new capacity.
+  void Relayout(uint32_t capacity) {
+    const uint32_t old = book_.capacity();
+    std::vector<float> scores(size_t{capacity} * book_.num_streams());
+    std::vector<int64_t> positions(scores.size());
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      std::copy_n(scores_.begin() + size_t{s} * old, book_.length(s),
+                  scores.begin() + size_t{s} * capacity);
+      std::copy_n(positions_.begin() + size_t{s} * old, book_.length(s),
+                  positions.begin() + size_t{s} * capacity);
+    }
+    scores_ = std::move(scores);
+    positions_ = std::move(positions);
+    flags_.assign(scores_.size(), 0);
+    kept_index_.assign(scores_.size(), 0);
+    kept_.assign(book_.num_streams(), 0);
+    book_.set_capacity(capacity);
+  }
+
+  // CompactSlots over every stream by flags_, then the lengths it reports.
+  void Compact() {
+    if (book_.capacity() == 0) return;  // nothing appended yet
+    const std::vector<kernels::StreamSlice> slices = book_.Slices({}, 0);
+    kernels::CompactSlotsRef(slices.data(), book_.num_streams(), flags_.data(), scores_.data(),
+                             positions_.data(), kept_index_.data(), kept_.data());
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) book_.set_length(s, kept_[s]);
+  }
+
+  SlotBook book_;
+  std::vector<float> scores_;
+  std::vector<int64_t> positions_;
+  std::vector<uint8_t> flags_;
+  std::vector<uint32_t> kept_index_;
+  std::vector<uint32_t> kept_;
+  bool pending_ = false;  // flags_ hold the last Step's keep-sets
+};
+
+}  // namespace
+
+std::unique_ptr<SlotState> MakeHostSlotState(uint32_t num_streams) {
+  return std::make_unique<HostSlotState>(num_streams);
+}
+
+}  // namespace kvmem::store

@@ -1,0 +1,102 @@
+#pragma once
+// SlotState: a sequence's per-slot metadata (scores and positions) kept where its backend
+// computes — device memory on a GPU, host memory on the CPU — so that a policy's per-step
+// work (score update, selection, compaction of the metadata) runs there too, with the
+// kernels of kernels/select.h.
+//
+// Layout: every stream owns `capacity` slots of flat arrays (stream s at s * capacity), its
+// first length(s) live, in the order of the stream's retained slots. Capacity grows by
+// doubling when an append does not fit. A step is two-phase, so that the engine can move
+// the K/V rows in between and drop the step if that fails: Step() updates the scores and
+// selects keep-sets; CommitStep() compacts the metadata to them.
+//
+// The host bookkeeping (lengths, capacity, slices, keep flags <-> lists) is SlotBook; the
+// CPU implementation (HostSlotState) runs the C++ reference kernels, the CUDA one their
+// twins (cuda_backend.cc). Both give the same scores and keep-sets bit for bit.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/select.h"
+
+namespace kvmem::store {
+
+// Per stream: ascending kept slot indices, or nullopt for "every slot".
+using KeepSets = std::vector<std::optional<std::vector<uint32_t>>>;
+
+class SlotState {
+ public:
+  virtual ~SlotState() = default;
+
+  virtual uint32_t num_streams() const = 0;
+  virtual uint32_t length(uint32_t stream) const = 0;
+  // Bytes this state holds where it lives (device memory for the CUDA backend).
+  virtual uint64_t bytes() const = 0;
+
+  // Appends the same `positions` to every stream, each new slot scored `initial_score`.
+  [[nodiscard]] virtual absl::Status Append(absl::Span<const int64_t> positions,
+                                            float initial_score) = 0;
+  // Drops the newest `count` slots of every stream (undoes an Append).
+  virtual void DropNewest(uint32_t count) = 0;
+  // Updates every stream's scores with rows[s] (length(s) values) by `step.rule`; when
+  // step.select, writes each stream's keep-set by SelectTop with budget[s] and `protect`
+  // to *keep (nullopt where the stream fits its budget). Metadata is not compacted yet.
+  [[nodiscard]] virtual absl::Status Step(const kernels::ScoreStep& step,
+                                          absl::Span<const absl::Span<const float>> rows,
+                                          absl::Span<const uint32_t> budget, uint32_t protect,
+                                          KeepSets* keep) = 0;
+  // Compacts every stream to the keep-sets of the last Step.
+  [[nodiscard]] virtual absl::Status CommitStep() = 0;
+  // Compacts every stream to keep-sets decided elsewhere (a policy run on the host).
+  [[nodiscard]] virtual absl::Status Keep(const KeepSets& keep) = 0;
+
+  // Copies to and from the host, for policy calls that run there (Compress).
+  [[nodiscard]] virtual absl::Status ReadScores(std::vector<std::vector<float>>* scores) = 0;
+  [[nodiscard]] virtual absl::Status WriteScores(const std::vector<std::vector<float>>& scores) = 0;
+  [[nodiscard]] virtual absl::Status ReadPositions(
+      std::vector<std::vector<int64_t>>* positions) = 0;
+
+  // An independent copy (Fork).
+  virtual absl::StatusOr<std::unique_ptr<SlotState>> Clone() const = 0;
+};
+
+// Host bookkeeping shared by the implementations.
+class SlotBook {
+ public:
+  explicit SlotBook(uint32_t num_streams) : length_(num_streams, 0) {}
+
+  uint32_t num_streams() const { return static_cast<uint32_t>(length_.size()); }
+  uint32_t capacity() const { return capacity_; }
+  uint32_t length(uint32_t s) const { return length_[s]; }
+  uint64_t total_slots() const { return uint64_t{capacity_} * length_.size(); }
+  // Capacity needed to append `count` slots to every stream: the current one if it fits,
+  // else doubled until it does. INVALID_ARGUMENT past kMaxSlots per stream.
+  absl::StatusOr<uint32_t> CapacityFor(uint32_t count) const;
+  void set_capacity(uint32_t capacity) { capacity_ = capacity; }
+  void Grow(uint32_t count);
+  void Shrink(uint32_t count);
+  void set_length(uint32_t s, uint32_t n) { length_[s] = n; }
+  // Slices over the flat arrays, with per-stream budgets (empty: 0) and `protect`.
+  std::vector<kernels::StreamSlice> Slices(absl::Span<const uint32_t> budget,
+                                           uint32_t protect) const;
+  // Flags (flat, capacity per stream) <-> keep-sets; ToKeepSets() gives nullopt where every
+  // slot is kept. FromKeepSets() checks the sets (ascending, in range).
+  KeepSets ToKeepSets(const uint8_t* flags) const;
+  absl::Status FromKeepSets(const KeepSets& keep, uint8_t* flags) const;
+  // Lengths after keeping `keep`.
+  void ApplyKeep(const KeepSets& keep);
+
+  static constexpr uint32_t kMaxSlots = 1u << 26;
+
+ private:
+  std::vector<uint32_t> length_;
+  uint32_t capacity_ = 0;
+};
+
+// The CPU implementation: flat host arrays, reference kernels.
+std::unique_ptr<SlotState> MakeHostSlotState(uint32_t num_streams);
+
+}  // namespace kvmem::store

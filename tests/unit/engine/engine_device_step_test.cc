@@ -1,0 +1,49 @@
+// The device step (scores in the backend's SlotState, kernels/select.h) against the host
+// policies: the same workload through an engine with device_step on and one with it off
+// must give the same results, block tables and K/V at every step, across compressions,
+// quantization, forks and eviction intervals.
+#include "gtest/gtest.h"
+#include "server/store/cpu_backend.h"
+#include "tests/testing/engine_twins.h"
+
+namespace kvmem::engine {
+namespace {
+
+using twins::Case;
+
+std::unique_ptr<Engine> CpuEngine(FakeClock* clock, bool device_step) {
+  EngineConfig config;
+  config.pool_bytes = 8 << 20;
+  config.page_bytes = 4096;
+  config.device_step = device_step;
+  return *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), clock);
+}
+
+class DeviceStepTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DeviceStepTest, MatchesTheHostPolicyAtEveryStep) {
+  FakeClock clock;
+  std::unique_ptr<Engine> device = CpuEngine(&clock, true), host = CpuEngine(&clock, false);
+  twins::RunTwinWorkload(*device, *host, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, DeviceStepTest, ::testing::ValuesIn(twins::Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return std::string(info.param.policy) + "_" + std::to_string(info.index);
+                         });
+
+TEST(DeviceStepTest, OnlyPoliciesWithAKernelStepKeepSlotState) {
+  for (const char* name : {"confkv", "confkv_l", "h2o"}) {
+    auto p = *policy::CreatePolicy(name, {});
+    EXPECT_TRUE(p->has_kernel_step()) << name;
+  }
+  for (const char* name : {"full", "window", "streaming_llm", "snapkv", "refreekv", "infokv"}) {
+    auto p = *policy::CreatePolicy(name, {});
+    EXPECT_FALSE(p->has_kernel_step()) << name;
+  }
+  // The random ablation has no priority to select by.
+  EXPECT_FALSE((*policy::CreatePolicy("confkv", {{"random", 1}}))->has_kernel_step());
+}
+
+}  // namespace
+}  // namespace kvmem::engine

@@ -1,0 +1,59 @@
+// The host SlotState against the plain model (tests/testing/slot_state_script.h), and the
+// bookkeeping it shares with the CUDA implementation.
+#include "server/store/slot_state.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/slot_state_script.h"
+
+namespace kvmem::store {
+namespace {
+
+using ::testing::ElementsAre;
+
+TEST(SlotStateTest, HostStateFollowsTheModelThroughRandomScripts) {
+  for (uint32_t seed = 0; seed < 40; ++seed) {
+    testing::RunSlotStateScript([](uint32_t streams) { return MakeHostSlotState(streams); }, seed,
+                                120);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST(SlotStateTest, CapacityDoublesAndKeepsEveryStreamInPlace) {
+  SlotBook book(3);
+  EXPECT_EQ(*book.CapacityFor(5), 16u);
+  book.set_capacity(16);
+  book.Grow(10);
+  EXPECT_EQ(*book.CapacityFor(6), 16u);
+  EXPECT_EQ(*book.CapacityFor(7), 32u);
+  EXPECT_EQ(*book.CapacityFor(100), 128u);
+  EXPECT_FALSE(book.CapacityFor(SlotBook::kMaxSlots).ok());
+  const std::vector<uint32_t> budget = {4, 5, 6};
+  const std::vector<kernels::StreamSlice> slices = book.Slices(budget, 2);
+  EXPECT_EQ(slices[2].offset, 32u);
+  EXPECT_EQ(slices[2].length, 10u);
+  EXPECT_EQ(slices[2].budget, 6u);
+  EXPECT_EQ(slices[2].protect, 2u);
+}
+
+TEST(SlotStateTest, FlagsAndKeepSetsRoundTrip) {
+  SlotBook book(2);
+  book.set_capacity(16);
+  book.Grow(4);
+  std::vector<uint8_t> flags(32, 1);
+  flags[1] = 0;  // stream 0 drops slot 1; stream 1 keeps everything
+  const KeepSets keep = book.ToKeepSets(flags.data());
+  ASSERT_TRUE(keep[0].has_value());
+  EXPECT_THAT(*keep[0], ElementsAre(0, 2, 3));
+  EXPECT_FALSE(keep[1].has_value());
+  std::vector<uint8_t> back(32, 9);
+  ASSERT_TRUE(book.FromKeepSets(keep, back.data()).ok());
+  EXPECT_THAT(std::vector<uint8_t>(back.begin(), back.begin() + 4), ElementsAre(1, 0, 1, 1));
+  EXPECT_THAT(std::vector<uint8_t>(back.begin() + 16, back.begin() + 20), ElementsAre(1, 1, 1, 1));
+  KeepSets unordered(2);
+  unordered[1] = std::vector<uint32_t>{2, 1};
+  EXPECT_FALSE(book.FromKeepSets(unordered, back.data()).ok());
+}
+
+}  // namespace
+}  // namespace kvmem::store
