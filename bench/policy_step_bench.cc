@@ -1,7 +1,9 @@
 // Per-step cost of confkv in the engine on the CPU backend (score update + selection +
 // compaction, no RPC), at a steady state where every step appends one token per stream and
 // evicts one, for the SmolLM2-135M shape and a Llama-3-8B shape; memcpy bandwidth measured
-// in the same run puts the bytes each step touches in proportion.
+// in the same run puts the bytes each step touches in proportion. `host` rows run the
+// policy's own Step on the host; the others the device step (scores in the backend's
+// SlotState, the kernels' C++ twins on this backend).
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -18,12 +20,13 @@ struct Shape {
   uint32_t layers, heads, dim, budget;
 };
 
-void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8) {
+void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8, bool device_step) {
   engine::RealClock clock;
   engine::EngineConfig config;
   const uint64_t token_bytes = 2ull * shape.layers * shape.heads * shape.dim * 2;
   config.pool_bytes = (shape.budget + 512) * token_bytes * 2 + (64 << 20);
   config.page_bytes = 256 * 1024;
+  config.device_step = device_step;
   auto engine =
       *engine::Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
   const engine::Layout layout{shape.layers, shape.heads, shape.dim, engine::DType::kF16, 16, 49152};
@@ -79,13 +82,19 @@ void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8) {
   state.SetBytesProcessed(static_cast<int64_t>(touched * state.iterations()));
 }
 
-BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256, Shape{30, 3, 64, 256}, false)
+BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256, Shape{30, 3, 64, 256}, false, true)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
-BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_int8, Shape{30, 3, 64, 256}, true)
+BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_host, Shape{30, 3, 64, 256}, false, false)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
-BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096, Shape{32, 8, 128, 4096}, false)
+BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_int8, Shape{30, 3, 64, 256}, true, true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096, Shape{32, 8, 128, 4096}, false, true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_host, Shape{32, 8, 128, 4096}, false, false)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
 

@@ -33,7 +33,7 @@ void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, u
 void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                   const float* stream_max, const int64_t* positions, float attention_weight,
                   uint8_t* keep) {
-  std::vector<uint64_t> keys;
+  thread_local std::vector<uint64_t> keys;  // reused: called once per stream per step on the CPU
   for (uint32_t s = 0; s < num_streams; ++s) {
     const StreamSlice& st = streams[s];
     uint8_t* k = keep + st.offset;
@@ -47,17 +47,31 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
     const int64_t* pos = positions + st.offset;
     const PriorityScale p = PriorityScaleFor(attention_weight, stream_max ? stream_max[s] : 1.0f,
                                              pos[st.length - 1] - pos[0]);
-    keys.resize(unprotected);
-    for (uint32_t j = 0; j < unprotected; ++j) {
+    auto key = [&](uint32_t j) {
       const float a = scores[st.offset + j] * p.e_scale;
       const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
-      keys[j] = SelectionKey((a + b) + p.r_const, j);
-    }
-    uint64_t threshold = ~uint64_t{0};  // take = 0 keeps none of them
+      return SelectionKey((a + b) + p.r_const, j);
+    };
     if (take > 0 && take + 1 == unprotected) {
-      // The steady state of decoding, one slot out: the smallest key goes (keys are unique).
-      threshold = *std::min_element(keys.begin(), keys.end()) + 1;
-    } else if (take > 0) {
+      // The steady state of decoding, one slot out: the smallest key goes (keys are
+      // unique), found in one pass.
+      uint32_t worst = 0;
+      uint64_t worst_key = ~uint64_t{0};
+      for (uint32_t j = 0; j < unprotected; ++j) {
+        const uint64_t kj = key(j);
+        if (kj < worst_key) {
+          worst_key = kj;
+          worst = j;
+        }
+      }
+      std::fill(k, k + st.length, 1);
+      k[worst] = 0;
+      continue;
+    }
+    keys.resize(unprotected);
+    for (uint32_t j = 0; j < unprotected; ++j) keys[j] = key(j);
+    uint64_t threshold = ~uint64_t{0};  // take = 0 keeps none of them
+    if (take > 0) {
       std::vector<uint64_t> sorted(keys);
       std::nth_element(sorted.begin(), sorted.begin() + (take - 1), sorted.end(),
                        std::greater<uint64_t>());

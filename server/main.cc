@@ -15,6 +15,9 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50551", "host:port (port 0 picks one) or unix:path");
 ABSL_FLAG(std::string, backend, "cpu", "cpu or cuda");
+ABSL_FLAG(std::string, device_step, "auto",
+          "where confkv/h2o steps run: on = scores and selection in the backend (device memory "
+          "on cuda), off = policy code on the host, auto = on for cuda, off for cpu");
 ABSL_FLAG(uint64_t, pool_bytes, 1ull << 30, "pool size in bytes; never grows");
 ABSL_FLAG(uint64_t, page_bytes, 64 * 1024, "pool page size; a block must fit one page");
 ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
@@ -63,6 +66,7 @@ int main(int argc, char** argv) {
   kvmem::service::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
   config.backend = absl::GetFlag(FLAGS_backend);
+  config.device_step = absl::GetFlag(FLAGS_device_step);
   config.engine.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
   config.engine.page_bytes = absl::GetFlag(FLAGS_page_bytes);
   config.engine.default_block_tokens = absl::GetFlag(FLAGS_block_tokens);

@@ -37,6 +37,9 @@ int Info(kvmem::client::Client& client) {
   std::printf("max sequences    %u\n", info->max_sequences);
   std::printf("lease            %u s (default)\n", info->default_lease_seconds);
   std::printf("max message      %s of K+V per Append\n", Bytes(info->max_message_bytes).c_str());
+  std::printf("policy steps     %s\n", info->device_step
+                                           ? "in the backend (scores in device memory)"
+                                           : "in host policy code");
   std::printf("same-host attach %s\n",
               info->shm_name.empty() ? "none" : ("shm " + info->shm_name).c_str());
   std::printf("policies:\n");

@@ -34,6 +34,7 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
   response->set_default_lease_seconds(
       static_cast<uint32_t>(absl::ToInt64Seconds(config.default_lease)));
   response->set_max_message_bytes(config.max_append_bytes);
+  response->set_device_step(config.device_step);
   for (const policy::PolicyDescriptor& d : policy::AllPolicies()) {
     v1::PolicyInfo* info = response->add_policies();
     info->set_name(d.name);

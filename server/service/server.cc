@@ -49,8 +49,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
       MakeBackend(config.backend, config.engine.pool_bytes);
   if (!backend.ok()) return backend.status();
+  engine::EngineConfig engine_config = config.engine;
+  if (config.device_step == "auto") {
+    engine_config.device_step = (*backend)->kind() != "cpu";
+  } else if (config.device_step == "on" || config.device_step == "off") {
+    engine_config.device_step = config.device_step == "on";
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device_step: \"", config.device_step, "\" is not one of auto, on, off"));
+  }
   absl::StatusOr<std::unique_ptr<engine::Engine>> engine =
-      engine::Engine::Create(config.engine, *std::move(backend), clock);
+      engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
   server->service_ = std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION);

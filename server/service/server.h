@@ -18,6 +18,10 @@ inline constexpr char kServiceName[] = "kvmem.v1.KvCache";
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // host:port (port 0 picks one) or unix:path
   std::string backend = "cpu";             // cpu | cuda
+  // Where per-step policy work runs (engine.device_step): "auto" = in the backend's slot
+  // state on CUDA, in the policies' host code on the CPU (same decisions, less copying);
+  // "on" or "off" force it. Overrides engine.device_step.
+  std::string device_step = "auto";
   engine::EngineConfig engine;
   absl::Duration reaper_period = absl::Seconds(1);
 };

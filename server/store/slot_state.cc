@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 
@@ -43,9 +44,12 @@ KeepSets SlotBook::ToKeepSets(const uint8_t* flags) const {
   for (size_t s = 0; s < length_.size(); ++s) {
     const uint8_t* f = flags + s * capacity_;
     const uint32_t n = length_[s];
-    if (std::all_of(f, f + n, [](uint8_t x) { return x != 0; })) continue;
-    std::vector<uint32_t>& kept = keep[s].emplace();
-    for (uint32_t j = 0; j < n; ++j) {
+    const void* zero = std::memchr(f, 0, n);
+    if (zero == nullptr) continue;  // every slot kept
+    const auto first = static_cast<uint32_t>(static_cast<const uint8_t*>(zero) - f);
+    std::vector<uint32_t>& kept = keep[s].emplace(first);
+    std::iota(kept.begin(), kept.end(), 0u);
+    for (uint32_t j = first + 1; j < n; ++j) {
       if (f[j]) kept.push_back(j);
     }
   }
@@ -92,7 +96,7 @@ class HostSlotState final : public SlotState {
   uint32_t num_streams() const override { return book_.num_streams(); }
   uint32_t length(uint32_t stream) const override { return book_.length(stream); }
   uint64_t bytes() const override {
-    return book_.total_slots() * (sizeof(float) + sizeof(int64_t) + 1 + sizeof(uint32_t));
+    return book_.total_slots() * (sizeof(float) + sizeof(int64_t) + 1);
   }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
@@ -219,26 +223,36 @@ class HostSlotState final : public SlotState {
     scores_ = std::move(scores);
     positions_ = std::move(positions);
     flags_.assign(scores_.size(), 0);
-    kept_index_.assign(scores_.size(), 0);
-    kept_.assign(book_.num_streams(), 0);
     book_.set_capacity(capacity);
   }
 
-  // CompactSlots over every stream by flags_, then the lengths it reports.
+  // CompactSlots' result for scores and positions (select.h), from each stream's first
+  // dropped slot on: at the decode steady state one slot goes and the prefix before it
+  // stays where it is.
   void Compact() {
-    if (book_.capacity() == 0) return;  // nothing appended yet
-    const std::vector<kernels::StreamSlice> slices = book_.Slices({}, 0);
-    kernels::CompactSlotsRef(slices.data(), book_.num_streams(), flags_.data(), scores_.data(),
-                             positions_.data(), kept_index_.data(), kept_.data());
-    for (uint32_t s = 0; s < book_.num_streams(); ++s) book_.set_length(s, kept_[s]);
+    const size_t cap = book_.capacity();
+    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
+      const uint8_t* f = flags_.data() + s * cap;
+      const uint32_t n = book_.length(s);
+      const void* first_dropped = std::memchr(f, 0, n);
+      if (first_dropped == nullptr) continue;
+      float* scores = scores_.data() + s * cap;
+      int64_t* positions = positions_.data() + s * cap;
+      uint32_t r = static_cast<uint32_t>(static_cast<const uint8_t*>(first_dropped) - f);
+      for (uint32_t j = r + 1; j < n; ++j) {
+        if (!f[j]) continue;
+        scores[r] = scores[j];
+        positions[r] = positions[j];
+        ++r;
+      }
+      book_.set_length(s, r);
+    }
   }
 
   SlotBook book_;
   std::vector<float> scores_;
   std::vector<int64_t> positions_;
   std::vector<uint8_t> flags_;
-  std::vector<uint32_t> kept_index_;
-  std::vector<uint32_t> kept_;
   bool pending_ = false;  // flags_ hold the last Step's keep-sets
 };
 

@@ -11,8 +11,9 @@
 // selects keep-sets; CommitStep() compacts the metadata to them.
 //
 // The host bookkeeping (lengths, capacity, slices, keep flags <-> lists) is SlotBook; the
-// CPU implementation (HostSlotState) runs the C++ reference kernels, the CUDA one their
-// twins (cuda_backend.cc). Both give the same scores and keep-sets bit for bit.
+// CPU implementation (HostSlotState) scores and selects with the C++ reference kernels and
+// compacts from each stream's first dropped slot, the CUDA one runs the kernels' twins
+// (cuda_slot_state.cc). Both give the same scores, positions and keep-sets bit for bit.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -96,7 +97,7 @@ class SlotBook {
   uint32_t capacity_ = 0;
 };
 
-// The CPU implementation: flat host arrays, reference kernels.
+// The CPU implementation: flat host arrays.
 std::unique_ptr<SlotState> MakeHostSlotState(uint32_t num_streams);
 
 }  // namespace kvmem::store

@@ -151,6 +151,21 @@ TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
   EXPECT_EQ(info->policies[1].params[0].default_value, 512);
   EXPECT_FALSE(info->shm_name.empty());
   EXPECT_FALSE(info->epoch_board_name.empty());
+  EXPECT_FALSE(info->device_step);  // --device_step=auto on the CPU backend: host policy code
+}
+
+TEST(ServerConfigTest, DeviceStepIsAutoOnOrOff) {
+  service::ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.engine.pool_bytes = 1 << 20;
+  config.device_step = "on";
+  auto server = service::Server::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_TRUE((*server)->engine().config().device_step);
+  config.device_step = "sometimes";
+  auto bad = service::Server::Start(config);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("--device_step"));
 }
 
 }  // namespace

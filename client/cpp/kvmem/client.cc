@@ -124,6 +124,7 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.max_sequences = r.max_sequences();
   info.default_lease_seconds = r.default_lease_seconds();
   info.max_message_bytes = r.max_message_bytes();
+  info.device_step = r.device_step();
   for (const v1::PolicyInfo& p : r.policies()) {
     PolicyInfo pi{p.name(),
                   p.description(),

@@ -72,6 +72,7 @@ struct Info {
   uint64_t pool_bytes = 0, pool_free_bytes = 0, page_bytes = 0;
   uint32_t default_block_tokens = 0, max_sequences = 0, default_lease_seconds = 0;
   uint64_t max_message_bytes = 0;
+  bool device_step = false;  // confkv/confkv_l/h2o steps run in the backend (kvmemd --device_step)
   std::vector<PolicyInfo> policies;
   std::vector<QuantizerInfo> quantizers;
   uint32_t default_quantization_recent_tokens = 0;
