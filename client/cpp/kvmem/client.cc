@@ -146,6 +146,7 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.shm_bytes = r.shared_memory().segment_bytes();
   info.cuda_ipc_handle = r.cuda_ipc().handle();
   info.cuda_device_uuid = r.cuda_ipc().device_uuid();
+  info.cuda_pool_bytes = r.cuda_ipc().pool_bytes();
   info.epoch_board_name = r.epoch_board().name();
   info.epoch_stride = r.epoch_board().stride();
   info.epoch_slots = r.epoch_board().slots();

@@ -78,8 +78,10 @@ struct Info {
   uint32_t default_quantization_recent_tokens = 0;
   std::string shm_name;  // empty when the pool cannot be attached
   uint64_t shm_bytes = 0;
-  // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID.
+  // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID,
+  // the mapped size (kvmem/cuda_pool.h opens it).
   std::string cuda_ipc_handle, cuda_device_uuid;
+  uint64_t cuda_pool_bytes = 0;
   std::string epoch_board_name;
   uint32_t epoch_stride = 0, epoch_slots = 0;
 };

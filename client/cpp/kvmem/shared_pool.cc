@@ -32,37 +32,31 @@ absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t byt
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info) {
-  if (info.shm_name.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
-                                                      " backend does not export its pool"));
+absl::StatusOr<std::unique_ptr<EpochReader>> EpochReader::Attach(const Info& info) {
+  std::unique_ptr<EpochReader> reader(new EpochReader());
+  reader->stride_ = info.epoch_stride;
+  reader->slots_ = info.epoch_slots;
+  reader->board_bytes_ = uint64_t{info.epoch_stride} * info.epoch_slots;
+  if (info.epoch_board_name.empty() || reader->board_bytes_ == 0) {
+    return absl::FailedPreconditionError("epoch_board: the daemon advertises none");
   }
-  std::unique_ptr<SharedPool> pool(new SharedPool());
-  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
-  if (!data.ok()) return data.status();
-  pool->pool_ = *data;
-  pool->pool_bytes_ = info.shm_bytes;
-  pool->stride_ = info.epoch_stride;
-  pool->slots_ = info.epoch_slots;
-  pool->board_bytes_ = uint64_t{info.epoch_stride} * info.epoch_slots;
-  absl::StatusOr<const uint8_t*> board = MapReadOnly(info.epoch_board_name, pool->board_bytes_);
+  absl::StatusOr<const uint8_t*> board = MapReadOnly(info.epoch_board_name, reader->board_bytes_);
   if (!board.ok()) return board.status();
-  pool->board_ = *board;
-  return pool;
+  reader->board_ = *board;
+  return reader;
 }
 
-SharedPool::~SharedPool() {
-  if (pool_ != nullptr) munmap(const_cast<uint8_t*>(pool_), pool_bytes_);
+EpochReader::~EpochReader() {
   if (board_ != nullptr) munmap(const_cast<uint8_t*>(board_), board_bytes_);
 }
 
-uint64_t SharedPool::EpochWord(uint32_t slot) const {
+uint64_t EpochReader::EpochWord(uint32_t slot) const {
   const auto* word =
       reinterpret_cast<const std::atomic<uint64_t>*>(board_ + uint64_t{slot} * stride_);
   return word->load(std::memory_order_acquire);
 }
 
-absl::Status SharedPool::BeginRead(const BlockTable& table) const {
+absl::Status EpochReader::BeginRead(const BlockTable& table) const {
   if (table.epoch_slot >= slots_) {
     return absl::InvalidArgumentError(
         absl::StrCat("table.epoch_slot: ", table.epoch_slot, " is outside [0, ", slots_, ")"));
@@ -77,13 +71,33 @@ absl::Status SharedPool::BeginRead(const BlockTable& table) const {
   return absl::OkStatus();
 }
 
-absl::Status SharedPool::EndRead(const BlockTable& table) const {
+absl::Status EpochReader::EndRead(const BlockTable& table) const {
   std::atomic_thread_fence(std::memory_order_acquire);
   if (EpochWord(table.epoch_slot) != 2 * table.epoch) {
     return absl::FailedPreconditionError(absl::StrCat("epoch: the sequence left epoch ",
                                                       table.epoch, " during the read; discard it"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info) {
+  if (info.shm_name.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
+                                                      " backend does not export its pool"));
+  }
+  std::unique_ptr<SharedPool> pool(new SharedPool());
+  absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
+  if (!epochs.ok()) return epochs.status();
+  pool->epochs_ = *std::move(epochs);
+  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
+  if (!data.ok()) return data.status();
+  pool->pool_ = *data;
+  pool->pool_bytes_ = info.shm_bytes;
+  return pool;
+}
+
+SharedPool::~SharedPool() {
+  if (pool_ != nullptr) munmap(const_cast<uint8_t*>(pool_), pool_bytes_);
 }
 
 namespace {
@@ -106,9 +120,9 @@ void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out,
                               k, v);
 }
 
-absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
-                                                                uint32_t layer,
-                                                                uint32_t kv_head) const {
+absl::StatusOr<std::vector<BlockView>> StreamBlockViews(const BlockTable& table, uint32_t layer,
+                                                        uint32_t kv_head, const uint8_t* pool,
+                                                        uint64_t pool_bytes) {
   const Layout& layout = table.layout;
   if (layer >= layout.num_layers || kv_head >= layout.num_kv_heads) {
     return absl::InvalidArgumentError(
@@ -122,13 +136,13 @@ absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable
     const TableBlock& block = st.blocks[b];
     const uint64_t bytes =
         block.precision == Precision::kLayout ? table.block_bytes : table.quantized_block_bytes;
-    if (block.offset > pool_bytes_ || bytes > pool_bytes_ - block.offset ||
+    if (block.offset > pool_bytes || bytes > pool_bytes - block.offset ||
         block.start + block.count > table.block_tokens) {
       return absl::OutOfRangeError(
           absl::StrCat("blocks[", b, "]: offset ", block.offset, " slots [", block.start, ", ",
                        block.start + block.count, ") is outside the mapped pool or block"));
     }
-    const uint8_t* base = pool_ + block.offset;
+    const uint8_t* base = pool + block.offset;
     if (block.precision == Precision::kLayout) {
       views.push_back({base + block.start * row,
                        base + (uint64_t{table.block_tokens} + block.start) * row, base, block.start,
@@ -138,6 +152,12 @@ absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable
     }
   }
   return views;
+}
+
+absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
+                                                                uint32_t layer,
+                                                                uint32_t kv_head) const {
+  return StreamBlockViews(table, layer, kv_head, pool_, pool_bytes_);
 }
 
 absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,

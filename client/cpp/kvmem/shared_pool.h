@@ -34,6 +34,34 @@ struct BlockView {
 // in `out` dtype), with the geometry the table describes.
 void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out, void* k, void* v);
 
+// Views of one stream's blocks in a pool mapped at `base` (a host or a device address) of
+// `pool_bytes`; OUT_OF_RANGE for a block outside it.
+absl::StatusOr<std::vector<BlockView>> StreamBlockViews(const BlockTable& table, uint32_t layer,
+                                                        uint32_t kv_head, const uint8_t* base,
+                                                        uint64_t pool_bytes);
+
+// The daemon's per-sequence epoch words, mapped read-only: the seqlock of in-place reads,
+// whichever memory the pool lives in.
+class EpochReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<EpochReader>> Attach(const Info& info);
+  ~EpochReader();
+  EpochReader(const EpochReader&) = delete;
+  EpochReader& operator=(const EpochReader&) = delete;
+
+  // FAILED_PRECONDITION when the table is stale (before) or went stale (after the read).
+  absl::Status BeginRead(const BlockTable& table) const;
+  absl::Status EndRead(const BlockTable& table) const;
+
+ private:
+  EpochReader() = default;
+  uint64_t EpochWord(uint32_t slot) const;
+  const uint8_t* board_ = nullptr;
+  uint64_t board_bytes_ = 0;
+  uint32_t stride_ = 0;
+  uint32_t slots_ = 0;
+};
+
 class SharedPool {
  public:
   static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
@@ -41,8 +69,8 @@ class SharedPool {
   SharedPool(const SharedPool&) = delete;
   SharedPool& operator=(const SharedPool&) = delete;
 
-  absl::Status BeginRead(const BlockTable& table) const;
-  absl::Status EndRead(const BlockTable& table) const;
+  absl::Status BeginRead(const BlockTable& table) const { return epochs_->BeginRead(table); }
+  absl::Status EndRead(const BlockTable& table) const { return epochs_->EndRead(table); }
   // Pointers into the mapping for one stream's blocks, in order.
   absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,
                                                       uint32_t kv_head) const;
@@ -53,13 +81,9 @@ class SharedPool {
 
  private:
   SharedPool() = default;
-  uint64_t EpochWord(uint32_t slot) const;
   const uint8_t* pool_ = nullptr;
   uint64_t pool_bytes_ = 0;
-  const uint8_t* board_ = nullptr;
-  uint64_t board_bytes_ = 0;
-  uint32_t stride_ = 0;
-  uint32_t slots_ = 0;
+  std::unique_ptr<EpochReader> epochs_;
 };
 
 }  // namespace kvmem::client

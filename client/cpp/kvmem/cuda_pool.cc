@@ -1,0 +1,116 @@
+#include "kvmem/cuda_pool.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::client {
+namespace {
+
+absl::Status Cuda(cudaError_t e, absl::string_view what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  const std::string message =
+      absl::StrCat("cuda_ipc: ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+    return absl::FailedPreconditionError(message);
+  }
+  return absl::UnavailableError(message);
+}
+
+// This process's ordinal of the GPU with `uuid` (hex, as the daemon writes it).
+absl::StatusOr<int> DeviceWithUuid(const std::string& uuid) {
+  int count = 0;
+  if (absl::Status s = Cuda(cudaGetDeviceCount(&count), "device count"); !s.ok()) return s;
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) continue;
+    std::string hex;
+    for (char c : prop.uuid.bytes) {
+      absl::StrAppend(&hex, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+    }
+    if (hex == uuid) return d;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("cuda_ipc.device_uuid: none of the ", count, " visible GPUs is ", uuid,
+                   " (another host, or hidden by CUDA_VISIBLE_DEVICES)"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
+  if (info.cuda_ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda_ipc: the daemon's ", info.backend, " backend exports no CUDA pool",
+                     info.cuda_ipc_handle.empty() ? "" : " (handle of an unexpected size)"));
+  }
+  absl::StatusOr<int> device = DeviceWithUuid(info.cuda_device_uuid);
+  if (!device.ok()) return device.status();
+  std::unique_ptr<CudaPool> pool(new CudaPool());
+  absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
+  if (!epochs.ok()) return epochs.status();
+  pool->epochs_ = *std::move(epochs);
+  if (absl::Status s = Cuda(cudaSetDevice(*device), "set device"); !s.ok()) return s;
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, info.cuda_ipc_handle.data(), sizeof handle);
+  void* base = nullptr;
+  if (absl::Status s = Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+                            "open the pool's handle");
+      !s.ok()) {
+    return s;
+  }
+  pool->device_ = *device;
+  pool->base_ = static_cast<uint8_t*>(base);
+  pool->bytes_ = info.cuda_pool_bytes;
+  return pool;
+}
+
+CudaPool::~CudaPool() {
+  if (base_ != nullptr) (void)cudaIpcCloseMemHandle(base_);
+}
+
+absl::StatusOr<std::vector<BlockView>> CudaPool::StreamBlocks(const BlockTable& table,
+                                                              uint32_t layer,
+                                                              uint32_t kv_head) const {
+  return StreamBlockViews(table, layer, kv_head, base_, bytes_);
+}
+
+absl::Status CudaPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
+                                  std::string* k, std::string* v) const {
+  absl::StatusOr<std::vector<BlockView>> blocks = StreamBlocks(table, layer, kv_head);
+  if (!blocks.ok()) return blocks.status();
+  if (absl::Status s = BeginRead(table); !s.ok()) return s;
+  const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
+  uint64_t n = 0;
+  for (const BlockView& b : *blocks) n += b.count;
+  k->resize(n * row);
+  v->resize(n * row);
+  std::string quantized(table.quantized_block_bytes, '\0');
+  uint64_t first = 0;
+  for (const BlockView& b : *blocks) {
+    absl::Status s;
+    if (b.precision == Precision::kLayout) {
+      s = Cuda(cudaMemcpy(k->data() + first * row, b.k, b.count * row, cudaMemcpyDeviceToHost),
+               "copy K");
+      if (s.ok()) {
+        s = Cuda(cudaMemcpy(v->data() + first * row, b.v, b.count * row, cudaMemcpyDeviceToHost),
+                 "copy V");
+      }
+    } else {
+      s = Cuda(cudaMemcpy(quantized.data(), b.block, quantized.size(), cudaMemcpyDeviceToHost),
+               "copy a quantized block");
+      if (s.ok()) {
+        BlockView host = b;
+        host.block = reinterpret_cast<const uint8_t*>(quantized.data());
+        DequantizeBlock(table, host, table.layout.dtype, k->data() + first * row,
+                        v->data() + first * row);
+      }
+    }
+    if (!s.ok()) return s;
+    first += b.count;
+  }
+  return EndRead(table);
+}
+
+}  // namespace kvmem::client
