@@ -3,7 +3,8 @@
 // evicts one, for the SmolLM2-135M shape and a Llama-3-8B shape; memcpy bandwidth measured
 // in the same run puts the bytes each step touches in proportion. `host` rows run the
 // policy's own Step on the host; the others the device step (scores in the backend's
-// SlotState, the kernels' C++ twins on this backend).
+// SlotState, the kernels' C++ twins on this backend); `cuda` rows the same on the CUDA
+// backend (scores and selection in device memory), skipped without a GPU.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -12,6 +13,9 @@
 
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
+#ifdef KVMEM_WITH_CUDA
+#include "server/store/cuda_backend.h"
+#endif
 
 namespace kvmem {
 namespace {
@@ -20,15 +24,28 @@ struct Shape {
   uint32_t layers, heads, dim, budget;
 };
 
-void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8, bool device_step) {
+absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(bool cuda, uint64_t bytes) {
+#ifdef KVMEM_WITH_CUDA
+  if (cuda) return store::CudaBackend::Create(bytes);
+#endif
+  if (cuda) return absl::UnimplementedError("built without CUDA");
+  return store::CpuBackend::Create(bytes);
+}
+
+void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8, bool device_step,
+                   bool cuda = false) {
   engine::RealClock clock;
   engine::EngineConfig config;
   const uint64_t token_bytes = 2ull * shape.layers * shape.heads * shape.dim * 2;
   config.pool_bytes = (shape.budget + 512) * token_bytes * 2 + (64 << 20);
   config.page_bytes = 256 * 1024;
   config.device_step = device_step;
-  auto engine =
-      *engine::Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  absl::StatusOr<std::unique_ptr<store::Backend>> backend = MakeBackend(cuda, config.pool_bytes);
+  if (!backend.ok()) {
+    state.SkipWithError(backend.status().ToString().c_str());
+    return;
+  }
+  auto engine = *engine::Engine::Create(config, *std::move(backend), &clock);
   const engine::Layout layout{shape.layers, shape.heads, shape.dim, engine::DType::kF16, 16, 49152};
   engine::QuantConfig quant;
   if (int8) quant.type = kernels::QuantType::kInt8;
@@ -95,6 +112,14 @@ BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096, Shape{32, 8, 128, 4096}
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_host, Shape{32, 8, 128, 4096}, false, false)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_cuda, Shape{30, 3, 64, 256}, false, true,
+                  true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_cuda, Shape{32, 8, 128, 4096}, false, true,
+                  true)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
 

@@ -11,6 +11,9 @@ Studies implemented so far:
          full, window-512 and confkv.
   kl     CONF-KV's confidence against KL(full || newest 256 tokens dropped), per decode step,
          and their Pearson correlation (article: -0.77 on GPT-2, -0.36..-0.41 larger models).
+  devicestep  confkv / confkv_l / h2o through kvmemd --device_step=on (scores and selection
+         in the backend's slot state) and =off (host policy code): identical perplexity, KV
+         bytes and evictions expected.
 
 Text: the Lee Background Corpus (300 ABC news articles, ~60k words) that the PyPI wheel of
 gensim ships as gensim/test/test_data/lee_background.cor: journalists' running English, not
@@ -66,11 +69,14 @@ def model_path():
 
 
 class Daemon:
-    def __init__(self):
-        self.sock = f"/tmp/kvmem-eval-{os.getpid()}.sock"
+    started = 0
+
+    def __init__(self, *flags):
+        Daemon.started += 1
+        self.sock = f"/tmp/kvmem-eval-{os.getpid()}-{Daemon.started}.sock"
         self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}",
                                       "--pool-bytes=2147483648", "--page-bytes=262144",
-                                      "--lease-seconds=3600"],
+                                      "--lease-seconds=3600", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout.readline().startswith("READY")
 
@@ -648,10 +654,53 @@ def study_infokv(args):
     return results
 
 
+def study_devicestep(args):
+    """The device step on the real model: confkv, confkv_l and h2o (with and without int8)
+    through one kvmemd whose steps run in the backend's slot state (--device_step=on) and one
+    whose steps run the policies' host code (off). Same perplexity, KV bytes and evictions
+    are expected to the last digit."""
+    n = args.tokens
+    text, model = corpus_path(), model_path()
+    on, off = Daemon("--device_step=on"), Daemon("--device_step=off")
+    budget = 64 if args.small else 256
+    runs = [("confkv", (("c_high", budget // 2), ("c_low", budget), ("protect", 16)), "none"),
+            ("confkv_l", (("c_high", budget // 2), ("c_low", budget), ("layer_floor", budget // 4),
+                          ("protect", 8)), "none"),
+            ("confkv", (("c_high", budget // 2), ("c_low", budget), ("protect", 16)), "int8"),
+            ("h2o", (("budget", budget),), "none"),
+            ("h2o", (("budget", budget), ("pyramid", 1)), "none")]
+    results = []
+    start = time.time()
+    try:
+        for i, (policy, params, quant) in enumerate(runs):
+            progress(i, len(runs), start, policy)
+            a = perplexity(model, text, n, f"unix:{on.sock}", policy, params, quant, recent=32)
+            b = perplexity(model, text, n, f"unix:{off.sock}", policy, params, quant, recent=32)
+            results.append((policy, params, quant, a, b))
+    finally:
+        on.close()
+        off.close()
+    lines = [f"### Device step vs host policy code, {n} tokens",
+             f"Command: `python3 bench/eval/eval.py devicestep --tokens {n}"
+             f"{' --small' if args.small else ''}`; took {time.time() - start:.0f} s "
+             f"({time.strftime('%Y-%m-%d')}).", "",
+             "| policy | params | storage | perplexity on / off | mean KV bytes on / off "
+             "| evicted on / off | identical |", "|---|---|---|---|---|---|---|"]
+    for policy, params, quant, a, b in results:
+        same = all(a[k] == b[k] for k in ("ppl", "kv_mean", "kv_end", "evicted"))
+        p = ", ".join(f"{k}={v}" for k, v in params)
+        lines.append(f"| {policy} | {p} | {quant} | {a['ppl']:.4f} / {b['ppl']:.4f} "
+                     f"| {a['kv_mean']:.0f} / {b['kv_mean']:.0f} | {a['evicted']} / {b['evicted']} "
+                     f"| {'yes' if same else 'NO'} |")
+    write_table(f"devicestep-{'small' if args.small else n}", lines)
+    return results
+
+
 def study_all(args):
     """Every study in turn, each at the size its table in RESULTS.md was run at."""
     for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
-                         ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0)):
+                         ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0),
+                         ("devicestep", 1024)):
         sub = argparse.Namespace(**vars(args))
         if tokens and not args.small:
             sub.tokens = tokens
@@ -661,7 +710,7 @@ def study_all(args):
 
 STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
-           "infokv": study_infokv, "all": study_all}
+           "infokv": study_infokv, "devicestep": study_devicestep, "all": study_all}
 
 
 def main():

@@ -126,3 +126,15 @@ def test_small_retrieval_refreekv_and_infokv_studies(tmp_path):
         if len(cells) == 4 and cells[3].endswith("MiB"):
             kv[cells[0]] = float(cells[3].split()[0])
     assert kv["infokv 12.5 %"] < kv["infokv 25 %"] < kv["full"]
+
+
+def test_small_device_step_study(tmp_path):
+    run("devicestep", tmp_path)
+    table = (tmp_path / "devicestep-small.md").read_text()
+    lines = [l for l in table.splitlines() if l.startswith("| conf") or l.startswith("| h2o")]
+    assert len(lines) == 5
+    # Every policy gives the same perplexity, bytes and evictions both ways, and evicts.
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[-1] == "yes", line
+        assert int(cells[5].split("/")[0]) > 0, line
