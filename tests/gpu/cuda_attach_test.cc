@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ struct Daemon {
   int port = 0;
 };
 
+// KVMEMD overrides the build's path (tests/gpu/bundle.sh carries the program elsewhere).
+const char* KvmemdPath() {
+  const char* path = std::getenv("KVMEMD");
+  return path != nullptr ? path : KVMEMD_PATH;
+}
+
 Daemon Start(const std::vector<std::string>& flags) {
   int fds[2];
   EXPECT_EQ(pipe(fds), 0);
@@ -35,10 +42,10 @@ Daemon Start(const std::vector<std::string>& flags) {
   if (d.pid == 0) {
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
-    std::vector<char*> argv = {const_cast<char*>(KVMEMD_PATH)};
+    std::vector<char*> argv = {const_cast<char*>(KvmemdPath())};
     for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
     argv.push_back(nullptr);
-    execv(KVMEMD_PATH, argv.data());
+    execv(KvmemdPath(), argv.data());
     _exit(127);
   }
   close(fds[1]);
@@ -128,10 +135,11 @@ TEST(CudaAttachTest, WorkerReadsBlocksInPlaceOnTheSameGpu) {
                                 {},
                                 {}})
                   .ok());
+  const client::BlockTable newer = *client->GetBlockTable(id);
   client::StepArgs step;
-  step.epoch = client->GetBlockTable(id)->epoch;
+  step.epoch = newer.epoch;
   step.logit_stats = client::LogitStats{2.0f, 0.5f, 0.1f, {}};
-  for (const client::StreamTable& st : client->GetBlockTable(id)->streams) {
+  for (const client::StreamTable& st : newer.streams) {
     step.attention.push_back({st.layer, st.kv_head, std::vector<float>(st.positions.size(), 1.0f)});
   }
   ASSERT_TRUE(client->Step(id, step).ok());
