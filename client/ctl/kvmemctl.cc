@@ -86,17 +86,20 @@ int Stats(kvmem::client::Client& client, bool sequences) {
                 static_cast<unsigned long long>(stats->tokens_evicted),
                 static_cast<unsigned long long>(stats->tokens_quantized));
     std::printf("steps            %llu\n", static_cast<unsigned long long>(stats->steps));
+    std::printf("slot state       %s (scores and positions in the backend, outside the pool)\n",
+                Bytes(stats->slot_state_bytes).c_str());
     return 0;
   }
-  std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s\n", "id", "policy", "appended",
-              "longest", "kv bytes", "blocks", "epoch", "steps", "lease s", "parent");
+  std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s %11s\n", "id", "policy", "appended",
+              "longest", "kv bytes", "blocks", "epoch", "steps", "lease s", "parent", "slot state");
   for (const auto& s : stats->sequences) {
-    std::printf("%8llu %-10s %10llu %8u %12s %8llu %8llu %8llu %8.1f %7llu\n",
+    std::printf("%8llu %-10s %10llu %8u %12s %8llu %8llu %8llu %8.1f %7llu %11s\n",
                 static_cast<unsigned long long>(s.sequence_id), s.policy.c_str(),
                 static_cast<unsigned long long>(s.appended_tokens), s.max_stream_tokens,
                 Bytes(s.kv_bytes).c_str(), static_cast<unsigned long long>(s.blocks),
                 static_cast<unsigned long long>(s.epoch), static_cast<unsigned long long>(s.steps),
-                s.lease_remaining_seconds, static_cast<unsigned long long>(s.parent_id));
+                s.lease_remaining_seconds, static_cast<unsigned long long>(s.parent_id),
+                Bytes(s.slot_state_bytes).c_str());
   }
   if (stats->sequences.empty()) std::printf("(no sequences)\n");
   return 0;

@@ -342,6 +342,7 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
   }
   seq.last_position = last_position;
   seq.appended += total;
+  AccountSlotState(seq);
   tokens_appended_ += total;
   Renew(seq);
   return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes()};
@@ -774,6 +775,7 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
     absl::MutexLock lock(&child->mu);
     child->streams = parent.streams;
     child->slots = std::move(slots);
+    AccountSlotState(*child);
     child->token_ids = parent.token_ids;
     child->last_position = parent.last_position;
     child->appended = parent.appended;
@@ -795,9 +797,16 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
     st = Stream{};
   }
   seq.slots.reset();
+  AccountSlotState(seq);
   board_->Release(seq.epoch_slot);
   seq.released = true;
   return freed;
+}
+
+void Engine::AccountSlotState(Sequence& seq) {
+  const uint64_t now = seq.slots ? seq.slots->bytes() : 0;
+  slot_state_bytes_ += now - seq.slot_bytes_accounted;  // modular: shrinking subtracts
+  seq.slot_bytes_accounted = now;
 }
 
 absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
@@ -869,6 +878,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.tokens_evicted = tokens_evicted_;
   stats.tokens_quantized = tokens_quantized_;
   stats.bytes_moved = bytes_moved_;
+  stats.slot_state_bytes = slot_state_bytes_;
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
   std::vector<std::shared_ptr<Sequence>> all;
@@ -891,6 +901,7 @@ EngineStats Engine::Stats(bool include_sequences) {
     sum.kv_bytes = seq->kv_bytes();
     sum.blocks = seq->block_count();
     sum.pool_bytes_held = seq->block_bytes_held();
+    sum.slot_state_bytes = seq->slot_bytes_accounted;
     sum.quantization =
         seq->quant.type ? std::string(PrecisionName(seq->format.quant_precision())) : "none";
     sum.epoch = seq->epoch;

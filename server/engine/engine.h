@@ -168,6 +168,7 @@ struct SequenceSummary {
   uint64_t parent_id = 0;
   uint64_t pool_bytes_held = 0;
   std::string quantization;
+  uint64_t slot_state_bytes = 0;
 };
 
 struct EngineStats {
@@ -177,7 +178,8 @@ struct EngineStats {
   uint64_t tokens_appended = 0;
   uint64_t tokens_evicted = 0;
   uint64_t tokens_quantized = 0;
-  uint64_t bytes_moved = 0;  // pool bytes moved by compaction, merges and copy-on-write
+  uint64_t bytes_moved = 0;       // pool bytes moved by compaction, merges and copy-on-write
+  uint64_t slot_state_bytes = 0;  // SlotState memory of all sequences (outside the pool)
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   std::vector<SequenceSummary> sequences;
@@ -257,6 +259,8 @@ class Engine {
                                               Applied* applied)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Brings slot_state_bytes_ up to date with the sequence's SlotState size.
+  void AccountSlotState(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
 
   const EngineConfig config_;
   const std::unique_ptr<store::Backend> backend_;
@@ -274,6 +278,7 @@ class Engine {
   std::atomic<uint64_t> tokens_evicted_{0};
   std::atomic<uint64_t> tokens_quantized_{0};
   std::atomic<uint64_t> bytes_moved_{0};
+  std::atomic<uint64_t> slot_state_bytes_{0};
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
 };

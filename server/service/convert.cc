@@ -168,6 +168,7 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_tokens_evicted(stats.tokens_evicted);
   out->set_tokens_quantized(stats.tokens_quantized);
   out->set_bytes_moved(stats.bytes_moved);
+  out->set_slot_state_bytes(stats.slot_state_bytes);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   for (const engine::SequenceSummary& s : stats.sequences) {
@@ -184,6 +185,7 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
     o->set_parent_id(s.parent_id);
     o->set_pool_bytes_held(s.pool_bytes_held);
     o->set_quantization(s.quantization);
+    o->set_slot_state_bytes(s.slot_state_bytes);
   }
 }
 

@@ -342,11 +342,12 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
   out.tokens_quantized = r.tokens_quantized();
   out.steps = r.steps();
   out.leases_expired = r.leases_expired();
+  out.slot_state_bytes = r.slot_state_bytes();
   for (const v1::SequenceStats& q2 : r.sequences()) {
     out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
                              q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),
                              q2.steps(), q2.lease_remaining_seconds(), q2.parent_id(),
-                             q2.pool_bytes_held(), q2.quantization()});
+                             q2.pool_bytes_held(), q2.quantization(), q2.slot_state_bytes()});
   }
   return out;
 }

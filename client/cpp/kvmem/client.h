@@ -196,6 +196,7 @@ struct SequenceStats {
   uint64_t parent_id = 0;
   uint64_t pool_bytes_held = 0;
   std::string quantization;
+  uint64_t slot_state_bytes = 0;  // scores/positions in the backend (device memory on CUDA)
 };
 
 struct Stats {
@@ -204,6 +205,7 @@ struct Stats {
   uint32_t sequences_active = 0;
   uint64_t tokens_appended = 0, tokens_evicted = 0, tokens_quantized = 0;
   uint64_t steps = 0, leases_expired = 0;
+  uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
   std::vector<SequenceStats> sequences;
 };
 

@@ -32,6 +32,31 @@ INSTANTIATE_TEST_SUITE_P(Policies, DeviceStepTest, ::testing::ValuesIn(twins::Ca
                            return std::string(info.param.policy) + "_" + std::to_string(info.index);
                          });
 
+TEST(DeviceStepTest, SlotStateMemoryIsCountedAndGivenBack) {
+  FakeClock clock;
+  std::unique_ptr<Engine> engine = CpuEngine(&clock, true);
+  const Layout layout{twins::kL, twins::kH, twins::kD, DType::kF16, twins::kB, twins::kVocab};
+  const uint64_t a = engine->CreateSequence(layout, "confkv", {}, {}, {})->sequence_id;
+  const uint64_t w = engine->CreateSequence(layout, "window", {}, {}, {})->sequence_id;
+  ASSERT_TRUE(twins::Append(*engine, a, 0, 100).ok());
+  ASSERT_TRUE(twins::Append(*engine, w, 0, 100).ok());
+  EngineStats stats = engine->Stats(true);
+  // 8 streams x capacity 128 x (score 4 + position 8 + flag 1) bytes.
+  EXPECT_EQ(stats.slot_state_bytes, 8u * 128 * 13);
+  EXPECT_EQ(stats.sequences[0].slot_state_bytes, stats.slot_state_bytes);
+  EXPECT_EQ(stats.sequences[1].slot_state_bytes, 0u);  // window: no scores to keep
+  const uint64_t child = engine->Fork(a, {})->sequence_id;
+  EXPECT_EQ(engine->Stats(false).slot_state_bytes, 2 * stats.slot_state_bytes);
+  ASSERT_TRUE(engine->Release(a).ok());
+  ASSERT_TRUE(engine->Release(child).ok());
+  EXPECT_EQ(engine->Stats(false).slot_state_bytes, 0u);
+  // The host path keeps none.
+  std::unique_ptr<Engine> host = CpuEngine(&clock, false);
+  const uint64_t h = host->CreateSequence(layout, "confkv", {}, {}, {})->sequence_id;
+  ASSERT_TRUE(twins::Append(*host, h, 0, 100).ok());
+  EXPECT_EQ(host->Stats(false).slot_state_bytes, 0u);
+}
+
 TEST(DeviceStepTest, OnlyPoliciesWithAKernelStepKeepSlotState) {
   for (const char* name : {"confkv", "confkv_l", "h2o"}) {
     auto p = *policy::CreatePolicy(name, {});
