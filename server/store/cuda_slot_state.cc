@@ -128,6 +128,7 @@ class CudaSlotState final : public SlotState {
     const uint64_t C = book_.capacity();
     if (C == 0) {  // nothing appended yet: every stream is empty
       *keep = KeepSets(S);
+      pending_ = false;
       return absl::OkStatus();
     }
     auto* attention = reinterpret_cast<float*>(host_);
