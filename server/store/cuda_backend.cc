@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda_launch.h"
-#include "server/store/cuda_status.h"
+#include "server/store/cuda_internal.h"
 
 namespace kvmem::store {
 // Staging and op-list buffers, grown on demand and reused; one request at a time uses them.
@@ -102,6 +102,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
     (void)cudaGetLastError();  // no IPC on this platform: the pool is simply not exported
   }
   b->buffers_ = std::make_unique<Buffers>();
+  b->slot_scratch_ = MakeCudaScratchPool();
   if (absl::Status s = FromCuda(
           cudaStreamCreateWithFlags(&b->buffers_->stream, cudaStreamNonBlocking), "stream");
       !s.ok()) {
@@ -300,7 +301,7 @@ absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, ker
 }
 
 absl::StatusOr<std::unique_ptr<SlotState>> CudaBackend::CreateSlotState(uint32_t num_streams) {
-  return MakeCudaSlotState(num_streams, device_);
+  return MakeCudaSlotState(num_streams, device_, slot_scratch_);
 }
 
 std::optional<PoolExport> CudaBackend::pool_export() const {

@@ -13,6 +13,8 @@
 
 namespace kvmem::store {
 
+class CudaScratchPool;  // cuda_internal.h
+
 class CudaBackend final : public Backend {
  public:
   // FAILED_PRECONDITION when no CUDA device is visible, RESOURCE_EXHAUSTED when the pool
@@ -47,6 +49,7 @@ class CudaBackend final : public Backend {
   uint8_t* pool_ = nullptr;  // device
   std::string ipc_handle_;   // cudaIpcMemHandle_t bytes
   std::unique_ptr<Buffers> buffers_;
+  std::shared_ptr<CudaScratchPool> slot_scratch_;  // shared by the sequences' slot states
 };
 
 }  // namespace kvmem::store

@@ -1,22 +1,133 @@
-// SlotState in device memory (contract: slot_state.h). One allocation per sequence holds
-// every flat array; the host side keeps only SlotBook (lengths, capacity) and a pinned
-// buffer for the transfers a step needs: the attention rows up, the keep flags down.
-// Every call completes before it returns.
+// SlotState in device memory (contract: slot_state.h). A sequence owns one device
+// allocation with what persists between calls — scores, positions, keep flags, the slices
+// of the last step — 13 bytes per slot of capacity. What a call needs only while it runs
+// (the uploaded attention rows, CompactSlots' index output, pinned host memory for the
+// transfers) comes from the backend's CudaScratchPool. Every call completes before it
+// returns.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "kernels/cuda_launch.h"
-#include "server/store/cuda_status.h"
+#include "server/store/cuda_internal.h"
 
 namespace kvmem::store {
+
+class CudaScratchPool {
+ public:
+  struct Buffers {
+    uint8_t* device = nullptr;
+    uint64_t device_bytes = 0;
+    uint8_t* host = nullptr;  // pinned
+    uint64_t host_bytes = 0;
+  };
+
+  // Buffers of at least the given sizes, for one call; given back by the Lease.
+  class Lease {
+   public:
+    Lease(CudaScratchPool* pool, Buffers b) : pool_(pool), b_(b) {}
+    Lease(Lease&& other) noexcept : pool_(other.pool_), b_(other.b_) { other.pool_ = nullptr; }
+    Lease& operator=(Lease&&) = delete;
+    Lease(const Lease&) = delete;
+    ~Lease() {
+      if (pool_ != nullptr) pool_->GiveBack(b_);
+    }
+    uint8_t* device() const { return b_.device; }
+    uint8_t* host() const { return b_.host; }
+
+   private:
+    CudaScratchPool* pool_;
+    Buffers b_;
+  };
+
+  ~CudaScratchPool() {
+    for (Buffers& b : free_) Free(b);
+  }
+
+  absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes) {
+    Buffers b;
+    {
+      absl::MutexLock lock(&mu_);
+      // The first free set that is large enough, else the largest one (to be grown).
+      auto fits = std::find_if(free_.begin(), free_.end(), [&](const Buffers& x) {
+        return x.device_bytes >= device_bytes && x.host_bytes >= host_bytes;
+      });
+      if (fits == free_.end() && !free_.empty()) {
+        fits = std::max_element(free_.begin(), free_.end(), [](const Buffers& x, const Buffers& y) {
+          return x.device_bytes + x.host_bytes < y.device_bytes + y.host_bytes;
+        });
+      }
+      if (fits != free_.end()) {
+        b = *fits;
+        free_.erase(fits);
+      }
+    }
+    if (absl::Status s = Grow(&b, device_bytes, host_bytes); !s.ok()) {
+      Free(b);
+      return s;
+    }
+    return Lease(this, b);
+  }
+
+ private:
+  // Sizes grow to the next power of two, so that a pool settles after a few calls.
+  static uint64_t Rounded(uint64_t n) {
+    uint64_t r = 4096;
+    while (r < n) r *= 2;
+    return r;
+  }
+  static absl::Status Grow(Buffers* b, uint64_t device_bytes, uint64_t host_bytes) {
+    if (b->device_bytes < device_bytes) {
+      (void)cudaFree(b->device);
+      b->device = nullptr;
+      b->device_bytes = 0;
+      const uint64_t n = Rounded(device_bytes);
+      if (absl::Status s = FromCuda(cudaMalloc(&b->device, n), "slot state scratch"); !s.ok()) {
+        return s;
+      }
+      b->device_bytes = n;
+    }
+    if (b->host_bytes < host_bytes) {
+      (void)cudaFreeHost(b->host);
+      b->host = nullptr;
+      b->host_bytes = 0;
+      const uint64_t n = Rounded(host_bytes);
+      if (absl::Status s = FromCuda(cudaMallocHost(&b->host, n), "slot state pinned scratch");
+          !s.ok()) {
+        return s;
+      }
+      b->host_bytes = n;
+    }
+    return absl::OkStatus();
+  }
+  static void Free(Buffers& b) {
+    (void)cudaFree(b.device);
+    (void)cudaFreeHost(b.host);
+    b = Buffers{};
+  }
+  void GiveBack(Buffers b) {
+    absl::MutexLock lock(&mu_);
+    free_.push_back(b);
+  }
+
+  absl::Mutex mu_;
+  std::vector<Buffers> free_ ABSL_GUARDED_BY(mu_);
+};
+
+std::shared_ptr<CudaScratchPool> MakeCudaScratchPool() {
+  return std::make_shared<CudaScratchPool>();
+}
+
 namespace {
 
-// Byte offsets of the flat arrays in one allocation, for S streams of capacity C. The
-// attention rows and the slices are adjacent so that one copy uploads both.
+using kernels::StreamSlice;
+
+// Byte offsets of a sequence's arrays in its allocation, for S streams of capacity C.
 struct Regions {
-  uint64_t scores, positions, flags, kept_index, attention, slices, stream_max, kept, bytes;
+  uint64_t scores, positions, flags, slices, stream_max, kept, bytes;
 
   static Regions For(uint64_t S, uint64_t C) {
     Regions r{};
@@ -27,27 +138,22 @@ struct Regions {
       return first;
     };
     r.scores = take(S * C * sizeof(float));
-    r.positions = take(S * C * sizeof(int64_t));
+    r.positions = take(S * C * sizeof(int64_t));  // right after scores: Clone copies both
     r.flags = take(S * C);
-    r.kept_index = take(S * C * sizeof(uint32_t));
-    r.attention = take(S * C * sizeof(float));  // C is a power of two >= 16: 16-aligned
-    r.slices = take(S * sizeof(kernels::StreamSlice));
+    r.slices = take(S * sizeof(StreamSlice));
     r.stream_max = take(S * sizeof(float));
     r.kept = take(S * sizeof(uint32_t));
     r.bytes = at;
     return r;
   }
-  // Pinned bytes: the largest transfer (positions down, or attention + slices up).
-  static uint64_t HostBytes(uint64_t S, uint64_t C) {
-    return std::max(S * C * sizeof(int64_t),
-                    S * C * sizeof(float) + S * sizeof(kernels::StreamSlice));
-  }
 };
 
 class CudaSlotState final : public SlotState {
  public:
-  static absl::StatusOr<std::unique_ptr<CudaSlotState>> Create(uint32_t num_streams, int device) {
-    std::unique_ptr<CudaSlotState> state(new CudaSlotState(num_streams, device));
+  static absl::StatusOr<std::unique_ptr<CudaSlotState>> Create(
+      uint32_t num_streams, int device, std::shared_ptr<CudaScratchPool> scratch) {
+    std::unique_ptr<CudaSlotState> state(
+        new CudaSlotState(num_streams, device, std::move(scratch)));
     if (absl::Status s = FromCuda(cudaSetDevice(device), "slot state: set device"); !s.ok()) {
       return s;
     }
@@ -65,13 +171,11 @@ class CudaSlotState final : public SlotState {
       (void)cudaStreamDestroy(stream_);
     }
     (void)cudaFree(device_);
-    (void)cudaFree(upload_);
-    (void)cudaFreeHost(host_);
   }
 
   uint32_t num_streams() const override { return book_.num_streams(); }
   uint32_t length(uint32_t stream) const override { return book_.length(stream); }
-  uint64_t bytes() const override { return regions_.bytes + upload_bytes_; }
+  uint64_t bytes() const override { return regions_.bytes; }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
     const auto count = static_cast<uint32_t>(positions.size());
@@ -80,7 +184,7 @@ class CudaSlotState final : public SlotState {
     if (*capacity != book_.capacity()) {
       if (absl::Status s = Relayout(*capacity); !s.ok()) return s;
     }
-    // Upload [positions][scores][ops] once, then one scatter into every stream's tail.
+    // [positions][scores][ops] up once, then one scatter into every stream's tail.
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     const uint64_t score_at = Align16(count * sizeof(int64_t));
@@ -93,17 +197,19 @@ class CudaSlotState final : public SlotState {
       ops.push_back({score_at, regions_.scores + slot * sizeof(float), count * sizeof(float)});
     }
     const uint64_t total = ops_at + ops.size() * sizeof(kernels::CopyOp);
-    if (absl::Status s = ReserveUpload(total); !s.ok()) return s;
-    std::vector<uint8_t> staged(total);
-    std::memcpy(staged.data(), positions.data(), count * sizeof(int64_t));
-    std::fill_n(reinterpret_cast<float*>(staged.data() + score_at), count, initial_score);
-    std::memcpy(staged.data() + ops_at, ops.data(), ops.size() * sizeof(kernels::CopyOp));
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(total, total);
+    if (!lease.ok()) return lease.status();
+    uint8_t* staged = lease->host();
+    std::memcpy(staged, positions.data(), count * sizeof(int64_t));
+    std::fill_n(reinterpret_cast<float*>(staged + score_at), count, initial_score);
+    std::memcpy(staged + ops_at, ops.data(), ops.size() * sizeof(kernels::CopyOp));
     absl::Status s =
-        FromCuda(cudaMemcpyAsync(upload_, staged.data(), total, cudaMemcpyHostToDevice, stream_),
+        FromCuda(cudaMemcpyAsync(lease->device(), staged, total, cudaMemcpyHostToDevice, stream_),
                  "slot state: append upload");
     if (s.ok()) {
       s = FromCuda(kernels::cuda::CopyBatch(
-                       upload_, device_, reinterpret_cast<const kernels::CopyOp*>(upload_ + ops_at),
+                       lease->device(), device_,
+                       reinterpret_cast<const kernels::CopyOp*>(lease->device() + ops_at),
                        static_cast<uint32_t>(ops.size()), stream_),
                    "slot state: append scatter");
     }
@@ -122,36 +228,47 @@ class CudaSlotState final : public SlotState {
   absl::Status Step(const kernels::ScoreStep& step, absl::Span<const absl::Span<const float>> rows,
                     absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
     const uint32_t S = book_.num_streams();
+    pending_ = false;
     if (rows.size() != S || budget.size() != S) {
       return absl::InternalError("slot state: step needs one row and one budget per stream");
     }
-    const uint64_t C = book_.capacity();
-    if (C == 0) {  // nothing appended yet: every stream is empty
-      *keep = KeepSets(S);
-      pending_ = false;
-      return absl::OkStatus();
-    }
-    auto* attention = reinterpret_cast<float*>(host_);
     for (uint32_t s = 0; s < S; ++s) {
       if (rows[s].size() != book_.length(s)) {
         return absl::InternalError(absl::StrCat("slot state: row of stream ", s, " has ",
                                                 rows[s].size(), " values for ", book_.length(s),
                                                 " slots"));
       }
-      std::copy(rows[s].begin(), rows[s].end(), attention + s * C);
     }
-    const std::vector<kernels::StreamSlice> slices = book_.Slices(budget, protect);
-    std::memcpy(host_ + S * C * sizeof(float), slices.data(), S * sizeof(kernels::StreamSlice));
-    const auto* d_slices = Ptr<kernels::StreamSlice>(regions_.slices);
-    absl::Status s =
-        FromCuda(cudaMemcpyAsync(device_ + regions_.attention, host_,
-                                 S * C * sizeof(float) + S * sizeof(kernels::StreamSlice),
-                                 cudaMemcpyHostToDevice, stream_),
-                 "slot state: attention upload");
+    const uint64_t C = book_.capacity();
+    if (C == 0) {  // nothing appended yet: every stream is empty
+      *keep = KeepSets(S);
+      return absl::OkStatus();
+    }
+    // Pinned: the rows at s * C, then the slices; the rows go to scratch, the slices to
+    // this sequence's allocation (CommitStep compacts by them).
+    const uint64_t row_bytes = S * C * sizeof(float);
+    const uint64_t slice_bytes = S * sizeof(StreamSlice);
+    absl::StatusOr<CudaScratchPool::Lease> lease =
+        scratch_->Acquire(row_bytes, std::max(row_bytes + slice_bytes, S * C));
+    if (!lease.ok()) return lease.status();
+    auto* attention = reinterpret_cast<float*>(lease->host());
+    for (uint32_t s = 0; s < S; ++s) std::copy(rows[s].begin(), rows[s].end(), attention + s * C);
+    const std::vector<StreamSlice> slices = book_.Slices(budget, protect);
+    std::memcpy(lease->host() + row_bytes, slices.data(), slice_bytes);
+    const auto* d_slices = Ptr<StreamSlice>(regions_.slices);
+    const auto* d_attention = reinterpret_cast<const float*>(lease->device());
+    absl::Status s = FromCuda(
+        cudaMemcpyAsync(lease->device(), lease->host(), row_bytes, cudaMemcpyHostToDevice, stream_),
+        "slot state: attention upload");
     if (s.ok()) {
-      s = FromCuda(kernels::cuda::UpdateScores(
-                       step.rule, step.lambda, d_slices, S, Ptr<float>(regions_.attention),
-                       Ptr<float>(regions_.scores), Ptr<float>(regions_.stream_max), stream_),
+      s = FromCuda(cudaMemcpyAsync(device_ + regions_.slices, lease->host() + row_bytes,
+                                   slice_bytes, cudaMemcpyHostToDevice, stream_),
+                   "slot state: slices upload");
+    }
+    if (s.ok()) {
+      s = FromCuda(kernels::cuda::UpdateScores(step.rule, step.lambda, d_slices, S, d_attention,
+                                               Ptr<float>(regions_.scores),
+                                               Ptr<float>(regions_.stream_max), stream_),
                    "slot state: update scores");
     }
     if (s.ok() && step.select) {
@@ -162,8 +279,8 @@ class CudaSlotState final : public SlotState {
                                    Ptr<uint8_t>(regions_.flags), stream_),
           "slot state: select");
       if (s.ok()) {
-        s = FromCuda(cudaMemcpyAsync(host_, device_ + regions_.flags, S * C, cudaMemcpyDeviceToHost,
-                                     stream_),
+        s = FromCuda(cudaMemcpyAsync(lease->host(), device_ + regions_.flags, S * C,
+                                     cudaMemcpyDeviceToHost, stream_),
                      "slot state: keep flags download");
       }
     }
@@ -171,10 +288,9 @@ class CudaSlotState final : public SlotState {
     if (!s.ok()) return s;
     if (!step.select) {
       *keep = KeepSets(S);
-      pending_ = false;
       return absl::OkStatus();
     }
-    *keep = book_.ToKeepSets(host_);
+    *keep = book_.ToKeepSets(lease->host());
     pending_ = true;
     return absl::OkStatus();
   }
@@ -182,7 +298,7 @@ class CudaSlotState final : public SlotState {
   absl::Status CommitStep() override {
     if (!pending_) return absl::OkStatus();
     pending_ = false;
-    return Compact();  // the slices and flags of the step are still on the device
+    return Compact();  // the step's slices and flags are still in this sequence's allocation
   }
 
   absl::Status Keep(const KeepSets& keep) override {
@@ -190,19 +306,21 @@ class CudaSlotState final : public SlotState {
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     if (C == 0) return book_.FromKeepSets(keep, nullptr);
-    if (absl::Status s = book_.FromKeepSets(keep, host_); !s.ok()) return s;
-    // Flags, then the slices, both from the pinned buffer.
-    const std::vector<kernels::StreamSlice> slices = book_.Slices({}, 0);
+    // Pinned: the flags at s * C, then the slices.
     const uint64_t slices_at = Align16(S * C);
-    std::memcpy(host_ + slices_at, slices.data(), S * sizeof(kernels::StreamSlice));
-    absl::Status s = FromCuda(
-        cudaMemcpyAsync(device_ + regions_.flags, host_, S * C, cudaMemcpyHostToDevice, stream_),
-        "slot state: keep flags upload");
+    const uint64_t slice_bytes = S * sizeof(StreamSlice);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, slices_at + slice_bytes);
+    if (!lease.ok()) return lease.status();
+    if (absl::Status s = book_.FromKeepSets(keep, lease->host()); !s.ok()) return s;
+    const std::vector<StreamSlice> slices = book_.Slices({}, 0);
+    std::memcpy(lease->host() + slices_at, slices.data(), slice_bytes);
+    absl::Status s = FromCuda(cudaMemcpyAsync(device_ + regions_.flags, lease->host(), S * C,
+                                              cudaMemcpyHostToDevice, stream_),
+                              "slot state: keep flags upload");
     if (s.ok()) {
-      s = FromCuda(
-          cudaMemcpyAsync(device_ + regions_.slices, host_ + slices_at,
-                          S * sizeof(kernels::StreamSlice), cudaMemcpyHostToDevice, stream_),
-          "slot state: slices upload");
+      s = FromCuda(cudaMemcpyAsync(device_ + regions_.slices, lease->host() + slices_at,
+                                   slice_bytes, cudaMemcpyHostToDevice, stream_),
+                   "slot state: slices upload");
     }
     if (absl::Status w = Wait("keep"); s.ok()) s = w;
     if (!s.ok()) return s;
@@ -210,9 +328,7 @@ class CudaSlotState final : public SlotState {
   }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
-    if (absl::Status s = Download(regions_.scores, sizeof(float), "scores"); !s.ok()) return s;
-    Split(reinterpret_cast<const float*>(host_), scores);
-    return absl::OkStatus();
+    return Download(regions_.scores, scores, "scores");
   }
 
   absl::Status WriteScores(const std::vector<std::vector<float>>& scores) override {
@@ -221,38 +337,37 @@ class CudaSlotState final : public SlotState {
     if (scores.size() != S) {
       return absl::InternalError("slot state: one score vector per stream expected");
     }
-    if (C == 0) return absl::OkStatus();
-    auto* packed = reinterpret_cast<float*>(host_);
     for (uint32_t s = 0; s < S; ++s) {
       if (scores[s].size() != book_.length(s)) {
         return absl::InternalError(absl::StrCat("slot state: ", scores[s].size(),
                                                 " scores for stream ", s, " of ", book_.length(s)));
       }
-      std::copy(scores[s].begin(), scores[s].end(), packed + s * C);
     }
-    absl::Status s =
-        FromCuda(cudaMemcpyAsync(device_ + regions_.scores, host_, S * C * sizeof(float),
-                                 cudaMemcpyHostToDevice, stream_),
-                 "slot state: scores upload");
+    if (C == 0) return absl::OkStatus();
+    const uint64_t bytes = S * C * sizeof(float);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
+    if (!lease.ok()) return lease.status();
+    auto* packed = reinterpret_cast<float*>(lease->host());
+    for (uint32_t s = 0; s < S; ++s) std::copy(scores[s].begin(), scores[s].end(), packed + s * C);
+    absl::Status s = FromCuda(cudaMemcpyAsync(device_ + regions_.scores, lease->host(), bytes,
+                                              cudaMemcpyHostToDevice, stream_),
+                              "slot state: scores upload");
     if (absl::Status w = Wait("write scores"); s.ok()) s = w;
     return s;
   }
 
   absl::Status ReadPositions(std::vector<std::vector<int64_t>>* positions) override {
-    if (absl::Status s = Download(regions_.positions, sizeof(int64_t), "positions"); !s.ok()) {
-      return s;
-    }
-    Split(reinterpret_cast<const int64_t*>(host_), positions);
-    return absl::OkStatus();
+    return Download(regions_.positions, positions, "positions");
   }
 
   absl::StatusOr<std::unique_ptr<SlotState>> Clone() const override {
-    absl::StatusOr<std::unique_ptr<CudaSlotState>> copy = Create(book_.num_streams(), gpu_);
+    absl::StatusOr<std::unique_ptr<CudaSlotState>> copy =
+        Create(book_.num_streams(), gpu_, scratch_);
     if (!copy.ok()) return copy.status();
     CudaSlotState& c = **copy;
     if (book_.capacity() > 0) {
       if (absl::Status s = c.Allocate(book_.capacity()); !s.ok()) return s;
-      // The scores and positions regions are adjacent: one device-to-device copy.
+      // Scores and positions are adjacent: one device-to-device copy.
       const uint64_t bytes = regions_.flags - regions_.scores;
       absl::Status s =
           FromCuda(cudaMemcpyAsync(c.device_, device_, bytes, cudaMemcpyDeviceToDevice, c.stream_),
@@ -265,7 +380,8 @@ class CudaSlotState final : public SlotState {
   }
 
  private:
-  CudaSlotState(uint32_t num_streams, int gpu) : gpu_(gpu), book_(num_streams) {}
+  CudaSlotState(uint32_t num_streams, int gpu, std::shared_ptr<CudaScratchPool> scratch)
+      : gpu_(gpu), scratch_(std::move(scratch)), book_(num_streams) {}
 
   template <typename T>
   T* Ptr(uint64_t offset) const {
@@ -276,25 +392,16 @@ class CudaSlotState final : public SlotState {
     return FromCuda(cudaStreamSynchronize(stream_), absl::StrCat("slot state: ", what));
   }
 
-  // A fresh allocation (and pinned buffer) for capacity C; the old ones are freed.
+  // An empty allocation of the given capacity (the old one is freed).
   absl::Status Allocate(uint32_t capacity) {
-    const uint32_t S = book_.num_streams();
-    const Regions regions = Regions::For(S, capacity);
+    const Regions regions = Regions::For(book_.num_streams(), capacity);
     uint8_t* device = nullptr;
-    uint8_t* host = nullptr;
-    absl::Status s = FromCuda(cudaMalloc(&device, regions.bytes), "slot state: allocation");
-    if (s.ok()) {
-      s = FromCuda(cudaMallocHost(&host, Regions::HostBytes(S, capacity)),
-                   "slot state: pinned buffer");
-    }
-    if (!s.ok()) {
-      (void)cudaFree(device);
+    if (absl::Status s = FromCuda(cudaMalloc(&device, regions.bytes), "slot state: allocation");
+        !s.ok()) {
       return s;
     }
     (void)cudaFree(device_);
-    (void)cudaFreeHost(host_);
     device_ = device;
-    host_ = host;
     regions_ = regions;
     book_.set_capacity(capacity);
     return absl::OkStatus();
@@ -316,106 +423,98 @@ class CudaSlotState final : public SlotState {
                      next.positions + s * capacity * sizeof(int64_t), n * sizeof(int64_t)});
     }
     const uint64_t op_bytes = ops.size() * sizeof(kernels::CopyOp);
-    if (absl::Status s = ReserveUpload(op_bytes); !s.ok()) return s;
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(op_bytes, op_bytes);
+    if (!lease.ok()) return lease.status();
+    std::memcpy(lease->host(), ops.data(), op_bytes);
     uint8_t* fresh = nullptr;
     if (absl::Status s = FromCuda(cudaMalloc(&fresh, next.bytes), "slot state: allocation");
         !s.ok()) {
       return s;
     }
-    absl::Status s =
-        FromCuda(cudaMemcpyAsync(upload_, ops.data(), op_bytes, cudaMemcpyHostToDevice, stream_),
-                 "slot state: relayout ops");
+    absl::Status s = FromCuda(
+        cudaMemcpyAsync(lease->device(), lease->host(), op_bytes, cudaMemcpyHostToDevice, stream_),
+        "slot state: relayout ops");
     if (s.ok()) {
-      s = FromCuda(kernels::cuda::CopyBatch(device_, fresh,
-                                            reinterpret_cast<const kernels::CopyOp*>(upload_),
-                                            static_cast<uint32_t>(ops.size()), stream_),
+      s = FromCuda(kernels::cuda::CopyBatch(
+                       device_, fresh, reinterpret_cast<const kernels::CopyOp*>(lease->device()),
+                       static_cast<uint32_t>(ops.size()), stream_),
                    "slot state: relayout");
     }
     if (absl::Status w = Wait("relayout"); s.ok()) s = w;
-    uint8_t* host = nullptr;
-    if (s.ok()) {
-      s = FromCuda(cudaMallocHost(&host, Regions::HostBytes(S, capacity)),
-                   "slot state: pinned buffer");
-    }
     if (!s.ok()) {
       (void)cudaFree(fresh);
       return s;
     }
     (void)cudaFree(device_);
-    (void)cudaFreeHost(host_);
     device_ = fresh;
-    host_ = host;
     regions_ = next;
     book_.set_capacity(capacity);
     return absl::OkStatus();
   }
 
-  absl::Status ReserveUpload(uint64_t bytes) {
-    if (bytes <= upload_bytes_) return absl::OkStatus();
-    (void)cudaFree(upload_);
-    upload_ = nullptr;
-    upload_bytes_ = 0;
-    const uint64_t want = std::max<uint64_t>(bytes, 4096);
-    absl::Status s = FromCuda(cudaMalloc(&upload_, want), "slot state: upload buffer");
-    if (s.ok()) upload_bytes_ = want;
-    return s;
-  }
-
-  // CompactSlots by the flags and slices on the device; the kept counts become the lengths.
+  // CompactSlots by the flags and slices in this sequence's allocation; the kept counts
+  // become the lengths.
   absl::Status Compact() {
     const uint32_t S = book_.num_streams();
-    absl::Status s =
-        FromCuda(kernels::cuda::CompactSlots(
-                     Ptr<kernels::StreamSlice>(regions_.slices), S, Ptr<uint8_t>(regions_.flags),
-                     Ptr<float>(regions_.scores), Ptr<int64_t>(regions_.positions),
-                     Ptr<uint32_t>(regions_.kept_index), Ptr<uint32_t>(regions_.kept), stream_),
-                 "slot state: compact");
+    const uint64_t C = book_.capacity();
+    absl::StatusOr<CudaScratchPool::Lease> lease =
+        scratch_->Acquire(S * C * sizeof(uint32_t), S * sizeof(uint32_t));
+    if (!lease.ok()) return lease.status();
+    absl::Status s = FromCuda(
+        kernels::cuda::CompactSlots(
+            Ptr<StreamSlice>(regions_.slices), S, Ptr<uint8_t>(regions_.flags),
+            Ptr<float>(regions_.scores), Ptr<int64_t>(regions_.positions),
+            reinterpret_cast<uint32_t*>(lease->device()), Ptr<uint32_t>(regions_.kept), stream_),
+        "slot state: compact");
     if (s.ok()) {
-      s = FromCuda(cudaMemcpyAsync(host_, device_ + regions_.kept, S * sizeof(uint32_t),
+      s = FromCuda(cudaMemcpyAsync(lease->host(), device_ + regions_.kept, S * sizeof(uint32_t),
                                    cudaMemcpyDeviceToHost, stream_),
                    "slot state: kept download");
     }
     if (absl::Status w = Wait("compact"); s.ok()) s = w;
     if (!s.ok()) return s;
-    const auto* kept = reinterpret_cast<const uint32_t*>(host_);
+    const auto* kept = reinterpret_cast<const uint32_t*>(lease->host());
     for (uint32_t i = 0; i < S; ++i) book_.set_length(i, kept[i]);
     return absl::OkStatus();
   }
 
-  absl::Status Download(uint64_t region, uint64_t elem_bytes, absl::string_view what) {
-    const uint64_t bytes = uint64_t{book_.num_streams()} * book_.capacity() * elem_bytes;
-    if (bytes == 0) return absl::OkStatus();
-    absl::Status s =
-        FromCuda(cudaMemcpyAsync(host_, device_ + region, bytes, cudaMemcpyDeviceToHost, stream_),
-                 absl::StrCat("slot state: ", what, " download"));
-    if (absl::Status w = Wait(what); s.ok()) s = w;
-    return s;
-  }
-
+  // One region to the host, split per stream.
   template <typename T>
-  void Split(const T* flat, std::vector<std::vector<T>>* out) const {
-    out->resize(book_.num_streams());
-    for (uint32_t s = 0; s < book_.num_streams(); ++s) {
-      const T* first = flat + uint64_t{s} * book_.capacity();
-      (*out)[s].assign(first, first + book_.length(s));
+  absl::Status Download(uint64_t region, std::vector<std::vector<T>>* out, absl::string_view what) {
+    const uint32_t S = book_.num_streams();
+    const uint64_t C = book_.capacity();
+    out->assign(S, {});
+    if (C == 0) return absl::OkStatus();
+    const uint64_t bytes = S * C * sizeof(T);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
+    if (!lease.ok()) return lease.status();
+    absl::Status s = FromCuda(
+        cudaMemcpyAsync(lease->host(), device_ + region, bytes, cudaMemcpyDeviceToHost, stream_),
+        absl::StrCat("slot state: ", what, " download"));
+    if (absl::Status w = Wait(what); s.ok()) s = w;
+    if (!s.ok()) return s;
+    const auto* flat = reinterpret_cast<const T*>(lease->host());
+    for (uint32_t i = 0; i < S; ++i) {
+      (*out)[i].assign(flat + i * C, flat + i * C + book_.length(i));
     }
+    return absl::OkStatus();
   }
 
   const int gpu_;
+  const std::shared_ptr<CudaScratchPool> scratch_;
   SlotBook book_;
   cudaStream_t stream_ = nullptr;
   Regions regions_{};
   uint8_t* device_ = nullptr;  // Regions::For(S, capacity).bytes
-  uint8_t* host_ = nullptr;    // pinned, Regions::HostBytes
-  uint8_t* upload_ = nullptr;  // device staging for appends and op lists
-  uint64_t upload_bytes_ = 0;
-  bool pending_ = false;  // the device flags hold the last Step's keep-sets
+  bool pending_ = false;       // the device flags hold the last Step's keep-sets
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(uint32_t num_streams, int device) {
-  absl::StatusOr<std::unique_ptr<CudaSlotState>> state = CudaSlotState::Create(num_streams, device);
+absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(
+    uint32_t num_streams, int device, std::shared_ptr<CudaScratchPool> scratch) {
+  absl::StatusOr<std::unique_ptr<CudaSlotState>> state =
+      CudaSlotState::Create(num_streams, device, std::move(scratch));
   if (!state.ok()) return state.status();
   return std::unique_ptr<SlotState>(std::move(*state));
 }

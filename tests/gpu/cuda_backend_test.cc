@@ -11,7 +11,7 @@
 #include "gtest/gtest.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
-#include "server/store/cuda_status.h"
+#include "server/store/cuda_internal.h"
 #include "tests/testing/engine_twins.h"
 #include "tests/testing/slot_state_script.h"
 
@@ -89,16 +89,18 @@ TEST_F(CudaBackendParity, WritesMovesQuantizeAndReadsMatchTheCpuBackend) {
 }
 
 bool HaveDevice() {
-  absl::StatusOr<std::unique_ptr<SlotState>> probe = MakeCudaSlotState(1, 0);
+  absl::StatusOr<std::unique_ptr<SlotState>> probe = MakeCudaSlotState(1, 0, MakeCudaScratchPool());
   return probe.ok() || probe.status().code() != absl::StatusCode::kFailedPrecondition;
 }
 
 TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  // One scratch pool for every state, as a backend shares it among its sequences.
+  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool();
   for (uint32_t seed = 0; seed < 40; ++seed) {
     testing::RunSlotStateScript(
-        [](uint32_t streams) -> std::unique_ptr<SlotState> {
-          absl::StatusOr<std::unique_ptr<SlotState>> s = MakeCudaSlotState(streams, 0);
+        [&scratch](uint32_t streams) -> std::unique_ptr<SlotState> {
+          absl::StatusOr<std::unique_ptr<SlotState>> s = MakeCudaSlotState(streams, 0, scratch);
           EXPECT_TRUE(s.ok()) << s.status();
           return s.ok() ? *std::move(s) : nullptr;
         },

@@ -1,7 +1,8 @@
 #pragma once
-// CUDA runtime errors as absl::Status, for the CUDA backend's files (never an abort):
+// Shared by the CUDA backend's files: CUDA runtime errors as absl::Status (never an abort;
 // out of memory is RESOURCE_EXHAUSTED, a missing device or driver FAILED_PRECONDITION,
-// anything else INTERNAL; the message names the operation.
+// anything else INTERNAL, the message naming the operation), the scratch pool, and the
+// device SlotState's factory.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "server/store/slot_state.h"
@@ -28,7 +30,15 @@ inline absl::Status FromCuda(cudaError_t e, absl::string_view what) {
 
 inline uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
 
-// cuda_slot_state.cc: a SlotState in device memory on `device`.
-absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(uint32_t num_streams, int device);
+// Per-call scratch of the slot states (device memory and pinned host memory), shared by all
+// sequences of a backend: a sequence holds only what persists between calls, and pinned
+// memory grows with the calls in flight, not with the sequences alive. Buffers are reused
+// and grown on demand (cuda_slot_state.cc).
+class CudaScratchPool;
+std::shared_ptr<CudaScratchPool> MakeCudaScratchPool();
+
+// A SlotState in device memory on `device` (cuda_slot_state.cc).
+absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(
+    uint32_t num_streams, int device, std::shared_ptr<CudaScratchPool> scratch);
 
 }  // namespace kvmem::store
