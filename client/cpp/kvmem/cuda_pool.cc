@@ -61,56 +61,17 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
     return s;
   }
   pool->device_ = *device;
-  pool->base_ = static_cast<uint8_t*>(base);
+  pool->base_ = static_cast<const uint8_t*>(base);
   pool->bytes_ = info.cuda_pool_bytes;
   return pool;
 }
 
 CudaPool::~CudaPool() {
-  if (base_ != nullptr) (void)cudaIpcCloseMemHandle(base_);
+  if (base_ != nullptr) (void)cudaIpcCloseMemHandle(const_cast<uint8_t*>(base_));
 }
 
-absl::StatusOr<std::vector<BlockView>> CudaPool::StreamBlocks(const BlockTable& table,
-                                                              uint32_t layer,
-                                                              uint32_t kv_head) const {
-  return StreamBlockViews(table, layer, kv_head, base_, bytes_);
-}
-
-absl::Status CudaPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
-                                  std::string* k, std::string* v) const {
-  absl::StatusOr<std::vector<BlockView>> blocks = StreamBlocks(table, layer, kv_head);
-  if (!blocks.ok()) return blocks.status();
-  if (absl::Status s = BeginRead(table); !s.ok()) return s;
-  const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
-  uint64_t n = 0;
-  for (const BlockView& b : *blocks) n += b.count;
-  k->resize(n * row);
-  v->resize(n * row);
-  std::string quantized(table.quantized_block_bytes, '\0');
-  uint64_t first = 0;
-  for (const BlockView& b : *blocks) {
-    absl::Status s;
-    if (b.precision == Precision::kLayout) {
-      s = Cuda(cudaMemcpy(k->data() + first * row, b.k, b.count * row, cudaMemcpyDeviceToHost),
-               "copy K");
-      if (s.ok()) {
-        s = Cuda(cudaMemcpy(v->data() + first * row, b.v, b.count * row, cudaMemcpyDeviceToHost),
-                 "copy V");
-      }
-    } else {
-      s = Cuda(cudaMemcpy(quantized.data(), b.block, quantized.size(), cudaMemcpyDeviceToHost),
-               "copy a quantized block");
-      if (s.ok()) {
-        BlockView host = b;
-        host.block = reinterpret_cast<const uint8_t*>(quantized.data());
-        DequantizeBlock(table, host, table.layout.dtype, k->data() + first * row,
-                        v->data() + first * row);
-      }
-    }
-    if (!s.ok()) return s;
-    first += b.count;
-  }
-  return EndRead(table);
+absl::Status CudaPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {
+  return Cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy to the host");
 }
 
 }  // namespace kvmem::client

@@ -91,13 +91,18 @@ absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info)
   pool->epochs_ = *std::move(epochs);
   absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
   if (!data.ok()) return data.status();
-  pool->pool_ = *data;
-  pool->pool_bytes_ = info.shm_bytes;
+  pool->base_ = *data;
+  pool->bytes_ = info.shm_bytes;
   return pool;
 }
 
 SharedPool::~SharedPool() {
-  if (pool_ != nullptr) munmap(const_cast<uint8_t*>(pool_), pool_bytes_);
+  if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), bytes_);
+}
+
+absl::Status SharedPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {
+  std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
 }
 
 namespace {
@@ -120,9 +125,11 @@ void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out,
                               k, v);
 }
 
-absl::StatusOr<std::vector<BlockView>> StreamBlockViews(const BlockTable& table, uint32_t layer,
-                                                        uint32_t kv_head, const uint8_t* pool,
-                                                        uint64_t pool_bytes) {
+absl::StatusOr<std::vector<BlockView>> MappedPool::StreamBlocks(const BlockTable& table,
+                                                                uint32_t layer,
+                                                                uint32_t kv_head) const {
+  const uint8_t* pool = base_;
+  const uint64_t pool_bytes = bytes_;
   const Layout& layout = table.layout;
   if (layer >= layout.num_layers || kv_head >= layout.num_kv_heads) {
     return absl::InvalidArgumentError(
@@ -154,13 +161,7 @@ absl::StatusOr<std::vector<BlockView>> StreamBlockViews(const BlockTable& table,
   return views;
 }
 
-absl::StatusOr<std::vector<BlockView>> SharedPool::StreamBlocks(const BlockTable& table,
-                                                                uint32_t layer,
-                                                                uint32_t kv_head) const {
-  return StreamBlockViews(table, layer, kv_head, pool_, pool_bytes_);
-}
-
-absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
+absl::Status MappedPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
                                     std::string* k, std::string* v) const {
   absl::StatusOr<std::vector<BlockView>> blocks = StreamBlocks(table, layer, kv_head);
   if (!blocks.ok()) return blocks.status();
@@ -170,15 +171,24 @@ absl::Status SharedPool::ReadStream(const BlockTable& table, uint32_t layer, uin
   for (const BlockView& b : *blocks) n += b.count;
   k->resize(n * row);
   v->resize(n * row);
+  std::string quantized;  // a quantized block, copied out whole and dequantized here
   uint64_t first = 0;
   for (const BlockView& b : *blocks) {
+    absl::Status s;
     if (b.precision == Precision::kLayout) {
-      std::memcpy(k->data() + first * row, b.k, b.count * row);
-      std::memcpy(v->data() + first * row, b.v, b.count * row);
+      s = CopyOut(k->data() + first * row, b.k, b.count * row);
+      if (s.ok()) s = CopyOut(v->data() + first * row, b.v, b.count * row);
     } else {
-      DequantizeBlock(table, b, table.layout.dtype, k->data() + first * row,
-                      v->data() + first * row);
+      quantized.resize(table.quantized_block_bytes);
+      s = CopyOut(quantized.data(), b.block, quantized.size());
+      if (s.ok()) {
+        BlockView host = b;
+        host.block = reinterpret_cast<const uint8_t*>(quantized.data());
+        DequantizeBlock(table, host, table.layout.dtype, k->data() + first * row,
+                        v->data() + first * row);
+      }
     }
+    if (!s.ok()) return s;
     first += b.count;
   }
   return EndRead(table);

@@ -1,5 +1,6 @@
 #pragma once
-// SharedPool: same-host, zero-copy access to a CPU-backend daemon's pool.
+// SharedPool: same-host, zero-copy access to a CPU-backend daemon's pool (MappedPool is
+// what it shares with CudaPool, the same for a CUDA-backend pool).
 //
 // The pool and the epoch board are mapped read-only. Blocks named by a BlockTable are read
 // in place; a read is trustworthy only if the sequence's epoch word equals 2 * table.epoch
@@ -34,12 +35,6 @@ struct BlockView {
 // in `out` dtype), with the geometry the table describes.
 void DequantizeBlock(const BlockTable& table, const BlockView& block, DType out, void* k, void* v);
 
-// Views of one stream's blocks in a pool mapped at `base` (a host or a device address) of
-// `pool_bytes`; OUT_OF_RANGE for a block outside it.
-absl::StatusOr<std::vector<BlockView>> StreamBlockViews(const BlockTable& table, uint32_t layer,
-                                                        uint32_t kv_head, const uint8_t* base,
-                                                        uint64_t pool_bytes);
-
 // The daemon's per-sequence epoch words, mapped read-only: the seqlock of in-place reads,
 // whichever memory the pool lives in.
 class EpochReader {
@@ -62,28 +57,43 @@ class EpochReader {
   uint32_t slots_ = 0;
 };
 
-class SharedPool {
+// A daemon's pool mapped into this process — host memory (SharedPool) or the GPU's
+// (CudaPool, cuda_pool.h) — and read in place under the epoch protocol above.
+class MappedPool {
  public:
-  static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
-  ~SharedPool();
-  SharedPool(const SharedPool&) = delete;
-  SharedPool& operator=(const SharedPool&) = delete;
+  virtual ~MappedPool() = default;
+  MappedPool(const MappedPool&) = delete;
+  MappedPool& operator=(const MappedPool&) = delete;
 
   absl::Status BeginRead(const BlockTable& table) const { return epochs_->BeginRead(table); }
   absl::Status EndRead(const BlockTable& table) const { return epochs_->EndRead(table); }
-  // Pointers into the mapping for one stream's blocks, in order.
+  // Addresses in the mapping for one stream's blocks, in order; OUT_OF_RANGE for a block
+  // outside it.
   absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,
                                                       uint32_t kv_head) const;
-  // Copies one stream's retained K and V ([n][D] each, dequantized to the layout dtype)
-  // with the full read protocol.
+  // Copies one stream's retained K and V to host memory ([n][D] each, quantized blocks
+  // dequantized to the layout dtype) with the full read protocol.
   absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head, std::string* k,
                           std::string* v) const;
 
+ protected:
+  MappedPool() = default;
+  // Copies `bytes` at `src`, an address in the mapping, to host memory at `dst`.
+  virtual absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const = 0;
+
+  const uint8_t* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  std::unique_ptr<EpochReader> epochs_;
+};
+
+class SharedPool final : public MappedPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
+  ~SharedPool() override;
+
  private:
   SharedPool() = default;
-  const uint8_t* pool_ = nullptr;
-  uint64_t pool_bytes_ = 0;
-  std::unique_ptr<EpochReader> epochs_;
+  absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const override;
 };
 
 }  // namespace kvmem::client
