@@ -148,7 +148,7 @@ struct Regions {
   }
 };
 
-class CudaSlotState final : public SlotState {
+class CudaSlotState final : public BookedSlotState {
  public:
   static absl::StatusOr<std::unique_ptr<CudaSlotState>> Create(
       uint32_t num_streams, int device, std::shared_ptr<CudaScratchPool> scratch) {
@@ -173,8 +173,6 @@ class CudaSlotState final : public SlotState {
     (void)cudaFree(device_);
   }
 
-  uint32_t num_streams() const override { return book_.num_streams(); }
-  uint32_t length(uint32_t stream) const override { return book_.length(stream); }
   uint64_t bytes() const override { return regions_.bytes; }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
@@ -220,25 +218,11 @@ class CudaSlotState final : public SlotState {
     return absl::OkStatus();
   }
 
-  void DropNewest(uint32_t count) override {
-    book_.Shrink(count);
-    pending_ = false;
-  }
-
   absl::Status Step(const kernels::ScoreStep& step, absl::Span<const absl::Span<const float>> rows,
                     absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
     const uint32_t S = book_.num_streams();
     pending_ = false;
-    if (rows.size() != S || budget.size() != S) {
-      return absl::InternalError("slot state: step needs one row and one budget per stream");
-    }
-    for (uint32_t s = 0; s < S; ++s) {
-      if (rows[s].size() != book_.length(s)) {
-        return absl::InternalError(absl::StrCat("slot state: row of stream ", s, " has ",
-                                                rows[s].size(), " values for ", book_.length(s),
-                                                " slots"));
-      }
-    }
+    if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
     const uint64_t C = book_.capacity();
     if (C == 0) {  // nothing appended yet: every stream is empty
       *keep = KeepSets(S);
@@ -286,19 +270,8 @@ class CudaSlotState final : public SlotState {
     }
     if (absl::Status w = Wait("step"); s.ok()) s = w;
     if (!s.ok()) return s;
-    if (!step.select) {
-      *keep = KeepSets(S);
-      return absl::OkStatus();
-    }
-    *keep = book_.ToKeepSets(lease->host());
-    pending_ = true;
+    FinishStep(step.select, lease->host(), keep);
     return absl::OkStatus();
-  }
-
-  absl::Status CommitStep() override {
-    if (!pending_) return absl::OkStatus();
-    pending_ = false;
-    return Compact();  // the step's slices and flags are still in this sequence's allocation
   }
 
   absl::Status Keep(const KeepSets& keep) override {
@@ -334,15 +307,7 @@ class CudaSlotState final : public SlotState {
   absl::Status WriteScores(const std::vector<std::vector<float>>& scores) override {
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
-    if (scores.size() != S) {
-      return absl::InternalError("slot state: one score vector per stream expected");
-    }
-    for (uint32_t s = 0; s < S; ++s) {
-      if (scores[s].size() != book_.length(s)) {
-        return absl::InternalError(absl::StrCat("slot state: ", scores[s].size(),
-                                                " scores for stream ", s, " of ", book_.length(s)));
-      }
-    }
+    if (absl::Status s = book_.CheckScores(scores); !s.ok()) return s;
     if (C == 0) return absl::OkStatus();
     const uint64_t bytes = S * C * sizeof(float);
     absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
@@ -381,7 +346,7 @@ class CudaSlotState final : public SlotState {
 
  private:
   CudaSlotState(uint32_t num_streams, int gpu, std::shared_ptr<CudaScratchPool> scratch)
-      : gpu_(gpu), scratch_(std::move(scratch)), book_(num_streams) {}
+      : BookedSlotState(num_streams), gpu_(gpu), scratch_(std::move(scratch)) {}
 
   template <typename T>
   T* Ptr(uint64_t offset) const {
@@ -452,9 +417,9 @@ class CudaSlotState final : public SlotState {
     return absl::OkStatus();
   }
 
-  // CompactSlots by the flags and slices in this sequence's allocation; the kept counts
-  // become the lengths.
-  absl::Status Compact() {
+  // CompactSlots by the flags and slices in this sequence's allocation (a Step's stay there
+  // until CommitStep); the kept counts become the lengths.
+  absl::Status Compact() override {
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     absl::StatusOr<CudaScratchPool::Lease> lease =
@@ -502,11 +467,9 @@ class CudaSlotState final : public SlotState {
 
   const int gpu_;
   const std::shared_ptr<CudaScratchPool> scratch_;
-  SlotBook book_;
   cudaStream_t stream_ = nullptr;
   Regions regions_{};
   uint8_t* device_ = nullptr;  // Regions::For(S, capacity).bytes
-  bool pending_ = false;       // the device flags hold the last Step's keep-sets
 };
 
 }  // namespace

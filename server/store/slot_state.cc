@@ -81,6 +81,34 @@ absl::Status SlotBook::FromKeepSets(const KeepSets& keep, uint8_t* flags) const 
   return absl::OkStatus();
 }
 
+absl::Status SlotBook::CheckStep(absl::Span<const absl::Span<const float>> rows,
+                                 absl::Span<const uint32_t> budget) const {
+  if (rows.size() != length_.size() || budget.size() != length_.size()) {
+    return absl::InternalError("slot state: step needs one row and one budget per stream");
+  }
+  for (size_t s = 0; s < length_.size(); ++s) {
+    if (rows[s].size() != length_[s]) {
+      return absl::InternalError(absl::StrCat("slot state: row of stream ", s, " has ",
+                                              rows[s].size(), " values for ", length_[s],
+                                              " slots"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SlotBook::CheckScores(const std::vector<std::vector<float>>& scores) const {
+  if (scores.size() != length_.size()) {
+    return absl::InternalError("slot state: one score vector per stream expected");
+  }
+  for (size_t s = 0; s < length_.size(); ++s) {
+    if (scores[s].size() != length_[s]) {
+      return absl::InternalError(absl::StrCat("slot state: ", scores[s].size(),
+                                              " scores for stream ", s, " of ", length_[s]));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void SlotBook::ApplyKeep(const KeepSets& keep) {
   for (size_t s = 0; s < length_.size(); ++s) {
     if (keep[s]) length_[s] = static_cast<uint32_t>(keep[s]->size());
@@ -89,12 +117,10 @@ void SlotBook::ApplyKeep(const KeepSets& keep) {
 
 namespace {
 
-class HostSlotState final : public SlotState {
+class HostSlotState final : public BookedSlotState {
  public:
-  explicit HostSlotState(uint32_t num_streams) : book_(num_streams) {}
+  explicit HostSlotState(uint32_t num_streams) : BookedSlotState(num_streams) {}
 
-  uint32_t num_streams() const override { return book_.num_streams(); }
-  uint32_t length(uint32_t stream) const override { return book_.length(stream); }
   uint64_t bytes() const override {
     return book_.total_slots() * (sizeof(float) + sizeof(int64_t) + 1);
   }
@@ -115,25 +141,11 @@ class HostSlotState final : public SlotState {
     return absl::OkStatus();
   }
 
-  void DropNewest(uint32_t count) override {
-    book_.Shrink(count);
-    pending_ = false;
-  }
-
   absl::Status Step(const kernels::ScoreStep& step, absl::Span<const absl::Span<const float>> rows,
                     absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
     const uint32_t S = book_.num_streams();
-    if (rows.size() != S || budget.size() != S) {
-      return absl::InternalError("slot state: step needs one row and one budget per stream");
-    }
+    if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
     const size_t cap = book_.capacity();
-    for (uint32_t s = 0; s < S; ++s) {
-      if (rows[s].size() != book_.length(s)) {
-        return absl::InternalError(absl::StrCat("slot state: row of stream ", s, " has ",
-                                                rows[s].size(), " values for ", book_.length(s),
-                                                " slots"));
-      }
-    }
     // Stream by stream, so that the rows are read where they lie.
     for (uint32_t s = 0; s < S; ++s) {
       const kernels::StreamSlice one{0, book_.length(s), budget[s], protect};
@@ -146,28 +158,14 @@ class HostSlotState final : public SlotState {
                               step.attention_weight, flags_.data() + s * cap);
       }
     }
-    if (!step.select) {
-      *keep = KeepSets(S);
-      pending_ = false;
-      return absl::OkStatus();
-    }
-    *keep = book_.ToKeepSets(flags_.data());
-    pending_ = true;
-    return absl::OkStatus();
-  }
-
-  absl::Status CommitStep() override {
-    if (!pending_) return absl::OkStatus();
-    pending_ = false;
-    Compact();
+    FinishStep(step.select, flags_.data(), keep);
     return absl::OkStatus();
   }
 
   absl::Status Keep(const KeepSets& keep) override {
     pending_ = false;
     if (absl::Status s = book_.FromKeepSets(keep, flags_.data()); !s.ok()) return s;
-    Compact();
-    return absl::OkStatus();
+    return Compact();
   }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
@@ -180,14 +178,8 @@ class HostSlotState final : public SlotState {
   }
 
   absl::Status WriteScores(const std::vector<std::vector<float>>& scores) override {
-    if (scores.size() != book_.num_streams()) {
-      return absl::InternalError("slot state: one score vector per stream expected");
-    }
+    if (absl::Status s = book_.CheckScores(scores); !s.ok()) return s;
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
-      if (scores[s].size() != book_.length(s)) {
-        return absl::InternalError(absl::StrCat("slot state: ", scores[s].size(),
-                                                " scores for stream ", s, " of ", book_.length(s)));
-      }
       std::copy(scores[s].begin(), scores[s].end(), scores_.begin() + size_t{s} * book_.capacity());
     }
     return absl::OkStatus();
@@ -229,11 +221,12 @@ class HostSlotState final : public SlotState {
   // CompactSlots' result for scores and positions (select.h), from each stream's first
   // dropped slot on: at the decode steady state one slot goes and the prefix before it
   // stays where it is.
-  void Compact() {
+  absl::Status Compact() override {
     const size_t cap = book_.capacity();
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
       const uint8_t* f = flags_.data() + s * cap;
       const uint32_t n = book_.length(s);
+      if (n == 0) continue;
       const void* first_dropped = std::memchr(f, 0, n);
       if (first_dropped == nullptr) continue;
       float* scores = scores_.data() + s * cap;
@@ -247,13 +240,12 @@ class HostSlotState final : public SlotState {
       }
       book_.set_length(s, r);
     }
+    return absl::OkStatus();
   }
 
-  SlotBook book_;
   std::vector<float> scores_;
   std::vector<int64_t> positions_;
   std::vector<uint8_t> flags_;
-  bool pending_ = false;  // flags_ hold the last Step's keep-sets
 };
 
 }  // namespace

@@ -87,6 +87,11 @@ class SlotBook {
   // slot is kept. FromKeepSets() checks the sets (ascending, in range).
   KeepSets ToKeepSets(const uint8_t* flags) const;
   absl::Status FromKeepSets(const KeepSets& keep, uint8_t* flags) const;
+  // INTERNAL unless there is one row of length(s) values and one budget per stream (Step),
+  // or one score per slot (WriteScores): the engine's own checks make these bugs, not input.
+  absl::Status CheckStep(absl::Span<const absl::Span<const float>> rows,
+                         absl::Span<const uint32_t> budget) const;
+  absl::Status CheckScores(const std::vector<std::vector<float>>& scores) const;
   // Lengths after keeping `keep`.
   void ApplyKeep(const KeepSets& keep);
 
@@ -95,6 +100,35 @@ class SlotBook {
  private:
   std::vector<uint32_t> length_;
   uint32_t capacity_ = 0;
+};
+
+// What the implementations share: the book and the pending step.
+class BookedSlotState : public SlotState {
+ public:
+  explicit BookedSlotState(uint32_t num_streams) : book_(num_streams) {}
+  uint32_t num_streams() const override { return book_.num_streams(); }
+  uint32_t length(uint32_t stream) const override { return book_.length(stream); }
+  void DropNewest(uint32_t count) override {
+    book_.Shrink(count);
+    pending_ = false;
+  }
+  absl::Status CommitStep() final {
+    if (!pending_) return absl::OkStatus();
+    pending_ = false;
+    return Compact();
+  }
+
+ protected:
+  // Compacts every stream's metadata by the keep flags (the last Step's, or Keep's).
+  virtual absl::Status Compact() = 0;
+  // Ends a Step: the keep-sets by the flags (host copy) when it selected.
+  void FinishStep(bool selected, const uint8_t* flags, KeepSets* keep) {
+    *keep = selected ? book_.ToKeepSets(flags) : KeepSets(book_.num_streams());
+    pending_ = selected;
+  }
+
+  SlotBook book_;
+  bool pending_ = false;  // the flags hold the last Step's keep-sets
 };
 
 // The CPU implementation: flat host arrays.

@@ -3,11 +3,6 @@
 // device, and the client maps the pool by its IPC handle and reads every stream in place —
 // the same bytes ReadKV returns — under the epoch protocol. Skipped where kvmemd cannot
 // start its CUDA backend (no GPU).
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -16,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
 #include "kvmem/cuda_pool.h"
+#include "tests/testing/kvmemd_process.h"
 #include "tests/testing/payload.h"
 
 namespace kvmem {
@@ -23,53 +19,18 @@ namespace {
 
 constexpr uint32_t kL = 4, kH = 2, kD = 64;
 
-struct Daemon {
-  pid_t pid = -1;
-  int port = 0;
-};
-
 // KVMEMD overrides the build's path (tests/gpu/bundle.sh carries the program elsewhere).
 const char* KvmemdPath() {
   const char* path = std::getenv("KVMEMD");
   return path != nullptr ? path : KVMEMD_PATH;
 }
 
-Daemon Start(const std::vector<std::string>& flags) {
-  int fds[2];
-  EXPECT_EQ(pipe(fds), 0);
-  Daemon d;
-  d.pid = fork();
-  if (d.pid == 0) {
-    dup2(fds[1], STDOUT_FILENO);
-    close(fds[0]);
-    std::vector<char*> argv = {const_cast<char*>(KvmemdPath())};
-    for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
-    argv.push_back(nullptr);
-    execv(KvmemdPath(), argv.data());
-    _exit(127);
-  }
-  close(fds[1]);
-  FILE* out = fdopen(fds[0], "r");
-  char line[256];
-  while (std::fgets(line, sizeof line, out) != nullptr) {
-    if (std::sscanf(line, "READY port=%d", &d.port) == 1) break;
-  }
-  fclose(out);
-  return d;
-}
-
-int Stop(const Daemon& d) {
-  kill(d.pid, SIGTERM);
-  int status = 0;
-  waitpid(d.pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 TEST(CudaAttachTest, WorkerReadsBlocksInPlaceOnTheSameGpu) {
-  const Daemon d = Start(
+  testing::KvmemdProcess d = testing::StartKvmemd(
+      KvmemdPath(),
       {"--listen=127.0.0.1:0", "--backend=cuda", "--pool-bytes=67108864", "--log-level=warn"});
   if (d.port == 0) {
-    Stop(d);
+    testing::StopKvmemd(d);
     GTEST_SKIP() << "kvmemd --backend=cuda did not start (no GPU here)";
   }
   auto client = *client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
@@ -145,7 +106,7 @@ TEST(CudaAttachTest, WorkerReadsBlocksInPlaceOnTheSameGpu) {
   ASSERT_TRUE(client->Step(id, step).ok());
   EXPECT_EQ((*pool)->BeginRead(table).code(), absl::StatusCode::kFailedPrecondition);
   pool->reset();
-  EXPECT_EQ(Stop(d), 0);
+  EXPECT_EQ(testing::StopKvmemd(d), 0);
 }
 
 TEST(CudaAttachTest, ACpuDaemonExportsNoCudaPool) {

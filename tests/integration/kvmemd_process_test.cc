@@ -1,5 +1,7 @@
 // The kvmemd binary itself: starts from flags, serves grpc.health.v1, answers kvmemctl,
 // refuses what it was not built for, and drains on SIGTERM with exit code 0.
+#include "tests/testing/kvmemd_process.h"
+
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,42 +18,6 @@
 namespace {
 
 using ::testing::HasSubstr;
-
-struct Daemon {
-  pid_t pid = -1;
-  FILE* out = nullptr;
-  int port = 0;
-};
-
-// Starts kvmemd with the given flags and waits for its READY line.
-Daemon Start(const std::vector<std::string>& flags) {
-  int pipe_fds[2];
-  EXPECT_EQ(pipe(pipe_fds), 0);
-  Daemon d;
-  d.pid = fork();
-  if (d.pid == 0) {
-    dup2(pipe_fds[1], STDOUT_FILENO);
-    close(pipe_fds[0]);
-    std::vector<char*> argv = {const_cast<char*>(KVMEMD_PATH)};
-    for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
-    argv.push_back(nullptr);
-    execv(KVMEMD_PATH, argv.data());
-    _exit(127);
-  }
-  close(pipe_fds[1]);
-  d.out = fdopen(pipe_fds[0], "r");
-  char line[256];
-  while (std::fgets(line, sizeof line, d.out) != nullptr) {
-    if (std::sscanf(line, "READY port=%d", &d.port) == 1) break;
-  }
-  return d;
-}
-
-int WaitExit(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 // grpc.health.v1.Health/Check through the generic stub: request {service = name},
 // response field 1 is the status (1 SERVING, 2 NOT_SERVING).
@@ -91,7 +57,8 @@ std::string RunShell(const std::string& command) {
 }
 
 TEST(KvmemdProcessTest, ServesHealthAnswersKvmemctlAndDrainsOnSigterm) {
-  Daemon d = Start(
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH,
       {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--lease-seconds=30", "--drain-seconds=1"});
   ASSERT_GT(d.port, 0);
   const std::string target = "127.0.0.1:" + std::to_string(d.port);
@@ -107,18 +74,18 @@ TEST(KvmemdProcessTest, ServesHealthAnswersKvmemctlAndDrainsOnSigterm) {
   EXPECT_THAT(info, HasSubstr("backend          cpu"));
   EXPECT_THAT(info, HasSubstr("window"));
   EXPECT_THAT(info, HasSubstr("default 512"));
+  EXPECT_THAT(info, HasSubstr("policy steps     in host policy code"));  // auto on the CPU
   const std::string seqs =
       RunShell(std::string(KVMEMCTL_PATH) + " --target=" + target + " sequences");
   EXPECT_THAT(seqs, HasSubstr("window"));
   const std::string stats = RunShell(std::string(KVMEMCTL_PATH) + " --target=" + target + " stats");
   EXPECT_THAT(stats, HasSubstr("1 active"));
+  EXPECT_THAT(stats, HasSubstr("slot state       0 B"));
 
   // The client stays connected: a drain must not wait for idle workers to hang up.
   const auto start = std::chrono::steady_clock::now();
-  kill(d.pid, SIGTERM);
-  EXPECT_EQ(WaitExit(d.pid), 0);
+  EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
-  fclose(d.out);
 }
 
 TEST(KvmemdProcessTest, RefusesBadFlagsWithAClearError) {

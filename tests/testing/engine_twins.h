@@ -139,7 +139,9 @@ inline void RunTwinWorkload(Engine& a_engine, Engine& b_engine, const Case& c) {
       absl::StatusOr<StepResult> rh = b_engine.Step(b, in);
       ASSERT_TRUE(rd.ok()) << at << ": " << rd.status();
       ASSERT_TRUE(rh.ok()) << at << ": " << rh.status();
-      if (!std::isnan(rh->confidence)) EXPECT_EQ(rd->confidence, rh->confidence) << at;
+      if (!std::isnan(rh->confidence)) {
+        EXPECT_EQ(rd->confidence, rh->confidence) << at;
+      }
       EXPECT_EQ(std::isnan(rd->confidence), std::isnan(rh->confidence)) << at;
       EXPECT_EQ(rd->budget_tokens, rh->budget_tokens) << at;
       EXPECT_EQ(rd->evicted_tokens, rh->evicted_tokens) << at;

@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "server/store/slot_state.h"
+#include "tests/testing/select_oracle.h"
 
 namespace kvmem::testing {
 
@@ -24,30 +25,19 @@ inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// Keep-set of one stream by the select.h priority, by sorting every candidate.
+// Keep-set of one stream by the select.h priority (nullopt: the stream fits its budget).
 inline std::optional<std::vector<uint32_t>> ModelSelect(const std::vector<float>& scores,
                                                         const std::vector<int64_t>& pos,
                                                         uint32_t budget, uint32_t protect,
                                                         float max_score, float weight) {
-  const uint32_t n = static_cast<uint32_t>(scores.size());
+  const auto n = static_cast<uint32_t>(scores.size());
   if (n <= budget) return std::nullopt;
-  protect = std::min(protect, budget);
-  const uint32_t unprotected = n - protect;
-  const kernels::PriorityScale p =
-      kernels::PriorityScaleFor(weight, max_score, pos[n - 1] - pos[0]);
-  std::vector<std::pair<float, uint32_t>> r;
-  for (uint32_t j = 0; j < unprotected; ++j) {
-    const float a = scores[j] * p.e_scale;
-    const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
-    r.push_back({(a + b) + p.r_const, j});
-  }
-  std::sort(r.begin(), r.end(), [](auto x, auto y) {
-    return x.first != y.first ? x.first > y.first : x.second < y.second;
-  });
+  const std::vector<uint8_t> flags =
+      OracleTopFlags(scores.data(), pos.data(), n, budget, protect, max_score, weight);
   std::vector<uint32_t> keep;
-  for (uint32_t i = 0; i < budget - protect; ++i) keep.push_back(r[i].second);
-  for (uint32_t j = unprotected; j < n; ++j) keep.push_back(j);
-  std::sort(keep.begin(), keep.end());
+  for (uint32_t j = 0; j < n; ++j) {
+    if (flags[j]) keep.push_back(j);
+  }
   return keep;
 }
 

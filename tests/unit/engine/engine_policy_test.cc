@@ -5,6 +5,7 @@
 #include <random>
 
 #include "gmock/gmock.h"
+#include "tests/testing/engine_twins.h"
 #include "tests/unit/engine/engine_fixture.h"
 
 namespace kvmem::engine {
@@ -15,18 +16,9 @@ using ::testing::HasSubstr;
 // Attention rows for every stream over its current slots: random, normalized.
 std::vector<std::vector<float>> RandomRows(Engine& engine, uint64_t id, std::mt19937& rng,
                                            uint64_t* epoch) {
-  BlockTable table = *engine.GetBlockTable(id);
+  const BlockTable table = *engine.GetBlockTable(id);
   *epoch = table.epoch;
-  std::vector<std::vector<float>> rows;
-  std::exponential_distribution<float> e(1.0f);
-  for (const StreamTable& st : table.streams) {
-    std::vector<float> row(st.positions.size());
-    float sum = 0;
-    for (float& a : row) sum += (a = e(rng));
-    for (float& a : row) a /= sum;
-    rows.push_back(std::move(row));
-  }
-  return rows;
+  return twins::Rows(table, rng);
 }
 
 StepInput RowsInput(const std::vector<std::vector<float>>& rows, uint64_t epoch, uint32_t H) {

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/select_oracle.h"
 
 namespace kvmem::kernels {
 namespace {
@@ -36,23 +37,7 @@ TEST(SelectTest, EmaAndAccumulateByHand) {
 // Oracle: priorities by the formula, a full sort by (priority desc, index asc).
 std::vector<uint8_t> OracleTop(const StreamSlice& st, const float* scores, float mx,
                                const int64_t* pos, float w) {
-  std::vector<uint8_t> keep(st.length, 1);
-  if (st.length <= st.budget) return keep;
-  const uint32_t protect = std::min(st.protect, st.budget);
-  const uint32_t unprotected = st.length - protect;
-  const PriorityScale p = PriorityScaleFor(w, mx, pos[st.length - 1] - pos[0]);
-  std::vector<std::pair<float, uint32_t>> r;
-  for (uint32_t j = 0; j < unprotected; ++j) {
-    const float a = scores[j] * p.e_scale;
-    const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
-    r.push_back({(a + b) + p.r_const, j});
-  }
-  std::sort(r.begin(), r.end(), [](auto x, auto y) {
-    return x.first != y.first ? x.first > y.first : x.second < y.second;
-  });
-  for (uint32_t j = 0; j < unprotected; ++j) keep[j] = 0;
-  for (uint32_t i = 0; i < st.budget - protect; ++i) keep[r[i].second] = 1;
-  return keep;
+  return testing::OracleTopFlags(scores, pos, st.length, st.budget, st.protect, mx, w);
 }
 
 TEST(SelectTest, TopMatchesTheSortOracleOnRandomStreams) {

@@ -1,0 +1,58 @@
+#pragma once
+// kvmemd as a child process, for tests of the binary itself: started from flags, ready once
+// it prints its READY line, stopped by SIGTERM.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace kvmem::testing {
+
+struct KvmemdProcess {
+  pid_t pid = -1;
+  FILE* out = nullptr;  // the child's stdout, kept open while it runs
+  int port = 0;         // 0 when it never got ready (it failed to start)
+};
+
+inline KvmemdProcess StartKvmemd(const char* path, const std::vector<std::string>& flags) {
+  int fds[2];
+  KvmemdProcess d;
+  if (pipe(fds) != 0) return d;
+  d.pid = fork();
+  if (d.pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    std::vector<char*> argv = {const_cast<char*>(path)};
+    for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
+    argv.push_back(nullptr);
+    execv(path, argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  d.out = fdopen(fds[0], "r");
+  char line[256];
+  while (std::fgets(line, sizeof line, d.out) != nullptr) {
+    if (std::sscanf(line, "READY port=%d", &d.port) == 1) break;
+  }
+  return d;
+}
+
+// The exit code, or 128 + the signal that ended it.
+inline int WaitExit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+inline int StopKvmemd(KvmemdProcess& d) {
+  kill(d.pid, SIGTERM);
+  const int rc = WaitExit(d.pid);
+  if (d.out != nullptr) fclose(d.out);
+  d.out = nullptr;
+  return rc;
+}
+
+}  // namespace kvmem::testing
