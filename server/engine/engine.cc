@@ -636,6 +636,7 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
     std::vector<std::vector<float>> scores(seq.streams.size());
     for (size_t s = 0; s < seq.streams.size(); ++s) scores[s].swap(seq.streams[s].scores);
     if (synced.ok()) synced = seq.slots->WriteScores(scores);
+    AccountSlotState(seq);  // a compression may have given capacity back
     if (!synced.ok()) return synced;
   }
   if (!applied.ok()) return applied.status();

@@ -297,7 +297,8 @@ class CudaSlotState final : public BookedSlotState {
     }
     if (absl::Status w = Wait("keep"); s.ok()) s = w;
     if (!s.ok()) return s;
-    return Compact();
+    if (absl::Status c = Compact(); !c.ok()) return c;
+    return FitCapacity();
   }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
@@ -373,7 +374,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   // Moves every stream's live slots to an allocation of the new capacity.
-  absl::Status Relayout(uint32_t capacity) {
+  absl::Status Relayout(uint32_t capacity) override {
     const uint32_t S = book_.num_streams();
     const uint64_t old_c = book_.capacity();
     if (old_c == 0) return Allocate(capacity);

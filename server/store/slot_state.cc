@@ -21,6 +21,15 @@ absl::StatusOr<uint32_t> SlotBook::CapacityFor(uint32_t count) const {
   return static_cast<uint32_t>(std::min<uint64_t>(capacity, kMaxSlots));
 }
 
+uint32_t SlotBook::FittedCapacity() const {
+  uint64_t longest = 0;
+  for (uint32_t n : length_) longest = std::max<uint64_t>(longest, n);
+  if (uint64_t{capacity_} < 4 * std::max<uint64_t>(longest, 16)) return capacity_;
+  uint64_t fitted = 16;
+  while (fitted < 2 * longest) fitted *= 2;
+  return static_cast<uint32_t>(fitted);
+}
+
 void SlotBook::Grow(uint32_t count) {
   for (uint32_t& n : length_) n += count;
 }
@@ -129,7 +138,9 @@ class HostSlotState final : public BookedSlotState {
     const uint32_t count = static_cast<uint32_t>(positions.size());
     absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
     if (!capacity.ok()) return capacity.status();
-    if (*capacity != book_.capacity()) Relayout(*capacity);
+    if (*capacity != book_.capacity()) {
+      if (absl::Status s = Relayout(*capacity); !s.ok()) return s;
+    }
     const uint32_t cap = book_.capacity();
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
       const size_t at = size_t{s} * cap + book_.length(s);
@@ -165,7 +176,8 @@ class HostSlotState final : public BookedSlotState {
   absl::Status Keep(const KeepSets& keep) override {
     pending_ = false;
     if (absl::Status s = book_.FromKeepSets(keep, flags_.data()); !s.ok()) return s;
-    return Compact();
+    if (absl::Status s = Compact(); !s.ok()) return s;
+    return FitCapacity();
   }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
@@ -201,8 +213,7 @@ class HostSlotState final : public BookedSlotState {
   }
 
  private:
-  // Moves every stream's live slots to a new capacity.
-  void Relayout(uint32_t capacity) {
+  absl::Status Relayout(uint32_t capacity) override {
     const uint32_t old = book_.capacity();
     std::vector<float> scores(size_t{capacity} * book_.num_streams());
     std::vector<int64_t> positions(scores.size());
@@ -216,6 +227,7 @@ class HostSlotState final : public BookedSlotState {
     positions_ = std::move(positions);
     flags_.assign(scores_.size(), 0);
     book_.set_capacity(capacity);
+    return absl::OkStatus();
   }
 
   // CompactSlots' result for scores and positions (select.h), from each stream's first

@@ -76,6 +76,9 @@ class SlotBook {
   // Capacity needed to append `count` slots to every stream: the current one if it fits,
   // else doubled until it does. INVALID_ARGUMENT past kMaxSlots per stream.
   absl::StatusOr<uint32_t> CapacityFor(uint32_t count) const;
+  // A smaller capacity once at most a quarter is used (after a compression): twice the
+  // longest stream, rounded up to a power of two, at least 16; else the current one.
+  uint32_t FittedCapacity() const;
   void set_capacity(uint32_t capacity) { capacity_ = capacity; }
   void Grow(uint32_t count);
   void Shrink(uint32_t count);
@@ -121,6 +124,13 @@ class BookedSlotState : public SlotState {
  protected:
   // Compacts every stream's metadata by the keep flags (the last Step's, or Keep's).
   virtual absl::Status Compact() = 0;
+  // Moves every stream's live slots to arrays of the given capacity.
+  virtual absl::Status Relayout(uint32_t capacity) = 0;
+  // After Keep: gives back capacity a compression left unused.
+  absl::Status FitCapacity() {
+    const uint32_t fitted = book_.FittedCapacity();
+    return fitted == book_.capacity() ? absl::OkStatus() : Relayout(fitted);
+  }
   // Ends a Step: the keep-sets by the flags (host copy) when it selected.
   void FinishStep(bool selected, const uint8_t* flags, KeepSets* keep) {
     *keep = selected ? book_.ToKeepSets(flags) : KeepSets(book_.num_streams());

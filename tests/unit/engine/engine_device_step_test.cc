@@ -45,6 +45,14 @@ TEST(DeviceStepTest, SlotStateMemoryIsCountedAndGivenBack) {
   EXPECT_EQ(stats.slot_state_bytes, 8u * 128 * 13);
   EXPECT_EQ(stats.sequences[0].slot_state_bytes, stats.slot_state_bytes);
   EXPECT_EQ(stats.sequences[1].slot_state_bytes, 0u);  // window: no scores to keep
+  // A compression to 20 tokens per stream gives capacity back: 512 -> 64 slots per stream.
+  ASSERT_TRUE(twins::Append(*engine, a, 100, 400).ok());  // capacity 512
+  CompressInput shrink;
+  shrink.target_tokens = 20;
+  ASSERT_TRUE(engine->Compress(a, shrink).ok());
+  EXPECT_EQ(engine->Stats(false).slot_state_bytes, 8u * 64 * 13);
+  ASSERT_TRUE(twins::Append(*engine, a, 500, 100).ok());  // 120 per stream: 128 again
+  stats = engine->Stats(true);
   const uint64_t child = engine->Fork(a, {})->sequence_id;
   EXPECT_EQ(engine->Stats(false).slot_state_bytes, 2 * stats.slot_state_bytes);
   ASSERT_TRUE(engine->Release(a).ok());

@@ -36,6 +36,27 @@ TEST(SlotStateTest, CapacityDoublesAndKeepsEveryStreamInPlace) {
   EXPECT_EQ(slices[2].protect, 2u);
 }
 
+TEST(SlotStateTest, KeepingFewSlotsGivesCapacityBack) {
+  std::unique_ptr<SlotState> state = MakeHostSlotState(2);
+  std::vector<int64_t> positions(200);
+  for (int64_t i = 0; i < 200; ++i) positions[i] = 3 * i;
+  ASSERT_TRUE(state->Append(positions, 0.5f).ok());
+  EXPECT_EQ(state->bytes(), 2u * 256 * 13);  // capacity 256 per stream
+  KeepSets keep(2);
+  keep[0].emplace();
+  for (uint32_t j = 190; j < 200; ++j) keep[0]->push_back(j);
+  ASSERT_TRUE(state->Keep(keep).ok());
+  EXPECT_EQ(state->bytes(), 2u * 256 * 13);  // stream 1 still holds 200
+  keep[1] = keep[0];
+  keep[0] = std::nullopt;
+  ASSERT_TRUE(state->Keep(keep).ok());
+  EXPECT_EQ(state->bytes(), 2u * 32 * 13);  // 10 each: twice that, rounded up
+  std::vector<std::vector<int64_t>> kept;
+  ASSERT_TRUE(state->ReadPositions(&kept).ok());
+  EXPECT_THAT(kept[0], ElementsAre(570, 573, 576, 579, 582, 585, 588, 591, 594, 597));
+  EXPECT_EQ(kept[1], kept[0]);
+}
+
 TEST(SlotStateTest, FlagsAndKeepSetsRoundTrip) {
   SlotBook book(2);
   book.set_capacity(16);
