@@ -177,11 +177,7 @@ class CudaSlotState final : public BookedSlotState {
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
     const auto count = static_cast<uint32_t>(positions.size());
-    absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
-    if (!capacity.ok()) return capacity.status();
-    if (*capacity != book_.capacity()) {
-      if (absl::Status s = Relayout(*capacity); !s.ok()) return s;
-    }
+    if (absl::Status s = EnsureCapacity(count); !s.ok()) return s;
     // [positions][scores][ops] up once, then one scatter into every stream's tail.
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();

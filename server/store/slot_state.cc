@@ -136,11 +136,7 @@ class HostSlotState final : public BookedSlotState {
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
     const uint32_t count = static_cast<uint32_t>(positions.size());
-    absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
-    if (!capacity.ok()) return capacity.status();
-    if (*capacity != book_.capacity()) {
-      if (absl::Status s = Relayout(*capacity); !s.ok()) return s;
-    }
+    if (absl::Status s = EnsureCapacity(count); !s.ok()) return s;
     const uint32_t cap = book_.capacity();
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
       const size_t at = size_t{s} * cap + book_.length(s);

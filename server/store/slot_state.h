@@ -126,6 +126,12 @@ class BookedSlotState : public SlotState {
   virtual absl::Status Compact() = 0;
   // Moves every stream's live slots to arrays of the given capacity.
   virtual absl::Status Relayout(uint32_t capacity) = 0;
+  // Before Append: room for `count` more slots in every stream.
+  absl::Status EnsureCapacity(uint32_t count) {
+    absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
+    if (!capacity.ok()) return capacity.status();
+    return *capacity == book_.capacity() ? absl::OkStatus() : Relayout(*capacity);
+  }
   // After Keep: gives back capacity a compression left unused.
   absl::Status FitCapacity() {
     const uint32_t fitted = book_.FittedCapacity();
