@@ -224,26 +224,50 @@ class CudaSlotState final : public BookedSlotState {
       *keep = KeepSets(S);
       return absl::OkStatus();
     }
-    // Pinned: the rows at s * C, then the slices; the rows go to scratch, the slices to
-    // this sequence's allocation (CommitStep compacts by them).
-    const uint64_t row_bytes = S * C * sizeof(float);
+    // Pinned: the rows packed back to back, the ops that scatter them to s * C in scratch
+    // (so that only live slots cross the bus), then the slices, which go to this sequence's
+    // allocation (CommitStep compacts by them). Scratch: [packed rows][ops][rows at s * C].
+    uint64_t live = 0;
+    std::vector<kernels::CopyOp> scatter(S);
+    const uint64_t laid_out_bytes = S * C * sizeof(float);
+    for (uint32_t i = 0; i < S; ++i) {
+      scatter[i] = {live * sizeof(float), 0, rows[i].size() * sizeof(float)};
+      live += rows[i].size();
+    }
+    const uint64_t ops_at = Align16(live * sizeof(float));
+    const uint64_t laid_out_at = Align16(ops_at + S * sizeof(kernels::CopyOp));
+    for (uint32_t i = 0; i < S; ++i) scatter[i].dst = laid_out_at + uint64_t{i} * C * sizeof(float);
+    const uint64_t upload_bytes = ops_at + S * sizeof(kernels::CopyOp);
     const uint64_t slice_bytes = S * sizeof(StreamSlice);
+    const uint64_t slices_at = Align16(upload_bytes);
     absl::StatusOr<CudaScratchPool::Lease> lease =
-        scratch_->Acquire(row_bytes, std::max(row_bytes + slice_bytes, S * C));
+        scratch_->Acquire(laid_out_at + laid_out_bytes, std::max(slices_at + slice_bytes, S * C));
     if (!lease.ok()) return lease.status();
-    auto* attention = reinterpret_cast<float*>(lease->host());
-    for (uint32_t s = 0; s < S; ++s) std::copy(rows[s].begin(), rows[s].end(), attention + s * C);
+    uint8_t* host = lease->host();
+    for (uint32_t i = 0; i < S; ++i) {
+      std::copy(rows[i].begin(), rows[i].end(), reinterpret_cast<float*>(host + scatter[i].src));
+    }
+    std::memcpy(host + ops_at, scatter.data(), S * sizeof(kernels::CopyOp));
     const std::vector<StreamSlice> slices = book_.Slices(budget, protect);
-    std::memcpy(lease->host() + row_bytes, slices.data(), slice_bytes);
+    std::memcpy(host + slices_at, slices.data(), slice_bytes);
     const auto* d_slices = Ptr<StreamSlice>(regions_.slices);
-    const auto* d_attention = reinterpret_cast<const float*>(lease->device());
+    // Offsets in the scatter ops are from the scratch's start, for both source and
+    // destination: CopyBatch(src = dst = scratch).
+    const auto* d_attention = reinterpret_cast<const float*>(lease->device() + laid_out_at);
     absl::Status s = FromCuda(
-        cudaMemcpyAsync(lease->device(), lease->host(), row_bytes, cudaMemcpyHostToDevice, stream_),
+        cudaMemcpyAsync(lease->device(), host, upload_bytes, cudaMemcpyHostToDevice, stream_),
         "slot state: attention upload");
     if (s.ok()) {
-      s = FromCuda(cudaMemcpyAsync(device_ + regions_.slices, lease->host() + row_bytes,
-                                   slice_bytes, cudaMemcpyHostToDevice, stream_),
+      s = FromCuda(cudaMemcpyAsync(device_ + regions_.slices, host + slices_at, slice_bytes,
+                                   cudaMemcpyHostToDevice, stream_),
                    "slot state: slices upload");
+    }
+    if (s.ok()) {
+      s = FromCuda(
+          kernels::cuda::CopyBatch(
+              lease->device(), lease->device(),
+              reinterpret_cast<const kernels::CopyOp*>(lease->device() + ops_at), S, stream_),
+          "slot state: attention scatter");
     }
     if (s.ok()) {
       s = FromCuda(kernels::cuda::UpdateScores(step.rule, step.lambda, d_slices, S, d_attention,
