@@ -15,6 +15,7 @@
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50551", "host:port (port 0 picks one) or unix:path");
 ABSL_FLAG(std::string, backend, "cpu", "cpu or cuda");
+ABSL_FLAG(int32_t, cuda_device, 0, "GPU ordinal for --backend=cuda (run one kvmemd per GPU)");
 ABSL_FLAG(std::string, device_step, "auto",
           "where confkv/h2o steps run: on = scores and selection in the backend (device memory "
           "on cuda), off = policy code on the host, auto = on for cuda, off for cpu");
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
   config.listen = absl::GetFlag(FLAGS_listen);
   config.backend = absl::GetFlag(FLAGS_backend);
   config.device_step = absl::GetFlag(FLAGS_device_step);
+  config.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   config.engine.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
   config.engine.page_bytes = absl::GetFlag(FLAGS_page_bytes);
   config.engine.default_block_tokens = absl::GetFlag(FLAGS_block_tokens);

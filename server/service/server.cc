@@ -20,7 +20,7 @@
 namespace kvmem::service {
 
 absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
-                                                            uint64_t pool_bytes) {
+                                                            uint64_t pool_bytes, int cuda_device) {
   if (name == "cpu") {
     absl::StatusOr<std::unique_ptr<store::CpuBackend>> cpu = store::CpuBackend::Create(pool_bytes);
     if (!cpu.ok()) return cpu.status();
@@ -29,10 +29,11 @@ absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& n
   if (name == "cuda") {
 #ifdef KVMEM_WITH_CUDA
     absl::StatusOr<std::unique_ptr<store::CudaBackend>> cuda =
-        store::CudaBackend::Create(pool_bytes);
+        store::CudaBackend::Create(pool_bytes, cuda_device);
     if (!cuda.ok()) return cuda.status();
     return std::unique_ptr<store::Backend>(*std::move(cuda));
 #else
+    (void)cuda_device;
     return absl::FailedPreconditionError(
         "--backend=cuda: this kvmemd was built without CUDA (configure with -DWITH_CUDA=ON on "
         "a machine with nvcc); use --backend=cpu");
@@ -47,7 +48,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   std::unique_ptr<Server> server(new Server());
   if (clock == nullptr) clock = &server->real_clock_;
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
-      MakeBackend(config.backend, config.engine.pool_bytes);
+      MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
   if (!backend.ok()) return backend.status();
   engine::EngineConfig engine_config = config.engine;
   if (config.device_step == "auto") {

@@ -18,6 +18,7 @@ inline constexpr char kServiceName[] = "kvmem.v1.KvCache";
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // host:port (port 0 picks one) or unix:path
   std::string backend = "cpu";             // cpu | cuda
+  int cuda_device = 0;                     // the GPU of --backend=cuda (one kvmemd per GPU)
   // Where per-step policy work runs (engine.device_step): "auto" = in the backend's slot
   // state on CUDA, in the policies' host code on the CPU (same decisions, less copying);
   // "on" or "off" force it. Overrides engine.device_step.
@@ -53,8 +54,10 @@ class Server {
   bool drained_ = false;
 };
 
-// Builds the backend named by `name`; a clear error for one this build does not include.
+// Builds the backend named by `name` (on GPU `cuda_device` for cuda); a clear error for one
+// this build does not include.
 absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
-                                                            uint64_t pool_bytes);
+                                                            uint64_t pool_bytes,
+                                                            int cuda_device = 0);
 
 }  // namespace kvmem::service

@@ -67,8 +67,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
         e == cudaSuccess ? "0 devices" : cudaGetErrorString(e), "); use --backend=cpu"));
   }
   if (device < 0 || device >= count) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cuda device ", device, ": only ", count, " visible"));
+    return absl::InvalidArgumentError(absl::StrCat("--cuda-device: ", device, " is outside [0, ",
+                                                   count, "), the devices visible"));
   }
   std::unique_ptr<CudaBackend> b(new CudaBackend());
   b->device_ = device;
@@ -116,6 +116,11 @@ CudaBackend::~CudaBackend() {
   if (pool_ != nullptr) cudaFree(pool_);
 }
 
+absl::Status CudaBackend::Bind() const {
+  // The current device is per thread, and requests arrive on any of the server's threads.
+  return FromCuda(cudaSetDevice(device_), "set device");
+}
+
 absl::Status CudaBackend::CheckRange(uint64_t offset, uint64_t bytes, const char* what) const {
   if (offset > pool_bytes_ || bytes > pool_bytes_ - offset) {
     return absl::InternalError(absl::StrCat(what, ": range [", offset, ", ", offset + bytes,
@@ -126,6 +131,7 @@ absl::Status CudaBackend::CheckRange(uint64_t offset, uint64_t bytes, const char
 
 absl::Status CudaBackend::Write(absl::Span<const WriteOp> ops) {
   if (ops.empty()) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   std::vector<kernels::CopyOp> scatter;
   uint64_t total = 0;
   for (const WriteOp& op : ops) {
@@ -157,6 +163,7 @@ absl::Status CudaBackend::Write(absl::Span<const WriteOp> ops) {
 
 absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
   if (ops.empty()) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   std::vector<kernels::CopyOp> gather;
   uint64_t total = 0;
   for (const ReadOp& op : ops) {
@@ -192,6 +199,7 @@ absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
 
 absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
   if (ops.empty()) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   std::vector<kernels::CopyOp> moves;
   for (const MoveOp& op : ops) {
     if (absl::Status s = CheckRange(op.src, op.bytes, "move source"); !s.ok()) return s;
@@ -234,6 +242,7 @@ absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
 absl::Status CudaBackend::Quantize(kernels::ElemType elem, const kernels::QuantGeometry& geometry,
                                    absl::Span<const QuantizeOp> ops) {
   if (ops.empty()) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   const uint64_t layout_bytes =
       2ull * geometry.block_tokens * geometry.head_dim * kernels::ElemBytes(elem);
   std::vector<kernels::cuda::QuantizeDeviceOp> list;
@@ -263,6 +272,7 @@ absl::Status CudaBackend::Quantize(kernels::ElemType elem, const kernels::QuantG
 absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,
                                      absl::Span<const DequantizeOp> ops) {
   if (ops.empty()) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   const uint64_t row = uint64_t{geometry.head_dim} * kernels::ElemBytes(elem);
   std::vector<kernels::cuda::DequantizeDeviceOp> list;
   uint64_t total = 0;

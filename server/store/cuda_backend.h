@@ -41,6 +41,7 @@ class CudaBackend final : public Backend {
   struct Buffers;  // device and pinned staging, grown on demand (cuda_backend.cc)
   CudaBackend() = default;
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const char* what) const;
+  absl::Status Bind() const;  // makes this backend's device current in the calling thread
 
   int device_ = 0;
   std::string device_name_;

@@ -166,6 +166,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   ~CudaSlotState() override {
+    (void)cudaSetDevice(gpu_);
     if (stream_ != nullptr) {
       (void)cudaStreamSynchronize(stream_);
       (void)cudaStreamDestroy(stream_);
@@ -176,6 +177,7 @@ class CudaSlotState final : public BookedSlotState {
   uint64_t bytes() const override { return regions_.bytes; }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
+    if (absl::Status s = Bind(); !s.ok()) return s;
     const auto count = static_cast<uint32_t>(positions.size());
     if (absl::Status s = EnsureCapacity(count); !s.ok()) return s;
     // [positions][scores][ops] up once, then one scatter into every stream's tail.
@@ -219,6 +221,7 @@ class CudaSlotState final : public BookedSlotState {
     const uint32_t S = book_.num_streams();
     pending_ = false;
     if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
+    if (absl::Status s = Bind(); !s.ok()) return s;
     const uint64_t C = book_.capacity();
     if (C == 0) {  // nothing appended yet: every stream is empty
       *keep = KeepSets(S);
@@ -296,6 +299,7 @@ class CudaSlotState final : public BookedSlotState {
 
   absl::Status Keep(const KeepSets& keep) override {
     pending_ = false;
+    if (absl::Status s = Bind(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     if (C == 0) return book_.FromKeepSets(keep, nullptr);
@@ -329,6 +333,7 @@ class CudaSlotState final : public BookedSlotState {
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     if (absl::Status s = book_.CheckScores(scores); !s.ok()) return s;
+    if (absl::Status s = Bind(); !s.ok()) return s;
     if (C == 0) return absl::OkStatus();
     const uint64_t bytes = S * C * sizeof(float);
     absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
@@ -373,6 +378,9 @@ class CudaSlotState final : public BookedSlotState {
   T* Ptr(uint64_t offset) const {
     return reinterpret_cast<T*>(device_ + offset);
   }
+
+  // The current device is per thread; requests arrive on any of the server's threads.
+  absl::Status Bind() const { return FromCuda(cudaSetDevice(gpu_), "slot state: set device"); }
 
   absl::Status Wait(absl::string_view what) {
     return FromCuda(cudaStreamSynchronize(stream_), absl::StrCat("slot state: ", what));
@@ -441,6 +449,7 @@ class CudaSlotState final : public BookedSlotState {
   // CompactSlots by the flags and slices in this sequence's allocation (a Step's stay there
   // until CommitStep); the kept counts become the lengths.
   absl::Status Compact() override {
+    if (absl::Status s = Bind(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     absl::StatusOr<CudaScratchPool::Lease> lease =
@@ -467,6 +476,7 @@ class CudaSlotState final : public BookedSlotState {
   // One region to the host, split per stream.
   template <typename T>
   absl::Status Download(uint64_t region, std::vector<std::vector<T>>* out, absl::string_view what) {
+    if (absl::Status s = Bind(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     out->assign(S, {});

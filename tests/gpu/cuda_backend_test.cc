@@ -27,6 +27,14 @@ TEST(CudaBackendTest, NoDeviceOrTooLargeIsAClearError) {
               huge.status().code() == absl::StatusCode::kResourceExhausted)
       << huge.status();
   EXPECT_NE(huge.status().message().find("--"), std::string::npos) << huge.status();
+  // A device that is not there: INVALID_ARGUMENT naming the flag (FAILED_PRECONDITION when
+  // there is no GPU at all).
+  auto absent = CudaBackend::Create(1 << 20, 4096);
+  ASSERT_FALSE(absent.ok());
+  if (absent.status().code() != absl::StatusCode::kFailedPrecondition) {
+    EXPECT_EQ(absent.status().code(), absl::StatusCode::kInvalidArgument) << absent.status();
+    EXPECT_NE(absent.status().message().find("--cuda-device"), std::string::npos);
+  }
 }
 
 class CudaBackendParity : public ::testing::Test {
