@@ -1,0 +1,78 @@
+#pragma once
+// An emulated CUDA runtime for testing the CUDA backend's host code on machines without a
+// GPU (CI): just the part of the runtime API that server/store/cuda_*.cc use, with "device"
+// memory in host memory, copies as memcpy, streams that complete at once, and the kernels'
+// launchers (kernels/cuda_launch.h) running their C++ reference twins (runtime.cc). It
+// checks the orchestration — staging, op lists, offsets, waves, leases, error paths — not
+// the kernels: tests/gpu/parity.cc does that on a real GPU. Never linked into kvmemd.
+#include <cstddef>
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+};
+
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+inline constexpr unsigned int cudaStreamNonBlocking = 0x01;
+inline constexpr unsigned int cudaIpcMemLazyEnablePeerAccess = 0x01;
+
+struct cudaUUID_t {
+  char bytes[16];
+};
+struct cudaDeviceProp {
+  char name[256];
+  cudaUUID_t uuid;
+};
+struct cudaIpcMemHandle_t {
+  char reserved[64];
+};
+
+const char* cudaGetErrorName(cudaError_t error);
+const char* cudaGetErrorString(cudaError_t error);
+cudaError_t cudaGetLastError();
+cudaError_t cudaGetDeviceCount(int* count);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+cudaError_t cudaMalloc(void** ptr, size_t bytes);
+cudaError_t cudaMallocHost(void** ptr, size_t bytes);
+cudaError_t cudaFree(void* ptr);
+cudaError_t cudaFreeHost(void* ptr);
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes);
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream = nullptr);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr);
+
+// The runtime's typed conveniences (cuda_runtime.h has them as templates too).
+template <typename T>
+cudaError_t cudaMalloc(T** ptr, size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(ptr), bytes);
+}
+template <typename T>
+cudaError_t cudaMallocHost(T** ptr, size_t bytes) {
+  return cudaMallocHost(reinterpret_cast<void**>(ptr), bytes);
+}
+
+namespace kvmem::cuda_emulation {
+// Allocations larger than this fail as out of memory (the emulated device's size).
+inline constexpr size_t kDeviceBytes = size_t{16} << 30;
+// Live device allocations (leak checks in tests).
+size_t LiveAllocations();
+}  // namespace kvmem::cuda_emulation

@@ -1,0 +1,169 @@
+// The emulated CUDA runtime (cuda_runtime_api.h) and the kernels' launchers on their C++
+// reference twins.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda_runtime_api.h"
+#include "kernels/cuda_launch.h"
+
+namespace {
+
+std::atomic<size_t> live{0};
+
+// Fresh "device" memory is not zero on a GPU: fill it with a pattern so that code relying on
+// zeros fails here too.
+cudaError_t Allocate(void** ptr, size_t bytes) {
+  if (bytes > kvmem::cuda_emulation::kDeviceBytes) return cudaErrorMemoryAllocation;
+  *ptr = std::malloc(bytes == 0 ? 1 : bytes);
+  if (*ptr == nullptr) return cudaErrorMemoryAllocation;
+  std::memset(*ptr, 0xa5, bytes);
+  ++live;
+  return cudaSuccess;
+}
+
+cudaError_t Release(void* ptr) {
+  if (ptr != nullptr) {
+    std::free(ptr);
+    --live;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+namespace kvmem::cuda_emulation {
+size_t LiveAllocations() { return live.load(); }
+}  // namespace kvmem::cuda_emulation
+
+const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice";
+    case cudaErrorInsufficientDriver:
+      return "cudaErrorInsufficientDriver";
+    default:
+      return "cudaErrorInvalidValue";
+  }
+}
+const char* cudaGetErrorString(cudaError_t error) {
+  return error == cudaSuccess ? "no error" : "emulated CUDA runtime error";
+}
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  std::memset(prop, 0, sizeof *prop);
+  std::strcpy(prop->name, "emulated CUDA device (host memory)");
+  for (int i = 0; i < 16; ++i) prop->uuid.bytes[i] = static_cast<char>(i * 17);
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  *free_bytes = *total_bytes = kvmem::cuda_emulation::kDeviceBytes;
+  return cudaSuccess;
+}
+cudaError_t cudaMalloc(void** ptr, size_t bytes) { return Allocate(ptr, bytes); }
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) { return Allocate(ptr, bytes); }
+cudaError_t cudaFree(void* ptr) { return Release(ptr); }
+cudaError_t cudaFreeHost(void* ptr) { return Release(ptr); }
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  if (bytes > 0 && (dst == nullptr || src == nullptr)) return cudaErrorInvalidValue;
+  std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  *stream = reinterpret_cast<cudaStream_t>(new char);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete reinterpret_cast<char*>(stream);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
+  std::memset(handle, 0, sizeof *handle);
+  std::memcpy(handle->reserved, &ptr, sizeof ptr);
+  return cudaSuccess;
+}
+
+namespace kvmem::kernels::cuda {
+
+cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
+                      cudaStream_t) {
+  CopyBatchRef(src, dst, ops, n);
+  return cudaSuccess;
+}
+
+cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
+                           const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t) {
+  for (uint32_t i = 0; i < n; ++i) {
+    QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
+                             const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
+                             cudaStream_t) {
+  for (uint32_t i = 0; i < n; ++i) {
+    DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem, out + ops[i].k_out,
+                       out + ops[i].v_out);
+  }
+  return cudaSuccess;
+}
+
+cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
+                         uint32_t num_streams, const float* attention, float* scores,
+                         float* stream_max, cudaStream_t) {
+  UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
+  return cudaSuccess;
+}
+
+cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                      const float* stream_max, const int64_t* positions, float attention_weight,
+                      uint8_t* keep, cudaStream_t) {
+  SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
+  return cudaSuccess;
+}
+
+cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
+                            const float* threshold, uint8_t* keep, cudaStream_t) {
+  SelectThresholdRef(streams, num_streams, scores, threshold, keep);
+  return cudaSuccess;
+}
+
+cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
+                         float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
+                         cudaStream_t) {
+  CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
+  return cudaSuccess;
+}
+
+cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
+                        const uint32_t* kept_index, const uint32_t* kept,
+                        const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
+                        uint8_t* base, uint32_t* blocks_used, cudaStream_t) {
+  CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
+                 blocks_used);
+  return cudaSuccess;
+}
+
+}  // namespace kvmem::kernels::cuda
