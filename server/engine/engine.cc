@@ -494,21 +494,20 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   return applied;
 }
 
-absl::StatusOr<policy::Decision> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
-                                                    absl::Span<const absl::Span<const float>> rows,
-                                                    Applied* applied) {
+absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
+                                                   absl::Span<const absl::Span<const float>> rows,
+                                                   policy::Decision* decision) {
   const policy::KernelStep plan = seq.policy->PlanKernelStep(ctx);
   const uint32_t H = seq.layout.num_kv_heads;
   std::vector<uint32_t> budget(seq.streams.size());
   for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
-  policy::Decision decision;
-  decision.confidence = plan.confidence;
-  decision.budget_tokens = plan.budget_tokens;
-  if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision.keep);
+  decision->confidence = plan.confidence;
+  decision->budget_tokens = plan.budget_tokens;
+  if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision->keep);
       !s.ok()) {
     return s;
   }
-  absl::StatusOr<Applied> done = ApplyDecision(seq, decision);
+  absl::StatusOr<Applied> done = ApplyDecision(seq, *decision);
   if (!done.ok()) return done.status();  // the selection is dropped with the step
   if (absl::Status s = seq.slots->CommitStep(); !s.ok()) return s;
   for (size_t s = 0; s < seq.streams.size(); ++s) {
@@ -518,8 +517,7 @@ absl::StatusOr<policy::Decision> Engine::KernelStep(Sequence& seq, const policy:
                                               seq.streams[s].size()));
     }
   }
-  *applied = *done;
-  return decision;
+  return done;
 }
 
 absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
@@ -557,18 +555,14 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
   if (seq.slots) {
-    Applied kernel_applied;
-    absl::StatusOr<policy::Decision> kernel = KernelStep(seq, ctx, *rows, &kernel_applied);
-    if (!kernel.ok()) return kernel.status();
-    decision = *std::move(kernel);
-    applied = kernel_applied;
+    applied = KernelStep(seq, ctx, *rows, &decision);
   } else {
     std::vector<policy::StreamState> states = StreamStates(seq);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
     decision = seq.policy->Step(ctx, absl::MakeSpan(states));
     applied = ApplyDecision(seq, decision);
-    if (!applied.ok()) return applied.status();
   }
+  if (!applied.ok()) return applied.status();
 
   StepResult result;
   result.confidence = decision.confidence;

@@ -254,9 +254,9 @@ class Engine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Step of a policy with a kernel step: the scores update and the selection run in the
   // sequence's SlotState; the K/V rows then move as for any decision.
-  absl::StatusOr<policy::Decision> KernelStep(Sequence& seq, const policy::CallContext& ctx,
-                                              absl::Span<const absl::Span<const float>> rows,
-                                              Applied* applied)
+  absl::StatusOr<Applied> KernelStep(Sequence& seq, const policy::CallContext& ctx,
+                                     absl::Span<const absl::Span<const float>> rows,
+                                     policy::Decision* decision)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Brings slot_state_bytes_ up to date with the sequence's SlotState size.
