@@ -6,7 +6,8 @@
 //
 // Layout: every stream owns `capacity` slots of flat arrays (stream s at s * capacity), its
 // first length(s) live, in the order of the stream's retained slots. Capacity grows by
-// doubling when an append does not fit. A step is two-phase, so that the engine can move
+// doubling when an append does not fit and shrinks after a Keep that leaves at most a
+// quarter of it in use (a compression). A step is two-phase, so that the engine can move
 // the K/V rows in between and drop the step if that fails: Step() updates the scores and
 // selects keep-sets; CommitStep() compacts the metadata to them.
 //
