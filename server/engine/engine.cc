@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
 
@@ -39,8 +43,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
         absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(config.default_lease),
                      " is outside (0, ", absl::ToDoubleSeconds(config.max_lease), "]"));
   }
+  const uint64_t pool_bytes = std::min(config.pool_bytes, backend->pool_bytes());
+  const uint64_t pages = config.page_bytes == 0 ? 0 : pool_bytes / config.page_bytes;
+  const uint64_t reserve = config.reclaim_reserve_pages >= 0
+                               ? static_cast<uint64_t>(config.reclaim_reserve_pages)
+                               : (pages >= 8 ? std::clamp<uint64_t>(pages / 100, 1, 256) : 0);
   absl::StatusOr<std::unique_ptr<store::BlockPool>> pool = store::BlockPool::Create(
-      std::min(config.pool_bytes, backend->pool_bytes()), config.page_bytes);
+      pool_bytes, config.page_bytes, static_cast<uint32_t>(std::min<uint64_t>(reserve, 1u << 30)));
   if (!pool.ok()) return pool.status();
   absl::StatusOr<std::unique_ptr<EpochBoard>> board = EpochBoard::Create(config.max_sequences);
   if (!board.ok()) return board.status();
@@ -69,25 +78,123 @@ Engine::~Engine() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<Sequence>> Engine::Find(uint64_t sequence_id) {
+Engine::SequenceRef::SequenceRef(SequenceRef&& other) noexcept
+    : seq_(std::move(other.seq_)), locked_(other.locked_) {
+  other.locked_ = false;
+}
+
+Engine::SequenceRef::~SequenceRef() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (seq_ == nullptr) return;
+  if (locked_) seq_->mu.Unlock();
+  seq_->calls_in_flight.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+absl::StatusOr<Engine::SequenceRef> Engine::Find(uint64_t sequence_id) {
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(sequence_id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
                                             " (never created, released, or its lease lapsed)"));
   }
-  return it->second;
+  // Counted under the registry lock, which the reaper holds while it reads the count.
+  it->second->calls_in_flight.fetch_add(1, std::memory_order_acq_rel);
+  return SequenceRef(it->second);
 }
 
-// Looks a sequence up and locks it; NOT_FOUND if it was released meanwhile.
-#define KVMEM_LOCK_SEQUENCE(seq, id)                                                         \
-  absl::StatusOr<std::shared_ptr<Sequence>> seq##_or = Find(id);                             \
-  if (!seq##_or.ok()) return seq##_or.status();                                              \
-  Sequence& seq = **seq##_or;                                                                \
-  absl::MutexLock seq##_lock(&seq.mu);                                                       \
-  if (seq.released) {                                                                        \
-    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", id, " was released")); \
+absl::Status Engine::Unusable(const Sequence& seq) {
+  if (seq.released) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", seq.id, " was released"));
   }
+  if (!seq.poisoned.empty()) {
+    return absl::DataLossError(absl::StrCat("sequence ", seq.id, " is poisoned (", seq.poisoned,
+                                            "); its cache can no longer be trusted: release it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Engine::SequenceRef> Engine::Lock(uint64_t sequence_id) {
+  absl::StatusOr<SequenceRef> found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  SequenceRef ref(std::move(*found));
+  ref.LockNow();
+  if (absl::Status s = Unusable(*ref); !s.ok()) return s;
+  return ref;
+}
+
+absl::Status Engine::Poison(Sequence& seq, const absl::Status& why) {
+  if (seq.poisoned.empty()) {
+    seq.poisoned = std::string(why.message().substr(0, 512));
+    if (seq.poisoned.empty()) seq.poisoned = "a mutation failed past its point of no return";
+    ++sequences_poisoned_;
+    spdlog::error("sequence {} poisoned: {}", seq.id, why.ToString());
+  }
+  // Odd for good: readers of any table of this sequence fail from now on.
+  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  return Unusable(seq);
+}
+
+void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
+                         const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped) {
+  // References held = old lists + the batch's allocations (nothing dropped yet); streams
+  // [0, swapped) hold their new list and other_lists[s] their old one, the rest still hold
+  // the old list. What no stream names is kept for Release.
+  absl::flat_hash_map<store::BlockId, int64_t> refs;
+  for (store::BlockId id : batch.allocated) ++refs[id];
+  for (size_t s = 0; s < swapped && s < seq.streams.size(); ++s) {
+    for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
+    for (const StreamBlock& b : seq.streams[s].blocks) --refs[b.id];
+  }
+  for (const auto& [id, n] : refs) {
+    for (int64_t i = 0; i < n; ++i) seq.orphan_blocks.push_back(id);
+  }
+}
+
+Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
+  engine_->board_->BeginWrite(seq_->epoch_slot, seq_->epoch);
+}
+
+void Engine::WriteSection::Commit() {
+  seq_->epoch = engine_->next_epoch_.fetch_add(1);
+  engine_->board_->EndWrite(seq_->epoch_slot, seq_->epoch);
+  committed_ = true;
+}
+
+Engine::WriteSection::~WriteSection() {
+  if (!committed_) {
+    engine_->Poison(*seq_, absl::InternalError("a write section ended without its commit"))
+        .IgnoreError();
+  }
+}
+
+absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_view policy_name,
+                                                    const policy::ParamOverrides& params,
+                                                    QuantConfig quant, absl::Duration lease) {
+  return Guard("CreateSequence",
+               [&] { return CreateSequenceImpl(layout, policy_name, params, quant, lease); });
+}
+
+absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
+                                            absl::Span<const AppendChunk> chunks) {
+  return Guard("Append", [&] { return AppendImpl(sequence_id, chunks); });
+}
+
+absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
+  return Guard("Step", [&] { return StepImpl(sequence_id, input); });
+}
+
+absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const CompressInput& input) {
+  return Guard("Compress", [&] { return CompressImpl(sequence_id, input); });
+}
+
+absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration lease) {
+  return Guard("Fork", [&] { return ForkImpl(sequence_id, lease); });
+}
+
+void Engine::CommitFailpoint() const {
+  if (config_.failpoints != nullptr && config_.failpoints->Hit(Failpoints::kCommit)) {
+    throw std::bad_alloc();
+  }
+}
 
 absl::StatusOr<absl::Duration> Engine::ResolveLease(absl::Duration lease) const {
   if (lease == absl::ZeroDuration()) return config_.default_lease;
@@ -114,9 +221,10 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
   return result;
 }
 
-absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_view policy_name,
-                                                    const policy::ParamOverrides& params,
-                                                    QuantConfig quant, absl::Duration lease) {
+absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
+                                                        absl::string_view policy_name,
+                                                        const policy::ParamOverrides& params,
+                                                        QuantConfig quant, absl::Duration lease) {
   if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
   if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
@@ -233,9 +341,11 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
   return absl::OkStatus();
 }
 
-absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
-                                            absl::Span<const AppendChunk> chunks) {
-  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
+                                                absl::Span<const AppendChunk> chunks) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
   const Layout& layout = seq.layout;
   int64_t last_position = seq.last_position;
   uint64_t total = 0;
@@ -261,10 +371,14 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
   // Plan every stream's writes (and copy-on-write of a shared last block); allocation is
   // all-or-nothing because an abandoned batch releases what it took.
   OpBatch batch;
-  StreamPlanner planner(seq.format, pool_.get(), &batch);
+  StreamPlanner planner(seq.format, pool_.get(), &batch, config_.failpoints);
   uint64_t needed = 0;
   for (const Stream& st : seq.streams) needed += planner.BlocksForAppend(st.blocks, total);
   std::vector<store::BlockId> reserve;
+  if (config_.failpoints != nullptr && needed > 0 &&
+      config_.failpoints->Hit(Failpoints::kAllocate)) {
+    return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
+  }
   if (absl::Status s = pool_->AllocateMany(
           static_cast<uint32_t>(seq.format.block_bytes(Precision::kLayout)), needed, &reserve);
       !s.ok()) {
@@ -292,6 +406,19 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
     return absl::InternalError("append: block reservation does not match the plan");
   }
   const float initial_score = seq.policy->descriptor().initial_score;
+  const uint32_t history_rows = seq.policy->history_rows();
+  // Room for the new slots in every per-slot vector, before anything changes: the commit
+  // below then only fills reserved capacity and cannot throw.
+  for (Stream& st : seq.streams) {
+    const size_t n = st.size() + total;
+    st.positions.reserve(n);
+    if (!seq.slots) st.scores.reserve(n);
+    st.history.reserve(n * history_rows);
+    st.token_entropy.reserve(n);
+    st.layer_distance.reserve(n);
+    st.arrival_step.reserve(n);
+  }
+  seq.token_ids.reserve(seq.token_ids.size() + total);
   if (seq.slots) {
     std::vector<int64_t> positions;
     positions.reserve(total);
@@ -303,20 +430,36 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
       return s;
     }
   }
+  // Writes land in new blocks or past the live slots of a private last block, so a failed
+  // batch leaves every table-visible byte as it was. A copy-on-write, though, makes the
+  // table stop naming a shared block: then the epoch must change (a reader of the old
+  // table must fail before the block's other owners free it), in a write section.
+  std::optional<WriteSection> section;
+  if (!batch.dropped.empty()) section.emplace(this, &seq);
   if (absl::Status io = Execute(seq, batch); !io.ok()) {
     if (seq.slots) seq.slots->DropNewest(static_cast<uint32_t>(total));
+    if (section) section->Commit();  // nothing a table names changed: a fresh epoch is enough
     return io;
   }
 
-  // Commit metadata.
+  // Commit metadata (into reserved capacity). Nothing here should throw; if something
+  // does, the streams may disagree, so the sequence is poisoned on the way out.
+  size_t swapped = 0;  // streams [0, swapped) hold their new block list
+  absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    KeepOrphans(seq, batch, new_blocks, swapped);
+    Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
+  };
   const int64_t arrival = static_cast<int64_t>(seq.steps);
   for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (s == seq.streams.size() / 2) CommitFailpoint();
     Stream& st = seq.streams[s];
-    st.blocks = std::move(new_blocks[s]);
+    st.blocks.swap(new_blocks[s]);
+    swapped = s + 1;
     for (const AppendChunk& chunk : chunks) {
       const size_t n = chunk.positions.size();
       st.positions.insert(st.positions.end(), chunk.positions.begin(), chunk.positions.end());
       if (!seq.slots) st.scores.insert(st.scores.end(), n, initial_score);
+      st.history.insert(st.history.end(), n * history_rows, 0.0f);
       if (chunk.token_entropy.empty()) {
         st.token_entropy.insert(st.token_entropy.end(), n, std::nanf(""));
       } else {
@@ -332,7 +475,6 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
       st.arrival_step.insert(st.arrival_step.end(), n, arrival);
     }
   }
-  pool_->Unref(batch.dropped);
   for (const AppendChunk& chunk : chunks) {
     if (chunk.token_ids.empty()) {
       seq.token_ids.insert(seq.token_ids.end(), chunk.positions.size(), -1);
@@ -342,6 +484,10 @@ absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
   }
   seq.last_position = last_position;
   seq.appended += total;
+  // Inside the section: readers of the old table already see the odd word.
+  pool_->Unref(batch.dropped);
+  std::move(poison_on_unwind).Cancel();
+  if (section) section->Commit();
   AccountSlotState(seq);
   tokens_appended_ += total;
   Renew(seq);
@@ -387,20 +533,55 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
   return by_stream;
 }
 
-std::vector<policy::StreamState> Engine::StreamStates(Sequence& seq) {
+policy::CallContext Engine::Context(const Sequence& seq) const {
+  policy::CallContext ctx;
+  ctx.step = seq.steps;
+  ctx.num_layers = seq.layout.num_layers;
+  ctx.num_kv_heads = seq.layout.num_kv_heads;
+  ctx.vocab_size = seq.layout.vocab_size;
+  ctx.history_rows = seq.policy->history_rows();
+  ctx.mark = seq.policy_mark;
+  return ctx;
+}
+
+std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
   std::vector<policy::StreamState> states(seq.streams.size());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     Stream& st = seq.streams[s];
+    st.next_scores.resize(st.scores.size());
     policy::StreamState& state = states[s];
     state.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     state.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
     state.positions = st.positions;
-    state.scores = absl::MakeSpan(st.scores);
+    state.scores = st.scores;
+    state.next_scores = absl::MakeSpan(st.next_scores);
+    state.history = st.history;
     state.token_entropy = st.token_entropy;
     state.layer_distance = st.layer_distance;
     state.arrival_step = st.arrival_step;
   }
   return states;
+}
+
+Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decision& decision,
+                                             const std::vector<absl::Span<const float>>* rows) {
+  return [this, &seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const uint32_t R = seq.policy->history_rows();
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
+      Stream& st = seq.streams[s];
+      if (decision.scores_written) st.scores.swap(st.next_scores);
+      if (R > 0 && rows != nullptr) {
+        // This step's row goes where the row of step - R was (policy.h).
+        const size_t column = seq.steps % R;
+        const absl::Span<const float> row = (*rows)[s];
+        for (size_t j = 0; j < st.size(); ++j) {
+          st.history[j * R + column] = j < row.size() ? row[j] : 0.0f;
+        }
+      }
+    }
+    if (decision.mark) seq.policy_mark = *decision.mark;
+    return absl::OkStatus();
+  };
 }
 
 absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
@@ -422,7 +603,8 @@ absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
 }
 
 absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
-                                                      const policy::Decision& decision) {
+                                                      const policy::Decision& decision,
+                                                      const CommitHook& commit) {
   if (decision.keep.size() != seq.streams.size()) {
     return absl::InternalError(absl::StrCat("policy ", seq.policy_name, " returned ",
                                             decision.keep.size(), " keep-sets for ",
@@ -440,8 +622,10 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     }
   }
 
+  // Plan: every allocation happens here, before the point of no return; a failure releases
+  // what the plan took and changes nothing.
   OpBatch batch;
-  StreamPlanner planner(seq.format, pool_.get(), &batch);
+  StreamPlanner planner(seq.format, pool_.get(), &batch, config_.failpoints);
   Applied applied;
   std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
   std::vector<bool> changed(seq.streams.size(), false);
@@ -467,28 +651,37 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     }
   }
   applied.quantized = batch.quantized_slots;
-  if (applied.evicted == 0 && applied.quantized == 0) return applied;
-
-  // Readers of the old table must see the epoch word change before any byte moves and
-  // before any dropped block can be reused.
-  const uint64_t new_epoch = next_epoch_.fetch_add(1);
-  board_->BeginWrite(seq.epoch_slot, seq.epoch);
-  if (absl::Status io = Execute(seq, batch); !io.ok()) {
-    // Data may be half-moved: publish a new epoch so that readers notice, and report.
-    seq.epoch = new_epoch;
-    board_->EndWrite(seq.epoch_slot, seq.epoch);
-    return io;
+  if (applied.evicted == 0 && applied.quantized == 0) {
+    pool_->Unref(batch.allocated);  // nothing is allocated when nothing changes; kept exact
+    if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+    return applied;
   }
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
+
+  // The point of no return: readers of the old table see the odd word before any byte
+  // moves and before any dropped block can be reused; from here a failure poisons.
+  WriteSection section(this, &seq);
+  if (absl::Status io = Execute(seq, batch); !io.ok()) return Poison(seq, io);
+  if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+  const uint32_t history_rows = seq.policy->history_rows();
+  size_t swapped = 0;  // streams [0, swapped) are committed
+  // Nothing below should throw; if something does, the sequence is poisoned and keeps the
+  // references no stream names for Release, so that the pool's accounting stays exact.
+  absl::Cleanup on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    KeepOrphans(seq, batch, new_blocks, swapped);
+    Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
+  };
+  for (; swapped < seq.streams.size(); ++swapped) {
+    const size_t s = swapped;
+    if (s == seq.streams.size() / 2) CommitFailpoint();
     if (!changed[s]) continue;
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
-      seq.streams[s].KeepSlots(*decision.keep[s]);
+      seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.streams[s].blocks = std::move(new_blocks[s]);
+    seq.streams[s].blocks.swap(new_blocks[s]);
   }
+  std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);
-  seq.epoch = new_epoch;
-  board_->EndWrite(seq.epoch_slot, seq.epoch);
+  section.Commit();
   tokens_evicted_ += applied.evicted;
   tokens_quantized_ += applied.quantized;
   return applied;
@@ -503,25 +696,33 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
   for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
   decision->confidence = plan.confidence;
   decision->budget_tokens = plan.budget_tokens;
+  // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
+  // puts the scores back when the step fails before its point of no return.
   if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision->keep);
       !s.ok()) {
+    seq.slots->AbortStep();
     return s;
   }
-  absl::StatusOr<Applied> done = ApplyDecision(seq, *decision);
-  if (!done.ok()) return done.status();  // the selection is dropped with the step
-  if (absl::Status s = seq.slots->CommitStep(); !s.ok()) return s;
+  absl::StatusOr<Applied> done = ApplyDecision(
+      seq, *decision, [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots->CommitStep(); });
+  if (!done.ok()) {
+    if (seq.poisoned.empty()) seq.slots->AbortStep();
+    return done.status();
+  }
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (seq.slots->length(static_cast<uint32_t>(s)) != seq.streams[s].size()) {
-      return absl::InternalError(absl::StrCat("sequence ", seq.id, ": slot state of stream ", s,
-                                              " holds ", seq.slots->length(s), " slots, the table ",
-                                              seq.streams[s].size()));
+      return Poison(seq, absl::InternalError(absl::StrCat(
+                             "slot state of stream ", s, " holds ", seq.slots->length(s),
+                             " slots, the table ", seq.streams[s].size())));
     }
   }
   return done;
 }
 
-absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
-  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInput& input) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
 
@@ -534,11 +735,7 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
       seq, input.attention, "attention", (desc.step_signals & policy::kAttentionRows) != 0, why);
   if (!rows.ok()) return rows.status();
 
-  policy::CallContext ctx;
-  ctx.step = seq.steps;
-  ctx.num_layers = seq.layout.num_layers;
-  ctx.num_kv_heads = seq.layout.num_kv_heads;
-  ctx.vocab_size = seq.layout.vocab_size;
+  policy::CallContext ctx = Context(seq);
   if (input.logits) {
     absl::StatusOr<policy::LogitStats> stats =
         input.logits->top_logprobs.empty()
@@ -557,10 +754,12 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
   if (seq.slots) {
     applied = KernelStep(seq, ctx, *rows, &decision);
   } else {
-    std::vector<policy::StreamState> states = StreamStates(seq);
+    // The policy reads the committed state and stages the next (policy.h); it becomes the
+    // sequence's only if the whole step applies.
+    std::vector<policy::StreamState> states = StagedStreamStates(seq);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
     decision = seq.policy->Step(ctx, absl::MakeSpan(states));
-    applied = ApplyDecision(seq, decision);
+    applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, &*rows));
   }
   if (!applied.ok()) return applied.status();
 
@@ -578,8 +777,11 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
   return result;
 }
 
-absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const CompressInput& input) {
-  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
+                                                    const CompressInput& input) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
   if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch) {
@@ -596,11 +798,7 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
                    (desc.compress_signals & policy::kWindowScores) != 0, why);
   if (!window.ok()) return window.status();
 
-  policy::CallContext ctx;
-  ctx.step = seq.steps;
-  ctx.num_layers = seq.layout.num_layers;
-  ctx.num_kv_heads = seq.layout.num_kv_heads;
-  ctx.vocab_size = seq.layout.vocab_size;
+  policy::CallContext ctx = Context(seq);
   ctx.target_tokens = input.target_tokens;
 
   CompressResult result;
@@ -611,27 +809,34 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
     layer.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     layer.before_tokens += seq.streams[s].size();
   }
-  // Compress runs on the host: scores kept in a SlotState come over for the call and go
-  // back, compacted, after it (once per prompt, not per step).
+  // Compress runs on the host: scores kept in a SlotState come over for the call (into the
+  // streams' host scores, which are empty between calls) and go back, compacted, after it
+  // (once per prompt, not per step).
   if (seq.slots) {
     std::vector<std::vector<float>> scores;
     if (absl::Status s = seq.slots->ReadScores(&scores); !s.ok()) return s;
     for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].scores = std::move(scores[s]);
   }
-  std::vector<policy::StreamState> states = StreamStates(seq);
+  std::vector<policy::StreamState> states = StagedStreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {
     states[s].attention = (*rows)[s];
     states[s].window_scores = (*window)[s];
   }
   const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
-  absl::StatusOr<Applied> applied = ApplyDecision(seq, decision);
+  absl::StatusOr<Applied> applied =
+      ApplyDecision(seq, decision, CommitPolicyState(seq, decision, nullptr));
   if (seq.slots) {
-    absl::Status synced = applied.ok() ? seq.slots->Keep(decision.keep) : absl::OkStatus();
     std::vector<std::vector<float>> scores(seq.streams.size());
-    for (size_t s = 0; s < seq.streams.size(); ++s) scores[s].swap(seq.streams[s].scores);
-    if (synced.ok()) synced = seq.slots->WriteScores(scores);
-    AccountSlotState(seq);  // a compression may have given capacity back
-    if (!synced.ok()) return synced;
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
+      scores[s].swap(seq.streams[s].scores);
+      seq.streams[s].next_scores = {};
+    }
+    if (applied.ok()) {
+      absl::Status synced = seq.slots->Keep(decision.keep);
+      if (synced.ok()) synced = seq.slots->WriteScores(scores);
+      AccountSlotState(seq);  // a compression may have given capacity back
+      if (!synced.ok()) return Poison(seq, synced);
+    }
   }
   if (!applied.ok()) return applied.status();
   for (size_t s = 0; s < seq.streams.size(); ++s) {
@@ -646,7 +851,9 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
 }
 
 absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
-  KVMEM_LOCK_SEQUENCE(seq, sequence_id);
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
   BlockTable table;
   table.sequence_id = seq.id;
   table.epoch = seq.epoch;
@@ -674,7 +881,7 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
 absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                             uint32_t layer_end,
                             const std::function<absl::Status(StreamKV&&)>& sink) {
-  absl::StatusOr<std::shared_ptr<Sequence>> seq_or = Find(sequence_id);
+  absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
   if (!seq_or.ok()) return seq_or.status();
   Sequence& seq = **seq_or;
   const Layout& layout = seq.layout;
@@ -690,10 +897,7 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
       StreamKV out;
       {
         absl::MutexLock lock(&seq.mu);
-        if (seq.released) {
-          return absl::NotFoundError(
-              absl::StrCat("sequence_id: sequence ", sequence_id, " was released"));
-        }
+        if (absl::Status s = Unusable(seq); !s.ok()) return s;
         if (read_epoch == 0) read_epoch = seq.epoch;
         if (seq.epoch != read_epoch) {
           return layer == layer_begin && head == 0
@@ -742,10 +946,12 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
   return absl::OkStatus();
 }
 
-absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration lease) {
+absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Duration lease) {
   absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
   if (!granted.ok()) return granted.status();
-  KVMEM_LOCK_SEQUENCE(parent, sequence_id);
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& parent = **ref;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(parent.policy_name, parent.policy_params);
   if (!policy.ok()) return policy.status();
@@ -755,7 +961,11 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
     if (!copy.ok()) return copy.status();
     slots = *std::move(copy);
   }
-  absl::StatusOr<uint32_t> slot = board_->Acquire(parent.epoch);
+  // The child's tables name the parent's blocks but live under an epoch of their own, never
+  // used before: a reader holding a table of an earlier child that had this epoch slot must
+  // never validate against this one.
+  const uint64_t epoch = next_epoch_.fetch_add(1);
+  absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
   if (!slot.ok()) return slot.status();
   uint64_t id;
   {
@@ -769,13 +979,15 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
   {
     absl::MutexLock lock(&child->mu);
     child->streams = parent.streams;
+    for (Stream& st : child->streams) st.next_scores = {};
     child->slots = std::move(slots);
     AccountSlotState(*child);
     child->token_ids = parent.token_ids;
     child->last_position = parent.last_position;
     child->appended = parent.appended;
-    child->epoch = parent.epoch;
+    child->epoch = epoch;
     child->steps = parent.steps;
+    child->policy_mark = parent.policy_mark;
     for (const Stream& st : child->streams) {
       for (const StreamBlock& b : st.blocks) pool_->Ref({b.id});
     }
@@ -787,6 +999,8 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
 uint64_t Engine::ReleaseLocked(Sequence& seq) {
   uint64_t freed = 0;
   board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  freed += pool_->Unref(seq.orphan_blocks);
+  seq.orphan_blocks.clear();
   for (Stream& st : seq.streams) {
     for (const StreamBlock& b : st.blocks) freed += pool_->Unref({b.id});
     st = Stream{};
@@ -820,21 +1034,26 @@ absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
   return ReleaseLocked(*seq);
 }
 
-absl::StatusOr<uint32_t> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
-  std::vector<std::shared_ptr<Sequence>> found;
-  {
-    absl::MutexLock lock(&mu_);
-    for (size_t i = 0; i < sequence_ids.size(); ++i) {
-      auto it = sequences_.find(sequence_ids[i]);
-      if (it == sequences_.end()) {
-        return absl::NotFoundError(
-            absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i]));
-      }
-      found.push_back(it->second);
+std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  std::vector<absl::Status> results;
+  results.reserve(sequence_ids.size());
+  // Renewed under the registry lock: the reaper, which takes it too, sees either the
+  // sequence gone (NOT_FOUND here) or its new deadline.
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  for (size_t i = 0; i < sequence_ids.size(); ++i) {
+    auto it = sequences_.find(sequence_ids[i]);
+    if (it == sequences_.end()) {
+      results.push_back(
+          absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i],
+                                           " (never created, released, or its lease lapsed)")));
+      continue;
     }
+    Sequence& seq = *it->second;
+    seq.lease_deadline_ns.store(absl::ToUnixNanos(now + seq.lease), std::memory_order_relaxed);
+    results.push_back(absl::OkStatus());
   }
-  for (const auto& seq : found) Renew(*seq);
-  return static_cast<uint32_t>(found.size());
+  return results;
 }
 
 uint32_t Engine::ExpireLeases() {
@@ -843,7 +1062,10 @@ uint32_t Engine::ExpireLeases() {
   {
     absl::MutexLock lock(&mu_);
     for (auto it = sequences_.begin(); it != sequences_.end();) {
-      if (it->second->lease_deadline_ns.load(std::memory_order_relaxed) < now) {
+      // A sequence with calls in flight is left alone: each renews it when it finishes.
+      // Calls take their count under this lock, so none can start on a sequence taken here.
+      if (it->second->lease_deadline_ns.load(std::memory_order_relaxed) < now &&
+          it->second->calls_in_flight.load(std::memory_order_acquire) == 0) {
         expired.push_back(std::move(it->second));
         sequences_.erase(it++);
       } else {
@@ -876,6 +1098,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.slot_state_bytes = slot_state_bytes_;
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
+  stats.sequences_poisoned = sequences_poisoned_;
   std::vector<std::shared_ptr<Sequence>> all;
   {
     absl::MutexLock lock(&mu_);
@@ -911,6 +1134,56 @@ EngineStats Engine::Stats(bool include_sequences) {
               return a.sequence_id < b.sequence_id;
             });
   return stats;
+}
+
+absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
+  std::string out;
+  {
+    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    std::vector<std::vector<float>> slot_scores;
+    std::vector<std::vector<int64_t>> slot_positions;
+    if (seq.slots) {
+      if (absl::Status s = seq.slots->ReadScores(&slot_scores); !s.ok()) return s;
+      if (absl::Status s = seq.slots->ReadPositions(&slot_positions); !s.ok()) return s;
+    }
+    auto floats = [&out](absl::string_view name, const std::vector<float>& v) {
+      absl::StrAppend(&out, name, ":");
+      for (float x : v) {  // bit patterns: NaN marks "not scored yet"
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        absl::StrAppend(&out, " ", bits);
+      }
+      out += "\n";
+    };
+    absl::StrAppend(&out, "appended ", seq.appended, " last ", seq.last_position, " steps ",
+                    seq.steps, " mark ", seq.policy_mark, " tokens ",
+                    absl::StrJoin(seq.token_ids, ","), "\n");
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
+      const Stream& st = seq.streams[s];
+      absl::StrAppend(&out, "stream ", s, " positions ", absl::StrJoin(st.positions, ","),
+                      " arrival ", absl::StrJoin(st.arrival_step, ","), "\nblocks");
+      for (const StreamBlock& b : st.blocks) {
+        absl::StrAppend(&out, " ", b.id, "@", pool_->offset(b.id), "[", b.start, "+", b.count, "]p",
+                        static_cast<int>(b.precision));
+      }
+      out += "\n";
+      floats("scores", seq.slots ? slot_scores[s] : st.scores);
+      floats("history", st.history);
+      floats("entropy", st.token_entropy);
+      floats("distance", st.layer_distance);
+      if (seq.slots)
+        absl::StrAppend(&out, "slot positions ", absl::StrJoin(slot_positions[s], ","), "\n");
+    }
+  }
+  absl::Status read = ReadKV(sequence_id, 0, 0, 0, [&out](StreamKV&& kv) {
+    absl::StrAppend(&out, "kv ", kv.layer, ".", kv.kv_head, " ", absl::BytesToHexString(kv.k), " ",
+                    absl::BytesToHexString(kv.v), "\n");
+    return absl::OkStatus();
+  });
+  if (!read.ok()) return read;
+  return out;
 }
 
 }  // namespace kvmem::engine

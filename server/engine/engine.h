@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -23,6 +25,7 @@
 #include "absl/types/span.h"
 #include "server/engine/clock.h"
 #include "server/engine/epoch_board.h"
+#include "server/engine/failpoints.h"
 #include "server/engine/layout.h"
 #include "server/engine/sequence.h"
 #include "server/policy/policy.h"
@@ -41,6 +44,11 @@ struct EngineConfig {
   absl::Duration default_lease = absl::Seconds(60);
   absl::Duration max_lease = absl::Hours(24);
   uint64_t max_append_bytes = 64ull << 20;  // K+V bytes of one Append message
+  // Test hook (failpoints.h); null in production.
+  Failpoints* failpoints = nullptr;
+  // Free pages only quantization may take (BlockPool::Use::kReclaim), so that a full pool
+  // can still quantize; -1 = about 1% of the pool's pages, at least one when it has 8.
+  int64_t reclaim_reserve_pages = -1;
   // Policies with a kernel step keep their scores in the backend (store::SlotState: device
   // memory on a GPU) and run each Step there; false runs every policy on the host.
   bool device_step = true;
@@ -182,6 +190,7 @@ struct EngineStats {
   uint64_t slot_state_bytes = 0;  // SlotState memory of all sequences (outside the pool)
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
+  uint64_t sequences_poisoned = 0;
   std::vector<SequenceSummary> sequences;
 };
 
@@ -216,20 +225,102 @@ class Engine {
   absl::StatusOr<CreateResult> Fork(uint64_t sequence_id, absl::Duration lease);
   // Returns the number of blocks whose last reference this dropped.
   absl::StatusOr<uint64_t> Release(uint64_t sequence_id);
-  // All ids must exist (else NOT_FOUND and nothing is renewed).
-  absl::StatusOr<uint32_t> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  // Renews each sequence's lease; per id, OK or why not (NOT_FOUND, DATA_LOSS). A lease
+  // renewed here cannot lapse before the time it reports: the renewal and the reaper's
+  // check take the same lock.
+  std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids);
   // Releases every sequence whose lease has lapsed; returns how many.
   uint32_t ExpireLeases();
   // Runs ExpireLeases every `period` until `stop` is notified.
   void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
   EngineStats Stats(bool include_sequences);
+  // Everything a sequence holds, as text (per-slot metadata and scores, block list, K/V),
+  // without the epoch: equal before and after a call exactly when the call changed nothing
+  // a later call could see. For tests (state fingerprints around failures).
+  absl::StatusOr<std::string> Fingerprint(uint64_t sequence_id);
 
  private:
+  // Runs a public call so that host memory exhaustion (std::bad_alloc) comes back as
+  // RESOURCE_EXHAUSTED instead of crossing the module boundary; a write section open when
+  // it is thrown poisons its sequence on the way out.
+  template <typename F>
+  static auto Guard(absl::string_view what, F&& call) -> decltype(call()) {
+    try {
+      return call();
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, ": out of host memory (kvmemd could not allocate)"));
+    }
+  }
+  absl::StatusOr<CreateResult> CreateSequenceImpl(Layout layout, absl::string_view policy_name,
+                                                  const policy::ParamOverrides& params,
+                                                  QuantConfig quant, absl::Duration lease);
+  absl::StatusOr<AppendResult> AppendImpl(uint64_t sequence_id,
+                                          absl::Span<const AppendChunk> chunks);
+  absl::StatusOr<StepResult> StepImpl(uint64_t sequence_id, const StepInput& input);
+  absl::StatusOr<CompressResult> CompressImpl(uint64_t sequence_id, const CompressInput& input);
+  absl::StatusOr<CreateResult> ForkImpl(uint64_t sequence_id, absl::Duration lease);
+  // Throws std::bad_alloc at the armed commit step (Failpoints::kCommit).
+  void CommitFailpoint() const;
   Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
          std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
          const Clock* clock);
 
-  absl::StatusOr<std::shared_ptr<Sequence>> Find(uint64_t sequence_id);
+  // A found sequence, counted in its calls_in_flight until the handle goes (so that the
+  // lease reaper leaves it alone), locked or not.
+  class SequenceRef {
+   public:
+    explicit SequenceRef(std::shared_ptr<Sequence> seq) : seq_(std::move(seq)) {}
+    SequenceRef(SequenceRef&& other) noexcept;
+    void LockNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      seq_->mu.Lock();
+      locked_ = true;
+    }
+    SequenceRef& operator=(SequenceRef&&) = delete;
+    ~SequenceRef();
+    Sequence& operator*() const { return *seq_; }
+    Sequence* operator->() const { return seq_.get(); }
+
+   private:
+    std::shared_ptr<Sequence> seq_;
+    bool locked_ = false;
+  };
+  // Finds a sequence without locking it.
+  absl::StatusOr<SequenceRef> Find(uint64_t sequence_id);
+  // Finds and locks a sequence that may be used: NOT_FOUND if it is gone, DATA_LOSS if it
+  // was poisoned.
+  absl::StatusOr<SequenceRef> Lock(uint64_t sequence_id);
+  // The error for a locked sequence that can no longer serve (released or poisoned).
+  static absl::Status Unusable(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // Marks a sequence unusable after a failure past a point of no return: its epoch word
+  // turns odd for good (no reader accepts its tables) and every later call but Release
+  // gets DATA_LOSS naming it and `why`. Returns that DATA_LOSS status.
+  absl::Status Poison(Sequence& seq, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // After a commit interrupted past its point of no return: moves the references the
+  // sequence holds but no stream names (old blocks of committed streams, new blocks of the
+  // rest) to seq.orphan_blocks, which Release drops.
+  void KeepOrphans(Sequence& seq, const OpBatch& batch,
+                   const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // A seqlock write section on one sequence: readers of its current tables fail from the
+  // moment it opens. Commit() publishes a fresh epoch; destroyed without it (an error or
+  // an exception past the point of no return), it poisons the sequence.
+  class WriteSection {
+   public:
+    WriteSection(Engine* engine, Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq->mu);
+    WriteSection(const WriteSection&) = delete;
+    WriteSection& operator=(const WriteSection&) = delete;
+    ~WriteSection();
+    void Commit();
+
+   private:
+    Engine* const engine_;
+    Sequence* const seq_;
+    bool committed_ = false;
+  };
+  // Runs at a mutation's commit point, before its keep-sets compact the per-slot vectors:
+  // applies the staged policy state. Must not fail for a reason a retry could fix.
+  using CommitHook = std::function<absl::Status()>;
   absl::StatusOr<absl::Duration> ResolveLease(absl::Duration lease) const;
   void Renew(Sequence& seq);
   absl::StatusOr<CreateResult> Register(const std::shared_ptr<Sequence>& seq);
@@ -246,12 +337,23 @@ class Engine {
   };
   // Applies a policy decision: compacts every stream with a keep-set, merges sparse blocks,
   // quantizes blocks that left the recent window, and bumps the epoch if anything changed.
-  absl::StatusOr<Applied> ApplyDecision(Sequence& seq, const policy::Decision& decision)
+  // The policy's staged state (`commit`) is applied at the commit point, also when nothing
+  // else changes. An error before that point changes nothing; one after it poisons.
+  absl::StatusOr<Applied> ApplyDecision(Sequence& seq, const policy::Decision& decision,
+                                        const CommitHook& commit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // StreamStates over the committed state, with next_scores staged per stream and the
+  // history of the policy's width.
+  std::vector<policy::StreamState> StagedStreamStates(Sequence& seq)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // The commit hook of a host policy call: takes the staged scores, the mark, and (Step)
+  // records `rows` in the history.
+  CommitHook CommitPolicyState(Sequence& seq, const policy::Decision& decision,
+                               const std::vector<absl::Span<const float>>* rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  policy::CallContext Context(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Runs a planned batch on the backend; releases its allocations if it fails.
   absl::Status Execute(Sequence& seq, OpBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  std::vector<policy::StreamState> StreamStates(Sequence& seq)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Step of a policy with a kernel step: the scores update and the selection run in the
   // sequence's SlotState; the K/V rows then move as for any decision.
   absl::StatusOr<Applied> KernelStep(Sequence& seq, const policy::CallContext& ctx,
@@ -281,6 +383,7 @@ class Engine {
   std::atomic<uint64_t> slot_state_bytes_{0};
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
+  std::atomic<uint64_t> sequences_poisoned_{0};
 };
 
 }  // namespace kvmem::engine

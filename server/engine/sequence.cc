@@ -12,7 +12,7 @@ void KeepIndices(std::vector<T>& v, const std::vector<uint32_t>& keep, size_t fi
 }
 }  // namespace
 
-void Stream::KeepSlots(const std::vector<uint32_t>& keep) {
+void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
   size_t first_moved = 0;
   while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
   KeepIndices(positions, keep, first_moved);
@@ -20,6 +20,27 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep) {
   KeepIndices(token_entropy, keep, first_moved);
   KeepIndices(layer_distance, keep, first_moved);
   KeepIndices(arrival_step, keep, first_moved);
+  if (history_rows > 0) {
+    const size_t R = history_rows;
+    for (size_t j = first_moved; j < keep.size(); ++j) {
+      std::copy_n(history.begin() + keep[j] * R, R, history.begin() + j * R);
+    }
+    history.resize(keep.size() * R);
+  }
+}
+
+uint64_t Stream::host_bytes() const {
+  return sizeof(Stream) + blocks.capacity() * sizeof(StreamBlock) +
+         positions.capacity() * sizeof(int64_t) + scores.capacity() * sizeof(float) +
+         next_scores.capacity() * sizeof(float) + history.capacity() * sizeof(float) +
+         token_entropy.capacity() * sizeof(float) + layer_distance.capacity() * sizeof(float) +
+         arrival_step.capacity() * sizeof(int64_t);
+}
+
+uint64_t Sequence::host_bytes() const {
+  uint64_t bytes = sizeof(Sequence) + token_ids.capacity() * sizeof(int32_t);
+  for (const Stream& s : streams) bytes += s.host_bytes();
+  return bytes;
 }
 
 uint32_t Sequence::max_stream_tokens() const {

@@ -26,13 +26,18 @@ struct Stream {
   std::vector<StreamBlock> blocks;
   std::vector<int64_t> positions;
   std::vector<float> scores;          // policy score state (EMA or accumulated attention)
+  std::vector<float> next_scores;     // staging for a call's new scores (policy.h)
+  std::vector<float> history;         // [slot][history_rows]: past attention rows (policy.h)
   std::vector<float> token_entropy;   // NaN where not sent
   std::vector<float> layer_distance;  // NaN where not sent
   std::vector<int64_t> arrival_step;
 
   size_t size() const { return positions.size(); }
-  // Keeps only the slots listed (ascending) in every per-slot vector.
-  void KeepSlots(const std::vector<uint32_t>& keep);
+  // Keeps only the slots listed (ascending) in every per-slot vector; `history_rows` is the
+  // width of `history`. Never allocates (it only shrinks), so it cannot throw.
+  void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
+  // Host bytes of the per-slot vectors and the block list, by capacity.
+  uint64_t host_bytes() const;
 };
 
 // Quantization of a sequence: blocks whose slots all lie before the last `recent_tokens`
@@ -69,8 +74,18 @@ struct Sequence {
   // Read by the lease reaper without the sequence lock.
   std::atomic<int64_t> lease_deadline_ns{0};
 
+  // Calls that found this sequence and have not finished; the lease reaper leaves a
+  // sequence with calls in flight alone (they renew the lease when they finish).
+  std::atomic<int32_t> calls_in_flight{0};
+
   absl::Mutex mu;
   bool released ABSL_GUARDED_BY(mu) = false;
+  // Set when a mutation failed past its point of no return: the blocks may no longer hold
+  // what the tables say, so every later call but Release answers DATA_LOSS with this.
+  std::string poisoned ABSL_GUARDED_BY(mu);
+  int64_t policy_mark ABSL_GUARDED_BY(mu) = -1;  // CallContext::mark
+  // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
+  std::vector<store::BlockId> orphan_blocks ABSL_GUARDED_BY(mu);
   std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
   // Where the scores live when the policy has a kernel step (Stream::scores is then empty
   // between calls); null otherwise.
@@ -90,6 +105,9 @@ struct Sequence {
   uint64_t block_count() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   // Pool bytes of the blocks referenced (shared blocks counted in full).
   uint64_t block_bytes_held() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // Host memory this sequence holds outside the pool: its per-stream and per-slot metadata
+  // (SlotState memory is counted separately, where it lives).
+  uint64_t host_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu);
 };
 
 }  // namespace kvmem::engine

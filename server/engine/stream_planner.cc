@@ -41,8 +41,16 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p) {
     reserve_.pop_back();
     return id;
   }
+  // A quantized block replaces a bigger layout block once the batch commits: it may take
+  // the pool's reserve, so that a full pool can still quantize its way to free memory.
+  const store::BlockPool::Use use =
+      p == Precision::kLayout ? store::BlockPool::Use::kGrow : store::BlockPool::Use::kReclaim;
+  if (failpoints_ != nullptr && failpoints_->Hit(Failpoints::kAllocate)) {
+    return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
+  }
   std::vector<store::BlockId> ids;
-  if (absl::Status s = pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids);
+  if (absl::Status s =
+          pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids, use);
       !s.ok()) {
     return s;
   }
@@ -231,6 +239,9 @@ absl::Status StreamPlanner::Quantize(std::vector<StreamBlock>& blocks, uint32_t 
     if (block.precision != Precision::kLayout) continue;
     const Precision target = format_.quant_precision();
     absl::StatusOr<store::BlockId> id = Allocate(target);
+    // Out of pool memory even with the reserve: quantize what fitted; the rest stays at
+    // the layout precision and is quantized by a later call, once blocks came back.
+    if (!id.ok() && absl::IsResourceExhausted(id.status())) return absl::OkStatus();
     if (!id.ok()) return id.status();
     batch_->quantizes.push_back(
         {pool_->offset(block.id), pool_->offset(*id), block.start, block.count});

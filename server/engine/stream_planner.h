@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "server/engine/block_format.h"
+#include "server/engine/failpoints.h"
 #include "server/store/backend.h"
 #include "server/store/block_pool.h"
 
@@ -44,8 +45,9 @@ struct AppendRun {
 
 class StreamPlanner {
  public:
-  StreamPlanner(const BlockFormat& format, store::BlockPool* pool, OpBatch* batch)
-      : format_(format), pool_(pool), batch_(batch) {}
+  StreamPlanner(const BlockFormat& format, store::BlockPool* pool, OpBatch* batch,
+                Failpoints* failpoints = nullptr)
+      : format_(format), pool_(pool), batch_(batch), failpoints_(failpoints) {}
 
   // Layout blocks Append would allocate for `tokens` more tokens (copy-on-write included).
   uint64_t BlocksForAppend(const std::vector<StreamBlock>& blocks, uint64_t tokens) const;
@@ -60,7 +62,8 @@ class StreamPlanner {
   absl::Status Keep(std::vector<StreamBlock>& blocks, absl::Span<const uint32_t> keep);
   // Merges neighbouring layout-precision blocks whose live slots fit one block.
   absl::Status Merge(std::vector<StreamBlock>& blocks);
-  // Quantizes every layout block whose slots all lie before the last `recent` slots.
+  // Quantizes every layout block whose slots all lie before the last `recent` slots, as
+  // many as the pool has room for (the pool's reserve included); the rest wait.
   absl::Status Quantize(std::vector<StreamBlock>& blocks, uint32_t recent);
 
  private:
@@ -74,6 +77,7 @@ class StreamPlanner {
   const BlockFormat& format_;
   store::BlockPool* const pool_;
   OpBatch* const batch_;
+  Failpoints* const failpoints_;
   std::vector<store::BlockId> reserve_;
 };
 

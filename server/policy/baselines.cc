@@ -22,10 +22,10 @@ class StreamingLlmPolicy final : public Policy {
       : sinks_(static_cast<uint32_t>(p.Get("sinks"))),
         budget_(static_cast<uint32_t>(p.Get("budget"))) {}
   const PolicyDescriptor& descriptor() const override { return StreamingLlmDescriptor(); }
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) const override {
     return Apply(streams, budget_);
   }
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     return Apply(streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
   }
 
@@ -62,16 +62,20 @@ class H2oPolicy final : public Policy {
         beta_(static_cast<uint32_t>(p.Get("beta"))) {}
   const PolicyDescriptor& descriptor() const override { return H2oDescriptor(); }
 
-  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     for (StreamState& st : streams) {
-      for (size_t j = 0; j < st.attention.size(); ++j) st.scores[j] += st.attention[j];
+      for (size_t j = 0; j < st.scores.size(); ++j) {
+        st.next_scores[j] = j < st.attention.size() ? st.scores[j] + st.attention[j] : st.scores[j];
+      }
     }
     return Apply(ctx, streams, budget_);
   }
   // At prefill the accumulators start from the window scores over all prompt queries.
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     for (StreamState& st : streams) {
-      for (size_t j = 0; j < st.window_scores.size(); ++j) st.scores[j] = st.window_scores[j];
+      for (size_t j = 0; j < st.scores.size(); ++j) {
+        st.next_scores[j] = j < st.window_scores.size() ? st.window_scores[j] : st.scores[j];
+      }
     }
     return Apply(ctx, streams, ctx.target_tokens > 0 ? ctx.target_tokens : budget_);
   }
@@ -104,12 +108,13 @@ class H2oPolicy final : public Policy {
   Decision Apply(const CallContext& ctx, absl::Span<StreamState> streams, uint32_t budget) const {
     Decision d = KeepAll(streams.size());
     d.budget_tokens = budget;
+    d.scores_written = true;
     const uint32_t recent = std::min(recent_, budget);
     const std::vector<uint32_t> layer = LayerBudgets(ctx, budget);
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
       const uint32_t b = streams[s].layer < layer.size() ? layer[streams[s].layer] : budget;
-      if (n > b) d.keep[s] = KeepWindowPlusTop(n, recent, b, streams[s].scores);
+      if (n > b) d.keep[s] = KeepWindowPlusTop(n, recent, b, streams[s].next_scores);
     }
     return d;
   }

@@ -120,7 +120,7 @@ class ConfKvPolicy final : public Policy {
     return p_.per_layer ? ConfKvLDescriptor() : ConfKvDescriptor();
   }
 
-  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d;
     d.keep.resize(streams.size());
     const LogitStats& ls = *ctx.logits;  // required: the engine checked it
@@ -129,13 +129,14 @@ class ConfKvPolicy final : public Policy {
     const uint32_t base = d.confidence > p_.theta ? p_.c_high : p_.c_low;
     d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
     const bool evict = ctx.step % p_.interval == 0;
+    d.scores_written = true;
     for (size_t s = 0; s < streams.size(); ++s) {
       const float max_ema = UpdateEma(streams[s]);
       const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
       if (evict && streams[s].positions.size() > budget) {
         d.keep[s] = p_.random ? RandomKeep(streams[s].positions, streams[s].layer,
                                            streams[s].kv_head, budget, p_.protect)
-                              : ConfKvKeep(streams[s].scores, streams[s].positions, budget,
+                              : ConfKvKeep(streams[s].next_scores, streams[s].positions, budget,
                                            p_.protect, p_.attention_weight, max_ema);
       }
     }
@@ -161,21 +162,22 @@ class ConfKvPolicy final : public Policy {
 
   // Explicit compression (after prefill): window scores, when sent, seed the EMA of slots
   // not scored yet; the target (default C_low) applies with the same priority rule.
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d;
     d.keep.resize(streams.size());
     const uint32_t base = ctx.target_tokens > 0 ? ctx.target_tokens : p_.c_low;
     d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
+    d.scores_written = true;
     for (size_t s = 0; s < streams.size(); ++s) {
       StreamState& st = streams[s];
       for (size_t j = 0; j < st.scores.size(); ++j) {
-        if (std::isnan(st.scores[j]) && j < st.window_scores.size()) {
-          st.scores[j] = st.window_scores[j];
-        }
+        st.next_scores[j] = std::isnan(st.scores[j]) && j < st.window_scores.size()
+                                ? st.window_scores[j]
+                                : st.scores[j];
       }
       const uint32_t budget = BudgetFor(base, st.layer, ctx.num_layers);
       if (st.positions.size() <= budget) continue;
-      std::vector<float> ema(st.scores.begin(), st.scores.end());
+      std::vector<float> ema(st.next_scores.begin(), st.next_scores.end());
       for (float& e : ema) {
         if (std::isnan(e)) e = 0;  // never scored: only recency speaks for it
       }
@@ -196,8 +198,11 @@ class ConfKvPolicy final : public Policy {
     for (size_t j = 0; j < st.attention.size(); ++j) {
       const float a = st.attention[j];
       const float e = std::isnan(st.scores[j]) ? a : lambda * st.scores[j] + (1 - lambda) * a;
-      st.scores[j] = e;
+      st.next_scores[j] = e;
       max_ema = std::max(max_ema, e);
+    }
+    for (size_t j = st.attention.size(); j < st.scores.size(); ++j) {
+      st.next_scores[j] = st.scores[j];
     }
     return st.attention.size() == st.scores.size() ? max_ema : std::nanf("");
   }

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <numeric>
 
 #include "server/policy/scoring.h"
@@ -79,19 +78,12 @@ class InfoKvPolicy final : public Policy {
     return adaptive_ ? InfoKvAdaptiveDescriptor() : InfoKvDescriptor();
   }
 
-  // Decode: remember the last R attention rows (by position); every N steps compress the
-  // tokens generated since the last compression to decode_ratio of their number [ours].
-  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  // Decode: the last R attention rows (the engine keeps them per slot, StreamState::history);
+  // every N steps compress the tokens generated since the last compression to decode_ratio
+  // of their number [ours].
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d;
     d.keep.resize(streams.size());
-    if (history_rows_.size() != streams.size()) history_rows_.assign(streams.size(), {});
-    for (size_t s = 0; s < streams.size(); ++s) {
-      auto& rows = history_rows_[s];
-      rows.push_back(
-          {std::vector<int64_t>(streams[s].positions.begin(), streams[s].positions.end()),
-           std::vector<float>(streams[s].attention.begin(), streams[s].attention.end())});
-      while (rows.size() > history_) rows.pop_front();
-    }
     if (decode_interval_ == 0 || (ctx.step + 1) % decode_interval_ != 0) return d;
     d.budget_tokens = 0;
     for (size_t s = 0; s < streams.size(); ++s) {
@@ -99,13 +91,13 @@ class InfoKvPolicy final : public Policy {
       // The region: slots generated after the last compression point.
       std::vector<uint32_t> region;
       for (uint32_t j = 0; j < st.positions.size(); ++j) {
-        if (st.positions[j] > region_start_) region.push_back(j);
+        if (st.positions[j] > ctx.mark) region.push_back(j);
       }
       if (region.size() <= window_) continue;
       const uint32_t target = std::max<uint32_t>(
           window_, static_cast<uint32_t>(std::ceil(decode_ratio_ * region.size())));
       if (target >= region.size()) continue;
-      const std::vector<float> attention = HistorySums(s, st.positions);
+      const std::vector<float> attention = HistorySums(ctx, st);
       const std::vector<float> scores =
           InfoKvScores(attention, st.token_entropy, st.layer_distance, alpha_, tau_);
       std::vector<uint32_t> older(region.begin(), region.end() - window_);
@@ -115,16 +107,14 @@ class InfoKvPolicy final : public Policy {
       for (uint32_t j = 0; j < region.front(); ++j) outside.push_back(j);
       d.keep[s] = MergeSorted(outside, keep);
     }
-    int64_t newest = region_start_;
-    for (const StreamState& st : streams) {
-      if (!st.positions.empty()) newest = std::max(newest, st.positions.back());
-    }
-    region_start_ = newest;
+    d.mark = NewestPosition(ctx, streams);
     return d;
   }
 
+  uint32_t history_rows() const override { return history_; }
+
   // Prefill: pooled window scores for attention; C = prefill_ratio * n (or the target).
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d;
     d.keep.resize(streams.size());
     const uint32_t H = ctx.num_kv_heads;
@@ -163,31 +153,33 @@ class InfoKvPolicy final : public Policy {
       if (n <= budgets[s]) continue;
       d.keep[s] = KeepWindowPlusTop(n, window_, budgets[s], scores[s]);
     }
-    for (const StreamState& st : streams) {
-      if (!st.positions.empty()) region_start_ = std::max(region_start_, st.positions.back());
-    }
+    d.mark = NewestPosition(ctx, streams);
     (void)H;
     return d;
   }
 
  private:
-  struct Row {
-    std::vector<int64_t> positions;
-    std::vector<float> weights;
-  };
-
-  // Per slot, the sum of its weights over the remembered rows (matched by position).
-  std::vector<float> HistorySums(size_t stream, absl::Span<const int64_t> positions) const {
-    std::vector<float> sums(positions.size(), 0.0f);
-    if (stream >= history_rows_.size()) return sums;
-    for (const Row& row : history_rows_[stream]) {
-      size_t i = 0;
-      for (size_t j = 0; j < positions.size(); ++j) {
-        while (i < row.positions.size() && row.positions[i] < positions[j]) ++i;
-        if (i < row.positions.size() && row.positions[i] == positions[j]) sums[j] += row.weights[i];
-      }
+  // Per slot, the sum of its weights over the last R rows: this step's row and the R - 1
+  // before it, oldest first (the column of step - R is the one this step's row replaces).
+  static std::vector<float> HistorySums(const CallContext& ctx, const StreamState& st) {
+    const size_t n = st.positions.size();
+    const uint32_t R = ctx.history_rows;
+    std::vector<float> sums(n, 0.0f);
+    for (uint32_t back = R - 1; back >= 1 && R > 1; --back) {
+      const uint64_t column = (ctx.step + R - back) % R;
+      for (size_t j = 0; j < n; ++j) sums[j] += st.history[j * R + column];
     }
+    for (size_t j = 0; j < st.attention.size(); ++j) sums[j] += st.attention[j];
     return sums;
+  }
+
+  // The newest position any stream holds: everything up to it has now been compressed.
+  static int64_t NewestPosition(const CallContext& ctx, absl::Span<const StreamState> streams) {
+    int64_t newest = ctx.mark;
+    for (const StreamState& st : streams) {
+      if (!st.positions.empty()) newest = std::max(newest, st.positions.back());
+    }
+    return newest;
   }
 
   const double alpha_, tau_;
@@ -195,8 +187,6 @@ class InfoKvPolicy final : public Policy {
   const double prefill_ratio_, decode_ratio_;
   const uint32_t decode_interval_, history_;
   const bool adaptive_;
-  std::vector<std::deque<Row>> history_rows_;
-  int64_t region_start_ = -1;  // positions after this were generated since the last compression
 };
 
 std::vector<ParamSpec> InfoKvParams() {

@@ -55,8 +55,18 @@ struct LogitStats {
 struct StreamState {
   uint32_t layer = 0;
   uint32_t kv_head = 0;
-  absl::Span<const int64_t> positions;     // original token positions, increasing
-  absl::Span<float> scores;                // policy-owned score state, kept across calls
+  absl::Span<const int64_t> positions;  // original token positions, increasing
+  // Score state (EMA or accumulated attention) as the last committed call left it. A policy
+  // never writes it: it writes the next state to `next_scores` (same length; every slot,
+  // when it writes at all) and says so in Decision::scores_written. The engine commits the
+  // next state only when the whole call succeeds, so a failed call leaves no trace. The two
+  // spans may alias (an in-place caller): read scores[j] before writing next_scores[j].
+  absl::Span<const float> scores;
+  absl::Span<float> next_scores;
+  // The last CallContext::history_rows attention rows of this stream, [slot][history_rows],
+  // row of step t in column t % history_rows (0 where the slot did not exist yet). The
+  // engine records each Step's row after the call commits.
+  absl::Span<const float> history;
   absl::Span<const float> attention;       // this call's row; empty when not sent
   absl::Span<const float> window_scores;   // Compress only; empty when not sent
   absl::Span<const float> token_entropy;   // per slot; NaN where the worker sent none
@@ -71,6 +81,10 @@ struct CallContext {
   uint32_t vocab_size = 0;
   std::optional<LogitStats> logits;
   uint32_t target_tokens = 0;  // Compress: per-stream target asked by the caller; 0 = own rule
+  uint32_t history_rows = 0;   // Policy::history_rows() (StreamState::history's width)
+  // Sequence-level mark the policy keeps across calls (infokv: the newest position already
+  // compressed); -1 until the policy sets one through Decision::mark.
+  int64_t mark = -1;
 };
 
 struct Decision {
@@ -78,6 +92,8 @@ struct Decision {
   uint32_t budget_tokens = 0;  // 0 = unbounded
   // keep[s]: ascending slot indices of stream s to retain; nullopt = keep every slot.
   std::vector<std::optional<std::vector<uint32_t>>> keep;
+  bool scores_written = false;  // every stream's next_scores holds the next score state
+  std::optional<int64_t> mark;  // the next CallContext::mark, when it changes
 };
 
 // A Step whose whole work is "update every slot's score with the newest attention row by
@@ -92,16 +108,22 @@ struct KernelStep {
   uint32_t budget_tokens = 0;
 };
 
+// A policy holds its parameters only: every per-sequence state it keeps across calls lives
+// in the sequence (scores, history, mark), is handed in read-only and changed only through
+// the Decision, so that the engine can make each call all-or-nothing, account the state and
+// copy it on Fork. The same inputs always give the same Decision.
 class Policy {
  public:
   virtual ~Policy() = default;
   virtual const PolicyDescriptor& descriptor() const = 0;
-  virtual Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
-  virtual Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) = 0;
+  virtual Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) const = 0;
+  virtual Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const = 0;
   // Policies with a kernel step say so (it decides, at creation, where a sequence's scores
   // live) and plan every Step with PlanKernelStep instead of calling Step().
   virtual bool has_kernel_step() const { return false; }
   virtual KernelStep PlanKernelStep(const CallContext& ctx) const;
+  // Attention rows of past Steps the policy reads (StreamState::history); 0 = none.
+  virtual uint32_t history_rows() const { return 0; }
 };
 
 // Every policy this build knows, in a stable order.

@@ -24,7 +24,7 @@ class RefreeKvPolicy final : public Policy {
 
   // [ours] With interval N > 0, every N steps the rule runs again over the tokens decoded
   // so far (slots that arrived after prefill), if the worker sent attention rows.
-  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d;
     d.keep.resize(streams.size());
     if (interval_ == 0 || (ctx.step + 1) % interval_ != 0 || streams.empty() ||
@@ -34,7 +34,7 @@ class RefreeKvPolicy final : public Policy {
     return Apply(ctx, streams, /*decoded_only=*/true);
   }
 
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     return Apply(ctx, streams, /*decoded_only=*/false);
   }
 
@@ -55,7 +55,7 @@ class RefreeKvPolicy final : public Policy {
     return cand;
   }
 
-  Decision Apply(const CallContext& ctx, absl::Span<StreamState> streams, bool decoded_only) {
+  Decision Apply(const CallContext& ctx, absl::Span<StreamState> streams, bool decoded_only) const {
     Decision d;
     d.keep.resize(streams.size());
     const uint32_t H = ctx.num_kv_heads;

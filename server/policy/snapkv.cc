@@ -48,10 +48,10 @@ class PrefillSelectPolicy final : public Policy {
   const PolicyDescriptor& descriptor() const override {
     return beta_ > 0 ? PyramidKvDescriptor() : SnapKvDescriptor();
   }
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) const override {
     return NoEviction(streams.size());
   }
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     Decision d = NoEviction(streams.size());
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();

@@ -6,12 +6,12 @@ namespace {
 class FullPolicy final : public Policy {
  public:
   const PolicyDescriptor& descriptor() const override { return FullDescriptor(); }
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) const override {
     return Decision{std::nan(""), 0,
                     std::vector<std::optional<std::vector<uint32_t>>>(streams.size())};
   }
   // `full` never evicts, even when a target is asked: that is what the name promises.
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     return Step(ctx, streams);
   }
 };
@@ -21,11 +21,11 @@ class WindowPolicy final : public Policy {
   explicit WindowPolicy(const ResolvedParams& params)
       : window_(static_cast<uint32_t>(params.Get("window"))) {}
   const PolicyDescriptor& descriptor() const override { return WindowDescriptor(); }
-  Decision Step(const CallContext&, absl::Span<StreamState> streams) override {
+  Decision Step(const CallContext&, absl::Span<StreamState> streams) const override {
     return KeepLastOf(streams, window_);
   }
   // An explicit target narrows the window for this call only.
-  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) override {
+  Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
     return KeepLastOf(streams, ctx.target_tokens > 0 ? ctx.target_tokens : window_);
   }
 

@@ -1,6 +1,7 @@
 #include "server/store/block_pool.h"
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 
 namespace kvmem::store {
 namespace {
@@ -10,7 +11,8 @@ uint32_t RoundUp(uint32_t bytes) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes,
-                                                             uint64_t page_bytes) {
+                                                             uint64_t page_bytes,
+                                                             uint32_t reserve_pages) {
   if (page_bytes < kBlockAlignment || page_bytes % kBlockAlignment != 0 ||
       page_bytes > (1ull << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("page_bytes: ", page_bytes,
@@ -23,23 +25,33 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes
                                                    " must hold between 1 and 2^32-1 pages of ",
                                                    page_bytes, " bytes"));
   }
-  return std::unique_ptr<BlockPool>(new BlockPool(page_bytes, static_cast<uint32_t>(pages)));
+  if (pages * (page_bytes / kBlockAlignment) > 0xffffffffull) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pool_bytes: ", pool_bytes, " would hold more than 2^32 - 1 blocks of ", kBlockAlignment,
+        " bytes (block ids are 32-bit); at most ", 0xffffffffull * kBlockAlignment, " bytes"));
+  }
+  if (reserve_pages >= pages && reserve_pages > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reserve_pages: ", reserve_pages, " must be less than the pool's ", pages, " pages"));
+  }
+  return std::unique_ptr<BlockPool>(
+      new BlockPool(page_bytes, static_cast<uint32_t>(pages), reserve_pages));
 }
 
-BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages)
-    : page_bytes_(page_bytes), num_pages_(num_pages) {
+BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages)
+    : page_bytes_(page_bytes), num_pages_(num_pages), reserve_pages_(reserve_pages) {
   pages_.resize(num_pages);
   free_pages_.reserve(num_pages);
   for (uint32_t p = num_pages; p-- > 0;) free_pages_.push_back(p);
 }
 
-absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes) {
+absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use use) {
   uint32_t page_index;
   auto partial = partial_.find(class_bytes);
   if (partial != partial_.end() && !partial->second.empty()) {
     page_index = *partial->second.begin();
   } else {
-    if (free_pages_.empty()) {
+    if (free_pages_.size() <= (use == Use::kReclaim ? 0 : reserve_pages_)) {
       return absl::ResourceExhaustedError("no free page");
     }
     page_index = free_pages_.back();
@@ -96,8 +108,8 @@ void BlockPool::FreeLocked(BlockId id) {
   free_ids_.push_back(id);
 }
 
-absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count,
-                                     std::vector<BlockId>* out) {
+absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::vector<BlockId>* out,
+                                     Use use) {
   if (block_bytes == 0 || block_bytes > page_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block_bytes: ", block_bytes, " must be in [1, page_bytes=", page_bytes_, "]"));
@@ -106,14 +118,15 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count,
   absl::MutexLock lock(&mu_);
   const size_t first = out->size();
   for (size_t i = 0; i < count; ++i) {
-    absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes);
+    absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use);
     if (!id.ok()) {
       for (size_t j = first; j < out->size(); ++j) FreeLocked((*out)[j]);
       out->resize(first);
       return absl::ResourceExhaustedError(absl::StrCat(
           "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
           " bytes) but the pool of ", pool_bytes(), " bytes has ", free_pages_.size(),
-          " free pages of ", page_bytes_, " bytes and ", blocks_used_, " blocks in use"));
+          " free pages of ", page_bytes_, " bytes (", reserve_pages_,
+          " kept for quantization) and ", blocks_used_, " blocks in use"));
     }
     out->push_back(*id);
   }
@@ -122,13 +135,25 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count,
 
 void BlockPool::Ref(absl::Span<const BlockId> ids) {
   absl::MutexLock lock(&mu_);
-  for (BlockId id : ids) ++blocks_[id].refs;
+  for (BlockId id : ids) {
+    if (!Live(id)) {
+      ++bad_unrefs_;
+      spdlog::critical("block pool: Ref of block {}, which is not allocated (engine bug)", id);
+      continue;
+    }
+    ++blocks_[id].refs;
+  }
 }
 
 size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
   absl::MutexLock lock(&mu_);
   size_t freed = 0;
   for (BlockId id : ids) {
+    if (!Live(id)) {
+      ++bad_unrefs_;
+      spdlog::critical("block pool: Unref of block {}, which is not allocated (engine bug)", id);
+      continue;
+    }
     if (--blocks_[id].refs == 0) {
       FreeLocked(id);
       ++freed;
@@ -149,8 +174,8 @@ uint32_t BlockPool::refs(BlockId id) const {
 
 PoolUsage BlockPool::usage() const {
   absl::MutexLock lock(&mu_);
-  return PoolUsage{pool_bytes(), page_bytes_,  num_pages_,
-                   pages_used_,  blocks_used_, block_bytes_used_};
+  return PoolUsage{pool_bytes(), page_bytes_,       num_pages_,     pages_used_,
+                   blocks_used_, block_bytes_used_, reserve_pages_, bad_unrefs_};
 }
 
 uint64_t BlockPool::free_bytes() const {

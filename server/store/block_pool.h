@@ -32,13 +32,22 @@ struct PoolUsage {
   uint64_t pages_used = 0;
   uint64_t blocks_used = 0;
   uint64_t block_bytes_used = 0;  // sum of live blocks' size-class bytes
+  uint64_t reserve_pages = 0;
+  uint64_t bad_unrefs = 0;  // Ref/Unref of ids not allocated: must stay 0
 };
 
 class BlockPool {
  public:
-  // pool_bytes is rounded down to whole pages; at least one page is required.
-  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(uint64_t pool_bytes,
-                                                           uint64_t page_bytes);
+  // pool_bytes is rounded down to whole pages; at least one page is required, and at most
+  // 2^32 - 1 blocks of the smallest size class may fit (BlockId is 32-bit and ids are
+  // reused, so no id can wrap). `reserve_pages` free pages are kept for allocations that
+  // reclaim memory (Use::kReclaim: quantization), so that a full pool can still shrink.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(uint64_t pool_bytes, uint64_t page_bytes,
+                                                           uint32_t reserve_pages = 0);
+
+  // What an allocation is for: kGrow may not take the last reserve_pages free pages,
+  // kReclaim (work that frees more than it takes once committed) may.
+  enum class Use { kGrow, kReclaim };
 
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
@@ -46,10 +55,12 @@ class BlockPool {
   // Allocates `count` blocks of `block_bytes` each, all or none, each with one reference.
   // RESOURCE_EXHAUSTED names the pool and what was asked when it cannot.
   [[nodiscard]] absl::Status AllocateMany(uint32_t block_bytes, size_t count,
-                                          std::vector<BlockId>* out);
+                                          std::vector<BlockId>* out, Use use = Use::kGrow);
   // Adds a reference to each block.
   void Ref(absl::Span<const BlockId> ids);
-  // Drops one reference from each block; returns how many blocks were freed.
+  // Drops one reference from each block; returns how many blocks were freed. An id that
+  // is not allocated (a double drop: an engine bug) is skipped, logged and counted in
+  // PoolUsage::bad_unrefs, never wrapped around.
   size_t Unref(absl::Span<const BlockId> ids);
 
   uint64_t offset(BlockId id) const;
@@ -60,7 +71,10 @@ class BlockPool {
   uint64_t free_bytes() const;
 
  private:
-  BlockPool(uint64_t page_bytes, uint32_t num_pages);
+  BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages);
+  bool Live(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return id < blocks_.size() && blocks_[id].refs > 0;
+  }
 
   struct Page {
     uint32_t class_bytes = 0;  // 0 = free page
@@ -73,13 +87,15 @@ class BlockPool {
     uint32_t refs = 0;  // 0 = id is free
   };
 
-  absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes)
+  absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t page_bytes_;
   const uint32_t num_pages_;
+  const uint32_t reserve_pages_;
   mutable absl::Mutex mu_;
+  uint64_t bad_unrefs_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
   std::vector<uint32_t> free_pages_ ABSL_GUARDED_BY(mu_);  // stack, lowest index on top
   // Pages with at least one free slot, per size class; lowest page first keeps pages dense.

@@ -127,7 +127,7 @@ using kernels::StreamSlice;
 
 // Byte offsets of a sequence's arrays in its allocation, for S streams of capacity C.
 struct Regions {
-  uint64_t scores, positions, flags, slices, stream_max, kept, bytes;
+  uint64_t scores, positions, flags, slices, stream_max, kept, saved_scores, bytes;
 
   static Regions For(uint64_t S, uint64_t C) {
     Regions r{};
@@ -143,6 +143,7 @@ struct Regions {
     r.slices = take(S * sizeof(StreamSlice));
     r.stream_max = take(S * sizeof(float));
     r.kept = take(S * sizeof(uint32_t));
+    r.saved_scores = take(S * C * sizeof(float));  // the scores before a Step (AbortStep)
     r.bytes = at;
     return r;
   }
@@ -257,9 +258,16 @@ class CudaSlotState final : public BookedSlotState {
     // Offsets in the scatter ops are from the scratch's start, for both source and
     // destination: CopyBatch(src = dst = scratch).
     const auto* d_attention = reinterpret_cast<const float*>(lease->device() + laid_out_at);
-    absl::Status s = FromCuda(
-        cudaMemcpyAsync(lease->device(), host, upload_bytes, cudaMemcpyHostToDevice, stream_),
-        "slot state: attention upload");
+    // The scores as they were, in case the step is aborted (device to device, in order).
+    absl::Status s =
+        FromCuda(cudaMemcpyAsync(device_ + regions_.saved_scores, device_ + regions_.scores,
+                                 S * C * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
+                 "slot state: save scores");
+    if (s.ok()) {
+      s = FromCuda(
+          cudaMemcpyAsync(lease->device(), host, upload_bytes, cudaMemcpyHostToDevice, stream_),
+          "slot state: attention upload");
+    }
     if (s.ok()) {
       s = FromCuda(cudaMemcpyAsync(device_ + regions_.slices, host + slices_at, slice_bytes,
                                    cudaMemcpyHostToDevice, stream_),
@@ -291,6 +299,7 @@ class CudaSlotState final : public BookedSlotState {
                      "slot state: keep flags download");
       }
     }
+    saved_ = true;  // from the first launch on, the scores may have changed
     if (absl::Status w = Wait("step"); s.ok()) s = w;
     if (!s.ok()) return s;
     FinishStep(step.select, lease->host(), keep);
@@ -444,6 +453,17 @@ class CudaSlotState final : public BookedSlotState {
     regions_ = next;
     book_.set_capacity(capacity);
     return absl::OkStatus();
+  }
+
+  absl::Status RestoreScores() override {
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    const uint64_t bytes = uint64_t{book_.num_streams()} * book_.capacity() * sizeof(float);
+    absl::Status s =
+        FromCuda(cudaMemcpyAsync(device_ + regions_.scores, device_ + regions_.saved_scores, bytes,
+                                 cudaMemcpyDeviceToDevice, stream_),
+                 "slot state: restore scores");
+    if (absl::Status w = Wait("restore scores"); s.ok()) s = w;
+    return s;
   }
 
   // CompactSlots by the flags and slices in this sequence's allocation (a Step's stay there

@@ -131,7 +131,7 @@ class HostSlotState final : public BookedSlotState {
   explicit HostSlotState(uint32_t num_streams) : BookedSlotState(num_streams) {}
 
   uint64_t bytes() const override {
-    return book_.total_slots() * (sizeof(float) + sizeof(int64_t) + 1);
+    return book_.total_slots() * (2 * sizeof(float) + sizeof(int64_t) + 1);
   }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
@@ -153,6 +153,8 @@ class HostSlotState final : public BookedSlotState {
     const uint32_t S = book_.num_streams();
     if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
     const size_t cap = book_.capacity();
+    saved_scores_.assign(scores_.begin(), scores_.end());  // for AbortStep
+    saved_ = true;
     // Stream by stream, so that the rows are read where they lie.
     for (uint32_t s = 0; s < S; ++s) {
       const kernels::StreamSlice one{0, book_.length(s), budget[s], protect};
@@ -205,6 +207,8 @@ class HostSlotState final : public BookedSlotState {
   absl::StatusOr<std::unique_ptr<SlotState>> Clone() const override {
     auto copy = std::make_unique<HostSlotState>(*this);
     copy->pending_ = false;
+    copy->saved_ = false;
+    copy->saved_scores_ = {};
     return copy;
   }
 
@@ -223,6 +227,11 @@ class HostSlotState final : public BookedSlotState {
     positions_ = std::move(positions);
     flags_.assign(scores_.size(), 0);
     book_.set_capacity(capacity);
+    return absl::OkStatus();
+  }
+
+  absl::Status RestoreScores() override {
+    scores_.swap(saved_scores_);
     return absl::OkStatus();
   }
 
@@ -252,6 +261,7 @@ class HostSlotState final : public BookedSlotState {
   }
 
   std::vector<float> scores_;
+  std::vector<float> saved_scores_;  // scores_ before the last Step, until it ends
   std::vector<int64_t> positions_;
   std::vector<uint8_t> flags_;
 };

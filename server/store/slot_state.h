@@ -52,6 +52,9 @@ class SlotState {
                                           KeepSets* keep) = 0;
   // Compacts every stream to the keep-sets of the last Step.
   [[nodiscard]] virtual absl::Status CommitStep() = 0;
+  // Undoes the last Step that was not committed: its scores as before it, no keep-sets
+  // pending. The engine calls it when the step fails before its point of no return.
+  [[nodiscard]] virtual absl::Status AbortStep() = 0;
   // Compacts every stream to keep-sets decided elsewhere (a policy run on the host).
   [[nodiscard]] virtual absl::Status Keep(const KeepSets& keep) = 0;
 
@@ -115,11 +118,19 @@ class BookedSlotState : public SlotState {
   void DropNewest(uint32_t count) override {
     book_.Shrink(count);
     pending_ = false;
+    saved_ = false;
   }
   absl::Status CommitStep() final {
+    saved_ = false;
     if (!pending_) return absl::OkStatus();
     pending_ = false;
     return Compact();
+  }
+  absl::Status AbortStep() final {
+    pending_ = false;
+    if (!saved_) return absl::OkStatus();
+    saved_ = false;
+    return RestoreScores();
   }
 
  protected:
@@ -127,6 +138,8 @@ class BookedSlotState : public SlotState {
   virtual absl::Status Compact() = 0;
   // Moves every stream's live slots to arrays of the given capacity.
   virtual absl::Status Relayout(uint32_t capacity) = 0;
+  // Puts back the scores a Step saved before updating them (saved_ is set).
+  virtual absl::Status RestoreScores() = 0;
   // Before Append: room for `count` more slots in every stream.
   absl::Status EnsureCapacity(uint32_t count) {
     absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
@@ -146,6 +159,7 @@ class BookedSlotState : public SlotState {
 
   SlotBook book_;
   bool pending_ = false;  // the flags hold the last Step's keep-sets
+  bool saved_ = false;    // the scores before the last Step are saved (until Commit/Abort)
 };
 
 // The CPU implementation: flat host arrays.

@@ -312,14 +312,19 @@ absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {
   return r.freed_blocks();
 }
 
-absl::StatusOr<uint32_t> Client::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+absl::StatusOr<std::vector<absl::Status>> Client::KeepAlive(
+    absl::Span<const uint64_t> sequence_ids) {
   v1::KeepAliveRequest q;
   q.mutable_sequence_ids()->Add(sequence_ids.begin(), sequence_ids.end());
   v1::KeepAliveResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->KeepAlive(&c, q, &r); });
   if (!s.ok()) return s;
-  return r.renewed();
+  std::vector<absl::Status> results;
+  for (const v1::KeepAliveResult& one : r.results()) {
+    results.emplace_back(static_cast<absl::StatusCode>(one.code()), one.message());
+  }
+  return results;
 }
 
 absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {

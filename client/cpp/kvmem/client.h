@@ -233,7 +233,8 @@ class Client {
                                                uint32_t layer_begin = 0, uint32_t layer_end = 0);
   absl::StatusOr<Sequence> Fork(uint64_t sequence_id, uint32_t lease_seconds = 0);
   absl::StatusOr<uint64_t> Release(uint64_t sequence_id);  // freed blocks
-  absl::StatusOr<uint32_t> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  // Renews each id's lease; one status per id, in order (OK, NOT_FOUND, DATA_LOSS).
+  absl::StatusOr<std::vector<absl::Status>> KeepAlive(absl::Span<const uint64_t> sequence_ids);
   absl::StatusOr<Stats> GetStats(bool include_sequences);
   // Prefix sharing (UNIMPLEMENTED by this daemon version; the call reports it).
   absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, uint64_t up_to_tokens);

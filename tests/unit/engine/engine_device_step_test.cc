@@ -41,8 +41,8 @@ TEST(DeviceStepTest, SlotStateMemoryIsCountedAndGivenBack) {
   ASSERT_TRUE(twins::Append(*engine, a, 0, 100).ok());
   ASSERT_TRUE(twins::Append(*engine, w, 0, 100).ok());
   EngineStats stats = engine->Stats(true);
-  // 8 streams x capacity 128 x (score 4 + position 8 + flag 1) bytes.
-  EXPECT_EQ(stats.slot_state_bytes, 8u * 128 * 13);
+  // 8 streams x capacity 128 x (score 4 + saved score 4 + position 8 + flag 1) bytes.
+  EXPECT_EQ(stats.slot_state_bytes, 8u * 128 * 17);
   EXPECT_EQ(stats.sequences[0].slot_state_bytes, stats.slot_state_bytes);
   EXPECT_EQ(stats.sequences[1].slot_state_bytes, 0u);  // window: no scores to keep
   // A compression to 20 tokens per stream gives capacity back: 512 -> 64 slots per stream.
@@ -50,7 +50,7 @@ TEST(DeviceStepTest, SlotStateMemoryIsCountedAndGivenBack) {
   CompressInput shrink;
   shrink.target_tokens = 20;
   ASSERT_TRUE(engine->Compress(a, shrink).ok());
-  EXPECT_EQ(engine->Stats(false).slot_state_bytes, 8u * 64 * 13);
+  EXPECT_EQ(engine->Stats(false).slot_state_bytes, 8u * 64 * 17);
   ASSERT_TRUE(twins::Append(*engine, a, 500, 100).ok());  // 120 per stream: 128 again
   stats = engine->Stats(true);
   const uint64_t child = engine->Fork(a, {})->sequence_id;

@@ -2,6 +2,8 @@
 // A small engine on the CPU backend with a fake clock, for engine unit tests.
 #include <memory>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
@@ -22,6 +24,7 @@ class EngineTest : public ::testing::Test {
     config.page_bytes = 4096;
     config.max_sequences = 8;
     config.default_lease = absl::Seconds(10);
+    config.reclaim_reserve_pages = 0;  // the tests count pages exactly
     auto backend = *store::CpuBackend::Create(pool_bytes);
     engine_ = *Engine::Create(config, std::move(backend), &clock_);
   }
@@ -56,6 +59,18 @@ class EngineTest : public ::testing::Test {
     });
     EXPECT_TRUE(s.ok()) << s;
     EXPECT_EQ(streams, kL * kH);
+  }
+
+  // A fingerprint without block ids and offsets: two sequences that hold the same tokens,
+  // scores and K/V compare equal.
+  std::string Content(uint64_t id) {
+    absl::StatusOr<std::string> fp = engine_->Fingerprint(id);
+    if (!fp.ok()) return fp.status().ToString();
+    std::string out;
+    for (absl::string_view line : absl::StrSplit(*fp, '\n')) {
+      if (!absl::StartsWith(line, "blocks")) absl::StrAppend(&out, line, "\n");
+    }
+    return out;
   }
 
   FakeClock clock_;

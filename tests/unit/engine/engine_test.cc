@@ -92,7 +92,7 @@ TEST_F(EngineTest, LapsedLeaseFreesEveryBlock) {
   const uint64_t b_blocks = engine_->Stats(false).pool.blocks_used - 7 * kL * kH;
   clock_.Advance(absl::Seconds(4));
   EXPECT_EQ(engine_->ExpireLeases(), 0u);
-  ASSERT_TRUE(engine_->KeepAlive({a}).ok());  // renews a for another 5 s
+  ASSERT_TRUE(engine_->KeepAlive({a})[0].ok());  // renews a for another 5 s
   clock_.Advance(absl::Seconds(4));
   EXPECT_EQ(engine_->ExpireLeases(), 0u);
   clock_.Advance(absl::Seconds(2));
@@ -104,16 +104,6 @@ TEST_F(EngineTest, LapsedLeaseFreesEveryBlock) {
   EXPECT_EQ(engine_->ExpireLeases(), 1u);
   EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 0u);
   EXPECT_EQ(engine_->Stats(false).pool.pages_used, 0u);
-}
-
-TEST_F(EngineTest, KeepAliveWithAnUnknownIdRenewsNothing) {
-  const uint64_t a = Create("full", {}, absl::Seconds(5));
-  clock_.Advance(absl::Seconds(4));
-  auto r = engine_->KeepAlive({a, 999});
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(r.status().message(), HasSubstr("sequence_ids[1]"));
-  clock_.Advance(absl::Seconds(2));
-  EXPECT_EQ(engine_->ExpireLeases(), 1u);
 }
 
 TEST_F(EngineTest, MaxSequencesIsResourceExhaustedAndSlotsReturn) {

@@ -40,7 +40,8 @@ TEST(ConfKvTest, TwelveTokenStreamEvictsTheKnownSet) {
   std::vector<float> row = {0.3, 0, 0, 0, 0.1, 0, 0.2, 0, 0, 0.1, 0.2, 0.1};
   std::vector<StreamState> streams(1);
   streams[0].positions = positions;
-  streams[0].scores = absl::MakeSpan(ema);
+  streams[0].scores = ema;
+  streams[0].next_scores = absl::MakeSpan(ema);  // in place
   streams[0].attention = row;
   CallContext ctx;
   ctx.num_layers = 1;
@@ -69,7 +70,8 @@ TEST(ConfKvTest, HighConfidencePicksTheSmallBudgetAndIntervalDelaysEviction) {
   std::vector<float> row(10, 0.1f);
   std::vector<StreamState> streams(1);
   streams[0].positions = positions;
-  streams[0].scores = absl::MakeSpan(ema);
+  streams[0].scores = ema;
+  streams[0].next_scores = absl::MakeSpan(ema);  // in place
   streams[0].attention = row;
   CallContext ctx;
   ctx.num_layers = 1;
@@ -115,7 +117,8 @@ TEST(RefreeKvTest, CompressSkipsTheFirstLayersAndKeepsSinks) {
   for (uint32_t l = 0; l < 3; ++l) {
     streams[l].layer = l;
     streams[l].positions = positions;
-    streams[l].scores = absl::MakeSpan(scores);
+    streams[l].scores = scores;
+    streams[l].next_scores = absl::MakeSpan(scores);  // in place
     streams[l].attention = row;
   }
   CallContext ctx;
@@ -162,7 +165,8 @@ TEST(H2oTest, HeavyAndRecentSplit) {
   std::vector<float> row = {1, 0, 1, 0, 0, 0};  // -> [5 1 3 0 0 0]
   std::vector<StreamState> streams(1);
   streams[0].positions = positions;
-  streams[0].scores = absl::MakeSpan(acc);
+  streams[0].scores = acc;
+  streams[0].next_scores = absl::MakeSpan(acc);  // in place
   streams[0].attention = row;
   Decision d = policy->Step({}, absl::MakeSpan(streams));
   EXPECT_THAT(acc, ElementsAre(5, 1, 3, 0, 0, 0));
@@ -180,7 +184,8 @@ TEST(H2oTest, PyramidBudgetsAverageTheBudget) {
   for (uint32_t l = 0; l < 4; ++l) {
     streams[l].layer = l;
     streams[l].positions = positions;
-    streams[l].scores = absl::MakeSpan(scores[l]);
+    streams[l].scores = scores[l];
+    streams[l].next_scores = absl::MakeSpan(scores[l]);  // in place
   }
   CallContext ctx;
   ctx.num_layers = 4;

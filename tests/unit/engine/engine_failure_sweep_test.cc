@@ -1,0 +1,180 @@
+// Failpoint sweeps (DESIGN.md's contract, promise 2): every mutation is failed at each of
+// its allocations, backend calls and commit steps in turn. After each failure the sequence
+// is byte-for-byte what it was (state fingerprint, scores included) or poisoned (DATA_LOSS),
+// never in between; and once everything is released the pool is empty with no bad drop.
+#include <functional>
+#include <random>
+
+#include "gmock/gmock.h"
+#include "tests/testing/faulty_backend.h"
+#include "tests/unit/engine/engine_fixture.h"
+
+namespace kvmem::engine {
+namespace {
+
+enum class Site { kAllocate, kCommit, kBackend };
+
+struct SweepCase {
+  const char* name;
+  const char* policy;
+  bool device_step;
+  // Runs the mutation on the prepared sequence; returns its status.
+  std::function<absl::Status(Engine&, uint64_t id, uint64_t other)> op;
+  // Whether some failure at an allocation can fail the call: Compress here only evicts
+  // whole or contiguous runs (no copy) and quantizes, which waits instead of failing.
+  bool allocation_can_fail = true;
+};
+
+class FailureSweepTest : public EngineTest,
+                         public ::testing::WithParamInterface<std::tuple<SweepCase, Site>> {
+ protected:
+  void Prepare(const SweepCase& c) {
+    engine_.reset();
+    EngineConfig config;
+    config.pool_bytes = 1 << 20;
+    config.page_bytes = 4096;
+    config.max_sequences = 8;
+    config.device_step = c.device_step;
+    config.failpoints = &failpoints_;
+    auto faulty =
+        std::make_unique<testing::FaultyBackend>(*store::CpuBackend::Create(config.pool_bytes));
+    backend_ = faulty.get();
+    engine_ = *Engine::Create(config, std::move(faulty), &clock_);
+    QuantConfig quant{kernels::QuantType::kInt8, 16};
+    const policy::ParamOverrides params =
+        std::string(c.policy) == "h2o"
+            ? policy::ParamOverrides{{"budget", 40}, {"recent", 8}}
+            : policy::ParamOverrides{{"c_high", 30}, {"c_low", 40}, {"protect", 8}};
+    id_ = Create(c.policy, params, absl::ZeroDuration(), quant);
+    ASSERT_TRUE(AppendRange(id_, 0, 44).ok());
+    // A fork shares every block: the mutation meets copy-on-write too.
+    other_ = engine_->Fork(id_, absl::ZeroDuration())->sequence_id;
+  }
+
+  void Arm(Site site, uint64_t n) {
+    switch (site) {
+      case Site::kAllocate:
+        failpoints_.FailAt(Failpoints::kAllocate, n);
+        return;
+      case Site::kCommit:
+        failpoints_.FailAt(Failpoints::kCommit, n);
+        return;
+      case Site::kBackend:
+        backend_->FailAt(n);
+        return;
+    }
+  }
+  bool Reached(Site site, uint64_t n) const {
+    switch (site) {
+      case Site::kAllocate:
+        return failpoints_.hits(Failpoints::kAllocate) >= n;
+      case Site::kCommit:
+        return failpoints_.hits(Failpoints::kCommit) >= n;
+      case Site::kBackend:
+        return backend_->calls() >= n;
+    }
+    return false;
+  }
+
+  Failpoints failpoints_;
+  testing::FaultyBackend* backend_ = nullptr;
+  uint64_t id_ = 0, other_ = 0;
+};
+
+StepInput RandomSignals(Engine& engine, uint64_t id, std::vector<std::vector<float>>* rows) {
+  const BlockTable table = *engine.GetBlockTable(id);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  rows->assign(table.streams.size(), {});
+  StepInput in;
+  in.epoch = table.epoch;
+  in.logits = RawLogitStats{2.0f, 0.5f, 0.2f, {}};
+  for (size_t s = 0; s < table.streams.size(); ++s) {
+    for (size_t j = 0; j < table.streams[s].positions.size(); ++j) (*rows)[s].push_back(u(rng));
+    in.attention.push_back({table.streams[s].layer, table.streams[s].kv_head, (*rows)[s]});
+  }
+  return in;
+}
+
+TEST_P(FailureSweepTest, EveryFailureLeavesTheSequenceUnchangedOrPoisoned) {
+  const auto& [c, site] = GetParam();
+  int failures = 0;
+  for (uint64_t n = 1; n <= 64; ++n) {
+    Prepare(c);
+    const std::string before = *engine_->Fingerprint(id_);
+    const std::string other_before = *engine_->Fingerprint(other_);
+    Arm(site, n);
+    const absl::Status status = c.op(*engine_, id_, other_);
+    const bool reached = Reached(site, n);
+    failpoints_.Disarm();
+    backend_->FailAt(0);
+    if (!reached) {
+      ASSERT_TRUE(status.ok()) << status;
+      break;  // the whole mutation ran without meeting failure n: the sweep is complete
+    }
+    if (!status.ok()) {
+      ++failures;
+      absl::StatusOr<std::string> after = engine_->Fingerprint(id_);
+      if (after.ok()) {
+        EXPECT_EQ(*after, before) << c.name << ": failure " << n << " (" << status
+                                  << ") changed the sequence without poisoning it";
+      } else {
+        EXPECT_EQ(after.status().code(), absl::StatusCode::kDataLoss) << after.status();
+      }
+    }
+    // The fork is another sequence: whatever happened, it is untouched.
+    EXPECT_EQ(*engine_->Fingerprint(other_), other_before) << c.name << ": failure " << n;
+    ASSERT_TRUE(engine_->Release(id_).ok());
+    ASSERT_TRUE(engine_->Release(other_).ok());
+    const EngineStats stats = engine_->Stats(false);
+    EXPECT_EQ(stats.pool.blocks_used, 0u) << c.name << ": failure " << n << " leaked blocks";
+    EXPECT_EQ(stats.pool.bad_unrefs, 0u) << c.name << ": failure " << n;
+  }
+  if (site != Site::kAllocate || c.allocation_can_fail) {
+    EXPECT_GT(failures, 0) << "the sweep never failed the mutation";
+  }
+}
+
+std::vector<std::vector<float>> g_rows;
+
+const SweepCase kCases[] = {
+    {"append", "h2o", false,
+     [](Engine& e, uint64_t id, uint64_t) {
+       const std::vector<int64_t> positions = testing::Range(44, 20);
+       const std::string k = testing::Payload16(4 * 2, 44, 20, 8, 0);
+       const std::string v = testing::Payload16(4 * 2, 44, 20, 8, 1);
+       AppendChunk chunk{positions, {}, k, v, {}, {}};
+       return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+     }},
+    {"step_host", "h2o", false,
+     [](Engine& e, uint64_t id, uint64_t) {
+       return e.Step(id, RandomSignals(e, id, &g_rows)).status();
+     }},
+    {"step_device", "confkv", true,
+     [](Engine& e, uint64_t id, uint64_t) {
+       return e.Step(id, RandomSignals(e, id, &g_rows)).status();
+     }},
+    {"compress", "confkv", true,
+     [](Engine& e, uint64_t id, uint64_t) {
+       CompressInput in;
+       in.epoch = e.GetBlockTable(id)->epoch;
+       in.target_tokens = 20;
+       return e.Compress(id, in).status();
+     },
+     false},
+};
+
+std::string SweepName(const ::testing::TestParamInfo<std::tuple<SweepCase, Site>>& info) {
+  const char* sites[] = {"allocation", "commit", "backend"};
+  return std::string(std::get<0>(info.param).name) + "_" +
+         sites[static_cast<int>(std::get<1>(info.param))];
+}
+
+INSTANTIATE_TEST_SUITE_P(Mutations, FailureSweepTest,
+                         ::testing::Combine(::testing::ValuesIn(kCases),
+                                            ::testing::Values(Site::kAllocate, Site::kCommit,
+                                                              Site::kBackend)),
+                         SweepName);
+
+}  // namespace
+}  // namespace kvmem::engine
