@@ -246,6 +246,17 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     }
   }
 
+  if (2 * layout.payload_bytes(1) > config_.max_append_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: one token's K+V is ", 2 * layout.payload_bytes(1),
+                     " bytes, over the message limit of ", config_.max_append_bytes,
+                     " bytes (--max-message-bytes): no Append could carry it"));
+  }
+  if (absl::Status s = CheckHostBudget(
+          sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
+      !s.ok()) {
+    return s;
+  }
   std::unique_ptr<store::SlotState> slots;
   if (config_.device_step && (*policy)->has_kernel_step()) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> created =
@@ -270,6 +281,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     seq->epoch = epoch;
     seq->streams.resize(layout.num_streams());
     seq->slots = std::move(slots);
+    AccountSlotState(*seq);
   }
   spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
                 layout.num_streams());
@@ -407,6 +419,14 @@ absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
   }
   const float initial_score = seq.policy->descriptor().initial_score;
   const uint32_t history_rows = seq.policy->history_rows();
+  // Per slot: position, arrival (8 each), score and its staging, entropy, distance (4 each),
+  // the history rows (4 each); vectors may double, so twice that is what may be taken.
+  const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{history_rows};
+  if (absl::Status s = CheckHostBudget(2 * total * seq.streams.size() * slot_bytes, "Append");
+      !s.ok()) {
+    pool_->Unref(batch.allocated);
+    return s;
+  }
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
   for (Stream& st : seq.streams) {
@@ -773,6 +793,7 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
   result.epoch = seq.epoch;
   result.step = seq.steps++;
   ++steps_;
+  AccountSlotState(seq);
   Renew(seq);
   return result;
 }
@@ -846,6 +867,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   result.quantized_tokens = applied->quantized;
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch;
+  AccountSlotState(seq);
   Renew(seq);
   return result;
 }
@@ -1006,9 +1028,9 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
     st = Stream{};
   }
   seq.slots.reset();
+  seq.released = true;
   AccountSlotState(seq);
   board_->Release(seq.epoch_slot);
-  seq.released = true;
   return freed;
 }
 
@@ -1016,6 +1038,24 @@ void Engine::AccountSlotState(Sequence& seq) {
   const uint64_t now = seq.slots ? seq.slots->bytes() : 0;
   slot_state_bytes_ += now - seq.slot_bytes_accounted;  // modular: shrinking subtracts
   seq.slot_bytes_accounted = now;
+  const uint64_t host = seq.released ? 0 : seq.host_bytes();
+  host_bytes_ += host - seq.host_bytes_accounted;
+  seq.host_bytes_accounted = host;
+}
+
+uint64_t Engine::host_budget() const {
+  return config_.host_metadata_bytes > 0 ? config_.host_metadata_bytes
+                                         : config_.pool_bytes / 2 + (64ull << 20);
+}
+
+absl::Status Engine::CheckHostBudget(uint64_t more, absl::string_view what) const {
+  const uint64_t used = host_bytes_.load() + slot_state_bytes_.load();
+  if (used + more > host_budget()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": needs ", more, " more bytes of host metadata; ", used, " of the budget of ",
+        host_budget(), " bytes are in use (--host-metadata-bytes)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
@@ -1096,6 +1136,8 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.tokens_quantized = tokens_quantized_;
   stats.bytes_moved = bytes_moved_;
   stats.slot_state_bytes = slot_state_bytes_;
+  stats.host_metadata_bytes = host_bytes_;
+  stats.host_metadata_budget_bytes = host_budget();
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
   stats.sequences_poisoned = sequences_poisoned_;

@@ -44,6 +44,10 @@ struct EngineConfig {
   absl::Duration default_lease = absl::Seconds(60);
   absl::Duration max_lease = absl::Hours(24);
   uint64_t max_append_bytes = 64ull << 20;  // K+V bytes of one Append message
+  // Host memory for sequences' metadata outside the pool (per-stream and per-slot vectors:
+  // positions, scores, signals, history, block lists); a call that would pass it is
+  // RESOURCE_EXHAUSTED naming --host-metadata-bytes. 0 = pool_bytes / 2 + 64 MiB.
+  uint64_t host_metadata_bytes = 0;
   // Test hook (failpoints.h); null in production.
   Failpoints* failpoints = nullptr;
   // Free pages only quantization may take (BlockPool::Use::kReclaim), so that a full pool
@@ -186,8 +190,10 @@ struct EngineStats {
   uint64_t tokens_appended = 0;
   uint64_t tokens_evicted = 0;
   uint64_t tokens_quantized = 0;
-  uint64_t bytes_moved = 0;       // pool bytes moved by compaction, merges and copy-on-write
-  uint64_t slot_state_bytes = 0;  // SlotState memory of all sequences (outside the pool)
+  uint64_t bytes_moved = 0;          // pool bytes moved by compaction, merges and copy-on-write
+  uint64_t slot_state_bytes = 0;     // SlotState memory of all sequences (outside the pool)
+  uint64_t host_metadata_bytes = 0;  // sequences' host metadata (outside the pool)
+  uint64_t host_metadata_budget_bytes = 0;
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   uint64_t sequences_poisoned = 0;
@@ -361,8 +367,12 @@ class Engine {
                                      policy::Decision* decision)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // Brings slot_state_bytes_ up to date with the sequence's SlotState size.
+  // Brings slot_state_bytes_ and host_bytes_ up to date with the sequence's SlotState size
+  // and host metadata.
   void AccountSlotState(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // RESOURCE_EXHAUSTED unless `more` bytes of host metadata fit the budget.
+  absl::Status CheckHostBudget(uint64_t more, absl::string_view what) const;
+  uint64_t host_budget() const;
 
   const EngineConfig config_;
   const std::unique_ptr<store::Backend> backend_;
@@ -381,6 +391,7 @@ class Engine {
   std::atomic<uint64_t> tokens_quantized_{0};
   std::atomic<uint64_t> bytes_moved_{0};
   std::atomic<uint64_t> slot_state_bytes_{0};
+  std::atomic<uint64_t> host_bytes_{0};  // Sequence::host_bytes() of every sequence
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
   std::atomic<uint64_t> sequences_poisoned_{0};

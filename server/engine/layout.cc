@@ -35,6 +35,11 @@ absl::Status ValidateLayout(const Layout& layout, uint64_t page_bytes) {
     return s;
   }
   if (auto s = CheckRange("vocab_size", layout.vocab_size, 2, kMaxVocab); !s.ok()) return s;
+  if (uint64_t{layout.num_layers} * layout.num_kv_heads > kMaxStreams) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout: num_layers x num_kv_heads = ", uint64_t{layout.num_layers} * layout.num_kv_heads,
+        " streams, over the limit of ", kMaxStreams));
+  }
   if (layout.block_bytes() > page_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout.block_tokens: a block of ", layout.block_tokens, " tokens x head_dim ",

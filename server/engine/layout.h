@@ -28,6 +28,9 @@ inline constexpr uint32_t kMaxKvHeads = 1024;
 inline constexpr uint32_t kMaxHeadDim = 4096;
 inline constexpr uint32_t kMaxBlockTokens = 4096;
 inline constexpr uint32_t kMaxVocab = 1u << 24;
+// Streams (layers x kv_heads) of one sequence: each costs host metadata even when empty,
+// so the product is bounded, not only each factor (the largest models have ~1,000).
+inline constexpr uint32_t kMaxStreams = 1u << 14;
 
 struct Layout {
   uint32_t num_layers = 0;

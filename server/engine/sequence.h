@@ -91,6 +91,7 @@ struct Sequence {
   // between calls); null otherwise.
   std::unique_ptr<store::SlotState> slots ABSL_GUARDED_BY(mu);
   uint64_t slot_bytes_accounted ABSL_GUARDED_BY(mu) = 0;  // in Engine's slot_state_bytes_
+  uint64_t host_bytes_accounted ABSL_GUARDED_BY(mu) = 0;  // in Engine's host_bytes_
   std::vector<int32_t> token_ids ABSL_GUARDED_BY(mu);
   int64_t last_position ABSL_GUARDED_BY(mu) = -1;
   uint64_t appended ABSL_GUARDED_BY(mu) = 0;

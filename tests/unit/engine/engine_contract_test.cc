@@ -250,5 +250,44 @@ TEST_F(ContractTest, DoubleUnrefIsLoudAndNeverWraps) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST_F(ContractTest, HostMetadataIsBoundedAndAccounted) {
+  // 1024 layers x 1024 heads x head_dim 1: each factor in range, ~1M streams of metadata.
+  auto huge = engine_->CreateSequence(Layout{1024, 1024, 1, DType::kF16, 16, 1000}, "full", {}, {},
+                                      absl::ZeroDuration());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(huge.status().message(), HasSubstr("streams"));
+  // A layout whose single token cannot fit one message could never be filled.
+  EngineConfig config;
+  config.pool_bytes = 1 << 20;
+  config.page_bytes = 1 << 16;
+  config.max_append_bytes = 4096;
+  config.host_metadata_bytes = 64 << 10;
+  FakeClock clock;
+  auto small = *Engine::Create(config, *store::CpuBackend::Create(1 << 20), &clock);
+  auto wide = small->CreateSequence(Layout{32, 8, 128, DType::kF16, 16, 1000}, "full", {}, {},
+                                    absl::ZeroDuration());
+  EXPECT_EQ(wide.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(wide.status().message(), HasSubstr("--max-message-bytes"));
+  // Appends stop at the host budget with a clear error, and release gives it all back.
+  const uint64_t id =
+      small->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration())->sequence_id;
+  EXPECT_GT(small->Stats(false).host_metadata_bytes, 0u);
+  absl::Status refused;
+  int64_t next = 0;
+  for (int i = 0; i < 1000 && refused.ok(); ++i) {
+    const std::vector<int64_t> positions = testing::Range(next, 8);
+    const std::string k = testing::Payload16(kL * kH, next, 8, kD, 0);
+    AppendChunk chunk{positions, {}, k, k, {}, {}};
+    refused = small->Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+    if (refused.ok()) next += 8;
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("--host-metadata-bytes"));
+  EXPECT_LE(small->Stats(false).host_metadata_bytes, uint64_t{64} << 10);
+  EXPECT_EQ(small->GetBlockTable(id)->streams[0].positions.size(), static_cast<size_t>(next));
+  ASSERT_TRUE(small->Release(id).ok());
+  EXPECT_EQ(small->Stats(false).host_metadata_bytes, 0u);
+}
+
 }  // namespace
 }  // namespace kvmem::engine

@@ -41,16 +41,16 @@ TEST(SlotStateTest, KeepingFewSlotsGivesCapacityBack) {
   std::vector<int64_t> positions(200);
   for (int64_t i = 0; i < 200; ++i) positions[i] = 3 * i;
   ASSERT_TRUE(state->Append(positions, 0.5f).ok());
-  EXPECT_EQ(state->bytes(), 2u * 256 * 13);  // capacity 256 per stream
+  EXPECT_EQ(state->bytes(), 2u * 256 * 17);  // capacity 256 per stream, 17 bytes a slot
   KeepSets keep(2);
   keep[0].emplace();
   for (uint32_t j = 190; j < 200; ++j) keep[0]->push_back(j);
   ASSERT_TRUE(state->Keep(keep).ok());
-  EXPECT_EQ(state->bytes(), 2u * 256 * 13);  // stream 1 still holds 200
+  EXPECT_EQ(state->bytes(), 2u * 256 * 17);  // stream 1 still holds 200
   keep[1] = keep[0];
   keep[0] = std::nullopt;
   ASSERT_TRUE(state->Keep(keep).ok());
-  EXPECT_EQ(state->bytes(), 2u * 32 * 13);  // 10 each: twice that, rounded up
+  EXPECT_EQ(state->bytes(), 2u * 32 * 17);  // 10 each: twice that, rounded up
   std::vector<std::vector<int64_t>> kept;
   ASSERT_TRUE(state->ReadPositions(&kept).ok());
   EXPECT_THAT(kept[0], ElementsAre(570, 573, 576, 579, 582, 585, 588, 591, 594, 597));
@@ -77,4 +77,26 @@ TEST(SlotStateTest, FlagsAndKeepSetsRoundTrip) {
 }
 
 }  // namespace
+TEST(SlotStateTest, AbortStepPutsTheScoresBack) {
+  std::unique_ptr<SlotState> state = MakeHostSlotState(2);
+  const std::vector<int64_t> positions = {0, 1, 2, 3};
+  ASSERT_TRUE(state->Append(positions, 0.25f).ok());
+  std::vector<std::vector<float>> before;
+  ASSERT_TRUE(state->ReadScores(&before).ok());
+  const std::vector<float> row = {1, 2, 3, 4};
+  const absl::Span<const float> rows[] = {row, row};
+  const uint32_t budget[] = {2, 2};
+  KeepSets keep;
+  ASSERT_TRUE(
+      state->Step({kernels::ScoreRule::kAccumulate, 0, 1, false, true}, rows, budget, 0, &keep)
+          .ok());
+  ASSERT_TRUE(keep[0].has_value());
+  ASSERT_TRUE(state->AbortStep().ok());
+  std::vector<std::vector<float>> after;
+  ASSERT_TRUE(state->ReadScores(&after).ok());
+  EXPECT_EQ(after, before);
+  ASSERT_TRUE(state->CommitStep().ok());  // nothing pending after an abort
+  EXPECT_EQ(state->length(0), 4u);
+}
+
 }  // namespace kvmem::store
