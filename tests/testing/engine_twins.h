@@ -3,6 +3,8 @@
 // and K/V. The device-step test runs it on device_step on/off; the GPU test on the CUDA
 // backend against the CPU one.
 #include <cmath>
+#include <cstring>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -40,8 +42,8 @@ inline std::vector<Case> Cases() {
 
 inline absl::Status Append(Engine& e, uint64_t id, int64_t first, uint32_t n) {
   const std::vector<int64_t> positions = testing::Range(first, n);
-  const std::string k = testing::Payload16(kL * kH, first, n, kD, 0);
-  const std::string v = testing::Payload16(kL * kH, first, n, kD, 1);
+  const std::string k = testing::PayloadF16(kL * kH, first, n, kD, 0);
+  const std::string v = testing::PayloadF16(kL * kH, first, n, kD, 1);
   AppendChunk chunk{positions, {}, k, v, {}, {}};
   return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
 }
@@ -77,15 +79,47 @@ inline void ExpectSameTables(Engine& a, uint64_t ida, Engine& b, uint64_t idb,
   }
 }
 
-inline void ExpectContent(Engine& e, uint64_t id, bool quantized) {
-  absl::Status s = e.ReadKV(id, 0, 0, 0, [&](StreamKV&& kv) {
-    if (!quantized) {
-      const uint32_t stream = kv.layer * kH + kv.kv_head;
-      EXPECT_EQ(kv.k, testing::Expected16(stream, kv.positions, kD, 0)) << "stream " << stream;
+// Checks every stream's K and V against the values appended at its positions: bit-exact in
+// layout-precision blocks; in quantized blocks within kernels/quantize.h's bound, |x - x_hat|
+// <= s / 2 with s <= absmax / qmax (absmax of any value ever appended: 1000 / 64), plus the
+// f16 rounding of the dequantized value. A slot read from the wrong position is off by ~2.
+inline void ExpectContent(Engine& e, uint64_t id, std::optional<kernels::QuantType> quant) {
+  const BlockTable table = *e.GetBlockTable(id);
+  const float absmax = 1000.0f / 64.0f;
+  const float step = quant == kernels::QuantType::kInt8 ? absmax / 127 : absmax / 7;
+  const float bound = quant == kernels::QuantType::kNF4 ? absmax * 0.17f : step / 2 + 1e-2f;
+  size_t streams = 0;
+  absl::Status s = e.ReadKV(id, 0, 0, 0, [&](StreamKV&& kv) -> absl::Status {
+    const uint32_t stream = kv.layer * kH + kv.kv_head;
+    const StreamTable& st = table.streams[stream];
+    size_t slot = 0;
+    for (const TableBlock& b : st.blocks) {
+      for (uint32_t j = 0; j < b.count; ++j, ++slot) {
+        for (uint32_t d = 0; d < kD; ++d) {
+          for (int plane = 0; plane < 2; ++plane) {
+            const std::string& bytes = plane == 0 ? kv.k : kv.v;
+            uint16_t h;
+            std::memcpy(&h, bytes.data() + (slot * kD + d) * 2, 2);
+            const float got = kernels::HalfToFloat(h);
+            const float want =
+                testing::ElementValue(stream, kv.positions[slot], d, static_cast<uint16_t>(plane));
+            const bool exact = b.precision == Precision::kLayout;
+            if (exact ? got != want : !(std::fabs(got - want) <= bound)) {
+              ADD_FAILURE() << "stream " << stream << " slot " << slot << " position "
+                            << kv.positions[slot] << " d " << d << ": " << got << " vs " << want
+                            << (exact ? " (exact)" : " (quantized)");
+              return absl::InternalError("content mismatch");
+            }
+          }
+        }
+      }
     }
+    EXPECT_EQ(slot, kv.positions.size());
+    ++streams;
     return absl::OkStatus();
   });
   EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(streams, kL * kH);
 }
 
 // `a_engine` is checked against `b_engine` (the reference).
@@ -156,8 +190,8 @@ inline void RunTwinWorkload(Engine& a_engine, Engine& b_engine, const Case& c) {
   if (std::string(c.policy).rfind("confkv", 0) == 0) {
     EXPECT_EQ(budgets.size(), 2u);  // both confidence regimes were exercised
   }
-  ExpectContent(a_engine, d, c.quant.type.has_value());
-  ExpectContent(a_engine, dc, c.quant.type.has_value());
+  ExpectContent(a_engine, d, c.quant.type);
+  ExpectContent(a_engine, dc, c.quant.type);
   EXPECT_TRUE(a_engine.Release(d).ok());
   EXPECT_TRUE(a_engine.Release(dc).ok());
 }
