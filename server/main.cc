@@ -10,6 +10,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "server/service/server.h"
+#include "server/store/shared_segment.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -75,6 +76,13 @@ int main(int argc, char** argv) {
   config.engine.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+
+  // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
+  // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
+  for (const std::string& name :
+       kvmem::store::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs"})) {
+    spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
+  }
 
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);

@@ -12,6 +12,12 @@ namespace kvmem::store {
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(uint64_t pool_bytes) {
   absl::StatusOr<std::unique_ptr<SharedSegment>> segment =
       SharedSegment::Create("kvmem-pool", pool_bytes);
+  if (absl::IsResourceExhausted(segment.status())) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "--pool-bytes=", pool_bytes, ": ", segment.status().message(),
+        "; lower --pool-bytes or give /dev/shm more room (docker run --shm-size, a Kubernetes "
+        "emptyDir with medium: Memory)"));
+  }
   if (!segment.ok()) return segment.status();
   return std::unique_ptr<CpuBackend>(new CpuBackend(*std::move(segment)));
 }

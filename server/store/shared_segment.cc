@@ -1,47 +1,137 @@
 #include "server/store/shared_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 
 namespace kvmem::store {
+namespace {
+
+// Where glibc's shm_open keeps its names.
+constexpr char kShmDir[] = "/dev/shm";
+
+// "; /dev/shm has F bytes free of T", or "" when statvfs fails.
+std::string ShmSpace() {
+  struct statvfs fs {};
+  if (statvfs(kShmDir, &fs) != 0) return "";
+  return absl::StrCat("; ", kShmDir, " has ", uint64_t{fs.f_bavail} * fs.f_frsize,
+                      " bytes free of ", uint64_t{fs.f_blocks} * fs.f_frsize);
+}
+
+// posix_fallocate returns its error instead of setting errno, and may be interrupted.
+int Allocate(int fd, off_t bytes) {
+  int err = 0;
+  do {
+    err = posix_fallocate(fd, 0, bytes);
+  } while (err == EINTR);
+  return err;
+}
+
+bool AllDigits(absl::string_view s) {
+  if (s.empty()) return false;
+  for (char c : s) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+// The pid of "<prefix>-<pid>-<n>", or 0 when `name` is not such a name.
+pid_t OwnerPid(absl::string_view name, absl::string_view prefix) {
+  if (!absl::ConsumePrefix(&name, prefix) || !absl::ConsumePrefix(&name, "-")) return 0;
+  const size_t dash = name.find('-');
+  if (dash == absl::string_view::npos) return 0;
+  const absl::string_view pid_text = name.substr(0, dash);
+  if (!AllDigits(pid_text) || !AllDigits(name.substr(dash + 1))) return 0;
+  int32_t pid = 0;
+  if (!absl::SimpleAtoi(pid_text, &pid) || pid <= 0) return 0;
+  return pid;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& prefix,
                                                                      uint64_t bytes) {
+  if (bytes == 0 || bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared memory ", prefix, ": cannot map a segment of ", bytes, " bytes"));
+  }
   static std::atomic<uint32_t> counter{0};
   const std::string name = absl::StrCat("/", prefix, "-", getpid(), "-", counter++);
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) {
     return absl::InternalError(absl::StrCat("shm_open(", name, "): ", std::strerror(errno)));
   }
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  // Held while the segment lives; released by the kernel however the daemon ends.
+  if (flock(fd, LOCK_SH) != 0) {
     const int err = errno;
     close(fd);
     shm_unlink(name.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("shared memory ", name, ": cannot size to ",
-                                                     bytes, " bytes: ", std::strerror(err)));
+    return absl::InternalError(absl::StrCat("flock(", name, "): ", std::strerror(err)));
+  }
+  if (const int err = Allocate(fd, static_cast<off_t>(bytes)); err != 0) {
+    close(fd);
+    shm_unlink(name.c_str());
+    return absl::ResourceExhaustedError(absl::StrCat("shared memory ", name, ": cannot allocate ",
+                                                     bytes, " bytes: ", std::strerror(err),
+                                                     ShmSpace()));
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
   if (data == MAP_FAILED) {
+    const int err = errno;
+    close(fd);
     shm_unlink(name.c_str());
     return absl::ResourceExhaustedError(
         absl::StrCat("shared memory ", name, ": mmap of ", bytes, " bytes: ", std::strerror(err)));
   }
   return std::unique_ptr<SharedSegment>(
-      new SharedSegment(name, static_cast<uint8_t*>(data), bytes));
+      new SharedSegment(name, fd, static_cast<uint8_t*>(data), bytes));
 }
 
 SharedSegment::~SharedSegment() {
   munmap(data_, bytes_);
   shm_unlink(name_.c_str());
+  close(fd_);
+}
+
+std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& prefixes,
+                                             const std::string& dir) {
+  std::vector<std::string> removed;
+  DIR* listing = opendir(dir.c_str());
+  if (listing == nullptr) return removed;
+  while (const dirent* entry = readdir(listing)) {
+    const std::string name = entry->d_name;
+    pid_t pid = 0;
+    for (const std::string& prefix : prefixes) {
+      if (pid == 0) pid = OwnerPid(name, prefix);
+    }
+    // EPERM means a live process of another user: not ours to judge.
+    if (pid == 0 || kill(pid, 0) == 0 || errno != ESRCH) continue;
+    const std::string path = absl::StrCat(dir, "/", name);
+    const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) continue;
+    // A live owner holds a shared lock, whatever pid namespace it runs in.
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0 && unlink(path.c_str()) == 0) {
+      removed.push_back(name);
+    }
+    close(fd);
+  }
+  closedir(listing);
+  return removed;
 }
 
 }  // namespace kvmem::store

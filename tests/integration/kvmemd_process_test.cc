@@ -1,13 +1,21 @@
 // The kvmemd binary itself: starts from flags, serves grpc.health.v1, answers kvmemctl,
-// refuses what it was not built for, and drains on SIGTERM with exit code 0.
+// refuses what it was not built for, drains on SIGTERM with exit code 0, cleans /dev/shm of
+// dead daemons' segments and refuses a pool /dev/shm cannot hold.
 #include "tests/testing/kvmemd_process.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -98,6 +106,63 @@ TEST(KvmemdProcessTest, RefusesBadFlagsWithAClearError) {
       RunShell(std::string(KVMEMD_PATH) + " --listen=127.0.0.1:0 --backend=cuda 2>&1; echo rc=$?");
   EXPECT_THAT(cuda, HasSubstr("--backend=cuda"));
   EXPECT_THAT(cuda, HasSubstr("rc=2"));
+}
+
+// A file in /dev/shm named like a segment, held open (and locked when `lock`) by this test.
+struct FakeSegment {
+  FakeSegment(const std::string& name, bool lock) : path("/dev/shm/" + name) {
+    fd = open(path.c_str(), O_CREAT | O_RDWR, 0600);
+    EXPECT_GE(fd, 0) << path;
+    EXPECT_EQ(write(fd, "kvmem", 5), 5);
+    if (lock) {
+      EXPECT_EQ(flock(fd, LOCK_SH), 0);
+    }
+  }
+  ~FakeSegment() {
+    close(fd);
+    unlink(path.c_str());
+  }
+  bool exists() const { return access(path.c_str(), F_OK) == 0; }
+  std::string path;
+  int fd = -1;
+};
+
+TEST(KvmemdProcessTest, RemovesTheSegmentsOfDeadDaemonsAtStartup) {
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  kvmem::testing::WaitExit(dead);
+  const std::string dead_pid = std::to_string(dead), live_pid = std::to_string(getpid());
+  FakeSegment dead_pool("kvmem-pool-" + dead_pid + "-0", false);
+  FakeSegment dead_epochs("kvmem-epochs-" + dead_pid + "-1", false);
+  FakeSegment live_pool("kvmem-pool-" + live_pid + "-90", false);
+  // A dead pid here, but the owner's lock is held: a daemon of another pid namespace.
+  FakeSegment locked_pool("kvmem-pool-" + dead_pid + "-2", true);
+  FakeSegment other_name("kvmem-pool-" + dead_pid + "-3-backup", false);
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH,
+      {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--drain-seconds=1", "--log-level=warn"});
+  ASSERT_GT(d.port, 0);
+  EXPECT_FALSE(dead_pool.exists());
+  EXPECT_FALSE(dead_epochs.exists());
+  EXPECT_TRUE(live_pool.exists());
+  EXPECT_TRUE(locked_pool.exists());
+  EXPECT_TRUE(other_name.exists());
+  EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
+}
+
+TEST(KvmemdProcessTest, RefusesAPoolThatDevShmCannotHold) {
+  struct statvfs fs {};
+  ASSERT_EQ(statvfs("/dev/shm", &fs), 0);
+  if (fs.f_blocks == 0) GTEST_SKIP() << "/dev/shm has no size limit";
+  // Larger than all of /dev/shm: refused at once, without filling it on the way.
+  const uint64_t page = 64 * 1024;
+  const uint64_t pool = (uint64_t{fs.f_blocks} * fs.f_frsize / page + 1024) * page;
+  const std::string out =
+      RunShell("timeout 30 " + std::string(KVMEMD_PATH) +
+               " --listen=127.0.0.1:0 --pool-bytes=" + std::to_string(pool) + " 2>&1; echo rc=$?");
+  EXPECT_THAT(out, HasSubstr("rc=2"));
+  EXPECT_THAT(out, HasSubstr("--pool-bytes=" + std::to_string(pool)));
+  EXPECT_THAT(out, HasSubstr("/dev/shm has"));
 }
 
 }  // namespace
