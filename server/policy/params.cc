@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/common/client_text.h"
 
 namespace kvmem::policy {
 
@@ -23,9 +24,9 @@ absl::StatusOr<ResolvedParams> ResolvedParams::Resolve(absl::string_view policy,
       std::vector<std::string> known;
       known.reserve(specs.size());
       for (const ParamSpec& s : specs) known.push_back(s.name);
-      return absl::InvalidArgumentError(
-          absl::StrCat("policy.params[", name, "]: unknown parameter of policy \"", policy,
-                       "\" (known: ", known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.params[", EchoClientText(name), "]: unknown parameter of policy \"", policy,
+          "\" (known: ", known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
     }
     if (!std::isfinite(value) || value < spec->min_value || value > spec->max_value) {
       return absl::InvalidArgumentError(absl::StrCat("policy.params[", name, "]: ", value,

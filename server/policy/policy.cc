@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/common/client_text.h"
 #include "server/policy/baselines.h"
 #include "server/policy/confkv.h"
 #include "server/policy/infokv.h"
@@ -80,7 +81,8 @@ absl::StatusOr<std::unique_ptr<Policy>> CreatePolicy(absl::string_view name,
   }
   std::vector<std::string> known;
   for (const Entry& e : Registry()) known.push_back(e.descriptor->name);
-  return absl::InvalidArgumentError(absl::StrCat("policy.name: unknown policy \"", name,
+  return absl::InvalidArgumentError(absl::StrCat("policy.name: unknown policy \"",
+                                                 EchoClientText(name),
                                                  "\" (known: ", absl::StrJoin(known, ", "), ")"));
 }
 

@@ -6,7 +6,16 @@ namespace kvmem::service {
 
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  absl::string_view message = status.message();
+  if (message.size() <= kMaxStatusMessageBytes) {
+    return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(message));
+  }
+  // Cut on a UTF-8 character boundary: never leave half a character at the end.
+  size_t cut = kMaxStatusMessageBytes;
+  while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xC0) == 0x80) --cut;
+  return grpc::Status(
+      static_cast<grpc::StatusCode>(status.code()),
+      absl::StrCat(message.substr(0, cut), "... (message cut, ", message.size(), " bytes)"));
 }
 
 absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout) {

@@ -8,7 +8,13 @@
 
 namespace kvmem::service {
 
-// absl and gRPC share the canonical code space, so codes map 1:1.
+// Longest status message sent to a client; a status message travels in a header, and a
+// longer one would reach the client as a metadata-size failure instead of its own code.
+inline constexpr size_t kMaxStatusMessageBytes = 4096;
+
+// absl and gRPC share the canonical code space, so codes map 1:1. A message longer than
+// kMaxStatusMessageBytes is cut (a last line of defence: echoed client text is capped where
+// it is echoed, with EchoClientText).
 grpc::Status ToGrpc(const absl::Status& status);
 
 absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout);

@@ -6,6 +6,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/common/client_text.h"
 #include "server/service/kv_cache_service.h"
 #include "server/store/cpu_backend.h"
 #ifdef KVMEM_WITH_CUDA
@@ -40,7 +41,7 @@ absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& n
 #endif
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("--backend: unknown backend \"", name, "\" (known: cpu, cuda)"));
+      absl::StrCat("--backend: unknown backend \"", EchoClientText(name), "\" (known: cpu, cuda)"));
 }
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config,
@@ -56,8 +57,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   } else if (config.device_step == "on" || config.device_step == "off") {
     engine_config.device_step = config.device_step == "on";
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--device_step: \"", config.device_step, "\" is not one of auto, on, off"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--device_step: \"", EchoClientText(config.device_step), "\" is not one of auto, on, off"));
   }
   absl::StatusOr<std::unique_ptr<engine::Engine>> engine =
       engine::Engine::Create(engine_config, *std::move(backend), clock);

@@ -1,6 +1,7 @@
 // The kvmemd binary itself: starts from flags, serves grpc.health.v1, answers kvmemctl,
 // refuses what it was not built for, drains on SIGTERM with exit code 0, cleans /dev/shm of
-// dead daemons' segments and refuses a pool /dev/shm cannot hold.
+// dead daemons' segments, refuses a pool /dev/shm cannot hold and echoes little of what a
+// client sent.
 #include "tests/testing/kvmemd_process.h"
 
 #include <fcntl.h>
@@ -22,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
 
 namespace {
 
@@ -163,6 +165,54 @@ TEST(KvmemdProcessTest, RefusesAPoolThatDevShmCannotHold) {
   EXPECT_THAT(out, HasSubstr("rc=2"));
   EXPECT_THAT(out, HasSubstr("--pool-bytes=" + std::to_string(pool)));
   EXPECT_THAT(out, HasSubstr("/dev/shm has"));
+}
+
+// ---- raw-stub helpers: no client-side retries, so every status is the daemon's own ----
+
+// Layout of the sequences below: 2 layers x 1 head x head_dim 8, f32 (64 bytes per token
+// of K, and of V).
+constexpr uint32_t kLayers = 2, kHeadDim = 8;
+
+std::unique_ptr<kvmem::v1::KvCache::Stub> Stub(int port) {
+  return kvmem::v1::KvCache::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+}
+
+void SetDeadline(grpc::ClientContext* context, int seconds = 20) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+}
+
+TEST(KvmemdProcessTest, EchoesNoMoreThanAFewBytesOfClientText) {
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH,
+      {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--drain-seconds=1", "--log-level=warn"});
+  ASSERT_GT(d.port, 0);
+  auto stub = Stub(d.port);
+  const std::string huge(200 * 1024, 'x');
+  for (const char* what : {"policy name", "parameter name"}) {
+    kvmem::v1::CreateSequenceRequest request;
+    kvmem::v1::Layout* layout = request.mutable_layout();
+    layout->set_num_layers(kLayers);
+    layout->set_num_kv_heads(1);
+    layout->set_head_dim(kHeadDim);
+    layout->set_dtype(kvmem::v1::DTYPE_F32);
+    layout->set_vocab_size(10);
+    if (std::string(what) == "policy name") {
+      request.mutable_policy()->set_name(huge);
+    } else {
+      request.mutable_policy()->set_name("window");
+      (*request.mutable_policy()->mutable_params())[huge] = 1;
+    }
+    kvmem::v1::CreateSequenceResponse response;
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    const grpc::Status status = stub->CreateSequence(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << what << ": " << status.error_message().substr(0, 200);
+    EXPECT_LT(status.error_message().size(), 1024u) << what;
+    EXPECT_THAT(status.error_message(), HasSubstr("204800 bytes")) << what;
+  }
+  EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/service/convert.h"
 #include "tests/integration/daemon_fixture.h"
 
 namespace kvmem {
@@ -235,6 +236,22 @@ TEST_F(ValidationTest, OtherCallsNameTheirFields) {
   v1::ReleaseResponse relr;
   ExpectRejected("release unknown", grpc::StatusCode::NOT_FOUND, "sequence_id",
                  [&](grpc::ClientContext* c) { return stub_->Release(c, relq, &relr); });
+}
+
+TEST(ToGrpcTest, CutsLongMessagesOnACharacterBoundary) {
+  std::string long_message;
+  for (int i = 0; i < 5000; ++i) long_message += "\xc3\xa9";  // é: 10000 bytes in all
+  const grpc::Status status = service::ToGrpc(absl::InvalidArgumentError(long_message));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_LE(status.error_message().size(), service::kMaxStatusMessageBytes + 64);
+  EXPECT_THAT(status.error_message(), HasSubstr("10000 bytes"));
+  const size_t kept = status.error_message().find("...");
+  ASSERT_NE(kept, std::string::npos);
+  EXPECT_EQ(kept % 2, 0u) << "a character was cut in half";
+  EXPECT_EQ(status.error_message().substr(0, kept), long_message.substr(0, kept));
+  // A short message passes unchanged.
+  EXPECT_EQ(service::ToGrpc(absl::NotFoundError("sequence_id: 7")).error_message(),
+            "sequence_id: 7");
 }
 
 }  // namespace
