@@ -26,8 +26,18 @@ ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
 ABSL_FLAG(uint32_t, max_sequences, 1024, "most sequences held at once");
 ABSL_FLAG(uint32_t, lease_seconds, 60, "default lease of a sequence; renewed by every call");
 ABSL_FLAG(uint64_t, max_message_bytes, 64ull << 20, "K+V bytes one Append may carry");
+ABSL_FLAG(uint64_t, max_stream_buffer_bytes, 256ull << 20,
+          "request bytes all open AppendStreams may buffer together; past it a stream gets "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_append_streams, 16,
+          "AppendStreams open at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,
+          "memory gRPC's transports may hold (its ResourceQuota)");
+ABSL_FLAG(int32_t, grpc_max_threads, 256,
+          "threads that run calls (gRPC ResourceQuota); calls past it get RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, drain_seconds, 5,
-          "how long SIGTERM waits for in-flight calls (and connected clients) before cancelling");
+          "on SIGTERM, how long calls already accepted may run before they are cancelled; new "
+          "calls get UNAVAILABLE meanwhile");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 
 namespace {
@@ -76,6 +86,10 @@ int main(int argc, char** argv) {
   config.engine.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
+  config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
+  config.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
+  config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
 
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.

@@ -20,6 +20,8 @@ absl::Status CheckLeaseSeconds(uint32_t seconds) {
 
 grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   const engine::EngineConfig& config = engine_->config();
   const store::Backend& backend = engine_->backend();
   response->set_version(version_);
@@ -94,6 +96,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
 grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   if (!request->has_layout()) {
     return ToGrpc(absl::InvalidArgumentError("layout: required"));
   }
@@ -127,6 +131,8 @@ void FillAppendResponse(uint64_t id, const engine::AppendResult& r, v1::AppendRe
 
 grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendRequest* request,
                                     v1::AppendResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   const engine::AppendChunk chunk = ChunkView(*request);
   absl::StatusOr<engine::AppendResult> result =
       engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
@@ -135,11 +141,15 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::AppendStream(grpc::ServerContext*,
+grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           grpc::ServerReader<v1::AppendRequest>* reader,
                                           v1::AppendResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   // Chunks are held until the stream ends so that the append is all-or-nothing; what the
-  // pool cannot hold is refused as soon as it is seen.
+  // pool or the daemon-wide stream budget cannot hold is refused as soon as it is seen.
+  absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open();
+  if (!held.ok()) return ToGrpc(held.status());
   std::vector<v1::AppendRequest> requests;
   uint64_t bytes = 0;
   v1::AppendRequest request;
@@ -155,8 +165,16 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext*,
           "pool: the stream carries more than ", bytes, " bytes of K+V, beyond the pool of ",
           engine_->config().pool_bytes, " bytes")));
     }
+    if (absl::Status s = held->Reserve(request.ByteSizeLong()); !s.ok()) return ToGrpc(s);
     requests.push_back(std::move(request));
     request.Clear();
+  }
+  // Read() also ends when the client cancels or its connection breaks: only a stream that
+  // the client closed is applied.
+  if (context->IsCancelled()) {
+    return ToGrpc(absl::CancelledError(
+        "AppendStream: the stream was cancelled or broken before its end; nothing was "
+        "appended"));
   }
   if (requests.empty()) {
     return ToGrpc(absl::InvalidArgumentError("stream: no chunk was sent"));
@@ -173,6 +191,8 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext*,
 
 grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* request,
                                   v1::StepResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   engine::StepInput input;
   input.epoch = request->epoch();
   if (request->has_logit_stats()) {
@@ -196,6 +216,8 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   engine::CompressInput input;
   input.epoch = request->epoch();
   input.target_tokens = request->target_tokens();
@@ -220,6 +242,8 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
 grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
                                            const v1::GetBlockTableRequest* request,
                                            v1::BlockTable* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   absl::StatusOr<engine::BlockTable> table = engine_->GetBlockTable(request->sequence_id());
   if (!table.ok()) return ToGrpc(table.status());
   ToProto(*table, table->layout.block_bytes(), response);
@@ -228,6 +252,8 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
 
 grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context, const v1::ReadKVRequest* request,
                                     grpc::ServerWriter<v1::KVChunk>* writer) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   absl::Status status =
       engine_->ReadKV(request->sequence_id(), request->epoch(), request->layer_begin(),
                       request->layer_end(), [&](engine::StreamKV&& kv) {
@@ -249,6 +275,8 @@ grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context, const v1::Read
 
 grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* request,
                                   v1::ForkResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
   absl::StatusOr<engine::CreateResult> child =
       engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
@@ -260,6 +288,8 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
 
 grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
                                      v1::PublishResponse*) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                       "Publish: prefix sharing across requests is not available in this "
                       "version of kvmemd; Fork shares blocks within a request");
@@ -267,6 +297,8 @@ grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequ
 
 grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest*,
                                     v1::LookupResponse*) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
                       "Lookup: prefix sharing across requests is not available in this "
                       "version of kvmemd");
@@ -274,6 +306,8 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
 
 grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequest* request,
                                      v1::ReleaseResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
   if (!freed.ok()) return ToGrpc(freed.status());
   response->set_freed_blocks(*freed);
@@ -282,6 +316,8 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
 
 grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,
                                        v1::KeepAliveResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   if (request->sequence_ids().empty()) {
     return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));
   }
@@ -294,6 +330,8 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
 
 grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest* request,
                                    v1::StatsResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
   ToProto(engine_->Stats(request->include_sequences()), response);
   return grpc::Status::OK;
 }

@@ -1,18 +1,25 @@
 #pragma once
 // KvCacheService: the gRPC handlers of kvmem.v1.KvCache. Each handler validates what only
 // the request can tell, translates to engine types, calls the engine and translates back.
-// No cache logic lives here.
+// No cache logic lives here. Every handler first takes a CallGate ticket, so that a drain
+// refuses new calls (UNAVAILABLE, nothing applied) and lets admitted ones finish.
 #include <string>
 
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
+#include "server/service/admission.h"
 
 namespace kvmem::service {
 
 class KvCacheService final : public v1::KvCache::Service {
  public:
-  KvCacheService(engine::Engine* engine, std::string version)
-      : engine_(engine), version_(std::move(version)) {}
+  KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits)
+      : engine_(engine),
+        version_(std::move(version)),
+        streams_(limits.max_stream_buffer_bytes, limits.max_append_streams) {}
+
+  // Closed by the server's drain.
+  CallGate& gate() { return gate_; }
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::GetInfoResponse*) override;
@@ -41,6 +48,8 @@ class KvCacheService final : public v1::KvCache::Service {
  private:
   engine::Engine* const engine_;
   const std::string version_;
+  CallGate gate_;
+  AppendStreamBudget streams_;
 };
 
 }  // namespace kvmem::service

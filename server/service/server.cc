@@ -1,9 +1,12 @@
 #include "server/service/server.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "server/common/client_text.h"
@@ -48,6 +51,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                                                       const engine::Clock* clock) {
   std::unique_ptr<Server> server(new Server());
   if (clock == nullptr) clock = &server->real_clock_;
+  // The transport admits a little more than the payload limit so that an oversized Append
+  // reaches the handler and gets a message naming the limit.
+  const uint64_t max_message = config.engine.max_append_bytes + (4u << 20);
+  if (config.grpc_memory_bytes < max_message) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--grpc-memory-bytes: ", config.grpc_memory_bytes, " cannot hold one message of ",
+        max_message, " bytes (--max-message-bytes plus 4 MiB)"));
+  }
+  if (config.grpc_max_threads < 4) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc-max-threads: ", config.grpc_max_threads,
+                                                   " is below 4, too few to serve"));
+  }
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
       MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
   if (!backend.ok()) return backend.status();
@@ -64,18 +79,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
-  server->service_ = std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION);
+  server->service_ =
+      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
   builder.RegisterService(server->service_.get());
-  // The transport admits a little more than the payload limit so that an oversized Append
-  // reaches the handler and gets a message naming the limit.
-  const uint64_t max_message = config.engine.max_append_bytes + (4u << 20);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.SetMaxSendMessageSize(INT32_MAX);
+  grpc::ResourceQuota quota("kvmemd");
+  quota.Resize(static_cast<size_t>(config.grpc_memory_bytes));
+  quota.SetMaxThreads(config.grpc_max_threads);
+  builder.SetResourceQuota(quota);
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", config.listen));
@@ -93,9 +110,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
 void Server::Drain(absl::Duration deadline) {
   if (drained_) return;
   drained_ = true;
-  // Shutdown() of the health service turns every status NOT_SERVING for good.
+  const absl::Time end = absl::Now() + deadline;
+  // Shutdown() of the health service turns every status NOT_SERVING for good; Check keeps
+  // answering until gRPC itself shuts down below.
   grpc_server_->GetHealthCheckService()->Shutdown();
-  grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(deadline));
+  CallGate& gate = service_->gate();
+  gate.Close();
+  if (!gate.AwaitQuiet(absl::Milliseconds(100), end)) {
+    spdlog::warn("drain: {} calls still running after {}; cancelling them", gate.in_flight(),
+                 absl::FormatDuration(deadline));
+  }
+  // Nothing admitted runs any more (or time is up): what gRPC cancels now is a call that
+  // never reached a handler or one that overran the drain.
+  grpc_server_->Shutdown(absl::ToChronoTime(std::max(end, absl::Now())));
   grpc_server_->Wait();
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();

@@ -10,8 +10,11 @@
 #include "grpcpp/server.h"
 #include "server/engine/clock.h"
 #include "server/engine/engine.h"
+#include "server/service/admission.h"
 
 namespace kvmem::service {
+
+class KvCacheService;
 
 inline constexpr char kServiceName[] = "kvmem.v1.KvCache";
 
@@ -24,10 +27,14 @@ struct ServerConfig {
   // "on" or "off" force it. Overrides engine.device_step.
   std::string device_step = "auto";
   engine::EngineConfig engine;
+  ServiceLimits limits;
+  // gRPC's ResourceQuota: the memory its transports may hold (read buffers, messages not
+  // yet handed to a handler) and the threads that run handlers. A call past the threads is
+  // refused with RESOURCE_EXHAUSTED instead of queueing without bound.
+  uint64_t grpc_memory_bytes = 1ull << 30;
+  int grpc_max_threads = 256;
   absl::Duration reaper_period = absl::Seconds(1);
 };
-
-class KvCacheService;
 
 class Server {
  public:
@@ -38,8 +45,9 @@ class Server {
 
   int port() const { return port_; }  // 0 for unix sockets
   engine::Engine& engine() { return *engine_; }
-  // Health turns NOT_SERVING, new calls are refused, in-flight calls finish (up to
-  // `deadline`), then the reaper stops. Idempotent.
+  // Health turns NOT_SERVING (Check keeps answering), new KvCache calls get UNAVAILABLE,
+  // the calls already inside a handler finish; after they have, or after `deadline`, gRPC
+  // shuts down (cancelling what still runs) and the reaper stops. Idempotent.
   void Drain(absl::Duration deadline);
 
  private:

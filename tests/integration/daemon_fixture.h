@@ -28,6 +28,7 @@ class DaemonTest : public ::testing::Test {
     config.engine.pool_bytes = pool_bytes;
     config.engine.max_sequences = 64;
     config.engine.max_append_bytes = max_message_bytes;
+    config.limits = limits_;
     config.reaper_period = absl::Hours(1);  // tests expire leases explicitly
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -66,6 +67,8 @@ class DaemonTest : public ::testing::Test {
     }
   }
 
+  // The service's limits; a fixture that wants others sets them in its constructor.
+  service::ServiceLimits limits_;
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

@@ -1,6 +1,9 @@
 // Every malformed request gets INVALID_ARGUMENT / NOT_FOUND / FAILED_PRECONDITION with a
 // message naming the field, and changes nothing. Driven through the raw gRPC stub so that
 // requests the typed client cannot express (unknown enum values, zero sizes) are covered.
+#include <chrono>
+#include <thread>
+
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
@@ -236,6 +239,73 @@ TEST_F(ValidationTest, OtherCallsNameTheirFields) {
   v1::ReleaseResponse relr;
   ExpectRejected("release unknown", grpc::StatusCode::NOT_FOUND, "sequence_id",
                  [&](grpc::ClientContext* c) { return stub_->Release(c, relq, &relr); });
+}
+
+// Daemon-wide bounds on open AppendStreams (--max-append-streams, --max-stream-buffer-bytes).
+class StreamLimitsTest : public ValidationTest {
+ protected:
+  // A 16-token chunk of this layout carries 2 x 16 KiB of K+V; the buffer holds one.
+  static constexpr uint64_t kBufferBytes = 48 * 1024;
+  StreamLimitsTest() { limits_ = {kBufferBytes, 2}; }
+
+  struct OpenStream {
+    grpc::ClientContext context;
+    v1::AppendResponse response;
+    std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer;
+  };
+  // A stream of GoodAppend chunks [first, first + 16), [first + 16, ...), left open.
+  std::unique_ptr<OpenStream> Open(int64_t first, int chunks) {
+    auto s = std::make_unique<OpenStream>();
+    s->writer = stub_->AppendStream(&s->context, &s->response);
+    for (int c = 0; c < chunks; ++c) s->writer->Write(GoodAppend(first + 16 * c, 16));
+    // The daemon takes the stream and reads the chunks before the test goes on.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return s;
+  }
+  static grpc::Status Finish(OpenStream& s) {
+    s.writer->WritesDone();
+    return s.writer->Finish();
+  }
+};
+
+TEST_F(StreamLimitsTest, StreamsPastMaxAppendStreamsAreRefused) {
+  // Two streams open, one of them still without a chunk (well within the byte budget).
+  std::unique_ptr<OpenStream> first = Open(40, 1), second = Open(1000, 0);
+  const std::string before = Snapshot();
+  std::unique_ptr<OpenStream> third = Open(2000, 0);
+  const grpc::Status refused = Finish(*third);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("--max-append-streams=2"));
+  EXPECT_EQ(Snapshot(), before);
+  EXPECT_TRUE(Finish(*first).ok());
+  second->writer->Write(GoodAppend(1000, 16));
+  EXPECT_TRUE(Finish(*second).ok());
+  // Both places are free again.
+  std::unique_ptr<OpenStream> fourth = Open(3000, 0), fifth = Open(4000, 0);
+  fourth->writer->Write(GoodAppend(3000, 16));
+  EXPECT_TRUE(Finish(*fourth).ok());
+  fifth->writer->Write(GoodAppend(4000, 16));
+  EXPECT_TRUE(Finish(*fifth).ok());
+}
+
+TEST_F(StreamLimitsTest, StreamsPastMaxStreamBufferBytesAreRefused) {
+  std::unique_ptr<OpenStream> holding = Open(40, 1);
+  const std::string before = Snapshot();
+  // One more chunk fits no stream while the first holds its own.
+  std::unique_ptr<OpenStream> refused = Open(1000, 1);
+  const grpc::Status status = Finish(*refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("--max-stream-buffer-bytes=" + std::to_string(kBufferBytes)));
+  EXPECT_EQ(Snapshot(), before);
+  EXPECT_TRUE(Finish(*holding).ok());
+  // What the streams held is given back when they end, refused or not.
+  std::unique_ptr<OpenStream> again = Open(1000, 1);
+  const grpc::Status ok = Finish(*again);
+  EXPECT_TRUE(ok.ok()) << ok.error_message();
+  // A stream larger than the whole budget never fits.
+  std::unique_ptr<OpenStream> too_large = Open(2000, 2);
+  EXPECT_EQ(Finish(*too_large).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
 TEST(ToGrpcTest, CutsLongMessagesOnACharacterBoundary) {

@@ -1,0 +1,79 @@
+#include "server/service/admission.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvmem::service {
+
+CallGate::Ticket::~Ticket() {
+  if (gate_ == nullptr) return;
+  absl::MutexLock lock(&gate_->mu_);
+  --gate_->in_flight_;
+}
+
+CallGate::Ticket CallGate::Enter() {
+  absl::MutexLock lock(&mu_);
+  last_arrival_ = absl::Now();
+  if (closed_) return Ticket(nullptr);
+  ++in_flight_;
+  return Ticket(this);
+}
+
+void CallGate::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+}
+
+bool CallGate::AwaitQuiet(absl::Duration quiet, absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  const bool never = false;  // a plain timed wait; the loop rechecks
+  while (mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
+    const absl::Time quiet_from = last_arrival_ + quiet;
+    if (absl::Now() >= quiet_from || quiet_from >= deadline) return true;
+    mu_.AwaitWithDeadline(absl::Condition(&never), quiet_from);
+  }
+  return false;
+}
+
+int64_t CallGate::in_flight() const {
+  absl::MutexLock lock(&mu_);
+  return in_flight_;
+}
+
+absl::Status DrainingError() {
+  return absl::UnavailableError(
+      "kvmemd is draining (shutting down); nothing was applied; retry on another instance");
+}
+
+AppendStreamBudget::Lease::~Lease() {
+  if (budget_ == nullptr) return;
+  absl::MutexLock lock(&budget_->mu_);
+  budget_->bytes_ -= bytes_;
+  --budget_->streams_;
+}
+
+absl::Status AppendStreamBudget::Lease::Reserve(uint64_t bytes) {
+  absl::MutexLock lock(&budget_->mu_);
+  if (bytes > budget_->max_bytes_ - budget_->bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "AppendStream: the open streams would buffer more than --max-stream-buffer-bytes=",
+        budget_->max_bytes_, " bytes together (this stream holds ", bytes_, " + ", bytes,
+        "); retry later or send the prefill in smaller streams"));
+  }
+  budget_->bytes_ += bytes;
+  bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open() {
+  absl::MutexLock lock(&mu_);
+  if (streams_ >= max_streams_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("AppendStream: --max-append-streams=", max_streams_,
+                     " streams are open; retry later or use Append"));
+  }
+  ++streams_;
+  return Lease(this);
+}
+
+}  // namespace kvmem::service

@@ -1,0 +1,108 @@
+#pragma once
+// Which KvCache calls the service takes on: CallGate lets a drain finish the calls already
+// inside a handler while turning new ones away; AppendStreamBudget bounds what the open
+// AppendStreams hold, daemon-wide (contract 3: buffers of calls in flight are bounded).
+#include <cstdint>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace kvmem::service {
+
+// Bounds on what calls in flight hold outside the engine (kvmemd flags of the same names).
+struct ServiceLimits {
+  uint64_t max_stream_buffer_bytes = 256ull << 20;  // request bytes of all open AppendStreams
+  uint32_t max_append_streams = 16;                 // AppendStreams open at once
+};
+
+// Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for
+// the admitted ones to finish before the gRPC server shuts down, because gRPC's own
+// Shutdown cancels the calls it has not yet handed to a handler.
+class CallGate {
+ public:
+  // One call's admission, held for the length of its handler.
+  class Ticket {
+   public:
+    ~Ticket();
+    Ticket(const Ticket&) = delete;
+    Ticket& operator=(const Ticket&) = delete;
+    bool admitted() const { return gate_ != nullptr; }
+
+   private:
+    friend class CallGate;
+    explicit Ticket(CallGate* gate) : gate_(gate) {}
+    CallGate* const gate_;  // nullptr when refused
+  };
+
+  CallGate() = default;
+  CallGate(const CallGate&) = delete;
+  CallGate& operator=(const CallGate&) = delete;
+
+  // Admits the call unless the gate is closed.
+  [[nodiscard]] Ticket Enter();
+  // From now on every Enter() is refused. Idempotent.
+  void Close();
+  // Waits until no admitted call remains and no call at all (admitted or refused) has
+  // arrived for `quiet`, or until `deadline`. The quiet time lets calls that gRPC had
+  // queued before the gate closed reach it and be refused, rather than be cancelled by the
+  // shutdown that follows. False when admitted calls still run at the deadline.
+  bool AwaitQuiet(absl::Duration quiet, absl::Time deadline);
+  int64_t in_flight() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The status of a call refused because the daemon is draining: UNAVAILABLE, which clients
+// retry, on another instance; nothing of the call was applied.
+absl::Status DrainingError();
+
+// Daemon-wide bounds on the open AppendStreams: how many there are and how many request
+// bytes they buffer together. Error messages name the kvmemd flags that set the bounds.
+class AppendStreamBudget {
+ public:
+  // One open stream's share; gives everything back when destroyed.
+  class Lease {
+   public:
+    Lease(Lease&& other) noexcept : budget_(other.budget_), bytes_(other.bytes_) {
+      other.budget_ = nullptr;
+      other.bytes_ = 0;
+    }
+    Lease& operator=(Lease&&) = delete;
+    Lease(const Lease&) = delete;
+    ~Lease();
+    // Adds `bytes` to this stream's share: RESOURCE_EXHAUSTED (nothing reserved) when all
+    // open streams together would pass --max-stream-buffer-bytes.
+    [[nodiscard]] absl::Status Reserve(uint64_t bytes);
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    friend class AppendStreamBudget;
+    explicit Lease(AppendStreamBudget* budget) : budget_(budget) {}
+    AppendStreamBudget* budget_;
+    uint64_t bytes_ = 0;
+  };
+
+  AppendStreamBudget(uint64_t max_bytes, uint32_t max_streams)
+      : max_bytes_(max_bytes), max_streams_(max_streams) {}
+  AppendStreamBudget(const AppendStreamBudget&) = delete;
+  AppendStreamBudget& operator=(const AppendStreamBudget&) = delete;
+
+  // A share for a new stream: RESOURCE_EXHAUSTED when --max-append-streams are open.
+  [[nodiscard]] absl::StatusOr<Lease> Open();
+
+ private:
+  const uint64_t max_bytes_;
+  const uint32_t max_streams_;
+  mutable absl::Mutex mu_;
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t streams_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvmem::service
