@@ -321,10 +321,17 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
   if (request->sequence_ids().empty()) {
     return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));
   }
-  absl::StatusOr<uint32_t> renewed = engine_->KeepAlive(
+  const std::vector<absl::Status> results = engine_->KeepAlive(
       absl::MakeConstSpan(request->sequence_ids().data(), request->sequence_ids().size()));
-  if (!renewed.ok()) return ToGrpc(renewed.status());
-  response->set_renewed(*renewed);
+  uint32_t renewed = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    v1::KeepAliveResult* out = response->add_results();
+    out->set_sequence_id(request->sequence_ids(static_cast<int>(i)));
+    out->set_code(static_cast<int32_t>(results[i].code()));
+    out->set_message(std::string(results[i].message()));
+    renewed += results[i].ok();
+  }
+  response->set_renewed(renewed);
   return grpc::Status::OK;
 }
 

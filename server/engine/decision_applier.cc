@@ -1,0 +1,152 @@
+// The decision applier: turns a policy's keep-sets into an op batch, runs it inside a
+// seqlock write section and commits it; owns the point of no return and what happens past it.
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+
+void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
+                         const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped) {
+  // References held = old lists + the batch's allocations (nothing dropped yet); streams
+  // [0, swapped) hold their new list and other_lists[s] their old one, the rest still hold
+  // the old list. What no stream names is kept for Release.
+  absl::flat_hash_map<store::BlockId, int64_t> refs;
+  for (store::BlockId id : batch.allocated) ++refs[id];
+  for (size_t s = 0; s < swapped && s < seq.streams.size(); ++s) {
+    for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
+    for (const StreamBlock& b : seq.streams[s].blocks) --refs[b.id];
+  }
+  for (const auto& [id, n] : refs) {
+    for (int64_t i = 0; i < n; ++i) seq.orphan_blocks.push_back(id);
+  }
+}
+
+Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
+  engine_->board_->BeginWrite(seq_->epoch_slot, seq_->epoch);
+}
+
+void Engine::WriteSection::Commit() {
+  seq_->epoch = engine_->next_epoch_.fetch_add(1);
+  engine_->board_->EndWrite(seq_->epoch_slot, seq_->epoch);
+  committed_ = true;
+}
+
+Engine::WriteSection::~WriteSection() {
+  if (!committed_) {
+    engine_->Poison(*seq_, absl::InternalError("a write section ended without its commit"))
+        .IgnoreError();
+  }
+}
+
+void Engine::CommitFailpoint() const {
+  if (config_.failpoints != nullptr && config_.failpoints->Hit(Failpoints::kCommit)) {
+    throw std::bad_alloc();
+  }
+}
+
+absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
+  const kernels::QuantGeometry& geometry = seq.format.quant_geometry();
+  absl::Status io = backend_->Move(batch.moves);
+  if (io.ok()) io = backend_->Write(batch.writes);
+  if (io.ok() && !batch.quantizes.empty()) {
+    io = backend_->Quantize(seq.format.elem(), geometry, batch.quantizes);
+  }
+  if (io.ok()) io = backend_->Synchronize();
+  if (!io.ok()) {
+    pool_->Unref(batch.allocated);
+    return io;
+  }
+  uint64_t moved = 0;
+  for (const store::MoveOp& op : batch.moves) moved += op.bytes;
+  bytes_moved_ += moved;
+  return io;
+}
+
+absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
+                                                      const policy::Decision& decision,
+                                                      const CommitHook& commit) {
+  if (decision.keep.size() != seq.streams.size()) {
+    return absl::InternalError(absl::StrCat("policy ", seq.policy_name, " returned ",
+                                            decision.keep.size(), " keep-sets for ",
+                                            seq.streams.size(), " streams"));
+  }
+  // Validate the policy's output before touching anything.
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (!decision.keep[s]) continue;
+    const std::vector<uint32_t>& keep = *decision.keep[s];
+    for (size_t j = 0; j < keep.size(); ++j) {
+      if (keep[j] >= seq.streams[s].size() || (j > 0 && keep[j] <= keep[j - 1])) {
+        return absl::InternalError(absl::StrCat("policy ", seq.policy_name,
+                                                " returned an invalid keep-set for stream ", s));
+      }
+    }
+  }
+
+  // Plan: every allocation happens here, before the point of no return; a failure releases
+  // what the plan took and changes nothing.
+  OpBatch batch;
+  StreamPlanner planner(seq.format, pool_.get(), &batch, config_.failpoints);
+  Applied applied;
+  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
+  std::vector<bool> changed(seq.streams.size(), false);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
+    if (!evicts && !seq.format.quantizes()) continue;  // nothing can change in this stream
+    std::vector<StreamBlock>& blocks = new_blocks[s];
+    blocks = st.blocks;
+    absl::Status planned = absl::OkStatus();
+    if (evicts) {
+      applied.evicted += st.size() - decision.keep[s]->size();
+      planned = planner.Keep(blocks, *decision.keep[s]);
+      if (planned.ok()) planned = planner.Merge(blocks);
+      changed[s] = true;
+    }
+    const size_t quantized_before = batch.quantizes.size();
+    if (planned.ok()) planned = planner.Quantize(blocks, seq.quant.recent_tokens);
+    if (batch.quantizes.size() != quantized_before) changed[s] = true;
+    if (!planned.ok()) {
+      pool_->Unref(batch.allocated);
+      return planned;
+    }
+  }
+  applied.quantized = batch.quantized_slots;
+  if (applied.evicted == 0 && applied.quantized == 0) {
+    pool_->Unref(batch.allocated);  // nothing is allocated when nothing changes; kept exact
+    if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+    return applied;
+  }
+
+  // The point of no return: readers of the old table see the odd word before any byte
+  // moves and before any dropped block can be reused; from here a failure poisons.
+  WriteSection section(this, &seq);
+  if (absl::Status io = Execute(seq, batch); !io.ok()) return Poison(seq, io);
+  if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+  const uint32_t history_rows = seq.policy->history_rows();
+  size_t swapped = 0;  // streams [0, swapped) are committed
+  // Nothing below should throw; if something does, the sequence is poisoned and keeps the
+  // references no stream names for Release, so that the pool's accounting stays exact.
+  absl::Cleanup on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    KeepOrphans(seq, batch, new_blocks, swapped);
+    Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
+  };
+  for (; swapped < seq.streams.size(); ++swapped) {
+    const size_t s = swapped;
+    if (s == seq.streams.size() / 2) CommitFailpoint();
+    if (!changed[s]) continue;
+    if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
+      seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
+    }
+    seq.streams[s].blocks.swap(new_blocks[s]);
+  }
+  std::move(on_unwind).Cancel();
+  pool_->Unref(batch.dropped);
+  section.Commit();
+  tokens_evicted_ += applied.evicted;
+  tokens_quantized_ += applied.quantized;
+  return applied;
+}
+
+}  // namespace kvmem::engine

@@ -1,0 +1,128 @@
+// Checks of client input that every mutation runs before it changes anything: appended
+// chunks and per-stream signals.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+namespace {
+
+absl::Status CheckFinite(absl::Span<const float> values, const std::string& field, float min,
+                         float max) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "]: ", values[i], " is not a finite value in [", min, ", ", max, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
+                                   int64_t* last_position) const {
+  const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
+  const size_t n = chunk.positions.size();
+  const Layout& layout = seq.layout;
+  if (n == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "positions: at least one token is required"));
+  }
+  const uint64_t max_tokens = config_.max_append_bytes / (2 * layout.payload_bytes(1));
+  if (n > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "positions: ", n, " tokens exceed the per-message limit of ", max_tokens,
+        " tokens (", config_.max_append_bytes, " bytes of K+V); split them with AppendStream"));
+  }
+  const uint64_t want = layout.payload_bytes(n);
+  if (chunk.k.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "k: ", chunk.k.size(), " bytes, expected ", want, " = layers ", layout.num_layers,
+        " x kv_heads ", layout.num_kv_heads, " x tokens ", n, " x head_dim ", layout.head_dim,
+        " x ", DTypeBytes(layout.dtype), " bytes (", DTypeName(layout.dtype), ")"));
+  }
+  if (chunk.v.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "v: ", chunk.v.size(), " bytes, expected ", want, " (same shape as k)"));
+  }
+  if (!chunk.token_ids.empty() && chunk.token_ids.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "token_ids: ", chunk.token_ids.size(),
+                                                   " ids for ", n, " positions (send 0 or ", n,
+                                                   ")"));
+  }
+  for (size_t i = 0; i < chunk.token_ids.size(); ++i) {
+    if (chunk.token_ids[i] < 0 || static_cast<uint32_t>(chunk.token_ids[i]) >= layout.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where, "token_ids[", i,
+                                                     "]: ", chunk.token_ids[i], " is outside [0, ",
+                                                     layout.vocab_size, ")"));
+    }
+  }
+  if (!chunk.token_entropy.empty() && chunk.token_entropy.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "token_entropy: ", chunk.token_entropy.size(), " values for ", n,
+                     " positions (send 0 or ", n, ")"));
+  }
+  if (auto s = CheckFinite(chunk.token_entropy, where + "token_entropy", 0.0f, 1e6f); !s.ok()) {
+    return s;
+  }
+  if (!chunk.layer_distance.empty() && chunk.layer_distance.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, "layer_distance: ", chunk.layer_distance.size(), " values for ", n,
+                     " positions (send 0 or ", n, ")"));
+  }
+  if (auto s = CheckFinite(chunk.layer_distance, where + "layer_distance", 0.0f, 2.0f); !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (chunk.positions[i] <= *last_position) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "positions[", i, "]: ", chunk.positions[i],
+                       " must be greater than the previous position ", *last_position));
+    }
+    *last_position = chunk.positions[i];
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
+    const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
+    bool require_all, absl::string_view why) const {
+  const Layout& layout = seq.layout;
+  std::vector<absl::Span<const float>> by_stream(seq.streams.size());
+  std::vector<bool> seen(seq.streams.size(), false);
+  for (size_t i = 0; i < signals.size(); ++i) {
+    const StreamSignal& sig = signals[i];
+    if (sig.layer >= layout.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].layer: ", sig.layer,
+                                                     " is outside [0, ", layout.num_layers, ")"));
+    }
+    if (sig.kv_head >= layout.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].kv_head: ", sig.kv_head,
+                                                     " is outside [0, ", layout.num_kv_heads, ")"));
+    }
+    const size_t s = size_t{sig.layer} * layout.num_kv_heads + sig.kv_head;
+    if (seen[s]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: stream (layer ", sig.layer,
+                                                     ", kv_head ", sig.kv_head, ") appears twice"));
+    }
+    seen[s] = true;
+    const std::string name = absl::StrCat(field, "[", i, "]");
+    if (sig.values.size() != seq.streams[s].size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": ", sig.values.size(), " values but stream (layer ", sig.layer,
+                       ", kv_head ", sig.kv_head, ") retains ", seq.streams[s].size(), " slots"));
+    }
+    if (auto st = CheckFinite(sig.values, name, 0.0f, 1e30f); !st.ok()) return st;
+    by_stream[s] = sig.values;
+  }
+  if (require_all && signals.size() != seq.streams.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", why, " needs one entry per stream (", seq.streams.size(),
+                     " = layers x kv_heads), got ", signals.size()));
+  }
+  return by_stream;
+}
+
+}  // namespace kvmem::engine

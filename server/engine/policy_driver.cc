@@ -1,0 +1,224 @@
+// The policy driver: Step and Compress. Policies read the committed state and stage the
+// next; the staged state becomes the sequence's only when the whole call applies.
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+
+policy::CallContext Engine::Context(const Sequence& seq) const {
+  policy::CallContext ctx;
+  ctx.step = seq.steps;
+  ctx.num_layers = seq.layout.num_layers;
+  ctx.num_kv_heads = seq.layout.num_kv_heads;
+  ctx.vocab_size = seq.layout.vocab_size;
+  ctx.history_rows = seq.policy->history_rows();
+  ctx.mark = seq.policy_mark;
+  return ctx;
+}
+
+std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
+  std::vector<policy::StreamState> states(seq.streams.size());
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    Stream& st = seq.streams[s];
+    st.next_scores.resize(st.scores.size());
+    policy::StreamState& state = states[s];
+    state.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    state.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    state.positions = st.positions;
+    state.scores = st.scores;
+    state.next_scores = absl::MakeSpan(st.next_scores);
+    state.history = st.history;
+    state.token_entropy = st.token_entropy;
+    state.layer_distance = st.layer_distance;
+    state.arrival_step = st.arrival_step;
+  }
+  return states;
+}
+
+Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decision& decision,
+                                             const std::vector<absl::Span<const float>>* rows) {
+  return [this, &seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const uint32_t R = seq.policy->history_rows();
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
+      Stream& st = seq.streams[s];
+      if (decision.scores_written) st.scores.swap(st.next_scores);
+      if (R > 0 && rows != nullptr) {
+        // This step's row goes where the row of step - R was (policy.h).
+        const size_t column = seq.steps % R;
+        const absl::Span<const float> row = (*rows)[s];
+        for (size_t j = 0; j < st.size(); ++j) {
+          st.history[j * R + column] = j < row.size() ? row[j] : 0.0f;
+        }
+      }
+    }
+    if (decision.mark) seq.policy_mark = *decision.mark;
+    return absl::OkStatus();
+  };
+}
+
+absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
+                                                   absl::Span<const absl::Span<const float>> rows,
+                                                   policy::Decision* decision) {
+  const policy::KernelStep plan = seq.policy->PlanKernelStep(ctx);
+  const uint32_t H = seq.layout.num_kv_heads;
+  std::vector<uint32_t> budget(seq.streams.size());
+  for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
+  decision->confidence = plan.confidence;
+  decision->budget_tokens = plan.budget_tokens;
+  // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
+  // puts the scores back when the step fails before its point of no return.
+  if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision->keep);
+      !s.ok()) {
+    seq.slots->AbortStep();
+    return s;
+  }
+  absl::StatusOr<Applied> done = ApplyDecision(
+      seq, *decision, [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots->CommitStep(); });
+  if (!done.ok()) {
+    if (seq.poisoned.empty()) seq.slots->AbortStep();
+    return done.status();
+  }
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    if (seq.slots->length(static_cast<uint32_t>(s)) != seq.streams[s].size()) {
+      return Poison(seq, absl::InternalError(absl::StrCat(
+                             "slot state of stream ", s, " holds ", seq.slots->length(s),
+                             " slots, the table ", seq.streams[s].size())));
+    }
+  }
+  return done;
+}
+
+absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInput& input) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
+  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const std::string why = absl::StrCat("policy ", desc.name);
+
+  if (!input.attention.empty() && input.epoch != seq.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: attention rows were computed on epoch ", input.epoch,
+        " but the block table is at epoch ", seq.epoch, "; fetch the block table again"));
+  }
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
+      seq, input.attention, "attention", (desc.step_signals & policy::kAttentionRows) != 0, why);
+  if (!rows.ok()) return rows.status();
+
+  policy::CallContext ctx = Context(seq);
+  if (input.logits) {
+    absl::StatusOr<policy::LogitStats> stats =
+        input.logits->top_logprobs.empty()
+            ? policy::CheckLogitStats({input.logits->entropy, input.logits->p1, input.logits->p2},
+                                      seq.layout.vocab_size)
+            : policy::LogitStatsFromTopLogprobs(input.logits->top_logprobs);
+    if (!stats.ok()) return stats.status();
+    ctx.logits = *stats;
+  } else if (desc.step_signals & policy::kLogitStats) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_stats: ", why, " needs them every step"));
+  }
+
+  const uint64_t before = seq.kv_bytes();
+  policy::Decision decision;
+  absl::StatusOr<Applied> applied;
+  if (seq.slots) {
+    applied = KernelStep(seq, ctx, *rows, &decision);
+  } else {
+    // The policy reads the committed state and stages the next (policy.h); it becomes the
+    // sequence's only if the whole step applies.
+    std::vector<policy::StreamState> states = StagedStreamStates(seq);
+    for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
+    decision = seq.policy->Step(ctx, absl::MakeSpan(states));
+    applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, &*rows));
+  }
+  if (!applied.ok()) return applied.status();
+
+  StepResult result;
+  result.confidence = decision.confidence;
+  result.budget_tokens = decision.budget_tokens;
+  result.evicted_tokens = applied->evicted;
+  result.quantized_tokens = applied->quantized;
+  result.kv_bytes_before = before;
+  result.kv_bytes_after = seq.kv_bytes();
+  result.epoch = seq.epoch;
+  result.step = seq.steps++;
+  ++steps_;
+  AccountSlotState(seq);
+  Renew(seq);
+  return result;
+}
+
+absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
+                                                    const CompressInput& input) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
+  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const std::string why = absl::StrCat("policy ", desc.name);
+  if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "epoch: signals were computed on epoch ", input.epoch, " but the block table is at epoch ",
+        seq.epoch, "; fetch the block table again"));
+  }
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
+      IndexSignals(seq, input.attention, "attention",
+                   (desc.compress_signals & policy::kAttentionRows) != 0, why);
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<std::vector<absl::Span<const float>>> window =
+      IndexSignals(seq, input.window_scores, "window_scores",
+                   (desc.compress_signals & policy::kWindowScores) != 0, why);
+  if (!window.ok()) return window.status();
+
+  policy::CallContext ctx = Context(seq);
+  ctx.target_tokens = input.target_tokens;
+
+  CompressResult result;
+  result.kv_bytes_before = seq.kv_bytes();
+  result.layers.resize(seq.layout.num_layers);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    LayerKept& layer = result.layers[s / seq.layout.num_kv_heads];
+    layer.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    layer.before_tokens += seq.streams[s].size();
+  }
+  // Compress runs on the host: scores kept in a SlotState come over for the call (into the
+  // streams' host scores, which are empty between calls) and go back, compacted, after it
+  // (once per prompt, not per step).
+  if (seq.slots) {
+    std::vector<std::vector<float>> scores;
+    if (absl::Status s = seq.slots->ReadScores(&scores); !s.ok()) return s;
+    for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].scores = std::move(scores[s]);
+  }
+  std::vector<policy::StreamState> states = StagedStreamStates(seq);
+  for (size_t s = 0; s < states.size(); ++s) {
+    states[s].attention = (*rows)[s];
+    states[s].window_scores = (*window)[s];
+  }
+  const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
+  absl::StatusOr<Applied> applied =
+      ApplyDecision(seq, decision, CommitPolicyState(seq, decision, nullptr));
+  if (seq.slots) {
+    std::vector<std::vector<float>> scores(seq.streams.size());
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
+      scores[s].swap(seq.streams[s].scores);
+      seq.streams[s].next_scores = {};
+    }
+    if (applied.ok()) {
+      absl::Status synced = seq.slots->Keep(decision.keep);
+      if (synced.ok()) synced = seq.slots->WriteScores(scores);
+      AccountSlotState(seq);  // a compression may have given capacity back
+      if (!synced.ok()) return Poison(seq, synced);
+    }
+  }
+  if (!applied.ok()) return applied.status();
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    result.layers[s / seq.layout.num_kv_heads].kept_tokens += seq.streams[s].size();
+  }
+  result.evicted_tokens = applied->evicted;
+  result.quantized_tokens = applied->quantized;
+  result.kv_bytes_after = seq.kv_bytes();
+  result.epoch = seq.epoch;
+  AccountSlotState(seq);
+  Renew(seq);
+  return result;
+}
+
+}  // namespace kvmem::engine

@@ -1,0 +1,103 @@
+// Reads: block tables and the retained K/V of a sequence.
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+
+absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
+  BlockTable table;
+  table.sequence_id = seq.id;
+  table.epoch = seq.epoch;
+  table.layout = seq.layout;
+  table.epoch_slot = seq.epoch_slot;
+  table.quantization = seq.format.quant_precision();
+  table.quantized_block_bytes =
+      seq.quant.type ? seq.format.block_bytes(seq.format.quant_precision()) : 0;
+  table.streams.resize(seq.streams.size());
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    StreamTable& out = table.streams[s];
+    out.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
+    out.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    out.blocks.reserve(st.blocks.size());
+    for (const StreamBlock& b : st.blocks) {
+      out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
+    }
+    out.positions = st.positions;
+  }
+  Renew(seq);
+  return table;
+}
+
+absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                            uint32_t layer_end,
+                            const std::function<absl::Status(StreamKV&&)>& sink) {
+  absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
+  if (!seq_or.ok()) return seq_or.status();
+  Sequence& seq = **seq_or;
+  const Layout& layout = seq.layout;
+  if (layer_begin == 0 && layer_end == 0) layer_end = layout.num_layers;
+  if (layer_end > layout.num_layers || layer_begin >= layer_end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ", layer_end,
+                     ") is not a non-empty range within [0, ", layout.num_layers, ")"));
+  }
+  uint64_t read_epoch = epoch;
+  for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+    for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
+      StreamKV out;
+      {
+        absl::MutexLock lock(&seq.mu);
+        if (absl::Status s = Unusable(seq); !s.ok()) return s;
+        if (read_epoch == 0) read_epoch = seq.epoch;
+        if (seq.epoch != read_epoch) {
+          return layer == layer_begin && head == 0
+                     ? absl::FailedPreconditionError(
+                           absl::StrCat("epoch: asked for epoch ", read_epoch,
+                                        " but the block table is at epoch ", seq.epoch))
+                     : absl::AbortedError(absl::StrCat("epoch: the block table changed from epoch ",
+                                                       read_epoch, " to ", seq.epoch,
+                                                       " during the read; read again"));
+        }
+        const Stream& st = seq.streams[size_t{layer} * layout.num_kv_heads + head];
+        const uint64_t row = layout.row_bytes();
+        const uint32_t B = layout.block_tokens;
+        out.layer = layer;
+        out.kv_head = head;
+        out.epoch = seq.epoch;
+        out.positions = st.positions;
+        out.k.resize(st.size() * row);
+        out.v.resize(st.size() * row);
+        std::vector<store::ReadOp> reads;
+        std::vector<store::DequantizeOp> dequantizes;
+        uint64_t first = 0;
+        for (const StreamBlock& b : st.blocks) {
+          const uint64_t off = pool_->offset(b.id);
+          if (b.precision == Precision::kLayout) {
+            reads.push_back({off + b.start * row, out.k.data() + first * row, b.count * row});
+            reads.push_back(
+                {off + (uint64_t{B} + b.start) * row, out.v.data() + first * row, b.count * row});
+          } else {
+            dequantizes.push_back(
+                {off, b.start, b.count, out.k.data() + first * row, out.v.data() + first * row});
+          }
+          first += b.count;
+        }
+        absl::Status io = backend_->Read(reads);
+        if (io.ok() && !dequantizes.empty()) {
+          io = backend_->Dequantize(seq.format.quant_geometry(), seq.format.elem(), dequantizes);
+        }
+        if (io.ok()) io = backend_->Synchronize();
+        if (!io.ok()) return io;
+        Renew(seq);
+      }
+      if (absl::Status s = sink(std::move(out)); !s.ok()) return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvmem::engine

@@ -1,0 +1,182 @@
+// The registry: finding and locking sequences, poisoning, leases and their reaper, and the
+// accounting of host memory outside the pool.
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+#include "spdlog/spdlog.h"
+
+namespace kvmem::engine {
+
+Engine::SequenceRef::SequenceRef(SequenceRef&& other) noexcept
+    : seq_(std::move(other.seq_)), locked_(other.locked_) {
+  other.locked_ = false;
+}
+
+Engine::SequenceRef::~SequenceRef() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (seq_ == nullptr) return;
+  if (locked_) seq_->mu.Unlock();
+  seq_->calls_in_flight.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+absl::StatusOr<Engine::SequenceRef> Engine::Find(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
+                                            " (never created, released, or its lease lapsed)"));
+  }
+  // Counted under the registry lock, which the reaper holds while it reads the count.
+  it->second->calls_in_flight.fetch_add(1, std::memory_order_acq_rel);
+  return SequenceRef(it->second);
+}
+
+absl::Status Engine::Unusable(const Sequence& seq) {
+  if (seq.released) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", seq.id, " was released"));
+  }
+  if (!seq.poisoned.empty()) {
+    return absl::DataLossError(absl::StrCat("sequence ", seq.id, " is poisoned (", seq.poisoned,
+                                            "); its cache can no longer be trusted: release it"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Engine::SequenceRef> Engine::Lock(uint64_t sequence_id) {
+  absl::StatusOr<SequenceRef> found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  SequenceRef ref(std::move(*found));
+  ref.LockNow();
+  if (absl::Status s = Unusable(*ref); !s.ok()) return s;
+  return ref;
+}
+
+absl::Status Engine::Poison(Sequence& seq, const absl::Status& why) {
+  if (seq.poisoned.empty()) {
+    seq.poisoned = std::string(why.message().substr(0, 512));
+    if (seq.poisoned.empty()) seq.poisoned = "a mutation failed past its point of no return";
+    ++sequences_poisoned_;
+    spdlog::error("sequence {} poisoned: {}", seq.id, why.ToString());
+  }
+  // Odd for good: readers of any table of this sequence fail from now on.
+  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  return Unusable(seq);
+}
+
+absl::StatusOr<absl::Duration> Engine::ResolveLease(absl::Duration lease) const {
+  if (lease == absl::ZeroDuration()) return config_.default_lease;
+  if (lease < absl::ZeroDuration() || lease > config_.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(lease),
+                                                   " is outside [1, ",
+                                                   absl::ToDoubleSeconds(config_.max_lease), "]"));
+  }
+  return lease;
+}
+
+void Engine::Renew(Sequence& seq) {
+  seq.lease_deadline_ns.store(absl::ToUnixNanos(clock_->Now() + seq.lease),
+                              std::memory_order_relaxed);
+}
+
+absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& seq) {
+  Renew(*seq);
+  CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
+                      seq->layout.block_tokens, seq->epoch_slot};
+  absl::MutexLock lock(&mu_);
+  result.sequence_id = seq->id;
+  sequences_.emplace(seq->id, seq);
+  return result;
+}
+
+uint64_t Engine::ReleaseLocked(Sequence& seq) {
+  uint64_t freed = 0;
+  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  freed += pool_->Unref(seq.orphan_blocks);
+  seq.orphan_blocks.clear();
+  for (Stream& st : seq.streams) {
+    for (const StreamBlock& b : st.blocks) freed += pool_->Unref({b.id});
+    st = Stream{};
+  }
+  seq.slots.reset();
+  seq.released = true;
+  AccountSlotState(seq);
+  board_->Release(seq.epoch_slot);
+  return freed;
+}
+
+void Engine::AccountSlotState(Sequence& seq) {
+  const uint64_t now = seq.slots ? seq.slots->bytes() : 0;
+  slot_state_bytes_ += now - seq.slot_bytes_accounted;  // modular: shrinking subtracts
+  seq.slot_bytes_accounted = now;
+  const uint64_t host = seq.released ? 0 : seq.host_bytes();
+  host_bytes_ += host - seq.host_bytes_accounted;
+  seq.host_bytes_accounted = host;
+}
+
+uint64_t Engine::host_budget() const {
+  return config_.host_metadata_bytes > 0 ? config_.host_metadata_bytes
+                                         : config_.pool_bytes / 2 + (64ull << 20);
+}
+
+absl::Status Engine::CheckHostBudget(uint64_t more, absl::string_view what) const {
+  const uint64_t used = host_bytes_.load() + slot_state_bytes_.load();
+  if (used + more > host_budget()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": needs ", more, " more bytes of host metadata; ", used, " of the budget of ",
+        host_budget(), " bytes are in use (--host-metadata-bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  std::vector<absl::Status> results;
+  results.reserve(sequence_ids.size());
+  // Renewed under the registry lock: the reaper, which takes it too, sees either the
+  // sequence gone (NOT_FOUND here) or its new deadline.
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  for (size_t i = 0; i < sequence_ids.size(); ++i) {
+    auto it = sequences_.find(sequence_ids[i]);
+    if (it == sequences_.end()) {
+      results.push_back(
+          absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i],
+                                           " (never created, released, or its lease lapsed)")));
+      continue;
+    }
+    Sequence& seq = *it->second;
+    seq.lease_deadline_ns.store(absl::ToUnixNanos(now + seq.lease), std::memory_order_relaxed);
+    results.push_back(absl::OkStatus());
+  }
+  return results;
+}
+
+uint32_t Engine::ExpireLeases() {
+  const int64_t now = absl::ToUnixNanos(clock_->Now());
+  std::vector<std::shared_ptr<Sequence>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = sequences_.begin(); it != sequences_.end();) {
+      // A sequence with calls in flight is left alone: each renews it when it finishes.
+      // Calls take their count under this lock, so none can start on a sequence taken here.
+      if (it->second->lease_deadline_ns.load(std::memory_order_relaxed) < now &&
+          it->second->calls_in_flight.load(std::memory_order_acquire) == 0) {
+        expired.push_back(std::move(it->second));
+        sequences_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (const auto& seq : expired) {
+    absl::MutexLock lock(&seq->mu);
+    const uint64_t freed = ReleaseLocked(*seq);
+    spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id,
+                 absl::ToInt64Seconds(seq->lease), freed);
+  }
+  leases_expired_ += expired.size();
+  return static_cast<uint32_t>(expired.size());
+}
+
+void Engine::RunLeaseReaper(absl::Duration period, absl::Notification* stop) {
+  while (!stop->WaitForNotificationWithTimeout(period)) ExpireLeases();
+}
+
+}  // namespace kvmem::engine
