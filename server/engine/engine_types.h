@@ -1,0 +1,184 @@
+#pragma once
+// The engine's plain data: its configuration and what its calls take and return.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "server/engine/failpoints.h"
+#include "server/engine/layout.h"
+#include "server/engine/sequence.h"
+#include "server/store/block_pool.h"
+
+namespace kvmem::engine {
+
+inline constexpr uint32_t kMaxRecentTokens = 1u << 20;
+
+struct EngineConfig {
+  uint64_t pool_bytes = 1ull << 30;
+  uint64_t page_bytes = 64 * 1024;
+  uint32_t default_block_tokens = 16;
+  uint32_t max_sequences = 1024;
+  absl::Duration default_lease = absl::Seconds(60);
+  absl::Duration max_lease = absl::Hours(24);
+  uint64_t max_append_bytes = 64ull << 20;  // K+V bytes of one Append message
+  // Host memory for sequences' metadata outside the pool (per-stream and per-slot vectors:
+  // positions, scores, signals, history, block lists); a call that would pass it is
+  // RESOURCE_EXHAUSTED naming --host-metadata-bytes. 0 = pool_bytes / 2 + 64 MiB.
+  uint64_t host_metadata_bytes = 0;
+  // Test hook (failpoints.h); null in production.
+  Failpoints* failpoints = nullptr;
+  // Free pages only quantization may take (BlockPool::Use::kReclaim), so that a full pool
+  // can still quantize; -1 = about 1% of the pool's pages, at least one when it has 8.
+  int64_t reclaim_reserve_pages = -1;
+  // Policies with a kernel step keep their scores in the backend (store::SlotState: device
+  // memory on a GPU) and run each Step there; false runs every policy on the host.
+  bool device_step = true;
+};
+
+struct AppendChunk {
+  absl::Span<const int64_t> positions;
+  absl::Span<const int32_t> token_ids;
+  absl::string_view k;  // [L][H][n][D] in the layout dtype
+  absl::string_view v;
+  absl::Span<const float> token_entropy;
+  absl::Span<const float> layer_distance;
+};
+
+struct AppendResult {
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t epoch = 0;
+  uint64_t kv_bytes = 0;
+};
+
+// One per-stream signal vector (attention row or window scores).
+struct StreamSignal {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  absl::Span<const float> values;
+};
+
+struct RawLogitStats {
+  float entropy = 0, p1 = 0, p2 = 0;
+  std::vector<float> top_logprobs;  // alternative to the three numbers
+};
+
+struct StepInput {
+  uint64_t epoch = 0;
+  std::optional<RawLogitStats> logits;
+  std::vector<StreamSignal> attention;
+};
+
+struct StepResult {
+  double confidence = 0;
+  uint32_t budget_tokens = 0;
+  uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+};
+
+struct CompressInput {
+  uint64_t epoch = 0;
+  uint32_t target_tokens = 0;
+  std::vector<StreamSignal> window_scores;
+  std::vector<StreamSignal> attention;
+};
+
+struct LayerKept {
+  uint32_t layer = 0;
+  uint64_t kept_tokens = 0;
+  uint64_t before_tokens = 0;
+};
+
+struct CompressResult {
+  std::vector<LayerKept> layers;
+  uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+};
+
+struct TableBlock {
+  store::BlockId id = 0;
+  uint64_t offset = 0;  // bytes into the pool
+  uint32_t start = 0;   // live slots [start, start + count) of the block
+  uint32_t count = 0;
+  Precision precision = Precision::kLayout;
+};
+
+struct StreamTable {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  std::vector<TableBlock> blocks;
+  std::vector<int64_t> positions;
+};
+
+struct BlockTable {
+  uint64_t sequence_id = 0;
+  uint64_t epoch = 0;
+  Layout layout;
+  Precision quantization = Precision::kLayout;
+  uint64_t quantized_block_bytes = 0;
+  uint32_t epoch_slot = 0;
+  std::vector<StreamTable> streams;
+};
+
+// One stream's retained K/V in the layout dtype, [n][D] each.
+struct StreamKV {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  uint64_t epoch = 0;
+  std::vector<int64_t> positions;
+  std::string k;
+  std::string v;
+};
+
+struct CreateResult {
+  uint64_t sequence_id = 0;
+  uint32_t lease_seconds = 0;
+  uint32_t block_tokens = 0;
+  uint32_t epoch_slot = 0;
+};
+
+struct SequenceSummary {
+  uint64_t sequence_id = 0;
+  std::string policy;
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t kv_bytes = 0;
+  uint64_t blocks = 0;
+  uint64_t epoch = 0;
+  uint64_t steps = 0;
+  double lease_remaining_seconds = 0;
+  uint64_t parent_id = 0;
+  uint64_t pool_bytes_held = 0;
+  std::string quantization;
+  uint64_t slot_state_bytes = 0;
+};
+
+struct EngineStats {
+  store::PoolUsage pool;
+  uint64_t pool_free_bytes = 0;
+  uint32_t sequences_active = 0;
+  uint64_t tokens_appended = 0;
+  uint64_t tokens_evicted = 0;
+  uint64_t tokens_quantized = 0;
+  uint64_t bytes_moved = 0;          // pool bytes moved by compaction, merges and copy-on-write
+  uint64_t slot_state_bytes = 0;     // SlotState memory of all sequences (outside the pool)
+  uint64_t host_metadata_bytes = 0;  // sequences' host metadata (outside the pool)
+  uint64_t host_metadata_budget_bytes = 0;
+  uint64_t steps = 0;
+  uint64_t leases_expired = 0;
+  uint64_t sequences_poisoned = 0;
+  std::vector<SequenceSummary> sequences;
+};
+
+}  // namespace kvmem::engine
