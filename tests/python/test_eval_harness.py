@@ -1,10 +1,16 @@
 """The small version of the evaluation harness: keeps bench/eval/eval.py working end to end
 (corpus from gensim's wheel, kvmemd, the worker, tables), on a few hundred tokens."""
+import argparse
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "eval"))
@@ -66,11 +72,73 @@ def test_kl_study_measures_what_it_says(tmp_path):
                           f"--text={text}", "--kl_warmup=40", "--kl_drop=0", "--max_eval_tokens=4"],
                          check=True, capture_output=True, text=True).stdout.split("\n")
     assert all(float(line.split()[4]) == 0.0 for line in out if line)
+    # The study end to end: both rows, 64 steps each. Its Pearson r is checked against numpy on
+    # known data in test_kl_study_pearson_r_matches_numpy (no model needed there).
     run("kl", tmp_path)
     table = (tmp_path / "kl-small.md").read_text()
-    for line in table.strip().splitlines()[-2:]:
-        r = float(line.split("|")[3])
-        assert -1.0 <= r <= 1.0
+    lines = table.strip().splitlines()[-2:]
+    assert [line.split("|")[1].strip() for line in lines] == [
+        "the newest 256", "the 256 before the newest 32"]
+    assert [int(line.split("|")[2]) for line in lines] == [64, 64]
+
+
+def load_eval():
+    spec = importlib.util.spec_from_file_location("kvmem_eval", ROOT / "bench" / "eval" / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kl_study_on(monkeypatch, worker_lines):
+    """Runs eval.py's kl study with the worker replaced by `worker_lines(keep)`, rows of
+    (entropy, p1, p2, kl) for --kl_keep_recent=keep; returns the module, the r the study
+    returns and the two r cells of its table."""
+    ev = load_eval()
+    tables = {}
+
+    def fake_run(argv, **kwargs):
+        keep = int(next(a for a in argv if a.startswith("--kl_keep_recent=")).split("=")[1])
+        out = "".join(f"{i} {' '.join(repr(float(x)) for x in row)}\n"
+                      for i, row in enumerate(worker_lines(keep)))
+        return subprocess.CompletedProcess(argv, 0, stdout=out)
+
+    monkeypatch.setattr(ev, "corpus_path", lambda: "corpus.txt")
+    monkeypatch.setattr(ev, "model_path", lambda: "model.gguf")
+    monkeypatch.setattr(ev, "pyplot", lambda: None)
+    monkeypatch.setattr(ev, "write_table", lambda name, lines: tables.__setitem__(name, lines))
+    monkeypatch.setattr(ev.subprocess, "run", fake_run)
+    r = ev.study_kl(argparse.Namespace(small=True, tokens=160))
+    rows = [line for line in tables["kl-small"] if line.startswith("| the ")]
+    assert len(rows) == 2
+    return ev, r, [float(line.split("|")[3]) for line in rows]
+
+
+def test_kl_study_pearson_r_matches_numpy(monkeypatch):
+    """The kl study's Pearson r against numpy.corrcoef on the same data, and on data whose r is
+    +1 or -1 by construction (a wrong formula can still land in [-1, 1])."""
+    rng = np.random.default_rng(7)
+    n = 200
+    h = rng.uniform(0.0, 8.0, n)
+    p1 = rng.uniform(0.2, 0.9, n)
+    p2 = p1 * rng.uniform(0.05, 0.95, n)
+    # CONF-KV's confidence c_t as ALGORITHMS.md defines it (default weights, V = 49152).
+    c = 0.4 * (1 - h / math.log(49152)) + 0.3 * (1 - p2 / p1) + 0.3 * p1
+
+    # KL exactly linear in c: r = +1 and -1 whatever the scale and offset.
+    exact = {0: 3.0 * c + 0.25, 32: 7.0 - 2.0 * c}
+    ev, r, cells = kl_study_on(monkeypatch, lambda keep: zip(h, p1, p2, exact[keep]))
+    assert [ev.confidence(*x) for x in zip(h, p1, p2)] == pytest.approx(c, abs=1e-12)
+    assert r == pytest.approx(1.0, abs=1e-12)
+    assert cells == [1.0, -1.0]
+
+    # Noisy data: the r numpy computes from the same arrays, in the return value and the table.
+    noisy = {0: 0.5 - 0.8 * c + rng.normal(0.0, 0.05, n),  # clearly negative, |r| < 1
+             32: rng.exponential(1.0, n)}                    # unrelated to c, r near 0
+    _, r, cells = kl_study_on(monkeypatch, lambda keep: zip(h, p1, p2, noisy[keep]))
+    want = [np.corrcoef(c, noisy[keep])[0, 1] for keep in (0, 32)]
+    assert -0.99 < want[0] < -0.5 and abs(want[1]) < 0.3  # the data are what they are meant to be
+    assert r == pytest.approx(want[0], abs=1e-9)
+    assert cells == [round(w, 3) for w in want]
 
 
 def test_small_speed_study(tmp_path):
