@@ -35,6 +35,10 @@ ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,
           "memory gRPC's transports may hold (its ResourceQuota)");
 ABSL_FLAG(int32_t, grpc_max_threads, 256,
           "threads that run calls (gRPC ResourceQuota); calls past it get RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, request_id_entries, 100000,
+          "responses of mutating calls kept so that a retry with the same request_id gets the "
+          "first answer instead of applying twice");
+ABSL_FLAG(uint32_t, request_id_seconds, 600, "how long a response is kept for retries");
 ABSL_FLAG(double, drain_seconds, 5,
           "on SIGTERM, how long calls already accepted may run before they are cancelled; new "
           "calls get UNAVAILABLE meanwhile");
@@ -88,6 +92,8 @@ int main(int argc, char** argv) {
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
+  config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);
+  config.limits.request_id_ttl = absl::Seconds(absl::GetFlag(FLAGS_request_id_seconds));
   config.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
 

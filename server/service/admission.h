@@ -16,6 +16,8 @@ namespace kvmem::service {
 struct ServiceLimits {
   uint64_t max_stream_buffer_bytes = 256ull << 20;  // request bytes of all open AppendStreams
   uint32_t max_append_streams = 16;                 // AppendStreams open at once
+  size_t request_id_entries = 100000;               // responses kept for retries
+  absl::Duration request_id_ttl = absl::Minutes(10);
 };
 
 // Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for

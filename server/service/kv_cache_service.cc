@@ -98,25 +98,29 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
                                             v1::CreateSequenceResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  if (!request->has_layout()) {
-    return ToGrpc(absl::InvalidArgumentError("layout: required"));
-  }
-  absl::StatusOr<engine::Layout> layout = FromProto(request->layout());
-  if (!layout.ok()) return ToGrpc(layout.status());
-  if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
-  policy::ParamOverrides params(request->policy().params().begin(),
-                                request->policy().params().end());
-  absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
-  if (!quant.ok()) return ToGrpc(quant.status());
-  absl::StatusOr<engine::CreateResult> created = engine_->CreateSequence(
-      *layout, request->policy().name(), params, *quant, absl::Seconds(request->lease_seconds()));
-  if (!created.ok()) return ToGrpc(created.status());
-  response->set_sequence_id(created->sequence_id);
-  response->set_reused_prefix_tokens(0);
-  response->set_lease_seconds(created->lease_seconds);
-  response->set_block_tokens(created->block_tokens);
-  response->set_epoch_slot(created->epoch_slot);
-  return grpc::Status::OK;
+  return ToGrpc(
+      requests_.Run("CreateSequence", request->request_id(), response, [&]() -> absl::Status {
+        if (!request->has_layout()) {
+          return absl::InvalidArgumentError("layout: required");
+        }
+        absl::StatusOr<engine::Layout> layout = FromProto(request->layout());
+        if (!layout.ok()) return layout.status();
+        if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return s;
+        policy::ParamOverrides params(request->policy().params().begin(),
+                                      request->policy().params().end());
+        absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
+        if (!quant.ok()) return quant.status();
+        absl::StatusOr<engine::CreateResult> created =
+            engine_->CreateSequence(*layout, request->policy().name(), params, *quant,
+                                    absl::Seconds(request->lease_seconds()));
+        if (!created.ok()) return created.status();
+        response->set_sequence_id(created->sequence_id);
+        response->set_reused_prefix_tokens(0);
+        response->set_lease_seconds(created->lease_seconds);
+        response->set_block_tokens(created->block_tokens);
+        response->set_epoch_slot(created->epoch_slot);
+        return absl::OkStatus();
+      }));
 }
 
 namespace {
@@ -133,12 +137,14 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
                                     v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  const engine::AppendChunk chunk = ChunkView(*request);
-  absl::StatusOr<engine::AppendResult> result =
-      engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
-  if (!result.ok()) return ToGrpc(result.status());
-  FillAppendResponse(request->sequence_id(), *result, response);
-  return grpc::Status::OK;
+  return ToGrpc(requests_.Run("Append", request->request_id(), response, [&]() -> absl::Status {
+    const engine::AppendChunk chunk = ChunkView(*request);
+    absl::StatusOr<engine::AppendResult> result =
+        engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
+    if (!result.ok()) return result.status();
+    FillAppendResponse(request->sequence_id(), *result, response);
+    return absl::OkStatus();
+  }));
 }
 
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
@@ -183,60 +189,68 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   chunks.reserve(requests.size());
   for (const v1::AppendRequest& r : requests) chunks.push_back(ChunkView(r));
   const uint64_t id = requests.front().sequence_id();
-  absl::StatusOr<engine::AppendResult> result = engine_->Append(id, chunks);
-  if (!result.ok()) return ToGrpc(result.status());
-  FillAppendResponse(id, *result, response);
-  return grpc::Status::OK;
+  return ToGrpc(
+      requests_.Run("AppendStream", requests.front().request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<engine::AppendResult> result = engine_->Append(id, chunks);
+        if (!result.ok()) return result.status();
+        FillAppendResponse(id, *result, response);
+        return absl::OkStatus();
+      }));
 }
 
 grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* request,
                                   v1::StepResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  engine::StepInput input;
-  input.epoch = request->epoch();
-  if (request->has_logit_stats()) {
-    const v1::LogitStats& ls = request->logit_stats();
-    input.logits = engine::RawLogitStats{
-        ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
-  }
-  input.attention = SignalViews(request->attention());
-  absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
-  if (!result.ok()) return ToGrpc(result.status());
-  response->set_confidence(result->confidence);
-  response->set_budget_tokens(result->budget_tokens);
-  response->set_evicted_tokens(result->evicted_tokens);
-  response->set_quantized_tokens(result->quantized_tokens);
-  response->set_kv_bytes_before(result->kv_bytes_before);
-  response->set_kv_bytes_after(result->kv_bytes_after);
-  response->set_epoch(result->epoch);
-  response->set_step(result->step);
-  return grpc::Status::OK;
+  return ToGrpc(requests_.Run("Step", request->request_id(), response, [&]() -> absl::Status {
+    engine::StepInput input;
+    input.epoch = request->epoch();
+    if (request->has_logit_stats()) {
+      const v1::LogitStats& ls = request->logit_stats();
+      input.logits = engine::RawLogitStats{
+          ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
+    }
+    input.attention = SignalViews(request->attention());
+    absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
+    if (!result.ok()) return result.status();
+    response->set_confidence(result->confidence);
+    response->set_budget_tokens(result->budget_tokens);
+    response->set_evicted_tokens(result->evicted_tokens);
+    response->set_quantized_tokens(result->quantized_tokens);
+    response->set_kv_bytes_before(result->kv_bytes_before);
+    response->set_kv_bytes_after(result->kv_bytes_after);
+    response->set_epoch(result->epoch);
+    response->set_step(result->step);
+    return absl::OkStatus();
+  }));
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  engine::CompressInput input;
-  input.epoch = request->epoch();
-  input.target_tokens = request->target_tokens();
-  input.attention = SignalViews(request->attention());
-  input.window_scores = SignalViews(request->window_scores());
-  absl::StatusOr<engine::CompressResult> result = engine_->Compress(request->sequence_id(), input);
-  if (!result.ok()) return ToGrpc(result.status());
-  for (const engine::LayerKept& layer : result->layers) {
-    v1::LayerKept* out = response->add_layers();
-    out->set_layer(layer.layer);
-    out->set_kept_tokens(layer.kept_tokens);
-    out->set_before_tokens(layer.before_tokens);
-  }
-  response->set_evicted_tokens(result->evicted_tokens);
-  response->set_quantized_tokens(result->quantized_tokens);
-  response->set_kv_bytes_before(result->kv_bytes_before);
-  response->set_kv_bytes_after(result->kv_bytes_after);
-  response->set_epoch(result->epoch);
-  return grpc::Status::OK;
+  return ToGrpc(requests_.Run("Compress", request->request_id(), response, [&]() -> absl::Status {
+    engine::CompressInput input;
+    input.epoch = request->epoch();
+    input.target_tokens = request->target_tokens();
+    input.attention = SignalViews(request->attention());
+    input.window_scores = SignalViews(request->window_scores());
+    absl::StatusOr<engine::CompressResult> result =
+        engine_->Compress(request->sequence_id(), input);
+    if (!result.ok()) return result.status();
+    for (const engine::LayerKept& layer : result->layers) {
+      v1::LayerKept* out = response->add_layers();
+      out->set_layer(layer.layer);
+      out->set_kept_tokens(layer.kept_tokens);
+      out->set_before_tokens(layer.before_tokens);
+    }
+    response->set_evicted_tokens(result->evicted_tokens);
+    response->set_quantized_tokens(result->quantized_tokens);
+    response->set_kv_bytes_before(result->kv_bytes_before);
+    response->set_kv_bytes_after(result->kv_bytes_after);
+    response->set_epoch(result->epoch);
+    return absl::OkStatus();
+  }));
 }
 
 grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
@@ -277,13 +291,15 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
                                   v1::ForkResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return ToGrpc(s);
-  absl::StatusOr<engine::CreateResult> child =
-      engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
-  if (!child.ok()) return ToGrpc(child.status());
-  response->set_sequence_id(child->sequence_id);
-  response->set_epoch_slot(child->epoch_slot);
-  return grpc::Status::OK;
+  return ToGrpc(requests_.Run("Fork", request->request_id(), response, [&]() -> absl::Status {
+    if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return s;
+    absl::StatusOr<engine::CreateResult> child =
+        engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
+    if (!child.ok()) return child.status();
+    response->set_sequence_id(child->sequence_id);
+    response->set_epoch_slot(child->epoch_slot);
+    return absl::OkStatus();
+  }));
 }
 
 grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
@@ -308,10 +324,12 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
                                      v1::ReleaseResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
-  if (!freed.ok()) return ToGrpc(freed.status());
-  response->set_freed_blocks(*freed);
-  return grpc::Status::OK;
+  return ToGrpc(requests_.Run("Release", request->request_id(), response, [&]() -> absl::Status {
+    absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
+    if (!freed.ok()) return freed.status();
+    response->set_freed_blocks(*freed);
+    return absl::OkStatus();
+  }));
 }
 
 grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,

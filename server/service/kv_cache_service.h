@@ -8,15 +8,18 @@
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/service/admission.h"
+#include "server/service/request_cache.h"
 
 namespace kvmem::service {
 
 class KvCacheService final : public v1::KvCache::Service {
  public:
-  KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits)
+  KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits,
+                 const engine::Clock* clock)
       : engine_(engine),
         version_(std::move(version)),
-        streams_(limits.max_stream_buffer_bytes, limits.max_append_streams) {}
+        streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
+        requests_(limits.request_id_entries, limits.request_id_ttl, clock) {}
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -50,6 +53,7 @@ class KvCacheService final : public v1::KvCache::Service {
   const std::string version_;
   CallGate gate_;
   AppendStreamBudget streams_;
+  RequestCache requests_;  // retries of mutating calls (request_id)
 };
 
 }  // namespace kvmem::service

@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
   server->service_ =
-      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits);
+      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits, clock);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -174,13 +174,13 @@ TEST(ServerConfigTest, DeviceStepIsAutoOnOrOff) {
 namespace kvmem {
 namespace {
 
-// The client retries UNAVAILABLE with backoff: a call made before the daemon listens
-// succeeds once it does.
+// A client made to wait for its daemon (wait_for_ready) gets an answer once the daemon
+// listens; without it, a missing daemon is UNAVAILABLE (after gRPC's retries) quickly.
 TEST(ClientRetryTest, WaitsForADaemonThatStartsLate) {
   const std::string socket = "unix:/tmp/kvmem-retry-" + std::to_string(getpid()) + ".sock";
   client::ClientOptions options;
-  options.max_attempts = 10;
-  options.initial_backoff = absl::Milliseconds(50);
+  options.wait_for_ready = true;
+  options.deadline = absl::Seconds(10);
   auto client = *client::Client::Connect(socket, options);
   std::unique_ptr<service::Server> server;
   std::thread starter([&] {
@@ -193,10 +193,14 @@ TEST(ClientRetryTest, WaitsForADaemonThatStartsLate) {
   auto info = client->GetInfo();
   starter.join();
   EXPECT_TRUE(info.ok()) << info.status();
-  // With one attempt, a missing daemon is UNAVAILABLE at once.
-  options.max_attempts = 1;
+  options.wait_for_ready = false;
   auto lone = *client::Client::Connect("unix:/tmp/kvmem-nobody-here.sock", options);
+  const absl::Time start = absl::Now();
   EXPECT_EQ(lone->GetInfo().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  options.max_attempts = 6;
+  EXPECT_EQ(client::Client::Connect(socket, options).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -326,3 +326,101 @@ TEST(ToGrpcTest, CutsLongMessagesOnACharacterBoundary) {
 
 }  // namespace
 }  // namespace kvmem
+
+namespace kvmem {
+namespace {
+
+// Mutating calls are safe to retry: a repeated request_id gets the first answer and is
+// not applied twice (before request ids, a retried Step evicted twice and a retried
+// CreateSequence leaked a sequence).
+class RequestIdTest : public ValidationTest {};
+
+TEST_F(RequestIdTest, ARepeatedRequestIdIsAnsweredOnceAndAppliedOnce) {
+  auto call = [&](auto method, const auto& q, auto* r) {
+    grpc::ClientContext context;
+    return (stub_.get()->*method)(&context, q, r);
+  };
+  v1::CreateSequenceRequest create;
+  create.mutable_layout()->set_num_layers(kL);
+  create.mutable_layout()->set_num_kv_heads(kH);
+  create.mutable_layout()->set_head_dim(kD);
+  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
+  create.mutable_layout()->set_vocab_size(1000);
+  create.mutable_policy()->set_name("window");
+  (*create.mutable_policy()->mutable_params())["window"] = 8;
+  create.set_request_id("create-1");
+  v1::CreateSequenceResponse first, again;
+  ASSERT_TRUE(call(&v1::KvCache::Stub::CreateSequence, create, &first).ok());
+  const uint64_t active = client_->GetStats(false)->sequences_active;
+  ASSERT_TRUE(call(&v1::KvCache::Stub::CreateSequence, create, &again).ok());
+  EXPECT_EQ(again.sequence_id(), first.sequence_id());
+  EXPECT_EQ(client_->GetStats(false)->sequences_active, active) << "a retry leaked a sequence";
+
+  const uint64_t id = first.sequence_id();
+  ASSERT_TRUE(AppendRange(id, 0, 20).ok());
+  v1::StepRequest step;
+  step.set_sequence_id(id);
+  step.set_request_id("step-1");
+  v1::StepResponse s1, s2, s3;
+  ASSERT_TRUE(call(&v1::KvCache::Stub::Step, step, &s1).ok());
+  EXPECT_EQ(s1.evicted_tokens(), 12u * kL * kH);
+  ASSERT_TRUE(AppendRange(id, 20, 4).ok());
+  ASSERT_TRUE(call(&v1::KvCache::Stub::Step, step, &s2).ok());  // the retry: not applied
+  EXPECT_EQ(s2.step(), s1.step());
+  EXPECT_EQ(s2.evicted_tokens(), s1.evicted_tokens());
+  EXPECT_EQ(client_->GetBlockTable(id)->streams[0].positions.size(), 12u) << "applied twice";
+  step.set_request_id("step-2");  // a new call
+  ASSERT_TRUE(call(&v1::KvCache::Stub::Step, step, &s3).ok());
+  EXPECT_EQ(s3.step(), s1.step() + 1);
+
+  // The same id on another method is another call; an id over 64 bytes is refused.
+  v1::ReleaseRequest release;
+  release.set_sequence_id(id);
+  release.set_request_id(std::string(65, 'x'));
+  v1::ReleaseResponse rr;
+  EXPECT_EQ(call(&v1::KvCache::Stub::Release, release, &rr).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  release.set_request_id("step-1");
+  ASSERT_TRUE(call(&v1::KvCache::Stub::Release, release, &rr).ok());
+  v1::ReleaseResponse rr2;
+  EXPECT_TRUE(call(&v1::KvCache::Stub::Release, release, &rr2).ok()) << "a retried Release";
+  EXPECT_EQ(rr2.freed_blocks(), rr.freed_blocks());
+}
+
+TEST_F(RequestIdTest, AFailedCallIsNotRememberedAndConcurrentRepeatsApplyOnce) {
+  v1::StepRequest step;
+  step.set_sequence_id(id_);
+  step.set_epoch(12345);  // stale: FAILED_PRECONDITION, nothing applied
+  step.add_attention()->set_layer(0);
+  step.set_request_id("retry-after-error");
+  v1::StepResponse r;
+  {
+    grpc::ClientContext context;
+    EXPECT_EQ(stub_->Step(&context, step, &r).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+  step.clear_attention();
+  step.set_epoch(0);
+  {
+    grpc::ClientContext context;
+    EXPECT_TRUE(stub_->Step(&context, step, &r).ok()) << "the error was replayed";
+  }
+  // Eight concurrent copies of one Step: one applies, all get its answer.
+  const uint64_t steps_before = client_->GetStats(false)->steps;
+  step.set_request_id("concurrent");
+  std::vector<std::thread> threads;
+  std::vector<v1::StepResponse> answers(8);
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      grpc::ClientContext context;
+      if (stub_->Step(&context, step, &answers[i]).ok()) ++ok;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_EQ(client_->GetStats(false)->steps, steps_before + 1);
+  for (const v1::StepResponse& a : answers) EXPECT_EQ(a.step(), answers[0].step());
+}
+
+}  // namespace
+}  // namespace kvmem

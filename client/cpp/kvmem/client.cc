@@ -1,7 +1,10 @@
 #include "kvmem/client.h"
 
+#include <random>
 #include <thread>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
@@ -70,24 +73,33 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
 
-  // Runs `attempt(context)` until it succeeds, fails with a code other than UNAVAILABLE,
-  // or runs out of attempts; each attempt gets a fresh context and deadline.
+  // Runs one call; gRPC retries it by the channel's retry policy.
   template <typename Attempt>
   absl::Status Call(Attempt attempt) {
-    absl::Duration backoff = options.initial_backoff;
-    for (int i = 1;; ++i) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() +
-                           absl::ToChronoMilliseconds(options.deadline));
-      const grpc::Status status = attempt(context);
-      if (status.error_code() != grpc::StatusCode::UNAVAILABLE || i >= options.max_attempts) {
-        return FromGrpc(status);
-      }
-      std::this_thread::sleep_for(absl::ToChronoMilliseconds(backoff));
-      backoff = std::min(backoff * 2, options.max_backoff);
-    }
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         absl::ToChronoMilliseconds(options.deadline));
+    context.set_wait_for_ready(options.wait_for_ready);
+    return FromGrpc(attempt(context));
   }
 };
+
+// 128 random bits, hex: one per mutating call, repeated by its retries.
+std::string NewRequestId() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return absl::StrCat(absl::Hex(rng(), absl::kZeroPad16), absl::Hex(rng(), absl::kZeroPad16));
+}
+
+// gRPC's retry policy for every KvCache method: mutating ones are safe to retry because
+// they carry request ids (the daemon answers a repeat with the first response).
+std::string ServiceConfig(const ClientOptions& o) {
+  return absl::StrCat(
+      R"({"methodConfig":[{"name":[{"service":"kvmem.v1.KvCache"}],"retryPolicy":{)",
+      R"("maxAttempts":)", std::min(o.max_attempts, 5), R"(,"initialBackoff":")",
+      absl::ToDoubleSeconds(o.initial_backoff), R"(s","maxBackoff":")",
+      absl::ToDoubleSeconds(o.max_backoff),
+      R"(s","backoffMultiplier":2,"retryableStatusCodes":["UNAVAILABLE"]}}]})");
+}
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
@@ -95,14 +107,15 @@ Client::~Client() = default;
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& target,
                                                         ClientOptions options) {
   if (target.empty()) return absl::InvalidArgumentError("target: empty address");
-  if (options.max_attempts < 1) {
-    return absl::InvalidArgumentError("options.max_attempts: must be at least 1");
+  if (options.max_attempts < 1 || options.max_attempts > 5) {
+    return absl::InvalidArgumentError("options.max_attempts: must be in [1, 5] (gRPC's limit)");
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  if (options.max_attempts > 1) args.SetServiceConfigJSON(ServiceConfig(options));
   impl->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   impl->stub = v1::KvCache::NewStub(impl->channel);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
@@ -162,6 +175,7 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
   q.mutable_policy()->set_quantization_recent_tokens(policy.quantization_recent_tokens);
   for (const auto& [k, v] : policy.params) (*q.mutable_policy()->mutable_params())[k] = v;
   q.set_lease_seconds(lease_seconds);
+  q.set_request_id(NewRequestId());
   v1::CreateSequenceResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
@@ -172,6 +186,7 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
 absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args) {
   v1::AppendRequest q;
   ToProto(args, sequence_id, &q);
+  q.set_request_id(NewRequestId());
   v1::AppendResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Append(&c, q, &r); });
@@ -182,12 +197,14 @@ absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendAr
 absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
                                                   absl::Span<const AppendArgs> chunks) {
   v1::AppendResponse r;
+  const std::string request_id = NewRequestId();
   absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
     std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
         impl_->stub->AppendStream(&c, &r);
     for (const AppendArgs& chunk : chunks) {
       v1::AppendRequest q;
       ToProto(chunk, sequence_id, &q);
+      if (&chunk == chunks.data()) q.set_request_id(request_id);
       if (!writer->Write(q)) break;  // the daemon ended the call; Finish() says why
     }
     writer->WritesDone();
@@ -210,6 +227,7 @@ absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& ar
                                     args.logit_stats->top_logprobs.end());
   }
   AddSignals(args.attention, q.mutable_attention());
+  q.set_request_id(NewRequestId());
   v1::StepResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Step(&c, q, &r); });
@@ -226,6 +244,7 @@ absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const Comp
   q.set_target_tokens(args.target_tokens);
   AddSignals(args.window_scores, q.mutable_window_scores());
   AddSignals(args.attention, q.mutable_attention());
+  q.set_request_id(NewRequestId());
   v1::CompressResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Compress(&c, q, &r); });
@@ -295,6 +314,7 @@ absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, uint32_t lease_secon
   v1::ForkRequest q;
   q.set_sequence_id(sequence_id);
   q.set_lease_seconds(lease_seconds);
+  q.set_request_id(NewRequestId());
   v1::ForkResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Fork(&c, q, &r); });
@@ -305,6 +325,7 @@ absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, uint32_t lease_secon
 absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {
   v1::ReleaseRequest q;
   q.set_sequence_id(sequence_id);
+  q.set_request_id(NewRequestId());
   v1::ReleaseResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Release(&c, q, &r); });

@@ -1,9 +1,11 @@
 #pragma once
 // libkvmem_client: a typed C++ client for kvmemd. No protobuf or gRPC type appears here.
 //
-// Every call carries a deadline (ClientOptions::deadline per attempt) and is retried with
-// exponential backoff while the daemon answers UNAVAILABLE (restarting, not yet listening).
-// Errors are the daemon's gRPC status as absl::Status, message unchanged.
+// Every call carries a deadline (ClientOptions::deadline) and is retried by gRPC's retry
+// policy (the channel's service config, exponential backoff) while the daemon answers
+// UNAVAILABLE. Mutating calls carry a fresh request_id per call, the same on every retry,
+// so that a retry of a call the daemon had applied returns its first answer instead of
+// applying it twice. Errors are the daemon's gRPC status as absl::Status, message unchanged.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -41,10 +43,13 @@ struct PolicySpec {
 };
 
 struct ClientOptions {
-  absl::Duration deadline = absl::Seconds(30);  // per attempt
-  int max_attempts = 8;                         // on UNAVAILABLE (about 6 s in all)
+  absl::Duration deadline = absl::Seconds(30);  // per call, retries included
+  int max_attempts = 5;                         // on UNAVAILABLE; gRPC allows at most 5
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(2);
+  // Calls made while the daemon is unreachable wait for it (up to the deadline) instead of
+  // failing at once: for a sidecar that may still be starting.
+  bool wait_for_ready = false;
 };
 
 struct ParamInfo {

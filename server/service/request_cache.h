@@ -1,0 +1,75 @@
+#pragma once
+// RequestCache: makes mutating calls safe to retry. A call carrying a request_id that
+// already succeeded gets the first response again instead of being applied twice; a
+// repeat that arrives while the first is still running waits for it. Failed calls are not
+// kept (an error changed nothing, so running the retry again is right).
+//
+// Bounded: at most `max_entries` responses, each kept for `ttl`; the oldest go first.
+// Keys are (method, request_id), so one id reused across methods never replays the wrong
+// kind of response.
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "google/protobuf/message.h"
+#include "server/engine/clock.h"
+
+namespace kvmem::service {
+
+inline constexpr size_t kMaxRequestIdBytes = 64;
+
+class RequestCache {
+ public:
+  RequestCache(size_t max_entries, absl::Duration ttl, const engine::Clock* clock)
+      : max_entries_(max_entries), ttl_(ttl), clock_(clock) {}
+
+  // Runs `call` (which fills `response`) once per (method, request_id): a repeat of a call
+  // that succeeded gets its response copied into `response` and `call` is not run.
+  // INVALID_ARGUMENT for an id longer than kMaxRequestIdBytes.
+  template <typename Call>
+  absl::Status Run(absl::string_view method, absl::string_view request_id,
+                   google::protobuf::Message* response, Call&& call) {
+    if (request_id.empty()) return call();
+    if (request_id.size() > kMaxRequestIdBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "request_id: ", request_id.size(), " bytes, over the limit of ", kMaxRequestIdBytes));
+    }
+    const std::string key = absl::StrCat(method, "/", request_id);
+    std::shared_ptr<Entry> entry;
+    if (absl::Status s = Claim(key, response, &entry); !s.ok() || entry == nullptr) return s;
+    absl::Status status = call();
+    Finish(key, entry, status, *response);
+    return status;
+  }
+
+  size_t size() const;
+
+ private:
+  struct Entry {
+    bool done = false;
+    bool ok = false;
+    std::string response;  // serialized, when ok
+    absl::Time stored;
+  };
+
+  // Sets *entry when the caller must run the call; else the response was replayed (OK).
+  absl::Status Claim(const std::string& key, google::protobuf::Message* response,
+                     std::shared_ptr<Entry>* entry);
+  void Finish(const std::string& key, const std::shared_ptr<Entry>& entry,
+              const absl::Status& status, const google::protobuf::Message& response);
+  void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const size_t max_entries_;
+  const absl::Duration ttl_;
+  const engine::Clock* const clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // keys of finished entries, oldest first
+};
+
+}  // namespace kvmem::service
