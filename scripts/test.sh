@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what it needs, builds, checks style, runs every test
 # (unit, integration, the reference-implementation kernel tests, the worker on the real
-# model, and the parity tests against llama.cpp), and prints the summaries.
+# model, the engine under ThreadSanitizer, and the parity tests against llama.cpp), and
+# prints the summaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh
@@ -13,5 +14,6 @@ export KVMEM_MODEL
   ctest -j "${KVMEM_JOBS:-2}" --output-on-failure --timeout 900 |
     grep -v -E "^ *(Start|[0-9]+/[0-9]+ Test) "
 )
+bash scripts/tsan.sh
 bash scripts/python_deps.sh
 python3 -m pytest -q tests/python

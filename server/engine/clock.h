@@ -3,6 +3,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/common/mutex.h"
 
 namespace kvmem::engine {
 
@@ -22,11 +23,11 @@ class FakeClock final : public Clock {
  public:
   explicit FakeClock(absl::Time start = absl::UnixEpoch() + absl::Hours(24)) : now_(start) {}
   absl::Time Now() const override {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     return now_;
   }
   void Advance(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     now_ += d;
   }
 

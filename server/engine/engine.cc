@@ -54,11 +54,11 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
 Engine::~Engine() {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> all;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     all.swap(sequences_);
   }
   for (auto& [id, seq] : all) {
-    absl::MutexLock seq_lock(&seq->mu);
+    kvmem::MutexLock seq_lock(&seq->mu);
     ReleaseLocked(*seq);
   }
 }
@@ -136,14 +136,14 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   if (!slot.ok()) return slot.status();
   uint64_t id;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     id = next_id_++;
   }
   std::string name((*policy)->descriptor().name);
   auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
                                         quant, *granted, *slot);
   {
-    absl::MutexLock lock(&seq->mu);
+    kvmem::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
     seq->streams.resize(layout.num_streams());
     seq->slots = std::move(slots);
@@ -177,7 +177,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   if (!slot.ok()) return slot.status();
   uint64_t id;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     id = next_id_++;
   }
   auto child =
@@ -185,7 +185,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
                                  *std::move(policy), parent.quant, *granted, *slot);
   child->parent_id = parent.id;
   {
-    absl::MutexLock lock(&child->mu);
+    kvmem::MutexLock lock(&child->mu);
     child->streams = parent.streams;
     for (Stream& st : child->streams) st.next_scores = {};
     child->slots = std::move(slots);
@@ -207,7 +207,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
 absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
   std::shared_ptr<Sequence> seq;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     auto it = sequences_.find(sequence_id);
     if (it == sequences_.end()) {
       return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
@@ -216,7 +216,7 @@ absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
     seq = std::move(it->second);
     sequences_.erase(it);
   }
-  absl::MutexLock lock(&seq->mu);
+  kvmem::MutexLock lock(&seq->mu);
   return ReleaseLocked(*seq);
 }
 
@@ -236,7 +236,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.sequences_poisoned = sequences_poisoned_;
   std::vector<std::shared_ptr<Sequence>> all;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     stats.sequences_active = static_cast<uint32_t>(sequences_.size());
     if (include_sequences) {
       for (const auto& [id, seq] : sequences_) all.push_back(seq);
@@ -244,7 +244,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   }
   const absl::Time now = clock_->Now();
   for (const auto& seq : all) {
-    absl::MutexLock lock(&seq->mu);
+    kvmem::MutexLock lock(&seq->mu);
     if (seq->released) continue;
     SequenceSummary sum;
     sum.sequence_id = seq->id;

@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/common/mutex.h"
 #include "server/engine/clock.h"
 #include "server/engine/engine_types.h"
 #include "server/engine/epoch_board.h"
@@ -114,7 +115,7 @@ class Engine {
     explicit SequenceRef(std::shared_ptr<Sequence> seq) : seq_(std::move(seq)) {}
     SequenceRef(SequenceRef&& other) noexcept;
     void LockNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      seq_->mu.Lock();
+      kvmem::Lock(&seq_->mu);
       locked_ = true;
     }
     SequenceRef& operator=(SequenceRef&&) = delete;

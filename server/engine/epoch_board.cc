@@ -27,7 +27,7 @@ std::atomic<uint64_t>* EpochBoard::word(uint32_t slot) const {
 }
 
 absl::StatusOr<uint32_t> EpochBoard::Acquire(uint64_t epoch) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("sequences: all ", slots_, " sequence slots are in use (--max-sequences)"));
@@ -42,7 +42,7 @@ void EpochBoard::Release(uint32_t slot) {
   // Odd until reused, so a reader still holding a table of the released sequence fails;
   // epochs are unique across sequences, so the next owner never republishes its value.
   word(slot)->fetch_or(1, std::memory_order_acq_rel);
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   free_slots_.push_back(slot);
 }
 

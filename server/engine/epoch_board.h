@@ -14,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/mutex.h"
 #include "server/store/shared_segment.h"
 
 namespace kvmem::engine {

@@ -50,7 +50,7 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
     for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
       StreamKV out;
       {
-        absl::MutexLock lock(&seq.mu);
+        kvmem::MutexLock lock(&seq.mu);
         if (absl::Status s = Unusable(seq); !s.ok()) return s;
         if (read_epoch == 0) read_epoch = seq.epoch;
         if (seq.epoch != read_epoch) {

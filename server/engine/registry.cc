@@ -13,12 +13,12 @@ Engine::SequenceRef::SequenceRef(SequenceRef&& other) noexcept
 
 Engine::SequenceRef::~SequenceRef() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (seq_ == nullptr) return;
-  if (locked_) seq_->mu.Unlock();
+  if (locked_) kvmem::Unlock(&seq_->mu);
   seq_->calls_in_flight.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 absl::StatusOr<Engine::SequenceRef> Engine::Find(uint64_t sequence_id) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   auto it = sequences_.find(sequence_id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
@@ -80,7 +80,7 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
   Renew(*seq);
   CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
                       seq->layout.block_tokens, seq->epoch_slot};
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   result.sequence_id = seq->id;
   sequences_.emplace(seq->id, seq);
   return result;
@@ -131,7 +131,7 @@ std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_
   results.reserve(sequence_ids.size());
   // Renewed under the registry lock: the reaper, which takes it too, sees either the
   // sequence gone (NOT_FOUND here) or its new deadline.
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   for (size_t i = 0; i < sequence_ids.size(); ++i) {
     auto it = sequences_.find(sequence_ids[i]);
@@ -152,7 +152,7 @@ uint32_t Engine::ExpireLeases() {
   const int64_t now = absl::ToUnixNanos(clock_->Now());
   std::vector<std::shared_ptr<Sequence>> expired;
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     for (auto it = sequences_.begin(); it != sequences_.end();) {
       // A sequence with calls in flight is left alone: each renews it when it finishes.
       // Calls take their count under this lock, so none can start on a sequence taken here.
@@ -166,7 +166,7 @@ uint32_t Engine::ExpireLeases() {
     }
   }
   for (const auto& seq : expired) {
-    absl::MutexLock lock(&seq->mu);
+    kvmem::MutexLock lock(&seq->mu);
     const uint64_t freed = ReleaseLocked(*seq);
     spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id,
                  absl::ToInt64Seconds(seq->lease), freed);

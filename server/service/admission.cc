@@ -6,12 +6,12 @@ namespace kvmem::service {
 
 CallGate::Ticket::~Ticket() {
   if (gate_ == nullptr) return;
-  absl::MutexLock lock(&gate_->mu_);
+  kvmem::MutexLock lock(&gate_->mu_);
   --gate_->in_flight_;
 }
 
 CallGate::Ticket CallGate::Enter() {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   last_arrival_ = absl::Now();
   if (closed_) return Ticket(nullptr);
   ++in_flight_;
@@ -19,12 +19,12 @@ CallGate::Ticket CallGate::Enter() {
 }
 
 void CallGate::Close() {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   closed_ = true;
 }
 
 bool CallGate::AwaitQuiet(absl::Duration quiet, absl::Time deadline) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
   const bool never = false;  // a plain timed wait; the loop rechecks
   while (mu_.AwaitWithDeadline(absl::Condition(&idle), deadline)) {
@@ -36,7 +36,7 @@ bool CallGate::AwaitQuiet(absl::Duration quiet, absl::Time deadline) {
 }
 
 int64_t CallGate::in_flight() const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return in_flight_;
 }
 
@@ -47,13 +47,13 @@ absl::Status DrainingError() {
 
 AppendStreamBudget::Lease::~Lease() {
   if (budget_ == nullptr) return;
-  absl::MutexLock lock(&budget_->mu_);
+  kvmem::MutexLock lock(&budget_->mu_);
   budget_->bytes_ -= bytes_;
   --budget_->streams_;
 }
 
 absl::Status AppendStreamBudget::Lease::Reserve(uint64_t bytes) {
-  absl::MutexLock lock(&budget_->mu_);
+  kvmem::MutexLock lock(&budget_->mu_);
   if (bytes > budget_->max_bytes_ - budget_->bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "AppendStream: the open streams would buffer more than --max-stream-buffer-bytes=",
@@ -66,7 +66,7 @@ absl::Status AppendStreamBudget::Lease::Reserve(uint64_t bytes) {
 }
 
 absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open() {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   if (streams_ >= max_streams_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("AppendStream: --max-append-streams=", max_streams_,

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/common/mutex.h"
 
 namespace kvmem::service {
 

@@ -4,7 +4,7 @@ namespace kvmem::service {
 
 absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Message* response,
                                  std::shared_ptr<Entry>* entry) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   EvictLocked();
   for (;;) {
     auto it = entries_.find(key);
@@ -25,8 +25,8 @@ absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Messa
       return absl::OkStatus();  // replayed; *entry stays null
     }
     // The first call with this id is still running: wait for it.
-    mu_.Await(absl::Condition(
-        +[](Entry* e) { return e->done; }, found.get()));
+    kvmem::Await(&mu_, absl::Condition(
+                           +[](Entry* e) { return e->done; }, found.get()));
   }
 }
 
@@ -34,7 +34,7 @@ void RequestCache::Finish(const std::string& key, const std::shared_ptr<Entry>& 
                           const absl::Status& status, const google::protobuf::Message& response) {
   std::string bytes;
   if (status.ok()) response.SerializeToString(&bytes);
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   entry->ok = status.ok();
   entry->response = std::move(bytes);
   entry->stored = clock_->Now();
@@ -61,7 +61,7 @@ void RequestCache::EvictLocked() {
 }
 
 size_t RequestCache::size() const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return entries_.size();
 }
 

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
+#include "server/common/mutex.h"
 #include "server/engine/clock.h"
 
 namespace kvmem::service {

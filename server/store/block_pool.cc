@@ -115,7 +115,7 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
         "block_bytes: ", block_bytes, " must be in [1, page_bytes=", page_bytes_, "]"));
   }
   const uint32_t class_bytes = RoundUp(block_bytes);
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   const size_t first = out->size();
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use);
@@ -134,7 +134,7 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
 }
 
 void BlockPool::Ref(absl::Span<const BlockId> ids) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   for (BlockId id : ids) {
     if (!Live(id)) {
       ++bad_unrefs_;
@@ -146,7 +146,7 @@ void BlockPool::Ref(absl::Span<const BlockId> ids) {
 }
 
 size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   size_t freed = 0;
   for (BlockId id : ids) {
     if (!Live(id)) {
@@ -163,23 +163,23 @@ size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
 }
 
 uint64_t BlockPool::offset(BlockId id) const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return blocks_[id].offset;
 }
 
 uint32_t BlockPool::refs(BlockId id) const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return blocks_[id].refs;
 }
 
 PoolUsage BlockPool::usage() const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return PoolUsage{pool_bytes(), page_bytes_,       num_pages_,     pages_used_,
                    blocks_used_, block_bytes_used_, reserve_pages_, bad_unrefs_};
 }
 
 uint64_t BlockPool::free_bytes() const {
-  absl::MutexLock lock(&mu_);
+  kvmem::MutexLock lock(&mu_);
   return free_pages_.size() * page_bytes_;
 }
 

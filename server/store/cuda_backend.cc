@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda_launch.h"
+#include "server/common/mutex.h"
 #include "server/store/cuda_internal.h"
 
 namespace kvmem::store {
@@ -140,7 +141,7 @@ absl::Status CudaBackend::Write(absl::Span<const WriteOp> ops) {
     total = Align16(total + op.bytes);
   }
   Buffers& b = *buffers_;
-  absl::MutexLock lock(&b.mu);
+  kvmem::MutexLock lock(&b.mu);
   if (absl::Status s = b.Reserve(total, scatter.size() * sizeof(kernels::CopyOp)); !s.ok()) {
     return s;
   }
@@ -172,7 +173,7 @@ absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
     total = Align16(total + op.bytes);
   }
   Buffers& b = *buffers_;
-  absl::MutexLock lock(&b.mu);
+  kvmem::MutexLock lock(&b.mu);
   if (absl::Status s = b.Reserve(total, gather.size() * sizeof(kernels::CopyOp)); !s.ok()) {
     return s;
   }
@@ -219,7 +220,7 @@ absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
     scratch = std::max(scratch, wave.scratch_bytes);
   }
   Buffers& b = *buffers_;
-  absl::MutexLock lock(&b.mu);
+  kvmem::MutexLock lock(&b.mu);
   if (absl::Status s = b.Reserve(scratch, lists.size() * sizeof(kernels::CopyOp)); !s.ok()) {
     return s;
   }
@@ -255,7 +256,7 @@ absl::Status CudaBackend::Quantize(kernels::ElemType elem, const kernels::QuantG
     list.push_back({op.src, op.dst, op.start, op.count});
   }
   Buffers& b = *buffers_;
-  absl::MutexLock lock(&b.mu);
+  kvmem::MutexLock lock(&b.mu);
   if (absl::Status s = b.Reserve(0, list.size() * sizeof(list[0])); !s.ok()) return s;
   absl::Status s = b.Upload(list);
   if (s.ok()) {
@@ -285,7 +286,7 @@ absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, ker
     total = Align16(v_out + op.count * row);
   }
   Buffers& b = *buffers_;
-  absl::MutexLock lock(&b.mu);
+  kvmem::MutexLock lock(&b.mu);
   if (absl::Status s = b.Reserve(total, list.size() * sizeof(list[0])); !s.ok()) return s;
   absl::Status s = b.Upload(list);
   if (s.ok()) {

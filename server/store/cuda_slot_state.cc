@@ -12,6 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "kernels/cuda_launch.h"
+#include "server/common/mutex.h"
 #include "server/store/cuda_internal.h"
 
 namespace kvmem::store {
@@ -50,7 +51,7 @@ class CudaScratchPool {
   absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes) {
     Buffers b;
     {
-      absl::MutexLock lock(&mu_);
+      kvmem::MutexLock lock(&mu_);
       // The first free set that is large enough, else the largest one (to be grown).
       auto fits = std::find_if(free_.begin(), free_.end(), [&](const Buffers& x) {
         return x.device_bytes >= device_bytes && x.host_bytes >= host_bytes;
@@ -109,7 +110,7 @@ class CudaScratchPool {
     b = Buffers{};
   }
   void GiveBack(Buffers b) {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     free_.push_back(b);
   }
 

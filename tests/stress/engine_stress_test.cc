@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "server/common/mutex.h"
 #include "server/engine/block_format.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
@@ -89,7 +90,7 @@ class Reader {
     uint64_t id = 0;
     std::shared_ptr<const std::vector<uint16_t>> tags;
     {
-      absl::MutexLock lock(&model_->mu);
+      kvmem::MutexLock lock(&model_->mu);
       if (model_->tags.empty()) return;
       auto it = model_->tags.begin();
       std::advance(it, rng_() % model_->tags.size());
@@ -98,7 +99,7 @@ class Reader {
     absl::StatusOr<BlockTable> table = engine_->GetBlockTable(id);
     if (!table.ok()) return;  // released, expired or poisoned meanwhile
     {
-      absl::MutexLock lock(&model_->mu);
+      kvmem::MutexLock lock(&model_->mu);
       auto it = model_->tags.find(id);
       if (it == model_->tags.end()) return;
       tags = it->second;  // a superset of the table's positions: tags never change
@@ -240,17 +241,17 @@ class Mutator {
   }
 
   void Publish(uint64_t id, std::shared_ptr<const std::vector<uint16_t>> tags) {
-    absl::MutexLock lock(&model_->mu);
+    kvmem::MutexLock lock(&model_->mu);
     model_->tags[id] = std::move(tags);
   }
   void Forget(uint64_t id) {
-    absl::MutexLock lock(&model_->mu);
+    kvmem::MutexLock lock(&model_->mu);
     model_->tags.erase(id);
     owned_.erase(std::remove(owned_.begin(), owned_.end(), id), owned_.end());
     next_.erase(id);
   }
   std::shared_ptr<const std::vector<uint16_t>> Tags(uint64_t id) {
-    absl::MutexLock lock(&model_->mu);
+    kvmem::MutexLock lock(&model_->mu);
     auto it = model_->tags.find(id);
     return it == model_->tags.end() ? nullptr : it->second;
   }
