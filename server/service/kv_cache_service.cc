@@ -4,19 +4,6 @@
 #include "server/service/convert.h"
 
 namespace kvmem::service {
-namespace {
-
-constexpr uint32_t kMaxLeaseSeconds = 86400;
-
-absl::Status CheckLeaseSeconds(uint32_t seconds) {
-  if (seconds > kMaxLeaseSeconds) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("lease_seconds: ", seconds, " exceeds the limit of ", kMaxLeaseSeconds));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
@@ -58,16 +45,15 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
     }
   }
   if (std::optional<store::PoolExport> exported = backend.pool_export()) {
-    if (!exported->shm_name.empty()) {
-      response->mutable_shared_memory()->set_name(exported->shm_name);
-      response->mutable_shared_memory()->set_segment_bytes(exported->bytes);
-    }
-    if (!exported->cuda_ipc_handle.empty()) {
+    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
+      response->mutable_shared_memory()->set_name(shm->name);
+      response->mutable_shared_memory()->set_segment_bytes(shm->bytes);
+    } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
       v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
-      ipc->set_handle(exported->cuda_ipc_handle);
-      ipc->set_pool_bytes(exported->bytes);
-      ipc->set_device(exported->cuda_device);
-      ipc->set_device_uuid(exported->cuda_device_uuid);
+      ipc->set_handle(cuda->handle);
+      ipc->set_pool_bytes(cuda->bytes);
+      ipc->set_device(cuda->device);
+      ipc->set_device_uuid(cuda->device_uuid);
     }
   }
   static constexpr struct {
@@ -105,7 +91,6 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
         }
         absl::StatusOr<engine::Layout> layout = FromProto(request->layout());
         if (!layout.ok()) return layout.status();
-        if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return s;
         policy::ParamOverrides params(request->policy().params().begin(),
                                       request->policy().params().end());
         absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
@@ -292,7 +277,6 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   return ToGrpc(requests_.Run("Fork", request->request_id(), response, [&]() -> absl::Status {
-    if (absl::Status s = CheckLeaseSeconds(request->lease_seconds()); !s.ok()) return s;
     absl::StatusOr<engine::CreateResult> child =
         engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
     if (!child.ok()) return child.status();

@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (!backend.ok()) return backend.status();
   engine::EngineConfig engine_config = config.engine;
   if (config.device_step == "auto") {
-    engine_config.device_step = (*backend)->kind() != "cpu";
+    engine_config.device_step = (*backend)->prefers_device_step();
   } else if (config.device_step == "on" || config.device_step == "off") {
     engine_config.device_step = config.device_step == "on";
   } else {

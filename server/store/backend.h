@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -60,21 +61,30 @@ struct DequantizeOp {
   void* v_dst;
 };
 
-// How a same-host process maps the pool without copies: a POSIX shared-memory segment (CPU
-// backend) or a CUDA IPC handle of the device allocation (CUDA backend).
-struct PoolExport {
-  std::string shm_name;          // CPU: shm_open name
-  uint64_t bytes = 0;            // mapping size; block offsets index into it
-  std::string cuda_ipc_handle;   // CUDA: cudaIpcMemHandle_t bytes
-  int cuda_device = -1;          // CUDA: device ordinal in the daemon
-  std::string cuda_device_uuid;  // CUDA: the GPU's UUID (hex), to find it in another process
+// How a same-host process maps the pool without copies, one kind per mapping: a POSIX
+// shared-memory segment (CPU backend) or a CUDA IPC handle of the device allocation (CUDA
+// backend). In both, block offsets index into `bytes` of mapping.
+struct SharedMemoryExport {
+  std::string name;  // shm_open name
+  uint64_t bytes = 0;
 };
+struct CudaIpcExport {
+  std::string handle;  // cudaIpcMemHandle_t bytes
+  uint64_t bytes = 0;
+  int device = -1;          // device ordinal in the daemon
+  std::string device_uuid;  // the GPU's UUID (hex), to find it in another process
+};
+using PoolExport = std::variant<SharedMemoryExport, CudaIpcExport>;
 
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  virtual absl::string_view kind() const = 0;  // "cpu", "cuda"
+  virtual absl::string_view kind() const = 0;  // "cpu", "cuda": for people, not for branching
+  // Capabilities. Whether per-step policy work (scores, selection) should run where the
+  // pool lives unless told otherwise (kvmemd --device_step=auto): true where moving the
+  // scores to the host would cost a bus crossing per step.
+  virtual bool prefers_device_step() const = 0;
   virtual std::string device_name() const = 0;
   virtual uint64_t pool_bytes() const = 0;
 

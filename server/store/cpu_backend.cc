@@ -104,10 +104,7 @@ absl::Status CpuBackend::Dequantize(const kernels::QuantGeometry& geometry, kern
 }
 
 std::optional<PoolExport> CpuBackend::pool_export() const {
-  PoolExport e;
-  e.shm_name = segment_->name();
-  e.bytes = segment_->bytes();
-  return e;
+  return SharedMemoryExport{segment_->name(), segment_->bytes()};
 }
 
 }  // namespace kvmem::store

@@ -15,6 +15,7 @@ class CpuBackend final : public Backend {
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(uint64_t pool_bytes);
 
   absl::string_view kind() const override { return "cpu"; }
+  bool prefers_device_step() const override { return false; }  // the host code is faster
   std::string device_name() const override;
   uint64_t pool_bytes() const override { return segment_->bytes(); }
 

@@ -317,12 +317,7 @@ absl::StatusOr<std::unique_ptr<SlotState>> CudaBackend::CreateSlotState(uint32_t
 
 std::optional<PoolExport> CudaBackend::pool_export() const {
   if (ipc_handle_.empty()) return std::nullopt;
-  PoolExport e;
-  e.bytes = pool_bytes_;
-  e.cuda_ipc_handle = ipc_handle_;
-  e.cuda_device = device_;
-  e.cuda_device_uuid = device_uuid_;
-  return e;
+  return CudaIpcExport{ipc_handle_, pool_bytes_, device_, device_uuid_};
 }
 
 }  // namespace kvmem::store

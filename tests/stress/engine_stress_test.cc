@@ -356,9 +356,9 @@ TEST(EngineStressTest, ReadersNeverAcceptWrongKv) {
   config.max_sequences = 64;
   config.default_lease = absl::Seconds(2);
   auto backend = *store::CpuBackend::Create(config.pool_bytes);
-  const store::PoolExport exported = *backend->pool_export();
+  const auto exported = std::get<store::SharedMemoryExport>(*backend->pool_export());
   std::unique_ptr<Engine> engine = *Engine::Create(config, std::move(backend), &clock);
-  const int fd = shm_open(exported.shm_name.c_str(), O_RDONLY, 0);
+  const int fd = shm_open(exported.name.c_str(), O_RDONLY, 0);
   ASSERT_GE(fd, 0);
   void* mapped = mmap(nullptr, exported.bytes, PROT_READ, MAP_SHARED, fd, 0);
   close(fd);

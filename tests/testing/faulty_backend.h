@@ -22,6 +22,7 @@ class FaultyBackend final : public store::Backend {
   absl::string_view kind() const override { return inner_->kind(); }
   std::string device_name() const override { return inner_->device_name(); }
   uint64_t pool_bytes() const override { return inner_->pool_bytes(); }
+  bool prefers_device_step() const override { return inner_->prefers_device_step(); }
   absl::Status Write(absl::Span<const store::WriteOp> ops) override {
     return Fail() ? Injected("write") : inner_->Write(ops);
   }

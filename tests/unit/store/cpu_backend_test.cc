@@ -33,8 +33,9 @@ TEST(CpuBackendTest, OutOfRangeIsAnErrorAndWritesNothing) {
 TEST(CpuBackendTest, ExportsItsPoolByName) {
   auto backend = *CpuBackend::Create(4096);
   ASSERT_TRUE(backend->pool_export().has_value());
-  EXPECT_EQ(backend->pool_export()->bytes, 4096u);
-  EXPECT_EQ(backend->pool_export()->shm_name.rfind("/kvmem-pool-", 0), 0u);
+  const SharedMemoryExport shm = std::get<SharedMemoryExport>(*backend->pool_export());
+  EXPECT_EQ(shm.bytes, 4096u);
+  EXPECT_EQ(shm.name.rfind("/kvmem-pool-", 0), 0u);
 }
 
 }  // namespace
