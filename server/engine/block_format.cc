@@ -1,5 +1,7 @@
 #include "server/engine/block_format.h"
 
+#include "kernels/block_layout.h"
+
 namespace kvmem::engine {
 
 absl::string_view PrecisionName(Precision p) {
@@ -53,14 +55,16 @@ Precision BlockFormat::quant_precision() const {
 }
 
 uint64_t BlockFormat::block_bytes(Precision p) const {
-  return p == Precision::kLayout ? 2 * uint64_t{B_} * row_bytes_ : geometry_.block_bytes();
+  return p == Precision::kLayout ? kernels::LayoutBlock{B_, row_bytes_}.bytes()
+                                 : geometry_.block_bytes();
 }
 
 int BlockFormat::SlotRanges(Precision p, uint64_t block_offset, uint32_t slot,
                             ByteRange out[4]) const {
   if (p == Precision::kLayout) {
-    out[0] = {block_offset + slot * row_bytes_, row_bytes_};
-    out[1] = {block_offset + (uint64_t{B_} + slot) * row_bytes_, row_bytes_};
+    const kernels::LayoutBlock plane{B_, row_bytes_};
+    out[0] = {block_offset + plane.k_offset(slot), row_bytes_};
+    out[1] = {block_offset + plane.v_offset(slot), row_bytes_};
     return 2;
   }
   const uint64_t row = geometry_.code_row_bytes();

@@ -1,5 +1,6 @@
 // Reads: block tables and the retained K/V of a sequence.
 #include "absl/strings/str_cat.h"
+#include "kernels/block_layout.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
@@ -77,9 +78,11 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
         for (const StreamBlock& b : st.blocks) {
           const uint64_t off = pool_->offset(b.id);
           if (b.precision == Precision::kLayout) {
-            reads.push_back({off + b.start * row, out.k.data() + first * row, b.count * row});
+            const kernels::LayoutBlock plane{B, row};
             reads.push_back(
-                {off + (uint64_t{B} + b.start) * row, out.v.data() + first * row, b.count * row});
+                {off + plane.k_offset(b.start), out.k.data() + first * row, b.count * row});
+            reads.push_back(
+                {off + plane.v_offset(b.start), out.v.data() + first * row, b.count * row});
           } else {
             dequantizes.push_back(
                 {off, b.start, b.count, out.k.data() + first * row, out.v.data() + first * row});

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/block_layout.h"
+
 namespace kvmem::engine {
 namespace {
 
@@ -99,8 +101,9 @@ absl::Status StreamPlanner::Append(std::vector<StreamBlock>& blocks,
       const uint32_t slot = last.start + last.count;
       const uint32_t n = std::min(run.count - i, B - slot);
       const uint64_t off = pool_->offset(last.id);
-      batch_->writes.push_back({run.k + i * row, off + slot * row, n * row});
-      batch_->writes.push_back({run.v + i * row, off + (uint64_t{B} + slot) * row, n * row});
+      const kernels::LayoutBlock plane{B, row};
+      batch_->writes.push_back({run.k + i * row, off + plane.k_offset(slot), n * row});
+      batch_->writes.push_back({run.v + i * row, off + plane.v_offset(slot), n * row});
       last.count += n;
       i += n;
     }

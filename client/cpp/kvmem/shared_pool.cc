@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/block_layout.h"
 #include "kernels/quantize.h"
 
 namespace kvmem::client {
@@ -151,9 +152,9 @@ absl::StatusOr<std::vector<BlockView>> MappedPool::StreamBlocks(const BlockTable
     }
     const uint8_t* base = pool + block.offset;
     if (block.precision == Precision::kLayout) {
-      views.push_back({base + block.start * row,
-                       base + (uint64_t{table.block_tokens} + block.start) * row, base, block.start,
-                       block.count, block.precision});
+      const kernels::LayoutBlock plane{table.block_tokens, row};
+      views.push_back({base + plane.k_offset(block.start), base + plane.v_offset(block.start), base,
+                       block.start, block.count, block.precision});
     } else {
       views.push_back({nullptr, nullptr, base, block.start, block.count, block.precision});
     }
