@@ -26,6 +26,13 @@ ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
 ABSL_FLAG(uint32_t, max_sequences, 1024, "most sequences held at once");
 ABSL_FLAG(uint32_t, lease_seconds, 60, "default lease of a sequence; renewed by every call");
 ABSL_FLAG(uint64_t, max_message_bytes, 64ull << 20, "K+V bytes one Append may carry");
+ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
+          "host memory for the sequences' per-slot metadata outside the pool (positions, "
+          "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
+          "+ 64 MiB");
+ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
+          "free pool pages only quantization may take, so that a full pool can still quantize "
+          "its way to free memory; -1 = about 1% of the pages");
 ABSL_FLAG(uint64_t, max_stream_buffer_bytes, 256ull << 20,
           "request bytes all open AppendStreams may buffer together; past it a stream gets "
           "RESOURCE_EXHAUSTED");
@@ -90,6 +97,8 @@ int main(int argc, char** argv) {
   config.engine.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
+  config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

@@ -79,8 +79,9 @@ int Stats(kvmem::client::Client& client, bool sequences) {
                 static_cast<unsigned long long>(stats->pages_used),
                 static_cast<unsigned long long>(stats->pages_total),
                 static_cast<unsigned long long>(stats->blocks_used));
-    std::printf("sequences        %u active, %llu leases expired\n", stats->sequences_active,
-                static_cast<unsigned long long>(stats->leases_expired));
+    std::printf("sequences        %u active, %llu leases expired, %llu poisoned\n",
+                stats->sequences_active, static_cast<unsigned long long>(stats->leases_expired),
+                static_cast<unsigned long long>(stats->sequences_poisoned));
     std::printf("tokens           %llu appended, %llu evicted, %llu quantized\n",
                 static_cast<unsigned long long>(stats->tokens_appended),
                 static_cast<unsigned long long>(stats->tokens_evicted),
@@ -88,6 +89,9 @@ int Stats(kvmem::client::Client& client, bool sequences) {
     std::printf("steps            %llu\n", static_cast<unsigned long long>(stats->steps));
     std::printf("slot state       %s (scores and positions in the backend, outside the pool)\n",
                 Bytes(stats->slot_state_bytes).c_str());
+    std::printf("host metadata    %s of %s (per-slot metadata outside the pool)\n",
+                Bytes(stats->host_metadata_bytes).c_str(),
+                Bytes(stats->host_metadata_budget_bytes).c_str());
     return 0;
   }
   std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s %11s\n", "id", "policy", "appended",

@@ -178,6 +178,9 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_tokens_quantized(stats.tokens_quantized);
   out->set_bytes_moved(stats.bytes_moved);
   out->set_slot_state_bytes(stats.slot_state_bytes);
+  out->set_host_metadata_bytes(stats.host_metadata_bytes);
+  out->set_host_metadata_budget_bytes(stats.host_metadata_budget_bytes);
+  out->set_sequences_poisoned(stats.sequences_poisoned);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   for (const engine::SequenceSummary& s : stats.sequences) {

@@ -369,6 +369,9 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
   out.steps = r.steps();
   out.leases_expired = r.leases_expired();
   out.slot_state_bytes = r.slot_state_bytes();
+  out.host_metadata_bytes = r.host_metadata_bytes();
+  out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
+  out.sequences_poisoned = r.sequences_poisoned();
   for (const v1::SequenceStats& q2 : r.sequences()) {
     out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
                              q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),

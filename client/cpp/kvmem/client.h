@@ -211,6 +211,8 @@ struct Stats {
   uint64_t tokens_appended = 0, tokens_evicted = 0, tokens_quantized = 0;
   uint64_t steps = 0, leases_expired = 0;
   uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
+  uint64_t host_metadata_bytes = 0, host_metadata_budget_bytes = 0;  // outside the pool
+  uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
   std::vector<SequenceStats> sequences;
 };
 
