@@ -34,8 +34,8 @@ ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
           "free pool pages only quantization may take, so that a full pool can still quantize "
           "its way to free memory; -1 = about 1% of the pages");
 ABSL_FLAG(uint64_t, max_stream_buffer_bytes, 256ull << 20,
-          "request bytes all open AppendStreams may buffer together; past it a stream gets "
-          "RESOURCE_EXHAUSTED");
+          "request bytes of the chunks all AppendStreams are applying at once (each chunk is "
+          "written to the pool as it arrives); past it a stream gets RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_append_streams, 16,
           "AppendStreams open at once; more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,

@@ -1,5 +1,8 @@
-// Append: all chunks of one call, planned and allocated before any byte is written, then
-// committed into reserved capacity.
+// Append: chunks are validated and written, one at a time, into blocks a session owns
+// (new blocks, or the free tail of a private last block: nothing a table names), so a
+// stream of chunks is never buffered; Commit then makes them all the sequence's at once,
+// into reserved capacity. A session that ends without Commit gives its blocks back and the
+// sequence is as it was.
 #include <cmath>
 
 #include "absl/cleanup/cleanup.h"
@@ -10,76 +13,162 @@ namespace kvmem::engine {
 
 absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
                                                 absl::Span<const AppendChunk> chunks) {
-  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
-  if (!ref.ok()) return ref.status();
-  Sequence& seq = **ref;
-  const Layout& layout = seq.layout;
-  int64_t last_position = seq.last_position;
-  uint64_t total = 0;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (absl::Status s = ValidateChunk(seq, chunks[c], c, &last_position); !s.ok()) return s;
-    total += chunks[c].positions.size();
+  absl::StatusOr<std::unique_ptr<AppendSession>> session = BeginAppend(sequence_id);
+  if (!session.ok()) return session.status();
+  for (const AppendChunk& chunk : chunks) {
+    if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
   }
-  if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
+  return (*session)->Commit();
+}
+
+absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint64_t sequence_id) {
+  return Guard("Append", [&]() -> absl::StatusOr<std::unique_ptr<AppendSession>> {
+    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    if (absl::Status s = NotAppending(seq); !s.ok()) return s;
+    seq.append_open = true;
+    auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(*ref)));
+    session->new_blocks_.resize(seq.streams.size());
+    for (size_t s = 0; s < seq.streams.size(); ++s) session->new_blocks_[s] = seq.streams[s].blocks;
+    session->last_position_ = seq.last_position;
+    session->seq_.UnlockNow();  // each Add and the Commit lock it for themselves
+    return session;
+  });
+}
+
+absl::Status Engine::NotAppending(const Sequence& seq) {
+  if (!seq.append_open) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("sequence_id: sequence ", seq.id,
+                   " has an AppendStream open; other changes wait until it ends"));
+}
+
+Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
+    : engine_(engine), seq_(std::move(seq)) {}
+
+Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (committed_) return;
+  kvmem::MutexLock lock(&seq_->mu);
+  seq_->append_open = false;
+  engine_->pool_->Unref(batch_.allocated);
+}
+
+absl::Status Engine::AppendSession::Add(const AppendChunk& chunk) {
+  absl::Status s = engine_->Guard("Append", [&] { return AddLocked(chunk); });
+  if (!s.ok()) broken_ = s;
+  return s;
+}
+
+absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (!broken_.ok()) return broken_;
+  kvmem::MutexLock lock(&seq_->mu);
+  Sequence& seq = *seq_;
+  if (absl::Status s = Unusable(seq); !s.ok()) return s;
+  const size_t index = chunks_;
+  if (absl::Status s = engine_->ValidateChunk(seq, chunk, index, &last_position_); !s.ok()) {
+    return s;
+  }
+  const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
   const policy::SignalSet needs = seq.policy->descriptor().append_signals;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if ((needs & policy::kTokenEntropy) && chunks[c].token_entropy.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(c == 0 ? "" : absl::StrCat("chunk ", c, ": "),
-                                                     "token_entropy: policy ", seq.policy_name,
-                                                     " needs one value per appended token"));
-    }
-    if ((needs & policy::kLayerDistance) && chunks[c].layer_distance.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(c == 0 ? "" : absl::StrCat("chunk ", c, ": "),
-                                                     "layer_distance: policy ", seq.policy_name,
-                                                     " needs one value per appended token"));
-    }
+  if ((needs & policy::kTokenEntropy) && chunk.token_entropy.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, "token_entropy: policy ", seq.policy_name,
+                                                   " needs one value per appended token"));
+  }
+  if ((needs & policy::kLayerDistance) && chunk.layer_distance.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "layer_distance: policy ", seq.policy_name, " needs one value per appended token"));
+  }
+  const size_t n = chunk.positions.size();
+  // What the chunk stages on the host until Commit (position, token id, two signals).
+  if (absl::Status s =
+          engine_->CheckHostBudget((staged_bytes() + n * (8 + 4 + 4 + 4)) * 2, "Append");
+      !s.ok()) {
+    return s;
   }
 
-  // Plan every stream's writes (and copy-on-write of a shared last block); allocation is
-  // all-or-nothing because an abandoned batch releases what it took.
+  // Blocks for this chunk (and the copy of a shared last block), all or none.
   OpBatch batch;
-  StreamPlanner planner(seq.format, pool_.get(), &batch, config_.failpoints);
+  StreamPlanner planner(seq.format, engine_->pool_.get(), &batch, engine_->config_.failpoints);
   uint64_t needed = 0;
-  for (const Stream& st : seq.streams) needed += planner.BlocksForAppend(st.blocks, total);
+  for (const std::vector<StreamBlock>& blocks : new_blocks_) {
+    needed += planner.BlocksForAppend(blocks, n);
+  }
   std::vector<store::BlockId> reserve;
-  if (config_.failpoints != nullptr && needed > 0 &&
-      config_.failpoints->Hit(Failpoints::kAllocate)) {
+  Failpoints* failpoints = engine_->config_.failpoints;
+  if (failpoints != nullptr && needed > 0 && failpoints->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
-  if (absl::Status s = pool_->AllocateMany(
+  if (absl::Status s = engine_->pool_->AllocateMany(
           static_cast<uint32_t>(seq.format.block_bytes(Precision::kLayout)), needed, &reserve);
       !s.ok()) {
     return s;
   }
-  batch.allocated = reserve;
+  // From here the blocks are the session's: the destructor gives them back on failure.
+  batch_.allocated.insert(batch_.allocated.end(), reserve.begin(), reserve.end());
   planner.Reserve(std::move(reserve));
-  const uint64_t row = layout.row_bytes();
-  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
-  std::vector<AppendRun> runs(chunks.size());
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      const uint64_t n = chunks[c].positions.size();
-      const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
-      runs[c] = {chunks[c].k.data() + src, chunks[c].v.data() + src, static_cast<uint32_t>(n)};
-    }
-    new_blocks[s] = seq.streams[s].blocks;
-    if (absl::Status st = planner.Append(new_blocks[s], runs); !st.ok()) {
-      pool_->Unref(batch.allocated);
+  const uint64_t row = seq.layout.row_bytes();
+  for (size_t s = 0; s < new_blocks_.size(); ++s) {
+    const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
+    const AppendRun run{chunk.k.data() + src, chunk.v.data() + src, static_cast<uint32_t>(n)};
+    if (absl::Status st = planner.Append(new_blocks_[s], absl::MakeConstSpan(&run, 1)); !st.ok()) {
       return st;
     }
   }
   if (!planner.unused_reserve().empty()) {  // the count above and the plan disagree: a bug
-    pool_->Unref(batch.allocated);
     return absl::InternalError("append: block reservation does not match the plan");
   }
+  batch_.dropped.insert(batch_.dropped.end(), batch.dropped.begin(), batch.dropped.end());
+  // Written now, where no table looks: the session's blocks or a private block's free tail
+  // (a shared last block is copied into a session block first: the moves).
+  absl::Status io = engine_->backend_->Move(batch.moves);
+  if (io.ok()) io = engine_->backend_->Write(batch.writes);
+  if (io.ok()) io = engine_->backend_->Synchronize();
+  if (!io.ok()) return io;
+  for (const store::MoveOp& op : batch.moves) engine_->bytes_moved_ += op.bytes;
+
+  positions_.insert(positions_.end(), chunk.positions.begin(), chunk.positions.end());
+  if (chunk.token_ids.empty()) {
+    token_ids_.insert(token_ids_.end(), n, -1);
+  } else {
+    token_ids_.insert(token_ids_.end(), chunk.token_ids.begin(), chunk.token_ids.end());
+  }
+  if (chunk.token_entropy.empty()) {
+    token_entropy_.insert(token_entropy_.end(), n, std::nanf(""));
+  } else {
+    token_entropy_.insert(token_entropy_.end(), chunk.token_entropy.begin(),
+                          chunk.token_entropy.end());
+  }
+  if (chunk.layer_distance.empty()) {
+    layer_distance_.insert(layer_distance_.end(), n, std::nanf(""));
+  } else {
+    layer_distance_.insert(layer_distance_.end(), chunk.layer_distance.begin(),
+                           chunk.layer_distance.end());
+  }
+  ++chunks_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendResult> Engine::AppendSession::Commit() {
+  return engine_->Guard("Append", [&] { return CommitLocked(); });
+}
+
+absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (!broken_.ok()) return broken_;
+  kvmem::MutexLock lock(&seq_->mu);
+  Sequence& seq = *seq_;
+  if (absl::Status s = Unusable(seq); !s.ok()) return s;
+  const uint64_t total = positions_.size();
+  if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
   const float initial_score = seq.policy->descriptor().initial_score;
   const uint32_t history_rows = seq.policy->history_rows();
   // Per slot: position, arrival (8 each), score and its staging, entropy, distance (4 each),
   // the history rows (4 each); vectors may double, so twice that is what may be taken.
   const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{history_rows};
-  if (absl::Status s = CheckHostBudget(2 * total * seq.streams.size() * slot_bytes, "Append");
+  if (absl::Status s =
+          engine_->CheckHostBudget(2 * total * seq.streams.size() * slot_bytes, "Append");
       !s.ok()) {
-    pool_->Unref(batch.allocated);
     return s;
   }
   // Room for the new slots in every per-slot vector, before anything changes: the commit
@@ -95,77 +184,48 @@ absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
   }
   seq.token_ids.reserve(seq.token_ids.size() + total);
   if (seq.slots) {
-    std::vector<int64_t> positions;
-    positions.reserve(total);
-    for (const AppendChunk& chunk : chunks) {
-      positions.insert(positions.end(), chunk.positions.begin(), chunk.positions.end());
-    }
-    if (absl::Status s = seq.slots->Append(positions, initial_score); !s.ok()) {
-      pool_->Unref(batch.allocated);
-      return s;
-    }
+    if (absl::Status s = seq.slots->Append(positions_, initial_score); !s.ok()) return s;
   }
-  // Writes land in new blocks or past the live slots of a private last block, so a failed
-  // batch leaves every table-visible byte as it was. A copy-on-write, though, makes the
-  // table stop naming a shared block: then the epoch must change (a reader of the old
-  // table must fail before the block's other owners free it), in a write section.
+  // A copy-on-write makes the table stop naming a shared block: the epoch must change (a
+  // reader of the old table must fail before the block's other owners free it), in a
+  // write section. Plain appends leave every table-visible byte as it was.
   std::optional<WriteSection> section;
-  if (!batch.dropped.empty()) section.emplace(this, &seq);
-  if (absl::Status io = Execute(seq, batch); !io.ok()) {
-    if (seq.slots) seq.slots->DropNewest(static_cast<uint32_t>(total));
-    if (section) section->Commit();  // nothing a table names changed: a fresh epoch is enough
-    return io;
-  }
+  if (!batch_.dropped.empty()) section.emplace(engine_, &seq);
 
-  // Commit metadata (into reserved capacity). Nothing here should throw; if something
-  // does, the streams may disagree, so the sequence is poisoned on the way out.
+  // Nothing here should throw; if something does, the streams may disagree, so the
+  // sequence is poisoned on the way out (and keeps what no stream names for Release).
   size_t swapped = 0;  // streams [0, swapped) hold their new block list
   absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    KeepOrphans(seq, batch, new_blocks, swapped);
-    Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
+    engine_->KeepOrphans(seq, batch_, new_blocks_, swapped);
+    committed_ = true;  // the orphans are the sequence's now
+    engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
   };
   const int64_t arrival = static_cast<int64_t>(seq.steps);
   for (size_t s = 0; s < seq.streams.size(); ++s) {
-    if (s == seq.streams.size() / 2) CommitFailpoint();
+    if (s == seq.streams.size() / 2) engine_->CommitFailpoint();
     Stream& st = seq.streams[s];
-    st.blocks.swap(new_blocks[s]);
+    st.blocks.swap(new_blocks_[s]);
     swapped = s + 1;
-    for (const AppendChunk& chunk : chunks) {
-      const size_t n = chunk.positions.size();
-      st.positions.insert(st.positions.end(), chunk.positions.begin(), chunk.positions.end());
-      if (!seq.slots) st.scores.insert(st.scores.end(), n, initial_score);
-      st.history.insert(st.history.end(), n * history_rows, 0.0f);
-      if (chunk.token_entropy.empty()) {
-        st.token_entropy.insert(st.token_entropy.end(), n, std::nanf(""));
-      } else {
-        st.token_entropy.insert(st.token_entropy.end(), chunk.token_entropy.begin(),
-                                chunk.token_entropy.end());
-      }
-      if (chunk.layer_distance.empty()) {
-        st.layer_distance.insert(st.layer_distance.end(), n, std::nanf(""));
-      } else {
-        st.layer_distance.insert(st.layer_distance.end(), chunk.layer_distance.begin(),
-                                 chunk.layer_distance.end());
-      }
-      st.arrival_step.insert(st.arrival_step.end(), n, arrival);
-    }
+    st.positions.insert(st.positions.end(), positions_.begin(), positions_.end());
+    if (!seq.slots) st.scores.insert(st.scores.end(), total, initial_score);
+    st.history.insert(st.history.end(), total * history_rows, 0.0f);
+    st.token_entropy.insert(st.token_entropy.end(), token_entropy_.begin(), token_entropy_.end());
+    st.layer_distance.insert(st.layer_distance.end(), layer_distance_.begin(),
+                             layer_distance_.end());
+    st.arrival_step.insert(st.arrival_step.end(), total, arrival);
   }
-  for (const AppendChunk& chunk : chunks) {
-    if (chunk.token_ids.empty()) {
-      seq.token_ids.insert(seq.token_ids.end(), chunk.positions.size(), -1);
-    } else {
-      seq.token_ids.insert(seq.token_ids.end(), chunk.token_ids.begin(), chunk.token_ids.end());
-    }
-  }
-  seq.last_position = last_position;
+  seq.token_ids.insert(seq.token_ids.end(), token_ids_.begin(), token_ids_.end());
+  seq.last_position = last_position_;
   seq.appended += total;
   // Inside the section: readers of the old table already see the odd word.
-  pool_->Unref(batch.dropped);
+  engine_->pool_->Unref(batch_.dropped);
   std::move(poison_on_unwind).Cancel();
+  committed_ = true;
+  seq.append_open = false;
   if (section) section->Commit();
-  AccountSlotState(seq);
-  tokens_appended_ += total;
-  Renew(seq);
+  engine_->AccountSlotState(seq);
+  engine_->tokens_appended_ += total;
+  engine_->Renew(seq);
   return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes()};
 }
 

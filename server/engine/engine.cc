@@ -157,7 +157,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
 absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Duration lease) {
   absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
   if (!granted.ok()) return granted.status();
-  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& parent = **ref;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =

@@ -56,6 +56,66 @@ class Engine {
   // Appends the chunks in order, atomically: all are validated and their blocks allocated
   // before any byte is written.
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks);
+  // A found sequence, counted in its calls_in_flight until the handle goes (so that the
+  // lease reaper leaves it alone), locked or not.
+  class SequenceRef {
+   public:
+    explicit SequenceRef(std::shared_ptr<Sequence> seq) : seq_(std::move(seq)) {}
+    SequenceRef(SequenceRef&& other) noexcept;
+    void LockNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      kvmem::Lock(&seq_->mu);
+      locked_ = true;
+    }
+    void UnlockNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (locked_) kvmem::Unlock(&seq_->mu);
+      locked_ = false;
+    }
+    SequenceRef& operator=(SequenceRef&&) = delete;
+    ~SequenceRef();
+    Sequence& operator*() const { return *seq_; }
+    Sequence* operator->() const { return seq_.get(); }
+
+   private:
+    std::shared_ptr<Sequence> seq_;
+    bool locked_ = false;
+  };
+  // A streamed append (AppendStream): each chunk is checked and written into blocks the
+  // session owns as it arrives, so no chunk waits in memory; nothing is visible until
+  // Commit applies them all at once. Destroyed uncommitted (an error, a cancelled or
+  // broken stream), it gives its blocks back and the sequence is as it was. While a
+  // session is open, other changes to the sequence are FAILED_PRECONDITION; reads go on.
+  class AppendSession {
+   public:
+    ~AppendSession();
+    AppendSession(const AppendSession&) = delete;
+    AppendSession& operator=(const AppendSession&) = delete;
+    // Any error ends the session: later calls return it, nothing is applied.
+    absl::Status Add(const AppendChunk& chunk);
+    absl::StatusOr<AppendResult> Commit();
+
+   private:
+    friend class Engine;
+    AppendSession(Engine* engine, SequenceRef seq);
+    absl::Status AddLocked(const AppendChunk& chunk);
+    absl::StatusOr<AppendResult> CommitLocked();
+    uint64_t staged_bytes() const {
+      return positions_.capacity() * 8 +
+             (token_ids_.capacity() + token_entropy_.capacity() + layer_distance_.capacity()) * 4;
+    }
+
+    Engine* const engine_;
+    SequenceRef seq_;  // counted in flight (the reaper waits), not locked between calls
+    OpBatch batch_;    // allocated: every block the session took; dropped: copied-on-write
+    std::vector<std::vector<StreamBlock>> new_blocks_;
+    std::vector<int64_t> positions_;
+    std::vector<int32_t> token_ids_;
+    std::vector<float> token_entropy_, layer_distance_;
+    int64_t last_position_ = -1;
+    size_t chunks_ = 0;
+    absl::Status broken_;
+    bool committed_ = false;
+  };
+  absl::StatusOr<std::unique_ptr<AppendSession>> BeginAppend(uint64_t sequence_id);
   absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepInput& input);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
@@ -108,30 +168,15 @@ class Engine {
          std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
          const Clock* clock);
 
-  // A found sequence, counted in its calls_in_flight until the handle goes (so that the
-  // lease reaper leaves it alone), locked or not.
-  class SequenceRef {
-   public:
-    explicit SequenceRef(std::shared_ptr<Sequence> seq) : seq_(std::move(seq)) {}
-    SequenceRef(SequenceRef&& other) noexcept;
-    void LockNow() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      kvmem::Lock(&seq_->mu);
-      locked_ = true;
-    }
-    SequenceRef& operator=(SequenceRef&&) = delete;
-    ~SequenceRef();
-    Sequence& operator*() const { return *seq_; }
-    Sequence* operator->() const { return seq_.get(); }
-
-   private:
-    std::shared_ptr<Sequence> seq_;
-    bool locked_ = false;
-  };
   // Finds a sequence without locking it.
   absl::StatusOr<SequenceRef> Find(uint64_t sequence_id);
   // Finds and locks a sequence that may be used: NOT_FOUND if it is gone, DATA_LOSS if it
   // was poisoned.
   absl::StatusOr<SequenceRef> Lock(uint64_t sequence_id);
+  // FAILED_PRECONDITION while an AppendSession is open on the sequence.
+  static absl::Status NotAppending(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // Lock() for a call that changes the sequence: also refused while an append is open.
+  absl::StatusOr<SequenceRef> LockForChange(uint64_t sequence_id);
   // The error for a locked sequence that can no longer serve (released or poisoned).
   static absl::Status Unusable(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Marks a sequence unusable after a failure past a point of no return: its epoch word

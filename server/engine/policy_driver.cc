@@ -89,7 +89,7 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
 }
 
 absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInput& input) {
-  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
@@ -149,7 +149,7 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
 
 absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
                                                     const CompressInput& input) {
-  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();

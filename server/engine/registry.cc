@@ -49,6 +49,13 @@ absl::StatusOr<Engine::SequenceRef> Engine::Lock(uint64_t sequence_id) {
   return ref;
 }
 
+absl::StatusOr<Engine::SequenceRef> Engine::LockForChange(uint64_t sequence_id) {
+  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  if (!ref.ok()) return ref;
+  if (absl::Status s = NotAppending(**ref); !s.ok()) return s;
+  return ref;
+}
+
 absl::Status Engine::Poison(Sequence& seq, const absl::Status& why) {
   if (seq.poisoned.empty()) {
     seq.poisoned = std::string(why.message().substr(0, 512));

@@ -84,6 +84,7 @@ struct Sequence {
   // what the tables say, so every later call but Release answers DATA_LOSS with this.
   std::string poisoned ABSL_GUARDED_BY(mu);
   int64_t policy_mark ABSL_GUARDED_BY(mu) = -1;  // CallContext::mark
+  bool append_open ABSL_GUARDED_BY(mu) = false;  // an Engine::AppendSession is open
   // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
   std::vector<store::BlockId> orphan_blocks ABSL_GUARDED_BY(mu);
   std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head

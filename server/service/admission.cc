@@ -1,5 +1,7 @@
 #include "server/service/admission.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvmem::service {
@@ -63,6 +65,13 @@ absl::Status AppendStreamBudget::Lease::Reserve(uint64_t bytes) {
   budget_->bytes_ += bytes;
   bytes_ += bytes;
   return absl::OkStatus();
+}
+
+void AppendStreamBudget::Lease::Return(uint64_t bytes) {
+  kvmem::MutexLock lock(&budget_->mu_);
+  bytes = std::min(bytes, bytes_);
+  budget_->bytes_ -= bytes;
+  bytes_ -= bytes;
 }
 
 absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open() {

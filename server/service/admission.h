@@ -83,6 +83,8 @@ class AppendStreamBudget {
     // Adds `bytes` to this stream's share: RESOURCE_EXHAUSTED (nothing reserved) when all
     // open streams together would pass --max-stream-buffer-bytes.
     [[nodiscard]] absl::Status Reserve(uint64_t bytes);
+    // Gives back what Reserve took (a chunk that has been written to the pool).
+    void Return(uint64_t bytes);
     uint64_t bytes() const { return bytes_; }
 
    private:

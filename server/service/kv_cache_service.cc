@@ -137,46 +137,46 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  // Chunks are held until the stream ends so that the append is all-or-nothing; what the
-  // pool or the daemon-wide stream budget cannot hold is refused as soon as it is seen.
   absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open();
   if (!held.ok()) return ToGrpc(held.status());
-  std::vector<v1::AppendRequest> requests;
-  uint64_t bytes = 0;
   v1::AppendRequest request;
-  while (reader->Read(&request)) {
-    if (!requests.empty() && request.sequence_id() != requests.front().sequence_id()) {
-      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-          "chunk ", requests.size(), ": sequence_id: ", request.sequence_id(),
-          " differs from the stream's first chunk (", requests.front().sequence_id(), ")")));
-    }
-    bytes += request.k().size() + request.v().size();
-    if (bytes > engine_->config().pool_bytes) {
-      return ToGrpc(absl::ResourceExhaustedError(absl::StrCat(
-          "pool: the stream carries more than ", bytes, " bytes of K+V, beyond the pool of ",
-          engine_->config().pool_bytes, " bytes")));
-    }
-    if (absl::Status s = held->Reserve(request.ByteSizeLong()); !s.ok()) return ToGrpc(s);
-    requests.push_back(std::move(request));
-    request.Clear();
+  if (!reader->Read(&request)) {
+    return ToGrpc(context->IsCancelled()
+                      ? absl::CancelledError("AppendStream: cancelled before its first chunk")
+                      : absl::InvalidArgumentError("stream: no chunk was sent"));
   }
-  // Read() also ends when the client cancels or its connection breaks: only a stream that
-  // the client closed is applied.
-  if (context->IsCancelled()) {
-    return ToGrpc(absl::CancelledError(
-        "AppendStream: the stream was cancelled or broken before its end; nothing was "
-        "appended"));
-  }
-  if (requests.empty()) {
-    return ToGrpc(absl::InvalidArgumentError("stream: no chunk was sent"));
-  }
-  std::vector<engine::AppendChunk> chunks;
-  chunks.reserve(requests.size());
-  for (const v1::AppendRequest& r : requests) chunks.push_back(ChunkView(r));
-  const uint64_t id = requests.front().sequence_id();
+  const uint64_t id = request.sequence_id();
+  // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
+  // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
+  // stream is applied at its end, or nothing is.
   return ToGrpc(
-      requests_.Run("AppendStream", requests.front().request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<engine::AppendResult> result = engine_->Append(id, chunks);
+      requests_.Run("AppendStream", request.request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
+            engine_->BeginAppend(id);
+        if (!session.ok()) return session.status();
+        size_t index = 0;
+        do {
+          if (request.sequence_id() != id) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("chunk ", index, ": sequence_id: ", request.sequence_id(),
+                             " differs from the stream's first chunk (", id, ")"));
+          }
+          const uint64_t bytes = request.ByteSizeLong();
+          if (absl::Status s = held->Reserve(bytes); !s.ok()) return s;
+          absl::Status added = (*session)->Add(ChunkView(request));
+          held->Return(bytes);
+          if (!added.ok()) return added;
+          ++index;
+          request.Clear();
+        } while (reader->Read(&request));
+        // Read() also ends when the client cancels or its connection breaks: only a stream
+        // that the client closed is applied.
+        if (context->IsCancelled()) {
+          return absl::CancelledError(
+              "AppendStream: the stream was cancelled or broken before its end; nothing was "
+              "appended");
+        }
+        absl::StatusOr<engine::AppendResult> result = (*session)->Commit();
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
         return absl::OkStatus();

@@ -288,24 +288,43 @@ TEST_F(StreamLimitsTest, StreamsPastMaxAppendStreamsAreRefused) {
   EXPECT_TRUE(Finish(*fifth).ok());
 }
 
-TEST_F(StreamLimitsTest, StreamsPastMaxStreamBufferBytesAreRefused) {
-  std::unique_ptr<OpenStream> holding = Open(40, 1);
-  const std::string before = Snapshot();
-  // One more chunk fits no stream while the first holds its own.
-  std::unique_ptr<OpenStream> refused = Open(1000, 1);
-  const grpc::Status status = Finish(*refused);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_THAT(status.error_message(),
-              HasSubstr("--max-stream-buffer-bytes=" + std::to_string(kBufferBytes)));
-  EXPECT_EQ(Snapshot(), before);
+// An open AppendStream holds its chunks in pool blocks reserved for it, not in host
+// buffers (before, a stream buffered up to --pool-bytes of host memory until its end);
+// nothing is visible until it ends, and a cancelled one gives the blocks back.
+TEST_F(StreamLimitsTest, AnOpenStreamHoldsPoolBlocksNotHostBuffers) {
+  const auto before = *client_->GetStats(true);
+  std::unique_ptr<OpenStream> holding = Open(40, 2);  // 32 tokens, written as they arrive
+  const auto during = *client_->GetStats(true);
+  EXPECT_GT(during.blocks_used, before.blocks_used) << "the chunks are not in the pool";
+  EXPECT_EQ(during.tokens_appended, before.tokens_appended) << "visible before the end";
+  EXPECT_EQ(client_->GetBlockTable(id_)->streams[0].positions.size(),
+            before.sequences[0].max_stream_tokens);
+  // The sequence takes no other change meanwhile; reads go on.
+  auto step = client_->Step(id_, {});
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(step.status().message(), HasSubstr("AppendStream"));
   EXPECT_TRUE(Finish(*holding).ok());
-  // What the streams held is given back when they end, refused or not.
-  std::unique_ptr<OpenStream> again = Open(1000, 1);
-  const grpc::Status ok = Finish(*again);
-  EXPECT_TRUE(ok.ok()) << ok.error_message();
-  // A stream larger than the whole budget never fits.
-  std::unique_ptr<OpenStream> too_large = Open(2000, 2);
-  EXPECT_EQ(Finish(*too_large).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(client_->GetStats(false)->tokens_appended, before.tokens_appended + 32);
+
+  // One chunk larger than --max-stream-buffer-bytes is refused; nothing changes.
+  const std::string snapshot = Snapshot();
+  auto too_large = std::make_unique<OpenStream>();
+  too_large->writer = stub_->AppendStream(&too_large->context, &too_large->response);
+  too_large->writer->Write(GoodAppend(72, 32));  // 2 x 32 KiB
+  const grpc::Status refused = Finish(*too_large);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(),
+              HasSubstr("--max-stream-buffer-bytes=" + std::to_string(kBufferBytes)));
+  EXPECT_EQ(Snapshot(), snapshot);
+
+  // A cancelled stream gives its blocks back.
+  std::unique_ptr<OpenStream> cancelled = Open(72, 2);
+  cancelled->context.TryCancel();
+  EXPECT_EQ(Finish(*cancelled).error_code(), grpc::StatusCode::CANCELLED);
+  for (int i = 0; i < 50 && Snapshot() != snapshot; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(Snapshot(), snapshot);
 }
 
 TEST(ToGrpcTest, CutsLongMessagesOnACharacterBoundary) {
