@@ -277,6 +277,7 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
+    if (absl::Status s = seq.CheckInvariants(seq.policy->history_rows()); !s.ok()) return s;
     std::vector<std::vector<float>> slot_scores;
     std::vector<std::vector<int64_t>> slot_positions;
     if (seq.slots) {

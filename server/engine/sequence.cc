@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvmem::engine {
 namespace {
 // Slots before the first eviction stay where they are; only the rest shift.
@@ -35,6 +37,37 @@ uint64_t Stream::host_bytes() const {
          next_scores.capacity() * sizeof(float) + history.capacity() * sizeof(float) +
          token_entropy.capacity() * sizeof(float) + layer_distance.capacity() * sizeof(float) +
          arrival_step.capacity() * sizeof(int64_t);
+}
+
+absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
+  const uint32_t B = layout.block_tokens;
+  for (size_t s = 0; s < streams.size(); ++s) {
+    const Stream& st = streams[s];
+    const size_t n = st.size();
+    auto broken = [&](absl::string_view what) {
+      return absl::InternalError(absl::StrCat("sequence ", id, " stream ", s, ": ", what,
+                                              " (", n, " slots)"));
+    };
+    if (st.token_entropy.size() != n || st.layer_distance.size() != n ||
+        st.arrival_step.size() != n) {
+      return broken("per-slot signals disagree with the positions");
+    }
+    if (st.scores.size() != (slots ? 0 : n)) return broken("scores disagree with the positions");
+    if (st.history.size() != n * history_rows) return broken("history disagrees");
+    if (slots && slots->length(static_cast<uint32_t>(s)) != n) {
+      return broken("the slot state's length disagrees");
+    }
+    uint64_t live = 0;
+    for (const StreamBlock& b : st.blocks) {
+      if (b.count == 0 || b.start + b.count > B) return broken("a block's live run is wrong");
+      live += b.count;
+    }
+    if (live != n) return broken("the blocks' live slots disagree with the positions");
+    for (size_t j = 1; j < n; ++j) {
+      if (st.positions[j] <= st.positions[j - 1]) return broken("positions do not increase");
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint64_t Sequence::host_bytes() const {

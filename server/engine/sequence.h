@@ -110,6 +110,12 @@ struct Sequence {
   // Host memory this sequence holds outside the pool: its per-stream and per-slot metadata
   // (SlotState memory is counted separately, where it lives).
   uint64_t host_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // The invariants every committed state keeps: per stream, every per-slot vector has one
+  // entry per retained slot (history: history_rows each; scores: none while they live in
+  // the SlotState, whose lengths then agree), positions increase, and the blocks' live
+  // slots add up to the retained slots, each block's run inside the block. INTERNAL naming
+  // the first broken one.
+  absl::Status CheckInvariants(uint32_t history_rows) const ABSL_SHARED_LOCKS_REQUIRED(mu);
 };
 
 }  // namespace kvmem::engine
