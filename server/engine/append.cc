@@ -3,7 +3,9 @@
 // stream of chunks is never buffered; Commit then makes them all the sequence's at once,
 // into reserved capacity. A session that ends without Commit gives its blocks back and the
 // sequence is as it was.
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -13,7 +15,9 @@ namespace kvmem::engine {
 
 absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
                                                 absl::Span<const AppendChunk> chunks) {
-  absl::StatusOr<std::unique_ptr<AppendSession>> session = BeginAppend(sequence_id);
+  // One call: the session keeps the sequence locked throughout, so concurrent calls on the
+  // sequence wait for it (as for any mutation) instead of finding an append open.
+  absl::StatusOr<std::unique_ptr<AppendSession>> session = BeginAppend(sequence_id, true);
   if (!session.ok()) return session.status();
   for (const AppendChunk& chunk : chunks) {
     if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
@@ -22,6 +26,11 @@ absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
 }
 
 absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint64_t sequence_id) {
+  return BeginAppend(sequence_id, false);
+}
+
+absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint64_t sequence_id,
+                                                                           bool hold_lock) {
   return Guard("Append", [&]() -> absl::StatusOr<std::unique_ptr<AppendSession>> {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
@@ -32,7 +41,8 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint6
     session->new_blocks_.resize(seq.streams.size());
     for (size_t s = 0; s < seq.streams.size(); ++s) session->new_blocks_[s] = seq.streams[s].blocks;
     session->last_position_ = seq.last_position;
-    session->seq_.UnlockNow();  // each Add and the Commit lock it for themselves
+    session->hold_lock_ = hold_lock;
+    if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
     return session;
   });
 }
@@ -49,7 +59,8 @@ Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
 
 Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (committed_) return;
-  kvmem::MutexLock lock(&seq_->mu);
+  std::optional<kvmem::MutexLock> lock;
+  if (!hold_lock_) lock.emplace(&seq_->mu);
   seq_->append_open = false;
   engine_->pool_->Unref(batch_.allocated);
 }
@@ -63,7 +74,8 @@ absl::Status Engine::AppendSession::Add(const AppendChunk& chunk) {
 absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!broken_.ok()) return broken_;
-  kvmem::MutexLock lock(&seq_->mu);
+  std::optional<kvmem::MutexLock> lock;
+  if (!hold_lock_) lock.emplace(&seq_->mu);
   Sequence& seq = *seq_;
   if (absl::Status s = Unusable(seq); !s.ok()) return s;
   const size_t index = chunks_;
@@ -156,7 +168,8 @@ absl::StatusOr<AppendResult> Engine::AppendSession::Commit() {
 
 absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!broken_.ok()) return broken_;
-  kvmem::MutexLock lock(&seq_->mu);
+  std::optional<kvmem::MutexLock> lock;
+  if (!hold_lock_) lock.emplace(&seq_->mu);
   Sequence& seq = *seq_;
   if (absl::Status s = Unusable(seq); !s.ok()) return s;
   const uint64_t total = positions_.size();
@@ -173,16 +186,20 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   }
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
+  // Capacity grows geometrically: one token per call must not copy every vector each time.
+  auto grow = [](auto& v, size_t n) {
+    if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
+  };
   for (Stream& st : seq.streams) {
     const size_t n = st.size() + total;
-    st.positions.reserve(n);
-    if (!seq.slots) st.scores.reserve(n);
-    st.history.reserve(n * history_rows);
-    st.token_entropy.reserve(n);
-    st.layer_distance.reserve(n);
-    st.arrival_step.reserve(n);
+    grow(st.positions, n);
+    if (!seq.slots) grow(st.scores, n);
+    grow(st.history, n * history_rows);
+    grow(st.token_entropy, n);
+    grow(st.layer_distance, n);
+    grow(st.arrival_step, n);
   }
-  seq.token_ids.reserve(seq.token_ids.size() + total);
+  grow(seq.token_ids, seq.token_ids.size() + total);
   if (seq.slots) {
     if (absl::Status s = seq.slots->Append(positions_, initial_score); !s.ok()) return s;
   }

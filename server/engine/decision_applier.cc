@@ -123,7 +123,10 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // moves and before any dropped block can be reused; from here a failure poisons.
   WriteSection section(this, &seq);
   if (absl::Status io = Execute(seq, batch); !io.ok()) return Poison(seq, io);
-  if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+  if (absl::Status s = commit(); !s.ok()) {
+    KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them
+    return Poison(seq, s);
+  }
   const uint32_t history_rows = seq.policy->history_rows();
   size_t swapped = 0;  // streams [0, swapped) are committed
   // Nothing below should throw; if something does, the sequence is poisoned and keeps the

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -134,6 +135,8 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   const uint64_t epoch = next_epoch_.fetch_add(1);
   absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
   if (!slot.ok()) return slot.status();
+  // Until the sequence owns it (an exception below would leak it for good).
+  absl::Cleanup give_back_slot = [this, &slot] { board_->Release(*slot); };
   uint64_t id;
   {
     kvmem::MutexLock lock(&mu_);
@@ -149,6 +152,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     seq->slots = std::move(slots);
     AccountSlotState(*seq);
   }
+  std::move(give_back_slot).Cancel();
   spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
                 layout.num_streams());
   return Register(seq);
@@ -163,6 +167,12 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(parent.policy_name, parent.policy_params);
   if (!policy.ok()) return policy.status();
+  // The child copies the parent's host metadata and slot state: both count against the
+  // host budget (beam search forks a lot).
+  if (absl::Status s = CheckHostBudget(parent.host_bytes() + parent.slot_bytes_accounted, "Fork");
+      !s.ok()) {
+    return s;
+  }
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots->Clone();
@@ -175,6 +185,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   const uint64_t epoch = next_epoch_.fetch_add(1);
   absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
   if (!slot.ok()) return slot.status();
+  absl::Cleanup give_back_slot = [this, &slot] { board_->Release(*slot); };
   uint64_t id;
   {
     kvmem::MutexLock lock(&mu_);
@@ -200,6 +211,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
       for (const StreamBlock& b : st.blocks) pool_->Ref({b.id});
     }
   }
+  std::move(give_back_slot).Cancel();
   Renew(parent);
   return Register(child);
 }

@@ -104,8 +104,9 @@ class Engine {
     }
 
     Engine* const engine_;
-    SequenceRef seq_;  // counted in flight (the reaper waits), not locked between calls
-    OpBatch batch_;    // allocated: every block the session took; dropped: copied-on-write
+    SequenceRef seq_;  // counted in flight (the reaper waits); locked throughout if hold_lock_
+    bool hold_lock_ = false;  // a unary Append: the lock is held from Begin to the end
+    OpBatch batch_;           // allocated: every block the session took; dropped: copied-on-write
     std::vector<std::vector<StreamBlock>> new_blocks_;
     std::vector<int64_t> positions_;
     std::vector<int32_t> token_ids_;
@@ -116,6 +117,11 @@ class Engine {
     bool committed_ = false;
   };
   absl::StatusOr<std::unique_ptr<AppendSession>> BeginAppend(uint64_t sequence_id);
+
+ private:
+  absl::StatusOr<std::unique_ptr<AppendSession>> BeginAppend(uint64_t sequence_id, bool hold_lock);
+
+ public:
   absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepInput& input);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
@@ -162,6 +168,9 @@ class Engine {
   absl::StatusOr<StepResult> StepImpl(uint64_t sequence_id, const StepInput& input);
   absl::StatusOr<CompressResult> CompressImpl(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<CreateResult> ForkImpl(uint64_t sequence_id, absl::Duration lease);
+  absl::StatusOr<BlockTable> GetBlockTableImpl(uint64_t sequence_id);
+  absl::Status ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                          uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink);
   // Throws std::bad_alloc at the armed commit step (Failpoints::kCommit).
   void CommitFailpoint() const;
   Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,

@@ -1,5 +1,6 @@
 // The policy driver: Step and Compress. Policies read the committed state and stage the
 // next; the staged state becomes the sequence's only when the whole call applies.
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "server/engine/engine.h"
 
@@ -67,17 +68,23 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
   decision->budget_tokens = plan.budget_tokens;
   // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
   // puts the scores back when the step fails before its point of no return.
+  // If the scores cannot be put back, a retry would apply the row twice: poison instead.
+  auto abort = [&](const absl::Status& why) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!seq.poisoned.empty()) return why;
+    absl::Status restored = seq.slots->AbortStep();
+    return restored.ok() ? why : Poison(seq, restored);
+  };
+  // An exception (host memory) past this point must not leave the scores stepped either.
+  absl::Cleanup abort_on_unwind = [&] { abort(absl::ResourceExhaustedError("")).IgnoreError(); };
   if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision->keep);
       !s.ok()) {
-    seq.slots->AbortStep();
-    return s;
+    std::move(abort_on_unwind).Cancel();
+    return abort(s);
   }
   absl::StatusOr<Applied> done = ApplyDecision(
       seq, *decision, [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots->CommitStep(); });
-  if (!done.ok()) {
-    if (seq.poisoned.empty()) seq.slots->AbortStep();
-    return done.status();
-  }
+  std::move(abort_on_unwind).Cancel();
+  if (!done.ok()) return abort(done.status());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (seq.slots->length(static_cast<uint32_t>(s)) != seq.streams[s].size()) {
       return Poison(seq, absl::InternalError(absl::StrCat(

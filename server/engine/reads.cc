@@ -6,6 +6,17 @@
 namespace kvmem::engine {
 
 absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
+  return Guard("GetBlockTable", [&] { return GetBlockTableImpl(sequence_id); });
+}
+
+absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                            uint32_t layer_end,
+                            const std::function<absl::Status(StreamKV&&)>& sink) {
+  return Guard("ReadKV",
+               [&] { return ReadKVImpl(sequence_id, epoch, layer_begin, layer_end, sink); });
+}
+
+absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id) {
   absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
@@ -33,9 +44,9 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
   return table;
 }
 
-absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
-                            uint32_t layer_end,
-                            const std::function<absl::Status(StreamKV&&)>& sink) {
+absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                                uint32_t layer_end,
+                                const std::function<absl::Status(StreamKV&&)>& sink) {
   absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
   if (!seq_or.ok()) return seq_or.status();
   Sequence& seq = **seq_or;

@@ -59,6 +59,7 @@ absl::StatusOr<Engine::SequenceRef> Engine::LockForChange(uint64_t sequence_id) 
 absl::Status Engine::Poison(Sequence& seq, const absl::Status& why) {
   if (seq.poisoned.empty()) {
     seq.poisoned = std::string(why.message().substr(0, 512));
+    seq.poisoned_flag.store(true, std::memory_order_release);
     if (seq.poisoned.empty()) seq.poisoned = "a mutation failed past its point of no return";
     ++sequences_poisoned_;
     spdlog::error("sequence {} poisoned: {}", seq.id, why.ToString());
@@ -149,6 +150,13 @@ std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_
       continue;
     }
     Sequence& seq = *it->second;
+    if (seq.poisoned_flag.load(std::memory_order_acquire)) {
+      // Not renewed: a poisoned sequence is kept only until its client releases it or its
+      // lease lapses, so that its blocks come back either way.
+      results.push_back(absl::DataLossError(
+          absl::StrCat("sequence_ids[", i, "]: sequence ", seq.id, " is poisoned; release it")));
+      continue;
+    }
     seq.lease_deadline_ns.store(absl::ToUnixNanos(now + seq.lease), std::memory_order_relaxed);
     results.push_back(absl::OkStatus());
   }

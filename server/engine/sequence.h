@@ -83,6 +83,8 @@ struct Sequence {
   // Set when a mutation failed past its point of no return: the blocks may no longer hold
   // what the tables say, so every later call but Release answers DATA_LOSS with this.
   std::string poisoned ABSL_GUARDED_BY(mu);
+  // Set with `poisoned`, read without the lock (KeepAlive holds only the registry lock).
+  std::atomic<bool> poisoned_flag{false};
   int64_t policy_mark ABSL_GUARDED_BY(mu) = -1;  // CallContext::mark
   bool append_open ABSL_GUARDED_BY(mu) = false;  // an Engine::AppendSession is open
   // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).

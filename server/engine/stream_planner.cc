@@ -37,16 +37,16 @@ uint64_t StreamPlanner::BlocksForAppend(const std::vector<StreamBlock>& blocks,
   return copies + (tokens - room + B - 1) / B;
 }
 
-absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p) {
+absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaims) {
   if (p == Precision::kLayout && !reserve_.empty()) {
     const store::BlockId id = reserve_.back();
     reserve_.pop_back();
     return id;
   }
-  // A quantized block replaces a bigger layout block once the batch commits: it may take
-  // the pool's reserve, so that a full pool can still quantize its way to free memory.
+  // A block that replaces a bigger one the batch frees may take the pool's reserve, so
+  // that a full pool can still quantize its way to free memory.
   const store::BlockPool::Use use =
-      p == Precision::kLayout ? store::BlockPool::Use::kGrow : store::BlockPool::Use::kReclaim;
+      reclaims ? store::BlockPool::Use::kReclaim : store::BlockPool::Use::kGrow;
   if (failpoints_ != nullptr && failpoints_->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
@@ -241,7 +241,8 @@ absl::Status StreamPlanner::Quantize(std::vector<StreamBlock>& blocks, uint32_t 
     if (end > old_end) break;
     if (block.precision != Precision::kLayout) continue;
     const Precision target = format_.quant_precision();
-    absl::StatusOr<store::BlockId> id = Allocate(target);
+    // A shared block's copy frees nothing (its other owners keep it): no reserve for it.
+    absl::StatusOr<store::BlockId> id = Allocate(target, /*reclaims=*/!Shared(block.id));
     // Out of pool memory even with the reserve: quantize what fitted; the rest stays at
     // the layout precision and is quantized by a later call, once blocks came back.
     if (!id.ok() && absl::IsResourceExhausted(id.status())) return absl::OkStatus();

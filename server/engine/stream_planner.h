@@ -67,7 +67,9 @@ class StreamPlanner {
   absl::Status Quantize(std::vector<StreamBlock>& blocks, uint32_t recent);
 
  private:
-  absl::StatusOr<store::BlockId> Allocate(Precision p);
+  // `reclaims`: the block replaces a bigger one that the batch frees (quantization of a
+  // private block), so it may take the pool's reserve.
+  absl::StatusOr<store::BlockId> Allocate(Precision p, bool reclaims = false);
   bool Shared(store::BlockId id) const { return pool_->refs(id) > 1; }
   // Moves slot `src` of block `from` to slot `dst` of block `to` (same precision).
   void MoveSlot(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst);

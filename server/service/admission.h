@@ -18,6 +18,7 @@ struct ServiceLimits {
   uint64_t max_stream_buffer_bytes = 256ull << 20;  // request bytes of all open AppendStreams
   uint32_t max_append_streams = 16;                 // AppendStreams open at once
   size_t request_id_entries = 100000;               // responses kept for retries
+  uint64_t request_id_bytes = 64ull << 20;          // ... and their bytes
   absl::Duration request_id_ttl = absl::Minutes(10);
 };
 

@@ -85,7 +85,7 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   return ToGrpc(
-      requests_.Run("CreateSequence", request->request_id(), response, [&]() -> absl::Status {
+      requests_.Run("CreateSequence", 0, request->request_id(), response, [&]() -> absl::Status {
         if (!request->has_layout()) {
           return absl::InvalidArgumentError("layout: required");
         }
@@ -122,14 +122,15 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
                                     v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Append", request->request_id(), response, [&]() -> absl::Status {
-    const engine::AppendChunk chunk = ChunkView(*request);
-    absl::StatusOr<engine::AppendResult> result =
-        engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
-    if (!result.ok()) return result.status();
-    FillAppendResponse(request->sequence_id(), *result, response);
-    return absl::OkStatus();
-  }));
+  return ToGrpc(requests_.Run(
+      "Append", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
+        const engine::AppendChunk chunk = ChunkView(*request);
+        absl::StatusOr<engine::AppendResult> result =
+            engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
+        if (!result.ok()) return result.status();
+        FillAppendResponse(request->sequence_id(), *result, response);
+        return absl::OkStatus();
+      }));
 }
 
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
@@ -150,7 +151,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
   return ToGrpc(
-      requests_.Run("AppendStream", request.request_id(), response, [&]() -> absl::Status {
+      requests_.Run("AppendStream", id, request.request_id(), response, [&]() -> absl::Status {
         absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
             engine_->BeginAppend(id);
         if (!session.ok()) return session.status();
@@ -187,55 +188,57 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
                                   v1::StepResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Step", request->request_id(), response, [&]() -> absl::Status {
-    engine::StepInput input;
-    input.epoch = request->epoch();
-    if (request->has_logit_stats()) {
-      const v1::LogitStats& ls = request->logit_stats();
-      input.logits = engine::RawLogitStats{
-          ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
-    }
-    input.attention = SignalViews(request->attention());
-    absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
-    if (!result.ok()) return result.status();
-    response->set_confidence(result->confidence);
-    response->set_budget_tokens(result->budget_tokens);
-    response->set_evicted_tokens(result->evicted_tokens);
-    response->set_quantized_tokens(result->quantized_tokens);
-    response->set_kv_bytes_before(result->kv_bytes_before);
-    response->set_kv_bytes_after(result->kv_bytes_after);
-    response->set_epoch(result->epoch);
-    response->set_step(result->step);
-    return absl::OkStatus();
-  }));
+  return ToGrpc(requests_.Run(
+      "Step", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
+        engine::StepInput input;
+        input.epoch = request->epoch();
+        if (request->has_logit_stats()) {
+          const v1::LogitStats& ls = request->logit_stats();
+          input.logits = engine::RawLogitStats{
+              ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
+        }
+        input.attention = SignalViews(request->attention());
+        absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
+        if (!result.ok()) return result.status();
+        response->set_confidence(result->confidence);
+        response->set_budget_tokens(result->budget_tokens);
+        response->set_evicted_tokens(result->evicted_tokens);
+        response->set_quantized_tokens(result->quantized_tokens);
+        response->set_kv_bytes_before(result->kv_bytes_before);
+        response->set_kv_bytes_after(result->kv_bytes_after);
+        response->set_epoch(result->epoch);
+        response->set_step(result->step);
+        return absl::OkStatus();
+      }));
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Compress", request->request_id(), response, [&]() -> absl::Status {
-    engine::CompressInput input;
-    input.epoch = request->epoch();
-    input.target_tokens = request->target_tokens();
-    input.attention = SignalViews(request->attention());
-    input.window_scores = SignalViews(request->window_scores());
-    absl::StatusOr<engine::CompressResult> result =
-        engine_->Compress(request->sequence_id(), input);
-    if (!result.ok()) return result.status();
-    for (const engine::LayerKept& layer : result->layers) {
-      v1::LayerKept* out = response->add_layers();
-      out->set_layer(layer.layer);
-      out->set_kept_tokens(layer.kept_tokens);
-      out->set_before_tokens(layer.before_tokens);
-    }
-    response->set_evicted_tokens(result->evicted_tokens);
-    response->set_quantized_tokens(result->quantized_tokens);
-    response->set_kv_bytes_before(result->kv_bytes_before);
-    response->set_kv_bytes_after(result->kv_bytes_after);
-    response->set_epoch(result->epoch);
-    return absl::OkStatus();
-  }));
+  return ToGrpc(requests_.Run("Compress", request->sequence_id(), request->request_id(), response,
+                              [&]() -> absl::Status {
+                                engine::CompressInput input;
+                                input.epoch = request->epoch();
+                                input.target_tokens = request->target_tokens();
+                                input.attention = SignalViews(request->attention());
+                                input.window_scores = SignalViews(request->window_scores());
+                                absl::StatusOr<engine::CompressResult> result =
+                                    engine_->Compress(request->sequence_id(), input);
+                                if (!result.ok()) return result.status();
+                                for (const engine::LayerKept& layer : result->layers) {
+                                  v1::LayerKept* out = response->add_layers();
+                                  out->set_layer(layer.layer);
+                                  out->set_kept_tokens(layer.kept_tokens);
+                                  out->set_before_tokens(layer.before_tokens);
+                                }
+                                response->set_evicted_tokens(result->evicted_tokens);
+                                response->set_quantized_tokens(result->quantized_tokens);
+                                response->set_kv_bytes_before(result->kv_bytes_before);
+                                response->set_kv_bytes_after(result->kv_bytes_after);
+                                response->set_epoch(result->epoch);
+                                return absl::OkStatus();
+                              }));
 }
 
 grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
@@ -276,14 +279,15 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
                                   v1::ForkResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Fork", request->request_id(), response, [&]() -> absl::Status {
-    absl::StatusOr<engine::CreateResult> child =
-        engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
-    if (!child.ok()) return child.status();
-    response->set_sequence_id(child->sequence_id);
-    response->set_epoch_slot(child->epoch_slot);
-    return absl::OkStatus();
-  }));
+  return ToGrpc(requests_.Run(
+      "Fork", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<engine::CreateResult> child =
+            engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
+        if (!child.ok()) return child.status();
+        response->set_sequence_id(child->sequence_id);
+        response->set_epoch_slot(child->epoch_slot);
+        return absl::OkStatus();
+      }));
 }
 
 grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
@@ -308,12 +312,13 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
                                      v1::ReleaseResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Release", request->request_id(), response, [&]() -> absl::Status {
-    absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
-    if (!freed.ok()) return freed.status();
-    response->set_freed_blocks(*freed);
-    return absl::OkStatus();
-  }));
+  return ToGrpc(requests_.Run(
+      "Release", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
+        if (!freed.ok()) return freed.status();
+        response->set_freed_blocks(*freed);
+        return absl::OkStatus();
+      }));
 }
 
 grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,

@@ -1,5 +1,7 @@
 #include "server/service/request_cache.h"
 
+#include <algorithm>
+
 namespace kvmem::service {
 
 absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Message* response,
@@ -24,9 +26,16 @@ absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Messa
       }
       return absl::OkStatus();  // replayed; *entry stays null
     }
-    // The first call with this id is still running: wait for it.
-    kvmem::Await(&mu_, absl::Condition(
-                           +[](Entry* e) { return e->done; }, found.get()));
+    // The first call with this id is still running: wait for it, for a while.
+    TsanRelease(&mu_);
+    const bool done = mu_.AwaitWithTimeout(absl::Condition(
+                                               +[](Entry* e) { return e->done; }, found.get()),
+                                           kMaxWait);
+    TsanAcquire(&mu_);
+    if (!done) {
+      return absl::AbortedError(
+          "request_id: the first call with this id is still running; retry later");
+    }
   }
 }
 
@@ -45,6 +54,7 @@ void RequestCache::Finish(const std::string& key, const std::shared_ptr<Entry>& 
     return;
   }
   order_.push_back(key);
+  bytes_ += key.size() + entry->response.size();
   EvictLocked();
 }
 
@@ -53,11 +63,20 @@ void RequestCache::EvictLocked() {
   while (!order_.empty()) {
     auto it = entries_.find(order_.front());
     const bool stale = it == entries_.end() || !it->second->done ||
-                       now - it->second->stored > ttl_ || order_.size() > max_entries_;
+                       now - it->second->stored > ttl_ || order_.size() > max_entries_ ||
+                       bytes_ > max_bytes_;
     if (!stale) break;
-    if (it != entries_.end() && it->second->done) entries_.erase(it);
+    if (it != entries_.end() && it->second->done) {
+      bytes_ -= std::min<uint64_t>(bytes_, it->first.size() + it->second->response.size());
+      entries_.erase(it);
+    }
     order_.pop_front();
   }
+}
+
+uint64_t RequestCache::bytes() const {
+  kvmem::MutexLock lock(&mu_);
+  return bytes_;
 }
 
 size_t RequestCache::size() const {

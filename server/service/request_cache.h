@@ -4,9 +4,10 @@
 // repeat that arrives while the first is still running waits for it. Failed calls are not
 // kept (an error changed nothing, so running the retry again is right).
 //
-// Bounded: at most `max_entries` responses, each kept for `ttl`; the oldest go first.
-// Keys are (method, request_id), so one id reused across methods never replays the wrong
-// kind of response.
+// Bounded: at most `max_entries` responses and `max_bytes` of them, each kept for `ttl`;
+// the oldest go first. Keys are (method, scope, request_id), the scope being the sequence a
+// call acts on, so one id reused across methods or sequences never replays another call's
+// response.
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -26,21 +27,25 @@ inline constexpr size_t kMaxRequestIdBytes = 64;
 
 class RequestCache {
  public:
-  RequestCache(size_t max_entries, absl::Duration ttl, const engine::Clock* clock)
-      : max_entries_(max_entries), ttl_(ttl), clock_(clock) {}
+  RequestCache(size_t max_entries, uint64_t max_bytes, absl::Duration ttl,
+               const engine::Clock* clock)
+      : max_entries_(max_entries), max_bytes_(max_bytes), ttl_(ttl), clock_(clock) {}
+
+  // How long a repeat waits for the first call with its id before ABORTED (retry later).
+  static constexpr absl::Duration kMaxWait = absl::Seconds(30);
 
   // Runs `call` (which fills `response`) once per (method, request_id): a repeat of a call
   // that succeeded gets its response copied into `response` and `call` is not run.
   // INVALID_ARGUMENT for an id longer than kMaxRequestIdBytes.
   template <typename Call>
-  absl::Status Run(absl::string_view method, absl::string_view request_id,
+  absl::Status Run(absl::string_view method, uint64_t scope, absl::string_view request_id,
                    google::protobuf::Message* response, Call&& call) {
     if (request_id.empty()) return call();
     if (request_id.size() > kMaxRequestIdBytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "request_id: ", request_id.size(), " bytes, over the limit of ", kMaxRequestIdBytes));
     }
-    const std::string key = absl::StrCat(method, "/", request_id);
+    const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
     std::shared_ptr<Entry> entry;
     if (absl::Status s = Claim(key, response, &entry); !s.ok() || entry == nullptr) return s;
     absl::Status status = call();
@@ -49,6 +54,7 @@ class RequestCache {
   }
 
   size_t size() const;
+  uint64_t bytes() const;
 
  private:
   struct Entry {
@@ -66,11 +72,13 @@ class RequestCache {
   void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t max_entries_;
+  const uint64_t max_bytes_;
   const absl::Duration ttl_;
   const engine::Clock* const clock_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // keys of finished entries, oldest first
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;             // responses and keys of finished entries
 };
 
 }  // namespace kvmem::service

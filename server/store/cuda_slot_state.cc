@@ -264,6 +264,8 @@ class CudaSlotState final : public BookedSlotState {
         FromCuda(cudaMemcpyAsync(device_ + regions_.saved_scores, device_ + regions_.scores,
                                  S * C * sizeof(float), cudaMemcpyDeviceToDevice, stream_),
                  "slot state: save scores");
+    // Only a save that was enqueued can be restored from; without it nothing ran either.
+    const bool save_enqueued = s.ok();
     if (s.ok()) {
       s = FromCuda(
           cudaMemcpyAsync(lease->device(), host, upload_bytes, cudaMemcpyHostToDevice, stream_),
@@ -300,7 +302,7 @@ class CudaSlotState final : public BookedSlotState {
                      "slot state: keep flags download");
       }
     }
-    saved_ = true;  // from the first launch on, the scores may have changed
+    saved_ = save_enqueued;  // from the first launch on, the scores may have changed
     if (absl::Status w = Wait("step"); s.ok()) s = w;
     if (!s.ok()) return s;
     FinishStep(step.select, lease->host(), keep);

@@ -399,6 +399,13 @@ TEST_F(RequestIdTest, ARepeatedRequestIdIsAnsweredOnceAndAppliedOnce) {
   v1::ReleaseResponse rr;
   EXPECT_EQ(call(&v1::KvCache::Stub::Release, release, &rr).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
+  // The same id on another sequence is another call too (ids are scoped by sequence).
+  v1::StepRequest other_step;
+  other_step.set_sequence_id(id_);
+  other_step.set_request_id("step-1");
+  v1::StepResponse other;
+  ASSERT_TRUE(call(&v1::KvCache::Stub::Step, other_step, &other).ok());
+  EXPECT_EQ(other.step(), 0u) << "another sequence's answer was replayed";
   release.set_request_id("step-1");
   ASSERT_TRUE(call(&v1::KvCache::Stub::Release, release, &rr).ok());
   v1::ReleaseResponse rr2;

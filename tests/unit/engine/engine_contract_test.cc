@@ -1,7 +1,9 @@
 // The engine's contract (DESIGN.md): a reader never accepts K/V its table does not name,
 // a mutation applies whole or changes nothing (scores included) or poisons its sequence,
 // and the pool's accounting stays exact. Each test here failed before the fix it guards.
+#include <atomic>
 #include <random>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "tests/testing/faulty_backend.h"
@@ -143,7 +145,7 @@ TEST_F(ContractTest, BackendFailureMidStepPoisonsAndReleaseStillFrees) {
                     engine_->Fork(id, absl::ZeroDuration()).status().code()}) {
     EXPECT_EQ(code, absl::StatusCode::kDataLoss);
   }
-  EXPECT_EQ(engine_->KeepAlive({id})[0].code(), absl::StatusCode::kOk);
+  EXPECT_EQ(engine_->KeepAlive({id})[0].code(), absl::StatusCode::kDataLoss);
   ASSERT_TRUE(engine_->Release(id).ok());
   EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 0u);
   EXPECT_EQ(engine_->Stats(false).sequences_poisoned, 1u);
@@ -287,6 +289,22 @@ TEST_F(ContractTest, HostMetadataIsBoundedAndAccounted) {
   EXPECT_EQ(small->GetBlockTable(id)->streams[0].positions.size(), static_cast<size_t>(next));
   ASSERT_TRUE(small->Release(id).ok());
   EXPECT_EQ(small->Stats(false).host_metadata_bytes, 0u);
+}
+
+TEST_F(ContractTest, ConcurrentAppendsAndStepsOnOneSequenceWaitForEachOther) {
+  // A unary Append holds the sequence for its whole call: a Step arriving meanwhile waits
+  // (before the fix it found an "AppendStream open" and failed).
+  const uint64_t id = Create("window", {{"window", 64}});
+  std::atomic<int> refused{0};
+  std::thread stepper([&] {
+    for (int i = 0; i < 300; ++i) {
+      absl::StatusOr<StepResult> r = engine_->Step(id, {});
+      if (!r.ok()) ++refused;
+    }
+  });
+  for (int64_t t = 0; t < 300; ++t) ASSERT_TRUE(AppendRange(id, t, 1).ok()) << t;
+  stepper.join();
+  EXPECT_EQ(refused.load(), 0);
 }
 
 }  // namespace

@@ -152,6 +152,16 @@ TEST_P(ConfKvSpecTest, KeepsWhatTheSpecificationKeeps) {
         ASSERT_LT(cut, ranked.size());
         ASSERT_NEAR(ranked[cut - 1].first, ranked[cut].first, 1e-5)
             << "step " << t << " stream " << s << ": the engine kept other slots than the rule";
+        // And every slot on which the two differ is one of the tied ones at the cut.
+        const double tie = ranked[cut].first;
+        for (const auto& [priority, position] : ranked) {
+          const bool in_got = std::binary_search(got.begin(), got.end(), position);
+          const bool in_want = std::binary_search(want.begin(), want.end(), position);
+          if (in_got != in_want) {
+            EXPECT_NEAR(priority, tie, 1e-5) << "step " << t << " stream " << s << ": position "
+                                             << position << " is not tied at the cut";
+          }
+        }
         ++ties;
       }
       oracle.Keep(s, got);
