@@ -46,6 +46,9 @@ ABSL_FLAG(uint32_t, request_id_entries, 100000,
           "responses of mutating calls kept so that a retry with the same request_id gets the "
           "first answer instead of applying twice");
 ABSL_FLAG(uint32_t, request_id_seconds, 600, "how long a response is kept for retries");
+ABSL_FLAG(double, append_stream_idle_seconds, 60,
+          "an AppendStream that sends nothing for this long is cancelled (it holds its "
+          "sequence and reserved blocks while open)");
 ABSL_FLAG(uint64_t, request_id_bytes, 64ull << 20, "most bytes of responses kept for retries");
 ABSL_FLAG(double, drain_seconds, 5,
           "on SIGTERM, how long calls already accepted may run before they are cancelled; new "
@@ -105,6 +108,7 @@ int main(int argc, char** argv) {
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);
   config.limits.request_id_ttl = absl::Seconds(absl::GetFlag(FLAGS_request_id_seconds));
   config.limits.request_id_bytes = absl::GetFlag(FLAGS_request_id_bytes);
+  config.limits.append_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_append_stream_idle_seconds));
   config.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
 

@@ -52,6 +52,28 @@ AppendStreamBudget::Lease::~Lease() {
   kvmem::MutexLock lock(&budget_->mu_);
   budget_->bytes_ -= bytes_;
   --budget_->streams_;
+  budget_->open_.erase(id_);
+}
+
+void AppendStreamBudget::Lease::Touch() {
+  kvmem::MutexLock lock(&budget_->mu_);
+  auto it = budget_->open_.find(id_);
+  if (it != budget_->open_.end()) it->second.last_activity = absl::Now();
+}
+
+int AppendStreamBudget::CancelIdle(absl::Duration idle) {
+  kvmem::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  int cancelled = 0;
+  for (auto& [id, stream] : open_) {
+    // The handler is still running (its lease is alive), so the context is too.
+    if (stream.context != nullptr && now - stream.last_activity > idle) {
+      stream.context->TryCancel();
+      stream.context = nullptr;  // once
+      ++cancelled;
+    }
+  }
+  return cancelled;
 }
 
 absl::Status AppendStreamBudget::Lease::Reserve(uint64_t bytes) {
@@ -74,7 +96,7 @@ void AppendStreamBudget::Lease::Return(uint64_t bytes) {
   bytes_ -= bytes;
 }
 
-absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open() {
+absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open(grpc::ServerContext* context) {
   kvmem::MutexLock lock(&mu_);
   if (streams_ >= max_streams_) {
     return absl::ResourceExhaustedError(
@@ -82,7 +104,9 @@ absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open() {
                      " streams are open; retry later or use Append"));
   }
   ++streams_;
-  return Lease(this);
+  const uint64_t id = next_id_++;
+  open_[id] = {context, absl::Now()};
+  return Lease(this, id);
 }
 
 }  // namespace kvmem::service

@@ -5,10 +5,12 @@
 #include <cstdint>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "grpcpp/server_context.h"
 #include "server/common/mutex.h"
 
 namespace kvmem::service {
@@ -19,6 +21,9 @@ struct ServiceLimits {
   uint32_t max_append_streams = 16;                 // AppendStreams open at once
   size_t request_id_entries = 100000;               // responses kept for retries
   uint64_t request_id_bytes = 64ull << 20;          // ... and their bytes
+  // An AppendStream that sends nothing for this long is cancelled: it would otherwise keep
+  // its sequence (no other change, no lease expiry) and its reserved blocks for ever.
+  absl::Duration append_stream_idle = absl::Seconds(60);
   absl::Duration request_id_ttl = absl::Minutes(10);
 };
 
@@ -74,7 +79,7 @@ class AppendStreamBudget {
   // One open stream's share; gives everything back when destroyed.
   class Lease {
    public:
-    Lease(Lease&& other) noexcept : budget_(other.budget_), bytes_(other.bytes_) {
+    Lease(Lease&& other) noexcept : budget_(other.budget_), bytes_(other.bytes_), id_(other.id_) {
       other.budget_ = nullptr;
       other.bytes_ = 0;
     }
@@ -86,13 +91,16 @@ class AppendStreamBudget {
     [[nodiscard]] absl::Status Reserve(uint64_t bytes);
     // Gives back what Reserve took (a chunk that has been written to the pool).
     void Return(uint64_t bytes);
+    // The stream is alive: its idle time starts again.
+    void Touch();
     uint64_t bytes() const { return bytes_; }
 
    private:
     friend class AppendStreamBudget;
-    explicit Lease(AppendStreamBudget* budget) : budget_(budget) {}
+    Lease(AppendStreamBudget* budget, uint64_t id) : budget_(budget), id_(id) {}
     AppendStreamBudget* budget_;
     uint64_t bytes_ = 0;
+    uint64_t id_ = 0;
   };
 
   AppendStreamBudget(uint64_t max_bytes, uint32_t max_streams)
@@ -101,7 +109,10 @@ class AppendStreamBudget {
   AppendStreamBudget& operator=(const AppendStreamBudget&) = delete;
 
   // A share for a new stream: RESOURCE_EXHAUSTED when --max-append-streams are open.
-  [[nodiscard]] absl::StatusOr<Lease> Open();
+  // `context` (may be null) is cancelled by CancelIdle when the stream idles.
+  [[nodiscard]] absl::StatusOr<Lease> Open(grpc::ServerContext* context = nullptr);
+  // Cancels the streams that have sent nothing for `idle`; returns how many.
+  int CancelIdle(absl::Duration idle);
 
  private:
   const uint64_t max_bytes_;
@@ -109,6 +120,12 @@ class AppendStreamBudget {
   mutable absl::Mutex mu_;
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t streams_ ABSL_GUARDED_BY(mu_) = 0;
+  struct OpenStream {
+    grpc::ServerContext* context;
+    absl::Time last_activity;
+  };
+  absl::flat_hash_map<uint64_t, OpenStream> open_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
 }  // namespace kvmem::service

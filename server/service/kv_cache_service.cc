@@ -138,7 +138,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open();
+  absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open(context);
   if (!held.ok()) return ToGrpc(held.status());
   v1::AppendRequest request;
   if (!reader->Read(&request)) {
@@ -166,6 +166,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
           if (absl::Status s = held->Reserve(bytes); !s.ok()) return s;
           absl::Status added = (*session)->Add(ChunkView(request));
           held->Return(bytes);
+          held->Touch();
           if (!added.ok()) return added;
           ++index;
           request.Clear();

@@ -24,6 +24,8 @@ class KvCacheService final : public v1::KvCache::Service {
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
+  // Watched by the server for idle streams.
+  AppendStreamBudget& append_streams() { return streams_; }
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::GetInfoResponse*) override;

@@ -102,8 +102,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   health->SetServingStatus(kServiceName, true);
   Server* raw = server.get();
   const absl::Duration period = config.reaper_period;
-  server->reaper_ =
-      std::thread([raw, period] { raw->engine_->RunLeaseReaper(period, &raw->stop_reaper_); });
+  const absl::Duration idle = config.limits.append_stream_idle;
+  server->reaper_ = std::thread([raw, period, idle] {
+    // Leases, and AppendStreams that went quiet (they hold their sequence while open).
+    const absl::Duration tick = std::min(period, std::max(idle / 4, absl::Milliseconds(10)));
+    absl::Time next_reap = absl::Now();
+    while (!raw->stop_reaper_.WaitForNotificationWithTimeout(tick)) {
+      if (const int n = raw->service_->append_streams().CancelIdle(idle); n > 0) {
+        spdlog::warn("{} AppendStream(s) idle for over {}s cancelled", n,
+                     absl::ToDoubleSeconds(idle));
+      }
+      if (absl::Now() >= next_reap) {
+        raw->engine_->ExpireLeases();
+        next_reap = absl::Now() + period;
+      }
+    }
+  });
   return server;
 }
 

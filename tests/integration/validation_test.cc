@@ -246,7 +246,11 @@ class StreamLimitsTest : public ValidationTest {
  protected:
   // A 16-token chunk of this layout carries 2 x 16 KiB of K+V; the buffer holds one.
   static constexpr uint64_t kBufferBytes = 48 * 1024;
-  StreamLimitsTest() { limits_ = {kBufferBytes, 2}; }
+  StreamLimitsTest() {
+    limits_.max_stream_buffer_bytes = kBufferBytes;
+    limits_.max_append_streams = 2;
+    limits_.append_stream_idle = absl::Milliseconds(800);
+  }
 
   struct OpenStream {
     grpc::ClientContext context;
@@ -307,7 +311,7 @@ TEST_F(StreamLimitsTest, AnOpenStreamHoldsPoolBlocksNotHostBuffers) {
   EXPECT_EQ(client_->GetStats(false)->tokens_appended, before.tokens_appended + 32);
 
   // One chunk larger than --max-stream-buffer-bytes is refused; nothing changes.
-  const std::string snapshot = Snapshot();
+  std::string snapshot = Snapshot();
   auto too_large = std::make_unique<OpenStream>();
   too_large->writer = stub_->AppendStream(&too_large->context, &too_large->response);
   too_large->writer->Write(GoodAppend(72, 32));  // 2 x 32 KiB
@@ -317,7 +321,14 @@ TEST_F(StreamLimitsTest, AnOpenStreamHoldsPoolBlocksNotHostBuffers) {
               HasSubstr("--max-stream-buffer-bytes=" + std::to_string(kBufferBytes)));
   EXPECT_EQ(Snapshot(), snapshot);
 
+  // A stream that goes quiet is cancelled by the daemon (it would hold its sequence).
+  std::unique_ptr<OpenStream> quiet = Open(72, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  EXPECT_EQ(Finish(*quiet).error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(client_->Step(id_, {}).ok()) << "the quiet stream still holds the sequence";
+
   // A cancelled stream gives its blocks back.
+  snapshot = Snapshot();
   std::unique_ptr<OpenStream> cancelled = Open(72, 2);
   cancelled->context.TryCancel();
   EXPECT_EQ(Finish(*cancelled).error_code(), grpc::StatusCode::CANCELLED);
