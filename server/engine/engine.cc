@@ -321,8 +321,9 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
       floats("history", st.history);
       floats("entropy", st.token_entropy);
       floats("distance", st.layer_distance);
-      if (seq.slots)
+      if (seq.slots) {
         absl::StrAppend(&out, "slot positions ", absl::StrJoin(slot_positions[s], ","), "\n");
+      }
     }
   }
   absl::Status read = ReadKV(sequence_id, 0, 0, 0, [&out](StreamKV&& kv) {

@@ -45,8 +45,8 @@ absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
     const Stream& st = streams[s];
     const size_t n = st.size();
     auto broken = [&](absl::string_view what) {
-      return absl::InternalError(absl::StrCat("sequence ", id, " stream ", s, ": ", what,
-                                              " (", n, " slots)"));
+      return absl::InternalError(
+          absl::StrCat("sequence ", id, " stream ", s, ": ", what, " (", n, " slots)"));
     };
     if (st.token_entropy.size() != n || st.layer_distance.size() != n ||
         st.arrival_step.size() != n) {
