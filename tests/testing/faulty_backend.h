@@ -12,6 +12,16 @@ class FaultyBackend final : public store::Backend {
  public:
   explicit FaultyBackend(std::unique_ptr<store::Backend> inner) : inner_(std::move(inner)) {}
 
+  // A function that wraps a backend in a FaultyBackend and points *out at it (for fixtures
+  // that build the inner backend themselves).
+  static auto Wrapper(FaultyBackend** out) {
+    return [out](std::unique_ptr<store::Backend> inner) -> std::unique_ptr<store::Backend> {
+      auto faulty = std::make_unique<FaultyBackend>(std::move(inner));
+      *out = faulty.get();
+      return faulty;
+    };
+  }
+
   // The n-th data call from now on fails (1-based); 0 disarms.
   void FailAt(uint64_t n) {
     calls_.store(0);

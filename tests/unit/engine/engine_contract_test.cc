@@ -17,18 +17,14 @@ using ::testing::HasSubstr;
 class ContractTest : public EngineTest {
  protected:
   void MakeFaultyEngine(uint64_t pool_bytes, bool device_step, int64_t reserve_pages = -1) {
-    engine_.reset();
-    EngineConfig config;
-    config.pool_bytes = pool_bytes;
-    config.page_bytes = 4096;
-    config.max_sequences = 8;
-    config.default_lease = absl::Seconds(10);
-    config.device_step = device_step;
-    config.failpoints = &failpoints_;
-    config.reclaim_reserve_pages = reserve_pages;
-    auto faulty = std::make_unique<testing::FaultyBackend>(*store::CpuBackend::Create(pool_bytes));
-    backend_ = faulty.get();
-    engine_ = *Engine::Create(config, std::move(faulty), &clock_);
+    MakeEngine(
+        pool_bytes,
+        [&](EngineConfig& config) {
+          config.device_step = device_step;
+          config.failpoints = &failpoints_;
+          config.reclaim_reserve_pages = reserve_pages;
+        },
+        testing::FaultyBackend::Wrapper(&backend_));
   }
 
   // A reader of the same-host protocol: would it accept `table` now?

@@ -118,20 +118,12 @@ TEST_P(ConfKvSpecTest, KeepsWhatTheSpecificationKeeps) {
   oracle.streams.resize(twins::kL * twins::kH);
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  std::exponential_distribution<float> expo(1.0f);
   int evictions = 0, ties = 0;
   for (int64_t t = 0; t < 260; ++t) {
     ASSERT_TRUE(twins::Append(*engine, id, t, 1).ok());
     for (auto& st : oracle.streams) st.push_back({t, 0.0, false});
     const BlockTable table = *engine->GetBlockTable(id);
-    std::vector<std::vector<float>> rows;
-    for (const StreamTable& st : table.streams) {
-      std::vector<float> row(st.positions.size());
-      float sum = 0;
-      for (float& a : row) sum += (a = expo(rng));
-      for (float& a : row) a /= sum;
-      rows.push_back(std::move(row));
-    }
+    const std::vector<std::vector<float>> rows = twins::Rows(table, rng);
     StepInput in;
     in.epoch = table.epoch;
     const float p1 = 0.3f + 0.7f * unit(rng);

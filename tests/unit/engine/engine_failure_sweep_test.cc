@@ -32,17 +32,13 @@ class FailureSweepTest : public EngineTest,
                          public ::testing::WithParamInterface<std::tuple<SweepCase, Site>> {
  protected:
   void Prepare(const SweepCase& c) {
-    engine_.reset();
-    EngineConfig config;
-    config.pool_bytes = 1 << 20;
-    config.page_bytes = 4096;
-    config.max_sequences = 8;
-    config.device_step = c.device_step;
-    config.failpoints = &failpoints_;
-    auto faulty =
-        std::make_unique<testing::FaultyBackend>(*store::CpuBackend::Create(config.pool_bytes));
-    backend_ = faulty.get();
-    engine_ = *Engine::Create(config, std::move(faulty), &clock_);
+    MakeEngine(
+        1 << 20,
+        [&](EngineConfig& config) {
+          config.device_step = c.device_step;
+          config.failpoints = &failpoints_;
+        },
+        testing::FaultyBackend::Wrapper(&backend_));
     QuantConfig quant{kernels::QuantType::kInt8, 16};
     const policy::ParamOverrides params =
         std::string(c.policy) == "h2o"

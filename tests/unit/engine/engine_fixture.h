@@ -1,5 +1,6 @@
 #pragma once
 // A small engine on the CPU backend with a fake clock, for engine unit tests.
+#include <functional>
 #include <memory>
 
 #include "absl/strings/match.h"
@@ -17,7 +18,11 @@ class EngineTest : public ::testing::Test {
 
   void SetUp() override { MakeEngine(1 << 20); }
 
-  void MakeEngine(uint64_t pool_bytes) {
+  // `adjust` changes the test configuration; `wrap` may put a backend around the CPU one.
+  void MakeEngine(
+      uint64_t pool_bytes, const std::function<void(EngineConfig&)>& adjust = {},
+      const std::function<std::unique_ptr<store::Backend>(std::unique_ptr<store::Backend>)>& wrap =
+          {}) {
     engine_.reset();
     EngineConfig config;
     config.pool_bytes = pool_bytes;
@@ -25,7 +30,9 @@ class EngineTest : public ::testing::Test {
     config.max_sequences = 8;
     config.default_lease = absl::Seconds(10);
     config.reclaim_reserve_pages = 0;  // the tests count pages exactly
-    auto backend = *store::CpuBackend::Create(pool_bytes);
+    if (adjust) adjust(config);
+    std::unique_ptr<store::Backend> backend = *store::CpuBackend::Create(pool_bytes);
+    if (wrap) backend = wrap(std::move(backend));
     engine_ = *Engine::Create(config, std::move(backend), &clock_);
   }
 
