@@ -271,6 +271,17 @@ grpc::Status StreamPrefill(kvmem::v1::KvCache::Stub& stub, uint64_t id, int chun
 // Wait for what a daemon thread may still be doing with a call the client gave up on.
 void LetTheDaemonCatchUp() { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
 
+// After a stream that did not end cleanly: nothing of it was appended, and the whole
+// prefill sent again is accepted, as if the broken one had never been sent.
+void ExpectNothingAppendedThenPrefillWorks(kvmem::v1::KvCache::Stub& stub, uint64_t id) {
+  LetTheDaemonCatchUp();
+  EXPECT_EQ(AppendedTokens(stub, id), 0);
+  kvmem::v1::AppendResponse response;
+  const grpc::Status retry = StreamPrefill(stub, id, 4, &response);
+  EXPECT_TRUE(retry.ok()) << retry.error_message();
+  EXPECT_EQ(response.appended_tokens(), 64u);
+}
+
 TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
   kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
       KVMEMD_PATH,
@@ -288,13 +299,7 @@ TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
     context.TryCancel();
     EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
   }
-  LetTheDaemonCatchUp();
-  EXPECT_EQ(AppendedTokens(*stub, id), 0);
-  // The whole prefill again: accepted, as if the cancelled one had never been sent.
-  kvmem::v1::AppendResponse response;
-  const grpc::Status retry = StreamPrefill(*stub, id, 4, &response);
-  EXPECT_TRUE(retry.ok()) << retry.error_message();
-  EXPECT_EQ(response.appended_tokens(), 64u);
+  ExpectNothingAppendedThenPrefillWorks(*stub, id);
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
 }
 
@@ -346,12 +351,7 @@ TEST(KvmemdProcessTest, ClientKilledMidStreamAppendsNothing) {
   LetTheDaemonCatchUp();  // the daemon has read the three chunks
   kill(child, SIGKILL);
   EXPECT_EQ(kvmem::testing::WaitExit(child), 128 + SIGKILL);
-  LetTheDaemonCatchUp();
-  EXPECT_EQ(AppendedTokens(*stub, id), 0);
-  kvmem::v1::AppendResponse response;
-  const grpc::Status retry = StreamPrefill(*stub, id, 4, &response);
-  EXPECT_TRUE(retry.ok()) << retry.error_message();
-  EXPECT_EQ(response.appended_tokens(), 64u);
+  ExpectNothingAppendedThenPrefillWorks(*stub, id);
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
 }
 
