@@ -39,7 +39,8 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint6
     seq.append_open = true;
     auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(*ref)));
     session->new_blocks_.resize(seq.streams.size());
-    for (size_t s = 0; s < seq.streams.size(); ++s) session->new_blocks_[s] = seq.streams[s].blocks;
+    for (size_t s = 0; s < seq.streams.size(); ++s)
+      session->new_blocks_[s] = seq.streams[s].blocks();
     session->last_position_ = seq.last_position;
     session->hold_lock_ = hold_lock;
     if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
@@ -128,8 +129,12 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
       return st;
     }
   }
-  if (!planner.unused_reserve().empty()) {  // the count above and the plan disagree: a bug
-    return absl::InternalError("append: block reservation does not match the plan");
+  // The count above may have included a copy of a shared last block that another sequence
+  // released meanwhile (sharing can end without this sequence's lock, never begin): the
+  // plan then wrote in place, and the block set aside for the copy goes back.
+  for (store::BlockId unused : planner.unused_reserve()) {
+    batch_.allocated.erase(std::find(batch_.allocated.begin(), batch_.allocated.end(), unused));
+    engine_->pool_->Unref({unused});
   }
   batch_.dropped.insert(batch_.dropped.end(), batch.dropped.begin(), batch.dropped.end());
   // Written now, where no table looks: the session's blocks or a private block's free tail
@@ -186,20 +191,11 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   }
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
-  // Capacity grows geometrically: one token per call must not copy every vector each time.
-  auto grow = [](auto& v, size_t n) {
-    if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
-  };
-  for (Stream& st : seq.streams) {
-    const size_t n = st.size() + total;
-    grow(st.positions, n);
-    if (!seq.slots) grow(st.scores, n);
-    grow(st.history, n * history_rows);
-    grow(st.token_entropy, n);
-    grow(st.layer_distance, n);
-    grow(st.arrival_step, n);
+  // (Capacity grows geometrically: one token per call must not copy every vector.)
+  for (Stream& st : seq.streams) st.Reserve(total, !seq.slots, history_rows);
+  if (seq.token_ids.capacity() < seq.token_ids.size() + total) {
+    seq.token_ids.reserve(std::max(seq.token_ids.size() + total, 2 * seq.token_ids.capacity()));
   }
-  grow(seq.token_ids, seq.token_ids.size() + total);
   if (seq.slots) {
     if (absl::Status s = seq.slots->Append(positions_, initial_score); !s.ok()) return s;
   }
@@ -221,15 +217,10 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (s == seq.streams.size() / 2) engine_->CommitFailpoint();
     Stream& st = seq.streams[s];
-    st.blocks.swap(new_blocks_[s]);
+    st.SwapBlocks(new_blocks_[s]);
     swapped = s + 1;
-    st.positions.insert(st.positions.end(), positions_.begin(), positions_.end());
-    if (!seq.slots) st.scores.insert(st.scores.end(), total, initial_score);
-    st.history.insert(st.history.end(), total * history_rows, 0.0f);
-    st.token_entropy.insert(st.token_entropy.end(), token_entropy_.begin(), token_entropy_.end());
-    st.layer_distance.insert(st.layer_distance.end(), layer_distance_.begin(),
-                             layer_distance_.end());
-    st.arrival_step.insert(st.arrival_step.end(), total, arrival);
+    st.AppendSlots(positions_, seq.slots ? std::nullopt : std::optional<float>(initial_score),
+                   history_rows, token_entropy_, layer_distance_, arrival);
   }
   seq.token_ids.insert(seq.token_ids.end(), token_ids_.begin(), token_ids_.end());
   seq.last_position = last_position_;

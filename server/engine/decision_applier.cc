@@ -16,7 +16,7 @@ void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
   for (store::BlockId id : batch.allocated) ++refs[id];
   for (size_t s = 0; s < swapped && s < seq.streams.size(); ++s) {
     for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
-    for (const StreamBlock& b : seq.streams[s].blocks) --refs[b.id];
+    for (const StreamBlock& b : seq.streams[s].blocks()) --refs[b.id];
   }
   for (const auto& [id, n] : refs) {
     for (int64_t i = 0; i < n; ++i) seq.orphan_blocks.push_back(id);
@@ -96,7 +96,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
     if (!evicts && !seq.format.quantizes()) continue;  // nothing can change in this stream
     std::vector<StreamBlock>& blocks = new_blocks[s];
-    blocks = st.blocks;
+    blocks = st.blocks();
     absl::Status planned = absl::OkStatus();
     if (evicts) {
       applied.evicted += st.size() - decision.keep[s]->size();
@@ -142,7 +142,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
       seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.streams[s].blocks.swap(new_blocks[s]);
+    seq.streams[s].SwapBlocks(new_blocks[s]);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);

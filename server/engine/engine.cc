@@ -198,7 +198,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   {
     kvmem::MutexLock lock(&child->mu);
     child->streams = parent.streams;
-    for (Stream& st : child->streams) st.next_scores = {};
+    for (Stream& st : child->streams) st.DropStaging();
     child->slots = std::move(slots);
     AccountSlotState(*child);
     child->token_ids = parent.token_ids;
@@ -208,7 +208,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     child->steps = parent.steps;
     child->policy_mark = parent.policy_mark;
     for (const Stream& st : child->streams) {
-      for (const StreamBlock& b : st.blocks) pool_->Ref({b.id});
+      for (const StreamBlock& b : st.blocks()) pool_->Ref({b.id});
     }
   }
   std::move(give_back_slot).Cancel();
@@ -296,7 +296,7 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
       if (absl::Status s = seq.slots->ReadScores(&slot_scores); !s.ok()) return s;
       if (absl::Status s = seq.slots->ReadPositions(&slot_positions); !s.ok()) return s;
     }
-    auto floats = [&out](absl::string_view name, const std::vector<float>& v) {
+    auto floats = [&out](absl::string_view name, absl::Span<const float> v) {
       absl::StrAppend(&out, name, ":");
       for (float x : v) {  // bit patterns: NaN marks "not scored yet"
         uint32_t bits;
@@ -310,17 +310,17 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
                     absl::StrJoin(seq.token_ids, ","), "\n");
     for (size_t s = 0; s < seq.streams.size(); ++s) {
       const Stream& st = seq.streams[s];
-      absl::StrAppend(&out, "stream ", s, " positions ", absl::StrJoin(st.positions, ","),
-                      " arrival ", absl::StrJoin(st.arrival_step, ","), "\nblocks");
-      for (const StreamBlock& b : st.blocks) {
+      absl::StrAppend(&out, "stream ", s, " positions ", absl::StrJoin(st.positions(), ","),
+                      " arrival ", absl::StrJoin(st.arrival_step(), ","), "\nblocks");
+      for (const StreamBlock& b : st.blocks()) {
         absl::StrAppend(&out, " ", b.id, "@", pool_->offset(b.id), "[", b.start, "+", b.count, "]p",
                         static_cast<int>(b.precision));
       }
       out += "\n";
-      floats("scores", seq.slots ? slot_scores[s] : st.scores);
-      floats("history", st.history);
-      floats("entropy", st.token_entropy);
-      floats("distance", st.layer_distance);
+      floats("scores", seq.slots ? absl::MakeConstSpan(slot_scores[s]) : st.scores());
+      floats("history", st.history());
+      floats("entropy", st.token_entropy());
+      floats("distance", st.layer_distance());
       if (seq.slots) {
         absl::StrAppend(&out, "slot positions ", absl::StrJoin(slot_positions[s], ","), "\n");
       }

@@ -21,17 +21,17 @@ std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
   std::vector<policy::StreamState> states(seq.streams.size());
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     Stream& st = seq.streams[s];
-    st.next_scores.resize(st.scores.size());
+
     policy::StreamState& state = states[s];
     state.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     state.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
-    state.positions = st.positions;
-    state.scores = st.scores;
-    state.next_scores = absl::MakeSpan(st.next_scores);
-    state.history = st.history;
-    state.token_entropy = st.token_entropy;
-    state.layer_distance = st.layer_distance;
-    state.arrival_step = st.arrival_step;
+    state.positions = st.positions();
+    state.scores = st.scores();
+    state.next_scores = st.StageScores();
+    state.history = st.history();
+    state.token_entropy = st.token_entropy();
+    state.layer_distance = st.layer_distance();
+    state.arrival_step = st.arrival_step();
   }
   return states;
 }
@@ -42,14 +42,10 @@ Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decisi
     const uint32_t R = seq.policy->history_rows();
     for (size_t s = 0; s < seq.streams.size(); ++s) {
       Stream& st = seq.streams[s];
-      if (decision.scores_written) st.scores.swap(st.next_scores);
+      if (decision.scores_written) st.CommitScores();
       if (R > 0 && rows != nullptr) {
         // This step's row goes where the row of step - R was (policy.h).
-        const size_t column = seq.steps % R;
-        const absl::Span<const float> row = (*rows)[s];
-        for (size_t j = 0; j < st.size(); ++j) {
-          st.history[j * R + column] = j < row.size() ? row[j] : 0.0f;
-        }
+        st.RecordHistory((*rows)[s], seq.steps % R, R);
       }
     }
     if (decision.mark) seq.policy_mark = *decision.mark;
@@ -192,7 +188,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   if (seq.slots) {
     std::vector<std::vector<float>> scores;
     if (absl::Status s = seq.slots->ReadScores(&scores); !s.ok()) return s;
-    for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].scores = std::move(scores[s]);
+    for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].LoadScores(std::move(scores[s]));
   }
   std::vector<policy::StreamState> states = StagedStreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {
@@ -205,8 +201,8 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   if (seq.slots) {
     std::vector<std::vector<float>> scores(seq.streams.size());
     for (size_t s = 0; s < seq.streams.size(); ++s) {
-      scores[s].swap(seq.streams[s].scores);
-      seq.streams[s].next_scores = {};
+      scores[s] = seq.streams[s].TakeScores();
+      seq.streams[s].DropStaging();
     }
     if (applied.ok()) {
       absl::Status synced = seq.slots->Keep(decision.keep);

@@ -34,11 +34,11 @@ absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id) {
     StreamTable& out = table.streams[s];
     out.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
     out.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
-    out.blocks.reserve(st.blocks.size());
-    for (const StreamBlock& b : st.blocks) {
+    out.blocks.reserve(st.blocks().size());
+    for (const StreamBlock& b : st.blocks()) {
       out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
     }
-    out.positions = st.positions;
+    out.positions.assign(st.positions().begin(), st.positions().end());
   }
   Renew(seq);
   return table;
@@ -80,13 +80,13 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
         out.layer = layer;
         out.kv_head = head;
         out.epoch = seq.epoch;
-        out.positions = st.positions;
+        out.positions.assign(st.positions().begin(), st.positions().end());
         out.k.resize(st.size() * row);
         out.v.resize(st.size() * row);
         std::vector<store::ReadOp> reads;
         std::vector<store::DequantizeOp> dequantizes;
         uint64_t first = 0;
-        for (const StreamBlock& b : st.blocks) {
+        for (const StreamBlock& b : st.blocks()) {
           const uint64_t off = pool_->offset(b.id);
           if (b.precision == Precision::kLayout) {
             const kernels::LayoutBlock plane{B, row};

@@ -100,8 +100,8 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   freed += pool_->Unref(seq.orphan_blocks);
   seq.orphan_blocks.clear();
   for (Stream& st : seq.streams) {
-    for (const StreamBlock& b : st.blocks) freed += pool_->Unref({b.id});
-    st = Stream{};
+    for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
+    st.Clear();
   }
   seq.slots.reset();
   seq.released = true;

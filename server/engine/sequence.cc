@@ -14,29 +14,71 @@ void KeepIndices(std::vector<T>& v, const std::vector<uint32_t>& keep, size_t fi
 }
 }  // namespace
 
+void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
+  auto grow = [](auto& v, size_t n) {
+    if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
+  };
+  const size_t n = size() + more;
+  grow(positions_, n);
+  if (host_scores) grow(scores_, n);
+  grow(history_, n * history_rows);
+  grow(token_entropy_, n);
+  grow(layer_distance_, n);
+  grow(arrival_step_, n);
+}
+
+void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
+                         uint32_t history_rows, absl::Span<const float> token_entropy,
+                         absl::Span<const float> layer_distance, int64_t arrival) {
+  const size_t n = positions.size();
+  positions_.insert(positions_.end(), positions.begin(), positions.end());
+  if (initial_score) scores_.insert(scores_.end(), n, *initial_score);
+  history_.insert(history_.end(), n * history_rows, 0.0f);
+  token_entropy_.insert(token_entropy_.end(), token_entropy.begin(), token_entropy.end());
+  layer_distance_.insert(layer_distance_.end(), layer_distance.begin(), layer_distance.end());
+  arrival_step_.insert(arrival_step_.end(), n, arrival);
+}
+
 void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
   size_t first_moved = 0;
   while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
-  KeepIndices(positions, keep, first_moved);
-  if (!scores.empty()) KeepIndices(scores, keep, first_moved);  // empty: they live in SlotState
-  KeepIndices(token_entropy, keep, first_moved);
-  KeepIndices(layer_distance, keep, first_moved);
-  KeepIndices(arrival_step, keep, first_moved);
+  KeepIndices(positions_, keep, first_moved);
+  if (!scores_.empty()) KeepIndices(scores_, keep, first_moved);  // empty: in the SlotState
+  KeepIndices(token_entropy_, keep, first_moved);
+  KeepIndices(layer_distance_, keep, first_moved);
+  KeepIndices(arrival_step_, keep, first_moved);
   if (history_rows > 0) {
     const size_t R = history_rows;
     for (size_t j = first_moved; j < keep.size(); ++j) {
-      std::copy_n(history.begin() + keep[j] * R, R, history.begin() + j * R);
+      std::copy_n(history_.begin() + keep[j] * R, R, history_.begin() + j * R);
     }
-    history.resize(keep.size() * R);
+    history_.resize(keep.size() * R);
+  }
+}
+
+absl::Span<float> Stream::StageScores() {
+  next_scores_.resize(scores_.size());
+  return absl::MakeSpan(next_scores_);
+}
+
+void Stream::RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows) {
+  for (size_t j = 0; j < size(); ++j) {
+    history_[j * history_rows + column] = j < row.size() ? row[j] : 0.0f;
   }
 }
 
 uint64_t Stream::host_bytes() const {
-  return sizeof(Stream) + blocks.capacity() * sizeof(StreamBlock) +
-         positions.capacity() * sizeof(int64_t) + scores.capacity() * sizeof(float) +
-         next_scores.capacity() * sizeof(float) + history.capacity() * sizeof(float) +
-         token_entropy.capacity() * sizeof(float) + layer_distance.capacity() * sizeof(float) +
-         arrival_step.capacity() * sizeof(int64_t);
+  return sizeof(Stream) + blocks_.capacity() * sizeof(StreamBlock) +
+         positions_.capacity() * sizeof(int64_t) + scores_.capacity() * sizeof(float) +
+         next_scores_.capacity() * sizeof(float) + history_.capacity() * sizeof(float) +
+         token_entropy_.capacity() * sizeof(float) + layer_distance_.capacity() * sizeof(float) +
+         arrival_step_.capacity() * sizeof(int64_t);
+}
+
+uint64_t Sequence::host_bytes() const {
+  uint64_t bytes = sizeof(Sequence) + token_ids.capacity() * sizeof(int32_t);
+  for (const Stream& s : streams) bytes += s.host_bytes();
+  return bytes;
 }
 
 absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
@@ -48,32 +90,26 @@ absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
       return absl::InternalError(
           absl::StrCat("sequence ", id, " stream ", s, ": ", what, " (", n, " slots)"));
     };
-    if (st.token_entropy.size() != n || st.layer_distance.size() != n ||
-        st.arrival_step.size() != n) {
+    if (st.token_entropy().size() != n || st.layer_distance().size() != n ||
+        st.arrival_step().size() != n) {
       return broken("per-slot signals disagree with the positions");
     }
-    if (st.scores.size() != (slots ? 0 : n)) return broken("scores disagree with the positions");
-    if (st.history.size() != n * history_rows) return broken("history disagrees");
+    if (st.scores().size() != (slots ? 0 : n)) return broken("scores disagree with the positions");
+    if (st.history().size() != n * history_rows) return broken("history disagrees");
     if (slots && slots->length(static_cast<uint32_t>(s)) != n) {
       return broken("the slot state's length disagrees");
     }
     uint64_t live = 0;
-    for (const StreamBlock& b : st.blocks) {
+    for (const StreamBlock& b : st.blocks()) {
       if (b.count == 0 || b.start + b.count > B) return broken("a block's live run is wrong");
       live += b.count;
     }
     if (live != n) return broken("the blocks' live slots disagree with the positions");
     for (size_t j = 1; j < n; ++j) {
-      if (st.positions[j] <= st.positions[j - 1]) return broken("positions do not increase");
+      if (st.positions()[j] <= st.positions()[j - 1]) return broken("positions do not increase");
     }
   }
   return absl::OkStatus();
-}
-
-uint64_t Sequence::host_bytes() const {
-  uint64_t bytes = sizeof(Sequence) + token_ids.capacity() * sizeof(int32_t);
-  for (const Stream& s : streams) bytes += s.host_bytes();
-  return bytes;
 }
 
 uint32_t Sequence::max_stream_tokens() const {
@@ -91,21 +127,21 @@ uint64_t Sequence::retained_slots() const {
 uint64_t Sequence::kv_bytes() const {
   uint64_t bytes = 0;
   for (const Stream& s : streams) {
-    for (const StreamBlock& b : s.blocks) bytes += format.KvBytes(b.precision, b.count);
+    for (const StreamBlock& b : s.blocks()) bytes += format.KvBytes(b.precision, b.count);
   }
   return bytes;
 }
 
 uint64_t Sequence::block_count() const {
   uint64_t n = 0;
-  for (const Stream& s : streams) n += s.blocks.size();
+  for (const Stream& s : streams) n += s.blocks().size();
   return n;
 }
 
 uint64_t Sequence::block_bytes_held() const {
   uint64_t bytes = 0;
   for (const Stream& s : streams) {
-    for (const StreamBlock& b : s.blocks) bytes += format.block_bytes(b.precision);
+    for (const StreamBlock& b : s.blocks()) bytes += format.block_bytes(b.precision);
   }
   return bytes;
 }

@@ -9,10 +9,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "server/engine/block_format.h"
 #include "server/engine/layout.h"
 #include "server/engine/stream_planner.h"
@@ -22,22 +24,62 @@
 
 namespace kvmem::engine {
 
-struct Stream {
-  std::vector<StreamBlock> blocks;
-  std::vector<int64_t> positions;
-  std::vector<float> scores;          // policy score state (EMA or accumulated attention)
-  std::vector<float> next_scores;     // staging for a call's new scores (policy.h)
-  std::vector<float> history;         // [slot][history_rows]: past attention rows (policy.h)
-  std::vector<float> token_entropy;   // NaN where not sent
-  std::vector<float> layer_distance;  // NaN where not sent
-  std::vector<int64_t> arrival_step;
+// One stream's retained slots. Its per-slot vectors stay aligned by construction: they are
+// changed only through the methods below, each of which changes all of them.
+class Stream {
+ public:
+  size_t size() const { return positions_.size(); }
+  const std::vector<StreamBlock>& blocks() const { return blocks_; }
+  absl::Span<const int64_t> positions() const { return positions_; }
+  // Policy score state (EMA or accumulated attention); empty while the scores live in the
+  // sequence's SlotState (policies with a kernel step), except during a Compress.
+  absl::Span<const float> scores() const { return scores_; }
+  // [slot][history_rows]: the attention rows of past steps (policy.h).
+  absl::Span<const float> history() const { return history_; }
+  absl::Span<const float> token_entropy() const { return token_entropy_; }    // NaN: not sent
+  absl::Span<const float> layer_distance() const { return layer_distance_; }  // NaN: not sent
+  absl::Span<const int64_t> arrival_step() const { return arrival_step_; }
 
-  size_t size() const { return positions.size(); }
-  // Keeps only the slots listed (ascending) in every per-slot vector; `history_rows` is the
-  // width of `history`. Never allocates (it only shrinks), so it cannot throw.
+  // Room for `more` slots in every per-slot vector (capacity grows geometrically), so that
+  // AppendSlots, which a commit calls, never allocates. May throw; call it before commits.
+  void Reserve(size_t more, bool host_scores, uint32_t history_rows);
+  // Appends slots to every per-slot vector (into reserved room): their positions, the
+  // initial score when the scores live here, zero history, the per-token signals.
+  void AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
+                   uint32_t history_rows, absl::Span<const float> token_entropy,
+                   absl::Span<const float> layer_distance, int64_t arrival);
+  // Keeps only the slots listed (ascending) in every per-slot vector. Never allocates (it
+  // only shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
+  // Exchanges the block list with `other` (a commit installing a planned list).
+  void SwapBlocks(std::vector<StreamBlock>& other) { blocks_.swap(other); }
+
+  // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
+  // them the scores; DropStaging gives the memory back.
+  absl::Span<float> StageScores();
+  void CommitScores() { scores_.swap(next_scores_); }
+  void DropStaging() { next_scores_ = {}; }
+  // Records one step's attention row in history column `column` (0 past the row's end).
+  void RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows);
+  // Scores that live in a SlotState, brought over for a host call (one per slot) and
+  // taken back after it.
+  void LoadScores(std::vector<float> scores) { scores_ = std::move(scores); }
+  std::vector<float> TakeScores() { return std::exchange(scores_, {}); }
+
+  // Drops every slot and block (Release; the caller has dropped the block references).
+  void Clear() { *this = Stream{}; }
   // Host bytes of the per-slot vectors and the block list, by capacity.
   uint64_t host_bytes() const;
+
+ private:
+  std::vector<StreamBlock> blocks_;
+  std::vector<int64_t> positions_;
+  std::vector<float> scores_;
+  std::vector<float> next_scores_;
+  std::vector<float> history_;
+  std::vector<float> token_entropy_;
+  std::vector<float> layer_distance_;
+  std::vector<int64_t> arrival_step_;
 };
 
 // Quantization of a sequence: blocks whose slots all lie before the last `recent_tokens`
