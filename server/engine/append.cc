@@ -39,8 +39,9 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint6
     seq.append_open = true;
     auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(*ref)));
     session->new_blocks_.resize(seq.streams.size());
-    for (size_t s = 0; s < seq.streams.size(); ++s)
+    for (size_t s = 0; s < seq.streams.size(); ++s) {
       session->new_blocks_[s] = seq.streams[s].blocks();
+    }
     session->last_position_ = seq.last_position;
     session->hold_lock_ = hold_lock;
     if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves

@@ -107,7 +107,9 @@ TEST_P(FailureSweepTest, EveryFailureLeavesTheSequenceUnchangedOrPoisoned) {
     const bool reached = Reached(site, n);
     failpoints_.Disarm();
     backend_->FailAt(0);
-    if (!reached) ASSERT_TRUE(status.ok()) << status;  // ran past every failure point
+    if (!reached) {
+      ASSERT_TRUE(status.ok()) << status;  // ran past every failure point
+    }
     if (!status.ok()) {
       ++failures;
       absl::StatusOr<std::string> after = engine_->Fingerprint(id_);
