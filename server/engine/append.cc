@@ -34,10 +34,17 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint6
   return Guard("Append", [&]() -> absl::StatusOr<std::unique_ptr<AppendSession>> {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
-    Sequence& seq = **ref;
+    return BeginAppendLocked(*std::move(ref), hold_lock);
+  });
+}
+
+absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked(SequenceRef ref,
+                                                                                 bool hold_lock) {
+  {
+    Sequence& seq = *ref;
     if (absl::Status s = NotAppending(seq); !s.ok()) return s;
     seq.append_open = true;
-    auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(*ref)));
+    auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(ref)));
     session->new_blocks_.resize(seq.streams.size());
     for (size_t s = 0; s < seq.streams.size(); ++s) {
       session->new_blocks_[s] = seq.streams[s].blocks();
@@ -46,7 +53,7 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint6
     session->hold_lock_ = hold_lock;
     if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
     return session;
-  });
+  }
 }
 
 absl::Status Engine::NotAppending(const Sequence& seq) {
@@ -215,10 +222,11 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
     engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
   };
   const int64_t arrival = static_cast<int64_t>(seq.steps);
+  const uint64_t version = engine_->NewVersion(seq);
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (s == seq.streams.size() / 2) engine_->CommitFailpoint();
     Stream& st = seq.streams[s];
-    st.SwapBlocks(new_blocks_[s]);
+    st.SwapBlocks(new_blocks_[s], version);
     swapped = s + 1;
     st.AppendSlots(positions_, seq.slots ? std::nullopt : std::optional<float>(initial_score),
                    history_rows, token_entropy_, layer_distance_, arrival);
@@ -235,7 +243,9 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   engine_->AccountSlotState(seq);
   engine_->tokens_appended_ += total;
   engine_->Renew(seq);
-  return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes()};
+  if (publish_) engine_->PublishVersion(seq);
+  return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes(),
+                      seq.version};
 }
 
 }  // namespace kvmem::engine

@@ -135,14 +135,19 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     KeepOrphans(seq, batch, new_blocks, swapped);
     Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };
+  const uint64_t version = NewVersion(seq);
   for (; swapped < seq.streams.size(); ++swapped) {
     const size_t s = swapped;
     if (s == seq.streams.size() / 2) CommitFailpoint();
     if (!changed[s]) continue;
+    size_t first_moved = SIZE_MAX;  // the first slot the keep-set moves or drops
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
-      seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
+      const std::vector<uint32_t>& keep = *decision.keep[s];
+      first_moved = 0;
+      while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
+      seq.streams[s].KeepSlots(keep, history_rows);
     }
-    seq.streams[s].SwapBlocks(new_blocks[s]);
+    seq.streams[s].SwapBlocks(new_blocks[s], version, first_moved);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);

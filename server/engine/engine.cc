@@ -24,6 +24,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     return absl::InvalidArgumentError(absl::StrCat("block_tokens: ", config.default_block_tokens,
                                                    " is outside [1, ", kMaxBlockTokens, "]"));
   }
+  if (config.delta_history == 0 || config.delta_history > kMaxDeltaHistory) {
+    return absl::InvalidArgumentError(absl::StrCat("delta_history: ", config.delta_history,
+                                                   " is outside [1, ", kMaxDeltaHistory, "]"));
+  }
   if (config.default_lease <= absl::ZeroDuration() || config.default_lease > config.max_lease) {
     return absl::InvalidArgumentError(
         absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(config.default_lease),
@@ -148,6 +152,9 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   {
     kvmem::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
+    seq->published_versions.reserve(config_.delta_history + 1);
+    NewVersion(*seq);
+    PublishVersion(*seq);
     seq->streams.resize(layout.num_streams());
     seq->slots = std::move(slots);
     AccountSlotState(*seq);
@@ -205,6 +212,11 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     child->last_position = parent.last_position;
     child->appended = parent.appended;
     child->epoch = epoch;
+    // The child's table is the parent's: a client may carry the parent's table over and
+    // follow the child's deltas from it.
+    child->version = parent.version;
+    child->published_versions.reserve(config_.delta_history + 1);
+    child->published_versions = parent.published_versions;
     child->steps = parent.steps;
     child->policy_mark = parent.policy_mark;
     for (const Stream& st : child->streams) {

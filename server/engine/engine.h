@@ -36,6 +36,11 @@
 
 namespace kvmem::engine {
 
+// Payloads of a stale-epoch error (absl::Status::GetPayload): the sequence's current epoch
+// and table version, as decimal text.
+inline constexpr absl::string_view kCurrentEpochPayload = "kvmem/current_epoch";
+inline constexpr absl::string_view kCurrentVersionPayload = "kvmem/current_version";
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
@@ -104,7 +109,8 @@ class Engine {
     }
 
     Engine* const engine_;
-    SequenceRef seq_;  // counted in flight (the reaper waits); locked throughout if hold_lock_
+    SequenceRef seq_;      // counted in flight (the reaper waits); locked throughout if hold_lock_
+    bool publish_ = true;  // false inside a folded step, which publishes once at its end
     bool hold_lock_ = false;  // a unary Append: the lock is held from Begin to the end
     OpBatch batch_;           // allocated: every block the session took; dropped: copied-on-write
     std::vector<std::vector<StreamBlock>> new_blocks_;
@@ -123,6 +129,16 @@ class Engine {
 
  public:
   absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepInput& input);
+  // The decode loop's call: per entry, the new token(s) appended and the step, with the
+  // table update from the client's version. Entries run in parallel (different sequences;
+  // a sequence named twice is INVALID_ARGUMENT for the whole batch, and nothing runs); one
+  // entry's error never affects another's.
+  absl::StatusOr<std::vector<StepOutcome>> StepBatch(absl::Span<const StepCall> calls);
+  // What changed in the sequence's tables since `known_version`: a delta when that version
+  // is one of the last delta_history + 1 the sequence published, else the whole table
+  // (also for a version of another sequence, or 0 = none held).
+  absl::StatusOr<TableUpdate> GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
+                                             bool positions);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
   // Calls `sink` once per stream of layers [layer_begin, layer_end) in order. The sequence
@@ -166,6 +182,29 @@ class Engine {
   absl::StatusOr<AppendResult> AppendImpl(uint64_t sequence_id,
                                           absl::Span<const AppendChunk> chunks);
   absl::StatusOr<StepResult> StepImpl(uint64_t sequence_id, const StepInput& input);
+  StepOutcome StepCallImpl(const StepCall& call);
+  // A Step's input checked against the sequence (`pending` tokens appended before it runs):
+  // the rows indexed by stream and the policy's context.
+  struct PreparedStep {
+    std::vector<absl::Span<const float>> rows;
+    policy::CallContext ctx;
+  };
+  absl::StatusOr<PreparedStep> PrepareStep(Sequence& seq, const StepInput& input, size_t pending)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  absl::StatusOr<StepResult> RunStep(Sequence& seq, const PreparedStep& step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // FAILED_PRECONDITION `message`, carrying the current epoch and version as payloads
+  // (kCurrentEpochPayload, kCurrentVersionPayload) for the caller's error details.
+  static absl::Status StaleEpoch(const Sequence& seq, absl::string_view message)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // A fresh version for a commit that changes block lists (it becomes seq.version).
+  uint64_t NewVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Records seq.version as one a client may hold: at the end of every call that changed it.
+  void PublishVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  TableUpdate TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  absl::StatusOr<std::unique_ptr<AppendSession>> BeginAppendLocked(SequenceRef ref, bool hold_lock)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS;
   absl::StatusOr<CompressResult> CompressImpl(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<CreateResult> ForkImpl(uint64_t sequence_id, absl::Duration lease);
   absl::StatusOr<BlockTable> GetBlockTableImpl(uint64_t sequence_id);
@@ -224,9 +263,11 @@ class Engine {
                              int64_t* last_position) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Checks per-stream signals (range, duplicates, lengths, finiteness) and returns them
   // indexed by stream (empty span where absent).
+  // `pending`: tokens this call appends before the signals apply (a folded Step).
   absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
-      bool require_all, absl::string_view why) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+      bool require_all, absl::string_view why, size_t pending = 0) const
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   struct Applied {
     uint64_t evicted = 0;
     uint64_t quantized = 0;
@@ -273,8 +314,9 @@ class Engine {
   absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // Epochs are unique across all sequences (see EpochBoard).
+  // Epochs are unique across all sequences (see EpochBoard); so are table versions.
   std::atomic<uint64_t> next_epoch_{1};
+  std::atomic<uint64_t> next_version_{1};
 
   std::atomic<uint64_t> tokens_appended_{0};
   std::atomic<uint64_t> tokens_evicted_{0};

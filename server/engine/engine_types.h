@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -37,7 +38,12 @@ struct EngineConfig {
   // Policies with a kernel step keep their scores in the backend (store::SlotState: device
   // memory on a GPU) and run each Step there; false runs every policy on the host.
   bool device_step = true;
+  // How many versions behind the current one a client's table may be and still get a delta
+  // (1..kMaxDeltaHistory); older tables get the whole table.
+  uint32_t delta_history = 1;
 };
+
+inline constexpr uint32_t kMaxDeltaHistory = 64;
 
 struct AppendChunk {
   absl::Span<const int64_t> positions;
@@ -53,6 +59,7 @@ struct AppendResult {
   uint32_t max_stream_tokens = 0;
   uint64_t epoch = 0;
   uint64_t kv_bytes = 0;
+  uint64_t version = 0;  // table version after the call
 };
 
 // One per-stream signal vector (attention row or window scores).
@@ -82,6 +89,7 @@ struct StepResult {
   uint64_t kv_bytes_after = 0;
   uint64_t epoch = 0;
   uint64_t step = 0;
+  uint64_t version = 0;  // table version after the call
 };
 
 struct CompressInput {
@@ -104,6 +112,7 @@ struct CompressResult {
   uint64_t kv_bytes_before = 0;
   uint64_t kv_bytes_after = 0;
   uint64_t epoch = 0;
+  uint64_t version = 0;  // table version after the call
 };
 
 struct TableBlock {
@@ -124,6 +133,7 @@ struct StreamTable {
 struct BlockTable {
   uint64_t sequence_id = 0;
   uint64_t epoch = 0;
+  uint64_t version = 0;
   Layout layout;
   Precision quantization = Precision::kLayout;
   uint64_t quantized_block_bytes = 0;
@@ -146,6 +156,47 @@ struct CreateResult {
   uint32_t lease_seconds = 0;
   uint32_t block_tokens = 0;
   uint32_t epoch_slot = 0;
+  uint64_t epoch = 0;
+  uint64_t version = 0;  // the table's version (a Fork's child: its parent's)
+};
+
+// How one stream's table changed since the version a client holds: keep the first
+// `kept_blocks` blocks (holding `kept_slots` slots), drop the rest, append `blocks`.
+struct StreamDelta {
+  uint32_t stream = 0;  // layer * H + kv_head
+  uint32_t kept_blocks = 0;
+  uint64_t kept_slots = 0;
+  std::vector<TableBlock> blocks;
+  std::vector<int64_t> positions;  // of the live slots of `blocks`, when asked for
+};
+
+// A table update: the streams that changed since the client's version (or all of them,
+// from nothing, when `full`), and the version and epoch the updated table has.
+struct TableUpdate {
+  uint64_t version = 0;
+  uint64_t epoch = 0;
+  bool full = false;  // the client's version was too old (or unknown): every stream, whole
+  std::vector<StreamDelta> streams;
+};
+
+// One entry of a batched step: the new token(s) appended, then the step, on one sequence.
+struct StepCall {
+  uint64_t sequence_id = 0;
+  std::optional<AppendChunk> append;  // applied first; the step's rows cover these tokens
+  std::optional<StepInput> step;      // absent: the call only appends
+  // The table version the client holds: the outcome carries the update from it.
+  std::optional<uint64_t> table_version;
+  bool positions = false;  // the update carries positions
+};
+
+// What one StepCall did. The append and the step are each atomic; a step that fails after
+// its append applied leaves the append applied (appended is set, status is the step's
+// error) and nothing of the step. An error before the append changes nothing.
+struct StepOutcome {
+  absl::Status status;
+  std::optional<AppendResult> appended;
+  std::optional<StepResult> step;
+  std::optional<TableUpdate> table;  // when table_version was given and the sequence serves
 };
 
 struct SequenceSummary {

@@ -88,7 +88,7 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
 
 absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
-    bool require_all, absl::string_view why) const {
+    bool require_all, absl::string_view why, size_t pending) const {
   const Layout& layout = seq.layout;
   std::vector<absl::Span<const float>> by_stream(seq.streams.size());
   std::vector<bool> seen(seq.streams.size(), false);
@@ -109,10 +109,11 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     }
     seen[s] = true;
     const std::string name = absl::StrCat(field, "[", i, "]");
-    if (sig.values.size() != seq.streams[s].size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ": ", sig.values.size(), " values but stream (layer ", sig.layer,
-                       ", kv_head ", sig.kv_head, ") retains ", seq.streams[s].size(), " slots"));
+    if (sig.values.size() != seq.streams[s].size() + pending) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": ", sig.values.size(), " values but stream (layer ", sig.layer, ", kv_head ",
+          sig.kv_head, ") retains ", seq.streams[s].size() + pending, " slots",
+          pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : ""));
     }
     if (auto st = CheckFinite(sig.values, name, 0.0f, 1e30f); !st.ok()) return st;
     by_stream[s] = sig.values;

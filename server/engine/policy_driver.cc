@@ -95,16 +95,27 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
   absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
+  absl::StatusOr<PreparedStep> step = PrepareStep(seq, input, 0);
+  if (!step.ok()) return step.status();
+  absl::StatusOr<StepResult> result = RunStep(seq, *step);
+  PublishVersion(seq);
+  if (result.ok()) result->version = seq.version;
+  return result;
+}
+
+absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const StepInput& input,
+                                                         size_t pending) {
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
 
   if (!input.attention.empty() && input.epoch != seq.epoch) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "epoch: attention rows were computed on epoch ", input.epoch,
-        " but the block table is at epoch ", seq.epoch, "; fetch the block table again"));
+    return StaleEpoch(seq, absl::StrCat("epoch: attention rows were computed on epoch ",
+                                        input.epoch, " but the block table is at epoch ", seq.epoch,
+                                        "; fetch the block table again"));
   }
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
-      seq, input.attention, "attention", (desc.step_signals & policy::kAttentionRows) != 0, why);
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
+      IndexSignals(seq, input.attention, "attention",
+                   (desc.step_signals & policy::kAttentionRows) != 0, why, pending);
   if (!rows.ok()) return rows.status();
 
   policy::CallContext ctx = Context(seq);
@@ -119,7 +130,12 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
   } else if (desc.step_signals & policy::kLogitStats) {
     return absl::InvalidArgumentError(absl::StrCat("logit_stats: ", why, " needs them every step"));
   }
+  return PreparedStep{*std::move(rows), ctx};
+}
 
+absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& step) {
+  const policy::CallContext& ctx = step.ctx;
+  const std::vector<absl::Span<const float>>* rows = &step.rows;
   const uint64_t before = seq.kv_bytes();
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
@@ -131,7 +147,7 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
     std::vector<policy::StreamState> states = StagedStreamStates(seq);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
     decision = seq.policy->Step(ctx, absl::MakeSpan(states));
-    applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, &*rows));
+    applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, rows));
   }
   if (!applied.ok()) return applied.status();
 
@@ -158,9 +174,9 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   const policy::PolicyDescriptor& desc = seq.policy->descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
   if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "epoch: signals were computed on epoch ", input.epoch, " but the block table is at epoch ",
-        seq.epoch, "; fetch the block table again"));
+    return StaleEpoch(seq, absl::StrCat("epoch: signals were computed on epoch ", input.epoch,
+                                        " but the block table is at epoch ", seq.epoch,
+                                        "; fetch the block table again"));
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
       IndexSignals(seq, input.attention, "attention",
@@ -221,6 +237,8 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   result.epoch = seq.epoch;
   AccountSlotState(seq);
   Renew(seq);
+  PublishVersion(seq);
+  result.version = seq.version;
   return result;
 }
 

@@ -23,6 +23,7 @@ absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id) {
   BlockTable table;
   table.sequence_id = seq.id;
   table.epoch = seq.epoch;
+  table.version = seq.version;
   table.layout = seq.layout;
   table.epoch_slot = seq.epoch_slot;
   table.quantization = seq.format.quant_precision();

@@ -88,10 +88,28 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
   Renew(*seq);
   CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
                       seq->layout.block_tokens, seq->epoch_slot};
+  {
+    kvmem::MutexLock lock(&seq->mu);
+    result.epoch = seq->epoch;
+    result.version = seq->version;
+  }
   kvmem::MutexLock lock(&mu_);
   result.sequence_id = seq->id;
   sequences_.emplace(seq->id, seq);
   return result;
+}
+
+uint64_t Engine::NewVersion(Sequence& seq) {
+  seq.version = next_version_.fetch_add(1);
+  return seq.version;
+}
+
+void Engine::PublishVersion(Sequence& seq) {
+  std::vector<uint64_t>& published = seq.published_versions;
+  if (!published.empty() && published.back() == seq.version) return;
+  // The capacity was reserved at creation: this never allocates.
+  if (published.size() > config_.delta_history) published.erase(published.begin());
+  published.push_back(seq.version);
 }
 
 uint64_t Engine::ReleaseLocked(Sequence& seq) {

@@ -56,6 +56,34 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   }
 }
 
+void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version,
+                        size_t first_moved_slot) {
+  blocks_.swap(other);
+  const std::vector<StreamBlock>& old = other;
+  size_t from = 0;
+  size_t slot = 0;  // the first slot of blocks_[from]
+  for (; from < blocks_.size(); ++from) {
+    const StreamBlock& b = blocks_[from];
+    if (from >= old.size()) break;
+    const StreamBlock& o = old[from];
+    if (b.id != o.id || b.start != o.start || b.count != o.count || b.precision != o.precision) {
+      break;
+    }
+    if (first_moved_slot < slot + b.count) break;  // holds a moved or new slot
+    slot += b.count;
+  }
+  for (size_t i = from; i < blocks_.size(); ++i) blocks_[i].version = version;
+  if (from < blocks_.size() || blocks_.size() != old.size()) changed_version_ = version;
+}
+
+size_t Stream::UnchangedBlocksSince(uint64_t version) const {
+  // Versions never decrease along the list: the first newer block ends the unchanged run.
+  return static_cast<size_t>(
+      std::partition_point(blocks_.begin(), blocks_.end(),
+                           [version](const StreamBlock& b) { return b.version <= version; }) -
+      blocks_.begin());
+}
+
 absl::Span<float> Stream::StageScores() {
   next_scores_.resize(scores_.size());
   return absl::MakeSpan(next_scores_);

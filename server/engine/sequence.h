@@ -51,8 +51,20 @@ class Stream {
   // Keeps only the slots listed (ascending) in every per-slot vector. Never allocates (it
   // only shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
-  // Exchanges the block list with `other` (a commit installing a planned list).
-  void SwapBlocks(std::vector<StreamBlock>& other) { blocks_.swap(other); }
+  // Exchanges the block list with `other` (a commit installing a planned list) and stamps
+  // `version` on every block from the first that changed: the first whose entry differs
+  // from the old list's at the same index, or the one now holding slot `first_moved_slot`
+  // (the first slot a keep-set moved or dropped; none for an append). Versions along a
+  // list never decrease, so a client holding the table of version v keeps exactly the
+  // blocks whose version is <= v (TableDelta). Never allocates.
+  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version,
+                  size_t first_moved_slot = SIZE_MAX);
+  // Blocks [0, n) of the list hold exactly what they held at `version`: the number of
+  // leading blocks whose version is <= `version`.
+  size_t UnchangedBlocksSince(uint64_t version) const;
+  // The version of the last commit that changed the block list at all (blocks dropped from
+  // the end included).
+  uint64_t changed_version() const { return changed_version_; }
 
   // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
   // them the scores; DropStaging gives the memory back.
@@ -73,6 +85,7 @@ class Stream {
 
  private:
   std::vector<StreamBlock> blocks_;
+  uint64_t changed_version_ = 0;
   std::vector<int64_t> positions_;
   std::vector<float> scores_;
   std::vector<float> next_scores_;
@@ -142,6 +155,13 @@ struct Sequence {
   uint64_t appended ABSL_GUARDED_BY(mu) = 0;
   uint64_t epoch ABSL_GUARDED_BY(mu) = 0;
   uint64_t steps ABSL_GUARDED_BY(mu) = 0;
+  // The table version: a new value (unique across sequences) at every commit that changes
+  // a block list; each block carries the version at which it last changed.
+  uint64_t version ABSL_GUARDED_BY(mu) = 0;
+  // The versions the tables had at the end of the last calls, oldest first, the current
+  // last (at most EngineConfig::delta_history + 1; the capacity is reserved at creation):
+  // a client holding one of these gets a delta, any other version the whole table.
+  std::vector<uint64_t> published_versions ABSL_GUARDED_BY(mu);
 
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);

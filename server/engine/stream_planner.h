@@ -25,6 +25,9 @@ struct StreamBlock {
   uint32_t start = 0;
   uint32_t count = 0;
   Precision precision = Precision::kLayout;
+  // The table version at which this entry (or the slots it holds) last changed; blocks a
+  // plan creates carry 0 until their commit stamps them (Stream::SwapBlocks).
+  uint64_t version = 0;
 };
 
 struct OpBatch {

@@ -1,0 +1,163 @@
+// The decode loop: a batch of folded steps (append, then step) across sequences, and the
+// table updates that let a client keep its block tables without fetching them.
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+
+absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message) {
+  absl::Status status = absl::FailedPreconditionError(message);
+  status.SetPayload(kCurrentEpochPayload, absl::Cord(absl::StrCat(seq.epoch)));
+  status.SetPayload(kCurrentVersionPayload, absl::Cord(absl::StrCat(seq.version)));
+  return status;
+}
+
+TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const {
+  TableUpdate update;
+  update.version = seq.version;
+  update.epoch = seq.epoch;
+  const std::vector<uint64_t>& published = seq.published_versions;
+  update.full = known_version == 0 ||
+                std::find(published.begin(), published.end(), known_version) == published.end();
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    const Stream& st = seq.streams[s];
+    if (!update.full && st.changed_version() <= known_version) continue;
+    const std::vector<StreamBlock>& blocks = st.blocks();
+    const size_t kept = update.full ? 0 : st.UnchangedBlocksSince(known_version);
+    StreamDelta delta;
+    delta.stream = static_cast<uint32_t>(s);
+    delta.kept_blocks = static_cast<uint32_t>(kept);
+    uint64_t slot = 0;  // only positions need it: the walk is skipped otherwise
+    if (positions) {
+      for (size_t i = 0; i < kept; ++i) slot += blocks[i].count;
+    }
+    delta.kept_slots = slot;
+    delta.blocks.reserve(blocks.size() - kept);
+    for (size_t i = kept; i < blocks.size(); ++i) {
+      const StreamBlock& b = blocks[i];
+      delta.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
+    }
+    if (positions) {
+      absl::Span<const int64_t> all = st.positions();
+      delta.positions.assign(all.begin() + static_cast<ptrdiff_t>(slot), all.end());
+    }
+    update.streams.push_back(std::move(delta));
+  }
+  return update;
+}
+
+absl::StatusOr<TableUpdate> Engine::GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
+                                                   bool positions) {
+  return Guard("GetBlockTable", [&]() -> absl::StatusOr<TableUpdate> {
+    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Renew(**ref);
+    return TableDelta(**ref, known_version, positions);
+  });
+}
+
+StepOutcome Engine::StepCallImpl(const StepCall& call) {
+  StepOutcome out;
+  absl::StatusOr<SequenceRef> ref = LockForChange(call.sequence_id);
+  if (!ref.ok()) {
+    out.status = ref.status();
+    return out;
+  }
+  // An append goes through a session holding the lock to the end of the call; the step and
+  // the update then run on the same locked sequence.
+  std::unique_ptr<AppendSession> session;
+  Sequence* seq = &**ref;
+  std::optional<SequenceRef> locked;
+  if (call.append) {
+    absl::StatusOr<std::unique_ptr<AppendSession>> begun =
+        BeginAppendLocked(*std::move(ref), /*hold_lock=*/true);
+    if (!begun.ok()) {
+      out.status = begun.status();
+      return out;
+    }
+    session = *std::move(begun);
+    session->publish_ = false;
+  } else {
+    locked.emplace(*std::move(ref));
+  }
+  auto finish = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    PublishVersion(*seq);
+    if (call.table_version && seq->poisoned.empty() && !seq->released) {
+      out.table = TableDelta(*seq, *call.table_version, call.positions);
+    }
+  };
+  [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    // Everything is checked before anything applies: the chunk (staged by the session,
+    // where no table looks) and the step's signals over the tokens it adds.
+    if (session) {
+      if (absl::Status s = session->Add(*call.append); !s.ok()) {
+        out.status = s;
+        return;
+      }
+    }
+    std::optional<PreparedStep> prepared;
+    if (call.step) {
+      const size_t pending = call.append ? call.append->positions.size() : 0;
+      absl::StatusOr<PreparedStep> p = PrepareStep(*seq, *call.step, pending);
+      if (!p.ok()) {
+        out.status = p.status();
+        return;
+      }
+      prepared = *std::move(p);
+    }
+    if (session) {
+      absl::StatusOr<AppendResult> appended = session->Commit();
+      if (!appended.ok()) {
+        out.status = appended.status();
+        return;
+      }
+      out.appended = *appended;
+    }
+    if (prepared) {
+      absl::StatusOr<StepResult> stepped = RunStep(*seq, *prepared);
+      if (!stepped.ok()) {
+        out.status = stepped.status();
+        return;
+      }
+      out.step = *stepped;
+    }
+  }();
+  finish();
+  if (out.appended) out.appended->version = seq->version;
+  if (out.step) out.step->version = seq->version;
+  return out;
+}
+
+absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const StepCall> calls) {
+  return Guard("StepBatch", [&]() -> absl::StatusOr<std::vector<StepOutcome>> {
+    absl::flat_hash_set<uint64_t> seen;
+    seen.reserve(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (!seen.insert(calls[i].sequence_id).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("steps[", i, "].sequence_id: sequence ", calls[i].sequence_id,
+                         " appears twice in one batch (one entry per sequence)"));
+      }
+      if (!calls[i].append && !calls[i].step) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("steps[", i, "]: neither an append nor a step"));
+      }
+    }
+    std::vector<StepOutcome> outcomes(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      absl::StatusOr<StepOutcome> one = Guard(
+          "StepBatch", [&]() -> absl::StatusOr<StepOutcome> { return StepCallImpl(calls[i]); });
+      if (one.ok()) {
+        outcomes[i] = *std::move(one);
+      } else {
+        outcomes[i].status = one.status();
+      }
+    }
+    return outcomes;
+  });
+}
+
+}  // namespace kvmem::engine

@@ -1,0 +1,410 @@
+// Table versions and deltas: a client that applies the updates it is sent holds exactly the
+// table GetBlockTable returns, after every kind of change; a client too far behind gets the
+// whole table; and the batched step behaves as the calls it folds.
+#include <random>
+
+#include "gmock/gmock.h"
+#include "tests/unit/engine/engine_fixture.h"
+
+namespace kvmem::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A client's copy of one sequence's tables, kept only from updates.
+struct ClientTable {
+  uint64_t version = 0;
+  uint64_t epoch = 0;
+  std::vector<std::vector<TableBlock>> blocks;
+  std::vector<std::vector<int64_t>> positions;
+
+  void Apply(const TableUpdate& update, size_t streams) {
+    if (update.full) {
+      blocks.assign(streams, {});
+      positions.assign(streams, {});
+    }
+    for (const StreamDelta& d : update.streams) {
+      ASSERT_LT(d.stream, blocks.size());
+      ASSERT_LE(d.kept_blocks, blocks[d.stream].size()) << "stream " << d.stream;
+      ASSERT_LE(d.kept_slots, positions[d.stream].size()) << "stream " << d.stream;
+      blocks[d.stream].resize(d.kept_blocks);
+      blocks[d.stream].insert(blocks[d.stream].end(), d.blocks.begin(), d.blocks.end());
+      positions[d.stream].resize(d.kept_slots);
+      positions[d.stream].insert(positions[d.stream].end(), d.positions.begin(), d.positions.end());
+    }
+    version = update.version;
+    epoch = update.epoch;
+  }
+};
+
+// The table as text: blocks (id, offset, run, precision) and positions per stream.
+std::string Text(const std::vector<std::vector<TableBlock>>& blocks,
+                 const std::vector<std::vector<int64_t>>& positions) {
+  std::string out;
+  for (size_t s = 0; s < blocks.size(); ++s) {
+    absl::StrAppend(&out, "stream ", s, ":");
+    for (const TableBlock& b : blocks[s]) {
+      absl::StrAppend(&out, " ", b.id, "@", b.offset, "[", b.start, "+", b.count, "]p",
+                      static_cast<int>(b.precision));
+    }
+    absl::StrAppend(&out, " |");
+    for (int64_t p : positions[s]) absl::StrAppend(&out, " ", p);
+    absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+std::string Text(const BlockTable& table) {
+  std::vector<std::vector<TableBlock>> blocks;
+  std::vector<std::vector<int64_t>> positions;
+  for (const StreamTable& st : table.streams) {
+    blocks.push_back(st.blocks);
+    positions.push_back(st.positions);
+  }
+  return Text(blocks, positions);
+}
+
+class DeltaTest : public EngineTest {
+ protected:
+  static constexpr size_t kStreams = kL * kH;
+
+  // Holds the buffers a StepCall's spans point into.
+  struct CallData {
+    std::vector<int64_t> positions;
+    std::vector<float> entropy, distance;
+    std::string k, v;
+    std::vector<std::vector<float>> rows;
+    StepCall call;
+  };
+
+  // A folded step of `n` new tokens on `id`, with random rows over the client's table plus
+  // the new tokens.
+  void MakeCall(uint64_t id, const ClientTable& table, int64_t first, uint32_t n, std::mt19937& rng,
+                CallData* data) {
+    std::uniform_real_distribution<float> u(0.01f, 1.0f);
+    data->positions = testing::Range(first, n);
+    data->entropy.assign(n, 1.0f);
+    data->distance.assign(n, 0.5f);
+    data->k = testing::Payload16(kStreams, first, n, kD, 0);
+    data->v = testing::Payload16(kStreams, first, n, kD, 1);
+    data->call = StepCall{};
+    data->call.sequence_id = id;
+    if (n > 0) {
+      data->call.append =
+          AppendChunk{data->positions, {}, data->k, data->v, data->entropy, data->distance};
+    }
+    StepInput in;
+    in.epoch = table.epoch;
+    in.logits = RawLogitStats{static_cast<float>(u(rng) * 3.0), 0.6f, 0.2f, {}};
+    data->rows.assign(kStreams, {});
+    for (size_t s = 0; s < kStreams; ++s) {
+      for (size_t j = 0; j < table.positions[s].size() + n; ++j) data->rows[s].push_back(u(rng));
+      in.attention.push_back(
+          {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), data->rows[s]});
+    }
+    data->call.step = std::move(in);
+    data->call.table_version = table.version;
+    data->call.positions = true;
+  }
+
+  ClientTable Attach(uint64_t id) {
+    ClientTable table;
+    table.Apply(*engine_->GetTableUpdate(id, 0, true), kStreams);
+    return table;
+  }
+
+  void ExpectSame(uint64_t id, const ClientTable& client, const std::string& where) {
+    absl::StatusOr<BlockTable> table = engine_->GetBlockTable(id);
+    ASSERT_TRUE(table.ok()) << table.status();
+    EXPECT_EQ(client.version, table->version) << where;
+    EXPECT_EQ(client.epoch, table->epoch) << where;
+    ASSERT_EQ(Text(client.blocks, client.positions), Text(*table)) << where;
+    // The same-host reader's check passes for the client's table.
+    EXPECT_EQ(engine_->epoch_board().Load(table->epoch_slot), 2 * client.epoch) << where;
+  }
+};
+
+TEST_F(DeltaTest, ClientTablesFollowEveryKindOfChange) {
+  struct Case {
+    std::string policy;
+    policy::ParamOverrides params;
+    bool int8;
+  };
+  const std::vector<Case> cases = {
+      {"full", {}, false},
+      {"window", {{"window", 20}}, false},
+      {"window", {{"window", 40}}, true},
+      {"streaming_llm", {{"sinks", 2}, {"budget", 20}}, false},
+      {"h2o", {{"budget", 24}}, true},
+      {"confkv", {{"c_high", 16}, {"c_low", 28}, {"protect", 4}}, false},
+      {"confkv", {{"c_high", 20}, {"c_low", 36}, {"protect", 4}}, true},
+  };
+  MakeEngine(8 << 20);
+  std::mt19937 rng(7);
+  int steps = 0, rewrites = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.policy + (c.int8 ? "+int8" : ""));
+    QuantConfig quant;
+    if (c.int8) quant = QuantConfig{kernels::QuantType::kInt8, 16};
+    auto created =
+        engine_->CreateSequence(TestLayout(), c.policy, c.params, quant, absl::ZeroDuration());
+    ASSERT_TRUE(created.ok()) << created.status();
+    // Two sequences: the second is a fork whose client carried the parent's table over.
+    std::vector<uint64_t> ids = {created->sequence_id};
+    std::vector<ClientTable> tables(1);
+    tables[0].Apply(*engine_->GetTableUpdate(ids[0], 0, true), kStreams);
+    std::vector<int64_t> next(1, 0);
+    for (int round = 0; round < 300; ++round) {
+      if (round == 40) {
+        auto child = engine_->Fork(ids[0], absl::ZeroDuration());
+        ASSERT_TRUE(child.ok()) << child.status();
+        EXPECT_EQ(child->version, tables[0].version);
+        ids.push_back(child->sequence_id);
+        tables.push_back(tables[0]);         // the parent's table, followed by the child's deltas
+        tables.back().epoch = child->epoch;  // under the child's own epoch
+        next.push_back(next[0]);
+      }
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const uint64_t before_epoch = tables[i].epoch;
+        const uint32_t n = round < 2 ? 12 + rng() % 10 : (rng() % 5 == 0 ? 0 : 1 + rng() % 2);
+        CallData data;
+        MakeCall(ids[i], tables[i], next[i], n, rng, &data);
+        absl::StatusOr<std::vector<StepOutcome>> out =
+            engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
+        ASSERT_TRUE(out.ok()) << out.status();
+        ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+        ASSERT_TRUE((*out)[0].table.has_value());
+        EXPECT_FALSE((*out)[0].table->full) << "round " << round;
+        tables[i].Apply(*(*out)[0].table, kStreams);
+        next[i] += n;
+        ++steps;
+        if (tables[i].epoch != before_epoch) ++rewrites;
+        ExpectSame(ids[i], tables[i], absl::StrCat("round ", round, " sequence ", i));
+        if (HasFailure()) return;
+      }
+    }
+    for (uint64_t id : ids) ASSERT_TRUE(engine_->Release(id).ok());
+  }
+  EXPECT_GT(rewrites, 100) << "the tables were rewritten (evictions, quantization) " << rewrites
+                           << " times in " << steps << " steps";
+}
+
+TEST(StreamVersionsTest, StampsFromTheFirstChangeAndNoticesDroppedBlocks) {
+  Stream st;
+  std::vector<StreamBlock> list = {{1, 0, 16, Precision::kLayout},
+                                   {2, 0, 16, Precision::kLayout},
+                                   {3, 0, 4, Precision::kLayout}};
+  st.SwapBlocks(list, 10);
+  EXPECT_EQ(st.UnchangedBlocksSince(9), 0u);
+  EXPECT_EQ(st.UnchangedBlocksSince(10), 3u);
+  EXPECT_EQ(st.changed_version(), 10u);
+
+  // The last block dropped whole, the rest as they were: no block is new, but the list is
+  // shorter, and a client at 10 must hear of it.
+  list = {st.blocks()[0], st.blocks()[1]};
+  st.SwapBlocks(list, 11);
+  EXPECT_EQ(st.UnchangedBlocksSince(10), 2u);
+  EXPECT_EQ(st.changed_version(), 11u);
+
+  // Same entries, but a keep-set moved slot 20 (in the second block): it is changed.
+  list = st.blocks();
+  st.SwapBlocks(list, 12, 20);
+  EXPECT_EQ(st.UnchangedBlocksSince(11), 1u);
+  EXPECT_EQ(st.blocks()[1].version, 12u);
+  EXPECT_EQ(st.blocks()[0].version, 10u);
+
+  // An append that grows the last block's run.
+  list = st.blocks();
+  list[1].count = 12;
+  list[1].start = 0;
+  st.SwapBlocks(list, 13);
+  EXPECT_EQ(st.UnchangedBlocksSince(12), 1u);
+  // Nothing at all changed: the versions stay.
+  list = st.blocks();
+  st.SwapBlocks(list, 14);
+  EXPECT_EQ(st.changed_version(), 13u);
+  EXPECT_EQ(st.UnchangedBlocksSince(13), 2u);
+}
+
+TEST_F(DeltaTest, CompressAndPlainCallsReportVersionsThatDeltasFollow) {
+  const uint64_t id = Create("snapkv", {{"budget", 12}, {"window", 4}});
+  ClientTable client = Attach(id);
+  absl::StatusOr<AppendResult> appended = AppendRange(id, 0, 40);
+  ASSERT_TRUE(appended.ok());
+  client.Apply(*engine_->GetTableUpdate(id, client.version, true), kStreams);
+  EXPECT_EQ(client.version, appended->version);
+  ExpectSame(id, client, "after the prefill");
+
+  std::vector<std::vector<float>> scores(kStreams, std::vector<float>(40));
+  std::mt19937 rng(3);
+  CompressInput in;
+  in.epoch = client.epoch;
+  for (size_t s = 0; s < kStreams; ++s) {
+    for (float& x : scores[s]) x = static_cast<float>(rng() % 1000) / 1000.0f;
+    in.window_scores.push_back(
+        {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), scores[s]});
+  }
+  absl::StatusOr<CompressResult> compressed = engine_->Compress(id, in);
+  ASSERT_TRUE(compressed.ok()) << compressed.status();
+  TableUpdate update = *engine_->GetTableUpdate(id, client.version, true);
+  EXPECT_FALSE(update.full);
+  EXPECT_EQ(update.version, compressed->version);
+  client.Apply(update, kStreams);
+  ExpectSame(id, client, "after the compression");
+}
+
+TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
+  const uint64_t id = Create("full");
+  ASSERT_TRUE(AppendRange(id, 0, 20).ok());
+  ClientTable current = Attach(id);
+  ClientTable old = current;
+  ASSERT_TRUE(AppendRange(id, 20, 1).ok());
+  TableUpdate one_behind = *engine_->GetTableUpdate(id, current.version, true);
+  EXPECT_FALSE(one_behind.full);
+  // Every stream gained a slot in its last block: that block and its position, nothing else.
+  ASSERT_EQ(one_behind.streams.size(), kStreams);
+  EXPECT_EQ(one_behind.streams[0].kept_blocks, 1u);
+  EXPECT_THAT(one_behind.streams[0].positions, ::testing::ElementsAre(16, 17, 18, 19, 20));
+  current.Apply(one_behind, kStreams);
+  ExpectSame(id, current, "one behind");
+
+  ASSERT_TRUE(AppendRange(id, 21, 1).ok());
+  TableUpdate two_behind = *engine_->GetTableUpdate(id, old.version, true);
+  EXPECT_TRUE(two_behind.full);
+  old.Apply(two_behind, kStreams);
+  ExpectSame(id, old, "two behind");
+
+  // Nothing changed since the client's version: an empty delta.
+  TableUpdate same = *engine_->GetTableUpdate(id, old.version, true);
+  EXPECT_FALSE(same.full);
+  EXPECT_TRUE(same.streams.empty());
+  // A version this sequence never had (another's, or made up) gets the whole table.
+  const uint64_t other = Create("full");
+  ASSERT_TRUE(AppendRange(other, 0, 3).ok());
+  const uint64_t foreign = engine_->GetBlockTable(other)->version;
+  EXPECT_TRUE(engine_->GetTableUpdate(id, foreign, true)->full);
+  EXPECT_TRUE(engine_->GetTableUpdate(id, old.version + 1000, true)->full);
+}
+
+TEST_F(DeltaTest, MoreHistoryServesDeltasFurtherBack) {
+  MakeEngine(1 << 20, [](EngineConfig& config) { config.delta_history = 4; });
+  const uint64_t id = Create("full");
+  ClientTable client = Attach(id);
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(AppendRange(id, i * 5, 5).ok());
+  TableUpdate update = *engine_->GetTableUpdate(id, client.version, false);
+  EXPECT_FALSE(update.full);
+  client.Apply(update, kStreams);
+  EXPECT_EQ(client.version, engine_->GetBlockTable(id)->version);
+  EXPECT_THAT(Engine::Create(
+                  [] {
+                    EngineConfig c;
+                    c.delta_history = kMaxDeltaHistory + 1;
+                    return c;
+                  }(),
+                  *store::CpuBackend::Create(1 << 20), &clock_)
+                  .status()
+                  .message(),
+              HasSubstr("delta_history"));
+}
+
+TEST_F(DeltaTest, BatchedStepsEqualStepsOneByOne) {
+  // Two engines, the same workload: one batch per round on one, Append then Step per
+  // sequence on the other. Tables and K/V must come out identical.
+  const std::vector<std::pair<std::string, policy::ParamOverrides>> policies = {
+      {"window", {{"window", 20}}},
+      {"confkv", {{"c_high", 16}, {"c_low", 28}, {"protect", 4}}},
+      {"h2o", {{"budget", 24}}},
+      {"full", {}}};
+  MakeEngine(8 << 20);
+  std::unique_ptr<Engine> batched = std::move(engine_);
+  MakeEngine(8 << 20);
+  std::unique_ptr<Engine>& single = engine_;
+  std::vector<uint64_t> a, b;
+  for (const auto& [name, params] : policies) {
+    a.push_back(batched->CreateSequence(TestLayout(), name, params, {}, {})->sequence_id);
+    b.push_back(single->CreateSequence(TestLayout(), name, params, {}, {})->sequence_id);
+  }
+  std::vector<ClientTable> tables(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    tables[i].Apply(*batched->GetTableUpdate(a[i], 0, true), kStreams);
+  }
+  std::mt19937 rng(11);
+  int64_t next = 0;
+  for (int round = 0; round < 60; ++round) {
+    const uint32_t n = round == 0 ? 24 : 1;
+    std::vector<CallData> data(a.size());
+    std::vector<StepCall> calls;
+    for (size_t i = 0; i < a.size(); ++i) {
+      MakeCall(a[i], tables[i], next, n, rng, &data[i]);
+      calls.push_back(data[i].call);
+    }
+    absl::StatusOr<std::vector<StepOutcome>> out = batched->StepBatch(calls);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_TRUE((*out)[i].status.ok()) << (*out)[i].status;
+      tables[i].Apply(*(*out)[i].table, kStreams);
+      ASSERT_TRUE(single->Append(b[i], absl::MakeConstSpan(&*calls[i].append, 1)).ok());
+      StepInput in = *calls[i].step;
+      in.epoch = single->GetBlockTable(b[i])->epoch;
+      absl::StatusOr<StepResult> stepped = single->Step(b[i], in);
+      ASSERT_TRUE(stepped.ok()) << stepped.status();
+      EXPECT_EQ(stepped->evicted_tokens, (*out)[i].step->evicted_tokens);
+      EXPECT_EQ(stepped->budget_tokens, (*out)[i].step->budget_tokens);
+    }
+    next += n;
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    absl::StatusOr<std::string> fa = batched->Fingerprint(a[i]);
+    absl::StatusOr<std::string> fb = single->Fingerprint(b[i]);
+    ASSERT_TRUE(fa.ok() && fb.ok());
+    EXPECT_EQ(*fa, *fb) << policies[i].first;
+  }
+  engine_ = std::move(batched);  // the fixture's engine, torn down as usual
+  engine_.reset();
+  single.reset();
+}
+
+TEST_F(DeltaTest, AFailingEntryChangesNothingAndLeavesTheOthersAlone) {
+  const uint64_t good = Create("window", {{"window", 20}});
+  const uint64_t bad_rows = Create("window", {{"window", 20}});
+  const uint64_t gone = Create("full");
+  ASSERT_TRUE(engine_->Release(gone).ok());
+  std::vector<ClientTable> tables = {Attach(good), Attach(bad_rows), Attach(good)};
+  std::mt19937 rng(5);
+  std::vector<CallData> data(3);
+  MakeCall(good, tables[0], 0, 4, rng, &data[0]);
+  MakeCall(bad_rows, tables[1], 0, 4, rng, &data[1]);
+  data[1].rows[3].pop_back();  // one row too short: the step's input is wrong
+  data[1].call.step->attention[3].values = data[1].rows[3];
+  MakeCall(gone, tables[2], 0, 4, rng, &data[2]);
+  const std::string before = *engine_->Fingerprint(bad_rows);
+  std::vector<StepCall> calls = {data[0].call, data[1].call, data[2].call};
+  absl::StatusOr<std::vector<StepOutcome>> out = engine_->StepBatch(calls);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+  EXPECT_EQ((*out)[1].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT((*out)[1].status.message(), HasSubstr("attention[3]"));
+  EXPECT_FALSE((*out)[1].appended.has_value()) << "the append of a rejected entry applied";
+  EXPECT_EQ(*engine_->Fingerprint(bad_rows), before);
+  EXPECT_EQ((*out)[2].status.code(), absl::StatusCode::kNotFound);
+
+  // A stale epoch: FAILED_PRECONDITION carrying the current epoch and version.
+  CallData stale;
+  MakeCall(good, tables[0], 4, 1, rng, &stale);
+  stale.call.step->epoch = 123456;
+  out = engine_->StepBatch(absl::MakeConstSpan(&stale.call, 1));
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kFailedPrecondition);
+  const BlockTable now = *engine_->GetBlockTable(good);
+  EXPECT_EQ((*out)[0].status.GetPayload(kCurrentEpochPayload).value_or(absl::Cord()),
+            absl::StrCat(now.epoch));
+  EXPECT_EQ((*out)[0].status.GetPayload(kCurrentVersionPayload).value_or(absl::Cord()),
+            absl::StrCat(now.version));
+
+  // A sequence named twice: the whole batch is refused, nothing runs.
+  calls = {data[0].call, data[0].call};
+  EXPECT_THAT(engine_->StepBatch(calls).status().message(), HasSubstr("steps[1].sequence_id"));
+}
+
+}  // namespace
+}  // namespace kvmem::engine
