@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvmem builds and tests with (as root, or through sudo).
-# Skips apt entirely when everything is already present.
+# Skips apt entirely when everything is already present. golang-github-gogo-googleapis-dev
+# is there for its plain google/rpc/{status,error_details}.proto (the API's error details),
+# compiled to C++ by CMakeLists.txt; nothing of Go is used.
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  golang-github-gogo-googleapis-dev
   libabsl-dev libucx-dev prometheus-cpp-dev libspdlog-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libtbb-dev
   clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
 )
 missing=()

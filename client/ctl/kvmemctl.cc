@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "kvmem/client.h"
 
 namespace {
@@ -35,13 +36,16 @@ int Info(kvmem::client::Client& client) {
               Bytes(info->pool_free_bytes).c_str(), Bytes(info->page_bytes).c_str());
   std::printf("block tokens     %u (default)\n", info->default_block_tokens);
   std::printf("max sequences    %u\n", info->max_sequences);
-  std::printf("lease            %u s (default)\n", info->default_lease_seconds);
+  std::printf("lease            %s (default), at most %s\n",
+              absl::FormatDuration(info->default_lease).c_str(),
+              absl::FormatDuration(info->max_lease).c_str());
   std::printf("max message      %s of K+V per Append\n", Bytes(info->max_message_bytes).c_str());
   std::printf("policy steps     %s\n", info->device_step
                                            ? "in the backend (scores in device memory)"
                                            : "in host policy code");
-  std::printf("same-host attach %s\n",
-              info->shm_name.empty() ? "none" : ("shm " + info->shm_name).c_str());
+  std::printf("same-host attach %s\n", !info->shm_name.empty() ? ("shm " + info->shm_name).c_str()
+                                       : !info->cuda_ipc_handle.empty() ? "CUDA IPC"
+                                                                        : "none");
   std::printf("policies:\n");
   for (const auto& p : info->policies) {
     std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());
@@ -97,12 +101,13 @@ int Stats(kvmem::client::Client& client, bool sequences) {
   std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s %11s\n", "id", "policy", "appended",
               "longest", "kv bytes", "blocks", "epoch", "steps", "lease s", "parent", "slot state");
   for (const auto& s : stats->sequences) {
-    std::printf("%8llu %-10s %10llu %8u %12s %8llu %8llu %8llu %8.1f %7llu %11s\n",
+    const std::string parent = s.parent_id ? std::to_string(*s.parent_id) : "-";
+    std::printf("%8llu %-10s %10llu %8u %12s %8llu %8llu %8llu %8.1f %7s %11s\n",
                 static_cast<unsigned long long>(s.sequence_id), s.policy.c_str(),
                 static_cast<unsigned long long>(s.appended_tokens), s.max_stream_tokens,
                 Bytes(s.kv_bytes).c_str(), static_cast<unsigned long long>(s.blocks),
                 static_cast<unsigned long long>(s.epoch), static_cast<unsigned long long>(s.steps),
-                s.lease_remaining_seconds, static_cast<unsigned long long>(s.parent_id),
+                absl::ToDoubleSeconds(s.lease_remaining), parent.c_str(),
                 Bytes(s.slot_state_bytes).c_str());
   }
   if (stats->sequences.empty()) std::printf("(no sequences)\n");

@@ -69,7 +69,7 @@ absl::Status KvmemKvStore::BeginForward() {
   if (!table.ok()) return table.status();
   table_ = *std::move(table);
   if (path_ == ReadPath::kGrpc) {
-    absl::StatusOr<std::vector<client::StreamKV>> kv = client_->ReadKV(sequence_.id, table_.epoch);
+    absl::StatusOr<std::vector<client::StreamKv>> kv = client_->ReadKv(sequence_.id, table_.epoch);
     if (!kv.ok()) return kv.status();
     grpc_kv_ = *std::move(kv);
   }
@@ -83,7 +83,7 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
   out->runs.clear();
   out->scratch.clear();
   if (path_ == ReadPath::kGrpc) {
-    const client::StreamKV& kv = grpc_kv_[s];
+    const client::StreamKv& kv = grpc_kv_[s];
     out->positions = kv.positions;
     if (!kv.positions.empty()) {
       out->runs.push_back({reinterpret_cast<const float*>(kv.k.data()),

@@ -1,7 +1,7 @@
 #pragma once
 // The two places a worker's KV cache can live: in the worker's own memory (the reference
 // the kvmemd path is checked against) and in kvmemd, read in place through the same-host
-// mapping of its pool (or over gRPC with ReadKV, the portable path).
+// mapping of its pool (or over gRPC with ReadKv, the portable path).
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,7 +52,7 @@ class KvmemKvStore final : public KvStore {
   uint64_t table_epoch() const { return table_.epoch; }
   const client::BlockTable& table() const { return table_; }
   client::Client* client() const { return client_; }
-  // Seconds spent fetching block tables (and ReadKV on the gRPC path) so far.
+  // Seconds spent fetching block tables (and ReadKv on the gRPC path) so far.
   double table_seconds() const { return table_seconds_; }
 
  private:
@@ -64,7 +64,7 @@ class KvmemKvStore final : public KvStore {
   ReadPath path_ = ReadPath::kSharedMemory;
   std::unique_ptr<client::SharedPool> pool_;
   client::BlockTable table_;
-  std::vector<client::StreamKV> grpc_kv_;  // kGrpc: this forward's streams
+  std::vector<client::StreamKv> grpc_kv_;  // kGrpc: this forward's streams
   uint64_t max_message_bytes_ = 0;
   double table_seconds_ = 0;
 };

@@ -34,7 +34,7 @@
 ABSL_FLAG(std::string, model, "", "path to the GGUF file (scripts/fetch_model.sh prints it)");
 ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address");
 ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
-ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKV)");
+ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKv)");
 ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
 ABSL_FLAG(std::vector<std::string>, param, {},
           "policy parameters, comma-separated name=value pairs (one --param flag)");
@@ -94,7 +94,7 @@ absl::StatusOr<client::PolicySpec> ParsePolicy(const std::string& name,
   absl::StatusOr<client::Precision> precision = ParsePrecision(quantization);
   if (!precision.ok()) return precision.status();
   spec.quantization = *precision;
-  spec.quantization_recent_tokens = quant_recent;
+  if (quant_recent != 0) spec.quantization_recent_tokens = quant_recent;  // 0: the default
   for (const std::string& p : params) {
     std::vector<std::string> kv = absl::StrSplit(p, absl::MaxSplits('=', 1));
     if (kv.size() == 2 && kv[0] == "quantization") {

@@ -1,24 +1,12 @@
 #include "server/service/convert.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvmem::service {
 
-grpc::Status ToGrpc(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  absl::string_view message = status.message();
-  if (message.size() <= kMaxStatusMessageBytes) {
-    return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(message));
-  }
-  // Cut on a UTF-8 character boundary: never leave half a character at the end.
-  size_t cut = kMaxStatusMessageBytes;
-  while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xC0) == 0x80) --cut;
-  return grpc::Status(
-      static_cast<grpc::StatusCode>(status.code()),
-      absl::StrCat(message.substr(0, cut), "... (message cut, ", message.size(), " bytes)"));
-}
-
-absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout) {
+absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout, uint32_t default_block_tokens) {
   engine::Layout out;
   switch (layout.dtype()) {
     case v1::DTYPE_F16:
@@ -38,7 +26,15 @@ absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout) {
   out.num_layers = layout.num_layers();
   out.num_kv_heads = layout.num_kv_heads();
   out.head_dim = layout.head_dim();
-  out.block_tokens = layout.block_tokens();
+  out.block_tokens = default_block_tokens;
+  if (layout.has_block_tokens()) {
+    if (layout.block_tokens() == 0) {
+      return absl::InvalidArgumentError(
+          "layout.block_tokens: 0 tokens per block; a block holds at least 1 token (leave the "
+          "field out for the daemon's --block-tokens)");
+    }
+    out.block_tokens = layout.block_tokens();
+  }
   out.vocab_size = layout.vocab_size();
   return out;
 }
@@ -76,6 +72,15 @@ v1::Precision ToProto(engine::Precision p) {
   return v1::PRECISION_UNSPECIFIED;
 }
 
+absl::StatusOr<std::string> PolicyNameFromProto(const v1::PolicySpec& policy) {
+  if (!policy.has_name()) return std::string("full");
+  if (policy.name().empty()) {
+    return absl::InvalidArgumentError(
+        "policy.name: empty; name a policy GetInfo lists (leave the field out for \"full\")");
+  }
+  return policy.name();
+}
+
 absl::StatusOr<engine::QuantConfig> QuantFromProto(const v1::PolicySpec& policy) {
   engine::QuantConfig quant;
   switch (policy.quantization()) {
@@ -96,23 +101,54 @@ absl::StatusOr<engine::QuantConfig> QuantFromProto(const v1::PolicySpec& policy)
           "policy.quantization: ", static_cast<int>(policy.quantization()),
           " is not a known precision (PRECISION_LAYOUT = 1, INT8 = 2, INT4 = 3, NF4 = 4)"));
   }
-  if (policy.quantization_recent_tokens() != 0) {
+  if (policy.has_quantization_recent_tokens()) {
+    if (policy.quantization_recent_tokens() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.quantization_recent_tokens: 0; at least 1 token stays at the layout precision "
+          "(leave the field out for the default of ",
+          quant.recent_tokens, ")"));
+    }
     quant.recent_tokens = policy.quantization_recent_tokens();
   }
   return quant;
 }
 
-engine::AppendChunk ChunkView(const v1::AppendRequest& request) {
-  engine::AppendChunk chunk;
-  chunk.positions = absl::MakeConstSpan(request.positions().data(), request.positions().size());
-  chunk.token_ids = absl::MakeConstSpan(request.token_ids().data(), request.token_ids().size());
-  chunk.k = request.k();
-  chunk.v = request.v();
-  chunk.token_entropy =
-      absl::MakeConstSpan(request.token_entropy().data(), request.token_entropy().size());
-  chunk.layer_distance =
-      absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
-  return chunk;
+absl::StatusOr<absl::Duration> LeaseFromProto(const google::protobuf::Duration* lease,
+                                              absl::string_view field,
+                                              const engine::EngineConfig& config) {
+  if (lease == nullptr) return config.default_lease;
+  // google.protobuf.Duration's own range: +-10000 years, nanos of the seconds' sign.
+  constexpr int64_t kMaxDurationSeconds = 315576000000;
+  const int64_t seconds = lease->seconds();
+  const int32_t nanos = lease->nanos();
+  if (seconds > kMaxDurationSeconds || seconds < -kMaxDurationSeconds || nanos > 999999999 ||
+      nanos < -999999999 || (seconds > 0 && nanos < 0) || (seconds < 0 && nanos > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": {seconds: ", seconds,
+                                                   ", nanos: ", nanos,
+                                                   "} is not a valid google.protobuf.Duration"));
+  }
+  const absl::Duration asked = absl::Seconds(seconds) + absl::Nanoseconds(nanos);
+  if (asked <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", absl::FormatDuration(asked),
+                     " is not a lease; a lease lasts at least 1s (leave the field out for the "
+                     "daemon's default of ",
+                     absl::FormatDuration(config.default_lease), ")"));
+  }
+  // Whole seconds: rounded up, so that a lease is never shorter than asked.
+  const absl::Duration granted = absl::Ceil(asked, absl::Seconds(1));
+  if (granted > config.max_lease) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", absl::FormatDuration(asked),
+                                                   " is over the longest lease, ",
+                                                   absl::FormatDuration(config.max_lease)));
+  }
+  return granted;
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t seconds = absl::IDivDuration(d, absl::Seconds(1), &d);
+  out->set_seconds(seconds);
+  out->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(d)));
 }
 
 namespace {
@@ -141,6 +177,61 @@ std::vector<engine::StreamSignal> SignalViews(
       scores, [](const v1::WindowScores& w) -> const auto& { return w.scores(); });
 }
 
+engine::StepInput StepInputView(const v1::StepRequest& request) {
+  engine::StepInput input;
+  input.epoch = request.epoch();
+  if (request.has_logit_stats()) {
+    const v1::LogitStats& ls = request.logit_stats();
+    input.logits = engine::RawLogitStats{
+        ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
+  }
+  input.attention = SignalViews(request.attention());
+  return input;
+}
+
+void ToProto(const engine::StepResult& result, v1::StepResponse* out) {
+  out->set_confidence(result.confidence);
+  // The engine's budget 0: the policy set no bound this step.
+  if (result.budget_tokens != 0) out->set_budget_tokens(result.budget_tokens);
+  out->set_evicted_tokens(result.evicted_tokens);
+  out->set_quantized_tokens(result.quantized_tokens);
+  out->set_kv_bytes_before(result.kv_bytes_before);
+  out->set_kv_bytes_after(result.kv_bytes_after);
+  out->set_epoch(result.epoch);
+  out->set_step(result.step);
+}
+
+absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request) {
+  engine::CompressInput input;
+  input.epoch = request.epoch();
+  // The engine's target 0 is the policy's own rule: what an absent target_tokens asks for.
+  if (request.has_target_tokens()) {
+    if (request.target_tokens() == 0) {
+      return absl::InvalidArgumentError(
+          "target_tokens: 0; a stream keeps at least 1 token (leave the field out for the "
+          "policy's own rule)");
+    }
+    input.target_tokens = request.target_tokens();
+  }
+  input.attention = SignalViews(request.attention());
+  input.window_scores = SignalViews(request.window_scores());
+  return input;
+}
+
+void ToProto(const engine::CompressResult& result, v1::CompressResponse* out) {
+  for (const engine::LayerKept& layer : result.layers) {
+    v1::LayerKept* kept = out->add_layers();
+    kept->set_layer(layer.layer);
+    kept->set_kept_tokens(layer.kept_tokens);
+    kept->set_before_tokens(layer.before_tokens);
+  }
+  out->set_evicted_tokens(result.evicted_tokens);
+  out->set_quantized_tokens(result.quantized_tokens);
+  out->set_kv_bytes_before(result.kv_bytes_before);
+  out->set_kv_bytes_after(result.kv_bytes_after);
+  out->set_epoch(result.epoch);
+}
+
 void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTable* out) {
   out->set_sequence_id(table.sequence_id);
   out->set_epoch(table.epoch);
@@ -148,7 +239,8 @@ void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTab
   out->set_block_bytes(block_bytes);
   out->set_epoch_slot(table.epoch_slot);
   out->set_quantization(ToProto(table.quantization));
-  out->set_quantized_block_bytes(table.quantized_block_bytes);
+  // The engine's 0 bytes: a sequence that never quantizes.
+  if (table.quantized_block_bytes != 0) out->set_quantized_block_bytes(table.quantized_block_bytes);
   ToProto(table.layout, out->mutable_layout());
   for (const engine::StreamTable& st : table.streams) {
     v1::StreamTable* s = out->add_streams();
@@ -183,22 +275,24 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_sequences_poisoned(stats.sequences_poisoned);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
-  for (const engine::SequenceSummary& s : stats.sequences) {
-    v1::SequenceStats* o = out->add_sequences();
-    o->set_sequence_id(s.sequence_id);
-    o->set_policy(s.policy);
-    o->set_appended_tokens(s.appended_tokens);
-    o->set_max_stream_tokens(s.max_stream_tokens);
-    o->set_kv_bytes(s.kv_bytes);
-    o->set_blocks(s.blocks);
-    o->set_epoch(s.epoch);
-    o->set_steps(s.steps);
-    o->set_lease_remaining_seconds(s.lease_remaining_seconds);
-    o->set_parent_id(s.parent_id);
-    o->set_pool_bytes_held(s.pool_bytes_held);
-    o->set_quantization(s.quantization);
-    o->set_slot_state_bytes(s.slot_state_bytes);
-  }
+}
+
+void ToProto(const engine::SequenceSummary& s, v1::SequenceStats* out) {
+  out->set_sequence_id(s.sequence_id);
+  out->set_policy(s.policy);
+  out->set_appended_tokens(s.appended_tokens);
+  out->set_max_stream_tokens(s.max_stream_tokens);
+  out->set_kv_bytes(s.kv_bytes);
+  out->set_blocks(s.blocks);
+  out->set_epoch(s.epoch);
+  out->set_steps(s.steps);
+  ToProto(std::max(absl::Seconds(s.lease_remaining_seconds), absl::ZeroDuration()),
+          out->mutable_lease_remaining());
+  // Sequence ids start at 1: the engine's parent 0 is "not forked".
+  if (s.parent_id != 0) out->set_parent_id(s.parent_id);
+  out->set_pool_bytes_held(s.pool_bytes_held);
+  out->set_quantization(s.quantization);
+  out->set_slot_state_bytes(s.slot_state_bytes);
 }
 
 }  // namespace kvmem::service

@@ -1,36 +1,66 @@
 #pragma once
-// Translation between the public protobuf API and engine types, and absl::Status -> gRPC.
+// Translation between the public protobuf API and engine types. Defaults of absent fields
+// are resolved here, so the engine never sees a request's "unset"; an explicit value that
+// is not valid is INVALID_ARGUMENT naming the field. absl::Status -> gRPC: error_details.h.
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "grpcpp/support/status.h"
+#include "absl/time/time.h"
+#include "google/protobuf/duration.pb.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "server/engine/engine.h"
+#include "server/service/error_details.h"
 
 namespace kvmem::service {
 
-// Longest status message sent to a client; a status message travels in a header, and a
-// longer one would reach the client as a metadata-size failure instead of its own code.
-inline constexpr size_t kMaxStatusMessageBytes = 4096;
-
-// absl and gRPC share the canonical code space, so codes map 1:1. A message longer than
-// kMaxStatusMessageBytes is cut (a last line of defence: echoed client text is capped where
-// it is echoed, with EchoClientText).
-grpc::Status ToGrpc(const absl::Status& status);
-
-absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout);
+// Absent block_tokens is `default_block_tokens`; an explicit 0 is rejected.
+absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout, uint32_t default_block_tokens);
 void ToProto(const engine::Layout& layout, v1::Layout* out);
 
 v1::Precision ToProto(engine::Precision p);
-// The quantization part of a policy spec; messages name policy.quantization.
+// The policy name of a spec: absent is "full"; an empty one is rejected.
+absl::StatusOr<std::string> PolicyNameFromProto(const v1::PolicySpec& policy);
+// The quantization part of a policy spec; messages name policy.quantization and
+// policy.quantization_recent_tokens (absent: engine::QuantConfig's default; 0 is rejected).
 absl::StatusOr<engine::QuantConfig> QuantFromProto(const v1::PolicySpec& policy);
 
-engine::AppendChunk ChunkView(const v1::AppendRequest& request);
+// A requested lease (`lease` null when the request leaves it out: `config.default_lease`):
+// rounded up to whole seconds, within [1 s, config.max_lease]; messages name `field`.
+absl::StatusOr<absl::Duration> LeaseFromProto(const google::protobuf::Duration* lease,
+                                              absl::string_view field,
+                                              const engine::EngineConfig& config);
+// `d` as a Duration; seconds and nanos share its sign.
+void ToProto(absl::Duration d, google::protobuf::Duration* out);
+
+// The tokens of an AppendRequest or one AppendStreamRequest chunk, as views into it.
+template <typename Request>
+engine::AppendChunk ChunkView(const Request& request) {
+  engine::AppendChunk chunk;
+  chunk.positions = absl::MakeConstSpan(request.positions().data(), request.positions().size());
+  chunk.token_ids = absl::MakeConstSpan(request.token_ids().data(), request.token_ids().size());
+  chunk.k = request.k();
+  chunk.v = request.v();
+  chunk.token_entropy =
+      absl::MakeConstSpan(request.token_entropy().data(), request.token_entropy().size());
+  chunk.layer_distance =
+      absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
+  return chunk;
+}
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows);
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::WindowScores>& scores);
 
+// The engine's input of a Step, as views into `request` (which must outlive it).
+engine::StepInput StepInputView(const v1::StepRequest& request);
+void ToProto(const engine::StepResult& result, v1::StepResponse* out);
+// The engine's input of a Compress, as views into `request`; an explicit target_tokens of
+// 0 is rejected.
+absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request);
+void ToProto(const engine::CompressResult& result, v1::CompressResponse* out);
+
 void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTable* out);
+// The daemon-wide counters of a StatsResponse (its sequences are paged by the service).
 void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out);
+void ToProto(const engine::SequenceSummary& sequence, v1::SequenceStats* out);
 
 }  // namespace kvmem::service

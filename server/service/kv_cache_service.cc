@@ -1,9 +1,32 @@
 #include "server/service/kv_cache_service.h"
 
+#include <algorithm>
+#include <iterator>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "server/common/client_text.h"
 #include "server/service/convert.h"
 
 namespace kvmem::service {
+namespace {
+
+constexpr uint32_t kDefaultStatsPageSize = 100;
+constexpr uint32_t kMaxStatsPageSize = 1000;
+
+// A Stats page token: the last sequence id of the page before, behind a tag that keeps
+// clients from taking it for an id.
+constexpr absl::string_view kPageTokenTag = "after-sequence-";
+
+std::string PageToken(uint64_t last_id) { return absl::StrCat(kPageTokenTag, last_id); }
+
+bool ParsePageToken(absl::string_view token, uint64_t* after) {
+  return absl::ConsumePrefix(&token, kPageTokenTag) && absl::SimpleAtoi(token, after);
+}
+
+}  // namespace
 
 grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
@@ -20,8 +43,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
   response->set_page_bytes(stats.pool.page_bytes);
   response->set_default_block_tokens(config.default_block_tokens);
   response->set_max_sequences(config.max_sequences);
-  response->set_default_lease_seconds(
-      static_cast<uint32_t>(absl::ToInt64Seconds(config.default_lease)));
+  ToProto(config.default_lease, response->mutable_default_lease());
+  ToProto(config.max_lease, response->mutable_max_lease());
   response->set_max_message_bytes(config.max_append_bytes);
   response->set_device_step(config.device_step);
   for (const policy::PolicyDescriptor& d : policy::AllPolicies()) {
@@ -46,8 +69,9 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
   }
   if (std::optional<store::PoolExport> exported = backend.pool_export()) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
-      response->mutable_shared_memory()->set_name(shm->name);
-      response->mutable_shared_memory()->set_segment_bytes(shm->bytes);
+      v1::SharedMemoryPool* pool = response->mutable_shared_memory();
+      pool->set_name(shm->name);
+      pool->set_segment_bytes(shm->bytes);
     } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
       v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
       ipc->set_handle(cuda->handle);
@@ -89,19 +113,25 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
         if (!request->has_layout()) {
           return absl::InvalidArgumentError("layout: required");
         }
-        absl::StatusOr<engine::Layout> layout = FromProto(request->layout());
+        const engine::EngineConfig& config = engine_->config();
+        absl::StatusOr<engine::Layout> layout =
+            FromProto(request->layout(), config.default_block_tokens);
         if (!layout.ok()) return layout.status();
+        absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
+        if (!policy_name.ok()) return policy_name.status();
         policy::ParamOverrides params(request->policy().params().begin(),
                                       request->policy().params().end());
         absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
         if (!quant.ok()) return quant.status();
+        absl::StatusOr<absl::Duration> lease =
+            LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
+        if (!lease.ok()) return lease.status();
         absl::StatusOr<engine::CreateResult> created =
-            engine_->CreateSequence(*layout, request->policy().name(), params, *quant,
-                                    absl::Seconds(request->lease_seconds()));
+            engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease);
         if (!created.ok()) return created.status();
         response->set_sequence_id(created->sequence_id);
         response->set_reused_prefix_tokens(0);
-        response->set_lease_seconds(created->lease_seconds);
+        ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
         response->set_block_tokens(created->block_tokens);
         response->set_epoch_slot(created->epoch_slot);
         return absl::OkStatus();
@@ -109,7 +139,9 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
 }
 
 namespace {
-void FillAppendResponse(uint64_t id, const engine::AppendResult& r, v1::AppendResponse* out) {
+// AppendResponse or AppendStreamResponse.
+template <typename Response>
+void FillAppendResponse(uint64_t id, const engine::AppendResult& r, Response* out) {
   out->set_sequence_id(id);
   out->set_appended_tokens(r.appended_tokens);
   out->set_max_stream_tokens(r.max_stream_tokens);
@@ -122,35 +154,37 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
                                     v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run(
-      "Append", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
+  const uint64_t id = request->sequence_id();
+  const absl::Status status =
+      requests_.Run("Append", id, request->request_id(), response, [&]() -> absl::Status {
         const engine::AppendChunk chunk = ChunkView(*request);
         absl::StatusOr<engine::AppendResult> result =
-            engine_->Append(request->sequence_id(), absl::MakeConstSpan(&chunk, 1));
+            engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
         if (!result.ok()) return result.status();
-        FillAppendResponse(request->sequence_id(), *result, response);
+        FillAppendResponse(id, *result, response);
         return absl::OkStatus();
-      }));
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
-                                          grpc::ServerReader<v1::AppendRequest>* reader,
-                                          v1::AppendResponse* response) {
+                                          grpc::ServerReader<v1::AppendStreamRequest>* reader,
+                                          v1::AppendStreamResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open(context);
   if (!held.ok()) return ToGrpc(held.status());
-  v1::AppendRequest request;
+  v1::AppendStreamRequest request;
   if (!reader->Read(&request)) {
     return ToGrpc(context->IsCancelled()
                       ? absl::CancelledError("AppendStream: cancelled before its first chunk")
-                      : absl::InvalidArgumentError("stream: no chunk was sent"));
+                      : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
   }
   const uint64_t id = request.sequence_id();
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
-  return ToGrpc(
+  const absl::Status status =
       requests_.Run("AppendStream", id, request.request_id(), response, [&]() -> absl::Status {
         absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
             engine_->BeginAppend(id);
@@ -182,113 +216,121 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
         return absl::OkStatus();
-      }));
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* request,
                                   v1::StepResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run(
-      "Step", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
-        engine::StepInput input;
-        input.epoch = request->epoch();
-        if (request->has_logit_stats()) {
-          const v1::LogitStats& ls = request->logit_stats();
-          input.logits = engine::RawLogitStats{
-              ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
-        }
-        input.attention = SignalViews(request->attention());
-        absl::StatusOr<engine::StepResult> result = engine_->Step(request->sequence_id(), input);
+  const uint64_t id = request->sequence_id();
+  const absl::Status status =
+      requests_.Run("Step", id, request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<engine::StepResult> result = engine_->Step(id, StepInputView(*request));
         if (!result.ok()) return result.status();
-        response->set_confidence(result->confidence);
-        response->set_budget_tokens(result->budget_tokens);
-        response->set_evicted_tokens(result->evicted_tokens);
-        response->set_quantized_tokens(result->quantized_tokens);
-        response->set_kv_bytes_before(result->kv_bytes_before);
-        response->set_kv_bytes_after(result->kv_bytes_after);
-        response->set_epoch(result->epoch);
-        response->set_step(result->step);
+        ToProto(*result, response);
         return absl::OkStatus();
-      }));
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run("Compress", request->sequence_id(), request->request_id(), response,
-                              [&]() -> absl::Status {
-                                engine::CompressInput input;
-                                input.epoch = request->epoch();
-                                input.target_tokens = request->target_tokens();
-                                input.attention = SignalViews(request->attention());
-                                input.window_scores = SignalViews(request->window_scores());
-                                absl::StatusOr<engine::CompressResult> result =
-                                    engine_->Compress(request->sequence_id(), input);
-                                if (!result.ok()) return result.status();
-                                for (const engine::LayerKept& layer : result->layers) {
-                                  v1::LayerKept* out = response->add_layers();
-                                  out->set_layer(layer.layer);
-                                  out->set_kept_tokens(layer.kept_tokens);
-                                  out->set_before_tokens(layer.before_tokens);
-                                }
-                                response->set_evicted_tokens(result->evicted_tokens);
-                                response->set_quantized_tokens(result->quantized_tokens);
-                                response->set_kv_bytes_before(result->kv_bytes_before);
-                                response->set_kv_bytes_after(result->kv_bytes_after);
-                                response->set_epoch(result->epoch);
-                                return absl::OkStatus();
-                              }));
+  const uint64_t id = request->sequence_id();
+  const absl::Status status =
+      requests_.Run("Compress", id, request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<engine::CompressInput> input = CompressInputView(*request);
+        if (!input.ok()) return input.status();
+        absl::StatusOr<engine::CompressResult> result = engine_->Compress(id, *input);
+        if (!result.ok()) return result.status();
+        ToProto(*result, response);
+        return absl::OkStatus();
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
                                            const v1::GetBlockTableRequest* request,
-                                           v1::BlockTable* response) {
+                                           v1::GetBlockTableResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   absl::StatusOr<engine::BlockTable> table = engine_->GetBlockTable(request->sequence_id());
-  if (!table.ok()) return ToGrpc(table.status());
-  ToProto(*table, table->layout.block_bytes(), response);
+  if (!table.ok()) return ToGrpc(table.status(), request->sequence_id());
+  ToProto(*table, table->layout.block_bytes(), response->mutable_table());
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::ReadKV(grpc::ServerContext* context, const v1::ReadKVRequest* request,
-                                    grpc::ServerWriter<v1::KVChunk>* writer) {
+grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::ReadKvRequest* request,
+                                    grpc::ServerWriter<v1::ReadKvResponse>* writer) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
+  const uint64_t id = request->sequence_id();
+  // The engine reads epoch 0 as "the current one" and the range [0, 0) as "every layer";
+  // neither is a value a request can send (both are rejected below).
+  uint64_t epoch = 0;
+  if (request->has_epoch()) {
+    if (request->epoch() == 0) {
+      return ToGrpc(absl::InvalidArgumentError(
+                        "epoch: 0 is not an epoch (epochs start at 1); leave the field out to "
+                        "read the current epoch"),
+                    id);
+    }
+    epoch = request->epoch();
+  }
+  uint32_t layer_begin = 0, layer_end = 0;
+  if (request->has_layers()) {
+    layer_begin = request->layers().begin();
+    layer_end = request->layers().end();
+    if (layer_end <= layer_begin) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+                        "layers: [", layer_begin, ", ", layer_end,
+                        ") is empty; end must exceed begin (leave the field out for every layer)")),
+                    id);
+    }
+  }
   absl::Status status =
-      engine_->ReadKV(request->sequence_id(), request->epoch(), request->layer_begin(),
-                      request->layer_end(), [&](engine::StreamKV&& kv) {
-                        if (context->IsCancelled())
-                          return absl::CancelledError("ReadKV: the client cancelled");
-                        v1::KVChunk chunk;
-                        chunk.set_layer(kv.layer);
-                        chunk.set_kv_head(kv.kv_head);
-                        chunk.set_epoch(kv.epoch);
-                        chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
-                        chunk.set_k(std::move(kv.k));
-                        chunk.set_v(std::move(kv.v));
-                        if (!writer->Write(chunk))
-                          return absl::CancelledError("ReadKV: the stream was closed");
-                        return absl::OkStatus();
-                      });
-  return ToGrpc(status);
+      engine_->ReadKV(id, epoch, layer_begin, layer_end, [&](engine::StreamKV&& kv) {
+        if (context->IsCancelled()) return absl::CancelledError("ReadKv: the client cancelled");
+        v1::ReadKvResponse chunk;
+        chunk.set_layer(kv.layer);
+        chunk.set_kv_head(kv.kv_head);
+        chunk.set_epoch(kv.epoch);
+        chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
+        chunk.set_k(std::move(kv.k));
+        chunk.set_v(std::move(kv.v));
+        if (!writer->Write(chunk)) return absl::CancelledError("ReadKv: the stream was closed");
+        return absl::OkStatus();
+      });
+  // The engine names the range by its own parameters; the request's field is `layers`.
+  constexpr absl::string_view kEngineRange = "layer_begin/layer_end: ";
+  if (absl::IsInvalidArgument(status) && absl::StartsWith(status.message(), kEngineRange)) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("layers: ", status.message().substr(kEngineRange.size())));
+  }
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* request,
                                   v1::ForkResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run(
-      "Fork", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<engine::CreateResult> child =
-            engine_->Fork(request->sequence_id(), absl::Seconds(request->lease_seconds()));
+  const uint64_t id = request->sequence_id();
+  const absl::Status status =
+      requests_.Run("Fork", id, request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<absl::Duration> lease = LeaseFromProto(
+            request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
+        if (!lease.ok()) return lease.status();
+        absl::StatusOr<engine::CreateResult> child = engine_->Fork(id, *lease);
         if (!child.ok()) return child.status();
         response->set_sequence_id(child->sequence_id);
         response->set_epoch_slot(child->epoch_slot);
+        ToProto(absl::Seconds(child->lease_seconds), response->mutable_lease());
         return absl::OkStatus();
-      }));
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
@@ -313,13 +355,15 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
                                      v1::ReleaseResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run(
-      "Release", request->sequence_id(), request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<uint64_t> freed = engine_->Release(request->sequence_id());
+  const uint64_t id = request->sequence_id();
+  const absl::Status status =
+      requests_.Run("Release", id, request->request_id(), response, [&]() -> absl::Status {
+        absl::StatusOr<uint64_t> freed = engine_->Release(id);
         if (!freed.ok()) return freed.status();
         response->set_freed_blocks(*freed);
         return absl::OkStatus();
-      }));
+      });
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,
@@ -335,8 +379,8 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
   for (size_t i = 0; i < results.size(); ++i) {
     v1::KeepAliveResult* out = response->add_results();
     out->set_sequence_id(request->sequence_ids(static_cast<int>(i)));
-    out->set_code(static_cast<int32_t>(results[i].code()));
-    out->set_message(std::string(results[i].message()));
+    out->mutable_status()->set_code(static_cast<int32_t>(results[i].code()));
+    out->mutable_status()->set_message(std::string(results[i].message()));
     renewed += results[i].ok();
   }
   response->set_renewed(renewed);
@@ -347,7 +391,40 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
                                    v1::StatsResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  ToProto(engine_->Stats(request->include_sequences()), response);
+  uint32_t page_size = kDefaultStatsPageSize;
+  uint64_t after = 0;  // sequence ids start at 1
+  if (request->include_sequences()) {
+    if (request->has_page_size()) {
+      page_size = request->page_size();
+      if (page_size == 0 || page_size > kMaxStatsPageSize) {
+        return ToGrpc(absl::InvalidArgumentError(
+            absl::StrCat("page_size: ", page_size, " is outside [1, ", kMaxStatsPageSize,
+                         "] (leave the field out for ", kDefaultStatsPageSize, ")")));
+      }
+    }
+    if (!request->page_token().empty() && !ParsePageToken(request->page_token(), &after)) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("page_token: \"", EchoClientText(request->page_token()),
+                       "\" is not a next_page_token of a StatsResponse")));
+    }
+  }
+  engine::EngineStats stats = engine_->Stats(request->include_sequences());
+  ToProto(stats, response);
+  // A page: the sequences after the last one of the page before, in id order.
+  std::vector<engine::SequenceSummary>& sequences = stats.sequences;
+  std::sort(sequences.begin(), sequences.end(),
+            [](const engine::SequenceSummary& a, const engine::SequenceSummary& b) {
+              return a.sequence_id < b.sequence_id;
+            });
+  auto first = std::upper_bound(
+      sequences.begin(), sequences.end(), after,
+      [](uint64_t id, const engine::SequenceSummary& s) { return id < s.sequence_id; });
+  const size_t left = static_cast<size_t>(sequences.end() - first);
+  const auto last = first + static_cast<std::ptrdiff_t>(std::min<size_t>(left, page_size));
+  for (auto it = first; it != last; ++it) ToProto(*it, response->add_sequences());
+  if (last != sequences.end()) {
+    response->set_next_page_token(PageToken(std::prev(last)->sequence_id));
+  }
   return grpc::Status::OK;
 }
 

@@ -32,15 +32,15 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
                               v1::CreateSequenceResponse*) override;
   grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*, v1::AppendResponse*) override;
-  grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendRequest>*,
-                            v1::AppendResponse*) override;
+  grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendStreamRequest>*,
+                            v1::AppendStreamResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
   grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
                         v1::CompressResponse*) override;
   grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,
-                             v1::BlockTable*) override;
-  grpc::Status ReadKV(grpc::ServerContext*, const v1::ReadKVRequest*,
-                      grpc::ServerWriter<v1::KVChunk>*) override;
+                             v1::GetBlockTableResponse*) override;
+  grpc::Status ReadKv(grpc::ServerContext*, const v1::ReadKvRequest*,
+                      grpc::ServerWriter<v1::ReadKvResponse>*) override;
   grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*) override;
   grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*,
                        v1::PublishResponse*) override;

@@ -1,7 +1,7 @@
 // A worker process on the daemon's GPU: kvmemd --backend=cuda runs as its own process (CUDA
 // IPC handles open only in another process), steps confkv with int8 quantization on the
 // device, and the client maps the pool by its IPC handle and reads every stream in place —
-// the same bytes ReadKV returns — under the epoch protocol. Skipped where kvmemd cannot
+// the same bytes ReadKv returns — under the epoch protocol. Skipped where kvmemd cannot
 // start its CUDA backend (no GPU).
 #include <cstdlib>
 #include <random>
@@ -73,15 +73,15 @@ TEST(CudaAttachTest, WorkerReadsBlocksInPlaceOnTheSameGpu) {
   EXPECT_GT(evicted, 0u);
 
   const client::BlockTable table = *client->GetBlockTable(id);
-  auto streams = *client->ReadKV(id, table.epoch);
-  for (const client::StreamKV& kv : streams) {
+  auto streams = *client->ReadKv(id, table.epoch);
+  for (const client::StreamKv& kv : streams) {
     std::string k, v;
     ASSERT_TRUE((*pool)->ReadStream(table, kv.layer, kv.kv_head, &k, &v).ok());
     EXPECT_EQ(k, kv.k) << "layer " << kv.layer << " head " << kv.kv_head;
     EXPECT_EQ(v, kv.v) << "layer " << kv.layer << " head " << kv.kv_head;
   }
   // The newest slots are never quantized: they read back exactly as written.
-  const client::StreamKV& last = streams.back();
+  const client::StreamKv& last = streams.back();
   const uint32_t s = last.layer * kH + last.kv_head;
   const std::vector<int64_t> newest(last.positions.end() - 8, last.positions.end());
   const uint64_t row = kD * 2;

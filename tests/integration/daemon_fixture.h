@@ -2,6 +2,7 @@
 // kvmemd started in-process on loopback (port 0) with a fake clock, driven through the
 // C++ client exactly as a worker would.
 #include <memory>
+#include <optional>
 
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
@@ -43,8 +44,8 @@ class DaemonTest : public ::testing::Test {
   }
 
   uint64_t Create(const std::string& policy = "full", std::map<std::string, double> params = {},
-                  uint32_t lease_seconds = 0) {
-    auto seq = client_->CreateSequence(TestLayout(), {policy, params}, lease_seconds);
+                  std::optional<absl::Duration> lease = std::nullopt) {
+    auto seq = client_->CreateSequence(TestLayout(), {policy, params}, lease);
     EXPECT_TRUE(seq.ok()) << seq.status();
     return seq.ok() ? seq->id : 0;
   }
@@ -57,10 +58,10 @@ class DaemonTest : public ::testing::Test {
   }
 
   void ExpectContentMatchesPositions(uint64_t id) {
-    auto streams = client_->ReadKV(id);
+    auto streams = client_->ReadKv(id);
     ASSERT_TRUE(streams.ok()) << streams.status();
     ASSERT_EQ(streams->size(), kL * kH);
-    for (const client::StreamKV& kv : *streams) {
+    for (const client::StreamKv& kv : *streams) {
       const uint32_t s = kv.layer * kH + kv.kv_head;
       ASSERT_EQ(kv.k, testing::Expected16(s, kv.positions, kD, 0)) << "stream " << s;
       ASSERT_EQ(kv.v, testing::Expected16(s, kv.positions, kD, 1)) << "stream " << s;

@@ -16,7 +16,7 @@ TEST_F(DaemonTest, ThousandTokensOverFourLayersTwoHeadsReadBackBitExact) {
   ASSERT_TRUE(AppendRange(id, 0, 600).ok());
   for (int64_t t = 600; t < 1000; ++t) ASSERT_TRUE(AppendRange(id, t, 1).ok());
   ExpectContentMatchesPositions(id);
-  auto streams = *client_->ReadKV(id);
+  auto streams = *client_->ReadKv(id);
   EXPECT_EQ(streams[0].positions, testing::Range(0, 1000));
   auto table = *client_->GetBlockTable(id);
   EXPECT_EQ(table.streams.size(), kL * kH);
@@ -97,7 +97,7 @@ TEST_F(DaemonTest, ForkChildrenDivergeWithoutTouchingTheParent) {
 }
 
 TEST_F(DaemonTest, LapsedLeaseFreesEveryBlock) {
-  const uint64_t id = Create("full", {}, 5);
+  const uint64_t id = Create("full", {}, absl::Seconds(5));
   ASSERT_TRUE(AppendRange(id, 0, 500).ok());
   EXPECT_GT(client_->GetStats(false)->blocks_used, 0u);
   clock_.Advance(absl::Seconds(3));

@@ -77,9 +77,10 @@ TEST(KvmemdProcessTest, ServesHealthAnswersKvmemctlAndDrainsOnSigterm) {
   EXPECT_EQ(HealthStatus(target, "kvmem.v1.KvCache"), 1);
 
   auto client = *kvmem::client::Client::Connect(target);
-  auto seq = client->CreateSequence({2, 1, 8, kvmem::client::DType::kF32, 0, 10}, {"window", {}});
+  auto seq = client->CreateSequence({2, 1, 8, kvmem::client::DType::kF32, std::nullopt, 10},
+                                    {"window", {}});
   ASSERT_TRUE(seq.ok()) << seq.status();
-  EXPECT_EQ(seq->lease_seconds, 30u);
+  EXPECT_EQ(seq->lease, absl::Seconds(30));
 
   const std::string info = RunShell(std::string(KVMEMCTL_PATH) + " --target=" + target + " info");
   EXPECT_THAT(info, HasSubstr("backend          cpu"));
@@ -233,9 +234,10 @@ uint64_t CreateSequence(kvmem::v1::KvCache::Stub& stub) {
   return response.sequence_id();
 }
 
-// Tokens [first, first + n) of sequence `id`.
-kvmem::v1::AppendRequest Chunk(uint64_t id, int64_t first, uint32_t n) {
-  kvmem::v1::AppendRequest request;
+// Tokens [first, first + n) of sequence `id`: a chunk of an AppendStream, or an AppendRequest.
+template <typename Request = kvmem::v1::AppendStreamRequest>
+Request Chunk(uint64_t id, int64_t first, uint32_t n) {
+  Request request;
   request.set_sequence_id(id);
   for (uint32_t i = 0; i < n; ++i) request.add_positions(first + i);
   request.set_k(std::string(size_t{kLayers} * n * kHeadDim * sizeof(float), '\1'));
@@ -259,7 +261,7 @@ int64_t AppendedTokens(kvmem::v1::KvCache::Stub& stub, uint64_t id) {
 
 // A whole prefill of `chunks` chunks of 16 tokens in one AppendStream.
 grpc::Status StreamPrefill(kvmem::v1::KvCache::Stub& stub, uint64_t id, int chunks,
-                           kvmem::v1::AppendResponse* response) {
+                           kvmem::v1::AppendStreamResponse* response) {
   grpc::ClientContext context;
   SetDeadline(&context);
   auto writer = stub.AppendStream(&context, response);
@@ -276,7 +278,7 @@ void LetTheDaemonCatchUp() { std::this_thread::sleep_for(std::chrono::millisecon
 void ExpectNothingAppendedThenPrefillWorks(kvmem::v1::KvCache::Stub& stub, uint64_t id) {
   LetTheDaemonCatchUp();
   EXPECT_EQ(AppendedTokens(stub, id), 0);
-  kvmem::v1::AppendResponse response;
+  kvmem::v1::AppendStreamResponse response;
   const grpc::Status retry = StreamPrefill(stub, id, 4, &response);
   EXPECT_TRUE(retry.ok()) << retry.error_message();
   EXPECT_EQ(response.appended_tokens(), 64u);
@@ -290,7 +292,7 @@ TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
   auto stub = Stub(d.port);
   const uint64_t id = CreateSequence(*stub);
   {
-    kvmem::v1::AppendResponse response;
+    kvmem::v1::AppendStreamResponse response;
     grpc::ClientContext context;
     SetDeadline(&context);
     auto writer = stub->AppendStream(&context, &response);
@@ -312,7 +314,7 @@ TEST(KvmemdProcessChild, DISABLED_StreamsThreeChunksThenWaits) {
   const char* fd = std::getenv("KVMEM_CHILD_FD");
   if (port == nullptr || id == nullptr || fd == nullptr) GTEST_SKIP() << "child of a test only";
   auto stub = Stub(std::atoi(port));
-  kvmem::v1::AppendResponse response;
+  kvmem::v1::AppendStreamResponse response;
   grpc::ClientContext context;
   auto writer = stub->AppendStream(&context, &response);
   for (int c = 0; c < 3; ++c) writer->Write(Chunk(std::strtoull(id, nullptr, 10), 16 * c, 16));
@@ -374,7 +376,7 @@ TEST(KvmemdProcessTest, SigtermFinishesAcceptedCallsAndRefusesNewOnes) {
   std::vector<std::thread> threads;
   for (int i = 0; i < kHeld; ++i) {
     threads.emplace_back([&, i] {
-      kvmem::v1::AppendResponse response;
+      kvmem::v1::AppendStreamResponse response;
       grpc::ClientContext context;
       SetDeadline(&context, 60);
       auto writer = stub->AppendStream(&context, &response);
@@ -399,7 +401,8 @@ TEST(KvmemdProcessTest, SigtermFinishesAcceptedCallsAndRefusesNewOnes) {
         kvmem::v1::AppendResponse response;
         grpc::ClientContext context;
         SetDeadline(&context);
-        busy_status[i].push_back(stub->Append(&context, Chunk(busy_ids[i], p, 1), &response));
+        busy_status[i].push_back(
+            stub->Append(&context, Chunk<kvmem::v1::AppendRequest>(busy_ids[i], p, 1), &response));
         if (!busy_status[i].back().ok()) break;
       }
     });

@@ -27,8 +27,10 @@ class ValidationTest : public DaemonTest {
     ASSERT_TRUE(AppendRange(id_, 0, 40).ok());
   }
 
-  v1::AppendRequest GoodAppend(int64_t first, uint32_t n) {
-    v1::AppendRequest q;
+  // Tokens [first, first + n) of the test's sequence: an AppendRequest or a stream's chunk.
+  template <typename Request = v1::AppendRequest>
+  Request GoodAppend(int64_t first, uint32_t n) {
+    Request q;
     q.set_sequence_id(id_);
     for (int64_t p : testing::Range(first, n)) q.add_positions(p);
     q.set_k(testing::Payload16(kL * kH, first, n, kD, 0));
@@ -159,8 +161,120 @@ TEST_F(ValidationTest, MalformedLayoutsAreRejected) {
   (*q.mutable_policy()->mutable_params())["window"] = -1;
   ExpectRejected("negative window", INVALID, "policy.params[window]", create(q));
   q = good;
-  q.set_lease_seconds(1000000);
-  ExpectRejected("lease too long", INVALID, "lease_seconds", create(q));
+  q.mutable_lease()->set_seconds(1000000);
+  ExpectRejected("lease too long", INVALID, "lease", create(q));
+}
+
+// Fields with a default are optional: absent is the default, an explicit value that is not
+// valid is rejected naming the field, never read as the default.
+TEST_F(ValidationTest, ExplicitZerosAreRejectedNotDefaults) {
+  const auto INVALID = grpc::StatusCode::INVALID_ARGUMENT;
+  v1::CreateSequenceResponse created;
+  auto create = [&](v1::CreateSequenceRequest q) {
+    return [this, q, &created](grpc::ClientContext* c) {
+      return stub_->CreateSequence(c, q, &created);
+    };
+  };
+  v1::CreateSequenceRequest good;
+  good.mutable_layout()->set_num_layers(2);
+  good.mutable_layout()->set_num_kv_heads(2);
+  good.mutable_layout()->set_head_dim(64);
+  good.mutable_layout()->set_dtype(v1::DTYPE_F16);
+  good.mutable_layout()->set_vocab_size(100);
+  v1::CreateSequenceRequest q = good;
+  q.mutable_layout()->set_block_tokens(0);
+  ExpectRejected("block_tokens 0", INVALID, "layout.block_tokens: 0", create(q));
+  q = good;
+  q.mutable_policy()->set_name("");
+  ExpectRejected("empty policy name", INVALID, "policy.name: empty", create(q));
+  q = good;
+  q.mutable_policy()->set_quantization(v1::PRECISION_INT8);
+  q.mutable_policy()->set_quantization_recent_tokens(0);
+  ExpectRejected("recent tokens 0", INVALID, "policy.quantization_recent_tokens: 0", create(q));
+  q = good;
+  q.mutable_lease();  // present, 0 s
+  ExpectRejected("lease 0", INVALID, "lease: 0", create(q));
+  q = good;
+  q.mutable_lease()->set_seconds(-5);
+  ExpectRejected("negative lease", INVALID, "lease: -5s", create(q));
+  q = good;
+  q.mutable_lease()->set_seconds(5);
+  q.mutable_lease()->set_nanos(-1);
+  ExpectRejected("mixed signs", INVALID, "not a valid google.protobuf.Duration", create(q));
+
+  // Absent: the defaults, which the response reports.
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->CreateSequence(&context, good, &created).ok());
+    EXPECT_EQ(created.block_tokens(), 16u);  // the daemon's --block-tokens
+    EXPECT_EQ(created.lease().seconds(), 60);
+    v1::GetBlockTableRequest tq;
+    tq.set_sequence_id(created.sequence_id());
+    v1::GetBlockTableResponse table;
+    grpc::ClientContext table_context;
+    ASSERT_TRUE(stub_->GetBlockTable(&table_context, tq, &table).ok());
+    EXPECT_TRUE(table.table().layout().has_block_tokens());
+    EXPECT_FALSE(table.table().has_quantized_block_bytes());
+  }
+  // A fractional lease is rounded up to whole seconds.
+  q = good;
+  q.mutable_lease()->set_seconds(2);
+  q.mutable_lease()->set_nanos(500000000);
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->CreateSequence(&context, q, &created).ok());
+    EXPECT_EQ(created.lease().seconds(), 3);
+    EXPECT_EQ(created.lease().nanos(), 0);
+  }
+
+  v1::ForkRequest fork;
+  fork.set_sequence_id(id_);
+  fork.mutable_lease();
+  v1::ForkResponse forked;
+  ExpectRejected("fork lease 0", INVALID, "lease: 0",
+                 [&](grpc::ClientContext* c) { return stub_->Fork(c, fork, &forked); });
+
+  v1::CompressRequest compress;
+  compress.set_sequence_id(id_);
+  compress.set_target_tokens(0);
+  v1::CompressResponse compressed;
+  ExpectRejected("target 0", INVALID, "target_tokens: 0",
+                 [&](grpc::ClientContext* c) { return stub_->Compress(c, compress, &compressed); });
+
+  auto read = [&](const v1::ReadKvRequest& rq) {
+    return [this, rq](grpc::ClientContext* c) {
+      auto reader = stub_->ReadKv(c, rq);
+      v1::ReadKvResponse chunk;
+      while (reader->Read(&chunk)) {
+      }
+      return reader->Finish();
+    };
+  };
+  v1::ReadKvRequest rq;
+  rq.set_sequence_id(id_);
+  rq.set_epoch(0);
+  ExpectRejected("epoch 0", INVALID, "epoch: 0", read(rq));
+  rq.clear_epoch();
+  rq.mutable_layers()->set_begin(2);
+  rq.mutable_layers()->set_end(2);
+  ExpectRejected("empty layer range", INVALID, "layers: [2, 2)", read(rq));
+  rq.mutable_layers()->set_begin(0);
+  rq.mutable_layers()->set_end(0);
+  ExpectRejected("layer range [0, 0)", INVALID, "layers: [0, 0)", read(rq));
+
+  v1::StatsRequest sq;
+  sq.set_include_sequences(true);
+  sq.set_page_size(0);
+  v1::StatsResponse sr;
+  auto stats = [&](const v1::StatsRequest& q2) {
+    return [this, q2, &sr](grpc::ClientContext* c) { return stub_->Stats(c, q2, &sr); };
+  };
+  ExpectRejected("page size 0", INVALID, "page_size: 0", stats(sq));
+  sq.set_page_size(1001);
+  ExpectRejected("page size 1001", INVALID, "page_size: 1001", stats(sq));
+  sq.clear_page_size();
+  sq.set_page_token("12");
+  ExpectRejected("made-up page token", INVALID, "page_token", stats(sq));
 }
 
 TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
@@ -213,14 +327,14 @@ TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
 }
 
 TEST_F(ValidationTest, OtherCallsNameTheirFields) {
-  v1::ReadKVRequest rq;
+  v1::ReadKvRequest rq;
   rq.set_sequence_id(id_);
-  rq.set_layer_begin(3);
-  rq.set_layer_end(9);
-  ExpectRejected("layer range", grpc::StatusCode::INVALID_ARGUMENT, "layer_begin/layer_end",
+  rq.mutable_layers()->set_begin(3);
+  rq.mutable_layers()->set_end(9);
+  ExpectRejected("layer range", grpc::StatusCode::INVALID_ARGUMENT, "layers: [3, 9)",
                  [&](grpc::ClientContext* c) {
-                   auto reader = stub_->ReadKV(c, rq);
-                   v1::KVChunk chunk;
+                   auto reader = stub_->ReadKv(c, rq);
+                   v1::ReadKvResponse chunk;
                    while (reader->Read(&chunk)) {
                    }
                    return reader->Finish();
@@ -254,17 +368,20 @@ class StreamLimitsTest : public ValidationTest {
 
   struct OpenStream {
     grpc::ClientContext context;
-    v1::AppendResponse response;
-    std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer;
+    v1::AppendStreamResponse response;
+    std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer;
   };
   // A stream of GoodAppend chunks [first, first + 16), [first + 16, ...), left open.
   std::unique_ptr<OpenStream> Open(int64_t first, int chunks) {
     auto s = std::make_unique<OpenStream>();
     s->writer = stub_->AppendStream(&s->context, &s->response);
-    for (int c = 0; c < chunks; ++c) s->writer->Write(GoodAppend(first + 16 * c, 16));
+    for (int c = 0; c < chunks; ++c) s->writer->Write(Chunk(first + 16 * c, 16));
     // The daemon takes the stream and reads the chunks before the test goes on.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     return s;
+  }
+  v1::AppendStreamRequest Chunk(int64_t first, uint32_t n) {
+    return GoodAppend<v1::AppendStreamRequest>(first, n);
   }
   static grpc::Status Finish(OpenStream& s) {
     s.writer->WritesDone();
@@ -282,13 +399,13 @@ TEST_F(StreamLimitsTest, StreamsPastMaxAppendStreamsAreRefused) {
   EXPECT_THAT(refused.error_message(), HasSubstr("--max-append-streams=2"));
   EXPECT_EQ(Snapshot(), before);
   EXPECT_TRUE(Finish(*first).ok());
-  second->writer->Write(GoodAppend(1000, 16));
+  second->writer->Write(Chunk(1000, 16));
   EXPECT_TRUE(Finish(*second).ok());
   // Both places are free again.
   std::unique_ptr<OpenStream> fourth = Open(3000, 0), fifth = Open(4000, 0);
-  fourth->writer->Write(GoodAppend(3000, 16));
+  fourth->writer->Write(Chunk(3000, 16));
   EXPECT_TRUE(Finish(*fourth).ok());
-  fifth->writer->Write(GoodAppend(4000, 16));
+  fifth->writer->Write(Chunk(4000, 16));
   EXPECT_TRUE(Finish(*fifth).ok());
 }
 
@@ -314,7 +431,7 @@ TEST_F(StreamLimitsTest, AnOpenStreamHoldsPoolBlocksNotHostBuffers) {
   std::string snapshot = Snapshot();
   auto too_large = std::make_unique<OpenStream>();
   too_large->writer = stub_->AppendStream(&too_large->context, &too_large->response);
-  too_large->writer->Write(GoodAppend(72, 32));  // 2 x 32 KiB
+  too_large->writer->Write(Chunk(72, 32));  // 2 x 32 KiB
   const grpc::Status refused = Finish(*too_large);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(refused.error_message(),

@@ -5,15 +5,51 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
 namespace kvmem::client {
 namespace {
 
+// The daemon's status, message unchanged; its google.rpc details become payloads.
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  google::rpc::Status rich;
+  if (status.error_details().empty() || !rich.ParseFromString(status.error_details())) return out;
+  for (const google::protobuf::Any& detail : rich.details()) {
+    out.SetPayload(detail.type_url(), absl::Cord(detail.value()));
+    if (google::rpc::BadRequest bad; detail.UnpackTo(&bad)) {
+      if (bad.field_violations_size() > 0 && !bad.field_violations(0).field().empty()) {
+        out.SetPayload(kFieldPayload, absl::Cord(bad.field_violations(0).field()));
+      }
+    } else if (google::rpc::ErrorInfo info; detail.UnpackTo(&info)) {
+      const auto& metadata = info.metadata();
+      if (auto it = metadata.find("current_epoch"); it != metadata.end()) {
+        out.SetPayload(kCurrentEpochPayload, absl::Cord(it->second));
+      }
+      if (auto it = metadata.find("current_version"); it != metadata.end()) {
+        out.SetPayload(kCurrentVersionPayload, absl::Cord(it->second));
+      }
+    } else if (google::rpc::QuotaFailure quota; detail.UnpackTo(&quota)) {
+      if (quota.violations_size() > 0) {
+        out.SetPayload(kLimitPayload, absl::Cord(quota.violations(0).subject()));
+      }
+    }
+  }
+  return out;
+}
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t seconds = absl::IDivDuration(d, absl::Seconds(1), &d);
+  out->set_seconds(seconds);
+  out->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(d)));
 }
 
 template <typename Repeated>
@@ -26,17 +62,21 @@ void ToProto(const Layout& layout, v1::Layout* out) {
   out->set_num_kv_heads(layout.num_kv_heads);
   out->set_head_dim(layout.head_dim);
   out->set_dtype(static_cast<v1::DType>(layout.dtype));
-  out->set_block_tokens(layout.block_tokens);
+  if (layout.block_tokens) out->set_block_tokens(*layout.block_tokens);
   out->set_vocab_size(layout.vocab_size);
 }
 
 Layout FromProto(const v1::Layout& layout) {
-  return Layout{layout.num_layers(),   layout.num_kv_heads(),
-                layout.head_dim(),     static_cast<DType>(layout.dtype()),
-                layout.block_tokens(), layout.vocab_size()};
+  Layout out{layout.num_layers(), layout.num_kv_heads(),
+             layout.head_dim(),   static_cast<DType>(layout.dtype()),
+             std::nullopt,        layout.vocab_size()};
+  if (layout.has_block_tokens()) out.block_tokens = layout.block_tokens();
+  return out;
 }
 
-void ToProto(const AppendArgs& args, uint64_t id, v1::AppendRequest* out) {
+// An AppendRequest or one AppendStreamRequest chunk.
+template <typename Request>
+void ToProto(const AppendArgs& args, uint64_t id, Request* out) {
   out->set_sequence_id(id);
   out->mutable_positions()->Add(args.positions.begin(), args.positions.end());
   out->mutable_token_ids()->Add(args.token_ids.begin(), args.token_ids.end());
@@ -46,7 +86,9 @@ void ToProto(const AppendArgs& args, uint64_t id, v1::AppendRequest* out) {
   out->mutable_layer_distance()->Add(args.layer_distance.begin(), args.layer_distance.end());
 }
 
-AppendResult FromProto(const v1::AppendResponse& r) {
+// An AppendResponse or AppendStreamResponse.
+template <typename Response>
+AppendResult AppendResultOf(const Response& r) {
   return AppendResult{r.appended_tokens(), r.max_stream_tokens(), r.epoch(), r.kv_bytes()};
 }
 
@@ -65,6 +107,13 @@ void AddSignals(const std::vector<StreamSignal>& in, Out* out) {
 }
 
 }  // namespace
+
+std::optional<uint64_t> CurrentEpoch(const absl::Status& status) {
+  const auto payload = status.GetPayload(kCurrentEpochPayload);
+  uint64_t epoch = 0;
+  if (!payload || !absl::SimpleAtoi(std::string(*payload), &epoch)) return std::nullopt;
+  return epoch;
+}
 
 uint32_t DTypeBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
@@ -135,7 +184,8 @@ absl::StatusOr<Info> Client::GetInfo() {
   info.page_bytes = r.page_bytes();
   info.default_block_tokens = r.default_block_tokens();
   info.max_sequences = r.max_sequences();
-  info.default_lease_seconds = r.default_lease_seconds();
+  info.default_lease = FromProto(r.default_lease());
+  info.max_lease = FromProto(r.max_lease());
   info.max_message_bytes = r.max_message_bytes();
   info.device_step = r.device_step();
   for (const v1::PolicyInfo& p : r.policies()) {
@@ -155,11 +205,19 @@ absl::StatusOr<Info> Client::GetInfo() {
     info.quantizers.push_back({static_cast<Precision>(q.precision()), q.name(), q.description()});
   }
   info.default_quantization_recent_tokens = r.default_quantization_recent_tokens();
-  info.shm_name = r.shared_memory().name();
-  info.shm_bytes = r.shared_memory().segment_bytes();
-  info.cuda_ipc_handle = r.cuda_ipc().handle();
-  info.cuda_device_uuid = r.cuda_ipc().device_uuid();
-  info.cuda_pool_bytes = r.cuda_ipc().pool_bytes();
+  switch (r.pool_export_case()) {
+    case v1::GetInfoResponse::kSharedMemory:
+      info.shm_name = r.shared_memory().name();
+      info.shm_bytes = r.shared_memory().segment_bytes();
+      break;
+    case v1::GetInfoResponse::kCudaIpc:
+      info.cuda_ipc_handle = r.cuda_ipc().handle();
+      info.cuda_device_uuid = r.cuda_ipc().device_uuid();
+      info.cuda_pool_bytes = r.cuda_ipc().pool_bytes();
+      break;
+    case v1::GetInfoResponse::POOL_EXPORT_NOT_SET:
+      break;
+  }
   info.epoch_board_name = r.epoch_board().name();
   info.epoch_stride = r.epoch_board().stride();
   info.epoch_slots = r.epoch_board().slots();
@@ -167,20 +225,23 @@ absl::StatusOr<Info> Client::GetInfo() {
 }
 
 absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const PolicySpec& policy,
-                                                uint32_t lease_seconds) {
+                                                std::optional<absl::Duration> lease) {
   v1::CreateSequenceRequest q;
   ToProto(layout, q.mutable_layout());
-  q.mutable_policy()->set_name(policy.name);
-  q.mutable_policy()->set_quantization(static_cast<v1::Precision>(policy.quantization));
-  q.mutable_policy()->set_quantization_recent_tokens(policy.quantization_recent_tokens);
-  for (const auto& [k, v] : policy.params) (*q.mutable_policy()->mutable_params())[k] = v;
-  q.set_lease_seconds(lease_seconds);
+  v1::PolicySpec* spec = q.mutable_policy();
+  if (policy.name) spec->set_name(*policy.name);
+  spec->set_quantization(static_cast<v1::Precision>(policy.quantization));
+  if (policy.quantization_recent_tokens) {
+    spec->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
+  }
+  for (const auto& [k, v] : policy.params) (*spec->mutable_params())[k] = v;
+  if (lease) ToProto(*lease, q.mutable_lease());
   q.set_request_id(NewRequestId());
   v1::CreateSequenceResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
   if (!s.ok()) return s;
-  return Sequence{r.sequence_id(), r.lease_seconds(), r.block_tokens(), r.epoch_slot()};
+  return Sequence{r.sequence_id(), FromProto(r.lease()), r.block_tokens(), r.epoch_slot()};
 }
 
 absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args) {
@@ -191,18 +252,18 @@ absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendAr
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Append(&c, q, &r); });
   if (!s.ok()) return s;
-  return FromProto(r);
+  return AppendResultOf(r);
 }
 
 absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
                                                   absl::Span<const AppendArgs> chunks) {
-  v1::AppendResponse r;
+  v1::AppendStreamResponse r;
   const std::string request_id = NewRequestId();
   absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
-    std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
+    std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
         impl_->stub->AppendStream(&c, &r);
     for (const AppendArgs& chunk : chunks) {
-      v1::AppendRequest q;
+      v1::AppendStreamRequest q;
       ToProto(chunk, sequence_id, &q);
       if (&chunk == chunks.data()) q.set_request_id(request_id);
       if (!writer->Write(q)) break;  // the daemon ended the call; Finish() says why
@@ -211,7 +272,7 @@ absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
     return writer->Finish();
   });
   if (!s.ok()) return s;
-  return FromProto(r);
+  return AppendResultOf(r);
 }
 
 absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& args) {
@@ -232,16 +293,17 @@ absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& ar
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Step(&c, q, &r); });
   if (!s.ok()) return s;
-  return StepResult{
-      r.confidence(),      r.budget_tokens(),  r.evicted_tokens(), r.quantized_tokens(),
-      r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step()};
+  StepResult out{r.confidence(),      std::nullopt,       r.evicted_tokens(), r.quantized_tokens(),
+                 r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step()};
+  if (r.has_budget_tokens()) out.budget_tokens = r.budget_tokens();
+  return out;
 }
 
 absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args) {
   v1::CompressRequest q;
   q.set_sequence_id(sequence_id);
   q.set_epoch(args.epoch);
-  q.set_target_tokens(args.target_tokens);
+  if (args.target_tokens) q.set_target_tokens(*args.target_tokens);
   AddSignals(args.window_scores, q.mutable_window_scores());
   AddSignals(args.attention, q.mutable_attention());
   q.set_request_id(NewRequestId());
@@ -264,10 +326,11 @@ absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const Comp
 absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
   v1::GetBlockTableRequest q;
   q.set_sequence_id(sequence_id);
-  v1::BlockTable r;
-  absl::Status s =
-      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &r); });
+  v1::GetBlockTableResponse response;
+  absl::Status s = impl_->Call(
+      [&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &response); });
   if (!s.ok()) return s;
+  const v1::BlockTable& r = response.table();
   BlockTable table;
   table.sequence_id = r.sequence_id();
   table.epoch = r.epoch();
@@ -288,18 +351,21 @@ absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
   return table;
 }
 
-absl::StatusOr<std::vector<StreamKV>> Client::ReadKV(uint64_t sequence_id, uint64_t epoch,
-                                                     uint32_t layer_begin, uint32_t layer_end) {
-  v1::ReadKVRequest q;
+absl::StatusOr<std::vector<StreamKv>> Client::ReadKv(uint64_t sequence_id,
+                                                     std::optional<uint64_t> epoch,
+                                                     std::optional<LayerRange> layers) {
+  v1::ReadKvRequest q;
   q.set_sequence_id(sequence_id);
-  q.set_epoch(epoch);
-  q.set_layer_begin(layer_begin);
-  q.set_layer_end(layer_end);
-  std::vector<StreamKV> out;
+  if (epoch) q.set_epoch(*epoch);
+  if (layers) {
+    q.mutable_layers()->set_begin(layers->begin);
+    q.mutable_layers()->set_end(layers->end);
+  }
+  std::vector<StreamKv> out;
   absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
     out.clear();
-    std::unique_ptr<grpc::ClientReader<v1::KVChunk>> reader = impl_->stub->ReadKV(&c, q);
-    v1::KVChunk chunk;
+    std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader = impl_->stub->ReadKv(&c, q);
+    v1::ReadKvResponse chunk;
     while (reader->Read(&chunk)) {
       out.push_back({chunk.layer(), chunk.kv_head(), chunk.epoch(), ToVector(chunk.positions()),
                      std::move(*chunk.mutable_k()), std::move(*chunk.mutable_v())});
@@ -310,16 +376,16 @@ absl::StatusOr<std::vector<StreamKV>> Client::ReadKV(uint64_t sequence_id, uint6
   return out;
 }
 
-absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, uint32_t lease_seconds) {
+absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, std::optional<absl::Duration> lease) {
   v1::ForkRequest q;
   q.set_sequence_id(sequence_id);
-  q.set_lease_seconds(lease_seconds);
+  if (lease) ToProto(*lease, q.mutable_lease());
   q.set_request_id(NewRequestId());
   v1::ForkResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Fork(&c, q, &r); });
   if (!s.ok()) return s;
-  return Sequence{r.sequence_id(), lease_seconds, 0, r.epoch_slot()};
+  return Sequence{r.sequence_id(), FromProto(r.lease()), 0, r.epoch_slot()};
 }
 
 absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {
@@ -343,42 +409,65 @@ absl::StatusOr<std::vector<absl::Status>> Client::KeepAlive(
   if (!s.ok()) return s;
   std::vector<absl::Status> results;
   for (const v1::KeepAliveResult& one : r.results()) {
-    results.emplace_back(static_cast<absl::StatusCode>(one.code()), one.message());
+    results.emplace_back(static_cast<absl::StatusCode>(one.status().code()),
+                         one.status().message());
   }
   return results;
 }
 
 absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
+  // The largest page the daemon gives: the fewest round trips.
+  constexpr uint32_t kPageSize = 1000;
   v1::StatsRequest q;
   q.set_include_sequences(include_sequences);
-  v1::StatsResponse r;
-  absl::Status s =
-      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Stats(&c, q, &r); });
-  if (!s.ok()) return s;
+  if (include_sequences) q.set_page_size(kPageSize);
   Stats out;
-  out.pool_bytes = r.pool_bytes();
-  out.pool_used_bytes = r.pool_used_bytes();
-  out.pool_free_bytes = r.pool_free_bytes();
-  out.pages_total = r.pages_total();
-  out.pages_used = r.pages_used();
-  out.blocks_used = r.blocks_used();
-  out.sequences_active = r.sequences_active();
-  out.tokens_appended = r.tokens_appended();
-  out.tokens_evicted = r.tokens_evicted();
-  out.tokens_quantized = r.tokens_quantized();
-  out.steps = r.steps();
-  out.leases_expired = r.leases_expired();
-  out.slot_state_bytes = r.slot_state_bytes();
-  out.host_metadata_bytes = r.host_metadata_bytes();
-  out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
-  out.sequences_poisoned = r.sequences_poisoned();
-  for (const v1::SequenceStats& q2 : r.sequences()) {
-    out.sequences.push_back({q2.sequence_id(), q2.policy(), q2.appended_tokens(),
-                             q2.max_stream_tokens(), q2.kv_bytes(), q2.blocks(), q2.epoch(),
-                             q2.steps(), q2.lease_remaining_seconds(), q2.parent_id(),
-                             q2.pool_bytes_held(), q2.quantization(), q2.slot_state_bytes()});
+  for (bool first = true;; first = false) {
+    v1::StatsResponse r;
+    absl::Status s =
+        impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Stats(&c, q, &r); });
+    if (!s.ok()) return s;
+    if (first) {
+      out.pool_bytes = r.pool_bytes();
+      out.pool_used_bytes = r.pool_used_bytes();
+      out.pool_free_bytes = r.pool_free_bytes();
+      out.pages_total = r.pages_total();
+      out.pages_used = r.pages_used();
+      out.blocks_used = r.blocks_used();
+      out.sequences_active = r.sequences_active();
+      out.tokens_appended = r.tokens_appended();
+      out.tokens_evicted = r.tokens_evicted();
+      out.tokens_quantized = r.tokens_quantized();
+      out.steps = r.steps();
+      out.leases_expired = r.leases_expired();
+      out.slot_state_bytes = r.slot_state_bytes();
+      out.host_metadata_bytes = r.host_metadata_bytes();
+      out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
+      out.sequences_poisoned = r.sequences_poisoned();
+    }
+    for (const v1::SequenceStats& seq : r.sequences()) {
+      SequenceStats one{seq.sequence_id(),
+                        seq.policy(),
+                        seq.appended_tokens(),
+                        seq.max_stream_tokens(),
+                        seq.kv_bytes(),
+                        seq.blocks(),
+                        seq.epoch(),
+                        seq.steps(),
+                        FromProto(seq.lease_remaining()),
+                        std::nullopt,
+                        seq.pool_bytes_held(),
+                        seq.quantization(),
+                        seq.slot_state_bytes()};
+      if (seq.has_parent_id()) one.parent_id = seq.parent_id();
+      out.sequences.push_back(std::move(one));
+    }
+    if (r.next_page_token().empty()) return out;
+    if (r.next_page_token() == q.page_token()) {
+      return absl::InternalError("Stats: the daemon answered the same page token again");
+    }
+    q.set_page_token(r.next_page_token());
   }
-  return out;
 }
 
 absl::StatusOr<uint64_t> Client::Publish(uint64_t sequence_id, uint64_t up_to_tokens) {

@@ -5,7 +5,11 @@
 // policy (the channel's service config, exponential backoff) while the daemon answers
 // UNAVAILABLE. Mutating calls carry a fresh request_id per call, the same on every retry,
 // so that a retry of a call the daemon had applied returns its first answer instead of
-// applying it twice. Errors are the daemon's gRPC status as absl::Status, message unchanged.
+// applying it twice. Errors are the daemon's gRPC status as absl::Status, message unchanged,
+// with the daemon's google.rpc error details as payloads (below).
+//
+// Fields that are std::optional are left to the daemon's default when unset; an explicit
+// value that is not valid (0 tokens, a lease of 0) is INVALID_ARGUMENT, never the default.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -20,6 +24,21 @@
 
 namespace kvmem::client {
 
+// Payloads of a failed call's absl::Status (absl::Status::GetPayload). Every google.rpc
+// detail the daemon sent is there serialized under its type URL (for instance
+// "type.googleapis.com/google.rpc.BadRequest"); what they say is also there as text:
+// - INVALID_ARGUMENT, OUT_OF_RANGE: the request's field path ("layout.block_tokens");
+inline constexpr char kFieldPayload[] = "kvmem/field";
+// - a stale epoch (FAILED_PRECONDITION, ABORTED): the sequence's current epoch and, where the
+//   daemon knows it, its current table version, decimal;
+inline constexpr char kCurrentEpochPayload[] = "kvmem/current_epoch";
+inline constexpr char kCurrentVersionPayload[] = "kvmem/current_version";
+// - RESOURCE_EXHAUSTED: the kvmemd flag that sets the limit ("--max-sequences").
+inline constexpr char kLimitPayload[] = "kvmem/limit";
+
+// The current epoch a stale-epoch error reports (kCurrentEpochPayload), if it does.
+std::optional<uint64_t> CurrentEpoch(const absl::Status& status);
+
 enum class DType { kF16 = 1, kBF16 = 2, kF32 = 3 };
 uint32_t DTypeBytes(DType dtype);
 
@@ -28,7 +47,8 @@ struct Layout {
   uint32_t num_kv_heads = 0;
   uint32_t head_dim = 0;
   DType dtype = DType::kF16;
-  uint32_t block_tokens = 0;  // 0 = the daemon's default
+  // Tokens per block; unset: the daemon's default (always set in a BlockTable's layout).
+  std::optional<uint32_t> block_tokens = std::nullopt;
   uint32_t vocab_size = 0;
 };
 
@@ -36,10 +56,11 @@ struct Layout {
 enum class Precision { kLayout = 1, kInt8 = 2, kInt4 = 3, kNF4 = 4 };
 
 struct PolicySpec {
-  std::string name;  // "" = full
+  std::optional<std::string> name = std::nullopt;  // unset: "full"
   std::map<std::string, double> params;
-  Precision quantization = Precision::kLayout;  // kLayout = never quantize
-  uint32_t quantization_recent_tokens = 0;      // 0 = the daemon default (128)
+  Precision quantization = Precision::kLayout;  // kLayout: never quantize
+  // Tokens at each stream's end kept unquantized; unset: the daemon's default (128).
+  std::optional<uint32_t> quantization_recent_tokens = std::nullopt;
 };
 
 struct ClientOptions {
@@ -75,13 +96,16 @@ struct QuantizerInfo {
 struct Info {
   std::string version, backend, device_name;
   uint64_t pool_bytes = 0, pool_free_bytes = 0, page_bytes = 0;
-  uint32_t default_block_tokens = 0, max_sequences = 0, default_lease_seconds = 0;
+  uint32_t default_block_tokens = 0, max_sequences = 0;
+  absl::Duration default_lease, max_lease;  // whole seconds
   uint64_t max_message_bytes = 0;
   bool device_step = false;  // confkv/confkv_l/h2o steps run in the backend (kvmemd --device_step)
   std::vector<PolicyInfo> policies;
   std::vector<QuantizerInfo> quantizers;
   uint32_t default_quantization_recent_tokens = 0;
-  std::string shm_name;  // empty when the pool cannot be attached
+  // The pool's export, at most one of the two: the CPU backend's shared-memory segment
+  // (kvmem/shared_pool.h maps it) or the CUDA backend's IPC handle.
+  std::string shm_name;  // empty when the pool is not a shared-memory segment
   uint64_t shm_bytes = 0;
   // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID,
   // the mapped size (kvmem/cuda_pool.h opens it).
@@ -93,8 +117,8 @@ struct Info {
 
 struct Sequence {
   uint64_t id = 0;
-  uint32_t lease_seconds = 0;
-  uint32_t block_tokens = 0;
+  absl::Duration lease;       // granted, whole seconds
+  uint32_t block_tokens = 0;  // 0 for a Fork's child: its parent's
   uint32_t epoch_slot = 0;
 };
 
@@ -133,8 +157,9 @@ struct StepArgs {
 };
 
 struct StepResult {
-  double confidence = 0;
-  uint32_t budget_tokens = 0;
+  double confidence = 0;  // NaN when the policy computes none
+  // Per-stream budget chosen this step; unset when the policy set no bound.
+  std::optional<uint32_t> budget_tokens = std::nullopt;
   uint64_t evicted_tokens = 0, quantized_tokens = 0;
   uint64_t kv_bytes_before = 0, kv_bytes_after = 0;
   uint64_t epoch = 0, step = 0;
@@ -142,7 +167,8 @@ struct StepResult {
 
 struct CompressArgs {
   uint64_t epoch = 0;
-  uint32_t target_tokens = 0;
+  // Per-stream target, at least 1; unset: the policy's own rule.
+  std::optional<uint32_t> target_tokens = std::nullopt;
   std::vector<StreamSignal> window_scores;
   std::vector<StreamSignal> attention;
 };
@@ -184,7 +210,12 @@ struct BlockTable {
   std::vector<StreamTable> streams;  // index = layer * H + kv_head
 };
 
-struct StreamKV {
+// Layers [begin, end), begin < end <= num_layers.
+struct LayerRange {
+  uint32_t begin = 0, end = 0;
+};
+
+struct StreamKv {
   uint32_t layer = 0, kv_head = 0;
   uint64_t epoch = 0;
   std::vector<int64_t> positions;
@@ -197,8 +228,8 @@ struct SequenceStats {
   uint64_t appended_tokens = 0;
   uint32_t max_stream_tokens = 0;
   uint64_t kv_bytes = 0, blocks = 0, epoch = 0, steps = 0;
-  double lease_remaining_seconds = 0;
-  uint64_t parent_id = 0;
+  absl::Duration lease_remaining;                    // zero once lapsed
+  std::optional<uint64_t> parent_id = std::nullopt;  // set for a Fork's child
   uint64_t pool_bytes_held = 0;
   std::string quantization;
   uint64_t slot_state_bytes = 0;  // scores/positions in the backend (device memory on CUDA)
@@ -212,8 +243,8 @@ struct Stats {
   uint64_t steps = 0, leases_expired = 0;
   uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
   uint64_t host_metadata_bytes = 0, host_metadata_budget_bytes = 0;  // outside the pool
-  uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
-  std::vector<SequenceStats> sequences;
+  uint64_t sequences_poisoned = 0;       // failed past a point of no return (DATA_LOSS)
+  std::vector<SequenceStats> sequences;  // in id order
 };
 
 class Client {
@@ -226,8 +257,9 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   absl::StatusOr<Info> GetInfo();
+  // `lease` unset: the daemon's --lease-seconds.
   absl::StatusOr<Sequence> CreateSequence(const Layout& layout, const PolicySpec& policy,
-                                          uint32_t lease_seconds = 0);
+                                          std::optional<absl::Duration> lease = std::nullopt);
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args);
   // One client stream of chunks; the daemon applies them all or none.
   absl::StatusOr<AppendResult> AppendStream(uint64_t sequence_id,
@@ -235,13 +267,20 @@ class Client {
   absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepArgs& args);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressArgs& args);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
-  // Retained K/V of layers [layer_begin, layer_end) (both 0 = all); epoch 0 = current.
-  absl::StatusOr<std::vector<StreamKV>> ReadKV(uint64_t sequence_id, uint64_t epoch = 0,
-                                               uint32_t layer_begin = 0, uint32_t layer_end = 0);
-  absl::StatusOr<Sequence> Fork(uint64_t sequence_id, uint32_t lease_seconds = 0);
+  // Retained K/V of `layers` (unset: all), if the table is at `epoch` (unset: the current
+  // one); one StreamKv per stream, layer-major.
+  absl::StatusOr<std::vector<StreamKv>> ReadKv(uint64_t sequence_id,
+                                               std::optional<uint64_t> epoch = std::nullopt,
+                                               std::optional<LayerRange> layers = std::nullopt);
+  // A copy-on-write child; `lease` unset: the daemon's --lease-seconds.
+  absl::StatusOr<Sequence> Fork(uint64_t sequence_id,
+                                std::optional<absl::Duration> lease = std::nullopt);
   absl::StatusOr<uint64_t> Release(uint64_t sequence_id);  // freed blocks
   // Renews each id's lease; one status per id, in order (OK, NOT_FOUND, DATA_LOSS).
   absl::StatusOr<std::vector<absl::Status>> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  // The daemon's counters and, with include_sequences, every sequence: the daemon answers
+  // in pages, gathered here (counters as of the first page; a sequence created or released
+  // meanwhile may or may not be listed, none twice).
   absl::StatusOr<Stats> GetStats(bool include_sequences);
   // Prefix sharing (UNIMPLEMENTED by this daemon version; the call reports it).
   absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, uint64_t up_to_tokens);
