@@ -64,7 +64,7 @@ absl::Status Engine::NotAppending(const Sequence& seq) {
 }
 
 Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
-    : engine_(engine), seq_(std::move(seq)) {}
+    : engine_(engine), staged_reservation_(engine), seq_(std::move(seq)) {}
 
 Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (committed_) return;
@@ -103,10 +103,15 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
   }
   const size_t n = chunk.positions.size();
   // What the chunk stages on the host until Commit (position, token id, two signals).
-  if (absl::Status s =
-          engine_->CheckHostBudget((staged_bytes() + n * (8 + 4 + 4 + 4)) * 2, "Append");
-      !s.ok()) {
-    return s;
+  // Reserved until the session ends: staged bytes count against the budget although no
+  // sequence holds them yet.
+  const uint64_t staged_after = (staged_bytes() + n * (8 + 4 + 4 + 4)) * 2;
+  if (staged_after > staged_reservation_.bytes()) {
+    if (absl::Status s =
+            staged_reservation_.Grow(staged_after - staged_reservation_.bytes(), "Append");
+        !s.ok()) {
+      return s;
+    }
   }
 
   // Blocks for this chunk (and the copy of a shared last block), all or none.
@@ -192,11 +197,9 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // Per slot: position, arrival (8 each), score and its staging, entropy, distance (4 each),
   // the history rows (4 each); vectors may double, so twice that is what may be taken.
   const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{history_rows};
-  if (absl::Status s =
-          engine_->CheckHostBudget(2 * total * seq.streams.size() * slot_bytes, "Append");
-      !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<HostReservation> host =
+      engine_->ReserveHost(2 * total * seq.streams.size() * slot_bytes, "Append");
+  if (!host.ok()) return host.status();
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)

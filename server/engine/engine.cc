@@ -123,11 +123,9 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
                      " bytes, over the message limit of ", config_.max_append_bytes,
                      " bytes (--max-message-bytes): no Append could carry it"));
   }
-  if (absl::Status s = CheckHostBudget(
-          sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
-      !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<HostReservation> host = ReserveHost(
+      sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
+  if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
   if (config_.device_step && (*policy)->has_kernel_step()) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> created =
@@ -176,10 +174,9 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   if (!policy.ok()) return policy.status();
   // The child copies the parent's host metadata and slot state: both count against the
   // host budget (beam search forks a lot).
-  if (absl::Status s = CheckHostBudget(parent.host_bytes() + parent.slot_bytes_accounted, "Fork");
-      !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<HostReservation> host =
+      ReserveHost(parent.host_bytes() + parent.slot_bytes_accounted, "Fork");
+  if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots->Clone();

@@ -13,6 +13,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -43,6 +44,32 @@ inline constexpr absl::string_view kCurrentVersionPayload = "kvmem/current_versi
 
 class Engine {
  public:
+  // Host metadata bytes a call may still take, counted against the budget from the moment
+  // they are granted until the call ends (by then what it really took is accounted), so that
+  // concurrent calls cannot all pass one check and together overshoot it. Grows; gives the
+  // bytes back when destroyed.
+  class HostReservation {
+   public:
+    HostReservation() = default;
+    HostReservation(HostReservation&& other) noexcept
+        : engine_(std::exchange(other.engine_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+    HostReservation& operator=(HostReservation&& other) noexcept {
+      std::swap(engine_, other.engine_);
+      std::swap(bytes_, other.bytes_);
+      return *this;
+    }
+    ~HostReservation();
+    // RESOURCE_EXHAUSTED (naming `what` and --host-metadata-bytes) unless `more` bytes fit.
+    absl::Status Grow(uint64_t more, absl::string_view what);
+    uint64_t bytes() const { return bytes_; }
+
+   private:
+    friend class Engine;
+    explicit HostReservation(Engine* engine) : engine_(engine) {}
+    Engine* engine_ = nullptr;
+    uint64_t bytes_ = 0;
+  };
+
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineConfig& config,
                                                         std::unique_ptr<store::Backend> backend,
                                                         const Clock* clock);
@@ -109,6 +136,7 @@ class Engine {
     }
 
     Engine* const engine_;
+    HostReservation staged_reservation_;  // what the staged vectors may take, until the end
     SequenceRef seq_;      // counted in flight (the reaper waits); locked throughout if hold_lock_
     bool publish_ = true;  // false inside a folded step, which publishes once at its end
     bool hold_lock_ = false;  // a unary Append: the lock is held from Begin to the end
@@ -301,8 +329,8 @@ class Engine {
   // Brings slot_state_bytes_ and host_bytes_ up to date with the sequence's SlotState size
   // and host metadata.
   void AccountSlotState(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // RESOURCE_EXHAUSTED unless `more` bytes of host metadata fit the budget.
-  absl::Status CheckHostBudget(uint64_t more, absl::string_view what) const;
+  // Reserves `more` bytes of host metadata (HostReservation), or RESOURCE_EXHAUSTED.
+  absl::StatusOr<HostReservation> ReserveHost(uint64_t more, absl::string_view what);
   uint64_t host_budget() const;
 
   const EngineConfig config_;
@@ -323,7 +351,8 @@ class Engine {
   std::atomic<uint64_t> tokens_quantized_{0};
   std::atomic<uint64_t> bytes_moved_{0};
   std::atomic<uint64_t> slot_state_bytes_{0};
-  std::atomic<uint64_t> host_bytes_{0};  // Sequence::host_bytes() of every sequence
+  std::atomic<uint64_t> host_bytes_{0};     // Sequence::host_bytes() of every sequence
+  std::atomic<uint64_t> host_reserved_{0};  // granted to calls in flight (HostReservation)
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
   std::atomic<uint64_t> sequences_poisoned_{0};

@@ -41,6 +41,9 @@ struct EngineConfig {
   // How many versions behind the current one a client's table may be and still get a delta
   // (1..kMaxDeltaHistory); older tables get the whole table.
   uint32_t delta_history = 1;
+  // StepBatch runs its entries on every core (oneTBB); false runs them one after another on
+  // the caller's thread.
+  bool parallel_batches = true;
 };
 
 inline constexpr uint32_t kMaxDeltaHistory = 64;

@@ -142,14 +142,32 @@ uint64_t Engine::host_budget() const {
                                          : config_.pool_bytes / 2 + (64ull << 20);
 }
 
-absl::Status Engine::CheckHostBudget(uint64_t more, absl::string_view what) const {
-  const uint64_t used = host_bytes_.load() + slot_state_bytes_.load();
-  if (used + more > host_budget()) {
+Engine::HostReservation::~HostReservation() {
+  if (engine_ != nullptr) engine_->host_reserved_ -= bytes_;
+}
+
+absl::Status Engine::HostReservation::Grow(uint64_t more, absl::string_view what) {
+  Engine& e = *engine_;
+  const uint64_t budget = e.host_budget();
+  // Reserved first, then checked against what is in use: of two racing calls, at least the
+  // second sees the first's bytes and fails, so the sum never passes the budget.
+  const uint64_t reserved = e.host_reserved_.fetch_add(more) + more;
+  const uint64_t used = e.host_bytes_.load() + e.slot_state_bytes_.load();
+  if (more > budget || used + reserved > budget) {
+    e.host_reserved_ -= more;
     return absl::ResourceExhaustedError(absl::StrCat(
-        what, ": needs ", more, " more bytes of host metadata; ", used, " of the budget of ",
-        host_budget(), " bytes are in use (--host-metadata-bytes)"));
+        what, ": needs ", more, " more bytes of host metadata; ", used + reserved - more,
+        " of the budget of ", budget, " bytes are in use or promised to calls in flight",
+        " (--host-metadata-bytes)"));
   }
+  bytes_ += more;
   return absl::OkStatus();
+}
+
+absl::StatusOr<Engine::HostReservation> Engine::ReserveHost(uint64_t more, absl::string_view what) {
+  HostReservation reservation(this);
+  if (absl::Status s = reservation.Grow(more, what); !s.ok()) return s;
+  return reservation;
 }
 
 std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {

@@ -287,6 +287,35 @@ TEST_F(ContractTest, HostMetadataIsBoundedAndAccounted) {
   EXPECT_EQ(small->Stats(false).host_metadata_bytes, 0u);
 }
 
+TEST_F(ContractTest, OpenAppendStreamsCountAgainstTheHostBudget) {
+  // Two AppendStreams on two sequences each stage ~60 % of what the budget has left. Each
+  // alone fits; before the fix both were checked against what the sequences held, not what
+  // open sessions had staged, so N streams could stage N budgets.
+  constexpr uint64_t kBudget = 64 << 10;
+  MakeEngine(1 << 20, [](EngineConfig& config) { config.host_metadata_bytes = kBudget; });
+  const uint64_t a = Create("full");
+  const uint64_t b = Create("full");
+  const uint64_t used = engine_->Stats(false).host_metadata_bytes;
+  // A chunk of n tokens stages 2 x 20 bytes per token (engine: position, id, two signals).
+  const uint32_t n = static_cast<uint32_t>((kBudget - used) * 6 / 10 / 40);
+  const std::vector<int64_t> positions = testing::Range(0, n);
+  const std::string k = testing::Payload16(kL * kH, 0, n, kD, 0);
+  const AppendChunk chunk{positions, {}, k, k, {}, {}};
+  auto first = engine_->BeginAppend(a);
+  auto second = engine_->BeginAppend(b);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE((*first)->Add(chunk).ok());
+  const absl::Status refused = (*second)->Add(chunk);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("--host-metadata-bytes"));
+  // Once the first session ends, its bytes are free again.
+  first->reset();
+  second->reset();
+  auto third = engine_->BeginAppend(b);
+  ASSERT_TRUE(third.ok());
+  EXPECT_TRUE((*third)->Add(chunk).ok());
+}
+
 TEST_F(ContractTest, ConcurrentAppendsAndStepsOnOneSequenceWaitForEachOther) {
   // A unary Append holds the sequence for its whole call: a Step arriving meanwhile waits
   // (before the fix it found an "AppendStream open" and failed).

@@ -2,6 +2,7 @@
 // table GetBlockTable returns, after every kind of change; a client too far behind gets the
 // whole table; and the batched step behaves as the calls it folds.
 #include <random>
+#include <regex>
 
 #include "gmock/gmock.h"
 #include "tests/unit/engine/engine_fixture.h"
@@ -354,10 +355,15 @@ TEST_F(DeltaTest, BatchedStepsEqualStepsOneByOne) {
     next += n;
   }
   for (size_t i = 0; i < a.size(); ++i) {
-    absl::StatusOr<std::string> fa = batched->Fingerprint(a[i]);
-    absl::StatusOr<std::string> fb = single->Fingerprint(b[i]);
-    ASSERT_TRUE(fa.ok() && fb.ok());
-    EXPECT_EQ(*fa, *fb) << policies[i].first;
+    // Block ids and offsets differ (the batch's entries allocate in parallel); every block's
+    // run and precision, the slots' metadata and scores, and the K/V must not.
+    auto content = [](absl::StatusOr<std::string> fp) {
+      EXPECT_TRUE(fp.ok()) << fp.status();
+      static const std::regex kIdAtOffset("[0-9]+@[0-9]+");
+      return std::regex_replace(fp.value_or(""), kIdAtOffset, "#");
+    };
+    EXPECT_EQ(content(batched->Fingerprint(a[i])), content(single->Fingerprint(b[i])))
+        << policies[i].first;
   }
   engine_ = std::move(batched);  // the fixture's engine, torn down as usual
   engine_.reset();
