@@ -168,7 +168,7 @@ class Engine {
   absl::StatusOr<TableUpdate> GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
                                              bool positions);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
-  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
+  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
   // Calls `sink` once per stream of layers [layer_begin, layer_end) in order. The sequence
   // lock is not held while `sink` runs; an epoch change between streams is ABORTED.
   // A non-OK status from `sink` stops the read and is returned.
@@ -235,7 +235,8 @@ class Engine {
       ABSL_NO_THREAD_SAFETY_ANALYSIS;
   absl::StatusOr<CompressResult> CompressImpl(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<CreateResult> ForkImpl(uint64_t sequence_id, absl::Duration lease);
-  absl::StatusOr<BlockTable> GetBlockTableImpl(uint64_t sequence_id);
+  absl::StatusOr<BlockTable> GetBlockTableImpl(uint64_t sequence_id, bool positions);
+  BlockTable TableOf(const Sequence& seq, bool positions) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   absl::Status ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                           uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink);
   // Throws std::bad_alloc at the armed commit step (Failpoints::kCommit).

@@ -141,6 +141,7 @@ struct BlockTable {
   Precision quantization = Precision::kLayout;
   uint64_t quantized_block_bytes = 0;
   uint32_t epoch_slot = 0;
+  bool positions = false;  // StreamTable::positions are filled
   std::vector<StreamTable> streams;
 };
 
@@ -173,13 +174,15 @@ struct StreamDelta {
   std::vector<int64_t> positions;  // of the live slots of `blocks`, when asked for
 };
 
-// A table update: the streams that changed since the client's version (or all of them,
-// from nothing, when `full`), and the version and epoch the updated table has.
+// A table update: the streams that changed since the client's version (base_version), or
+// the whole table when that version was too old or unknown.
 struct TableUpdate {
+  uint64_t base_version = 0;
   uint64_t version = 0;
   uint64_t epoch = 0;
-  bool full = false;  // the client's version was too old (or unknown): every stream, whole
-  std::vector<StreamDelta> streams;
+  std::optional<BlockTable> table;   // the whole table (`streams` is then empty)
+  std::vector<StreamDelta> streams;  // else the streams that changed
+  bool full() const { return table.has_value(); }
 };
 
 // One entry of a batched step: the new token(s) appended, then the step, on one sequence.

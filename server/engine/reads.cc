@@ -5,8 +5,8 @@
 
 namespace kvmem::engine {
 
-absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id) {
-  return Guard("GetBlockTable", [&] { return GetBlockTableImpl(sequence_id); });
+absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions) {
+  return Guard("GetBlockTable", [&] { return GetBlockTableImpl(sequence_id, positions); });
 }
 
 absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
@@ -16,10 +16,14 @@ absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer
                [&] { return ReadKVImpl(sequence_id, epoch, layer_begin, layer_end, sink); });
 }
 
-absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id) {
+absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id, bool positions) {
   absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
   if (!ref.ok()) return ref.status();
-  Sequence& seq = **ref;
+  Renew(**ref);
+  return TableOf(**ref, positions);
+}
+
+BlockTable Engine::TableOf(const Sequence& seq, bool positions) const {
   BlockTable table;
   table.sequence_id = seq.id;
   table.epoch = seq.epoch;
@@ -39,9 +43,9 @@ absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id) {
     for (const StreamBlock& b : st.blocks()) {
       out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
     }
-    out.positions.assign(st.positions().begin(), st.positions().end());
+    if (positions) out.positions.assign(st.positions().begin(), st.positions().end());
   }
-  Renew(seq);
+  table.positions = positions;
   return table;
 }
 

@@ -18,16 +18,20 @@ absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message) 
 
 TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const {
   TableUpdate update;
+  update.base_version = known_version;
   update.version = seq.version;
   update.epoch = seq.epoch;
   const std::vector<uint64_t>& published = seq.published_versions;
-  update.full = known_version == 0 ||
-                std::find(published.begin(), published.end(), known_version) == published.end();
+  if (known_version == 0 ||
+      std::find(published.begin(), published.end(), known_version) == published.end()) {
+    update.table = TableOf(seq, positions);
+    return update;
+  }
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     const Stream& st = seq.streams[s];
-    if (!update.full && st.changed_version() <= known_version) continue;
+    if (st.changed_version() <= known_version) continue;
     const std::vector<StreamBlock>& blocks = st.blocks();
-    const size_t kept = update.full ? 0 : st.UnchangedBlocksSince(known_version);
+    const size_t kept = st.UnchangedBlocksSince(known_version);
     StreamDelta delta;
     delta.stream = static_cast<uint32_t>(s);
     delta.kept_blocks = static_cast<uint32_t>(kept);
@@ -139,12 +143,12 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
     for (size_t i = 0; i < calls.size(); ++i) {
       if (!seen.insert(calls[i].sequence_id).second) {
         return absl::InvalidArgumentError(
-            absl::StrCat("steps[", i, "].sequence_id: sequence ", calls[i].sequence_id,
+            absl::StrCat("entries[", i, "].sequence_id: sequence ", calls[i].sequence_id,
                          " appears twice in one batch (one entry per sequence)"));
       }
       if (!calls[i].append && !calls[i].step) {
         return absl::InvalidArgumentError(
-            absl::StrCat("steps[", i, "]: neither an append nor a step"));
+            absl::StrCat("entries[", i, "]: neither an append nor a step"));
       }
     }
     std::vector<StepOutcome> outcomes(calls.size());

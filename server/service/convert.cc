@@ -1,8 +1,10 @@
 #include "server/service/convert.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
 
 namespace kvmem::service {
 
@@ -165,10 +167,31 @@ std::vector<engine::StreamSignal> Views(const google::protobuf::RepeatedPtrField
 }
 }  // namespace
 
-std::vector<engine::StreamSignal> SignalViews(
-    const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows) {
-  return Views(
+absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
+    const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows, SignalStorage* storage) {
+  std::vector<engine::StreamSignal> out = Views(
       rows, [](const v1::AttentionRow& r) -> const auto& { return r.weights(); });
+  for (int i = 0; i < rows.size(); ++i) {
+    const std::string& half = rows[i].weights_f16();
+    if (half.empty()) continue;
+    if (!rows[i].weights().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention[", i, "]: sets both weights and weights_f16; send one"));
+    }
+    if (half.size() % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("attention[", i,
+                                                     "].weights_f16: ", half.size(),
+                                                     " bytes is not a whole number of halves"));
+    }
+    std::vector<float>& row = storage->emplace_back(half.size() / 2);
+    for (size_t j = 0; j < row.size(); ++j) {
+      uint16_t h;
+      std::memcpy(&h, half.data() + 2 * j, 2);  // little-endian (the hosts kvmemd runs on)
+      row[j] = kernels::HalfToFloat(h);
+    }
+    out[i].values = row;
+  }
+  return out;
 }
 
 std::vector<engine::StreamSignal> SignalViews(
@@ -177,7 +200,8 @@ std::vector<engine::StreamSignal> SignalViews(
       scores, [](const v1::WindowScores& w) -> const auto& { return w.scores(); });
 }
 
-engine::StepInput StepInputView(const v1::StepRequest& request) {
+template <typename Signals>
+absl::StatusOr<engine::StepInput> StepInputViewOf(const Signals& request, SignalStorage* storage) {
   engine::StepInput input;
   input.epoch = request.epoch();
   if (request.has_logit_stats()) {
@@ -185,8 +209,21 @@ engine::StepInput StepInputView(const v1::StepRequest& request) {
     input.logits = engine::RawLogitStats{
         ls.entropy(), ls.p1(), ls.p2(), {ls.top_logprobs().begin(), ls.top_logprobs().end()}};
   }
-  input.attention = SignalViews(request.attention());
+  absl::StatusOr<std::vector<engine::StreamSignal>> rows =
+      SignalViews(request.attention(), storage);
+  if (!rows.ok()) return rows.status();
+  input.attention = *std::move(rows);
   return input;
+}
+
+absl::StatusOr<engine::StepInput> StepInputView(const v1::StepRequest& request,
+                                                SignalStorage* storage) {
+  return StepInputViewOf(request, storage);
+}
+
+absl::StatusOr<engine::StepInput> StepInputView(const v1::StepSignals& signals,
+                                                SignalStorage* storage) {
+  return StepInputViewOf(signals, storage);
 }
 
 void ToProto(const engine::StepResult& result, v1::StepResponse* out) {
@@ -199,9 +236,11 @@ void ToProto(const engine::StepResult& result, v1::StepResponse* out) {
   out->set_kv_bytes_after(result.kv_bytes_after);
   out->set_epoch(result.epoch);
   out->set_step(result.step);
+  out->set_table_version(result.version);
 }
 
-absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request) {
+absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request,
+                                                        SignalStorage* storage) {
   engine::CompressInput input;
   input.epoch = request.epoch();
   // The engine's target 0 is the policy's own rule: what an absent target_tokens asks for.
@@ -213,7 +252,10 @@ absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressReques
     }
     input.target_tokens = request.target_tokens();
   }
-  input.attention = SignalViews(request.attention());
+  absl::StatusOr<std::vector<engine::StreamSignal>> rows =
+      SignalViews(request.attention(), storage);
+  if (!rows.ok()) return rows.status();
+  input.attention = *std::move(rows);
   input.window_scores = SignalViews(request.window_scores());
   return input;
 }
@@ -230,11 +272,39 @@ void ToProto(const engine::CompressResult& result, v1::CompressResponse* out) {
   out->set_kv_bytes_before(result.kv_bytes_before);
   out->set_kv_bytes_after(result.kv_bytes_after);
   out->set_epoch(result.epoch);
+  out->set_table_version(result.version);
+}
+
+void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
+  if (update.table) {
+    ToProto(*update.table, update.table->layout.block_bytes(), out->mutable_table());
+    return;
+  }
+  v1::TableDelta* delta = out->mutable_delta();
+  delta->set_base_version(update.base_version);
+  delta->set_version(update.version);
+  delta->set_epoch(update.epoch);
+  for (const engine::StreamDelta& d : update.streams) {
+    v1::StreamDelta* s = delta->add_streams();
+    s->set_stream(d.stream);
+    s->set_kept_blocks(d.kept_blocks);
+    s->set_kept_slots(d.kept_slots);
+    for (const engine::TableBlock& b : d.blocks) {
+      s->add_block_ids(b.id);
+      s->add_block_offsets(b.offset);
+      s->add_block_precisions(ToProto(b.precision));
+      s->add_block_starts(b.start);
+      s->add_block_counts(b.count);
+    }
+    s->mutable_positions()->Add(d.positions.begin(), d.positions.end());
+  }
 }
 
 void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTable* out) {
   out->set_sequence_id(table.sequence_id);
   out->set_epoch(table.epoch);
+  out->set_version(table.version);
+  out->set_positions(table.positions);
   out->set_block_tokens(table.layout.block_tokens);
   out->set_block_bytes(block_bytes);
   out->set_epoch_slot(table.epoch_slot);

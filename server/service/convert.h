@@ -2,6 +2,9 @@
 // Translation between the public protobuf API and engine types. Defaults of absent fields
 // are resolved here, so the engine never sees a request's "unset"; an explicit value that
 // is not valid is INVALID_ARGUMENT naming the field. absl::Status -> gRPC: error_details.h.
+#include <deque>
+#include <vector>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -45,20 +48,29 @@ engine::AppendChunk ChunkView(const Request& request) {
       absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
   return chunk;
 }
-std::vector<engine::StreamSignal> SignalViews(
-    const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows);
+// Rows converted from f16 (AttentionRow.weights_f16), which the views point into; a deque
+// so that adding one moves none.
+using SignalStorage = std::deque<std::vector<float>>;
+// Attention rows as views into `rows`, or into `storage` for rows sent as f16.
+absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
+    const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows, SignalStorage* storage);
 std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::WindowScores>& scores);
 
-// The engine's input of a Step, as views into `request` (which must outlive it).
-engine::StepInput StepInputView(const v1::StepRequest& request);
+// The engine's input of a Step, as views into `request` and `storage` (which must outlive it).
+absl::StatusOr<engine::StepInput> StepInputView(const v1::StepRequest& request,
+                                                SignalStorage* storage);
+absl::StatusOr<engine::StepInput> StepInputView(const v1::StepSignals& signals,
+                                                SignalStorage* storage);
 void ToProto(const engine::StepResult& result, v1::StepResponse* out);
 // The engine's input of a Compress, as views into `request`; an explicit target_tokens of
 // 0 is rejected.
-absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request);
+absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressRequest& request,
+                                                        SignalStorage* storage);
 void ToProto(const engine::CompressResult& result, v1::CompressResponse* out);
 
 void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTable* out);
+void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out);
 // The daemon-wide counters of a StatsResponse (its sequences are paged by the service).
 void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out);
 void ToProto(const engine::SequenceSummary& sequence, v1::SequenceStats* out);

@@ -117,8 +117,15 @@ std::string QuotaSubjectOf(absl::string_view message) {
 
 grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence_id) {
   if (status.ok()) return grpc::Status::OK;
-  const std::string message = Cut(status.message(), kMaxStatusMessageBytes);
+  const google::rpc::Status rich = ToRpcStatus(status, sequence_id);
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), rich.message(),
+                      rich.SerializeAsString());
+}
+
+google::rpc::Status ToRpcStatus(const absl::Status& status, std::optional<uint64_t> sequence_id) {
   google::rpc::Status rich;
+  if (status.ok()) return rich;
+  const std::string message = Cut(status.message(), kMaxStatusMessageBytes);
   rich.set_code(static_cast<int32_t>(status.code()));
   rich.set_message(message);
   switch (status.code()) {
@@ -151,8 +158,7 @@ grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence
     default:
       break;
   }
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), message,
-                      rich.SerializeAsString());
+  return rich;
 }
 
 }  // namespace kvmem::service

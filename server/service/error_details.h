@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "google/rpc/status.pb.h"
 #include "grpcpp/support/status.h"
 
 namespace kvmem::service {
@@ -34,6 +35,10 @@ inline constexpr size_t kMaxDetailTextBytes = 256;
 
 // `sequence_id`: the sequence the call acted on, the subject of an epoch violation.
 grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence_id = std::nullopt);
+// The google.rpc.Status ToGrpc sends as details (code 0 and nothing else for OK): also the
+// per-entry status of a StepBatch.
+google::rpc::Status ToRpcStatus(const absl::Status& status,
+                                std::optional<uint64_t> sequence_id = std::nullopt);
 
 // The field path a message starts with: "layout.block_tokens" of "layout.block_tokens: 0
 // is ...", "positions[0]" of "chunk 1: positions[0]: ..." (a streamed chunk's index is not

@@ -134,6 +134,8 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
         ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
         response->set_block_tokens(created->block_tokens);
         response->set_epoch_slot(created->epoch_slot);
+        response->set_epoch(created->epoch);
+        response->set_table_version(created->version);
         return absl::OkStatus();
       }));
 }
@@ -147,6 +149,7 @@ void FillAppendResponse(uint64_t id, const engine::AppendResult& r, Response* ou
   out->set_max_stream_tokens(r.max_stream_tokens);
   out->set_epoch(r.epoch);
   out->set_kv_bytes(r.kv_bytes);
+  out->set_table_version(r.version);
 }
 }  // namespace
 
@@ -162,6 +165,9 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
             engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
+        if (request->has_client_table()) {
+          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+        }
         return absl::OkStatus();
       });
   return ToGrpc(status, id);
@@ -181,6 +187,8 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                       : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
   }
   const uint64_t id = request.sequence_id();
+  std::optional<v1::ClientTable> held_table;  // the first chunk's
+  if (request.has_client_table()) held_table = request.client_table();
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
@@ -215,6 +223,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
         absl::StatusOr<engine::AppendResult> result = (*session)->Commit();
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
+        if (held_table) FillTableUpdate(id, *held_table, response->mutable_table_update());
         return absl::OkStatus();
       });
   return ToGrpc(status, id);
@@ -227,12 +236,74 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
   const uint64_t id = request->sequence_id();
   const absl::Status status =
       requests_.Run("Step", id, request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<engine::StepResult> result = engine_->Step(id, StepInputView(*request));
+        SignalStorage storage;
+        absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
+        if (!input.ok()) return input.status();
+        absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input);
         if (!result.ok()) return result.status();
         ToProto(*result, response);
+        if (request->has_client_table()) {
+          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+        }
         return absl::OkStatus();
       });
   return ToGrpc(status, id);
+}
+
+void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
+                                     v1::TableUpdate* out) {
+  // After a mutation that applied: if the sequence went meanwhile (released, lapsed), the
+  // response goes without an update and the client's next call finds out why.
+  absl::StatusOr<engine::TableUpdate> update =
+      engine_->GetTableUpdate(id, held.version(), held.positions());
+  if (update.ok()) ToProto(*update, out);
+}
+
+grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatchRequest* request,
+                                       v1::StepBatchResponse* response) {
+  const CallGate::Ticket call = gate_.Enter();
+  if (!call.admitted()) return ToGrpc(DrainingError());
+  const absl::Status status =
+      requests_.Run("StepBatch", 0, request->request_id(), response, [&]() -> absl::Status {
+        const int n = request->entries_size();
+        if (n == 0 || n > kMaxBatchEntries) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("entries: ", n, " entries; a batch has 1 to ", kMaxBatchEntries));
+        }
+        std::vector<engine::StepCall> calls(n);
+        std::vector<SignalStorage> storage(n);
+        for (int i = 0; i < n; ++i) {
+          const v1::StepBatchEntry& entry = request->entries(i);
+          engine::StepCall& call = calls[i];
+          call.sequence_id = entry.sequence_id();
+          if (entry.has_append()) call.append = ChunkView(entry.append());
+          if (entry.has_step()) {
+            absl::StatusOr<engine::StepInput> input = StepInputView(entry.step(), &storage[i]);
+            if (!input.ok()) {
+              return absl::Status(input.status().code(),
+                                  absl::StrCat("entries[", i, "].step.", input.status().message()));
+            }
+            call.step = *std::move(input);
+          }
+          if (entry.has_client_table()) {
+            call.table_version = entry.client_table().version();
+            call.positions = entry.client_table().positions();
+          }
+        }
+        absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
+        if (!outcomes.ok()) return outcomes.status();
+        for (int i = 0; i < n; ++i) {
+          const engine::StepOutcome& out = (*outcomes)[i];
+          v1::StepBatchResult* result = response->add_results();
+          *result->mutable_status() = ToRpcStatus(out.status, calls[i].sequence_id);
+          if (out.appended)
+            FillAppendResponse(calls[i].sequence_id, *out.appended, result->mutable_append());
+          if (out.step) ToProto(*out.step, result->mutable_step());
+          if (out.table) ToProto(*out.table, result->mutable_table_update());
+        }
+        return absl::OkStatus();
+      });
+  return ToGrpc(status);
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
@@ -242,11 +313,15 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
   const uint64_t id = request->sequence_id();
   const absl::Status status =
       requests_.Run("Compress", id, request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<engine::CompressInput> input = CompressInputView(*request);
+        SignalStorage storage;
+        absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
         absl::StatusOr<engine::CompressResult> result = engine_->Compress(id, *input);
         if (!result.ok()) return result.status();
         ToProto(*result, response);
+        if (request->has_client_table()) {
+          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+        }
         return absl::OkStatus();
       });
   return ToGrpc(status, id);
@@ -257,7 +332,8 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
                                            v1::GetBlockTableResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  absl::StatusOr<engine::BlockTable> table = engine_->GetBlockTable(request->sequence_id());
+  absl::StatusOr<engine::BlockTable> table =
+      engine_->GetBlockTable(request->sequence_id(), request->positions());
   if (!table.ok()) return ToGrpc(table.status(), request->sequence_id());
   ToProto(*table, table->layout.block_bytes(), response->mutable_table());
   return grpc::Status::OK;
@@ -327,6 +403,8 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
         if (!child.ok()) return child.status();
         response->set_sequence_id(child->sequence_id);
         response->set_epoch_slot(child->epoch_slot);
+        response->set_epoch(child->epoch);
+        response->set_table_version(child->version);
         ToProto(absl::Seconds(child->lease_seconds), response->mutable_lease());
         return absl::OkStatus();
       });

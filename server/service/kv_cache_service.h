@@ -35,6 +35,10 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendStreamRequest>*,
                             v1::AppendStreamResponse*) override;
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
+  grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest*,
+                         v1::StepBatchResponse*) override;
+  // Most entries one StepBatch may carry.
+  static constexpr int kMaxBatchEntries = 4096;
   grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
                         v1::CompressResponse*) override;
   grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,
@@ -52,6 +56,9 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
 
  private:
+  // The update of the table `held` names, after a mutation of sequence `id` applied.
+  void FillTableUpdate(uint64_t id, const v1::ClientTable& held, v1::TableUpdate* out);
+
   engine::Engine* const engine_;
   const std::string version_;
   CallGate gate_;

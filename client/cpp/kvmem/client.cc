@@ -1,24 +1,40 @@
 #include "kvmem/client.h"
 
+#include <cstring>
 #include <random>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/dtype.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
 namespace kvmem::client {
 namespace {
 
+absl::Status FromRpcStatus(const google::rpc::Status& rich);
+
 // The daemon's status, message unchanged; its google.rpc details become payloads.
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  absl::Status out(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
   google::rpc::Status rich;
-  if (status.error_details().empty() || !rich.ParseFromString(status.error_details())) return out;
+  if (status.error_details().empty() || !rich.ParseFromString(status.error_details())) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  rich.set_code(status.error_code());
+  rich.set_message(status.error_message());
+  return FromRpcStatus(rich);
+}
+
+// A google.rpc.Status (a call's, or a StepBatch entry's) with its details as payloads.
+absl::Status FromRpcStatus(const google::rpc::Status& rich) {
+  if (rich.code() == 0) return absl::OkStatus();
+  absl::Status out(static_cast<absl::StatusCode>(rich.code()), rich.message());
   for (const google::protobuf::Any& detail : rich.details()) {
     out.SetPayload(detail.type_url(), absl::Cord(detail.value()));
     if (google::rpc::BadRequest bad; detail.UnpackTo(&bad)) {
@@ -74,10 +90,9 @@ Layout FromProto(const v1::Layout& layout) {
   return out;
 }
 
-// An AppendRequest or one AppendStreamRequest chunk.
+// The tokens of an AppendRequest, an AppendStreamRequest chunk or a StepBatchEntry.
 template <typename Request>
-void ToProto(const AppendArgs& args, uint64_t id, Request* out) {
-  out->set_sequence_id(id);
+void FillTokens(const AppendArgs& args, Request* out) {
   out->mutable_positions()->Add(args.positions.begin(), args.positions.end());
   out->mutable_token_ids()->Add(args.token_ids.begin(), args.token_ids.end());
   out->set_k(std::string(args.k));
@@ -86,10 +101,85 @@ void ToProto(const AppendArgs& args, uint64_t id, Request* out) {
   out->mutable_layer_distance()->Add(args.layer_distance.begin(), args.layer_distance.end());
 }
 
+template <typename Request>
+void ToProto(const AppendArgs& args, uint64_t id, Request* out) {
+  out->set_sequence_id(id);
+  FillTokens(args, out);
+}
+
 // An AppendResponse or AppendStreamResponse.
 template <typename Response>
 AppendResult AppendResultOf(const Response& r) {
-  return AppendResult{r.appended_tokens(), r.max_stream_tokens(), r.epoch(), r.kv_bytes()};
+  return AppendResult{r.appended_tokens(), r.max_stream_tokens(), r.epoch(), r.kv_bytes(),
+                      r.table_version()};
+}
+
+StepResult StepResultOf(const v1::StepResponse& r) {
+  StepResult out{r.confidence(),      std::nullopt,       r.evicted_tokens(), r.quantized_tokens(),
+                 r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step(),
+                 r.table_version()};
+  if (r.has_budget_tokens()) out.budget_tokens = r.budget_tokens();
+  return out;
+}
+
+BlockTable FromProto(const v1::BlockTable& r) {
+  BlockTable table;
+  table.sequence_id = r.sequence_id();
+  table.epoch = r.epoch();
+  table.version = r.version();
+  table.positions = r.positions();
+  table.block_tokens = r.block_tokens();
+  table.block_bytes = r.block_bytes();
+  table.layout = FromProto(r.layout());
+  table.epoch_slot = r.epoch_slot();
+  table.quantization = static_cast<Precision>(r.quantization());
+  table.quantized_block_bytes = r.quantized_block_bytes();
+  for (const v1::StreamTable& st : r.streams()) {
+    StreamTable out{st.layer(), st.kv_head(), {}, ToVector(st.positions())};
+    out.blocks.reserve(st.block_ids_size());
+    for (int b = 0; b < st.block_ids_size(); ++b) {
+      out.blocks.push_back({st.block_ids(b), st.block_offsets(b), st.block_starts(b),
+                            st.block_counts(b), static_cast<Precision>(st.block_precisions(b))});
+    }
+    table.streams.push_back(std::move(out));
+  }
+  return table;
+}
+
+// Brings `table` to the update's version. A delta applies only to the version it was made
+// from; false when it cannot apply (the table moved meanwhile: a concurrent call on the
+// same sequence answered first), and the table is left as it was.
+bool ApplyUpdate(const v1::TableUpdate& update, BlockTable* table) {
+  if (update.has_table()) {
+    if (table->version != 0 && update.table().version() < table->version) return true;  // older
+    *table = FromProto(update.table());
+    return true;
+  }
+  if (!update.has_delta()) return true;
+  const v1::TableDelta& delta = update.delta();
+  if (delta.base_version() != table->version) return delta.version() <= table->version;
+  for (const v1::StreamDelta& d : delta.streams()) {  // checked whole before it applies
+    if (d.stream() >= table->streams.size() ||
+        d.kept_blocks() > table->streams[d.stream()].blocks.size() ||
+        (table->positions && d.kept_slots() > table->streams[d.stream()].positions.size())) {
+      return false;
+    }
+  }
+  for (const v1::StreamDelta& d : delta.streams()) {
+    StreamTable& st = table->streams[d.stream()];
+    st.blocks.resize(d.kept_blocks());
+    for (int b = 0; b < d.block_ids_size(); ++b) {
+      st.blocks.push_back({d.block_ids(b), d.block_offsets(b), d.block_starts(b), d.block_counts(b),
+                           static_cast<Precision>(d.block_precisions(b))});
+    }
+    if (table->positions) {
+      st.positions.resize(d.kept_slots());
+      st.positions.insert(st.positions.end(), d.positions().begin(), d.positions().end());
+    }
+  }
+  table->version = delta.version();
+  table->epoch = delta.epoch();
+  return true;
 }
 
 template <typename Out>
@@ -104,6 +194,12 @@ void AddSignals(const std::vector<StreamSignal>& in, Out* out) {
       row->mutable_scores()->Add(s.values.begin(), s.values.end());
     }
   }
+}
+
+// The client_table of a request that should bring `table` up to date.
+void HoldTable(const BlockTable& table, v1::ClientTable* out) {
+  out->set_version(table.version);
+  out->set_positions(table.positions);
 }
 
 }  // namespace
@@ -121,6 +217,59 @@ struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvCache::Stub> stub;
+
+  // The step signals of each sequence's policy (sequences this client created or forked):
+  // Step sends no others. Filled from GetInfo at the first CreateSequence.
+  struct Needs {
+    bool logit_stats = true, attention_rows = true;
+  };
+  absl::Mutex mu;
+  absl::flat_hash_map<std::string, Needs> policy_needs ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<uint64_t, Needs> sequence_needs ABSL_GUARDED_BY(mu);
+
+  Needs NeedsOf(uint64_t sequence_id) {
+    absl::MutexLock lock(&mu);
+    auto it = sequence_needs.find(sequence_id);
+    return it == sequence_needs.end() ? Needs{} : it->second;
+  }
+
+  // The step request's signals, without those the sequence's policy does not use.
+  template <typename Signals>
+  void FillSignals(uint64_t sequence_id, const StepArgs& args, Signals* q) {
+    const Needs needs = NeedsOf(sequence_id);
+    q->set_epoch(args.epoch);
+    if (args.logit_stats && needs.logit_stats) {
+      v1::LogitStats* ls = q->mutable_logit_stats();
+      ls->set_entropy(args.logit_stats->entropy);
+      ls->set_p1(args.logit_stats->p1);
+      ls->set_p2(args.logit_stats->p2);
+      ls->mutable_top_logprobs()->Add(args.logit_stats->top_logprobs.begin(),
+                                      args.logit_stats->top_logprobs.end());
+    }
+    if (!needs.attention_rows) return;
+    if (!args.attention_f16) {
+      AddSignals(args.attention, q->mutable_attention());
+      return;
+    }
+    for (const StreamSignal& s : args.attention) {
+      v1::AttentionRow* row = q->add_attention();
+      row->set_layer(s.layer);
+      row->set_kv_head(s.kv_head);
+      std::string* half = row->mutable_weights_f16();
+      half->resize(2 * s.values.size());
+      for (size_t j = 0; j < s.values.size(); ++j) {
+        const uint16_t h = kernels::FloatToHalf(s.values[j]);
+        std::memcpy(half->data() + 2 * j, &h, 2);  // little-endian hosts
+      }
+    }
+  }
+
+  // Applies a call's table update to `table`; when it cannot apply (the table moved under
+  // a concurrent call), fetches the whole table instead.
+  absl::Status Sync(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable* table);
+  // Notes which step signals sequence `sequence_id` (policy `policy`) uses.
+  void RecordPolicy(Client* client, uint64_t sequence_id, const std::string& policy);
+  absl::StatusOr<BlockTable> FetchTable(uint64_t sequence_id, bool positions);
 
   // Runs one call; gRPC retries it by the channel's retry policy.
   template <typename Attempt>
@@ -241,22 +390,32 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
   if (!s.ok()) return s;
-  return Sequence{r.sequence_id(), FromProto(r.lease()), r.block_tokens(), r.epoch_slot()};
+  impl_->RecordPolicy(this, r.sequence_id(), policy.name.value_or("full"));
+  return Sequence{r.sequence_id(), FromProto(r.lease()), r.block_tokens(), r.epoch_slot(),
+                  r.epoch(),       r.table_version()};
 }
 
-absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args) {
+absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args,
+                                            BlockTable* table) {
   v1::AppendRequest q;
   ToProto(args, sequence_id, &q);
+  if (table != nullptr) HoldTable(*table, q.mutable_client_table());
   q.set_request_id(NewRequestId());
   v1::AppendResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Append(&c, q, &r); });
   if (!s.ok()) return s;
+  if (table != nullptr) {
+    if (absl::Status synced = impl_->Sync(sequence_id, r.table_update(), table); !synced.ok()) {
+      return synced;
+    }
+  }
   return AppendResultOf(r);
 }
 
 absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
-                                                  absl::Span<const AppendArgs> chunks) {
+                                                  absl::Span<const AppendArgs> chunks,
+                                                  BlockTable* table) {
   v1::AppendStreamResponse r;
   const std::string request_id = NewRequestId();
   absl::Status s = impl_->Call([&](grpc::ClientContext& c) {
@@ -265,90 +424,157 @@ absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
     for (const AppendArgs& chunk : chunks) {
       v1::AppendStreamRequest q;
       ToProto(chunk, sequence_id, &q);
-      if (&chunk == chunks.data()) q.set_request_id(request_id);
+      if (&chunk == chunks.data()) {
+        q.set_request_id(request_id);
+        if (table != nullptr) HoldTable(*table, q.mutable_client_table());
+      }
       if (!writer->Write(q)) break;  // the daemon ended the call; Finish() says why
     }
     writer->WritesDone();
     return writer->Finish();
   });
   if (!s.ok()) return s;
+  if (table != nullptr) {
+    if (absl::Status synced = impl_->Sync(sequence_id, r.table_update(), table); !synced.ok()) {
+      return synced;
+    }
+  }
   return AppendResultOf(r);
 }
 
-absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& args) {
+absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& args,
+                                        BlockTable* table) {
   v1::StepRequest q;
   q.set_sequence_id(sequence_id);
-  q.set_epoch(args.epoch);
-  if (args.logit_stats) {
-    v1::LogitStats* ls = q.mutable_logit_stats();
-    ls->set_entropy(args.logit_stats->entropy);
-    ls->set_p1(args.logit_stats->p1);
-    ls->set_p2(args.logit_stats->p2);
-    ls->mutable_top_logprobs()->Add(args.logit_stats->top_logprobs.begin(),
-                                    args.logit_stats->top_logprobs.end());
-  }
-  AddSignals(args.attention, q.mutable_attention());
+  impl_->FillSignals(sequence_id, args, &q);
+  if (table != nullptr) HoldTable(*table, q.mutable_client_table());
   q.set_request_id(NewRequestId());
   v1::StepResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Step(&c, q, &r); });
   if (!s.ok()) return s;
-  StepResult out{r.confidence(),      std::nullopt,       r.evicted_tokens(), r.quantized_tokens(),
-                 r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step()};
-  if (r.has_budget_tokens()) out.budget_tokens = r.budget_tokens();
+  if (table != nullptr) {
+    if (absl::Status synced = impl_->Sync(sequence_id, r.table_update(), table); !synced.ok()) {
+      return synced;
+    }
+  }
+  return StepResultOf(r);
+}
+
+absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const BatchEntry> entries) {
+  v1::StepBatchRequest q;
+  for (const BatchEntry& e : entries) {
+    v1::StepBatchEntry* entry = q.add_entries();
+    entry->set_sequence_id(e.sequence_id);
+    if (e.append) FillTokens(*e.append, entry->mutable_append());
+    if (e.step) impl_->FillSignals(e.sequence_id, *e.step, entry->mutable_step());
+    if (e.table != nullptr) HoldTable(*e.table, entry->mutable_client_table());
+  }
+  q.set_request_id(NewRequestId());
+  v1::StepBatchResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->StepBatch(&c, q, &r); });
+  if (!s.ok()) return s;
+  if (r.results_size() != static_cast<int>(entries.size())) {
+    return absl::InternalError(
+        absl::StrCat("StepBatch: ", r.results_size(), " results for ", entries.size(), " entries"));
+  }
+  std::vector<BatchResult> out(entries.size());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const v1::StepBatchResult& result = r.results(static_cast<int>(i));
+    out[i].status = FromRpcStatus(result.status());
+    if (result.has_append()) out[i].appended = AppendResultOf(result.append());
+    if (result.has_step()) out[i].step = StepResultOf(result.step());
+    if (entries[i].table != nullptr && result.has_table_update()) {
+      absl::Status synced =
+          impl_->Sync(entries[i].sequence_id, result.table_update(), entries[i].table);
+      if (!synced.ok() && out[i].status.ok()) out[i].status = synced;
+    }
+  }
   return out;
 }
 
-absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args) {
+absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args,
+                                                BlockTable* table) {
   v1::CompressRequest q;
   q.set_sequence_id(sequence_id);
   q.set_epoch(args.epoch);
   if (args.target_tokens) q.set_target_tokens(*args.target_tokens);
   AddSignals(args.window_scores, q.mutable_window_scores());
   AddSignals(args.attention, q.mutable_attention());
+  if (table != nullptr) HoldTable(*table, q.mutable_client_table());
   q.set_request_id(NewRequestId());
   v1::CompressResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Compress(&c, q, &r); });
   if (!s.ok()) return s;
+  if (table != nullptr) {
+    if (absl::Status synced = impl_->Sync(sequence_id, r.table_update(), table); !synced.ok()) {
+      return synced;
+    }
+  }
   CompressResult out;
   out.evicted_tokens = r.evicted_tokens();
   out.quantized_tokens = r.quantized_tokens();
   out.kv_bytes_before = r.kv_bytes_before();
   out.kv_bytes_after = r.kv_bytes_after();
   out.epoch = r.epoch();
+  out.table_version = r.table_version();
   for (const v1::LayerKept& l : r.layers()) {
     out.layers.push_back({l.layer(), l.kept_tokens(), l.before_tokens()});
   }
   return out;
 }
 
-absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id) {
+absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id, bool positions) {
+  return impl_->FetchTable(sequence_id, positions);
+}
+
+absl::StatusOr<BlockTable> Client::Impl::FetchTable(uint64_t sequence_id, bool positions) {
   v1::GetBlockTableRequest q;
   q.set_sequence_id(sequence_id);
+  q.set_positions(positions);
   v1::GetBlockTableResponse response;
-  absl::Status s = impl_->Call(
-      [&](grpc::ClientContext& c) { return impl_->stub->GetBlockTable(&c, q, &response); });
+  absl::Status s =
+      Call([&](grpc::ClientContext& c) { return stub->GetBlockTable(&c, q, &response); });
   if (!s.ok()) return s;
-  const v1::BlockTable& r = response.table();
-  BlockTable table;
-  table.sequence_id = r.sequence_id();
-  table.epoch = r.epoch();
-  table.block_tokens = r.block_tokens();
-  table.block_bytes = r.block_bytes();
-  table.layout = FromProto(r.layout());
-  table.epoch_slot = r.epoch_slot();
-  table.quantization = static_cast<Precision>(r.quantization());
-  table.quantized_block_bytes = r.quantized_block_bytes();
-  for (const v1::StreamTable& st : r.streams()) {
-    StreamTable out{st.layer(), st.kv_head(), {}, ToVector(st.positions())};
-    for (int b = 0; b < st.block_ids_size(); ++b) {
-      out.blocks.push_back({st.block_ids(b), st.block_offsets(b), st.block_starts(b),
-                            st.block_counts(b), static_cast<Precision>(st.block_precisions(b))});
-    }
-    table.streams.push_back(std::move(out));
+  return FromProto(response.table());
+}
+
+absl::Status Client::Impl::Sync(uint64_t sequence_id, const v1::TableUpdate& update,
+                                BlockTable* table) {
+  if (ApplyUpdate(update, table) && (update.has_table() || update.has_delta())) {
+    return absl::OkStatus();
   }
-  return table;
+  // No update (the sequence went right after the call) or one for another version.
+  absl::StatusOr<BlockTable> fetched = FetchTable(sequence_id, table->positions);
+  if (!fetched.ok()) return fetched.status();
+  *table = *std::move(fetched);
+  return absl::OkStatus();
+}
+
+void Client::Impl::RecordPolicy(Client* client, uint64_t sequence_id, const std::string& policy) {
+  bool known;
+  {
+    absl::MutexLock lock(&mu);
+    known = !policy_needs.empty();
+  }
+  if (!known) {
+    absl::StatusOr<Info> info = client->GetInfo();
+    if (!info.ok()) return;  // every signal is sent, as for a sequence of another client
+    absl::MutexLock lock(&mu);
+    for (const PolicyInfo& p : info->policies) {
+      Needs needs{false, false};
+      for (const std::string& s : p.step_signals) {
+        if (s == "logit_stats") needs.logit_stats = true;
+        if (s == "attention_rows") needs.attention_rows = true;
+      }
+      policy_needs[p.name] = needs;
+    }
+  }
+  absl::MutexLock lock(&mu);
+  auto it = policy_needs.find(policy);
+  if (it != policy_needs.end()) sequence_needs[sequence_id] = it->second;
 }
 
 absl::StatusOr<std::vector<StreamKv>> Client::ReadKv(uint64_t sequence_id,
@@ -385,7 +611,13 @@ absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, std::optional<absl::
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Fork(&c, q, &r); });
   if (!s.ok()) return s;
-  return Sequence{r.sequence_id(), FromProto(r.lease()), 0, r.epoch_slot()};
+  {
+    absl::MutexLock lock(&impl_->mu);
+    auto it = impl_->sequence_needs.find(sequence_id);
+    if (it != impl_->sequence_needs.end()) impl_->sequence_needs[r.sequence_id()] = it->second;
+  }
+  return Sequence{r.sequence_id(), FromProto(r.lease()), 0, r.epoch_slot(),
+                  r.epoch(),       r.table_version()};
 }
 
 absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {

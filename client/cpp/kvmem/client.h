@@ -120,6 +120,8 @@ struct Sequence {
   absl::Duration lease;       // granted, whole seconds
   uint32_t block_tokens = 0;  // 0 for a Fork's child: its parent's
   uint32_t epoch_slot = 0;
+  uint64_t epoch = 0;          // the table's epoch
+  uint64_t table_version = 0;  // the table's version (a Fork's child: its parent's)
 };
 
 // n new tokens. k and v are [L][H][n][D] in the layout dtype.
@@ -137,6 +139,7 @@ struct AppendResult {
   uint32_t max_stream_tokens = 0;
   uint64_t epoch = 0;
   uint64_t kv_bytes = 0;
+  uint64_t table_version = 0;
 };
 
 struct LogitStats {
@@ -154,6 +157,8 @@ struct StepArgs {
   uint64_t epoch = 0;
   std::optional<LogitStats> logit_stats;
   std::vector<StreamSignal> attention;
+  // Send the attention rows as IEEE halves (half the bytes; ~3 significant digits).
+  bool attention_f16 = false;
 };
 
 struct StepResult {
@@ -163,6 +168,7 @@ struct StepResult {
   uint64_t evicted_tokens = 0, quantized_tokens = 0;
   uint64_t kv_bytes_before = 0, kv_bytes_after = 0;
   uint64_t epoch = 0, step = 0;
+  uint64_t table_version = 0;
 };
 
 struct CompressArgs {
@@ -182,6 +188,7 @@ struct CompressResult {
   std::vector<LayerKept> layers;
   uint64_t evicted_tokens = 0, quantized_tokens = 0;
   uint64_t kv_bytes_before = 0, kv_bytes_after = 0, epoch = 0;
+  uint64_t table_version = 0;
 };
 
 // One block of a stream: its live slots are [start, start + count).
@@ -199,8 +206,15 @@ struct StreamTable {
   std::vector<int64_t> positions;  // retained original positions, in block then slot order
 };
 
+// A sequence's block table. A client keeps one current without fetching it again: pass it
+// to the calls that change the sequence (Append, AppendStream, Step, Compress, StepBatch),
+// which send its version and apply the update the daemon answers with (the streams that
+// changed, or the whole table when the version held was too old). GetBlockTable is for
+// attaching and recovery.
 struct BlockTable {
   uint64_t sequence_id = 0, epoch = 0;
+  uint64_t version = 0;    // 0: none held yet (the next update is the whole table)
+  bool positions = false;  // StreamTable::positions are kept (asked for)
   uint32_t block_tokens = 0;
   uint64_t block_bytes = 0;
   Layout layout;
@@ -208,6 +222,22 @@ struct BlockTable {
   Precision quantization = Precision::kLayout;
   uint64_t quantized_block_bytes = 0;
   std::vector<StreamTable> streams;  // index = layer * H + kv_head
+};
+
+// One sequence's decode step in a StepBatch: its new token(s), then the step.
+struct BatchEntry {
+  uint64_t sequence_id = 0;
+  std::optional<AppendArgs> append;  // unset: only the step
+  std::optional<StepArgs> step;      // unset: only the append; rows cover the new tokens too
+  BlockTable* table = nullptr;       // kept current when set (see BlockTable)
+};
+
+// What one entry did: the append and the step are each atomic; a step that failed after
+// its append applied leaves `appended` set and `status` the step's error.
+struct BatchResult {
+  absl::Status status;
+  std::optional<AppendResult> appended;
+  std::optional<StepResult> step;
 };
 
 // Layers [begin, end), begin < end <= num_layers.
@@ -260,13 +290,25 @@ class Client {
   // `lease` unset: the daemon's --lease-seconds.
   absl::StatusOr<Sequence> CreateSequence(const Layout& layout, const PolicySpec& policy,
                                           std::optional<absl::Duration> lease = std::nullopt);
-  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args);
+  // `table`, when set, is kept current (see BlockTable).
+  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args,
+                                      BlockTable* table = nullptr);
   // One client stream of chunks; the daemon applies them all or none.
   absl::StatusOr<AppendResult> AppendStream(uint64_t sequence_id,
-                                            absl::Span<const AppendArgs> chunks);
-  absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepArgs& args);
-  absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressArgs& args);
-  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id);
+                                            absl::Span<const AppendArgs> chunks,
+                                            BlockTable* table = nullptr);
+  // Signals the sequence's policy does not use are not sent (for sequences this client
+  // created or forked: GetInfo lists each policy's signals).
+  absl::StatusOr<StepResult> Step(uint64_t sequence_id, const StepArgs& args,
+                                  BlockTable* table = nullptr);
+  // The decode loop's call: every entry's append and step in one round trip; one result
+  // per entry, in order. An entry's error fails only that entry; the call itself fails
+  // only when the batch as a whole is malformed (a sequence twice) or does not arrive.
+  absl::StatusOr<std::vector<BatchResult>> StepBatch(absl::Span<const BatchEntry> entries);
+  absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressArgs& args,
+                                          BlockTable* table = nullptr);
+  // The whole table (positions when asked for): to attach to a sequence, or to recover.
+  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
   // Retained K/V of `layers` (unset: all), if the table is at `epoch` (unset: the current
   // one); one StreamKv per stream, layer-major.
   absl::StatusOr<std::vector<StreamKv>> ReadKv(uint64_t sequence_id,

@@ -20,9 +20,17 @@ struct ClientTable {
   std::vector<std::vector<int64_t>> positions;
 
   void Apply(const TableUpdate& update, size_t streams) {
-    if (update.full) {
-      blocks.assign(streams, {});
-      positions.assign(streams, {});
+    if (update.full()) {
+      ASSERT_EQ(update.table->streams.size(), streams);
+      blocks.clear();
+      positions.clear();
+      for (const StreamTable& st : update.table->streams) {
+        blocks.push_back(st.blocks);
+        positions.push_back(st.positions);
+      }
+      EXPECT_EQ(update.table->version, update.version);
+    } else {
+      EXPECT_EQ(update.base_version, version) << "a delta applied to another version";
     }
     for (const StreamDelta& d : update.streams) {
       ASSERT_LT(d.stream, blocks.size());
@@ -175,7 +183,7 @@ TEST_F(DeltaTest, ClientTablesFollowEveryKindOfChange) {
         ASSERT_TRUE(out.ok()) << out.status();
         ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
         ASSERT_TRUE((*out)[0].table.has_value());
-        EXPECT_FALSE((*out)[0].table->full) << "round " << round;
+        EXPECT_FALSE((*out)[0].table->full()) << "round " << round;
         tables[i].Apply(*(*out)[0].table, kStreams);
         next[i] += n;
         ++steps;
@@ -248,7 +256,7 @@ TEST_F(DeltaTest, CompressAndPlainCallsReportVersionsThatDeltasFollow) {
   absl::StatusOr<CompressResult> compressed = engine_->Compress(id, in);
   ASSERT_TRUE(compressed.ok()) << compressed.status();
   TableUpdate update = *engine_->GetTableUpdate(id, client.version, true);
-  EXPECT_FALSE(update.full);
+  EXPECT_FALSE(update.full());
   EXPECT_EQ(update.version, compressed->version);
   client.Apply(update, kStreams);
   ExpectSame(id, client, "after the compression");
@@ -261,7 +269,7 @@ TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
   ClientTable old = current;
   ASSERT_TRUE(AppendRange(id, 20, 1).ok());
   TableUpdate one_behind = *engine_->GetTableUpdate(id, current.version, true);
-  EXPECT_FALSE(one_behind.full);
+  EXPECT_FALSE(one_behind.full());
   // Every stream gained a slot in its last block: that block and its position, nothing else.
   ASSERT_EQ(one_behind.streams.size(), kStreams);
   EXPECT_EQ(one_behind.streams[0].kept_blocks, 1u);
@@ -271,20 +279,20 @@ TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
 
   ASSERT_TRUE(AppendRange(id, 21, 1).ok());
   TableUpdate two_behind = *engine_->GetTableUpdate(id, old.version, true);
-  EXPECT_TRUE(two_behind.full);
+  EXPECT_TRUE(two_behind.full());
   old.Apply(two_behind, kStreams);
   ExpectSame(id, old, "two behind");
 
   // Nothing changed since the client's version: an empty delta.
   TableUpdate same = *engine_->GetTableUpdate(id, old.version, true);
-  EXPECT_FALSE(same.full);
+  EXPECT_FALSE(same.full());
   EXPECT_TRUE(same.streams.empty());
   // A version this sequence never had (another's, or made up) gets the whole table.
   const uint64_t other = Create("full");
   ASSERT_TRUE(AppendRange(other, 0, 3).ok());
   const uint64_t foreign = engine_->GetBlockTable(other)->version;
-  EXPECT_TRUE(engine_->GetTableUpdate(id, foreign, true)->full);
-  EXPECT_TRUE(engine_->GetTableUpdate(id, old.version + 1000, true)->full);
+  EXPECT_TRUE(engine_->GetTableUpdate(id, foreign, true)->full());
+  EXPECT_TRUE(engine_->GetTableUpdate(id, old.version + 1000, true)->full());
 }
 
 TEST_F(DeltaTest, MoreHistoryServesDeltasFurtherBack) {
@@ -293,7 +301,7 @@ TEST_F(DeltaTest, MoreHistoryServesDeltasFurtherBack) {
   ClientTable client = Attach(id);
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(AppendRange(id, i * 5, 5).ok());
   TableUpdate update = *engine_->GetTableUpdate(id, client.version, false);
-  EXPECT_FALSE(update.full);
+  EXPECT_FALSE(update.full());
   client.Apply(update, kStreams);
   EXPECT_EQ(client.version, engine_->GetBlockTable(id)->version);
   EXPECT_THAT(Engine::Create(
@@ -409,7 +417,7 @@ TEST_F(DeltaTest, AFailingEntryChangesNothingAndLeavesTheOthersAlone) {
 
   // A sequence named twice: the whole batch is refused, nothing runs.
   calls = {data[0].call, data[0].call};
-  EXPECT_THAT(engine_->StepBatch(calls).status().message(), HasSubstr("steps[1].sequence_id"));
+  EXPECT_THAT(engine_->StepBatch(calls).status().message(), HasSubstr("entries[1].sequence_id"));
 }
 
 }  // namespace
