@@ -223,7 +223,8 @@ class Engine {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // FAILED_PRECONDITION `message`, carrying the current epoch and version as payloads
   // (kCurrentEpochPayload, kCurrentVersionPayload) for the caller's error details.
-  static absl::Status StaleEpoch(const Sequence& seq, absl::string_view message)
+  static absl::Status StaleEpoch(const Sequence& seq, absl::string_view message,
+                                 absl::StatusCode code = absl::StatusCode::kFailedPrecondition)
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // A fresh version for a commit that changes block lists (it becomes seq.version).
   uint64_t NewVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);

@@ -71,13 +71,14 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
         if (absl::Status s = Unusable(seq); !s.ok()) return s;
         if (read_epoch == 0) read_epoch = seq.epoch;
         if (seq.epoch != read_epoch) {
-          return layer == layer_begin && head == 0
-                     ? absl::FailedPreconditionError(
-                           absl::StrCat("epoch: asked for epoch ", read_epoch,
-                                        " but the block table is at epoch ", seq.epoch))
-                     : absl::AbortedError(absl::StrCat("epoch: the block table changed from epoch ",
-                                                       read_epoch, " to ", seq.epoch,
-                                                       " during the read; read again"));
+          if (layer == layer_begin && head == 0) {
+            return StaleEpoch(seq, absl::StrCat("epoch: asked for epoch ", read_epoch,
+                                                " but the block table is at epoch ", seq.epoch));
+          }
+          return StaleEpoch(seq,
+                            absl::StrCat("epoch: the block table changed from epoch ", read_epoch,
+                                         " to ", seq.epoch, " during the read; read again"),
+                            absl::StatusCode::kAborted);
         }
         const Stream& st = seq.streams[size_t{layer} * layout.num_kv_heads + head];
         const uint64_t row = layout.row_bytes();

@@ -9,8 +9,9 @@
 
 namespace kvmem::engine {
 
-absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message) {
-  absl::Status status = absl::FailedPreconditionError(message);
+absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message,
+                                absl::StatusCode code) {
+  absl::Status status(code, message);
   status.SetPayload(kCurrentEpochPayload, absl::Cord(absl::StrCat(seq.epoch)));
   status.SetPayload(kCurrentVersionPayload, absl::Cord(absl::StrCat(seq.version)));
   return status;
