@@ -6,7 +6,8 @@
 // (select_ref.cc) is the CPU implementation; select.cu is the CUDA twin.
 //
 // Layout: the slots of every stream in one flat array per field (scores f32, positions
-// i64, attention f32), stream s owning [offset, offset + length) (StreamSlice).
+// i64, attention f32), stream s owning [offset, offset + length) (StreamSlice). Positions
+// ascend within a stream (the order of its retained slots).
 // Exactness: every formula below is evaluated in f32 in the order written, without fused
 // multiply-adds, on both sides, so scores and keep-sets match bit for bit.
 #include <cstdint>
@@ -44,6 +45,13 @@ void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, u
 void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                   const float* stream_max, const int64_t* positions, float attention_weight,
                   uint8_t* keep);
+
+// The slot SelectTopRef drops from a stream exactly one slot over its budget (the decode
+// steady state: budget - protect + 1 unprotected slots, budget > protect): the one with the
+// smallest selection key among slots [0, unprotected). Host only: SelectTopRef's fast path,
+// shared with the policies that run on the host so that both paths drop the same slot.
+uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
+                           uint32_t unprotected, float max_score, float attention_weight);
 
 // Keep-set by threshold: unprotected slots with score >= threshold[s] are kept (budget is
 // ignored), the protected tail always.

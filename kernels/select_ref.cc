@@ -1,39 +1,166 @@
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "kernels/select.h"
 
 namespace kvmem::kernels {
+namespace {
+
+// The per-slot loops run four slots at a time in GCC/Clang vector types (SSE2 on x86-64,
+// NEON on arm64), with the scalar code for the tail. Every float operation is the one the
+// contract writes, in its order, per slot, so the results are those of the scalar code bit
+// for bit; only the order of the max reduction differs, and it does not matter (MaxLanes).
+constexpr uint32_t kLanes = 4;
+using F4 = float __attribute__((vector_size(16)));
+using I4 = int32_t __attribute__((vector_size(16)));
+using U4 = uint32_t __attribute__((vector_size(16)));
+
+template <typename V, typename T>
+V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V, typename T>
+void Store(T* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+F4 Splat(float x) { return F4{x, x, x, x}; }
+
+// max(from, lanes...) as a sequential std::max from `from` finds it: a NaN never replaces a
+// value (x < NaN is false) and a -0 never replaces a +0, so lanes started at +0 end with the
+// same maximum whatever the order the slots came in.
+float MaxLanes(F4 lanes, float from) {
+  for (uint32_t i = 0; i < kLanes; ++i) from = std::max(from, lanes[i]);
+  return from;
+}
+
+// e = lambda * e + (1 - lambda) * a (a where e is NaN: never scored) for n slots; returns
+// max(0, e...).
+float EmaStream(float lambda, uint32_t n, const float* attention, float* scores) {
+  const float fresh_weight = 1.0f - lambda;
+  F4 lanes = {};
+  uint32_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const F4 old = Load<F4>(scores + j);
+    const F4 a = Load<F4>(attention + j);
+    const F4 decayed = Splat(lambda) * old;
+    const F4 fresh = Splat(fresh_weight) * a;
+    const F4 e = old != old ? a : decayed + fresh;
+    Store(scores + j, e);
+    lanes = lanes < e ? e : lanes;
+  }
+  float mx = MaxLanes(lanes, 0.0f);
+  for (; j < n; ++j) {
+    const float old = scores[j];
+    const float decayed = lambda * old;
+    const float fresh = fresh_weight * attention[j];
+    scores[j] = std::isnan(old) ? attention[j] : decayed + fresh;
+    mx = std::max(mx, scores[j]);
+  }
+  return mx;
+}
+
+// s = s + a for n slots; returns max(0, s...).
+float AccumulateStream(uint32_t n, const float* attention, float* scores) {
+  F4 lanes = {};
+  uint32_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const F4 e = Load<F4>(scores + j) + Load<F4>(attention + j);
+    Store(scores + j, e);
+    lanes = lanes < e ? e : lanes;
+  }
+  float mx = MaxLanes(lanes, 0.0f);
+  for (; j < n; ++j) {
+    scores[j] += attention[j];
+    mx = std::max(mx, scores[j]);
+  }
+  return mx;
+}
+
+// SelectionKey's high word as a signed integer (the sign bit flipped): the same order, in
+// the signed compares SSE2 has.
+int32_t OrderedBits(float r) {
+  const uint32_t u = FloatBits(r);
+  return static_cast<int32_t>(u ^ ((u & 0x80000000u) ? 0x7fffffffu : 0u));
+}
+I4 OrderedBits(F4 r) {
+  I4 u;
+  std::memcpy(&u, &r, sizeof u);
+  return u ^ ((u >> 31) & 0x7fffffff);
+}
+
+}  // namespace
+
+uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
+                           uint32_t unprotected, float max_score, float attention_weight) {
+  const int64_t span = positions[length - 1] - positions[0];
+  const PriorityScale p = PriorityScaleFor(attention_weight, max_score, span);
+  // The smallest key: the lowest ordered priority, the later slot among equal ones (<=).
+  int32_t lowest = std::numeric_limits<int32_t>::max();
+  int32_t worst = -1;
+  uint32_t j = 0;
+  // Positions ascend (select.h), so pos_j - pos_0 lies in [0, span]: when span fits an
+  // int32, it is the difference of the positions' low 32-bit words, and its float conversion
+  // from int32 is the one from int64.
+  const bool narrow = span >= 0 && span <= std::numeric_limits<int32_t>::max();
+  if (narrow) {
+    const uint32_t low0 = static_cast<uint32_t>(positions[0]);
+    I4 best = {lowest, lowest, lowest, lowest};
+    I4 at = {-1, -1, -1, -1};
+    I4 index = {0, 1, 2, 3};
+    for (; j + kLanes <= unprotected; j += kLanes, index += static_cast<int32_t>(kLanes)) {
+      // The low words of four little-endian int64 positions.
+      const U4 low =
+          __builtin_shufflevector(Load<U4>(positions + j), Load<U4>(positions + j + 2), 0, 2, 4, 6);
+      const F4 a = Load<F4>(scores + j) * Splat(p.e_scale);
+      const F4 b = __builtin_convertvector((I4)(low - low0), F4) * Splat(p.r_scale);
+      const I4 ordered = OrderedBits((a + b) + Splat(p.r_const));
+      const I4 take = ordered <= best;
+      best = take ? ordered : best;
+      at = take ? index : at;
+    }
+    for (uint32_t i = 0; i < kLanes; ++i) {
+      if (best[i] < lowest || (best[i] == lowest && at[i] > worst)) {
+        lowest = best[i];
+        worst = at[i];
+      }
+    }
+  }
+  for (; j < unprotected; ++j) {  // later than every lane's slot
+    const float a = scores[j] * p.e_scale;
+    const int64_t since = positions[j] - positions[0];
+    const float b =
+        (narrow ? static_cast<float>(static_cast<int32_t>(since)) : static_cast<float>(since)) *
+        p.r_scale;
+    const int32_t ordered = OrderedBits((a + b) + p.r_const);
+    if (ordered <= lowest) {
+      lowest = ordered;
+      worst = static_cast<int32_t>(j);
+    }
+  }
+  return static_cast<uint32_t>(worst);
+}
 
 void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,
                      const float* attention, float* scores, float* stream_max) {
   for (uint32_t s = 0; s < num_streams; ++s) {
     const StreamSlice& st = streams[s];
-    float mx = 0.0f;
-    for (uint32_t j = st.offset; j < st.offset + st.length; ++j) {
-      const float a = attention[j];
-      float e;
-      if (rule == ScoreRule::kAccumulate) {
-        e = scores[j] + a;
-      } else if (std::isnan(scores[j])) {
-        e = a;
-      } else {
-        const float decayed = lambda * scores[j];
-        const float fresh = (1.0f - lambda) * a;
-        e = decayed + fresh;
-      }
-      scores[j] = e;
-      mx = std::max(mx, e);
-    }
-    stream_max[s] = mx;
+    stream_max[s] = rule == ScoreRule::kAccumulate
+                        ? AccumulateStream(st.length, attention + st.offset, scores + st.offset)
+                        : EmaStream(lambda, st.length, attention + st.offset, scores + st.offset);
   }
 }
 
 void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                   const float* stream_max, const int64_t* positions, float attention_weight,
                   uint8_t* keep) {
-  thread_local std::vector<uint64_t> keys;  // reused: called once per stream per step on the CPU
+  // Reused: called once per stream per step on the CPU, from several threads.
+  thread_local std::vector<uint64_t> keys, sorted;
   for (uint32_t s = 0; s < num_streams; ++s) {
     const StreamSlice& st = streams[s];
     uint8_t* k = keep + st.offset;
@@ -44,35 +171,27 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
     const uint32_t protect = std::min(st.protect, st.budget);
     const uint32_t unprotected = st.length - protect;
     const uint32_t take = st.budget - protect;
+    const float* sc = scores + st.offset;
     const int64_t* pos = positions + st.offset;
-    const PriorityScale p = PriorityScaleFor(attention_weight, stream_max ? stream_max[s] : 1.0f,
-                                             pos[st.length - 1] - pos[0]);
-    auto key = [&](uint32_t j) {
-      const float a = scores[st.offset + j] * p.e_scale;
-      const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
-      return SelectionKey((a + b) + p.r_const, j);
-    };
+    const float max_score = stream_max ? stream_max[s] : 1.0f;
     if (take > 0 && take + 1 == unprotected) {
       // The steady state of decoding, one slot out: the smallest key goes (keys are
-      // unique), found in one pass.
-      uint32_t worst = 0;
-      uint64_t worst_key = ~uint64_t{0};
-      for (uint32_t j = 0; j < unprotected; ++j) {
-        const uint64_t kj = key(j);
-        if (kj < worst_key) {
-          worst_key = kj;
-          worst = j;
-        }
-      }
+      // unique), found in one pass over the priorities.
       std::fill(k, k + st.length, 1);
-      k[worst] = 0;
+      k[LowestPriorityRef(sc, pos, st.length, unprotected, max_score, attention_weight)] = 0;
       continue;
     }
+    const PriorityScale p =
+        PriorityScaleFor(attention_weight, max_score, pos[st.length - 1] - pos[0]);
     keys.resize(unprotected);
-    for (uint32_t j = 0; j < unprotected; ++j) keys[j] = key(j);
+    for (uint32_t j = 0; j < unprotected; ++j) {
+      const float a = sc[j] * p.e_scale;
+      const float b = static_cast<float>(pos[j] - pos[0]) * p.r_scale;
+      keys[j] = SelectionKey((a + b) + p.r_const, j);
+    }
     uint64_t threshold = ~uint64_t{0};  // take = 0 keeps none of them
     if (take > 0) {
-      std::vector<uint64_t> sorted(keys);
+      sorted.assign(keys.begin(), keys.end());
       std::nth_element(sorted.begin(), sorted.begin() + (take - 1), sorted.end(),
                        std::greater<uint64_t>());
       threshold = sorted[take - 1];

@@ -1,22 +1,24 @@
 // Checks of client input that every mutation runs before it changes anything: appended
 // chunks and per-stream signals.
-#include <cmath>
+#include <algorithm>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/parallel.h"
+#include "server/common/simd_loops.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
 namespace {
 
-absl::Status CheckFinite(absl::Span<const float> values, const std::string& field, float min,
-                         float max) {
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, "[", i, "]: ", values[i], " is not a finite value in [", min, ", ", max, "]"));
-    }
-  }
-  return absl::OkStatus();
+// `field` names the values in the error: a callable, so that the name is built only then
+// (a step checks one attention row per stream).
+template <typename Name>
+absl::Status CheckFinite(absl::Span<const float> values, const Name& field, float min, float max) {
+  const size_t i = FirstOutside(values.data(), values.size(), min, max);
+  if (i == values.size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field(), "[", i, "]: ", values[i], " is not a finite value in [", min, ", ", max, "]"));
 }
 
 }  // namespace
@@ -64,7 +66,9 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
         absl::StrCat(where, "token_entropy: ", chunk.token_entropy.size(), " values for ", n,
                      " positions (send 0 or ", n, ")"));
   }
-  if (auto s = CheckFinite(chunk.token_entropy, where + "token_entropy", 0.0f, 1e6f); !s.ok()) {
+  if (auto s = CheckFinite(
+          chunk.token_entropy, [&] { return where + "token_entropy"; }, 0.0f, 1e6f);
+      !s.ok()) {
     return s;
   }
   if (!chunk.layer_distance.empty() && chunk.layer_distance.size() != n) {
@@ -72,7 +76,9 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
         absl::StrCat(where, "layer_distance: ", chunk.layer_distance.size(), " values for ", n,
                      " positions (send 0 or ", n, ")"));
   }
-  if (auto s = CheckFinite(chunk.layer_distance, where + "layer_distance", 0.0f, 2.0f); !s.ok()) {
+  if (auto s = CheckFinite(
+          chunk.layer_distance, [&] { return where + "layer_distance"; }, 0.0f, 2.0f);
+      !s.ok()) {
     return s;
   }
   for (size_t i = 0; i < n; ++i) {
@@ -92,32 +98,60 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
   const Layout& layout = seq.layout;
   std::vector<absl::Span<const float>> by_stream(seq.streams.size());
   std::vector<bool> seen(seq.streams.size(), false);
-  for (size_t i = 0; i < signals.size(); ++i) {
+  // Errors are reported for the first signal, in order, that has one; a signal's shape is
+  // checked before its values. The shapes first: `shaped` signals pass, then `shape_error`.
+  size_t shaped = 0;
+  size_t longest = 0;
+  absl::Status shape_error;
+  for (; shaped < signals.size(); ++shaped) {
+    const size_t i = shaped;
     const StreamSignal& sig = signals[i];
     if (sig.layer >= layout.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].layer: ", sig.layer,
-                                                     " is outside [0, ", layout.num_layers, ")"));
+      shape_error = absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "].layer: ", sig.layer, " is outside [0, ", layout.num_layers, ")"));
+      break;
     }
     if (sig.kv_head >= layout.num_kv_heads) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].kv_head: ", sig.kv_head,
-                                                     " is outside [0, ", layout.num_kv_heads, ")"));
+      shape_error = absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "].kv_head: ", sig.kv_head, " is outside [0, ", layout.num_kv_heads, ")"));
+      break;
     }
     const size_t s = size_t{sig.layer} * layout.num_kv_heads + sig.kv_head;
     if (seen[s]) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: stream (layer ", sig.layer,
-                                                     ", kv_head ", sig.kv_head, ") appears twice"));
+      shape_error =
+          absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: stream (layer ", sig.layer,
+                                                  ", kv_head ", sig.kv_head, ") appears twice"));
+      break;
     }
     seen[s] = true;
-    const std::string name = absl::StrCat(field, "[", i, "]");
     if (sig.values.size() != seq.streams[s].size() + pending) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          name, ": ", sig.values.size(), " values but stream (layer ", sig.layer, ", kv_head ",
-          sig.kv_head, ") retains ", seq.streams[s].size() + pending, " slots",
+      shape_error = absl::InvalidArgumentError(absl::StrCat(
+          field, "[", i, "]: ", sig.values.size(), " values but stream (layer ", sig.layer,
+          ", kv_head ", sig.kv_head, ") retains ", seq.streams[s].size() + pending, " slots",
           pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : ""));
+      break;
     }
-    if (auto st = CheckFinite(sig.values, name, 0.0f, 1e30f); !st.ok()) return st;
     by_stream[s] = sig.values;
+    longest = std::max(longest, sig.values.size());
   }
+  // Then the values of the signals that passed, split across cores (a step sends one row
+  // per stream): the first one in order with a bad value wins.
+  std::atomic<size_t> first_bad{shaped};
+  ParallelFor(shaped, StreamGrain(longest), [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end && i < first_bad.load(std::memory_order_relaxed); ++i) {
+      const absl::Span<const float> v = signals[i].values;
+      if (FirstOutside(v.data(), v.size(), 0.0f, 1e30f) == v.size()) continue;
+      size_t seen_bad = first_bad.load(std::memory_order_relaxed);
+      while (i < seen_bad && !first_bad.compare_exchange_weak(seen_bad, i)) {
+      }
+      return;
+    }
+  });
+  if (const size_t i = first_bad.load(); i < shaped) {
+    return CheckFinite(
+        signals[i].values, [&] { return absl::StrCat(field, "[", i, "]"); }, 0.0f, 1e30f);
+  }
+  if (!shape_error.ok()) return shape_error;
   if (require_all && signals.size() != seq.streams.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": ", why, " needs one entry per stream (", seq.streams.size(),

@@ -60,11 +60,25 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaim
   return ids[0];
 }
 
-void StreamPlanner::MoveSlot(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst) {
-  ByteRange s[4], d[4];
+void StreamPlanner::MoveSlots(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst,
+                              uint32_t count) {
+  ByteRange s[4], d[4], last[4];
   const int n = format_.SlotRanges(p, from, src, s);
   format_.SlotRanges(p, to, dst, d);
-  for (int i = 0; i < n; ++i) PushMove(batch_->moves, s[i].offset, d[i].offset, s[i].bytes);
+  // A slot's ranges are rows of planes: the run's rows follow each other. Checked on the
+  // run's last slot, so that a format laid out otherwise moves slot by slot instead.
+  format_.SlotRanges(p, from, src + count - 1, last);
+  bool rows = true;
+  for (int i = 0; i < n; ++i) {
+    rows = rows && last[i].offset == s[i].offset + (count - 1) * s[i].bytes;
+  }
+  if (!rows) {
+    for (uint32_t j = 0; j < count; ++j) MoveSlots(p, from, src + j, to, dst + j, 1);
+    return;
+  }
+  for (int i = 0; i < n; ++i) {
+    PushMove(batch_->moves, s[i].offset, d[i].offset, count * s[i].bytes);
+  }
 }
 
 absl::Status StreamPlanner::Unshare(StreamBlock& block) {
@@ -113,39 +127,42 @@ absl::Status StreamPlanner::Append(std::vector<StreamBlock>& blocks,
 
 absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
                                  absl::Span<const uint32_t> keep) {
-  std::vector<StreamBlock> out;
-  out.reserve(blocks.size());
+  // In place: the list only loses blocks or shrinks them, so entry `out` is written after
+  // entry `in` >= out was read. No allocation but the copy-on-write blocks.
+  size_t out = 0;
   size_t k = 0;
   uint64_t first_slot = 0;  // stream index of the block's first live slot
-  std::vector<uint32_t> local;
-  for (StreamBlock block : blocks) {
+  for (size_t in = 0; in < blocks.size(); ++in) {
+    StreamBlock block = blocks[in];
     // Fast path: keep-sets are ascending, so a block is kept whole exactly when its first and
     // last slots are both kept at the expected indices.
     if (k + block.count <= keep.size() && keep[k] == first_slot &&
         keep[k + block.count - 1] == first_slot + block.count - 1) {
       k += block.count;
       first_slot += block.count;
-      out.push_back(block);
+      blocks[out++] = block;
       continue;
     }
-    local.clear();
-    while (k < keep.size() && keep[k] < first_slot + block.count) {
-      local.push_back(static_cast<uint32_t>(keep[k++] - first_slot));
-    }
+    // This block's kept slots: keep[k0, k), as block-relative indices local(j).
+    const size_t k0 = k;
+    while (k < keep.size() && keep[k] < first_slot + block.count) ++k;
+    const uint64_t base_slot = first_slot;
+    auto local = [&](uint32_t j) { return static_cast<uint32_t>(keep[k0 + j] - base_slot); };
     first_slot += block.count;
-    if (local.empty()) {
+    const auto kept = static_cast<uint32_t>(k - k0);
+    if (kept == 0) {
       batch_->dropped.push_back(block.id);
       continue;
     }
-    const uint32_t kept = static_cast<uint32_t>(local.size());
     if (kept == block.count) {
-      out.push_back(block);
+      blocks[out++] = block;
       continue;
     }
-    if (local.back() - local.front() + 1 == kept) {  // already contiguous: no data moves
-      block.start += local.front();
+    const uint32_t front = local(0), back = local(kept - 1);
+    if (back - front + 1 == kept) {  // already contiguous: no data moves
+      block.start += front;
       block.count = kept;
-      out.push_back(block);
+      blocks[out++] = block;
       continue;
     }
     if (Shared(block.id)) {
@@ -157,55 +174,63 @@ absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
     // still to be read; toward the back, descending order has the same property.
     uint32_t front_moves = 0, back_moves = 0;
     for (uint32_t j = 0; j < kept; ++j) {
-      front_moves += local[j] != local.front() + j;
-      back_moves += local[j] != local.back() - (kept - 1 - j);
+      front_moves += local(j) != front + j;
+      back_moves += local(j) != back - (kept - 1 - j);
     }
+    // Runs of consecutive kept slots move as one (a memmove keeps the order's guarantee).
     if (front_moves <= back_moves) {
-      const uint32_t base = block.start + local.front();
-      for (uint32_t j = 0; j < kept; ++j) {
-        if (local[j] != local.front() + j) {
-          MoveSlot(block.precision, off, block.start + local[j], off, base + j);
+      const uint32_t to = block.start + front;
+      for (uint32_t j = 0; j < kept;) {
+        uint32_t end = j + 1;
+        while (end < kept && local(end) == local(end - 1) + 1) ++end;
+        if (local(j) != front + j) {
+          MoveSlots(block.precision, off, block.start + local(j), off, to + j, end - j);
         }
+        j = end;
       }
-      block.start = base;
+      block.start = to;
     } else {
-      const uint32_t top = block.start + local.back();
-      for (uint32_t j = kept; j-- > 0;) {
-        if (local[j] != local.back() - (kept - 1 - j)) {
-          MoveSlot(block.precision, off, block.start + local[j], off, top - (kept - 1 - j));
+      const uint32_t top = block.start + back;
+      for (uint32_t end = kept; end > 0;) {
+        uint32_t j = end - 1;
+        while (j > 0 && local(j - 1) + 1 == local(j)) --j;
+        if (local(end - 1) != back - (kept - end)) {
+          MoveSlots(block.precision, off, block.start + local(j), off, top - (kept - 1 - j),
+                    end - j);
         }
+        end = j;
       }
       block.start = top - (kept - 1);
     }
     block.count = kept;
-    out.push_back(block);
+    blocks[out++] = block;
   }
-  blocks = std::move(out);
+  blocks.resize(out);
   return absl::OkStatus();
 }
 
 absl::Status StreamPlanner::Merge(std::vector<StreamBlock>& blocks) {
   const uint32_t B = format_.block_tokens();
-  std::vector<StreamBlock> out;
-  out.reserve(blocks.size());
-  for (StreamBlock block : blocks) {
-    if (out.empty()) {
-      out.push_back(block);
+  // In place, as in Keep: entry `out` - 1 is the merge target, written after it was read.
+  size_t out = 0;
+  for (size_t in = 0; in < blocks.size(); ++in) {
+    StreamBlock block = blocks[in];
+    if (out == 0) {
+      blocks[out++] = block;
       continue;
     }
-    StreamBlock& prev = out.back();
+    StreamBlock& prev = blocks[out - 1];
     if (prev.precision != Precision::kLayout || block.precision != Precision::kLayout ||
         prev.count + block.count > B || Shared(prev.id) || Shared(block.id)) {
-      out.push_back(block);
+      blocks[out++] = block;
       continue;
     }
     const uint64_t prev_off = pool_->offset(prev.id);
     const uint64_t off = pool_->offset(block.id);
     if (block.start >= prev.count) {
       // prev's slots fit in front of block's: move them there, drop prev.
-      for (uint32_t j = 0; j < prev.count; ++j) {
-        MoveSlot(Precision::kLayout, prev_off, prev.start + j, off, block.start - prev.count + j);
-      }
+      MoveSlots(Precision::kLayout, prev_off, prev.start, off, block.start - prev.count,
+                prev.count);
       block.start -= prev.count;
       block.count += prev.count;
       batch_->dropped.push_back(prev.id);
@@ -214,18 +239,14 @@ absl::Status StreamPlanner::Merge(std::vector<StreamBlock>& blocks) {
     }
     if (prev.start + prev.count + block.count > B) {
       // Slide prev's slots to the front of their block first (ascending: safe in place).
-      for (uint32_t j = 0; j < prev.count; ++j) {
-        MoveSlot(Precision::kLayout, prev_off, prev.start + j, prev_off, j);
-      }
+      MoveSlots(Precision::kLayout, prev_off, prev.start, prev_off, 0, prev.count);
       prev.start = 0;
     }
-    for (uint32_t j = 0; j < block.count; ++j) {
-      MoveSlot(Precision::kLayout, off, block.start + j, prev_off, prev.start + prev.count + j);
-    }
+    MoveSlots(Precision::kLayout, off, block.start, prev_off, prev.start + prev.count, block.count);
     prev.count += block.count;
     batch_->dropped.push_back(block.id);
   }
-  blocks = std::move(out);
+  blocks.resize(out);
   return absl::OkStatus();
 }
 

@@ -74,8 +74,10 @@ class StreamPlanner {
   // private block), so it may take the pool's reserve.
   absl::StatusOr<store::BlockId> Allocate(Precision p, bool reclaims = false);
   bool Shared(store::BlockId id) const { return pool_->refs(id) > 1; }
-  // Moves slot `src` of block `from` to slot `dst` of block `to` (same precision).
-  void MoveSlot(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst);
+  // Moves slots [src, src + count) of block `from` to [dst, dst + count) of block `to` (same
+  // precision), as one memmove per plane (the ranges may overlap).
+  void MoveSlots(Precision p, uint64_t from, uint32_t src, uint64_t to, uint32_t dst,
+                 uint32_t count);
   // Replaces a shared block by a private copy of its live slots (same positions).
   absl::Status Unshare(StreamBlock& block);
 

@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/select.h"
+#include "server/common/parallel.h"
+#include "server/common/simd_loops.h"
 #include "server/policy/scoring.h"
 
 namespace kvmem::policy {
@@ -30,28 +32,15 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
     for (float e : ema) max_ema = std::max(max_ema, e);
   }
   const float weight = static_cast<float>(attention_weight);
-  if (n - budget == 1) {
-    // The steady state of decoding: one slot out, one pass, no sort. The slot with the
-    // smallest selection key goes (kernels/select.h: lowest priority, the newer on ties),
-    // exactly what SelectTopRef would evict.
-    const uint32_t unprotected = static_cast<uint32_t>(n) - std::min(protect, budget);
-    const kernels::PriorityScale p =
-        kernels::PriorityScaleFor(weight, max_ema, positions[n - 1] - positions[0]);
-    size_t worst = 0;
-    uint64_t worst_key = ~uint64_t{0};
-    for (uint32_t j = 0; j < unprotected; ++j) {
-      const float a = ema[j] * p.e_scale;
-      const float b = static_cast<float>(positions[j] - positions[0]) * p.r_scale;
-      const uint64_t key = kernels::SelectionKey((a + b) + p.r_const, j);
-      if (key < worst_key) {
-        worst = j;
-        worst_key = key;
-      }
-    }
+  if (n - budget == 1 && budget > protect) {
+    // The steady state of decoding: one slot out, one pass, no sort: the slot SelectTopRef
+    // would evict (kernels/select.h: lowest priority, the newer on ties).
+    const auto length = static_cast<uint32_t>(n);
+    const uint32_t worst = kernels::LowestPriorityRef(ema.data(), positions.data(), length,
+                                                      length - protect, max_ema, weight);
     keep.resize(n - 1);
-    std::iota(keep.begin(), keep.begin() + static_cast<std::ptrdiff_t>(worst), 0u);
-    std::iota(keep.begin() + static_cast<std::ptrdiff_t>(worst), keep.end(),
-              static_cast<uint32_t>(worst + 1));
+    FillAscending(keep.data(), 0, worst);
+    FillAscending(keep.data() + worst, worst + 1, length - 1 - worst);
     return keep;
   }
   // The general case is the kernel reference itself (kernels/select.h), so that the CPU and
@@ -130,16 +119,21 @@ class ConfKvPolicy final : public Policy {
     d.budget_tokens = BudgetFor(base, 0, ctx.num_layers);
     const bool evict = ctx.step % p_.interval == 0;
     d.scores_written = true;
-    for (size_t s = 0; s < streams.size(); ++s) {
-      const float max_ema = UpdateEma(streams[s]);
-      const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
-      if (evict && streams[s].positions.size() > budget) {
-        d.keep[s] = p_.random ? RandomKeep(streams[s].positions, streams[s].layer,
-                                           streams[s].kv_head, budget, p_.protect)
-                              : ConfKvKeep(streams[s].next_scores, streams[s].positions, budget,
-                                           p_.protect, p_.attention_weight, max_ema);
+    size_t longest = 0;
+    for (const StreamState& st : streams) longest = std::max(longest, st.positions.size());
+    // Streams are independent: each chunk writes only its streams' scores and keep-sets.
+    ParallelFor(streams.size(), StreamGrain(longest), [&](size_t begin, size_t end) {
+      for (size_t s = begin; s < end; ++s) {
+        const float max_ema = UpdateEma(streams[s]);
+        const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
+        if (evict && streams[s].positions.size() > budget) {
+          d.keep[s] = p_.random ? RandomKeep(streams[s].positions, streams[s].layer,
+                                             streams[s].kv_head, budget, p_.protect)
+                                : ConfKvKeep(streams[s].next_scores, streams[s].positions, budget,
+                                             p_.protect, p_.attention_weight, max_ema);
+        }
       }
-    }
+    });
     return d;
   }
 
@@ -192,18 +186,13 @@ class ConfKvPolicy final : public Policy {
   }
   // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a. Returns max e (the
   // stream's normalizer), or NaN when some slot was left unscored.
+  // The update is the kernels' (kernels/select.h, ScoreRule::kEma) on a copy of the scores.
   float UpdateEma(StreamState& st) const {
-    const float lambda = static_cast<float>(p_.lambda);
+    std::copy(st.scores.begin(), st.scores.end(), st.next_scores.begin());
+    const kernels::StreamSlice slice{0, static_cast<uint32_t>(st.attention.size()), 0, 0};
     float max_ema = 0;
-    for (size_t j = 0; j < st.attention.size(); ++j) {
-      const float a = st.attention[j];
-      const float e = std::isnan(st.scores[j]) ? a : lambda * st.scores[j] + (1 - lambda) * a;
-      st.next_scores[j] = e;
-      max_ema = std::max(max_ema, e);
-    }
-    for (size_t j = st.attention.size(); j < st.scores.size(); ++j) {
-      st.next_scores[j] = st.scores[j];
-    }
+    kernels::UpdateScoresRef(kernels::ScoreRule::kEma, static_cast<float>(p_.lambda), &slice, 1,
+                             st.attention.data(), st.next_scores.data(), &max_ema);
     return st.attention.size() == st.scores.size() ? max_ema : std::nanf("");
   }
   const ConfKvParams p_;

@@ -2,9 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/parallel.h"
+#include "server/common/simd_loops.h"
 
 namespace kvmem::store {
 
@@ -50,19 +51,32 @@ std::vector<kernels::StreamSlice> SlotBook::Slices(absl::Span<const uint32_t> bu
 
 KeepSets SlotBook::ToKeepSets(const uint8_t* flags) const {
   KeepSets keep(length_.size());
-  for (size_t s = 0; s < length_.size(); ++s) {
-    const uint8_t* f = flags + s * capacity_;
-    const uint32_t n = length_[s];
-    const void* zero = std::memchr(f, 0, n);
-    if (zero == nullptr) continue;  // every slot kept
-    const auto first = static_cast<uint32_t>(static_cast<const uint8_t*>(zero) - f);
-    std::vector<uint32_t>& kept = keep[s].emplace(first);
-    std::iota(kept.begin(), kept.end(), 0u);
-    for (uint32_t j = first + 1; j < n; ++j) {
-      if (f[j]) kept.push_back(j);
-    }
-  }
+  ParallelFor(length_.size(), StreamGrain(capacity_), [&](size_t begin, size_t end) {
+    for (size_t s = begin; s < end; ++s) keep[s] = ToKeepSet(static_cast<uint32_t>(s), flags);
+  });
   return keep;
+}
+
+std::optional<std::vector<uint32_t>> SlotBook::ToKeepSet(uint32_t s, const uint8_t* flags) const {
+  const uint8_t* f = flags + size_t{s} * capacity_;
+  const uint32_t n = length_[s];
+  const void* zero = std::memchr(f, 0, n);
+  if (zero == nullptr) return std::nullopt;  // every slot kept
+  // At least one slot goes: at most n - 1 stay. Run by run of kept slots (one or two runs
+  // at the decode steady state).
+  std::vector<uint32_t> kept(n - 1);
+  uint32_t* out = kept.data();
+  uint32_t j = 0;
+  while (j < n) {
+    const void* stop = std::memchr(f + j, 0, n - j);
+    const uint32_t end =
+        stop == nullptr ? n : static_cast<uint32_t>(static_cast<const uint8_t*>(stop) - f);
+    FillAscending(out, j, end - j);
+    out += end - j;
+    j = end + 1;
+  }
+  kept.resize(static_cast<size_t>(out - kept.data()));
+  return kept;
 }
 
 absl::Status SlotBook::FromKeepSets(const KeepSets& keep, uint8_t* flags) const {
@@ -153,21 +167,34 @@ class HostSlotState final : public BookedSlotState {
     const uint32_t S = book_.num_streams();
     if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
     const size_t cap = book_.capacity();
-    saved_scores_.assign(scores_.begin(), scores_.end());  // for AbortStep
-    saved_ = true;
-    // Stream by stream, so that the rows are read where they lie.
-    for (uint32_t s = 0; s < S; ++s) {
-      const kernels::StreamSlice one{0, book_.length(s), budget[s], protect};
-      float max_score = 0;
-      kernels::UpdateScoresRef(step.rule, step.lambda, &one, 1, rows[s].data(),
-                               scores_.data() + s * cap, &max_score);
-      if (step.select) {
-        kernels::SelectTopRef(&one, 1, scores_.data() + s * cap,
-                              step.normalize ? &max_score : nullptr, positions_.data() + s * cap,
-                              step.attention_weight, flags_.data() + s * cap);
+    // The new scores go to the spare buffer, which then becomes the scores: the old ones
+    // stay intact for AbortStep, also when this throws half-way (host memory).
+    spare_scores_.resize(scores_.size());
+    KeepSets sets(S);
+    uint32_t longest = 0;
+    for (uint32_t s = 0; s < S; ++s) longest = std::max(longest, book_.length(s));
+    // One pass per stream while its slots are in cache: score update, selection, keep-set;
+    // the streams split across cores (each writes only its own slots and set).
+    ParallelFor(S, StreamGrain(longest), [&](size_t begin, size_t end) {
+      for (size_t s = begin; s < end; ++s) {
+        const uint32_t n = book_.length(static_cast<uint32_t>(s));
+        float* scores = spare_scores_.data() + s * cap;
+        std::copy_n(scores_.data() + s * cap, n, scores);
+        const kernels::StreamSlice one{0, n, budget[s], protect};
+        float max_score = 0;
+        kernels::UpdateScoresRef(step.rule, step.lambda, &one, 1, rows[s].data(), scores,
+                                 &max_score);
+        if (!step.select) continue;
+        kernels::SelectTopRef(&one, 1, scores, step.normalize ? &max_score : nullptr,
+                              positions_.data() + s * cap, step.attention_weight,
+                              flags_.data() + s * cap);
+        sets[s] = book_.ToKeepSet(static_cast<uint32_t>(s), flags_.data());
       }
-    }
-    FinishStep(step.select, flags_.data(), keep);
+    });
+    scores_.swap(spare_scores_);
+    saved_ = true;
+    *keep = std::move(sets);
+    pending_ = step.select;
     return absl::OkStatus();
   }
 
@@ -208,7 +235,7 @@ class HostSlotState final : public BookedSlotState {
     auto copy = std::make_unique<HostSlotState>(*this);
     copy->pending_ = false;
     copy->saved_ = false;
-    copy->saved_scores_ = {};
+    copy->spare_scores_ = {};
     return copy;
   }
 
@@ -231,29 +258,37 @@ class HostSlotState final : public BookedSlotState {
   }
 
   absl::Status RestoreScores() override {
-    scores_.swap(saved_scores_);
+    scores_.swap(spare_scores_);
     return absl::OkStatus();
   }
 
   // CompactSlots' result for scores and positions (select.h), from each stream's first
-  // dropped slot on: at the decode steady state one slot goes and the prefix before it
-  // stays where it is.
+  // dropped slot on, one memmove per run of kept slots: at the decode steady state one slot
+  // goes, the prefix before it stays where it is and the rest moves down by one. Runs past
+  // a Step's point of no return: no allocation, no threads.
   absl::Status Compact() override {
     const size_t cap = book_.capacity();
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
       const uint8_t* f = flags_.data() + s * cap;
       const uint32_t n = book_.length(s);
-      if (n == 0) continue;
       const void* first_dropped = std::memchr(f, 0, n);
       if (first_dropped == nullptr) continue;
       float* scores = scores_.data() + s * cap;
       int64_t* positions = positions_.data() + s * cap;
       uint32_t r = static_cast<uint32_t>(static_cast<const uint8_t*>(first_dropped) - f);
-      for (uint32_t j = r + 1; j < n; ++j) {
-        if (!f[j]) continue;
-        scores[r] = scores[j];
-        positions[r] = positions[j];
-        ++r;
+      uint32_t j = r + 1;
+      while (j < n) {
+        if (!f[j]) {
+          ++j;
+          continue;
+        }
+        const void* stop = std::memchr(f + j, 0, n - j);
+        const uint32_t end =
+            stop == nullptr ? n : static_cast<uint32_t>(static_cast<const uint8_t*>(stop) - f);
+        std::memmove(scores + r, scores + j, (end - j) * sizeof(float));
+        std::memmove(positions + r, positions + j, (end - j) * sizeof(int64_t));
+        r += end - j;
+        j = end;
       }
       book_.set_length(s, r);
     }
@@ -261,7 +296,8 @@ class HostSlotState final : public BookedSlotState {
   }
 
   std::vector<float> scores_;
-  std::vector<float> saved_scores_;  // scores_ before the last Step, until it ends
+  // A Step's new scores while it runs; then, until the step ends, the scores before it.
+  std::vector<float> spare_scores_;
   std::vector<int64_t> positions_;
   std::vector<uint8_t> flags_;
 };

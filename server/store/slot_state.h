@@ -13,7 +13,8 @@
 //
 // The host bookkeeping (lengths, capacity, slices, keep flags <-> lists) is SlotBook; the
 // CPU implementation (HostSlotState) scores and selects with the C++ reference kernels and
-// compacts from each stream's first dropped slot, the CUDA one runs the kernels' twins
+// compacts from each stream's first dropped slot (the streams of a Step split across cores,
+// server/common/parallel.h), the CUDA one runs the kernels' twins
 // (cuda_slot_state.cc). Both give the same scores, positions and keep-sets bit for bit.
 #include <cstdint>
 #include <memory>
@@ -91,8 +92,10 @@ class SlotBook {
   std::vector<kernels::StreamSlice> Slices(absl::Span<const uint32_t> budget,
                                            uint32_t protect) const;
   // Flags (flat, capacity per stream) <-> keep-sets; ToKeepSets() gives nullopt where every
-  // slot is kept. FromKeepSets() checks the sets (ascending, in range).
+  // slot is kept (streams in parallel), ToKeepSet() the same for stream s. FromKeepSets()
+  // checks the sets (ascending, in range).
   KeepSets ToKeepSets(const uint8_t* flags) const;
+  std::optional<std::vector<uint32_t>> ToKeepSet(uint32_t s, const uint8_t* flags) const;
   absl::Status FromKeepSets(const KeepSets& keep, uint8_t* flags) const;
   // INTERNAL unless there is one row of length(s) values and one budget per stream (Step),
   // or one score per slot (WriteScores): the engine's own checks make these bugs, not input.

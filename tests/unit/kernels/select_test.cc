@@ -83,6 +83,75 @@ TEST(SelectTest, TopMatchesTheSortOracleOnRandomStreams) {
   }
 }
 
+// The score update at every length (the reference runs four slots at a time, then a scalar
+// tail): each slot's value and the stream max bit for bit against the formulas written out
+// slot by slot, with never-scored slots (NaN), zeros of both signs and ties.
+TEST(SelectTest, UpdateMatchesTheFormulasAtEveryLength) {
+  std::mt19937 rng(7);
+  const float values[] = {0.0f, -0.0f, 0.125f, 0.5f, 1.0f, 3.0e-39f, 7.5f};
+  for (uint32_t n = 0; n < 40; ++n) {
+    for (const ScoreRule rule : {ScoreRule::kEma, ScoreRule::kAccumulate}) {
+      std::vector<float> scores(n), att(n);
+      for (uint32_t j = 0; j < n; ++j) {
+        scores[j] = rule == ScoreRule::kEma && rng() % 3 == 0 ? std::nanf("") : values[rng() % 7];
+        att[j] = values[rng() % 7];
+      }
+      std::vector<float> want = scores;
+      float want_max = 0.0f;
+      for (uint32_t j = 0; j < n; ++j) {
+        if (rule == ScoreRule::kAccumulate) {
+          want[j] = want[j] + att[j];
+        } else if (std::isnan(want[j])) {
+          want[j] = att[j];
+        } else {
+          const float decayed = 0.9f * want[j];
+          const float fresh = (1.0f - 0.9f) * att[j];
+          want[j] = decayed + fresh;
+        }
+        want_max = std::max(want_max, want[j]);
+      }
+      const StreamSlice slice{0, n, 0, 0};
+      float got_max = -1.0f;
+      UpdateScoresRef(rule, 0.9f, &slice, 1, att.data(), scores.data(), &got_max);
+      for (uint32_t j = 0; j < n; ++j) {
+        ASSERT_EQ(FloatBits(scores[j]), FloatBits(want[j])) << "n " << n << " slot " << j;
+      }
+      ASSERT_EQ(FloatBits(got_max), FloatBits(want_max)) << "n " << n;
+    }
+  }
+}
+
+// The one-out steady state against the sort oracle where positions are far from zero
+// (their low 32-bit words wrap) and where a stream spans more than 2^31 positions.
+TEST(SelectTest, OneOutMatchesTheSortOracleForLargePositions) {
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 400; ++trial) {
+    const uint32_t n = 2 + rng() % 70;
+    const bool wide = trial % 2 == 1;
+    std::vector<float> scores(n);
+    std::vector<int64_t> positions(n);
+    int64_t at = (int64_t{1} << 40) - static_cast<int64_t>(rng() % 1000);  // crosses 2^40
+    float mx = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      scores[j] = static_cast<float>(rng() % 4) / 4;  // ties are common
+      mx = std::max(mx, scores[j]);
+      positions[j] = at;
+      at += wide && rng() % 4 == 0 ? (int64_t{1} << 30) + rng() % 7 : 1 + rng() % 3;
+    }
+    const uint32_t protect = rng() % (n - 1);
+    const float w = trial % 3 == 0 ? 1.0f : 0.65f;
+    const StreamSlice slice{0, n, n - 1, protect};
+    std::vector<uint8_t> keep(n, 7);
+    SelectTopRef(&slice, 1, scores.data(), &mx, positions.data(), w, keep.data());
+    const std::vector<uint8_t> want =
+        testing::OracleTopFlags(scores.data(), positions.data(), n, n - 1, protect, mx, w);
+    ASSERT_EQ(keep, want) << "trial " << trial;
+    const uint32_t dropped =
+        LowestPriorityRef(scores.data(), positions.data(), n, n - protect, mx, w);
+    ASSERT_EQ(want[dropped], 0) << "trial " << trial;
+  }
+}
+
 TEST(SelectTest, ThresholdKeepsProtectedTail) {
   std::vector<StreamSlice> streams = {{0, 5, 0, 2}};
   const std::vector<float> scores = {0.5f, 0.1f, 0.3f, 0.0f, 0.0f};

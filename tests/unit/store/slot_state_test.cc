@@ -2,6 +2,9 @@
 // bookkeeping it shares with the CUDA implementation.
 #include "server/store/slot_state.h"
 
+#include <cmath>
+#include <random>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/slot_state_script.h"
@@ -74,6 +77,52 @@ TEST(SlotStateTest, FlagsAndKeepSetsRoundTrip) {
   KeepSets unordered(2);
   unordered[1] = std::vector<uint32_t>{2, 1};
   EXPECT_FALSE(book.FromKeepSets(unordered, back.data()).ok());
+}
+
+// Enough streams and slots for a Step to split its streams across threads: keep-sets and
+// scores as the model's, AbortStep puts every stream's scores back, CommitStep compacts.
+TEST(SlotStateTest, ManyLongStreamsStepLikeTheModel) {
+  constexpr uint32_t S = 40, n = 3000;  // StreamGrain: tasks of 10 streams
+  std::unique_ptr<SlotState> state = MakeHostSlotState(S);
+  std::vector<int64_t> positions(n);
+  for (uint32_t j = 0; j < n; ++j) positions[j] = 5 + 2 * j + j % 3;
+  ASSERT_TRUE(state->Append(positions, std::nanf("")).ok());
+  testing::SlotModel m{std::vector<std::vector<float>>(S, std::vector<float>(n, std::nanf(""))),
+                       std::vector<std::vector<int64_t>>(S, positions)};
+  std::mt19937 rng(4);
+  const kernels::ScoreStep step{kernels::ScoreRule::kEma, 0.9f, 0.65f, true, true};
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::vector<float>> rows(S);
+    std::vector<uint32_t> budget(S);
+    testing::SlotModel stepped = m;
+    KeepSets want(S);
+    for (uint32_t s = 0; s < S; ++s) {
+      const auto len = static_cast<uint32_t>(m.positions[s].size());
+      float mx = 0;
+      for (uint32_t j = 0; j < len; ++j) {
+        rows[s].push_back(static_cast<float>(rng() % 8) / 8);
+        float& e = stepped.scores[s][j];
+        e = std::isnan(e) ? rows[s][j] : 0.9f * e + (1.0f - 0.9f) * rows[s][j];
+        mx = std::max(mx, e);
+      }
+      // Even streams one over the budget (the decode steady state), odd ones far over it.
+      budget[s] = s % 2 == 0 ? len - 1 : len / 2;
+      want[s] =
+          testing::ModelSelect(stepped.scores[s], stepped.positions[s], budget[s], 32, mx, 0.65f);
+    }
+    const std::vector<absl::Span<const float>> spans(rows.begin(), rows.end());
+    KeepSets got;
+    ASSERT_TRUE(state->Step(step, spans, budget, 32, &got).ok());
+    ASSERT_EQ(got, want) << "round " << round;
+    ASSERT_TRUE(state->AbortStep().ok());
+    testing::ExpectMatches(*state, m, "after AbortStep");
+    ASSERT_TRUE(state->Step(step, spans, budget, 32, &got).ok());
+    ASSERT_EQ(got, want) << "round " << round;
+    ASSERT_TRUE(state->CommitStep().ok());
+    testing::ModelKeep(stepped, want);
+    m = stepped;
+    testing::ExpectMatches(*state, m, "after CommitStep");
+  }
 }
 
 }  // namespace
