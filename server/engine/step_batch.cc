@@ -167,7 +167,15 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
     if (calls.size() < 2 || !config_.parallel_batches) {
       for (size_t i = 0; i < calls.size(); ++i) run(i);
     } else {
-      tbb::parallel_for(size_t{0}, calls.size(), run);
+      // Debian's oneTBB is not instrumented: TSan is shown the hand-over of the inputs to
+      // the tasks and of their outcomes back (what the task scheduler orders itself).
+      TsanRelease(&outcomes);
+      tbb::parallel_for(size_t{0}, calls.size(), [&](size_t i) {
+        TsanAcquire(&outcomes);
+        run(i);
+        TsanRelease(&outcomes);
+      });
+      TsanAcquire(&outcomes);
     }
     return outcomes;
   });
