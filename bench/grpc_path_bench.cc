@@ -1,54 +1,180 @@
-// Append throughput (1 MiB of K+V per call) and the Step round trip through kvmemd over
-// gRPC on loopback, side by side with a raw gRPC service carrying the same payloads in the
-// same process: the limit this path can reach. bench/grpc_path.py turns the run into ratios.
+// kvmemd's gRPC path next to a raw gRPC service carrying the same bytes, in one process and
+// one run, so that the ratios compare figures taken under the same load:
+// - Append of 1 MiB of K+V per call (4 layers x 2 KV heads x 64, f16);
+// - the decode loop at SmolLM2-135M's shape: one StepBatch of 1 and of 64 sequences (one new
+//   token each, append folded in) under `window` and `confkv` at their steady state (every
+//   step evicts one token per stream), block tables kept current from the daemon's deltas;
+//   the 64-sequence batch against kvmemd with parallel batches off and on;
+// - the single-sequence Step round trip over TCP and over a unix socket.
+// Each kvmemd call has a raw twin (BM_Raw*) whose request and response serialize to the
+// bytes the kvmemd call sent and received, as a client interceptor measured them.
+// bench/grpc_path.py runs this once and prints the ratios.
+//
+// kvmemd runs in this process, but every call crosses a real socket (a gRPC channel to
+// "127.0.0.1:port" or "unix:path" takes no in-process shortcut): the transports differ as
+// they would between processes, and client and daemon share the machine's cores either way.
 #include <benchmark/benchmark.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
+#include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/client_interceptor.h"
 #include "kvmem/client.h"
+#include "kvmem/v1/kvmem.pb.h"
 #include "server/service/server.h"
 
 namespace {
 
-// 4 layers x 2 KV heads x head_dim 64, f16: 2 KiB of K+V per token; 512 tokens = 1 MiB.
-constexpr uint32_t kL = 4, kH = 2, kD = 64;
-constexpr uint32_t kTokensPerMiB = (1u << 20) / (kL * kH * kD * 2 * 2);
+using kvmem::client::BatchEntry;
+using kvmem::client::BlockTable;
+using kvmem::client::Client;
+
+// --- The bytes a call carries -------------------------------------------------------------
+
+struct WireBytes {
+  int64_t request = 0, response = 0;  // serialized message sizes
+};
+
+// Measures the serialized request and response of Step and StepBatch calls while
+// `recording`. Registered for the whole process (gRPC has no per-channel hook into a
+// channel the kvmem client builds), so kvmemd's calls and the raw ones both pay for it.
+class WireProbe final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  std::atomic<bool> recording{false};
+  std::atomic<int64_t> request{0}, response{0};
+
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo* info) override {
+    return new Interceptor(this, info->method());
+  }
+
+ private:
+  class Interceptor final : public grpc::experimental::Interceptor {
+   public:
+    Interceptor(WireProbe* probe, std::string_view method) : probe_(probe), method_(method) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+      if (probe_->recording.load(std::memory_order_relaxed)) {
+        if (method_ == "/kvmem.v1.KvCache/StepBatch") {
+          Record<kvmem::v1::StepBatchRequest, kvmem::v1::StepBatchResponse>(m);
+        } else if (method_ == "/kvmem.v1.KvCache/Step") {
+          Record<kvmem::v1::StepRequest, kvmem::v1::StepResponse>(m);
+        }
+      }
+      m->Proceed();
+    }
+
+   private:
+    // gRPC hands the messages over untyped; the method name says what they are.
+    template <typename Request, typename Response>
+    void Record(grpc::experimental::InterceptorBatchMethods* m) {
+      using grpc::experimental::InterceptionHookPoints;
+      if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+        const auto* q = static_cast<const Request*>(m->GetSendMessage());
+        probe_->request = static_cast<int64_t>(q->ByteSizeLong());
+      }
+      if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+        const auto* r = static_cast<const Response*>(m->GetRecvMessage());
+        probe_->response = static_cast<int64_t>(r->ByteSizeLong());
+      }
+    }
+    WireProbe* probe_;
+    std::string_view method_;  // gRPC's string, alive for the call
+  };
+};
+
+WireProbe& Probe() {
+  static WireProbe* probe = new WireProbe();
+  return *probe;
+}
+
+// Pads `message` (its `data` field) so that it serializes to `total` bytes, or one less where
+// the length prefix would grow at exactly that size.
+template <typename Message>
+void PadTo(int64_t total, Message* message) {
+  message->clear_data();
+  const int64_t n = total - static_cast<int64_t>(message->ByteSizeLong()) - 2;  // tag + length
+  if (n <= 0) return;
+  message->mutable_data()->assign(static_cast<size_t>(n), '\x5a');
+  while (static_cast<int64_t>(message->ByteSizeLong()) > total) message->mutable_data()->pop_back();
+}
 
 class EchoService final : public kvmem::bench::Echo::Service {
   grpc::Status Sink(grpc::ServerContext*, const kvmem::bench::Payload* request,
                     kvmem::bench::Ack* reply) override {
     reply->set_bytes(request->data().size());
+    if (request->reply_bytes() > 0) PadTo(static_cast<int64_t>(request->reply_bytes()), reply);
     return grpc::Status::OK;
   }
 };
 
+// --- The daemons ----------------------------------------------------------------------------
+
+enum class Daemon { kTcp, kTcpSerialBatches, kUnix };
+enum class Transport { kTcp, kUnix };
+
+std::string SocketPath(const char* what) {
+  return absl::StrCat("/tmp/kvmem-grpc-path-", what, "-", static_cast<int64_t>(getpid()), ".sock");
+}
+
 struct Fixture {
   Fixture() {
-    kvmem::service::ServerConfig config;
-    config.listen = "127.0.0.1:0";
-    config.engine.pool_bytes = 512ull << 20;
-    server = *kvmem::service::Server::Start(config);
-    client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(server->port()));
+    daemons[static_cast<int>(Daemon::kTcp)] = StartDaemon("127.0.0.1:0", true);
+    daemons[static_cast<int>(Daemon::kTcpSerialBatches)] = StartDaemon("127.0.0.1:0", false);
+    std::remove(SocketPath("kvmemd").c_str());
+    daemons[static_cast<int>(Daemon::kUnix)] = StartDaemon("unix:" + SocketPath("kvmemd"), true);
 
+    std::remove(SocketPath("echo").c_str());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort("unix:" + SocketPath("echo"), grpc::InsecureServerCredentials());
     builder.RegisterService(&echo_service);
     builder.SetMaxReceiveMessageSize(64 << 20);
     echo_server = builder.BuildAndStart();
     grpc::ChannelArguments args;
     args.SetMaxSendMessageSize(-1);
-    echo = kvmem::bench::Echo::NewStub(grpc::CreateCustomChannel(
+    args.SetMaxReceiveMessageSize(-1);
+    echo[static_cast<int>(Transport::kTcp)] = kvmem::bench::Echo::NewStub(grpc::CreateCustomChannel(
         "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args));
+    echo[static_cast<int>(Transport::kUnix)] =
+        kvmem::bench::Echo::NewStub(grpc::CreateCustomChannel(
+            "unix:" + SocketPath("echo"), grpc::InsecureChannelCredentials(), args));
   }
-  std::unique_ptr<kvmem::service::Server> server;
-  std::unique_ptr<kvmem::client::Client> client;
+
+  struct Running {
+    std::unique_ptr<kvmem::service::Server> server;
+    std::unique_ptr<Client> client;
+  };
+  static Running StartDaemon(const std::string& listen, bool parallel_batches) {
+    kvmem::service::ServerConfig config;
+    config.listen = listen;
+    config.engine.pool_bytes = 1ull << 30;  // pages are touched only when used
+    config.engine.parallel_batches = parallel_batches;
+    Running d;
+    d.server = *kvmem::service::Server::Start(config);
+    const bool unix_socket = listen.rfind("unix:", 0) == 0;
+    d.client =
+        *Client::Connect(unix_socket ? listen : "127.0.0.1:" + std::to_string(d.server->port()));
+    return d;
+  }
+
+  Client& client(Daemon d) { return *daemons[static_cast<int>(d)].client; }
+  kvmem::bench::Echo::Stub& raw(Transport t) { return *echo[static_cast<int>(t)]; }
+
+  Running daemons[3];
   EchoService echo_service;
   std::unique_ptr<grpc::Server> echo_server;
-  std::unique_ptr<kvmem::bench::Echo::Stub> echo;
+  std::unique_ptr<kvmem::bench::Echo::Stub> echo[2];
 };
 
 Fixture& Shared() {
@@ -56,81 +182,364 @@ Fixture& Shared() {
   return *f;
 }
 
-const kvmem::client::Layout kLayout{kL, kH, kD, kvmem::client::DType::kF16, 16, 32000};
+// One raw call carrying `payload` (its reply_bytes set for the answer's size).
+void RawCall(benchmark::State& state, kvmem::bench::Echo::Stub& stub,
+             const kvmem::bench::Payload& payload) {
+  grpc::ClientContext context;
+  kvmem::bench::Ack ack;
+  grpc::Status s = stub.Sink(&context, payload, &ack);
+  if (!s.ok()) state.SkipWithError(s.error_message().c_str());
+}
+
+// Wall time per call, and the whole process's CPU time (client, daemon and echo threads):
+// on a shared machine the wall time includes waiting for a core, the CPU time does not.
+void Timed(benchmark::internal::Benchmark* b) {
+  b->UseRealTime()->MeasureProcessCPUTime()->MinTime(2.0);
+}
+
+// --- Append of 1 MiB ------------------------------------------------------------------------
+
+// 4 layers x 2 KV heads x head_dim 64, f16: 2 KiB of K+V per token; 512 tokens = 1 MiB.
+constexpr uint32_t kL = 4, kH = 2, kD = 64;
+constexpr uint32_t kTokensPerMiB = (1u << 20) / (kL * kH * kD * 2 * 2);
+const kvmem::client::Layout kSmallLayout{kL, kH, kD, kvmem::client::DType::kF16, 16, 32000};
 
 void BM_Append1MiB(benchmark::State& state) {
-  Fixture& f = Shared();
-  const std::string k(kTokensPerMiB * kL * kH * kD * 2, '\x11');
-  const std::string v = k;
+  Client& client = Shared().client(Daemon::kTcp);
+  const std::string kv(kTokensPerMiB * kL * kH * kD * 2, '\x11');  // K, and V the same
   std::vector<int64_t> positions(kTokensPerMiB);
-  uint64_t id = f.client->CreateSequence(kLayout, {"full", {}})->id;
+  uint64_t id = client.CreateSequence(kSmallLayout, {"full", {}})->id;
   int64_t next = 0;
   for (auto _ : state) {
     for (auto& p : positions) p = next++;
-    auto r = f.client->Append(id, {positions, {}, k, v, {}, {}});
+    auto r = client.Append(id, {positions, {}, kv, kv, {}, {}});
     if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
     if (next >= 64 * kTokensPerMiB) {  // keep the pool from filling: start a new sequence
       state.PauseTiming();
-      (void)f.client->Release(id);
-      id = f.client->CreateSequence(kLayout, {"full", {}})->id;
+      (void)client.Release(id);
+      id = client.CreateSequence(kSmallLayout, {"full", {}})->id;
       next = 0;
       state.ResumeTiming();
     }
   }
-  (void)f.client->Release(id);
-  state.SetBytesProcessed(state.iterations() * int64_t{2} * static_cast<int64_t>(k.size()));
+  (void)client.Release(id);
+  state.SetBytesProcessed(state.iterations() * int64_t{2} * static_cast<int64_t>(kv.size()));
 }
-BENCHMARK(BM_Append1MiB)->UseRealTime()->MinTime(2.0);
+BENCHMARK(BM_Append1MiB)->Apply(Timed);
 
 void BM_RawGrpc1MiB(benchmark::State& state) {
-  Fixture& f = Shared();
+  kvmem::bench::Echo::Stub& stub = Shared().raw(Transport::kTcp);
   kvmem::bench::Payload payload;
   payload.set_data(std::string(1u << 20, '\x11'));
-  for (auto _ : state) {
-    grpc::ClientContext context;
-    kvmem::bench::Ack ack;
-    grpc::Status s = f.echo->Sink(&context, payload, &ack);
-    if (!s.ok()) state.SkipWithError(s.error_message().c_str());
-  }
+  for (auto _ : state) RawCall(state, stub, payload);
   state.SetBytesProcessed(state.iterations() * int64_t{1} << 20);
 }
-BENCHMARK(BM_RawGrpc1MiB)->UseRealTime()->MinTime(2.0);
+BENCHMARK(BM_RawGrpc1MiB)->Apply(Timed);
 
-// One decode step of a `window` sequence at its steady state: one token appended and one
-// evicted per stream, so the daemon compacts every step.
-void BM_StepRoundTrip(benchmark::State& state) {
-  Fixture& f = Shared();
-  uint64_t id = f.client->CreateSequence(kLayout, {"window", {{"window", 512}}})->id;
-  const std::string kv(kL * kH * kD * 2, '\x22');
-  std::vector<int64_t> prefill(512);
-  for (int i = 0; i < 512; ++i) prefill[i] = i;
-  const std::string big(512 * kv.size(), '\x22');
-  (void)f.client->Append(id, {prefill, {}, big, big, {}, {}});
-  int64_t next = 512;
-  for (auto _ : state) {
-    state.PauseTiming();
-    const int64_t pos = next++;
-    (void)f.client->Append(id, {absl::MakeConstSpan(&pos, 1), {}, kv, kv, {}, {}});
-    state.ResumeTiming();
-    auto r = f.client->Step(id, {});
-    if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+// --- The decode loop at SmolLM2-135M's shape -------------------------------------------------
+
+// 30 layers x 3 KV heads x head_dim 64, f16, 16-token blocks: 11.25 KiB of K (and of V) per
+// token, 90 streams.
+const kvmem::client::Layout kSmolLm2{30, 3, 64, kvmem::client::DType::kF16, 16, 49152};
+constexpr uint32_t kStreams = 30 * 3;
+constexpr int64_t kContextTokens = 320;  // before the first step; both policies keep 256
+constexpr int kWarmupSteps = 3;          // the first evicts 64 per stream, then 1 per step
+
+enum class PolicyKind { kWindow, kConfKv };
+
+kvmem::client::PolicySpec SpecOf(PolicyKind policy) {
+  switch (policy) {
+    case PolicyKind::kWindow:
+      return {"window", {{"window", 256}}};
+    case PolicyKind::kConfKv:
+      return {"confkv", {{"c_high", 256}, {"c_low", 512}}};
   }
-  (void)f.client->Release(id);
+  return {};
 }
-BENCHMARK(BM_StepRoundTrip)->UseRealTime()->MinTime(2.0);
 
-void BM_RawGrpcEmpty(benchmark::State& state) {
-  Fixture& f = Shared();
+// How each step reaches the daemon: one StepBatch for all sequences (the new token folded
+// in), or, for one sequence, an Append and then a Step (only the Step is timed).
+enum class Calls { kStepBatch, kAppendThenStep };
+
+struct Scenario {
+  PolicyKind policy;
+  int sequences;
+  Calls calls;
+  // The calls name the client's BlockTable and apply the daemon's delta to it. Without,
+  // the step's answer carries no table (a worker that reads no table, or the step's own
+  // cost without the delta); the untimed Append of kAppendThenStep still fetches it.
+  bool tables = true;
+
+  std::string Key() const {
+    return absl::StrCat(static_cast<int>(policy), "/", sequences, "/", static_cast<int>(calls), "/",
+                        tables);
+  }
+};
+
+// Sequences decoding in lockstep at their steady state, each with its BlockTable kept
+// current from the daemon's table deltas (positions not asked for). confkv's signals are
+// what a worker sends: logit statistics of a confident step (budget c_high) and one
+// attention row per stream over the retained slots and the new token, as f16.
+class DecodingSequences {
+ public:
+  static absl::StatusOr<std::unique_ptr<DecodingSequences>> Start(Client& client,
+                                                                  const Scenario& scenario) {
+    auto d = std::unique_ptr<DecodingSequences>(new DecodingSequences(client, scenario));
+    if (absl::Status s = d->Prefill(); !s.ok()) return s;
+    for (int i = 0; i < kWarmupSteps; ++i) {
+      Probe().recording = i == kWarmupSteps - 1;  // the steady state's sizes
+      absl::Status s = d->StepOnce();
+      Probe().recording = false;
+      if (!s.ok()) return s;
+    }
+    d->wire_ = {Probe().request.load(), Probe().response.load()};
+    d->evicted_ = 0;
+    return d;
+  }
+
+  ~DecodingSequences() {
+    for (const Decoding& s : sequences_) (void)client_.Release(s.table.sequence_id);
+  }
+
+  // One decode step of every sequence. With Calls::kAppendThenStep the Append runs with the
+  // benchmark's timing paused.
+  absl::Status StepOnce(benchmark::State* state = nullptr) {
+    if (scenario_.calls == Calls::kAppendThenStep) return AppendThenStep(state);
+    for (size_t i = 0; i < sequences_.size(); ++i) {
+      sequences_[i].position = sequences_[i].next_position++;
+      FitSignals(i, 1);
+    }
+    auto results = client_.StepBatch(entries_);
+    if (!results.ok()) return results.status();
+    for (const kvmem::client::BatchResult& r : *results) {
+      if (!r.status.ok()) return r.status;
+      evicted_ += r.step->evicted_tokens;
+    }
+    return absl::OkStatus();
+  }
+
+  int count() const { return static_cast<int>(sequences_.size()); }
+  WireBytes wire() const { return wire_; }
+  uint64_t evicted() const { return evicted_; }  // since the warm-up
+
+ private:
+  struct Decoding {
+    BlockTable table;
+    int64_t next_position = kContextTokens;
+    int64_t position = 0;  // the token being appended (its AppendArgs::positions points here)
+  };
+
+  DecodingSequences(Client& client, const Scenario& scenario)
+      : client_(client),
+        scenario_(scenario),
+        kv_(size_t{kStreams} * kSmolLm2.head_dim * 2, '\x22') {}
+
+  absl::Status Prefill() {
+    sequences_.resize(scenario_.sequences);  // never resized again: entries_ point into it
+    std::vector<int64_t> positions(kContextTokens);
+    for (int64_t i = 0; i < kContextTokens; ++i) positions[i] = i;
+    const std::string prompt(kContextTokens * kv_.size(), '\x22');
+    for (Decoding& s : sequences_) {
+      auto created = client_.CreateSequence(kSmolLm2, SpecOf(scenario_.policy), absl::Hours(1));
+      if (!created.ok()) return created.status();
+      s.table.sequence_id = created->id;
+      auto appended =
+          client_.Append(created->id, {positions, {}, prompt, prompt, {}, {}}, &s.table);
+      if (!appended.ok()) return appended.status();
+      BatchEntry entry;
+      entry.sequence_id = created->id;
+      entry.append =
+          kvmem::client::AppendArgs{absl::MakeConstSpan(&s.position, 1), {}, kv_, kv_, {}, {}};
+      entry.step.emplace();
+      if (scenario_.policy == PolicyKind::kConfKv) {
+        entry.step->logit_stats = kvmem::client::LogitStats{0.5f, 0.9f, 0.05f, {}};
+        entry.step->attention_f16 = true;
+      }
+      entry.table = scenario_.tables ? &s.table : nullptr;
+      entries_.push_back(std::move(entry));
+    }
+    return absl::OkStatus();
+  }
+
+  // Sets sequence i's step to its table's epoch and sizes confkv's rows to the retained
+  // slots plus `new_tokens` (uniform weights; rebuilt only when a size changes).
+  void FitSignals(size_t i, uint32_t new_tokens) {
+    const BlockTable& table = sequences_[i].table;
+    kvmem::client::StepArgs& step = *entries_[i].step;
+    step.epoch = table.epoch;
+    if (scenario_.policy != PolicyKind::kConfKv) return;
+    step.attention.resize(table.streams.size());
+    for (size_t r = 0; r < table.streams.size(); ++r) {
+      const kvmem::client::StreamTable& st = table.streams[r];
+      size_t slots = new_tokens;
+      for (const kvmem::client::TableBlock& b : st.blocks) slots += b.count;
+      kvmem::client::StreamSignal& row = step.attention[r];
+      row.layer = st.layer;
+      row.kv_head = st.kv_head;
+      if (row.values.size() != slots) row.values.assign(slots, 1.0f / slots);
+    }
+  }
+
+  absl::Status AppendThenStep(benchmark::State* state) {
+    for (size_t i = 0; i < sequences_.size(); ++i) {
+      Decoding& s = sequences_[i];
+      if (state != nullptr) state->PauseTiming();
+      s.position = s.next_position++;
+      auto appended = client_.Append(s.table.sequence_id, *entries_[i].append, &s.table);
+      if (state != nullptr) state->ResumeTiming();
+      if (!appended.ok()) return appended.status();
+      FitSignals(i, 0);
+      auto stepped = client_.Step(s.table.sequence_id, *entries_[i].step, entries_[i].table);
+      if (!stepped.ok()) return stepped.status();
+      evicted_ += stepped->evicted_tokens;
+    }
+    return absl::OkStatus();
+  }
+
+  Client& client_;
+  const Scenario scenario_;
+  const std::string kv_;  // one token's K (and V): [L][H][1][D]
+  std::vector<Decoding> sequences_;
+  std::vector<BatchEntry> entries_;  // the StepBatch, one entry per sequence, reused
+  WireBytes wire_;
+  uint64_t evicted_ = 0;
+};
+
+// The bytes of a scenario's steady-state call, measured once (by whichever benchmark of the
+// pair runs first).
+std::map<std::string, WireBytes>& MeasuredWire() {
+  static auto* measured = new std::map<std::string, WireBytes>();
+  return *measured;
+}
+
+void BM_Decode(benchmark::State& state, Scenario scenario, Daemon daemon) {
+  auto d = DecodingSequences::Start(Shared().client(daemon), scenario);
+  if (!d.ok()) {
+    state.SkipWithError(std::string(d.status().message()).c_str());
+    return;
+  }
+  const WireBytes wire = (*d)->wire();
+  MeasuredWire()[scenario.Key()] = wire;
+  for (auto _ : state) {
+    if (absl::Status s = (*d)->StepOnce(&state); !s.ok()) {
+      state.SkipWithError(std::string(s.message()).c_str());
+      break;
+    }
+  }
+  state.counters["seqs"] = (*d)->count();
+  state.counters["req_bytes"] = static_cast<double>(wire.request);
+  state.counters["resp_bytes"] = static_cast<double>(wire.response);
+  if (state.iterations() > 0) {  // steady state: 90 (one per stream) per sequence and step
+    state.counters["evicted_per_seq_step"] =
+        static_cast<double>((*d)->evicted()) /
+        static_cast<double>(state.iterations() * (*d)->count());
+  }
+}
+
+// The raw twin of BM_Decode: one echo call per step carrying the same request and response
+// sizes.
+void BM_RawLike(benchmark::State& state, Scenario scenario, Transport transport) {
+  if (MeasuredWire().count(scenario.Key()) == 0) {
+    auto d = DecodingSequences::Start(Shared().client(Daemon::kTcp), scenario);
+    if (!d.ok()) {
+      state.SkipWithError(std::string(d.status().message()).c_str());
+      return;
+    }
+    MeasuredWire()[scenario.Key()] = (*d)->wire();
+  }
+  const WireBytes wire = MeasuredWire()[scenario.Key()];
   kvmem::bench::Payload payload;
-  for (auto _ : state) {
-    grpc::ClientContext context;
-    kvmem::bench::Ack ack;
-    grpc::Status s = f.echo->Sink(&context, payload, &ack);
-    if (!s.ok()) state.SkipWithError(s.error_message().c_str());
-  }
+  payload.set_reply_bytes(static_cast<uint64_t>(wire.response));
+  PadTo(wire.request, &payload);
+  kvmem::bench::Echo::Stub& stub = Shared().raw(transport);
+  for (auto _ : state) RawCall(state, stub, payload);
+  state.counters["req_bytes"] = static_cast<double>(payload.ByteSizeLong());
+  state.counters["resp_bytes"] = static_cast<double>(wire.response);
 }
-BENCHMARK(BM_RawGrpcEmpty)->UseRealTime()->MinTime(2.0);
+
+constexpr auto kWindow = PolicyKind::kWindow;
+constexpr auto kConfKv = PolicyKind::kConfKv;
+constexpr auto kBatch = Calls::kStepBatch;
+constexpr auto kStep = Calls::kAppendThenStep;
+constexpr auto kSerial = Daemon::kTcpSerialBatches;
+
+// Target 1: a step of 64 sequences in one StepBatch against a 1-entry StepBatch, kvmemd's
+// parallel batches off and on; tables kept.
+BENCHMARK_CAPTURE(BM_Decode, window_batch1, Scenario{kWindow, 1, kBatch}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_batch64_serial, Scenario{kWindow, 64, kBatch}, kSerial)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_batch64_parallel, Scenario{kWindow, 64, kBatch}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_batch1, Scenario{kConfKv, 1, kBatch}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_batch64_serial, Scenario{kConfKv, 64, kBatch}, kSerial)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_batch64_parallel, Scenario{kConfKv, 64, kBatch}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_batch1, Scenario{kWindow, 1, kBatch}, Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_batch64, Scenario{kWindow, 64, kBatch}, Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, confkv_batch1, Scenario{kConfKv, 1, kBatch}, Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, confkv_batch64, Scenario{kConfKv, 64, kBatch}, Transport::kTcp)
+    ->Apply(Timed);
+// The same without tables: what the deltas cost.
+BENCHMARK_CAPTURE(BM_Decode, window_batch1_notable, Scenario{kWindow, 1, kBatch, false},
+                  Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_batch64_notable, Scenario{kWindow, 64, kBatch, false},
+                  Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_batch1_notable, Scenario{kWindow, 1, kBatch, false},
+                  Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_batch64_notable, Scenario{kWindow, 64, kBatch, false},
+                  Transport::kTcp)
+    ->Apply(Timed);
+
+// Target 2: the single-sequence Step round trip over TCP and a unix socket, with and without
+// the table's delta.
+BENCHMARK_CAPTURE(BM_Decode, window_step_tcp, Scenario{kWindow, 1, kStep}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_step_unix, Scenario{kWindow, 1, kStep}, Daemon::kUnix)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_step_tcp_notable, Scenario{kWindow, 1, kStep, false},
+                  Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, window_step_unix_notable, Scenario{kWindow, 1, kStep, false},
+                  Daemon::kUnix)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_step_tcp, Scenario{kConfKv, 1, kStep}, Daemon::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_step_unix, Scenario{kConfKv, 1, kStep}, Daemon::kUnix)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_step_tcp, Scenario{kWindow, 1, kStep}, Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_step_unix, Scenario{kWindow, 1, kStep}, Transport::kUnix)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_step_tcp_notable, Scenario{kWindow, 1, kStep, false},
+                  Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, window_step_unix_notable, Scenario{kWindow, 1, kStep, false},
+                  Transport::kUnix)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, confkv_step_tcp, Scenario{kConfKv, 1, kStep}, Transport::kTcp)
+    ->Apply(Timed);
+BENCHMARK_CAPTURE(BM_RawLike, confkv_step_unix, Scenario{kConfKv, 1, kStep}, Transport::kUnix)
+    ->Apply(Timed);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  // Before any call: gRPC reads the global interceptor factory when a call starts.
+  grpc::experimental::RegisterGlobalClientInterceptorFactory(&Probe());
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  std::remove(SocketPath("kvmemd").c_str());
+  std::remove(SocketPath("echo").c_str());
+  return 0;
+}
