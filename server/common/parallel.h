@@ -45,12 +45,12 @@ void ParallelFor(size_t n, size_t grain, const Fn& fn) {
 #endif
 }
 
-// A grain for per-stream work of `slots_per_stream` slots each: tasks of at least 32k slots.
-// Smaller ones cost more than they save: a chunk run on another core leaves its results
-// (scores, keep-sets) in that core's cache for the serial rest of the step. Measured on a
-// 2-vCPU VM (bench/RESULTS.md, 2026-12-01): the SmolLM2 step (90 streams of 257 slots) took
-// 15 % longer split in tasks of 4k slots than on one thread; the Llama-8B one (256 x 4097)
-// gains.
+// A grain for per-stream work of `slots_per_stream` slots each: up to 32k slots a task
+// (ParallelFor halves ranges until they fit: 16k-32k), and a call with fewer slots in all
+// stays on the calling thread. Smaller tasks cost more than they save: a chunk run on
+// another core leaves its results (scores, keep-sets) in that core's cache for the serial
+// rest of the step. On a 2-vCPU VM (bench/RESULTS.md, 2026-12-01) the SmolLM2 step (90
+// streams of 257 slots) took ~15 % longer split in tasks of 4k slots than on one thread.
 inline size_t StreamGrain(size_t slots_per_stream) {
   constexpr size_t kSlotsPerTask = 32768;
   return std::max<size_t>(1, kSlotsPerTask / std::max<size_t>(slots_per_stream, 1));

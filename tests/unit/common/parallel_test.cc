@@ -70,10 +70,10 @@ TEST(ParallelForTest, AWaitingCallerRunsOnlyItsOwnChunks) {
   EXPECT_EQ(nested.load(), 0);
 }
 
-TEST(StreamGrainTest, TasksOfAtLeast32kSlots) {
+TEST(StreamGrainTest, TasksOfUpTo32kSlots) {
   EXPECT_EQ(StreamGrain(0), 32768u);
   EXPECT_EQ(StreamGrain(257), 127u);  // SmolLM2's 90 streams: one task
-  EXPECT_EQ(StreamGrain(4097), 7u);   // Llama-8B's 256 streams: 37 tasks
+  EXPECT_EQ(StreamGrain(4097), 7u);   // Llama-8B's 256 streams: 64 tasks of 4
   EXPECT_EQ(StreamGrain(100000), 1u);
 }
 
