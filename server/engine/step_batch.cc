@@ -92,7 +92,11 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
   auto finish = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     PublishVersion(*seq);
     if (call.table_version && seq->poisoned.empty() && !seq->released) {
-      out.table = TableDelta(*seq, *call.table_version, call.positions);
+      try {
+        out.table = TableDelta(*seq, *call.table_version, call.positions);
+      } catch (const std::bad_alloc&) {
+        // Everything applied; the client goes without the update and fetches its table.
+      }
     }
   };
   [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -123,7 +127,9 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
       out.appended = *appended;
     }
     if (prepared) {
-      absl::StatusOr<StepResult> stepped = RunStep(*seq, *prepared);
+      // Past the append's commit: host memory running out in the step must not hide that
+      // the append applied (the step itself applies whole, poisons, or changes nothing).
+      absl::StatusOr<StepResult> stepped = Guard("Step", [&] { return RunStep(*seq, *prepared); });
       if (!stepped.ok()) {
         out.status = stepped.status();
         return;
@@ -153,13 +159,16 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
       }
     }
     std::vector<StepOutcome> outcomes(calls.size());
-    auto run = [&](size_t i) {
-      absl::StatusOr<StepOutcome> one = Guard(
-          "StepBatch", [&]() -> absl::StatusOr<StepOutcome> { return StepCallImpl(calls[i]); });
-      if (one.ok()) {
-        outcomes[i] = *std::move(one);
-      } else {
-        outcomes[i].status = one.status();
+    // Whether entry i ran: once one has, the batch answers per entry whatever happens.
+    std::vector<char> ran(calls.size(), 0);
+    auto run = [&](size_t i) noexcept {
+      ran[i] = 1;
+      try {
+        outcomes[i] = StepCallImpl(calls[i]);
+      } catch (const std::bad_alloc&) {
+        // Before its first commit (StepCallImpl keeps what applied after it).
+        outcomes[i].status = absl::ResourceExhaustedError(
+            "StepBatch: out of host memory (kvmemd could not allocate)");
       }
     };
     // Entries name different sequences, so they take different locks: they run on every
@@ -170,12 +179,19 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
       // Debian's oneTBB is not instrumented: TSan is shown the hand-over of the inputs to
       // the tasks and of their outcomes back (what the task scheduler orders itself).
       TsanRelease(&outcomes);
-      tbb::parallel_for(size_t{0}, calls.size(), [&](size_t i) {
-        TsanAcquire(&outcomes);
-        run(i);
-        TsanRelease(&outcomes);
-      });
+      try {
+        tbb::parallel_for(size_t{0}, calls.size(), [&](size_t i) {
+          TsanAcquire(&outcomes);
+          run(i);
+          TsanRelease(&outcomes);
+        });
+      } catch (const std::exception&) {
+        // The scheduler itself failed (no task ran, or some did): the rest run here.
+      }
       TsanAcquire(&outcomes);
+      for (size_t i = 0; i < calls.size(); ++i) {
+        if (!ran[i]) run(i);
+      }
     }
     return outcomes;
   });

@@ -165,11 +165,12 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
             engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
-        if (request->has_client_table()) {
-          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
-        }
         return absl::OkStatus();
       });
+  // After the answer is kept for retries (which get a fresh update of their own).
+  if (status.ok() && request->has_client_table()) {
+    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+  }
   return ToGrpc(status, id);
 }
 
@@ -223,9 +224,9 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
         absl::StatusOr<engine::AppendResult> result = (*session)->Commit();
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
-        if (held_table) FillTableUpdate(id, *held_table, response->mutable_table_update());
         return absl::OkStatus();
       });
+  if (status.ok() && held_table) FillTableUpdate(id, *held_table, response->mutable_table_update());
   return ToGrpc(status, id);
 }
 
@@ -242,11 +243,11 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
         absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input);
         if (!result.ok()) return result.status();
         ToProto(*result, response);
-        if (request->has_client_table()) {
-          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
-        }
         return absl::OkStatus();
       });
+  if (status.ok() && request->has_client_table()) {
+    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+  }
   return ToGrpc(status, id);
 }
 
@@ -263,6 +264,7 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatch
                                        v1::StepBatchResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
+  std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
   const absl::Status status =
       requests_.Run("StepBatch", 0, request->request_id(), response, [&]() -> absl::Status {
         const int n = request->entries_size();
@@ -292,18 +294,41 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatch
         }
         absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
         if (!outcomes.ok()) return outcomes.status();
+        updates.resize(n);
         for (int i = 0; i < n; ++i) {
-          const engine::StepOutcome& out = (*outcomes)[i];
+          engine::StepOutcome& out = (*outcomes)[i];
           v1::StepBatchResult* result = response->add_results();
           *result->mutable_status() = ToRpcStatus(out.status, calls[i].sequence_id);
-          if (out.appended)
+          if (out.appended) {
             FillAppendResponse(calls[i].sequence_id, *out.appended, result->mutable_append());
+          }
           if (out.step) ToProto(*out.step, result->mutable_step());
-          if (out.table) ToProto(*out.table, result->mutable_table_update());
+          updates[i] = std::move(out.table);
         }
         return absl::OkStatus();
       });
-  return ToGrpc(status);
+  if (!status.ok()) return ToGrpc(status);
+  // The table updates go in after the answer is kept for retries (a replay computes fresh
+  // ones), and only up to --max-message-bytes in all: past it an entry's update is left
+  // out and the client fetches its table.
+  uint64_t update_bytes = 0;
+  for (int i = 0; i < response->results_size() && i < request->entries_size(); ++i) {
+    const v1::StepBatchEntry& entry = request->entries(i);
+    if (!entry.has_client_table()) continue;
+    v1::StepBatchResult* result = response->mutable_results(i);
+    if (i < static_cast<int>(updates.size()) && updates[i]) {
+      ToProto(*updates[i], result->mutable_table_update());
+    } else if (result->status().code() == 0 || result->has_append()) {  // a replay
+      FillTableUpdate(entry.sequence_id(), entry.client_table(), result->mutable_table_update());
+    } else {
+      continue;  // nothing of the entry applied: the client's table is still current
+    }
+    update_bytes += result->table_update().ByteSizeLong();
+    if (update_bytes > engine_->config().max_append_bytes) {
+      response->mutable_results(i)->clear_table_update();
+    }
+  }
+  return grpc::Status::OK;
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
@@ -319,11 +344,11 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
         absl::StatusOr<engine::CompressResult> result = engine_->Compress(id, *input);
         if (!result.ok()) return result.status();
         ToProto(*result, response);
-        if (request->has_client_table()) {
-          FillTableUpdate(id, request->client_table(), response->mutable_table_update());
-        }
         return absl::OkStatus();
       });
+  if (status.ok() && request->has_client_table()) {
+    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+  }
   return ToGrpc(status, id);
 }
 

@@ -187,5 +187,21 @@ TEST_F(DecodeLoopTest, ThePlainCallsKeepATableTooAndAForkFollowsItsParentsTable)
   EXPECT_EQ(Text(child_table), Text(*client_->GetBlockTable(child->id, false)));
 }
 
+TEST_F(DecodeLoopTest, ATableOfAnotherSequenceIsNeverKeptForThisOne) {
+  // Versions are unique only within a sequence's history: a delta for B applied to A's
+  // table would name A's blocks under B's epoch. The client replaces such a table.
+  const uint64_t a = Create("full");
+  const uint64_t b = Create("full");
+  ASSERT_TRUE(AppendRange(a, 0, 40).ok());
+  ASSERT_TRUE(AppendRange(b, 0, 3).ok());
+  client::BlockTable table = *client_->GetBlockTable(a);
+  positions_ = testing::Range(3, 1);
+  k_ = testing::Payload16(kStreams, 3, 1, kD, 0);
+  v_ = testing::Payload16(kStreams, 3, 1, kD, 1);
+  ASSERT_TRUE(client_->Append(b, {positions_, {}, k_, v_, {}, {}}, &table).ok());
+  EXPECT_EQ(table.sequence_id, b);
+  EXPECT_EQ(Text(table), Text(*client_->GetBlockTable(b)));
+}
+
 }  // namespace
 }  // namespace kvmem

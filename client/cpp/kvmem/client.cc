@@ -149,15 +149,17 @@ BlockTable FromProto(const v1::BlockTable& r) {
 // Brings `table` to the update's version. A delta applies only to the version it was made
 // from; false when it cannot apply (the table moved meanwhile: a concurrent call on the
 // same sequence answered first), and the table is left as it was.
-bool ApplyUpdate(const v1::TableUpdate& update, BlockTable* table) {
+bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable* table) {
   if (update.has_table()) {
-    if (table->version != 0 && update.table().version() < table->version) return true;  // older
+    if (update.table().sequence_id() != sequence_id) return false;
     *table = FromProto(update.table());
     return true;
   }
-  if (!update.has_delta()) return true;
+  if (!update.has_delta()) return false;
   const v1::TableDelta& delta = update.delta();
-  if (delta.base_version() != table->version) return delta.version() <= table->version;
+  // Versions are unique to a sequence's history only: a table of another sequence (or one
+  // that moved meanwhile) takes no delta.
+  if (table->sequence_id != sequence_id || delta.base_version() != table->version) return false;
   for (const v1::StreamDelta& d : delta.streams()) {  // checked whole before it applies
     if (d.stream() >= table->streams.size() ||
         d.kept_blocks() > table->streams[d.stream()].blocks.size() ||
@@ -543,13 +545,16 @@ absl::StatusOr<BlockTable> Client::Impl::FetchTable(uint64_t sequence_id, bool p
 
 absl::Status Client::Impl::Sync(uint64_t sequence_id, const v1::TableUpdate& update,
                                 BlockTable* table) {
-  if (ApplyUpdate(update, table) && (update.has_table() || update.has_delta())) {
-    return absl::OkStatus();
-  }
+  if (ApplyUpdate(sequence_id, update, table)) return absl::OkStatus();
   // No update (the sequence went right after the call) or one for another version.
   absl::StatusOr<BlockTable> fetched = FetchTable(sequence_id, table->positions);
-  if (!fetched.ok()) return fetched.status();
-  *table = *std::move(fetched);
+  if (fetched.ok()) {
+    *table = *std::move(fetched);
+  } else {
+    // The call itself applied; the table is marked as none held, so that the next call gets
+    // the whole table (or says why the sequence cannot serve).
+    table->version = 0;
+  }
   return absl::OkStatus();
 }
 

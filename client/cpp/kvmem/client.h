@@ -120,8 +120,11 @@ struct Sequence {
   absl::Duration lease;       // granted, whole seconds
   uint32_t block_tokens = 0;  // 0 for a Fork's child: its parent's
   uint32_t epoch_slot = 0;
-  uint64_t epoch = 0;          // the table's epoch
-  uint64_t table_version = 0;  // the table's version (a Fork's child: its parent's)
+  uint64_t epoch = 0;  // the table's epoch
+  // The table's version. A Fork's child starts at its parent's: a parent's BlockTable whose
+  // version equals it may be carried over to the child (with the child's id, epoch and
+  // epoch_slot) and kept from the child's updates; otherwise attach with GetBlockTable.
+  uint64_t table_version = 0;
 };
 
 // n new tokens. k and v are [L][H][n][D] in the layout dtype.
