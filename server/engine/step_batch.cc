@@ -4,8 +4,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/parallel.h"
 #include "server/engine/engine.h"
-#include "tbb/parallel_for.h"
 
 namespace kvmem::engine {
 
@@ -172,23 +172,18 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
       }
     };
     // Entries name different sequences, so they take different locks: they run on every
-    // core TBB has (the caller's thread included), one entry per task.
+    // core TBB has (the caller's thread included), one entry per task, isolated from other
+    // loops (ParallelFor), and in order under ThreadSanitizer, which cannot see oneTBB.
     if (calls.size() < 2 || !config_.parallel_batches) {
       for (size_t i = 0; i < calls.size(); ++i) run(i);
     } else {
-      // Debian's oneTBB is not instrumented: TSan is shown the hand-over of the inputs to
-      // the tasks and of their outcomes back (what the task scheduler orders itself).
-      TsanRelease(&outcomes);
       try {
-        tbb::parallel_for(size_t{0}, calls.size(), [&](size_t i) {
-          TsanAcquire(&outcomes);
-          run(i);
-          TsanRelease(&outcomes);
+        ParallelFor(calls.size(), 1, [&](size_t begin, size_t end) {
+          for (size_t i = begin; i < end; ++i) run(i);
         });
       } catch (const std::exception&) {
         // The scheduler itself failed (no task ran, or some did): the rest run here.
       }
-      TsanAcquire(&outcomes);
       for (size_t i = 0; i < calls.size(); ++i) {
         if (!ran[i]) run(i);
       }
