@@ -1,5 +1,6 @@
 #include "kv_stores.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -44,6 +45,9 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
   absl::StatusOr<client::Info> info = client->GetInfo();
   if (!info.ok()) return info.status();
   store->max_message_bytes_ = info->max_message_bytes;
+  for (const client::PolicyInfo& p : info->policies) {
+    if (p.name == policy.name.value_or("full")) store->policy_info_ = p;
+  }
   if (path == ReadPath::kSharedMemory) {
     absl::StatusOr<std::unique_ptr<client::SharedPool>> pool = client::SharedPool::Attach(*info);
     if (!pool.ok()) return pool.status();
@@ -56,6 +60,13 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
   if (!seq.ok()) return seq.status();
   store->sequence_ = *seq;
   store->policy_ = policy;
+  // Attach: the one whole table, without slot positions. The worker appends in position
+  // order, so every retained slot precedes the next token whichever the policy kept, and
+  // attention needs no positions (K is stored after RoPE); tables without them make smaller
+  // updates (an eviction at a stream's head changes every block after it).
+  absl::StatusOr<client::BlockTable> table = client->GetBlockTable(seq->id, false);
+  if (!table.ok()) return table.status();
+  store->table_ = *std::move(table);
   return store;
 }
 
@@ -63,18 +74,46 @@ KvmemKvStore::~KvmemKvStore() {
   if (client_ != nullptr && sequence_.id != 0) (void)client_->Release(sequence_.id);
 }
 
-absl::Status KvmemKvStore::BeginForward() {
+bool KvmemKvStore::StepUses(std::string_view signal) const {
+  const std::vector<std::string>& s = policy_info_.step_signals;
+  return std::find(s.begin(), s.end(), signal) != s.end();
+}
+
+bool KvmemKvStore::AppendUses(std::string_view signal) const {
+  const std::vector<std::string>& s = policy_info_.append_signals;
+  return std::find(s.begin(), s.end(), signal) != s.end();
+}
+
+absl::Status KvmemKvStore::Refetch() {
   const auto start = std::chrono::steady_clock::now();
-  absl::StatusOr<client::BlockTable> table = client_->GetBlockTable(sequence_.id);
+  absl::StatusOr<client::BlockTable> table = client_->GetBlockTable(sequence_.id, table_.positions);
+  read_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!table.ok()) return table.status();
   table_ = *std::move(table);
-  if (path_ == ReadPath::kGrpc) {
-    absl::StatusOr<std::vector<client::StreamKv>> kv = client_->ReadKv(sequence_.id, table_.epoch);
-    if (!kv.ok()) return kv.status();
-    grpc_kv_ = *std::move(kv);
+  return absl::OkStatus();
+}
+
+absl::Status KvmemKvStore::BeginForward() {
+  if (path_ == ReadPath::kSharedMemory) {
+    absl::Status s = pool_->BeginRead(table_);
+    if (absl::IsFailedPrecondition(s)) {  // changed by another client: attach again
+      if (absl::Status fetched = Refetch(); !fetched.ok()) return fetched;
+      s = pool_->BeginRead(table_);
+    }
+    return s;
   }
-  table_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return path_ == ReadPath::kGrpc ? absl::OkStatus() : pool_->BeginRead(table_);
+  for (int attempt = 0;; ++attempt) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<std::vector<client::StreamKv>> kv = client_->ReadKv(sequence_.id, table_.epoch);
+    read_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (kv.ok()) {
+      grpc_kv_ = *std::move(kv);
+      return absl::OkStatus();
+    }
+    if (attempt > 0 || !client::CurrentEpoch(kv.status()).has_value()) return kv.status();
+    if (absl::Status fetched = Refetch(); !fetched.ok()) return fetched;
+  }
 }
 
 absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* out) {
@@ -92,7 +131,7 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
     }
     return absl::OkStatus();
   }
-  out->positions = table_.streams[s].positions;
+  out->positions.clear();  // the table holds none (see Create)
   absl::StatusOr<std::vector<client::BlockView>> blocks =
       pool_->StreamBlocks(table_, layer, kv_head);
   if (!blocks.ok()) return blocks.status();
@@ -127,30 +166,54 @@ absl::Status KvmemKvStore::EndForward() {
 absl::StatusOr<client::AppendResult> KvmemKvStore::Append(absl::Span<const int64_t> positions,
                                                           absl::Span<const int32_t> token_ids,
                                                           const ForwardResult& r,
-                                                          absl::Span<const float> token_entropy) {
+                                                          absl::Span<const float> token_entropy,
+                                                          absl::Span<const float> layer_distance) {
   const uint64_t T = positions.size(), D = config_.head_dim;
   const uint64_t streams = uint64_t{config_.num_layers} * config_.num_kv_heads;
   const uint64_t per_token = 2 * streams * D * 4;
   const uint64_t chunk = std::max<uint64_t>(1, max_message_bytes_ / per_token);
-  absl::StatusOr<client::AppendResult> result;
+  auto signal = [](absl::Span<const float> s, uint64_t t0, uint64_t n) {
+    return s.empty() ? s : s.subspan(t0, n);
+  };
+  if (T <= chunk) {  // one message: K and V as they lie
+    const client::AppendArgs args{
+        positions,
+        token_ids,
+        std::string_view(reinterpret_cast<const char*>(r.k.data()), r.k.size() * 4),
+        std::string_view(reinterpret_cast<const char*>(r.v.data()), r.v.size() * 4),
+        token_entropy,
+        layer_distance};
+    return client_->Append(sequence_.id, args, &table_);
+  }
+  // Re-laid [L][H][T][D] as [L][H][n][D] per chunk of n tokens; one stream, all or none.
+  std::vector<std::string> k, v;
+  std::vector<client::AppendArgs> chunks;
   for (uint64_t t0 = 0; t0 < T; t0 += chunk) {
     const uint64_t n = std::min(chunk, T - t0);
-    // Re-lay [L][H][T][D] as [L][H][n][D] for tokens t0..t0+n.
-    std::string k(streams * n * D * 4, '\0'), v(k.size(), '\0');
+    k.emplace_back(streams * n * D * 4, '\0');
+    v.emplace_back(streams * n * D * 4, '\0');
     for (uint64_t s = 0; s < streams; ++s) {
-      std::memcpy(k.data() + s * n * D * 4, r.k.data() + (s * T + t0) * D, n * D * 4);
-      std::memcpy(v.data() + s * n * D * 4, r.v.data() + (s * T + t0) * D, n * D * 4);
+      std::memcpy(k.back().data() + s * n * D * 4, r.k.data() + (s * T + t0) * D, n * D * 4);
+      std::memcpy(v.back().data() + s * n * D * 4, r.v.data() + (s * T + t0) * D, n * D * 4);
     }
-    client::AppendArgs args{positions.subspan(t0, n),
-                            token_ids.subspan(t0, n),
-                            k,
-                            v,
-                            token_entropy.subspan(t0, n),
-                            absl::MakeConstSpan(r.layer_distance).subspan(t0, n)};
-    result = client_->Append(sequence_.id, args);
-    if (!result.ok()) return result.status();
   }
-  return result;
+  for (uint64_t t0 = 0, i = 0; t0 < T; t0 += chunk, ++i) {
+    const uint64_t n = std::min(chunk, T - t0);
+    chunks.push_back({positions.subspan(t0, n), token_ids.subspan(t0, n), k[i], v[i],
+                      signal(token_entropy, t0, n), signal(layer_distance, t0, n)});
+  }
+  return client_->AppendStream(sequence_.id, chunks, &table_);
+}
+
+absl::StatusOr<client::CompressResult> KvmemKvStore::Compress(client::CompressArgs args) {
+  args.epoch = table_.epoch;
+  return client_->Compress(sequence_.id, args, &table_);
+}
+
+client::BatchEntry KvmemKvStore::StepEntry(std::optional<client::AppendArgs> append,
+                                           std::optional<client::StepArgs> step) {
+  if (step) step->epoch = table_.epoch;
+  return client::BatchEntry{sequence_.id, std::move(append), std::move(step), &table_};
 }
 
 }  // namespace kvmem::worker

@@ -3,7 +3,9 @@
 // the kvmemd path is checked against) and in kvmemd, read in place through the same-host
 // mapping of its pool (or over gRPC with ReadKv, the portable path).
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvmem/client.h"
@@ -29,6 +31,12 @@ class LocalKvStore final : public KvStore {
 
 // The cache in kvmemd. Layout f32 by default so that attention reads layout-precision
 // blocks where they lie; quantized blocks are dequantized as they are read.
+//
+// The block table is fetched once, when the store attaches (Create), and then kept current
+// by the updates the daemon answers every mutating call with: Append, Compress and the
+// entries of StepBatch carry `&table()`. A forward pass reads the pool under that table's
+// epoch (same-host path) or asks ReadKv for it (gRPC path); a table found stale (another
+// client changed the sequence) is fetched again once.
 class KvmemKvStore final : public KvStore {
  public:
   enum class ReadPath { kSharedMemory, kGrpc };
@@ -42,31 +50,48 @@ class KvmemKvStore final : public KvStore {
   absl::Status Past(uint32_t layer, uint32_t kv_head, PastStream* out) override;
   absl::Status EndForward() override;
 
-  // Appends the new tokens with their per-token signals (chunked to the message limit).
+  // The new tokens of `r` ([L][H][T][D] K and V) with their per-token signals (empty spans:
+  // none sent), committed atomically: one Append, or one AppendStream of message-sized
+  // chunks. Keeps the table.
   absl::StatusOr<client::AppendResult> Append(absl::Span<const int64_t> positions,
                                               absl::Span<const int32_t> token_ids,
                                               const ForwardResult& r,
-                                              absl::Span<const float> token_entropy);
+                                              absl::Span<const float> token_entropy,
+                                              absl::Span<const float> layer_distance);
+  // Compress at the table's epoch (args.epoch is set here). Keeps the table.
+  absl::StatusOr<client::CompressResult> Compress(client::CompressArgs args);
+  // This sequence's entry of a StepBatch: `append` (views that must outlive the call), then
+  // `step` at the table's epoch; the table is kept by the call.
+  client::BatchEntry StepEntry(std::optional<client::AppendArgs> append,
+                               std::optional<client::StepArgs> step);
+
+  // Whether the sequence's policy requires `signal` ("attention_rows", "logit_stats", ...)
+  // on every Step, or per appended token (GetInfo's lists for the policy).
+  bool StepUses(std::string_view signal) const;
+  bool AppendUses(std::string_view signal) const;
+
   uint64_t sequence_id() const { return sequence_.id; }
   const client::PolicySpec& policy() const { return policy_; }
-  uint64_t table_epoch() const { return table_.epoch; }
   const client::BlockTable& table() const { return table_; }
   client::Client* client() const { return client_; }
-  // Seconds spent fetching block tables (and ReadKv on the gRPC path) so far.
-  double table_seconds() const { return table_seconds_; }
+  // Seconds spent reading K/V over gRPC (ReadKv) and fetching stale tables again so far.
+  double read_seconds() const { return read_seconds_; }
 
  private:
   KvmemKvStore() = default;
+  absl::Status Refetch();
+
   client::Client* client_ = nullptr;
   ModelConfig config_;
   client::Sequence sequence_;
   client::PolicySpec policy_;
+  client::PolicyInfo policy_info_;
   ReadPath path_ = ReadPath::kSharedMemory;
   std::unique_ptr<client::SharedPool> pool_;
   client::BlockTable table_;
   std::vector<client::StreamKv> grpc_kv_;  // kGrpc: this forward's streams
   uint64_t max_message_bytes_ = 0;
-  double table_seconds_ = 0;
+  double read_seconds_ = 0;
 };
 
 }  // namespace kvmem::worker

@@ -69,7 +69,7 @@ void BlockedAttention(const float* q, uint32_t q_stride, uint32_t head0, uint32_
                       const PastStream& past, const float* new_k, const float* new_v, uint32_t D,
                       float scale, float* out, Accumulate&& accumulate) {
   constexpr uint32_t kChunk = 128;
-  const size_t n_past = past.positions.size();
+  const size_t n_past = past.slots();
   const size_t n = n_past + T;
   // K and V of the stream, past then new, contiguous [n][D].
   std::vector<float> k(n * D), v(n * D);
@@ -323,7 +323,10 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
         std::copy_n(&v[uint64_t{t} * KV + g * D], D, rv + uint64_t{t} * D);
       }
       if (absl::Status s = store.Past(l, g, &past); !s.ok()) return s;
-      const size_t n_past = past.positions.size();
+      const size_t n_past = past.slots();
+      if (!past.positions.empty() && past.positions.size() != n_past) {
+        return absl::InternalError("forward: a past stream's positions do not match its slots");
+      }
       const size_t n = n_past + T;
       std::vector<float>* row_out =
           options.attention_rows ? &r.attention_rows[l * HKV + g] : nullptr;
@@ -354,7 +357,7 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
           size_t j = 0;
           for (const PastStream::Run& run : past.runs) {
             for (uint32_t i = 0; i < run.count; ++i, ++j) {
-              scores[j] = past.positions[j] <= positions[t]
+              scores[j] = past.positions.empty() || past.positions[j] <= positions[t]
                               ? Dot(qt, run.k + uint64_t{i} * D, D) * inv_sqrt_d
                               : -INFINITY;
             }
@@ -410,7 +413,9 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       r.layer_distance[t] = static_cast<float>(std::clamp(1.0 - cos, 0.0, 2.0));
     }
   }
-  if (options.next_token_stats) {
+  // One token's statistics come from its logits below (the same rows, the same arithmetic).
+  const bool stats_from_logits = options.next_token_stats && T == 1;
+  if (options.next_token_stats && !stats_from_logits) {
     // Row by row in chunks, so that a long prompt never holds T x vocab logits at once.
     constexpr uint32_t kChunk = 32;
     std::vector<float> chunk_logits(uint64_t{kChunk} * c.vocab);
@@ -435,6 +440,7 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
   }
   r.logits.resize(uint64_t{rows} * c.vocab);
   Apply(output.f32.empty() ? embedding : output, h.data(), rows, E, c.vocab, r.logits.data());
+  if (stats_from_logits) r.next_token_stats = {SummarizeLogits(r.logits)};
   return r;
 }
 

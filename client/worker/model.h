@@ -40,8 +40,16 @@ struct PastStream {
     uint32_t count;
   };
   std::vector<Run> runs;
-  std::vector<int64_t> positions;  // one per slot, across the runs in order
+  // One per slot, across the runs in order; empty when the store does not keep them, which
+  // says that every past slot precedes the new tokens (a cache appended in position order).
+  std::vector<int64_t> positions;
   std::vector<float> scratch;
+
+  uint64_t slots() const {
+    uint64_t n = 0;
+    for (const Run& run : runs) n += run.count;
+    return n;
+  }
 };
 
 class KvStore {

@@ -6,9 +6,12 @@
 //   kvmem_worker kl         --model M --text FILE     (confidence inputs and KL per step)
 //   kvmem_worker quanterr   --model M --text FILE     (int8/int4/nf4 error on real K/V)
 //   kvmem_worker multi      --model M --prompt_file F --policies "full;h2o,budget=256"
-//                           (one prefill, then per policy: compress, answer, KV bytes)
+//                           (one prefill, then per policy: compress, answer, KV bytes; the
+//                           answers decode side by side, one StepBatch per token)
 //
 // --cache=kvmemd (default) keeps the cache in the daemon; --cache=local keeps it in process.
+// Through kvmemd every generated token is one StepBatch (the token and the step's signals;
+// --attention_f16 sends attention rows as halves), plus ReadKv with --read_path=grpc.
 #include <unistd.h>
 
 #include <cctype>
@@ -29,6 +32,7 @@
 #include "kernels/quantize.h"
 #include "kv_stores.h"
 #include "model.h"
+#include "session.h"
 #include "tokenizer.h"
 
 ABSL_FLAG(std::string, model, "", "path to the GGUF file (scripts/fetch_model.sh prints it)");
@@ -62,6 +66,8 @@ ABSL_FLAG(std::string, answer_prefix, "",
           "generate/multi: text appended after the assistant turn opens (e.g. 'The pass key is')");
 ABSL_FLAG(bool, stop_at_number, false,
           "multi: stop an answer at the first non-digit after a number (retrieval, arithmetic)");
+ABSL_FLAG(bool, attention_f16, false,
+          "send the per-step attention rows to kvmemd as IEEE halves instead of f32");
 ABSL_FLAG(uint32_t, prefill_tokens, 0,
           "perplexity: feed the first N tokens as one prompt (prefill + Compress), then score "
           "the rest token by token");
@@ -121,148 +127,9 @@ absl::StatusOr<client::PolicySpec> PolicyFromFlags() {
                      absl::GetFlag(FLAGS_quantization), absl::GetFlag(FLAGS_quant_recent));
 }
 
-// One model run against one cache: prefill, then a token at a time, sending the signals the
-// daemon's policies use after every step.
-class Session {
- public:
-  Session(const LlamaModel& model, KvStore& store, KvmemKvStore* daemon)
-      : model_(model),
-        store_(store),
-        daemon_(daemon),
-        local_(dynamic_cast<LocalKvStore*>(&store)) {}
-
-  // Runs `tokens` (at the next positions) and commits them to the cache; returns the last
-  // token's logits.
-  absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill) {
-    const std::vector<int64_t> positions = NextPositions(tokens.size());
-    ForwardOptions options;
-    options.attention_rows = daemon_ != nullptr;
-    options.layer_distance = daemon_ != nullptr;
-    options.next_token_stats = daemon_ != nullptr;
-    if (prefill && daemon_ != nullptr) options.windows = {PrefillWindow(daemon_->policy())};
-    absl::StatusOr<ForwardResult> r = model_.Forward(tokens, positions, store_, options);
-    if (!r.ok()) return r.status();
-    return Commit(tokens, *r, prefill);
-  }
-
-  std::vector<int64_t> NextPositions(size_t count) const {
-    std::vector<int64_t> positions(count);
-    for (size_t i = 0; i < count; ++i) positions[i] = next_position_ + static_cast<int64_t>(i);
-    return positions;
-  }
-
-  // Commits a forward pass over `tokens` at the next positions (computed against this
-  // session's cache, or, for a prompt, against an empty one): appends their K/V with the
-  // signals, then compresses (prefill) or steps. Returns the last token's logits.
-  absl::StatusOr<std::vector<float>> Commit(const std::vector<int32_t>& tokens,
-                                            const ForwardResult& fr, bool prefill) {
-    const ForwardResult* r = &fr;
-    const std::vector<int64_t> positions = NextPositions(tokens.size());
-    next_position_ += static_cast<int64_t>(tokens.size());
-    if (local_ != nullptr) local_->Append(positions, *r);
-    if (daemon_ != nullptr) {
-      // Token entropy of token i: the distribution that predicted it (the first token of the
-      // sequence gets the mean of the others).
-      std::vector<float> entropy(tokens.size());
-      for (size_t i = 0; i < tokens.size(); ++i) {
-        entropy[i] = i == 0 ? last_topk_entropy_ : r->next_token_stats[i - 1].topk_entropy;
-      }
-      if (std::isnan(entropy[0])) {
-        double sum = 0;
-        for (size_t i = 1; i < entropy.size(); ++i) sum += entropy[i];
-        entropy[0] = entropy.size() > 1 ? static_cast<float>(sum / (entropy.size() - 1)) : 0.0f;
-      }
-      last_topk_entropy_ = r->next_token_stats.back().topk_entropy;
-      const uint64_t epoch = daemon_->table_epoch();
-      const auto daemon_start = std::chrono::steady_clock::now();
-      absl::StatusOr<client::AppendResult> appended =
-          daemon_->Append(positions, tokens, *r, entropy);
-      if (!appended.ok()) return appended.status();
-      const LogitSummary& s = r->next_token_stats.back();
-      std::vector<client::StreamSignal> rows(r->attention_rows.size());
-      const uint32_t H = model_.config().num_kv_heads;
-      for (size_t i = 0; i < rows.size(); ++i) {
-        rows[i] = {static_cast<uint32_t>(i / H), static_cast<uint32_t>(i % H),
-                   r->attention_rows[i]};
-      }
-      if (prefill) {
-        client::CompressArgs args;
-        args.epoch = epoch;
-        args.attention = rows;
-        const WindowScores* ws = PickWindow(*r, PrefillWindow(daemon_->policy()));
-        if (ws == nullptr) {
-          return absl::InternalError("prefill: no window scores for the policy's window");
-        }
-        for (size_t i = 0; i < rows.size(); ++i) {
-          args.window_scores.push_back({rows[i].layer, rows[i].kv_head, ws->streams[i]});
-        }
-        absl::StatusOr<client::CompressResult> c =
-            daemon_->client()->Compress(daemon_->sequence_id(), args);
-        if (!c.ok()) return c.status();
-        evicted_ += c->evicted_tokens;
-        kv_bytes_ = c->kv_bytes_after;
-      } else {
-        client::StepArgs args;
-        args.epoch = epoch;
-        args.logit_stats = client::LogitStats{s.entropy, s.p1, s.p2, {}};
-        args.attention = std::move(rows);
-        absl::StatusOr<client::StepResult> step =
-            daemon_->client()->Step(daemon_->sequence_id(), args);
-        if (!step.ok()) return step.status();
-        evicted_ += step->evicted_tokens;
-        kv_bytes_ = step->kv_bytes_after;
-        kv_bytes_sum_ += static_cast<double>(step->kv_bytes_after);
-        ++steps_;
-        daemon_seconds_ +=
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - daemon_start).count();
-      }
-    }
-    const uint32_t V = model_.config().vocab;
-    return std::vector<float>(r->logits.end() - V, r->logits.end());
-  }
-
-  // The prefill window scores each policy reads: H2O starts its accumulators from every
-  // prompt query's attention; refreekv_h2o uses its `window` parameter (8); the others the
-  // SnapKV observation window (--window, 32).
-  static uint32_t PrefillWindow(const client::PolicySpec& policy) {
-    if (policy.name == "h2o") return std::numeric_limits<uint32_t>::max();
-    if (policy.name == "refreekv_h2o") {
-      auto it = policy.params.find("window");
-      return it != policy.params.end() ? static_cast<uint32_t>(it->second) : 8;
-    }
-    return absl::GetFlag(FLAGS_window);
-  }
-  static const WindowScores* PickWindow(const ForwardResult& r, uint32_t window) {
-    for (const WindowScores& ws : r.window_scores) {
-      if (ws.window == window) return &ws;
-    }
-    return nullptr;
-  }
-
-  uint64_t evicted() const { return evicted_; }
-  uint64_t kv_bytes() const { return kv_bytes_; }
-  double mean_kv_bytes() const { return steps_ > 0 ? kv_bytes_sum_ / steps_ : 0.0; }
-  // Mean wall time per decode step spent in daemon calls: Append + Step, and the block-table
-  // fetch before the forward pass.
-  double daemon_ms_per_step() const {
-    if (steps_ == 0 || daemon_ == nullptr) return 0.0;
-    return 1e3 * (daemon_seconds_ + daemon_->table_seconds()) / steps_;
-  }
-  int64_t tokens() const { return next_position_; }
-
- private:
-  const LlamaModel& model_;
-  KvStore& store_;
-  KvmemKvStore* daemon_;
-  LocalKvStore* local_;
-  int64_t next_position_ = 0;
-  float last_topk_entropy_ = std::nanf("");
-  uint64_t evicted_ = 0;
-  uint64_t kv_bytes_ = 0;
-  double kv_bytes_sum_ = 0;
-  uint64_t steps_ = 0;
-  double daemon_seconds_ = 0;
-};
+SessionOptions SessionOptionsFromFlags() {
+  return SessionOptions{absl::GetFlag(FLAGS_window), absl::GetFlag(FLAGS_attention_f16)};
+}
 
 int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
   if (temperature <= 0) {
@@ -348,12 +215,14 @@ int Generate() {
   std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
   const uint32_t max_prompt = absl::GetFlag(FLAGS_max_prompt_tokens);
   if (max_prompt > 0 && ids.size() > max_prompt) ids.resize(max_prompt);
-  Session session(*env.model, *env.store, env.daemon.get());
+  Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
   std::mt19937 rng(absl::GetFlag(FLAGS_seed));
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
   if (!logits.ok()) return Fail("prefill", logits.status());
   const auto t1 = std::chrono::steady_clock::now();
+  // Marks for scripts that sample the daemon while the worker decodes (eval.py speed).
+  std::fprintf(stderr, "prefill done\n");
   std::string answer;
   uint32_t generated = 0;
   for (; generated < absl::GetFlag(FLAGS_max_tokens); ++generated) {
@@ -365,7 +234,7 @@ int Generate() {
     if (!logits.ok()) return Fail("decode", logits.status());
   }
   const auto t2 = std::chrono::steady_clock::now();
-  std::fprintf(stderr, "\n");
+  std::fprintf(stderr, "\ndecode done\n");
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   std::printf("%s\n", answer.c_str());
@@ -381,8 +250,9 @@ int Generate() {
         static_cast<long long>(session.tokens()), static_cast<unsigned long long>(full),
         100.0 * (1.0 - double(session.kv_bytes()) / double(full)),
         static_cast<unsigned long long>(session.evicted()));
-    std::printf("daemon calls: %.2f ms per decode step (block table, Append, Step)\n",
-                session.daemon_ms_per_step());
+    std::printf("daemon calls: %.2f ms per decode step (StepBatch%s)\n",
+                session.daemon_ms_per_step(),
+                absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
   }
   return 0;
 }
@@ -400,7 +270,7 @@ int Perplexity() {
   if (prefix + 1 >= ids.size()) {
     return Fail("--prefill_tokens", absl::InvalidArgumentError("must leave tokens to score"));
   }
-  Session session(*env.model, *env.store, env.daemon.get());
+  Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
   double nll = 0;
   size_t n = 0;  // tokens scored
   auto score = [&](const std::vector<float>& logits, int32_t next) {
@@ -569,8 +439,9 @@ bool EndsNumber(const std::string& answer, const std::string& piece) {
 
 // One prompt, many policies: the prompt's forward pass runs once (in process, every signal
 // any policy needs); then, per policy, a kvmemd sequence receives the prompt's K/V and
-// signals, compresses, and the answer is decoded greedily through it. Prints one JSON line
-// per policy: answer, KV bytes after the prompt's compression, mean KV bytes while decoding.
+// signals and compresses; the answers are decoded greedily side by side, one forward pass
+// per policy and one StepBatch for all of them per token. Prints one JSON line per policy:
+// answer, KV bytes after the prompt's compression, mean KV bytes while decoding.
 int Multi() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
@@ -596,7 +467,7 @@ int Multi() {
   ForwardOptions options;
   options.attention_rows = options.layer_distance = options.next_token_stats = true;
   for (const client::PolicySpec& spec : specs) {
-    const uint32_t w = Session::PrefillWindow(spec);
+    const uint32_t w = Session::PrefillWindow(spec, absl::GetFlag(FLAGS_window));
     if (std::find(options.windows.begin(), options.windows.end(), w) == options.windows.end()) {
       options.windows.push_back(w);
     }
@@ -609,29 +480,55 @@ int Multi() {
   std::fprintf(stderr, "prompt %zu tokens, prefill %.1f s\n", ids.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   const uint64_t full = FullCacheBytes(env.model->config(), static_cast<int64_t>(ids.size()), 4);
+  struct Answer {
+    std::unique_ptr<KvmemKvStore> store;
+    std::unique_ptr<Session> session;
+    std::vector<float> logits;
+    uint64_t kv_prompt = 0;
+    std::string text;
+    bool done = false;
+  };
+  std::vector<Answer> answers(specs.size());
   for (size_t p = 0; p < specs.size(); ++p) {
     absl::StatusOr<std::unique_ptr<KvmemKvStore>> store = KvmemKvStore::Create(
         c->get(), env.model->config(), specs[p], KvmemKvStore::ReadPath::kSharedMemory);
     if (!store.ok()) return Fail(labels[p], store.status());
-    // The new sequence's table (and epoch) before committing signals computed elsewhere.
-    absl::Status fetched = (*store)->BeginForward();
-    if (fetched.ok()) fetched = (*store)->EndForward();
-    if (!fetched.ok()) return Fail(labels[p], fetched);
-    Session session(*env.model, **store, store->get());
-    absl::StatusOr<std::vector<float>> logits = session.Commit(ids, *r, true);
+    Answer& a = answers[p];
+    a.store = *std::move(store);
+    a.session =
+        std::make_unique<Session>(*env.model, *a.store, a.store.get(), SessionOptionsFromFlags());
+    absl::StatusOr<std::vector<float>> logits = a.session->Commit(ids, *r, true);
     if (!logits.ok()) return Fail(labels[p], logits.status());
-    const uint64_t kv_prompt = session.kv_bytes();
-    std::string answer;
-    for (uint32_t i = 0; i < absl::GetFlag(FLAGS_max_tokens); ++i) {
-      const int32_t next =
-          static_cast<int32_t>(std::max_element(logits->begin(), logits->end()) - logits->begin());
-      if (next == env.tokenizer->eos() || next == env.tokenizer->im_end()) break;
+    a.logits = *std::move(logits);
+    a.kv_prompt = a.session->kv_bytes();
+  }
+  for (uint32_t i = 0; i < absl::GetFlag(FLAGS_max_tokens); ++i) {
+    std::vector<Session*> sessions;
+    std::vector<int32_t> tokens;
+    std::vector<Answer*> stepped;
+    for (Answer& a : answers) {
+      if (a.done) continue;
+      const int32_t next = static_cast<int32_t>(std::max_element(a.logits.begin(), a.logits.end()) -
+                                                a.logits.begin());
       const std::string piece = env.tokenizer->Decode(next);
-      if (absl::GetFlag(FLAGS_stop_at_number) && EndsNumber(answer, piece)) break;
-      answer += piece;
-      logits = session.Feed({next}, false);
-      if (!logits.ok()) return Fail(labels[p], logits.status());
+      if (next == env.tokenizer->eos() || next == env.tokenizer->im_end() ||
+          (absl::GetFlag(FLAGS_stop_at_number) && EndsNumber(a.text, piece))) {
+        a.done = true;
+        continue;
+      }
+      a.text += piece;
+      sessions.push_back(a.session.get());
+      tokens.push_back(next);
+      stepped.push_back(&a);
     }
+    if (sessions.empty()) break;
+    std::vector<std::vector<float>> logits;
+    if (absl::Status s = DecodeBatch(sessions, tokens, &logits); !s.ok()) return Fail("decode", s);
+    for (size_t j = 0; j < stepped.size(); ++j) stepped[j]->logits = std::move(logits[j]);
+  }
+  for (size_t p = 0; p < specs.size(); ++p) {
+    const Session& session = *answers[p].session;
+    const uint64_t kv_prompt = answers[p].kv_prompt;
     std::printf(
         "{\"policy\": %s, \"prompt_tokens\": %zu, \"kv_bytes_full\": %llu, "
         "\"kv_bytes_prompt\": %llu, \"kv_bytes_mean\": %.0f, \"evicted\": %llu, "
@@ -639,8 +536,7 @@ int Multi() {
         JsonString(labels[p]).c_str(), ids.size(), static_cast<unsigned long long>(full),
         static_cast<unsigned long long>(kv_prompt),
         session.mean_kv_bytes() > 0 ? session.mean_kv_bytes() : static_cast<double>(kv_prompt),
-        static_cast<unsigned long long>(session.evicted()), JsonString(answer).c_str());
-    std::fflush(stdout);
+        static_cast<unsigned long long>(session.evicted()), JsonString(answers[p].text).c_str());
   }
   return 0;
 }
@@ -716,7 +612,7 @@ int Dump() {
   for (size_t i = 0; i < ids.size(); ++i) std::printf("%s%d", i ? ", " : "", ids[i]);
   std::printf("]");
   if (!ids.empty()) {
-    Session session(*env.model, *env.store, env.daemon.get());
+    Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
     absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
     if (!logits.ok()) return Fail("forward", logits.status());
     std::printf(", \"logits\": [");

@@ -9,10 +9,18 @@
 #include "kv_stores.h"
 #include "model.h"
 #include "server/service/server.h"
+#include "session.h"
 #include "tokenizer.h"
 
 namespace kvmem::worker {
 namespace {
+
+// Live slots of a stream, from its blocks (the worker's tables hold no positions).
+uint64_t Slots(const client::StreamTable& stream) {
+  uint64_t n = 0;
+  for (const client::TableBlock& b : stream.blocks) n += b.count;
+  return n;
+}
 
 class WorkerTest : public ::testing::Test {
  protected:
@@ -33,30 +41,56 @@ class WorkerTest : public ::testing::Test {
     client_ = *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()));
   }
 
-  // Prefill `ids` then feed `more` one at a time; returns the logits after each call.
-  std::vector<std::vector<float>> Run(KvStore& store, KvmemKvStore* daemon, LocalKvStore* local,
-                                      const std::vector<int32_t>& ids,
-                                      const std::vector<int32_t>& more) {
+  // Prefill `ids` then feed `more` one at a time through `session`; returns the logits
+  // after each call.
+  static std::vector<std::vector<float>> Run(Session& session, const std::vector<int32_t>& ids,
+                                             const std::vector<int32_t>& more) {
     std::vector<std::vector<float>> out;
-    int64_t pos = 0;
-    auto feed = [&](const std::vector<int32_t>& tokens) {
-      std::vector<int64_t> positions;
-      for (size_t i = 0; i < tokens.size(); ++i) positions.push_back(pos++);
-      ForwardOptions options;
-      options.layer_distance = true;
-      auto r = model_->Forward(tokens, positions, store, options);
-      EXPECT_TRUE(r.ok()) << r.status();
-      if (local) local->Append(positions, *r);
-      if (daemon) {
-        std::vector<float> entropy(tokens.size(), 1.0f);
-        EXPECT_TRUE(daemon->Append(positions, tokens, *r, entropy).ok());
-        EXPECT_TRUE(client_->Step(daemon->sequence_id(), {}).ok());
-      }
-      out.emplace_back(r->logits.end() - model_->config().vocab, r->logits.end());
-    };
-    feed(ids);
-    for (int32_t t : more) feed({t});
+    auto logits = session.Feed(ids, true);
+    EXPECT_TRUE(logits.ok()) << logits.status();
+    out.push_back(*logits);
+    for (int32_t t : more) {
+      logits = session.Feed({t}, false);
+      EXPECT_TRUE(logits.ok()) << logits.status();
+      out.push_back(*logits);
+    }
     return out;
+  }
+
+  std::vector<std::vector<float>> RunLocal(const std::vector<int32_t>& ids,
+                                           const std::vector<int32_t>& more) {
+    LocalKvStore local(model_->config());
+    Session session(*model_, local, nullptr);
+    return Run(session, ids, more);
+  }
+
+  // The table a store kept from the daemon's updates is the one GetBlockTable returns now.
+  void ExpectTableCurrent(const KvmemKvStore& store) {
+    const client::BlockTable& kept = store.table();
+    auto fresh = client_->GetBlockTable(store.sequence_id(), kept.positions);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    EXPECT_EQ(kept.version, fresh->version);
+    EXPECT_EQ(kept.epoch, fresh->epoch);
+    ASSERT_EQ(kept.streams.size(), fresh->streams.size());
+    for (size_t s = 0; s < kept.streams.size(); ++s) {
+      EXPECT_EQ(kept.streams[s].positions, fresh->streams[s].positions) << "stream " << s;
+      ASSERT_EQ(kept.streams[s].blocks.size(), fresh->streams[s].blocks.size()) << "stream " << s;
+      for (size_t b = 0; b < kept.streams[s].blocks.size(); ++b) {
+        const client::TableBlock &x = kept.streams[s].blocks[b], &y = fresh->streams[s].blocks[b];
+        EXPECT_EQ(x.id, y.id);
+        EXPECT_EQ(x.offset, y.offset);
+        EXPECT_EQ(x.start, y.start);
+        EXPECT_EQ(x.count, y.count);
+        EXPECT_EQ(x.precision, y.precision);
+      }
+    }
+  }
+
+  std::unique_ptr<KvmemKvStore> Store(const client::PolicySpec& policy,
+                                      KvmemKvStore::ReadPath path) {
+    auto store = KvmemKvStore::Create(client_.get(), model_->config(), policy, path);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
   }
 
   static GgufFile* file_;
@@ -86,7 +120,8 @@ TEST_F(WorkerTest, GreedyAnswerIsSensible) {
   LocalKvStore local(model_->config());
   const std::vector<int32_t> ids =
       tokenizer_->Encode(tokenizer_->ChatPrompt("What is the capital of France?"), true);
-  auto logits = Run(local, nullptr, &local, ids, {});
+  Session session(*model_, local, nullptr);
+  auto logits = Run(session, ids, {});
   std::vector<int32_t> answer;
   std::vector<float> last = logits.back();
   int64_t pos = static_cast<int64_t>(ids.size());
@@ -104,19 +139,111 @@ TEST_F(WorkerTest, GreedyAnswerIsSensible) {
       << tokenizer_->Decode(answer);
 }
 
+// The worker's decode path (one StepBatch per token, the table kept by deltas) under `full`
+// gives the in-process cache's logits to the bit, on both read paths, and the table it kept
+// is the daemon's.
 TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
   const std::vector<int32_t> ids =
       tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
   const std::vector<int32_t> more = {9546, 30, 1743, 28, 3737};
-  LocalKvStore local(model_->config());
-  const auto want = Run(local, nullptr, &local, ids, more);
+  const auto want = RunLocal(ids, more);
   for (auto path : {KvmemKvStore::ReadPath::kSharedMemory, KvmemKvStore::ReadPath::kGrpc}) {
-    auto daemon = *KvmemKvStore::Create(client_.get(), model_->config(), {"full", {}}, path);
-    const auto got = Run(*daemon, daemon.get(), nullptr, ids, more);
-    ASSERT_EQ(got.size(), want.size());
-    // f32 storage, the same order, the same arithmetic: bit-exact.
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "call " << i;
+    for (bool f16 : {false, true}) {
+      auto daemon = Store({"full", {}}, path);
+      ASSERT_NE(daemon, nullptr);
+      Session session(*model_, *daemon, daemon.get(), {32, f16});
+      const auto got = Run(session, ids, more);
+      ASSERT_EQ(got.size(), want.size());
+      // f32 storage, the same order, the same arithmetic: bit-exact.
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "call " << i;
+      ExpectTableCurrent(*daemon);
+      auto stats = client_->GetStats(true);
+      ASSERT_TRUE(stats.ok());
+      for (const client::SequenceStats& seq : stats->sequences) {
+        if (seq.sequence_id != daemon->sequence_id()) continue;
+        EXPECT_EQ(seq.steps, more.size());  // one step per decoded token
+        EXPECT_EQ(seq.appended_tokens, ids.size() + more.size());
+      }
+    }
   }
+}
+
+// Several sequences stepped by one StepBatch per token decode exactly as each alone: full
+// (the in-process cache's logits), window (evicting every step) and h2o with f16 attention
+// rows; every kept table is the daemon's.
+TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
+  const std::vector<int32_t> ids = tokenizer_->Encode(
+      "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and the "
+      "children were playing by the fountain while their parents talked.",
+      false);
+  const std::vector<int32_t> more = {100, 200, 300, 400, 500, 600};
+  const std::vector<std::pair<client::PolicySpec, bool>> policies = {
+      {{"full", {}}, false},
+      {{"window", {{"window", 16}}}, false},
+      {{"h2o", {{"budget", 16}}}, true}};
+  std::vector<std::vector<std::vector<float>>> alone;
+  for (const auto& [policy, f16] : policies) {
+    auto store = Store(policy, KvmemKvStore::ReadPath::kSharedMemory);
+    ASSERT_NE(store, nullptr);
+    Session session(*model_, *store, store.get(), {32, f16});
+    alone.push_back(Run(session, ids, more));
+  }
+  std::vector<std::unique_ptr<KvmemKvStore>> stores;
+  std::vector<std::unique_ptr<Session>> sessions;
+  std::vector<std::vector<std::vector<float>>> batched(policies.size());
+  for (size_t p = 0; p < policies.size(); ++p) {
+    stores.push_back(Store(policies[p].first, KvmemKvStore::ReadPath::kSharedMemory));
+    ASSERT_NE(stores.back(), nullptr);
+    sessions.push_back(std::make_unique<Session>(*model_, *stores.back(), stores.back().get(),
+                                                 SessionOptions{32, policies[p].second}));
+    auto logits = sessions.back()->Feed(ids, true);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    batched[p].push_back(*logits);
+  }
+  const std::vector<Session*> all = {sessions[0].get(), sessions[1].get(), sessions[2].get()};
+  for (int32_t t : more) {
+    std::vector<std::vector<float>> logits;
+    ASSERT_TRUE(DecodeBatch(all, std::vector<int32_t>(all.size(), t), &logits).ok());
+    for (size_t p = 0; p < policies.size(); ++p) batched[p].push_back(logits[p]);
+  }
+  const auto local = RunLocal(ids, more);
+  for (size_t p = 0; p < policies.size(); ++p) {
+    ASSERT_EQ(batched[p].size(), alone[p].size());
+    for (size_t i = 0; i < alone[p].size(); ++i) {
+      EXPECT_EQ(batched[p][i], alone[p][i]) << "policy " << p << " call " << i;
+    }
+    ExpectTableCurrent(*stores[p]);
+  }
+  for (size_t i = 0; i < local.size(); ++i) EXPECT_EQ(batched[0][i], local[i]) << "call " << i;
+  // window and h2o hold 16 tokens per stream (window: at most; h2o: its budget).
+  for (size_t p = 1; p < policies.size(); ++p) {
+    EXPECT_EQ(Slots(stores[p]->table().streams[0]), 16u) << "policy " << p;
+    EXPECT_GT(sessions[p]->evicted(), 0u);
+  }
+  EXPECT_NE(batched[1].back(), local.back());  // eviction changed what the model saw
+}
+
+// A table another client changed (here: compressed to 8 tokens) is fetched again before
+// the next forward pass reads the pool; the forward then sees the 8 tokens.
+TEST_F(WorkerTest, TableChangedElsewhereIsFetchedAgain) {
+  const std::vector<int32_t> ids = tokenizer_->Encode(
+      "One two three four five six seven "
+      "eight nine ten eleven twelve",
+      false);
+  auto store = Store({"window", {{"window", 64}}}, KvmemKvStore::ReadPath::kSharedMemory);
+  ASSERT_NE(store, nullptr);
+  Session session(*model_, *store, store.get());
+  ASSERT_TRUE(session.Feed(ids, true).ok());
+  auto fresh = client_->GetBlockTable(store->sequence_id());
+  ASSERT_TRUE(fresh.ok());
+  client::CompressArgs args;
+  args.epoch = fresh->epoch;
+  args.target_tokens = 8;
+  ASSERT_TRUE(client_->Compress(store->sequence_id(), args).ok());
+  auto logits = session.Feed({100}, false);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ExpectTableCurrent(*store);
+  EXPECT_EQ(Slots(store->table().streams[0]), 9u);
 }
 
 TEST_F(WorkerTest, Int8CacheStaysCloseAndWindowEvicts) {
@@ -124,17 +251,19 @@ TEST_F(WorkerTest, Int8CacheStaysCloseAndWindowEvicts) {
       "The quick brown fox jumps over the lazy dog. It was a sunny day in the park, and the "
       "children were playing by the fountain while their parents talked.",
       false);
-  LocalKvStore local(model_->config());
-  const auto want = Run(local, nullptr, &local, ids, {});
+  const auto want = RunLocal(ids, {});
   client::PolicySpec int8{"full", {}, client::Precision::kInt8, 16};
-  auto daemon = *KvmemKvStore::Create(client_.get(), model_->config(), int8,
-                                      KvmemKvStore::ReadPath::kSharedMemory);
-  const auto got = Run(*daemon, daemon.get(), nullptr, ids, {100, 200});
-  // The prefill logits never see quantized blocks (quantization happens at Step).
+  auto daemon = Store(int8, KvmemKvStore::ReadPath::kSharedMemory);
+  ASSERT_NE(daemon, nullptr);
+  Session session(*model_, *daemon, daemon.get());
+  const auto got = Run(session, ids, {100, 200});
+  // The prefill logits never see quantized blocks (they are computed before the append).
   EXPECT_EQ(got[0], want[0]);
-  auto table = *client_->GetBlockTable(daemon->sequence_id());
+  ExpectTableCurrent(*daemon);
   bool any_int8 = false;
-  for (const auto& b : table.streams[0].blocks) any_int8 |= b.precision == client::Precision::kInt8;
+  for (const auto& b : daemon->table().streams[0].blocks) {
+    any_int8 |= b.precision == client::Precision::kInt8;
+  }
   EXPECT_TRUE(any_int8);
 }
 
