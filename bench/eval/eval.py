@@ -14,6 +14,8 @@ Studies implemented so far:
   devicestep  confkv / confkv_l / h2o through kvmemd --device_step=on (scores and selection
          in the backend's slot state) and =off (host policy code): identical perplexity, KV
          bytes and evictions expected.
+  f16    confkv and h2o with their per-step attention rows sent as f32 and as f16
+         (kvmem_worker --attention_f16): perplexity, evictions and KV bytes side by side.
 
 Text: the Lee Background Corpus (300 ABC news articles, ~60k words) that the PyPI wheel of
 gensim ships as gensim/test/test_data/lee_background.cor: journalists' running English, not
@@ -90,9 +92,9 @@ PPL_RE = re.compile(r"perplexity ([\d.]+) over (\d+) tokens \(policy (\S+), KV b
 
 
 def perplexity(model, text, tokens, target, policy, params=(), quant="none", recent=0,
-               prefill=0):
+               prefill=0, extra=()):
     args = [str(BIN / "kvmem_worker"), "perplexity", f"--model={model}", f"--text={text}",
-            f"--max_eval_tokens={tokens}", f"--prefill_tokens={prefill}"]
+            f"--max_eval_tokens={tokens}", f"--prefill_tokens={prefill}", *extra]
     if policy == "local":
         args.append("--cache=local")
     else:
@@ -355,8 +357,40 @@ GEN_RE = re.compile(r"prompt (\d+) tokens, ([\d.]+) tokens/s prefill; (\d+) gene
 DAEMON_RE = re.compile(r"daemon calls: ([\d.]+) ms per decode step")
 
 
+def cpu_seconds(pid):
+    """CPU time of every live thread of process `pid` (scheduler statistics, nanoseconds)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def generate_profiled(cmd, daemon):
+    """Runs `kvmem_worker generate`; returns its stdout and the daemon's CPU seconds between
+    the worker's 'prefill done' and 'decode done' marks (stderr)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marks = {}
+    for line in proc.stderr:
+        for mark in ("prefill done", "decode done"):
+            if line.rstrip("\n").endswith(mark):
+                marks[mark] = cpu_seconds(daemon.proc.pid)
+        if "decode done" in marks:
+            break
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}")
+    if len(marks) != 2:  # a worker from before the marks
+        return out, None
+    return out, marks["decode done"] - marks["prefill done"]
+
+
 def study_speed(args):
     contexts = [128, 256] if args.small else [1024, 4096, 8000]
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
     decode = 8 if args.small else 32
     runs = [("full", "full", ""), ("window-512", "window", "window=512"),
             ("confkv", "confkv", "")]
@@ -374,20 +408,27 @@ def study_speed(args):
                        f"--prompt_file={text}", f"--max_prompt_tokens={ctx}", f"--max_tokens={decode}"]
                 if params:
                     cmd.append(f"--param={params}")
-                out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+                out, daemon_cpu = generate_profiled(cmd, daemon)
                 g, d = GEN_RE.search(out), DAEMON_RE.search(out)
-                rows.append((ctx, name, float(g.group(2)), float(g.group(4)), float(d.group(1))))
+                cpu = 1e3 * daemon_cpu / int(g.group(3)) if daemon_cpu is not None else None
+                rows.append((ctx, name, float(g.group(2)), float(g.group(4)), float(d.group(1)), cpu))
     finally:
         daemon.close()
     lines = [f"### Speed at long context, {decode} greedy tokens after the prompt",
-             f"Command: `python3 bench/eval/eval.py speed{' --small' if args.small else ''}`; took "
+             f"Command: `python3 bench/eval/eval.py speed{' --small' if args.small else ''}"
+             f"{f' --contexts {args.contexts}' if args.contexts else ''}`; took "
              f"{time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). Prompt: the first N tokens of "
-             "the Lee corpus; cache in kvmemd (f32), read in place.", "",
-             "| context | policy | prefill tok/s | decode tok/s | daemon calls per step (ms) |",
-             "|---|---|---|---|---|"]
-    for ctx, name, pre, dec, dms in rows:
-        lines.append(f"| {ctx} | {name} | {pre:.1f} | {dec:.1f} | {dms:.2f} |")
-    write_table(f"speed-{'small' if args.small else 'long'}", lines)
+             "the Lee corpus; cache in kvmemd (f32), read in place; one StepBatch per token. Daemon "
+             "calls: the worker's wall time in them; daemon CPU: kvmemd's threads' CPU time while "
+             "the worker decoded.", "",
+             "| context | policy | prefill tok/s | decode tok/s | daemon calls per step (ms) "
+             "| daemon CPU per step (ms) |",
+             "|---|---|---|---|---|---|"]
+    for ctx, name, pre, dec, dms, cpu in rows:
+        cpu = f"{cpu:.2f}" if cpu is not None else "n/a"
+        lines.append(f"| {ctx} | {name} | {pre:.1f} | {dec:.1f} | {dms:.2f} | {cpu} |")
+    tag = "small" if args.small else "long" if not args.contexts else args.contexts.replace(",", "-")
+    write_table(f"speed-{tag}", lines)
     return rows
 
 
@@ -696,11 +737,48 @@ def study_devicestep(args):
     return results
 
 
+def study_f16(args):
+    """What sending attention rows as IEEE halves (--attention_f16) costs in accuracy: the
+    policies that read rows every step (confkv, h2o) over the same tokens with f32 and with
+    f16 rows, one daemon. Perplexity, evictions and mean KV bytes side by side."""
+    n = args.tokens
+    text, model = corpus_path(), model_path()
+    budget = 64 if args.small else 256
+    runs = [("confkv", (("c_high", budget // 2), ("c_low", budget), ("protect", 16))),
+            ("h2o", (("budget", budget),))]
+    daemon = Daemon()
+    results = []
+    start = time.time()
+    try:
+        for i, (policy, params) in enumerate(runs):
+            progress(i, len(runs), start, policy)
+            a = perplexity(model, text, n, f"unix:{daemon.sock}", policy, params)
+            b = perplexity(model, text, n, f"unix:{daemon.sock}", policy, params,
+                           extra=("--attention_f16",))
+            results.append((policy, params, a, b))
+    finally:
+        daemon.close()
+    lines = [f"### Attention rows as f16 against f32, {n} tokens of the Lee corpus",
+             f"Command: `python3 bench/eval/eval.py f16 --tokens {n}"
+             f"{' --small' if args.small else ''}`; took {time.time() - start:.0f} s "
+             f"({time.strftime('%Y-%m-%d')}). Streaming perplexity, a Step with the newest "
+             "query's attention rows after every token.", "",
+             "| policy | params | perplexity f32 / f16 | change | evicted f32 / f16 "
+             "| mean KV bytes f32 / f16 |", "|---|---|---|---|---|---|"]
+    for policy, params, a, b in results:
+        p = ", ".join(f"{k}={v}" for k, v in params)
+        lines.append(f"| {policy} | {p} | {a['ppl']:.4f} / {b['ppl']:.4f} "
+                     f"| {100 * (b['ppl'] - a['ppl']) / a['ppl']:+.3f} % "
+                     f"| {a['evicted']} / {b['evicted']} | {a['kv_mean']:.0f} / {b['kv_mean']:.0f} |")
+    write_table(f"f16-{'small' if args.small else n}", lines)
+    return results
+
+
 def study_all(args):
     """Every study in turn, each at the size its table in RESULTS.md was run at."""
     for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
                          ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0),
-                         ("devicestep", 1024)):
+                         ("devicestep", 1024), ("f16", 1024)):
         sub = argparse.Namespace(**vars(args))
         if tokens and not args.small:
             sub.tokens = tokens
@@ -710,7 +788,8 @@ def study_all(args):
 
 STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
-           "infokv": study_infokv, "devicestep": study_devicestep, "all": study_all}
+           "infokv": study_infokv, "devicestep": study_devicestep, "f16": study_f16,
+           "all": study_all}
 
 
 def main():
@@ -719,6 +798,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
+    ap.add_argument("--contexts", default="", help="comma-separated prompt lengths (speed)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)

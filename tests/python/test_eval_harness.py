@@ -206,3 +206,21 @@ def test_small_device_step_study(tmp_path):
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[-1] == "yes", line
         assert int(cells[5].split("/")[0]) > 0, line
+
+
+def test_small_f16_study(tmp_path):
+    """Attention rows as halves (kvmem_worker --attention_f16) against f32: both runs evict
+    and score, and halves (~3 significant digits) move perplexity by well under 1 %."""
+    run("f16", tmp_path)
+    rows = {}
+    for line in (tmp_path / "f16-small.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in ("confkv", "h2o"):
+            rows[cells[0]] = cells
+    assert set(rows) == {"confkv", "h2o"}
+    for cells in rows.values():
+        ppl32, ppl16 = (float(x) for x in cells[2].split(" / "))
+        evicted32, evicted16 = (int(x) for x in cells[4].split(" / "))
+        assert 5 < ppl32 < 200 and evicted32 > 0 and evicted16 > 0
+        assert abs(ppl16 - ppl32) / ppl32 < 0.01
+        assert float(cells[3].rstrip(" %")) == pytest.approx(100 * (ppl16 - ppl32) / ppl32, abs=1e-3)
