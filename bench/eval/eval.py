@@ -16,6 +16,7 @@ Studies implemented so far:
          bytes and evictions expected.
   f16    confkv and h2o with their per-step attention rows sent as f32 and as f16
          (kvmem_worker --attention_f16): perplexity, evictions and KV bytes side by side.
+  wire   bytes the worker sends and receives per decode step (strace), per policy.
 
 Text: the Lee Background Corpus (300 ABC news articles, ~60k words) that the PyPI wheel of
 gensim ships as gensim/test/test_data/lee_background.cor: journalists' running English, not
@@ -432,6 +433,76 @@ def study_speed(args):
     return rows
 
 
+def socket_bytes(cmd, steps):
+    """Bytes the worker sends and receives on its sockets per decode step: `cmd` (a
+    `kvmem_worker generate`) under strace, sendmsg/recvmsg between the 'prefill done' and
+    'decode done' marks (a worker from before the marks: its first progress line and its
+    last newline). Returns (KiB sent, KiB received, sendmsg calls, recvmsg calls) per step."""
+    log = Path(f"/tmp/kvmem-eval-strace-{os.getpid()}.txt")
+    subprocess.run(["strace", "-f", "-e", "trace=sendmsg,recvmsg,write", "-s", "16", "-o",
+                    str(log)] + cmd, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    sent = received = sends = receives = 0
+    phase = "prefill"
+    for line in log.read_text().splitlines():
+        if "write(2," in line:
+            if phase == "prefill" and ("prefill done" in line or " tokens\"" in line):
+                phase = "decode"
+            elif phase == "decode" and ("decode done" in line or '"\\n", 1)' in line):
+                phase = "end"
+            continue
+        m = re.search(r"(sendmsg|recvmsg)\(.*\)\s+=\s+(\d+)", line)
+        if phase == "decode" and m:
+            if m.group(1) == "sendmsg":
+                sent, sends = sent + int(m.group(2)), sends + 1
+            else:
+                received, receives = received + int(m.group(2)), receives + 1
+    log.unlink()
+    return sent / 1024 / steps, received / 1024 / steps, sends / steps, receives / steps
+
+
+def study_wire(args):
+    """What one decode step puts on the daemon's socket, per policy: the worker's
+    sendmsg/recvmsg bytes (strace) while it decodes 16 tokens after a prompt of each
+    --contexts length (default 1024)."""
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [1024]
+    if args.small:
+        contexts = [128]
+    steps = 16
+    runs = [("full", ("--policy=full",)), ("window-512", ("--policy=window", "--param=window=512")),
+            ("confkv", ("--policy=confkv",)),
+            ("confkv, --attention_f16", ("--policy=confkv", "--attention_f16"))]
+    worker = str(BIN / "kvmem_worker")
+    known = subprocess.run([worker, "--helpfull"], capture_output=True, text=True).stdout
+    runs = [r for r in runs if all(f.split("=")[0].lstrip("-") in known for f in r[1])]
+    text, model = corpus_path(), model_path()
+    daemon = Daemon()
+    rows = []
+    start = time.time()
+    try:
+        for ctx in contexts:
+            for name, flags in runs:
+                progress(len(rows), len(contexts) * len(runs), start, f"{name} at {ctx} tokens")
+                cmd = [worker, "generate", f"--model={model}", f"--target=unix:{daemon.sock}",
+                       "--raw", f"--prompt_file={text}", f"--max_prompt_tokens={ctx}",
+                       f"--max_tokens={steps}", *flags]
+                rows.append((ctx, name) + socket_bytes(cmd, steps))
+    finally:
+        daemon.close()
+    tag = "small" if args.small else "-".join(str(c) for c in contexts)
+    lines = [f"### Bytes on the daemon's socket per decode step, {steps} greedy tokens",
+             f"Command: `python3 bench/eval/eval.py wire"
+             f"{' --small' if args.small else f' --contexts {args.contexts}' if args.contexts else ''}`"
+             f"; took {time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). The worker under "
+             "strace: its sendmsg/recvmsg bytes while decoding, per step.", "",
+             "| context | policy | KiB sent | KiB received | sendmsg / recvmsg calls |",
+             "|---|---|---|---|---|"]
+    for ctx, name, sent, received, sends, receives in rows:
+        lines.append(f"| {ctx} | {name} | {sent:.1f} | {received:.1f} | {sends:.1f} / {receives:.1f} |")
+    write_table(f"wire-{tag}", lines)
+    return rows
+
+
 # ---- retrieval (study 2), with the prefill halves of studies 3 and 4 on the same prompts ----
 
 # Fixed-budget policies at 512 tokens per stream; confkv at twice its defaults with the
@@ -789,6 +860,7 @@ def study_all(args):
 STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
            "infokv": study_infokv, "devicestep": study_devicestep, "f16": study_f16,
+           "wire": study_wire,
            "all": study_all}
 
 
@@ -798,7 +870,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--small", action="store_true", help="a short run that keeps the harness working")
     ap.add_argument("--only", default="", help="comma-separated run names (ppl)")
-    ap.add_argument("--contexts", default="", help="comma-separated prompt lengths (speed)")
+    ap.add_argument("--contexts", default="", help="comma-separated prompt lengths (speed, wire)")
     args = ap.parse_args()
     if args.small:
         args.tokens = min(args.tokens, 160)
