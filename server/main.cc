@@ -30,9 +30,6 @@ ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
           "host memory for the sequences' per-slot metadata outside the pool (positions, "
           "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
           "+ 64 MiB");
-ABSL_FLAG(uint32_t, delta_history, 1,
-          "how many versions behind a client's block table may be and still get a delta "
-          "(1..64); older tables get the whole table");
 ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
           "free pool pages only quantization may take, so that a full pool can still quantize "
@@ -107,7 +104,6 @@ int main(int argc, char** argv) {
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
-  config.engine.delta_history = absl::GetFlag(FLAGS_delta_history);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);

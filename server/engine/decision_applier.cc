@@ -140,14 +140,10 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     const size_t s = swapped;
     if (s == seq.streams.size() / 2) CommitFailpoint();
     if (!changed[s]) continue;
-    size_t first_moved = SIZE_MAX;  // the first slot the keep-set moves or drops
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
-      const std::vector<uint32_t>& keep = *decision.keep[s];
-      first_moved = 0;
-      while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
-      seq.streams[s].KeepSlots(keep, history_rows);
+      seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.streams[s].SwapBlocks(new_blocks[s], version, first_moved);
+    seq.streams[s].SwapBlocks(new_blocks[s], version);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);

@@ -24,10 +24,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     return absl::InvalidArgumentError(absl::StrCat("block_tokens: ", config.default_block_tokens,
                                                    " is outside [1, ", kMaxBlockTokens, "]"));
   }
-  if (config.delta_history == 0 || config.delta_history > kMaxDeltaHistory) {
-    return absl::InvalidArgumentError(absl::StrCat("delta_history: ", config.delta_history,
-                                                   " is outside [1, ", kMaxDeltaHistory, "]"));
-  }
   if (config.default_lease <= absl::ZeroDuration() || config.default_lease > config.max_lease) {
     return absl::InvalidArgumentError(
         absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(config.default_lease),
@@ -150,7 +146,6 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   {
     kvmem::MutexLock lock(&seq->mu);
     seq->epoch = epoch;
-    seq->published_versions.reserve(config_.delta_history + 1);
     NewVersion(*seq);
     PublishVersion(*seq);
     seq->streams.resize(layout.num_streams());
@@ -212,8 +207,9 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     // The child's table is the parent's: a client may carry the parent's table over and
     // follow the child's deltas from it.
     child->version = parent.version;
-    child->published_versions.reserve(config_.delta_history + 1);
-    child->published_versions = parent.published_versions;
+    std::copy(std::begin(parent.published_version), std::end(parent.published_version),
+              std::begin(child->published_version));
+    child->newest_published = parent.newest_published;
     child->steps = parent.steps;
     child->policy_mark = parent.policy_mark;
     for (const Stream& st : child->streams) {

@@ -163,8 +163,9 @@ class Engine {
   // entry's error never affects another's.
   absl::StatusOr<std::vector<StepOutcome>> StepBatch(absl::Span<const StepCall> calls);
   // What changed in the sequence's tables since `known_version`: a delta when that version
-  // is one of the last delta_history + 1 the sequence published, else the whole table
-  // (also for a version of another sequence, or 0 = none held).
+  // is one of the last two the sequence published (the current one, or the one before the
+  // last call that changed it), else the whole table (also for a version of another
+  // sequence, or 0 = none held).
   absl::StatusOr<TableUpdate> GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
                                              bool positions);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
@@ -228,7 +229,8 @@ class Engine {
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // A fresh version for a commit that changes block lists (it becomes seq.version).
   uint64_t NewVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // Records seq.version as one a client may hold: at the end of every call that changed it.
+  // Records seq.version as one a client may hold: at the end of every call that changed it
+  // (the one before stays known too: Sequence::published_version).
   void PublishVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   TableUpdate TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);

@@ -38,15 +38,10 @@ struct EngineConfig {
   // Policies with a kernel step keep their scores in the backend (store::SlotState: device
   // memory on a GPU) and run each Step there; false runs every policy on the host.
   bool device_step = true;
-  // How many versions behind the current one a client's table may be and still get a delta
-  // (1..kMaxDeltaHistory); older tables get the whole table.
-  uint32_t delta_history = 1;
   // StepBatch runs its entries on every core (oneTBB); false runs them one after another on
   // the caller's thread.
   bool parallel_batches = true;
 };
-
-inline constexpr uint32_t kMaxDeltaHistory = 64;
 
 struct AppendChunk {
   absl::Span<const int64_t> positions;
@@ -164,12 +159,20 @@ struct CreateResult {
   uint64_t version = 0;  // the table's version (a Fork's child: its parent's)
 };
 
-// How one stream's table changed since the version a client holds: keep the first
-// `kept_blocks` blocks (holding `kept_slots` slots), drop the rest, append `blocks`.
+// Entries [from, from + count) of the list the client holds, unchanged, are entries
+// [at, at + count) of the new list.
+struct KeptRun {
+  uint32_t at = 0;
+  uint32_t from = 0;
+  uint32_t count = 0;
+};
+
+// How one stream's list changed since the client's version: the new list has block_count
+// entries; the kept runs come from the client's list, the others are `blocks`, in order.
 struct StreamDelta {
   uint32_t stream = 0;  // layer * H + kv_head
-  uint32_t kept_blocks = 0;
-  uint64_t kept_slots = 0;
+  uint32_t block_count = 0;
+  std::vector<KeptRun> kept;
   std::vector<TableBlock> blocks;
   std::vector<int64_t> positions;  // of the live slots of `blocks`, when asked for
 };

@@ -105,11 +105,11 @@ uint64_t Engine::NewVersion(Sequence& seq) {
 }
 
 void Engine::PublishVersion(Sequence& seq) {
-  std::vector<uint64_t>& published = seq.published_versions;
-  if (!published.empty() && published.back() == seq.version) return;
-  // The capacity was reserved at creation: this never allocates.
-  if (published.size() > config_.delta_history) published.erase(published.begin());
-  published.push_back(seq.version);
+  if (seq.published_version[seq.newest_published] == seq.version) return;
+  const int which = 1 - seq.newest_published;  // the older of the two makes room
+  for (Stream& st : seq.streams) st.MarkPublished(which);
+  seq.published_version[which] = seq.version;
+  seq.newest_published = which;
 }
 
 uint64_t Engine::ReleaseLocked(Sequence& seq) {

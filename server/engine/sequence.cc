@@ -56,32 +56,39 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   }
 }
 
-void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version,
-                        size_t first_moved_slot) {
+void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version) {
   blocks_.swap(other);
   const std::vector<StreamBlock>& old = other;
-  size_t from = 0;
-  size_t slot = 0;  // the first slot of blocks_[from]
-  for (; from < blocks_.size(); ++from) {
-    const StreamBlock& b = blocks_[from];
-    if (from >= old.size()) break;
-    const StreamBlock& o = old[from];
-    if (b.id != o.id || b.start != o.start || b.count != o.count || b.precision != o.precision) {
-      break;
+  bool changed = blocks_.size() != old.size();
+  size_t moved_from = blocks_.size();  // the first entry not at its old index, or new
+  size_t j = 0;                        // old entries before j are paired or gone
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    StreamBlock& b = blocks_[i];
+    size_t k = j;
+    if (b.version != 0) {
+      while (k < old.size() && old[k].id != b.id) ++k;
+    } else {
+      k = old.size();  // a new block id
     }
-    if (first_moved_slot < slot + b.count) break;  // holds a moved or new slot
-    slot += b.count;
+    const bool paired = k < old.size();
+    if (paired) j = k + 1;
+    if (!paired || k != i) moved_from = std::min(moved_from, i);
+    if (!paired || b.start != old[k].start || b.count != old[k].count ||
+        b.precision != old[k].precision) {
+      b.version = version;
+      changed = true;
+    }
   }
-  for (size_t i = from; i < blocks_.size(); ++i) blocks_[i].version = version;
-  if (from < blocks_.size() || blocks_.size() != old.size()) changed_version_ = version;
+  if (moved_from < blocks_.size()) changed = true;
+  for (size_t& from : reindex_from_) from = std::min(from, moved_from);
+  if (changed) changed_version_ = version;
 }
 
-size_t Stream::UnchangedBlocksSince(uint64_t version) const {
-  // Versions never decrease along the list: the first newer block ends the unchanged run.
-  return static_cast<size_t>(
-      std::partition_point(blocks_.begin(), blocks_.end(),
-                           [version](const StreamBlock& b) { return b.version <= version; }) -
-      blocks_.begin());
+void Stream::MarkPublished(int which) {
+  for (size_t i = reindex_from_[which]; i < blocks_.size(); ++i) {
+    blocks_[i].published_index[which] = static_cast<uint32_t>(i);
+  }
+  reindex_from_[which] = blocks_.size();
 }
 
 absl::Span<float> Stream::StageScores() {

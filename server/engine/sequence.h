@@ -52,19 +52,19 @@ class Stream {
   // only shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
   // Exchanges the block list with `other` (a commit installing a planned list) and stamps
-  // `version` on every block from the first that changed: the first whose entry differs
-  // from the old list's at the same index, or the one now holding slot `first_moved_slot`
-  // (the first slot a keep-set moved or dropped; none for an append). Versions along a
-  // list never decrease, so a client holding the table of version v keeps exactly the
-  // blocks whose version is <= v (TableDelta). Never allocates.
-  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version,
-                  size_t first_moved_slot = SIZE_MAX);
-  // Blocks [0, n) of the list hold exactly what they held at `version`: the number of
-  // leading blocks whose version is <= `version`.
-  size_t UnchangedBlocksSince(uint64_t version) const;
-  // The version of the last commit that changed the block list at all (blocks dropped from
-  // the end included).
+  // `version` on every entry that changed: one the plan marked (version 0: a new block id
+  // or slots written), one whose id the old list lacks, or one whose run or precision
+  // differs from the same block's old entry. So an entry whose version is not newer than
+  // v holds what it held at v. Surviving blocks keep their order, which lets one walk
+  // pair them up. Never allocates.
+  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version);
+  // The version of the last commit that changed the block list at all (blocks dropped
+  // included).
   uint64_t changed_version() const { return changed_version_; }
+  // Records each entry's index as published_index[which] (a version the stream's sequence
+  // publishes, Engine::PublishVersion). Only the entries from the first one that moved or
+  // is new since the last call for `which` are written.
+  void MarkPublished(int which);
 
   // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
   // them the scores; DropStaging gives the memory back.
@@ -86,6 +86,8 @@ class Stream {
  private:
   std::vector<StreamBlock> blocks_;
   uint64_t changed_version_ = 0;
+  // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
+  size_t reindex_from_[2] = {0, 0};
   std::vector<int64_t> positions_;
   std::vector<float> scores_;
   std::vector<float> next_scores_;
@@ -158,10 +160,13 @@ struct Sequence {
   // The table version: a new value (unique across sequences) at every commit that changes
   // a block list; each block carries the version at which it last changed.
   uint64_t version ABSL_GUARDED_BY(mu) = 0;
-  // The versions the tables had at the end of the last calls, oldest first, the current
-  // last (at most EngineConfig::delta_history + 1; the capacity is reserved at creation):
-  // a client holding one of these gets a delta, any other version the whole table.
-  std::vector<uint64_t> published_versions ABSL_GUARDED_BY(mu);
+  // The table versions at the end of the last two calls that changed it (0: none), and
+  // which of the two is the newer. A client holding either gets a delta (the index of
+  // every entry it holds is kept for both: StreamBlock::published_index), any other
+  // version the whole table. Two, because a call's response carries the update from the
+  // version its client held before the call.
+  uint64_t published_version[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  int newest_published ABSL_GUARDED_BY(mu) = 0;
 
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);

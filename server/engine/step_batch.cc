@@ -22,9 +22,9 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
   update.base_version = known_version;
   update.version = seq.version;
   update.epoch = seq.epoch;
-  const std::vector<uint64_t>& published = seq.published_versions;
-  if (known_version == 0 ||
-      std::find(published.begin(), published.end(), known_version) == published.end()) {
+  int which = 0;
+  while (which < 2 && seq.published_version[which] != known_version) ++which;
+  if (known_version == 0 || which == 2) {
     update.table = TableOf(seq, positions);
     return update;
   }
@@ -32,23 +32,28 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
     const Stream& st = seq.streams[s];
     if (st.changed_version() <= known_version) continue;
     const std::vector<StreamBlock>& blocks = st.blocks();
-    const size_t kept = st.UnchangedBlocksSince(known_version);
     StreamDelta delta;
     delta.stream = static_cast<uint32_t>(s);
-    delta.kept_blocks = static_cast<uint32_t>(kept);
-    uint64_t slot = 0;  // only positions need it: the walk is skipped otherwise
-    if (positions) {
-      for (size_t i = 0; i < kept; ++i) slot += blocks[i].count;
-    }
-    delta.kept_slots = slot;
-    delta.blocks.reserve(blocks.size() - kept);
-    for (size_t i = kept; i < blocks.size(); ++i) {
+    delta.block_count = static_cast<uint32_t>(blocks.size());
+    absl::Span<const int64_t> all = st.positions();
+    size_t slot = 0;  // the first slot of blocks[i]
+    for (size_t i = 0; i < blocks.size(); slot += blocks[i].count, ++i) {
       const StreamBlock& b = blocks[i];
+      if (b.version <= known_version) {  // held by the client: where it sits there
+        const uint32_t from = b.published_index[which];
+        KeptRun* run = delta.kept.empty() ? nullptr : &delta.kept.back();
+        if (run != nullptr && run->at + run->count == i && run->from + run->count == from) {
+          ++run->count;
+        } else {
+          delta.kept.push_back({static_cast<uint32_t>(i), from, 1});
+        }
+        continue;
+      }
       delta.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
-    }
-    if (positions) {
-      absl::Span<const int64_t> all = st.positions();
-      delta.positions.assign(all.begin() + static_cast<ptrdiff_t>(slot), all.end());
+      if (positions) {
+        delta.positions.insert(delta.positions.end(), all.begin() + static_cast<ptrdiff_t>(slot),
+                               all.begin() + static_cast<ptrdiff_t>(slot + b.count));
+      }
     }
     update.streams.push_back(std::move(delta));
   }

@@ -89,6 +89,7 @@ absl::Status StreamPlanner::Unshare(StreamBlock& block) {
       {pool_->offset(block.id), pool_->offset(*copy), format_.block_bytes(block.precision)});
   batch_->dropped.push_back(block.id);
   block.id = *copy;
+  block.version = 0;  // a new block: the commit stamps it
   return absl::OkStatus();
 }
 
@@ -203,6 +204,7 @@ absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
       block.start = top - (kept - 1);
     }
     block.count = kept;
+    block.version = 0;  // its slots moved: the commit stamps it
     blocks[out++] = block;
   }
   blocks.resize(out);
@@ -233,6 +235,7 @@ absl::Status StreamPlanner::Merge(std::vector<StreamBlock>& blocks) {
                 prev.count);
       block.start -= prev.count;
       block.count += prev.count;
+      block.version = 0;  // it received slots: the commit stamps it
       batch_->dropped.push_back(prev.id);
       prev = block;
       continue;
@@ -244,6 +247,7 @@ absl::Status StreamPlanner::Merge(std::vector<StreamBlock>& blocks) {
     }
     MoveSlots(Precision::kLayout, off, block.start, prev_off, prev.start + prev.count, block.count);
     prev.count += block.count;
+    prev.version = 0;  // it received slots: the commit stamps it
     batch_->dropped.push_back(block.id);
   }
   blocks.resize(out);
@@ -273,6 +277,7 @@ absl::Status StreamPlanner::Quantize(std::vector<StreamBlock>& blocks, uint32_t 
     batch_->dropped.push_back(block.id);
     batch_->quantized_slots += block.count;
     block.id = *id;
+    block.version = 0;  // a new block: the commit stamps it
     block.precision = target;
   }
   return absl::OkStatus();

@@ -25,9 +25,15 @@ struct StreamBlock {
   uint32_t start = 0;
   uint32_t count = 0;
   Precision precision = Precision::kLayout;
-  // The table version at which this entry (or the slots it holds) last changed; blocks a
-  // plan creates carry 0 until their commit stamps them (Stream::SwapBlocks).
+  // The table version at which this entry or its slots last changed; an entry the plan
+  // gave a new block id or wrote slots into carries 0 until its commit stamps it
+  // (Stream::SwapBlocks). A plan that moves slots sets it to 0: two steps of one plan
+  // (a keep-set, then a merge) may leave the entry as it was with other slots behind it.
   uint64_t version = 0;
+  // The entry's index in the list at each of the stream's two last published versions
+  // (Stream::MarkPublished), valid while `version` is not newer than that version: a
+  // delta tells the client where to find the entries it already holds.
+  uint32_t published_index[2] = {0, 0};
 };
 
 struct OpBatch {

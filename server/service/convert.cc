@@ -287,8 +287,12 @@ void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
   for (const engine::StreamDelta& d : update.streams) {
     v1::StreamDelta* s = delta->add_streams();
     s->set_stream(d.stream);
-    s->set_kept_blocks(d.kept_blocks);
-    s->set_kept_slots(d.kept_slots);
+    s->set_block_count(d.block_count);
+    for (const engine::KeptRun& run : d.kept) {
+      s->add_kept_at(run.at);
+      s->add_kept_from(run.from);
+      s->add_kept_count(run.count);
+    }
     for (const engine::TableBlock& b : d.blocks) {
       s->add_block_ids(b.id);
       s->add_block_offsets(b.offset);

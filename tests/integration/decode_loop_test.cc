@@ -98,6 +98,7 @@ TEST_F(DecodeLoopTest, TablesKeptFromUpdatesMatchTheDaemonsAfterEveryBatch) {
     }
   }
   EXPECT_GT(rewrites, 100);
+  EXPECT_EQ(client_->table_refetches(), 0u) << "every update applied as sent";
   // The tables name the right K/V: what ReadKv returns is what was appended there.
   for (const Entry& e : entries) ExpectContentMatchesPositions(e.id);
 }
@@ -201,6 +202,8 @@ TEST_F(DecodeLoopTest, ATableOfAnotherSequenceIsNeverKeptForThisOne) {
   ASSERT_TRUE(client_->Append(b, {positions_, {}, k_, v_, {}, {}}, &table).ok());
   EXPECT_EQ(table.sequence_id, b);
   EXPECT_EQ(Text(table), Text(*client_->GetBlockTable(b)));
+  // The daemon did not know a's version for b: it answered with b's whole table.
+  EXPECT_EQ(client_->table_refetches(), 0u);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "kvmem/client.h"
 
+#include <atomic>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -160,24 +161,73 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
   // Versions are unique to a sequence's history only: a table of another sequence (or one
   // that moved meanwhile) takes no delta.
   if (table->sequence_id != sequence_id || delta.base_version() != table->version) return false;
-  for (const v1::StreamDelta& d : delta.streams()) {  // checked whole before it applies
-    if (d.stream() >= table->streams.size() ||
-        d.kept_blocks() > table->streams[d.stream()].blocks.size() ||
-        (table->positions && d.kept_slots() > table->streams[d.stream()].positions.size())) {
+  // Checked whole before anything applies: the kept runs lie inside both lists, in order,
+  // and with the given entries (and their positions) fill the new list exactly.
+  for (const v1::StreamDelta& d : delta.streams()) {
+    if (d.stream() >= table->streams.size()) return false;
+    const StreamTable& st = table->streams[d.stream()];
+    const int runs = d.kept_at_size();
+    if (d.kept_from_size() != runs || d.kept_count_size() != runs) return false;
+    const int given = d.block_ids_size();
+    if (d.block_offsets_size() != given || d.block_precisions_size() != given ||
+        d.block_starts_size() != given || d.block_counts_size() != given) {
       return false;
+    }
+    uint64_t at = 0, kept = 0, given_slots = 0;
+    for (int r = 0; r < runs; ++r) {
+      if (d.kept_at(r) < at || uint64_t{d.kept_from(r)} + d.kept_count(r) > st.blocks.size()) {
+        return false;
+      }
+      at = uint64_t{d.kept_at(r)} + d.kept_count(r);
+      kept += d.kept_count(r);
+    }
+    if (at > d.block_count() || kept + given != d.block_count()) return false;
+    for (int b = 0; b < given; ++b) given_slots += d.block_counts(b);
+    if (table->positions) {
+      uint64_t held_slots = 0;
+      for (const TableBlock& b : st.blocks) held_slots += b.count;
+      if (held_slots != st.positions.size() ||
+          given_slots != static_cast<uint64_t>(d.positions_size())) {
+        return false;
+      }
     }
   }
   for (const v1::StreamDelta& d : delta.streams()) {
     StreamTable& st = table->streams[d.stream()];
-    st.blocks.resize(d.kept_blocks());
-    for (int b = 0; b < d.block_ids_size(); ++b) {
-      st.blocks.push_back({d.block_ids(b), d.block_offsets(b), d.block_starts(b), d.block_counts(b),
-                           static_cast<Precision>(d.block_precisions(b))});
-    }
+    // Where each held block's positions start, when positions are kept.
+    std::vector<size_t> first_slot;
     if (table->positions) {
-      st.positions.resize(d.kept_slots());
-      st.positions.insert(st.positions.end(), d.positions().begin(), d.positions().end());
+      first_slot.reserve(st.blocks.size() + 1);
+      first_slot.push_back(0);
+      for (const TableBlock& b : st.blocks) first_slot.push_back(first_slot.back() + b.count);
     }
+    std::vector<TableBlock> blocks;
+    std::vector<int64_t> positions;
+    blocks.reserve(d.block_count());
+    int run = 0, given = 0, given_slot = 0;
+    while (blocks.size() < d.block_count()) {
+      if (run < d.kept_at_size() && d.kept_at(run) == blocks.size()) {
+        const uint32_t from = d.kept_from(run), count = d.kept_count(run);
+        blocks.insert(blocks.end(), st.blocks.begin() + from, st.blocks.begin() + from + count);
+        if (table->positions) {
+          positions.insert(positions.end(),
+                           st.positions.begin() + static_cast<ptrdiff_t>(first_slot[from]),
+                           st.positions.begin() + static_cast<ptrdiff_t>(first_slot[from + count]));
+        }
+        ++run;
+        continue;
+      }
+      blocks.push_back({d.block_ids(given), d.block_offsets(given), d.block_starts(given),
+                        d.block_counts(given), static_cast<Precision>(d.block_precisions(given))});
+      if (table->positions) {
+        positions.insert(positions.end(), d.positions().begin() + given_slot,
+                         d.positions().begin() + given_slot + d.block_counts(given));
+        given_slot += static_cast<int>(d.block_counts(given));
+      }
+      ++given;
+    }
+    st.blocks = std::move(blocks);
+    if (table->positions) st.positions = std::move(positions);
   }
   table->version = delta.version();
   table->epoch = delta.epoch();
@@ -225,6 +275,7 @@ struct Client::Impl {
   struct Needs {
     bool logit_stats = true, attention_rows = true;
   };
+  std::atomic<uint64_t> table_refetches{0};
   absl::Mutex mu;
   absl::flat_hash_map<std::string, Needs> policy_needs ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<uint64_t, Needs> sequence_needs ABSL_GUARDED_BY(mu);
@@ -532,6 +583,10 @@ absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id, bool posi
   return impl_->FetchTable(sequence_id, positions);
 }
 
+uint64_t Client::table_refetches() const {
+  return impl_->table_refetches.load(std::memory_order_relaxed);
+}
+
 absl::StatusOr<BlockTable> Client::Impl::FetchTable(uint64_t sequence_id, bool positions) {
   v1::GetBlockTableRequest q;
   q.set_sequence_id(sequence_id);
@@ -547,6 +602,7 @@ absl::Status Client::Impl::Sync(uint64_t sequence_id, const v1::TableUpdate& upd
                                 BlockTable* table) {
   if (ApplyUpdate(sequence_id, update, table)) return absl::OkStatus();
   // No update (the sequence went right after the call) or one for another version.
+  table_refetches.fetch_add(1, std::memory_order_relaxed);
   absl::StatusOr<BlockTable> fetched = FetchTable(sequence_id, table->positions);
   if (fetched.ok()) {
     *table = *std::move(fetched);

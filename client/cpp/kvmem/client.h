@@ -312,6 +312,9 @@ class Client {
                                           BlockTable* table = nullptr);
   // The whole table (positions when asked for): to attach to a sequence, or to recover.
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
+  // How often a kept table could not take its update (another caller changed the sequence
+  // meanwhile, or the update did not check out) and was fetched again whole.
+  uint64_t table_refetches() const;
   // Retained K/V of `layers` (unset: all), if the table is at `epoch` (unset: the current
   // one); one StreamKv per stream, layer-major.
   absl::StatusOr<std::vector<StreamKv>> ReadKv(uint64_t sequence_id,

@@ -34,12 +34,43 @@ struct ClientTable {
     }
     for (const StreamDelta& d : update.streams) {
       ASSERT_LT(d.stream, blocks.size());
-      ASSERT_LE(d.kept_blocks, blocks[d.stream].size()) << "stream " << d.stream;
-      ASSERT_LE(d.kept_slots, positions[d.stream].size()) << "stream " << d.stream;
-      blocks[d.stream].resize(d.kept_blocks);
-      blocks[d.stream].insert(blocks[d.stream].end(), d.blocks.begin(), d.blocks.end());
-      positions[d.stream].resize(d.kept_slots);
-      positions[d.stream].insert(positions[d.stream].end(), d.positions.begin(), d.positions.end());
+      const std::vector<TableBlock>& held = blocks[d.stream];
+      // Slot offsets of the held blocks, to carry a kept block's positions over.
+      std::vector<size_t> offset = {0};
+      for (const TableBlock& b : held) offset.push_back(offset.back() + b.count);
+      ASSERT_EQ(offset.back(), positions[d.stream].size());
+      std::vector<TableBlock> next(d.block_count);
+      std::vector<bool> filled(d.block_count, false);
+      std::vector<std::vector<int64_t>> next_positions(d.block_count);
+      for (const KeptRun& run : d.kept) {
+        for (uint32_t j = 0; j < run.count; ++j) {
+          ASSERT_LT(run.at + j, d.block_count) << "stream " << d.stream;
+          ASSERT_LT(run.from + j, held.size()) << "stream " << d.stream;
+          ASSERT_FALSE(filled[run.at + j]) << "two runs fill one entry";
+          next[run.at + j] = held[run.from + j];
+          filled[run.at + j] = true;
+          const auto& p = positions[d.stream];
+          next_positions[run.at + j].assign(p.begin() + offset[run.from + j],
+                                            p.begin() + offset[run.from + j + 1]);
+        }
+      }
+      size_t given = 0, slot = 0;
+      for (uint32_t i = 0; i < d.block_count; ++i) {
+        if (filled[i]) continue;
+        ASSERT_LT(given, d.blocks.size()) << "stream " << d.stream;
+        next[i] = d.blocks[given++];
+        ASSERT_LE(slot + next[i].count, d.positions.size());
+        next_positions[i].assign(d.positions.begin() + slot,
+                                 d.positions.begin() + slot + next[i].count);
+        slot += next[i].count;
+      }
+      ASSERT_EQ(given, d.blocks.size()) << "stream " << d.stream;
+      ASSERT_EQ(slot, d.positions.size()) << "stream " << d.stream;
+      blocks[d.stream] = next;
+      positions[d.stream].clear();
+      for (const auto& p : next_positions) {
+        positions[d.stream].insert(positions[d.stream].end(), p.begin(), p.end());
+      }
     }
     version = update.version;
     epoch = update.epoch;
@@ -198,41 +229,103 @@ TEST_F(DeltaTest, ClientTablesFollowEveryKindOfChange) {
                            << " times in " << steps << " steps";
 }
 
-TEST(StreamVersionsTest, StampsFromTheFirstChangeAndNoticesDroppedBlocks) {
+TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
   Stream st;
   std::vector<StreamBlock> list = {{1, 0, 16, Precision::kLayout},
                                    {2, 0, 16, Precision::kLayout},
-                                   {3, 0, 4, Precision::kLayout}};
+                                   {3, 0, 16, Precision::kLayout},
+                                   {4, 0, 4, Precision::kLayout}};
   st.SwapBlocks(list, 10);
-  EXPECT_EQ(st.UnchangedBlocksSince(9), 0u);
-  EXPECT_EQ(st.UnchangedBlocksSince(10), 3u);
+  st.MarkPublished(0);
   EXPECT_EQ(st.changed_version(), 10u);
+  auto versions = [&st] {
+    std::vector<uint64_t> v;
+    for (const StreamBlock& b : st.blocks()) v.push_back(b.version);
+    return v;
+  };
+  auto indices = [&st](int which) {
+    std::vector<uint32_t> v;
+    for (const StreamBlock& b : st.blocks()) v.push_back(b.published_index[which]);
+    return v;
+  };
+  EXPECT_THAT(indices(0), ::testing::ElementsAre(0, 1, 2, 3));
 
-  // The last block dropped whole, the rest as they were: no block is new, but the list is
-  // shorter, and a client at 10 must hear of it.
-  list = {st.blocks()[0], st.blocks()[1]};
+  // The head evicted (the first run shrinks) and a token appended (the last grows): the
+  // blocks between keep their versions.
+  list = st.blocks();
+  list[0].start = 1;
+  list[0].count = 15;
+  list[3].count = 5;
   st.SwapBlocks(list, 11);
-  EXPECT_EQ(st.UnchangedBlocksSince(10), 2u);
+  EXPECT_THAT(versions(), ::testing::ElementsAre(11, 10, 10, 11));
   EXPECT_EQ(st.changed_version(), 11u);
 
-  // Same entries, but a keep-set moved slot 20 (in the second block): it is changed.
-  list = st.blocks();
-  st.SwapBlocks(list, 12, 20);
-  EXPECT_EQ(st.UnchangedBlocksSince(11), 1u);
-  EXPECT_EQ(st.blocks()[1].version, 12u);
-  EXPECT_EQ(st.blocks()[0].version, 10u);
+  // The first block dropped whole: the others move up one index, unchanged.
+  list = {st.blocks()[1], st.blocks()[2], st.blocks()[3]};
+  st.SwapBlocks(list, 12);
+  EXPECT_THAT(versions(), ::testing::ElementsAre(10, 10, 11));
+  EXPECT_EQ(st.changed_version(), 12u);
+  // Their index at the published version 10 travels with them.
+  EXPECT_THAT(indices(0), ::testing::ElementsAre(1, 2, 3));
+  st.MarkPublished(1);
+  EXPECT_THAT(indices(1), ::testing::ElementsAre(0, 1, 2));
+  EXPECT_THAT(indices(0), ::testing::ElementsAre(1, 2, 3));
 
-  // An append that grows the last block's run.
+  // A block replaced by a new one (quantized, copied on write: version 0 from the plan),
+  // and one whose id the old list lacks although the plan left its version: both new.
   list = st.blocks();
-  list[1].count = 12;
-  list[1].start = 0;
+  list[0] = {7, 0, 16, Precision::kInt8};
+  list[2].id = 9;
   st.SwapBlocks(list, 13);
-  EXPECT_EQ(st.UnchangedBlocksSince(12), 1u);
+  EXPECT_THAT(versions(), ::testing::ElementsAre(13, 10, 13));
+
+  // The last block dropped whole, the rest as they were: the list is shorter.
+  list = {st.blocks()[0], st.blocks()[1]};
+  st.SwapBlocks(list, 14);
+  EXPECT_THAT(versions(), ::testing::ElementsAre(13, 10));
+  EXPECT_EQ(st.changed_version(), 14u);
   // Nothing at all changed: the versions stay.
   list = st.blocks();
-  st.SwapBlocks(list, 14);
-  EXPECT_EQ(st.changed_version(), 13u);
-  EXPECT_EQ(st.UnchangedBlocksSince(13), 2u);
+  st.SwapBlocks(list, 15);
+  EXPECT_EQ(st.changed_version(), 14u);
+  EXPECT_THAT(versions(), ::testing::ElementsAre(13, 10));
+  // Only entries from the first that moved since the last mark are re-indexed.
+  st.MarkPublished(1);
+  EXPECT_THAT(indices(1), ::testing::ElementsAre(0, 1));
+}
+
+TEST_F(DeltaTest, HeadEvictionSendsOnlyTheEntriesThatChanged) {
+  // window keeps the last 64 slots of a stream: 4-5 blocks of 16. Every step evicts the
+  // head and appends one token; the update names the two changed entries (the first run
+  // shrank, the last grew, or a block dropped or added), never the blocks between.
+  const uint64_t id = Create("window", {{"window", 64}});
+  ClientTable client = Attach(id);
+  std::mt19937 rng(5);
+  int64_t next = 0;
+  size_t max_given = 0, kept_entries = 0;
+  for (int round = 0; round < 120; ++round) {
+    CallData data;
+    const uint32_t n = round == 0 ? 64 : 1;
+    MakeCall(id, client, next, n, rng, &data);
+    absl::StatusOr<std::vector<StepOutcome>> out =
+        engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+    const TableUpdate& update = *(*out)[0].table;
+    ASSERT_FALSE(update.full());
+    client.Apply(update, kStreams);
+    next += n;
+    if (round < 2) continue;
+    ASSERT_EQ(update.streams.size(), kStreams);
+    for (const StreamDelta& d : update.streams) {
+      max_given = std::max(max_given, d.blocks.size());
+      for (const KeptRun& run : d.kept) kept_entries += run.count;
+    }
+    ExpectSame(id, client, absl::StrCat("round ", round));
+    if (HasFailure()) return;
+  }
+  EXPECT_LE(max_given, 2u);
+  EXPECT_GT(kept_entries, 118u * kStreams * 2) << "the blocks between were sent again";
 }
 
 TEST_F(DeltaTest, CompressAndPlainCallsReportVersionsThatDeltasFollow) {
@@ -272,7 +365,11 @@ TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
   EXPECT_FALSE(one_behind.full());
   // Every stream gained a slot in its last block: that block and its position, nothing else.
   ASSERT_EQ(one_behind.streams.size(), kStreams);
-  EXPECT_EQ(one_behind.streams[0].kept_blocks, 1u);
+  EXPECT_EQ(one_behind.streams[0].block_count, 2u);
+  ASSERT_EQ(one_behind.streams[0].kept.size(), 1u);
+  EXPECT_EQ(one_behind.streams[0].kept[0].at, 0u);
+  EXPECT_EQ(one_behind.streams[0].kept[0].from, 0u);
+  EXPECT_EQ(one_behind.streams[0].kept[0].count, 1u);
   EXPECT_THAT(one_behind.streams[0].positions, ::testing::ElementsAre(16, 17, 18, 19, 20));
   current.Apply(one_behind, kStreams);
   ExpectSame(id, current, "one behind");
@@ -293,27 +390,6 @@ TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
   const uint64_t foreign = engine_->GetBlockTable(other)->version;
   EXPECT_TRUE(engine_->GetTableUpdate(id, foreign, true)->full());
   EXPECT_TRUE(engine_->GetTableUpdate(id, old.version + 1000, true)->full());
-}
-
-TEST_F(DeltaTest, MoreHistoryServesDeltasFurtherBack) {
-  MakeEngine(1 << 20, [](EngineConfig& config) { config.delta_history = 4; });
-  const uint64_t id = Create("full");
-  ClientTable client = Attach(id);
-  for (int i = 0; i < 4; ++i) ASSERT_TRUE(AppendRange(id, i * 5, 5).ok());
-  TableUpdate update = *engine_->GetTableUpdate(id, client.version, false);
-  EXPECT_FALSE(update.full());
-  client.Apply(update, kStreams);
-  EXPECT_EQ(client.version, engine_->GetBlockTable(id)->version);
-  EXPECT_THAT(Engine::Create(
-                  [] {
-                    EngineConfig c;
-                    c.delta_history = kMaxDeltaHistory + 1;
-                    return c;
-                  }(),
-                  *store::CpuBackend::Create(1 << 20), &clock_)
-                  .status()
-                  .message(),
-              HasSubstr("delta_history"));
 }
 
 TEST_F(DeltaTest, BatchedStepsEqualStepsOneByOne) {
