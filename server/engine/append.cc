@@ -46,8 +46,12 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked
     seq.append_open = true;
     auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(ref)));
     session->new_blocks_.resize(seq.streams.size());
+    session->tail_from_.resize(seq.streams.size());
     for (size_t s = 0; s < seq.streams.size(); ++s) {
-      session->new_blocks_[s] = seq.streams[s].blocks();
+      const std::vector<StreamBlock>& blocks = seq.streams[s].blocks();
+      const size_t from = blocks.empty() ? 0 : blocks.size() - 1;
+      session->tail_from_[s] = from;
+      session->new_blocks_[s].assign(blocks.begin() + static_cast<ptrdiff_t>(from), blocks.end());
     }
     session->last_position_ = seq.last_position;
     session->hold_lock_ = hold_lock;
@@ -203,7 +207,10 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
-  for (Stream& st : seq.streams) st.Reserve(total, !seq.slots, history_rows);
+  for (size_t s = 0; s < seq.streams.size(); ++s) {
+    seq.streams[s].Reserve(total, !seq.slots, history_rows);
+    seq.streams[s].ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
+  }
   if (seq.token_ids.capacity() < seq.token_ids.size() + total) {
     seq.token_ids.reserve(std::max(seq.token_ids.size() + total, 2 * seq.token_ids.capacity()));
   }
@@ -220,7 +227,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // sequence is poisoned on the way out (and keeps what no stream names for Release).
   size_t swapped = 0;  // streams [0, swapped) hold their new block list
   absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    engine_->KeepOrphans(seq, batch_, new_blocks_, swapped);
+    engine_->KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
     committed_ = true;  // the orphans are the sequence's now
     engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
   };
@@ -229,7 +236,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   for (size_t s = 0; s < seq.streams.size(); ++s) {
     if (s == seq.streams.size() / 2) engine_->CommitFailpoint();
     Stream& st = seq.streams[s];
-    st.SwapBlocks(new_blocks_[s], version);
+    st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
     swapped = s + 1;
     st.AppendSlots(positions_, seq.slots ? std::nullopt : std::optional<float>(initial_score),
                    history_rows, token_entropy_, layer_distance_, arrival);

@@ -82,4 +82,10 @@ uint64_t BlockFormat::KvBytes(Precision p, uint32_t count) const {
   return count * geometry_.slot_bytes() + geometry_.block_scale_bytes();
 }
 
+uint64_t BlockFormat::KvBytes(uint64_t layout_slots, uint64_t quantized_slots,
+                              uint64_t quantized_blocks) const {
+  return 2 * layout_slots * row_bytes_ + quantized_slots * geometry_.slot_bytes() +
+         quantized_blocks * geometry_.block_scale_bytes();
+}
+
 }  // namespace kvmem::engine

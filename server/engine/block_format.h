@@ -42,6 +42,10 @@ class BlockFormat {
   int SlotRanges(Precision p, uint64_t block_offset, uint32_t slot, ByteRange out[4]) const;
   // KV bytes (ALGORITHMS.md) of `count` live slots in a block: data plus scales.
   uint64_t KvBytes(Precision p, uint32_t count) const;
+  // The same over many blocks: `layout_slots` live slots in layout blocks, and
+  // `quantized_slots` in `quantized_blocks` quantized ones.
+  uint64_t KvBytes(uint64_t layout_slots, uint64_t quantized_slots,
+                   uint64_t quantized_blocks) const;
 
  private:
   uint32_t B_;

@@ -8,15 +8,18 @@
 namespace kvmem::engine {
 
 void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
-                         const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped) {
+                         const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
+                         const std::vector<size_t>& from) {
   // References held = old lists + the batch's allocations (nothing dropped yet); streams
-  // [0, swapped) hold their new list and other_lists[s] their old one, the rest still hold
-  // the old list. What no stream names is kept for Release.
+  // [0, swapped) hold their new entries from from[s] on (0 when `from` is empty) and
+  // other_lists[s] the old ones, the rest still hold the old list. What no stream names
+  // is kept for Release.
   absl::flat_hash_map<store::BlockId, int64_t> refs;
   for (store::BlockId id : batch.allocated) ++refs[id];
   for (size_t s = 0; s < swapped && s < seq.streams.size(); ++s) {
     for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
-    for (const StreamBlock& b : seq.streams[s].blocks()) --refs[b.id];
+    const std::vector<StreamBlock>& now = seq.streams[s].blocks();
+    for (size_t i = from.empty() ? 0 : from[s]; i < now.size(); ++i) --refs[now[i].id];
   }
   for (const auto& [id, n] : refs) {
     for (int64_t i = 0; i < n; ++i) seq.orphan_blocks.push_back(id);

@@ -141,7 +141,10 @@ class Engine {
     bool publish_ = true;  // false inside a folded step, which publishes once at its end
     bool hold_lock_ = false;  // a unary Append: the lock is held from Begin to the end
     OpBatch batch_;           // allocated: every block the session took; dropped: copied-on-write
+    // Stream s's planned tail: its entries from tail_from_[s] on (the last block when the
+    // session began, then what the chunks added), all the plan touches.
     std::vector<std::vector<StreamBlock>> new_blocks_;
+    std::vector<size_t> tail_from_;
     std::vector<int64_t> positions_;
     std::vector<int32_t> token_ids_;
     std::vector<float> token_entropy_, layer_distance_;
@@ -265,10 +268,11 @@ class Engine {
   absl::Status Poison(Sequence& seq, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // After a commit interrupted past its point of no return: moves the references the
   // sequence holds but no stream names (old blocks of committed streams, new blocks of the
-  // rest) to seq.orphan_blocks, which Release drops.
+  // rest) to seq.orphan_blocks, which Release drops. `from`: where each stream's swapped
+  // entries begin (Stream::SwapBlocks), empty when whole lists were swapped.
   void KeepOrphans(Sequence& seq, const OpBatch& batch,
-                   const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+                   const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
+                   const std::vector<size_t>& from = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // A seqlock write section on one sequence: readers of its current tables fail from the
   // moment it opens. Commit() publishes a fresh epoch; destroyed without it (an error or
   // an exception past the point of no return), it poisons the sequence.

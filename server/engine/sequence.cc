@@ -6,11 +6,13 @@
 
 namespace kvmem::engine {
 namespace {
-// Slots before the first eviction stay where they are; only the rest shift.
+// Copies the run of slots [from, from + n) to [to, to + n), to <= from (a forward copy is
+// then safe), in a vector of `width` values per slot: one memmove for trivial types.
 template <typename T>
-void KeepIndices(std::vector<T>& v, const std::vector<uint32_t>& keep, size_t first_moved) {
-  for (size_t j = first_moved; j < keep.size(); ++j) v[j] = v[keep[j]];
-  v.resize(keep.size());
+void MoveRun(std::vector<T>& v, size_t from, size_t to, size_t n, size_t width = 1) {
+  std::copy(v.begin() + static_cast<ptrdiff_t>(from * width),
+            v.begin() + static_cast<ptrdiff_t>((from + n) * width),
+            v.begin() + static_cast<ptrdiff_t>(to * width));
 }
 }  // namespace
 
@@ -40,39 +42,73 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
 }
 
 void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
-  size_t first_moved = 0;
-  while (first_moved < keep.size() && keep[first_moved] == first_moved) ++first_moved;
-  KeepIndices(positions_, keep, first_moved);
-  if (!scores_.empty()) KeepIndices(scores_, keep, first_moved);  // empty: in the SlotState
-  KeepIndices(token_entropy_, keep, first_moved);
-  KeepIndices(layer_distance_, keep, first_moved);
-  KeepIndices(arrival_step_, keep, first_moved);
-  if (history_rows > 0) {
-    const size_t R = history_rows;
-    for (size_t j = first_moved; j < keep.size(); ++j) {
-      std::copy_n(history_.begin() + keep[j] * R, R, history_.begin() + j * R);
-    }
-    history_.resize(keep.size() * R);
+  // Slots before the first eviction stay where they are; the rest move up run by run (a
+  // head eviction is one run: one memmove per vector, not a copy per slot).
+  size_t j = 0;
+  while (j < keep.size() && keep[j] == j) ++j;
+  const bool host_scores = !scores_.empty();  // empty: in the SlotState
+  while (j < keep.size()) {
+    size_t end = j + 1;
+    while (end < keep.size() && keep[end] == keep[end - 1] + 1) ++end;
+    const size_t from = keep[j], n = end - j;
+    MoveRun(positions_, from, j, n);
+    if (host_scores) MoveRun(scores_, from, j, n);
+    MoveRun(token_entropy_, from, j, n);
+    MoveRun(layer_distance_, from, j, n);
+    MoveRun(arrival_step_, from, j, n);
+    if (history_rows > 0) MoveRun(history_, from, j, n, history_rows);
+    j = end;
   }
+  const size_t n = keep.size();
+  positions_.resize(n);
+  if (host_scores) scores_.resize(n);
+  token_entropy_.resize(n);
+  layer_distance_.resize(n);
+  arrival_step_.resize(n);
+  history_.resize(n * history_rows);
 }
 
-void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version) {
-  blocks_.swap(other);
-  const std::vector<StreamBlock>& old = other;
-  bool changed = blocks_.size() != old.size();
+void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {
+  // The KV byte tally: the old entries leave it, the new ones join it.
+  auto tally = [this](const StreamBlock& b, bool add) {
+    const bool layout = b.precision == Precision::kLayout;
+    uint64_t& slots = layout ? layout_slots_ : quantized_slots_;
+    slots = add ? slots + b.count : slots - b.count;
+    if (!layout) quantized_blocks_ = add ? quantized_blocks_ + 1 : quantized_blocks_ - 1;
+  };
+  for (size_t i = from; i < blocks_.size(); ++i) tally(blocks_[i], false);
+  // blocks_ = [prefix][old entries], other = [new entries]: exchange the two tails.
+  const size_t old_n = blocks_.size() - from, new_n = other.size();
+  if (from == 0) {
+    blocks_.swap(other);
+  } else {
+    const size_t common = std::min(old_n, new_n);
+    const auto at = blocks_.begin() + static_cast<ptrdiff_t>(from);
+    std::swap_ranges(other.begin(), other.begin() + static_cast<ptrdiff_t>(common), at);
+    if (new_n > common) {
+      blocks_.insert(blocks_.end(), other.begin() + static_cast<ptrdiff_t>(common), other.end());
+      other.resize(common);
+    } else if (old_n > common) {
+      other.insert(other.end(), at + static_cast<ptrdiff_t>(common), blocks_.end());
+      blocks_.resize(from + common);
+    }
+  }
+  const std::vector<StreamBlock>& old = other;  // old[k] was entry from + k
+  bool changed = new_n != old_n;
   size_t moved_from = blocks_.size();  // the first entry not at its old index, or new
   size_t j = 0;                        // old entries before j are paired or gone
-  for (size_t i = 0; i < blocks_.size(); ++i) {
+  for (size_t i = from; i < blocks_.size(); ++i) {
     StreamBlock& b = blocks_[i];
+    tally(b, true);
     size_t k = j;
     if (b.version != 0) {
       while (k < old.size() && old[k].id != b.id) ++k;
     } else {
-      k = old.size();  // a new block id
+      k = old.size();  // a new block id, or slots written
     }
     const bool paired = k < old.size();
     if (paired) j = k + 1;
-    if (!paired || k != i) moved_from = std::min(moved_from, i);
+    if (!paired || from + k != i) moved_from = std::min(moved_from, i);
     if (!paired || b.start != old[k].start || b.count != old[k].count ||
         b.precision != old[k].precision) {
       b.version = version;
@@ -80,7 +116,7 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version) {
     }
   }
   if (moved_from < blocks_.size()) changed = true;
-  for (size_t& from : reindex_from_) from = std::min(from, moved_from);
+  for (size_t& f : reindex_from_) f = std::min(f, moved_from);
   if (changed) changed_version_ = version;
 }
 
@@ -134,12 +170,16 @@ absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
     if (slots && slots->length(static_cast<uint32_t>(s)) != n) {
       return broken("the slot state's length disagrees");
     }
-    uint64_t live = 0;
+    uint64_t live = 0, kv = 0;
     for (const StreamBlock& b : st.blocks()) {
       if (b.count == 0 || b.start + b.count > B) return broken("a block's live run is wrong");
       live += b.count;
+      kv += format.KvBytes(b.precision, b.count);
     }
     if (live != n) return broken("the blocks' live slots disagree with the positions");
+    if (kv != format.KvBytes(st.layout_slots(), st.quantized_slots(), st.quantized_blocks())) {
+      return broken("the stream's KV byte tally disagrees with its blocks");
+    }
     for (size_t j = 1; j < n; ++j) {
       if (st.positions()[j] <= st.positions()[j - 1]) return broken("positions do not increase");
     }
@@ -162,7 +202,7 @@ uint64_t Sequence::retained_slots() const {
 uint64_t Sequence::kv_bytes() const {
   uint64_t bytes = 0;
   for (const Stream& s : streams) {
-    for (const StreamBlock& b : s.blocks()) bytes += format.KvBytes(b.precision, b.count);
+    bytes += format.KvBytes(s.layout_slots(), s.quantized_slots(), s.quantized_blocks());
   }
   return bytes;
 }

@@ -51,13 +51,24 @@ class Stream {
   // Keeps only the slots listed (ascending) in every per-slot vector. Never allocates (it
   // only shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
-  // Exchanges the block list with `other` (a commit installing a planned list) and stamps
-  // `version` on every entry that changed: one the plan marked (version 0: a new block id
-  // or slots written), one whose id the old list lacks, or one whose run or precision
-  // differs from the same block's old entry. So an entry whose version is not newer than
-  // v holds what it held at v. Surviving blocks keep their order, which lets one walk
-  // pair them up. Never allocates.
-  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version);
+  // Exchanges entries [from, end) of the block list with `other` (a commit installing a
+  // planned list, or with `from` > 0 a planned tail: an append plans only its stream's
+  // last block and the ones it adds), and stamps `version` on every entry that changed:
+  // one the plan marked (version 0: a new block id or slots written), one whose id the
+  // old entries lack, or one whose run or precision differs from the same block's old
+  // entry. So an entry whose version is not newer than v holds what it held at v.
+  // Surviving blocks keep their order, which lets one walk pair them up. `other` gets
+  // the old entries. Never allocates when the capacities were reserved: the list's for
+  // from + other.size() (ReserveBlocks), other's for the old entries it takes.
+  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from = 0);
+  void ReserveBlocks(size_t n) {
+    if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
+  }
+  // Live slots in layout blocks, live slots in quantized blocks, quantized blocks: what
+  // KV bytes are made of (BlockFormat::KvBytes), kept by SwapBlocks.
+  uint64_t layout_slots() const { return layout_slots_; }
+  uint64_t quantized_slots() const { return quantized_slots_; }
+  uint64_t quantized_blocks() const { return quantized_blocks_; }
   // The version of the last commit that changed the block list at all (blocks dropped
   // included).
   uint64_t changed_version() const { return changed_version_; }
@@ -86,6 +97,7 @@ class Stream {
  private:
   std::vector<StreamBlock> blocks_;
   uint64_t changed_version_ = 0;
+  uint64_t layout_slots_ = 0, quantized_slots_ = 0, quantized_blocks_ = 0;
   // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
   size_t reindex_from_[2] = {0, 0};
   std::vector<int64_t> positions_;

@@ -294,6 +294,50 @@ TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
   EXPECT_THAT(indices(1), ::testing::ElementsAre(0, 1));
 }
 
+TEST(StreamVersionsTest, AnAppendSwapsOnlyItsTailAndKeepsTheTally) {
+  Stream st;
+  std::vector<StreamBlock> list = {
+      {1, 0, 16, Precision::kInt8}, {2, 0, 16, Precision::kLayout}, {3, 0, 4, Precision::kLayout}};
+  st.SwapBlocks(list, 10);
+  EXPECT_EQ(st.layout_slots(), 20u);
+  EXPECT_EQ(st.quantized_slots(), 16u);
+  EXPECT_EQ(st.quantized_blocks(), 1u);
+  st.MarkPublished(0);
+  // The planned tail: the last block, filled, and a new one after it.
+  std::vector<StreamBlock> tail = {st.blocks()[2], {4, 0, 3, Precision::kLayout}};
+  tail[0].count = 16;
+  st.ReserveBlocks(4);
+  st.SwapBlocks(tail, 11, /*from=*/2);
+  ASSERT_EQ(st.blocks().size(), 4u);
+  EXPECT_EQ(st.blocks()[2].count, 16u);
+  EXPECT_EQ(st.blocks()[3].id, 4u);
+  std::vector<uint64_t> versions;
+  for (const StreamBlock& b : st.blocks()) versions.push_back(b.version);
+  EXPECT_THAT(versions, ::testing::ElementsAre(10, 10, 11, 11));
+  ASSERT_EQ(tail.size(), 1u);  // the old tail, for an unwind
+  EXPECT_EQ(tail[0].count, 4u);
+  EXPECT_EQ(st.layout_slots(), 16u + 16u + 3u);
+  EXPECT_EQ(st.quantized_slots(), 16u);
+  EXPECT_EQ(st.changed_version(), 11u);
+  // The blocks before the tail kept their index; only the new one is indexed.
+  st.MarkPublished(1);
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(st.blocks()[i].published_index[1], i);
+  // A tail that shrank (not an append's, but the exchange allows it).
+  tail = {st.blocks()[3]};
+  st.SwapBlocks(tail, 12, /*from=*/2);
+  ASSERT_EQ(st.blocks().size(), 3u);
+  EXPECT_EQ(st.blocks()[2].id, 4u);
+  // Moved up an index, unchanged: not stamped (a delta names it by its old index), but
+  // the list changed and the entry is indexed again at the next mark.
+  EXPECT_EQ(st.blocks()[2].version, 11u);
+  EXPECT_EQ(st.changed_version(), 12u);
+  st.MarkPublished(0);  // the older of the two published versions makes room
+  EXPECT_EQ(st.blocks()[2].published_index[0], 2u);
+  EXPECT_EQ(st.blocks()[2].published_index[1], 3u);  // where a client of version 11 has it
+  EXPECT_EQ(tail.size(), 2u);
+  EXPECT_EQ(st.layout_slots(), 16u + 3u);
+}
+
 TEST_F(DeltaTest, HeadEvictionSendsOnlyTheEntriesThatChanged) {
   // window keeps the last 64 slots of a stream: 4-5 blocks of 16. Every step evicts the
   // head and appends one token; the update names the two changed entries (the first run
