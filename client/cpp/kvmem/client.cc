@@ -13,6 +13,7 @@
 #include "google/rpc/status.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
+#include "kvmem/table_update.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
 namespace kvmem::client {
@@ -161,10 +162,13 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
   // Versions are unique to a sequence's history only: a table of another sequence (or one
   // that moved meanwhile) takes no delta.
   if (table->sequence_id != sequence_id || delta.base_version() != table->version) return false;
-  // Checked whole before anything applies: the kept runs lie inside both lists, in order,
-  // and with the given entries (and their positions) fill the new list exactly.
+  // Checked whole before anything applies: each stream named once; the kept runs lie
+  // inside both lists, in order in both, and with the given entries (and their positions)
+  // fill the new list exactly.
+  std::vector<bool> named(table->streams.size(), false);
   for (const v1::StreamDelta& d : delta.streams()) {
-    if (d.stream() >= table->streams.size()) return false;
+    if (d.stream() >= table->streams.size() || named[d.stream()]) return false;
+    named[d.stream()] = true;
     const StreamTable& st = table->streams[d.stream()];
     const int runs = d.kept_at_size();
     if (d.kept_from_size() != runs || d.kept_count_size() != runs) return false;
@@ -173,12 +177,14 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
         d.block_starts_size() != given || d.block_counts_size() != given) {
       return false;
     }
-    uint64_t at = 0, kept = 0, given_slots = 0;
+    uint64_t at = 0, from = 0, kept = 0, given_slots = 0;
     for (int r = 0; r < runs; ++r) {
-      if (d.kept_at(r) < at || uint64_t{d.kept_from(r)} + d.kept_count(r) > st.blocks.size()) {
+      if (d.kept_at(r) < at || d.kept_from(r) < from ||
+          uint64_t{d.kept_from(r)} + d.kept_count(r) > st.blocks.size()) {
         return false;
       }
       at = uint64_t{d.kept_at(r)} + d.kept_count(r);
+      from = uint64_t{d.kept_from(r)} + d.kept_count(r);
       kept += d.kept_count(r);
     }
     if (at > d.block_count() || kept + given != d.block_count()) return false;
@@ -255,6 +261,12 @@ void HoldTable(const BlockTable& table, v1::ClientTable* out) {
 }
 
 }  // namespace
+
+namespace internal {
+bool ApplyTableUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable* table) {
+  return ApplyUpdate(sequence_id, update, table);
+}
+}  // namespace internal
 
 std::optional<uint64_t> CurrentEpoch(const absl::Status& status) {
   const auto payload = status.GetPayload(kCurrentEpochPayload);

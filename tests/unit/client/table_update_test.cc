@@ -1,0 +1,152 @@
+// The client's application of table updates: a delta that checks out applies exactly; one
+// that does not (another version, a stream named twice, runs out of order or out of
+// bounds, counts that disagree) changes nothing, so the client fetches the table instead.
+#include "kvmem/table_update.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvmem::client::internal {
+namespace {
+
+// A held table of sequence 7 at version 10: one stream of blocks 1, 2, 3 (4 slots each),
+// positions 0..11.
+BlockTable Held() {
+  BlockTable t;
+  t.sequence_id = 7;
+  t.version = 10;
+  t.positions = true;
+  StreamTable st;
+  for (uint32_t id = 1; id <= 3; ++id) {
+    st.blocks.push_back({id, id * 1000ull, 0, 4, Precision::kLayout});
+  }
+  for (int64_t p = 0; p < 12; ++p) st.positions.push_back(p);
+  t.streams.push_back(st);
+  return t;
+}
+
+// The head block dropped, block 3 grew by one slot (given again), block 2 kept: the list
+// becomes 2, 3'.
+v1::TableUpdate HeadDropped() {
+  v1::TableUpdate u;
+  v1::TableDelta* d = u.mutable_delta();
+  d->set_base_version(10);
+  d->set_version(11);
+  d->set_epoch(3);
+  v1::StreamDelta* s = d->add_streams();
+  s->set_stream(0);
+  s->set_block_count(2);
+  s->add_kept_at(0);
+  s->add_kept_from(1);
+  s->add_kept_count(1);
+  s->add_block_ids(3);
+  s->add_block_offsets(3000);
+  s->add_block_precisions(v1::PRECISION_LAYOUT);
+  s->add_block_starts(0);
+  s->add_block_counts(5);
+  for (int64_t p : {8, 9, 10, 11, 12}) s->add_positions(p);
+  return u;
+}
+
+std::vector<uint32_t> Ids(const BlockTable& t) {
+  std::vector<uint32_t> ids;
+  for (const TableBlock& b : t.streams[0].blocks) ids.push_back(b.id);
+  return ids;
+}
+
+TEST(TableUpdateTest, ADeltaThatChecksOutApplies) {
+  BlockTable t = Held();
+  ASSERT_TRUE(ApplyTableUpdate(7, HeadDropped(), &t));
+  EXPECT_THAT(Ids(t), ::testing::ElementsAre(2, 3));
+  EXPECT_EQ(t.streams[0].blocks[1].count, 5u);
+  EXPECT_THAT(t.streams[0].positions, ::testing::ElementsAre(4, 5, 6, 7, 8, 9, 10, 11, 12));
+  EXPECT_EQ(t.version, 11u);
+  EXPECT_EQ(t.epoch, 3u);
+}
+
+TEST(TableUpdateTest, ADeltaThatDoesNotCheckOutChangesNothing) {
+  struct Case {
+    const char* what;
+    void (*spoil)(v1::TableUpdate&, BlockTable&);
+  };
+  const Case cases[] = {
+      {"another base version",
+       [](v1::TableUpdate& u, BlockTable&) { u.mutable_delta()->set_base_version(9); }},
+      {"another sequence's table", [](v1::TableUpdate&, BlockTable& t) { t.sequence_id = 8; }},
+      {"a stream named twice",
+       [](v1::TableUpdate& u, BlockTable&) {
+         *u.mutable_delta()->add_streams() = u.delta().streams(0);
+       }},
+      {"a stream the table lacks",
+       [](v1::TableUpdate& u, BlockTable&) {
+         u.mutable_delta()->mutable_streams(0)->set_stream(1);
+       }},
+      {"a run past the held list",
+       [](v1::TableUpdate& u, BlockTable&) {
+         u.mutable_delta()->mutable_streams(0)->set_kept_from(0, 3);
+       }},
+      {"runs taking held entries twice",
+       [](v1::TableUpdate& u, BlockTable&) {
+         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
+         s->set_block_count(3);
+         s->add_kept_at(2);
+         s->add_kept_from(1);
+         s->add_kept_count(1);
+       }},
+      {"runs overlapping in the new list",
+       [](v1::TableUpdate& u, BlockTable&) {
+         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
+         s->set_kept_count(0, 2);
+         s->set_block_count(3);
+         s->add_kept_at(1);
+         s->add_kept_from(2);
+         s->add_kept_count(1);
+       }},
+      {"entries that do not fill the list",
+       [](v1::TableUpdate& u, BlockTable&) {
+         u.mutable_delta()->mutable_streams(0)->set_block_count(3);
+       }},
+      {"positions that disagree with the given blocks",
+       [](v1::TableUpdate& u, BlockTable&) {
+         u.mutable_delta()->mutable_streams(0)->add_positions(13);
+       }},
+      {"columns of different lengths",
+       [](v1::TableUpdate& u, BlockTable&) {
+         u.mutable_delta()->mutable_streams(0)->add_block_starts(0);
+       }},
+      {"held positions that disagree with the held blocks",
+       [](v1::TableUpdate&, BlockTable& t) { t.streams[0].positions.pop_back(); }},
+  };
+  for (const Case& c : cases) {
+    v1::TableUpdate u = HeadDropped();
+    BlockTable t = Held();
+    c.spoil(u, t);
+    const BlockTable before = t;
+    EXPECT_FALSE(ApplyTableUpdate(7, u, &t)) << c.what;
+    EXPECT_EQ(Ids(t), Ids(before)) << c.what;
+    EXPECT_EQ(t.streams[0].positions, before.streams[0].positions) << c.what;
+    EXPECT_EQ(t.version, before.version) << c.what;
+  }
+}
+
+TEST(TableUpdateTest, ADeltaOfTheOldFormatIsNoUpdate) {
+  // Field 1 of TableUpdate carried the old format: a daemon from before the change sends
+  // it, this client sees no update (and fetches the table) instead of misreading it.
+  v1::TableUpdate current = HeadDropped();
+  std::string old_bytes;
+  {
+    std::string delta = current.delta().SerializeAsString();
+    old_bytes.push_back(static_cast<char>((1 << 3) | 2));  // field 1, length-delimited
+    old_bytes.push_back(static_cast<char>(delta.size()));  // < 128 bytes: one varint byte
+    old_bytes += delta;
+  }
+  ASSERT_LT(current.delta().ByteSizeLong(), 128u);
+  v1::TableUpdate parsed;
+  ASSERT_TRUE(parsed.ParseFromString(old_bytes));
+  BlockTable t = Held();
+  EXPECT_FALSE(ApplyTableUpdate(7, parsed, &t));
+  EXPECT_EQ(t.version, 10u);
+}
+
+}  // namespace
+}  // namespace kvmem::client::internal
