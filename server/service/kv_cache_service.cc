@@ -310,7 +310,7 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatch
   if (!status.ok()) return ToGrpc(status);
   // The table updates go in after the answer is kept for retries (a replay computes fresh
   // ones), and only up to --max-message-bytes in all: past it an entry's update is left
-  // out and the client fetches its table.
+  // out, and a client that sees an applied entry without one fetches its table.
   uint64_t update_bytes = 0;
   for (int i = 0; i < response->results_size() && i < request->entries_size(); ++i) {
     const v1::StepBatchEntry& entry = request->entries(i);

@@ -188,6 +188,43 @@ TEST_F(DecodeLoopTest, ThePlainCallsKeepATableTooAndAForkFollowsItsParentsTable)
   EXPECT_EQ(Text(child_table), Text(*client_->GetBlockTable(child->id, false)));
 }
 
+TEST_F(DecodeLoopTest, EntriesWhoseUpdatesPassedTheMessageLimitFetchTheirTables) {
+  // A 64 KiB limit: 16 whole tables with positions (400 tokens: ~6.5 KiB each) do not fit,
+  // so the daemon leaves the later entries' updates out; their tables must still end up
+  // current (fetched), never left at the version they were.
+  StartDaemon(64ull << 20, 64ull << 10);
+  std::vector<Entry> entries(16);
+  for (Entry& e : entries) {
+    e.id = Create("full");
+    for (int64_t first = 0; first < 400; first += 25) {
+      ASSERT_TRUE(AppendRange(e.id, first, 25).ok());
+    }
+    e.next = 400;
+    e.table.positions = true;  // none held yet (version 0): the update is the whole table
+  }
+  std::vector<client::BatchEntry> batch;
+  for (Entry& e : entries) {
+    e.positions = testing::Range(e.next, 1);
+    e.k = testing::Payload16(kStreams, e.next, 1, kD, 0);
+    e.v = testing::Payload16(kStreams, e.next, 1, kD, 1);
+    client::BatchEntry entry;
+    entry.sequence_id = e.id;
+    entry.append = client::AppendArgs{e.positions, {}, e.k, e.v, {}, {}};
+    entry.table = &e.table;
+    batch.push_back(std::move(entry));
+  }
+  absl::StatusOr<std::vector<client::BatchResult>> results = client_->StepBatch(batch);
+  ASSERT_TRUE(results.ok()) << results.status();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    ASSERT_TRUE((*results)[i].status.ok()) << (*results)[i].status;
+    auto fetched = client_->GetBlockTable(entries[i].id);
+    ASSERT_TRUE(fetched.ok());
+    EXPECT_EQ(entries[i].table.version, fetched->version) << "entry " << i;
+    EXPECT_EQ(Text(entries[i].table), Text(*fetched)) << "entry " << i;
+  }
+  EXPECT_GT(client_->table_refetches(), 0u) << "the limit was not reached: the test is void";
+}
+
 TEST_F(DecodeLoopTest, ATableOfAnotherSequenceIsNeverKeptForThisOne) {
   // Versions are unique only within a sequence's history: a delta for B applied to A's
   // table would name A's blocks under B's epoch. The client replaces such a table.

@@ -198,8 +198,12 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
       }
     }
   }
+  // Every new list is built before any is installed: an allocation failure leaves the
+  // table as it was.
+  std::vector<std::pair<std::vector<TableBlock>, std::vector<int64_t>>> built;
+  built.reserve(delta.streams_size());
   for (const v1::StreamDelta& d : delta.streams()) {
-    StreamTable& st = table->streams[d.stream()];
+    const StreamTable& st = table->streams[d.stream()];
     // Where each held block's positions start, when positions are kept.
     std::vector<size_t> first_slot;
     if (table->positions) {
@@ -232,8 +236,12 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
       }
       ++given;
     }
-    st.blocks = std::move(blocks);
-    if (table->positions) st.positions = std::move(positions);
+    built.emplace_back(std::move(blocks), std::move(positions));
+  }
+  for (int i = 0; i < delta.streams_size(); ++i) {  // moves only: nothing here allocates
+    StreamTable& st = table->streams[delta.streams(i).stream()];
+    st.blocks = std::move(built[i].first);
+    if (table->positions) st.positions = std::move(built[i].second);
   }
   table->version = delta.version();
   table->epoch = delta.epoch();
@@ -550,7 +558,11 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     out[i].status = FromRpcStatus(result.status());
     if (result.has_append()) out[i].appended = AppendResultOf(result.append());
     if (result.has_step()) out[i].step = StepResultOf(result.step());
-    if (entries[i].table != nullptr && result.has_table_update()) {
+    // An entry of which something applied but that came back without an update (the
+    // batch's updates passed the daemon's message limit) has its table fetched: Sync
+    // finds no update to apply.
+    const bool applied = result.status().code() == 0 || result.has_append();
+    if (entries[i].table != nullptr && (result.has_table_update() || applied)) {
       absl::Status synced =
           impl_->Sync(entries[i].sequence_id, result.table_update(), entries[i].table);
       if (!synced.ok() && out[i].status.ok()) out[i].status = synced;
@@ -620,8 +632,10 @@ absl::Status Client::Impl::Sync(uint64_t sequence_id, const v1::TableUpdate& upd
     *table = *std::move(fetched);
   } else {
     // The call itself applied; the table is marked as none held, so that the next call gets
-    // the whole table (or says why the sequence cannot serve).
+    // the whole table (or says why the sequence cannot serve), and as of no epoch, so that
+    // a same-host read through it fails its check instead of reading an old table.
     table->version = 0;
+    table->epoch = 0;
   }
   return absl::OkStatus();
 }

@@ -102,6 +102,24 @@ TEST(TableUpdateTest, ADeltaThatDoesNotCheckOutChangesNothing) {
          s->add_kept_from(2);
          s->add_kept_count(1);
        }},
+      {"runs out of order in the new list only",
+       [](v1::TableUpdate& u, BlockTable&) {
+         // {at 0, from 0, 2} and {at 1, from 2, 1}: in order in the held list, 3 kept for a
+         // list of 3 with nothing given, but the second run starts inside the first.
+         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
+         s->set_block_count(3);
+         s->set_kept_from(0, 0);
+         s->set_kept_count(0, 2);
+         s->add_kept_at(1);
+         s->add_kept_from(2);
+         s->add_kept_count(1);
+         s->clear_block_ids();
+         s->clear_block_offsets();
+         s->clear_block_precisions();
+         s->clear_block_starts();
+         s->clear_block_counts();
+         s->clear_positions();
+       }},
       {"entries that do not fill the list",
        [](v1::TableUpdate& u, BlockTable&) {
          u.mutable_delta()->mutable_streams(0)->set_block_count(3);
