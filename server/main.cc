@@ -32,6 +32,9 @@ ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
           "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
           "+ 64 MiB");
 ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core");
+ABSL_FLAG(std::string, prefix_hash_seed, "0",
+          "seed of the prefix block hash chain: vLLM's PYTHONHASHSEED, for block names "
+          "that match a vLLM deployment's");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
           "free pool pages only quantization may take, so that a full pool can still quantize "
           "its way to free memory; -1 = about 1% of the pages");
@@ -109,6 +112,7 @@ int main(int argc, char** argv) {
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);
+  config.engine.prefix_hash_seed = absl::GetFlag(FLAGS_prefix_hash_seed);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

@@ -96,6 +96,16 @@ int Stats(kvmem::client::Client& client, bool sequences) {
     std::printf("host metadata    %s of %s (per-slot metadata outside the pool)\n",
                 Bytes(stats->host_metadata_bytes).c_str(),
                 Bytes(stats->host_metadata_budget_bytes).c_str());
+    std::printf(
+        "prefix cache     %llu queries, %llu hits, %llu tokens reused; %llu entries, "
+        "%llu blocks (%llu only cached), %s reclaimed\n",
+        static_cast<unsigned long long>(stats->prefix_queries),
+        static_cast<unsigned long long>(stats->prefix_hits),
+        static_cast<unsigned long long>(stats->prefix_reused_tokens),
+        static_cast<unsigned long long>(stats->prefix_entries),
+        static_cast<unsigned long long>(stats->prefix_indexed_blocks),
+        static_cast<unsigned long long>(stats->prefix_cached_blocks),
+        Bytes(stats->prefix_reclaimed_bytes).c_str());
     return 0;
   }
   std::printf("%8s %-10s %10s %8s %12s %8s %8s %8s %8s %7s %11s\n", "id", "policy", "appended",

@@ -43,17 +43,17 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked
   {
     Sequence& seq = *ref;
     if (absl::Status s = NotAppending(seq); !s.ok()) return s;
-    seq.append_open = true;
+    seq.set_append_open(true);
     auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(ref)));
-    session->new_blocks_.resize(seq.streams.size());
-    session->tail_from_.resize(seq.streams.size());
-    for (size_t s = 0; s < seq.streams.size(); ++s) {
-      const std::vector<StreamBlock>& blocks = seq.streams[s].blocks();
+    session->new_blocks_.resize(seq.streams().size());
+    session->tail_from_.resize(seq.streams().size());
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      const std::vector<StreamBlock>& blocks = seq.streams()[s].blocks();
       const size_t from = blocks.empty() ? 0 : blocks.size() - 1;
       session->tail_from_[s] = from;
       session->new_blocks_[s].assign(blocks.begin() + static_cast<ptrdiff_t>(from), blocks.end());
     }
-    session->last_position_ = seq.last_position;
+    session->last_position_ = seq.last_position();
     session->hold_lock_ = hold_lock;
     if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
     return session;
@@ -61,9 +61,9 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked
 }
 
 absl::Status Engine::NotAppending(const Sequence& seq) {
-  if (!seq.append_open) return absl::OkStatus();
+  if (!seq.append_open()) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("sequence_id: sequence ", seq.id,
+      absl::StrCat("sequence_id: sequence ", seq.id(),
                    " has an AppendStream open; other changes wait until it ends"));
 }
 
@@ -74,7 +74,7 @@ Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (committed_) return;
   std::optional<kvmem::MutexLock> lock;
   if (!hold_lock_) lock.emplace(&seq_->mu);
-  seq_->append_open = false;
+  seq_->set_append_open(false);
   engine_->pool_->Unref(batch_.allocated);
 }
 
@@ -96,14 +96,15 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
     return s;
   }
   const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
-  const policy::SignalSet needs = seq.policy->descriptor().append_signals;
+  const policy::SignalSet needs = seq.policy().descriptor().append_signals;
   if ((needs & policy::kTokenEntropy) && chunk.token_entropy.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "token_entropy: policy ", seq.policy_name,
-                                                   " needs one value per appended token"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, "token_entropy: policy ", seq.policy_name(), " needs one value per appended token"));
   }
   if ((needs & policy::kLayerDistance) && chunk.layer_distance.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "layer_distance: policy ", seq.policy_name, " needs one value per appended token"));
+    return absl::InvalidArgumentError(absl::StrCat(where, "layer_distance: policy ",
+                                                   seq.policy_name(),
+                                                   " needs one value per appended token"));
   }
   const size_t n = chunk.positions.size();
   // What the chunk stages on the host until Commit (position, token id, two signals).
@@ -120,7 +121,7 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
 
   // Blocks for this chunk (and the copy of a shared last block), all or none.
   OpBatch batch;
-  StreamPlanner planner(seq.format, engine_->pool_.get(), &batch, engine_->config_.failpoints);
+  StreamPlanner planner(seq.format(), engine_->pool_.get(), &batch, engine_->config_.failpoints);
   uint64_t needed = 0;
   for (const std::vector<StreamBlock>& blocks : new_blocks_) {
     needed += planner.BlocksForAppend(blocks, n);
@@ -131,14 +132,14 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
   if (absl::Status s = engine_->pool_->AllocateMany(
-          static_cast<uint32_t>(seq.format.block_bytes(Precision::kLayout)), needed, &reserve);
+          static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve);
       !s.ok()) {
     return s;
   }
   // From here the blocks are the session's: the destructor gives them back on failure.
   batch_.allocated.insert(batch_.allocated.end(), reserve.begin(), reserve.end());
   planner.Reserve(std::move(reserve));
-  const uint64_t row = seq.layout.row_bytes();
+  const uint64_t row = seq.layout().row_bytes();
   for (size_t s = 0; s < new_blocks_.size(); ++s) {
     const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
     const AppendRun run{chunk.k.data() + src, chunk.v.data() + src, static_cast<uint32_t>(n)};
@@ -196,26 +197,24 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   if (absl::Status s = Unusable(seq); !s.ok()) return s;
   const uint64_t total = positions_.size();
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
-  const float initial_score = seq.policy->descriptor().initial_score;
-  const uint32_t history_rows = seq.policy->history_rows();
+  const float initial_score = seq.policy().descriptor().initial_score;
+  const uint32_t history_rows = seq.policy().history_rows();
   // Per slot: position, arrival (8 each), score and its staging, entropy, distance (4 each),
   // the history rows (4 each); vectors may double, so twice that is what may be taken.
   const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{history_rows};
   absl::StatusOr<HostReservation> host =
-      engine_->ReserveHost(2 * total * seq.streams.size() * slot_bytes, "Append");
+      engine_->ReserveHost(2 * total * seq.streams().size() * slot_bytes, "Append");
   if (!host.ok()) return host.status();
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    seq.streams[s].Reserve(total, !seq.slots, history_rows);
-    seq.streams[s].ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    seq.stream(s).Reserve(total, !seq.slots(), history_rows);
+    seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
   }
-  if (seq.token_ids.capacity() < seq.token_ids.size() + total) {
-    seq.token_ids.reserve(std::max(seq.token_ids.size() + total, 2 * seq.token_ids.capacity()));
-  }
-  if (seq.slots) {
-    if (absl::Status s = seq.slots->Append(positions_, initial_score); !s.ok()) return s;
+  seq.ReserveTokens(total);
+  if (seq.slots()) {
+    if (absl::Status s = seq.slots()->Append(positions_, initial_score); !s.ok()) return s;
   }
   // A copy-on-write makes the table stop naming a shared block: the epoch must change (a
   // reader of the old table must fail before the block's other owners free it), in a
@@ -231,31 +230,32 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
     committed_ = true;  // the orphans are the sequence's now
     engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
   };
-  const int64_t arrival = static_cast<int64_t>(seq.steps);
+  const int64_t arrival = static_cast<int64_t>(seq.steps());
   const uint64_t version = engine_->NewVersion(seq);
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    if (s == seq.streams.size() / 2) engine_->CommitFailpoint();
-    Stream& st = seq.streams[s];
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    if (s == seq.streams().size() / 2) engine_->CommitFailpoint();
+    Stream& st = seq.stream(s);
     st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
     swapped = s + 1;
-    st.AppendSlots(positions_, seq.slots ? std::nullopt : std::optional<float>(initial_score),
+    st.AppendSlots(positions_, seq.slots() ? std::nullopt : std::optional<float>(initial_score),
                    history_rows, token_entropy_, layer_distance_, arrival);
   }
-  seq.token_ids.insert(seq.token_ids.end(), token_ids_.begin(), token_ids_.end());
-  seq.last_position = last_position_;
-  seq.appended += total;
+  seq.RecordAppend(token_ids_, last_position_, total);
   // Inside the section: readers of the old table already see the odd word.
   engine_->pool_->Unref(batch_.dropped);
   std::move(poison_on_unwind).Cancel();
   committed_ = true;
-  seq.append_open = false;
+  seq.set_append_open(false);
   if (section) section->Commit();
   engine_->AccountSlotState(seq);
   engine_->tokens_appended_ += total;
   engine_->Renew(seq);
-  if (publish_) engine_->PublishVersion(seq);
-  return AppendResult{seq.appended, seq.max_stream_tokens(), seq.epoch, seq.kv_bytes(),
-                      seq.version};
+  if (publish_) seq.Publish();
+  // A prompt's blocks, published as they fill (PromptPrefix::auto_publish). Not the
+  // append's failure when they cannot be (token ids not sent): they stay unpublished.
+  if (seq.prefix().auto_publish) engine_->PublishLocked(seq, UINT64_MAX).IgnoreError();
+  return AppendResult{seq.appended(), seq.max_stream_tokens(), seq.epoch(), seq.kv_bytes(),
+                      seq.version()};
 }
 
 }  // namespace kvmem::engine

@@ -16,23 +16,23 @@ void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
   // is kept for Release.
   absl::flat_hash_map<store::BlockId, int64_t> refs;
   for (store::BlockId id : batch.allocated) ++refs[id];
-  for (size_t s = 0; s < swapped && s < seq.streams.size(); ++s) {
+  for (size_t s = 0; s < swapped && s < seq.streams().size(); ++s) {
     for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
-    const std::vector<StreamBlock>& now = seq.streams[s].blocks();
+    const std::vector<StreamBlock>& now = seq.streams()[s].blocks();
     for (size_t i = from.empty() ? 0 : from[s]; i < now.size(); ++i) --refs[now[i].id];
   }
   for (const auto& [id, n] : refs) {
-    for (int64_t i = 0; i < n; ++i) seq.orphan_blocks.push_back(id);
+    for (int64_t i = 0; i < n; ++i) seq.AddOrphan(id);
   }
 }
 
 Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
-  engine_->board_->BeginWrite(seq_->epoch_slot, seq_->epoch);
+  engine_->board_->BeginWrite(seq_->epoch_slot(), seq_->epoch());
 }
 
 void Engine::WriteSection::Commit() {
-  seq_->epoch = engine_->next_epoch_.fetch_add(1);
-  engine_->board_->EndWrite(seq_->epoch_slot, seq_->epoch);
+  seq_->set_epoch(engine_->next_epoch_.fetch_add(1));
+  engine_->board_->EndWrite(seq_->epoch_slot(), seq_->epoch());
   committed_ = true;
 }
 
@@ -50,11 +50,11 @@ void Engine::CommitFailpoint() const {
 }
 
 absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
-  const kernels::QuantGeometry& geometry = seq.format.quant_geometry();
+  const kernels::QuantGeometry& geometry = seq.format().quant_geometry();
   absl::Status io = backend_->Move(batch.moves);
   if (io.ok()) io = backend_->Write(batch.writes);
   if (io.ok() && !batch.quantizes.empty()) {
-    io = backend_->Quantize(seq.format.elem(), geometry, batch.quantizes);
+    io = backend_->Quantize(seq.format().elem(), geometry, batch.quantizes);
   }
   if (io.ok()) io = backend_->Synchronize();
   if (!io.ok()) {
@@ -70,18 +70,18 @@ absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
 absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
                                                       const policy::Decision& decision,
                                                       const CommitHook& commit) {
-  if (decision.keep.size() != seq.streams.size()) {
-    return absl::InternalError(absl::StrCat("policy ", seq.policy_name, " returned ",
+  if (decision.keep.size() != seq.streams().size()) {
+    return absl::InternalError(absl::StrCat("policy ", seq.policy_name(), " returned ",
                                             decision.keep.size(), " keep-sets for ",
-                                            seq.streams.size(), " streams"));
+                                            seq.streams().size(), " streams"));
   }
   // Validate the policy's output before touching anything.
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
     if (!decision.keep[s]) continue;
     const std::vector<uint32_t>& keep = *decision.keep[s];
     for (size_t j = 0; j < keep.size(); ++j) {
-      if (keep[j] >= seq.streams[s].size() || (j > 0 && keep[j] <= keep[j - 1])) {
-        return absl::InternalError(absl::StrCat("policy ", seq.policy_name,
+      if (keep[j] >= seq.streams()[s].size() || (j > 0 && keep[j] <= keep[j - 1])) {
+        return absl::InternalError(absl::StrCat("policy ", seq.policy_name(),
                                                 " returned an invalid keep-set for stream ", s));
       }
     }
@@ -90,14 +90,14 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // Plan: every allocation happens here, before the point of no return; a failure releases
   // what the plan took and changes nothing.
   OpBatch batch;
-  StreamPlanner planner(seq.format, pool_.get(), &batch, config_.failpoints);
+  StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints);
   Applied applied;
-  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams.size());
-  std::vector<bool> changed(seq.streams.size(), false);
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    const Stream& st = seq.streams[s];
+  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams().size());
+  std::vector<bool> changed(seq.streams().size(), false);
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    const Stream& st = seq.streams()[s];
     const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
-    if (!evicts && !seq.format.quantizes()) continue;  // nothing can change in this stream
+    if (!evicts && !seq.format().quantizes()) continue;  // nothing can change in this stream
     std::vector<StreamBlock>& blocks = new_blocks[s];
     blocks = st.blocks();
     absl::Status planned = absl::OkStatus();
@@ -108,7 +108,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
       changed[s] = true;
     }
     const size_t quantized_before = batch.quantizes.size();
-    if (planned.ok()) planned = planner.Quantize(blocks, seq.quant.recent_tokens);
+    if (planned.ok()) planned = planner.Quantize(blocks, seq.quant().recent_tokens);
     if (batch.quantizes.size() != quantized_before) changed[s] = true;
     if (!planned.ok()) {
       pool_->Unref(batch.allocated);
@@ -130,7 +130,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them
     return Poison(seq, s);
   }
-  const uint32_t history_rows = seq.policy->history_rows();
+  const uint32_t history_rows = seq.policy().history_rows();
   size_t swapped = 0;  // streams [0, swapped) are committed
   // Nothing below should throw; if something does, the sequence is poisoned and keeps the
   // references no stream names for Release, so that the pool's accounting stays exact.
@@ -139,14 +139,14 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };
   const uint64_t version = NewVersion(seq);
-  for (; swapped < seq.streams.size(); ++swapped) {
+  for (; swapped < seq.streams().size(); ++swapped) {
     const size_t s = swapped;
-    if (s == seq.streams.size() / 2) CommitFailpoint();
+    if (s == seq.streams().size() / 2) CommitFailpoint();
     if (!changed[s]) continue;
-    if (decision.keep[s] && decision.keep[s]->size() < seq.streams[s].size()) {
-      seq.streams[s].KeepSlots(*decision.keep[s], history_rows);
+    if (decision.keep[s] && decision.keep[s]->size() < seq.streams()[s].size()) {
+      seq.stream(s).KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.streams[s].SwapBlocks(new_blocks[s], version);
+    seq.stream(s).SwapBlocks(new_blocks[s], version);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);

@@ -39,18 +39,25 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   if (!pool.ok()) return pool.status();
   absl::StatusOr<std::unique_ptr<EpochBoard>> board = EpochBoard::Create(config.max_sequences);
   if (!board.ok()) return board.status();
+  absl::StatusOr<prefix::BlockHash> root = prefix::RootHash(config.prefix_hash_seed);
+  if (!root.ok()) return root.status();
   return std::unique_ptr<Engine>(
-      new Engine(config, std::move(backend), *std::move(pool), *std::move(board), clock));
+      new Engine(config, std::move(backend), *std::move(pool), *std::move(board), *root, clock));
 }
 
 Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
                std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
-               const Clock* clock)
+               prefix::BlockHash prefix_root, const Clock* clock)
     : config_(config),
       backend_(std::move(backend)),
       pool_(std::move(pool)),
+      prefix_(std::make_unique<prefix::PrefixIndex>(pool_.get())),
+      prefix_root_(prefix_root),
       board_(std::move(board)),
-      clock_(clock) {}
+      clock_(clock) {
+  // A full pool first gives back what only the prefix cache holds.
+  pool_->set_reclaimer([this](uint64_t bytes) { return prefix_->Reclaim(bytes); });
+}
 
 Engine::~Engine() {
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> all;
@@ -66,9 +73,32 @@ Engine::~Engine() {
 
 absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_view policy_name,
                                                     const policy::ParamOverrides& params,
-                                                    QuantConfig quant, absl::Duration lease) {
-  return Guard("CreateSequence",
-               [&] { return CreateSequenceImpl(layout, policy_name, params, quant, lease); });
+                                                    QuantConfig quant, absl::Duration lease,
+                                                    const PromptPrefix& prompt) {
+  return Guard("CreateSequence", [&] {
+    return CreateSequenceImpl(layout, policy_name, params, quant, lease, prompt);
+  });
+}
+
+absl::StatusOr<uint64_t> Engine::Publish(uint64_t sequence_id,
+                                         std::optional<uint64_t> up_to_tokens) {
+  return Guard("Publish", [&]() -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Renew(**ref);
+    return PublishLocked(**ref, up_to_tokens.value_or(UINT64_MAX));
+  });
+}
+
+absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& prompt) {
+  return Guard("Lookup", [&]() -> absl::StatusOr<uint64_t> {
+    if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
+    if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
+    absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PromptHashes(layout, prompt);
+    if (!hashes.ok()) return hashes.status();
+    const size_t matched = prefix_->Match(PrefixNamespace(layout, prompt.model), *hashes);
+    return uint64_t{matched} * layout.block_tokens;
+  });
 }
 
 absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
@@ -91,7 +121,8 @@ absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration l
 absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
                                                         absl::string_view policy_name,
                                                         const policy::ParamOverrides& params,
-                                                        QuantConfig quant, absl::Duration lease) {
+                                                        QuantConfig quant, absl::Duration lease,
+                                                        const PromptPrefix& prompt) {
   if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
   if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
@@ -119,6 +150,13 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
                      " bytes, over the message limit of ", config_.max_append_bytes,
                      " bytes (--max-message-bytes): no Append could carry it"));
   }
+  // The prompt's block hashes (checked first: a bad prompt changes nothing).
+  std::vector<prefix::BlockHash> hashes;
+  if (!prompt.token_ids.empty()) {
+    absl::StatusOr<std::vector<prefix::BlockHash>> h = PromptHashes(layout, prompt);
+    if (!h.ok()) return h.status();
+    hashes = *std::move(h);
+  }
   absl::StatusOr<HostReservation> host = ReserveHost(
       sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
   if (!host.ok()) return host.status();
@@ -143,19 +181,46 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   std::string name((*policy)->descriptor().name);
   auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
                                         quant, *granted, *slot);
+  uint64_t reused = 0;
   {
     kvmem::MutexLock lock(&seq->mu);
-    seq->epoch = epoch;
-    NewVersion(*seq);
-    PublishVersion(*seq);
-    seq->streams.resize(layout.num_streams());
-    seq->slots = std::move(slots);
+    seq->set_epoch(epoch);
+    const uint64_t version = NewVersion(*seq);
+    seq->set_slots(std::move(slots));
+    Sequence::PrefixState& state = seq->mutable_prefix();
+    state.ns = PrefixNamespace(layout, prompt.model);
+    state.salt = prompt.salt;
+    state.auto_publish = prompt.auto_publish;
+    if (!hashes.empty()) {
+      // Pinned from here by the sequence's references (its lease), never by the lookup.
+      std::vector<std::vector<store::BlockId>> mapped =
+          prefix_->Map(state.ns, hashes, hashes.size(), layout.block_tokens);
+      if (!mapped.empty()) {
+        // Given back unless the sequence takes them (an error, or an exception).
+        absl::Cleanup unref_mapped = [&] {
+          for (const auto& blocks : mapped) pool_->Unref(blocks);
+        };
+        const uint64_t tokens = uint64_t{mapped.size()} * layout.block_tokens;
+        // Per slot: as an Append reserves for it (append.cc), once.
+        const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{seq->policy().history_rows()};
+        absl::Status s = host->Grow(tokens * layout.num_streams() * slot_bytes, "CreateSequence");
+        if (s.ok()) s = MapPrefix(*seq, mapped, prompt.token_ids, version);
+        if (!s.ok()) return s;
+        std::move(unref_mapped).Cancel();
+        state.hashes.assign(hashes.begin(), hashes.begin() + mapped.size());
+        state.published_blocks = mapped.size();
+        reused = tokens;
+      }
+    }
+    seq->Publish();
     AccountSlotState(*seq);
   }
   std::move(give_back_slot).Cancel();
-  spdlog::debug("sequence {} created: policy {}, {} streams", id, seq->policy_name,
-                layout.num_streams());
-  return Register(seq);
+  spdlog::debug("sequence {} created: policy {}, {} streams, {} prompt tokens reused", id,
+                seq->policy_name(), layout.num_streams(), reused);
+  absl::StatusOr<CreateResult> result = Register(seq);
+  if (result.ok()) result->reused_prefix_tokens = reused;
+  return result;
 }
 
 absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Duration lease) {
@@ -165,16 +230,16 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   if (!ref.ok()) return ref.status();
   Sequence& parent = **ref;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
-      policy::CreatePolicy(parent.policy_name, parent.policy_params);
+      policy::CreatePolicy(parent.policy_name(), parent.policy_params());
   if (!policy.ok()) return policy.status();
   // The child copies the parent's host metadata and slot state: both count against the
   // host budget (beam search forks a lot).
   absl::StatusOr<HostReservation> host =
-      ReserveHost(parent.host_bytes() + parent.slot_bytes_accounted, "Fork");
+      ReserveHost(parent.host_bytes() + parent.slot_bytes_accounted(), "Fork");
   if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
-  if (parent.slots) {
-    absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots->Clone();
+  if (parent.slots()) {
+    absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots()->Clone();
     if (!copy.ok()) return copy.status();
     slots = *std::move(copy);
   }
@@ -191,28 +256,14 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     id = next_id_++;
   }
   auto child =
-      std::make_shared<Sequence>(id, parent.layout, parent.policy_name, parent.policy_params,
-                                 *std::move(policy), parent.quant, *granted, *slot);
-  child->parent_id = parent.id;
+      std::make_shared<Sequence>(id, parent.layout(), parent.policy_name(), parent.policy_params(),
+                                 *std::move(policy), parent.quant(), *granted, *slot, parent.id());
   {
     kvmem::MutexLock lock(&child->mu);
-    child->streams = parent.streams;
-    for (Stream& st : child->streams) st.DropStaging();
-    child->slots = std::move(slots);
+    child->CopyStateFrom(parent, std::move(slots));
+    child->set_epoch(epoch);
     AccountSlotState(*child);
-    child->token_ids = parent.token_ids;
-    child->last_position = parent.last_position;
-    child->appended = parent.appended;
-    child->epoch = epoch;
-    // The child's table is the parent's: a client may carry the parent's table over and
-    // follow the child's deltas from it.
-    child->version = parent.version;
-    std::copy(std::begin(parent.published_version), std::end(parent.published_version),
-              std::begin(child->published_version));
-    child->newest_published = parent.newest_published;
-    child->steps = parent.steps;
-    child->policy_mark = parent.policy_mark;
-    for (const Stream& st : child->streams) {
+    for (const Stream& st : child->streams()) {
       for (const StreamBlock& b : st.blocks()) pool_->Ref({b.id});
     }
   }
@@ -250,6 +301,7 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.host_metadata_budget_bytes = host_budget();
   stats.steps = steps_;
   stats.leases_expired = leases_expired_;
+  stats.prefix = prefix_->stats();
   stats.sequences_poisoned = sequences_poisoned_;
   std::vector<std::shared_ptr<Sequence>> all;
   {
@@ -262,23 +314,23 @@ EngineStats Engine::Stats(bool include_sequences) {
   const absl::Time now = clock_->Now();
   for (const auto& seq : all) {
     kvmem::MutexLock lock(&seq->mu);
-    if (seq->released) continue;
+    if (seq->released()) continue;
     SequenceSummary sum;
-    sum.sequence_id = seq->id;
-    sum.policy = seq->policy_name;
-    sum.appended_tokens = seq->appended;
+    sum.sequence_id = seq->id();
+    sum.policy = seq->policy_name();
+    sum.appended_tokens = seq->appended();
     sum.max_stream_tokens = seq->max_stream_tokens();
     sum.kv_bytes = seq->kv_bytes();
     sum.blocks = seq->block_count();
     sum.pool_bytes_held = seq->block_bytes_held();
-    sum.slot_state_bytes = seq->slot_bytes_accounted;
+    sum.slot_state_bytes = seq->slot_bytes_accounted();
     sum.quantization =
-        seq->quant.type ? std::string(PrecisionName(seq->format.quant_precision())) : "none";
-    sum.epoch = seq->epoch;
-    sum.steps = seq->steps;
-    sum.lease_remaining_seconds = absl::ToDoubleSeconds(
-        absl::FromUnixNanos(seq->lease_deadline_ns.load(std::memory_order_relaxed)) - now);
-    sum.parent_id = seq->parent_id;
+        seq->quant().type ? std::string(PrecisionName(seq->format().quant_precision())) : "none";
+    sum.epoch = seq->epoch();
+    sum.steps = seq->steps();
+    sum.lease_remaining_seconds =
+        absl::ToDoubleSeconds(absl::FromUnixNanos(seq->lease_deadline_ns()) - now);
+    sum.parent_id = seq->parent_id();
     stats.sequences.push_back(std::move(sum));
   }
   std::sort(stats.sequences.begin(), stats.sequences.end(),
@@ -294,12 +346,12 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
-    if (absl::Status s = seq.CheckInvariants(seq.policy->history_rows()); !s.ok()) return s;
+    if (absl::Status s = seq.CheckInvariants(); !s.ok()) return s;
     std::vector<std::vector<float>> slot_scores;
     std::vector<std::vector<int64_t>> slot_positions;
-    if (seq.slots) {
-      if (absl::Status s = seq.slots->ReadScores(&slot_scores); !s.ok()) return s;
-      if (absl::Status s = seq.slots->ReadPositions(&slot_positions); !s.ok()) return s;
+    if (seq.slots()) {
+      if (absl::Status s = seq.slots()->ReadScores(&slot_scores); !s.ok()) return s;
+      if (absl::Status s = seq.slots()->ReadPositions(&slot_positions); !s.ok()) return s;
     }
     auto floats = [&out](absl::string_view name, absl::Span<const float> v) {
       absl::StrAppend(&out, name, ":");
@@ -310,11 +362,11 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
       }
       out += "\n";
     };
-    absl::StrAppend(&out, "appended ", seq.appended, " last ", seq.last_position, " steps ",
-                    seq.steps, " mark ", seq.policy_mark, " tokens ",
-                    absl::StrJoin(seq.token_ids, ","), "\n");
-    for (size_t s = 0; s < seq.streams.size(); ++s) {
-      const Stream& st = seq.streams[s];
+    absl::StrAppend(&out, "appended ", seq.appended(), " last ", seq.last_position(), " steps ",
+                    seq.steps(), " mark ", seq.policy_mark(), " tokens ",
+                    absl::StrJoin(seq.token_ids(), ","), "\n");
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      const Stream& st = seq.streams()[s];
       absl::StrAppend(&out, "stream ", s, " positions ", absl::StrJoin(st.positions(), ","),
                       " arrival ", absl::StrJoin(st.arrival_step(), ","), "\nblocks");
       for (const StreamBlock& b : st.blocks()) {
@@ -322,11 +374,11 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
                         static_cast<int>(b.precision));
       }
       out += "\n";
-      floats("scores", seq.slots ? absl::MakeConstSpan(slot_scores[s]) : st.scores());
+      floats("scores", seq.slots() ? absl::MakeConstSpan(slot_scores[s]) : st.scores());
       floats("history", st.history());
       floats("entropy", st.token_entropy());
       floats("distance", st.layer_distance());
-      if (seq.slots) {
+      if (seq.slots()) {
         absl::StrAppend(&out, "slot positions ", absl::StrJoin(slot_positions[s], ","), "\n");
       }
     }

@@ -82,9 +82,22 @@ class Engine {
   const EpochBoard& epoch_board() const { return *board_; }
   uint64_t pool_free_bytes() const { return pool_->free_bytes(); }
 
+  // With a prompt (PromptPrefix::token_ids), the longest published prefix of it in the
+  // same namespace and salt is mapped into the new sequence (CreateResult::
+  // reused_prefix_tokens): whole blocks, leaving at least the prompt's last token to the
+  // worker, so that it has logits to sample from.
   absl::StatusOr<CreateResult> CreateSequence(Layout layout, absl::string_view policy_name,
                                               const policy::ParamOverrides& params,
-                                              QuantConfig quant, absl::Duration lease);
+                                              QuantConfig quant, absl::Duration lease,
+                                              const PromptPrefix& prompt = {});
+  // Publishes the sequence's leading full blocks up to `up_to_tokens` (unset: all it has),
+  // from its first block as far as they are whole in every stream (unevicted, unquantized,
+  // at positions 0, 1, ...) and their token ids were sent; returns the tokens published
+  // (also those published before). Publishing is idempotent.
+  absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, std::optional<uint64_t> up_to_tokens);
+  // How many tokens of the prompt a CreateSequence in this namespace and salt would reuse
+  // now. Pins nothing.
+  absl::StatusOr<uint64_t> Lookup(Layout layout, const PromptPrefix& prompt);
   // Appends the chunks in order, atomically: all are validated and their blocks allocated
   // before any byte is written.
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks);
@@ -210,7 +223,22 @@ class Engine {
   }
   absl::StatusOr<CreateResult> CreateSequenceImpl(Layout layout, absl::string_view policy_name,
                                                   const policy::ParamOverrides& params,
-                                                  QuantConfig quant, absl::Duration lease);
+                                                  QuantConfig quant, absl::Duration lease,
+                                                  const PromptPrefix& prompt);
+  // Prefix sharing (prefix_sharing.cc). The namespace of a layout and model; the prompt's
+  // block hashes, after checking its token ids against the layout.
+  static std::string PrefixNamespace(const Layout& layout, absl::string_view model);
+  absl::StatusOr<std::vector<prefix::BlockHash>> PromptHashes(const Layout& layout,
+                                                              const PromptPrefix& prompt) const;
+  // Installs mapped prefix blocks ([block][stream], referenced for the sequence) in a new,
+  // empty sequence as its first tokens, under `version`. An error changes nothing (the
+  // references stay the caller's).
+  absl::Status MapPrefix(Sequence& seq, const std::vector<std::vector<store::BlockId>>& mapped,
+                         absl::Span<const int32_t> token_ids, uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Publish on a locked sequence; returns the tokens published.
+  absl::StatusOr<uint64_t> PublishLocked(Sequence& seq, uint64_t up_to_tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   absl::StatusOr<AppendResult> AppendImpl(uint64_t sequence_id,
                                           absl::Span<const AppendChunk> chunks);
   absl::StatusOr<StepResult> StepImpl(uint64_t sequence_id, const StepInput& input);
@@ -230,9 +258,9 @@ class Engine {
   static absl::Status StaleEpoch(const Sequence& seq, absl::string_view message,
                                  absl::StatusCode code = absl::StatusCode::kFailedPrecondition)
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
-  // A fresh version for a commit that changes block lists (it becomes seq.version).
+  // A fresh version for a commit that changes block lists (it becomes seq.version()).
   uint64_t NewVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // Records seq.version as one a client may hold: at the end of every call that changed it
+  // Records seq.version() as one a client may hold: at the end of every call that changed it
   // (the one before stays known too: Sequence::published_version).
   void PublishVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   TableUpdate TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const
@@ -249,7 +277,7 @@ class Engine {
   void CommitFailpoint() const;
   Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
          std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
-         const Clock* clock);
+         prefix::BlockHash prefix_root, const Clock* clock);
 
   // Finds a sequence without locking it.
   absl::StatusOr<SequenceRef> Find(uint64_t sequence_id);
@@ -344,6 +372,9 @@ class Engine {
   const EngineConfig config_;
   const std::unique_ptr<store::Backend> backend_;
   const std::unique_ptr<store::BlockPool> pool_;
+  // Published prompt blocks; holds pool references, so it goes before the pool.
+  const std::unique_ptr<prefix::PrefixIndex> prefix_;
+  const prefix::BlockHash prefix_root_;
   const std::unique_ptr<EpochBoard> board_;
   const Clock* const clock_;
 

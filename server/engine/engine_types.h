@@ -12,11 +12,14 @@
 #include "server/engine/failpoints.h"
 #include "server/engine/layout.h"
 #include "server/engine/sequence.h"
+#include "server/prefix/prefix_index.h"
 #include "server/store/block_pool.h"
 
 namespace kvmem::engine {
 
 inline constexpr uint32_t kMaxRecentTokens = 1u << 20;
+// Bytes of a cache salt or a model name (prefix sharing).
+inline constexpr size_t kMaxSaltBytes = 256;
 
 struct EngineConfig {
   uint64_t pool_bytes = 1ull << 30;
@@ -41,6 +44,20 @@ struct EngineConfig {
   // StepBatch runs its entries on every core (oneTBB); false runs them one after another on
   // the caller's thread.
   bool parallel_batches = true;
+  // The seed of the prefix hash chain (prefix_hash.h): vLLM's PYTHONHASHSEED, for a
+  // deployment whose blocks should carry the same names as vLLM's.
+  std::string prefix_hash_seed = "0";
+};
+
+// A new sequence's prompt, for prefix sharing: the longest published prefix of these tokens
+// in the same namespace (model and layout) and salt is mapped into it at creation.
+struct PromptPrefix {
+  std::string model;  // names the namespace with the layout; empty is a namespace too
+  std::string salt;   // the tenant's cache salt: only prompts with the same salt share
+  absl::Span<const int32_t> token_ids;
+  // Publishes every full prompt block as it is appended (while unevicted and unquantized),
+  // as vLLM does by default; otherwise only Publish does.
+  bool auto_publish = false;
 };
 
 struct AppendChunk {
@@ -156,7 +173,8 @@ struct CreateResult {
   uint32_t block_tokens = 0;
   uint32_t epoch_slot = 0;
   uint64_t epoch = 0;
-  uint64_t version = 0;  // the table's version (a Fork's child: its parent's)
+  uint64_t version = 0;               // the table's version (a Fork's child: its parent's)
+  uint64_t reused_prefix_tokens = 0;  // mapped from published blocks at creation
 };
 
 // Entries [from, from + count) of the list the client holds, unchanged, are entries
@@ -238,6 +256,7 @@ struct EngineStats {
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   uint64_t sequences_poisoned = 0;
+  prefix::PrefixStats prefix;
   std::vector<SequenceSummary> sequences;
 };
 

@@ -27,7 +27,7 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
                                    int64_t* last_position) const {
   const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
   const size_t n = chunk.positions.size();
-  const Layout& layout = seq.layout;
+  const Layout& layout = seq.layout();
   if (n == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, "positions: at least one token is required"));
@@ -95,9 +95,9 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
 absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
     bool require_all, absl::string_view why, size_t pending) const {
-  const Layout& layout = seq.layout;
-  std::vector<absl::Span<const float>> by_stream(seq.streams.size());
-  std::vector<bool> seen(seq.streams.size(), false);
+  const Layout& layout = seq.layout();
+  std::vector<absl::Span<const float>> by_stream(seq.streams().size());
+  std::vector<bool> seen(seq.streams().size(), false);
   // Errors are reported for the first signal, in order, that has one; a signal's shape is
   // checked before its values. The shapes first: `shaped` signals pass, then `shape_error`.
   size_t shaped = 0;
@@ -124,10 +124,10 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
       break;
     }
     seen[s] = true;
-    if (sig.values.size() != seq.streams[s].size() + pending) {
+    if (sig.values.size() != seq.streams()[s].size() + pending) {
       shape_error = absl::InvalidArgumentError(absl::StrCat(
           field, "[", i, "]: ", sig.values.size(), " values but stream (layer ", sig.layer,
-          ", kv_head ", sig.kv_head, ") retains ", seq.streams[s].size() + pending, " slots",
+          ", kv_head ", sig.kv_head, ") retains ", seq.streams()[s].size() + pending, " slots",
           pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : ""));
       break;
     }
@@ -152,9 +152,9 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
         signals[i].values, [&] { return absl::StrCat(field, "[", i, "]"); }, 0.0f, 1e30f);
   }
   if (!shape_error.ok()) return shape_error;
-  if (require_all && signals.size() != seq.streams.size()) {
+  if (require_all && signals.size() != seq.streams().size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", why, " needs one entry per stream (", seq.streams.size(),
+        absl::StrCat(field, ": ", why, " needs one entry per stream (", seq.streams().size(),
                      " = layers x kv_heads), got ", signals.size()));
   }
   return by_stream;

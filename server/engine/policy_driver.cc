@@ -8,23 +8,23 @@ namespace kvmem::engine {
 
 policy::CallContext Engine::Context(const Sequence& seq) const {
   policy::CallContext ctx;
-  ctx.step = seq.steps;
-  ctx.num_layers = seq.layout.num_layers;
-  ctx.num_kv_heads = seq.layout.num_kv_heads;
-  ctx.vocab_size = seq.layout.vocab_size;
-  ctx.history_rows = seq.policy->history_rows();
-  ctx.mark = seq.policy_mark;
+  ctx.step = seq.steps();
+  ctx.num_layers = seq.layout().num_layers;
+  ctx.num_kv_heads = seq.layout().num_kv_heads;
+  ctx.vocab_size = seq.layout().vocab_size;
+  ctx.history_rows = seq.policy().history_rows();
+  ctx.mark = seq.policy_mark();
   return ctx;
 }
 
 std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
-  std::vector<policy::StreamState> states(seq.streams.size());
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    Stream& st = seq.streams[s];
+  std::vector<policy::StreamState> states(seq.streams().size());
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    Stream& st = seq.stream(s);
 
     policy::StreamState& state = states[s];
-    state.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
-    state.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    state.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
+    state.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
     state.positions = st.positions();
     state.scores = st.scores();
     state.next_scores = st.StageScores();
@@ -39,16 +39,16 @@ std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
 Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decision& decision,
                                              const std::vector<absl::Span<const float>>* rows) {
   return [this, &seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    const uint32_t R = seq.policy->history_rows();
-    for (size_t s = 0; s < seq.streams.size(); ++s) {
-      Stream& st = seq.streams[s];
+    const uint32_t R = seq.policy().history_rows();
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      Stream& st = seq.stream(s);
       if (decision.scores_written) st.CommitScores();
       if (R > 0 && rows != nullptr) {
         // This step's row goes where the row of step - R was (policy.h).
-        st.RecordHistory((*rows)[s], seq.steps % R, R);
+        st.RecordHistory((*rows)[s], seq.steps() % R, R);
       }
     }
-    if (decision.mark) seq.policy_mark = *decision.mark;
+    if (decision.mark) seq.set_policy_mark(*decision.mark);
     return absl::OkStatus();
   };
 }
@@ -56,9 +56,9 @@ Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decisi
 absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
                                                    absl::Span<const absl::Span<const float>> rows,
                                                    policy::Decision* decision) {
-  const policy::KernelStep plan = seq.policy->PlanKernelStep(ctx);
-  const uint32_t H = seq.layout.num_kv_heads;
-  std::vector<uint32_t> budget(seq.streams.size());
+  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
+  const uint32_t H = seq.layout().num_kv_heads;
+  std::vector<uint32_t> budget(seq.streams().size());
   for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
   decision->confidence = plan.confidence;
   decision->budget_tokens = plan.budget_tokens;
@@ -66,26 +66,27 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
   // puts the scores back when the step fails before its point of no return.
   // If the scores cannot be put back, a retry would apply the row twice: poison instead.
   auto abort = [&](const absl::Status& why) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!seq.poisoned.empty()) return why;
-    absl::Status restored = seq.slots->AbortStep();
+    if (seq.poisoned()) return why;
+    absl::Status restored = seq.slots()->AbortStep();
     return restored.ok() ? why : Poison(seq, restored);
   };
   // An exception (host memory) past this point must not leave the scores stepped either.
   absl::Cleanup abort_on_unwind = [&] { abort(absl::ResourceExhaustedError("")).IgnoreError(); };
-  if (absl::Status s = seq.slots->Step(plan.op, rows, budget, plan.protect, &decision->keep);
+  if (absl::Status s = seq.slots()->Step(plan.op, rows, budget, plan.protect, &decision->keep);
       !s.ok()) {
     std::move(abort_on_unwind).Cancel();
     return abort(s);
   }
-  absl::StatusOr<Applied> done = ApplyDecision(
-      seq, *decision, [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots->CommitStep(); });
+  absl::StatusOr<Applied> done =
+      ApplyDecision(seq, *decision,
+                    [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots()->CommitStep(); });
   std::move(abort_on_unwind).Cancel();
   if (!done.ok()) return abort(done.status());
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    if (seq.slots->length(static_cast<uint32_t>(s)) != seq.streams[s].size()) {
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    if (seq.slots()->length(static_cast<uint32_t>(s)) != seq.streams()[s].size()) {
       return Poison(seq, absl::InternalError(absl::StrCat(
-                             "slot state of stream ", s, " holds ", seq.slots->length(s),
-                             " slots, the table ", seq.streams[s].size())));
+                             "slot state of stream ", s, " holds ", seq.slots()->length(s),
+                             " slots, the table ", seq.streams()[s].size())));
     }
   }
   return done;
@@ -98,20 +99,20 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
   absl::StatusOr<PreparedStep> step = PrepareStep(seq, input, 0);
   if (!step.ok()) return step.status();
   absl::StatusOr<StepResult> result = RunStep(seq, *step);
-  PublishVersion(seq);
-  if (result.ok()) result->version = seq.version;
+  seq.Publish();
+  if (result.ok()) result->version = seq.version();
   return result;
 }
 
 absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const StepInput& input,
                                                          size_t pending) {
-  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const policy::PolicyDescriptor& desc = seq.policy().descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
 
-  if (!input.attention.empty() && input.epoch != seq.epoch) {
+  if (!input.attention.empty() && input.epoch != seq.epoch()) {
     return StaleEpoch(seq, absl::StrCat("epoch: attention rows were computed on epoch ",
-                                        input.epoch, " but the block table is at epoch ", seq.epoch,
-                                        "; fetch the block table again"));
+                                        input.epoch, " but the block table is at epoch ",
+                                        seq.epoch(), "; fetch the block table again"));
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
       IndexSignals(seq, input.attention, "attention",
@@ -123,7 +124,7 @@ absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const St
     absl::StatusOr<policy::LogitStats> stats =
         input.logits->top_logprobs.empty()
             ? policy::CheckLogitStats({input.logits->entropy, input.logits->p1, input.logits->p2},
-                                      seq.layout.vocab_size)
+                                      seq.layout().vocab_size)
             : policy::LogitStatsFromTopLogprobs(input.logits->top_logprobs);
     if (!stats.ok()) return stats.status();
     ctx.logits = *stats;
@@ -139,14 +140,14 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
   const uint64_t before = seq.kv_bytes();
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
-  if (seq.slots) {
+  if (seq.slots()) {
     applied = KernelStep(seq, ctx, *rows, &decision);
   } else {
     // The policy reads the committed state and stages the next (policy.h); it becomes the
     // sequence's only if the whole step applies.
     std::vector<policy::StreamState> states = StagedStreamStates(seq);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
-    decision = seq.policy->Step(ctx, absl::MakeSpan(states));
+    decision = seq.policy().Step(ctx, absl::MakeSpan(states));
     applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, rows));
   }
   if (!applied.ok()) return applied.status();
@@ -158,8 +159,8 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
   result.quantized_tokens = applied->quantized;
   result.kv_bytes_before = before;
   result.kv_bytes_after = seq.kv_bytes();
-  result.epoch = seq.epoch;
-  result.step = seq.steps++;
+  result.epoch = seq.epoch();
+  result.step = seq.CountStep();
   ++steps_;
   AccountSlotState(seq);
   Renew(seq);
@@ -171,11 +172,11 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
-  const policy::PolicyDescriptor& desc = seq.policy->descriptor();
+  const policy::PolicyDescriptor& desc = seq.policy().descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
-  if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch) {
+  if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch()) {
     return StaleEpoch(seq, absl::StrCat("epoch: signals were computed on epoch ", input.epoch,
-                                        " but the block table is at epoch ", seq.epoch,
+                                        " but the block table is at epoch ", seq.epoch(),
                                         "; fetch the block table again"));
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
@@ -192,53 +193,63 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
 
   CompressResult result;
   result.kv_bytes_before = seq.kv_bytes();
-  result.layers.resize(seq.layout.num_layers);
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    LayerKept& layer = result.layers[s / seq.layout.num_kv_heads];
-    layer.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
-    layer.before_tokens += seq.streams[s].size();
+  result.layers.resize(seq.layout().num_layers);
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    LayerKept& layer = result.layers[s / seq.layout().num_kv_heads];
+    layer.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
+    layer.before_tokens += seq.streams()[s].size();
   }
   // Compress runs on the host: scores kept in a SlotState come over for the call (into the
   // streams' host scores, which are empty between calls) and go back, compacted, after it
   // (once per prompt, not per step).
-  if (seq.slots) {
+  if (seq.slots()) {
+    // Keep and WriteScores below run past the point of no return: what they need is taken
+    // now (given back when the call ends, however it ends).
+    if (absl::Status s = seq.slots()->ReserveCommit(); !s.ok()) return s;
+  }
+  absl::Cleanup end_commit = [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (seq.slots()) seq.slots()->EndCommit();
+  };
+  if (seq.slots()) {
     std::vector<std::vector<float>> scores;
-    if (absl::Status s = seq.slots->ReadScores(&scores); !s.ok()) return s;
-    for (size_t s = 0; s < seq.streams.size(); ++s) seq.streams[s].LoadScores(std::move(scores[s]));
+    if (absl::Status s = seq.slots()->ReadScores(&scores); !s.ok()) return s;
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      seq.stream(s).LoadScores(std::move(scores[s]));
+    }
   }
   std::vector<policy::StreamState> states = StagedStreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {
     states[s].attention = (*rows)[s];
     states[s].window_scores = (*window)[s];
   }
-  const policy::Decision decision = seq.policy->Compress(ctx, absl::MakeSpan(states));
+  const policy::Decision decision = seq.policy().Compress(ctx, absl::MakeSpan(states));
   absl::StatusOr<Applied> applied =
       ApplyDecision(seq, decision, CommitPolicyState(seq, decision, nullptr));
-  if (seq.slots) {
-    std::vector<std::vector<float>> scores(seq.streams.size());
-    for (size_t s = 0; s < seq.streams.size(); ++s) {
-      scores[s] = seq.streams[s].TakeScores();
-      seq.streams[s].DropStaging();
+  if (seq.slots()) {
+    std::vector<std::vector<float>> scores(seq.streams().size());
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      scores[s] = seq.stream(s).TakeScores();
+      seq.stream(s).DropStaging();
     }
     if (applied.ok()) {
-      absl::Status synced = seq.slots->Keep(decision.keep);
-      if (synced.ok()) synced = seq.slots->WriteScores(scores);
+      absl::Status synced = seq.slots()->Keep(decision.keep);
+      if (synced.ok()) synced = seq.slots()->WriteScores(scores);
       AccountSlotState(seq);  // a compression may have given capacity back
       if (!synced.ok()) return Poison(seq, synced);
     }
   }
   if (!applied.ok()) return applied.status();
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    result.layers[s / seq.layout.num_kv_heads].kept_tokens += seq.streams[s].size();
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    result.layers[s / seq.layout().num_kv_heads].kept_tokens += seq.streams()[s].size();
   }
   result.evicted_tokens = applied->evicted;
   result.quantized_tokens = applied->quantized;
   result.kv_bytes_after = seq.kv_bytes();
-  result.epoch = seq.epoch;
+  result.epoch = seq.epoch();
   AccountSlotState(seq);
   Renew(seq);
-  PublishVersion(seq);
-  result.version = seq.version;
+  seq.Publish();
+  result.version = seq.version();
   return result;
 }
 

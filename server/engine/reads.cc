@@ -25,20 +25,20 @@ absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id, bool 
 
 BlockTable Engine::TableOf(const Sequence& seq, bool positions) const {
   BlockTable table;
-  table.sequence_id = seq.id;
-  table.epoch = seq.epoch;
-  table.version = seq.version;
-  table.layout = seq.layout;
-  table.epoch_slot = seq.epoch_slot;
-  table.quantization = seq.format.quant_precision();
+  table.sequence_id = seq.id();
+  table.epoch = seq.epoch();
+  table.version = seq.version();
+  table.layout = seq.layout();
+  table.epoch_slot = seq.epoch_slot();
+  table.quantization = seq.format().quant_precision();
   table.quantized_block_bytes =
-      seq.quant.type ? seq.format.block_bytes(seq.format.quant_precision()) : 0;
-  table.streams.resize(seq.streams.size());
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    const Stream& st = seq.streams[s];
+      seq.quant().type ? seq.format().block_bytes(seq.format().quant_precision()) : 0;
+  table.streams.resize(seq.streams().size());
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    const Stream& st = seq.streams()[s];
     StreamTable& out = table.streams[s];
-    out.layer = static_cast<uint32_t>(s / seq.layout.num_kv_heads);
-    out.kv_head = static_cast<uint32_t>(s % seq.layout.num_kv_heads);
+    out.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
+    out.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
     out.blocks.reserve(st.blocks().size());
     for (const StreamBlock& b : st.blocks()) {
       out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
@@ -55,7 +55,7 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
   absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
   if (!seq_or.ok()) return seq_or.status();
   Sequence& seq = **seq_or;
-  const Layout& layout = seq.layout;
+  const Layout& layout = seq.layout();
   if (layer_begin == 0 && layer_end == 0) layer_end = layout.num_layers;
   if (layer_end > layout.num_layers || layer_begin >= layer_end) {
     return absl::InvalidArgumentError(
@@ -69,23 +69,23 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
       {
         kvmem::MutexLock lock(&seq.mu);
         if (absl::Status s = Unusable(seq); !s.ok()) return s;
-        if (read_epoch == 0) read_epoch = seq.epoch;
-        if (seq.epoch != read_epoch) {
+        if (read_epoch == 0) read_epoch = seq.epoch();
+        if (seq.epoch() != read_epoch) {
           if (layer == layer_begin && head == 0) {
             return StaleEpoch(seq, absl::StrCat("epoch: asked for epoch ", read_epoch,
-                                                " but the block table is at epoch ", seq.epoch));
+                                                " but the block table is at epoch ", seq.epoch()));
           }
           return StaleEpoch(seq,
                             absl::StrCat("epoch: the block table changed from epoch ", read_epoch,
-                                         " to ", seq.epoch, " during the read; read again"),
+                                         " to ", seq.epoch(), " during the read; read again"),
                             absl::StatusCode::kAborted);
         }
-        const Stream& st = seq.streams[size_t{layer} * layout.num_kv_heads + head];
+        const Stream& st = seq.streams()[size_t{layer} * layout.num_kv_heads + head];
         const uint64_t row = layout.row_bytes();
         const uint32_t B = layout.block_tokens;
         out.layer = layer;
         out.kv_head = head;
-        out.epoch = seq.epoch;
+        out.epoch = seq.epoch();
         out.positions.assign(st.positions().begin(), st.positions().end());
         out.k.resize(st.size() * row);
         out.v.resize(st.size() * row);
@@ -108,7 +108,8 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
         }
         absl::Status io = backend_->Read(reads);
         if (io.ok() && !dequantizes.empty()) {
-          io = backend_->Dequantize(seq.format.quant_geometry(), seq.format.elem(), dequantizes);
+          io =
+              backend_->Dequantize(seq.format().quant_geometry(), seq.format().elem(), dequantizes);
         }
         if (io.ok()) io = backend_->Synchronize();
         if (!io.ok()) return io;

@@ -14,7 +14,7 @@ Engine::SequenceRef::SequenceRef(SequenceRef&& other) noexcept
 Engine::SequenceRef::~SequenceRef() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (seq_ == nullptr) return;
   if (locked_) kvmem::Unlock(&seq_->mu);
-  seq_->calls_in_flight.fetch_sub(1, std::memory_order_acq_rel);
+  seq_->LeaveCall();
 }
 
 absl::StatusOr<Engine::SequenceRef> Engine::Find(uint64_t sequence_id) {
@@ -25,16 +25,17 @@ absl::StatusOr<Engine::SequenceRef> Engine::Find(uint64_t sequence_id) {
                                             " (never created, released, or its lease lapsed)"));
   }
   // Counted under the registry lock, which the reaper holds while it reads the count.
-  it->second->calls_in_flight.fetch_add(1, std::memory_order_acq_rel);
+  it->second->EnterCall();
   return SequenceRef(it->second);
 }
 
 absl::Status Engine::Unusable(const Sequence& seq) {
-  if (seq.released) {
-    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", seq.id, " was released"));
+  if (seq.released()) {
+    return absl::NotFoundError(absl::StrCat("sequence_id: sequence ", seq.id(), " was released"));
   }
-  if (!seq.poisoned.empty()) {
-    return absl::DataLossError(absl::StrCat("sequence ", seq.id, " is poisoned (", seq.poisoned,
+  if (seq.poisoned()) {
+    return absl::DataLossError(absl::StrCat("sequence ", seq.id(), " is poisoned (",
+                                            seq.poison_reason(),
                                             "); its cache can no longer be trusted: release it"));
   }
   return absl::OkStatus();
@@ -57,15 +58,12 @@ absl::StatusOr<Engine::SequenceRef> Engine::LockForChange(uint64_t sequence_id) 
 }
 
 absl::Status Engine::Poison(Sequence& seq, const absl::Status& why) {
-  if (seq.poisoned.empty()) {
-    seq.poisoned = std::string(why.message().substr(0, 512));
-    seq.poisoned_flag.store(true, std::memory_order_release);
-    if (seq.poisoned.empty()) seq.poisoned = "a mutation failed past its point of no return";
+  if (seq.Poison(why.message())) {
     ++sequences_poisoned_;
-    spdlog::error("sequence {} poisoned: {}", seq.id, why.ToString());
+    spdlog::error("sequence {} poisoned: {}", seq.id(), why.ToString());
   }
   // Odd for good: readers of any table of this sequence fail from now on.
-  board_->BeginWrite(seq.epoch_slot, seq.epoch);
+  board_->BeginWrite(seq.epoch_slot(), seq.epoch());
   return Unusable(seq);
 }
 
@@ -80,61 +78,49 @@ absl::StatusOr<absl::Duration> Engine::ResolveLease(absl::Duration lease) const 
 }
 
 void Engine::Renew(Sequence& seq) {
-  seq.lease_deadline_ns.store(absl::ToUnixNanos(clock_->Now() + seq.lease),
-                              std::memory_order_relaxed);
+  seq.set_lease_deadline_ns(absl::ToUnixNanos(clock_->Now() + seq.lease()));
 }
 
 absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& seq) {
   Renew(*seq);
-  CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease)),
-                      seq->layout.block_tokens, seq->epoch_slot};
+  CreateResult result{0, static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease())),
+                      seq->layout().block_tokens, seq->epoch_slot()};
   {
     kvmem::MutexLock lock(&seq->mu);
-    result.epoch = seq->epoch;
-    result.version = seq->version;
+    result.epoch = seq->epoch();
+    result.version = seq->version();
   }
   kvmem::MutexLock lock(&mu_);
-  result.sequence_id = seq->id;
-  sequences_.emplace(seq->id, seq);
+  result.sequence_id = seq->id();
+  sequences_.emplace(seq->id(), seq);
   return result;
 }
 
 uint64_t Engine::NewVersion(Sequence& seq) {
-  seq.version = next_version_.fetch_add(1);
-  return seq.version;
-}
-
-void Engine::PublishVersion(Sequence& seq) {
-  if (seq.published_version[seq.newest_published] == seq.version) return;
-  const int which = 1 - seq.newest_published;  // the older of the two makes room
-  for (Stream& st : seq.streams) st.MarkPublished(which);
-  seq.published_version[which] = seq.version;
-  seq.newest_published = which;
+  seq.set_version(next_version_.fetch_add(1));
+  return seq.version();
 }
 
 uint64_t Engine::ReleaseLocked(Sequence& seq) {
   uint64_t freed = 0;
-  board_->BeginWrite(seq.epoch_slot, seq.epoch);
-  freed += pool_->Unref(seq.orphan_blocks);
-  seq.orphan_blocks.clear();
-  for (Stream& st : seq.streams) {
+  board_->BeginWrite(seq.epoch_slot(), seq.epoch());
+  freed += pool_->Unref(seq.TakeOrphans());
+  for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
-    st.Clear();
   }
-  seq.slots.reset();
-  seq.released = true;
+  seq.Clear();
   AccountSlotState(seq);
-  board_->Release(seq.epoch_slot);
+  board_->Release(seq.epoch_slot());
   return freed;
 }
 
 void Engine::AccountSlotState(Sequence& seq) {
-  const uint64_t now = seq.slots ? seq.slots->bytes() : 0;
-  slot_state_bytes_ += now - seq.slot_bytes_accounted;  // modular: shrinking subtracts
-  seq.slot_bytes_accounted = now;
-  const uint64_t host = seq.released ? 0 : seq.host_bytes();
-  host_bytes_ += host - seq.host_bytes_accounted;
-  seq.host_bytes_accounted = host;
+  const uint64_t slot_bytes = seq.slots() ? seq.slots()->bytes() : 0;
+  const uint64_t host = seq.released() ? 0 : seq.host_bytes();
+  // Modular: shrinking subtracts.
+  slot_state_bytes_ += slot_bytes - seq.slot_bytes_accounted();
+  host_bytes_ += host - seq.host_bytes_accounted();
+  seq.set_accounted(slot_bytes, host);
 }
 
 uint64_t Engine::host_budget() const {
@@ -186,14 +172,14 @@ std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_
       continue;
     }
     Sequence& seq = *it->second;
-    if (seq.poisoned_flag.load(std::memory_order_acquire)) {
+    if (seq.poisoned_relaxed()) {
       // Not renewed: a poisoned sequence is kept only until its client releases it or its
       // lease lapses, so that its blocks come back either way.
       results.push_back(absl::DataLossError(
-          absl::StrCat("sequence_ids[", i, "]: sequence ", seq.id, " is poisoned; release it")));
+          absl::StrCat("sequence_ids[", i, "]: sequence ", seq.id(), " is poisoned; release it")));
       continue;
     }
-    seq.lease_deadline_ns.store(absl::ToUnixNanos(now + seq.lease), std::memory_order_relaxed);
+    seq.set_lease_deadline_ns(absl::ToUnixNanos(now + seq.lease()));
     results.push_back(absl::OkStatus());
   }
   return results;
@@ -207,8 +193,7 @@ uint32_t Engine::ExpireLeases() {
     for (auto it = sequences_.begin(); it != sequences_.end();) {
       // A sequence with calls in flight is left alone: each renews it when it finishes.
       // Calls take their count under this lock, so none can start on a sequence taken here.
-      if (it->second->lease_deadline_ns.load(std::memory_order_relaxed) < now &&
-          it->second->calls_in_flight.load(std::memory_order_acquire) == 0) {
+      if (it->second->lease_deadline_ns() < now && it->second->calls_in_flight() == 0) {
         expired.push_back(std::move(it->second));
         sequences_.erase(it++);
       } else {
@@ -219,8 +204,8 @@ uint32_t Engine::ExpireLeases() {
   for (const auto& seq : expired) {
     kvmem::MutexLock lock(&seq->mu);
     const uint64_t freed = ReleaseLocked(*seq);
-    spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id,
-                 absl::ToInt64Seconds(seq->lease), freed);
+    spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id(),
+                 absl::ToInt64Seconds(seq->lease()), freed);
   }
   leases_expired_ += expired.size();
   return static_cast<uint32_t>(expired.size());

@@ -146,38 +146,116 @@ uint64_t Stream::host_bytes() const {
          arrival_step_.capacity() * sizeof(int64_t);
 }
 
+bool Sequence::Poison(absl::string_view why) {
+  if (poisoned()) return false;
+  poison_reason_ = std::string(why.substr(0, 512));
+  if (poison_reason_.empty()) poison_reason_ = "a mutation failed past its point of no return";
+  poisoned_flag_.store(true, std::memory_order_release);
+  return true;
+}
+
+void Sequence::ReserveTokens(size_t more) {
+  if (token_ids_.capacity() < token_ids_.size() + more) {
+    token_ids_.reserve(std::max(token_ids_.size() + more, 2 * token_ids_.capacity()));
+  }
+}
+
+void Sequence::RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position,
+                            uint64_t tokens) {
+  token_ids_.insert(token_ids_.end(), token_ids.begin(), token_ids.end());
+  last_position_ = last_position;
+  appended_ += tokens;
+}
+
+void Sequence::set_version(uint64_t version) {
+  // Versions come from one engine-wide counter: a smaller one would let a client's stale
+  // version pass for a newer one.
+  if (version > version_) version_ = version;
+}
+
+void Sequence::Publish() {
+  if (published_version_[newest_published_] == version_) return;
+  const int which = 1 - newest_published_;  // the older of the two makes room
+  for (Stream& st : streams_) st.MarkPublished(which);
+  published_version_[which] = version_;
+  newest_published_ = which;
+}
+
+int Sequence::PublishedSlot(uint64_t version) const {
+  if (version == 0) return -1;
+  for (int which = 0; which < 2; ++which) {
+    if (published_version_[which] == version) return which;
+  }
+  return -1;
+}
+
+void Sequence::CopyStateFrom(const Sequence& parent, std::unique_ptr<store::SlotState> slots) {
+  streams_ = parent.streams_;
+  for (Stream& st : streams_) st.DropStaging();
+  slots_ = std::move(slots);
+  token_ids_ = parent.token_ids_;
+  last_position_ = parent.last_position_;
+  appended_ = parent.appended_;
+  version_ = parent.version_;
+  std::copy(std::begin(parent.published_version_), std::end(parent.published_version_),
+            std::begin(published_version_));
+  newest_published_ = parent.newest_published_;
+  steps_ = parent.steps_;
+  policy_mark_ = parent.policy_mark_;
+  prefix_ = parent.prefix_;
+}
+
+void Sequence::Clear() {
+  for (Stream& st : streams_) st.Clear();
+  slots_.reset();
+  orphan_blocks_ = {};
+  released_ = true;
+}
+
 uint64_t Sequence::host_bytes() const {
-  uint64_t bytes = sizeof(Sequence) + token_ids.capacity() * sizeof(int32_t);
-  for (const Stream& s : streams) bytes += s.host_bytes();
+  uint64_t bytes = sizeof(Sequence) + token_ids_.capacity() * sizeof(int32_t) +
+                   prefix_.hashes.capacity() * sizeof(prefix::BlockHash);
+  for (const Stream& s : streams_) bytes += s.host_bytes();
   return bytes;
 }
 
-absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
-  const uint32_t B = layout.block_tokens;
-  for (size_t s = 0; s < streams.size(); ++s) {
-    const Stream& st = streams[s];
+absl::Status Sequence::CheckInvariants() const {
+  const uint32_t B = layout_.block_tokens;
+  const uint32_t history_rows = policy_->history_rows();
+  if (streams_.size() != layout_.num_streams()) {
+    return absl::InternalError(absl::StrCat("sequence ", id_, ": ", streams_.size(),
+                                            " streams, the layout has ", layout_.num_streams()));
+  }
+  for (uint64_t v : published_version_) {
+    if (v > version_) {
+      return absl::InternalError(absl::StrCat("sequence ", id_, ": published version ", v,
+                                              " is newer than the table's ", version_));
+    }
+  }
+  for (size_t s = 0; s < streams_.size(); ++s) {
+    const Stream& st = streams_[s];
     const size_t n = st.size();
     auto broken = [&](absl::string_view what) {
       return absl::InternalError(
-          absl::StrCat("sequence ", id, " stream ", s, ": ", what, " (", n, " slots)"));
+          absl::StrCat("sequence ", id_, " stream ", s, ": ", what, " (", n, " slots)"));
     };
     if (st.token_entropy().size() != n || st.layer_distance().size() != n ||
         st.arrival_step().size() != n) {
       return broken("per-slot signals disagree with the positions");
     }
-    if (st.scores().size() != (slots ? 0 : n)) return broken("scores disagree with the positions");
+    if (st.scores().size() != (slots_ ? 0 : n)) return broken("scores disagree with the positions");
     if (st.history().size() != n * history_rows) return broken("history disagrees");
-    if (slots && slots->length(static_cast<uint32_t>(s)) != n) {
+    if (slots_ && slots_->length(static_cast<uint32_t>(s)) != n) {
       return broken("the slot state's length disagrees");
     }
     uint64_t live = 0, kv = 0;
     for (const StreamBlock& b : st.blocks()) {
       if (b.count == 0 || b.start + b.count > B) return broken("a block's live run is wrong");
       live += b.count;
-      kv += format.KvBytes(b.precision, b.count);
+      kv += format_.KvBytes(b.precision, b.count);
     }
     if (live != n) return broken("the blocks' live slots disagree with the positions");
-    if (kv != format.KvBytes(st.layout_slots(), st.quantized_slots(), st.quantized_blocks())) {
+    if (kv != format_.KvBytes(st.layout_slots(), st.quantized_slots(), st.quantized_blocks())) {
       return broken("the stream's KV byte tally disagrees with its blocks");
     }
     for (size_t j = 1; j < n; ++j) {
@@ -189,34 +267,34 @@ absl::Status Sequence::CheckInvariants(uint32_t history_rows) const {
 
 uint32_t Sequence::max_stream_tokens() const {
   size_t n = 0;
-  for (const Stream& s : streams) n = std::max(n, s.size());
+  for (const Stream& s : streams_) n = std::max(n, s.size());
   return static_cast<uint32_t>(n);
 }
 
 uint64_t Sequence::retained_slots() const {
   uint64_t n = 0;
-  for (const Stream& s : streams) n += s.size();
+  for (const Stream& s : streams_) n += s.size();
   return n;
 }
 
 uint64_t Sequence::kv_bytes() const {
   uint64_t bytes = 0;
-  for (const Stream& s : streams) {
-    bytes += format.KvBytes(s.layout_slots(), s.quantized_slots(), s.quantized_blocks());
+  for (const Stream& s : streams_) {
+    bytes += format_.KvBytes(s.layout_slots(), s.quantized_slots(), s.quantized_blocks());
   }
   return bytes;
 }
 
 uint64_t Sequence::block_count() const {
   uint64_t n = 0;
-  for (const Stream& s : streams) n += s.blocks().size();
+  for (const Stream& s : streams_) n += s.blocks().size();
   return n;
 }
 
 uint64_t Sequence::block_bytes_held() const {
   uint64_t bytes = 0;
-  for (const Stream& s : streams) {
-    for (const StreamBlock& b : s.blocks()) bytes += format.block_bytes(b.precision);
+  for (const Stream& s : streams_) {
+    for (const StreamBlock& b : s.blocks()) bytes += format_.block_bytes(b.precision);
   }
   return bytes;
 }

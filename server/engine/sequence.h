@@ -19,6 +19,7 @@
 #include "server/engine/layout.h"
 #include "server/engine/stream_planner.h"
 #include "server/policy/policy.h"
+#include "server/prefix/prefix_hash.h"
 #include "server/store/block_pool.h"
 #include "server/store/slot_state.h"
 
@@ -116,69 +117,160 @@ struct QuantConfig {
   uint32_t recent_tokens = 128;
 };
 
-struct Sequence {
+// One request's cache. Its identity is fixed at creation; its state changes only under `mu`
+// and only through the methods below, which keep:
+// - one Stream per (layer, kv_head) from construction to release (each Stream keeps its own
+//   per-slot vectors aligned), and a SlotState, where the policy steps on the device, as
+//   long as each stream (CheckInvariants checks both after a commit);
+// - poisoned for good once poisoned, the reason and the lock-free flag agreeing;
+// - table versions that only grow, and published versions that are versions it had;
+// - nothing held once released.
+class Sequence {
+ public:
   Sequence(uint64_t id, Layout layout, std::string policy_name, policy::ParamOverrides params,
            std::unique_ptr<policy::Policy> policy, QuantConfig quant, absl::Duration lease,
-           uint32_t epoch_slot)
-      : id(id),
-        layout(layout),
-        format(layout, quant.type),
-        quant(quant),
-        policy_name(std::move(policy_name)),
-        policy_params(std::move(params)),
-        policy(std::move(policy)),
-        lease(lease),
-        epoch_slot(epoch_slot) {}
+           uint32_t epoch_slot, uint64_t parent_id = 0)
+      : id_(id),
+        layout_(layout),
+        format_(layout, quant.type),
+        quant_(quant),
+        policy_name_(std::move(policy_name)),
+        policy_params_(std::move(params)),
+        policy_(std::move(policy)),
+        lease_(lease),
+        epoch_slot_(epoch_slot),
+        parent_id_(parent_id),
+        streams_(layout.num_streams()) {}
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
 
-  const uint64_t id;
-  const Layout layout;
-  const BlockFormat format;
-  const QuantConfig quant;
-  const std::string policy_name;
-  const policy::ParamOverrides policy_params;
-  const std::unique_ptr<policy::Policy> policy;
-  const absl::Duration lease;
-  const uint32_t epoch_slot;
-  uint64_t parent_id = 0;
-  // Read by the lease reaper without the sequence lock.
-  std::atomic<int64_t> lease_deadline_ns{0};
+  // Identity.
+  uint64_t id() const { return id_; }
+  const Layout& layout() const { return layout_; }
+  const BlockFormat& format() const { return format_; }
+  const QuantConfig& quant() const { return quant_; }
+  const std::string& policy_name() const { return policy_name_; }
+  const policy::ParamOverrides& policy_params() const { return policy_params_; }
+  const policy::Policy& policy() const { return *policy_; }
+  absl::Duration lease() const { return lease_; }
+  uint32_t epoch_slot() const { return epoch_slot_; }
+  uint64_t parent_id() const { return parent_id_; }
 
-  // Calls that found this sequence and have not finished; the lease reaper leaves a
-  // sequence with calls in flight alone (they renew the lease when they finish).
-  std::atomic<int32_t> calls_in_flight{0};
+  // Read and written without `mu`. The lease deadline is read by the reaper; calls in
+  // flight are those that found this sequence and have not finished, which the reaper
+  // leaves alone (they renew the lease when they finish).
+  int64_t lease_deadline_ns() const { return lease_deadline_ns_.load(std::memory_order_relaxed); }
+  void set_lease_deadline_ns(int64_t ns) {
+    lease_deadline_ns_.store(ns, std::memory_order_relaxed);
+  }
+  void EnterCall() { calls_in_flight_.fetch_add(1, std::memory_order_acq_rel); }
+  void LeaveCall() { calls_in_flight_.fetch_sub(1, std::memory_order_acq_rel); }
+  int32_t calls_in_flight() const { return calls_in_flight_.load(std::memory_order_acquire); }
+  // Poisoned(), for readers that hold only the registry lock (KeepAlive).
+  bool poisoned_relaxed() const { return poisoned_flag_.load(std::memory_order_acquire); }
 
-  absl::Mutex mu;
-  bool released ABSL_GUARDED_BY(mu) = false;
-  // Set when a mutation failed past its point of no return: the blocks may no longer hold
-  // what the tables say, so every later call but Release answers DATA_LOSS with this.
-  std::string poisoned ABSL_GUARDED_BY(mu);
-  // Set with `poisoned`, read without the lock (KeepAlive holds only the registry lock).
-  std::atomic<bool> poisoned_flag{false};
-  int64_t policy_mark ABSL_GUARDED_BY(mu) = -1;  // CallContext::mark
-  bool append_open ABSL_GUARDED_BY(mu) = false;  // an Engine::AppendSession is open
-  // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
-  std::vector<store::BlockId> orphan_blocks ABSL_GUARDED_BY(mu);
-  std::vector<Stream> streams ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
+  mutable absl::Mutex mu;
+
+  // The state, under `mu`.
+  absl::Span<const Stream> streams() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return streams_; }
+  size_t num_streams() const { return layout_.num_streams(); }
+  // A stream to change: only a commit, under a write section where the change is visible
+  // to readers, and only through Stream's methods, which keep it aligned.
+  Stream& stream(size_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return streams_[s]; }
   // Where the scores live when the policy has a kernel step (Stream::scores is then empty
   // between calls); null otherwise.
-  std::unique_ptr<store::SlotState> slots ABSL_GUARDED_BY(mu);
-  uint64_t slot_bytes_accounted ABSL_GUARDED_BY(mu) = 0;  // in Engine's slot_state_bytes_
-  uint64_t host_bytes_accounted ABSL_GUARDED_BY(mu) = 0;  // in Engine's host_bytes_
-  std::vector<int32_t> token_ids ABSL_GUARDED_BY(mu);
-  int64_t last_position ABSL_GUARDED_BY(mu) = -1;
-  uint64_t appended ABSL_GUARDED_BY(mu) = 0;
-  uint64_t epoch ABSL_GUARDED_BY(mu) = 0;
-  uint64_t steps ABSL_GUARDED_BY(mu) = 0;
-  // The table version: a new value (unique across sequences) at every commit that changes
-  // a block list; each block carries the version at which it last changed.
-  uint64_t version ABSL_GUARDED_BY(mu) = 0;
-  // The table versions at the end of the last two calls that changed it (0: none), and
-  // which of the two is the newer. A client holding either gets a delta (the index of
-  // every entry it holds is kept for both: StreamBlock::published_index), any other
-  // version the whole table. Two, because a call's response carries the update from the
-  // version its client held before the call.
-  uint64_t published_version[2] ABSL_GUARDED_BY(mu) = {0, 0};
-  int newest_published ABSL_GUARDED_BY(mu) = 0;
+  store::SlotState* slots() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return slots_.get(); }
+  void set_slots(std::unique_ptr<store::SlotState> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    slots_ = std::move(slots);
+  }
+
+  bool released() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return released_; }
+  // Set when a mutation failed past its point of no return: the blocks may no longer hold
+  // what the tables say, so every later call but Release answers DATA_LOSS with the reason.
+  bool poisoned() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return !poison_reason_.empty(); }
+  const std::string& poison_reason() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return poison_reason_; }
+  // Records the reason (capped; the first one stays). Returns whether this poisoned it.
+  bool Poison(absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  int64_t policy_mark() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return policy_mark_;
+  }  // CallContext::mark
+  void set_policy_mark(int64_t mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { policy_mark_ = mark; }
+  bool append_open() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return append_open_;
+  }  // an AppendSession
+  void set_append_open(bool open) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { append_open_ = open; }
+
+  // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
+  void AddOrphan(store::BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    orphan_blocks_.push_back(id);
+  }
+  std::vector<store::BlockId> TakeOrphans() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return std::exchange(orphan_blocks_, {});
+  }
+
+  // The bytes of this sequence in the engine's totals (Engine::AccountSlotState).
+  uint64_t slot_bytes_accounted() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return slot_bytes_accounted_;
+  }
+  uint64_t host_bytes_accounted() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return host_bytes_accounted_;
+  }
+  void set_accounted(uint64_t slot_bytes, uint64_t host_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    slot_bytes_accounted_ = slot_bytes;
+    host_bytes_accounted_ = host_bytes;
+  }
+
+  absl::Span<const int32_t> token_ids() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return token_ids_; }
+  int64_t last_position() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return last_position_; }
+  uint64_t appended() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return appended_; }
+  // Room for `more` token ids, so that RecordAppend does not allocate. May throw.
+  void ReserveTokens(size_t more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // An append's commit: its token ids and last position (into reserved room).
+  void RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position, uint64_t tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  uint64_t steps() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return steps_; }
+  // Counts a step; returns its index.
+  uint64_t CountStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return steps_++; }
+
+  // The seqlock generation of the tables (EpochBoard): changed by every write section.
+  uint64_t epoch() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return epoch_; }
+  void set_epoch(uint64_t epoch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { epoch_ = epoch; }
+  // The table version: a new value (unique across sequences, growing) at every commit that
+  // changes a block list; each block carries the version at which it last changed.
+  uint64_t version() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return version_; }
+  void set_version(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Records the current version as one a client may hold (at the end of every call that
+  // changed it). The one published before stays known too: a client holding either gets a
+  // delta (the index of every entry it holds is kept for both: StreamBlock::published_index),
+  // any other version the whole table. Two, because a call's response carries the update
+  // from the version its client held before the call.
+  void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Which of the two published versions `version` is (StreamBlock::published_index), or -1.
+  int PublishedSlot(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu);
+
+  // A fork's child takes its parent's state (not its identity, epoch or accounting): the
+  // same streams (block references are the caller's to add), tokens, steps, mark, version
+  // and published versions, so that a client may carry the parent's table over. `slots`:
+  // the child's copy of the parent's SlotState (or null when it has none).
+  void CopyStateFrom(const Sequence& parent, std::unique_ptr<store::SlotState> slots)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) ABSL_SHARED_LOCKS_REQUIRED(parent.mu);
+  // Release: drops every stream, the SlotState and the orphans (the caller has dropped the
+  // streams' block references and takes the orphans first).
+  void Clear() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Prefix sharing: the namespace and salt its prompt blocks are published under, whether
+  // they are published as they fill, and the hash chain of its leading full blocks as far
+  // as it was computed (block i: hashes()[i]); how many of those blocks are published.
+  struct PrefixState {
+    std::string ns;
+    std::string salt;
+    bool auto_publish = false;
+    std::vector<prefix::BlockHash> hashes;
+    size_t published_blocks = 0;
+  };
+  const PrefixState& prefix() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return prefix_; }
+  PrefixState& mutable_prefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return prefix_; }
 
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);
@@ -191,12 +283,47 @@ struct Sequence {
   // Host memory this sequence holds outside the pool: its per-stream and per-slot metadata
   // (SlotState memory is counted separately, where it lives).
   uint64_t host_bytes() const ABSL_SHARED_LOCKS_REQUIRED(mu);
-  // The invariants every committed state keeps: per stream, every per-slot vector has one
-  // entry per retained slot (history: history_rows each; scores: none while they live in
-  // the SlotState, whose lengths then agree), positions increase, and the blocks' live
-  // slots add up to the retained slots, each block's run inside the block. INTERNAL naming
-  // the first broken one.
-  absl::Status CheckInvariants(uint32_t history_rows) const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // The invariants every committed state keeps: one stream per (layer, kv_head); per
+  // stream, every per-slot vector has one entry per retained slot (history: history_rows
+  // each; scores: none while they live in the SlotState, whose lengths then agree),
+  // positions increase, and the blocks' live slots add up to the retained slots, each
+  // block's run inside the block; the published versions are not newer than the version.
+  // INTERNAL naming the first broken one.
+  absl::Status CheckInvariants() const ABSL_SHARED_LOCKS_REQUIRED(mu);
+
+ private:
+  const uint64_t id_;
+  const Layout layout_;
+  const BlockFormat format_;
+  const QuantConfig quant_;
+  const std::string policy_name_;
+  const policy::ParamOverrides policy_params_;
+  const std::unique_ptr<policy::Policy> policy_;
+  const absl::Duration lease_;
+  const uint32_t epoch_slot_;
+  const uint64_t parent_id_;
+  std::atomic<int64_t> lease_deadline_ns_{0};
+  std::atomic<int32_t> calls_in_flight_{0};
+  std::atomic<bool> poisoned_flag_{false};
+
+  std::vector<Stream> streams_ ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
+  std::unique_ptr<store::SlotState> slots_ ABSL_GUARDED_BY(mu);
+  bool released_ ABSL_GUARDED_BY(mu) = false;
+  std::string poison_reason_ ABSL_GUARDED_BY(mu);
+  int64_t policy_mark_ ABSL_GUARDED_BY(mu) = -1;
+  bool append_open_ ABSL_GUARDED_BY(mu) = false;
+  std::vector<store::BlockId> orphan_blocks_ ABSL_GUARDED_BY(mu);
+  uint64_t slot_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t host_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
+  std::vector<int32_t> token_ids_ ABSL_GUARDED_BY(mu);
+  int64_t last_position_ ABSL_GUARDED_BY(mu) = -1;
+  uint64_t appended_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t epoch_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t steps_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t version_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t published_version_[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  int newest_published_ ABSL_GUARDED_BY(mu) = 0;
+  PrefixState prefix_ ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace kvmem::engine

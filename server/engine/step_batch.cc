@@ -12,24 +12,23 @@ namespace kvmem::engine {
 absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message,
                                 absl::StatusCode code) {
   absl::Status status(code, message);
-  status.SetPayload(kCurrentEpochPayload, absl::Cord(absl::StrCat(seq.epoch)));
-  status.SetPayload(kCurrentVersionPayload, absl::Cord(absl::StrCat(seq.version)));
+  status.SetPayload(kCurrentEpochPayload, absl::Cord(absl::StrCat(seq.epoch())));
+  status.SetPayload(kCurrentVersionPayload, absl::Cord(absl::StrCat(seq.version())));
   return status;
 }
 
 TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const {
   TableUpdate update;
   update.base_version = known_version;
-  update.version = seq.version;
-  update.epoch = seq.epoch;
-  int which = 0;
-  while (which < 2 && seq.published_version[which] != known_version) ++which;
-  if (known_version == 0 || which == 2) {
+  update.version = seq.version();
+  update.epoch = seq.epoch();
+  const int which = seq.PublishedSlot(known_version);
+  if (which < 0) {
     update.table = TableOf(seq, positions);
     return update;
   }
-  for (size_t s = 0; s < seq.streams.size(); ++s) {
-    const Stream& st = seq.streams[s];
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    const Stream& st = seq.streams()[s];
     if (st.changed_version() <= known_version) continue;
     const std::vector<StreamBlock>& blocks = st.blocks();
     StreamDelta delta;
@@ -95,8 +94,8 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
     locked.emplace(*std::move(ref));
   }
   auto finish = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    PublishVersion(*seq);
-    if (call.table_version && seq->poisoned.empty() && !seq->released) {
+    seq->Publish();
+    if (call.table_version && !seq->poisoned() && !seq->released()) {
       try {
         out.table = TableDelta(*seq, *call.table_version, call.positions);
       } catch (const std::bad_alloc&) {
@@ -143,8 +142,8 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
     }
   }();
   finish();
-  if (out.appended) out.appended->version = seq->version;
-  if (out.step) out.step->version = seq->version;
+  if (out.appended) out.appended->version = seq->version();
+  if (out.step) out.step->version = seq->version();
   return out;
 }
 

@@ -349,6 +349,15 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_sequences_poisoned(stats.sequences_poisoned);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
+  v1::PrefixStats* prefix = out->mutable_prefix();
+  prefix->set_queries_total(stats.prefix.queries);
+  prefix->set_hits_total(stats.prefix.hits);
+  prefix->set_reused_tokens_total(stats.prefix.reused_tokens);
+  prefix->set_reclaimed_bytes_total(stats.prefix.reclaimed_bytes);
+  prefix->set_entries(stats.prefix.entries);
+  prefix->set_indexed_blocks(stats.prefix.indexed_blocks);
+  prefix->set_cached_blocks(stats.prefix.cached_blocks);
+  prefix->set_host_bytes(stats.prefix.host_bytes);
 }
 
 void ToProto(const engine::SequenceSummary& s, v1::SequenceStats* out) {

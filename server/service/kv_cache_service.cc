@@ -126,11 +126,17 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
         absl::StatusOr<absl::Duration> lease =
             LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
         if (!lease.ok()) return lease.status();
+        engine::PromptPrefix prompt;
+        prompt.model = request->model();
+        prompt.salt = request->cache_salt();
+        prompt.token_ids = absl::MakeConstSpan(request->prompt_token_ids().data(),
+                                               request->prompt_token_ids().size());
+        prompt.auto_publish = request->auto_publish();
         absl::StatusOr<engine::CreateResult> created =
-            engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease);
+            engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
         if (!created.ok()) return created.status();
         response->set_sequence_id(created->sequence_id);
-        response->set_reused_prefix_tokens(0);
+        response->set_reused_prefix_tokens(static_cast<uint32_t>(created->reused_prefix_tokens));
         ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
         response->set_block_tokens(created->block_tokens);
         response->set_epoch_slot(created->epoch_slot);
@@ -436,22 +442,35 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
   return ToGrpc(status, id);
 }
 
-grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest*,
-                                     v1::PublishResponse*) {
+grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
+                                     v1::PublishResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "Publish: prefix sharing across requests is not available in this "
-                      "version of kvmemd; Fork shares blocks within a request");
+  const uint64_t id = request->sequence_id();
+  std::optional<uint64_t> up_to;
+  if (request->has_up_to_tokens()) up_to = request->up_to_tokens();
+  absl::StatusOr<uint64_t> published = engine_->Publish(id, up_to);
+  if (!published.ok()) return ToGrpc(published.status(), id);
+  response->set_published_tokens(*published);
+  return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest*,
-                                    v1::LookupResponse*) {
+grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* request,
+                                    v1::LookupResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "Lookup: prefix sharing across requests is not available in this "
-                      "version of kvmemd");
+  if (!request->has_layout()) return ToGrpc(absl::InvalidArgumentError("layout: required"));
+  absl::StatusOr<engine::Layout> layout =
+      FromProto(request->layout(), engine_->config().default_block_tokens);
+  if (!layout.ok()) return ToGrpc(layout.status());
+  engine::PromptPrefix prompt;
+  prompt.model = request->model();
+  prompt.salt = request->cache_salt();
+  prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
+  absl::StatusOr<uint64_t> matched = engine_->Lookup(*layout, prompt);
+  if (!matched.ok()) return ToGrpc(matched.status());
+  response->set_matched_tokens(*matched);
+  return grpc::Status::OK;
 }
 
 grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequest* request,

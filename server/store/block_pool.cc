@@ -115,6 +115,16 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
         "block_bytes: ", block_bytes, " must be in [1, page_bytes=", page_bytes_, "]"));
   }
   const uint32_t class_bytes = RoundUp(block_bytes);
+  for (;;) {
+    uint64_t deficit = 0;
+    absl::Status s = AllocateManyOnce(block_bytes, class_bytes, count, out, use, &deficit);
+    if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_) return s;
+    if (reclaimer_(deficit) == 0) return s;
+  }
+}
+
+absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
+                                         std::vector<BlockId>* out, Use use, uint64_t* deficit) {
   kvmem::MutexLock lock(&mu_);
   const size_t first = out->size();
   for (size_t i = 0; i < count; ++i) {
@@ -122,6 +132,18 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
     if (!id.ok()) {
       for (size_t j = first; j < out->size(); ++j) FreeLocked((*out)[j]);
       out->resize(first);
+      // What is missing, as the pool stands again: the free slots of this size class in
+      // partly used pages and the free pages this use may take count against the ask.
+      uint64_t room = 0;
+      if (auto p = partial_.find(class_bytes); p != partial_.end()) {
+        for (uint32_t page : p->second) room += pages_[page].free_slots.size() * class_bytes;
+      }
+      const uint64_t usable = use == Use::kReclaim ? 0 : reserve_pages_;
+      if (free_pages_.size() > usable) {
+        room += (free_pages_.size() - usable) * (page_bytes_ / class_bytes) * class_bytes;
+      }
+      const uint64_t asked = uint64_t{count} * class_bytes;
+      *deficit = asked > room ? asked - room : class_bytes;
       return absl::ResourceExhaustedError(absl::StrCat(
           "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
           " bytes) but the pool of ", pool_bytes(), " bytes has ", free_pages_.size(),
@@ -167,9 +189,14 @@ uint64_t BlockPool::offset(BlockId id) const {
   return blocks_[id].offset;
 }
 
+uint32_t BlockPool::block_bytes(BlockId id) const {
+  kvmem::MutexLock lock(&mu_);
+  return Live(id) ? blocks_[id].class_bytes : 0;
+}
+
 uint32_t BlockPool::refs(BlockId id) const {
   kvmem::MutexLock lock(&mu_);
-  return blocks_[id].refs;
+  return id < blocks_.size() ? blocks_[id].refs : 0;
 }
 
 PoolUsage BlockPool::usage() const {

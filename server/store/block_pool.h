@@ -9,6 +9,7 @@
 // Blocks are reference counted from creation (Fork and prefix sharing map one physical block
 // into several streams). Thread-safe: every method takes the pool's mutex.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -66,6 +67,15 @@ class BlockPool {
 
   uint64_t offset(BlockId id) const;
   uint32_t refs(BlockId id) const;
+  // Pool bytes the block takes (its size class).
+  uint32_t block_bytes(BlockId id) const;
+
+  // Called, without the pool's lock, when an allocation finds the pool full: frees what it
+  // can of what is cached (the prefix index's unreferenced blocks) toward `bytes` and
+  // returns the bytes it freed; the allocation then tries again, until it succeeds or the
+  // reclaimer frees nothing. Set before the pool is shared.
+  using Reclaimer = std::function<uint64_t(uint64_t bytes)>;
+  void set_reclaimer(Reclaimer reclaimer) { reclaimer_ = std::move(reclaimer); }
   PoolUsage usage() const;
   uint64_t pool_bytes() const { return page_bytes_ * num_pages_; }
   uint64_t page_bytes() const { return page_bytes_; }
@@ -88,6 +98,10 @@ class BlockPool {
     uint32_t refs = 0;  // 0 = id is free
   };
 
+  // AllocateMany without reclaiming; on RESOURCE_EXHAUSTED, *deficit is about how many more
+  // bytes it would have needed.
+  absl::Status AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
+                                std::vector<BlockId>* out, Use use, uint64_t* deficit);
   absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -95,6 +109,7 @@ class BlockPool {
   const uint64_t page_bytes_;
   const uint32_t num_pages_;
   const uint32_t reserve_pages_;
+  Reclaimer reclaimer_;
   mutable absl::Mutex mu_;
   uint64_t bad_unrefs_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -38,6 +39,9 @@ class CudaScratchPool {
     }
     uint8_t* device() const { return b_.device; }
     uint8_t* host() const { return b_.host; }
+    bool Holds(uint64_t device_bytes, uint64_t host_bytes) const {
+      return b_.device_bytes >= device_bytes && b_.host_bytes >= host_bytes;
+    }
 
    private:
     CudaScratchPool* pool_;
@@ -248,6 +252,10 @@ class CudaSlotState final : public BookedSlotState {
     absl::StatusOr<CudaScratchPool::Lease> lease =
         scratch_->Acquire(laid_out_at + laid_out_bytes, std::max(slices_at + slice_bytes, S * C));
     if (!lease.ok()) return lease.status();
+    // What CommitStep's compaction takes, taken now: it runs past the point of no return.
+    if (step.select) {
+      if (absl::Status r = Reserve(CompactDeviceBytes(), CompactHostBytes()); !r.ok()) return r;
+    }
     uint8_t* host = lease->host();
     for (uint32_t i = 0; i < S; ++i) {
       std::copy(rows[i].begin(), rows[i].end(), reinterpret_cast<float*>(host + scatter[i].src));
@@ -318,7 +326,7 @@ class CudaSlotState final : public BookedSlotState {
     // Pinned: the flags at s * C, then the slices.
     const uint64_t slices_at = Align16(S * C);
     const uint64_t slice_bytes = S * sizeof(StreamSlice);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, slices_at + slice_bytes);
+    absl::StatusOr<Scratch> lease = TakeScratch(0, slices_at + slice_bytes);
     if (!lease.ok()) return lease.status();
     if (absl::Status s = book_.FromKeepSets(keep, lease->host()); !s.ok()) return s;
     const std::vector<StreamSlice> slices = book_.Slices({}, 0);
@@ -334,8 +342,19 @@ class CudaSlotState final : public BookedSlotState {
     if (absl::Status w = Wait("keep"); s.ok()) s = w;
     if (!s.ok()) return s;
     if (absl::Status c = Compact(); !c.ok()) return c;
-    return FitCapacity();
+    FitCapacity();
+    return absl::OkStatus();
   }
+
+  absl::Status ReserveCommit() override {
+    const uint64_t S = book_.num_streams();
+    const uint64_t C = book_.capacity();
+    const uint64_t keep_host = Align16(S * C) + S * sizeof(StreamSlice);
+    const uint64_t scores_host = S * C * sizeof(float);
+    return Reserve(CompactDeviceBytes(), std::max({CompactHostBytes(), keep_host, scores_host}));
+  }
+
+  void EndCommit() override { reserved_.reset(); }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
     return Download(regions_.scores, scores, "scores");
@@ -348,7 +367,7 @@ class CudaSlotState final : public BookedSlotState {
     if (absl::Status s = Bind(); !s.ok()) return s;
     if (C == 0) return absl::OkStatus();
     const uint64_t bytes = S * C * sizeof(float);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
+    absl::StatusOr<Scratch> lease = TakeScratch(0, bytes);
     if (!lease.ok()) return lease.status();
     auto* packed = reinterpret_cast<float*>(lease->host());
     for (uint32_t s = 0; s < S; ++s) std::copy(scores[s].begin(), scores[s].end(), packed + s * C);
@@ -474,9 +493,7 @@ class CudaSlotState final : public BookedSlotState {
   absl::Status Compact() override {
     if (absl::Status s = Bind(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
-    const uint64_t C = book_.capacity();
-    absl::StatusOr<CudaScratchPool::Lease> lease =
-        scratch_->Acquire(S * C * sizeof(uint32_t), S * sizeof(uint32_t));
+    absl::StatusOr<Scratch> lease = TakeScratch(CompactDeviceBytes(), CompactHostBytes());
     if (!lease.ok()) return lease.status();
     absl::Status s = FromCuda(
         kernels::cuda::CompactSlots(
@@ -521,6 +538,43 @@ class CudaSlotState final : public BookedSlotState {
 
   const int gpu_;
   const std::shared_ptr<CudaScratchPool> scratch_;
+  // Scratch taken before a commit's point of no return (a selecting Step; ReserveCommit),
+  // used by what runs past it; EndCommit gives it back.
+  std::optional<CudaScratchPool::Lease> reserved_;
+
+  // Scratch for one call: a view of the reservation when it is large enough, else a lease
+  // of its own.
+  class Scratch {
+   public:
+    explicit Scratch(const CudaScratchPool::Lease* reserved) : view_(reserved) {}
+    explicit Scratch(CudaScratchPool::Lease own) : own_(std::move(own)), view_(&*own_) {}
+    Scratch(Scratch&& other) noexcept
+        : own_(std::move(other.own_)), view_(own_ ? &*own_ : other.view_) {}
+    uint8_t* device() const { return view_->device(); }
+    uint8_t* host() const { return view_->host(); }
+
+   private:
+    std::optional<CudaScratchPool::Lease> own_;
+    const CudaScratchPool::Lease* view_;
+  };
+  absl::StatusOr<Scratch> TakeScratch(uint64_t device_bytes, uint64_t host_bytes) {
+    if (reserved_ && reserved_->Holds(device_bytes, host_bytes)) return Scratch(&*reserved_);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(device_bytes, host_bytes);
+    if (!lease.ok()) return lease.status();
+    return Scratch(*std::move(lease));
+  }
+  absl::Status Reserve(uint64_t device_bytes, uint64_t host_bytes) {
+    reserved_.reset();
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(device_bytes, host_bytes);
+    if (!lease.ok()) return lease.status();
+    reserved_.emplace(*std::move(lease));
+    return absl::OkStatus();
+  }
+  // CompactSlots' index output (device) and the kept counts (pinned), at the current size.
+  uint64_t CompactDeviceBytes() const {
+    return uint64_t{book_.num_streams()} * book_.capacity() * sizeof(uint32_t);
+  }
+  uint64_t CompactHostBytes() const { return uint64_t{book_.num_streams()} * sizeof(uint32_t); }
   cudaStream_t stream_ = nullptr;
   Regions regions_{};
   uint8_t* device_ = nullptr;  // Regions::For(S, capacity).bytes

@@ -202,7 +202,8 @@ class HostSlotState final : public BookedSlotState {
     pending_ = false;
     if (absl::Status s = book_.FromKeepSets(keep, flags_.data()); !s.ok()) return s;
     if (absl::Status s = Compact(); !s.ok()) return s;
-    return FitCapacity();
+    FitCapacity();
+    return absl::OkStatus();
   }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
@@ -244,6 +245,7 @@ class HostSlotState final : public BookedSlotState {
     const uint32_t old = book_.capacity();
     std::vector<float> scores(size_t{capacity} * book_.num_streams());
     std::vector<int64_t> positions(scores.size());
+    std::vector<uint8_t> flags(scores.size(), 0);  // every allocation before any change
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
       std::copy_n(scores_.begin() + size_t{s} * old, book_.length(s),
                   scores.begin() + size_t{s} * capacity);
@@ -252,7 +254,7 @@ class HostSlotState final : public BookedSlotState {
     }
     scores_ = std::move(scores);
     positions_ = std::move(positions);
-    flags_.assign(scores_.size(), 0);
+    flags_ = std::move(flags);
     book_.set_capacity(capacity);
     return absl::OkStatus();
   }

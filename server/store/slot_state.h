@@ -18,6 +18,7 @@
 // (cuda_slot_state.cc). Both give the same scores, positions and keep-sets bit for bit.
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
 #include <vector>
 
@@ -58,6 +59,11 @@ class SlotState {
   [[nodiscard]] virtual absl::Status AbortStep() = 0;
   // Compacts every stream to keep-sets decided elsewhere (a policy run on the host).
   [[nodiscard]] virtual absl::Status Keep(const KeepSets& keep) = 0;
+  // Takes, before a commit's point of no return, whatever memory a Keep and WriteScores
+  // at the current lengths need, so that past that point they allocate nothing (a Step
+  // does this for its CommitStep itself); EndCommit gives it back.
+  [[nodiscard]] virtual absl::Status ReserveCommit() { return absl::OkStatus(); }
+  virtual void EndCommit() {}
 
   // Copies to and from the host, for policy calls that run there (Compress).
   [[nodiscard]] virtual absl::Status ReadScores(std::vector<std::vector<float>>* scores) = 0;
@@ -125,12 +131,15 @@ class BookedSlotState : public SlotState {
   }
   absl::Status CommitStep() final {
     saved_ = false;
-    if (!pending_) return absl::OkStatus();
+    absl::Status s = absl::OkStatus();
+    if (pending_) s = Compact();
     pending_ = false;
-    return Compact();
+    EndCommit();
+    return s;
   }
   absl::Status AbortStep() final {
     pending_ = false;
+    EndCommit();
     if (!saved_) return absl::OkStatus();
     saved_ = false;
     return RestoreScores();
@@ -149,10 +158,17 @@ class BookedSlotState : public SlotState {
     if (!capacity.ok()) return capacity.status();
     return *capacity == book_.capacity() ? absl::OkStatus() : Relayout(*capacity);
   }
-  // After Keep: gives back capacity a compression left unused.
-  absl::Status FitCapacity() {
+  // After Keep: gives back capacity a compression left unused, where it can. It runs past
+  // a commit's point of no return, so a failure (no memory for the smaller copy) keeps the
+  // larger capacity, which holds the same slots; a later Keep tries again.
+  void FitCapacity() {
     const uint32_t fitted = book_.FittedCapacity();
-    return fitted == book_.capacity() ? absl::OkStatus() : Relayout(fitted);
+    if (fitted == book_.capacity()) return;
+    try {
+      Relayout(fitted).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      // Relayout allocates before it changes anything.
+    }
   }
   // Ends a Step: the keep-sets by the flags (host copy) when it selected.
   void FinishStep(bool selected, const uint8_t* flags, KeepSets* keep) {

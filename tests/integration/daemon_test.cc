@@ -134,11 +134,41 @@ TEST_F(DaemonTest, FullPoolGivesResourceExhaustedAndChangesNothing) {
   EXPECT_TRUE(AppendRange(b, 0, 48).ok());
 }
 
-TEST_F(DaemonTest, PrefixSharingIsUnimplementedWithAMessage) {
-  const uint64_t id = Create();
-  auto r = client_->Publish(id, 16);
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(r.status().message(), HasSubstr("prefix sharing"));
+TEST_F(DaemonTest, APublishedPromptIsReusedOverGrpc) {
+  // A publisher sends its prompt with token ids (token i = 1000 + i) and publishes it.
+  const uint64_t a = Create();
+  std::vector<int32_t> tokens(70);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 1000 + static_cast<int32_t>(i);
+  const std::vector<int64_t> positions = testing::Range(0, 40);
+  const std::string k = testing::Payload16(kL * kH, 0, 40, kD, 0);
+  const std::string v = testing::Payload16(kL * kH, 0, 40, kD, 1);
+  client::AppendArgs args{positions, absl::MakeConstSpan(tokens).first(40), k, v, {}, {}};
+  ASSERT_TRUE(client_->Append(a, args).ok());
+  auto published = client_->Publish(a);
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(*published, 32u);
+
+  client::Prompt prompt{tokens, "", "smollm2"};
+  EXPECT_EQ(*client_->Lookup(TestLayout(), prompt), 0u);  // another model's namespace
+  prompt.model = "";
+  EXPECT_EQ(*client_->Lookup(TestLayout(), prompt), 32u);
+  auto b = client_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->reused_prefix_tokens, 32u);
+  ExpectContentMatchesPositions(b->id);
+  auto stats = client_->GetStats(false);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->prefix_reused_tokens, 32u);
+  EXPECT_EQ(stats->prefix_entries, 2u);
+  EXPECT_EQ(stats->prefix_queries, 3u);
+  EXPECT_EQ(stats->prefix_hits, 2u);
+
+  // Bad input: a token id outside the vocabulary, named with its index.
+  prompt.token_ids[3] = -5;
+  auto bad = client_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("prompt_token_ids[3]"));
+  EXPECT_EQ(client_->Publish(424242).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {

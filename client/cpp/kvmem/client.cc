@@ -447,7 +447,8 @@ absl::StatusOr<Info> Client::GetInfo() {
 }
 
 absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const PolicySpec& policy,
-                                                std::optional<absl::Duration> lease) {
+                                                std::optional<absl::Duration> lease,
+                                                const Prompt* prompt) {
   v1::CreateSequenceRequest q;
   ToProto(layout, q.mutable_layout());
   v1::PolicySpec* spec = q.mutable_policy();
@@ -458,14 +459,20 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
   }
   for (const auto& [k, v] : policy.params) (*spec->mutable_params())[k] = v;
   if (lease) ToProto(*lease, q.mutable_lease());
+  if (prompt != nullptr) {
+    q.mutable_prompt_token_ids()->Add(prompt->token_ids.begin(), prompt->token_ids.end());
+    q.set_cache_salt(prompt->cache_salt);
+    q.set_model(prompt->model);
+    q.set_auto_publish(prompt->auto_publish);
+  }
   q.set_request_id(NewRequestId());
   v1::CreateSequenceResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->CreateSequence(&c, q, &r); });
   if (!s.ok()) return s;
   impl_->RecordPolicy(this, r.sequence_id(), policy.name.value_or("full"));
-  return Sequence{r.sequence_id(), FromProto(r.lease()), r.block_tokens(), r.epoch_slot(),
-                  r.epoch(),       r.table_version()};
+  return Sequence{r.sequence_id(), FromProto(r.lease()), r.block_tokens(),        r.epoch_slot(),
+                  r.epoch(),       r.table_version(),    r.reused_prefix_tokens()};
 }
 
 absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args,
@@ -763,6 +770,13 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
       out.host_metadata_bytes = r.host_metadata_bytes();
       out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
       out.sequences_poisoned = r.sequences_poisoned();
+      out.prefix_queries = r.prefix().queries_total();
+      out.prefix_hits = r.prefix().hits_total();
+      out.prefix_reused_tokens = r.prefix().reused_tokens_total();
+      out.prefix_reclaimed_bytes = r.prefix().reclaimed_bytes_total();
+      out.prefix_entries = r.prefix().entries();
+      out.prefix_indexed_blocks = r.prefix().indexed_blocks();
+      out.prefix_cached_blocks = r.prefix().cached_blocks();
     }
     for (const v1::SequenceStats& seq : r.sequences()) {
       SequenceStats one{seq.sequence_id(),
@@ -789,15 +803,29 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
   }
 }
 
-absl::StatusOr<uint64_t> Client::Publish(uint64_t sequence_id, uint64_t up_to_tokens) {
+absl::StatusOr<uint64_t> Client::Publish(uint64_t sequence_id,
+                                         std::optional<uint64_t> up_to_tokens) {
   v1::PublishRequest q;
   q.set_sequence_id(sequence_id);
-  q.set_up_to_tokens(up_to_tokens);
+  if (up_to_tokens) q.set_up_to_tokens(*up_to_tokens);
   v1::PublishResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Publish(&c, q, &r); });
   if (!s.ok()) return s;
   return r.published_tokens();
+}
+
+absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prompt) {
+  v1::LookupRequest q;
+  ToProto(layout, q.mutable_layout());
+  q.mutable_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
+  q.set_cache_salt(prompt.cache_salt);
+  q.set_model(prompt.model);
+  v1::LookupResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Lookup(&c, q, &r); });
+  if (!s.ok()) return s;
+  return r.matched_tokens();
 }
 
 }  // namespace kvmem::client

@@ -125,6 +125,19 @@ struct Sequence {
   // version equals it may be carried over to the child (with the child's id, epoch and
   // epoch_slot) and kept from the child's updates; otherwise attach with GetBlockTable.
   uint64_t table_version = 0;
+  // Prompt tokens mapped from published blocks (Prompt): the sequence holds them at
+  // positions 0 .. reused_prefix_tokens - 1; append the rest of the prompt after them.
+  uint64_t reused_prefix_tokens = 0;
+};
+
+// A new sequence's prompt, for prefix sharing (CreateSequence): its longest published
+// prefix in the same model, layout and salt is mapped in, in whole blocks, never the last
+// token.
+struct Prompt {
+  std::vector<int32_t> token_ids;
+  std::string cache_salt;     // the tenant's: only prompts with the same salt share
+  std::string model;          // with the layout, the namespace of the block hashes
+  bool auto_publish = false;  // publish every full block as it is appended
 };
 
 // n new tokens. k and v are [L][H][n][D] in the layout dtype.
@@ -276,7 +289,11 @@ struct Stats {
   uint64_t steps = 0, leases_expired = 0;
   uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
   uint64_t host_metadata_bytes = 0, host_metadata_budget_bytes = 0;  // outside the pool
-  uint64_t sequences_poisoned = 0;       // failed past a point of no return (DATA_LOSS)
+  uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
+  // Prefix sharing: counters since the daemon started, then the index now.
+  uint64_t prefix_queries = 0, prefix_hits = 0, prefix_reused_tokens = 0;
+  uint64_t prefix_reclaimed_bytes = 0;
+  uint64_t prefix_entries = 0, prefix_indexed_blocks = 0, prefix_cached_blocks = 0;
   std::vector<SequenceStats> sequences;  // in id order
 };
 
@@ -292,7 +309,8 @@ class Client {
   absl::StatusOr<Info> GetInfo();
   // `lease` unset: the daemon's --lease-seconds.
   absl::StatusOr<Sequence> CreateSequence(const Layout& layout, const PolicySpec& policy,
-                                          std::optional<absl::Duration> lease = std::nullopt);
+                                          std::optional<absl::Duration> lease = std::nullopt,
+                                          const Prompt* prompt = nullptr);
   // `table`, when set, is kept current (see BlockTable).
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args,
                                       BlockTable* table = nullptr);
@@ -330,8 +348,12 @@ class Client {
   // in pages, gathered here (counters as of the first page; a sequence created or released
   // meanwhile may or may not be listed, none twice).
   absl::StatusOr<Stats> GetStats(bool include_sequences);
-  // Prefix sharing (UNIMPLEMENTED by this daemon version; the call reports it).
-  absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, uint64_t up_to_tokens);
+  // Publishes the sequence's leading whole blocks (up to `up_to_tokens`; unset: all) for
+  // later sequences with the same prompt prefix; returns the tokens it has published.
+  absl::StatusOr<uint64_t> Publish(uint64_t sequence_id,
+                                   std::optional<uint64_t> up_to_tokens = std::nullopt);
+  // How many tokens of the prompt a CreateSequence would reuse now (pins nothing).
+  absl::StatusOr<uint64_t> Lookup(const Layout& layout, const Prompt& prompt);
 
  private:
   struct Impl;

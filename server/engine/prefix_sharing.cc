@@ -1,0 +1,134 @@
+// Prefix sharing: a sequence's prompt blocks published under their hash chain, mapped into
+// new sequences with the same prompt prefix at creation (engine.cc), and the cache of
+// published blocks only the index holds (PrefixIndex).
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::engine {
+
+std::string Engine::PrefixNamespace(const Layout& layout, absl::string_view model) {
+  // Everything that makes two blocks of the same tokens hold different bytes, except the
+  // tokens: the model, the layout and the precision (published blocks are never quantized).
+  return absl::StrCat(layout.num_layers, "x", layout.num_kv_heads, "x", layout.head_dim, " ",
+                      DTypeName(layout.dtype), " b", layout.block_tokens, " v", layout.vocab_size,
+                      " layout-precision ", model.size(), ":", model);
+}
+
+absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PromptHashes(
+    const Layout& layout, const PromptPrefix& prompt) const {
+  for (size_t i = 0; i < prompt.token_ids.size(); ++i) {
+    const int32_t t = prompt.token_ids[i];
+    if (t < 0 || static_cast<uint32_t>(t) >= layout.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: ", t,
+                                                     " is outside [0, ", layout.vocab_size, ")"));
+    }
+  }
+  if (prompt.salt.size() > kMaxSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache_salt: ", prompt.salt.size(), " bytes, more than ", kMaxSaltBytes));
+  }
+  if (prompt.model.size() > kMaxSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: ", prompt.model.size(), " bytes, more than ", kMaxSaltBytes));
+  }
+  // The last token is never reused: the worker computes it, for the logits it samples from.
+  if (prompt.token_ids.empty()) return std::vector<prefix::BlockHash>{};
+  return prefix::PrefixHashes(prefix_root_, prompt.token_ids.first(prompt.token_ids.size() - 1),
+                              layout.block_tokens, prompt.salt);
+}
+
+absl::Status Engine::MapPrefix(Sequence& seq,
+                               const std::vector<std::vector<store::BlockId>>& mapped,
+                               absl::Span<const int32_t> token_ids, uint64_t version) {
+  const uint32_t B = seq.layout().block_tokens;
+  const size_t n = mapped.size() * B;
+  const float initial = seq.policy().descriptor().initial_score;
+  const uint32_t R = seq.policy().history_rows();
+  std::vector<int64_t> positions(n);
+  std::iota(positions.begin(), positions.end(), int64_t{0});
+  const std::vector<float> unsent(n, std::numeric_limits<float>::quiet_NaN());
+  // Everything that can fail or allocate first; then the install, which cannot.
+  std::vector<std::vector<StreamBlock>> lists(seq.num_streams());
+  for (size_t s = 0; s < lists.size(); ++s) {
+    seq.stream(s).Reserve(n, !seq.slots(), R);
+    lists[s].resize(mapped.size());
+    for (size_t i = 0; i < mapped.size(); ++i) {
+      lists[s][i] = StreamBlock{mapped[i][s], 0, B, Precision::kLayout};
+    }
+  }
+  seq.ReserveTokens(n);
+  if (seq.slots()) {
+    if (absl::Status s = seq.slots()->Append(positions, initial); !s.ok()) return s;
+  }
+  for (size_t s = 0; s < lists.size(); ++s) {
+    Stream& st = seq.stream(s);
+    st.SwapBlocks(lists[s], version);
+    st.AppendSlots(positions, seq.slots() ? std::nullopt : std::optional<float>(initial), R, unsent,
+                   unsent, 0);
+  }
+  seq.RecordAppend(token_ids.first(n), static_cast<int64_t>(n) - 1, n);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tokens) {
+  const uint32_t B = seq.layout().block_tokens;
+  absl::Span<const int32_t> tokens = seq.token_ids();
+  if (tokens.size() != seq.appended()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", seq.id(), ": ", seq.appended(), " tokens appended but ", tokens.size(),
+        " token ids sent; publishing needs the token id of every token (Append token_ids)"));
+  }
+  // Whole in every stream: block i holds exactly tokens [i*B, (i+1)*B) at layout precision.
+  // Positions increase, so the first and last position of the block's run settle it.
+  const size_t want = static_cast<size_t>(std::min<uint64_t>(up_to_tokens, tokens.size()) / B);
+  // Appends without token ids record -1 (append.cc).
+  for (size_t i = 0; i < want * B; ++i) {
+    if (tokens[i] < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq.id(), ": token ", i, " was appended without its token id; publishing",
+          " needs the token id of every token it publishes (Append token_ids)"));
+    }
+  }
+  size_t whole = 0;
+  for (; whole < want; ++whole) {
+    bool ok = true;
+    for (const Stream& st : seq.streams()) {
+      if (st.blocks().size() <= whole) {
+        ok = false;
+        break;
+      }
+      const StreamBlock& b = st.blocks()[whole];
+      const size_t first = whole * B;
+      ok = b.start == 0 && b.count == B && b.precision == Precision::kLayout &&
+           st.positions()[first] == static_cast<int64_t>(first) &&
+           st.positions()[first + B - 1] == static_cast<int64_t>(first + B - 1);
+      if (!ok) break;
+    }
+    if (!ok) break;
+  }
+  Sequence::PrefixState& state = seq.mutable_prefix();
+  // The chain as far as it is needed (computed once per block).
+  while (state.hashes.size() < whole) {
+    const size_t i = state.hashes.size();
+    const prefix::BlockHash& parent = i == 0 ? prefix_root_ : state.hashes[i - 1];
+    std::optional<std::vector<std::string>> extra;
+    if (i == 0 && !state.salt.empty()) extra = std::vector<std::string>{state.salt};
+    absl::StatusOr<prefix::BlockHash> h =
+        prefix::ChainHash(parent, tokens.subspan(i * B, B), extra);
+    if (!h.ok()) return h.status();
+    state.hashes.push_back(*h);
+  }
+  std::vector<store::BlockId> ids(seq.num_streams());
+  for (size_t i = state.published_blocks; i < whole; ++i) {
+    for (size_t s = 0; s < ids.size(); ++s) ids[s] = seq.streams()[s].blocks()[i].id;
+    prefix_->Publish(state.ns, i == 0 ? prefix_root_ : state.hashes[i - 1], state.hashes[i], ids);
+  }
+  state.published_blocks = std::max(state.published_blocks, whole);
+  return uint64_t{state.published_blocks} * B;
+}
+
+}  // namespace kvmem::engine

@@ -1,0 +1,255 @@
+// Prefix sharing in the engine: Publish, Lookup, reuse at CreateSequence, the immutability
+// of shared blocks, the cache of blocks only the index holds, and its reclaim when the pool
+// is full.
+#include "gmock/gmock.h"
+#include "tests/unit/engine/engine_fixture.h"
+
+namespace kvmem::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+class PrefixTest : public EngineTest {
+ protected:
+  // The prompt's token ids: token i is 100 + i (vocab 1000).
+  static std::vector<int32_t> Tokens(size_t n, int32_t first = 100) {
+    std::vector<int32_t> t(n);
+    for (size_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
+    return t;
+  }
+
+  // Appends positions first..first+n-1 with their token ids (100 + position).
+  absl::StatusOr<AppendResult> AppendTokens(uint64_t id, int64_t first, uint32_t n) {
+    positions_ = testing::Range(first, n);
+    tokens_ = Tokens(n, 100 + static_cast<int32_t>(first));
+    k_ = testing::Payload16(kL * kH, first, n, kD, 0);
+    v_ = testing::Payload16(kL * kH, first, n, kD, 1);
+    AppendChunk chunk{positions_, tokens_, k_, v_, {}, {}};
+    return engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
+  }
+
+  absl::StatusOr<CreateResult> CreateWith(const std::vector<int32_t>& prompt,
+                                          const std::string& policy = "full",
+                                          policy::ParamOverrides params = {}, std::string salt = "",
+                                          std::string model = "m", bool auto_publish = false) {
+    PromptPrefix p{model, salt, prompt, auto_publish};
+    return engine_->CreateSequence(TestLayout(), policy, params, {}, absl::ZeroDuration(), p);
+  }
+
+  uint64_t LookupTokens(const std::vector<int32_t>& prompt, std::string salt = "",
+                        std::string model = "m") {
+    absl::StatusOr<uint64_t> n = engine_->Lookup(TestLayout(), PromptPrefix{model, salt, prompt});
+    EXPECT_TRUE(n.ok()) << n.status();
+    return n.value_or(0);
+  }
+
+  // A publisher of the first `n` tokens (positions 0..n-1), published whole.
+  uint64_t Publisher(uint32_t n, std::string salt = "") {
+    auto created = CreateWith({}, "full", {}, salt);
+    EXPECT_TRUE(created.ok()) << created.status();
+    EXPECT_TRUE(AppendTokens(created->sequence_id, 0, n).ok());
+    absl::StatusOr<uint64_t> published = engine_->Publish(created->sequence_id, std::nullopt);
+    EXPECT_TRUE(published.ok()) << published.status();
+    EXPECT_EQ(published.value_or(0), n / kB * kB);
+    return created->sequence_id;
+  }
+
+  std::vector<int32_t> tokens_;
+};
+
+TEST_F(PrefixTest, APublishedPromptIsMappedIntoANewSequenceThatReadsTheSameKV) {
+  const uint64_t a = Publisher(40);  // two whole blocks published (32 tokens)
+  const uint64_t blocks = engine_->Stats(false).pool.blocks_used;
+  auto b = CreateWith(Tokens(46));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->reused_prefix_tokens, 32u);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, blocks);  // mapped, not copied
+  // The same blocks, in every stream.
+  BlockTable ta = *engine_->GetBlockTable(a), tb = *engine_->GetBlockTable(b->sequence_id);
+  for (size_t s = 0; s < ta.streams.size(); ++s) {
+    ASSERT_EQ(tb.streams[s].blocks.size(), 2u);
+    EXPECT_EQ(tb.streams[s].blocks[0].id, ta.streams[s].blocks[0].id);
+    EXPECT_EQ(tb.streams[s].blocks[1].id, ta.streams[s].blocks[1].id);
+    EXPECT_EQ(tb.streams[s].positions, testing::Range(0, 32));
+  }
+  ExpectContentMatchesPositions(b->sequence_id);
+  // The worker appends the rest of the prompt after them.
+  ASSERT_TRUE(AppendTokens(b->sequence_id, 32, 14).ok());
+  ExpectContentMatchesPositions(b->sequence_id);
+  ExpectContentMatchesPositions(a);
+  EXPECT_TRUE(engine_->Fingerprint(b->sequence_id).ok());  // its invariants hold
+  const EngineStats stats = engine_->Stats(false);
+  EXPECT_EQ(stats.prefix.queries, 1u);
+  EXPECT_EQ(stats.prefix.hits, 1u);
+  EXPECT_EQ(stats.prefix.reused_tokens, 32u);
+  EXPECT_EQ(stats.prefix.entries, 2u);
+  EXPECT_EQ(stats.prefix.indexed_blocks, 2u * kL * kH);
+}
+
+TEST_F(PrefixTest, TheLastPromptTokenIsNeverReused) {
+  Publisher(48);
+  EXPECT_EQ(LookupTokens(Tokens(48)), 32u);  // 47 tokens may be reused: 2 whole blocks
+  EXPECT_EQ(LookupTokens(Tokens(49)), 48u);
+  EXPECT_EQ(CreateWith(Tokens(48))->reused_prefix_tokens, 32u);
+  EXPECT_EQ(LookupTokens(Tokens(16)), 0u);
+  EXPECT_EQ(LookupTokens({}), 0u);
+}
+
+TEST_F(PrefixTest, SaltModelLayoutAndTokensSeparateWhatIsShared) {
+  Publisher(64, "tenant-a");
+  EXPECT_EQ(LookupTokens(Tokens(65), "tenant-a"), 64u);
+  EXPECT_EQ(LookupTokens(Tokens(65), "tenant-b"), 0u);
+  EXPECT_EQ(LookupTokens(Tokens(65), ""), 0u);
+  EXPECT_EQ(LookupTokens(Tokens(65), "tenant-a", "other-model"), 0u);
+  Layout other = TestLayout();
+  other.head_dim = 16;
+  EXPECT_EQ(*engine_->Lookup(other, PromptPrefix{"m", "tenant-a", Tokens(65)}), 0u);
+  // A different token in block 2: blocks 0 and 1 still match.
+  std::vector<int32_t> diverged = Tokens(65);
+  diverged[40] = 7;
+  EXPECT_EQ(LookupTokens(diverged, "tenant-a"), 32u);
+}
+
+TEST_F(PrefixTest, BadPromptsAreRefusedAndChangeNothing) {
+  auto bad = CreateWith({1, 2, 5000});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status()));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("prompt_token_ids[2]"));
+  auto salty = CreateWith(Tokens(20), "full", {}, std::string(300, 's'));
+  ASSERT_FALSE(salty.ok());
+  EXPECT_THAT(std::string(salty.status().message()), HasSubstr("cache_salt"));
+  EXPECT_EQ(engine_->Stats(false).sequences_active, 0u);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, 0u);
+}
+
+TEST_F(PrefixTest, PublishingNeedsEveryTokenId) {
+  const uint64_t id = Create();
+  ASSERT_TRUE(AppendRange(id, 0, 32).ok());  // no token ids
+  absl::StatusOr<uint64_t> published = engine_->Publish(id, std::nullopt);
+  ASSERT_FALSE(published.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(published.status())) << published.status();
+  EXPECT_THAT(std::string(published.status().message()), HasSubstr("token id"));
+  EXPECT_EQ(engine_->Stats(false).prefix.entries, 0u);
+}
+
+TEST_F(PrefixTest, PublishStopsAtTheFirstBlockThatIsNotWhole) {
+  auto created = CreateWith({}, "window", {{"window", 20}});
+  ASSERT_TRUE(created.ok());
+  ASSERT_TRUE(AppendTokens(created->sequence_id, 0, 48).ok());
+  EXPECT_EQ(*engine_->Publish(created->sequence_id, 16), 16u);  // up_to_tokens: one block
+  ASSERT_TRUE(engine_->Step(created->sequence_id, {}).ok());    // evicts the head
+  // Block 0 was published before the eviction; nothing after it is whole any more.
+  EXPECT_EQ(*engine_->Publish(created->sequence_id, std::nullopt), 16u);
+  EXPECT_EQ(engine_->Stats(false).prefix.entries, 1u);
+  EXPECT_EQ(LookupTokens(Tokens(49)), 16u);
+}
+
+TEST_F(PrefixTest, SharersNeverEditAPublishedBlock) {
+  const uint64_t a = Publisher(64);
+  const std::string before = Content(a);
+  // A sharer with a small window evicts the mapped head: it copies, never edits.
+  auto b = CreateWith(Tokens(70), "window", {{"window", 20}});
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(b->reused_prefix_tokens, 64u);
+  ASSERT_TRUE(AppendTokens(b->sequence_id, 64, 6).ok());
+  ASSERT_TRUE(engine_->Step(b->sequence_id, {}).ok());
+  ExpectContentMatchesPositions(b->sequence_id);
+  EXPECT_EQ(Content(a), before);
+  // A sharer that quantizes copies too.
+  auto q =
+      engine_->CreateSequence(TestLayout(), "full", {}, QuantConfig{kernels::QuantType::kInt8, 16},
+                              absl::ZeroDuration(), PromptPrefix{"m", "", Tokens(70)});
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->reused_prefix_tokens, 64u);
+  ASSERT_TRUE(AppendTokens(q->sequence_id, 64, 6).ok());
+  ASSERT_TRUE(engine_->Step(q->sequence_id, {}).ok());
+  EXPECT_EQ(Content(a), before);
+  // And a new sequence still maps the original blocks.
+  auto c = CreateWith(Tokens(70));
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->reused_prefix_tokens, 64u);
+  ExpectContentMatchesPositions(c->sequence_id);
+}
+
+TEST_F(PrefixTest, AKernelStepPolicyGetsSlotStateForTheMappedTokens) {
+  Publisher(48);
+  auto b = CreateWith(Tokens(50), "h2o", {{"budget", 20}, {"recent", 4}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->reused_prefix_tokens, 48u);
+  EXPECT_TRUE(engine_->Fingerprint(b->sequence_id).ok());  // slot state lengths agree
+  ASSERT_TRUE(AppendTokens(b->sequence_id, 48, 2).ok());
+  StepInput input;
+  input.epoch = engine_->GetBlockTable(b->sequence_id)->epoch;
+  std::vector<std::vector<float>> rows(kL * kH, std::vector<float>(50, 0.02f));
+  for (uint32_t s = 0; s < kL * kH; ++s) input.attention.push_back({s / kH, s % kH, rows[s]});
+  ASSERT_TRUE(engine_->Step(b->sequence_id, input).ok());
+  EXPECT_TRUE(engine_->Fingerprint(b->sequence_id).ok());
+  ExpectContentMatchesPositions(b->sequence_id);
+}
+
+TEST_F(PrefixTest, AutoPublishPublishesEachBlockAsItFills) {
+  auto a = CreateWith({}, "full", {}, "", "m", /*auto_publish=*/true);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(AppendTokens(a->sequence_id, 0, 20).ok());
+  EXPECT_EQ(LookupTokens(Tokens(40)), 16u);
+  ASSERT_TRUE(AppendTokens(a->sequence_id, 20, 20).ok());
+  EXPECT_EQ(LookupTokens(Tokens(40)), 32u);
+}
+
+TEST_F(PrefixTest, ReleasedPublishersLeaveTheBlocksCachedUntilThePoolNeedsThem) {
+  // A pool of 64 pages of 4 KiB, one 512-byte block per stream and 16 tokens: 8 blocks a
+  // page, so 512 blocks = 64 blocks per stream = 1024 tokens.
+  MakeEngine(64 * 4096);
+  const uint64_t a = Publisher(512);  // half the pool, all published
+  ASSERT_TRUE(engine_->Release(a).ok());
+  EngineStats stats = engine_->Stats(false);
+  EXPECT_EQ(stats.prefix.cached_blocks, 32u * kL * kH);  // held by nothing else
+  EXPECT_EQ(stats.pool.blocks_used, 32u * kL * kH);
+  EXPECT_EQ(LookupTokens(Tokens(513)), 512u);  // still there; Lookup pins nothing
+
+  // Another sequence needs more than the free half: the cache gives way (half of it)
+  // instead of an error.
+  const uint64_t big = Create();
+  ASSERT_TRUE(AppendRange(big, 0, 768).ok());
+  stats = engine_->Stats(false);
+  EXPECT_GT(stats.prefix.reclaimed_bytes, 0u);
+  EXPECT_LT(LookupTokens(Tokens(513)), 512u);
+  ExpectContentMatchesPositions(big);
+  // Reclaimed from the chain's end: what is left is still a prefix.
+  EXPECT_EQ(LookupTokens(Tokens(513)) / kB, stats.prefix.entries);
+
+  // What a sequence maps is pinned by it, never reclaimed underneath it.
+  ASSERT_TRUE(engine_->Release(big).ok());
+  const uint64_t left = LookupTokens(Tokens(513));
+  ASSERT_GT(left, 0u);
+  auto pinned = CreateWith(Tokens(513));
+  ASSERT_TRUE(pinned.ok());
+  EXPECT_EQ(pinned->reused_prefix_tokens, left);
+  const uint64_t filler = Create();
+  absl::StatusOr<AppendResult> fill = AppendRange(filler, 0, 1024);
+  EXPECT_TRUE(absl::IsResourceExhausted(fill.status())) << fill.status();
+  ExpectContentMatchesPositions(pinned->sequence_id);
+  // Everything released and reclaimed: the pool is empty again.
+  ASSERT_TRUE(engine_->Release(pinned->sequence_id).ok());
+  ASSERT_TRUE(AppendRange(filler, 0, 1024).ok());
+  ASSERT_TRUE(engine_->Release(filler).ok());
+  stats = engine_->Stats(false);
+  EXPECT_EQ(stats.pool.blocks_used, 0u);
+  EXPECT_EQ(stats.prefix.entries, 0u);
+  EXPECT_EQ(stats.pool.bad_unrefs, 0u);
+}
+
+TEST_F(PrefixTest, AForkOfASharerHoldsItsOwnReferences) {
+  Publisher(32);
+  auto b = CreateWith(Tokens(33));
+  ASSERT_TRUE(b.ok());
+  auto child = engine_->Fork(b->sequence_id, absl::ZeroDuration());
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE(engine_->Release(b->sequence_id).ok());
+  ExpectContentMatchesPositions(child->sequence_id);
+  ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
+  EXPECT_EQ(engine_->Stats(false).pool.bad_unrefs, 0u);
+}
+
+}  // namespace
+}  // namespace kvmem::engine
