@@ -35,6 +35,11 @@ ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core
 ABSL_FLAG(std::string, prefix_hash_seed, "0",
           "seed of the prefix block hash chain: vLLM's PYTHONHASHSEED, for block names "
           "that match a vLLM deployment's");
+ABSL_FLAG(double, cache_high_watermark, 0.95,
+          "fraction of pool pages in use above which cached prefix blocks (published, held by "
+          "no sequence) are reclaimed in the background");
+ABSL_FLAG(double, cache_low_watermark, 0.85,
+          "fraction of pool pages in use the background reclaim brings the pool down to");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
           "free pool pages only quantization may take, so that a full pool can still quantize "
           "its way to free memory; -1 = about 1% of the pages");
@@ -113,6 +118,8 @@ int main(int argc, char** argv) {
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);
   config.engine.prefix_hash_seed = absl::GetFlag(FLAGS_prefix_hash_seed);
+  config.engine.cache_high_watermark = absl::GetFlag(FLAGS_cache_high_watermark);
+  config.engine.cache_low_watermark = absl::GetFlag(FLAGS_cache_low_watermark);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

@@ -253,7 +253,13 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   if (publish_) seq.Publish();
   // A prompt's blocks, published as they fill (PromptPrefix::auto_publish). Not the
   // append's failure when they cannot be (token ids not sent): they stay unpublished.
-  if (seq.prefix().auto_publish) engine_->PublishLocked(seq, UINT64_MAX).IgnoreError();
+  if (seq.prefix().auto_publish) {
+    try {
+      engine_->PublishLocked(seq, UINT64_MAX).IgnoreError();
+    } catch (const std::bad_alloc&) {
+      // The append stands; the blocks stay unpublished (a later append tries again).
+    }
+  }
   return AppendResult{seq.appended(), seq.max_stream_tokens(), seq.epoch(), seq.kv_bytes(),
                       seq.version()};
 }

@@ -24,6 +24,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
     return absl::InvalidArgumentError(absl::StrCat("block_tokens: ", config.default_block_tokens,
                                                    " is outside [1, ", kMaxBlockTokens, "]"));
   }
+  if (!(config.cache_low_watermark > 0 &&
+        config.cache_low_watermark <= config.cache_high_watermark &&
+        config.cache_high_watermark <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cache watermarks: low ", config.cache_low_watermark, " and high ",
+                     config.cache_high_watermark, " must satisfy 0 < low <= high <= 1"));
+  }
   if (config.default_lease <= absl::ZeroDuration() || config.default_lease > config.max_lease) {
     return absl::InvalidArgumentError(
         absl::StrCat("lease_seconds: ", absl::ToDoubleSeconds(config.default_lease),
@@ -90,11 +97,28 @@ absl::StatusOr<uint64_t> Engine::Publish(uint64_t sequence_id,
   });
 }
 
+uint64_t Engine::ReclaimToWatermark() {
+  try {
+    return ReclaimToWatermarkImpl();
+  } catch (const std::bad_alloc&) {
+    return 0;  // out of host memory: reclaiming allocates nothing, so only the usage read
+  }
+}
+
+uint64_t Engine::ReclaimToWatermarkImpl() {
+  const store::PoolUsage usage = pool_->usage();
+  const double total = static_cast<double>(usage.pages_total);
+  if (static_cast<double>(usage.pages_used) <= config_.cache_high_watermark * total) return 0;
+  const double excess = static_cast<double>(usage.pages_used) - config_.cache_low_watermark * total;
+  return prefix_->Reclaim(static_cast<uint64_t>(excess * static_cast<double>(usage.page_bytes)));
+}
+
 absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& prompt) {
   return Guard("Lookup", [&]() -> absl::StatusOr<uint64_t> {
     if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
     if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
-    absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PromptHashes(layout, prompt);
+    if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+    absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
     if (!hashes.ok()) return hashes.status();
     const size_t matched = prefix_->Match(PrefixNamespace(layout, prompt.model), *hashes);
     return uint64_t{matched} * layout.block_tokens;
@@ -150,10 +174,13 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
                      " bytes, over the message limit of ", config_.max_append_bytes,
                      " bytes (--max-message-bytes): no Append could carry it"));
   }
-  // The prompt's block hashes (checked first: a bad prompt changes nothing).
+  // The prompt (checked first: a bad prompt changes nothing) and its published prefix.
+  // A policy that needs per-token signals on every append gets none mapped: the worker
+  // appends the whole prompt with its signals.
+  if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
   std::vector<prefix::BlockHash> hashes;
-  if (!prompt.token_ids.empty()) {
-    absl::StatusOr<std::vector<prefix::BlockHash>> h = PromptHashes(layout, prompt);
+  if ((*policy)->descriptor().append_signals == 0) {
+    absl::StatusOr<std::vector<prefix::BlockHash>> h = PublishedPrefix(layout, prompt);
     if (!h.ok()) return h.status();
     hashes = *std::move(h);
   }
@@ -204,11 +231,11 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
         // Per slot: as an Append reserves for it (append.cc), once.
         const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{seq->policy().history_rows()};
         absl::Status s = host->Grow(tokens * layout.num_streams() * slot_bytes, "CreateSequence");
-        if (s.ok()) s = MapPrefix(*seq, mapped, prompt.token_ids, version);
         if (!s.ok()) return s;
-        std::move(unref_mapped).Cancel();
         state.hashes.assign(hashes.begin(), hashes.begin() + mapped.size());
         state.published_blocks = mapped.size();
+        if (s = MapPrefix(*seq, mapped, prompt.token_ids, version); !s.ok()) return s;
+        std::move(unref_mapped).Cancel();
         reused = tokens;
       }
     }
@@ -218,7 +245,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   std::move(give_back_slot).Cancel();
   spdlog::debug("sequence {} created: policy {}, {} streams, {} prompt tokens reused", id,
                 seq->policy_name(), layout.num_streams(), reused);
-  absl::StatusOr<CreateResult> result = Register(seq);
+  absl::StatusOr<CreateResult> result = RegisterOrRelease(seq);
   if (result.ok()) result->reused_prefix_tokens = reused;
   return result;
 }
@@ -269,7 +296,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   }
   std::move(give_back_slot).Cancel();
   Renew(parent);
-  return Register(child);
+  return RegisterOrRelease(child);
 }
 
 absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {

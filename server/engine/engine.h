@@ -200,6 +200,18 @@ class Engine {
   std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids);
   // Releases every sequence whose lease has lapsed; returns how many.
   uint32_t ExpireLeases();
+  // Past the high watermark of pages in use, gives cached prefix blocks back down to the
+  // low one (EngineConfig::cache_high_watermark); returns the pool bytes freed. The daemon
+  // runs it with the lease reaper.
+  uint64_t ReclaimToWatermark();
+
+ private:
+  uint64_t ReclaimToWatermarkImpl();
+  // Register, and if that throws, the sequence gives back what it holds (its blocks, its
+  // epoch slot) before the exception goes on.
+  absl::StatusOr<CreateResult> RegisterOrRelease(const std::shared_ptr<Sequence>& seq);
+
+ public:
   // Runs ExpireLeases every `period` until `stop` is notified.
   void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
   EngineStats Stats(bool include_sequences);
@@ -225,11 +237,13 @@ class Engine {
                                                   const policy::ParamOverrides& params,
                                                   QuantConfig quant, absl::Duration lease,
                                                   const PromptPrefix& prompt);
-  // Prefix sharing (prefix_sharing.cc). The namespace of a layout and model; the prompt's
-  // block hashes, after checking its token ids against the layout.
+  // Prefix sharing (prefix_sharing.cc). The namespace of a layout and model; a prompt's
+  // sizes and token ids checked against the limits and the layout; the hashes of its
+  // leading blocks the index holds now (never the block of its last token).
   static std::string PrefixNamespace(const Layout& layout, absl::string_view model);
-  absl::StatusOr<std::vector<prefix::BlockHash>> PromptHashes(const Layout& layout,
-                                                              const PromptPrefix& prompt) const;
+  static absl::Status CheckPrompt(const Layout& layout, const PromptPrefix& prompt);
+  absl::StatusOr<std::vector<prefix::BlockHash>> PublishedPrefix(const Layout& layout,
+                                                                 const PromptPrefix& prompt) const;
   // Installs mapped prefix blocks ([block][stream], referenced for the sequence) in a new,
   // empty sequence as its first tokens, under `version`. An error changes nothing (the
   // references stay the caller's).

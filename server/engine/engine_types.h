@@ -20,6 +20,8 @@ namespace kvmem::engine {
 inline constexpr uint32_t kMaxRecentTokens = 1u << 20;
 // Bytes of a cache salt or a model name (prefix sharing).
 inline constexpr size_t kMaxSaltBytes = 256;
+// Token ids of a prompt (prefix sharing).
+inline constexpr size_t kMaxPromptTokens = size_t{1} << 20;
 
 struct EngineConfig {
   uint64_t pool_bytes = 1ull << 30;
@@ -47,6 +49,12 @@ struct EngineConfig {
   // The seed of the prefix hash chain (prefix_hash.h): vLLM's PYTHONHASHSEED, for a
   // deployment whose blocks should carry the same names as vLLM's.
   std::string prefix_hash_seed = "0";
+  // Background reclaim of the prefix cache (Engine::ReclaimToWatermark): when more than
+  // `high` of the pool's pages are in use, cached blocks (published, held by no sequence)
+  // are given back until at most `low` are, so that allocations seldom wait for a reclaim.
+  // Fractions in (0, 1], low <= high; high 1 leaves reclaiming to the allocations.
+  double cache_high_watermark = 0.95;
+  double cache_low_watermark = 0.85;
 };
 
 // A new sequence's prompt, for prefix sharing: the longest published prefix of these tokens

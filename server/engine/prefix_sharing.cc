@@ -18,15 +18,7 @@ std::string Engine::PrefixNamespace(const Layout& layout, absl::string_view mode
                       " layout-precision ", model.size(), ":", model);
 }
 
-absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PromptHashes(
-    const Layout& layout, const PromptPrefix& prompt) const {
-  for (size_t i = 0; i < prompt.token_ids.size(); ++i) {
-    const int32_t t = prompt.token_ids[i];
-    if (t < 0 || static_cast<uint32_t>(t) >= layout.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: ", t,
-                                                     " is outside [0, ", layout.vocab_size, ")"));
-    }
-  }
+absl::Status Engine::CheckPrompt(const Layout& layout, const PromptPrefix& prompt) {
   if (prompt.salt.size() > kMaxSaltBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("cache_salt: ", prompt.salt.size(), " bytes, more than ", kMaxSaltBytes));
@@ -35,10 +27,39 @@ absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PromptHashes(
     return absl::InvalidArgumentError(
         absl::StrCat("model: ", prompt.model.size(), " bytes, more than ", kMaxSaltBytes));
   }
+  if (prompt.token_ids.size() > kMaxPromptTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids: ", prompt.token_ids.size(),
+                                                   " tokens, more than ", kMaxPromptTokens));
+  }
+  for (size_t i = 0; i < prompt.token_ids.size(); ++i) {
+    const int32_t t = prompt.token_ids[i];
+    if (t < 0 || static_cast<uint32_t>(t) >= layout.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: ", t,
+                                                     " is outside [0, ", layout.vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PublishedPrefix(
+    const Layout& layout, const PromptPrefix& prompt) const {
   // The last token is never reused: the worker computes it, for the logits it samples from.
-  if (prompt.token_ids.empty()) return std::vector<prefix::BlockHash>{};
-  return prefix::PrefixHashes(prefix_root_, prompt.token_ids.first(prompt.token_ids.size() - 1),
-                              layout.block_tokens, prompt.salt);
+  // Hashed block by block, only as far as the index has them.
+  std::vector<prefix::BlockHash> hashes;
+  if (prompt.token_ids.size() < 2) return hashes;
+  const std::string ns = PrefixNamespace(layout, prompt.model);
+  const uint32_t B = layout.block_tokens;
+  const size_t blocks = (prompt.token_ids.size() - 1) / B;
+  for (size_t i = 0; i < blocks; ++i) {
+    std::optional<std::vector<std::string>> extra;
+    if (i == 0 && !prompt.salt.empty()) extra = std::vector<std::string>{prompt.salt};
+    absl::StatusOr<prefix::BlockHash> h = prefix::ChainHash(
+        i == 0 ? prefix_root_ : hashes.back(), prompt.token_ids.subspan(i * B, B), extra);
+    if (!h.ok()) return h.status();
+    if (!prefix_->Contains(ns, *h)) break;
+    hashes.push_back(*h);
+  }
+  return hashes;
 }
 
 absl::Status Engine::MapPrefix(Sequence& seq,
@@ -78,21 +99,23 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
   const uint32_t B = seq.layout().block_tokens;
   absl::Span<const int32_t> tokens = seq.token_ids();
   if (tokens.size() != seq.appended()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", seq.id(), ": ", seq.appended(), " tokens appended but ", tokens.size(),
-        " token ids sent; publishing needs the token id of every token (Append token_ids)"));
+    return absl::InternalError(absl::StrCat("sequence ", seq.id(), ": ", seq.appended(),
+                                            " tokens appended but ", tokens.size(), " token ids"));
   }
-  // Whole in every stream: block i holds exactly tokens [i*B, (i+1)*B) at layout precision.
-  // Positions increase, so the first and last position of the block's run settle it.
-  const size_t want = static_cast<size_t>(std::min<uint64_t>(up_to_tokens, tokens.size()) / B);
-  // Appends without token ids record -1 (append.cc).
+  size_t want = static_cast<size_t>(std::min<uint64_t>(up_to_tokens, tokens.size()) / B);
+  // Appends without token ids record -1 (append.cc): only whole blocks of known tokens.
   for (size_t i = 0; i < want * B; ++i) {
-    if (tokens[i] < 0) {
+    if (tokens[i] >= 0) continue;
+    if (i < B) {
       return absl::FailedPreconditionError(absl::StrCat(
           "sequence ", seq.id(), ": token ", i, " was appended without its token id; publishing",
           " needs the token id of every token it publishes (Append token_ids)"));
     }
+    want = i / B;
+    break;
   }
+  // Whole in every stream: block i holds exactly tokens [i*B, (i+1)*B) at layout precision.
+  // Positions increase, so the first and last position of the block's run settle it.
   size_t whole = 0;
   for (; whole < want; ++whole) {
     bool ok = true;
@@ -111,23 +134,35 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
     if (!ok) break;
   }
   Sequence::PrefixState& state = seq.mutable_prefix();
-  // The chain as far as it is needed (computed once per block).
-  while (state.hashes.size() < whole) {
-    const size_t i = state.hashes.size();
-    const prefix::BlockHash& parent = i == 0 ? prefix_root_ : state.hashes[i - 1];
-    std::optional<std::vector<std::string>> extra;
-    if (i == 0 && !state.salt.empty()) extra = std::vector<std::string>{state.salt};
-    absl::StatusOr<prefix::BlockHash> h =
-        prefix::ChainHash(parent, tokens.subspan(i * B, B), extra);
-    if (!h.ok()) return h.status();
-    state.hashes.push_back(*h);
+  // Entries from the first one this sequence has not published; from its first block again
+  // when the one before it has been reclaimed meanwhile (a chain is matched from its start).
+  size_t from = std::min(state.published_blocks, whole);
+  if (from > 0 && !prefix_->Contains(state.ns, state.hashes[from - 1])) from = 0;
+  if (from < whole) {
+    absl::StatusOr<HostReservation> host = ReserveHost(
+        (whole - from) * (prefix::PrefixIndex::EntryHostBytes(state.ns.size(), seq.num_streams()) +
+                          sizeof(prefix::BlockHash)),
+        "Publish");
+    if (!host.ok()) return host.status();
+    // The chain as far as it is needed (computed once per block).
+    state.hashes.reserve(whole);
+    while (state.hashes.size() < whole) {
+      const size_t i = state.hashes.size();
+      std::optional<std::vector<std::string>> extra;
+      if (i == 0 && !state.salt.empty()) extra = std::vector<std::string>{state.salt};
+      absl::StatusOr<prefix::BlockHash> h = prefix::ChainHash(
+          i == 0 ? prefix_root_ : state.hashes[i - 1], tokens.subspan(i * B, B), extra);
+      if (!h.ok()) return h.status();
+      state.hashes.push_back(*h);
+    }
+    std::vector<store::BlockId> ids(seq.num_streams());
+    for (size_t i = from; i < whole; ++i) {
+      for (size_t s = 0; s < ids.size(); ++s) ids[s] = seq.streams()[s].blocks()[i].id;
+      prefix_->Publish(state.ns, i == 0 ? nullptr : &state.hashes[i - 1], state.hashes[i], ids);
+      state.published_blocks = std::max(state.published_blocks, i + 1);
+    }
+    AccountSlotState(seq);  // the hashes it keeps
   }
-  std::vector<store::BlockId> ids(seq.num_streams());
-  for (size_t i = state.published_blocks; i < whole; ++i) {
-    for (size_t s = 0; s < ids.size(); ++s) ids[s] = seq.streams()[s].blocks()[i].id;
-    prefix_->Publish(state.ns, i == 0 ? prefix_root_ : state.hashes[i - 1], state.hashes[i], ids);
-  }
-  state.published_blocks = std::max(state.published_blocks, whole);
   return uint64_t{state.published_blocks} * B;
 }
 

@@ -96,6 +96,16 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
   return result;
 }
 
+absl::StatusOr<CreateResult> Engine::RegisterOrRelease(const std::shared_ptr<Sequence>& seq) {
+  try {
+    return Register(seq);
+  } catch (...) {
+    kvmem::MutexLock lock(&seq->mu);
+    ReleaseLocked(*seq);
+    throw;
+  }
+}
+
 uint64_t Engine::NewVersion(Sequence& seq) {
   seq.set_version(next_version_.fetch_add(1));
   return seq.version();
@@ -138,7 +148,7 @@ absl::Status Engine::HostReservation::Grow(uint64_t more, absl::string_view what
   // Reserved first, then checked against what is in use: of two racing calls, at least the
   // second sees the first's bytes and fails, so the sum never passes the budget.
   const uint64_t reserved = e.host_reserved_.fetch_add(more) + more;
-  const uint64_t used = e.host_bytes_.load() + e.slot_state_bytes_.load();
+  const uint64_t used = e.host_bytes_.load() + e.slot_state_bytes_.load() + e.prefix_->host_bytes();
   if (more > budget || used + reserved > budget) {
     e.host_reserved_ -= more;
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -120,6 +120,17 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   if (changed) changed_version_ = version;
 }
 
+void Stream::AdoptFrom(const Stream& other, uint64_t version) {
+  *this = other;
+  next_scores_ = {};
+  for (StreamBlock& b : blocks_) {
+    b.version = version;
+    b.published_index[0] = b.published_index[1] = 0;
+  }
+  reindex_from_[0] = reindex_from_[1] = 0;
+  changed_version_ = version;
+}
+
 void Stream::MarkPublished(int which) {
   for (size_t i = reindex_from_[which]; i < blocks_.size(); ++i) {
     blocks_[i].published_index[which] = static_cast<uint32_t>(i);

@@ -92,6 +92,10 @@ class Stream {
 
   // Drops every slot and block (Release; the caller has dropped the block references).
   void Clear() { *this = Stream{}; }
+  // Becomes a copy of `other`'s slots and blocks as a new table of its own: every entry
+  // stamped `version` and no index published yet (a shared compressed document mapped
+  // into a new sequence). May throw; call it before the sequence is visible.
+  void AdoptFrom(const Stream& other, uint64_t version);
   // Host bytes of the per-slot vectors and the block list, by capacity.
   uint64_t host_bytes() const;
 
@@ -268,6 +272,9 @@ class Sequence {
     bool auto_publish = false;
     std::vector<prefix::BlockHash> hashes;
     size_t published_blocks = 0;
+    // Its last change was a Compress of its appended tokens, with no step before it: its
+    // cache is a compressed document others may map (Publish with compressed_document).
+    bool compressed_document = false;
   };
   const PrefixState& prefix() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return prefix_; }
   PrefixState& mutable_prefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return prefix_; }

@@ -9,20 +9,77 @@ PrefixIndex::~PrefixIndex() {
   for (const auto& [key, entry] : entries_) pool_->Unref(entry.blocks);
 }
 
-uint64_t PrefixIndex::EntryHostBytes(const Key& key, const Entry& e) const {
-  // The map slot, the LRU node (a key copy) and the block list; the namespace twice.
-  return 2 * (sizeof(Key) + key.ns.capacity()) + sizeof(Entry) + 2 * sizeof(void*) +
-         e.blocks.capacity() * sizeof(store::BlockId);
+std::string PrefixIndex::Key(absl::string_view ns, const BlockHash& hash) {
+  // The hash has a fixed length, so namespace + hash is unambiguous.
+  std::string key(ns);
+  key.append(reinterpret_cast<const char*>(hash.data()), hash.size());
+  return key;
 }
 
-void PrefixIndex::Touch(Entry& e) { lru_.splice(lru_.begin(), lru_, e.lru); }
+uint64_t PrefixIndex::EntryHostBytes(size_t ns_bytes, size_t streams) {
+  // The node (key, entry), the key's and the parent key's text, the block list.
+  return sizeof(std::string) + sizeof(Entry) + 2 * (ns_bytes + sizeof(BlockHash)) +
+         streams * sizeof(store::BlockId) + 4 * sizeof(void*);
+}
 
-size_t PrefixIndex::MatchLocked(absl::string_view ns, absl::Span<const BlockHash> hashes) {
+void PrefixIndex::LinkNewest(Entry* e) {
+  e->newer = nullptr;
+  e->older = newest_leaf_;
+  if (newest_leaf_ != nullptr) newest_leaf_->newer = e;
+  newest_leaf_ = e;
+  if (oldest_leaf_ == nullptr) oldest_leaf_ = e;
+  e->listed = true;
+}
+
+void PrefixIndex::LinkAfter(Entry* e, Entry* older) {
+  // Between `older` and the entry newer than it (the oldest leaf when `older` is null).
+  Entry* newer = older == nullptr ? oldest_leaf_ : older->newer;
+  e->older = older;
+  e->newer = newer;
+  if (older != nullptr)
+    older->newer = e;
+  else
+    oldest_leaf_ = e;
+  if (newer != nullptr)
+    newer->older = e;
+  else
+    newest_leaf_ = e;
+  e->listed = true;
+}
+
+void PrefixIndex::Unlink(Entry* e) {
+  if (!e->listed) return;
+  if (e->older != nullptr)
+    e->older->newer = e->newer;
+  else
+    oldest_leaf_ = e->newer;
+  if (e->newer != nullptr)
+    e->newer->older = e->older;
+  else
+    newest_leaf_ = e->older;
+  e->newer = e->older = nullptr;
+  e->listed = false;
+}
+
+void PrefixIndex::Touch(Entry* e) {
+  if (!e->listed) return;  // not a leaf: its children go first anyway
+  Unlink(e);
+  LinkNewest(e);
+}
+
+bool PrefixIndex::Contains(absl::string_view ns, const BlockHash& hash) const {
+  const std::string key = Key(ns, hash);
+  kvmem::MutexLock lock(&mu_);
+  return entries_.contains(key);
+}
+
+size_t PrefixIndex::MatchLocked(std::string& key, absl::Span<const BlockHash> hashes) {
   ++queries_;
-  Key key{std::string(ns), {}};
+  const size_t ns_bytes = key.size() - sizeof(BlockHash);
   size_t n = 0;
   for (; n < hashes.size(); ++n) {
-    key.hash = hashes[n];
+    key.replace(ns_bytes, sizeof(BlockHash), reinterpret_cast<const char*>(hashes[n].data()),
+                sizeof(BlockHash));
     if (!entries_.contains(key)) break;
   }
   if (n > 0) ++hits_;
@@ -30,81 +87,106 @@ size_t PrefixIndex::MatchLocked(absl::string_view ns, absl::Span<const BlockHash
 }
 
 size_t PrefixIndex::Match(absl::string_view ns, absl::Span<const BlockHash> hashes) {
+  std::string key = Key(ns, BlockHash{});
   kvmem::MutexLock lock(&mu_);
-  return MatchLocked(ns, hashes);
+  return MatchLocked(key, hashes);
 }
 
 std::vector<std::vector<store::BlockId>> PrefixIndex::Map(absl::string_view ns,
                                                           absl::Span<const BlockHash> hashes,
                                                           size_t at_most, uint32_t block_tokens) {
+  std::string key = Key(ns, BlockHash{});
+  const size_t ns_bytes = ns.size();
   kvmem::MutexLock lock(&mu_);
-  const size_t n = std::min(MatchLocked(ns, hashes), at_most);
+  const size_t n = std::min(MatchLocked(key, hashes), at_most);
+  // Everything that allocates first; then the references and the touches.
+  std::vector<Entry*> found(n);
   std::vector<std::vector<store::BlockId>> mapped(n);
-  Key key{std::string(ns), {}};
-  // Touched from the last entry to the first, so that the chain's head is the most recent
-  // and a chain is reclaimed from its end.
-  for (size_t i = n; i-- > 0;) {
-    key.hash = hashes[i];
-    Entry& e = entries_.find(key)->second;
-    mapped[i] = e.blocks;
-    Touch(e);
+  for (size_t i = 0; i < n; ++i) {
+    key.replace(ns_bytes, sizeof(BlockHash), reinterpret_cast<const char*>(hashes[i].data()),
+                sizeof(BlockHash));
+    found[i] = &entries_.find(key)->second;
+    mapped[i] = found[i]->blocks;
   }
+  for (size_t i = n; i-- > 0;) Touch(found[i]);
   for (const auto& blocks : mapped) pool_->Ref(blocks);
   reused_tokens_ += uint64_t{n} * block_tokens;
   return mapped;
 }
 
-bool PrefixIndex::Publish(absl::string_view ns, const BlockHash& parent, const BlockHash& hash,
+bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
                           absl::Span<const store::BlockId> blocks) {
+  std::string key = Key(ns, hash);
+  std::string parent_key = parent == nullptr ? std::string() : Key(ns, *parent);
+  std::vector<store::BlockId> ids(blocks.begin(), blocks.end());
   kvmem::MutexLock lock(&mu_);
-  Key key{std::string(ns), hash};
   if (auto it = entries_.find(key); it != entries_.end()) {
-    Touch(it->second);
+    Touch(&it->second);
     return false;
   }
-  Entry entry;
-  entry.blocks.assign(blocks.begin(), blocks.end());
-  entry.parent = parent;
-  lru_.push_front(key);
-  entry.lru = lru_.begin();
-  if (auto p = entries_.find(Key{key.ns, parent}); p != entries_.end()) ++p->second.children;
-  host_bytes_ += EntryHostBytes(key, entry);
-  pool_->Ref(entry.blocks);
-  indexed_blocks_ += entry.blocks.size();
-  entries_.emplace(std::move(key), std::move(entry));
-  return true;
+  Entry* p = nullptr;
+  if (!parent_key.empty()) {
+    auto it = entries_.find(parent_key);
+    if (it != entries_.end()) {
+      p = &it->second;
+    } else {
+      parent_key.clear();  // not reachable through its parent now; a leaf of its own
+    }
+  }
+  // The only step that can throw comes first; nothing after it can.
+  auto [it, added] = entries_.try_emplace(std::move(key));
+  Entry& e = it->second;
+  e.key = &it->first;
+  e.blocks = std::move(ids);
+  e.parent_key = std::move(parent_key);
+  LinkNewest(&e);
+  if (p != nullptr && p->children++ == 0) Unlink(p);  // no longer a leaf
+  pool_->Ref(e.blocks);
+  indexed_blocks_ += e.blocks.size();
+  host_bytes_ += EntryHostBytes(ns.size(), e.blocks.size());
+  return added;
 }
 
 uint64_t PrefixIndex::Reclaim(uint64_t bytes) {
   kvmem::MutexLock lock(&mu_);
-  uint64_t freed = 0;
-  // Oldest first; a pass drops every reclaimable leaf it meets, and a parent whose last
-  // child went becomes a leaf for the next pass.
-  bool dropped = true;
-  while (freed < bytes && dropped) {
-    dropped = false;
-    for (auto it = lru_.end(); it != lru_.begin() && freed < bytes;) {
-      --it;
-      auto found = entries_.find(*it);
-      Entry& e = found->second;
-      if (e.children > 0) continue;
-      bool only_ours = true;
-      for (store::BlockId id : e.blocks) only_ours = only_ours && pool_->refs(id) == 1;
-      if (!only_ours) continue;
-      for (store::BlockId id : e.blocks) freed += pool_->block_bytes(id);
-      pool_->Unref(e.blocks);
-      indexed_blocks_ -= e.blocks.size();
-      host_bytes_ -= EntryHostBytes(found->first, e);
-      if (auto p = entries_.find(Key{found->first.ns, e.parent}); p != entries_.end()) {
-        --p->second.children;
-      }
-      it = lru_.erase(it);
-      entries_.erase(found);
-      dropped = true;
+  const uint64_t free_before = pool_->free_bytes();
+  auto page_bytes_freed = [&] {
+    const uint64_t now = pool_->free_bytes();
+    return now > free_before ? now - free_before : 0;
+  };
+  uint64_t dropped = 0;
+  Entry* e = oldest_leaf_;
+  while (e != nullptr && page_bytes_freed() < bytes) {
+    Entry* next = e->newer;
+    bool only_ours = true;
+    for (store::BlockId id : e->blocks) only_ours = only_ours && pool_->refs(id) == 1;
+    if (!only_ours) {
+      e = next;
+      continue;
     }
+    Entry* older = e->older;
+    Unlink(e);
+    const auto self = entries_.find(*e->key);  // no key copy
+    if (!e->parent_key.empty()) {
+      if (auto p = entries_.find(e->parent_key); p != entries_.end()) {
+        // A parent whose last child went is a leaf now, and the next one to look at.
+        if (--p->second.children == 0) {
+          LinkAfter(&p->second, older);
+          next = &p->second;
+        }
+      }
+    }
+    std::vector<store::BlockId> ids = std::move(e->blocks);
+    const size_t ns_bytes = self->first.size() - sizeof(BlockHash);
+    host_bytes_ -= EntryHostBytes(ns_bytes, ids.size());
+    indexed_blocks_ -= ids.size();
+    entries_.erase(self);
+    for (store::BlockId id : ids) dropped += pool_->block_bytes(id);
+    pool_->Unref(ids);
+    e = next;
   }
-  reclaimed_bytes_ += freed;
-  return freed;
+  reclaimed_bytes_ += dropped;
+  return dropped;
 }
 
 PrefixStats PrefixIndex::stats() const {
@@ -116,7 +198,7 @@ PrefixStats PrefixIndex::stats() const {
   s.entries = entries_.size();
   s.indexed_blocks = indexed_blocks_;
   s.reclaimed_bytes = reclaimed_bytes_;
-  s.host_bytes = host_bytes_;
+  s.host_bytes = host_bytes();
   for (const auto& [key, e] : entries_) {
     for (store::BlockId id : e.blocks) s.cached_blocks += pool_->refs(id) == 1 ? 1 : 0;
   }

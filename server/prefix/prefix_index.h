@@ -6,20 +6,24 @@
 // so a published block outlives the sequence that published it; sequences that map an
 // entry add their own references (under the index lock, so no entry a sequence is mapping
 // can be reclaimed meanwhile). Blocks only the index holds (pool refs == 1) are the cache:
-// reclaimed least recently used first, leaves of a chain before their parents (a chain is
-// only ever matched from its first block), when an allocation finds the pool full.
+// reclaimed when the pool is full or past its high watermark, least recently used first
+// and only from a chain's end (a chain is only ever matched from its first block, so a
+// parent goes after its children).
 //
 // Published blocks are immutable: every holder has refs > 1 on them, so the stream planner
 // copies before it edits (copy-on-write); nobody can take a new reference on a block only
 // the index holds except through the index.
 //
+// Changes never half-apply: whatever can throw (a key, an entry) is built before the first
+// change, and the leaf list is intrusive, so reclaiming allocates nothing.
+//
 // Lock order: Sequence::mu -> PrefixIndex::mu_ -> BlockPool's mutex. Thread-safe.
+#include <atomic>
 #include <cstdint>
-#include <list>
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/prefix/prefix_hash.h"
@@ -34,7 +38,7 @@ struct PrefixStats {
   uint64_t entries = 0;          // published block ranges
   uint64_t cached_blocks = 0;    // pool blocks only the index holds (reclaimable)
   uint64_t indexed_blocks = 0;   // pool blocks the index holds a reference on
-  uint64_t reclaimed_bytes = 0;  // pool bytes given back by reclaiming (total)
+  uint64_t reclaimed_bytes = 0;  // pool bytes of the blocks reclaimed (total)
   uint64_t host_bytes = 0;       // the index's own memory
 };
 
@@ -44,6 +48,9 @@ class PrefixIndex {
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
   ~PrefixIndex();
+
+  // Whether `hash` is published in `ns` (no counters touched).
+  bool Contains(absl::string_view ns, const BlockHash& hash) const;
 
   // How many of `hashes` (a chain, in order) are published in `ns`, from the first one.
   // Pins nothing. Counts a query (and a hit).
@@ -56,52 +63,57 @@ class PrefixIndex {
                                                absl::Span<const BlockHash> hashes, size_t at_most,
                                                uint32_t block_tokens);
 
-  // Publishes entry `hash` (whose parent in the chain is `parent`, the root hash for block
-  // 0) with the given blocks (one per stream), taking a reference on each; an entry already
+  // Publishes entry `hash` (whose parent in the chain is `parent`: null for block 0) with
+  // the given blocks (one per stream), taking a reference on each; an entry already
   // published under that hash is kept as it is (it holds the same tokens) and only touched.
   // Returns whether it was added.
-  bool Publish(absl::string_view ns, const BlockHash& parent, const BlockHash& hash,
+  bool Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
                absl::Span<const store::BlockId> blocks);
 
-  // Drops entries whose blocks only the index holds, least recently used leaf first, until
-  // `bytes` pool bytes were freed or nothing more can be; returns the bytes freed.
+  // Drops entries whose blocks only the index holds, least recently used chain end first,
+  // until the pool has `bytes` more bytes of free pages or nothing more can go; returns
+  // the pool bytes of the blocks it dropped (0: nothing could go).
   uint64_t Reclaim(uint64_t bytes);
+
+  // The index's own memory (keys, entries, block lists), read without the lock.
+  uint64_t host_bytes() const { return host_bytes_.load(std::memory_order_relaxed); }
+  // Host bytes one more entry of `streams` blocks in `ns` takes.
+  static uint64_t EntryHostBytes(size_t ns_bytes, size_t streams);
 
   PrefixStats stats() const;
 
  private:
-  struct Key {
-    std::string ns;
-    BlockHash hash;
-    template <typename H>
-    friend H AbslHashValue(H h, const Key& k) {
-      return H::combine(std::move(h), k.ns,
-                        absl::string_view(reinterpret_cast<const char*>(k.hash.data()), 32));
-    }
-    bool operator==(const Key& o) const { return hash == o.hash && ns == o.ns; }
-  };
   struct Entry {
     std::vector<store::BlockId> blocks;
-    BlockHash parent;
-    uint32_t children = 0;         // entries whose parent this is
-    std::list<Key>::iterator lru;  // in lru_
+    const std::string* key = nullptr;  // its own, in the map (node_hash_map: stable)
+    std::string parent_key;            // empty: no parent counted (block 0, or its parent was gone)
+    uint32_t children = 0;             // entries that counted this one as their parent
+    // The leaf list (entries without children: the reclaim candidates), newest first;
+    // intrusive, so that moving and unlinking never allocate.
+    Entry* newer = nullptr;
+    Entry* older = nullptr;
+    bool listed = false;
   };
-
-  uint64_t EntryHostBytes(const Key& key, const Entry& e) const;
-  void Touch(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  size_t MatchLocked(absl::string_view ns, absl::Span<const BlockHash> hashes)
+  static std::string Key(absl::string_view ns, const BlockHash& hash);
+  // Links `e` as the newest leaf, or right after `older` (null: as the oldest).
+  void LinkNewest(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LinkAfter(Entry* e, Entry* older) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unlink(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Touch(Entry* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t MatchLocked(std::string& key, absl::Span<const BlockHash> hashes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   store::BlockPool* const pool_;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<Key, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  std::list<Key> lru_ ABSL_GUARDED_BY(mu_);  // front: most recently used
+  absl::node_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // key: ns + hash
+  Entry* newest_leaf_ ABSL_GUARDED_BY(mu_) = nullptr;
+  Entry* oldest_leaf_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t queries_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reused_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t indexed_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reclaimed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t host_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> host_bytes_{0};
 };
 
 }  // namespace kvmem::prefix

@@ -114,6 +114,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       }
       if (absl::Now() >= next_reap) {
         raw->engine_->ExpireLeases();
+        raw->engine_->ReclaimToWatermark();
         next_reap = absl::Now() + period;
       }
     }

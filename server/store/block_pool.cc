@@ -119,6 +119,8 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
     uint64_t deficit = 0;
     absl::Status s = AllocateManyOnce(block_bytes, class_bytes, count, out, use, &deficit);
     if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_) return s;
+    // An ask the whole pool could not hold leaves the cache alone.
+    if (uint64_t{count} * class_bytes > pool_bytes()) return s;
     if (reclaimer_(deficit) == 0) return s;
   }
 }

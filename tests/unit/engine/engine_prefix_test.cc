@@ -239,6 +239,101 @@ TEST_F(PrefixTest, ReleasedPublishersLeaveTheBlocksCachedUntilThePoolNeedsThem) 
   EXPECT_EQ(stats.pool.bad_unrefs, 0u);
 }
 
+TEST_F(PrefixTest, PastTheHighWatermarkTheCacheShrinksToTheLowOne) {
+  // 64 pages (one published block range of 8 streams x 512 bytes is one page); high 50%
+  // (32 pages), low 40% (25.6 pages).
+  MakeEngine(64 * 4096, [](EngineConfig& c) {
+    c.cache_high_watermark = 0.5;
+    c.cache_low_watermark = 0.4;
+  });
+  ASSERT_TRUE(engine_->Release(Publisher(256)).ok());  // 16 pages, only cached
+  EXPECT_EQ(engine_->ReclaimToWatermark(), 0u);        // under the high mark
+  const uint64_t live = Create();
+  ASSERT_TRUE(AppendRange(live, 0, 288).ok());  // 18 more pages: 34 of 64 in use
+  EXPECT_EQ(engine_->Stats(false).pool.pages_used, 34u);
+  EXPECT_GT(engine_->ReclaimToWatermark(), 0u);
+  // Entries go from the chain's end until enough whole pages are free (a page holds one
+  // stream's blocks of 8 entries: the chain's second half frees 8 pages, then the rest).
+  const EngineStats stats = engine_->Stats(false);
+  EXPECT_LE(stats.pool.pages_used, 25u);  // at most 40%
+  EXPECT_GE(stats.pool.pages_used, 18u);  // the live sequence is untouched
+  EXPECT_LT(stats.prefix.entries, 16u);
+  EXPECT_EQ(LookupTokens(Tokens(257)), stats.prefix.entries * kB);  // still a prefix
+  ExpectContentMatchesPositions(live);
+  EXPECT_EQ(engine_->ReclaimToWatermark(), 0u);  // under the high mark again
+  // Bad watermarks are refused at creation.
+  EngineConfig bad;
+  bad.cache_low_watermark = 0.9;
+  bad.cache_high_watermark = 0.5;
+  EXPECT_FALSE(Engine::Create(bad, *store::CpuBackend::Create(1 << 20), &clock_).ok());
+}
+
+TEST_F(PrefixTest, AChainWhoseHeadWasReclaimedIsPublishedAgainFromItsStart) {
+  MakeEngine(64 * 4096, [](EngineConfig& c) {
+    c.cache_high_watermark = 0.01;
+    c.cache_low_watermark = 0.01;
+  });
+  ASSERT_TRUE(engine_->Release(Publisher(32)).ok());  // H0, H1: only cached
+  // D computes the same prompt itself; its Publish finds H0 and H1 there and only touches
+  // them.
+  auto d = CreateWith({});
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE(AppendTokens(d->sequence_id, 0, 32).ok());
+  EXPECT_EQ(*engine_->Publish(d->sequence_id, std::nullopt), 32u);
+  engine_->ReclaimToWatermark();  // the cached H0, H1 go; D's own blocks were never indexed
+  EXPECT_EQ(LookupTokens(Tokens(49)), 0u);
+  // D's next block: its chain is published again from the start, with D's blocks.
+  ASSERT_TRUE(AppendTokens(d->sequence_id, 32, 16).ok());
+  EXPECT_EQ(*engine_->Publish(d->sequence_id, std::nullopt), 48u);
+  EXPECT_EQ(LookupTokens(Tokens(49)), 48u);
+  // Everything released and reclaimed: nothing is left pinned by a stale child count.
+  ASSERT_TRUE(engine_->Release(d->sequence_id).ok());
+  engine_->ReclaimToWatermark();
+  const EngineStats stats = engine_->Stats(false);
+  EXPECT_EQ(stats.prefix.entries, 0u);
+  EXPECT_EQ(stats.pool.blocks_used, 0u);
+  EXPECT_EQ(stats.pool.bad_unrefs, 0u);
+}
+
+TEST_F(PrefixTest, PublishTakesTheWholeBlocksOfKnownTokensAndForkChildrenPublishTheirOwn) {
+  auto a = CreateWith({});
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(AppendTokens(a->sequence_id, 0, 32).ok());
+  ASSERT_TRUE(AppendRange(a->sequence_id, 32, 16).ok());  // decode tokens without ids
+  EXPECT_EQ(*engine_->Publish(a->sequence_id, std::nullopt), 32u);
+  // A fork child publishes its own chain: its parent's tokens and then its own.
+  auto b = CreateWith({});
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(AppendTokens(b->sequence_id, 0, 40).ok());
+  auto forked = engine_->Fork(b->sequence_id, absl::ZeroDuration());
+  ASSERT_TRUE(forked.ok());
+  ASSERT_TRUE(AppendTokens(forked->sequence_id, 40, 24).ok());
+  EXPECT_EQ(*engine_->Publish(forked->sequence_id, 48), 48u);
+  EXPECT_EQ(LookupTokens(Tokens(65)), 48u);
+  ExpectContentMatchesPositions(forked->sequence_id);
+}
+
+TEST_F(PrefixTest, OversizedNamesAndPromptsAreRefusedWithTheirLimits) {
+  auto model = CreateWith({}, "full", {}, "", std::string(300, 'm'));
+  ASSERT_FALSE(model.ok());
+  EXPECT_THAT(std::string(model.status().message()), HasSubstr("model: 300 bytes"));
+  auto salt = CreateWith({}, "full", {}, std::string(257, 's'));
+  ASSERT_FALSE(salt.ok());
+  EXPECT_THAT(std::string(salt.status().message()), HasSubstr("cache_salt: 257 bytes"));
+  auto lookup =
+      engine_->Lookup(TestLayout(), PromptPrefix{"m", "", Tokens(kMaxPromptTokens + 1, 0)});
+  ASSERT_FALSE(lookup.ok());
+  EXPECT_THAT(std::string(lookup.status().message()), HasSubstr("prompt_token_ids"));
+  EXPECT_EQ(engine_->Stats(false).sequences_active, 0u);
+}
+
+TEST_F(PrefixTest, APolicyThatNeedsPerTokenSignalsGetsNothingMapped) {
+  Publisher(48);
+  auto info = CreateWith(Tokens(49), "infokv");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->reused_prefix_tokens, 0u);  // it appends the prompt with its entropies
+}
+
 TEST_F(PrefixTest, AForkOfASharerHoldsItsOwnReferences) {
   Publisher(32);
   auto b = CreateWith(Tokens(33));

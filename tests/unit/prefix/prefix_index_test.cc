@@ -19,17 +19,19 @@ class PrefixIndexTest : public ::testing::Test {
     h[0] = n;
     return h;
   }
-  // Two blocks (one per stream) of 512 bytes, held by the caller.
+  // Two blocks (one per stream) of a page each, held by the caller: dropping an entry
+  // frees two pages.
   std::vector<store::BlockId> Blocks() {
     std::vector<store::BlockId> ids;
-    EXPECT_TRUE(pool_->AllocateMany(512, 2, &ids).ok());
+    EXPECT_TRUE(pool_->AllocateMany(4096, 2, &ids).ok());
     return ids;
   }
   // Publishes chain h(1) -> h(2) -> ... -> h(n) and drops the caller's references.
   void PublishChain(uint8_t n, const std::string& ns = "ns") {
     for (uint8_t i = 1; i <= n; ++i) {
       std::vector<store::BlockId> ids = Blocks();
-      EXPECT_TRUE(index_->Publish(ns, i == 1 ? H(0) : H(i - 1), H(i), ids));
+      const BlockHash parent = H(i - 1);
+      EXPECT_TRUE(index_->Publish(ns, i == 1 ? nullptr : &parent, H(i), ids));
       pool_->Unref(ids);
     }
   }
@@ -52,8 +54,8 @@ TEST_F(PrefixIndexTest, MatchesFromTheFirstBlockOnly) {
 
 TEST_F(PrefixIndexTest, APublishedHashIsKeptAndTheIndexHoldsOneReference) {
   std::vector<store::BlockId> first = Blocks(), second = Blocks();
-  EXPECT_TRUE(index_->Publish("ns", H(0), H(1), first));
-  EXPECT_FALSE(index_->Publish("ns", H(0), H(1), second));  // the first one stays
+  EXPECT_TRUE(index_->Publish("ns", nullptr, H(1), first));
+  EXPECT_FALSE(index_->Publish("ns", nullptr, H(1), second));  // the first one stays
   EXPECT_EQ(pool_->refs(first[0]), 2u);
   EXPECT_EQ(pool_->refs(second[0]), 1u);
   auto mapped = index_->Map("ns", {H(1)}, 1, 16);
@@ -95,12 +97,12 @@ TEST_F(PrefixIndexTest, ReclaimTakesOnlyUnheldLeavesOldestFirst) {
 
 TEST_F(PrefixIndexTest, AFullPoolReclaimsTheCacheBeforeFailing) {
   pool_->set_reclaimer([this](uint64_t bytes) { return index_->Reclaim(bytes); });
-  PublishChain(32);  // 64 of the pool's 512 blocks, only cached
+  PublishChain(16);  // half the pool's 64 pages, only cached
   std::vector<store::BlockId> all;
-  ASSERT_TRUE(pool_->AllocateMany(512, 512, &all).ok());  // the whole pool
+  ASSERT_TRUE(pool_->AllocateMany(4096, 64, &all).ok());  // the whole pool
   EXPECT_EQ(index_->stats().entries, 0u);
   std::vector<store::BlockId> more;
-  EXPECT_TRUE(absl::IsResourceExhausted(pool_->AllocateMany(512, 1, &more)));
+  EXPECT_TRUE(absl::IsResourceExhausted(pool_->AllocateMany(4096, 1, &more)));
   pool_->Unref(all);
 }
 
