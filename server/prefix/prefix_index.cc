@@ -36,27 +36,15 @@ void PrefixIndex::LinkAfter(Entry* e, Entry* older) {
   Entry* newer = older == nullptr ? oldest_leaf_ : older->newer;
   e->older = older;
   e->newer = newer;
-  if (older != nullptr)
-    older->newer = e;
-  else
-    oldest_leaf_ = e;
-  if (newer != nullptr)
-    newer->older = e;
-  else
-    newest_leaf_ = e;
+  (older != nullptr ? older->newer : oldest_leaf_) = e;
+  (newer != nullptr ? newer->older : newest_leaf_) = e;
   e->listed = true;
 }
 
 void PrefixIndex::Unlink(Entry* e) {
   if (!e->listed) return;
-  if (e->older != nullptr)
-    e->older->newer = e->newer;
-  else
-    oldest_leaf_ = e->newer;
-  if (e->newer != nullptr)
-    e->newer->older = e->older;
-  else
-    newest_leaf_ = e->older;
+  (e->older != nullptr ? e->older->newer : oldest_leaf_) = e->newer;
+  (e->newer != nullptr ? e->newer->older : newest_leaf_) = e->older;
   e->newer = e->older = nullptr;
   e->listed = false;
 }
