@@ -241,6 +241,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
                    history_rows, token_entropy_, layer_distance_, arrival);
   }
   seq.RecordAppend(token_ids_, last_position_, total);
+  seq.mutable_prefix().compressed_document = false;
   // Inside the section: readers of the old table already see the odd word.
   engine_->pool_->Unref(batch_.dropped);
   std::move(poison_on_unwind).Cancel();

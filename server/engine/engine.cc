@@ -113,11 +113,39 @@ uint64_t Engine::ReclaimToWatermarkImpl() {
   return prefix_->Reclaim(static_cast<uint64_t>(excess * static_cast<double>(usage.page_bytes)));
 }
 
-absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& prompt) {
+absl::StatusOr<uint64_t> Engine::PublishDocument(uint64_t sequence_id) {
+  return Guard("Publish", [&]() -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Renew(**ref);
+    return PublishDocumentLocked(**ref);
+  });
+}
+
+absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& prompt,
+                                        absl::string_view policy_name,
+                                        const policy::ParamOverrides& params, QuantConfig quant) {
   return Guard("Lookup", [&]() -> absl::StatusOr<uint64_t> {
     if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
     if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
     if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+    if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("document_tokens: ", prompt.document_tokens,
+                                                     " must be less than the prompt's ",
+                                                     prompt.token_ids.size(), " tokens"));
+    }
+    if (prompt.document_tokens > 0) {
+      absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+          policy::CreatePolicy(policy_name, params);  // its own name, and checked parameters
+      if (!policy.ok()) return policy.status();
+      absl::StatusOr<prefix::BlockHash> key =
+          DocumentKey(prompt.token_ids.first(prompt.document_tokens),
+                      Representation((*policy)->descriptor().name, params, quant), prompt.salt);
+      if (!key.ok()) return key.status();
+      if (prefix_->ContainsDocument(PrefixNamespace(layout, prompt.model), *key)) {
+        return uint64_t{prompt.document_tokens};
+      }
+    }
     absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
     if (!hashes.ok()) return hashes.status();
     const size_t matched = prefix_->Match(PrefixNamespace(layout, prompt.model), *hashes);
@@ -179,10 +207,24 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   // appends the whole prompt with its signals.
   if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
   std::vector<prefix::BlockHash> hashes;
+  std::optional<prefix::BlockHash> document;
+  if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "document_tokens: ", prompt.document_tokens, " must be less than the prompt's ",
+        prompt.token_ids.size(), " tokens (the question follows the document)"));
+  }
   if ((*policy)->descriptor().append_signals == 0) {
     absl::StatusOr<std::vector<prefix::BlockHash>> h = PublishedPrefix(layout, prompt);
     if (!h.ok()) return h.status();
     hashes = *std::move(h);
+    // Compressed documents are host state: not for policies that step on the device.
+    if (prompt.document_tokens > 0 && !(config_.device_step && (*policy)->has_kernel_step())) {
+      absl::StatusOr<prefix::BlockHash> key =
+          DocumentKey(prompt.token_ids.first(prompt.document_tokens),
+                      Representation((*policy)->descriptor().name, params, quant), prompt.salt);
+      if (!key.ok()) return key.status();
+      document = *key;
+    }
   }
   absl::StatusOr<HostReservation> host = ReserveHost(
       sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
@@ -218,6 +260,20 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     state.ns = PrefixNamespace(layout, prompt.model);
     state.salt = prompt.salt;
     state.auto_publish = prompt.auto_publish;
+    if (document) {
+      prefix::PrefixIndex::MappedDocument doc =
+          prefix_->MapDocument(state.ns, *document, prompt.document_tokens);
+      if (doc.payload != nullptr) {
+        // Given back unless the sequence takes them (an error, or an exception).
+        absl::Cleanup unref_doc = [&] { pool_->Unref(doc.blocks); };
+        absl::Status s = host->Grow(doc.payload->host_bytes(), "CreateSequence");
+        if (!s.ok()) return s;
+        if (s = AdoptDocument(*seq, *doc.payload, version); !s.ok()) return s;
+        std::move(unref_doc).Cancel();
+        reused = prompt.document_tokens;
+        hashes.clear();  // the whole document is there
+      }
+    }
     if (!hashes.empty()) {
       // Pinned from here by the sequence's references (its lease), never by the lookup.
       std::vector<std::vector<store::BlockId>> mapped =

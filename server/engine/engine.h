@@ -95,9 +95,20 @@ class Engine {
   // at positions 0, 1, ...) and their token ids were sent; returns the tokens published
   // (also those published before). Publishing is idempotent.
   absl::StatusOr<uint64_t> Publish(uint64_t sequence_id, std::optional<uint64_t> up_to_tokens);
+  // Publishes the sequence's whole cache as the compressed form of the tokens it appended
+  // (a document), under its representation (policy, parameter overrides, quantization):
+  // its last change must have been a Compress with no Step before it, its tokens at
+  // positions 0, 1, ... with their ids. A later CreateSequence naming the same document
+  // and representation maps it whole (PromptPrefix::document_tokens). Returns the tokens.
+  absl::StatusOr<uint64_t> PublishDocument(uint64_t sequence_id);
   // How many tokens of the prompt a CreateSequence in this namespace and salt would reuse
   // now. Pins nothing.
-  absl::StatusOr<uint64_t> Lookup(Layout layout, const PromptPrefix& prompt);
+  // With PromptPrefix::document_tokens, the representation is that of `policy_name`,
+  // `params` and `quant`.
+  absl::StatusOr<uint64_t> Lookup(Layout layout, const PromptPrefix& prompt,
+                                  absl::string_view policy_name = "full",
+                                  const policy::ParamOverrides& params = {},
+                                  QuantConfig quant = {});
   // Appends the chunks in order, atomically: all are validated and their blocks allocated
   // before any byte is written.
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks);
@@ -250,8 +261,20 @@ class Engine {
   absl::Status MapPrefix(Sequence& seq, const std::vector<std::vector<store::BlockId>>& mapped,
                          absl::Span<const int32_t> token_ids, uint64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Shared compressed documents: a representation's name; a document's key; mapping a
+  // found document into a new, empty sequence (an error changes nothing; the references
+  // MapDocument took stay the caller's).
+  static std::string Representation(absl::string_view policy_name,
+                                    const policy::ParamOverrides& params, const QuantConfig& quant);
+  absl::StatusOr<prefix::BlockHash> DocumentKey(absl::Span<const int32_t> tokens,
+                                                absl::string_view representation,
+                                                absl::string_view salt) const;
+  absl::Status AdoptDocument(Sequence& seq, const prefix::EntryPayload& payload, uint64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // Publish on a locked sequence; returns the tokens published.
   absl::StatusOr<uint64_t> PublishLocked(Sequence& seq, uint64_t up_to_tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  absl::StatusOr<uint64_t> PublishDocumentLocked(Sequence& seq)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   absl::StatusOr<AppendResult> AppendImpl(uint64_t sequence_id,
                                           absl::Span<const AppendChunk> chunks);

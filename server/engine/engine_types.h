@@ -66,6 +66,11 @@ struct PromptPrefix {
   // Publishes every full prompt block as it is appended (while unevicted and unquantized),
   // as vLLM does by default; otherwise only Publish does.
   bool auto_publish = false;
+  // The first `document_tokens` of token_ids are a document that may have been published
+  // compressed (Publish with compressed_document) under this sequence's representation:
+  // its policy, parameter overrides and quantization. Found, the whole compressed document
+  // is mapped (reused_prefix_tokens = document_tokens); else the plain prefix as usual.
+  uint32_t document_tokens = 0;
 };
 
 struct AppendChunk {

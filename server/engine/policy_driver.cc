@@ -161,6 +161,7 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch();
   result.step = seq.CountStep();
+  seq.mutable_prefix().compressed_document = false;
   ++steps_;
   AccountSlotState(seq);
   Renew(seq);
@@ -250,6 +251,8 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   Renew(seq);
   seq.Publish();
   result.version = seq.version();
+  // A compression of a prompt no step has touched: a document others may map.
+  seq.mutable_prefix().compressed_document = seq.steps() == 0;
   return result;
 }
 

@@ -1,14 +1,113 @@
 // Prefix sharing: a sequence's prompt blocks published under their hash chain, mapped into
 // new sequences with the same prompt prefix at creation (engine.cc), and the cache of
 // published blocks only the index holds (PrefixIndex).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
+namespace {
+
+// A compressed document as the index keeps it: a frozen copy of the publisher's streams
+// (their tables name the blocks the entry references), token ids and policy mark.
+class DocumentState final : public prefix::EntryPayload {
+ public:
+  std::vector<Stream> streams;
+  std::vector<int32_t> token_ids;
+  int64_t policy_mark = -1;
+  uint64_t host_bytes() const override {
+    uint64_t bytes = sizeof(*this) + token_ids.capacity() * sizeof(int32_t);
+    for (const Stream& st : streams) bytes += st.host_bytes();
+    return bytes;
+  }
+};
+
+}  // namespace
+
+std::string Engine::Representation(absl::string_view policy_name,
+                                   const policy::ParamOverrides& params, const QuantConfig& quant) {
+  std::vector<std::pair<std::string, double>> sorted(params.begin(), params.end());
+  std::sort(sorted.begin(), sorted.end());
+  std::string out = absl::StrCat(policy_name, "(");
+  for (const auto& [k, v] : sorted) absl::StrAppend(&out, k, "=", v, ";");
+  absl::StrAppend(
+      &out, ") ",
+      quant.type ? absl::StrCat("q", static_cast<int>(*quant.type), " recent ", quant.recent_tokens)
+                 : std::string("layout"));
+  return out;
+}
+
+absl::StatusOr<prefix::BlockHash> Engine::DocumentKey(absl::Span<const int32_t> tokens,
+                                                      absl::string_view representation,
+                                                      absl::string_view salt) const {
+  // One hash over all of the document's tokens; the extra keys keep it apart from any
+  // block hash and carry what the compressed form depends on besides the tokens.
+  return prefix::ChainHash(
+      prefix_root_, tokens,
+      std::vector<std::string>{"kvmem-document", std::string(representation), std::string(salt)});
+}
+
+absl::Status Engine::AdoptDocument(Sequence& seq, const prefix::EntryPayload& payload,
+                                   uint64_t version) {
+  const auto& doc = static_cast<const DocumentState&>(payload);  // the only kind published
+  if (doc.streams.size() != seq.num_streams()) {
+    return absl::InternalError(absl::StrCat("a published document has ", doc.streams.size(),
+                                            " streams, the sequence ", seq.num_streams()));
+  }
+  // The sequence is not visible yet: an exception here leaves it to be discarded.
+  seq.ReserveTokens(doc.token_ids.size());
+  for (size_t s = 0; s < doc.streams.size(); ++s) seq.stream(s).AdoptFrom(doc.streams[s], version);
+  const auto n = static_cast<int64_t>(doc.token_ids.size());
+  seq.RecordAppend(doc.token_ids, n - 1, static_cast<uint64_t>(n));
+  seq.set_policy_mark(doc.policy_mark);
+  seq.mutable_prefix().compressed_document = true;  // it holds the same state
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
+  const Sequence::PrefixState& state = seq.prefix();
+  auto refuse = [&](absl::string_view why) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", seq.id(), ": not a compressed document: ", why));
+  };
+  if (!state.compressed_document) {
+    return refuse("its last change must be a Compress of the tokens it appended, before any Step");
+  }
+  if (seq.slots() != nullptr) {
+    return refuse(absl::StrCat("policy ", seq.policy_name(),
+                               " keeps its scores in the backend (device step)"));
+  }
+  absl::Span<const int32_t> tokens = seq.token_ids();
+  if (tokens.empty() || seq.last_position() != static_cast<int64_t>(tokens.size()) - 1) {
+    return refuse("its tokens must be at positions 0, 1, ... (appended from position 0)");
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) return refuse(absl::StrCat("token ", i, " was appended without its id"));
+  }
+  absl::StatusOr<prefix::BlockHash> key = DocumentKey(
+      tokens, Representation(seq.policy_name(), seq.policy_params(), seq.quant()), state.salt);
+  if (!key.ok()) return key.status();
+  auto doc = std::make_shared<DocumentState>();
+  std::vector<store::BlockId> blocks;
+  for (const Stream& st : seq.streams()) {
+    for (const StreamBlock& b : st.blocks()) blocks.push_back(b.id);
+  }
+  absl::StatusOr<HostReservation> host = ReserveHost(
+      seq.host_bytes() + prefix::PrefixIndex::EntryHostBytes(state.ns.size() + 48, blocks.size()),
+      "Publish");
+  if (!host.ok()) return host.status();
+  doc->streams.assign(seq.streams().begin(), seq.streams().end());
+  for (Stream& st : doc->streams) st.DropStaging();
+  doc->token_ids.assign(tokens.begin(), tokens.end());
+  doc->policy_mark = seq.policy_mark();
+  prefix_->PublishDocument(state.ns, *key, std::move(blocks), std::move(doc));
+  return uint64_t{tokens.size()};
+}
 
 std::string Engine::PrefixNamespace(const Layout& layout, absl::string_view model) {
   // Everything that makes two blocks of the same tokens hold different bytes, except the

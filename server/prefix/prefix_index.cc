@@ -1,5 +1,6 @@
 #include "server/prefix/prefix_index.h"
 
+#include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 
 namespace kvmem::prefix {
@@ -135,6 +136,50 @@ bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const B
   return added;
 }
 
+bool PrefixIndex::PublishDocument(absl::string_view ns, const BlockHash& key,
+                                  std::vector<store::BlockId> blocks,
+                                  std::shared_ptr<const EntryPayload> payload) {
+  // A separate key space: a document key never equals a block's.
+  std::string k = absl::StrCat("document ", Key(ns, key));
+  const uint64_t bytes = EntryHostBytes(k.size(), blocks.size()) + payload->host_bytes();
+  kvmem::MutexLock lock(&mu_);
+  if (auto it = entries_.find(k); it != entries_.end()) {
+    Touch(&it->second);
+    return false;
+  }
+  auto [it, added] = entries_.try_emplace(std::move(k));
+  Entry& e = it->second;
+  e.key = &it->first;
+  e.blocks = std::move(blocks);
+  e.payload = std::move(payload);
+  LinkNewest(&e);
+  pool_->Ref(e.blocks);
+  indexed_blocks_ += e.blocks.size();
+  host_bytes_ += bytes;
+  return added;
+}
+
+PrefixIndex::MappedDocument PrefixIndex::MapDocument(absl::string_view ns, const BlockHash& key,
+                                                     uint64_t tokens) {
+  const std::string k = absl::StrCat("document ", Key(ns, key));
+  kvmem::MutexLock lock(&mu_);
+  ++queries_;
+  auto it = entries_.find(k);
+  if (it == entries_.end()) return {};
+  MappedDocument mapped{it->second.payload, it->second.blocks};  // copied before any change
+  ++hits_;
+  Touch(&it->second);
+  pool_->Ref(mapped.blocks);
+  reused_tokens_ += tokens;
+  return mapped;
+}
+
+bool PrefixIndex::ContainsDocument(absl::string_view ns, const BlockHash& key) const {
+  const std::string k = absl::StrCat("document ", Key(ns, key));
+  kvmem::MutexLock lock(&mu_);
+  return entries_.contains(k);
+}
+
 uint64_t PrefixIndex::Reclaim(uint64_t bytes) {
   kvmem::MutexLock lock(&mu_);
   const uint64_t free_before = pool_->free_bytes();
@@ -166,7 +211,8 @@ uint64_t PrefixIndex::Reclaim(uint64_t bytes) {
     }
     std::vector<store::BlockId> ids = std::move(e->blocks);
     const size_t ns_bytes = self->first.size() - sizeof(BlockHash);
-    host_bytes_ -= EntryHostBytes(ns_bytes, ids.size());
+    host_bytes_ -= EntryHostBytes(e->payload ? self->first.size() : ns_bytes, ids.size()) +
+                   (e->payload ? e->payload->host_bytes() : 0);
     indexed_blocks_ -= ids.size();
     entries_.erase(self);
     for (store::BlockId id : ids) dropped += pool_->block_bytes(id);

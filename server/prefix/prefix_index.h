@@ -20,6 +20,7 @@
 // Lock order: Sequence::mu -> PrefixIndex::mu_ -> BlockPool's mutex. Thread-safe.
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,14 @@
 #include "server/store/block_pool.h"
 
 namespace kvmem::prefix {
+
+// What a document entry carries besides its blocks (the engine's frozen copy of a
+// compressed sequence's state).
+class EntryPayload {
+ public:
+  virtual ~EntryPayload() = default;
+  virtual uint64_t host_bytes() const = 0;
+};
 
 struct PrefixStats {
   uint64_t queries = 0;          // lookups and creations that named a prompt
@@ -70,6 +79,23 @@ class PrefixIndex {
   bool Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
                absl::Span<const store::BlockId> blocks);
 
+  // A shared compressed document: every block its streams hold (`blocks`, each once per
+  // reference the payload's tables make) and the payload that describes them, under `key`
+  // (a hash of the document's tokens and representation) in `ns`. A document stands alone
+  // (no chain). Returns whether it was added (a document already there is kept).
+  bool PublishDocument(absl::string_view ns, const BlockHash& key,
+                       std::vector<store::BlockId> blocks,
+                       std::shared_ptr<const EntryPayload> payload);
+  // The document's payload with a reference on each of its blocks taken for the caller
+  // (who gives them back through the payload's tables), or null. Counts a query, a hit
+  // and `tokens` reused.
+  struct MappedDocument {
+    std::shared_ptr<const EntryPayload> payload;  // null: not published
+    std::vector<store::BlockId> blocks;           // referenced for the caller
+  };
+  MappedDocument MapDocument(absl::string_view ns, const BlockHash& key, uint64_t tokens);
+  bool ContainsDocument(absl::string_view ns, const BlockHash& key) const;
+
   // Drops entries whose blocks only the index holds, least recently used chain end first,
   // until the pool has `bytes` more bytes of free pages or nothing more can go; returns
   // the pool bytes of the blocks it dropped (0: nothing could go).
@@ -85,9 +111,10 @@ class PrefixIndex {
  private:
   struct Entry {
     std::vector<store::BlockId> blocks;
-    const std::string* key = nullptr;  // its own, in the map (node_hash_map: stable)
-    std::string parent_key;            // empty: no parent counted (block 0, or its parent was gone)
-    uint32_t children = 0;             // entries that counted this one as their parent
+    std::shared_ptr<const EntryPayload> payload;  // documents only
+    const std::string* key = nullptr;             // its own, in the map (node_hash_map: stable)
+    std::string parent_key;  // empty: no parent counted (block 0, or its parent was gone)
+    uint32_t children = 0;   // entries that counted this one as their parent
     // The leaf list (entries without children: the reclaim candidates), newest first;
     // intrusive, so that moving and unlinking never allocate.
     Entry* newer = nullptr;

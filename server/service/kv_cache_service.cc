@@ -132,6 +132,7 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
         prompt.token_ids = absl::MakeConstSpan(request->prompt_token_ids().data(),
                                                request->prompt_token_ids().size());
         prompt.auto_publish = request->auto_publish();
+        prompt.document_tokens = request->document_tokens();
         absl::StatusOr<engine::CreateResult> created =
             engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
         if (!created.ok()) return created.status();
@@ -449,7 +450,8 @@ grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequ
   const uint64_t id = request->sequence_id();
   std::optional<uint64_t> up_to;
   if (request->has_up_to_tokens()) up_to = request->up_to_tokens();
-  absl::StatusOr<uint64_t> published = engine_->Publish(id, up_to);
+  absl::StatusOr<uint64_t> published =
+      request->compressed_document() ? engine_->PublishDocument(id) : engine_->Publish(id, up_to);
   if (!published.ok()) return ToGrpc(published.status(), id);
   response->set_published_tokens(*published);
   return grpc::Status::OK;
@@ -467,7 +469,14 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
   prompt.model = request->model();
   prompt.salt = request->cache_salt();
   prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
-  absl::StatusOr<uint64_t> matched = engine_->Lookup(*layout, prompt);
+  prompt.document_tokens = request->document_tokens();
+  absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
+  if (!policy_name.ok()) return ToGrpc(policy_name.status());
+  policy::ParamOverrides params(request->policy().params().begin(),
+                                request->policy().params().end());
+  absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
+  if (!quant.ok()) return ToGrpc(quant.status());
+  absl::StatusOr<uint64_t> matched = engine_->Lookup(*layout, prompt, *policy_name, params, *quant);
   if (!matched.ok()) return ToGrpc(matched.status());
   response->set_matched_tokens(*matched);
   return grpc::Status::OK;

@@ -171,6 +171,51 @@ TEST_F(DaemonTest, APublishedPromptIsReusedOverGrpc) {
   EXPECT_EQ(client_->Publish(424242).status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(DaemonTest, ACompressedDocumentIsSharedOverGrpc) {
+  const client::PolicySpec snap{"snapkv", {{"budget", 24}, {"window", 8}}};
+  std::vector<int32_t> tokens(105);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 2000 + static_cast<int32_t>(i);
+  auto a = client_->CreateSequence(TestLayout(), snap);
+  ASSERT_TRUE(a.ok());
+  const std::vector<int64_t> positions = testing::Range(0, 100);
+  const std::string k = testing::Payload16(kL * kH, 0, 100, kD, 0);
+  const std::string v = testing::Payload16(kL * kH, 0, 100, kD, 1);
+  client::BlockTable table;
+  ASSERT_TRUE(
+      client_
+          ->Append(a->id, {positions, absl::MakeConstSpan(tokens).first(100), k, v, {}, {}}, &table)
+          .ok());
+  client::CompressArgs compress;
+  compress.epoch = table.epoch;
+  for (uint32_t s = 0; s < kL * kH; ++s) {
+    std::vector<float> row(100);
+    for (uint32_t j = 0; j < 100; ++j) row[j] = static_cast<float>((j * 5 + s) % 17);
+    compress.window_scores.push_back({s / kH, s % kH, row});
+  }
+  ASSERT_TRUE(client_->Compress(a->id, compress).ok());
+  auto published = client_->PublishDocument(a->id);
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(*published, 100u);
+
+  client::Prompt prompt{tokens};
+  prompt.document_tokens = 100;
+  EXPECT_EQ(*client_->Lookup(TestLayout(), prompt, snap), 100u);
+  EXPECT_EQ(*client_->Lookup(TestLayout(), prompt), 0u);  // "full": another representation
+  auto b = client_->CreateSequence(TestLayout(), snap, std::nullopt, &prompt);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->reused_prefix_tokens, 100u);
+  auto ta = client_->GetBlockTable(a->id), tb = client_->GetBlockTable(b->id);
+  ASSERT_TRUE(ta.ok() && tb.ok());
+  for (size_t s = 0; s < ta->streams.size(); ++s) {
+    EXPECT_EQ(tb->streams[s].positions, ta->streams[s].positions);  // 24 kept of 100
+    EXPECT_EQ(tb->streams[s].positions.size(), 24u);
+  }
+  ExpectContentMatchesPositions(b->id);
+  // A sequence changed since its Compress is no document.
+  ASSERT_TRUE(AppendRange(a->id, 100, 1).ok());
+  EXPECT_EQ(client_->PublishDocument(a->id).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
   auto info = client_->GetInfo();
   ASSERT_TRUE(info.ok());

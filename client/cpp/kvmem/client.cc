@@ -464,6 +464,7 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
     q.set_cache_salt(prompt->cache_salt);
     q.set_model(prompt->model);
     q.set_auto_publish(prompt->auto_publish);
+    q.set_document_tokens(prompt->document_tokens);
   }
   q.set_request_id(NewRequestId());
   v1::CreateSequenceResponse r;
@@ -815,9 +816,29 @@ absl::StatusOr<uint64_t> Client::Publish(uint64_t sequence_id,
   return r.published_tokens();
 }
 
-absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prompt) {
+absl::StatusOr<uint64_t> Client::PublishDocument(uint64_t sequence_id) {
+  v1::PublishRequest q;
+  q.set_sequence_id(sequence_id);
+  q.set_compressed_document(true);
+  v1::PublishResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->Publish(&c, q, &r); });
+  if (!s.ok()) return s;
+  return r.published_tokens();
+}
+
+absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prompt,
+                                        const PolicySpec& policy) {
   v1::LookupRequest q;
   ToProto(layout, q.mutable_layout());
+  q.set_document_tokens(prompt.document_tokens);
+  v1::PolicySpec* spec = q.mutable_policy();
+  if (policy.name) spec->set_name(*policy.name);
+  spec->set_quantization(static_cast<v1::Precision>(policy.quantization));
+  if (policy.quantization_recent_tokens) {
+    spec->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
+  }
+  for (const auto& [k, v] : policy.params) (*spec->mutable_params())[k] = v;
   q.mutable_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
   q.set_cache_salt(prompt.cache_salt);
   q.set_model(prompt.model);

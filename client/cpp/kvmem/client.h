@@ -138,6 +138,9 @@ struct Prompt {
   std::string cache_salt;     // the tenant's: only prompts with the same salt share
   std::string model;          // with the layout, the namespace of the block hashes
   bool auto_publish = false;  // publish every full block as it is appended
+  // The first document_tokens of token_ids are a document that may have been published
+  // compressed under the new sequence's policy (PublishDocument): mapped whole if so.
+  uint32_t document_tokens = 0;
 };
 
 // n new tokens. k and v are [L][H][n][D] in the layout dtype.
@@ -352,8 +355,13 @@ class Client {
   // later sequences with the same prompt prefix; returns the tokens it has published.
   absl::StatusOr<uint64_t> Publish(uint64_t sequence_id,
                                    std::optional<uint64_t> up_to_tokens = std::nullopt);
-  // How many tokens of the prompt a CreateSequence would reuse now (pins nothing).
-  absl::StatusOr<uint64_t> Lookup(const Layout& layout, const Prompt& prompt);
+  // Publishes the sequence's whole cache, just compressed, as a shared compressed document
+  // (Prompt::document_tokens); returns its tokens.
+  absl::StatusOr<uint64_t> PublishDocument(uint64_t sequence_id);
+  // How many tokens of the prompt a CreateSequence with `policy` would reuse now (pins
+  // nothing).
+  absl::StatusOr<uint64_t> Lookup(const Layout& layout, const Prompt& prompt,
+                                  const PolicySpec& policy = {});
 
  private:
   struct Impl;

@@ -348,3 +348,145 @@ TEST_F(PrefixTest, AForkOfASharerHoldsItsOwnReferences) {
 
 }  // namespace
 }  // namespace kvmem::engine
+
+namespace kvmem::engine {
+namespace {
+
+// Shared compressed documents: a document compressed once by a query-agnostic rule and
+// published; a later request with the same document and representation maps it whole.
+class DocumentTest : public PrefixTest {
+ protected:
+  static constexpr uint32_t kDoc = 100;
+  const policy::ParamOverrides kSnap = {{"budget", 24}, {"window", 8}};
+
+  // A snapkv sequence with the document appended (ids 100 + i) and compressed by its own
+  // end-of-document window scores.
+  uint64_t Compressed(const policy::ParamOverrides& params) {
+    auto created = CreateWith({}, "snapkv", params);
+    EXPECT_TRUE(created.ok()) << created.status();
+    const uint64_t id = created->sequence_id;
+    EXPECT_TRUE(AppendTokens(id, 0, kDoc).ok());
+    CompressInput input;
+    input.epoch = engine_->GetBlockTable(id)->epoch;
+    std::vector<std::vector<float>> rows(kL * kH, std::vector<float>(kDoc));
+    for (uint32_t s = 0; s < kL * kH; ++s) {
+      for (uint32_t j = 0; j < kDoc; ++j) rows[s][j] = static_cast<float>((j * 7 + s * 13) % 31);
+      input.window_scores.push_back({s / kH, s % kH, rows[s]});
+    }
+    auto c = engine_->Compress(id, input);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return id;
+  }
+
+  // The document and a question (PromptPrefix holds a span: the vector must outlive it).
+  const std::vector<int32_t>& Prompt() const { return prompt_; }
+
+  absl::StatusOr<CreateResult> CreateReader(const policy::ParamOverrides& params) {
+    PromptPrefix p{"m", "", Prompt()};
+    p.document_tokens = kDoc;
+    return engine_->CreateSequence(TestLayout(), "snapkv", params, {}, absl::ZeroDuration(), p);
+  }
+
+  const std::vector<int32_t> prompt_ = Tokens(kDoc + 5);
+};
+
+TEST_F(DocumentTest, AMappedDocumentIsExactlyTheCacheCompressingItGives) {
+  const uint64_t publisher = Compressed(kSnap);
+  EXPECT_EQ(*engine_->PublishDocument(publisher), kDoc);
+  const uint64_t blocks = engine_->Stats(false).pool.blocks_used;
+  EXPECT_EQ(*engine_->Lookup(
+                TestLayout(),
+                [&] {
+                  PromptPrefix p{"m", "", Prompt()};
+                  p.document_tokens = kDoc;
+                  return p;
+                }(),
+                "snapkv", kSnap),
+            kDoc);
+
+  auto reader = CreateReader(kSnap);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->reused_prefix_tokens, kDoc);
+  EXPECT_EQ(engine_->Stats(false).pool.blocks_used, blocks);  // mapped, not copied
+  const uint64_t control = Compressed(kSnap);                 // compressing it here
+  EXPECT_EQ(Content(reader->sequence_id), Content(control));
+  ExpectContentMatchesPositions(reader->sequence_id);
+  // The question is appended uncompressed; both stay identical.
+  ASSERT_TRUE(AppendTokens(reader->sequence_id, kDoc, 5).ok());
+  ASSERT_TRUE(AppendTokens(control, kDoc, 5).ok());
+  EXPECT_EQ(Content(reader->sequence_id), Content(control));
+  EXPECT_TRUE(engine_->Fingerprint(reader->sequence_id).ok());
+}
+
+TEST_F(DocumentTest, SharersNeverEditThePublishedDocument) {
+  const uint64_t publisher = Compressed(kSnap);
+  ASSERT_EQ(*engine_->PublishDocument(publisher), kDoc);
+  const std::string before = Content(publisher);
+  auto reader = CreateReader(kSnap);
+  ASSERT_TRUE(reader.ok());
+  ASSERT_TRUE(AppendTokens(reader->sequence_id, kDoc, 5).ok());
+  // The reader compresses again (its question included): the shared blocks are copied.
+  CompressInput input;
+  input.epoch = engine_->GetBlockTable(reader->sequence_id)->epoch;
+  input.target_tokens = 10;
+  const size_t n = engine_->GetBlockTable(reader->sequence_id)->streams[0].positions.size();
+  std::vector<float> row(n, 1.0f);
+  for (uint32_t s = 0; s < kL * kH; ++s) input.window_scores.push_back({s / kH, s % kH, row});
+  ASSERT_TRUE(engine_->Compress(reader->sequence_id, input).ok());
+  ExpectContentMatchesPositions(reader->sequence_id);
+  EXPECT_EQ(Content(publisher), before);
+  // A second reader still maps the document as published.
+  auto second = CreateReader(kSnap);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->reused_prefix_tokens, kDoc);
+  ExpectContentMatchesPositions(second->sequence_id);
+}
+
+TEST_F(DocumentTest, OnlyTheSameRepresentationMapsIt) {
+  ASSERT_EQ(*engine_->PublishDocument(Compressed(kSnap)), kDoc);
+  auto other = CreateReader({{"budget", 32}, {"window", 8}});
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->reused_prefix_tokens, 0u);  // nothing plain was published either
+  PromptPrefix p{"m", "tenant", Prompt()};
+  p.document_tokens = kDoc;
+  auto salted = engine_->CreateSequence(TestLayout(), "snapkv", kSnap, {}, absl::ZeroDuration(), p);
+  ASSERT_TRUE(salted.ok());
+  EXPECT_EQ(salted->reused_prefix_tokens, 0u);
+  p.salt = "";
+  p.document_tokens = static_cast<uint32_t>(Prompt().size());  // no question: refused
+  auto whole = engine_->CreateSequence(TestLayout(), "snapkv", kSnap, {}, absl::ZeroDuration(), p);
+  ASSERT_FALSE(whole.ok());
+  EXPECT_THAT(std::string(whole.status().message()), HasSubstr("document_tokens"));
+}
+
+TEST_F(DocumentTest, OnlyAFreshlyCompressedPromptIsADocument) {
+  const uint64_t id = Compressed(kSnap);
+  ASSERT_TRUE(AppendTokens(id, kDoc, 1).ok());  // changed since its Compress
+  auto refused = engine_->PublishDocument(id);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("Compress"));
+  auto plain = CreateWith({});
+  ASSERT_TRUE(plain.ok());
+  ASSERT_TRUE(AppendTokens(plain->sequence_id, 0, 20).ok());
+  EXPECT_FALSE(engine_->PublishDocument(plain->sequence_id).ok());  // never compressed
+}
+
+TEST_F(DocumentTest, AReleasedDocumentIsCachedAndReclaimedUnderPressure) {
+  MakeEngine(64 * 4096);
+  const uint64_t publisher = Compressed(kSnap);
+  ASSERT_EQ(*engine_->PublishDocument(publisher), kDoc);
+  ASSERT_TRUE(engine_->Release(publisher).ok());
+  EXPECT_GT(engine_->Stats(false).prefix.cached_blocks, 0u);
+  const uint64_t big = Create();
+  ASSERT_TRUE(AppendRange(big, 0, 1024).ok());  // the whole pool: the document gives way
+  ExpectContentMatchesPositions(big);
+  auto reader = CreateReader(kSnap);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ(reader->reused_prefix_tokens, 0u);
+  EXPECT_EQ(engine_->Stats(false).prefix.entries, 0u);
+  EXPECT_EQ(engine_->Stats(false).pool.bad_unrefs, 0u);
+}
+
+}  // namespace
+}  // namespace kvmem::engine
