@@ -38,6 +38,9 @@ ABSL_FLAG(std::string, prefix_hash_seed, "0",
 ABSL_FLAG(double, cache_high_watermark, 0.95,
           "fraction of pool pages in use above which cached prefix blocks (published, held by "
           "no sequence) are reclaimed in the background");
+ABSL_FLAG(uint64_t, tenant_quota_bytes, 0,
+          "pool bytes the sequences of one cache salt (a tenant) may hold, published blocks "
+          "included until reclaimed; 0: no quota");
 ABSL_FLAG(double, cache_low_watermark, 0.85,
           "fraction of pool pages in use the background reclaim brings the pool down to");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
@@ -120,6 +123,7 @@ int main(int argc, char** argv) {
   config.engine.prefix_hash_seed = absl::GetFlag(FLAGS_prefix_hash_seed);
   config.engine.cache_high_watermark = absl::GetFlag(FLAGS_cache_high_watermark);
   config.engine.cache_low_watermark = absl::GetFlag(FLAGS_cache_low_watermark);
+  config.engine.tenant_quota_bytes = absl::GetFlag(FLAGS_tenant_quota_bytes);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

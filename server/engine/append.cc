@@ -121,7 +121,8 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
 
   // Blocks for this chunk (and the copy of a shared last block), all or none.
   OpBatch batch;
-  StreamPlanner planner(seq.format(), engine_->pool_.get(), &batch, engine_->config_.failpoints);
+  StreamPlanner planner(seq.format(), engine_->pool_.get(), &batch, engine_->config_.failpoints,
+                        seq.tenant());
   uint64_t needed = 0;
   for (const std::vector<StreamBlock>& blocks : new_blocks_) {
     needed += planner.BlocksForAppend(blocks, n);
@@ -132,7 +133,8 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
   if (absl::Status s = engine_->pool_->AllocateMany(
-          static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve);
+          static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve,
+          store::BlockPool::Use::kGrow, seq.tenant());
       !s.ok()) {
     return s;
   }

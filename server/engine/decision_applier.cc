@@ -90,7 +90,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // Plan: every allocation happens here, before the point of no return; a failure releases
   // what the plan took and changes nothing.
   OpBatch batch;
-  StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints);
+  StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints, seq.tenant());
   Applied applied;
   std::vector<std::vector<StreamBlock>> new_blocks(seq.streams().size());
   std::vector<bool> changed(seq.streams().size(), false);

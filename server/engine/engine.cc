@@ -206,6 +206,8 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   // A policy that needs per-token signals on every append gets none mapped: the worker
   // appends the whole prompt with its signals.
   if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+  absl::StatusOr<store::TenantId> tenant = TenantFor(prompt.salt);
+  if (!tenant.ok()) return tenant.status();
   std::vector<prefix::BlockHash> hashes;
   std::optional<prefix::BlockHash> document;
   if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
@@ -249,7 +251,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   }
   std::string name((*policy)->descriptor().name);
   auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
-                                        quant, *granted, *slot);
+                                        quant, *granted, *slot, /*parent_id=*/0, *tenant);
   uint64_t reused = 0;
   {
     kvmem::MutexLock lock(&seq->mu);
@@ -338,9 +340,9 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     kvmem::MutexLock lock(&mu_);
     id = next_id_++;
   }
-  auto child =
-      std::make_shared<Sequence>(id, parent.layout(), parent.policy_name(), parent.policy_params(),
-                                 *std::move(policy), parent.quant(), *granted, *slot, parent.id());
+  auto child = std::make_shared<Sequence>(
+      id, parent.layout(), parent.policy_name(), parent.policy_params(), *std::move(policy),
+      parent.quant(), *granted, *slot, parent.id(), parent.tenant());
   {
     kvmem::MutexLock lock(&child->mu);
     child->CopyStateFrom(parent, std::move(slots));

@@ -409,6 +409,10 @@ class Engine {
   const EngineConfig config_;
   const std::unique_ptr<store::Backend> backend_;
   const std::unique_ptr<store::BlockPool> pool_;
+  // A salt's tenant in the pool (registered on first use with its quota); 0 for none.
+  absl::StatusOr<store::TenantId> TenantFor(absl::string_view salt);
+  absl::Mutex tenants_mu_;
+  absl::flat_hash_map<std::string, store::TenantId> tenants_ ABSL_GUARDED_BY(tenants_mu_);
   // Published prompt blocks; holds pool references, so it goes before the pool.
   const std::unique_ptr<prefix::PrefixIndex> prefix_;
   const prefix::BlockHash prefix_root_;

@@ -55,6 +55,11 @@ struct EngineConfig {
   // Fractions in (0, 1], low <= high; high 1 leaves reclaiming to the allocations.
   double cache_high_watermark = 0.95;
   double cache_low_watermark = 0.85;
+  // Pool bytes the sequences of one cache salt (a tenant) may hold: the blocks they
+  // allocate, counted until freed (published ones until reclaimed). 0: no quota.
+  // `tenant_quotas` overrides it per salt. Sequences without a salt have none.
+  uint64_t tenant_quota_bytes = 0;
+  std::vector<std::pair<std::string, uint64_t>> tenant_quotas;
 };
 
 // A new sequence's prompt, for prefix sharing: the longest published prefix of these tokens

@@ -133,7 +133,7 @@ class Sequence {
  public:
   Sequence(uint64_t id, Layout layout, std::string policy_name, policy::ParamOverrides params,
            std::unique_ptr<policy::Policy> policy, QuantConfig quant, absl::Duration lease,
-           uint32_t epoch_slot, uint64_t parent_id = 0)
+           uint32_t epoch_slot, uint64_t parent_id = 0, store::TenantId tenant = 0)
       : id_(id),
         layout_(layout),
         format_(layout, quant.type),
@@ -144,6 +144,7 @@ class Sequence {
         lease_(lease),
         epoch_slot_(epoch_slot),
         parent_id_(parent_id),
+        tenant_(tenant),
         streams_(layout.num_streams()) {}
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
@@ -159,6 +160,8 @@ class Sequence {
   absl::Duration lease() const { return lease_; }
   uint32_t epoch_slot() const { return epoch_slot_; }
   uint64_t parent_id() const { return parent_id_; }
+  // Whose quota the blocks it allocates count against (its cache salt's).
+  store::TenantId tenant() const { return tenant_; }
 
   // Read and written without `mu`. The lease deadline is read by the reaper; calls in
   // flight are those that found this sequence and have not finished, which the reaper
@@ -309,6 +312,7 @@ class Sequence {
   const absl::Duration lease_;
   const uint32_t epoch_slot_;
   const uint64_t parent_id_;
+  const store::TenantId tenant_;
   std::atomic<int64_t> lease_deadline_ns_{0};
   std::atomic<int32_t> calls_in_flight_{0};
   std::atomic<bool> poisoned_flag_{false};

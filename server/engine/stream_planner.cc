@@ -52,7 +52,7 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaim
   }
   std::vector<store::BlockId> ids;
   if (absl::Status s =
-          pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids, use);
+          pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids, use, tenant_);
       !s.ok()) {
     return s;
   }

@@ -55,8 +55,8 @@ struct AppendRun {
 class StreamPlanner {
  public:
   StreamPlanner(const BlockFormat& format, store::BlockPool* pool, OpBatch* batch,
-                Failpoints* failpoints = nullptr)
-      : format_(format), pool_(pool), batch_(batch), failpoints_(failpoints) {}
+                Failpoints* failpoints = nullptr, store::TenantId tenant = 0)
+      : format_(format), pool_(pool), batch_(batch), failpoints_(failpoints), tenant_(tenant) {}
 
   // Layout blocks Append would allocate for `tokens` more tokens (copy-on-write included).
   uint64_t BlocksForAppend(const std::vector<StreamBlock>& blocks, uint64_t tokens) const;
@@ -91,6 +91,7 @@ class StreamPlanner {
   store::BlockPool* const pool_;
   OpBatch* const batch_;
   Failpoints* const failpoints_;
+  const store::TenantId tenant_;  // charged for what it allocates
   std::vector<store::BlockId> reserve_;
 };
 

@@ -104,12 +104,28 @@ void BlockPool::FreeLocked(BlockId id) {
   }
   --blocks_used_;
   block_bytes_used_ -= block.class_bytes;
+  tenants_[block.tenant].used -= block.class_bytes;
   block = Block{};
   free_ids_.push_back(id);
 }
 
+absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t quota_bytes) {
+  kvmem::MutexLock lock(&mu_);
+  if (tenants_.size() > kMaxTenants) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenants: more than ", kMaxTenants, " distinct cache salts"));
+  }
+  tenants_.push_back(Tenant{std::move(name), quota_bytes, 0});
+  return static_cast<TenantId>(tenants_.size() - 1);
+}
+
+uint64_t BlockPool::tenant_bytes(TenantId tenant) const {
+  kvmem::MutexLock lock(&mu_);
+  return tenant < tenants_.size() ? tenants_[tenant].used : 0;
+}
+
 absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::vector<BlockId>* out,
-                                     Use use) {
+                                     Use use, TenantId tenant) {
   if (block_bytes == 0 || block_bytes > page_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "block_bytes: ", block_bytes, " must be in [1, page_bytes=", page_bytes_, "]"));
@@ -117,8 +133,8 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
   const uint32_t class_bytes = RoundUp(block_bytes);
   for (;;) {
     uint64_t deficit = 0;
-    absl::Status s = AllocateManyOnce(block_bytes, class_bytes, count, out, use, &deficit);
-    if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_) return s;
+    absl::Status s = AllocateManyOnce(block_bytes, class_bytes, count, out, use, tenant, &deficit);
+    if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_ || deficit == 0) return s;
     // An ask the whole pool could not hold leaves the cache alone.
     if (uint64_t{count} * class_bytes > pool_bytes()) return s;
     if (reclaimer_(deficit) == 0) return s;
@@ -126,8 +142,19 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
 }
 
 absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
-                                         std::vector<BlockId>* out, Use use, uint64_t* deficit) {
+                                         std::vector<BlockId>* out, Use use, TenantId tenant,
+                                         uint64_t* deficit) {
   kvmem::MutexLock lock(&mu_);
+  if (tenant >= tenants_.size()) tenant = 0;
+  Tenant& charged = tenants_[tenant];
+  const uint64_t asked = uint64_t{count} * class_bytes;
+  if (use == Use::kGrow && charged.quota > 0 && charged.used + asked > charged.quota) {
+    *deficit = 0;  // not the pool's to reclaim
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", charged.name.substr(0, 64), "' (cache_salt) holds ", charged.used,
+                     " bytes of the pool; ", asked, " more would pass its quota of ", charged.quota,
+                     " bytes (--tenant-quota-bytes)"));
+  }
   const size_t first = out->size();
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use);
@@ -144,7 +171,6 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
       if (free_pages_.size() > usable) {
         room += (free_pages_.size() - usable) * (page_bytes_ / class_bytes) * class_bytes;
       }
-      const uint64_t asked = uint64_t{count} * class_bytes;
       *deficit = asked > room ? asked - room : class_bytes;
       return absl::ResourceExhaustedError(absl::StrCat(
           "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
@@ -153,7 +179,9 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
           " kept for quantization) and ", blocks_used_, " blocks in use"));
     }
     out->push_back(*id);
+    blocks_[*id].tenant = tenant;
   }
+  charged.used += asked;
   return absl::OkStatus();
 }
 

@@ -25,6 +25,8 @@
 namespace kvmem::store {
 
 using BlockId = uint32_t;
+// Who a block's bytes are charged to (RegisterTenant); 0: nobody, no quota.
+using TenantId = uint32_t;
 inline constexpr uint32_t kBlockAlignment = 64;
 
 struct PoolUsage {
@@ -56,8 +58,17 @@ class BlockPool {
 
   // Allocates `count` blocks of `block_bytes` each, all or none, each with one reference.
   // RESOURCE_EXHAUSTED names the pool and what was asked when it cannot.
+  // The blocks are charged to `tenant` until freed; a kGrow allocation that would take the
+  // tenant past its quota is RESOURCE_EXHAUSTED naming the tenant and the quota (and
+  // reclaims nothing: the pool is not what is short).
   [[nodiscard]] absl::Status AllocateMany(uint32_t block_bytes, size_t count,
-                                          std::vector<BlockId>* out, Use use = Use::kGrow);
+                                          std::vector<BlockId>* out, Use use = Use::kGrow,
+                                          TenantId tenant = 0);
+  // A tenant named `name` with a quota of pool bytes (0: none); at most kMaxTenants.
+  absl::StatusOr<TenantId> RegisterTenant(std::string name, uint64_t quota_bytes);
+  static constexpr size_t kMaxTenants = 1 << 16;
+  // Pool bytes charged to the tenant now.
+  uint64_t tenant_bytes(TenantId tenant) const;
   // Adds a reference to each block.
   void Ref(absl::Span<const BlockId> ids);
   // Drops one reference from each block; returns how many blocks were freed. An id that
@@ -96,12 +107,19 @@ class BlockPool {
     uint64_t offset = 0;
     uint32_t class_bytes = 0;
     uint32_t refs = 0;  // 0 = id is free
+    TenantId tenant = 0;
+  };
+  struct Tenant {
+    std::string name;
+    uint64_t quota = 0;  // 0: none
+    uint64_t used = 0;
   };
 
   // AllocateMany without reclaiming; on RESOURCE_EXHAUSTED, *deficit is about how many more
   // bytes it would have needed.
   absl::Status AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
-                                std::vector<BlockId>* out, Use use, uint64_t* deficit);
+                                std::vector<BlockId>* out, Use use, TenantId tenant,
+                                uint64_t* deficit);
   absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -117,6 +135,7 @@ class BlockPool {
   // Pages with at least one free slot, per size class; lowest page first keeps pages dense.
   std::map<uint32_t, std::set<uint32_t>> partial_ ABSL_GUARDED_BY(mu_);
   std::vector<Block> blocks_ ABSL_GUARDED_BY(mu_);
+  std::vector<Tenant> tenants_ ABSL_GUARDED_BY(mu_) = {Tenant{}};  // [0]: nobody
   std::vector<BlockId> free_ids_ ABSL_GUARDED_BY(mu_);
   uint64_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t block_bytes_used_ ABSL_GUARDED_BY(mu_) = 0;

@@ -423,6 +423,40 @@ TEST_F(PrefixTest, ConcurrentPublishersSharersAndReclaimsNeverMixUpBlocks) {
   EXPECT_EQ(stats.pool.bad_unrefs, 0u);
 }
 
+TEST_F(PrefixTest, EachSaltHoldsAtMostItsQuotaOfThePool) {
+  // 32 KiB per tenant: 64 blocks of 512 bytes, 8 per stream = 128 tokens.
+  MakeEngine(1 << 20, [](EngineConfig& c) {
+    c.tenant_quota_bytes = 32 * 1024;
+    c.tenant_quotas = {{"big", 64 * 1024}};
+  });
+  auto a = CreateWith({}, "full", {}, "tenant-a");
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(AppendTokens(a->sequence_id, 0, 128).ok());
+  const std::string before = Content(a->sequence_id);
+  absl::StatusOr<AppendResult> over = AppendTokens(a->sequence_id, 128, 16);
+  ASSERT_FALSE(over.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(over.status()));
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("tenant 'tenant-a'"));
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("quota of 32768 bytes"));
+  EXPECT_EQ(Content(a->sequence_id), before);  // nothing changed
+  // A fork of it is the same tenant.
+  auto child = engine_->Fork(a->sequence_id, absl::ZeroDuration());
+  ASSERT_TRUE(child.ok());
+  EXPECT_FALSE(AppendTokens(child->sequence_id, 128, 16).ok());
+  // Other tenants, an overridden quota, and no salt at all are not affected.
+  auto b = CreateWith({}, "full", {}, "tenant-b");
+  ASSERT_TRUE(AppendTokens(b->sequence_id, 0, 128).ok());
+  auto big = CreateWith({}, "full", {}, "big");
+  ASSERT_TRUE(AppendTokens(big->sequence_id, 0, 256).ok());
+  const uint64_t none = Create();
+  ASSERT_TRUE(AppendTokens(none, 0, 512).ok());
+  // Released, its bytes come back to it.
+  ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
+  ASSERT_TRUE(engine_->Release(a->sequence_id).ok());
+  auto again = CreateWith({}, "full", {}, "tenant-a");
+  ASSERT_TRUE(AppendTokens(again->sequence_id, 0, 128).ok());
+}
+
 TEST_F(PrefixTest, AForkOfASharerHoldsItsOwnReferences) {
   Publisher(32);
   auto b = CreateWith(Tokens(33));
