@@ -244,6 +244,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   }
   seq.RecordAppend(token_ids_, last_position_, total);
   seq.mutable_prefix().compressed_document = false;
+  seq.mutable_prefix().compressions = 0;
   // Inside the section: readers of the old table already see the odd word.
   engine_->pool_->Unref(batch_.dropped);
   std::move(poison_on_unwind).Cancel();

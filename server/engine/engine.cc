@@ -63,7 +63,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       board_(std::move(board)),
       clock_(clock) {
   // A full pool first gives back what only the prefix cache holds.
-  pool_->set_reclaimer([this](uint64_t bytes) { return prefix_->Reclaim(bytes); });
+  pool_->set_reclaimer(
+      [this](uint64_t bytes, store::TenantId tenant) { return prefix_->Reclaim(bytes, tenant); });
 }
 
 Engine::~Engine() {
@@ -138,12 +139,17 @@ absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& promp
       absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
           policy::CreatePolicy(policy_name, params);  // its own name, and checked parameters
       if (!policy.ok()) return policy.status();
-      absl::StatusOr<prefix::BlockHash> key =
-          DocumentKey(prompt.token_ids.first(prompt.document_tokens),
-                      Representation((*policy)->descriptor().name, params, quant), prompt.salt);
-      if (!key.ok()) return key.status();
-      if (prefix_->ContainsDocument(PrefixNamespace(layout, prompt.model), *key)) {
-        return uint64_t{prompt.document_tokens};
+      // What CreateSequence would never map (CreateSequenceImpl) is not reported either:
+      // nothing for a policy that needs per-token signals, no document for a device step.
+      if ((*policy)->descriptor().append_signals != 0) return uint64_t{0};
+      if (!(config_.device_step && (*policy)->has_kernel_step())) {
+        absl::StatusOr<prefix::BlockHash> key =
+            DocumentKey(prompt.token_ids.first(prompt.document_tokens),
+                        Representation((*policy)->descriptor().name, params, quant), prompt.salt);
+        if (!key.ok()) return key.status();
+        if (prefix_->ContainsDocument(PrefixNamespace(layout, prompt.model), *key)) {
+          return uint64_t{prompt.document_tokens};
+        }
       }
     }
     absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
@@ -206,8 +212,6 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   // A policy that needs per-token signals on every append gets none mapped: the worker
   // appends the whole prompt with its signals.
   if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
-  absl::StatusOr<store::TenantId> tenant = TenantFor(prompt.salt);
-  if (!tenant.ok()) return tenant.status();
   std::vector<prefix::BlockHash> hashes;
   std::optional<prefix::BlockHash> document;
   if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
@@ -238,6 +242,9 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     if (!created.ok()) return created.status();
     slots = *std::move(created);
   }
+  // Registered only now that the request is known good (a tenant stays registered).
+  absl::StatusOr<store::TenantId> tenant = TenantFor(prompt.salt);
+  if (!tenant.ok()) return tenant.status();
 
   const uint64_t epoch = next_epoch_.fetch_add(1);
   absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);

@@ -251,8 +251,12 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   Renew(seq);
   seq.Publish();
   result.version = seq.version();
-  // A compression of a prompt no step has touched: a document others may map.
-  seq.mutable_prefix().compressed_document = seq.steps() == 0;
+  // One compression, by the policy's own rule, of a prompt no step has touched: a document
+  // others may map. A second Compress, or one with a target of the client's, is not.
+  Sequence::PrefixState& prefix = seq.mutable_prefix();
+  ++prefix.compressions;
+  prefix.compressed_document =
+      seq.steps() == 0 && prefix.compressions == 1 && input.target_tokens == 0;
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "server/engine/engine.h"
 
@@ -34,7 +35,8 @@ std::string Engine::Representation(absl::string_view policy_name,
   std::vector<std::pair<std::string, double>> sorted(params.begin(), params.end());
   std::sort(sorted.begin(), sorted.end());
   std::string out = absl::StrCat(policy_name, "(");
-  for (const auto& [k, v] : sorted) absl::StrAppend(&out, k, "=", v, ";");
+  // Exact values (%a): two parameters that differ never print alike.
+  for (const auto& [k, v] : sorted) absl::StrAppend(&out, k, "=", absl::StrFormat("%a", v), ";");
   absl::StrAppend(
       &out, ") ",
       quant.type ? absl::StrCat("q", static_cast<int>(*quant.type), " recent ", quant.recent_tokens)
@@ -66,6 +68,7 @@ absl::Status Engine::AdoptDocument(Sequence& seq, const prefix::EntryPayload& pa
   seq.RecordAppend(doc.token_ids, n - 1, static_cast<uint64_t>(n));
   seq.set_policy_mark(doc.policy_mark);
   seq.mutable_prefix().compressed_document = true;  // it holds the same state
+  seq.mutable_prefix().compressions = 1;
   return absl::OkStatus();
 }
 
@@ -76,11 +79,17 @@ absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
         absl::StrCat("sequence ", seq.id(), ": not a compressed document: ", why));
   };
   if (!state.compressed_document) {
-    return refuse("its last change must be a Compress of the tokens it appended, before any Step");
+    return refuse(
+        "its last change must be one Compress (by the policy's own rule, no target_tokens) of "
+        "the tokens it appended, before any Step");
   }
   if (seq.slots() != nullptr) {
     return refuse(absl::StrCat("policy ", seq.policy_name(),
                                " keeps its scores in the backend (device step)"));
+  }
+  if (seq.policy().descriptor().append_signals != 0) {
+    return refuse(absl::StrCat("policy ", seq.policy_name(),
+                               " needs per-token signals on every append: nothing would map it"));
   }
   absl::Span<const int32_t> tokens = seq.token_ids();
   if (tokens.empty() || seq.last_position() != static_cast<int64_t>(tokens.size()) - 1) {

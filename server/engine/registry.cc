@@ -98,12 +98,13 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
 
 absl::StatusOr<store::TenantId> Engine::TenantFor(absl::string_view salt) {
   if (salt.empty()) return store::TenantId{0};
-  kvmem::MutexLock lock(&tenants_mu_);
-  if (auto it = tenants_.find(salt); it != tenants_.end()) return it->second;
   uint64_t quota = config_.tenant_quota_bytes;
   for (const auto& [name, bytes] : config_.tenant_quotas) {
     if (name == salt) quota = bytes;
   }
+  if (quota == 0) return store::TenantId{0};  // nothing to count: no registry entry
+  kvmem::MutexLock lock(&tenants_mu_);
+  if (auto it = tenants_.find(salt); it != tenants_.end()) return it->second;
   absl::StatusOr<store::TenantId> id = pool_->RegisterTenant(std::string(salt), quota);
   if (!id.ok()) return id.status();
   tenants_.emplace(std::string(salt), *id);

@@ -278,6 +278,7 @@ class Sequence {
     // Its last change was a Compress of its appended tokens, with no step before it: its
     // cache is a compressed document others may map (Publish with compressed_document).
     bool compressed_document = false;
+    uint32_t compressions = 0;  // Compress calls applied since its last append
   };
   const PrefixState& prefix() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return prefix_; }
   PrefixState& mutable_prefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return prefix_; }

@@ -20,7 +20,7 @@ std::string PrefixIndex::Key(absl::string_view ns, const BlockHash& hash) {
 uint64_t PrefixIndex::EntryHostBytes(size_t ns_bytes, size_t streams) {
   // The node (key, entry), the key's and the parent key's text, the block list.
   return sizeof(std::string) + sizeof(Entry) + 2 * (ns_bytes + sizeof(BlockHash)) +
-         streams * sizeof(store::BlockId) + 4 * sizeof(void*);
+         streams * (sizeof(store::BlockId) + 16) + 4 * sizeof(void*);
 }
 
 void PrefixIndex::LinkNewest(Entry* e) {
@@ -48,6 +48,18 @@ void PrefixIndex::Unlink(Entry* e) {
   (e->newer != nullptr ? e->newer->older : newest_leaf_) = e->older;
   e->newer = e->older = nullptr;
   e->listed = false;
+}
+
+bool PrefixIndex::OnlyIndexed(const Entry& e) const {
+  for (store::BlockId id : e.blocks) {
+    auto it = index_refs_.find(id);
+    if (it == index_refs_.end() || pool_->refs(id) != it->second) return false;
+  }
+  return true;
+}
+
+void PrefixIndex::AddIndexRefs(const std::vector<store::BlockId>& ids) {
+  for (store::BlockId id : ids) ++index_refs_[id];  // room reserved by the caller
 }
 
 void PrefixIndex::Touch(Entry* e) {
@@ -122,7 +134,8 @@ bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const B
       parent_key.clear();  // not reachable through its parent now; a leaf of its own
     }
   }
-  // The only step that can throw comes first; nothing after it can.
+  // The steps that can throw come first; nothing after them can.
+  index_refs_.reserve(index_refs_.size() + ids.size());
   auto [it, added] = entries_.try_emplace(std::move(key));
   Entry& e = it->second;
   e.key = &it->first;
@@ -130,6 +143,7 @@ bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const B
   e.parent_key = std::move(parent_key);
   LinkNewest(&e);
   if (p != nullptr && p->children++ == 0) Unlink(p);  // no longer a leaf
+  AddIndexRefs(e.blocks);
   pool_->Ref(e.blocks);
   indexed_blocks_ += e.blocks.size();
   host_bytes_ += EntryHostBytes(ns.size(), e.blocks.size());
@@ -147,12 +161,14 @@ bool PrefixIndex::PublishDocument(absl::string_view ns, const BlockHash& key,
     Touch(&it->second);
     return false;
   }
+  index_refs_.reserve(index_refs_.size() + blocks.size());
   auto [it, added] = entries_.try_emplace(std::move(k));
   Entry& e = it->second;
   e.key = &it->first;
   e.blocks = std::move(blocks);
   e.payload = std::move(payload);
   LinkNewest(&e);
+  AddIndexRefs(e.blocks);
   pool_->Ref(e.blocks);
   indexed_blocks_ += e.blocks.size();
   host_bytes_ += bytes;
@@ -180,20 +196,27 @@ bool PrefixIndex::ContainsDocument(absl::string_view ns, const BlockHash& key) c
   return entries_.contains(k);
 }
 
-uint64_t PrefixIndex::Reclaim(uint64_t bytes) {
+uint64_t PrefixIndex::Reclaim(uint64_t bytes, store::TenantId tenant) {
   kvmem::MutexLock lock(&mu_);
-  const uint64_t free_before = pool_->free_bytes();
-  auto page_bytes_freed = [&] {
-    const uint64_t now = pool_->free_bytes();
-    return now > free_before ? now - free_before : 0;
+  // Progress: free pages of the pool, or (for a tenant) what is charged to it.
+  auto measure = [&] { return tenant == 0 ? pool_->free_bytes() : pool_->tenant_bytes(tenant); };
+  const uint64_t before = measure();
+  auto freed = [&] {
+    const uint64_t now = measure();
+    if (tenant == 0) return now > before ? now - before : 0;
+    return before > now ? before - now : 0;
+  };
+  auto charged_to_tenant = [&](const Entry& x) {
+    for (store::BlockId id : x.blocks) {
+      if (pool_->block_tenant(id) != tenant) return false;
+    }
+    return true;
   };
   uint64_t dropped = 0;
   Entry* e = oldest_leaf_;
-  while (e != nullptr && page_bytes_freed() < bytes) {
+  while (e != nullptr && freed() < bytes) {
     Entry* next = e->newer;
-    bool only_ours = true;
-    for (store::BlockId id : e->blocks) only_ours = only_ours && pool_->refs(id) == 1;
-    if (!only_ours) {
+    if (!OnlyIndexed(*e) || (tenant != 0 && !charged_to_tenant(*e))) {
       e = next;
       continue;
     }
@@ -214,6 +237,10 @@ uint64_t PrefixIndex::Reclaim(uint64_t bytes) {
     host_bytes_ -= EntryHostBytes(e->payload ? self->first.size() : ns_bytes, ids.size()) +
                    (e->payload ? e->payload->host_bytes() : 0);
     indexed_blocks_ -= ids.size();
+    for (store::BlockId id : ids) {
+      auto r = index_refs_.find(id);
+      if (--r->second == 0) index_refs_.erase(r);
+    }
     entries_.erase(self);
     for (store::BlockId id : ids) dropped += pool_->block_bytes(id);
     pool_->Unref(ids);
@@ -233,9 +260,7 @@ PrefixStats PrefixIndex::stats() const {
   s.indexed_blocks = indexed_blocks_;
   s.reclaimed_bytes = reclaimed_bytes_;
   s.host_bytes = host_bytes();
-  for (const auto& [key, e] : entries_) {
-    for (store::BlockId id : e.blocks) s.cached_blocks += pool_->refs(id) == 1 ? 1 : 0;
-  }
+  for (const auto& [id, n] : index_refs_) s.cached_blocks += pool_->refs(id) == n ? 1 : 0;
   return s;
 }
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
@@ -98,8 +99,9 @@ class PrefixIndex {
 
   // Drops entries whose blocks only the index holds, least recently used chain end first,
   // until the pool has `bytes` more bytes of free pages or nothing more can go; returns
-  // the pool bytes of the blocks it dropped (0: nothing could go).
-  uint64_t Reclaim(uint64_t bytes);
+  // the pool bytes of the blocks it dropped (0: nothing could go). With a tenant: only
+  // entries whose blocks are all charged to it, until its charge fell by `bytes`.
+  uint64_t Reclaim(uint64_t bytes, store::TenantId tenant = 0);
 
   // The index's own memory (keys, entries, block lists), read without the lock.
   uint64_t host_bytes() const { return host_bytes_.load(std::memory_order_relaxed); }
@@ -133,6 +135,11 @@ class PrefixIndex {
   store::BlockPool* const pool_;
   mutable absl::Mutex mu_;
   absl::node_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // key: ns + hash
+  // References the index holds per block (entries may share blocks: a document and the
+  // prefix blocks it kept): a block is only cached when these are all it has.
+  absl::flat_hash_map<store::BlockId, uint32_t> index_refs_ ABSL_GUARDED_BY(mu_);
+  bool OnlyIndexed(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddIndexRefs(const std::vector<store::BlockId>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Entry* newest_leaf_ ABSL_GUARDED_BY(mu_) = nullptr;
   Entry* oldest_leaf_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t queries_ ABSL_GUARDED_BY(mu_) = 0;

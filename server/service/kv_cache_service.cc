@@ -450,6 +450,10 @@ grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequ
   const uint64_t id = request->sequence_id();
   std::optional<uint64_t> up_to;
   if (request->has_up_to_tokens()) up_to = request->up_to_tokens();
+  if (up_to && request->compressed_document()) {
+    return ToGrpc(absl::InvalidArgumentError(
+        "up_to_tokens: a compressed document is published whole; leave it unset"));
+  }
   absl::StatusOr<uint64_t> published =
       request->compressed_document() ? engine_->PublishDocument(id) : engine_->Publish(id, up_to);
   if (!published.ok()) return ToGrpc(published.status(), id);

@@ -111,12 +111,17 @@ void BlockPool::FreeLocked(BlockId id) {
 
 absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t quota_bytes) {
   kvmem::MutexLock lock(&mu_);
-  if (tenants_.size() > kMaxTenants) {
+  if (tenants_.size() >= kMaxTenants + 1) {  // [0] is nobody
     return absl::ResourceExhaustedError(
         absl::StrCat("tenants: more than ", kMaxTenants, " distinct cache salts"));
   }
   tenants_.push_back(Tenant{std::move(name), quota_bytes, 0});
   return static_cast<TenantId>(tenants_.size() - 1);
+}
+
+TenantId BlockPool::block_tenant(BlockId id) const {
+  kvmem::MutexLock lock(&mu_);
+  return Live(id) ? blocks_[id].tenant : 0;
 }
 
 uint64_t BlockPool::tenant_bytes(TenantId tenant) const {
@@ -133,23 +138,35 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
   const uint32_t class_bytes = RoundUp(block_bytes);
   for (;;) {
     uint64_t deficit = 0;
-    absl::Status s = AllocateManyOnce(block_bytes, class_bytes, count, out, use, tenant, &deficit);
-    if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_ || deficit == 0) return s;
+    bool over_quota = false;
+    absl::Status s =
+        AllocateManyOnce(block_bytes, class_bytes, count, out, use, tenant, &deficit, &over_quota);
+    if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_) return s;
+    if (over_quota) {
+      // What is cached and charged to the tenant goes first, then the refusal.
+      if (reclaimer_(deficit, tenant) == 0) return s;
+      continue;
+    }
     // An ask the whole pool could not hold leaves the cache alone.
     if (uint64_t{count} * class_bytes > pool_bytes()) return s;
-    if (reclaimer_(deficit) == 0) return s;
+    if (reclaimer_(deficit, 0) == 0) return s;
   }
 }
 
 absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
                                          std::vector<BlockId>* out, Use use, TenantId tenant,
-                                         uint64_t* deficit) {
+                                         uint64_t* deficit, bool* over_quota) {
   kvmem::MutexLock lock(&mu_);
-  if (tenant >= tenants_.size()) tenant = 0;
+  if (tenant >= tenants_.size()) {
+    spdlog::critical("block pool: allocation for tenant {}, which is not registered (engine bug)",
+                     tenant);
+    tenant = 0;
+  }
   Tenant& charged = tenants_[tenant];
   const uint64_t asked = uint64_t{count} * class_bytes;
   if (use == Use::kGrow && charged.quota > 0 && charged.used + asked > charged.quota) {
-    *deficit = 0;  // not the pool's to reclaim
+    *deficit = charged.used + asked - charged.quota;
+    *over_quota = true;
     return absl::ResourceExhaustedError(
         absl::StrCat("tenant '", charged.name.substr(0, 64), "' (cache_salt) holds ", charged.used,
                      " bytes of the pool; ", asked, " more would pass its quota of ", charged.quota,
@@ -179,9 +196,10 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
           " kept for quantization) and ", blocks_used_, " blocks in use"));
     }
     out->push_back(*id);
+    // Charged block by block, so that a rollback (FreeLocked) credits exactly what was.
     blocks_[*id].tenant = tenant;
+    charged.used += class_bytes;
   }
-  charged.used += asked;
   return absl::OkStatus();
 }
 

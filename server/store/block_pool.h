@@ -67,8 +67,9 @@ class BlockPool {
   // A tenant named `name` with a quota of pool bytes (0: none); at most kMaxTenants.
   absl::StatusOr<TenantId> RegisterTenant(std::string name, uint64_t quota_bytes);
   static constexpr size_t kMaxTenants = 1 << 16;
-  // Pool bytes charged to the tenant now.
+  // Pool bytes charged to the tenant now; the tenant a block is charged to.
   uint64_t tenant_bytes(TenantId tenant) const;
+  TenantId block_tenant(BlockId id) const;
   // Adds a reference to each block.
   void Ref(absl::Span<const BlockId> ids);
   // Drops one reference from each block; returns how many blocks were freed. An id that
@@ -85,7 +86,9 @@ class BlockPool {
   // can of what is cached (the prefix index's unreferenced blocks) toward `bytes` and
   // returns the bytes it freed; the allocation then tries again, until it succeeds or the
   // reclaimer frees nothing. Set before the pool is shared.
-  using Reclaimer = std::function<uint64_t(uint64_t bytes)>;
+  // With a tenant (not 0), the allocation was refused for that tenant's quota: the
+  // reclaimer frees what is cached and charged to it, toward `bytes` of its charge.
+  using Reclaimer = std::function<uint64_t(uint64_t bytes, TenantId tenant)>;
   void set_reclaimer(Reclaimer reclaimer) { reclaimer_ = std::move(reclaimer); }
   PoolUsage usage() const;
   uint64_t pool_bytes() const { return page_bytes_ * num_pages_; }
@@ -117,9 +120,10 @@ class BlockPool {
 
   // AllocateMany without reclaiming; on RESOURCE_EXHAUSTED, *deficit is about how many more
   // bytes it would have needed.
+  // `over_quota`: set when the tenant's quota, not the pool, refused it.
   absl::Status AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
                                 std::vector<BlockId>* out, Use use, TenantId tenant,
-                                uint64_t* deficit);
+                                uint64_t* deficit, bool* over_quota);
   absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -457,6 +457,41 @@ TEST_F(PrefixTest, EachSaltHoldsAtMostItsQuotaOfThePool) {
   ASSERT_TRUE(AppendTokens(again->sequence_id, 0, 128).ok());
 }
 
+TEST_F(PrefixTest, ATenantsOwnCachedBlocksGiveWayToItsQuota) {
+  MakeEngine(1 << 20, [](EngineConfig& c) { c.tenant_quota_bytes = 32 * 1024; });
+  ASSERT_TRUE(engine_->Release(Publisher(128, "t")).ok());  // its whole quota, only cached
+  auto b = CreateWith({}, "full", {}, "t");
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(AppendTokens(b->sequence_id, 0, 32).ok());  // the cache gave way
+  EXPECT_GT(engine_->Stats(false).prefix.reclaimed_bytes, 0u);
+}
+
+TEST_F(PrefixTest, BlocksADocumentSharesWithPublishedPrefixesAreStillReclaimed) {
+  // A snapkv that keeps everything (budget > n): its document's blocks are its published
+  // prefix blocks; once nobody holds them, both entries go.
+  MakeEngine(64 * 4096);
+  auto a = CreateWith({}, "snapkv", {{"budget", 1000}, {"window", 8}});
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(AppendTokens(a->sequence_id, 0, 64).ok());
+  ASSERT_EQ(*engine_->Publish(a->sequence_id, std::nullopt), 64u);
+  CompressInput input;
+  input.epoch = engine_->GetBlockTable(a->sequence_id)->epoch;
+  const std::vector<float> row(64, 1.0f);
+  for (uint32_t s = 0; s < kL * kH; ++s) input.window_scores.push_back({s / kH, s % kH, row});
+  ASSERT_TRUE(engine_->Compress(a->sequence_id, input).ok());
+  ASSERT_EQ(*engine_->PublishDocument(a->sequence_id), 64u);
+  ASSERT_TRUE(engine_->Release(a->sequence_id).ok());
+  EngineStats stats = engine_->Stats(false);
+  EXPECT_EQ(stats.prefix.entries, 5u);  // four blocks and the document
+  EXPECT_EQ(stats.prefix.cached_blocks, stats.pool.blocks_used);
+  const uint64_t filler = Create();
+  ASSERT_TRUE(AppendRange(filler, 0, 1024).ok());  // the whole pool
+  ASSERT_TRUE(engine_->Release(filler).ok());
+  stats = engine_->Stats(false);
+  EXPECT_EQ(stats.prefix.entries, 0u);
+  EXPECT_EQ(stats.pool.blocks_used, 0u);
+}
+
 TEST_F(PrefixTest, AForkOfASharerHoldsItsOwnReferences) {
   Publisher(32);
   auto b = CreateWith(Tokens(33));
@@ -593,6 +628,29 @@ TEST_F(DocumentTest, OnlyAFreshlyCompressedPromptIsADocument) {
   ASSERT_TRUE(plain.ok());
   ASSERT_TRUE(AppendTokens(plain->sequence_id, 0, 20).ok());
   EXPECT_FALSE(engine_->PublishDocument(plain->sequence_id).ok());  // never compressed
+}
+
+TEST_F(DocumentTest, ASecondCompressOrAClientTargetIsNoDocument) {
+  const uint64_t twice = Compressed(kSnap);
+  CompressInput input;
+  input.epoch = engine_->GetBlockTable(twice)->epoch;
+  const size_t n = engine_->GetBlockTable(twice)->streams[0].positions.size();
+  const std::vector<float> row(n, 1.0f);
+  for (uint32_t s = 0; s < kL * kH; ++s) input.window_scores.push_back({s / kH, s % kH, row});
+  ASSERT_TRUE(engine_->Compress(twice, input).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(engine_->PublishDocument(twice).status()));
+
+  auto targeted = CreateWith({}, "snapkv", kSnap);
+  ASSERT_TRUE(AppendTokens(targeted->sequence_id, 0, kDoc).ok());
+  CompressInput with_target;
+  with_target.epoch = engine_->GetBlockTable(targeted->sequence_id)->epoch;
+  with_target.target_tokens = 10;
+  const std::vector<float> full_row(kDoc, 1.0f);
+  for (uint32_t s = 0; s < kL * kH; ++s) {
+    with_target.window_scores.push_back({s / kH, s % kH, full_row});
+  }
+  ASSERT_TRUE(engine_->Compress(targeted->sequence_id, with_target).ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(engine_->PublishDocument(targeted->sequence_id).status()));
 }
 
 TEST_F(DocumentTest, AReleasedDocumentIsCachedAndReclaimedUnderPressure) {

@@ -96,7 +96,8 @@ TEST_F(PrefixIndexTest, ReclaimTakesOnlyUnheldLeavesOldestFirst) {
 }
 
 TEST_F(PrefixIndexTest, AFullPoolReclaimsTheCacheBeforeFailing) {
-  pool_->set_reclaimer([this](uint64_t bytes) { return index_->Reclaim(bytes); });
+  pool_->set_reclaimer(
+      [this](uint64_t bytes, store::TenantId tenant) { return index_->Reclaim(bytes, tenant); });
   PublishChain(16);  // half the pool's 64 pages, only cached
   std::vector<store::BlockId> all;
   ASSERT_TRUE(pool_->AllocateMany(4096, 64, &all).ok());  // the whole pool

@@ -93,3 +93,55 @@ TEST(BlockPoolTest, RandomChurnKeepsAccountingExact) {
 
 }  // namespace
 }  // namespace kvmem::store
+
+namespace kvmem::store {
+namespace {
+
+TEST(BlockPoolTenantTest, ChargesExactlyWhatIsHeldAlsoWhenABatchFailsPartway) {
+  auto pool = *BlockPool::Create(8 * 4096, 4096);
+  const TenantId t = *pool->RegisterTenant("t", 1 << 20);
+  std::vector<BlockId> other;
+  ASSERT_TRUE(pool->AllocateMany(4096, 6, &other).ok());  // 2 pages left
+  std::vector<BlockId> mine;
+  // Three pages asked, two free: the batch allocates two, fails, gives them back.
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(pool->AllocateMany(4096, 3, &mine, BlockPool::Use::kGrow, t)));
+  EXPECT_TRUE(mine.empty());
+  EXPECT_EQ(pool->tenant_bytes(t), 0u);
+  ASSERT_TRUE(pool->AllocateMany(4096, 2, &mine, BlockPool::Use::kGrow, t).ok());
+  EXPECT_EQ(pool->tenant_bytes(t), 2u * 4096);
+  pool->Unref(mine);
+  EXPECT_EQ(pool->tenant_bytes(t), 0u);
+  pool->Unref(other);
+}
+
+TEST(BlockPoolTenantTest, AQuotaRefusalAsksTheReclaimerForTheTenantFirst) {
+  auto pool = *BlockPool::Create(16 * 4096, 4096);
+  const TenantId t = *pool->RegisterTenant("t", 2 * 4096);
+  std::vector<BlockId> cached;
+  ASSERT_TRUE(pool->AllocateMany(4096, 2, &cached, BlockPool::Use::kGrow, t).ok());
+  std::vector<std::pair<uint64_t, TenantId>> asked;
+  pool->set_reclaimer([&](uint64_t bytes, TenantId tenant) -> uint64_t {
+    asked.emplace_back(bytes, tenant);
+    if (cached.empty()) return 0;
+    pool->Unref(cached);  // what a prefix cache would give back
+    cached.clear();
+    return 2 * 4096;
+  });
+  std::vector<BlockId> more;
+  ASSERT_TRUE(pool->AllocateMany(4096, 1, &more, BlockPool::Use::kGrow, t).ok());
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0], std::make_pair(uint64_t{4096}, t));
+  // Nothing left to give: the refusal names the tenant and its quota.
+  std::vector<BlockId> again;
+  ASSERT_TRUE(pool->AllocateMany(4096, 1, &again, BlockPool::Use::kGrow, t).ok());
+  absl::Status s = pool->AllocateMany(4096, 1, &again, BlockPool::Use::kGrow, t);
+  EXPECT_TRUE(absl::IsResourceExhausted(s));
+  EXPECT_NE(s.message().find("tenant 't'"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("quota of 8192 bytes"), std::string::npos) << s;
+  pool->Unref(more);
+  pool->Unref(again);
+}
+
+}  // namespace
+}  // namespace kvmem::store
