@@ -37,7 +37,8 @@ void LocalKvStore::Append(absl::Span<const int64_t> positions, const ForwardResu
 absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Client* client,
                                                                    const ModelConfig& config,
                                                                    const client::PolicySpec& policy,
-                                                                   ReadPath path) {
+                                                                   ReadPath path,
+                                                                   const client::Prompt* prompt) {
   std::unique_ptr<KvmemKvStore> store(new KvmemKvStore());
   store->client_ = client;
   store->config_ = config;
@@ -56,7 +57,8 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
   const client::Layout layout{
       config.num_layers, config.num_kv_heads, config.head_dim, client::DType::kF32, 16,
       config.vocab};
-  absl::StatusOr<client::Sequence> seq = client->CreateSequence(layout, policy);
+  absl::StatusOr<client::Sequence> seq =
+      client->CreateSequence(layout, policy, std::nullopt, prompt);
   if (!seq.ok()) return seq.status();
   store->sequence_ = *seq;
   store->policy_ = policy;

@@ -40,10 +40,12 @@ class LocalKvStore final : public KvStore {
 class KvmemKvStore final : public KvStore {
  public:
   enum class ReadPath { kSharedMemory, kGrpc };
-  static absl::StatusOr<std::unique_ptr<KvmemKvStore>> Create(client::Client* client,
-                                                              const ModelConfig& config,
-                                                              const client::PolicySpec& policy,
-                                                              ReadPath path);
+  // With `prompt`, the sequence starts with the longest published prefix of it mapped
+  // (reused_tokens(); published again as it fills when prompt->auto_publish).
+  static absl::StatusOr<std::unique_ptr<KvmemKvStore>> Create(
+      client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
+      ReadPath path, const client::Prompt* prompt = nullptr);
+  uint64_t reused_tokens() const { return sequence_.reused_prefix_tokens; }
   ~KvmemKvStore() override;
 
   absl::Status BeginForward() override;

@@ -38,6 +38,10 @@ class Session {
   // the decode step); returns the last token's logits.
   absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill);
 
+  // The first `tokens` positions are in the cache already (a prefix mapped at creation):
+  // the next Feed starts after them.
+  void SkipMapped(int64_t tokens) { next_position_ = tokens; }
+
   // What a forward pass must compute for this session's policy.
   ForwardOptions Options(bool prefill) const;
 

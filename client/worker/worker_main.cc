@@ -59,6 +59,10 @@ ABSL_FLAG(uint32_t, kl_keep_recent, 0,
           "kl: keep this many newest tokens and drop the --kl_drop before them instead");
 ABSL_FLAG(std::string, prompt_file, "", "read the prompt from this file instead of --prompt");
 ABSL_FLAG(uint32_t, max_prompt_tokens, 0, "generate: cut the prompt to this many tokens");
+ABSL_FLAG(bool, prefix_cache, false,
+          "generate: create the sequence with the prompt's token ids (its published prefix is "
+          "mapped and not computed again) and publish its blocks as they fill; policies that "
+          "do not compress the prompt only");
 ABSL_FLAG(std::string, policies, "",
           "multi: ';'-separated policies, each name[,key=value...] (keys as in --param, plus "
           "quantization=int8|int4|nf4 and quant_recent=N)");
@@ -215,10 +219,36 @@ int Generate() {
   std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
   const uint32_t max_prompt = absl::GetFlag(FLAGS_max_prompt_tokens);
   if (max_prompt > 0 && ids.size() > max_prompt) ids.resize(max_prompt);
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t reused = 0;
+  if (absl::GetFlag(FLAGS_prefix_cache)) {
+    absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
+    if (!policy.ok()) return Fail("setup", policy.status());
+    if (env.daemon == nullptr || policy->name.value_or("full") != "full" ||
+        policy->quantization != client::Precision::kLayout) {
+      return Fail("setup", absl::InvalidArgumentError(
+                               "--prefix_cache: needs kvmemd and a policy that keeps the prompt "
+                               "as it is (full, layout precision)"));
+    }
+    // The sequence again, created with the prompt (timed: it is part of the first token).
+    env.store = nullptr;
+    env.daemon.reset();
+    client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
+    const auto path = absl::GetFlag(FLAGS_read_path) == "grpc"
+                          ? KvmemKvStore::ReadPath::kGrpc
+                          : KvmemKvStore::ReadPath::kSharedMemory;
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
+        KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, path, &prompt);
+    if (!d.ok()) return Fail("setup", d.status());
+    env.daemon = *std::move(d);
+    env.store = env.daemon.get();
+    reused = env.daemon->reused_tokens();
+  }
   Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
   std::mt19937 rng(absl::GetFlag(FLAGS_seed));
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<std::vector<float>> logits = session.Feed(ids, true);
+  session.SkipMapped(static_cast<int64_t>(reused));
+  absl::StatusOr<std::vector<float>> logits = session.Feed(
+      std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(reused), ids.end()), true);
   if (!logits.ok()) return Fail("prefill", logits.status());
   const auto t1 = std::chrono::steady_clock::now();
   // Marks for scripts that sample the daemon while the worker decodes (eval.py speed).
@@ -241,6 +271,10 @@ int Generate() {
   std::printf("---\nprompt %zu tokens, %.1f tokens/s prefill; %u generated, %.1f tokens/s decode\n",
               ids.size(), ids.size() / prefill_s, generated,
               generated > 0 ? generated / decode_s : 0.0);
+  if (absl::GetFlag(FLAGS_prefix_cache)) {
+    std::printf("prefix cache: %llu of %zu prompt tokens reused; first token after %.1f ms\n",
+                static_cast<unsigned long long>(reused), ids.size(), 1000 * prefill_s);
+  }
   if (env.daemon != nullptr) {
     const uint64_t full = FullCacheBytes(env.model->config(), session.tokens(), 4);
     std::printf(
