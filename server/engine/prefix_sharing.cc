@@ -211,6 +211,14 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
                                             " tokens appended but ", tokens.size(), " token ids"));
   }
   size_t want = static_cast<size_t>(std::min<uint64_t>(up_to_tokens, tokens.size()) / B);
+  Sequence::PrefixState& state = seq.mutable_prefix();
+  // Nothing new to publish (most auto-published appends: no block filled) while the chain's
+  // last published entry is still there (then so are its ancestors: only leaves go): skip
+  // the walks below, which could only find that out.
+  if (want <= state.published_blocks && state.published_blocks > 0 &&
+      prefix_->Contains(state.ns, state.hashes[state.published_blocks - 1])) {
+    return uint64_t{state.published_blocks} * B;
+  }
   // Appends without token ids record -1 (append.cc): only whole blocks of known tokens.
   for (size_t i = 0; i < want * B; ++i) {
     if (tokens[i] >= 0) continue;
@@ -241,7 +249,6 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
     }
     if (!ok) break;
   }
-  Sequence::PrefixState& state = seq.mutable_prefix();
   // Entries from the first one this sequence has not published; from its first block again
   // when the one before it has been reclaimed meanwhile (a chain is matched from its start).
   size_t from = std::min(state.published_blocks, whole);

@@ -75,6 +75,15 @@ auto ToVector(const Repeated& r) {
   return std::vector<typename Repeated::value_type>(r.begin(), r.end());
 }
 
+void ToProto(const PolicySpec& policy, v1::PolicySpec* out) {
+  if (policy.name) out->set_name(*policy.name);
+  out->set_quantization(static_cast<v1::Precision>(policy.quantization));
+  if (policy.quantization_recent_tokens) {
+    out->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
+  }
+  for (const auto& [k, v] : policy.params) (*out->mutable_params())[k] = v;
+}
+
 void ToProto(const Layout& layout, v1::Layout* out) {
   out->set_num_layers(layout.num_layers);
   out->set_num_kv_heads(layout.num_kv_heads);
@@ -451,13 +460,7 @@ absl::StatusOr<Sequence> Client::CreateSequence(const Layout& layout, const Poli
                                                 const Prompt* prompt) {
   v1::CreateSequenceRequest q;
   ToProto(layout, q.mutable_layout());
-  v1::PolicySpec* spec = q.mutable_policy();
-  if (policy.name) spec->set_name(*policy.name);
-  spec->set_quantization(static_cast<v1::Precision>(policy.quantization));
-  if (policy.quantization_recent_tokens) {
-    spec->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
-  }
-  for (const auto& [k, v] : policy.params) (*spec->mutable_params())[k] = v;
+  ToProto(policy, q.mutable_policy());
   if (lease) ToProto(*lease, q.mutable_lease());
   if (prompt != nullptr) {
     q.mutable_prompt_token_ids()->Add(prompt->token_ids.begin(), prompt->token_ids.end());
@@ -832,13 +835,7 @@ absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prom
   v1::LookupRequest q;
   ToProto(layout, q.mutable_layout());
   q.set_document_tokens(prompt.document_tokens);
-  v1::PolicySpec* spec = q.mutable_policy();
-  if (policy.name) spec->set_name(*policy.name);
-  spec->set_quantization(static_cast<v1::Precision>(policy.quantization));
-  if (policy.quantization_recent_tokens) {
-    spec->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
-  }
-  for (const auto& [k, v] : policy.params) (*spec->mutable_params())[k] = v;
+  ToProto(policy, q.mutable_policy());
   q.mutable_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
   q.set_cache_salt(prompt.cache_salt);
   q.set_model(prompt.model);
