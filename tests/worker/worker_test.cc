@@ -223,6 +223,64 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
   EXPECT_NE(batched[1].back(), local.back());  // eviction changed what the model saw
 }
 
+// A second request with the same prompt maps the published blocks (auto_publish by the
+// first) and computes only the rest. Its logits are, to the bit, those of a cold request
+// that prefilled the same two pieces itself (the mapped K/V are exactly what the first
+// request stored); against a cold one-pass prefill they differ only in rounding, because
+// OpenBLAS's sgemm rounds a row differently when the matrix has a different number of rows
+// (measured on Debian's 0.3.21), and the greedy tokens agree. The two tables name the same
+// leading blocks.
+TEST_F(WorkerTest, ReusedPrefixGivesTheColdLogits) {
+  const std::vector<int32_t> ids = tokenizer_->Encode(
+      tokenizer_->ChatPrompt(
+          "The committee met on Tuesday to discuss the budget for the new library, and after "
+          "a long debate about the roof, the windows and the parking lot, it approved the "
+          "plan with two changes that the mayor had asked for. What did the committee do?"),
+      true);
+  ASSERT_GE(ids.size(), 64u);
+  const uint64_t reusable = (ids.size() - 1) / 16 * 16;  // whole blocks, never the last token
+  const std::vector<int32_t> head(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(reusable));
+  const std::vector<int32_t> rest(ids.begin() + static_cast<ptrdiff_t>(reusable), ids.end());
+  const std::vector<int32_t> more = {504, 3884, 3255};
+  const client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
+  auto Create = [&] {
+    auto store = KvmemKvStore::Create(client_.get(), model_->config(), {"full", {}},
+                                      KvmemKvStore::ReadPath::kSharedMemory, &prompt);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  };
+  auto cold = Create();
+  ASSERT_NE(cold, nullptr);
+  EXPECT_EQ(cold->reused_tokens(), 0u);
+  Session cold_session(*model_, *cold, cold.get());
+  ASSERT_TRUE(cold_session.Feed(head, true).ok());
+  const auto want = Run(cold_session, rest, more);
+  const auto one_pass = RunLocal(ids, more);
+
+  auto warm = Create();
+  ASSERT_NE(warm, nullptr);
+  ASSERT_EQ(warm->reused_tokens(), reusable);
+  Session warm_session(*model_, *warm, warm.get());
+  warm_session.SkipMapped(static_cast<int64_t>(reusable));
+  const auto got = Run(warm_session, rest, more);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i], want[i]) << "call " << i;
+    const auto argmax = [](const std::vector<float>& l) {
+      return std::max_element(l.begin(), l.end()) - l.begin();
+    };
+    EXPECT_EQ(argmax(got[i]), argmax(one_pass[i])) << "call " << i;
+    for (size_t j = 0; j < got[i].size(); ++j) {
+      ASSERT_NEAR(got[i][j], one_pass[i][j], 1e-3) << "call " << i << " logit " << j;
+    }
+  }
+  ExpectTableCurrent(*warm);
+  const auto& a = cold->table().streams[0].blocks;
+  const auto& b = warm->table().streams[0].blocks;
+  ASSERT_GE(b.size(), reusable / 16);
+  for (size_t i = 0; i < reusable / 16; ++i) EXPECT_EQ(a[i].id, b[i].id) << "block " << i;
+}
+
 // A table another client changed (here: compressed to 8 tokens) is fetched again before
 // the next forward pass reads the pool; the forward then sees the 8 tokens.
 TEST_F(WorkerTest, TableChangedElsewhereIsFetchedAgain) {
