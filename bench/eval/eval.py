@@ -17,6 +17,9 @@ Studies implemented so far:
   f16    confkv and h2o with their per-step attention rows sent as f32 and as f16
          (kvmem_worker --attention_f16): perplexity, evictions and KV bytes side by side.
   wire   bytes the worker sends and receives per decode step (strace), per policy.
+  docshare  sequences per GiB at equal answer quality: questions over one document asked at
+         once, with no sharing, prefix sharing, per-request compression and one shared
+         compressed document (pool bytes held, time to first token, answers against full).
 
 Text: the Lee Background Corpus (300 ABC news articles, ~60k words) that the PyPI wheel of
 gensim ships as gensim/test/test_data/lee_background.cor: journalists' running English, not
@@ -845,11 +848,159 @@ def study_f16(args):
     return results
 
 
+DOC_QUESTIONS = [
+    "How many residents left their homes near Hill Top?",
+    "Where did the shootout in Kashmir take place?",
+    "How much money did the Murray River Marathon raise for the Red Cross?",
+    "How many midwives were suspended at Wollongong Hospital?",
+    "How many people were killed in the fire in Lima?",
+    "Who is the President of Pakistan?",
+    "Where did the Hopman Cup match take place?",
+    "How many Palestinian militants did the Israeli army kill in the Gaza Strip?",
+]
+
+
+def docqa(model, daemon, mode, questions, doc_tokens, max_tokens, policy="full", params=()):
+    """`kvmem_worker docqa`: (per-question records, totals record)."""
+    import json
+    qfile = Path(f"/tmp/kvmem-eval-questions-{os.getpid()}.txt")
+    qfile.write_text("\n".join(questions) + "\n")
+    args = [str(BIN / "kvmem_worker"), "docqa", f"--model={model}", f"--target=unix:{daemon.sock}",
+            f"--text={corpus_path()}", f"--questions_file={qfile}", f"--doc_mode={mode}",
+            f"--document_tokens={doc_tokens}", f"--max_tokens={max_tokens}", f"--policy={policy}"]
+    if params:
+        args.append("--param=" + ",".join(f"{k}={v}" for k, v in params))
+    out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return records[:-1], records[-1]
+
+
+def word_f1(a, b):
+    """SQuAD-style word-overlap F1 of two answers (lower case, punctuation dropped)."""
+    norm = lambda s: re.sub(r"[^a-z0-9 ]", " ", s.lower()).split()
+    x, y = norm(a), norm(b)
+    if not x or not y:
+        return float(x == y)
+    common = sum(min(x.count(w), y.count(w)) for w in set(x))
+    if common == 0:
+        return 0.0
+    p, r = common / len(x), common / len(y)
+    return 2 * p * r / (p + r)
+
+
+def sharers_table(model, small):
+    """16 requests sharing a 2,048-token prompt (the questions twice over): the blocks they
+    hold together against one copy of the shared blocks plus every request's private tail,
+    that is the blocks of 16 unshared requests less 15 copies of the shared ones."""
+    n, doc = (4, 300) if small else (16, 2048)
+    questions = [q if i < len(DOC_QUESTIONS) else "Briefly: " + q
+                 for i, q in enumerate((DOC_QUESTIONS * 2)[:n])]
+    totals = {}
+    for mode in ("plain", "prefix"):
+        daemon = Daemon()
+        try:
+            recs, totals[mode] = docqa(model, daemon, mode, questions, doc, 8)
+        finally:
+            daemon.close()
+        if mode == "prefix":
+            shared_blocks = recs[1]["reused"] // 16 * 90  # 30 layers x 3 KV heads
+    ideal = totals["plain"]["blocks_used"] - (n - 1) * shared_blocks
+    held = totals["prefix"]["blocks_used"]
+    return ["", f"{n} requests sharing a {recs[0]['document_tokens']}-token prompt prefix "
+            f"({recs[1]['reused']} tokens mapped per request), all held: {held} blocks against "
+            f"{ideal} for one copy plus the private tails ({held / ideal:.3f}x); pool pages "
+            f"{totals['prefix']['pool_used_bytes'] / 2**20:.1f} MiB against "
+            f"{totals['plain']['pool_used_bytes'] / 2**20:.1f} MiB unshared."]
+
+
+def study_docshare(args):
+    """The product's headline figure: questions over one ~4k-token document asked at once
+    (every sequence held until all have answered), under (a) no sharing, full cache; (b)
+    prefix sharing, full cache; (c) per-request compression; (d) one shared compressed
+    document and uncompressed questions; plus (d') each request compressing the document
+    itself, whose answers must be (d)'s to the token. Pool bytes held with every sequence
+    alive (the daemon's own count), sequences per GiB at that size, time to first token, and
+    the answers against the full cache's (exact, word F1). One fresh daemon per row."""
+    small = args.small
+    doc_tokens = 300 if small else 4000
+    questions = DOC_QUESTIONS[:2] if small else DOC_QUESTIONS
+    max_tokens = 8 if small else 24
+    snap = (("budget", 64 if small else 1024),)
+    conf = (("c_high", 48 if small else 512), ("c_low", 96 if small else 1024))
+    runs = [("(a) no sharing", "plain", "full", ()),
+            ("(b) prefix sharing", "prefix", "full", ())]
+    for policy, params in (("snapkv", snap), ("confkv", conf), ("refreekv", ())):
+        runs.append((f"(c) per request, {policy}", "compress", policy, params))
+    for policy, params in (("snapkv", snap), ("confkv", conf), ("refreekv", ())):
+        runs.append((f"(d) shared document, {policy}", "document", policy, params))
+    runs.append(("(d') document per request, snapkv", "private_document", "snapkv", snap))
+    model = model_path()
+    start = time.time()
+    results = []
+    for i, (label, mode, policy, params) in enumerate(runs):
+        progress(i, len(runs), start, label)
+        daemon = Daemon()
+        try:
+            results.append((label, mode, policy, params,
+                            *docqa(model, daemon, mode, questions, doc_tokens, max_tokens, policy,
+                                   params)))
+        finally:
+            daemon.close()
+    full = [r["answer"] for r in results[0][4]]
+    by_label = {label: recs for label, _, _, _, recs, _ in results}
+    same_as_shared = [a["answer"] for a in by_label["(d') document per request, snapkv"]] == \
+        [a["answer"] for a in by_label["(d) shared document, snapkv"]]
+    tag = "small" if small else "full"
+    n = len(questions)
+    lines = [f"#### Sequences per GiB at equal answer quality: {n} questions over one "
+             f"{results[0][4][0]['document_tokens']}-token document ({tag})",
+             f"Command: `python3 bench/eval/eval.py docshare{' --small' if small else ''}`; took "
+             f"{time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}), this machine, one fresh "
+             f"kvmemd per row. Lee corpus, its first {doc_tokens} tokens in the user turn, then "
+             f"`Question: ...`; greedy answers of up to {max_tokens} tokens. Pool bytes: the "
+             "daemon's pages in use with every request's sequence held (after all answered). "
+             "Time to first token: request 1 (cold) and the median of the others. Accuracy: "
+             "answers identical to the full cache's, and mean word F1 against them. "
+             "snapkv budget " + str(snap[0][1]) + f", confkv C_high/C_low {conf[0][1]}/"
+             f"{conf[1][1]}, refreekv its own share.", "",
+             "| configuration | pool bytes held | sequences per GiB | TTFT first / others (ms) "
+             "| same answer as full | word F1 |", "|---|---|---|---|---|---|"]
+    for label, mode, policy, params, recs, total in results:
+        pool = total["pool_used_bytes"]
+        ttft = sorted(r["ttft_ms"] for r in recs[1:]) or [recs[0]["ttft_ms"]]
+        same = sum(r["answer"] == f for r, f in zip(recs, full))
+        f1 = sum(word_f1(r["answer"], f) for r, f in zip(recs, full)) / n
+        lines.append(f"| {label} | {pool / 2**20:.1f} MiB | {n * 2**30 / pool:.0f} "
+                     f"| {recs[0]['ttft_ms']:.0f} / {ttft[len(ttft) // 2]:.0f} | {same}/{n} "
+                     f"| {f1:.2f} |")
+    lines += ["", f"(d') and (d) snapkv answers identical: {'yes' if same_as_shared else 'NO'}.",
+              "", "| question | full cache's answer |", "|---|---|"]
+    for q, a in zip(questions, full):
+        lines.append(f"| {q} | {a.strip().replace('|', '/')} |")
+    lines += sharers_table(model, small)
+    write_table(f"docshare-{tag}", lines)
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, mode, policy, params, recs, total in results:
+            f1 = sum(word_f1(r["answer"], f) for r, f in zip(recs, full)) / n
+            x = n * 2**30 / total["pool_used_bytes"]
+            ax.scatter(x, f1)
+            ax.annotate(label, (x, f1), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("sequences per GiB of pool")
+        ax.set_ylabel("word F1 against the full cache's answers")
+        ax.set_title(f"{n} questions over one document")
+        fig.tight_layout()
+        fig.savefig(OUT / f"docshare-{tag}.png", dpi=120)
+    return results, same_as_shared
+
+
 def study_all(args):
     """Every study in turn, each at the size its table in RESULTS.md was run at."""
     for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
                          ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0),
-                         ("devicestep", 1024), ("f16", 1024)):
+                         ("devicestep", 1024), ("f16", 1024), ("docshare", 0)):
         sub = argparse.Namespace(**vars(args))
         if tokens and not args.small:
             sub.tokens = tokens
@@ -860,7 +1011,7 @@ def study_all(args):
 STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
            "infokv": study_infokv, "devicestep": study_devicestep, "f16": study_f16,
-           "wire": study_wire,
+           "wire": study_wire, "docshare": study_docshare,
            "all": study_all}
 
 

@@ -46,7 +46,7 @@ ForwardOptions Session::Options(bool prefill) const {
   if (prefill) {
     // Policies read optional Compress signals when sent (h2o seeds its accumulators from
     // the window scores, confkv its EMA): the prompt's Compress gets both.
-    if (Compresses(daemon_->policy())) {
+    if (compress_prompt_ && Compresses(daemon_->policy())) {
       options.attention_rows = true;
       options.windows = {PrefillWindow(daemon_->policy(), options_.observation_window)};
     }
@@ -67,6 +67,13 @@ absl::StatusOr<std::vector<float>> Session::Feed(const std::vector<int32_t>& tok
   absl::StatusOr<ForwardResult> r = model_.Forward(tokens, positions, store_, Options(prefill));
   if (!r.ok()) return r.status();
   return Commit(tokens, *r, prefill);
+}
+
+absl::StatusOr<std::vector<float>> Session::FeedUncompressed(const std::vector<int32_t>& tokens) {
+  compress_prompt_ = false;
+  absl::StatusOr<std::vector<float>> logits = Feed(tokens, true);
+  compress_prompt_ = true;
+  return logits;
 }
 
 absl::StatusOr<std::vector<float>> Session::Commit(const std::vector<int32_t>& tokens,
@@ -130,7 +137,7 @@ absl::Status Session::CommitPrompt(const std::vector<int32_t>& tokens, const For
       daemon_->Append(positions, tokens, r, entropy, distance);
   if (!appended.ok()) return appended.status();
   kv_bytes_ = appended->kv_bytes;
-  if (!Compresses(daemon_->policy())) return absl::OkStatus();
+  if (!compress_prompt_ || !Compresses(daemon_->policy())) return absl::OkStatus();
   const uint32_t window = PrefillWindow(daemon_->policy(), options_.observation_window);
   const WindowScores* scores = nullptr;
   for (const WindowScores& ws : r.window_scores) {

@@ -38,6 +38,10 @@ class Session {
   // the decode step); returns the last token's logits.
   absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill);
 
+  // A prompt appended as it is, never compressed: the question after a shared compressed
+  // document (kvpress's protocol: the question is not compressed).
+  absl::StatusOr<std::vector<float>> FeedUncompressed(const std::vector<int32_t>& tokens);
+
   // The first `tokens` positions are in the cache already (a prefix mapped at creation):
   // the next Feed starts after them.
   void SkipMapped(int64_t tokens) { next_position_ = tokens; }
@@ -96,6 +100,7 @@ class Session {
   LocalKvStore* local_;
   SessionOptions options_;
   int64_t next_position_ = 0;
+  bool compress_prompt_ = true;  // false inside FeedUncompressed
   float last_topk_entropy_ = std::nanf("");
   uint64_t evicted_ = 0;
   uint64_t kv_bytes_ = 0;

@@ -74,7 +74,8 @@ struct PromptPrefix {
   // The first `document_tokens` of token_ids are a document that may have been published
   // compressed (Publish with compressed_document) under this sequence's representation:
   // its policy, parameter overrides and quantization. Found, the whole compressed document
-  // is mapped (reused_prefix_tokens = document_tokens); else the plain prefix as usual.
+  // is mapped (reused_prefix_tokens = document_tokens); else the plain prefix, but never
+  // the document's last token or what follows it (the client compresses it alone).
   uint32_t document_tokens = 0;
 };
 

@@ -152,12 +152,17 @@ absl::Status Engine::CheckPrompt(const Layout& layout, const PromptPrefix& promp
 absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PublishedPrefix(
     const Layout& layout, const PromptPrefix& prompt) const {
   // The last token is never reused: the worker computes it, for the logits it samples from.
+  // Nor, in a prompt that starts with a document, the document's last token or anything
+  // after it: the client compresses the document alone, from a forward pass over its end
+  // (and reused_prefix_tokens == document_tokens then means the compressed document).
   // Hashed block by block, only as far as the index has them.
   std::vector<prefix::BlockHash> hashes;
   if (prompt.token_ids.size() < 2) return hashes;
   const std::string ns = PrefixNamespace(layout, prompt.model);
   const uint32_t B = layout.block_tokens;
-  const size_t blocks = (prompt.token_ids.size() - 1) / B;
+  const size_t reusable =
+      (prompt.document_tokens > 0 ? prompt.document_tokens : prompt.token_ids.size()) - 1;
+  const size_t blocks = reusable / B;
   for (size_t i = 0; i < blocks; ++i) {
     std::optional<std::vector<std::string>> extra;
     if (i == 0 && !prompt.salt.empty()) extra = std::vector<std::string>{prompt.salt};

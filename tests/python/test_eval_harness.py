@@ -224,3 +224,29 @@ def test_small_f16_study(tmp_path):
         assert 5 < ppl32 < 200 and evicted32 > 0 and evicted16 > 0
         assert abs(ppl16 - ppl32) / ppl32 < 0.01
         assert float(cells[3].rstrip(" %")) == pytest.approx(100 * (ppl16 - ppl32) / ppl32, abs=1e-3)
+
+
+def test_small_docshare_study(tmp_path):
+    """Questions over one document: prefix sharing answers as the unshared full cache does
+    and holds fewer pool bytes; a shared compressed document holds fewer than per-request
+    compression, answers exactly as compressing the document per request, and later requests
+    skip the prefill; shared prefix blocks are held once (1.000x one copy plus tails)."""
+    run("docshare", tmp_path)
+    table = (tmp_path / "docshare-small.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[0].startswith("("):
+            rows[cells[0]] = {"pool": float(cells[1].split()[0]),
+                              "ttft": [float(x) for x in cells[3].split(" / ")],
+                              "same": cells[4]}
+    assert len(rows) == 9
+    plain, prefix = rows["(a) no sharing"], rows["(b) prefix sharing"]
+    assert prefix["same"] == plain["same"] == "2/2"
+    assert prefix["pool"] < plain["pool"]
+    assert prefix["ttft"][1] < prefix["ttft"][0] / 2
+    shared, own = rows["(d) shared document, snapkv"], rows["(c) per request, snapkv"]
+    assert shared["pool"] < own["pool"]
+    assert shared["ttft"][1] < shared["ttft"][0] / 2
+    assert "(d') and (d) snapkv answers identical: yes." in table
+    assert "(1.000x)" in table

@@ -617,6 +617,26 @@ TEST_F(DocumentTest, OnlyTheSameRepresentationMapsIt) {
   EXPECT_THAT(std::string(whole.status().message()), HasSubstr("document_tokens"));
 }
 
+// A prompt that starts with a document not published compressed maps the plain prefix
+// only as far as the document's last token, exclusive: its client compresses the document
+// alone. Whole blocks: a document of 2 blocks + 3 tokens reuses 2 blocks, one of exactly 3
+// blocks reuses 2 too.
+TEST_F(DocumentTest, APlainPrefixStopsBeforeTheDocumentsLastToken) {
+  constexpr uint32_t kShortDoc = 2 * kB + 3;
+  Publisher(8 * kB);  // a plain chain of document and question together
+  const std::vector<int32_t> ids = Tokens(8 * kB);
+  PromptPrefix p{"m", "", ids};
+  p.document_tokens = kShortDoc;
+  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 2 * kB);
+  auto reader = engine_->CreateSequence(TestLayout(), "snapkv", kSnap, {}, absl::ZeroDuration(), p);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->reused_prefix_tokens, 2 * kB);
+  p.document_tokens = 3 * kB;
+  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 2 * kB);
+  p.document_tokens = 0;  // no document: the whole chain but the last token's block
+  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 7 * kB);
+}
+
 TEST_F(DocumentTest, OnlyAFreshlyCompressedPromptIsADocument) {
   const uint64_t id = Compressed(kSnap);
   ASSERT_TRUE(AppendTokens(id, kDoc, 1).ok());  // changed since its Compress
