@@ -51,7 +51,7 @@ def main():
     cold, warm, ratios = [], [], []
     for r in range(args.repeat):
         sock = f"/tmp/kvmem-ttft-{os.getpid()}-{r}.sock"
-        daemon = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}",
+        daemon = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}", "--metrics-listen=",
                                    "--pool-bytes=1073741824", "--page-bytes=262144"],
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         daemon.stdout.readline()  # READY

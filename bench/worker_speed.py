@@ -84,7 +84,7 @@ def main():
         text = PROMPT
         prompt_args = (f"--prompt={PROMPT}",)
     sock = f"/tmp/kvmem-bench-{os.getpid()}.sock"
-    daemon = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}",
+    daemon = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}", "--metrics-listen=",
                                "--pool-bytes=1073741824", "--page-bytes=262144"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     daemon.stdout.readline()  # READY

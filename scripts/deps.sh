@@ -2,7 +2,8 @@
 # Installs the Debian 12 packages kvmem builds and tests with (as root, or through sudo).
 # Skips apt entirely when everything is already present. golang-github-gogo-googleapis-dev
 # is there for its plain google/rpc/{status,error_details}.proto (the API's error details),
-# compiled to C++ by CMakeLists.txt; nothing of Go is used.
+# compiled to C++ by CMakeLists.txt; nothing of Go is used. prometheus brings promtool and
+# the server the metrics tests scrape kvmemd with (tests/python).
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
@@ -12,6 +13,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev libtbb-dev
   clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
   libcbor-dev libssl-dev
+  prometheus
 )
 missing=()
 for p in "${packages[@]}"; do

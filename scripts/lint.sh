@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 files=$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
 clang-format --dry-run --Werror $files
 echo "lint: clang-format clean ($(echo "$files" | wc -w) files)"
-tidy_files=$(git ls-files 'server/policy/*.cc' 'server/store/*.cc' 'server/engine/*.cc' 'server/prefix/*.cc' 'kernels/*.cc')
+tidy_files=$(git ls-files 'server/policy/*.cc' 'server/store/*.cc' 'server/engine/*.cc' 'server/prefix/*.cc' 'server/metrics/*.cc' 'kernels/*.cc')
 findings=$(echo "$tidy_files" | xargs -P "${KVMEM_JOBS:-2}" -n 4 clang-tidy -p build --quiet 2>/dev/null \
   | grep -E "(warning|error):" || true)
 if [ -n "$findings" ]; then

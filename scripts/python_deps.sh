@@ -9,8 +9,8 @@ export PIP_BREAK_SYSTEM_PACKAGES=1
 have() { python3 -c "import $1" 2>/dev/null; }
 cache="${KVMEM_CACHE:-$HOME/.cache/kvmem}/wheels"
 mkdir -p "$cache"
-have pytest && have gguf && have matplotlib && have cbor2 ||
-  python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2
+have pytest && have gguf && have matplotlib && have cbor2 && have yaml ||
+  python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2 pyyaml
 if ! have llama_cpp; then
   if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl

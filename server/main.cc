@@ -16,6 +16,8 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50551", "host:port (port 0 picks one) or unix:path");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "host:port of the Prometheus /metrics endpoint (port 0 picks one); empty: none");
 ABSL_FLAG(std::string, backend, "cpu", "cpu or cuda");
 ABSL_FLAG(int32_t, cuda_device, 0, "GPU ordinal for --backend=cuda (run one kvmemd per GPU)");
 ABSL_FLAG(std::string, device_step, "auto",
@@ -108,6 +110,7 @@ int main(int argc, char** argv) {
 
   kvmem::service::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
+  config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.backend = absl::GetFlag(FLAGS_backend);
   config.device_step = absl::GetFlag(FLAGS_device_step);
   config.cuda_device = absl::GetFlag(FLAGS_cuda_device);
@@ -150,8 +153,11 @@ int main(int argc, char** argv) {
   spdlog::info("kvmemd listening on {} (port {}), backend {} ({}), pool {} bytes", config.listen,
                (*server)->port(), std::string(info.backend().kind()), info.backend().device_name(),
                info.config().pool_bytes);
+  if ((*server)->metrics_port() != 0) {
+    spdlog::info("kvmemd: /metrics on port {}", (*server)->metrics_port());
+  }
   // A line a supervising script can wait for.
-  std::printf("READY port=%d\n", (*server)->port());
+  std::printf("READY port=%d metrics_port=%d\n", (*server)->port(), (*server)->metrics_port());
   std::fflush(stdout);
 
   int sig = 0;

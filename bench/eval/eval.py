@@ -80,7 +80,7 @@ class Daemon:
     def __init__(self, *flags):
         Daemon.started += 1
         self.sock = f"/tmp/kvmem-eval-{os.getpid()}-{Daemon.started}.sock"
-        self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}",
+        self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}", "--metrics-listen=",
                                       "--pool-bytes=2147483648", "--page-bytes=262144",
                                       "--lease-seconds=3600", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -83,14 +83,30 @@ int Stats(kvmem::client::Client& client, bool sequences) {
                 static_cast<unsigned long long>(stats->pages_used),
                 static_cast<unsigned long long>(stats->pages_total),
                 static_cast<unsigned long long>(stats->blocks_used));
-    std::printf("sequences        %u active, %llu leases expired, %llu poisoned\n",
-                stats->sequences_active, static_cast<unsigned long long>(stats->leases_expired),
+    std::printf("sequences        %u active, %llu created, %llu leases expired, %llu poisoned\n",
+                stats->sequences_active, static_cast<unsigned long long>(stats->sequences_created),
+                static_cast<unsigned long long>(stats->leases_expired),
                 static_cast<unsigned long long>(stats->sequences_poisoned));
-    std::printf("tokens           %llu appended, %llu evicted, %llu quantized\n",
-                static_cast<unsigned long long>(stats->tokens_appended),
-                static_cast<unsigned long long>(stats->tokens_evicted),
-                static_cast<unsigned long long>(stats->tokens_quantized));
+    const double saved =
+        stats->full_cache_bytes > 0
+            ? 100.0 * (1.0 - double(stats->kv_bytes) / double(stats->full_cache_bytes))
+            : 0.0;
+    std::printf("kv memory        %s held by the sequences, %s for a full cache (%.1f%% saved)\n",
+                Bytes(stats->kv_bytes).c_str(), Bytes(stats->full_cache_bytes).c_str(), saved);
+    // Tokens are a sequence's positions; stream slots the same tokens in each stream.
+    std::printf(
+        "tokens           %llu appended, %.1f evicted, %.1f quantized "
+        "(%llu / %llu stream slots)\n",
+        static_cast<unsigned long long>(stats->tokens_appended), stats->tokens_evicted,
+        stats->tokens_quantized, static_cast<unsigned long long>(stats->stream_slots_evicted),
+        static_cast<unsigned long long>(stats->stream_slots_quantized));
     std::printf("steps            %llu\n", static_cast<unsigned long long>(stats->steps));
+    for (const kvmem::client::PolicyCounters& p : stats->policies) {
+      if (p.tokens_appended == 0 && p.steps == 0) continue;
+      std::printf("  %-14s %llu tokens appended, %.1f evicted, %.1f quantized, %llu steps\n",
+                  p.policy.c_str(), static_cast<unsigned long long>(p.tokens_appended),
+                  p.tokens_evicted, p.tokens_quantized, static_cast<unsigned long long>(p.steps));
+    }
     std::printf("slot state       %s (scores and positions in the backend, outside the pool)\n",
                 Bytes(stats->slot_state_bytes).c_str());
     std::printf("host metadata    %s of %s (per-slot metadata outside the pool)\n",

@@ -86,8 +86,10 @@ int main(int argc, char** argv) {
   const uint64_t total = prompt + steps;
   const uint64_t full_bytes =
       total * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim * 2;
-  std::printf("decode: %u steps, %llu tokens evicted, epoch %llu\n", steps,
-              static_cast<unsigned long long>(evicted),
+  // A step's evicted_tokens counts stream slots; a token leaves every stream here.
+  const uint32_t streams = layout.num_layers * layout.num_kv_heads;
+  std::printf("decode: %u steps, %.1f tokens evicted (%llu stream slots), epoch %llu\n", steps,
+              double(evicted) / streams, static_cast<unsigned long long>(evicted),
               static_cast<unsigned long long>(last.epoch));
 
   auto table = (*client)->GetBlockTable(seq->id);

@@ -290,10 +290,12 @@ int Generate() {
     const uint64_t full = FullCacheBytes(env.model->config(), session.tokens(), 4);
     std::printf(
         "kvmemd (%s): %llu KV bytes held for %lld tokens; full cache %llu (%.1f%% saved); "
-        "%llu tokens evicted\n",
+        "%.1f tokens evicted per stream (%llu stream slots)\n",
         absl::GetFlag(FLAGS_policy).c_str(), static_cast<unsigned long long>(session.kv_bytes()),
         static_cast<long long>(session.tokens()), static_cast<unsigned long long>(full),
         100.0 * (1.0 - double(session.kv_bytes()) / double(full)),
+        double(session.evicted()) /
+            (env.model->config().num_layers * env.model->config().num_kv_heads),
         static_cast<unsigned long long>(session.evicted()));
     std::printf("daemon calls: %.2f ms per decode step (StepBatch%s)\n",
                 session.daemon_ms_per_step(),

@@ -68,7 +68,10 @@ absl::Status Engine::NotAppending(const Sequence& seq) {
 }
 
 Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
-    : engine_(engine), staged_reservation_(engine), seq_(std::move(seq)) {}
+    : engine_(engine),
+      started_(engine->clock_->Now()),
+      staged_reservation_(engine),
+      seq_(std::move(seq)) {}
 
 Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (committed_) return;
@@ -253,6 +256,10 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   if (section) section->Commit();
   engine_->AccountSlotState(seq);
   engine_->tokens_appended_ += total;
+  if (PolicyTelemetry* t = engine_->telemetry_.For(seq.policy_name())) {
+    t->tokens_appended += total;
+    t->append_seconds.Observe(absl::ToDoubleSeconds(engine_->clock_->Now() - started_));
+  }
   engine_->Renew(seq);
   if (publish_) seq.Publish();
   // A prompt's blocks, published as they fill (PromptPrefix::auto_publish). Not the

@@ -153,6 +153,13 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   section.Commit();
   tokens_evicted_ += applied.evicted;
   tokens_quantized_ += applied.quantized;
+  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+    const double streams = static_cast<double>(seq.streams().size());
+    t->stream_slots_evicted += applied.evicted;
+    t->stream_slots_quantized += applied.quantized;
+    t->tokens_evicted.Add(static_cast<double>(applied.evicted) / streams);
+    t->tokens_quantized.Add(static_cast<double>(applied.quantized) / streams);
+  }
   return applied;
 }
 

@@ -61,7 +61,12 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       prefix_(std::make_unique<prefix::PrefixIndex>(pool_.get())),
       prefix_root_(prefix_root),
       board_(std::move(board)),
-      clock_(clock) {
+      clock_(clock),
+      telemetry_([] {
+        std::vector<std::string> names;
+        for (const policy::PolicyDescriptor& d : policy::AllPolicies()) names.emplace_back(d.name);
+        return names;
+      }()) {
   // A full pool first gives back what only the prefix cache holds.
   pool_->set_reclaimer(
       [this](uint64_t bytes, store::TenantId tenant) { return prefix_->Reclaim(bytes, tenant); });
@@ -395,18 +400,47 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.leases_expired = leases_expired_;
   stats.prefix = prefix_->stats();
   stats.sequences_poisoned = sequences_poisoned_;
+  stats.sequences_created = telemetry_.sequences_created;
+  for (const auto& t : telemetry_.policies()) {
+    PolicyCounts c;
+    c.policy = t->policy;
+    c.tokens_appended = t->tokens_appended;
+    c.tokens_evicted = t->tokens_evicted.Read();
+    c.stream_slots_evicted = t->stream_slots_evicted;
+    c.tokens_quantized = t->tokens_quantized.Read();
+    c.stream_slots_quantized = t->stream_slots_quantized;
+    c.steps = t->step_seconds[0].Read().count + t->step_seconds[1].Read().count;
+    stats.policies.push_back(std::move(c));
+  }
   std::vector<std::shared_ptr<Sequence>> all;
   {
     kvmem::MutexLock lock(&mu_);
     stats.sequences_active = static_cast<uint32_t>(sequences_.size());
-    if (include_sequences) {
-      for (const auto& [id, seq] : sequences_) all.push_back(seq);
-    }
+    all.reserve(sequences_.size());
+    for (const auto& [id, seq] : sequences_) all.push_back(seq);
   }
+  // Table bytes by precision: the layout's dtype, then the quantized formats.
+  absl::flat_hash_map<std::string, uint64_t> by_precision;
   const absl::Time now = clock_->Now();
   for (const auto& seq : all) {
     kvmem::MutexLock lock(&seq->mu);
     if (seq->released()) continue;
+    // O(streams) per sequence: every figure here is kept per stream.
+    stats.kv_bytes += seq->kv_bytes();
+    stats.full_cache_bytes += seq->appended() * 2 * seq->layout().payload_bytes(1);
+    const BlockFormat& format = seq->format();
+    uint64_t layout_blocks = 0, quantized_blocks = 0;
+    for (const Stream& st : seq->streams()) {
+      layout_blocks += st.blocks().size() - st.quantized_blocks();
+      quantized_blocks += st.quantized_blocks();
+    }
+    by_precision[std::string(DTypeName(seq->layout().dtype))] +=
+        layout_blocks * format.block_bytes(Precision::kLayout);
+    if (quantized_blocks > 0) {
+      by_precision[std::string(PrecisionName(format.quant_precision()))] +=
+          quantized_blocks * format.block_bytes(format.quant_precision());
+    }
+    if (!include_sequences) continue;
     SequenceSummary sum;
     sum.sequence_id = seq->id();
     sum.policy = seq->policy_name();
@@ -429,6 +463,10 @@ EngineStats Engine::Stats(bool include_sequences) {
             [](const SequenceSummary& a, const SequenceSummary& b) {
               return a.sequence_id < b.sequence_id;
             });
+  for (const char* name : {"f32", "f16", "bf16", "int8", "int4", "nf4"}) {
+    auto it = by_precision.find(name);
+    stats.block_bytes_by_precision.emplace_back(name, it == by_precision.end() ? 0 : it->second);
+  }
   return stats;
 }
 

@@ -31,6 +31,7 @@
 #include "server/engine/failpoints.h"
 #include "server/engine/layout.h"
 #include "server/engine/sequence.h"
+#include "server/engine/telemetry.h"
 #include "server/policy/policy.h"
 #include "server/store/backend.h"
 #include "server/store/block_pool.h"
@@ -160,6 +161,7 @@ class Engine {
     }
 
     Engine* const engine_;
+    const absl::Time started_;            // for the append's latency
     HostReservation staged_reservation_;  // what the staged vectors may take, until the end
     SequenceRef seq_;      // counted in flight (the reaper waits); locked throughout if hold_lock_
     bool publish_ = true;  // false inside a folded step, which publishes once at its end
@@ -226,6 +228,8 @@ class Engine {
   // Runs ExpireLeases every `period` until `stop` is notified.
   void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
   EngineStats Stats(bool include_sequences);
+  // Counters and histograms per policy since the daemon started (server/metrics reads them).
+  const Telemetry& telemetry() const { return telemetry_; }
   // Everything a sequence holds, as text (per-slot metadata and scores, block list, K/V),
   // without the epoch: equal before and after a call exactly when the call changed nothing
   // a later call could see. For tests (state fingerprints around failures).
@@ -369,6 +373,10 @@ class Engine {
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
       bool require_all, absl::string_view why, size_t pending = 0) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // The mean over streams of the weight the step's rows put on quantized slots; NaN
+  // without rows.
+  static double QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   struct Applied {
     uint64_t evicted = 0;
     uint64_t quantized = 0;
@@ -436,6 +444,7 @@ class Engine {
   std::atomic<uint64_t> steps_{0};
   std::atomic<uint64_t> leases_expired_{0};
   std::atomic<uint64_t> sequences_poisoned_{0};
+  Telemetry telemetry_;
 };
 
 }  // namespace kvmem::engine

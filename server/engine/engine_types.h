@@ -261,13 +261,34 @@ struct SequenceSummary {
   uint64_t slot_state_bytes = 0;
 };
 
+// Counts per policy since the daemon started (Telemetry), in the units a person reads:
+// tokens are positions of a sequence; stream slots are tokens times the streams they were
+// taken from (a token evicted from all 90 streams of SmolLM2 is 1 token, 90 stream slots).
+struct PolicyCounts {
+  std::string policy;
+  uint64_t tokens_appended = 0;
+  double tokens_evicted = 0;  // stream slots evicted / the sequence's streams
+  uint64_t stream_slots_evicted = 0;
+  double tokens_quantized = 0;
+  uint64_t stream_slots_quantized = 0;
+  uint64_t steps = 0;
+};
+
 struct EngineStats {
   store::PoolUsage pool;
   uint64_t pool_free_bytes = 0;
   uint32_t sequences_active = 0;
+  uint64_t sequences_created = 0;
   uint64_t tokens_appended = 0;
-  uint64_t tokens_evicted = 0;
-  uint64_t tokens_quantized = 0;
+  uint64_t tokens_evicted = 0;         // stream slots, all policies
+  uint64_t tokens_quantized = 0;       // stream slots, all policies
+  std::vector<PolicyCounts> policies;  // every policy, registration order
+  // Over the sequences held now: the K/V bytes their tables hold (a shared block counted
+  // by each sequence that names it), the bytes a full cache of the same tokens at the
+  // layout's dtype would take, and table block bytes by storage precision.
+  uint64_t kv_bytes = 0;
+  uint64_t full_cache_bytes = 0;
+  std::vector<std::pair<std::string, uint64_t>> block_bytes_by_precision;
   uint64_t bytes_moved = 0;          // pool bytes moved by compaction, merges and copy-on-write
   uint64_t slot_state_bytes = 0;     // SlotState memory of all sequences (outside the pool)
   uint64_t host_metadata_bytes = 0;  // sequences' host metadata (outside the pool)

@@ -1,5 +1,8 @@
 // The policy driver: Step and Compress. Policies read the committed state and stage the
 // next; the staged state becomes the sequence's only when the whole call applies.
+#include <algorithm>
+#include <cmath>
+
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "server/engine/engine.h"
@@ -134,10 +137,47 @@ absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const St
   return PreparedStep{*std::move(rows), ctx};
 }
 
+namespace {
+
+// The mean over streams of the weight each row puts on slots the decision drops.
+double EvictedMassOf(absl::Span<const absl::Span<const float>> rows,
+                     const policy::Decision& decision) {
+  double mass = 0;
+  for (size_t s = 0; s < rows.size(); ++s) {
+    if (s < decision.keep.size() && decision.keep[s]) {
+      mass += EvictedMass(rows[s], *decision.keep[s]);
+    }
+  }
+  return rows.empty() ? 0.0 : mass / static_cast<double>(rows.size());
+}
+
+}  // namespace
+
+// The mean over streams of the weight each row puts on slots held in quantized blocks; NaN
+// when the step carries no rows (nothing to measure with).
+double Engine::QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows) {
+  if (rows.empty() || rows[0].empty()) return std::nan("");
+  double mass = 0;
+  for (size_t s = 0; s < rows.size(); ++s) {
+    size_t at = 0;
+    for (const StreamBlock& b : seq.streams()[s].blocks()) {
+      const size_t end = std::min(rows[s].size(), at + b.count);
+      if (b.precision != Precision::kLayout) {
+        for (size_t i = at; i < end; ++i) mass += rows[s][i];
+      }
+      at += b.count;
+    }
+  }
+  return mass / static_cast<double>(rows.size());
+}
+
 absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& step) {
+  const absl::Time started = clock_->Now();
   const policy::CallContext& ctx = step.ctx;
   const std::vector<absl::Span<const float>>* rows = &step.rows;
   const uint64_t before = seq.kv_bytes();
+  // The attention mass quantized slots hold, from the rows over the table as it is now.
+  const double quantized_mass = QuantizedMass(seq, *rows);
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
   if (seq.slots()) {
@@ -151,6 +191,16 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
     applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, rows));
   }
   if (!applied.ok()) return applied.status();
+  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+    const StepSite site = seq.slots() ? StepSite::kDevice : StepSite::kHost;
+    t->step_seconds[static_cast<int>(site)].Observe(absl::ToDoubleSeconds(clock_->Now() - started));
+    t->confidence.Observe(decision.confidence);  // NaN (no confidence) is not observed
+    if (decision.budget_tokens > 0) t->budget_tokens.Observe(decision.budget_tokens);
+    if (!std::isnan(quantized_mass)) {
+      t->quantized_attention_mass.Observe(quantized_mass);
+      t->evicted_attention_mass.Observe(EvictedMassOf(*rows, decision));
+    }
+  }
 
   StepResult result;
   result.confidence = decision.confidence;
@@ -192,6 +242,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   policy::CallContext ctx = Context(seq);
   ctx.target_tokens = input.target_tokens;
 
+  const absl::Time started = clock_->Now();
   CompressResult result;
   result.kv_bytes_before = seq.kv_bytes();
   result.layers.resize(seq.layout().num_layers);
@@ -250,6 +301,9 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   AccountSlotState(seq);
   Renew(seq);
   seq.Publish();
+  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+    t->compress_seconds.Observe(absl::ToDoubleSeconds(clock_->Now() - started));
+  }
   result.version = seq.version();
   // One compression, by the policy's own rule, of a prompt no step has touched: a document
   // others may map. A second Compress, or one with a target of the client's, is not.

@@ -93,6 +93,7 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
   kvmem::MutexLock lock(&mu_);
   result.sequence_id = seq->id();
   sequences_.emplace(seq->id(), seq);
+  ++telemetry_.sequences_created;
   return result;
 }
 

@@ -260,7 +260,11 @@ PrefixStats PrefixIndex::stats() const {
   s.indexed_blocks = indexed_blocks_;
   s.reclaimed_bytes = reclaimed_bytes_;
   s.host_bytes = host_bytes();
-  for (const auto& [id, n] : index_refs_) s.cached_blocks += pool_->refs(id) == n ? 1 : 0;
+  for (const auto& [id, n] : index_refs_) {
+    if (pool_->refs(id) != n) continue;
+    ++s.cached_blocks;
+    s.cached_bytes += pool_->block_bytes(id);
+  }
   return s;
 }
 

@@ -47,6 +47,7 @@ struct PrefixStats {
   uint64_t reused_tokens = 0;    // tokens mapped into new sequences
   uint64_t entries = 0;          // published block ranges
   uint64_t cached_blocks = 0;    // pool blocks only the index holds (reclaimable)
+  uint64_t cached_bytes = 0;     // their size-class bytes
   uint64_t indexed_blocks = 0;   // pool blocks the index holds a reference on
   uint64_t reclaimed_bytes = 0;  // pool bytes of the blocks reclaimed (total)
   uint64_t host_bytes = 0;       // the index's own memory

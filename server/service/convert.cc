@@ -340,8 +340,23 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_blocks_used(stats.pool.blocks_used);
   out->set_sequences_active(stats.sequences_active);
   out->set_tokens_appended(stats.tokens_appended);
-  out->set_tokens_evicted(stats.tokens_evicted);
-  out->set_tokens_quantized(stats.tokens_quantized);
+  out->set_stream_slots_evicted(stats.tokens_evicted);
+  out->set_stream_slots_quantized(stats.tokens_quantized);
+  out->set_sequences_created(stats.sequences_created);
+  out->set_kv_bytes(stats.kv_bytes);
+  out->set_full_cache_bytes(stats.full_cache_bytes);
+  for (const engine::PolicyCounts& c : stats.policies) {
+    out->set_tokens_evicted(out->tokens_evicted() + c.tokens_evicted);
+    out->set_tokens_quantized(out->tokens_quantized() + c.tokens_quantized);
+    v1::PolicyCounters* p = out->add_policies();
+    p->set_policy(c.policy);
+    p->set_tokens_appended(c.tokens_appended);
+    p->set_tokens_evicted(c.tokens_evicted);
+    p->set_stream_slots_evicted(c.stream_slots_evicted);
+    p->set_tokens_quantized(c.tokens_quantized);
+    p->set_stream_slots_quantized(c.stream_slots_quantized);
+    p->set_steps(c.steps);
+  }
   out->set_bytes_moved(stats.bytes_moved);
   out->set_slot_state_bytes(stats.slot_state_bytes);
   out->set_host_metadata_bytes(stats.host_metadata_bytes);

@@ -11,6 +11,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/common/client_text.h"
 #include "server/service/kv_cache_service.h"
+#include "server/service/rpc_interceptor.h"
 #include "server/store/cpu_backend.h"
 #ifdef KVMEM_WITH_CUDA
 #include "server/store/cuda_backend.h"
@@ -84,9 +85,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
   builder.RegisterService(server->service_.get());
+  builder.experimental().SetInterceptorCreators(RpcInterceptors(server->rpc_telemetry_.get()));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.SetMaxSendMessageSize(INT32_MAX);
   grpc::ResourceQuota quota("kvmemd");
@@ -96,6 +99,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", config.listen));
+  }
+  server->collector_ = std::make_shared<metrics::Collector>(
+      server->engine_.get(), server->rpc_telemetry_.get(),
+      metrics::BuildInfo{KVMEM_VERSION, std::string(server->engine_->backend().kind()),
+                         server->engine_->backend().device_name()});
+  if (!config.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<metrics::Exporter>> exporter =
+        metrics::Exporter::Start(config.metrics_listen, server->collector_);
+    if (!exporter.ok()) return exporter.status();
+    server->exporter_ = *std::move(exporter);
   }
   grpc::HealthCheckServiceInterface* health = server->grpc_server_->GetHealthCheckService();
   health->SetServingStatus(true);

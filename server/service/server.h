@@ -10,6 +10,8 @@
 #include "grpcpp/server.h"
 #include "server/engine/clock.h"
 #include "server/engine/engine.h"
+#include "server/metrics/exporter.h"
+#include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 
 namespace kvmem::service {
@@ -34,6 +36,8 @@ struct ServerConfig {
   uint64_t grpc_memory_bytes = 1ull << 30;
   int grpc_max_threads = 256;
   absl::Duration reaper_period = absl::Seconds(1);
+  // Where /metrics is served ("host:port", port 0 picks one); empty: not served.
+  std::string metrics_listen;
 };
 
 class Server {
@@ -43,8 +47,11 @@ class Server {
                                                        const engine::Clock* clock = nullptr);
   ~Server();
 
-  int port() const { return port_; }  // 0 for unix sockets
+  int port() const { return port_; }                                      // 0 for unix sockets
+  int metrics_port() const { return exporter_ ? exporter_->port() : 0; }  // 0: not served
   engine::Engine& engine() { return *engine_; }
+  // What /metrics would return now (served or not).
+  std::string RenderMetrics() const { return metrics::Render(*collector_); }
   // Health turns NOT_SERVING (Check keeps answering), new KvCache calls get UNAVAILABLE,
   // the calls already inside a handler finish; after they have, or after `deadline`, gRPC
   // shuts down (cancelling what still runs) and the reaper stops. Idempotent.
@@ -55,7 +62,11 @@ class Server {
   engine::RealClock real_clock_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<KvCacheService> service_;
+  // Before the gRPC server, so that it outlives the interceptors that record into it.
+  std::unique_ptr<metrics::RpcTelemetry> rpc_telemetry_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  std::shared_ptr<metrics::Collector> collector_;
+  std::unique_ptr<metrics::Exporter> exporter_;
   int port_ = 0;
   absl::Notification stop_reaper_;
   std::thread reaper_;

@@ -31,6 +31,7 @@ class DaemonTest : public ::testing::Test {
     config.engine.max_append_bytes = max_message_bytes;
     config.limits = limits_;
     config.reaper_period = absl::Hours(1);  // tests expire leases explicitly
+    config.metrics_listen = metrics_listen_;
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -70,6 +71,7 @@ class DaemonTest : public ::testing::Test {
 
   // The service's limits; a fixture that wants others sets them in its constructor.
   service::ServiceLimits limits_;
+  std::string metrics_listen_;  // empty: no /metrics endpoint
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

@@ -103,11 +103,13 @@ TEST(KvmemdProcessTest, ServesHealthAnswersKvmemctlAndDrainsOnSigterm) {
 TEST(KvmemdProcessTest, RefusesBadFlagsWithAClearError) {
   for (const char* flag : {"--backend=tpu", "--pool-bytes=10"}) {
     const std::string out =
-        RunShell(std::string(KVMEMD_PATH) + " --listen=127.0.0.1:0 " + flag + " 2>&1; echo rc=$?");
+        RunShell(std::string(KVMEMD_PATH) + " --listen=127.0.0.1:0 --metrics-listen= " + flag +
+                 " 2>&1; echo rc=$?");
     EXPECT_THAT(out, HasSubstr("rc=2")) << flag;
   }
   const std::string cuda =
-      RunShell(std::string(KVMEMD_PATH) + " --listen=127.0.0.1:0 --backend=cuda 2>&1; echo rc=$?");
+      RunShell(std::string(KVMEMD_PATH) +
+               " --listen=127.0.0.1:0 --metrics-listen= --backend=cuda 2>&1; echo rc=$?");
   EXPECT_THAT(cuda, HasSubstr("--backend=cuda"));
   EXPECT_THAT(cuda, HasSubstr("rc=2"));
 }
@@ -163,7 +165,8 @@ TEST(KvmemdProcessTest, RefusesAPoolThatDevShmCannotHold) {
   const uint64_t pool = (uint64_t{fs.f_blocks} * fs.f_frsize / page + 1024) * page;
   const std::string out =
       RunShell("timeout 30 " + std::string(KVMEMD_PATH) +
-               " --listen=127.0.0.1:0 --pool-bytes=" + std::to_string(pool) + " 2>&1; echo rc=$?");
+               " --listen=127.0.0.1:0 --metrics-listen= --pool-bytes=" + std::to_string(pool) +
+               " 2>&1; echo rc=$?");
   EXPECT_THAT(out, HasSubstr("rc=2"));
   EXPECT_THAT(out, HasSubstr("--pool-bytes=" + std::to_string(pool)));
   EXPECT_THAT(out, HasSubstr("/dev/shm has"));

@@ -43,7 +43,7 @@ class ValidationTest : public DaemonTest {
     auto stats = *client_->GetStats(true);
     std::string s = std::to_string(stats.blocks_used) + "/" + std::to_string(stats.pages_used) +
                     "/" + std::to_string(stats.tokens_appended) + "/" +
-                    std::to_string(stats.tokens_evicted) + "/" +
+                    std::to_string(stats.stream_slots_evicted) + "/" +
                     std::to_string(stats.sequences_active);
     for (const auto& q : stats.sequences) {
       s += "|" + std::to_string(q.sequence_id) + ":" + std::to_string(q.appended_tokens) + ":" +

@@ -1,6 +1,7 @@
 #pragma once
 // kvmemd as a child process, for tests of the binary itself: started from flags, ready once
-// it prints its READY line, stopped by SIGTERM.
+// it prints its READY line, stopped by SIGTERM. /metrics goes to a port of its choosing
+// unless the flags say otherwise (tests run side by side; the default port is one).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,8 +14,9 @@ namespace kvmem::testing {
 
 struct KvmemdProcess {
   pid_t pid = -1;
-  FILE* out = nullptr;  // the child's stdout, kept open while it runs
-  int port = 0;         // 0 when it never got ready (it failed to start)
+  FILE* out = nullptr;   // the child's stdout, kept open while it runs
+  int port = 0;          // 0 when it never got ready (it failed to start)
+  int metrics_port = 0;  // its /metrics port (0: none)
 };
 
 inline KvmemdProcess StartKvmemd(const char* path, const std::vector<std::string>& flags) {
@@ -26,7 +28,13 @@ inline KvmemdProcess StartKvmemd(const char* path, const std::vector<std::string
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
     std::vector<char*> argv = {const_cast<char*>(path)};
-    for (const std::string& f : flags) argv.push_back(const_cast<char*>(f.c_str()));
+    bool metrics = false;
+    for (const std::string& f : flags) {
+      argv.push_back(const_cast<char*>(f.c_str()));
+      metrics |= f.rfind("--metrics-listen", 0) == 0 || f.rfind("--metrics_listen", 0) == 0;
+    }
+    std::string any_port = "--metrics-listen=127.0.0.1:0";
+    if (!metrics) argv.push_back(any_port.data());
     argv.push_back(nullptr);
     execv(path, argv.data());
     _exit(127);
@@ -35,7 +43,7 @@ inline KvmemdProcess StartKvmemd(const char* path, const std::vector<std::string
   d.out = fdopen(fds[0], "r");
   char line[256];
   while (std::fgets(line, sizeof line, d.out) != nullptr) {
-    if (std::sscanf(line, "READY port=%d", &d.port) == 1) break;
+    if (std::sscanf(line, "READY port=%d metrics_port=%d", &d.port, &d.metrics_port) >= 1) break;
   }
   return d;
 }

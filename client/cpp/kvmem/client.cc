@@ -768,6 +768,16 @@ absl::StatusOr<Stats> Client::GetStats(bool include_sequences) {
       out.tokens_appended = r.tokens_appended();
       out.tokens_evicted = r.tokens_evicted();
       out.tokens_quantized = r.tokens_quantized();
+      out.stream_slots_evicted = r.stream_slots_evicted();
+      out.stream_slots_quantized = r.stream_slots_quantized();
+      out.sequences_created = r.sequences_created();
+      out.kv_bytes = r.kv_bytes();
+      out.full_cache_bytes = r.full_cache_bytes();
+      for (const v1::PolicyCounters& p : r.policies()) {
+        out.policies.push_back({p.policy(), p.tokens_appended(), p.tokens_evicted(),
+                                p.tokens_quantized(), p.stream_slots_evicted(),
+                                p.stream_slots_quantized(), p.steps()});
+      }
       out.steps = r.steps();
       out.leases_expired = r.leases_expired();
       out.slot_state_bytes = r.slot_state_bytes();

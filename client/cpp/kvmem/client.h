@@ -284,11 +284,27 @@ struct SequenceStats {
   uint64_t slot_state_bytes = 0;  // scores/positions in the backend (device memory on CUDA)
 };
 
+// Since the daemon started, per policy. Tokens are a sequence's positions; stream slots
+// are tokens times the streams they were taken from (tokens = stream slots / streams).
+struct PolicyCounters {
+  std::string policy;
+  uint64_t tokens_appended = 0;
+  double tokens_evicted = 0, tokens_quantized = 0;
+  uint64_t stream_slots_evicted = 0, stream_slots_quantized = 0;
+  uint64_t steps = 0;
+};
+
 struct Stats {
   uint64_t pool_bytes = 0, pool_used_bytes = 0, pool_free_bytes = 0;
   uint64_t pages_total = 0, pages_used = 0, blocks_used = 0;
   uint32_t sequences_active = 0;
-  uint64_t tokens_appended = 0, tokens_evicted = 0, tokens_quantized = 0;
+  uint64_t sequences_created = 0;
+  uint64_t tokens_appended = 0;
+  double tokens_evicted = 0, tokens_quantized = 0;
+  uint64_t stream_slots_evicted = 0, stream_slots_quantized = 0;
+  std::vector<PolicyCounters> policies;
+  // The sequences held now: K/V bytes of their tables, and a full cache's for their tokens.
+  uint64_t kv_bytes = 0, full_cache_bytes = 0;
   uint64_t steps = 0, leases_expired = 0;
   uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
   uint64_t host_metadata_bytes = 0, host_metadata_budget_bytes = 0;  // outside the pool

@@ -1,0 +1,259 @@
+#include "server/metrics/exporter.h"
+
+#include <cmath>
+#include <exception>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/exposer.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvmem::metrics {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+using Labels = std::vector<ClientMetric::Label>;
+
+class Families {
+ public:
+  MetricFamily& Family(std::string name, std::string help, MetricType type) {
+    out_.push_back(MetricFamily{std::move(name), std::move(help), type, {}});
+    return out_.back();
+  }
+  void Gauge(std::string name, std::string help, double value, Labels labels = {}) {
+    Sample(Family(std::move(name), std::move(help), MetricType::Gauge), value, std::move(labels));
+  }
+  void Counter(std::string name, std::string help, double value) {
+    Sample(Family(std::move(name), std::move(help), MetricType::Counter), value, {});
+  }
+  static void Sample(MetricFamily& f, double value, Labels labels) {
+    ClientMetric m;
+    m.label = std::move(labels);
+    if (f.type == MetricType::Counter) {
+      m.counter.value = value;
+    } else {
+      m.gauge.value = value;
+    }
+    f.metric.push_back(std::move(m));
+  }
+  static void Sample(MetricFamily& f, const engine::Histogram::Snapshot& h, Labels labels) {
+    ClientMetric m;
+    m.label = std::move(labels);
+    m.histogram.sample_count = h.count;
+    m.histogram.sample_sum = h.sum;
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < h.counts.size(); ++i) {
+      cumulative += h.counts[i];
+      m.histogram.bucket.push_back({cumulative, i < h.bounds.size()
+                                                    ? h.bounds[i]
+                                                    : std::numeric_limits<double>::infinity()});
+    }
+    f.metric.push_back(std::move(m));
+  }
+  std::vector<MetricFamily> Take() { return std::move(out_); }
+
+ private:
+  std::vector<MetricFamily> out_;
+};
+
+}  // namespace
+
+std::vector<MetricFamily> Collector::Collect() const {
+  const engine::EngineStats s = engine_->Stats(false);
+  Families f;
+  f.Gauge("kvmem_build_info", "kvmemd's version, backend and device (always 1)", 1,
+          {{"backend", build_.backend}, {"device", build_.device}, {"version", build_.version}});
+
+  // The pool.
+  const uint64_t used = s.pool.pages_used * s.pool.page_bytes;
+  const uint64_t cached_bytes = s.prefix.cached_bytes;
+  f.Gauge("kvmem_pool_capacity_bytes", "pool size (never grows)",
+          static_cast<double>(s.pool.pool_bytes));
+  MetricFamily& bytes =
+      f.Family("kvmem_pool_bytes",
+               "pool bytes by state: sequences (pages holding blocks sequences use), cached "
+               "(blocks only the prefix cache holds, reclaimable), free (free pages)",
+               MetricType::Gauge);
+  Families::Sample(bytes, static_cast<double>(used - std::min(used, cached_bytes)),
+                   {{"state", "sequences"}});
+  Families::Sample(bytes, static_cast<double>(cached_bytes), {{"state", "cached"}});
+  Families::Sample(bytes, static_cast<double>(s.pool_free_bytes), {{"state", "free"}});
+  MetricFamily& blocks = f.Family("kvmem_pool_blocks", "pool blocks by state (as kvmem_pool_bytes)",
+                                  MetricType::Gauge);
+  Families::Sample(blocks, static_cast<double>(s.pool.blocks_used - s.prefix.cached_blocks),
+                   {{"state", "sequences"}});
+  Families::Sample(blocks, static_cast<double>(s.prefix.cached_blocks), {{"state", "cached"}});
+  MetricFamily& precision = f.Family(
+      "kvmem_kv_block_bytes",
+      "bytes of the blocks the sequences' tables name, by storage precision (a shared block "
+      "counted by each sequence)",
+      MetricType::Gauge);
+  for (const auto& [name, value] : s.block_bytes_by_precision) {
+    Families::Sample(precision, static_cast<double>(value), {{"precision", name}});
+  }
+  f.Counter("kvmem_pool_moved_bytes_total",
+            "pool bytes moved by compaction, merges and copy-on-write",
+            static_cast<double>(s.bytes_moved));
+
+  // Sequences and their memory.
+  f.Gauge("kvmem_sequences", "sequences held", s.sequences_active);
+  f.Counter("kvmem_sequences_created_total", "sequences created (and forked)",
+            static_cast<double>(s.sequences_created));
+  f.Counter("kvmem_sequences_poisoned_total",
+            "sequences poisoned by a failure past a mutation's point of no return",
+            static_cast<double>(s.sequences_poisoned));
+  f.Counter("kvmem_leases_expired_total", "sequences released because their lease lapsed",
+            static_cast<double>(s.leases_expired));
+  f.Gauge("kvmem_kv_bytes",
+          "K/V bytes the sequences' tables hold (shared blocks counted per sequence)",
+          static_cast<double>(s.kv_bytes));
+  f.Gauge("kvmem_kv_full_cache_bytes",
+          "bytes a full cache of the same sequences' tokens at the layout's dtype would hold",
+          static_cast<double>(s.full_cache_bytes));
+  f.Gauge("kvmem_host_metadata_bytes", "host memory of the sequences' metadata outside the pool",
+          static_cast<double>(s.host_metadata_bytes));
+  f.Gauge("kvmem_host_metadata_budget_bytes", "the budget of kvmem_host_metadata_bytes",
+          static_cast<double>(s.host_metadata_budget_bytes));
+  f.Gauge("kvmem_slot_state_bytes", "the sequences' slot state (scores, positions) in the backend",
+          static_cast<double>(s.slot_state_bytes));
+
+  // Per policy.
+  struct PerPolicy {
+    const char* name;
+    const char* help;
+    double (*value)(const engine::PolicyCounts&);
+  };
+  const PerPolicy counters[] = {
+      {"kvmem_tokens_appended_total", "tokens appended (positions, whatever the stream count)",
+       [](const engine::PolicyCounts& c) { return double(c.tokens_appended); }},
+      {"kvmem_tokens_evicted_total",
+       "tokens evicted: stream slots evicted divided by the sequence's streams",
+       [](const engine::PolicyCounts& c) { return c.tokens_evicted; }},
+      {"kvmem_stream_slots_evicted_total", "stream slots evicted (a token in each stream)",
+       [](const engine::PolicyCounts& c) { return double(c.stream_slots_evicted); }},
+      {"kvmem_tokens_quantized_total",
+       "tokens moved to quantized blocks: stream slots divided by the sequence's streams",
+       [](const engine::PolicyCounts& c) { return c.tokens_quantized; }},
+      {"kvmem_stream_slots_quantized_total", "stream slots moved to quantized blocks",
+       [](const engine::PolicyCounts& c) { return double(c.stream_slots_quantized); }},
+  };
+  for (const PerPolicy& p : counters) {
+    MetricFamily& family = f.Family(p.name, p.help, MetricType::Counter);
+    for (const engine::PolicyCounts& c : s.policies) {
+      Families::Sample(family, p.value(c), {{"policy", c.policy}});
+    }
+  }
+  const engine::Telemetry& t = engine_->telemetry();
+  struct PerPolicyHistogram {
+    const char* name;
+    const char* help;
+    const engine::Histogram& (*of)(const engine::PolicyTelemetry&);
+  };
+  MetricFamily& step =
+      f.Family("kvmem_step_duration_seconds",
+               "engine time of a Step (StepBatch entry) by policy and where its scoring ran "
+               "(host: policy code; device: the backend's slot state)",
+               MetricType::Histogram);
+  for (const auto& p : t.policies()) {
+    Families::Sample(step, p->step_seconds[0].Read(), {{"policy", p->policy}, {"where", "host"}});
+    Families::Sample(step, p->step_seconds[1].Read(), {{"policy", p->policy}, {"where", "device"}});
+  }
+  const PerPolicyHistogram histograms[] = {
+      {"kvmem_append_duration_seconds", "engine time of an Append, from its start to its commit",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
+         return p.append_seconds;
+       }},
+      {"kvmem_compress_duration_seconds", "engine time of a Compress",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
+         return p.compress_seconds;
+       }},
+      {"kvmem_confidence", "the confidence a step computed (CONF-KV policies), 0..1",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& { return p.confidence; }},
+      {"kvmem_budget_tokens", "the budget a step chose, tokens per stream",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
+         return p.budget_tokens;
+       }},
+      {"kvmem_evicted_attention_mass",
+       "per step with attention rows: the row's weight on the slots the step evicted, mean over "
+       "streams (0..1; a budget too tight evicts mass)",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
+         return p.evicted_attention_mass;
+       }},
+      {"kvmem_quantized_attention_mass",
+       "per step with attention rows: the row's weight on slots held quantized, mean over streams",
+       [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
+         return p.quantized_attention_mass;
+       }},
+  };
+  for (const PerPolicyHistogram& h : histograms) {
+    MetricFamily& family = f.Family(h.name, h.help, MetricType::Histogram);
+    for (const auto& p : t.policies()) {
+      Families::Sample(family, h.of(*p).Read(), {{"policy", p->policy}});
+    }
+  }
+
+  // Prefix sharing.
+  f.Counter("kvmem_prefix_queries_total", "Lookups and creations that named a prompt",
+            static_cast<double>(s.prefix.queries));
+  f.Counter("kvmem_prefix_hits_total", "of those, the ones that matched at least one block",
+            static_cast<double>(s.prefix.hits));
+  f.Counter("kvmem_prefix_reused_tokens_total", "tokens mapped into new sequences",
+            static_cast<double>(s.prefix.reused_tokens));
+  f.Counter("kvmem_prefix_reclaimed_bytes_total",
+            "pool bytes of cached blocks given back under pressure",
+            static_cast<double>(s.prefix.reclaimed_bytes));
+  f.Gauge("kvmem_prefix_entries", "published block ranges in the prefix cache",
+          static_cast<double>(s.prefix.entries));
+
+  // RPCs.
+  if (rpc_ != nullptr) {
+    MetricFamily& calls = f.Family("kvmem_rpc_requests_total",
+                                   "gRPC calls by method and status code", MetricType::Counter);
+    MetricFamily& seconds =
+        f.Family("kvmem_rpc_duration_seconds", "gRPC call latency in the daemon by method",
+                 MetricType::Histogram);
+    for (const auto& m : rpc_->methods()) {
+      for (int code = 0; code < RpcTelemetry::kCodes; ++code) {
+        const uint64_t n = m->calls[code].load(std::memory_order_relaxed);
+        if (n == 0 && code != 0) continue;  // codes appear once seen; OK always
+        Families::Sample(calls, static_cast<double>(n),
+                         {{"code", StatusCodeName(code)}, {"method", m->label}});
+      }
+      Families::Sample(seconds, m->seconds.Read(), {{"method", m->label}});
+    }
+    MetricFamily& moved =
+        f.Family("kvmem_data_plane_bytes_total",
+                 "bytes of KvCache messages by transport and direction", MetricType::Counter);
+    Families::Sample(moved, static_cast<double>(rpc_->bytes_in.load()),
+                     {{"direction", "in"}, {"transport", "grpc"}});
+    Families::Sample(moved, static_cast<double>(rpc_->bytes_out.load()),
+                     {{"direction", "out"}, {"transport", "grpc"}});
+  }
+  return f.Take();
+}
+
+std::string Render(const Collector& collector) {
+  return prometheus::TextSerializer().Serialize(collector.Collect());
+}
+
+absl::StatusOr<std::unique_ptr<Exporter>> Exporter::Start(const std::string& listen,
+                                                          std::shared_ptr<Collector> collector) {
+  std::unique_ptr<Exporter> exporter(new Exporter());
+  try {
+    exporter->exposer_ = std::make_unique<prometheus::Exposer>(listen, 1);
+  } catch (const std::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_listen: cannot serve /metrics on '", listen, "': ", e.what()));
+  }
+  exporter->collector_ = std::move(collector);
+  exporter->exposer_->RegisterCollectable(exporter->collector_);
+  const std::vector<int> ports = exporter->exposer_->GetListeningPorts();
+  exporter->port_ = ports.empty() ? 0 : ports[0];
+  return exporter;
+}
+
+Exporter::~Exporter() = default;
+
+}  // namespace kvmem::metrics

@@ -1,0 +1,60 @@
+#pragma once
+// /metrics for Prometheus: every figure is read from its one source when scraped (the
+// engine's Stats and Telemetry, the service's RpcTelemetry), so kvmemctl stats and /metrics
+// never disagree. Names follow Prometheus's conventions: kvmem_ prefix, base units,
+// _total on counters, counters instead of ratios; labels are bounded (policies, methods,
+// codes, precisions, states; never sequence ids).
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+#include "server/engine/engine.h"
+#include "server/metrics/rpc_telemetry.h"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace kvmem::metrics {
+
+struct BuildInfo {
+  std::string version;
+  std::string backend;  // cpu | cuda
+  std::string device;
+};
+
+// The families, built from the sources at each call.
+class Collector final : public prometheus::Collectable {
+ public:
+  Collector(engine::Engine* engine, const RpcTelemetry* rpc, BuildInfo build)
+      : engine_(engine), rpc_(rpc), build_(std::move(build)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  engine::Engine* const engine_;
+  const RpcTelemetry* const rpc_;
+  const BuildInfo build_;
+};
+
+// The text a scrape returns (for tests and kvmemctl-free checks).
+std::string Render(const Collector& collector);
+
+class Exporter {
+ public:
+  // Serves /metrics on `listen` ("host:port"; port 0 picks one).
+  static absl::StatusOr<std::unique_ptr<Exporter>> Start(const std::string& listen,
+                                                         std::shared_ptr<Collector> collector);
+  ~Exporter();
+  int port() const { return port_; }
+
+ private:
+  Exporter() = default;
+  std::shared_ptr<Collector> collector_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace kvmem::metrics

@@ -1,0 +1,45 @@
+#pragma once
+// RPCs by method and status code, their latency, and the bytes of their messages: recorded
+// by the service's interceptor (server/service/rpc_interceptor.h), read by the exporter.
+// Methods are fixed at construction (the services' own), so labels stay bounded; a call to
+// any other method counts as "other".
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/engine/telemetry.h"
+
+namespace kvmem::metrics {
+
+class RpcTelemetry {
+ public:
+  static constexpr int kCodes = 17;  // grpc::StatusCode OK .. UNAUTHENTICATED
+
+  // `methods`: full names ("/kvmem.v1.KvCache/Step"); labelled by the part after the last '/'.
+  explicit RpcTelemetry(const std::vector<std::string>& methods);
+
+  struct Method {
+    explicit Method(std::string label);
+    std::string label;
+    std::array<std::atomic<uint64_t>, kCodes> calls{};
+    engine::Histogram seconds;
+  };
+  // The entry of a full method name; the "other" entry for an unknown one.
+  Method& For(const char* full_name);
+  const std::vector<std::unique_ptr<Method>>& methods() const { return methods_; }
+
+  // Bytes of KvCache messages (requests in, responses out) over gRPC.
+  std::atomic<uint64_t> bytes_in{0};
+  std::atomic<uint64_t> bytes_out{0};
+
+ private:
+  std::vector<std::string> full_names_;  // parallel to methods_ (last: "other")
+  std::vector<std::unique_ptr<Method>> methods_;
+};
+
+// grpc::StatusCode's name ("OK", "RESOURCE_EXHAUSTED", ...).
+const char* StatusCodeName(int code);
+
+}  // namespace kvmem::metrics

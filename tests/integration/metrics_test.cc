@@ -1,0 +1,140 @@
+// /metrics after a known workload: every counter is exact and agrees with Stats (one source),
+// RPCs are counted by method and code, and the attention mass a step evicts is measured.
+#include <arpa/inet.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "tests/integration/daemon_fixture.h"
+
+namespace kvmem {
+namespace {
+
+// GET http://127.0.0.1:port/metrics, the body only.
+std::string Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, request.data(), request.size());
+  std::string out;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = out.find("\r\n\r\n");
+  return body == std::string::npos ? "" : out.substr(body + 4);
+}
+
+// "name{labels}" -> value, for every sample line.
+std::map<std::string, double> Samples(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    out[line.substr(0, space)] = std::stod(line.substr(space + 1));
+  }
+  return out;
+}
+
+class MetricsTest : public DaemonTest {
+ protected:
+  MetricsTest() { metrics_listen_ = "127.0.0.1:0"; }
+};
+
+TEST_F(MetricsTest, CountersAreExactAndAgreeWithStats) {
+  ASSERT_NE(server_->metrics_port(), 0);
+  // window 16: 32 tokens, then 10 steps of one token each; the first step evicts 17, the
+  // others 1 each: 26 tokens from each of the 8 streams.
+  const uint64_t a = Create("window", {{"window", 16}});
+  ASSERT_TRUE(AppendRange(a, 0, 32).ok());
+  for (int64_t pos = 32; pos < 42; ++pos) {
+    ASSERT_TRUE(AppendRange(a, pos, 1).ok());
+    ASSERT_TRUE(client_->Step(a, {}).ok());
+  }
+  const uint64_t b = Create("full");
+  ASSERT_TRUE(AppendRange(b, 0, 20).ok());
+  EXPECT_FALSE(client_->Step(999, {}).ok());  // NOT_FOUND
+
+  const auto m = Samples(Scrape(server_->metrics_port()));
+  auto stats = client_->GetStats(false);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(m.at("kvmem_tokens_appended_total{policy=\"window\"}"), 42);
+  EXPECT_EQ(m.at("kvmem_tokens_appended_total{policy=\"full\"}"), 20);
+  EXPECT_EQ(m.at("kvmem_tokens_evicted_total{policy=\"window\"}"), 26);
+  EXPECT_EQ(m.at("kvmem_stream_slots_evicted_total{policy=\"window\"}"), 26 * kL * kH);
+  EXPECT_EQ(m.at("kvmem_tokens_evicted_total{policy=\"full\"}"), 0);
+  EXPECT_EQ(stats->tokens_appended, 62u);
+  EXPECT_EQ(stats->tokens_evicted, 26);
+  EXPECT_EQ(stats->stream_slots_evicted, 26u * kL * kH);
+  for (const client::PolicyCounters& p : stats->policies) {
+    const std::string label = "{policy=\"" + p.policy + "\"}";
+    EXPECT_EQ(m.at("kvmem_tokens_appended_total" + label), p.tokens_appended) << p.policy;
+    EXPECT_EQ(m.at("kvmem_tokens_evicted_total" + label), p.tokens_evicted) << p.policy;
+    EXPECT_EQ(m.at("kvmem_stream_slots_evicted_total" + label), p.stream_slots_evicted);
+  }
+  EXPECT_EQ(m.at("kvmem_step_duration_seconds_count{policy=\"window\",where=\"host\"}"), 10);
+  EXPECT_EQ(m.at("kvmem_append_duration_seconds_count{policy=\"window\"}"), 11);
+  EXPECT_EQ(m.at("kvmem_sequences"), 2);
+  EXPECT_EQ(m.at("kvmem_sequences_created_total"), 2);
+  EXPECT_EQ(stats->sequences_created, 2u);
+  EXPECT_EQ(m.at("kvmem_kv_bytes"), stats->kv_bytes);
+  // f16 K and V of 62 tokens in 8 streams of head_dim 64.
+  EXPECT_EQ(m.at("kvmem_kv_full_cache_bytes"), 62.0 * kL * kH * 2 * kD * 2);
+  EXPECT_EQ(stats->full_cache_bytes, 62u * kL * kH * 2 * kD * 2);
+  EXPECT_LT(stats->kv_bytes, stats->full_cache_bytes);  // window dropped some
+  EXPECT_EQ(m.at("kvmem_pool_capacity_bytes"), stats->pool_bytes);
+  EXPECT_EQ(m.at("kvmem_pool_bytes{state=\"free\"}"), stats->pool_free_bytes);
+  EXPECT_EQ(m.at("kvmem_pool_blocks{state=\"sequences\"}"), stats->blocks_used);
+  EXPECT_EQ(m.at("kvmem_kv_block_bytes{precision=\"f16\"}"), stats->blocks_used * 16 * kD * 2 * 2);
+  // RPCs by method and code: 12 Appends, 10 Steps and one unknown sequence.
+  EXPECT_EQ(m.at("kvmem_rpc_requests_total{code=\"OK\",method=\"Append\"}"), 12);
+  EXPECT_EQ(m.at("kvmem_rpc_requests_total{code=\"OK\",method=\"Step\"}"), 10);
+  EXPECT_EQ(m.at("kvmem_rpc_requests_total{code=\"NOT_FOUND\",method=\"Step\"}"), 1);
+  EXPECT_EQ(m.at("kvmem_rpc_duration_seconds_count{method=\"Step\"}"), 11);
+  // The K/V the appends carried (62 tokens, 8 streams, f16 K and V) went in over gRPC.
+  EXPECT_GT(m.at("kvmem_data_plane_bytes_total{direction=\"in\",transport=\"grpc\"}"),
+            62.0 * kL * kH * kD * 2 * 2);
+  EXPECT_GT(m.at("kvmem_data_plane_bytes_total{direction=\"out\",transport=\"grpc\"}"), 0);
+  EXPECT_EQ(m.at("kvmem_build_info{backend=\"cpu\",device=\"" +
+                 std::string(server_->engine().backend().device_name()) + "\",version=\"" +
+                 client_->GetInfo()->version + "\"}"),
+            1);
+  // The endpoint serves what the collector renders.
+  EXPECT_TRUE(
+      absl::StrContains(server_->RenderMetrics(), "# TYPE kvmem_tokens_evicted_total counter"));
+}
+
+// h2o with budget 8 over 17 slots and a uniform row: the step evicts 9 slots of each stream,
+// 9/17 of the row's weight; nothing is quantized.
+TEST_F(MetricsTest, TheAttentionMassAStepEvictsIsMeasured) {
+  const uint64_t id = Create("h2o", {{"budget", 8}});
+  ASSERT_TRUE(AppendRange(id, 0, 17).ok());
+  auto table = client_->GetBlockTable(id);
+  ASSERT_TRUE(table.ok());
+  client::StepArgs args;
+  args.epoch = table->epoch;
+  for (uint32_t s = 0; s < kL * kH; ++s) {
+    args.attention.push_back({s / kH, s % kH, std::vector<float>(17, 1.0f / 17)});
+  }
+  auto step = client_->Step(id, args);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->evicted_tokens, 9u * kL * kH);
+  const auto m = Samples(server_->RenderMetrics());
+  EXPECT_EQ(m.at("kvmem_evicted_attention_mass_count{policy=\"h2o\"}"), 1);
+  EXPECT_NEAR(m.at("kvmem_evicted_attention_mass_sum{policy=\"h2o\"}"), 9.0 / 17, 1e-6);
+  EXPECT_EQ(m.at("kvmem_quantized_attention_mass_sum{policy=\"h2o\"}"), 0);
+  EXPECT_EQ(m.at("kvmem_budget_tokens_count{policy=\"h2o\"}"), 1);
+}
+
+}  // namespace
+}  // namespace kvmem
