@@ -17,6 +17,8 @@ Studies implemented so far:
   f16    confkv and h2o with their per-step attention rows sent as f32 and as f16
          (kvmem_worker --attention_f16): perplexity, evictions and KV bytes side by side.
   wire   bytes the worker sends and receives per decode step (strace), per policy.
+  mass   the attention mass each step evicts (kvmemd's kvmem_evicted_attention_mass, read
+         from /metrics) against the perplexity gap to the full cache, per policy and budget.
   docshare  sequences per GiB at equal answer quality: questions over one document asked at
          once, with no sharing, prefix sharing, per-request compression and one shared
          compressed document (pool bytes held, time to first token, answers against full).
@@ -77,14 +79,29 @@ def model_path():
 class Daemon:
     started = 0
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, metrics=False):
         Daemon.started += 1
         self.sock = f"/tmp/kvmem-eval-{os.getpid()}-{Daemon.started}.sock"
-        self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}", "--metrics-listen=",
+        self.proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{self.sock}",
+                                      "--metrics-listen=" + ("127.0.0.1:0" if metrics else ""),
                                       "--pool-bytes=2147483648", "--page-bytes=262144",
                                       "--lease-seconds=3600", *flags],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout.readline().startswith("READY")
+        ready = self.proc.stdout.readline()
+        assert ready.startswith("READY")
+        self.metrics_port = int(re.search(r"metrics_port=(\d+)", ready).group(1))
+
+    def metrics(self):
+        """{'name{labels}': value} of the daemon's /metrics."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
 
     def close(self):
         self.proc.terminate()
@@ -848,6 +865,87 @@ def study_f16(args):
     return results
 
 
+def study_mass(args):
+    """kvmemd's live quality signal on the real model: the attention mass each step evicts
+    (kvmem_evicted_attention_mass, the newest query's weight on the slots the step drops,
+    mean over streams), read from /metrics after streaming perplexity runs of policies and
+    budgets, against each run's perplexity gap to the full cache. One fresh daemon per run."""
+    n = args.tokens
+    small = args.small
+    budgets = (16, 32, 64) if small else (32, 64, 128, 256)
+    runs = [("full", "full", ())]
+    runs += [(f"h2o-{b}", "h2o", (("budget", b),)) for b in budgets]
+    runs += [(f"confkv-{b}", "confkv", (("c_high", b), ("c_low", 2 * b),
+                                        ("protect", max(4, b // 8)))) for b in budgets]
+    text, model = corpus_path(), model_path()
+    start = time.time()
+    results = []
+    for i, (name, policy, params) in enumerate(runs):
+        progress(i, len(runs), start, f"{name} over {n} tokens")
+        daemon = Daemon(metrics=True)
+        try:
+            r = perplexity(model, text, n, f"unix:{daemon.sock}", policy, params)
+            m = daemon.metrics()
+        finally:
+            daemon.close()
+        count = m.get(f'kvmem_evicted_attention_mass_count{{policy="{policy}"}}', 0)
+        total = m.get(f'kvmem_evicted_attention_mass_sum{{policy="{policy}"}}', 0)
+        r["mass_mean"] = total / count if count else 0.0
+        r["mass_total"] = total
+        r["steps_measured"] = count
+        results.append((name, r))
+    full = results[0][1]["ppl"]
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    def pearson(x, y):
+        mx, my = sum(x) / len(x), sum(y) / len(y)
+        sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+        sx = math.sqrt(sum((a - mx) ** 2 for a in x))
+        sy = math.sqrt(sum((b - my) ** 2 for b in y))
+        return sxy / (sx * sy) if sx and sy else float("nan")
+
+    evicting = [(name, r) for name, r in results if name != "full"]
+    gaps = [100 * (r["ppl"] - full) / full for _, r in evicting]
+    masses = [r["mass_mean"] for _, r in evicting]
+    rho = pearson(ranks(masses), ranks(gaps))
+    r_lin = pearson(masses, gaps)
+    tag = "small" if small else str(n)
+    lines = [f"#### Evicted attention mass against the perplexity gap, {n} tokens ({tag})",
+             f"Command: `python3 bench/eval/eval.py mass --tokens {n}{' --small' if small else ''}`"
+             f"; took {time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). Streaming "
+             "perplexity of the Lee corpus, a Step with the newest query's attention rows after "
+             "every token; the mass is kvmemd's histogram kvmem_evicted_attention_mass "
+             "(_sum / _count from /metrics), nothing computed outside the daemon.", "",
+             "| run | perplexity | gap to full | mean evicted mass per step | total mass evicted "
+             "| steps measured |", "|---|---|---|---|---|---|"]
+    for name, r in results:
+        gap = 100 * (r["ppl"] - full) / full
+        lines.append(f"| {name} | {r['ppl']:.3f} | {gap:+.2f} % | {r['mass_mean']:.5f} "
+                     f"| {r['mass_total']:.2f} | {r['steps_measured']:.0f} |")
+    lines += ["", f"Across the {len(evicting)} evicting runs: Spearman rank correlation of mean "
+              f"evicted mass with the perplexity gap {rho:+.2f}, Pearson {r_lin:+.2f}."]
+    write_table(f"mass-{tag}", lines)
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for (name, r), g in zip(evicting, gaps):
+            ax.scatter(r["mass_mean"], g)
+            ax.annotate(name, (r["mass_mean"], g), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xlabel("mean attention mass evicted per step (kvmemd /metrics)")
+        ax.set_ylabel("perplexity gap to full (%)")
+        ax.set_title(f"Evicted attention mass vs perplexity gap, {n} tokens")
+        fig.tight_layout()
+        fig.savefig(OUT / f"mass-{tag}.png", dpi=120)
+    return results, rho
+
+
 DOC_QUESTIONS = [
     "How many residents left their homes near Hill Top?",
     "Where did the shootout in Kashmir take place?",
@@ -1000,7 +1098,7 @@ def study_all(args):
     """Every study in turn, each at the size its table in RESULTS.md was run at."""
     for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
                          ("speed", 0), ("retrieval", 0), ("refreekv", 0), ("infokv", 0),
-                         ("devicestep", 1024), ("f16", 1024), ("docshare", 0)):
+                         ("devicestep", 1024), ("f16", 1024), ("docshare", 0), ("mass", 1024)):
         sub = argparse.Namespace(**vars(args))
         if tokens and not args.small:
             sub.tokens = tokens
@@ -1011,7 +1109,7 @@ def study_all(args):
 STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "kl": study_kl,
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
            "infokv": study_infokv, "devicestep": study_devicestep, "f16": study_f16,
-           "wire": study_wire, "docshare": study_docshare,
+           "wire": study_wire, "docshare": study_docshare, "mass": study_mass,
            "all": study_all}
 
 

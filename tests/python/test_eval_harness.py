@@ -250,3 +250,25 @@ def test_small_docshare_study(tmp_path):
     assert shared["ttft"][1] < shared["ttft"][0] / 2
     assert "(d') and (d) snapkv answers identical: yes." in table
     assert "(1.000x)" in table
+
+
+def test_small_mass_study(tmp_path):
+    """kvmemd's evicted attention mass (read from /metrics) on the real model: measured on
+    every step of an evicting run, never for the full cache, larger for tighter budgets of
+    the same policy, and ranked like the perplexity gap it is meant to warn about."""
+    run("mass", tmp_path)
+    table = (tmp_path / "mass-small.md").read_text()
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[1].replace(".", "", 1).isdigit():
+            rows[cells[0]] = {"gap": float(cells[2].rstrip(" %")), "mass": float(cells[3]),
+                              "steps": float(cells[5])}
+    assert rows["full"]["mass"] == 0 and rows["full"]["steps"] == 0
+    for policy in ("h2o", "confkv"):
+        runs = [rows[f"{policy}-{b}"] for b in (16, 32, 64)]
+        assert all(r["steps"] == 160 and r["gap"] > 0 for r in runs)
+        assert runs[0]["mass"] > runs[1]["mass"] > runs[2]["mass"] > 0
+    rho = float(table.split("Spearman rank correlation of mean evicted mass with the perplexity "
+                            "gap ")[1].split(",")[0])
+    assert rho > 0.5
