@@ -423,6 +423,53 @@ TEST_F(PrefixTest, ConcurrentPublishersSharersAndReclaimsNeverMixUpBlocks) {
   EXPECT_EQ(stats.pool.bad_unrefs, 0u);
 }
 
+TEST_F(PrefixTest, SixteenClientsCreatingAtOnceHoldOneCopyOfThePrefix) {
+  // 16 threads create sequences with the same published 64-token prefix at the same moment
+  // (and under ThreadSanitizer in scripts/tsan.sh), then each appends its own 4-token tail:
+  // the pool holds one copy of the prefix plus 16 private tails, every sharer reads its own
+  // K/V, and after all release only the cached prefix is left, with exact references.
+  constexpr int kClients = 16;
+  MakeEngine(256 * 4096, [](EngineConfig& c) { c.max_sequences = 32; });
+  const uint64_t publisher = Publisher(64);
+  ASSERT_TRUE(engine_->Release(publisher).ok());
+  const uint64_t prefix_blocks = engine_->Stats(false).pool.blocks_used;
+  ASSERT_EQ(prefix_blocks, 64 / kB * kL * kH);
+  const std::vector<int32_t> prompt = Tokens(68);
+  std::atomic<int> ready{0};
+  std::vector<uint64_t> ids(kClients, 0);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      ++ready;
+      while (ready.load() < kClients) {
+      }
+      PromptPrefix p{"m", "", prompt};
+      auto created = engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), p);
+      ASSERT_TRUE(created.ok()) << created.status();
+      ASSERT_EQ(created->reused_prefix_tokens, 64u);
+      ids[c] = created->sequence_id;
+      const std::vector<int64_t> positions = testing::Range(64, 4);
+      const std::vector<int32_t> tail = Tokens(4, 164);
+      const std::string k = testing::Payload16(kL * kH, 64, 4, kD, 0);
+      const std::string v = testing::Payload16(kL * kH, 64, 4, kD, 1);
+      AppendChunk chunk{positions, tail, k, v, {}, {}};
+      ASSERT_TRUE(engine_->Append(created->sequence_id, absl::MakeConstSpan(&chunk, 1)).ok());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EngineStats stats = engine_->Stats(false);
+  EXPECT_EQ(stats.pool.blocks_used, prefix_blocks + uint64_t{kClients} * kL * kH);
+  for (uint64_t id : ids) {
+    ASSERT_NE(id, 0u);
+    ExpectContentMatchesPositions(id);
+  }
+  for (uint64_t id : ids) ASSERT_TRUE(engine_->Release(id).ok());
+  stats = engine_->Stats(false);
+  EXPECT_EQ(stats.pool.blocks_used, prefix_blocks);
+  EXPECT_EQ(stats.prefix.cached_blocks, prefix_blocks);
+  EXPECT_EQ(stats.pool.bad_unrefs, 0u);
+}
+
 TEST_F(PrefixTest, EachSaltHoldsAtMostItsQuotaOfThePool) {
   // 32 KiB per tenant: 64 blocks of 512 bytes, 8 per stream = 128 tokens.
   MakeEngine(1 << 20, [](EngineConfig& c) {
