@@ -1,5 +1,6 @@
 #include "session.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -63,6 +64,24 @@ std::vector<int64_t> Session::NextPositions(size_t count) const {
 }
 
 absl::StatusOr<std::vector<float>> Session::Feed(const std::vector<int32_t>& tokens, bool prefill) {
+  const uint32_t chunk = options_.prefill_chunk;
+  const bool compresses = daemon_ != nullptr && compress_prompt_ && Compresses(daemon_->policy());
+  if (prefill && chunk > 0 && !compresses && tokens.size() > 1) {
+    absl::StatusOr<std::vector<float>> logits;
+    for (size_t at = 0; at < tokens.size();) {
+      const size_t end =
+          std::min<size_t>(tokens.size(), at + chunk - static_cast<size_t>(next_position_ % chunk));
+      const std::vector<int32_t> piece(tokens.begin() + static_cast<ptrdiff_t>(at),
+                                       tokens.begin() + static_cast<ptrdiff_t>(end));
+      const std::vector<int64_t> positions = NextPositions(piece.size());
+      absl::StatusOr<ForwardResult> r = model_.Forward(piece, positions, store_, Options(true));
+      if (!r.ok()) return r.status();
+      logits = Commit(piece, *r, true);
+      if (!logits.ok()) return logits;
+      at = end;
+    }
+    return logits;
+  }
   const std::vector<int64_t> positions = NextPositions(tokens.size());
   absl::StatusOr<ForwardResult> r = model_.Forward(tokens, positions, store_, Options(prefill));
   if (!r.ok()) return r.status();

@@ -26,6 +26,12 @@ struct SessionOptions {
   uint32_t observation_window = 32;
   // Attention rows go to the daemon as IEEE halves instead of f32.
   bool attention_f16 = false;
+  // A prompt of a policy that does not compress it is computed in chunks that end at
+  // multiples of this many positions (0: one pass). With the cache's block size, a request
+  // that maps a published prefix computes exactly the chunks a cold request computes after
+  // it, so its logits are the cold request's to the bit (a matrix product's rounding
+  // depends on its row count).
+  uint32_t prefill_chunk = 0;
 };
 
 class Session {

@@ -224,12 +224,12 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
 }
 
 // A second request with the same prompt maps the published blocks (auto_publish by the
-// first) and computes only the rest. Its logits are, to the bit, those of a cold request
-// that prefilled the same two pieces itself (the mapped K/V are exactly what the first
-// request stored); against a cold one-pass prefill they differ only in rounding, because
-// OpenBLAS's sgemm rounds a row differently when the matrix has a different number of rows
-// (measured on Debian's 0.3.21), and the greedy tokens agree. The two tables name the same
-// leading blocks.
+// first) and computes only the rest. Both prefill in block-sized chunks (prefill_chunk 16,
+// what generate --prefix_cache does), so the second computes exactly the chunks the first
+// computed after the prefix and its logits are the first's to the bit. Against a one-pass
+// prefill they differ only in rounding (OpenBLAS's sgemm rounds a row differently when the
+// matrix has a different number of rows; measured on Debian's 0.3.21), and the greedy
+// tokens agree. The two tables name the same leading blocks.
 TEST_F(WorkerTest, ReusedPrefixGivesTheColdLogits) {
   const std::vector<int32_t> ids = tokenizer_->Encode(
       tokenizer_->ChatPrompt(
@@ -239,7 +239,6 @@ TEST_F(WorkerTest, ReusedPrefixGivesTheColdLogits) {
       true);
   ASSERT_GE(ids.size(), 64u);
   const uint64_t reusable = (ids.size() - 1) / 16 * 16;  // whole blocks, never the last token
-  const std::vector<int32_t> head(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(reusable));
   const std::vector<int32_t> rest(ids.begin() + static_cast<ptrdiff_t>(reusable), ids.end());
   const std::vector<int32_t> more = {504, 3884, 3255};
   const client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
@@ -249,18 +248,18 @@ TEST_F(WorkerTest, ReusedPrefixGivesTheColdLogits) {
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;
   };
+  const SessionOptions chunked{32, false, /*prefill_chunk=*/16};
   auto cold = Create();
   ASSERT_NE(cold, nullptr);
   EXPECT_EQ(cold->reused_tokens(), 0u);
-  Session cold_session(*model_, *cold, cold.get());
-  ASSERT_TRUE(cold_session.Feed(head, true).ok());
-  const auto want = Run(cold_session, rest, more);
+  Session cold_session(*model_, *cold, cold.get(), chunked);
+  const auto want = Run(cold_session, ids, more);
   const auto one_pass = RunLocal(ids, more);
 
   auto warm = Create();
   ASSERT_NE(warm, nullptr);
   ASSERT_EQ(warm->reused_tokens(), reusable);
-  Session warm_session(*model_, *warm, warm.get());
+  Session warm_session(*model_, *warm, warm.get(), chunked);
   warm_session.SkipMapped(static_cast<int64_t>(reusable));
   const auto got = Run(warm_session, rest, more);
   ASSERT_EQ(got.size(), want.size());
