@@ -69,7 +69,7 @@ absl::Status Engine::NotAppending(const Sequence& seq) {
 
 Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
     : engine_(engine),
-      started_(engine->clock_->Now()),
+      started_(std::chrono::steady_clock::now()),
       staged_reservation_(engine),
       seq_(std::move(seq)) {}
 
@@ -258,7 +258,8 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   engine_->tokens_appended_ += total;
   if (PolicyTelemetry* t = engine_->telemetry_.For(seq.policy_name())) {
     t->tokens_appended += total;
-    t->append_seconds.Observe(absl::ToDoubleSeconds(engine_->clock_->Now() - started_));
+    t->append_seconds.Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   }
   engine_->Renew(seq);
   if (publish_) seq.Publish();

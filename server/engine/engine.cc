@@ -306,6 +306,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
         state.published_blocks = mapped.size();
         if (s = MapPrefix(*seq, mapped, prompt.token_ids, version); !s.ok()) return s;
         std::move(unref_mapped).Cancel();
+        state.mapped_prefix = true;
         reused = tokens;
       }
     }
@@ -390,8 +391,8 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.pool = pool_->usage();
   stats.pool_free_bytes = pool_->free_bytes();
   stats.tokens_appended = tokens_appended_;
-  stats.tokens_evicted = tokens_evicted_;
-  stats.tokens_quantized = tokens_quantized_;
+  stats.stream_slots_evicted = tokens_evicted_;
+  stats.stream_slots_quantized = tokens_quantized_;
   stats.bytes_moved = bytes_moved_;
   stats.slot_state_bytes = slot_state_bytes_;
   stats.host_metadata_bytes = host_bytes_;

@@ -7,6 +7,7 @@
 // Every method validates its whole input before changing anything: an error return means
 // no state changed.
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -161,7 +162,8 @@ class Engine {
     }
 
     Engine* const engine_;
-    const absl::Time started_;            // for the append's latency
+    // For the append's latency (monotonic: the injectable clock is for leases).
+    const std::chrono::steady_clock::time_point started_;
     HostReservation staged_reservation_;  // what the staged vectors may take, until the end
     SequenceRef seq_;      // counted in flight (the reaper waits); locked throughout if hold_lock_
     bool publish_ = true;  // false inside a folded step, which publishes once at its end
@@ -227,7 +229,11 @@ class Engine {
  public:
   // Runs ExpireLeases every `period` until `stop` is notified.
   void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
+  // Locks each sequence in turn (the memory totals are kept per stream): for Stats and
+  // /metrics; PoolUsage is the pool alone.
   EngineStats Stats(bool include_sequences);
+  store::PoolUsage PoolUsage() const { return pool_->usage(); }
+  uint64_t PoolFreeBytes() const { return pool_->free_bytes(); }
   // Counters and histograms per policy since the daemon started (server/metrics reads them).
   const Telemetry& telemetry() const { return telemetry_; }
   // Everything a sequence holds, as text (per-slot metadata and scores, block list, K/V),

@@ -74,8 +74,8 @@ struct PromptPrefix {
   // The first `document_tokens` of token_ids are a document that may have been published
   // compressed (Publish with compressed_document) under this sequence's representation:
   // its policy, parameter overrides and quantization. Found, the whole compressed document
-  // is mapped (reused_prefix_tokens = document_tokens); else the plain prefix, but never
-  // the document's last token or what follows it (the client compresses it alone).
+  // is mapped (reused_prefix_tokens = document_tokens); else nothing (no plain prefix:
+  // the client computes the whole document, compresses it and may publish it).
   uint32_t document_tokens = 0;
 };
 
@@ -280,8 +280,8 @@ struct EngineStats {
   uint32_t sequences_active = 0;
   uint64_t sequences_created = 0;
   uint64_t tokens_appended = 0;
-  uint64_t tokens_evicted = 0;         // stream slots, all policies
-  uint64_t tokens_quantized = 0;       // stream slots, all policies
+  uint64_t stream_slots_evicted = 0;    // all policies
+  uint64_t stream_slots_quantized = 0;  // all policies
   std::vector<PolicyCounts> policies;  // every policy, registration order
   // Over the sequences held now: the K/V bytes their tables hold (a shared block counted
   // by each sequence that names it), the bytes a full cache of the same tokens at the

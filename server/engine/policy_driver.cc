@@ -1,6 +1,7 @@
 // The policy driver: Step and Compress. Policies read the committed state and stage the
 // next; the staged state becomes the sequence's only when the whole call applies.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "absl/cleanup/cleanup.h"
@@ -172,7 +173,7 @@ double Engine::QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<co
 }
 
 absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& step) {
-  const absl::Time started = clock_->Now();
+  const auto started = std::chrono::steady_clock::now();  // latency: monotonic
   const policy::CallContext& ctx = step.ctx;
   const std::vector<absl::Span<const float>>* rows = &step.rows;
   const uint64_t before = seq.kv_bytes();
@@ -193,7 +194,8 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
   if (!applied.ok()) return applied.status();
   if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
     const StepSite site = seq.slots() ? StepSite::kDevice : StepSite::kHost;
-    t->step_seconds[static_cast<int>(site)].Observe(absl::ToDoubleSeconds(clock_->Now() - started));
+    t->step_seconds[static_cast<int>(site)].Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     t->confidence.Observe(decision.confidence);  // NaN (no confidence) is not observed
     if (decision.budget_tokens > 0) t->budget_tokens.Observe(decision.budget_tokens);
     if (!std::isnan(quantized_mass)) {
@@ -242,7 +244,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   policy::CallContext ctx = Context(seq);
   ctx.target_tokens = input.target_tokens;
 
-  const absl::Time started = clock_->Now();
+  const auto started = std::chrono::steady_clock::now();  // latency: monotonic
   CompressResult result;
   result.kv_bytes_before = seq.kv_bytes();
   result.layers.resize(seq.layout().num_layers);
@@ -302,7 +304,8 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   Renew(seq);
   seq.Publish();
   if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
-    t->compress_seconds.Observe(absl::ToDoubleSeconds(clock_->Now() - started));
+    t->compress_seconds.Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
   result.version = seq.version();
   // One compression, by the policy's own rule, of a prompt no step has touched: a document

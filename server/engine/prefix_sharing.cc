@@ -83,6 +83,12 @@ absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
         "its last change must be one Compress (by the policy's own rule, no target_tokens) of "
         "the tokens it appended, before any Step");
   }
+  if (state.mapped_prefix) {
+    return refuse(
+        "its first tokens were mapped from a published prefix, so its compression did not see "
+        "their queries; create it without the prompt's ids (or with document_tokens) to "
+        "compute the whole document");
+  }
   if (seq.slots() != nullptr) {
     return refuse(absl::StrCat("policy ", seq.policy_name(),
                                " keeps its scores in the backend (device step)"));
@@ -152,17 +158,15 @@ absl::Status Engine::CheckPrompt(const Layout& layout, const PromptPrefix& promp
 absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PublishedPrefix(
     const Layout& layout, const PromptPrefix& prompt) const {
   // The last token is never reused: the worker computes it, for the logits it samples from.
-  // Nor, in a prompt that starts with a document, the document's last token or anything
-  // after it: the client compresses the document alone, from a forward pass over its end
-  // (and reused_prefix_tokens == document_tokens then means the compressed document).
-  // Hashed block by block, only as far as the index has them.
+  // A prompt that starts with a document maps its compressed document or nothing: without
+  // it the client computes the whole document and compresses it (a compression sees every
+  // query of the document) and may publish it. Hashed block by block, only as far as the
+  // index has them.
   std::vector<prefix::BlockHash> hashes;
-  if (prompt.token_ids.size() < 2) return hashes;
+  if (prompt.token_ids.size() < 2 || prompt.document_tokens > 0) return hashes;
   const std::string ns = PrefixNamespace(layout, prompt.model);
   const uint32_t B = layout.block_tokens;
-  const size_t reusable =
-      (prompt.document_tokens > 0 ? prompt.document_tokens : prompt.token_ids.size()) - 1;
-  const size_t blocks = reusable / B;
+  const size_t blocks = (prompt.token_ids.size() - 1) / B;
   for (size_t i = 0; i < blocks; ++i) {
     std::optional<std::vector<std::string>> extra;
     if (i == 0 && !prompt.salt.empty()) extra = std::vector<std::string>{prompt.salt};

@@ -279,6 +279,9 @@ class Sequence {
     // cache is a compressed document others may map (Publish with compressed_document).
     bool compressed_document = false;
     uint32_t compressions = 0;  // Compress calls applied since its last append
+    // Its first tokens were mapped from published blocks, not computed here: a compression
+    // of it did not see their queries, so it is never published as a document.
+    bool mapped_prefix = false;
   };
   const PrefixState& prefix() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return prefix_; }
   PrefixState& mutable_prefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return prefix_; }

@@ -1,7 +1,9 @@
 #include "server/metrics/exporter.h"
 
 #include <cmath>
+#include <deque>
 #include <exception>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/exposer.h"
@@ -52,10 +54,13 @@ class Families {
     }
     f.metric.push_back(std::move(m));
   }
-  std::vector<MetricFamily> Take() { return std::move(out_); }
+  std::vector<MetricFamily> Take() {
+    return std::vector<MetricFamily>(std::make_move_iterator(out_.begin()),
+                                     std::make_move_iterator(out_.end()));
+  }
 
  private:
-  std::vector<MetricFamily> out_;
+  std::deque<MetricFamily> out_;  // references to families stay valid as more are added
 };
 
 }  // namespace
@@ -73,8 +78,9 @@ std::vector<MetricFamily> Collector::Collect() const {
           static_cast<double>(s.pool.pool_bytes));
   MetricFamily& bytes =
       f.Family("kvmem_pool_bytes",
-               "pool bytes by state: sequences (pages holding blocks sequences use), cached "
-               "(blocks only the prefix cache holds, reclaimable), free (free pages)",
+               "pool bytes by state: sequences (pages in use, less the cached blocks' bytes: "
+               "includes the pages' unused room), cached (blocks only the prefix cache holds, "
+               "reclaimable), free (free pages)",
                MetricType::Gauge);
   Families::Sample(bytes, static_cast<double>(used - std::min(used, cached_bytes)),
                    {{"state", "sequences"}});
@@ -82,7 +88,10 @@ std::vector<MetricFamily> Collector::Collect() const {
   Families::Sample(bytes, static_cast<double>(s.pool_free_bytes), {{"state", "free"}});
   MetricFamily& blocks = f.Family("kvmem_pool_blocks", "pool blocks by state (as kvmem_pool_bytes)",
                                   MetricType::Gauge);
-  Families::Sample(blocks, static_cast<double>(s.pool.blocks_used - s.prefix.cached_blocks),
+  // The pool and the prefix index are read one after the other: clamp, never wrap.
+  Families::Sample(blocks,
+                   static_cast<double>(s.pool.blocks_used -
+                                       std::min(s.pool.blocks_used, s.prefix.cached_blocks)),
                    {{"state", "sequences"}});
   Families::Sample(blocks, static_cast<double>(s.prefix.cached_blocks), {{"state", "cached"}});
   MetricFamily& precision = f.Family(
@@ -161,7 +170,9 @@ std::vector<MetricFamily> Collector::Collect() const {
     Families::Sample(step, p->step_seconds[1].Read(), {{"policy", p->policy}, {"where", "device"}});
   }
   const PerPolicyHistogram histograms[] = {
-      {"kvmem_append_duration_seconds", "engine time of an Append, from its start to its commit",
+      {"kvmem_append_duration_seconds",
+       "time of an Append in the engine, from its first chunk to its commit (an AppendStream: "
+       "the whole stream, the client's pauses included)",
        [](const engine::PolicyTelemetry& p) -> const engine::Histogram& {
          return p.append_seconds;
        }},

@@ -340,8 +340,8 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_blocks_used(stats.pool.blocks_used);
   out->set_sequences_active(stats.sequences_active);
   out->set_tokens_appended(stats.tokens_appended);
-  out->set_stream_slots_evicted(stats.tokens_evicted);
-  out->set_stream_slots_quantized(stats.tokens_quantized);
+  out->set_stream_slots_evicted(stats.stream_slots_evicted);
+  out->set_stream_slots_quantized(stats.stream_slots_quantized);
   out->set_sequences_created(stats.sequences_created);
   out->set_kv_bytes(stats.kv_bytes);
   out->set_full_cache_bytes(stats.full_cache_bytes);

@@ -37,10 +37,11 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
   response->set_version(version_);
   response->set_backend(std::string(backend.kind()));
   response->set_device_name(backend.device_name());
-  const engine::EngineStats stats = engine_->Stats(false);
-  response->set_pool_bytes(stats.pool.pool_bytes);
-  response->set_pool_free_bytes(stats.pool_free_bytes);
-  response->set_page_bytes(stats.pool.page_bytes);
+  // The pool's own figures: GetInfo never waits for a sequence.
+  const store::PoolUsage pool = engine_->PoolUsage();
+  response->set_pool_bytes(pool.pool_bytes);
+  response->set_pool_free_bytes(engine_->PoolFreeBytes());
+  response->set_page_bytes(pool.page_bytes);
   response->set_default_block_tokens(config.default_block_tokens);
   response->set_max_sequences(config.max_sequences);
   ToProto(config.default_lease, response->mutable_default_lease());

@@ -114,8 +114,9 @@ TEST_F(MetricsTest, CountersAreExactAndAgreeWithStats) {
       absl::StrContains(server_->RenderMetrics(), "# TYPE kvmem_tokens_evicted_total counter"));
 }
 
-// h2o with budget 8 over 17 slots and a uniform row: the step evicts 9 slots of each stream,
-// 9/17 of the row's weight; nothing is quantized.
+// h2o with budget 8 over 17 slots: the step keeps the 8 slots its row weighs most, so the
+// row (weights 1..17, normalized, the heaviest last) loses the 9 lightest: (1+...+9)/153 of
+// its mass, not the 9/17 a count would give.
 TEST_F(MetricsTest, TheAttentionMassAStepEvictsIsMeasured) {
   const uint64_t id = Create("h2o", {{"budget", 8}});
   ASSERT_TRUE(AppendRange(id, 0, 17).ok());
@@ -123,17 +124,76 @@ TEST_F(MetricsTest, TheAttentionMassAStepEvictsIsMeasured) {
   ASSERT_TRUE(table.ok());
   client::StepArgs args;
   args.epoch = table->epoch;
-  for (uint32_t s = 0; s < kL * kH; ++s) {
-    args.attention.push_back({s / kH, s % kH, std::vector<float>(17, 1.0f / 17)});
-  }
+  std::vector<float> row(17);
+  for (int i = 0; i < 17; ++i) row[i] = static_cast<float>(i + 1) / 153.0f;
+  for (uint32_t s = 0; s < kL * kH; ++s) args.attention.push_back({s / kH, s % kH, row});
   auto step = client_->Step(id, args);
   ASSERT_TRUE(step.ok()) << step.status();
   ASSERT_EQ(step->evicted_tokens, 9u * kL * kH);
   const auto m = Samples(server_->RenderMetrics());
   EXPECT_EQ(m.at("kvmem_evicted_attention_mass_count{policy=\"h2o\"}"), 1);
-  EXPECT_NEAR(m.at("kvmem_evicted_attention_mass_sum{policy=\"h2o\"}"), 9.0 / 17, 1e-6);
+  EXPECT_NEAR(m.at("kvmem_evicted_attention_mass_sum{policy=\"h2o\"}"), 45.0 / 153, 1e-5);
   EXPECT_EQ(m.at("kvmem_quantized_attention_mass_sum{policy=\"h2o\"}"), 0);
   EXPECT_EQ(m.at("kvmem_budget_tokens_count{policy=\"h2o\"}"), 1);
+  EXPECT_GT(m.at("kvmem_step_duration_seconds_sum{policy=\"h2o\",where=\"host\"}"), 0);
+}
+
+// int8 beyond the newest 16 tokens: a step over 48 tokens quantizes their first two blocks
+// (nothing was quantized before it: mass 0); after one more token, a row of weights 1..49
+// (normalized) puts (1+...+32)/1225 of its mass on those 32 slots.
+TEST_F(MetricsTest, TheAttentionMassQuantizedSlotsHoldIsMeasured) {
+  auto seq = client_->CreateSequence(TestLayout(),
+                                     {"h2o", {{"budget", 1000}}, client::Precision::kInt8, 16});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_TRUE(AppendRange(seq->id, 0, 48).ok());
+  auto first = client_->GetBlockTable(seq->id);
+  ASSERT_TRUE(first.ok());
+  client::StepArgs quantize;
+  quantize.epoch = first->epoch;
+  for (uint32_t s = 0; s < kL * kH; ++s) {
+    quantize.attention.push_back({s / kH, s % kH, std::vector<float>(48, 1.0f / 48)});
+  }
+  ASSERT_TRUE(client_->Step(seq->id, quantize).ok());
+  ASSERT_TRUE(AppendRange(seq->id, 48, 1).ok());
+  auto table = client_->GetBlockTable(seq->id);
+  ASSERT_TRUE(table.ok());
+  uint64_t quantized = 0;
+  for (const auto& b : table->streams[0].blocks) {
+    if (b.precision == client::Precision::kInt8) quantized += b.count;
+  }
+  ASSERT_EQ(quantized, 32u);
+  client::StepArgs args;
+  args.epoch = table->epoch;
+  std::vector<float> row(49);
+  for (int i = 0; i < 49; ++i) row[i] = static_cast<float>(i + 1) / 1225.0f;
+  for (uint32_t s = 0; s < kL * kH; ++s) args.attention.push_back({s / kH, s % kH, row});
+  ASSERT_TRUE(client_->Step(seq->id, args).ok());
+  const auto m = Samples(server_->RenderMetrics());
+  EXPECT_EQ(m.at("kvmem_quantized_attention_mass_count{policy=\"h2o\"}"), 2);
+  EXPECT_NEAR(m.at("kvmem_quantized_attention_mass_sum{policy=\"h2o\"}"), 528.0 / 1225, 1e-5);
+  EXPECT_EQ(m.at("kvmem_evicted_attention_mass_sum{policy=\"h2o\"}"), 0);
+}
+
+// A published prefix nobody holds is cached: the pool's states add up, cached > 0.
+TEST_F(MetricsTest, CachedPrefixBlocksAreTheirOwnState) {
+  std::vector<int32_t> tokens(33);
+  for (int i = 0; i < 33; ++i) tokens[i] = 100 + i;
+  client::Prompt prompt{tokens, "", "m", /*auto_publish=*/true};
+  auto seq = client_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+  ASSERT_TRUE(seq.ok());
+  positions_ = testing::Range(0, 33);
+  k_ = testing::Payload16(kL * kH, 0, 33, kD, 0);
+  v_ = testing::Payload16(kL * kH, 0, 33, kD, 1);
+  ASSERT_TRUE(client_->Append(seq->id, {positions_, tokens, k_, v_, {}, {}}).ok());
+  ASSERT_TRUE(client_->Release(seq->id).ok());
+  const auto m = Samples(server_->RenderMetrics());
+  EXPECT_EQ(m.at("kvmem_pool_blocks{state=\"cached\"}"), 2 * kL * kH);
+  EXPECT_EQ(m.at("kvmem_pool_blocks{state=\"sequences\"}"), 0);
+  EXPECT_EQ(m.at("kvmem_pool_bytes{state=\"cached\"}"), 2.0 * kL * kH * 16 * kD * 2 * 2);
+  EXPECT_EQ(m.at("kvmem_pool_bytes{state=\"sequences\"}") +
+                m.at("kvmem_pool_bytes{state=\"cached\"}") +
+                m.at("kvmem_pool_bytes{state=\"free\"}"),
+            m.at("kvmem_pool_capacity_bytes"));
 }
 
 }  // namespace

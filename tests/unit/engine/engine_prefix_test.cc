@@ -664,24 +664,39 @@ TEST_F(DocumentTest, OnlyTheSameRepresentationMapsIt) {
   EXPECT_THAT(std::string(whole.status().message()), HasSubstr("document_tokens"));
 }
 
-// A prompt that starts with a document not published compressed maps the plain prefix
-// only as far as the document's last token, exclusive: its client compresses the document
-// alone. Whole blocks: a document of 2 blocks + 3 tokens reuses 2 blocks, one of exactly 3
-// blocks reuses 2 too.
-TEST_F(DocumentTest, APlainPrefixStopsBeforeTheDocumentsLastToken) {
-  constexpr uint32_t kShortDoc = 2 * kB + 3;
+// A prompt that starts with a document not published compressed maps nothing, not even a
+// published plain prefix: its client computes and compresses the whole document. A
+// sequence that did map a plain prefix (no document_tokens) and compressed it is no
+// document: its compression never saw the mapped tokens' queries.
+TEST_F(DocumentTest, APromptWithADocumentMapsItWholeOrNothing) {
   Publisher(8 * kB);  // a plain chain of document and question together
   const std::vector<int32_t> ids = Tokens(8 * kB);
   PromptPrefix p{"m", "", ids};
-  p.document_tokens = kShortDoc;
-  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 2 * kB);
+  p.document_tokens = 5 * kB;
+  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 0u);
   auto reader = engine_->CreateSequence(TestLayout(), "snapkv", kSnap, {}, absl::ZeroDuration(), p);
   ASSERT_TRUE(reader.ok()) << reader.status();
-  EXPECT_EQ(reader->reused_prefix_tokens, 2 * kB);
-  p.document_tokens = 3 * kB;
-  EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 2 * kB);
+  EXPECT_EQ(reader->reused_prefix_tokens, 0u);
+
   p.document_tokens = 0;  // no document: the whole chain but the last token's block
   EXPECT_EQ(*engine_->Lookup(TestLayout(), p, "snapkv", kSnap), 7 * kB);
+  const std::vector<int32_t> doc = Tokens(kDoc + 5);
+  PromptPrefix plain{"m", "", doc};
+  auto mapped =
+      engine_->CreateSequence(TestLayout(), "snapkv", kSnap, {}, absl::ZeroDuration(), plain);
+  ASSERT_TRUE(mapped.ok());
+  ASSERT_GT(mapped->reused_prefix_tokens, 0u);
+  const auto first = static_cast<int64_t>(mapped->reused_prefix_tokens);
+  ASSERT_TRUE(AppendTokens(mapped->sequence_id, first, static_cast<uint32_t>(kDoc - first)).ok());
+  CompressInput input;
+  input.epoch = engine_->GetBlockTable(mapped->sequence_id)->epoch;
+  const std::vector<float> row(kDoc, 1.0f);
+  for (uint32_t s = 0; s < kL * kH; ++s) input.window_scores.push_back({s / kH, s % kH, row});
+  ASSERT_TRUE(engine_->Compress(mapped->sequence_id, input).ok());
+  auto refused = engine_->PublishDocument(mapped->sequence_id);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("mapped"));
 }
 
 TEST_F(DocumentTest, OnlyAFreshlyCompressedPromptIsADocument) {
