@@ -282,7 +282,7 @@ struct EngineStats {
   uint64_t tokens_appended = 0;
   uint64_t stream_slots_evicted = 0;    // all policies
   uint64_t stream_slots_quantized = 0;  // all policies
-  std::vector<PolicyCounts> policies;  // every policy, registration order
+  std::vector<PolicyCounts> policies;   // every policy, registration order
   // Over the sequences held now: the K/V bytes their tables hold (a shared block counted
   // by each sequence that names it), the bytes a full cache of the same tokens at the
   // layout's dtype would take, and table block bytes by storage precision.
