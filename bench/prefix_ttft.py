@@ -6,8 +6,10 @@ prompt (its published prefix is mapped at CreateSequence; only the rest is compu
 by side. Both greedy; the answers must be identical. The first token's time includes
 CreateSequence, the prefill forward pass and its Append.
 
-Usage: python3 bench/prefix_ttft.py [--context 1024] [--repeat 5] [--decode 16]
+Usage: python3 bench/prefix_ttft.py [--context 1024] [--repeat 5] [--decode 16] [--chunk 0]
 --context N: the first N tokens of the Lee corpus (bench/eval's text) as the prompt.
+--chunk 16: both runs prefill in block-sized chunks (kvmem_worker --prefill_chunk), so the
+warm run's logits are the cold run's to the bit; 0 (default): one pass.
 KVMEM_BIN: where kvmem_worker and kvmemd are (build/).
 """
 import argparse
@@ -21,11 +23,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("KVMEM_BIN", ROOT / "build"))
+CHUNK = 0
 
 
 def run(model, sock, prompt_args, decode):
     out = subprocess.run([str(BIN / "kvmem_worker"), "generate", f"--model={model}",
                           f"--target=unix:{sock}", "--raw", "--policy=full", "--prefix_cache",
+                          f"--prefill_chunk={CHUNK}",
                           "--temperature=0", f"--max_tokens={decode}", *prompt_args],
                          check=True, capture_output=True, text=True).stdout
     m = re.search(r"prefix cache: (\d+) of (\d+) prompt tokens reused; first token after ([\d.]+) ms",
@@ -39,7 +43,10 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=0)
     args = ap.parse_args()
+    global CHUNK
+    CHUNK = args.chunk
     model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
                            capture_output=True, text=True).stdout.strip()
     spec = importlib.util.spec_from_file_location("kvmem_eval", ROOT / "bench" / "eval" / "eval.py")

@@ -189,6 +189,25 @@ def plot(rows, path, title):
     return True
 
 
+def scatter(points, xlabel, ylabel, title, path, xlog=False):
+    """A labelled scatter plot of (label, x, y) points (nothing without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, x, y in points:
+        ax.scatter(x, y)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if xlog:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def study_ppl(args):
     """Streaming perplexity at matched KV bytes: every policy's budget is set so that its
     mean KV bytes come out at window-W's (W = 512: the articles' comparison point)."""
@@ -931,18 +950,9 @@ def study_mass(args):
     lines += ["", f"Across the {len(evicting)} evicting runs: Spearman rank correlation of mean "
               f"evicted mass with the perplexity gap {rho:+.2f}, Pearson {r_lin:+.2f}."]
     write_table(f"mass-{tag}", lines)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for (name, r), g in zip(evicting, gaps):
-            ax.scatter(r["mass_mean"], g)
-            ax.annotate(name, (r["mass_mean"], g), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
-        ax.set_xlabel("mean attention mass evicted per step (kvmemd /metrics)")
-        ax.set_ylabel("perplexity gap to full (%)")
-        ax.set_title(f"Evicted attention mass vs perplexity gap, {n} tokens")
-        fig.tight_layout()
-        fig.savefig(OUT / f"mass-{tag}.png", dpi=120)
+    scatter([(name, r["mass_mean"], g) for (name, r), g in zip(evicting, gaps)],
+            "mean attention mass evicted per step (kvmemd /metrics)", "perplexity gap to full (%)",
+            f"Evicted attention mass vs perplexity gap, {n} tokens", OUT / f"mass-{tag}.png")
     return results, rho
 
 
@@ -1077,20 +1087,12 @@ def study_docshare(args):
         lines.append(f"| {q} | {a.strip().replace('|', '/')} |")
     lines += sharers_table(model, small)
     write_table(f"docshare-{tag}", lines)
-    plt = pyplot()
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for label, mode, policy, params, recs, total in results:
-            f1 = sum(word_f1(r["answer"], f) for r, f in zip(recs, full)) / n
-            x = n * 2**30 / total["pool_used_bytes"]
-            ax.scatter(x, f1)
-            ax.annotate(label, (x, f1), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
-        ax.set_xlabel("sequences per GiB of pool")
-        ax.set_ylabel("word F1 against the full cache's answers")
-        ax.set_title(f"{n} questions over one document")
-        fig.tight_layout()
-        fig.savefig(OUT / f"docshare-{tag}.png", dpi=120)
+    points = []
+    for label, mode, policy, params, recs, total in results:
+        f1 = sum(word_f1(r["answer"], f) for r, f in zip(recs, full)) / n
+        points.append((label, n * 2**30 / total["pool_used_bytes"], f1))
+    scatter(points, "sequences per GiB of pool", "word F1 against the full cache's answers",
+            f"{n} questions over one document", OUT / f"docshare-{tag}.png", xlog=True)
     return results, same_as_shared
 
 
