@@ -13,8 +13,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -145,8 +145,9 @@ int main(int argc, char** argv) {
       1e3 * std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
       kScrapes;
   const double cpu_ms = 1e3 * double(std::clock() - cpu_start) / CLOCKS_PER_SEC / kScrapes;
-  std::printf("one scrape: %.2f ms wall, %.2f ms CPU (this process: daemon and scraper); at one "
-              "scrape a second, %.2f %% of one core\n",
-              wall_ms, cpu_ms, cpu_ms / 10.0);
+  std::printf(
+      "one scrape: %.2f ms wall, %.2f ms CPU (this process: daemon and scraper); at one "
+      "scrape a second, %.2f %% of one core\n",
+      wall_ms, cpu_ms, cpu_ms / 10.0);
   return 0;
 }
