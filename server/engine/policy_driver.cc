@@ -158,6 +158,7 @@ double EvictedMassOf(absl::Span<const absl::Span<const float>> rows,
 // when the step carries no rows (nothing to measure with).
 double Engine::QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows) {
   if (rows.empty() || rows[0].empty()) return std::nan("");
+  if (!seq.quant().type) return 0.0;  // never quantizes: no block to walk
   double mass = 0;
   for (size_t s = 0; s < rows.size(); ++s) {
     size_t at = 0;

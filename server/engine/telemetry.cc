@@ -89,14 +89,13 @@ Telemetry::Telemetry(const std::vector<std::string>& policies) {
   for (const std::string& name : policies) {
     policies_.push_back(std::make_unique<PolicyTelemetry>());
     policies_.back()->policy = name;
+    by_name_[name] = policies_.back().get();
   }
 }
 
 PolicyTelemetry* Telemetry::For(std::string_view policy) const {
-  for (const auto& p : policies_) {
-    if (p->policy == policy) return p.get();
-  }
-  return nullptr;
+  auto it = by_name_.find(absl::string_view(policy.data(), policy.size()));
+  return it == by_name_.end() ? nullptr : it->second;
 }
 
 double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep) {

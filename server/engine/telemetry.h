@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
 
 namespace kvmem::engine {
@@ -82,7 +83,8 @@ class Telemetry {
   std::atomic<uint64_t> sequences_created{0};
 
  private:
-  std::vector<std::unique_ptr<PolicyTelemetry>> policies_;  // in registration order
+  std::vector<std::unique_ptr<PolicyTelemetry>> policies_;      // in registration order
+  absl::flat_hash_map<std::string, PolicyTelemetry*> by_name_;  // every call looks one up
 };
 
 // Attention mass of a step for one stream: the weight `row` puts on the slots `keep` (sorted

@@ -1,24 +1,21 @@
 #include "server/metrics/rpc_telemetry.h"
 
-#include <cstring>
-
 namespace kvmem::metrics {
 
 RpcTelemetry::Method::Method(std::string l)
     : label(std::move(l)), seconds(engine::LatencyBounds()) {}
 
-RpcTelemetry::RpcTelemetry(const std::vector<std::string>& methods) : full_names_(methods) {
+RpcTelemetry::RpcTelemetry(const std::vector<std::string>& methods) {
   for (const std::string& name : methods) {
     methods_.push_back(std::make_unique<Method>(name.substr(name.rfind('/') + 1)));
+    by_full_name_[name] = methods_.back().get();
   }
   methods_.push_back(std::make_unique<Method>("other"));
 }
 
 RpcTelemetry::Method& RpcTelemetry::For(const char* full_name) {
-  for (size_t i = 0; i < full_names_.size(); ++i) {
-    if (std::strcmp(full_names_[i].c_str(), full_name) == 0) return *methods_[i];
-  }
-  return *methods_.back();
+  auto it = by_full_name_.find(absl::string_view(full_name));
+  return it == by_full_name_.end() ? *methods_.back() : *it->second;
 }
 
 const char* StatusCodeName(int code) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "server/engine/telemetry.h"
 
 namespace kvmem::metrics {
@@ -35,8 +36,8 @@ class RpcTelemetry {
   std::atomic<uint64_t> bytes_out{0};
 
  private:
-  std::vector<std::string> full_names_;  // parallel to methods_ (last: "other")
-  std::vector<std::unique_ptr<Method>> methods_;
+  std::vector<std::unique_ptr<Method>> methods_;  // the services' methods, then "other"
+  absl::flat_hash_map<std::string, Method*> by_full_name_;
 };
 
 // grpc::StatusCode's name ("OK", "RESOURCE_EXHAUSTED", ...).

@@ -316,6 +316,17 @@ def test_grafana_provisioning():
 # --------------------------------------------------------------------------- live daemon
 
 
+def stop(proc, seconds=20):
+    """SIGTERM (kvmemd drains), then SIGKILL if it is still running after `seconds`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -391,13 +402,7 @@ def kvmemd_metrics(tmp_path):
         assert text is not None, f"GET /metrics on port {port} failed: {error}"
         yield text
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.close()
         sock.unlink(missing_ok=True)
 

@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import time
 import urllib.parse
@@ -14,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from test_dashboard_rules import (BIN, DASHBOARD, RULES, data_panels, free_port, load_dashboard,
+from test_dashboard_rules import (BIN, RULES, data_panels, free_port, load_dashboard, stop,
                                   substitute)
 
 
@@ -72,13 +71,7 @@ def stack(tmp_path):
         yield {"sock": sock, "model": model, "api": api, "metrics_port": metrics_port}
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop(p)
         pathlib.Path(sock).unlink(missing_ok=True)
 
 
