@@ -53,6 +53,11 @@ ABSL_FLAG(uint64_t, max_stream_buffer_bytes, 256ull << 20,
           "written to the pool as it arrives); past it a stream gets RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_append_streams, 16,
           "AppendStreams open at once; more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_step_channels, 16,
+          "same-host step channels (OpenStepChannel) open at once, each served by one thread; "
+          "more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint64_t, step_channel_bytes, 256ull << 20,
+          "shared memory all step channels' segments may hold together");
 ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,
           "memory gRPC's transports may hold (its ResourceQuota)");
 ABSL_FLAG(int32_t, grpc_max_threads, 256,
@@ -129,6 +134,8 @@ int main(int argc, char** argv) {
   config.engine.tenant_quota_bytes = absl::GetFlag(FLAGS_tenant_quota_bytes);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
+  config.limits.max_step_channels = absl::GetFlag(FLAGS_max_step_channels);
+  config.limits.step_channel_bytes = absl::GetFlag(FLAGS_step_channel_bytes);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);
   config.limits.request_id_ttl = absl::Seconds(absl::GetFlag(FLAGS_request_id_seconds));
   config.limits.request_id_bytes = absl::GetFlag(FLAGS_request_id_bytes);
@@ -139,7 +146,7 @@ int main(int argc, char** argv) {
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
   for (const std::string& name :
-       kvmem::store::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs"})) {
+       kvmem::store::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan"})) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 

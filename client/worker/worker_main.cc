@@ -74,6 +74,9 @@ ABSL_FLAG(std::string, answer_prefix, "",
           "generate/multi: text appended after the assistant turn opens (e.g. 'The pass key is')");
 ABSL_FLAG(bool, stop_at_number, false,
           "multi: stop an answer at the first non-digit after a number (retrieval, arithmetic)");
+ABSL_FLAG(bool, step_channel, true,
+          "send each StepBatch through a shared-memory step channel when kvmemd is on this host "
+          "(falls back to gRPC when it cannot open one)");
 ABSL_FLAG(bool, attention_f16, false,
           "send the per-step attention rows to kvmemd as IEEE halves instead of f32");
 ABSL_FLAG(uint32_t, prefill_chunk, 0,
@@ -173,6 +176,19 @@ struct Env {
   KvStore* store = nullptr;
 };
 
+// A client of --target; with --step_channel its StepBatches go through a step channel when
+// the daemon is on this host (said on stderr when it is not).
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(absl::GetFlag(FLAGS_target));
+  if (!c.ok() || !absl::GetFlag(FLAGS_step_channel)) return c;
+  if (absl::Status s = (*c)->OpenStepChannel(); !s.ok()) {
+    std::fprintf(stderr, "step channel not opened (StepBatch goes by gRPC): %s\n",
+                 s.ToString().c_str());
+  }
+  return c;
+}
+
 absl::Status Setup(Env& env, bool force_local) {
   absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(absl::GetFlag(FLAGS_model));
   if (!file.ok()) return file.status();
@@ -191,7 +207,7 @@ absl::Status Setup(Env& env, bool force_local) {
   absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
   if (!policy.ok()) return policy.status();
   absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect(absl::GetFlag(FLAGS_target));
+      ConnectDaemon();
   if (!c.ok()) return c.status();
   env.client = *std::move(c);
   const auto path = absl::GetFlag(FLAGS_read_path) == "grpc"
@@ -303,8 +319,9 @@ int Generate() {
         double(session.evicted()) /
             (env.model->config().num_layers * env.model->config().num_kv_heads),
         static_cast<unsigned long long>(session.evicted()));
-    std::printf("daemon calls: %.2f ms per decode step (StepBatch%s)\n",
+    std::printf("daemon calls: %.2f ms per decode step (StepBatch %s%s)\n",
                 session.daemon_ms_per_step(),
+                env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
                 absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
   }
   return 0;
@@ -499,7 +516,7 @@ int Multi() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
   absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect(absl::GetFlag(FLAGS_target));
+      ConnectDaemon();
   if (!c.ok()) return Fail("connect", c.status());
   std::vector<client::PolicySpec> specs;
   std::vector<std::string> labels;
@@ -621,7 +638,7 @@ int DocQa() {
   if (!policy.ok()) return Fail("setup", policy.status());
   if (mode == "plain" || mode == "prefix") *policy = client::PolicySpec{"full", {}};
   absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect(absl::GetFlag(FLAGS_target));
+      ConnectDaemon();
   if (!c.ok()) return Fail("connect", c.status());
   std::ifstream doc_in(absl::GetFlag(FLAGS_text)), q_in(absl::GetFlag(FLAGS_questions_file));
   if (!doc_in || !q_in) {

@@ -37,6 +37,11 @@ bool CallGate::AwaitQuiet(absl::Duration quiet, absl::Time deadline) {
   return false;
 }
 
+bool CallGate::closed() const {
+  kvmem::MutexLock lock(&mu_);
+  return closed_;
+}
+
 int64_t CallGate::in_flight() const {
   kvmem::MutexLock lock(&mu_);
   return in_flight_;

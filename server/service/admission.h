@@ -25,6 +25,8 @@ struct ServiceLimits {
   // its sequence (no other change, no lease expiry) and its reserved blocks for ever.
   absl::Duration append_stream_idle = absl::Seconds(60);
   absl::Duration request_id_ttl = absl::Minutes(10);
+  uint32_t max_step_channels = 16;            // step channels open at once (one thread each)
+  uint64_t step_channel_bytes = 256ull << 20;  // their segments' bytes, all together
 };
 
 // Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for
@@ -54,6 +56,7 @@ class CallGate {
   [[nodiscard]] Ticket Enter();
   // From now on every Enter() is refused. Idempotent.
   void Close();
+  bool closed() const;
   // Waits until no admitted call remains and no call at all (admitted or refused) has
   // arrived for `quiet`, or until `deadline`. The quiet time lets calls that gRPC had
   // queued before the gate closed reach it and be refused, rather than be cancelled by the

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <iterator>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "kvmem/v1/step_channel.h"
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
 
@@ -272,6 +274,13 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatch
                                        v1::StepBatchResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
+  return RunStepBatch(*request, engine_->config().max_append_bytes, response);
+}
+
+grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_message,
+                                          uint64_t max_update_bytes,
+                                          v1::StepBatchResponse* response) {
+  const v1::StepBatchRequest* const request = &request_message;
   std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
   const absl::Status status =
       requests_.Run("StepBatch", 0, request->request_id(), response, [&]() -> absl::Status {
@@ -332,11 +341,64 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatch
       continue;  // nothing of the entry applied: the client's table is still current
     }
     update_bytes += result->table_update().ByteSizeLong();
-    if (update_bytes > engine_->config().max_append_bytes) {
+    if (update_bytes > max_update_bytes) {
       response->mutable_results(i)->clear_table_update();
     }
   }
   return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::OpenStepChannel(
+    grpc::ServerContext* context, const v1::OpenStepChannelRequest* request,
+    grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) {
+  std::unique_ptr<StepChannel> channel;
+  std::optional<StepChannelBudget::Lease> lease;
+  {
+    const CallGate::Ticket call = gate_.Enter();
+    if (!call.admitted()) return ToGrpc(DrainingError());
+    const uint64_t max_capacity = engine_->config().max_append_bytes + (4ull << 20);
+    const uint64_t capacity =
+        request->has_capacity_bytes() ? request->capacity_bytes() : StepChannel::kDefaultCapacity;
+    if (capacity < StepChannel::kMinCapacity || capacity > max_capacity) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "capacity_bytes: ", capacity, " is outside [", StepChannel::kMinCapacity, ", ",
+          max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB)")));
+    }
+    absl::StatusOr<StepChannelBudget::Lease> opened =
+        channels_.Open(StepChannel::SegmentBytes(capacity));
+    if (!opened.ok()) return ToGrpc(opened.status());
+    lease.emplace(*std::move(opened));
+    absl::StatusOr<std::unique_ptr<StepChannel>> created = StepChannel::Create(capacity);
+    if (!created.ok()) return ToGrpc(created.status());
+    channel = *std::move(created);
+    v1::OpenStepChannelResponse response;
+    response.set_name(channel->name());
+    response.set_segment_bytes(channel->segment_bytes());
+    response.set_capacity_bytes(channel->capacity());
+    response.set_layout_version(v1::step_channel::kLayoutVersion);
+    if (!writer->Write(response)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client left before the channel opened");
+    }
+  }
+  // Each request takes its own ticket, so that a drain waits for a batch in flight but not
+  // for an idle channel; the loop notices the drain, or the client leaving, within a tick.
+  const uint64_t max_update_bytes =
+      std::min(engine_->config().max_append_bytes, channel->capacity() / 2);
+  const StepChannel::Handler handler = [&](const v1::StepBatchRequest& batch,
+                                           v1::StepBatchResponse* response) {
+    const CallGate::Ticket call = gate_.Enter();
+    if (!call.admitted()) return ToGrpc(DrainingError());
+    return RunStepBatch(batch, max_update_bytes, response);
+  };
+  while (!context->IsCancelled()) {
+    if (gate_.closed()) return ToGrpc(DrainingError());
+    if (channel->ServeOne(absl::Milliseconds(50), handler) == StepChannel::Served::kBroken) {
+      return ToGrpc(absl::FailedPreconditionError(
+          "step channel: its segment was shrunk or unmapped by the client; the request read "
+          "from it was not applied; open a new channel"));
+    }
+  }
+  return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the step channel");
 }
 
 grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,

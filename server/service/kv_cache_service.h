@@ -9,6 +9,7 @@
 #include "server/engine/engine.h"
 #include "server/service/admission.h"
 #include "server/service/request_cache.h"
+#include "server/service/step_channel.h"
 
 namespace kvmem::service {
 
@@ -20,7 +21,8 @@ class KvCacheService final : public v1::KvCache::Service {
         version_(std::move(version)),
         streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl,
-                  clock) {}
+                  clock),
+        channels_(limits.max_step_channels, limits.step_channel_bytes) {}
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -37,6 +39,10 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
   grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest*,
                          v1::StepBatchResponse*) override;
+  grpc::Status OpenStepChannel(grpc::ServerContext*, const v1::OpenStepChannelRequest*,
+                               grpc::ServerWriter<v1::OpenStepChannelResponse>*) override;
+  // Step channels open now.
+  uint32_t step_channels_open() const { return channels_.open(); }
   // Most entries one StepBatch may carry.
   static constexpr int kMaxBatchEntries = 4096;
   grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
@@ -56,6 +62,10 @@ class KvCacheService final : public v1::KvCache::Service {
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
 
  private:
+  // StepBatch's work, for gRPC and for step channels: table updates go in up to
+  // `max_update_bytes` in all.
+  grpc::Status RunStepBatch(const v1::StepBatchRequest& request, uint64_t max_update_bytes,
+                            v1::StepBatchResponse* response);
   // The update of the table `held` names, after a mutation of sequence `id` applied.
   void FillTableUpdate(uint64_t id, const v1::ClientTable& held, v1::TableUpdate* out);
 
@@ -64,6 +74,7 @@ class KvCacheService final : public v1::KvCache::Service {
   CallGate gate_;
   AppendStreamBudget streams_;
   RequestCache requests_;  // retries of mutating calls (request_id)
+  StepChannelBudget channels_;
 };
 
 }  // namespace kvmem::service

@@ -64,6 +64,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     return absl::InvalidArgumentError(absl::StrCat("--grpc-max-threads: ", config.grpc_max_threads,
                                                    " is below 4, too few to serve"));
   }
+  // A step channel keeps a thread for its life: half of them stay for the other calls.
+  if (config.limits.max_step_channels > static_cast<uint32_t>(config.grpc_max_threads / 2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-step-channels: ", config.limits.max_step_channels, " is more than half of "
+        "--grpc-max-threads=", config.grpc_max_threads, " (each open channel holds a thread)"));
+  }
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
       MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
   if (!backend.ok()) return backend.status();

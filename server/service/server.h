@@ -50,6 +50,7 @@ class Server {
   int port() const { return port_; }                                      // 0 for unix sockets
   int metrics_port() const { return exporter_ ? exporter_->port() : 0; }  // 0: not served
   engine::Engine& engine() { return *engine_; }
+  const KvCacheService& service() const { return *service_; }
   // What /metrics would return now (served or not).
   std::string RenderMetrics() const { return metrics::Render(*collector_); }
   // Health turns NOT_SERVING (Check keeps answering), new KvCache calls get UNAVAILABLE,

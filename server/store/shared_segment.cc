@@ -104,8 +104,14 @@ absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::
 
 SharedSegment::~SharedSegment() {
   munmap(data_, bytes_);
-  shm_unlink(name_.c_str());
+  Unlink();
   close(fd_);
+}
+
+void SharedSegment::Unlink() {
+  if (!linked_) return;
+  shm_unlink(name_.c_str());
+  linked_ = false;
 }
 
 std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& prefixes,

@@ -28,6 +28,8 @@ class SharedSegment {
   const std::string& name() const { return name_; }
   uint64_t bytes() const { return bytes_; }
   uint8_t* data() const { return data_; }
+  // Removes the name now (a segment whose one client has mapped it); the mapping stays.
+  void Unlink();
 
  private:
   SharedSegment(std::string name, int fd, uint8_t* data, uint64_t bytes)
@@ -36,6 +38,7 @@ class SharedSegment {
   int fd_;  // kept open for its shared flock: the mark of a live owner (RemoveStaleSegments)
   uint8_t* data_;
   uint64_t bytes_;
+  bool linked_ = true;
 };
 
 // Removes the segments that daemons which no longer run left in `dir` (where shm_open

@@ -345,6 +345,17 @@ class Client {
   // per entry, in order. An entry's error fails only that entry; the call itself fails
   // only when the batch as a whole is malformed (a sequence twice) or does not arrive.
   absl::StatusOr<std::vector<BatchResult>> StepBatch(absl::Span<const BatchEntry> entries);
+  // The same-host fast path: from now on StepBatch goes through a shared-memory channel
+  // (the same messages without gRPC's transport) instead of a gRPC call. Fails, changing
+  // nothing, when the daemon is on another host or refuses (its limits); a channel that
+  // closes later (a drain, a daemon restart) is dropped and StepBatch goes by gRPC again,
+  // repeating the batch in flight under its request_id. `capacity_bytes`: each
+  // direction's area, 8 MiB unless set; a batch or response larger goes by gRPC.
+  absl::Status OpenStepChannel(std::optional<uint64_t> capacity_bytes = std::nullopt);
+  void CloseStepChannel();
+  bool step_channel_open() const;
+  // Batches answered through a step channel since Connect.
+  uint64_t step_channel_batches() const;
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressArgs& args,
                                           BlockTable* table = nullptr);
   // The whole table (positions when asked for): to attach to a sequence, or to recover.

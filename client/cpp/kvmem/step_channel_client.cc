@@ -1,0 +1,162 @@
+#include "kvmem/step_channel_client.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "google/rpc/status.pb.h"
+#include "kvmem/v1/step_channel.h"
+
+namespace kvmem::client::internal {
+
+namespace layout = v1::step_channel;
+
+absl::Status FromRpcStatusForChannel(const google::rpc::Status& rich);
+
+absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
+    v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline) {
+  std::unique_ptr<StepChannelClient> channel(new StepChannelClient());
+  v1::OpenStepChannelRequest request;
+  request.set_capacity_bytes(capacity_bytes);
+  channel->reader_ = stub->OpenStepChannel(&channel->context_, request);
+  v1::OpenStepChannelResponse opened;
+  // The first message comes at once; the deadline bounds only the wait for it.
+  absl::Notification answered;
+  std::thread timer([&channel, &answered, deadline] {
+    if (!answered.WaitForNotificationWithTimeout(deadline)) channel->context_.TryCancel();
+  });
+  const bool read = channel->reader_->Read(&opened);
+  answered.Notify();
+  timer.join();
+  if (!read) {
+    const grpc::Status s = channel->reader_->Finish();
+    channel->reader_.reset();
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat("OpenStepChannel: ", s.error_message()));
+  }
+  if (opened.layout_version() != layout::kLayoutVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStepChannel: layout_version ", opened.layout_version(),
+                     "; this client knows ", layout::kLayoutVersion));
+  }
+  const int fd = shm_open(opened.name().c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("OpenStepChannel: shm_open(", opened.name(),
+                                               "): ", std::strerror(errno),
+                                               " (is the daemon on another host?)"));
+  }
+  struct stat st {};
+  const uint64_t bytes = opened.segment_bytes();
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes ||
+      bytes < layout::kHeaderBytes + 2 * opened.capacity_bytes()) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStepChannel: segment ", opened.name(), " is smaller than announced"));
+  }
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (data == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("OpenStepChannel: mmap(", opened.name(), "): ", std::strerror(errno)));
+  }
+  channel->data_ = static_cast<uint8_t*>(data);
+  channel->bytes_ = bytes;
+  channel->capacity_ = opened.capacity_bytes();
+  const auto* header = reinterpret_cast<const layout::Header*>(channel->data_);
+  if (header->magic != layout::kMagic || header->capacity_bytes != channel->capacity_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStepChannel: segment ", opened.name(), " has no channel header"));
+  }
+  // The call's end (the daemon drained, or died) closes the channel.
+  channel->watcher_ = std::thread([raw = channel.get()] { raw->Watch(); });
+  return channel;
+}
+
+void StepChannelClient::Watch() {
+  v1::OpenStepChannelResponse more;
+  while (reader_->Read(&more)) {
+  }
+  reader_->Finish().ok();  // the reason goes nowhere: a call sees only that the channel closed
+  gone_.store(true, std::memory_order_release);
+  if (data_ != nullptr) {
+    layout::FutexWakeAll(&reinterpret_cast<layout::Header*>(data_)->response_seq);
+  }
+}
+
+StepChannelClient::~StepChannelClient() {
+  context_.TryCancel();
+  if (watcher_.joinable()) {
+    watcher_.join();
+  } else if (reader_ != nullptr) {  // Open failed after the call began
+    v1::OpenStepChannelResponse more;
+    while (reader_->Read(&more)) {
+    }
+    reader_->Finish().ok();
+  }
+  if (data_ != nullptr) munmap(data_, bytes_);
+}
+
+StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& request,
+                                                   absl::Time deadline,
+                                                   v1::StepBatchResponse* response,
+                                                   absl::Status* status) {
+  absl::MutexLock lock(&mu_);
+  if (gone()) return Outcome::kChannelGone;
+  const size_t size = request.ByteSizeLong();
+  if (size > capacity_) return Outcome::kUseGrpc;
+  auto* header = reinterpret_cast<layout::Header*>(data_);
+  request.SerializeWithCachedSizesToArray(data_ + layout::kHeaderBytes);
+  header->request_bytes = static_cast<uint32_t>(size);
+  const uint32_t seq = ++seq_;
+  header->request_seq.store(seq, std::memory_order_release);
+  layout::FutexWakeAll(&header->request_seq);
+  for (;;) {
+    const uint32_t answered = header->response_seq.load(std::memory_order_acquire);
+    if (answered == seq) break;
+    if (gone()) return Outcome::kChannelGone;
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      // The daemon may still run it: this channel can no longer pair answers with requests.
+      context_.TryCancel();
+      *status = absl::DeadlineExceededError(
+          "StepBatch over the step channel: no answer by the deadline (the batch may still "
+          "apply; repeat it with the same request_id)");
+      return Outcome::kAnswered;
+    }
+    layout::FutexWait(&header->response_seq, answered,
+                      absl::ToInt64Nanoseconds(std::min(left, absl::Milliseconds(50))));
+  }
+  const uint32_t code = header->response_code;
+  const uint32_t bytes = header->response_bytes;
+  if (code == layout::kRetryOverGrpc) return Outcome::kUseGrpc;
+  const uint8_t* body = data_ + layout::kHeaderBytes + capacity_;
+  if (bytes > capacity_) {
+    *status = absl::InternalError("step channel: response_bytes past the channel's capacity");
+    return Outcome::kAnswered;
+  }
+  if (code == 0) {
+    if (!response->ParseFromArray(body, static_cast<int>(bytes))) {
+      *status = absl::InternalError("step channel: the response area holds no StepBatchResponse");
+    } else {
+      *status = absl::OkStatus();
+    }
+    return Outcome::kAnswered;
+  }
+  google::rpc::Status rich;
+  if (!rich.ParseFromArray(body, static_cast<int>(bytes))) {
+    rich.Clear();
+    rich.set_message("step channel: an error without a readable status");
+  }
+  rich.set_code(static_cast<int32_t>(code));
+  *status = FromRpcStatusForChannel(rich);
+  return Outcome::kAnswered;
+}
+
+}  // namespace kvmem::client::internal

@@ -1,0 +1,59 @@
+#pragma once
+// The binary layout of a step channel's segment (OpenStepChannel in kvmem.proto), shared by
+// kvmemd and same-host clients. One request is in flight at a time:
+//
+//   client: writes a serialized StepBatchRequest at request_offset, its length to
+//           request_bytes, then request_seq + 1 (release) and wakes request_seq's futex;
+//   daemon: sees request_seq change (acquire), parses the request, runs it, writes the
+//           answer at response_offset with response_bytes and response_code, then sets
+//           response_seq to the request_seq it served (release) and wakes its futex.
+//
+// response_code 0: the area holds a StepBatchResponse. kRetryOverGrpc: the response did not
+// fit the area; the batch ran and its response is kept under the request's request_id, so
+// the client sends the same request (same id) by gRPC's StepBatch and gets it. Any other
+// code: the call failed as a whole and the area holds a google.rpc.Status.
+//
+// Futexes are the shared (not private) kind: the two sides are separate processes.
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <ctime>
+
+namespace kvmem::v1::step_channel {
+
+inline constexpr uint32_t kMagic = 0x4B565343;  // "KVSC"
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kRetryOverGrpc = 0xFFFFFFFFu;
+inline constexpr uint64_t kHeaderBytes = 4096;
+
+struct Header {
+  uint32_t magic;
+  uint32_t layout_version;
+  uint64_t request_offset;
+  uint64_t response_offset;
+  uint64_t capacity_bytes;  // of each area
+  alignas(64) std::atomic<uint32_t> request_seq;
+  uint32_t request_bytes;
+  alignas(64) std::atomic<uint32_t> response_seq;
+  uint32_t response_bytes;
+  uint32_t response_code;
+};
+static_assert(sizeof(Header) <= kHeaderBytes);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+// Blocks while *word == expected, for at most `timeout_ns`; returns on a wake, a change,
+// a signal or the timeout (the caller re-reads the word).
+inline void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
+  timespec ts{static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+inline void FutexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+          0);
+}
+
+}  // namespace kvmem::v1::step_channel

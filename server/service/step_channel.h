@@ -1,0 +1,90 @@
+#pragma once
+// StepChannel: the daemon's side of a same-host step channel (OpenStepChannel in
+// kvmem.proto, layout in proto/kvmem/v1/step_channel.h): a shared segment through which
+// one client sends StepBatch requests. The daemon reads it as untrusted input: lengths are
+// checked against its own copy of the capacity, the request is parsed into the daemon's
+// memory before anything runs, and every access to the segment is inside a SegmentGuard,
+// so that a client that shrinks the segment gets its channel closed, not the daemon killed.
+//
+// StepChannelBudget bounds what the open channels hold, daemon-wide: how many there are
+// (each keeps one gRPC thread serving it) and their segments' bytes (contract 3).
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/support/status.h"
+#include "kvmem/v1/kvmem.pb.h"
+#include "server/store/shared_segment.h"
+
+namespace kvmem::service {
+
+class StepChannelBudget {
+ public:
+  class Lease {
+   public:
+    Lease(Lease&& other) noexcept : budget_(other.budget_), bytes_(other.bytes_) {
+      other.budget_ = nullptr;
+    }
+    Lease& operator=(Lease&&) = delete;
+    Lease(const Lease&) = delete;
+    ~Lease();
+
+   private:
+    friend class StepChannelBudget;
+    Lease(StepChannelBudget* budget, uint64_t bytes) : budget_(budget), bytes_(bytes) {}
+    StepChannelBudget* budget_;
+    uint64_t bytes_;
+  };
+
+  StepChannelBudget(uint32_t max_channels, uint64_t max_bytes)
+      : max_channels_(max_channels), max_bytes_(max_bytes) {}
+  // RESOURCE_EXHAUSTED naming --max-step-channels or --step-channel-bytes when a channel
+  // of `bytes` would pass either.
+  absl::StatusOr<Lease> Open(uint64_t bytes);
+  uint32_t open() const;
+
+ private:
+  const uint32_t max_channels_;
+  const uint64_t max_bytes_;
+  mutable absl::Mutex mu_;
+  uint32_t channels_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class StepChannel {
+ public:
+  // Runs one parsed batch into `response`; its status is the call's.
+  using Handler =
+      std::function<grpc::Status(const v1::StepBatchRequest&, v1::StepBatchResponse*)>;
+  enum class Served { kIdle, kServed, kBroken };
+
+  static constexpr uint64_t kDefaultCapacity = 8ull << 20;
+  static constexpr uint64_t kMinCapacity = 1ull << 20;
+  static uint64_t SegmentBytes(uint64_t capacity);
+
+  // A fresh segment with its header written; `capacity` bytes per direction.
+  static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity);
+
+  const std::string& name() const { return segment_->name(); }
+  uint64_t segment_bytes() const { return segment_->bytes(); }
+  uint64_t capacity() const { return capacity_; }
+
+  // Waits up to `wait` for a request and answers it with `handler`. kIdle: none came.
+  // kBroken: the segment faulted (its client shrank it); nothing of a request read then
+  // ran, and the channel must be closed.
+  Served ServeOne(absl::Duration wait, const Handler& handler);
+
+ private:
+  StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity)
+      : segment_(std::move(segment)), capacity_(capacity) {}
+  std::unique_ptr<store::SharedSegment> segment_;
+  const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
+  uint32_t served_seq_ = 0;
+  bool unlinked_ = false;
+};
+
+}  // namespace kvmem::service

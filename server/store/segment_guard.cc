@@ -1,0 +1,78 @@
+#include "server/store/segment_guard.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace kvmem::store {
+namespace {
+
+using Section = segment_guard_internal::Range;
+
+// The calling thread's guarded section. Plain thread_local: the executable's TLS, which a
+// signal handler may read.
+thread_local Section* t_section = nullptr;
+
+struct sigaction g_previous;
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  Section* section = t_section;
+  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  if (section != nullptr && addr >= section->begin && addr < section->end) {
+    // mmap is not on POSIX's async-signal-safe list but is a plain system call on Linux.
+    void* fixed = mmap(reinterpret_cast<void*>(section->begin), section->end - section->begin,
+                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (fixed != MAP_FAILED) {
+      section->faulted = 1;
+      return;  // the faulting access runs again, on zeros
+    }
+  }
+  // Not ours: what SIGBUS would have done without us.
+  if (g_previous.sa_flags & SA_SIGINFO) {
+    if (g_previous.sa_sigaction != nullptr) {
+      g_previous.sa_sigaction(sig, info, context);
+      return;
+    }
+  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
+    g_previous.sa_handler(sig);
+    return;
+  }
+  signal(SIGBUS, SIG_DFL);  // returning re-raises the fault, now fatal as usual
+}
+
+void InstallOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction action {};
+    action.sa_sigaction = OnSigbus;
+    action.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGBUS, &action, &g_previous);
+  });
+}
+
+}  // namespace
+
+SegmentGuard::SegmentGuard(uint8_t* data, size_t bytes) {
+  InstallOnce();
+  range_.begin = reinterpret_cast<uintptr_t>(data);
+  range_.end = range_.begin + bytes;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_section = &range_;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+}
+
+SegmentGuard::~SegmentGuard() {
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_section = nullptr;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+}
+
+bool SegmentGuard::faulted() const {
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  return range_.faulted != 0;
+}
+
+}  // namespace kvmem::store

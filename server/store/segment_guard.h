@@ -1,0 +1,39 @@
+#pragma once
+// SegmentGuard: lets a daemon thread read and write a shared mapping that another process
+// may shrink (ftruncate) under it. Touching a page past the end of a shrunken file raises
+// SIGBUS, which would kill the daemon; inside a guarded section a SIGBUS at an address of
+// the guarded mapping instead replaces the whole mapping with private zero pages (the
+// faulting access then completes on zeros) and marks the section faulted, so that the
+// caller throws away what it read and stops using the segment. A SIGBUS anywhere else
+// keeps its default effect. This is what Wayland compositors do for clients' wl_shm pools.
+#include <csignal>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvmem::store {
+
+namespace segment_guard_internal {
+struct Range {
+  uintptr_t begin = 0, end = 0;
+  volatile sig_atomic_t faulted = 0;
+};
+}  // namespace segment_guard_internal
+
+class SegmentGuard {
+ public:
+  // Guards [data, data + bytes), a MAP_SHARED mapping of this process, for the calling
+  // thread until destroyed. Sections do not nest.
+  SegmentGuard(uint8_t* data, size_t bytes);
+  ~SegmentGuard();
+  SegmentGuard(const SegmentGuard&) = delete;
+  SegmentGuard& operator=(const SegmentGuard&) = delete;
+
+  // True when an access since the section began faulted: everything read is void, and
+  // the mapping now holds private zero pages (still safe to unmap).
+  bool faulted() const;
+
+ private:
+  segment_guard_internal::Range range_;
+};
+
+}  // namespace kvmem::store
