@@ -365,7 +365,7 @@ grpc::Status KvCacheService::OpenStepChannel(
           max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB)")));
     }
     absl::StatusOr<StepChannelBudget::Lease> opened =
-        channels_.Open(StepChannel::SegmentBytes(capacity));
+        channels_.Open(StepChannel::HeldBytes(capacity));
     if (!opened.ok()) return ToGrpc(opened.status());
     lease.emplace(*std::move(opened));
     absl::StatusOr<std::unique_ptr<StepChannel>> created = StepChannel::Create(capacity);

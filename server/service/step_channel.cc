@@ -1,6 +1,7 @@
 #include "server/service/step_channel.h"
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/arena.h"
 #include "google/rpc/status.pb.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/common/mutex.h"
@@ -26,7 +27,7 @@ absl::StatusOr<StepChannelBudget::Lease> StepChannelBudget::Open(uint64_t bytes)
   }
   if (bytes > max_bytes_ - bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "capacity_bytes: a channel of ", bytes, " segment bytes would pass --step-channel-bytes=",
+        "capacity_bytes: a channel holding ", bytes, " bytes would pass --step-channel-bytes=",
         max_bytes_, " (", bytes_, " held by open channels); ask for less"));
   }
   ++channels_;
@@ -41,6 +42,10 @@ uint32_t StepChannelBudget::open() const {
 
 uint64_t StepChannel::SegmentBytes(uint64_t capacity) {
   return layout::kHeaderBytes + 2 * capacity;
+}
+
+uint64_t StepChannel::HeldBytes(uint64_t capacity) {
+  return SegmentBytes(capacity) + ArenaBlockBytes(capacity);
 }
 
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity) {
@@ -59,7 +64,11 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
 StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& handler) {
   uint8_t* const data = segment_->data();
   auto* header = reinterpret_cast<layout::Header*>(data);
-  v1::StepBatchRequest request;
+  google::protobuf::ArenaOptions options;
+  options.initial_block = arena_block_.get();
+  options.initial_block_size = ArenaBlockBytes(capacity_);
+  google::protobuf::Arena arena(options);
+  v1::StepBatchRequest& request = *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
   grpc::Status status;
   uint32_t seq = 0;
   {
@@ -93,7 +102,8 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
                           "request_id: required on a step channel (a response too large for "
                           "the channel is fetched again by it)");
   }
-  v1::StepBatchResponse response;
+  v1::StepBatchResponse& response =
+      *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
   if (status.ok()) status = handler(request, &response);
 
   store::SegmentGuard guard(data, segment_->bytes());

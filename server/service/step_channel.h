@@ -65,6 +65,8 @@ class StepChannel {
   static constexpr uint64_t kDefaultCapacity = 8ull << 20;
   static constexpr uint64_t kMinCapacity = 1ull << 20;
   static uint64_t SegmentBytes(uint64_t capacity);
+  // The daemon memory a channel holds: its segment and its arena block.
+  static uint64_t HeldBytes(uint64_t capacity);
 
   // A fresh segment with its header written; `capacity` bytes per direction.
   static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity);
@@ -80,9 +82,15 @@ class StepChannel {
 
  private:
   StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity)
-      : segment_(std::move(segment)), capacity_(capacity) {}
+      : segment_(std::move(segment)),
+        capacity_(capacity),
+        arena_block_(new char[ArenaBlockBytes(capacity)]) {}
+  static uint64_t ArenaBlockBytes(uint64_t capacity) { return capacity + (256u << 10); }
   std::unique_ptr<store::SharedSegment> segment_;
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
+  // The first block of each request's arena: parsing and answering a batch that fits it
+  // allocates nothing (no malloc of the K/V bytes, no heap growth and trim per step).
+  std::unique_ptr<char[]> arena_block_;
   uint32_t served_seq_ = 0;
   bool unlinked_ = false;
 };

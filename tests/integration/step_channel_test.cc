@@ -346,7 +346,7 @@ TEST_F(StepChannelTest, ASegmentShrunkUnderTheDaemonClosesTheChannelAndAppliesNo
 
 TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
   limits_.max_step_channels = 2;
-  limits_.step_channel_bytes = 24ull << 20;
+  limits_.step_channel_bytes = 40ull << 20;  // one 8 MiB channel holds ~24.3 MiB
   StartDaemon(64ull << 20);
   auto stub = Stub();
   grpc::Status status;
@@ -360,7 +360,7 @@ TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
 
   RawChannel a, b, c;
   ASSERT_TRUE(OpenRaw(stub.get(), &a, 8ull << 20));
-  EXPECT_FALSE(OpenRaw(stub.get(), &b, 8ull << 20, &status)) << "16 MiB + 16 MiB > 24 MiB";
+  EXPECT_FALSE(OpenRaw(stub.get(), &b, 8ull << 20, &status)) << "2 x 24.3 MiB > 40 MiB";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), HasSubstr("--step-channel-bytes"));
   RawChannel b2;
