@@ -115,3 +115,23 @@ for label, case in (("window", "window_step"), ("window, no table", "window_step
           f"| {us(kt):.0f} | {us(rt):.0f} | {us(kt) / us(rt):.2f} "
           f"| {us(ku):.0f} | {us(ru):.0f} | {us(ku) / us(ru):.2f} "
           f"| {cpu(kt) / cpu(rt):.2f} / {cpu(ku) / cpu(ru):.2f} |")
+
+# The same-host step channel: StepBatch through shared memory, against StepBatch over
+# gRPC on a unix socket and a raw unix-socket gRPC call of the same bytes.
+print()
+print("| StepBatch over a unix socket | gRPC wall µs (CPU) | step channel wall µs (CPU) "
+      "| raw gRPC, same bytes, wall µs (CPU) | channel / gRPC, wall | channel / raw, wall (CPU) |")
+print("|---|---|---|---|---|---|")
+for label, case in (("window, 1 entry", "window_batch1"), ("confkv, 1 entry", "confkv_batch1"),
+                    ("window, 64 entries", "window_batch64")):
+    g, c, r = f"BM_Decode/{case}_unix", f"BM_Decode/{case}_channel", f"BM_RawLike/{case}_unix"
+    if not have(g, c):
+        continue
+    raw = (f"{us(r):.0f} ({cpu(r):.0f})", f"{us(c) / us(r):.2f} ({cpu(c) / cpu(r):.2f})") \
+        if have(r) else ("", "")
+    print(f"| {label} | {us(g):.0f} ({cpu(g):.0f}) | {us(c):.0f} ({cpu(c):.0f}) | {raw[0]} "
+          f"| {us(c) / us(g):.2f} | {raw[1]} |")
+if have("BM_Decode/window_batch1_channel_notable"):
+    print(f"| window, 1 entry, no table | | "
+          f"{us('BM_Decode/window_batch1_channel_notable'):.0f} "
+          f"({cpu('BM_Decode/window_batch1_channel_notable'):.0f}) | | | |")

@@ -4,6 +4,9 @@ in kvmemd under the full policy) side by side with llama.cpp (llama-cpp-python) 
 GGUF, the same prompt and the same number of greedy tokens, in one run. The engines run in
 turn within each repetition, so that a busy machine slows them alike.
 
+The cache in kvmemd is measured twice: StepBatch through the same-host step channel (the
+worker's default) and over gRPC (--step_channel=false).
+
 Usage: python3 bench/worker_speed.py [--decode 64] [--repeat 3] [--context 1024] [--no-llama]
 --context N: the first N tokens of the Lee corpus as the prompt (bench/eval's text) instead
 of the 156-token paragraph below. KVMEM_BIN: where kvmem_worker and kvmemd are (build/).
@@ -88,12 +91,16 @@ def main():
                                "--pool-bytes=1073741824", "--page-bytes=262144"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     daemon.stdout.readline()  # READY
-    local, through = ("kvmem_worker, in-process cache, 2 threads",
-                      "kvmem_worker, cache in kvmemd (full), 2 threads")
+    local, through, grpc = ("kvmem_worker, in-process cache, 2 threads",
+                            "kvmem_worker, cache in kvmemd (full), step channel",
+                            "kvmem_worker, cache in kvmemd (full), gRPC")
     engines = [
         (local, lambda: worker(model, "local", args.decode, prompt_args)),
         (through, lambda: worker(model, "kvmemd", args.decode, prompt_args,
                                  (f"--target=unix:{sock}", "--policy=full"))),
+        (grpc, lambda: worker(model, "kvmemd", args.decode, prompt_args,
+                              (f"--target=unix:{sock}", "--policy=full",
+                               "--step_channel=false"))),
     ]
     if not args.no_llama:
         engines += [
@@ -117,14 +124,16 @@ def main():
     print(f"{'engine':<50}{'prefill tok/s':>14}{'decode tok/s':>14}{'prefill x':>11}{'decode x':>10}")
     for k, (n, pre, g, dec) in med.items():
         print(f"{k:<50}{pre:>14.1f}{dec:>14.1f}{pre / ref[1]:>11.2f}{dec / ref[3]:>10.2f}")
-    # Each repetition's kvmemd run against the in-process run just before it.
-    pairs = [t[3] / l[3] for l, t in zip(rows[local], rows[through])]
-    daemon_ms = statistics.median(t[4] for t in rows[through])
+    # Each repetition's kvmemd runs against the in-process run just before them.
+    for name in (through, grpc):
+        pairs = [t[3] / l[3] for l, t in zip(rows[local], rows[name])]
+        daemon_ms = statistics.median(t[4] for t in rows[name])
+        print(f"decode through kvmemd ({name.rsplit(', ', 1)[1]}) / in process: "
+              f"{statistics.median(pairs):.3f} (median of the per-repetition ratios "
+              f"{', '.join(f'{x:.3f}' for x in pairs)}); daemon calls {daemon_ms:.2f} ms per "
+              f"decode step")
     print(f"(prompt {ref[0]} tokens, {args.decode} greedy tokens, median of {args.repeat}; "
           f"x = ratio to {ref_name})")
-    print(f"decode through kvmemd / in process: {statistics.median(pairs):.3f} (median of the "
-          f"per-repetition ratios {', '.join(f'{x:.3f}' for x in pairs)}); daemon calls "
-          f"{daemon_ms:.2f} ms per decode step")
 
 
 if __name__ == "__main__":

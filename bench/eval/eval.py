@@ -524,7 +524,9 @@ def study_wire(args):
                 progress(len(rows), len(contexts) * len(runs), start, f"{name} at {ctx} tokens")
                 cmd = [worker, "generate", f"--model={model}", f"--target=unix:{daemon.sock}",
                        "--raw", f"--prompt_file={text}", f"--max_prompt_tokens={ctx}",
-                       f"--max_tokens={steps}", *flags]
+                       f"--max_tokens={steps}", *flags,
+                       # gRPC's bytes: the step channel would keep them off the socket
+                       *(["--step_channel=false"] if "step_channel" in known else [])]
                 rows.append((ctx, name) + socket_bytes(cmd, steps))
     finally:
         daemon.close()
