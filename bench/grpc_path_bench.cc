@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -574,6 +575,8 @@ BENCHMARK_CAPTURE(BM_RawLike, confkv_step_unix, Scenario{kConfKv, 1, kStep}, Tra
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As kvmemd runs (server/main.cc): abseil's lock-order graph off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Before any call: gRPC reads the global interceptor factory when a call starts.
   grpc::experimental::RegisterGlobalClientInterceptorFactory(&Probe());
   benchmark::Initialize(&argc, argv);

@@ -140,6 +140,7 @@ TEST(KvmemdProcessTest, RemovesTheSegmentsOfDeadDaemonsAtStartup) {
   const std::string dead_pid = std::to_string(dead), live_pid = std::to_string(getpid());
   FakeSegment dead_pool("kvmem-pool-" + dead_pid + "-0", false);
   FakeSegment dead_epochs("kvmem-epochs-" + dead_pid + "-1", false);
+  FakeSegment dead_channel("kvmem-chan-" + dead_pid + "-4", false);
   FakeSegment live_pool("kvmem-pool-" + live_pid + "-90", false);
   // A dead pid here, but the owner's lock is held: a daemon of another pid namespace.
   FakeSegment locked_pool("kvmem-pool-" + dead_pid + "-2", true);
@@ -150,10 +151,50 @@ TEST(KvmemdProcessTest, RemovesTheSegmentsOfDeadDaemonsAtStartup) {
   ASSERT_GT(d.port, 0);
   EXPECT_FALSE(dead_pool.exists());
   EXPECT_FALSE(dead_epochs.exists());
+  EXPECT_FALSE(dead_channel.exists());
   EXPECT_TRUE(live_pool.exists());
   EXPECT_TRUE(locked_pool.exists());
   EXPECT_TRUE(other_name.exists());
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
+}
+
+// A worker's step channel when its daemon dies outright: the batch in flight fails with
+// UNAVAILABLE within the client's deadline instead of waiting on a futex no one will wake,
+// and the client goes back to gRPC.
+TEST(KvmemdProcessTest, AStepChannelEndsWithItsDaemon) {
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--log-level=warn"});
+  ASSERT_GT(d.port, 0);
+  kvmem::client::ClientOptions options;
+  options.deadline = absl::Seconds(5);
+  options.max_attempts = 1;
+  auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port), options);
+  ASSERT_TRUE(client->OpenStepChannel(1ull << 20).ok());
+  auto seq = client->CreateSequence({2, 1, 8, kvmem::client::DType::kF32, std::nullopt, 10},
+                                    {"full", {}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const std::vector<int64_t> positions = {0};
+  const std::string kv(2 * 1 * 8 * 4, '\0');
+  kvmem::client::BatchEntry entry;
+  entry.sequence_id = seq->id;
+  entry.append = kvmem::client::AppendArgs{positions, {}, kv, kv, {}, {}};
+  auto first = client->StepBatch({entry});
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE((*first)[0].status.ok()) << (*first)[0].status;
+  EXPECT_EQ(client->step_channel_batches(), 1u);
+
+  kill(d.pid, SIGKILL);
+  kvmem::testing::WaitExit(d.pid);
+  const absl::Time start = absl::Now();
+  const std::vector<int64_t> next = {1};
+  entry.append = kvmem::client::AppendArgs{next, {}, kv, kv, {}, {}};
+  auto after = client->StepBatch({entry});
+  EXPECT_FALSE(after.ok());
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_FALSE(client->step_channel_open());
+  EXPECT_EQ(client->step_channel_batches(), 1u);
+  if (d.out != nullptr) fclose(d.out);
 }
 
 TEST(KvmemdProcessTest, RefusesAPoolThatDevShmCannotHold) {
