@@ -188,9 +188,22 @@ struct Fixture {
   std::unique_ptr<kvmem::bench::Echo::Stub> echo[2];
 };
 
+Fixture* g_fixture = nullptr;
+
 Fixture& Shared() {
-  static Fixture* f = new Fixture();
-  return *f;
+  if (g_fixture == nullptr) g_fixture = new Fixture();
+  return *g_fixture;
+}
+
+// The daemons' pools are /dev/shm segments: a run that never destroyed its servers would
+// leave 4 GiB of shared memory behind.
+void StopShared() {
+  if (g_fixture == nullptr) return;
+  for (auto& d : g_fixture->daemons) {
+    d.client.reset();
+    d.server.reset();
+  }
+  g_fixture->echo_server->Shutdown();
 }
 
 // One raw call carrying `payload` (its reply_bytes set for the answer's size).
@@ -583,6 +596,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  StopShared();
   std::remove(SocketPath("kvmemd").c_str());
   std::remove(SocketPath("echo").c_str());
   std::remove(SocketPath("kvmemd-channel").c_str());
