@@ -351,18 +351,20 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
 grpc::Status KvCacheService::OpenStepChannel(
     grpc::ServerContext* context, const v1::OpenStepChannelRequest* request,
     grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) {
+  std::optional<StepChannelBudget::Lease> lease;  // given back after the channel is freed
   std::unique_ptr<StepChannel> channel;
-  std::optional<StepChannelBudget::Lease> lease;
   {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
-    const uint64_t max_capacity = engine_->config().max_append_bytes + (4ull << 20);
+    // Lengths in the segment are 32-bit: at most 1 GiB per area.
+    const uint64_t max_capacity =
+        std::min<uint64_t>(engine_->config().max_append_bytes + (4ull << 20), 1ull << 30);
     const uint64_t capacity =
         request->has_capacity_bytes() ? request->capacity_bytes() : StepChannel::kDefaultCapacity;
     if (capacity < StepChannel::kMinCapacity || capacity > max_capacity) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
           "capacity_bytes: ", capacity, " is outside [", StepChannel::kMinCapacity, ", ",
-          max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB)")));
+          max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB, at most 1 GiB)")));
     }
     absl::StatusOr<StepChannelBudget::Lease> opened =
         channels_.Open(StepChannel::HeldBytes(capacity));
@@ -376,6 +378,7 @@ grpc::Status KvCacheService::OpenStepChannel(
     response.set_segment_bytes(channel->segment_bytes());
     response.set_capacity_bytes(channel->capacity());
     response.set_layout_version(v1::step_channel::kLayoutVersion);
+    response.set_nonce(channel->nonce());
     if (!writer->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client left before the channel opened");
     }
@@ -392,10 +395,16 @@ grpc::Status KvCacheService::OpenStepChannel(
   };
   while (!context->IsCancelled()) {
     if (gate_.closed()) return ToGrpc(DrainingError());
-    if (channel->ServeOne(absl::Milliseconds(50), handler) == StepChannel::Served::kBroken) {
+    const StepChannel::Served served = channel->ServeOne(absl::Milliseconds(50), handler);
+    if (served == StepChannel::Served::kBroken) {
       return ToGrpc(absl::FailedPreconditionError(
-          "step channel: its segment was shrunk or unmapped by the client; the request read "
-          "from it was not applied; open a new channel"));
+          "step channel: its segment was shrunk by the client; the request read from it was "
+          "not applied; open a new channel"));
+    }
+    if (served == StepChannel::Served::kBrokenAfterRun) {
+      return ToGrpc(absl::FailedPreconditionError(
+          "step channel: its segment was shrunk by the client while the answer was written; "
+          "the batch may have applied: repeat it with the same request_id to get its answer"));
     }
   }
   return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the step channel");

@@ -15,6 +15,7 @@
 #include "server/store/cpu_backend.h"
 #ifdef KVMEM_WITH_CUDA
 #include "server/store/cuda_backend.h"
+#include "server/store/segment_guard.h"
 #endif
 #include "spdlog/spdlog.h"
 
@@ -64,11 +65,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     return absl::InvalidArgumentError(absl::StrCat("--grpc-max-threads: ", config.grpc_max_threads,
                                                    " is below 4, too few to serve"));
   }
-  // A step channel keeps a thread for its life: half of them stay for the other calls.
-  if (config.limits.max_step_channels > static_cast<uint32_t>(config.grpc_max_threads / 2)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max-step-channels: ", config.limits.max_step_channels, " is more than half of "
-        "--grpc-max-threads=", config.grpc_max_threads, " (each open channel holds a thread)"));
+  // Step channels and AppendStreams keep a thread each while open: half of the threads
+  // stay for the other calls.
+  if (uint64_t{config.limits.max_step_channels} + config.limits.max_append_streams >
+      static_cast<uint64_t>(config.grpc_max_threads / 2)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-step-channels: ", config.limits.max_step_channels,
+                     " plus --max-append-streams=", config.limits.max_append_streams,
+                     " is more than half of --grpc-max-threads=", config.grpc_max_threads,
+                     " (each open channel or stream holds a thread)"));
   }
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
       MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
@@ -89,6 +94,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->service_ =
       std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits, clock);
 
+  store::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());

@@ -1,5 +1,9 @@
 #include "server/service/step_channel.h"
 
+#include <algorithm>
+#include <cstring>
+
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/arena.h"
 #include "google/rpc/status.pb.h"
@@ -45,20 +49,47 @@ uint64_t StepChannel::SegmentBytes(uint64_t capacity) {
 }
 
 uint64_t StepChannel::HeldBytes(uint64_t capacity) {
-  return SegmentBytes(capacity) + ArenaBlockBytes(capacity);
+  return SegmentBytes(capacity) + capacity + ArenaBlockBytes(capacity);
 }
 
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity) {
   absl::StatusOr<std::unique_ptr<store::SharedSegment>> segment =
       store::SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
   if (!segment.ok()) return segment.status();
+  std::string nonce(layout::kNonceBytes, '\0');
+  absl::BitGen bits;
+  for (char& c : nonce) c = static_cast<char>(absl::Uniform<uint8_t>(bits));
   auto* header = new ((*segment)->data()) layout::Header{};
   header->magic = layout::kMagic;
   header->layout_version = layout::kLayoutVersion;
   header->request_offset = layout::kHeaderBytes;
   header->response_offset = layout::kHeaderBytes + capacity;
   header->capacity_bytes = capacity;
-  return std::unique_ptr<StepChannel>(new StepChannel(*std::move(segment), capacity));
+  std::memcpy(header->nonce, nonce.data(), layout::kNonceBytes);
+  return std::unique_ptr<StepChannel>(
+      new StepChannel(*std::move(segment), capacity, std::move(nonce)));
+}
+
+void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total) {
+  auto* header = reinterpret_cast<layout::Header*>(segment_->data());
+  header->response_bytes.store(static_cast<uint32_t>(bytes), std::memory_order_relaxed);
+  header->response_code.store(code, std::memory_order_relaxed);
+  header->response_total.store(total, std::memory_order_relaxed);
+  header->response_seq.store(seq, std::memory_order_release);
+  layout::FutexWakeAll(&header->response_seq);
+}
+
+void StepChannel::SendChunk(uint32_t seq) {
+  const size_t n = std::min<size_t>(pending_.size() - pending_sent_, capacity_);
+  std::memcpy(segment_->data() + layout::kHeaderBytes + capacity_, pending_.data() + pending_sent_,
+              n);
+  pending_sent_ += n;
+  const uint64_t total = pending_.size();
+  if (pending_sent_ == pending_.size()) {
+    std::string().swap(pending_);
+    pending_sent_ = 0;
+  }
+  Answer(seq, 0, n, total);
 }
 
 StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& handler) {
@@ -68,9 +99,11 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   options.initial_block = arena_block_.get();
   options.initial_block_size = ArenaBlockBytes(capacity_);
   google::protobuf::Arena arena(options);
-  v1::StepBatchRequest& request = *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
+  v1::StepBatchRequest& request =
+      *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
   grpc::Status status;
   uint32_t seq = 0;
+  uint32_t kind = layout::kBatch;
   {
     store::SegmentGuard guard(data, segment_->bytes());
     seq = header->request_seq.load(std::memory_order_acquire);
@@ -80,18 +113,45 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     }
     if (guard.faulted()) return Served::kBroken;
     if (seq == served_seq_) return Served::kIdle;
-    const uint32_t bytes = header->request_bytes;  // read once: the client may change it
-    if (bytes > capacity_) {
+    kind = header->request_kind.load(std::memory_order_relaxed);
+    const uint32_t bytes = header->request_bytes.load(std::memory_order_relaxed);
+    if (kind == layout::kMore) {
+      if (pending_.empty()) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "request_kind: kMore, but no answer is pending");
+      } else {
+        served_seq_ = seq;
+        SendChunk(seq);
+        return guard.faulted() ? Served::kBrokenAfterRun : Served::kServed;
+      }
+    } else if (kind != layout::kBatch) {
       status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("request_bytes: ", bytes,
-                                         " is past the channel's capacity of ", capacity_));
-    } else if (!request.ParseFromArray(data + layout::kHeaderBytes, static_cast<int>(bytes))) {
-      status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            "request: the request area does not hold a StepBatchRequest");
+                            absl::StrCat("request_kind: ", kind, " is neither kBatch nor kMore"));
+    } else if (bytes > capacity_) {
+      status = grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          absl::StrCat("request_bytes: ", bytes, " is past the channel's capacity of ", capacity_));
+    } else {
+      // Parse a private copy: the client can write the segment at any time, and a parse
+      // of memory changing under it could combine two requests.
+      std::memcpy(request_copy_.get(), data + layout::kHeaderBytes, bytes);
+      // What was read from a segment that faulted is zeros, not the client's bytes.
+      if (guard.faulted()) return Served::kBroken;
+      if (header->request_seq.load(std::memory_order_acquire) != seq) {
+        served_seq_ = seq;  // rewritten while it was copied: its client has moved on
+        return Served::kIdle;
+      }
+      if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "request: the request area does not hold a StepBatchRequest");
+      }
     }
-    // What was read from a segment that faulted is zeros, not the client's bytes: run none
-    // of it.
     if (guard.faulted()) return Served::kBroken;
+  }
+  served_seq_ = seq;
+  if (kind == layout::kBatch) {
+    std::string().swap(pending_);  // a new batch: the client gave up the rest of the last
+    pending_sent_ = 0;
   }
   if (!unlinked_) {  // its client has it mapped: no one else needs the name
     segment_->Unlink();
@@ -99,45 +159,40 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   }
   if (status.ok() && request.request_id().empty()) {
     status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "request_id: required on a step channel (a response too large for "
-                          "the channel is fetched again by it)");
+                          "request_id: required on a step channel (a batch whose answer is "
+                          "lost with its channel is repeated by gRPC under it)");
   }
   v1::StepBatchResponse& response =
       *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
-  if (status.ok()) status = handler(request, &response);
+  const bool ran = status.ok();
+  if (ran) status = handler(request, &response);
 
   store::SegmentGuard guard(data, segment_->bytes());
   uint8_t* const out = data + layout::kHeaderBytes + capacity_;
-  uint32_t code = 0;
-  uint64_t bytes = 0;
   if (status.ok()) {
-    bytes = response.ByteSizeLong();
-    if (bytes > capacity_) {
-      code = layout::kRetryOverGrpc;
-      bytes = 0;
-    } else {
+    const size_t bytes = response.ByteSizeLong();
+    if (bytes <= capacity_) {
       response.SerializeWithCachedSizesToArray(out);
+      Answer(seq, 0, bytes, bytes);
+    } else {
+      response.SerializeToString(&pending_);
+      SendChunk(seq);
     }
   } else {
     google::rpc::Status rich;
     if (!status.error_details().empty()) rich.ParseFromString(status.error_details());
     rich.set_code(status.error_code());
     rich.set_message(status.error_message());
-    bytes = rich.ByteSizeLong();
-    if (bytes > capacity_) {  // a message can't be this long, but never write past the area
+    if (rich.ByteSizeLong() > capacity_) {  // a message can't be this long, but stay inside
       rich.clear_details();
       rich.set_message(rich.message().substr(0, 1024));
-      bytes = rich.ByteSizeLong();
     }
+    const size_t bytes = rich.ByteSizeLong();
     rich.SerializeWithCachedSizesToArray(out);
-    code = static_cast<uint32_t>(status.error_code());
+    Answer(seq, static_cast<uint32_t>(status.error_code()), bytes, bytes);
   }
-  header->response_bytes = static_cast<uint32_t>(bytes);
-  header->response_code = code;
-  header->response_seq.store(seq, std::memory_order_release);
-  layout::FutexWakeAll(&header->response_seq);
-  served_seq_ = seq;
-  return guard.faulted() ? Served::kBroken : Served::kServed;
+  if (!guard.faulted()) return Served::kServed;
+  return ran ? Served::kBrokenAfterRun : Served::kBroken;
 }
 
 }  // namespace kvmem::service

@@ -58,41 +58,57 @@ class StepChannelBudget {
 class StepChannel {
  public:
   // Runs one parsed batch into `response`; its status is the call's.
-  using Handler =
-      std::function<grpc::Status(const v1::StepBatchRequest&, v1::StepBatchResponse*)>;
-  enum class Served { kIdle, kServed, kBroken };
+  using Handler = std::function<grpc::Status(const v1::StepBatchRequest&, v1::StepBatchResponse*)>;
+  // kBroken: the segment faulted while a request was read (nothing of it ran);
+  // kBrokenAfterRun: while its answer was written (the batch ran; its answer is lost).
+  enum class Served { kIdle, kServed, kBroken, kBrokenAfterRun };
 
   static constexpr uint64_t kDefaultCapacity = 8ull << 20;
   static constexpr uint64_t kMinCapacity = 1ull << 20;
   static uint64_t SegmentBytes(uint64_t capacity);
-  // The daemon memory a channel holds: its segment and its arena block.
+  // The daemon memory a channel holds: its segment, its copy of a request and the first
+  // block of its parse arena.
   static uint64_t HeldBytes(uint64_t capacity);
 
   // A fresh segment with its header written; `capacity` bytes per direction.
   static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity);
 
   const std::string& name() const { return segment_->name(); }
+  const std::string& nonce() const { return nonce_; }
   uint64_t segment_bytes() const { return segment_->bytes(); }
   uint64_t capacity() const { return capacity_; }
 
-  // Waits up to `wait` for a request and answers it with `handler`. kIdle: none came.
-  // kBroken: the segment faulted (its client shrank it); nothing of a request read then
-  // ran, and the channel must be closed.
+  // Waits up to `wait` for a request and answers it with `handler` (or, for kMore, with
+  // the next chunk of the answer too large for the area). kIdle: none came. After kBroken
+  // or kBrokenAfterRun the channel must be closed.
   Served ServeOne(absl::Duration wait, const Handler& handler);
 
  private:
-  StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity)
+  StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity, std::string nonce)
       : segment_(std::move(segment)),
         capacity_(capacity),
+        nonce_(std::move(nonce)),
+        request_copy_(new char[capacity]),
         arena_block_(new char[ArenaBlockBytes(capacity)]) {}
   static uint64_t ArenaBlockBytes(uint64_t capacity) { return capacity + (256u << 10); }
+  // Writes the next chunk of pending_ as the answer to `seq`.
+  void SendChunk(uint32_t seq);
+  // Publishes the answer to `seq` already in the area.
+  void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total);
   std::unique_ptr<store::SharedSegment> segment_;
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
+  const std::string nonce_;
+  // Each request is copied here before it is parsed: the segment may change under a parse.
+  std::unique_ptr<char[]> request_copy_;
   // The first block of each request's arena: parsing and answering a batch that fits it
   // allocates nothing (no malloc of the K/V bytes, no heap growth and trim per step).
   std::unique_ptr<char[]> arena_block_;
   uint32_t served_seq_ = 0;
   bool unlinked_ = false;
+  // The rest of an answer larger than the area, sent chunk by chunk (kMore); dropped when
+  // the next batch comes.
+  std::string pending_;
+  size_t pending_sent_ = 0;
 };
 
 }  // namespace kvmem::service

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <atomic>
+#include <cerrno>
 #include <mutex>
 
 namespace kvmem::store {
@@ -18,28 +19,37 @@ thread_local Section* t_section = nullptr;
 struct sigaction g_previous;
 
 void OnSigbus(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;
   Section* section = t_section;
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
-  if (section != nullptr && addr >= section->begin && addr < section->end) {
+  // Only a fault of this thread's access past the end of a mapped file (BUS_ADRERR, sent
+  // by the kernel: si_code > 0) in the guarded range; never a SIGBUS sent by kill().
+  if (info->si_code == BUS_ADRERR && section != nullptr && addr >= section->begin &&
+      addr < section->end) {
     // mmap is not on POSIX's async-signal-safe list but is a plain system call on Linux.
     void* fixed = mmap(reinterpret_cast<void*>(section->begin), section->end - section->begin,
                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     if (fixed != MAP_FAILED) {
       section->faulted = 1;
+      errno = saved_errno;
       return;  // the faulting access runs again, on zeros
     }
   }
   // Not ours: what SIGBUS would have done without us.
-  if (g_previous.sa_flags & SA_SIGINFO) {
-    if (g_previous.sa_sigaction != nullptr) {
-      g_previous.sa_sigaction(sig, info, context);
-      return;
-    }
-  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
+  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
+    g_previous.sa_sigaction(sig, info, context);
+  } else if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler != SIG_DFL &&
+             g_previous.sa_handler != SIG_IGN) {
     g_previous.sa_handler(sig);
-    return;
+  } else if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler == SIG_IGN &&
+             info->si_code <= 0) {
+    // an ignored SIGBUS sent by a process stays ignored
+  } else {
+    // The default action: a fault runs again and kills; a sent signal is raised again.
+    signal(SIGBUS, SIG_DFL);
+    if (info->si_code <= 0) raise(SIGBUS);
   }
-  signal(SIGBUS, SIG_DFL);  // returning re-raises the fault, now fatal as usual
+  errno = saved_errno;
 }
 
 void InstallOnce() {
@@ -47,13 +57,15 @@ void InstallOnce() {
   std::call_once(once, [] {
     struct sigaction action {};
     action.sa_sigaction = OnSigbus;
-    action.sa_flags = SA_SIGINFO | SA_NODEFER;
+    action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
     sigaction(SIGBUS, &action, &g_previous);
   });
 }
 
 }  // namespace
+
+void SegmentGuard::Install() { InstallOnce(); }
 
 SegmentGuard::SegmentGuard(uint8_t* data, size_t bytes) {
   InstallOnce();

@@ -5,7 +5,8 @@
 // the guarded mapping instead replaces the whole mapping with private zero pages (the
 // faulting access then completes on zeros) and marks the section faulted, so that the
 // caller throws away what it read and stops using the segment. A SIGBUS anywhere else
-// keeps its default effect. This is what Wayland compositors do for clients' wl_shm pools.
+// (or one sent by kill) keeps the effect it had before: the handler installed before ours,
+// or the default. This is what Wayland compositors do for clients' wl_shm pools.
 #include <csignal>
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +22,9 @@ struct Range {
 
 class SegmentGuard {
  public:
+  // Installs the process's SIGBUS handler (the first guard does too); the daemon calls it
+  // at startup, so that a handler installed later by something else is the one replaced.
+  static void Install();
   // Guards [data, data + bytes), a MAP_SHARED mapping of this process, for the calling
   // thread until destroyed. Sections do not nest.
   SegmentGuard(uint8_t* data, size_t bytes);

@@ -1,6 +1,8 @@
 // The same-host step channel: StepBatch through shared memory gives exactly what gRPC's
 // StepBatch gives; the daemon reads the segment as untrusted input (garbage, lengths past
 // the area, a segment shrunk under it); channels are bounded and end with their client.
+#include "kvmem/v1/step_channel.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,7 +13,6 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
-#include "kvmem/v1/step_channel.h"
 #include "server/service/kv_cache_service.h"
 #include "server/service/step_channel.h"
 #include "tests/integration/daemon_fixture.h"
@@ -21,6 +22,7 @@ namespace {
 
 using ::testing::HasSubstr;
 namespace layout = v1::step_channel;
+using StepChannelHandlerForTest = service::StepChannel::Handler;
 
 // A table as text; without `where`, the blocks' places in the pool are left out (two
 // sequences with the same history have the same table but other blocks and versions).
@@ -29,8 +31,7 @@ std::string TableText(const client::BlockTable& t, bool where = true) {
   for (const client::StreamTable& st : t.streams) {
     for (const client::TableBlock& b : st.blocks) {
       if (where) absl::StrAppend(&out, b.offset);
-      absl::StrAppend(&out, "[", b.start, "+", b.count, "]",
-                      static_cast<int>(b.precision), " ");
+      absl::StrAppend(&out, "[", b.start, "+", b.count, "]", static_cast<int>(b.precision), " ");
     }
     absl::StrAppend(&out, "|");
     for (int64_t p : st.positions) absl::StrAppend(&out, " ", p);
@@ -55,6 +56,7 @@ struct RawChannel {
   void Post(const std::string& bytes, std::optional<uint32_t> claimed = std::nullopt) {
     std::memcpy(data + layout::kHeaderBytes, bytes.data(), bytes.size());
     header()->request_bytes = claimed.value_or(static_cast<uint32_t>(bytes.size()));
+    header()->request_kind = layout::kBatch;
     header()->request_seq.store(++seq, std::memory_order_release);
     layout::FutexWakeAll(&header()->request_seq);
   }
@@ -66,8 +68,8 @@ struct RawChannel {
     }
     EXPECT_EQ(header()->response_seq.load(), seq) << "no answer";
     const uint8_t* body = data + layout::kHeaderBytes + opened.capacity_bytes();
-    return {header()->response_code,
-            std::string(reinterpret_cast<const char*>(body), header()->response_bytes)};
+    return {header()->response_code.load(),
+            std::string(reinterpret_cast<const char*>(body), header()->response_bytes.load())};
   }
   grpc::Status Close() {
     context.TryCancel();
@@ -87,8 +89,8 @@ class StepChannelTest : public DaemonTest {
   static constexpr uint32_t kStreams = kL * kH;
 
   std::unique_ptr<v1::KvCache::Stub> Stub() {
-    return v1::KvCache::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+    return v1::KvCache::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                                    grpc::InsecureChannelCredentials()));
   }
 
   // Opens a raw channel; false (with the call's status in *status) when refused.
@@ -104,8 +106,8 @@ class StepChannelTest : public DaemonTest {
     }
     ch->fd = shm_open(ch->opened.name().c_str(), O_RDWR, 0);
     EXPECT_GE(ch->fd, 0) << ch->opened.name();
-    void* m = mmap(nullptr, ch->opened.segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED,
-                   ch->fd, 0);
+    void* m =
+        mmap(nullptr, ch->opened.segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, ch->fd, 0);
     EXPECT_NE(m, MAP_FAILED);
     ch->data = static_cast<uint8_t*>(m);
     return true;
@@ -400,7 +402,10 @@ TEST_F(StepChannelTest, ADrainEndsTheChannelAndTheClientGetsUnavailable) {
   std::vector<int64_t> positions;
   std::string k, v;
   ASSERT_TRUE(client_->StepBatch({Round(id, &table, 0, 8, rng, &positions, &k, &v)}).ok());
-  server_->Drain(absl::Seconds(2));
+  // An idle channel does not hold the drain up to its deadline: it ends at once.
+  const absl::Time drain_start = absl::Now();
+  server_->Drain(absl::Seconds(30));
+  EXPECT_LT(absl::Now() - drain_start, absl::Seconds(5));
   const absl::Time start = absl::Now();
   auto r = client_->StepBatch({Round(id, &table, 8, 1, rng, &positions, &k, &v)});
   ASSERT_FALSE(r.ok());
@@ -409,40 +414,122 @@ TEST_F(StepChannelTest, ADrainEndsTheChannelAndTheClientGetsUnavailable) {
   EXPECT_FALSE(client_->step_channel_open());
 }
 
-// The daemon's side alone, with a handler of the test's: a response larger than the area
-// is not written; the client is told to fetch it by gRPC under the same request id.
-TEST(StepChannelUnitTest, AResponsePastTheAreaSendsTheClientToGrpc) {
+// A KvCache with only OpenStepChannel, serving a real StepChannel with the test's handler
+// (and, when asked, announcing a nonce other than the segment's).
+class FakeChannelService final : public v1::KvCache::Service {
+ public:
+  explicit FakeChannelService(StepChannelHandlerForTest handler) : handler_(std::move(handler)) {}
+  bool wrong_nonce = false;
+  grpc::Status OpenStepChannel(grpc::ServerContext* context, const v1::OpenStepChannelRequest* q,
+                               grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) override {
+    auto channel = service::StepChannel::Create(q->capacity_bytes());
+    if (!channel.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "create");
+    v1::OpenStepChannelResponse r;
+    r.set_name((*channel)->name());
+    r.set_segment_bytes((*channel)->segment_bytes());
+    r.set_capacity_bytes((*channel)->capacity());
+    r.set_layout_version(layout::kLayoutVersion);
+    std::string nonce = (*channel)->nonce();
+    if (wrong_nonce) nonce[0] = static_cast<char>(nonce[0] ^ 1);
+    r.set_nonce(nonce);
+    writer->Write(r);
+    while (!context->IsCancelled()) (*channel)->ServeOne(absl::Milliseconds(20), handler_);
+    return grpc::Status::OK;
+  }
+
+ private:
+  StepChannelHandlerForTest handler_;
+};
+
+struct FakeDaemon {
+  explicit FakeDaemon(StepChannelHandlerForTest handler) : service(std::move(handler)) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~FakeDaemon() { server->Shutdown(); }
+  FakeChannelService service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// An answer larger than the area travels in chunks through the channel and arrives whole.
+TEST(StepChannelUnitTest, AnAnswerLargerThanTheAreaArrivesInChunks) {
+  int calls = 0;
+  FakeDaemon fake([&](const v1::StepBatchRequest& request, v1::StepBatchResponse* response) {
+    ++calls;
+    EXPECT_FALSE(request.request_id().empty());
+    for (int i = 0; i < request.entries_size(); ++i) {
+      v1::StepBatchResult* r = response->add_results();
+      r->mutable_status()->set_code(5);
+      // 2.5 MiB in all: three chunks of a 1 MiB area.
+      r->mutable_status()->set_message(std::string(2621440 / request.entries_size(), 'a' + i));
+    }
+    return grpc::Status::OK;
+  });
+  auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port));
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->OpenStepChannel(1ull << 20).ok());
+  std::vector<client::BatchEntry> batch(2);
+  batch[0].sequence_id = 1;
+  batch[1].sequence_id = 2;
+  for (int round = 0; round < 2; ++round) {
+    auto r = (*client)->StepBatch(batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->size(), 2u);
+    EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ((*r)[0].status.message(), std::string(1310720, 'a'));
+    EXPECT_EQ((*r)[1].status.message(), std::string(1310720, 'b'));
+  }
+  EXPECT_EQ(calls, 2) << "each batch ran once; the chunks are not batches";
+  EXPECT_EQ((*client)->step_channel_batches(), 2u);
+}
+
+// A segment of the same name with another nonce is another daemon's: never used.
+TEST(StepChannelUnitTest, TheClientRefusesASegmentWhoseNonceDiffers) {
+  FakeDaemon fake([](const v1::StepBatchRequest&, v1::StepBatchResponse*) {
+    ADD_FAILURE() << "a batch reached a channel the client should have refused";
+    return grpc::Status::OK;
+  });
+  fake.service.wrong_nonce = true;
+  auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port));
+  ASSERT_TRUE(client.ok());
+  const absl::Status s = (*client)->OpenStepChannel(1ull << 20);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not the channel the daemon opened"));
+  EXPECT_FALSE((*client)->step_channel_open());
+}
+
+// Requests a client rewrites while the daemon reads them, asks for chunks when none are
+// pending, or names no kind the layout knows: nothing runs, or an error comes back.
+TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
   auto channel = service::StepChannel::Create(service::StepChannel::kMinCapacity);
   ASSERT_TRUE(channel.ok()) << channel.status();
   const int fd = shm_open((*channel)->name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
-  auto* data = static_cast<uint8_t*>(mmap(nullptr, (*channel)->segment_bytes(),
-                                          PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  auto* data = static_cast<uint8_t*>(
+      mmap(nullptr, (*channel)->segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
   close(fd);
   auto* header = reinterpret_cast<layout::Header*>(data);
-  v1::StepBatchRequest q;
-  q.add_entries()->set_sequence_id(1);
-  q.set_request_id("big");
-  const std::string bytes = q.SerializeAsString();
-  std::memcpy(data + layout::kHeaderBytes, bytes.data(), bytes.size());
-  header->request_bytes = static_cast<uint32_t>(bytes.size());
-  header->request_seq.store(1);
+  EXPECT_EQ(std::string(reinterpret_cast<char*>(header->nonce), layout::kNonceBytes),
+            (*channel)->nonce());
   int calls = 0;
-  auto huge = [&](const v1::StepBatchRequest& request, v1::StepBatchResponse* response) {
+  auto count = [&](const v1::StepBatchRequest&, v1::StepBatchResponse*) {
     ++calls;
-    EXPECT_EQ(request.request_id(), "big");
-    for (int i = 0; i < 4096; ++i) {
-      response->add_results()->mutable_status()->set_message(std::string(300, 'x'));
-    }
     return grpc::Status::OK;
   };
-  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), huge), service::StepChannel::Served::kServed);
-  EXPECT_EQ(calls, 1);
-  EXPECT_EQ(header->response_seq.load(), 1u);
-  EXPECT_EQ(header->response_code, layout::kRetryOverGrpc);
-  // Nothing new: idle.
-  EXPECT_EQ((*channel)->ServeOne(absl::Milliseconds(10), huge), service::StepChannel::Served::kIdle);
-  EXPECT_EQ(calls, 1);
+  header->request_kind = layout::kMore;
+  header->request_seq.store(1);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), service::StepChannel::Served::kServed);
+  EXPECT_EQ(header->response_code.load(),
+            static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
+  header->request_kind = 7;
+  header->request_seq.store(2);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), service::StepChannel::Served::kServed);
+  EXPECT_EQ(header->response_code.load(),
+            static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_EQ(calls, 0);
   munmap(data, (*channel)->segment_bytes());
 }
 

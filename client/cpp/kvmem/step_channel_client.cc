@@ -48,9 +48,11 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
   }
   const int fd = shm_open(opened.name().c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("OpenStepChannel: shm_open(", opened.name(),
-                                               "): ", std::strerror(errno),
-                                               " (is the daemon on another host?)"));
+    const int err = errno;
+    return absl::UnavailableError(absl::StrCat(
+        "OpenStepChannel: shm_open(", opened.name(), "): ", std::strerror(err),
+        err == EACCES ? " (the daemon runs as another user)"
+                      : " (is the daemon on another host, or without this /dev/shm?)"));
   }
   struct stat st {};
   const uint64_t bytes = opened.segment_bytes();
@@ -73,6 +75,15 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
   if (header->magic != layout::kMagic || header->capacity_bytes != channel->capacity_) {
     return absl::FailedPreconditionError(
         absl::StrCat("OpenStepChannel: segment ", opened.name(), " has no channel header"));
+  }
+  // The same name can belong to another daemon's channel where daemons of several pid
+  // namespaces (or hosts' containers) share /dev/shm: the nonce tells.
+  if (opened.nonce().size() != layout::kNonceBytes ||
+      std::memcmp(header->nonce, opened.nonce().data(), layout::kNonceBytes) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStepChannel: segment ", opened.name(),
+                     " is not the channel the daemon opened (another daemon's of the same "
+                     "name: it runs elsewhere)"));
   }
   // The call's end (the daemon drained, or died) closes the channel.
   channel->watcher_ = std::thread([raw = channel.get()] { raw->Watch(); });
@@ -103,6 +114,38 @@ StepChannelClient::~StepChannelClient() {
   if (data_ != nullptr) munmap(data_, bytes_);
 }
 
+StepChannelClient::Wait StepChannelClient::AwaitAnswer(uint32_t seq, absl::Time deadline) {
+  auto* header = reinterpret_cast<layout::Header*>(data_);
+  for (;;) {
+    const uint32_t answered = header->response_seq.load(std::memory_order_acquire);
+    if (answered == seq) return Wait::kAnswered;
+    if (gone()) {
+      // An answer written just before the channel closed still counts.
+      return header->response_seq.load(std::memory_order_acquire) == seq ? Wait::kAnswered
+                                                                         : Wait::kGone;
+    }
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      // The daemon may still read or run the request: no later request may use the area.
+      gone_.store(true, std::memory_order_release);
+      context_.TryCancel();
+      return Wait::kLate;
+    }
+    layout::FutexWait(&header->response_seq, answered,
+                      absl::ToInt64Nanoseconds(std::min(left, absl::Milliseconds(50))));
+  }
+}
+
+uint32_t StepChannelClient::Post(uint32_t kind, size_t bytes) {
+  auto* header = reinterpret_cast<layout::Header*>(data_);
+  header->request_bytes.store(static_cast<uint32_t>(bytes), std::memory_order_relaxed);
+  header->request_kind.store(kind, std::memory_order_relaxed);
+  const uint32_t seq = ++seq_;
+  header->request_seq.store(seq, std::memory_order_release);
+  layout::FutexWakeAll(&header->request_seq);
+  return seq;
+}
+
 StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& request,
                                                    absl::Time deadline,
                                                    v1::StepBatchResponse* response,
@@ -111,51 +154,69 @@ StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& r
   if (gone()) return Outcome::kChannelGone;
   const size_t size = request.ByteSizeLong();
   if (size > capacity_) return Outcome::kUseGrpc;
-  auto* header = reinterpret_cast<layout::Header*>(data_);
+  if (absl::Now() >= deadline) {
+    *status = absl::DeadlineExceededError(
+        "StepBatch over the step channel: the deadline passed before it was sent; nothing "
+        "was sent");
+    return Outcome::kAnswered;
+  }
+  const auto* header = reinterpret_cast<const layout::Header*>(data_);
+  const uint8_t* const body = data_ + layout::kHeaderBytes + capacity_;
   request.SerializeWithCachedSizesToArray(data_ + layout::kHeaderBytes);
-  header->request_bytes = static_cast<uint32_t>(size);
-  const uint32_t seq = ++seq_;
-  header->request_seq.store(seq, std::memory_order_release);
-  layout::FutexWakeAll(&header->request_seq);
+  uint32_t seq = Post(layout::kBatch, size);
+  std::string assembled;  // an answer larger than the area, chunk by chunk
+  uint64_t total = 0;
   for (;;) {
-    const uint32_t answered = header->response_seq.load(std::memory_order_acquire);
-    if (answered == seq) break;
-    if (gone()) return Outcome::kChannelGone;
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
-      // The daemon may still run it: this channel can no longer pair answers with requests.
-      context_.TryCancel();
-      *status = absl::DeadlineExceededError(
-          "StepBatch over the step channel: no answer by the deadline (the batch may still "
-          "apply; repeat it with the same request_id)");
+    switch (AwaitAnswer(seq, deadline)) {
+      case Wait::kAnswered:
+        break;
+      case Wait::kGone:
+        return Outcome::kChannelGone;
+      case Wait::kLate:
+        *status = absl::DeadlineExceededError(
+            "StepBatch over the step channel: no answer by the deadline (the batch may still "
+            "apply; repeat it with the same request_id)");
+        return Outcome::kAnswered;
+    }
+    const uint32_t code = header->response_code.load(std::memory_order_relaxed);
+    const uint32_t bytes = header->response_bytes.load(std::memory_order_relaxed);
+    if (bytes > capacity_) {
+      *status = absl::InternalError("step channel: response_bytes past the channel's capacity");
       return Outcome::kAnswered;
     }
-    layout::FutexWait(&header->response_seq, answered,
-                      absl::ToInt64Nanoseconds(std::min(left, absl::Milliseconds(50))));
-  }
-  const uint32_t code = header->response_code;
-  const uint32_t bytes = header->response_bytes;
-  if (code == layout::kRetryOverGrpc) return Outcome::kUseGrpc;
-  const uint8_t* body = data_ + layout::kHeaderBytes + capacity_;
-  if (bytes > capacity_) {
-    *status = absl::InternalError("step channel: response_bytes past the channel's capacity");
-    return Outcome::kAnswered;
-  }
-  if (code == 0) {
-    if (!response->ParseFromArray(body, static_cast<int>(bytes))) {
-      *status = absl::InternalError("step channel: the response area holds no StepBatchResponse");
-    } else {
-      *status = absl::OkStatus();
+    if (code != 0) {
+      google::rpc::Status rich;
+      if (!rich.ParseFromArray(body, static_cast<int>(bytes))) {
+        rich.Clear();
+        rich.set_message("step channel: an error without a readable status");
+      }
+      rich.set_code(static_cast<int32_t>(code));
+      *status = FromRpcStatusForChannel(rich);
+      return Outcome::kAnswered;
     }
-    return Outcome::kAnswered;
+    if (assembled.empty()) total = header->response_total.load(std::memory_order_relaxed);
+    if (assembled.empty() && total == bytes) {  // the whole answer in the area
+      if (!response->ParseFromArray(body, static_cast<int>(bytes))) {
+        *status = absl::InternalError("step channel: the area holds no StepBatchResponse");
+      } else {
+        *status = absl::OkStatus();
+      }
+      return Outcome::kAnswered;
+    }
+    if (bytes == 0 || assembled.size() + bytes > total ||
+        header->response_total.load(std::memory_order_relaxed) != total) {
+      *status = absl::InternalError("step channel: an answer's chunks do not add up");
+      return Outcome::kAnswered;
+    }
+    assembled.append(reinterpret_cast<const char*>(body), bytes);
+    if (assembled.size() == total) break;
+    seq = Post(layout::kMore, 0);
   }
-  google::rpc::Status rich;
-  if (!rich.ParseFromArray(body, static_cast<int>(bytes))) {
-    rich.Clear();
-    rich.set_message("step channel: an error without a readable status");
+  if (!response->ParseFromString(assembled)) {
+    *status = absl::InternalError("step channel: the answer is no StepBatchResponse");
+  } else {
+    *status = absl::OkStatus();
   }
-  rich.set_code(static_cast<int32_t>(code));
-  *status = FromRpcStatusForChannel(rich);
   return Outcome::kAnswered;
 }
 

@@ -29,11 +29,10 @@ class StepChannelClient {
   StepChannelClient& operator=(const StepChannelClient&) = delete;
 
   enum class Outcome {
-    kAnswered,      // *status (and, when OK, *response) is the daemon's answer
-    kUseGrpc,       // send the same request (same request_id) over gRPC: the request did
-                    // not fit, or its response did not (the daemon kept it for the id)
-    kChannelGone,   // the channel closed; whether the request ran is unknown, so the
-                    // caller repeats it over gRPC under the same request_id
+    kAnswered,     // *status (and, when OK, *response) is the daemon's answer
+    kUseGrpc,      // send the request over gRPC instead: it does not fit the area
+    kChannelGone,  // the channel closed; whether the request ran is unknown, so the
+                   // caller repeats it over gRPC under the same request_id
   };
   // One request at a time (callers queue). `request` must carry a request_id.
   Outcome Call(const v1::StepBatchRequest& request, absl::Time deadline,
@@ -44,6 +43,12 @@ class StepChannelClient {
  private:
   StepChannelClient() = default;
   void Watch();  // runs on watcher_: the call's end closes the channel
+  enum class Wait { kAnswered, kGone, kLate };
+  // Waits for the answer to `seq`; kLate marks the channel gone (the area is the daemon's
+  // until it answers, so no later request may be written there).
+  Wait AwaitAnswer(uint32_t seq, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes the request (or kMore) in the area; returns its sequence number.
+  uint32_t Post(uint32_t kind, size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<v1::OpenStepChannelResponse>> reader_;

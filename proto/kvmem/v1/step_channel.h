@@ -3,17 +3,22 @@
 // kvmemd and same-host clients. One request is in flight at a time:
 //
 //   client: writes a serialized StepBatchRequest at request_offset, its length to
-//           request_bytes, then request_seq + 1 (release) and wakes request_seq's futex;
-//   daemon: sees request_seq change (acquire), parses the request, runs it, writes the
-//           answer at response_offset with response_bytes and response_code, then sets
-//           response_seq to the request_seq it served (release) and wakes its futex.
+//           request_bytes and kBatch to request_kind, then request_seq + 1 (release), and
+//           wakes request_seq's futex;
+//   daemon: sees request_seq change (acquire), copies the request out of the segment (and
+//           drops it if request_seq moved meanwhile: a client that rewrote it), parses and
+//           runs the copy, writes the answer at response_offset with response_bytes,
+//           response_total and response_code, then sets response_seq to the request_seq it
+//           served (release) and wakes its futex.
 //
-// response_code 0: the area holds a StepBatchResponse. kRetryOverGrpc: the response did not
-// fit the area; the batch ran and its response is kept under the request's request_id, so
-// the client sends the same request (same id) by gRPC's StepBatch and gets it. Any other
-// code: the call failed as a whole and the area holds a google.rpc.Status.
+// response_code 0: the area holds a StepBatchResponse, or its first response_bytes when
+// response_total is larger: the client then asks for the rest with kMore requests (no
+// request bytes), each answered with the next chunk, until it holds response_total bytes.
+// Any other code: the call failed as a whole and the area holds a google.rpc.Status.
 //
-// Futexes are the shared (not private) kind: the two sides are separate processes.
+// The client checks `nonce` against OpenStepChannelResponse.nonce: a name alone does not
+// tell two daemons' segments apart where several share /dev/shm. Futexes are the shared
+// (not private) kind: the two sides are separate processes.
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -26,8 +31,9 @@ namespace kvmem::v1::step_channel {
 
 inline constexpr uint32_t kMagic = 0x4B565343;  // "KVSC"
 inline constexpr uint32_t kLayoutVersion = 1;
-inline constexpr uint32_t kRetryOverGrpc = 0xFFFFFFFFu;
 inline constexpr uint64_t kHeaderBytes = 4096;
+inline constexpr uint32_t kNonceBytes = 16;
+enum RequestKind : uint32_t { kBatch = 0, kMore = 1 };
 
 struct Header {
   uint32_t magic;
@@ -35,25 +41,29 @@ struct Header {
   uint64_t request_offset;
   uint64_t response_offset;
   uint64_t capacity_bytes;  // of each area
+  uint8_t nonce[kNonceBytes];
   alignas(64) std::atomic<uint32_t> request_seq;
-  uint32_t request_bytes;
+  std::atomic<uint32_t> request_bytes;
+  std::atomic<uint32_t> request_kind;
   alignas(64) std::atomic<uint32_t> response_seq;
-  uint32_t response_bytes;
-  uint32_t response_code;
+  std::atomic<uint32_t> response_bytes;
+  std::atomic<uint32_t> response_code;
+  std::atomic<uint64_t> response_total;
 };
 static_assert(sizeof(Header) <= kHeaderBytes);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
 
 // Blocks while *word == expected, for at most `timeout_ns`; returns on a wake, a change,
 // a signal or the timeout (the caller re-reads the word).
 inline void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns) {
-  timespec ts{static_cast<time_t>(timeout_ns / 1000000000), static_cast<long>(timeout_ns % 1000000000)};
+  timespec ts{static_cast<time_t>(timeout_ns / 1000000000),
+              static_cast<long>(timeout_ns % 1000000000)};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
 inline void FutexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
-          0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace kvmem::v1::step_channel
