@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "echo.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/client_interceptor.h"
@@ -144,7 +144,7 @@ struct Fixture {
     }
 
     std::remove(SocketPath("echo").c_str());
-  std::remove(SocketPath("kvmemd-channel").c_str());
+    std::remove(SocketPath("kvmemd-channel").c_str());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
