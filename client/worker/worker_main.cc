@@ -206,8 +206,7 @@ absl::Status Setup(Env& env, bool force_local) {
   }
   absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
   if (!policy.ok()) return policy.status();
-  absl::StatusOr<std::unique_ptr<client::Client>> c =
-      ConnectDaemon();
+  absl::StatusOr<std::unique_ptr<client::Client>> c = ConnectDaemon();
   if (!c.ok()) return c.status();
   env.client = *std::move(c);
   const auto path = absl::GetFlag(FLAGS_read_path) == "grpc"
@@ -515,8 +514,7 @@ bool EndsNumber(const std::string& answer, const std::string& piece) {
 int Multi() {
   Env env;
   if (absl::Status s = Setup(env, true); !s.ok()) return Fail("setup", s);
-  absl::StatusOr<std::unique_ptr<client::Client>> c =
-      ConnectDaemon();
+  absl::StatusOr<std::unique_ptr<client::Client>> c = ConnectDaemon();
   if (!c.ok()) return Fail("connect", c.status());
   std::vector<client::PolicySpec> specs;
   std::vector<std::string> labels;
@@ -637,8 +635,7 @@ int DocQa() {
   absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
   if (!policy.ok()) return Fail("setup", policy.status());
   if (mode == "plain" || mode == "prefix") *policy = client::PolicySpec{"full", {}};
-  absl::StatusOr<std::unique_ptr<client::Client>> c =
-      ConnectDaemon();
+  absl::StatusOr<std::unique_ptr<client::Client>> c = ConnectDaemon();
   if (!c.ok()) return Fail("connect", c.status());
   std::ifstream doc_in(absl::GetFlag(FLAGS_text)), q_in(absl::GetFlag(FLAGS_questions_file));
   if (!doc_in || !q_in) {

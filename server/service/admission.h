@@ -25,7 +25,7 @@ struct ServiceLimits {
   // its sequence (no other change, no lease expiry) and its reserved blocks for ever.
   absl::Duration append_stream_idle = absl::Seconds(60);
   absl::Duration request_id_ttl = absl::Minutes(10);
-  uint32_t max_step_channels = 16;            // step channels open at once (one thread each)
+  uint32_t max_step_channels = 16;             // step channels open at once (one thread each)
   uint64_t step_channel_bytes = 256ull << 20;  // their segments' bytes, all together
 };
 

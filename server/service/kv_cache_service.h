@@ -20,8 +20,7 @@ class KvCacheService final : public v1::KvCache::Service {
       : engine_(engine),
         version_(std::move(version)),
         streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
-        requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl,
-                  clock),
+        requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
         channels_(limits.max_step_channels, limits.step_channel_bytes) {}
 
   // Closed by the server's drain.

@@ -170,8 +170,8 @@ TEST(KvmemdProcessTest, AStepChannelEndsWithItsDaemon) {
   options.max_attempts = 1;
   auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port), options);
   ASSERT_TRUE(client->OpenStepChannel(1ull << 20).ok());
-  auto seq = client->CreateSequence({2, 1, 8, kvmem::client::DType::kF32, std::nullopt, 10},
-                                    {"full", {}});
+  auto seq =
+      client->CreateSequence({2, 1, 8, kvmem::client::DType::kF32, std::nullopt, 10}, {"full", {}});
   ASSERT_TRUE(seq.ok()) << seq.status();
   const std::vector<int64_t> positions = {0};
   const std::string kv(2 * 1 * 8 * 4, '\0');
