@@ -24,11 +24,12 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
   const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
   // Only a fault of this thread's access past the end of a mapped file (BUS_ADRERR, sent
   // by the kernel: si_code > 0) in the guarded range; never a SIGBUS sent by kill().
-  if (info->si_code == BUS_ADRERR && section != nullptr && addr >= section->begin &&
-      addr < section->end) {
+  const auto begin = reinterpret_cast<uintptr_t>(section != nullptr ? section->data : nullptr);
+  if (info->si_code == BUS_ADRERR && section != nullptr && addr >= begin &&
+      addr - begin < section->bytes) {
     // mmap is not on POSIX's async-signal-safe list but is a plain system call on Linux.
-    void* fixed = mmap(reinterpret_cast<void*>(section->begin), section->end - section->begin,
-                       PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    void* fixed = mmap(section->data, section->bytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     if (fixed != MAP_FAILED) {
       section->faulted = 1;
       errno = saved_errno;
@@ -69,8 +70,8 @@ void SegmentGuard::Install() { InstallOnce(); }
 
 SegmentGuard::SegmentGuard(uint8_t* data, size_t bytes) {
   InstallOnce();
-  range_.begin = reinterpret_cast<uintptr_t>(data);
-  range_.end = range_.begin + bytes;
+  range_.data = data;
+  range_.bytes = bytes;
   std::atomic_signal_fence(std::memory_order_seq_cst);
   t_section = &range_;
   std::atomic_signal_fence(std::memory_order_seq_cst);

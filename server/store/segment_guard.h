@@ -15,7 +15,8 @@ namespace kvmem::store {
 
 namespace segment_guard_internal {
 struct Range {
-  uintptr_t begin = 0, end = 0;
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
   volatile sig_atomic_t faulted = 0;
 };
 }  // namespace segment_guard_internal
