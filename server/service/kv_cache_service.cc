@@ -394,7 +394,9 @@ grpc::Status KvCacheService::OpenStepChannel(
     return RunStepBatch(batch, max_update_bytes, response);
   };
   while (!context->IsCancelled()) {
-    if (gate_.closed()) return ToGrpc(DrainingError());
+    // A drain ends the channel, but not in the middle of an answer sent in chunks: the
+    // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
+    if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
     const StepChannel::Served served = channel->ServeOne(absl::Milliseconds(50), handler);
     if (served == StepChannel::Served::kBroken) {
       return ToGrpc(absl::FailedPreconditionError(

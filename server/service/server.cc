@@ -13,9 +13,9 @@
 #include "server/service/kv_cache_service.h"
 #include "server/service/rpc_interceptor.h"
 #include "server/store/cpu_backend.h"
+#include "server/store/segment_guard.h"
 #ifdef KVMEM_WITH_CUDA
 #include "server/store/cuda_backend.h"
-#include "server/store/segment_guard.h"
 #endif
 #include "spdlog/spdlog.h"
 

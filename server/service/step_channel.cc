@@ -1,6 +1,7 @@
 #include "server/service/step_channel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "absl/random/random.h"
@@ -137,8 +138,11 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
       std::memcpy(request_copy_.get(), data + layout::kHeaderBytes, bytes);
       // What was read from a segment that faulted is zeros, not the client's bytes.
       if (guard.faulted()) return Served::kBroken;
-      if (header->request_seq.load(std::memory_order_acquire) != seq) {
-        served_seq_ = seq;  // rewritten while it was copied: its client has moved on
+      std::atomic_thread_fence(std::memory_order_acquire);  // the copy's reads come first
+      if (header->request_seq.load(std::memory_order_relaxed) != seq) {
+        served_seq_ = seq;  // another request posted while it was copied: its client moved on
+        std::string().swap(pending_);
+        pending_sent_ = 0;
         return Served::kIdle;
       }
       if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {

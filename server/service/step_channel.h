@@ -77,6 +77,8 @@ class StepChannel {
   const std::string& nonce() const { return nonce_; }
   uint64_t segment_bytes() const { return segment_->bytes(); }
   uint64_t capacity() const { return capacity_; }
+  // An answer larger than the area is partly sent: its client will ask for the rest.
+  bool chunks_pending() const { return !pending_.empty(); }
 
   // Waits up to `wait` for a request and answers it with `handler` (or, for kMore, with
   // the next chunk of the answer too large for the area). kIdle: none came. After kBroken

@@ -37,18 +37,24 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     }
   }
   // Not ours: what SIGBUS would have done without us.
-  if ((g_previous.sa_flags & SA_SIGINFO) != 0 && g_previous.sa_sigaction != nullptr) {
-    g_previous.sa_sigaction(sig, info, context);
-  } else if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler != SIG_DFL &&
-             g_previous.sa_handler != SIG_IGN) {
-    g_previous.sa_handler(sig);
-  } else if ((g_previous.sa_flags & SA_SIGINFO) == 0 && g_previous.sa_handler == SIG_IGN &&
-             info->si_code <= 0) {
-    // an ignored SIGBUS sent by a process stays ignored
+  if (g_previous.sa_handler == SIG_IGN) {
+    // ignored before us: a sent SIGBUS stays ignored; a fault runs again and kills, as the
+    // kernel does for a fault whose SIGBUS is ignored
+    if (info->si_code > 0) signal(SIGBUS, SIG_DFL);
+  } else if (g_previous.sa_handler != SIG_DFL) {
+    if ((g_previous.sa_flags & SA_SIGINFO) != 0) {
+      g_previous.sa_sigaction(sig, info, context);
+    } else {
+      g_previous.sa_handler(sig);
+    }
   } else {
-    // The default action: a fault runs again and kills; a sent signal is raised again.
+    // The default action. A fault of the current instruction (these codes) runs again and
+    // kills; anything else (a sent signal, a machine check reported ahead of any access) is
+    // raised again, delivered when the handler returns.
     signal(SIGBUS, SIG_DFL);
-    if (info->si_code <= 0) raise(SIGBUS);
+    const bool refaults = info->si_code == BUS_ADRALN || info->si_code == BUS_ADRERR ||
+                          info->si_code == BUS_OBJERR || info->si_code == BUS_MCEERR_AR;
+    if (!refaults) raise(SIGBUS);
   }
   errno = saved_errno;
 }

@@ -171,7 +171,7 @@ StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& r
       case Wait::kAnswered:
         break;
       case Wait::kGone:
-        return Outcome::kChannelGone;
+        return Outcome::kChannelGone;  // repeated by gRPC: answered once either way
       case Wait::kLate:
         *status = absl::DeadlineExceededError(
             "StepBatch over the step channel: no answer by the deadline (the batch may still "
@@ -183,6 +183,11 @@ StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& r
     if (bytes > capacity_) {
       *status = absl::InternalError("step channel: response_bytes past the channel's capacity");
       return Outcome::kAnswered;
+    }
+    if (!assembled.empty() && (code != 0 || bytes == 0)) {
+      // The batch ran; only its answer's rest is missing. gRPC's StepBatch under the same
+      // request_id answers it from the daemon's request-id cache.
+      return GiveUp();
     }
     if (code != 0) {
       google::rpc::Status rich;
@@ -205,19 +210,21 @@ StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& r
     }
     if (bytes == 0 || assembled.size() + bytes > total ||
         header->response_total.load(std::memory_order_relaxed) != total) {
-      *status = absl::InternalError("step channel: an answer's chunks do not add up");
-      return Outcome::kAnswered;
+      return GiveUp();  // chunks that do not add up: the batch ran all the same
     }
     assembled.append(reinterpret_cast<const char*>(body), bytes);
     if (assembled.size() == total) break;
     seq = Post(layout::kMore, 0);
   }
-  if (!response->ParseFromString(assembled)) {
-    *status = absl::InternalError("step channel: the answer is no StepBatchResponse");
-  } else {
-    *status = absl::OkStatus();
-  }
+  if (!response->ParseFromString(assembled)) return GiveUp();
+  *status = absl::OkStatus();
   return Outcome::kAnswered;
+}
+
+StepChannelClient::Outcome StepChannelClient::GiveUp() {
+  gone_.store(true, std::memory_order_release);
+  context_.TryCancel();
+  return Outcome::kChannelGone;
 }
 
 }  // namespace kvmem::client::internal

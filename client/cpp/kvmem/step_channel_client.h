@@ -47,6 +47,9 @@ class StepChannelClient {
   // Waits for the answer to `seq`; kLate marks the channel gone (the area is the daemon's
   // until it answers, so no later request may be written there).
   Wait AwaitAnswer(uint32_t seq, absl::Time deadline) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the channel after a batch ran but its answer could not be read whole: the
+  // caller repeats it by gRPC under the same request_id.
+  Outcome GiveUp() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes the request (or kMore) in the area; returns its sequence number.
   uint32_t Post(uint32_t kind, size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -6,10 +6,10 @@
 //           request_bytes and kBatch to request_kind, then request_seq + 1 (release), and
 //           wakes request_seq's futex;
 //   daemon: sees request_seq change (acquire), copies the request out of the segment (and
-//           drops it if request_seq moved meanwhile: a client that rewrote it), parses and
-//           runs the copy, writes the answer at response_offset with response_bytes,
-//           response_total and response_code, then sets response_seq to the request_seq it
-//           served (release) and wakes its futex.
+//           drops it if request_seq moved on meanwhile: a client that gave up on it and
+//           posted another), parses and runs the copy, writes the answer at response_offset with
+//           response_bytes, response_total and response_code, then sets response_seq to the
+//           request_seq it served (release) and wakes its futex.
 //
 // response_code 0: the area holds a StepBatchResponse, or its first response_bytes when
 // response_total is larger: the client then asks for the rest with kMore requests (no
@@ -30,7 +30,7 @@
 namespace kvmem::v1::step_channel {
 
 inline constexpr uint32_t kMagic = 0x4B565343;  // "KVSC"
-inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint32_t kLayoutVersion = 2;   // 2: nonce, request kinds, chunked answers
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint32_t kNonceBytes = 16;
 enum RequestKind : uint32_t { kBatch = 0, kMore = 1 };
