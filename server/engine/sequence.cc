@@ -96,7 +96,8 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   const std::vector<StreamBlock>& old = other;  // old[k] was entry from + k
   bool changed = new_n != old_n;
   size_t moved_from = blocks_.size();  // the first entry not at its old index, or new
-  size_t j = 0;                        // old entries before j are paired or gone
+  size_t touched_from = std::min(from + new_n, from + old_n);  // the first entry changed
+  size_t j = 0;  // old entries before j are paired or gone
   for (size_t i = from; i < blocks_.size(); ++i) {
     StreamBlock& b = blocks_[i];
     tally(b, true);
@@ -113,11 +114,20 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
         b.precision != old[k].precision) {
       b.version = version;
       changed = true;
+      touched_from = std::min(touched_from, i);
     }
   }
   if (moved_from < blocks_.size()) changed = true;
   for (size_t& f : reindex_from_) f = std::min(f, moved_from);
-  if (changed) changed_version_ = version;
+  if (!changed) return;
+  touched_from = std::min(touched_from, moved_from);
+  if (version != changed_version_) {
+    previous_changed_version_ = changed_version_;
+    untouched_prefix_ = touched_from;
+  } else {  // a second change within one version
+    untouched_prefix_ = std::min(untouched_prefix_, touched_from);
+  }
+  changed_version_ = version;
 }
 
 void Stream::AdoptFrom(const Stream& other, uint64_t version) {

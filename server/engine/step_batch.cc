@@ -36,7 +36,19 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
     delta.block_count = static_cast<uint32_t>(blocks.size());
     absl::Span<const int64_t> all = st.positions();
     size_t slot = 0;  // the first slot of blocks[i]
-    for (size_t i = 0; i < blocks.size(); slot += blocks[i].count, ++i) {
+    size_t begin = 0;
+    // One change since the client's version (an append's new tail, say): the entries it
+    // left untouched are where the client holds them, one run, without walking them. The
+    // ends are checked all the same; positions need every block's slot count: walk then.
+    const size_t prefix = std::min(st.untouched_prefix(), blocks.size());
+    if (!positions && prefix > 0 && st.previous_changed_version() <= known_version &&
+        blocks[0].version <= known_version && blocks[prefix - 1].version <= known_version &&
+        blocks[0].published_index[which] == 0 &&
+        blocks[prefix - 1].published_index[which] == prefix - 1) {
+      delta.kept.push_back({0, 0, static_cast<uint32_t>(prefix)});
+      begin = prefix;
+    }
+    for (size_t i = begin; i < blocks.size(); slot += blocks[i].count, ++i) {
       const StreamBlock& b = blocks[i];
       if (b.version <= known_version) {  // held by the client: where it sits there
         const uint32_t from = b.published_index[which];

@@ -18,6 +18,13 @@ struct ClientTable {
   uint64_t epoch = 0;
   std::vector<std::vector<TableBlock>> blocks;
   std::vector<std::vector<int64_t>> positions;
+  bool with_positions = true;  // false: the updates carry none, and none are kept
+
+  size_t Slots(size_t s) const {
+    size_t n = 0;
+    for (const TableBlock& b : blocks[s]) n += b.count;
+    return n;
+  }
 
   void Apply(const TableUpdate& update, size_t streams) {
     if (update.full()) {
@@ -38,7 +45,7 @@ struct ClientTable {
       // Slot offsets of the held blocks, to carry a kept block's positions over.
       std::vector<size_t> offset = {0};
       for (const TableBlock& b : held) offset.push_back(offset.back() + b.count);
-      ASSERT_EQ(offset.back(), positions[d.stream].size());
+      if (with_positions) ASSERT_EQ(offset.back(), positions[d.stream].size());
       std::vector<TableBlock> next(d.block_count);
       std::vector<bool> filled(d.block_count, false);
       std::vector<std::vector<int64_t>> next_positions(d.block_count);
@@ -49,6 +56,7 @@ struct ClientTable {
           ASSERT_FALSE(filled[run.at + j]) << "two runs fill one entry";
           next[run.at + j] = held[run.from + j];
           filled[run.at + j] = true;
+          if (!with_positions) continue;
           const auto& p = positions[d.stream];
           next_positions[run.at + j].assign(p.begin() + offset[run.from + j],
                                             p.begin() + offset[run.from + j + 1]);
@@ -59,13 +67,14 @@ struct ClientTable {
         if (filled[i]) continue;
         ASSERT_LT(given, d.blocks.size()) << "stream " << d.stream;
         next[i] = d.blocks[given++];
+        if (!with_positions) continue;
         ASSERT_LE(slot + next[i].count, d.positions.size());
         next_positions[i].assign(d.positions.begin() + slot,
                                  d.positions.begin() + slot + next[i].count);
         slot += next[i].count;
       }
       ASSERT_EQ(given, d.blocks.size()) << "stream " << d.stream;
-      ASSERT_EQ(slot, d.positions.size()) << "stream " << d.stream;
+      ASSERT_EQ(slot, d.positions.size()) << "stream " << d.stream;  // none without positions
       blocks[d.stream] = next;
       positions[d.stream].clear();
       for (const auto& p : next_positions) {
@@ -138,13 +147,13 @@ class DeltaTest : public EngineTest {
     in.logits = RawLogitStats{static_cast<float>(u(rng) * 3.0), 0.6f, 0.2f, {}};
     data->rows.assign(kStreams, {});
     for (size_t s = 0; s < kStreams; ++s) {
-      for (size_t j = 0; j < table.positions[s].size() + n; ++j) data->rows[s].push_back(u(rng));
+      for (size_t j = 0; j < table.Slots(s) + n; ++j) data->rows[s].push_back(u(rng));
       in.attention.push_back(
           {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), data->rows[s]});
     }
     data->call.step = std::move(in);
     data->call.table_version = table.version;
-    data->call.positions = true;
+    data->call.positions = table.with_positions;
   }
 
   ClientTable Attach(uint64_t id) {
@@ -158,7 +167,14 @@ class DeltaTest : public EngineTest {
     ASSERT_TRUE(table.ok()) << table.status();
     EXPECT_EQ(client.version, table->version) << where;
     EXPECT_EQ(client.epoch, table->epoch) << where;
-    ASSERT_EQ(Text(client.blocks, client.positions), Text(*table)) << where;
+    if (client.with_positions) {
+      ASSERT_EQ(Text(client.blocks, client.positions), Text(*table)) << where;
+    } else {
+      std::vector<std::vector<TableBlock>> blocks;
+      for (const StreamTable& st : table->streams) blocks.push_back(st.blocks);
+      const std::vector<std::vector<int64_t>> none(client.blocks.size());
+      ASSERT_EQ(Text(client.blocks, none), Text(blocks, none)) << where;
+    }
     // The same-host reader's check passes for the client's table.
     EXPECT_EQ(engine_->epoch_board().Load(table->epoch_slot), 2 * client.epoch) << where;
   }
@@ -182,50 +198,55 @@ TEST_F(DeltaTest, ClientTablesFollowEveryKindOfChange) {
   MakeEngine(8 << 20);
   std::mt19937 rng(7);
   int steps = 0, rewrites = 0;
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.policy + (c.int8 ? "+int8" : ""));
-    QuantConfig quant;
-    if (c.int8) quant = QuantConfig{kernels::QuantType::kInt8, 16};
-    auto created =
-        engine_->CreateSequence(TestLayout(), c.policy, c.params, quant, absl::ZeroDuration());
-    ASSERT_TRUE(created.ok()) << created.status();
-    // Two sequences: the second is a fork whose client carried the parent's table over.
-    std::vector<uint64_t> ids = {created->sequence_id};
-    std::vector<ClientTable> tables(1);
-    tables[0].Apply(*engine_->GetTableUpdate(ids[0], 0, true), kStreams);
-    std::vector<int64_t> next(1, 0);
-    for (int round = 0; round < 300; ++round) {
-      if (round == 40) {
-        auto child = engine_->Fork(ids[0], absl::ZeroDuration());
-        ASSERT_TRUE(child.ok()) << child.status();
-        EXPECT_EQ(child->version, tables[0].version);
-        ids.push_back(child->sequence_id);
-        tables.push_back(tables[0]);         // the parent's table, followed by the child's deltas
-        tables.back().epoch = child->epoch;  // under the child's own epoch
-        next.push_back(next[0]);
+  // With positions the delta walks every block; without, an update after one change sends
+  // the entries it left untouched as one run without walking them (Stream::untouched_prefix).
+  for (const bool with_positions : {true, false}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.policy + (c.int8 ? "+int8" : "") + (with_positions ? "" : ", no positions"));
+      QuantConfig quant;
+      if (c.int8) quant = QuantConfig{kernels::QuantType::kInt8, 16};
+      auto created =
+          engine_->CreateSequence(TestLayout(), c.policy, c.params, quant, absl::ZeroDuration());
+      ASSERT_TRUE(created.ok()) << created.status();
+      // Two sequences: the second is a fork whose client carried the parent's table over.
+      std::vector<uint64_t> ids = {created->sequence_id};
+      std::vector<ClientTable> tables(1);
+      tables[0].with_positions = with_positions;
+      tables[0].Apply(*engine_->GetTableUpdate(ids[0], 0, with_positions), kStreams);
+      std::vector<int64_t> next(1, 0);
+      for (int round = 0; round < 300; ++round) {
+        if (round == 40) {
+          auto child = engine_->Fork(ids[0], absl::ZeroDuration());
+          ASSERT_TRUE(child.ok()) << child.status();
+          EXPECT_EQ(child->version, tables[0].version);
+          ids.push_back(child->sequence_id);
+          tables.push_back(tables[0]);         // the parent's table, followed by the child's deltas
+          tables.back().epoch = child->epoch;  // under the child's own epoch
+          next.push_back(next[0]);
+        }
+        for (size_t i = 0; i < ids.size(); ++i) {
+          const uint64_t before_epoch = tables[i].epoch;
+          const uint32_t n = round < 2 ? 12 + rng() % 10 : (rng() % 5 == 0 ? 0 : 1 + rng() % 2);
+          CallData data;
+          MakeCall(ids[i], tables[i], next[i], n, rng, &data);
+          absl::StatusOr<std::vector<StepOutcome>> out =
+              engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
+          ASSERT_TRUE(out.ok()) << out.status();
+          ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
+          ASSERT_TRUE((*out)[0].table.has_value());
+          EXPECT_FALSE((*out)[0].table->full()) << "round " << round;
+          tables[i].Apply(*(*out)[0].table, kStreams);
+          next[i] += n;
+          ++steps;
+          if (tables[i].epoch != before_epoch) ++rewrites;
+          ExpectSame(ids[i], tables[i], absl::StrCat("round ", round, " sequence ", i));
+          if (HasFailure()) return;
+        }
       }
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const uint64_t before_epoch = tables[i].epoch;
-        const uint32_t n = round < 2 ? 12 + rng() % 10 : (rng() % 5 == 0 ? 0 : 1 + rng() % 2);
-        CallData data;
-        MakeCall(ids[i], tables[i], next[i], n, rng, &data);
-        absl::StatusOr<std::vector<StepOutcome>> out =
-            engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
-        ASSERT_TRUE(out.ok()) << out.status();
-        ASSERT_TRUE((*out)[0].status.ok()) << (*out)[0].status;
-        ASSERT_TRUE((*out)[0].table.has_value());
-        EXPECT_FALSE((*out)[0].table->full()) << "round " << round;
-        tables[i].Apply(*(*out)[0].table, kStreams);
-        next[i] += n;
-        ++steps;
-        if (tables[i].epoch != before_epoch) ++rewrites;
-        ExpectSame(ids[i], tables[i], absl::StrCat("round ", round, " sequence ", i));
-        if (HasFailure()) return;
-      }
+      for (uint64_t id : ids) ASSERT_TRUE(engine_->Release(id).ok());
     }
-    for (uint64_t id : ids) ASSERT_TRUE(engine_->Release(id).ok());
   }
-  EXPECT_GT(rewrites, 100) << "the tables were rewritten (evictions, quantization) " << rewrites
+  EXPECT_GT(rewrites, 200) << "the tables were rewritten (evictions, quantization) " << rewrites
                            << " times in " << steps << " steps";
 }
 
