@@ -139,6 +139,19 @@ class StepChannelTest : public DaemonTest {
     return entry;
   }
 
+  // A raw StepBatchRequest of one entry appending tokens [0, n) to `id` (no request_id).
+  static v1::StepBatchRequest AppendOnly(uint64_t id, uint32_t n) {
+    v1::StepBatchRequest q;
+    v1::StepBatchEntry* e = q.add_entries();
+    e->set_sequence_id(id);
+    v1::NewTokens* chunk = e->mutable_append();
+    const std::vector<int64_t> pos = testing::Range(0, n);
+    chunk->mutable_positions()->Add(pos.begin(), pos.end());
+    chunk->set_k(testing::Payload16(kStreams, 0, n, kD, 0));
+    chunk->set_v(testing::Payload16(kStreams, 0, n, kD, 1));
+    return q;
+  }
+
   uint64_t Appended(uint64_t id) {
     auto stats = client_->GetStats(true);
     EXPECT_TRUE(stats.ok()) << stats.status();
@@ -281,14 +294,7 @@ TEST_F(StepChannelTest, GarbageLengthsAndMissingIdsGetErrorsAndTheChannelServesO
   ASSERT_TRUE(rich.ParseFromString(body));
   EXPECT_THAT(rich.message(), HasSubstr("request_bytes"));
 
-  v1::StepBatchRequest q;
-  v1::StepBatchEntry* e = q.add_entries();
-  e->set_sequence_id(id);
-  v1::NewTokens* chunk = e->mutable_append();
-  const std::vector<int64_t> pos = testing::Range(0, 2);
-  chunk->mutable_positions()->Add(pos.begin(), pos.end());
-  chunk->set_k(testing::Payload16(kStreams, 0, 2, kD, 0));
-  chunk->set_v(testing::Payload16(kStreams, 0, 2, kD, 1));
+  v1::StepBatchRequest q = AppendOnly(id, 2);
   ch.Post(q.SerializeAsString());  // no request_id
   std::tie(code, body) = ch.Answer();
   EXPECT_EQ(code, static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
@@ -320,14 +326,7 @@ TEST_F(StepChannelTest, ASegmentShrunkUnderTheDaemonClosesTheChannelAndAppliesNo
   auto stub = Stub();
   RawChannel ch;
   ASSERT_TRUE(OpenRaw(stub.get(), &ch, std::nullopt));
-  v1::StepBatchRequest q;
-  v1::StepBatchEntry* e = q.add_entries();
-  e->set_sequence_id(id);
-  v1::NewTokens* chunk = e->mutable_append();
-  const std::vector<int64_t> pos = testing::Range(0, 64);
-  chunk->mutable_positions()->Add(pos.begin(), pos.end());
-  chunk->set_k(testing::Payload16(kStreams, 0, 64, kD, 0));
-  chunk->set_v(testing::Payload16(kStreams, 0, 64, kD, 1));
+  v1::StepBatchRequest q = AppendOnly(id, 64);
   q.set_request_id("shrunk");
   const std::string bytes = q.SerializeAsString();
   std::memcpy(ch.data + layout::kHeaderBytes, bytes.data(), bytes.size());
