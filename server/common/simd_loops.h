@@ -1,8 +1,8 @@
 #pragma once
 // Array loops of the step's hot path that GCC leaves scalar at -O2, written four lanes at
 // a time in GCC/Clang vector types (SSE2 on x86-64, NEON on arm64): the validation of float
-// signals (attention rows: tens of thousands of values a step) and the runs of ascending
-// slot indices that keep-sets are made of.
+// signals (attention rows: tens of thousands of values a step), the runs of ascending slot
+// indices that keep-sets are made of, and their check.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -34,6 +34,25 @@ inline size_t FirstOutside(const float* values, size_t n, float min, float max) 
     if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) return i;
   }
   return n;
+}
+
+// Whether v[0] < v[1] < ... < v[n - 1] < bound (true for n == 0): a keep-set's check, branch
+// free over rounds of four neighbour pairs.
+inline bool AscendingBelow(const uint32_t* v, size_t n, uint32_t bound) {
+  if (n == 0) return true;
+  if (v[n - 1] >= bound) return false;  // ascending, the last is the largest
+  using U4 = uint32_t __attribute__((vector_size(16)));
+  U4 bad = {0, 0, 0, 0};
+  size_t i = 0;
+  for (; i + 5 <= n; i += 4) {
+    U4 a, b;
+    std::memcpy(&a, v + i, sizeof a);
+    std::memcpy(&b, v + i + 1, sizeof b);
+    bad |= static_cast<U4>(b <= a);
+  }
+  uint32_t any = bad[0] | bad[1] | bad[2] | bad[3];
+  for (; i + 1 < n; ++i) any |= static_cast<uint32_t>(v[i + 1] <= v[i]);
+  return any == 0;
 }
 
 // out[i] = first + i for i < count.

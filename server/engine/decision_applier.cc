@@ -3,6 +3,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "server/common/simd_loops.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
@@ -79,11 +80,11 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     if (!decision.keep[s]) continue;
     const std::vector<uint32_t>& keep = *decision.keep[s];
-    for (size_t j = 0; j < keep.size(); ++j) {
-      if (keep[j] >= seq.streams()[s].size() || (j > 0 && keep[j] <= keep[j - 1])) {
-        return absl::InternalError(absl::StrCat("policy ", seq.policy_name(),
-                                                " returned an invalid keep-set for stream ", s));
-      }
+    const size_t slots = seq.streams()[s].size();
+    if (!AscendingBelow(keep.data(), keep.size(),
+                        static_cast<uint32_t>(std::min<size_t>(slots, UINT32_MAX)))) {
+      return absl::InternalError(absl::StrCat("policy ", seq.policy_name(),
+                                              " returned an invalid keep-set for stream ", s));
     }
   }
 

@@ -99,13 +99,32 @@ PolicyTelemetry* Telemetry::For(std::string_view policy) const {
 }
 
 double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep) {
+  // A step drops few slots of many: walk the gaps between kept runs, not every slot. In a
+  // strictly ascending keep-set, keep[j] - j (slots skipped before keep[j]) never falls, so
+  // the end of each run of consecutive kept slots is a binary search. The gaps are summed in
+  // ascending slot order, as a walk over every slot would.
+  const auto past = std::lower_bound(keep.begin(), keep.end(), row.size());
+  keep = keep.subspan(0, static_cast<size_t>(past - keep.begin()));
   double mass = 0;
-  size_t k = 0;
-  for (size_t i = 0; i < row.size(); ++i) {
-    while (k < keep.size() && keep[k] < i) ++k;
-    if (k < keep.size() && keep[k] == i) continue;
-    mass += row[i];
+  size_t next = 0;  // the first slot not yet accounted for
+  size_t k = 0;     // keep[0, k) are accounted for
+  while (k < keep.size()) {
+    // keep[k, end) continue the run that starts at slot `next` (none when keep[k] > next).
+    size_t lo = k, hi = keep.size();
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (keep[mid] - next == mid - k) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    next += lo - k;
+    k = lo;
+    if (k == keep.size()) break;
+    for (; next < keep[k]; ++next) mass += row[next];
   }
+  for (; next < row.size(); ++next) mass += row[next];
   return mass;
 }
 

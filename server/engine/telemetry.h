@@ -87,8 +87,9 @@ class Telemetry {
   absl::flat_hash_map<std::string, PolicyTelemetry*> by_name_;  // every call looks one up
 };
 
-// Attention mass of a step for one stream: the weight `row` puts on the slots `keep` (sorted
-// indices into the row, the slots that stay) leaves out. Slots past the row are ignored.
+// Attention mass of a step for one stream: the weight `row` puts on the slots `keep` (strictly
+// ascending indices into the row, the slots that stay) leaves out. Slots past the row are
+// ignored. Costs the slots left out and a binary search per run of kept slots.
 double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep);
 
 }  // namespace kvmem::engine

@@ -93,13 +93,11 @@ absl::Status SlotBook::FromKeepSets(const KeepSets& keep, uint8_t* flags) const 
     }
     std::fill(f, f + n, 0);
     const std::vector<uint32_t>& kept = *keep[s];
-    for (size_t i = 0; i < kept.size(); ++i) {
-      if (kept[i] >= n || (i > 0 && kept[i] <= kept[i - 1])) {
-        return absl::InternalError(
-            absl::StrCat("slot state: keep-set of stream ", s, " is not ascending within ", n));
-      }
-      f[kept[i]] = 1;
+    if (!AscendingBelow(kept.data(), kept.size(), n)) {
+      return absl::InternalError(
+          absl::StrCat("slot state: keep-set of stream ", s, " is not ascending within ", n));
     }
+    for (uint32_t i : kept) f[i] = 1;
   }
   return absl::OkStatus();
 }

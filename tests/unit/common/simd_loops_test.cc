@@ -55,5 +55,22 @@ TEST(FillAscendingTest, WritesTheRunAndNothingElse) {
   }
 }
 
+TEST(AscendingBelowTest, RejectsEveryOutOfOrderPairAndEveryValueAtTheBound) {
+  for (size_t n = 0; n < 24; ++n) {
+    std::vector<uint32_t> v(n);
+    for (size_t j = 0; j < n; ++j) v[j] = static_cast<uint32_t>(3 * j + 1);
+    const uint32_t bound = n == 0 ? 0 : v.back() + 1;
+    ASSERT_TRUE(AscendingBelow(v.data(), n, bound)) << "n " << n;
+    if (n > 0) ASSERT_FALSE(AscendingBelow(v.data(), n, bound - 1)) << "n " << n;
+    for (size_t at = 1; at < n; ++at) {
+      for (uint32_t back : {0u, 1u}) {  // equal to its left neighbour, or below it
+        std::vector<uint32_t> w = v;
+        w[at] = w[at - 1] - back;
+        ASSERT_FALSE(AscendingBelow(w.data(), n, bound)) << "n " << n << " at " << at;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvmem
