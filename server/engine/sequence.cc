@@ -5,67 +5,61 @@
 #include "absl/strings/str_cat.h"
 
 namespace kvmem::engine {
-namespace {
-// Copies the run of slots [from, from + n) to [to, to + n), to <= from (a forward copy is
-// then safe), in a vector of `width` values per slot: one memmove for trivial types.
-template <typename T>
-void MoveRun(std::vector<T>& v, size_t from, size_t to, size_t n, size_t width = 1) {
-  std::copy(v.begin() + static_cast<ptrdiff_t>(from * width),
-            v.begin() + static_cast<ptrdiff_t>((from + n) * width),
-            v.begin() + static_cast<ptrdiff_t>(to * width));
-}
-}  // namespace
-
 void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
-  auto grow = [](auto& v, size_t n) {
-    if (v.capacity() < n) v.reserve(std::max(n, 2 * v.capacity()));
-  };
-  const size_t n = size() + more;
-  grow(positions_, n);
-  if (host_scores) grow(scores_, n);
-  grow(history_, n * history_rows);
-  grow(token_entropy_, n);
-  grow(layer_distance_, n);
-  grow(arrival_step_, n);
+  positions_.Reserve(more);
+  if (host_scores) scores_.Reserve(more);
+  history_.Reserve(more * history_rows);
+  token_entropy_.Reserve(more);
+  layer_distance_.Reserve(more);
+  arrival_step_.Reserve(more);
 }
 
 void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
                          uint32_t history_rows, absl::Span<const float> token_entropy,
                          absl::Span<const float> layer_distance, int64_t arrival) {
   const size_t n = positions.size();
-  positions_.insert(positions_.end(), positions.begin(), positions.end());
-  if (initial_score) scores_.insert(scores_.end(), n, *initial_score);
-  history_.insert(history_.end(), n * history_rows, 0.0f);
-  token_entropy_.insert(token_entropy_.end(), token_entropy.begin(), token_entropy.end());
-  layer_distance_.insert(layer_distance_.end(), layer_distance.begin(), layer_distance.end());
-  arrival_step_.insert(arrival_step_.end(), n, arrival);
+  positions_.Append(positions);
+  if (initial_score) scores_.AppendFill(n, *initial_score);
+  history_.AppendFill(n * history_rows, 0.0f);
+  token_entropy_.Append(token_entropy);
+  layer_distance_.Append(layer_distance);
+  arrival_step_.AppendFill(n, arrival);
 }
 
 void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
-  // Slots before the first eviction stay where they are; the rest move up run by run (a
-  // head eviction is one run: one memmove per vector, not a copy per slot).
+  const bool host_scores = scores_.size() > 0;  // empty: in the SlotState
+  // Slots before the first kept one leave from the front, where nothing moves (a window's
+  // eviction); after it, slots before the first later eviction stay where they are and the
+  // rest move up run by run (one memmove per vector and run).
+  const size_t drop = keep.empty() ? size() : keep[0];
+  positions_.DropFront(drop);
+  if (host_scores) scores_.DropFront(drop);
+  history_.DropFront(drop * history_rows);
+  token_entropy_.DropFront(drop);
+  layer_distance_.DropFront(drop);
+  arrival_step_.DropFront(drop);
   size_t j = 0;
-  while (j < keep.size() && keep[j] == j) ++j;
-  const bool host_scores = !scores_.empty();  // empty: in the SlotState
+  while (j < keep.size() && keep[j] - drop == j) ++j;
   while (j < keep.size()) {
     size_t end = j + 1;
     while (end < keep.size() && keep[end] == keep[end - 1] + 1) ++end;
-    const size_t from = keep[j], n = end - j;
-    MoveRun(positions_, from, j, n);
-    if (host_scores) MoveRun(scores_, from, j, n);
-    MoveRun(token_entropy_, from, j, n);
-    MoveRun(layer_distance_, from, j, n);
-    MoveRun(arrival_step_, from, j, n);
-    if (history_rows > 0) MoveRun(history_, from, j, n, history_rows);
+    const size_t from = keep[j] - drop, n = end - j;
+    positions_.MoveDown(from, j, n);
+    if (host_scores) scores_.MoveDown(from, j, n);
+    token_entropy_.MoveDown(from, j, n);
+    layer_distance_.MoveDown(from, j, n);
+    arrival_step_.MoveDown(from, j, n);
+    if (history_rows > 0)
+      history_.MoveDown(from * history_rows, j * history_rows, n * history_rows);
     j = end;
   }
   const size_t n = keep.size();
-  positions_.resize(n);
-  if (host_scores) scores_.resize(n);
-  token_entropy_.resize(n);
-  layer_distance_.resize(n);
-  arrival_step_.resize(n);
-  history_.resize(n * history_rows);
+  positions_.Truncate(n);
+  if (host_scores) scores_.Truncate(n);
+  token_entropy_.Truncate(n);
+  layer_distance_.Truncate(n);
+  arrival_step_.Truncate(n);
+  history_.Truncate(n * history_rows);
 }
 
 void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {
@@ -155,7 +149,7 @@ absl::Span<float> Stream::StageScores() {
 
 void Stream::RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows) {
   for (size_t j = 0; j < size(); ++j) {
-    history_[j * history_rows + column] = j < row.size() ? row[j] : 0.0f;
+    history_.data()[j * history_rows + column] = j < row.size() ? row[j] : 0.0f;
   }
 }
 

@@ -4,6 +4,7 @@
 // A stream (layer, kv_head) keeps its retained slots in `blocks`, each holding a contiguous
 // run of live slots [start, start + count); the stream's slot order is block order. The
 // per-slot vectors (positions, scores, ...) are aligned with the slots in that order.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -25,21 +26,88 @@
 
 namespace kvmem::engine {
 
+// One per-slot vector of a stream, with a dead front: slots that leave from the front (a
+// window's eviction, every step) cost nothing to drop, and the room they leave is taken back
+// when an append needs it and the dead front is at least as long as the live slots, so that
+// each slot is moved at most once per slot dropped (amortized O(1)). Holds at most twice
+// the live values plus the last append's, rounded up by geometric growth.
+template <typename T>
+class SlotColumn {
+ public:
+  size_t size() const { return v_.size() - front_; }
+  absl::Span<const T> span() const { return absl::MakeConstSpan(v_).subspan(front_); }
+  T* data() { return v_.data() + front_; }
+  size_t capacity() const { return v_.capacity(); }
+  // Room for `more` values at the end, so that Append and AppendFill do not allocate. May
+  // throw (then nothing changed).
+  void Reserve(size_t more) {
+    if (v_.size() + more <= v_.capacity()) return;
+    const size_t live = size();
+    if (front_ >= live && live + more <= v_.capacity()) {
+      v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(front_));
+      front_ = 0;
+      return;
+    }
+    std::vector<T> grown;
+    grown.reserve(std::max(live + more, 2 * v_.capacity()));
+    grown.assign(v_.begin() + static_cast<ptrdiff_t>(front_), v_.end());
+    v_.swap(grown);
+    front_ = 0;
+  }
+  void Append(absl::Span<const T> values) { v_.insert(v_.end(), values.begin(), values.end()); }
+  void AppendFill(size_t n, T value) { v_.insert(v_.end(), n, value); }
+  // Drops the first n values without moving the others.
+  void DropFront(size_t n) {
+    front_ += n;
+    if (front_ == v_.size()) Clear();
+  }
+  // Keeps the first n values (n <= size()).
+  void Truncate(size_t n) { v_.resize(front_ + n); }
+  // Copies values [from, from + n) to [to, to + n), to <= from (one memmove for trivial T).
+  void MoveDown(size_t from, size_t to, size_t n) {
+    std::copy(data() + from, data() + from + n, data() + to);
+  }
+  void Clear() {
+    v_.clear();
+    front_ = 0;
+  }
+  void Assign(std::vector<T> values) {
+    v_ = std::move(values);
+    front_ = 0;
+  }
+  // The values as a vector (the column is left empty); drops the dead front first.
+  std::vector<T> Take() {
+    v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(front_));
+    front_ = 0;
+    return std::exchange(v_, {});
+  }
+  // Exchanges the values with `other` (whose values start at its front).
+  void Swap(std::vector<T>& other) {
+    v_.swap(other);
+    other.erase(other.begin(), other.begin() + static_cast<ptrdiff_t>(front_));
+    front_ = 0;
+  }
+
+ private:
+  std::vector<T> v_;
+  size_t front_ = 0;  // v_[0, front_) is dead
+};
+
 // One stream's retained slots. Its per-slot vectors stay aligned by construction: they are
 // changed only through the methods below, each of which changes all of them.
 class Stream {
  public:
   size_t size() const { return positions_.size(); }
   const std::vector<StreamBlock>& blocks() const { return blocks_; }
-  absl::Span<const int64_t> positions() const { return positions_; }
+  absl::Span<const int64_t> positions() const { return positions_.span(); }
   // Policy score state (EMA or accumulated attention); empty while the scores live in the
   // sequence's SlotState (policies with a kernel step), except during a Compress.
-  absl::Span<const float> scores() const { return scores_; }
+  absl::Span<const float> scores() const { return scores_.span(); }
   // [slot][history_rows]: the attention rows of past steps (policy.h).
-  absl::Span<const float> history() const { return history_; }
-  absl::Span<const float> token_entropy() const { return token_entropy_; }    // NaN: not sent
-  absl::Span<const float> layer_distance() const { return layer_distance_; }  // NaN: not sent
-  absl::Span<const int64_t> arrival_step() const { return arrival_step_; }
+  absl::Span<const float> history() const { return history_.span(); }
+  absl::Span<const float> token_entropy() const { return token_entropy_.span(); }    // NaN: none
+  absl::Span<const float> layer_distance() const { return layer_distance_.span(); }  // NaN: none
+  absl::Span<const int64_t> arrival_step() const { return arrival_step_.span(); }
 
   // Room for `more` slots in every per-slot vector (capacity grows geometrically), so that
   // AppendSlots, which a commit calls, never allocates. May throw; call it before commits.
@@ -49,8 +117,9 @@ class Stream {
   void AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
                    uint32_t history_rows, absl::Span<const float> token_entropy,
                    absl::Span<const float> layer_distance, int64_t arrival);
-  // Keeps only the slots listed (ascending) in every per-slot vector. Never allocates (it
-  // only shrinks), so it cannot throw.
+  // Keeps only the slots listed (ascending) in every per-slot vector: the slots before the
+  // first kept one leave from the front without moving the rest. Never allocates (it only
+  // shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
   // Exchanges entries [from, end) of the block list with `other` (a commit installing a
   // planned list, or with `from` > 0 a planned tail: an append plans only its stream's
@@ -86,14 +155,14 @@ class Stream {
   // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
   // them the scores; DropStaging gives the memory back.
   absl::Span<float> StageScores();
-  void CommitScores() { scores_.swap(next_scores_); }
+  void CommitScores() { scores_.Swap(next_scores_); }
   void DropStaging() { next_scores_ = {}; }
   // Records one step's attention row in history column `column` (0 past the row's end).
   void RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows);
   // Scores that live in a SlotState, brought over for a host call (one per slot) and
   // taken back after it.
-  void LoadScores(std::vector<float> scores) { scores_ = std::move(scores); }
-  std::vector<float> TakeScores() { return std::exchange(scores_, {}); }
+  void LoadScores(std::vector<float> scores) { scores_.Assign(std::move(scores)); }
+  std::vector<float> TakeScores() { return scores_.Take(); }
 
   // Drops every slot and block (Release; the caller has dropped the block references).
   void Clear() { *this = Stream{}; }
@@ -112,13 +181,13 @@ class Stream {
   uint64_t layout_slots_ = 0, quantized_slots_ = 0, quantized_blocks_ = 0;
   // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
   size_t reindex_from_[2] = {0, 0};
-  std::vector<int64_t> positions_;
-  std::vector<float> scores_;
+  SlotColumn<int64_t> positions_;
+  SlotColumn<float> scores_;
   std::vector<float> next_scores_;
-  std::vector<float> history_;
-  std::vector<float> token_entropy_;
-  std::vector<float> layer_distance_;
-  std::vector<int64_t> arrival_step_;
+  SlotColumn<float> history_;  // history_rows values per slot
+  SlotColumn<float> token_entropy_;
+  SlotColumn<float> layer_distance_;
+  SlotColumn<int64_t> arrival_step_;
 };
 
 // Quantization of a sequence: blocks whose slots all lie before the last `recent_tokens`

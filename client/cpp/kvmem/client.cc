@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/arena.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -298,6 +300,10 @@ std::optional<uint64_t> CurrentEpoch(const absl::Status& status) {
 
 uint32_t DTypeBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
 
+// The first block of the arena a StepBatch builds its messages in (one per calling thread):
+// room for a one-sequence step of SmolLM2's shape with its answer, K/V included.
+constexpr size_t kArenaFirstBlock = 256 << 10;
+
 struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
@@ -565,7 +571,16 @@ absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& ar
 }
 
 absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const BatchEntry> entries) {
-  v1::StepBatchRequest q;
+  // The request and the response live in an arena: the response of a batch is one
+  // TableDelta per changed stream (90 for SmolLM2), whose messages and repeated fields would
+  // otherwise each be allocated and freed one by one, every decode step. The arena's first
+  // block is this thread's, reused from call to call.
+  thread_local std::unique_ptr<char[]> first_block(new char[kArenaFirstBlock]);
+  google::protobuf::ArenaOptions arena_options;
+  arena_options.initial_block = first_block.get();
+  arena_options.initial_block_size = kArenaFirstBlock;
+  google::protobuf::Arena arena(arena_options);
+  v1::StepBatchRequest& q = *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
   for (const BatchEntry& e : entries) {
     v1::StepBatchEntry* entry = q.add_entries();
     entry->set_sequence_id(e.sequence_id);
@@ -574,7 +589,7 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     if (e.table != nullptr) HoldTable(*e.table, entry->mutable_client_table());
   }
   q.set_request_id(NewRequestId());
-  v1::StepBatchResponse r;
+  v1::StepBatchResponse& r = *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
   absl::Status s;
   bool answered = false;
   if (std::shared_ptr<internal::StepChannelClient> ch = impl_->StepChannel()) {

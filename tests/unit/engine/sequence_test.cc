@@ -4,6 +4,9 @@
 // cleared — each checked against CheckInvariants where it applies.
 #include "server/engine/sequence.h"
 
+#include <algorithm>
+#include <random>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/common/mutex.h"
@@ -111,6 +114,82 @@ TEST(SequenceTest, ClearedHoldsNothing) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   EXPECT_TRUE(seq->TakeOrphans().empty());
   EXPECT_EQ(seq->retained_slots(), 0u);
   EXPECT_EQ(seq->block_count(), 0u);
+}
+
+// A stream's per-slot vectors against plain vectors, over thousands of appends and keep-sets
+// of every kind: head evictions (which only move the dead front), holes, a whole stream
+// dropped, host scores on and off, history rows. Every vector must hold the reference's
+// values in order, and the memory held stays within a bound of the live slots.
+TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
+  std::mt19937 rng(11);
+  constexpr uint32_t kRows = 3;
+  for (bool host_scores : {false, true}) {
+    Stream st;
+    std::vector<int64_t> positions, arrival;
+    std::vector<float> scores, history, entropy, distance;
+    int64_t next = 0;
+    size_t most = 0;
+    for (int step = 0; step < 3000; ++step) {
+      const size_t n = 1 + rng() % (step % 500 < 20 ? 40 : 2);
+      std::vector<int64_t> p(n);
+      std::vector<float> e(n), d(n);
+      for (size_t i = 0; i < n; ++i) {
+        p[i] = next++;
+        e[i] = static_cast<float>(p[i]) * 0.5f;
+        d[i] = static_cast<float>(p[i]) * 0.25f;
+      }
+      st.Reserve(n, host_scores, kRows);
+      st.AppendSlots(p, host_scores ? std::optional<float>(1.5f) : std::nullopt, kRows, e, d, step);
+      positions.insert(positions.end(), p.begin(), p.end());
+      if (host_scores) scores.insert(scores.end(), n, 1.5f);
+      history.insert(history.end(), n * kRows, 0.0f);
+      entropy.insert(entropy.end(), e.begin(), e.end());
+      distance.insert(distance.end(), d.begin(), d.end());
+      arrival.insert(arrival.end(), n, step);
+      st.RecordHistory(std::vector<float>(st.size(), static_cast<float>(step)), step % kRows,
+                       kRows);
+      for (size_t j = 0; j < positions.size(); ++j) history[j * kRows + step % kRows] = step;
+      // Mostly a window's head eviction; sometimes holes, sometimes everything.
+      std::vector<uint32_t> keep;
+      const uint32_t size = static_cast<uint32_t>(positions.size());
+      const int kind = static_cast<int>(rng() % 200);
+      for (uint32_t i = 0; i < size; ++i) {
+        const bool kept = kind < 180   ? i >= std::min<uint32_t>(size, n) || size < 64
+                          : kind < 199 ? rng() % 8 != 0
+                                       : false;
+        if (kept) keep.push_back(i);
+      }
+      st.KeepSlots(keep, kRows);
+      auto filter = [&](auto& v, size_t width) {
+        std::remove_reference_t<decltype(v)> out;
+        for (uint32_t i : keep) {
+          out.insert(out.end(), v.begin() + i * width, v.begin() + (i + 1) * width);
+        }
+        v = out;
+      };
+      filter(positions, 1);
+      if (host_scores) filter(scores, 1);
+      filter(history, kRows);
+      filter(entropy, 1);
+      filter(distance, 1);
+      filter(arrival, 1);
+      ASSERT_EQ(st.size(), positions.size()) << "step " << step;
+      ASSERT_TRUE(std::equal(positions.begin(), positions.end(), st.positions().begin(),
+                             st.positions().end()))
+          << "step " << step;
+      ASSERT_EQ(std::vector<float>(st.scores().begin(), st.scores().end()), scores);
+      ASSERT_EQ(std::vector<float>(st.history().begin(), st.history().end()), history);
+      ASSERT_EQ(std::vector<float>(st.token_entropy().begin(), st.token_entropy().end()), entropy);
+      ASSERT_EQ(std::vector<float>(st.layer_distance().begin(), st.layer_distance().end()),
+                distance);
+      ASSERT_EQ(std::vector<int64_t>(st.arrival_step().begin(), st.arrival_step().end()), arrival);
+      most = std::max(most, positions.size() + n);
+      // Dead fronts are taken back: at most about four times the most slots ever held live
+      // (twice the live slots, doubled by geometric growth), in every vector.
+      ASSERT_LE(st.host_bytes(), sizeof(Stream) + 4 * (most + 64) * (2 * 8 + 4 * (3 + kRows)))
+          << "step " << step;
+    }
+  }
 }
 
 }  // namespace
