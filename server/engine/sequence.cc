@@ -38,7 +38,9 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   token_entropy_.DropFront(drop);
   layer_distance_.DropFront(drop);
   arrival_step_.DropFront(drop);
-  size_t j = 0;
+  // Strictly ascending: the kept slots are one run exactly when the last is where the run
+  // ends (a window's keep-set), and nothing else moves.
+  size_t j = keep.empty() || keep.back() - drop == keep.size() - 1 ? keep.size() : 0;
   while (j < keep.size() && keep[j] - drop == j) ++j;
   while (j < keep.size()) {
     size_t end = j + 1;
