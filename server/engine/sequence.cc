@@ -128,7 +128,7 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
 
 void Stream::AdoptFrom(const Stream& other, uint64_t version) {
   *this = other;
-  next_scores_ = {};
+  std::vector<float>().swap(next_scores_);  // its memory too, not only its values
   for (StreamBlock& b : blocks_) {
     b.version = version;
     b.published_index[0] = b.published_index[1] = 0;

@@ -30,10 +30,28 @@ namespace kvmem::engine {
 // window's eviction, every step) cost nothing to drop, and the room they leave is taken back
 // when an append needs it and the dead front is at least as long as the live slots, so that
 // each slot is moved at most once per slot dropped (amortized O(1)). Holds at most twice
-// the live values plus the last append's, rounded up by geometric growth.
+// the live values and the append that last grew it. A copy holds the live values only.
 template <typename T>
 class SlotColumn {
  public:
+  SlotColumn() = default;
+  SlotColumn(const SlotColumn& other) : v_(other.span().begin(), other.span().end()) {}
+  SlotColumn& operator=(const SlotColumn& other) {
+    if (this != &other) Assign(std::vector<T>(other.span().begin(), other.span().end()));
+    return *this;
+  }
+  SlotColumn(SlotColumn&& other) noexcept
+      : v_(std::move(other.v_)), front_(std::exchange(other.front_, 0)) {
+    other.v_.clear();
+  }
+  SlotColumn& operator=(SlotColumn&& other) noexcept {
+    if (this == &other) return *this;
+    v_ = std::move(other.v_);
+    front_ = std::exchange(other.front_, 0);
+    other.v_.clear();
+    return *this;
+  }
+
   size_t size() const { return v_.size() - front_; }
   absl::Span<const T> span() const { return absl::MakeConstSpan(v_).subspan(front_); }
   T* data() { return v_.data() + front_; }
@@ -49,13 +67,20 @@ class SlotColumn {
       return;
     }
     std::vector<T> grown;
-    grown.reserve(std::max(live + more, 2 * v_.capacity()));
+    grown.reserve(2 * (live + more));
     grown.assign(v_.begin() + static_cast<ptrdiff_t>(front_), v_.end());
     v_.swap(grown);
     front_ = 0;
   }
-  void Append(absl::Span<const T> values) { v_.insert(v_.end(), values.begin(), values.end()); }
-  void AppendFill(size_t n, T value) { v_.insert(v_.end(), n, value); }
+  // Into room Reserve made (then they cannot throw); without it they make the room first.
+  void Append(absl::Span<const T> values) {
+    Reserve(values.size());
+    v_.insert(v_.end(), values.begin(), values.end());
+  }
+  void AppendFill(size_t n, T value) {
+    Reserve(n);
+    v_.insert(v_.end(), n, value);
+  }
   // Drops the first n values without moving the others.
   void DropFront(size_t n) {
     front_ += n;
@@ -81,10 +106,10 @@ class SlotColumn {
     front_ = 0;
     return std::exchange(v_, {});
   }
-  // Exchanges the values with `other` (whose values start at its front).
+  // Takes `other`'s values as the column's and gives `other` the old buffer, whose contents
+  // are left unspecified (a staging buffer, overwritten before its next use).
   void Swap(std::vector<T>& other) {
     v_.swap(other);
-    other.erase(other.begin(), other.begin() + static_cast<ptrdiff_t>(front_));
     front_ = 0;
   }
 
@@ -155,8 +180,9 @@ class Stream {
   // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
   // them the scores; DropStaging gives the memory back.
   absl::Span<float> StageScores();
-  void CommitScores() { scores_.Swap(next_scores_); }
-  void DropStaging() { next_scores_ = {}; }
+  void CommitScores() { scores_.Swap(next_scores_); }  // next_scores_: staging only
+  // (`= {}` would keep the capacity: it assigns an empty initializer list.)
+  void DropStaging() { std::vector<float>().swap(next_scores_); }
   // Records one step's attention row in history column `column` (0 past the row's end).
   void RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows);
   // Scores that live in a SlotState, brought over for a host call (one per slot) and

@@ -109,6 +109,10 @@ double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep)
   size_t next = 0;  // the first slot not yet accounted for
   size_t k = 0;     // keep[0, k) are accounted for
   while (k < keep.size()) {
+    if (keep[k] < next) {  // not strictly ascending (callers check first): skip, never hang
+      ++k;
+      continue;
+    }
     // keep[k, end) continue the run that starts at slot `next` (none when keep[k] > next).
     size_t lo = k, hi = keep.size();
     while (lo < hi) {

@@ -6,6 +6,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -575,10 +576,19 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
   // TableDelta per changed stream (90 for SmolLM2), whose messages and repeated fields would
   // otherwise each be allocated and freed one by one, every decode step. The arena's first
   // block is this thread's, reused from call to call.
+  // A call nested on the same thread (a callback, a fiber) gets an arena of its own.
   thread_local std::unique_ptr<char[]> first_block(new char[kArenaFirstBlock]);
+  thread_local bool first_block_in_use = false;
   google::protobuf::ArenaOptions arena_options;
-  arena_options.initial_block = first_block.get();
-  arena_options.initial_block_size = kArenaFirstBlock;
+  const bool own_block = !first_block_in_use;
+  if (own_block) {
+    arena_options.initial_block = first_block.get();
+    arena_options.initial_block_size = kArenaFirstBlock;
+    first_block_in_use = true;
+  }
+  absl::Cleanup release_block = [own_block] {
+    if (own_block) first_block_in_use = false;
+  };
   google::protobuf::Arena arena(arena_options);
   v1::StepBatchRequest& q = *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
   for (const BatchEntry& e : entries) {

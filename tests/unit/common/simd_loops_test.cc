@@ -58,7 +58,9 @@ TEST(FillAscendingTest, WritesTheRunAndNothingElse) {
 TEST(AscendingBelowTest, RejectsEveryOutOfOrderPairAndEveryValueAtTheBound) {
   for (size_t n = 0; n < 24; ++n) {
     std::vector<uint32_t> v(n);
-    for (size_t j = 0; j < n; ++j) v[j] = static_cast<uint32_t>(3 * j + 1);
+    // Around 2^31 (a signed compare would misorder them) and up to the largest bound.
+    for (size_t j = 0; j < n; ++j) v[j] = static_cast<uint32_t>((1u << 31) - 12 + 3 * j);
+    if (n > 0 && n % 2 == 0) v.back() = UINT32_MAX - 1;
     const uint32_t bound = n == 0 ? 0 : v.back() + 1;
     ASSERT_TRUE(AscendingBelow(v.data(), n, bound)) << "n " << n;
     if (n > 0) ASSERT_FALSE(AscendingBelow(v.data(), n, bound - 1)) << "n " << n;

@@ -139,7 +139,9 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
         d[i] = static_cast<float>(p[i]) * 0.25f;
       }
       st.Reserve(n, host_scores, kRows);
+      const uint64_t reserved = st.host_bytes();
       st.AppendSlots(p, host_scores ? std::optional<float>(1.5f) : std::nullopt, kRows, e, d, step);
+      ASSERT_EQ(st.host_bytes(), reserved) << "an append into reserved room allocated";
       positions.insert(positions.end(), p.begin(), p.end());
       if (host_scores) scores.insert(scores.end(), n, 1.5f);
       history.insert(history.end(), n * kRows, 0.0f);
@@ -184,10 +186,35 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
                 distance);
       ASSERT_EQ(std::vector<int64_t>(st.arrival_step().begin(), st.arrival_step().end()), arrival);
       most = std::max(most, positions.size() + n);
-      // Dead fronts are taken back: at most about four times the most slots ever held live
-      // (twice the live slots, doubled by geometric growth), in every vector.
-      ASSERT_LE(st.host_bytes(), sizeof(Stream) + 4 * (most + 64) * (2 * 8 + 4 * (3 + kRows)))
+      // Dead fronts are taken back: each vector holds at most twice the most slots ever live
+      // with an append (the staged scores once more).
+      ASSERT_LE(st.host_bytes(), sizeof(Stream) + 2 * most * (2 * 8 + 4 * (4 + kRows)))
           << "step " << step;
+      if (host_scores && step % 3 == 0) {
+        // A policy's staged scores become the scores; a host call's loaded scores too.
+        absl::Span<float> next = st.StageScores();
+        ASSERT_EQ(next.size(), scores.size());
+        for (size_t j = 0; j < next.size(); ++j) next[j] = scores[j] = static_cast<float>(step + j);
+        st.CommitScores();
+        if (step % 2 == 0) {
+          std::vector<float> taken = st.TakeScores();
+          ASSERT_EQ(taken, scores);
+          EXPECT_TRUE(st.scores().empty());
+          st.LoadScores(std::move(taken));
+        }
+        ASSERT_EQ(std::vector<float>(st.scores().begin(), st.scores().end()), scores);
+      }
+      if (step % 97 == 0) {
+        // A copy holds the same slots, and only the live ones.
+        Stream copy;
+        copy.AdoptFrom(st, 1);
+        ASSERT_TRUE(std::equal(positions.begin(), positions.end(), copy.positions().begin(),
+                               copy.positions().end()));
+        ASSERT_EQ(std::vector<float>(copy.history().begin(), copy.history().end()), history);
+        ASSERT_EQ(std::vector<float>(copy.scores().begin(), copy.scores().end()), scores);
+        ASSERT_LE(copy.host_bytes(), sizeof(Stream) + positions.size() * (2 * 8 + 4 * (4 + kRows)))
+            << "step " << step;
+      }
     }
   }
 }
