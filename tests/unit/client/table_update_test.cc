@@ -3,6 +3,8 @@
 // bounds, counts that disagree) changes nothing, so the client fetches the table instead.
 #include "kvmem/table_update.h"
 
+#include <random>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -164,6 +166,94 @@ TEST(TableUpdateTest, ADeltaOfTheOldFormatIsNoUpdate) {
   BlockTable t = Held();
   EXPECT_FALSE(ApplyTableUpdate(7, parsed, &t));
   EXPECT_EQ(t.version, 10u);
+}
+
+// Random deltas over four streams, against the lists they describe: kept runs that stay at
+// their index (an append's tail, a window's first block: applied in place when the table
+// keeps no positions) and runs that shift (built anew), mixed in one delta; with and
+// without positions. Every block's fields must come out as the new list has them.
+TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
+  std::mt19937 rng(5);
+  uint32_t next_id = 1;
+  auto block = [&] {
+    const uint32_t id = next_id++;
+    return TableBlock{id, id * 64ull, static_cast<uint32_t>(rng() % 4),
+                      1 + static_cast<uint32_t>(rng() % 12),
+                      rng() % 5 == 0 ? Precision::kInt8 : Precision::kLayout};
+  };
+  for (int round = 0; round < 3000; ++round) {
+    const bool positions = round % 3 == 0;
+    BlockTable t;
+    t.sequence_id = 7;
+    t.version = 10;
+    t.positions = positions;
+    std::vector<std::vector<TableBlock>> want(4);
+    v1::TableUpdate u;
+    v1::TableDelta* d = u.mutable_delta();
+    d->set_base_version(10);
+    d->set_version(11);
+    for (uint32_t s = 0; s < 4; ++s) {
+      StreamTable st;
+      for (size_t n = rng() % 40; n > 0; --n) st.blocks.push_back(block());
+      int64_t slot = 0;
+      for (const TableBlock& b : st.blocks) {
+        for (uint32_t j = 0; j < b.count; ++j) st.positions.push_back(slot++);
+      }
+      t.streams.push_back(st);
+      if (rng() % 4 == 0) {
+        want[s] = st.blocks;  // unchanged: not in the delta
+        continue;
+      }
+      v1::StreamDelta* sd = d->add_streams();
+      sd->set_stream(s);
+      const bool shifts = rng() % 2 == 0;
+      size_t from = shifts ? rng() % (st.blocks.size() + 1) : 0;  // shifted: a dropped front
+      const size_t m = rng() % (st.blocks.size() + 4);
+      for (size_t at = 0; at < m; ++at) {
+        const bool keep = from < st.blocks.size() && rng() % 4 != 0;
+        if (keep) {
+          const bool continues =
+              sd->kept_at_size() > 0 &&
+              sd->kept_at(sd->kept_at_size() - 1) + sd->kept_count(sd->kept_at_size() - 1) == at &&
+              sd->kept_from(sd->kept_at_size() - 1) + sd->kept_count(sd->kept_at_size() - 1) ==
+                  from;
+          if (continues) {
+            sd->set_kept_count(sd->kept_at_size() - 1, sd->kept_count(sd->kept_at_size() - 1) + 1);
+          } else {
+            sd->add_kept_at(static_cast<uint32_t>(at));
+            sd->add_kept_from(static_cast<uint32_t>(from));
+            sd->add_kept_count(1);
+          }
+          want[s].push_back(st.blocks[from]);
+        } else {
+          const TableBlock b = block();
+          want[s].push_back(b);
+          sd->add_block_ids(b.id);
+          sd->add_block_offsets(b.offset);
+          sd->add_block_starts(b.start);
+          sd->add_block_counts(b.count);
+          sd->add_block_precisions(static_cast<v1::Precision>(b.precision));
+          for (uint32_t j = 0; j < b.count; ++j) sd->add_positions(1000 + j);
+        }
+        // In place, kept entries stay at their index; shifted, dropped ones may sit between.
+        from = keep || !shifts ? from + 1 : from + rng() % 2;
+      }
+      sd->set_block_count(static_cast<uint32_t>(m));
+      if (!positions) sd->clear_positions();
+    }
+    ASSERT_TRUE(ApplyTableUpdate(7, u, &t)) << "round " << round << "\n" << u.DebugString();
+    for (uint32_t s = 0; s < 4; ++s) {
+      ASSERT_EQ(t.streams[s].blocks.size(), want[s].size()) << "round " << round;
+      for (size_t i = 0; i < want[s].size(); ++i) {
+        const TableBlock& got = t.streams[s].blocks[i];
+        const TableBlock& w = want[s][i];
+        ASSERT_TRUE(got.id == w.id && got.offset == w.offset && got.start == w.start &&
+                    got.count == w.count && got.precision == w.precision)
+            << "round " << round << " stream " << s << " entry " << i;
+      }
+    }
+    EXPECT_EQ(t.version, 11u);
+  }
 }
 
 }  // namespace
