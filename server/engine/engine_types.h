@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -206,11 +207,13 @@ struct KeptRun {
 
 // How one stream's list changed since the client's version: the new list has block_count
 // entries; the kept runs come from the client's list, the others are `blocks`, in order.
+// A decode step's delta names one or two runs and one or two entries per stream: inline,
+// so that 90 streams' deltas cost no allocation each.
 struct StreamDelta {
   uint32_t stream = 0;  // layer * H + kv_head
   uint32_t block_count = 0;
-  std::vector<KeptRun> kept;
-  std::vector<TableBlock> blocks;
+  absl::InlinedVector<KeptRun, 2> kept;
+  absl::InlinedVector<TableBlock, 2> blocks;
   std::vector<int64_t> positions;  // of the live slots of `blocks`, when asked for
 };
 

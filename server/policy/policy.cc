@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "server/common/client_text.h"
+#include "server/common/simd_loops.h"
 #include "server/policy/baselines.h"
 #include "server/policy/confkv.h"
 #include "server/policy/infokv.h"
@@ -135,7 +136,7 @@ absl::StatusOr<LogitStats> LogitStatsFromTopLogprobs(absl::Span<const float> top
 std::vector<uint32_t> KeepLast(size_t n, size_t w) {
   const size_t k = std::min(n, w);
   std::vector<uint32_t> keep(k);
-  for (size_t i = 0; i < k; ++i) keep[i] = static_cast<uint32_t>(n - k + i);
+  FillAscending(keep.data(), static_cast<uint32_t>(n - k), static_cast<uint32_t>(k));
   return keep;
 }
 
