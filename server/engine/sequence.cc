@@ -51,8 +51,9 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
     token_entropy_.MoveDown(from, j, n);
     layer_distance_.MoveDown(from, j, n);
     arrival_step_.MoveDown(from, j, n);
-    if (history_rows > 0)
+    if (history_rows > 0) {
       history_.MoveDown(from * history_rows, j * history_rows, n * history_rows);
+    }
     j = end;
   }
   const size_t n = keep.size();
