@@ -6,12 +6,8 @@
 
 namespace kvmem::engine {
 void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
-  positions_.Reserve(more);
-  if (host_scores) scores_.Reserve(more);
-  history_.Reserve(more * history_rows);
-  token_entropy_.Reserve(more);
-  layer_distance_.Reserve(more);
-  arrival_step_.Reserve(more);
+  ForEachColumn(host_scores, history_rows,
+                [&](auto& column, size_t width) { column.Reserve(more * width); });
 }
 
 void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
@@ -32,12 +28,8 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   // eviction); after it, slots before the first later eviction stay where they are and the
   // rest move up run by run (one memmove per vector and run).
   const size_t drop = keep.empty() ? size() : keep[0];
-  positions_.DropFront(drop);
-  if (host_scores) scores_.DropFront(drop);
-  history_.DropFront(drop * history_rows);
-  token_entropy_.DropFront(drop);
-  layer_distance_.DropFront(drop);
-  arrival_step_.DropFront(drop);
+  ForEachColumn(host_scores, history_rows,
+                [&](auto& column, size_t width) { column.DropFront(drop * width); });
   // Strictly ascending: the kept slots are one run exactly when the last is where the run
   // ends (a window's keep-set), and nothing else moves.
   size_t j = keep.empty() || keep.back() - drop == keep.size() - 1 ? keep.size() : 0;
@@ -46,23 +38,13 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
     size_t end = j + 1;
     while (end < keep.size() && keep[end] == keep[end - 1] + 1) ++end;
     const size_t from = keep[j] - drop, n = end - j;
-    positions_.MoveDown(from, j, n);
-    if (host_scores) scores_.MoveDown(from, j, n);
-    token_entropy_.MoveDown(from, j, n);
-    layer_distance_.MoveDown(from, j, n);
-    arrival_step_.MoveDown(from, j, n);
-    if (history_rows > 0) {
-      history_.MoveDown(from * history_rows, j * history_rows, n * history_rows);
-    }
+    ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
+      column.MoveDown(from * width, j * width, n * width);
+    });
     j = end;
   }
-  const size_t n = keep.size();
-  positions_.Truncate(n);
-  if (host_scores) scores_.Truncate(n);
-  token_entropy_.Truncate(n);
-  layer_distance_.Truncate(n);
-  arrival_step_.Truncate(n);
-  history_.Truncate(n * history_rows);
+  ForEachColumn(host_scores, history_rows,
+                [&](auto& column, size_t width) { column.Truncate(keep.size() * width); });
 }
 
 void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {

@@ -200,6 +200,18 @@ class Stream {
   uint64_t host_bytes() const;
 
  private:
+  // Calls f(column, values per slot) on each per-slot column (the scores when they live
+  // here): what Reserve and KeepSlots do to one, they do to all.
+  template <typename F>
+  void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) {
+    f(positions_, size_t{1});
+    if (host_scores) f(scores_, size_t{1});
+    f(history_, size_t{history_rows});
+    f(token_entropy_, size_t{1});
+    f(layer_distance_, size_t{1});
+    f(arrival_step_, size_t{1});
+  }
+
   std::vector<StreamBlock> blocks_;
   uint64_t changed_version_ = 0;
   uint64_t previous_changed_version_ = 0;
