@@ -109,7 +109,9 @@ double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep)
   size_t next = 0;  // the first slot not yet accounted for
   size_t k = 0;     // keep[0, k) are accounted for
   while (k < keep.size()) {
-    if (keep[k] < next) {  // not strictly ascending (callers check first): skip, never hang
+    if (keep[k] < next || keep[k] >= row.size()) {
+      // Not strictly ascending (callers check first): skipped, so that the walk ends and
+      // stays inside the row all the same.
       ++k;
       continue;
     }

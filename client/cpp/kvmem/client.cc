@@ -227,7 +227,10 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
   built.reserve(delta.streams_size());
   for (const v1::StreamDelta& d : delta.streams()) {
     if (in_place(d)) {
-      table->streams[d.stream()].blocks.reserve(d.block_count());  // contents unchanged
+      std::vector<TableBlock>& blocks = table->streams[d.stream()].blocks;
+      if (d.block_count() > blocks.capacity()) {  // contents unchanged; growth amortized
+        blocks.reserve(std::max<size_t>(d.block_count(), 2 * blocks.capacity()));
+      }
       built.emplace_back();
       continue;
     }

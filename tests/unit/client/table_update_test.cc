@@ -170,8 +170,10 @@ TEST(TableUpdateTest, ADeltaOfTheOldFormatIsNoUpdate) {
 
 // Random deltas over four streams, against the lists they describe: kept runs that stay at
 // their index (an append's tail, a window's first block: applied in place when the table
-// keeps no positions) and runs that shift (built anew), mixed in one delta; with and
-// without positions. Every block's fields must come out as the new list has them.
+// keeps no positions), runs that shift (built anew) and empty runs, mixed in one delta; with
+// and without positions. Every block's fields, and the positions, must come out as the new
+// list has them; a list changed in place keeps its buffer. One delta in five is spoiled
+// after its streams (a count, a column, a run, a stream named twice): it must change nothing.
 TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
   std::mt19937 rng(5);
   uint32_t next_id = 1;
@@ -181,13 +183,19 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
                       1 + static_cast<uint32_t>(rng() % 12),
                       rng() % 5 == 0 ? Precision::kInt8 : Precision::kLayout};
   };
-  for (int round = 0; round < 3000; ++round) {
+  auto same = [](const TableBlock& x, const TableBlock& y) {
+    return x.id == y.id && x.offset == y.offset && x.start == y.start && x.count == y.count &&
+           x.precision == y.precision;
+  };
+  for (int round = 0; round < 4000; ++round) {
     const bool positions = round % 3 == 0;
     BlockTable t;
     t.sequence_id = 7;
     t.version = 10;
     t.positions = positions;
     std::vector<std::vector<TableBlock>> want(4);
+    std::vector<std::vector<int64_t>> want_positions(4);
+    std::vector<const TableBlock*> kept_buffer(4, nullptr);  // in place: the buffer stays
     v1::TableUpdate u;
     v1::TableDelta* d = u.mutable_delta();
     d->set_base_version(10);
@@ -195,13 +203,15 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
     for (uint32_t s = 0; s < 4; ++s) {
       StreamTable st;
       for (size_t n = rng() % 40; n > 0; --n) st.blocks.push_back(block());
-      int64_t slot = 0;
+      std::vector<size_t> first_slot = {0};
       for (const TableBlock& b : st.blocks) {
-        for (uint32_t j = 0; j < b.count; ++j) st.positions.push_back(slot++);
+        for (uint32_t j = 0; j < b.count; ++j) st.positions.push_back(100000 * s + b.id * 16 + j);
+        first_slot.push_back(first_slot.back() + b.count);
       }
       t.streams.push_back(st);
       if (rng() % 4 == 0) {
         want[s] = st.blocks;  // unchanged: not in the delta
+        want_positions[s] = st.positions;
         continue;
       }
       v1::StreamDelta* sd = d->add_streams();
@@ -209,22 +219,29 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
       const bool shifts = rng() % 2 == 0;
       size_t from = shifts ? rng() % (st.blocks.size() + 1) : 0;  // shifted: a dropped front
       const size_t m = rng() % (st.blocks.size() + 4);
-      for (size_t at = 0; at < m; ++at) {
+      for (size_t at = 0; at <= m; ++at) {
+        if (from <= st.blocks.size() && rng() % 10 == 0) {  // an empty run, anywhere
+          sd->add_kept_at(static_cast<uint32_t>(at));
+          sd->add_kept_from(static_cast<uint32_t>(from));
+          sd->add_kept_count(0);
+        }
+        if (at == m) break;
         const bool keep = from < st.blocks.size() && rng() % 4 != 0;
         if (keep) {
-          const bool continues =
-              sd->kept_at_size() > 0 &&
-              sd->kept_at(sd->kept_at_size() - 1) + sd->kept_count(sd->kept_at_size() - 1) == at &&
-              sd->kept_from(sd->kept_at_size() - 1) + sd->kept_count(sd->kept_at_size() - 1) ==
-                  from;
+          const int last = sd->kept_at_size() - 1;
+          const bool continues = last >= 0 && sd->kept_count(last) > 0 &&
+                                 sd->kept_at(last) + sd->kept_count(last) == at &&
+                                 sd->kept_from(last) + sd->kept_count(last) == from;
           if (continues) {
-            sd->set_kept_count(sd->kept_at_size() - 1, sd->kept_count(sd->kept_at_size() - 1) + 1);
+            sd->set_kept_count(last, sd->kept_count(last) + 1);
           } else {
             sd->add_kept_at(static_cast<uint32_t>(at));
             sd->add_kept_from(static_cast<uint32_t>(from));
             sd->add_kept_count(1);
           }
           want[s].push_back(st.blocks[from]);
+          want_positions[s].insert(want_positions[s].end(), st.positions.begin() + first_slot[from],
+                                   st.positions.begin() + first_slot[from + 1]);
         } else {
           const TableBlock b = block();
           want[s].push_back(b);
@@ -233,23 +250,74 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
           sd->add_block_starts(b.start);
           sd->add_block_counts(b.count);
           sd->add_block_precisions(static_cast<v1::Precision>(b.precision));
-          for (uint32_t j = 0; j < b.count; ++j) sd->add_positions(1000 + j);
+          for (uint32_t j = 0; j < b.count; ++j) {
+            sd->add_positions(900000 + b.id * 16 + j);
+            want_positions[s].push_back(900000 + b.id * 16 + j);
+          }
         }
         // In place, kept entries stay at their index; shifted, dropped ones may sit between.
         from = keep || !shifts ? from + 1 : from + rng() % 2;
       }
       sd->set_block_count(static_cast<uint32_t>(m));
       if (!positions) sd->clear_positions();
+      if (!positions && !shifts && m <= t.streams[s].blocks.capacity()) {
+        kept_buffer[s] = t.streams[s].blocks.data();
+      }
+    }
+    if (round % 5 == 4 && d->streams_size() > 0) {
+      const BlockTable before = t;
+      v1::StreamDelta* last = d->mutable_streams(d->streams_size() - 1);
+      switch (rng() % 5) {
+        case 0:
+          last->set_block_count(last->block_count() + 1);
+          break;
+        case 1:
+          last->add_block_starts(0);  // one column longer than the others
+          break;
+        case 2:
+          last->add_kept_at(last->block_count());  // a run past the held list
+          last->add_kept_from(static_cast<uint32_t>(t.streams[last->stream()].blocks.size()));
+          last->add_kept_count(1);
+          break;
+        case 3:
+          *d->add_streams() = d->streams(0);  // a stream named twice
+          break;
+        case 4:
+          if (last->kept_at_size() == 0 || last->kept_count(0) == 0) {
+            last->set_block_count(last->block_count() + 1);
+            break;
+          }
+          last->add_kept_at(last->kept_at(0));  // a run out of order
+          last->add_kept_from(last->kept_from(0));
+          last->add_kept_count(last->kept_count(0));
+          last->set_block_count(last->block_count() + last->kept_count(0));
+          break;
+      }
+      ASSERT_FALSE(ApplyTableUpdate(7, u, &t)) << "round " << round << "\n" << u.DebugString();
+      ASSERT_EQ(t.version, 10u);
+      for (uint32_t s = 0; s < 4; ++s) {
+        ASSERT_EQ(t.streams[s].blocks.size(), before.streams[s].blocks.size()) << "round " << round;
+        for (size_t i = 0; i < t.streams[s].blocks.size(); ++i) {
+          ASSERT_TRUE(same(t.streams[s].blocks[i], before.streams[s].blocks[i]))
+              << "round " << round << " stream " << s << " entry " << i;
+        }
+        ASSERT_EQ(t.streams[s].positions, before.streams[s].positions) << "round " << round;
+      }
+      continue;
     }
     ASSERT_TRUE(ApplyTableUpdate(7, u, &t)) << "round " << round << "\n" << u.DebugString();
     for (uint32_t s = 0; s < 4; ++s) {
       ASSERT_EQ(t.streams[s].blocks.size(), want[s].size()) << "round " << round;
       for (size_t i = 0; i < want[s].size(); ++i) {
-        const TableBlock& got = t.streams[s].blocks[i];
-        const TableBlock& w = want[s][i];
-        ASSERT_TRUE(got.id == w.id && got.offset == w.offset && got.start == w.start &&
-                    got.count == w.count && got.precision == w.precision)
+        ASSERT_TRUE(same(t.streams[s].blocks[i], want[s][i]))
             << "round " << round << " stream " << s << " entry " << i;
+      }
+      if (positions) {
+        ASSERT_EQ(t.streams[s].positions, want_positions[s]) << "round " << round;
+      }
+      if (kept_buffer[s] != nullptr) {
+        ASSERT_EQ(t.streams[s].blocks.data(), kept_buffer[s])
+            << "round " << round << " stream " << s;
       }
     }
     EXPECT_EQ(t.version, 11u);
