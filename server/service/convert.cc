@@ -284,23 +284,44 @@ void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
   delta->set_base_version(update.base_version);
   delta->set_version(update.version);
   delta->set_epoch(update.epoch);
+  // Columns: every array sized once, then filled.
+  size_t runs = 0, given = 0, positions = 0;
   for (const engine::StreamDelta& d : update.streams) {
-    v1::StreamDelta* s = delta->add_streams();
-    s->set_stream(d.stream);
-    s->set_block_count(d.block_count);
+    runs += d.kept.size();
+    given += d.blocks.size();
+    positions += d.positions.size();
+  }
+  const auto reserve = [](auto* column, size_t n) { column->Reserve(static_cast<int>(n)); };
+  const size_t streams = update.streams.size();
+  reserve(delta->mutable_stream(), streams);
+  reserve(delta->mutable_block_count(), streams);
+  reserve(delta->mutable_run_count(), streams);
+  reserve(delta->mutable_kept_at(), runs);
+  reserve(delta->mutable_kept_from(), runs);
+  reserve(delta->mutable_kept_count(), runs);
+  reserve(delta->mutable_block_ids(), given);
+  reserve(delta->mutable_block_offsets(), given);
+  reserve(delta->mutable_block_precisions(), given);
+  reserve(delta->mutable_block_starts(), given);
+  reserve(delta->mutable_block_counts(), given);
+  reserve(delta->mutable_positions(), positions);
+  for (const engine::StreamDelta& d : update.streams) {
+    delta->add_stream(d.stream);
+    delta->add_block_count(d.block_count);
+    delta->add_run_count(static_cast<uint32_t>(d.kept.size()));
     for (const engine::KeptRun& run : d.kept) {
-      s->add_kept_at(run.at);
-      s->add_kept_from(run.from);
-      s->add_kept_count(run.count);
+      delta->add_kept_at(run.at);
+      delta->add_kept_from(run.from);
+      delta->add_kept_count(run.count);
     }
     for (const engine::TableBlock& b : d.blocks) {
-      s->add_block_ids(b.id);
-      s->add_block_offsets(b.offset);
-      s->add_block_precisions(ToProto(b.precision));
-      s->add_block_starts(b.start);
-      s->add_block_counts(b.count);
+      delta->add_block_ids(b.id);
+      delta->add_block_offsets(b.offset);
+      delta->add_block_precisions(ToProto(b.precision));
+      delta->add_block_starts(b.start);
+      delta->add_block_counts(b.count);
     }
-    s->mutable_positions()->Add(d.positions.begin(), d.positions.end());
+    delta->mutable_positions()->Add(d.positions.begin(), d.positions.end());
   }
 }
 

@@ -171,70 +171,88 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
     return true;
   }
   if (!update.has_delta()) return false;
-  const v1::TableDelta& delta = update.delta();
+  const v1::TableDelta& d = update.delta();
   // Versions are unique to a sequence's history only: a table of another sequence (or one
   // that moved meanwhile) takes no delta.
-  if (table->sequence_id != sequence_id || delta.base_version() != table->version) return false;
-  // Checked whole before anything applies: each stream named once; the kept runs lie
-  // inside both lists, in order in both, and with the given entries (and their positions)
-  // fill the new list exactly.
-  std::vector<bool> named(table->streams.size(), false);
-  for (const v1::StreamDelta& d : delta.streams()) {
-    if (d.stream() >= table->streams.size() || named[d.stream()]) return false;
-    named[d.stream()] = true;
-    const StreamTable& st = table->streams[d.stream()];
-    const int runs = d.kept_at_size();
-    if (d.kept_from_size() != runs || d.kept_count_size() != runs) return false;
-    const int given = d.block_ids_size();
-    if (d.block_offsets_size() != given || d.block_precisions_size() != given ||
-        d.block_starts_size() != given || d.block_counts_size() != given) {
-      return false;
-    }
-    uint64_t at = 0, from = 0, kept = 0, given_slots = 0;
-    for (int r = 0; r < runs; ++r) {
-      if (d.kept_at(r) < at || d.kept_from(r) < from ||
-          uint64_t{d.kept_from(r)} + d.kept_count(r) > st.blocks.size()) {
+  if (table->sequence_id != sequence_id || d.base_version() != table->version) return false;
+  const int listed = d.stream_size(), runs = d.kept_at_size(), given = d.block_ids_size();
+  if (d.block_count_size() != listed || d.run_count_size() != listed ||
+      d.kept_from_size() != runs || d.kept_count_size() != runs ||
+      d.block_offsets_size() != given || d.block_precisions_size() != given ||
+      d.block_starts_size() != given || d.block_counts_size() != given) {
+    return false;
+  }
+  // Checked whole before anything applies: streams ascending, each named once; each
+  // stream's kept runs lie inside both lists, in order in both, and with its given entries
+  // (and their positions) fill its new list exactly; the columns hold nothing more.
+  struct Listed {
+    int run = 0, given = 0;  // the stream's first run and given entry in the columns
+    int position = 0;        // its given entries' first position
+    bool in_place = false;   // every kept run stays at its index
+  };
+  std::vector<Listed> where(static_cast<size_t>(listed));
+  int run = 0, entry = 0;
+  uint64_t position = 0;
+  for (int i = 0; i < listed; ++i) {
+    const uint32_t s = d.stream(i);
+    if (s >= table->streams.size() || (i > 0 && s <= d.stream(i - 1))) return false;
+    const StreamTable& st = table->streams[s];
+    if (d.run_count(i) > static_cast<uint32_t>(runs - run)) return false;
+    Listed& w = where[static_cast<size_t>(i)];
+    w = {run, entry, static_cast<int>(position), !table->positions};
+    const int end = run + static_cast<int>(d.run_count(i));
+    uint64_t at = 0, from = 0, kept = 0;
+    for (; run < end; ++run) {
+      if (d.kept_at(run) < at || d.kept_from(run) < from ||
+          uint64_t{d.kept_from(run)} + d.kept_count(run) > st.blocks.size()) {
         return false;
       }
-      at = uint64_t{d.kept_at(r)} + d.kept_count(r);
-      from = uint64_t{d.kept_from(r)} + d.kept_count(r);
-      kept += d.kept_count(r);
+      at = uint64_t{d.kept_at(run)} + d.kept_count(run);
+      from = uint64_t{d.kept_from(run)} + d.kept_count(run);
+      kept += d.kept_count(run);
+      w.in_place = w.in_place && d.kept_at(run) == d.kept_from(run);
     }
-    if (at > d.block_count() || kept + given != d.block_count()) return false;
-    for (int b = 0; b < given; ++b) given_slots += d.block_counts(b);
+    if (at > d.block_count(i) || kept > d.block_count(i) ||
+        d.block_count(i) - kept > static_cast<uint64_t>(given - entry)) {
+      return false;
+    }
+    const int entries_end = entry + static_cast<int>(d.block_count(i) - kept);
+    for (; entry < entries_end; ++entry) position += d.block_counts(entry);
     if (table->positions) {
       uint64_t held_slots = 0;
       for (const TableBlock& b : st.blocks) held_slots += b.count;
       if (held_slots != st.positions.size() ||
-          given_slots != static_cast<uint64_t>(d.positions_size())) {
+          position > static_cast<uint64_t>(d.positions_size())) {
         return false;
       }
     }
   }
+  if (run != runs || entry != given ||
+      (table->positions && position != static_cast<uint64_t>(d.positions_size()))) {
+    return false;
+  }
+  const auto given_entry = [&d](int g) {
+    return TableBlock{d.block_ids(g), d.block_offsets(g), d.block_starts(g), d.block_counts(g),
+                      static_cast<Precision>(d.block_precisions(g))};
+  };
   // Every new list is built before any is installed: an allocation failure leaves the
   // table as it was. A list whose kept entries all stay at their index (an append's new
   // tail, a window's changed first block) is not built but changed in place, into room
   // reserved here: a decode step then costs what changed, not the whole list (90 streams of
   // 500 entries at 8,000 tokens).
-  auto in_place = [&](const v1::StreamDelta& d) {
-    if (table->positions) return false;
-    for (int r = 0; r < d.kept_at_size(); ++r) {
-      if (d.kept_at(r) != d.kept_from(r)) return false;
-    }
-    return true;
-  };
-  std::vector<std::pair<std::vector<TableBlock>, std::vector<int64_t>>> built;
-  built.reserve(delta.streams_size());
-  for (const v1::StreamDelta& d : delta.streams()) {
-    if (in_place(d)) {
-      std::vector<TableBlock>& blocks = table->streams[d.stream()].blocks;
-      if (d.block_count() > blocks.capacity()) {  // contents unchanged; growth amortized
-        blocks.reserve(std::max<size_t>(d.block_count(), 2 * blocks.capacity()));
+  std::vector<std::pair<std::vector<TableBlock>, std::vector<int64_t>>> built(
+      static_cast<size_t>(listed));
+  for (int i = 0; i < listed; ++i) {
+    const Listed& w = where[static_cast<size_t>(i)];
+    const StreamTable& st = table->streams[d.stream(i)];
+    const int run_end = w.run + static_cast<int>(d.run_count(i));
+    if (w.in_place) {
+      std::vector<TableBlock>& blocks = table->streams[d.stream(i)].blocks;
+      if (d.block_count(i) > blocks.capacity()) {  // contents unchanged; growth amortized
+        blocks.reserve(std::max<size_t>(d.block_count(i), 2 * blocks.capacity()));
       }
-      built.emplace_back();
       continue;
     }
-    const StreamTable& st = table->streams[d.stream()];
     // Where each held block's positions start, when positions are kept.
     std::vector<size_t> first_slot;
     if (table->positions) {
@@ -242,56 +260,52 @@ bool ApplyUpdate(uint64_t sequence_id, const v1::TableUpdate& update, BlockTable
       first_slot.push_back(0);
       for (const TableBlock& b : st.blocks) first_slot.push_back(first_slot.back() + b.count);
     }
-    std::vector<TableBlock> blocks;
-    std::vector<int64_t> positions;
-    blocks.reserve(d.block_count());
-    int run = 0, given = 0, given_slot = 0;
-    while (blocks.size() < d.block_count()) {
-      if (run < d.kept_at_size() && d.kept_at(run) == blocks.size()) {
-        const uint32_t from = d.kept_from(run), count = d.kept_count(run);
+    std::vector<TableBlock>& blocks = built[static_cast<size_t>(i)].first;
+    std::vector<int64_t>& positions = built[static_cast<size_t>(i)].second;
+    blocks.reserve(d.block_count(i));
+    int r = w.run, g = w.given, slot = w.position;
+    while (blocks.size() < d.block_count(i)) {
+      if (r < run_end && d.kept_at(r) == blocks.size()) {
+        const uint32_t from = d.kept_from(r), count = d.kept_count(r);
         blocks.insert(blocks.end(), st.blocks.begin() + from, st.blocks.begin() + from + count);
         if (table->positions) {
           positions.insert(positions.end(),
                            st.positions.begin() + static_cast<ptrdiff_t>(first_slot[from]),
                            st.positions.begin() + static_cast<ptrdiff_t>(first_slot[from + count]));
         }
-        ++run;
+        ++r;
         continue;
       }
-      blocks.push_back({d.block_ids(given), d.block_offsets(given), d.block_starts(given),
-                        d.block_counts(given), static_cast<Precision>(d.block_precisions(given))});
+      blocks.push_back(given_entry(g));
       if (table->positions) {
-        positions.insert(positions.end(), d.positions().begin() + given_slot,
-                         d.positions().begin() + given_slot + d.block_counts(given));
-        given_slot += static_cast<int>(d.block_counts(given));
+        positions.insert(positions.end(), d.positions().begin() + slot,
+                         d.positions().begin() + slot + d.block_counts(g));
+        slot += static_cast<int>(d.block_counts(g));
       }
-      ++given;
+      ++g;
     }
-    built.emplace_back(std::move(blocks), std::move(positions));
   }
-  for (int i = 0; i < delta.streams_size(); ++i) {  // nothing here allocates
-    const v1::StreamDelta& d = delta.streams(i);
-    StreamTable& st = table->streams[d.stream()];
-    if (!in_place(d)) {
-      st.blocks = std::move(built[i].first);
-      if (table->positions) st.positions = std::move(built[i].second);
+  for (int i = 0; i < listed; ++i) {  // nothing here allocates
+    const Listed& w = where[static_cast<size_t>(i)];
+    StreamTable& st = table->streams[d.stream(i)];
+    if (!w.in_place) {
+      st.blocks = std::move(built[static_cast<size_t>(i)].first);
+      if (table->positions) st.positions = std::move(built[static_cast<size_t>(i)].second);
       continue;
     }
     // Kept runs stay where they are; the given entries fill the indices between them.
-    st.blocks.resize(d.block_count());
+    st.blocks.resize(d.block_count(i));
+    const int run_end = w.run + static_cast<int>(d.run_count(i));
     size_t at = 0;
-    int given = 0;
-    for (int r = 0; r <= d.kept_at_size(); ++r) {
-      const size_t run_at = r < d.kept_at_size() ? d.kept_at(r) : st.blocks.size();
-      for (; at < run_at; ++at, ++given) {
-        st.blocks[at] = {d.block_ids(given), d.block_offsets(given), d.block_starts(given),
-                         d.block_counts(given), static_cast<Precision>(d.block_precisions(given))};
-      }
-      if (r < d.kept_at_size()) at = run_at + d.kept_count(r);
+    int g = w.given;
+    for (int r = w.run; r <= run_end; ++r) {
+      const size_t run_at = r < run_end ? d.kept_at(r) : st.blocks.size();
+      for (; at < run_at; ++at, ++g) st.blocks[at] = given_entry(g);
+      if (r < run_end) at = run_at + d.kept_count(r);
     }
   }
-  table->version = delta.version();
-  table->epoch = delta.epoch();
+  table->version = d.version();
+  table->epoch = d.epoch();
   return true;
 }
 

@@ -27,27 +27,63 @@ BlockTable Held() {
   return t;
 }
 
-// The head block dropped, block 3 grew by one slot (given again), block 2 kept: the list
-// becomes 2, 3'.
-v1::TableUpdate HeadDropped() {
+// One stream's part of a delta as a test writes it; Pack lays the streams out in the
+// delta's columns.
+struct StreamPart {
+  uint32_t stream = 0;
+  uint32_t block_count = 0;
+  std::vector<uint32_t> kept_at, kept_from, kept_count;
+  std::vector<TableBlock> blocks;
+  std::vector<int64_t> positions;
+  void Run(uint32_t at, uint32_t from, uint32_t count) {
+    kept_at.push_back(at);
+    kept_from.push_back(from);
+    kept_count.push_back(count);
+  }
+};
+
+struct Delta {
+  uint64_t base_version = 10, version = 11, epoch = 3;
+  std::vector<StreamPart> streams;
+};
+
+v1::TableUpdate Pack(const Delta& delta) {
   v1::TableUpdate u;
   v1::TableDelta* d = u.mutable_delta();
-  d->set_base_version(10);
-  d->set_version(11);
-  d->set_epoch(3);
-  v1::StreamDelta* s = d->add_streams();
-  s->set_stream(0);
-  s->set_block_count(2);
-  s->add_kept_at(0);
-  s->add_kept_from(1);
-  s->add_kept_count(1);
-  s->add_block_ids(3);
-  s->add_block_offsets(3000);
-  s->add_block_precisions(v1::PRECISION_LAYOUT);
-  s->add_block_starts(0);
-  s->add_block_counts(5);
-  for (int64_t p : {8, 9, 10, 11, 12}) s->add_positions(p);
+  d->set_base_version(delta.base_version);
+  d->set_version(delta.version);
+  d->set_epoch(delta.epoch);
+  for (const StreamPart& s : delta.streams) {
+    d->add_stream(s.stream);
+    d->add_block_count(s.block_count);
+    d->add_run_count(static_cast<uint32_t>(s.kept_at.size()));
+    for (size_t r = 0; r < s.kept_at.size(); ++r) {
+      d->add_kept_at(s.kept_at[r]);
+      d->add_kept_from(s.kept_from[r]);
+      d->add_kept_count(s.kept_count[r]);
+    }
+    for (const TableBlock& b : s.blocks) {
+      d->add_block_ids(b.id);
+      d->add_block_offsets(b.offset);
+      d->add_block_precisions(static_cast<v1::Precision>(b.precision));
+      d->add_block_starts(b.start);
+      d->add_block_counts(b.count);
+    }
+    d->mutable_positions()->Add(s.positions.begin(), s.positions.end());
+  }
   return u;
+}
+
+// The head block dropped, block 3 grew by one slot (given again), block 2 kept: the list
+// becomes 2, 3'.
+Delta HeadDropped() {
+  StreamPart s;
+  s.stream = 0;
+  s.block_count = 2;
+  s.Run(0, 1, 1);
+  s.blocks.push_back({3, 3000, 0, 5, Precision::kLayout});
+  s.positions = {8, 9, 10, 11, 12};
+  return Delta{10, 11, 3, {s}};
 }
 
 std::vector<uint32_t> Ids(const BlockTable& t) {
@@ -58,7 +94,7 @@ std::vector<uint32_t> Ids(const BlockTable& t) {
 
 TEST(TableUpdateTest, ADeltaThatChecksOutApplies) {
   BlockTable t = Held();
-  ASSERT_TRUE(ApplyTableUpdate(7, HeadDropped(), &t));
+  ASSERT_TRUE(ApplyTableUpdate(7, Pack(HeadDropped()), &t));
   EXPECT_THAT(Ids(t), ::testing::ElementsAre(2, 3));
   EXPECT_EQ(t.streams[0].blocks[1].count, 5u);
   EXPECT_THAT(t.streams[0].positions, ::testing::ElementsAre(4, 5, 6, 7, 8, 9, 10, 11, 12));
@@ -67,80 +103,90 @@ TEST(TableUpdateTest, ADeltaThatChecksOutApplies) {
 }
 
 TEST(TableUpdateTest, ADeltaThatDoesNotCheckOutChangesNothing) {
+  // Spoiled as a test writes a delta (stream by stream), or in its packed columns.
   struct Case {
     const char* what;
-    void (*spoil)(v1::TableUpdate&, BlockTable&);
+    void (*spoil)(Delta&, BlockTable&);
+    void (*spoil_columns)(v1::TableDelta&);
   };
+  const auto none = [](v1::TableDelta&) {};
   const Case cases[] = {
-      {"another base version",
-       [](v1::TableUpdate& u, BlockTable&) { u.mutable_delta()->set_base_version(9); }},
-      {"another sequence's table", [](v1::TableUpdate&, BlockTable& t) { t.sequence_id = 8; }},
+      {"another base version", [](Delta& d, BlockTable&) { d.base_version = 9; }, none},
+      {"another sequence's table", [](Delta&, BlockTable& t) { t.sequence_id = 8; }, none},
       {"a stream named twice",
-       [](v1::TableUpdate& u, BlockTable&) {
-         *u.mutable_delta()->add_streams() = u.delta().streams(0);
-       }},
-      {"a stream the table lacks",
-       [](v1::TableUpdate& u, BlockTable&) {
-         u.mutable_delta()->mutable_streams(0)->set_stream(1);
-       }},
-      {"a run past the held list",
-       [](v1::TableUpdate& u, BlockTable&) {
-         u.mutable_delta()->mutable_streams(0)->set_kept_from(0, 3);
-       }},
+       [](Delta& d, BlockTable&) { d.streams.push_back(d.streams[0]); }, none},
+      {"a stream the table lacks", [](Delta& d, BlockTable&) { d.streams[0].stream = 1; }, none},
+      {"a run past the held list", [](Delta& d, BlockTable&) { d.streams[0].kept_from[0] = 3; },
+       none},
       {"runs taking held entries twice",
-       [](v1::TableUpdate& u, BlockTable&) {
-         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
-         s->set_block_count(3);
-         s->add_kept_at(2);
-         s->add_kept_from(1);
-         s->add_kept_count(1);
-       }},
+       [](Delta& d, BlockTable&) {
+         d.streams[0].block_count = 3;
+         d.streams[0].Run(2, 1, 1);
+       },
+       none},
       {"runs overlapping in the new list",
-       [](v1::TableUpdate& u, BlockTable&) {
-         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
-         s->set_kept_count(0, 2);
-         s->set_block_count(3);
-         s->add_kept_at(1);
-         s->add_kept_from(2);
-         s->add_kept_count(1);
-       }},
+       [](Delta& d, BlockTable&) {
+         d.streams[0].kept_count[0] = 2;
+         d.streams[0].block_count = 3;
+         d.streams[0].Run(1, 2, 1);
+       },
+       none},
       {"runs out of order in the new list only",
-       [](v1::TableUpdate& u, BlockTable&) {
+       [](Delta& d, BlockTable&) {
          // {at 0, from 0, 2} and {at 1, from 2, 1}: in order in the held list, 3 kept for a
          // list of 3 with nothing given, but the second run starts inside the first.
-         v1::StreamDelta* s = u.mutable_delta()->mutable_streams(0);
-         s->set_block_count(3);
-         s->set_kept_from(0, 0);
-         s->set_kept_count(0, 2);
-         s->add_kept_at(1);
-         s->add_kept_from(2);
-         s->add_kept_count(1);
-         s->clear_block_ids();
-         s->clear_block_offsets();
-         s->clear_block_precisions();
-         s->clear_block_starts();
-         s->clear_block_counts();
-         s->clear_positions();
-       }},
+         StreamPart& s = d.streams[0];
+         s.block_count = 3;
+         s.kept_from[0] = 0;
+         s.kept_count[0] = 2;
+         s.Run(1, 2, 1);
+         s.blocks.clear();
+         s.positions.clear();
+       },
+       none},
       {"entries that do not fill the list",
-       [](v1::TableUpdate& u, BlockTable&) {
-         u.mutable_delta()->mutable_streams(0)->set_block_count(3);
-       }},
+       [](Delta& d, BlockTable&) { d.streams[0].block_count = 3; }, none},
+      {"more kept than the list holds",
+       [](Delta& d, BlockTable&) {
+         d.streams[0].block_count = 1;
+         d.streams[0].blocks.clear();
+         d.streams[0].positions.clear();
+         d.streams[0].kept_count[0] = 2;
+       },
+       none},
       {"positions that disagree with the given blocks",
-       [](v1::TableUpdate& u, BlockTable&) {
-         u.mutable_delta()->mutable_streams(0)->add_positions(13);
-       }},
-      {"columns of different lengths",
-       [](v1::TableUpdate& u, BlockTable&) {
-         u.mutable_delta()->mutable_streams(0)->add_block_starts(0);
-       }},
+       [](Delta& d, BlockTable&) { d.streams[0].positions.push_back(13); }, none},
       {"held positions that disagree with the held blocks",
-       [](v1::TableUpdate&, BlockTable& t) { t.streams[0].positions.pop_back(); }},
+       [](Delta&, BlockTable& t) { t.streams[0].positions.pop_back(); }, none},
+      {"block columns of different lengths", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) { d.add_block_starts(0); }},
+      {"run columns of different lengths", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) { d.add_kept_at(0); }},
+      {"stream columns of different lengths", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) { d.add_run_count(0); }},
+      {"a run count past the runs", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) { d.set_run_count(0, 2); }},
+      {"runs no stream counts", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) {
+         d.add_kept_at(2);
+         d.add_kept_from(2);
+         d.add_kept_count(0);
+       }},
+      {"given entries no stream takes", [](Delta&, BlockTable&) {},
+       [](v1::TableDelta& d) {
+         d.add_block_ids(9);
+         d.add_block_offsets(9000);
+         d.add_block_precisions(v1::PRECISION_LAYOUT);
+         d.add_block_starts(0);
+         d.add_block_counts(1);
+       }},
   };
   for (const Case& c : cases) {
-    v1::TableUpdate u = HeadDropped();
+    Delta delta = HeadDropped();
     BlockTable t = Held();
-    c.spoil(u, t);
+    c.spoil(delta, t);
+    v1::TableUpdate u = Pack(delta);
+    c.spoil_columns(*u.mutable_delta());
     const BlockTable before = t;
     EXPECT_FALSE(ApplyTableUpdate(7, u, &t)) << c.what;
     EXPECT_EQ(Ids(t), Ids(before)) << c.what;
@@ -149,23 +195,47 @@ TEST(TableUpdateTest, ADeltaThatDoesNotCheckOutChangesNothing) {
   }
 }
 
-TEST(TableUpdateTest, ADeltaOfTheOldFormatIsNoUpdate) {
-  // Field 1 of TableUpdate carried the old format: a daemon from before the change sends
-  // it, this client sees no update (and fetches the table) instead of misreading it.
-  v1::TableUpdate current = HeadDropped();
-  std::string old_bytes;
-  {
-    std::string delta = current.delta().SerializeAsString();
-    old_bytes.push_back(static_cast<char>((1 << 3) | 2));  // field 1, length-delimited
-    old_bytes.push_back(static_cast<char>(delta.size()));  // < 128 bytes: one varint byte
-    old_bytes += delta;
-  }
-  ASSERT_LT(current.delta().ByteSizeLong(), 128u);
-  v1::TableUpdate parsed;
-  ASSERT_TRUE(parsed.ParseFromString(old_bytes));
+TEST(TableUpdateTest, StreamsOutOfOrderChangeNothing) {
+  // Two streams, each losing its head block; listed 1 then 0, the delta is refused.
   BlockTable t = Held();
-  EXPECT_FALSE(ApplyTableUpdate(7, parsed, &t));
-  EXPECT_EQ(t.version, 10u);
+  t.positions = false;
+  t.streams.push_back(t.streams[0]);
+  for (StreamTable& st : t.streams) st.positions.clear();
+  Delta delta;
+  for (uint32_t s : {1u, 0u}) {
+    StreamPart p;
+    p.stream = s;
+    p.block_count = 2;
+    p.Run(0, 1, 2);
+    delta.streams.push_back(p);
+  }
+  const BlockTable before = t;
+  EXPECT_FALSE(ApplyTableUpdate(7, Pack(delta), &t));
+  EXPECT_EQ(Ids(t), Ids(before));
+  std::swap(delta.streams[0], delta.streams[1]);
+  ASSERT_TRUE(ApplyTableUpdate(7, Pack(delta), &t));
+  EXPECT_THAT(Ids(t), ::testing::ElementsAre(2, 3));
+  ASSERT_EQ(t.streams[1].blocks.size(), 2u);
+  EXPECT_EQ(t.streams[1].blocks[0].id, 2u);
+}
+
+TEST(TableUpdateTest, ADeltaOfAnOldFormatIsNoUpdate) {
+  // Fields 1 and 3 of TableUpdate carried earlier formats: a daemon from before a change
+  // sends one, this client sees no update (and fetches the table) instead of misreading it.
+  const v1::TableUpdate current = Pack(HeadDropped());
+  const std::string delta = current.delta().SerializeAsString();
+  ASSERT_LT(delta.size(), 128u);  // one varint byte of length
+  for (int field : {1, 3}) {
+    std::string old_bytes;
+    old_bytes.push_back(static_cast<char>((field << 3) | 2));  // length-delimited
+    old_bytes.push_back(static_cast<char>(delta.size()));
+    old_bytes += delta;
+    v1::TableUpdate parsed;
+    ASSERT_TRUE(parsed.ParseFromString(old_bytes)) << field;
+    BlockTable t = Held();
+    EXPECT_FALSE(ApplyTableUpdate(7, parsed, &t)) << field;
+    EXPECT_EQ(t.version, 10u) << field;
+  }
 }
 
 // Random deltas over four streams, against the lists they describe: kept runs that stay at
@@ -196,10 +266,7 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
     std::vector<std::vector<TableBlock>> want(4);
     std::vector<std::vector<int64_t>> want_positions(4);
     std::vector<const TableBlock*> kept_buffer(4, nullptr);  // in place: the buffer stays
-    v1::TableUpdate u;
-    v1::TableDelta* d = u.mutable_delta();
-    d->set_base_version(10);
-    d->set_version(11);
+    Delta d;
     for (uint32_t s = 0; s < 4; ++s) {
       StreamTable st;
       for (size_t n = rng() % 40; n > 0; --n) st.blocks.push_back(block());
@@ -214,30 +281,27 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
         want_positions[s] = st.positions;
         continue;
       }
-      v1::StreamDelta* sd = d->add_streams();
-      sd->set_stream(s);
+      d.streams.emplace_back();
+      StreamPart* sd = &d.streams.back();
+      sd->stream = s;
       const bool shifts = rng() % 2 == 0;
       size_t from = shifts ? rng() % (st.blocks.size() + 1) : 0;  // shifted: a dropped front
       const size_t m = rng() % (st.blocks.size() + 4);
       for (size_t at = 0; at <= m; ++at) {
         if (from <= st.blocks.size() && rng() % 10 == 0) {  // an empty run, anywhere
-          sd->add_kept_at(static_cast<uint32_t>(at));
-          sd->add_kept_from(static_cast<uint32_t>(from));
-          sd->add_kept_count(0);
+          sd->Run(static_cast<uint32_t>(at), static_cast<uint32_t>(from), 0);
         }
         if (at == m) break;
         const bool keep = from < st.blocks.size() && rng() % 4 != 0;
         if (keep) {
-          const int last = sd->kept_at_size() - 1;
-          const bool continues = last >= 0 && sd->kept_count(last) > 0 &&
-                                 sd->kept_at(last) + sd->kept_count(last) == at &&
-                                 sd->kept_from(last) + sd->kept_count(last) == from;
+          const size_t runs = sd->kept_at.size();
+          const bool continues = runs > 0 && sd->kept_count.back() > 0 &&
+                                 sd->kept_at.back() + sd->kept_count.back() == at &&
+                                 sd->kept_from.back() + sd->kept_count.back() == from;
           if (continues) {
-            sd->set_kept_count(last, sd->kept_count(last) + 1);
+            ++sd->kept_count.back();
           } else {
-            sd->add_kept_at(static_cast<uint32_t>(at));
-            sd->add_kept_from(static_cast<uint32_t>(from));
-            sd->add_kept_count(1);
+            sd->Run(static_cast<uint32_t>(at), static_cast<uint32_t>(from), 1);
           }
           want[s].push_back(st.blocks[from]);
           want_positions[s].insert(want_positions[s].end(), st.positions.begin() + first_slot[from],
@@ -245,53 +309,64 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
         } else {
           const TableBlock b = block();
           want[s].push_back(b);
-          sd->add_block_ids(b.id);
-          sd->add_block_offsets(b.offset);
-          sd->add_block_starts(b.start);
-          sd->add_block_counts(b.count);
-          sd->add_block_precisions(static_cast<v1::Precision>(b.precision));
+          sd->blocks.push_back(b);
           for (uint32_t j = 0; j < b.count; ++j) {
-            sd->add_positions(900000 + b.id * 16 + j);
+            sd->positions.push_back(900000 + b.id * 16 + j);
             want_positions[s].push_back(900000 + b.id * 16 + j);
           }
         }
         // In place, kept entries stay at their index; shifted, dropped ones may sit between.
         from = keep || !shifts ? from + 1 : from + rng() % 2;
       }
-      sd->set_block_count(static_cast<uint32_t>(m));
-      if (!positions) sd->clear_positions();
+      sd->block_count = static_cast<uint32_t>(m);
+      if (!positions) sd->positions.clear();
       if (!positions && !shifts && m <= t.streams[s].blocks.capacity()) {
         kept_buffer[s] = t.streams[s].blocks.data();
       }
     }
-    if (round % 5 == 4 && d->streams_size() > 0) {
+    if (round % 5 == 4 && !d.streams.empty()) {
       const BlockTable before = t;
-      v1::StreamDelta* last = d->mutable_streams(d->streams_size() - 1);
-      switch (rng() % 5) {
+      StreamPart* last = &d.streams.back();
+      enum { kNone, kLongerColumn, kRunCountTooMany } in_columns = kNone;
+      switch (rng() % 7) {
         case 0:
-          last->set_block_count(last->block_count() + 1);
+          ++last->block_count;
           break;
         case 1:
-          last->add_block_starts(0);  // one column longer than the others
+          in_columns = kLongerColumn;  // one column longer than the others, below
           break;
         case 2:
-          last->add_kept_at(last->block_count());  // a run past the held list
-          last->add_kept_from(static_cast<uint32_t>(t.streams[last->stream()].blocks.size()));
-          last->add_kept_count(1);
+          last->Run(last->block_count,  // a run past the held list
+                    static_cast<uint32_t>(t.streams[last->stream].blocks.size()), 1);
           break;
         case 3:
-          *d->add_streams() = d->streams(0);  // a stream named twice
+          d.streams.push_back(d.streams[0]);  // a stream named twice
           break;
         case 4:
-          if (last->kept_at_size() == 0 || last->kept_count(0) == 0) {
-            last->set_block_count(last->block_count() + 1);
+          if (last->kept_at.empty() || last->kept_count[0] == 0) {
+            ++last->block_count;
             break;
           }
-          last->add_kept_at(last->kept_at(0));  // a run out of order
-          last->add_kept_from(last->kept_from(0));
-          last->add_kept_count(last->kept_count(0));
-          last->set_block_count(last->block_count() + last->kept_count(0));
+          last->Run(last->kept_at[0], last->kept_from[0], last->kept_count[0]);  // out of order
+          last->block_count += last->kept_count[0];
           break;
+        case 5:
+          if (d.streams.size() < 2) {
+            ++last->block_count;
+            break;
+          }
+          std::swap(d.streams.front(), d.streams.back());  // streams out of order
+          break;
+        case 6:
+          in_columns = kRunCountTooMany;  // the last stream counts a run the columns lack
+          break;
+      }
+      v1::TableUpdate u = Pack(d);
+      v1::TableDelta* columns = u.mutable_delta();
+      if (in_columns == kLongerColumn) columns->add_block_starts(0);
+      if (in_columns == kRunCountTooMany) {
+        const int i = columns->run_count_size() - 1;
+        columns->set_run_count(i, columns->run_count(i) + 1);
       }
       ASSERT_FALSE(ApplyTableUpdate(7, u, &t)) << "round " << round << "\n" << u.DebugString();
       ASSERT_EQ(t.version, 10u);
@@ -305,6 +380,7 @@ TEST(TableUpdateTest, RandomDeltasApplyInPlaceAndRebuiltAlike) {
       }
       continue;
     }
+    const v1::TableUpdate u = Pack(d);
     ASSERT_TRUE(ApplyTableUpdate(7, u, &t)) << "round " << round << "\n" << u.DebugString();
     for (uint32_t s = 0; s < 4; ++s) {
       ASSERT_EQ(t.streams[s].blocks.size(), want[s].size()) << "round " << round;
