@@ -93,14 +93,18 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   OpBatch batch;
   StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints, seq.tenant());
   Applied applied;
-  std::vector<std::vector<StreamBlock>> new_blocks(seq.streams().size());
+  // The new lists go to the sequence's spare lists, whose room earlier steps left there
+  // (empty for a stream that does not change: KeepOrphans reads them).
+  std::vector<std::vector<StreamBlock>>& new_blocks = seq.spare_lists();
+  new_blocks.resize(seq.streams().size());
   std::vector<bool> changed(seq.streams().size(), false);
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     const Stream& st = seq.streams()[s];
+    std::vector<StreamBlock>& blocks = new_blocks[s];
+    blocks.clear();
     const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
     if (!evicts && !seq.format().quantizes()) continue;  // nothing can change in this stream
-    std::vector<StreamBlock>& blocks = new_blocks[s];
-    blocks = st.blocks();
+    blocks.assign(st.blocks().begin(), st.blocks().end());
     absl::Status planned = absl::OkStatus();
     if (evicts) {
       applied.evicted += st.size() - decision.keep[s]->size();

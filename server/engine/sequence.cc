@@ -208,7 +208,9 @@ void Sequence::CopyStateFrom(const Sequence& parent, std::unique_ptr<store::Slot
 void Sequence::Clear() {
   for (Stream& st : streams_) st.Clear();
   slots_.reset();
-  orphan_blocks_ = {};
+  // Swapped with empty vectors: `= {}` would keep their room.
+  std::vector<store::BlockId>().swap(orphan_blocks_);
+  std::vector<std::vector<StreamBlock>>().swap(spare_lists_);
   released_ = true;
 }
 
@@ -216,6 +218,10 @@ uint64_t Sequence::host_bytes() const {
   uint64_t bytes = sizeof(Sequence) + token_ids_.capacity() * sizeof(int32_t) +
                    prefix_.hashes.capacity() * sizeof(prefix::BlockHash);
   for (const Stream& s : streams_) bytes += s.host_bytes();
+  bytes += spare_lists_.capacity() * sizeof(std::vector<StreamBlock>);
+  for (const std::vector<StreamBlock>& list : spare_lists_) {
+    bytes += list.capacity() * sizeof(StreamBlock);
+  }
   return bytes;
 }
 

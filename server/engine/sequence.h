@@ -322,6 +322,14 @@ class Sequence {
   }  // an AppendSession
   void set_append_open(bool open) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { append_open_ = open; }
 
+  // Scratch for a step's new block lists (Engine::ApplyDecision), one per stream: after a
+  // commit each holds the list it replaced, whose room the next step reuses instead of
+  // allocating a list per stream per step. What they hold between calls means nothing;
+  // counted in host_bytes.
+  std::vector<std::vector<StreamBlock>>& spare_lists() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return spare_lists_;
+  }
+
   // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
   void AddOrphan(store::BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     orphan_blocks_.push_back(id);
@@ -442,6 +450,7 @@ class Sequence {
   int64_t policy_mark_ ABSL_GUARDED_BY(mu) = -1;
   bool append_open_ ABSL_GUARDED_BY(mu) = false;
   std::vector<store::BlockId> orphan_blocks_ ABSL_GUARDED_BY(mu);
+  std::vector<std::vector<StreamBlock>> spare_lists_ ABSL_GUARDED_BY(mu);
   uint64_t slot_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
   uint64_t host_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
   std::vector<int32_t> token_ids_ ABSL_GUARDED_BY(mu);

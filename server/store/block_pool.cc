@@ -39,7 +39,12 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes
 }
 
 BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages)
-    : page_bytes_(page_bytes), num_pages_(num_pages), reserve_pages_(reserve_pages) {
+    : page_bytes_(page_bytes),
+      num_pages_(num_pages),
+      reserve_pages_(reserve_pages),
+      num_chunks_((uint64_t{num_pages} * (page_bytes / kBlockAlignment) + kIdsPerChunk - 1) /
+                  kIdsPerChunk),
+      chunks_(std::make_unique<std::atomic<IdState*>[]>(num_chunks_)) {
   pages_.resize(num_pages);
   free_pages_.reserve(num_pages);
   for (uint32_t p = num_pages; p-- > 0;) free_pages_.push_back(p);
@@ -77,9 +82,17 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
     free_ids_.pop_back();
   } else {
     id = static_cast<BlockId>(blocks_.size());
+    if (id % kIdsPerChunk == 0) {
+      owned_chunks_.push_back(std::make_unique<IdState[]>(kIdsPerChunk));
+      chunks_[id / kIdsPerChunk].store(owned_chunks_.back().get(), std::memory_order_release);
+    }
     blocks_.emplace_back();
   }
-  blocks_[id] = Block{page_index * page_bytes_ + uint64_t{slot} * class_bytes, class_bytes, 1};
+  blocks_[id] = Block{class_bytes, 0};
+  IdState* state = State(id);
+  state->offset.store(page_index * page_bytes_ + uint64_t{slot} * class_bytes,
+                      std::memory_order_relaxed);
+  state->refs.store(1, std::memory_order_relaxed);
   ++blocks_used_;
   block_bytes_used_ += class_bytes;
   return id;
@@ -87,10 +100,11 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
 
 void BlockPool::FreeLocked(BlockId id) {
   Block& block = blocks_[id];
-  const uint32_t page_index = static_cast<uint32_t>(block.offset / page_bytes_);
+  IdState* state = State(id);
+  const uint64_t offset = state->offset.load(std::memory_order_relaxed);
+  const uint32_t page_index = static_cast<uint32_t>(offset / page_bytes_);
   Page& page = pages_[page_index];
-  page.free_slots.push_back(
-      static_cast<uint32_t>((block.offset % page_bytes_) / block.class_bytes));
+  page.free_slots.push_back(static_cast<uint32_t>((offset % page_bytes_) / block.class_bytes));
   --page.used;
   if (page.used == 0) {
     partial_[page.class_bytes].erase(page_index);
@@ -106,6 +120,8 @@ void BlockPool::FreeLocked(BlockId id) {
   block_bytes_used_ -= block.class_bytes;
   tenants_[block.tenant].used -= block.class_bytes;
   block = Block{};
+  state->offset.store(0, std::memory_order_relaxed);
+  state->refs.store(0, std::memory_order_relaxed);
   free_ids_.push_back(id);
 }
 
@@ -211,7 +227,7 @@ void BlockPool::Ref(absl::Span<const BlockId> ids) {
       spdlog::critical("block pool: Ref of block {}, which is not allocated (engine bug)", id);
       continue;
     }
-    ++blocks_[id].refs;
+    State(id)->refs.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
@@ -224,7 +240,7 @@ size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
       spdlog::critical("block pool: Unref of block {}, which is not allocated (engine bug)", id);
       continue;
     }
-    if (--blocks_[id].refs == 0) {
+    if (State(id)->refs.fetch_sub(1, std::memory_order_relaxed) == 1) {
       FreeLocked(id);
       ++freed;
     }
@@ -233,8 +249,8 @@ size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
 }
 
 uint64_t BlockPool::offset(BlockId id) const {
-  kvmem::MutexLock lock(&mu_);
-  return blocks_[id].offset;
+  const IdState* state = State(id);
+  return state == nullptr ? 0 : state->offset.load(std::memory_order_relaxed);
 }
 
 uint32_t BlockPool::block_bytes(BlockId id) const {
@@ -243,8 +259,8 @@ uint32_t BlockPool::block_bytes(BlockId id) const {
 }
 
 uint32_t BlockPool::refs(BlockId id) const {
-  kvmem::MutexLock lock(&mu_);
-  return id < blocks_.size() ? blocks_[id].refs : 0;
+  const IdState* state = State(id);
+  return state == nullptr ? 0 : state->refs.load(std::memory_order_relaxed);
 }
 
 PoolUsage BlockPool::usage() const {

@@ -7,7 +7,9 @@
 // returns to the free list when its last block is freed. The pool never grows.
 //
 // Blocks are reference counted from creation (Fork and prefix sharing map one physical block
-// into several streams). Thread-safe: every method takes the pool's mutex.
+// into several streams). Thread-safe: every method but offset and refs takes the pool's
+// mutex; those two, which the decode path asks per block, read without it.
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -77,6 +79,8 @@ class BlockPool {
   // PoolUsage::bad_unrefs, never wrapped around.
   size_t Unref(absl::Span<const BlockId> ids);
 
+  // Without the pool's mutex. For a block the caller holds a reference to (so that it
+  // cannot be freed meanwhile); a free or unknown id reads 0.
   uint64_t offset(BlockId id) const;
   uint32_t refs(BlockId id) const;
   // Pool bytes the block takes (its size class).
@@ -98,7 +102,7 @@ class BlockPool {
  private:
   BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages);
   bool Live(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return id < blocks_.size() && blocks_[id].refs > 0;
+    return id < blocks_.size() && State(id)->refs.load(std::memory_order_relaxed) > 0;
   }
 
   struct Page {
@@ -107,11 +111,23 @@ class BlockPool {
     std::vector<uint32_t> free_slots;  // slot indices, popped from the back
   };
   struct Block {
-    uint64_t offset = 0;
     uint32_t class_bytes = 0;
-    uint32_t refs = 0;  // 0 = id is free
     TenantId tenant = 0;
   };
+  // An id's offset and references, read without the mutex (written under it): in chunks of
+  // kIdsPerChunk that, once made, neither move nor go away, so that a reader never sees one
+  // reallocated under it.
+  struct IdState {
+    std::atomic<uint64_t> offset{0};
+    std::atomic<uint32_t> refs{0};  // 0 = id is free
+  };
+  static constexpr uint32_t kIdsPerChunk = 1 << 14;
+  // The id's state; nullptr past the ids made so far.
+  IdState* State(BlockId id) const {
+    if (id / kIdsPerChunk >= num_chunks_) return nullptr;
+    IdState* chunk = chunks_[id / kIdsPerChunk].load(std::memory_order_acquire);
+    return chunk == nullptr ? nullptr : chunk + id % kIdsPerChunk;
+  }
   struct Tenant {
     std::string name;
     uint64_t quota = 0;  // 0: none
@@ -139,6 +155,10 @@ class BlockPool {
   // Pages with at least one free slot, per size class; lowest page first keeps pages dense.
   std::map<uint32_t, std::set<uint32_t>> partial_ ABSL_GUARDED_BY(mu_);
   std::vector<Block> blocks_ ABSL_GUARDED_BY(mu_);
+  // Room for every id the pool can hand out (one per 64 bytes of pool at most).
+  const size_t num_chunks_;
+  const std::unique_ptr<std::atomic<IdState*>[]> chunks_;
+  std::vector<std::unique_ptr<IdState[]>> owned_chunks_ ABSL_GUARDED_BY(mu_);
   std::vector<Tenant> tenants_ ABSL_GUARDED_BY(mu_) = {Tenant{}};  // [0]: nobody
   std::vector<BlockId> free_ids_ ABSL_GUARDED_BY(mu_);
   uint64_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
