@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The engine and the daemon under ThreadSanitizer: the engine's unit tests, the 60 s
-# epoch-protocol stress test, the in-process daemon's integration tests (gRPC on loopback)
-# and the process tests against a kvmemd built with TSan (signals, drain, shared segments),
-# built into build-tsan/ with -fsanitize=thread. Every process writes its reports under
-# build-tsan/tsan-logs/; any report fails the run. Debian's abseil, spdlog, gRPC
-# and protobuf are not instrumented: server/common/mutex.h shows TSan how our absl::Mutex
-# locks order threads, ignore_noninstrumented_modules skips those libraries' own accesses,
-# and tests/tsan.supp names the few gRPC header functions (message buffers handed between
-# threads inside libgrpc) whose ordering TSan cannot see.
+# The engine and the daemon under ThreadSanitizer: the block pool's and the engine's unit
+# tests, the 60 s epoch-protocol stress test, the in-process daemon's integration tests
+# (gRPC on loopback) and the process tests against a kvmemd built with TSan (signals, drain,
+# shared segments), built into build-tsan/ with -fsanitize=thread. Every process writes its
+# reports under build-tsan/tsan-logs/; any report fails the run. Debian's abseil, spdlog,
+# gRPC and protobuf are not instrumented: server/common/mutex.h shows TSan how our
+# absl::Mutex locks order threads, ignore_noninstrumented_modules skips those libraries' own
+# accesses, and tests/tsan.supp names the few gRPC header functions (message buffers handed
+# between threads inside libgrpc) whose ordering TSan cannot see.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSANITIZE=thread >/dev/null
-cmake --build build-tsan -j "${KVMEM_JOBS:-2}" --target engine_test engine_stress_test daemon_test \
-  kvmemd_process_test
+cmake --build build-tsan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
+  engine_stress_test daemon_test kvmemd_process_test
 logs=$PWD/build-tsan/tsan-logs
 rm -rf "$logs" && mkdir -p "$logs"
 # Shown however the run ends (halt_on_error stops a test at its first report).
@@ -25,10 +25,11 @@ show_reports() {
 }
 trap 'show_reports || exit 1' EXIT
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp halt_on_error=1 ignore_noninstrumented_modules=1 log_path=$logs/report"
+build-tsan/tests/block_pool_test --gtest_brief=1 | tail -1
 build-tsan/tests/engine_test --gtest_brief=1 | tail -1
 build-tsan/tests/engine_stress_test --gtest_brief=1 | grep -E "^stress|PASSED|FAILED"
 build-tsan/tests/daemon_test --gtest_brief=1 | tail -1
 build-tsan/tests/kvmemd_process_test --gtest_brief=1 | tail -1
 show_reports
 trap - EXIT
-echo "tsan: engine_test, engine_stress_test, daemon_test and kvmemd_process_test clean"
+echo "tsan: block_pool_test, engine_test, engine_stress_test, daemon_test and kvmemd_process_test clean"
