@@ -24,27 +24,53 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
 
 void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
   const bool host_scores = scores_.size() > 0;  // empty: in the SlotState
-  // Slots before the first kept one leave from the front, where nothing moves (a window's
-  // eviction); after it, slots before the first later eviction stay where they are and the
-  // rest move up run by run (one memmove per vector and run).
-  const size_t drop = keep.empty() ? size() : keep[0];
+  if (keep.empty()) {
+    ForEachColumn(host_scores, history_rows, [](auto& column, size_t) { column.Clear(); });
+    return;
+  }
+  // The kept slots close up toward whichever end moves fewer of them (one memmove per
+  // vector and run): toward the front, the run the first kept slot starts stays and
+  // everything after it moves down; toward the back, the run the last kept slot ends stays
+  // and everything before it moves up, and the vacated front is dropped without moving
+  // (dead front). A window's head eviction moves nothing either way; one slot out of the
+  // middle (confkv's steady state) moves a quarter of the stream on average, not half.
+  const size_t k = keep.size();
+  size_t head = 1;  // kept slots in the run keep[0] starts
+  while (head < k && keep[head] == keep[head - 1] + 1) ++head;
+  size_t tail = 1;  // kept slots in the run keep[k - 1] ends
+  while (tail < k && keep[k - 1 - tail] + 1 == keep[k - tail]) ++tail;
+  if (k - head <= k - tail) {
+    const size_t drop = keep[0];
+    ForEachColumn(host_scores, history_rows,
+                  [&](auto& column, size_t width) { column.DropFront(drop * width); });
+    for (size_t j = head; j < k;) {
+      size_t end = j + 1;
+      while (end < k && keep[end] == keep[end - 1] + 1) ++end;
+      const size_t from = keep[j] - drop, n = end - j;
+      ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
+        column.MoveDown(from * width, j * width, n * width);
+      });
+      j = end;
+    }
+    ForEachColumn(host_scores, history_rows,
+                  [&](auto& column, size_t width) { column.Truncate(k * width); });
+    return;
+  }
+  // Toward the back: keep[j] goes to last - (k - 1 - j), runs from the back.
+  const size_t last = keep[k - 1];
   ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.DropFront(drop * width); });
-  // Strictly ascending: the kept slots are one run exactly when the last is where the run
-  // ends (a window's keep-set), and nothing else moves.
-  size_t j = keep.empty() || keep.back() - drop == keep.size() - 1 ? keep.size() : 0;
-  while (j < keep.size() && keep[j] - drop == j) ++j;
-  while (j < keep.size()) {
-    size_t end = j + 1;
-    while (end < keep.size() && keep[end] == keep[end - 1] + 1) ++end;
-    const size_t from = keep[j] - drop, n = end - j;
+                [&](auto& column, size_t width) { column.Truncate((last + 1) * width); });
+  for (size_t end = k - tail; end > 0;) {
+    size_t j = end - 1;
+    while (j > 0 && keep[j - 1] + 1 == keep[j]) --j;
+    const size_t from = keep[j], to = last + 1 - (k - j), n = end - j;
     ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
-      column.MoveDown(from * width, j * width, n * width);
+      column.MoveUp(from * width, to * width, n * width);
     });
-    j = end;
+    end = j;
   }
   ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.Truncate(keep.size() * width); });
+                [&](auto& column, size_t width) { column.DropFront((last + 1 - k) * width); });
 }
 
 void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {

@@ -92,6 +92,10 @@ class SlotColumn {
   void MoveDown(size_t from, size_t to, size_t n) {
     std::copy(data() + from, data() + from + n, data() + to);
   }
+  // The same with to >= from.
+  void MoveUp(size_t from, size_t to, size_t n) {
+    std::copy_backward(data() + from, data() + from + n, data() + to + n);
+  }
   void Clear() {
     v_.clear();
     front_ = 0;
@@ -142,9 +146,9 @@ class Stream {
   void AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
                    uint32_t history_rows, absl::Span<const float> token_entropy,
                    absl::Span<const float> layer_distance, int64_t arrival);
-  // Keeps only the slots listed (ascending) in every per-slot vector: the slots before the
-  // first kept one leave from the front without moving the rest. Never allocates (it only
-  // shrinks), so it cannot throw.
+  // Keeps only the slots listed (ascending) in every per-slot vector, closing them up
+  // toward the end that moves fewer; slots that leave from the front go without moving the
+  // rest. Never allocates (it only shrinks), so it cannot throw.
   void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
   // Exchanges entries [from, end) of the block list with `other` (a commit installing a
   // planned list, or with `from` > 0 a planned tail: an append plans only its stream's
