@@ -35,17 +35,40 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   // (dead front). A window's head eviction moves nothing either way; one slot out of the
   // middle (confkv's steady state) moves a quarter of the stream on average, not half.
   const size_t k = keep.size();
-  size_t head = 1;  // kept slots in the run keep[0] starts
-  while (head < k && keep[head] == keep[head - 1] + 1) ++head;
-  size_t tail = 1;  // kept slots in the run keep[k - 1] ends
-  while (tail < k && keep[k - 1 - tail] + 1 == keep[k - tail]) ++tail;
+  // Strictly ascending: keep[j] - keep[i] >= j - i, with equality exactly while [i, j] is
+  // one run, so a run's ends are binary searches, not walks over its slots.
+  const auto run_end = [&keep, k](size_t i) {  // one past the run keep[i] starts
+    size_t lo = i + 1, hi = k;
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (keep[mid] - keep[i] == mid - i) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    return lo;
+  };
+  const auto run_begin = [&keep](size_t e) {  // the first of the run keep[e] ends
+    size_t lo = 0, hi = e;
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (keep[e] - keep[mid] == e - mid) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
+  };
+  const size_t head = run_end(0);            // kept slots in the run keep[0] starts
+  const size_t tail = k - run_begin(k - 1);  // kept slots in the run keep[k - 1] ends
   if (k - head <= k - tail) {
     const size_t drop = keep[0];
     ForEachColumn(host_scores, history_rows,
                   [&](auto& column, size_t width) { column.DropFront(drop * width); });
     for (size_t j = head; j < k;) {
-      size_t end = j + 1;
-      while (end < k && keep[end] == keep[end - 1] + 1) ++end;
+      const size_t end = run_end(j);
       const size_t from = keep[j] - drop, n = end - j;
       ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
         column.MoveDown(from * width, j * width, n * width);
@@ -61,8 +84,7 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   ForEachColumn(host_scores, history_rows,
                 [&](auto& column, size_t width) { column.Truncate((last + 1) * width); });
   for (size_t end = k - tail; end > 0;) {
-    size_t j = end - 1;
-    while (j > 0 && keep[j - 1] + 1 == keep[j]) --j;
+    const size_t j = run_begin(end - 1);
     const size_t from = keep[j], to = last + 1 - (k - j), n = end - j;
     ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
       column.MoveUp(from * width, to * width, n * width);
