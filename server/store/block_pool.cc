@@ -1,5 +1,7 @@
 #include "server/store/block_pool.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 
@@ -51,6 +53,16 @@ BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_p
 }
 
 absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use use) {
+  // Room for a new id first, before any page changes: if making it throws (host memory),
+  // nothing changed.
+  if (free_ids_.empty()) {
+    const size_t next = blocks_.size();
+    if (State(static_cast<BlockId>(next)) == nullptr) {
+      owned_chunks_.push_back(std::make_unique<IdState[]>(kIdsPerChunk));
+      chunks_[next / kIdsPerChunk].store(owned_chunks_.back().get(), std::memory_order_release);
+    }
+    if (blocks_.size() == blocks_.capacity()) blocks_.reserve(2 * blocks_.size() + 64);
+  }
   uint32_t page_index;
   auto partial = partial_.find(class_bytes);
   if (partial != partial_.end() && !partial->second.empty()) {
@@ -82,11 +94,7 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
     free_ids_.pop_back();
   } else {
     id = static_cast<BlockId>(blocks_.size());
-    if (id % kIdsPerChunk == 0) {
-      owned_chunks_.push_back(std::make_unique<IdState[]>(kIdsPerChunk));
-      chunks_[id / kIdsPerChunk].store(owned_chunks_.back().get(), std::memory_order_release);
-    }
-    blocks_.emplace_back();
+    blocks_.emplace_back();  // into the room made above
   }
   blocks_[id] = Block{class_bytes, 0};
   IdState* state = State(id);
@@ -189,6 +197,9 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
                      " bytes (--tenant-quota-bytes)"));
   }
   const size_t first = out->size();
+  if (out->capacity() < first + count) {  // so that no push_back below throws with blocks taken
+    out->reserve(std::max(first + count, 2 * out->capacity()));
+  }
   for (size_t i = 0; i < count; ++i) {
     absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use);
     if (!id.ok()) {
@@ -240,7 +251,9 @@ size_t BlockPool::Unref(absl::Span<const BlockId> ids) {
       spdlog::critical("block pool: Unref of block {}, which is not allocated (engine bug)", id);
       continue;
     }
-    if (State(id)->refs.fetch_sub(1, std::memory_order_relaxed) == 1) {
+    // acq_rel, with refs()' acquire: a planner that reads 1 (and so writes the block in
+    // place) comes after the other holder's last use of it.
+    if (State(id)->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       FreeLocked(id);
       ++freed;
     }
@@ -260,7 +273,7 @@ uint32_t BlockPool::block_bytes(BlockId id) const {
 
 uint32_t BlockPool::refs(BlockId id) const {
   const IdState* state = State(id);
-  return state == nullptr ? 0 : state->refs.load(std::memory_order_relaxed);
+  return state == nullptr ? 0 : state->refs.load(std::memory_order_acquire);
 }
 
 PoolUsage BlockPool::usage() const {

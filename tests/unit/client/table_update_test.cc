@@ -113,8 +113,8 @@ TEST(TableUpdateTest, ADeltaThatDoesNotCheckOutChangesNothing) {
   const Case cases[] = {
       {"another base version", [](Delta& d, BlockTable&) { d.base_version = 9; }, none},
       {"another sequence's table", [](Delta&, BlockTable& t) { t.sequence_id = 8; }, none},
-      {"a stream named twice",
-       [](Delta& d, BlockTable&) { d.streams.push_back(d.streams[0]); }, none},
+      {"a stream named twice", [](Delta& d, BlockTable&) { d.streams.push_back(d.streams[0]); },
+       none},
       {"a stream the table lacks", [](Delta& d, BlockTable&) { d.streams[0].stream = 1; }, none},
       {"a run past the held list", [](Delta& d, BlockTable&) { d.streams[0].kept_from[0] = 3; },
        none},

@@ -148,9 +148,11 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
       entropy.insert(entropy.end(), e.begin(), e.end());
       distance.insert(distance.end(), d.begin(), d.end());
       arrival.insert(arrival.end(), n, step);
-      st.RecordHistory(std::vector<float>(st.size(), static_cast<float>(step)), step % kRows,
-                       kRows);
-      for (size_t j = 0; j < positions.size(); ++j) history[j * kRows + step % kRows] = step;
+      // A value per step and slot (exact in a float), so that a row moved wrongly shows.
+      std::vector<float> row(st.size());
+      for (size_t j = 0; j < row.size(); ++j) row[j] = static_cast<float>(step * 4096 + j);
+      st.RecordHistory(row, step % kRows, kRows);
+      for (size_t j = 0; j < positions.size(); ++j) history[j * kRows + step % kRows] = row[j];
       // Mostly a window's head eviction; often one slot out of anywhere (confkv's steady
       // state: closed up toward either end), sometimes holes, sometimes everything.
       std::vector<uint32_t> keep;
