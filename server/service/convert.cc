@@ -275,6 +275,21 @@ void ToProto(const engine::CompressResult& result, v1::CompressResponse* out) {
   out->set_table_version(result.version);
 }
 
+namespace {
+
+// One block's entry in a message that lists blocks column by column (StreamTable,
+// TableDelta).
+template <typename Message>
+void AddBlock(const engine::TableBlock& b, Message* out) {
+  out->add_block_ids(b.id);
+  out->add_block_offsets(b.offset);
+  out->add_block_precisions(ToProto(b.precision));
+  out->add_block_starts(b.start);
+  out->add_block_counts(b.count);
+}
+
+}  // namespace
+
 void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
   if (update.table) {
     ToProto(*update.table, update.table->layout.block_bytes(), out->mutable_table());
@@ -291,20 +306,16 @@ void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
     given += d.blocks.size();
     positions += d.positions.size();
   }
-  const auto reserve = [](auto* column, size_t n) { column->Reserve(static_cast<int>(n)); };
-  const size_t streams = update.streams.size();
-  reserve(delta->mutable_stream(), streams);
-  reserve(delta->mutable_block_count(), streams);
-  reserve(delta->mutable_run_count(), streams);
-  reserve(delta->mutable_kept_at(), runs);
-  reserve(delta->mutable_kept_from(), runs);
-  reserve(delta->mutable_kept_count(), runs);
-  reserve(delta->mutable_block_ids(), given);
-  reserve(delta->mutable_block_offsets(), given);
-  reserve(delta->mutable_block_precisions(), given);
-  reserve(delta->mutable_block_starts(), given);
-  reserve(delta->mutable_block_counts(), given);
-  reserve(delta->mutable_positions(), positions);
+  const auto reserve = [](size_t n, auto*... columns) {
+    (columns->Reserve(static_cast<int>(n)), ...);
+  };
+  reserve(update.streams.size(), delta->mutable_stream(), delta->mutable_block_count(),
+          delta->mutable_run_count());
+  reserve(runs, delta->mutable_kept_at(), delta->mutable_kept_from(), delta->mutable_kept_count());
+  reserve(given, delta->mutable_block_ids(), delta->mutable_block_offsets(),
+          delta->mutable_block_precisions(), delta->mutable_block_starts(),
+          delta->mutable_block_counts());
+  reserve(positions, delta->mutable_positions());
   for (const engine::StreamDelta& d : update.streams) {
     delta->add_stream(d.stream);
     delta->add_block_count(d.block_count);
@@ -314,13 +325,7 @@ void ToProto(const engine::TableUpdate& update, v1::TableUpdate* out) {
       delta->add_kept_from(run.from);
       delta->add_kept_count(run.count);
     }
-    for (const engine::TableBlock& b : d.blocks) {
-      delta->add_block_ids(b.id);
-      delta->add_block_offsets(b.offset);
-      delta->add_block_precisions(ToProto(b.precision));
-      delta->add_block_starts(b.start);
-      delta->add_block_counts(b.count);
-    }
+    for (const engine::TableBlock& b : d.blocks) AddBlock(b, delta);
     delta->mutable_positions()->Add(d.positions.begin(), d.positions.end());
   }
 }
@@ -341,13 +346,7 @@ void ToProto(const engine::BlockTable& table, uint64_t block_bytes, v1::BlockTab
     v1::StreamTable* s = out->add_streams();
     s->set_layer(st.layer);
     s->set_kv_head(st.kv_head);
-    for (const engine::TableBlock& b : st.blocks) {
-      s->add_block_ids(b.id);
-      s->add_block_offsets(b.offset);
-      s->add_block_precisions(ToProto(b.precision));
-      s->add_block_starts(b.start);
-      s->add_block_counts(b.count);
-    }
+    for (const engine::TableBlock& b : st.blocks) AddBlock(b, s);
     s->mutable_positions()->Add(st.positions.begin(), st.positions.end());
   }
 }
