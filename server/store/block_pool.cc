@@ -57,11 +57,17 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
   // nothing changed.
   if (free_ids_.empty()) {
     const size_t next = blocks_.size();
+    // Every id the pool can hand out is in use: so is every byte of it.
+    if (next >= uint64_t{num_chunks_} * kIdsPerChunk) {
+      return absl::ResourceExhaustedError("no free block id");
+    }
     if (State(static_cast<BlockId>(next)) == nullptr) {
       owned_chunks_.push_back(std::make_unique<IdState[]>(kIdsPerChunk));
       chunks_[next / kIdsPerChunk].store(owned_chunks_.back().get(), std::memory_order_release);
     }
     if (blocks_.size() == blocks_.capacity()) blocks_.reserve(2 * blocks_.size() + 64);
+    // FreeLocked's push_back then never allocates: there are never more free ids than ids.
+    if (free_ids_.capacity() < blocks_.capacity()) free_ids_.reserve(blocks_.capacity());
   }
   uint32_t page_index;
   auto partial = partial_.find(class_bytes);
@@ -71,16 +77,18 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
     if (free_pages_.size() <= (use == Use::kReclaim ? 0 : reserve_pages_)) {
       return absl::ResourceExhaustedError("no free page");
     }
-    page_index = free_pages_.back();
-    free_pages_.pop_back();
-    ++pages_used_;
-    Page& page = pages_[page_index];
-    page.class_bytes = class_bytes;
-    page.used = 0;
+    // What may throw first, while the page is still free (class 0, on the free list).
+    const uint32_t candidate = free_pages_.back();
+    Page& page = pages_[candidate];
     const uint32_t slots = static_cast<uint32_t>(page_bytes_ / class_bytes);
     page.free_slots.resize(slots);
     for (uint32_t s = 0; s < slots; ++s) page.free_slots[s] = slots - 1 - s;
-    partial_[class_bytes].insert(page_index);
+    partial_[class_bytes].insert(candidate);
+    page_index = candidate;
+    free_pages_.pop_back();
+    ++pages_used_;
+    page.class_bytes = class_bytes;
+    page.used = 0;
   }
   Page& page = pages_[page_index];
   const uint32_t slot = page.free_slots.back();

@@ -98,6 +98,27 @@ TEST(BlockPoolTest, RandomChurnKeepsAccountingExact) {
 // block held throughout reads the same offset and its own references, and any other id
 // reads without a crash. Under ThreadSanitizer (scripts/tsan.sh) a reader that could see
 // the id table move, or a chunk before it was published, fails here.
+// A pool full of its smallest blocks has handed out every id it has room for: the next
+// allocation is refused like any other on a full pool (no id past the table), again and
+// again, and frees bring it back.
+TEST(BlockPoolTest, EveryIdInUseIsAFullPool) {
+  auto pool = *BlockPool::Create(1 << 20, 64 << 10);  // 16384 blocks of 64 bytes: one chunk
+  std::vector<BlockId> all;
+  ASSERT_TRUE(pool->AllocateMany(64, 16384, &all).ok());
+  for (int i = 0; i < 3; ++i) {
+    std::vector<BlockId> more;
+    EXPECT_EQ(pool->AllocateMany(64, 1, &more).code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(more.empty());
+  }
+  EXPECT_EQ(pool->usage().blocks_used, 16384u);
+  pool->Unref({all.back()});
+  std::vector<BlockId> again;
+  ASSERT_TRUE(pool->AllocateMany(64, 1, &again).ok());
+  EXPECT_EQ(again[0], all.back());  // the freed id, reused
+  EXPECT_EQ(pool->offset(again[0]) % 64, 0u);
+  EXPECT_EQ(pool->refs(again[0]), 1u);
+}
+
 TEST(BlockPoolTest, HeldBlocksReadWithoutTheLockWhileIdsComeAndGo) {
   constexpr uint32_t kBytes = 64;
   constexpr uint32_t kChurn = 38000;  // ids up to ~38100: chunks 0, 1 and 2 (16384 each)
@@ -130,7 +151,8 @@ TEST(BlockPoolTest, HeldBlocksReadWithoutTheLockWhileIdsComeAndGo) {
   while (reads.load() < 2) std::this_thread::yield();  // the readers run before the churn
   for (int round = 0; round < 3; ++round) {
     std::vector<BlockId> churn;
-    ASSERT_TRUE(pool->AllocateMany(kBytes, kChurn, &churn).ok());
+    // Not ASSERT: the readers must be joined whatever happens.
+    EXPECT_TRUE(pool->AllocateMany(kBytes, kChurn, &churn).ok());
     pool->Ref(held);
     pool->Unref(held);
     pool->Unref(churn);
