@@ -55,6 +55,35 @@ inline bool AscendingBelow(const uint32_t* v, size_t n, uint32_t bound) {
   return any == 0;
 }
 
+// In a strictly ascending v, v[j] - v[i] >= j - i, with equality exactly while v[i..j] is
+// one run of consecutive values: a run's ends are binary searches, not walks over it.
+// One past the last index of the run v[i] starts (i < n).
+inline size_t RunEnd(const uint32_t* v, size_t n, size_t i) {
+  size_t lo = i + 1, hi = n;
+  while (lo < hi) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (size_t{v[mid]} - v[i] == mid - i) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+// The first index of the run v[e] ends.
+inline size_t RunBegin(const uint32_t* v, size_t e) {
+  size_t lo = 0, hi = e;
+  while (lo < hi) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (size_t{v[e]} - v[mid] == e - mid) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
 // out[i] = first + i for i < count.
 inline void FillAscending(uint32_t* out, uint32_t first, uint32_t count) {
   using U4 = uint32_t __attribute__((vector_size(16)));

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/simd_loops.h"
 
 namespace kvmem::engine {
 void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
@@ -35,32 +36,8 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   // (dead front). A window's head eviction moves nothing either way; one slot out of the
   // middle (confkv's steady state) moves a quarter of the stream on average, not half.
   const size_t k = keep.size();
-  // Strictly ascending: keep[j] - keep[i] >= j - i, with equality exactly while [i, j] is
-  // one run, so a run's ends are binary searches, not walks over its slots.
-  const auto run_end = [&keep, k](size_t i) {  // one past the run keep[i] starts
-    size_t lo = i + 1, hi = k;
-    while (lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (keep[mid] - keep[i] == mid - i) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    return lo;
-  };
-  const auto run_begin = [&keep](size_t e) {  // the first of the run keep[e] ends
-    size_t lo = 0, hi = e;
-    while (lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (keep[e] - keep[mid] == e - mid) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    return lo;
-  };
+  const auto run_end = [&keep, k](size_t i) { return RunEnd(keep.data(), k, i); };
+  const auto run_begin = [&keep](size_t e) { return RunBegin(keep.data(), e); };
   const size_t head = run_end(0);            // kept slots in the run keep[0] starts
   const size_t tail = k - run_begin(k - 1);  // kept slots in the run keep[k - 1] ends
   if (k - head <= k - tail) {

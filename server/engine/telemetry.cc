@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "server/common/simd_loops.h"
+
 namespace kvmem::engine {
 namespace {
 
@@ -100,9 +102,9 @@ PolicyTelemetry* Telemetry::For(std::string_view policy) const {
 
 double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep) {
   // A step drops few slots of many: walk the gaps between kept runs, not every slot. In a
-  // strictly ascending keep-set, keep[j] - j (slots skipped before keep[j]) never falls, so
-  // the end of each run of consecutive kept slots is a binary search. The gaps are summed in
-  // ascending slot order, as a walk over every slot would.
+  // strictly ascending keep-set the end of each run of consecutive kept slots is a binary
+  // search (RunEnd). The gaps are summed in ascending slot order, as a walk over every slot
+  // would.
   const auto past = std::lower_bound(keep.begin(), keep.end(), row.size());
   keep = keep.subspan(0, static_cast<size_t>(past - keep.begin()));
   double mass = 0;
@@ -116,17 +118,9 @@ double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep)
       continue;
     }
     // keep[k, end) continue the run that starts at slot `next` (none when keep[k] > next).
-    size_t lo = k, hi = keep.size();
-    while (lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (keep[mid] - next == mid - k) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    next += lo - k;
-    k = lo;
+    const size_t end = keep[k] == next ? RunEnd(keep.data(), keep.size(), k) : k;
+    next += end - k;
+    k = end;
     if (k == keep.size()) break;
     for (; next < keep[k]; ++next) mass += row[next];
   }
