@@ -135,3 +135,14 @@ if have("BM_Decode/window_batch1_channel_notable"):
     print(f"| window, 1 entry, no table | | "
           f"{us('BM_Decode/window_batch1_channel_notable'):.0f} "
           f"({cpu('BM_Decode/window_batch1_channel_notable'):.0f}) | | | |")
+
+# The daemon's share of a decode step at 8k context (the eval speed study's target of
+# 0.5 ms, without the model): one sequence through the step channel, 256 steps.
+long_rows = [(p, f"BM_Decode/{p}_8k_channel") for p in ("full", "window", "confkv")]
+if any(have(k) for _, k in long_rows):
+    print()
+    print("| 8k context, 1 sequence, step channel | wall µs per step | process CPU µs per step |")
+    print("|---|---|---|")
+    for policy, k in long_rows:
+        if have(k):
+            print(f"| {policy} | {us(k):.0f} | {cpu(k):.0f} |")

@@ -5,7 +5,9 @@
 //   token each, append folded in) under `window` and `confkv` at their steady state (every
 //   step evicts one token per stream), block tables kept current from the daemon's deltas;
 //   the 64-sequence batch against kvmemd with parallel batches off and on;
-// - the single-sequence Step round trip over TCP and over a unix socket.
+// - the single-sequence Step round trip over TCP and over a unix socket;
+// - one sequence's decode step at 8k context under `full`, `window` and `confkv` through the
+//   step channel (the eval speed study's daemon share, without the model).
 // Each kvmemd call has a raw twin (BM_Raw*) whose request and response serialize to the
 // bytes the kvmemd call sent and received, as a client interceptor measured them.
 // bench/grpc_path.py runs this once and prints the ratios.
@@ -16,6 +18,7 @@
 #include <benchmark/benchmark.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <map>
@@ -268,18 +271,13 @@ const kvmem::client::Layout kSmolLm2{30, 3, 64, kvmem::client::DType::kF16, 16, 
 constexpr uint32_t kStreams = 30 * 3;
 constexpr int64_t kContextTokens = 320;  // before the first step; both policies keep 256
 constexpr int kWarmupSteps = 3;          // the first evicts 64 per stream, then 1 per step
+// The long-context rows: the eval speed study's 8k prompt and policies (window 512, confkv's
+// defaults), one sequence, a fixed number of steps (`full` grows by one token per step).
+constexpr int64_t kLongContextTokens = 8000;
+constexpr int64_t kLongContextSteps = 256;
+constexpr int64_t kPrefillChunk = 500;  // tokens per prefill Append (11 MiB at this shape)
 
-enum class PolicyKind { kWindow, kConfKv };
-
-kvmem::client::PolicySpec SpecOf(PolicyKind policy) {
-  switch (policy) {
-    case PolicyKind::kWindow:
-      return {"window", {{"window", 256}}};
-    case PolicyKind::kConfKv:
-      return {"confkv", {{"c_high", 256}, {"c_low", 512}}};
-  }
-  return {};
-}
+enum class PolicyKind { kWindow, kConfKv, kFull };
 
 // How each step reaches the daemon: one StepBatch for all sequences (the new token folded
 // in), or, for one sequence, an Append and then a Step (only the Step is timed).
@@ -293,10 +291,24 @@ struct Scenario {
   // the step's answer carries no table (a worker that reads no table, or the step's own
   // cost without the delta); the untimed Append of kAppendThenStep still fetches it.
   bool tables = true;
+  int64_t context = kContextTokens;  // tokens before the first step
 
+  bool long_context() const { return context != kContextTokens; }
   std::string Key() const {
     return absl::StrCat(static_cast<int>(policy), "/", sequences, "/", static_cast<int>(calls), "/",
-                        tables);
+                        tables, "/", context);
+  }
+  kvmem::client::PolicySpec Spec() const {
+    switch (policy) {
+      case PolicyKind::kWindow:
+        return {"window", {{"window", long_context() ? 512 : 256}}};
+      case PolicyKind::kConfKv:
+        if (long_context()) return {"confkv", {}};
+        return {"confkv", {{"c_high", 256}, {"c_low", 512}}};
+      case PolicyKind::kFull:
+        return {"full", {}};
+    }
+    return {};
   }
 };
 
@@ -352,7 +364,7 @@ class DecodingSequences {
  private:
   struct Decoding {
     BlockTable table;
-    int64_t next_position = kContextTokens;
+    int64_t next_position = 0;
     int64_t position = 0;  // the token being appended (its AppendArgs::positions points here)
   };
 
@@ -363,16 +375,22 @@ class DecodingSequences {
 
   absl::Status Prefill() {
     sequences_.resize(scenario_.sequences);  // never resized again: entries_ point into it
-    std::vector<int64_t> positions(kContextTokens);
-    for (int64_t i = 0; i < kContextTokens; ++i) positions[i] = i;
-    const std::string prompt(kContextTokens * kv_.size(), '\x22');
+    const int64_t chunk = std::min(scenario_.context, kPrefillChunk);
+    std::vector<int64_t> positions(chunk);
+    const std::string prompt(chunk * kv_.size(), '\x22');
     for (Decoding& s : sequences_) {
-      auto created = client_.CreateSequence(kSmolLm2, SpecOf(scenario_.policy), absl::Hours(1));
+      auto created = client_.CreateSequence(kSmolLm2, scenario_.Spec(), absl::Hours(1));
       if (!created.ok()) return created.status();
       s.table.sequence_id = created->id;
-      auto appended =
-          client_.Append(created->id, {positions, {}, prompt, prompt, {}, {}}, &s.table);
-      if (!appended.ok()) return appended.status();
+      for (int64_t at = 0; at < scenario_.context; at += chunk) {
+        const int64_t n = std::min(chunk, scenario_.context - at);
+        for (int64_t i = 0; i < n; ++i) positions[i] = at + i;
+        const std::string_view kv(prompt.data(), n * kv_.size());
+        auto appended = client_.Append(
+            created->id, {absl::MakeConstSpan(positions.data(), n), {}, kv, kv, {}, {}}, &s.table);
+        if (!appended.ok()) return appended.status();
+      }
+      s.next_position = scenario_.context;
       BatchEntry entry;
       entry.sequence_id = created->id;
       entry.append =
@@ -553,6 +571,22 @@ BENCHMARK_CAPTURE(BM_Decode, window_batch64_channel, Scenario{kWindow, 64, kBatc
 BENCHMARK_CAPTURE(BM_Decode, window_batch1_channel_notable, Scenario{kWindow, 1, kBatch, false},
                   Daemon::kUnixChannel)
     ->Apply(Timed);
+
+// The daemon's share of a decode step at 8k context (the eval speed study's target), through
+// the step channel as the reference worker steps.
+void LongTimed(benchmark::internal::Benchmark* b) {
+  b->UseRealTime()->MeasureProcessCPUTime()->Iterations(kLongContextSteps);
+}
+BENCHMARK_CAPTURE(BM_Decode, full_8k_channel,
+                  Scenario{PolicyKind::kFull, 1, kBatch, true, kLongContextTokens},
+                  Daemon::kUnixChannel)
+    ->Apply(LongTimed);
+BENCHMARK_CAPTURE(BM_Decode, window_8k_channel,
+                  Scenario{kWindow, 1, kBatch, true, kLongContextTokens}, Daemon::kUnixChannel)
+    ->Apply(LongTimed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_8k_channel,
+                  Scenario{kConfKv, 1, kBatch, true, kLongContextTokens}, Daemon::kUnixChannel)
+    ->Apply(LongTimed);
 
 // Target 2: the single-sequence Step round trip over TCP and a unix socket, with and without
 // the table's delta.

@@ -202,19 +202,23 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   if (absl::Status s = Unusable(seq); !s.ok()) return s;
   const uint64_t total = positions_.size();
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
-  const float initial_score = seq.policy().descriptor().initial_score;
+  // A SlotState always scores (a policy with a kernel step keeps scores: policy.h).
+  const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t history_rows = seq.policy().history_rows();
-  // Per slot: position, arrival (8 each), score and its staging, entropy, distance (4 each),
-  // the history rows (4 each); vectors may double, so twice that is what may be taken.
-  const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{history_rows};
-  absl::StatusOr<HostReservation> host =
-      engine_->ReserveHost(2 * total * seq.streams().size() * slot_bytes, "Append");
+  // What the room below takes, exactly: a per-slot vector that must grow doubles, so one
+  // token can take as much as the stream already holds.
+  uint64_t growth = seq.TokenGrowth(total);
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    growth += seq.streams()[s].ReserveGrowth(total, seq.host_scores(), history_rows,
+                                             tail_from_[s] + new_blocks_[s].size());
+  }
+  absl::StatusOr<HostReservation> host = engine_->ReserveHost(growth, "Append");
   if (!host.ok()) return host.status();
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    seq.stream(s).Reserve(total, !seq.slots(), history_rows);
+    seq.stream(s).Reserve(total, seq.host_scores(), history_rows);
     seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
   }
   seq.ReserveTokens(total);
@@ -242,8 +246,8 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
     Stream& st = seq.stream(s);
     st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
     swapped = s + 1;
-    st.AppendSlots(positions_, seq.slots() ? std::nullopt : std::optional<float>(initial_score),
-                   history_rows, token_entropy_, layer_distance_, arrival);
+    st.AppendSlots(positions_, seq.host_initial_score(), history_rows, token_entropy_,
+                   layer_distance_, arrival);
   }
   seq.RecordAppend(token_ids_, last_position_, total);
   seq.mutable_prefix().compressed_document = false;

@@ -30,8 +30,12 @@ std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
     state.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
     state.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
     state.positions = st.positions();
-    state.scores = st.scores();
-    state.next_scores = st.StageScores();
+    // Empty when the policy keeps no scores; a Compress of a sequence whose scores live in a
+    // SlotState has brought them over first.
+    if (seq.policy().descriptor().initial_score) {
+      state.scores = st.scores();
+      state.next_scores = st.StageScores();
+    }
     state.history = st.history();
     state.token_entropy = st.token_entropy();
     state.layer_distance = st.layer_distance();
@@ -44,9 +48,11 @@ Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decisi
                                              const std::vector<absl::Span<const float>>* rows) {
   return [this, &seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     const uint32_t R = seq.policy().history_rows();
+    // Only what StagedStreamStates staged (a policy that keeps no scores was handed none).
+    const bool scores = decision.scores_written && seq.policy().descriptor().initial_score;
     for (size_t s = 0; s < seq.streams().size(); ++s) {
       Stream& st = seq.stream(s);
-      if (decision.scores_written) st.CommitScores();
+      if (scores) st.CommitScores();
       if (R > 0 && rows != nullptr) {
         // This step's row goes where the row of step - R was (policy.h).
         st.RecordHistory((*rows)[s], seq.steps() % R, R);

@@ -184,7 +184,7 @@ absl::Status Engine::MapPrefix(Sequence& seq,
                                absl::Span<const int32_t> token_ids, uint64_t version) {
   const uint32_t B = seq.layout().block_tokens;
   const size_t n = mapped.size() * B;
-  const float initial = seq.policy().descriptor().initial_score;
+  const float initial = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t R = seq.policy().history_rows();
   std::vector<int64_t> positions(n);
   std::iota(positions.begin(), positions.end(), int64_t{0});
@@ -192,7 +192,7 @@ absl::Status Engine::MapPrefix(Sequence& seq,
   // Everything that can fail or allocate first; then the install, which cannot.
   std::vector<std::vector<StreamBlock>> lists(seq.num_streams());
   for (size_t s = 0; s < lists.size(); ++s) {
-    seq.stream(s).Reserve(n, !seq.slots(), R);
+    seq.stream(s).Reserve(n, seq.host_scores(), R);
     lists[s].resize(mapped.size());
     for (size_t i = 0; i < mapped.size(); ++i) {
       lists[s][i] = StreamBlock{mapped[i][s], 0, B, Precision::kLayout};
@@ -205,8 +205,7 @@ absl::Status Engine::MapPrefix(Sequence& seq,
   for (size_t s = 0; s < lists.size(); ++s) {
     Stream& st = seq.stream(s);
     st.SwapBlocks(lists[s], version);
-    st.AppendSlots(positions, seq.slots() ? std::nullopt : std::optional<float>(initial), R, unsent,
-                   unsent, 0);
+    st.AppendSlots(positions, seq.host_initial_score(), R, unsent, unsent, 0);
   }
   seq.RecordAppend(token_ids.first(n), static_cast<int64_t>(n) - 1, n);
   return absl::OkStatus();

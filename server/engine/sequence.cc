@@ -11,6 +11,18 @@ void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
                 [&](auto& column, size_t width) { column.Reserve(more * width); });
 }
 
+uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows,
+                               size_t blocks) const {
+  uint64_t bytes = 0;
+  ForEachColumn(host_scores, history_rows, [&](const auto& column, size_t width) {
+    bytes += column.GrowthBytes(more * width);
+  });
+  if (blocks_.capacity() < blocks) {
+    bytes += (std::max(blocks, 2 * blocks_.capacity()) - blocks_.capacity()) * sizeof(StreamBlock);
+  }
+  return bytes;
+}
+
 void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
                          uint32_t history_rows, absl::Span<const float> token_entropy,
                          absl::Span<const float> layer_distance, int64_t arrival) {
@@ -185,6 +197,12 @@ void Sequence::ReserveTokens(size_t more) {
   }
 }
 
+uint64_t Sequence::TokenGrowth(size_t more) const {
+  if (token_ids_.capacity() >= token_ids_.size() + more) return 0;
+  return (std::max(token_ids_.size() + more, 2 * token_ids_.capacity()) - token_ids_.capacity()) *
+         sizeof(int32_t);
+}
+
 void Sequence::RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position,
                             uint64_t tokens) {
   token_ids_.insert(token_ids_.end(), token_ids.begin(), token_ids.end());
@@ -274,7 +292,9 @@ absl::Status Sequence::CheckInvariants() const {
         st.arrival_step().size() != n) {
       return broken("per-slot signals disagree with the positions");
     }
-    if (st.scores().size() != (slots_ ? 0 : n)) return broken("scores disagree with the positions");
+    if (st.scores().size() != (host_scores() ? n : 0)) {
+      return broken("scores disagree with the positions");
+    }
     if (st.history().size() != n * history_rows) return broken("history disagrees");
     if (slots_ && slots_->length(static_cast<uint32_t>(s)) != n) {
       return broken("the slot state's length disagrees");

@@ -60,17 +60,21 @@ class SlotColumn {
   // throw (then nothing changed).
   void Reserve(size_t more) {
     if (v_.size() + more <= v_.capacity()) return;
-    const size_t live = size();
-    if (front_ >= live && live + more <= v_.capacity()) {
+    if (ClosesUp(more)) {
       v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(front_));
       front_ = 0;
       return;
     }
     std::vector<T> grown;
-    grown.reserve(2 * (live + more));
+    grown.reserve(GrownCapacity(more));
     grown.assign(v_.begin() + static_cast<ptrdiff_t>(front_), v_.end());
     v_.swap(grown);
     front_ = 0;
+  }
+  // Bytes by which Reserve(more) would raise capacity() * sizeof(T).
+  size_t GrowthBytes(size_t more) const {
+    if (v_.size() + more <= v_.capacity() || ClosesUp(more)) return 0;
+    return (GrownCapacity(more) - v_.capacity()) * sizeof(T);
   }
   // Into room Reserve made (then they cannot throw); without it they make the room first.
   void Append(absl::Span<const T> values) {
@@ -118,6 +122,11 @@ class SlotColumn {
   }
 
  private:
+  // Reserve's two ways to make room: close up over a dead front at least as long as the
+  // live values (no allocation), or move into a buffer of twice what is then needed.
+  bool ClosesUp(size_t more) const { return front_ >= size() && size() + more <= v_.capacity(); }
+  size_t GrownCapacity(size_t more) const { return 2 * (size() + more); }
+
   std::vector<T> v_;
   size_t front_ = 0;  // v_[0, front_) is dead
 };
@@ -163,6 +172,8 @@ class Stream {
   void ReserveBlocks(size_t n) {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }
+  // Bytes by which Reserve(more, ...) and ReserveBlocks(blocks) would raise host_bytes().
+  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t blocks) const;
   // Live slots in layout blocks, live slots in quantized blocks, quantized blocks: what
   // KV bytes are made of (BlockFormat::KvBytes), kept by SwapBlocks.
   uint64_t layout_slots() const { return layout_slots_; }
@@ -208,12 +219,20 @@ class Stream {
   // here): what Reserve and KeepSlots do to one, they do to all.
   template <typename F>
   void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) {
-    f(positions_, size_t{1});
-    if (host_scores) f(scores_, size_t{1});
-    f(history_, size_t{history_rows});
-    f(token_entropy_, size_t{1});
-    f(layer_distance_, size_t{1});
-    f(arrival_step_, size_t{1});
+    ForEachColumnOf(*this, host_scores, history_rows, f);
+  }
+  template <typename F>
+  void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) const {
+    ForEachColumnOf(*this, host_scores, history_rows, f);
+  }
+  template <typename Self, typename F>
+  static void ForEachColumnOf(Self& st, bool host_scores, uint32_t history_rows, F& f) {
+    f(st.positions_, size_t{1});
+    if (host_scores) f(st.scores_, size_t{1});
+    f(st.history_, size_t{history_rows});
+    f(st.token_entropy_, size_t{1});
+    f(st.layer_distance_, size_t{1});
+    f(st.arrival_step_, size_t{1});
   }
 
   std::vector<StreamBlock> blocks_;
@@ -308,6 +327,15 @@ class Sequence {
   void set_slots(std::unique_ptr<store::SlotState> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     slots_ = std::move(slots);
   }
+  // The streams keep a score per slot between calls: the policy keeps one
+  // (PolicyDescriptor::initial_score) and no SlotState holds it.
+  bool host_scores() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return host_initial_score().has_value();
+  }
+  // The score of a newly appended slot in the streams; none when they keep no scores.
+  std::optional<float> host_initial_score() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return slots_ ? std::nullopt : policy_->descriptor().initial_score;
+  }
 
   bool released() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return released_; }
   // Set when a mutation failed past its point of no return: the blocks may no longer hold
@@ -359,6 +387,8 @@ class Sequence {
   uint64_t appended() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return appended_; }
   // Room for `more` token ids, so that RecordAppend does not allocate. May throw.
   void ReserveTokens(size_t more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Bytes by which ReserveTokens(more) would raise host_bytes().
+  uint64_t TokenGrowth(size_t more) const ABSL_SHARED_LOCKS_REQUIRED(mu);
   // An append's commit: its token ids and last position (into reserved room).
   void RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position, uint64_t tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

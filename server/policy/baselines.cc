@@ -152,7 +152,7 @@ const PolicyDescriptor& StreamingLlmDescriptor() {
       0,
       0,
       0,
-      0.0f,
+      std::nullopt,
       &CheckSinks};
   return *d;
 }

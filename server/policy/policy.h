@@ -38,8 +38,11 @@ struct PolicyDescriptor {
   SignalSet step_signals = 0;      // required on every Step
   SignalSet compress_signals = 0;  // required on every Compress
   SignalSet append_signals = 0;    // per-token signals required on every Append
-  // Score state of a newly appended slot (NaN = "not scored yet").
-  float initial_score = 0.0f;
+  // Score state of a newly appended slot (NaN = "not scored yet"); none = the policy keeps
+  // no per-slot score (StreamState::scores and next_scores are then empty, and the engine
+  // neither keeps nor stages one: 8 bytes per slot and stream saved). A policy with a kernel
+  // step keeps one.
+  std::optional<float> initial_score;
   // Cross-parameter check run once the parameters are resolved (may be null).
   absl::Status (*check)(const ResolvedParams& params) = nullptr;
 };

@@ -287,6 +287,35 @@ TEST_F(ContractTest, HostMetadataIsBoundedAndAccounted) {
   EXPECT_EQ(small->Stats(false).host_metadata_bytes, 0u);
 }
 
+TEST_F(ContractTest, AppendsNeverTakeHostMemoryPastTheBudget) {
+  // A per-slot vector that must grow doubles: one token can take as much as the stream
+  // holds. Before the fix an Append reserved twice its own tokens' bytes, so the append that
+  // doubled the vectors near the budget passed it (by up to 1.6x).
+  for (const char* policy : {"full", "h2o"}) {
+    for (uint64_t budget = 40 << 10; budget <= (112u << 10); budget += 6 << 10) {
+      EngineConfig config;
+      config.pool_bytes = 1 << 20;
+      config.page_bytes = 1 << 16;
+      config.host_metadata_bytes = budget;
+      FakeClock clock;
+      auto engine = *Engine::Create(config, *store::CpuBackend::Create(1 << 20), &clock);
+      const uint64_t id =
+          engine->CreateSequence(TestLayout(), policy, {}, {}, absl::ZeroDuration())->sequence_id;
+      absl::Status refused;
+      for (int64_t next = 0; next < 4000 && refused.ok(); next += 3) {
+        const std::vector<int64_t> positions = testing::Range(next, 3);
+        const std::string k = testing::Payload16(kL * kH, next, 3, kD, 0);
+        AppendChunk chunk{positions, {}, k, k, {}, {}};
+        refused = engine->Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+        ASSERT_LE(engine->Stats(false).host_metadata_bytes, budget)
+            << policy << ", budget " << budget << ", after token " << next;
+      }
+      EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << policy;
+      ASSERT_TRUE(engine->Release(id).ok());
+    }
+  }
+}
+
 TEST_F(ContractTest, OpenAppendStreamsCountAgainstTheHostBudget) {
   // Two AppendStreams on two sequences each stage ~60 % of what the budget has left. Each
   // alone fits; before the fix both were checked against what the sequences held, not what

@@ -27,6 +27,21 @@ TEST(PolicyRegistryTest, ListsFullAndWindowWithDefaults) {
   EXPECT_EQ(all[1].params[0].default_value, 512);
 }
 
+// A kernel step updates scores where they live (store::SlotState), so a policy with one must
+// keep them; the baselines that read none keep none (no memory, no staging per step).
+TEST(PolicyRegistryTest, KernelStepsKeepScoresAndScorelessBaselinesKeepNone) {
+  for (const PolicyDescriptor& d : AllPolicies()) {
+    auto policy = CreatePolicy(d.name, {});
+    ASSERT_TRUE(policy.ok()) << d.name << ": " << policy.status();
+    if ((*policy)->has_kernel_step()) EXPECT_TRUE(d.initial_score.has_value()) << d.name;
+  }
+  for (const char* name : {"full", "window", "streaming_llm", "snapkv"}) {
+    auto policy = CreatePolicy(name, {});
+    ASSERT_TRUE(policy.ok()) << name;
+    EXPECT_FALSE((*policy)->descriptor().initial_score.has_value()) << name;
+  }
+}
+
 TEST(PolicyRegistryTest, RejectsUnknownPolicyAndParameters) {
   absl::Status s = CreatePolicy("lru", {}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
