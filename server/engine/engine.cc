@@ -298,9 +298,15 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
           for (const auto& blocks : mapped) pool_->Unref(blocks);
         };
         const uint64_t tokens = uint64_t{mapped.size()} * layout.block_tokens;
-        // Per slot: as an Append reserves for it (append.cc), once.
-        const uint64_t slot_bytes = 8 + 8 + 4 * 4 + 4 * uint64_t{seq->policy().history_rows()};
-        absl::Status s = host->Grow(tokens * layout.num_streams() * slot_bytes, "CreateSequence");
+        // What MapPrefix's room takes, exactly (as an Append reserves: append.cc): every
+        // stream's columns, its list of mapped.size() entries, the token ids, the slot state.
+        uint64_t growth = seq->TokenGrowth(tokens);
+        for (const Stream& st : seq->streams()) {
+          growth += st.ReserveGrowth(tokens, seq->host_scores(), seq->policy().history_rows(), 0,
+                                     mapped.size(), mapped.size());
+        }
+        if (seq->slots()) growth += seq->slots()->AppendGrowth(static_cast<uint32_t>(tokens));
+        absl::Status s = host->Grow(growth, "CreateSequence");
         if (!s.ok()) return s;
         state.hashes.assign(hashes.begin(), hashes.begin() + mapped.size());
         state.published_blocks = mapped.size();

@@ -11,15 +11,18 @@ void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
                 [&](auto& column, size_t width) { column.Reserve(more * width); });
 }
 
-uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows,
-                               size_t blocks) const {
+uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t from,
+                               size_t tail_size, size_t tail_capacity) const {
   uint64_t bytes = 0;
   ForEachColumn(host_scores, history_rows, [&](const auto& column, size_t width) {
     bytes += column.GrowthBytes(more * width);
   });
-  if (blocks_.capacity() < blocks) {
-    bytes += (std::max(blocks, 2 * blocks_.capacity()) - blocks_.capacity()) * sizeof(StreamBlock);
-  }
+  // From 0 the list is swapped whole (SwapBlocks): the stream keeps `tail`'s buffer.
+  const size_t now = blocks_.capacity();
+  const size_t after = from == 0                 ? tail_capacity
+                       : now >= from + tail_size ? now
+                                                 : std::max(from + tail_size, 2 * now);
+  if (after > now) bytes += (after - now) * sizeof(StreamBlock);
   return bytes;
 }
 

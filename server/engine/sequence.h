@@ -172,8 +172,11 @@ class Stream {
   void ReserveBlocks(size_t n) {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }
-  // Bytes by which Reserve(more, ...) and ReserveBlocks(blocks) would raise host_bytes().
-  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t blocks) const;
+  // Bytes by which Reserve(more, ...) and then SwapBlocks(tail, _, from) of a tail of
+  // `tail_size` entries in a vector of `tail_capacity` (with ReserveBlocks(from + tail_size)
+  // before it when from > 0) would raise host_bytes().
+  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t from,
+                         size_t tail_size, size_t tail_capacity) const;
   // Live slots in layout blocks, live slots in quantized blocks, quantized blocks: what
   // KV bytes are made of (BlockFormat::KvBytes), kept by SwapBlocks.
   uint64_t layout_slots() const { return layout_slots_; }

@@ -180,7 +180,10 @@ class CudaSlotState final : public BookedSlotState {
     (void)cudaFree(device_);
   }
 
-  uint64_t bytes() const override { return regions_.bytes; }
+  uint64_t BytesAt(uint32_t capacity) const override {
+    return capacity == book_.capacity() ? regions_.bytes
+                                        : Regions::For(book_.num_streams(), capacity).bytes;
+  }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
     if (absl::Status s = Bind(); !s.ok()) return s;

@@ -142,8 +142,8 @@ class HostSlotState final : public BookedSlotState {
  public:
   explicit HostSlotState(uint32_t num_streams) : BookedSlotState(num_streams) {}
 
-  uint64_t bytes() const override {
-    return book_.total_slots() * (2 * sizeof(float) + sizeof(int64_t) + 1);
+  uint64_t BytesAt(uint32_t capacity) const override {
+    return uint64_t{capacity} * book_.num_streams() * (2 * sizeof(float) + sizeof(int64_t) + 1);
   }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {

@@ -39,6 +39,8 @@ class SlotState {
   virtual uint32_t length(uint32_t stream) const = 0;
   // Bytes this state holds where it lives (device memory for the CUDA backend).
   virtual uint64_t bytes() const = 0;
+  // Bytes by which Append of `count` slots would raise bytes() (0 if it would fail).
+  virtual uint64_t AppendGrowth(uint32_t count) const = 0;
 
   // Appends the same `positions` to every stream, each new slot scored `initial_score`.
   [[nodiscard]] virtual absl::Status Append(absl::Span<const int64_t> positions,
@@ -123,6 +125,12 @@ class BookedSlotState : public SlotState {
  public:
   explicit BookedSlotState(uint32_t num_streams) : book_(num_streams) {}
   uint32_t num_streams() const override { return book_.num_streams(); }
+  uint64_t bytes() const final { return BytesAt(book_.capacity()); }
+  uint64_t AppendGrowth(uint32_t count) const final {
+    absl::StatusOr<uint32_t> capacity = book_.CapacityFor(count);
+    if (!capacity.ok() || *capacity <= book_.capacity()) return 0;
+    return BytesAt(*capacity) - bytes();
+  }
   uint32_t length(uint32_t stream) const override { return book_.length(stream); }
   void DropNewest(uint32_t count) override {
     book_.Shrink(count);
@@ -146,6 +154,9 @@ class BookedSlotState : public SlotState {
   }
 
  protected:
+  // Bytes the state holds at `capacity` slots per stream.
+  virtual uint64_t BytesAt(uint32_t capacity) const = 0;
+
   // Compacts every stream's metadata by the keep flags (the last Step's, or Keep's).
   virtual absl::Status Compact() = 0;
   // Moves every stream's live slots to arrays of the given capacity.

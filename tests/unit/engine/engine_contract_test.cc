@@ -289,28 +289,41 @@ TEST_F(ContractTest, HostMetadataIsBoundedAndAccounted) {
 
 TEST_F(ContractTest, AppendsNeverTakeHostMemoryPastTheBudget) {
   // A per-slot vector that must grow doubles: one token can take as much as the stream
-  // holds. Before the fix an Append reserved twice its own tokens' bytes, so the append that
-  // doubled the vectors near the budget passed it (by up to 1.6x).
-  for (const char* policy : {"full", "h2o"}) {
-    for (uint64_t budget = 40 << 10; budget <= (112u << 10); budget += 6 << 10) {
+  // holds, and so can the slot state. Before the fix an Append reserved twice its own
+  // tokens' bytes, so the append that doubled the vectors near the budget passed it (by up
+  // to 1.6x); the slot state's doubling was not reserved at all.
+  struct Case {
+    const char* policy;
+    bool device_step;  // h2o and confkv keep their scores in a slot state, else in the streams
+  };
+  for (const Case& c :
+       {Case{"full", true}, Case{"h2o", false}, Case{"h2o", true}, Case{"confkv", true}}) {
+    for (uint64_t budget = 40 << 10; budget <= (160u << 10); budget += 6 << 10) {
       EngineConfig config;
       config.pool_bytes = 1 << 20;
       config.page_bytes = 1 << 16;
       config.host_metadata_bytes = budget;
+      config.device_step = c.device_step;
       FakeClock clock;
       auto engine = *Engine::Create(config, *store::CpuBackend::Create(1 << 20), &clock);
       const uint64_t id =
-          engine->CreateSequence(TestLayout(), policy, {}, {}, absl::ZeroDuration())->sequence_id;
+          engine->CreateSequence(TestLayout(), c.policy, {}, {}, absl::ZeroDuration())->sequence_id;
       absl::Status refused;
-      for (int64_t next = 0; next < 4000 && refused.ok(); next += 3) {
-        const std::vector<int64_t> positions = testing::Range(next, 3);
-        const std::string k = testing::Payload16(kL * kH, next, 3, kD, 0);
+      std::mt19937 rng(static_cast<uint32_t>(budget));
+      for (int64_t next = 0; next < 4000 && refused.ok();) {
+        // Mostly a few tokens; now and then a prompt-sized chunk (a first one of many blocks).
+        const int64_t n = rng() % 8 == 0 ? 17 + rng() % 60 : 1 + rng() % 4;
+        const std::vector<int64_t> positions = testing::Range(next, n);
+        const std::string k = testing::Payload16(kL * kH, next, n, kD, 0);
         AppendChunk chunk{positions, {}, k, k, {}, {}};
         refused = engine->Append(id, absl::MakeConstSpan(&chunk, 1)).status();
-        ASSERT_LE(engine->Stats(false).host_metadata_bytes, budget)
-            << policy << ", budget " << budget << ", after token " << next;
+        const EngineStats stats = engine->Stats(false);
+        ASSERT_LE(stats.host_metadata_bytes + stats.slot_state_bytes, budget)
+            << c.policy << (c.device_step ? " (slot state)" : "") << ", budget " << budget
+            << ", after token " << next;
+        if (refused.ok()) next += n;
       }
-      EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << policy;
+      EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << c.policy;
       ASSERT_TRUE(engine->Release(id).ok());
     }
   }

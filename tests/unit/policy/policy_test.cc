@@ -35,7 +35,16 @@ TEST(PolicyRegistryTest, KernelStepsKeepScoresAndScorelessBaselinesKeepNone) {
     ASSERT_TRUE(policy.ok()) << d.name << ": " << policy.status();
     if ((*policy)->has_kernel_step()) EXPECT_TRUE(d.initial_score.has_value()) << d.name;
   }
-  for (const char* name : {"full", "window", "streaming_llm", "snapkv"}) {
+  // The policies that read StreamState::scores (h2o's accumulators, confkv's EMA) are
+  // handed them only if they declare an initial score: a score-less one would be handed
+  // empty spans.
+  for (const char* name : {"h2o", "confkv", "confkv_l"}) {
+    auto policy = CreatePolicy(name, {});
+    ASSERT_TRUE(policy.ok()) << name;
+    EXPECT_TRUE((*policy)->descriptor().initial_score.has_value()) << name;
+  }
+  for (const char* name : {"full", "window", "streaming_llm", "snapkv", "pyramidkv", "refreekv",
+                           "refreekv_h2o", "infokv", "infokv_adaptive"}) {
     auto policy = CreatePolicy(name, {});
     ASSERT_TRUE(policy.ok()) << name;
     EXPECT_FALSE((*policy)->descriptor().initial_score.has_value()) << name;
