@@ -205,14 +205,12 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // A SlotState always scores (a policy with a kernel step keeps scores: policy.h).
   const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t history_rows = seq.policy().history_rows();
-  // What the room below takes, exactly: a per-slot vector that must grow doubles, so one
-  // token can take as much as the stream already holds; the slot state grows the same way.
-  uint64_t growth = seq.TokenGrowth(total);
+  // What the room below takes, exactly.
+  uint64_t growth = seq.SlotGrowth(total);
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    growth += seq.streams()[s].ReserveGrowth(total, seq.host_scores(), history_rows, tail_from_[s],
-                                             new_blocks_[s].size(), new_blocks_[s].capacity());
+    growth += seq.streams()[s].BlockListGrowth(tail_from_[s], new_blocks_[s].size(),
+                                               new_blocks_[s].capacity());
   }
-  if (seq.slots()) growth += seq.slots()->AppendGrowth(static_cast<uint32_t>(total));
   absl::StatusOr<HostReservation> host = engine_->ReserveHost(growth, "Append");
   if (!host.ok()) return host.status();
   // Room for the new slots in every per-slot vector, before anything changes: the commit

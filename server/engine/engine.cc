@@ -300,12 +300,10 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
         const uint64_t tokens = uint64_t{mapped.size()} * layout.block_tokens;
         // What MapPrefix's room takes, exactly (as an Append reserves: append.cc): every
         // stream's columns, its list of mapped.size() entries, the token ids, the slot state.
-        uint64_t growth = seq->TokenGrowth(tokens);
+        uint64_t growth = seq->SlotGrowth(tokens);
         for (const Stream& st : seq->streams()) {
-          growth += st.ReserveGrowth(tokens, seq->host_scores(), seq->policy().history_rows(), 0,
-                                     mapped.size(), mapped.size());
+          growth += st.BlockListGrowth(0, mapped.size(), mapped.size());
         }
-        if (seq->slots()) growth += seq->slots()->AppendGrowth(static_cast<uint32_t>(tokens));
         absl::Status s = host->Grow(growth, "CreateSequence");
         if (!s.ok()) return s;
         state.hashes.assign(hashes.begin(), hashes.begin() + mapped.size());

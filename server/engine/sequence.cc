@@ -11,19 +11,21 @@ void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
                 [&](auto& column, size_t width) { column.Reserve(more * width); });
 }
 
-uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t from,
-                               size_t tail_size, size_t tail_capacity) const {
+uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows) const {
   uint64_t bytes = 0;
   ForEachColumn(host_scores, history_rows, [&](const auto& column, size_t width) {
     bytes += column.GrowthBytes(more * width);
   });
-  // From 0 the list is swapped whole (SwapBlocks): the stream keeps `tail`'s buffer.
+  return bytes;
+}
+
+uint64_t Stream::BlockListGrowth(size_t from, size_t tail_size, size_t tail_capacity) const {
+  // From 0 the list is swapped whole (SwapBlocks): the stream keeps the tail's buffer.
   const size_t now = blocks_.capacity();
   const size_t after = from == 0                 ? tail_capacity
                        : now >= from + tail_size ? now
                                                  : std::max(from + tail_size, 2 * now);
-  if (after > now) bytes += (after - now) * sizeof(StreamBlock);
-  return bytes;
+  return after > now ? (after - now) * sizeof(StreamBlock) : 0;
 }
 
 void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
@@ -200,10 +202,18 @@ void Sequence::ReserveTokens(size_t more) {
   }
 }
 
-uint64_t Sequence::TokenGrowth(size_t more) const {
-  if (token_ids_.capacity() >= token_ids_.size() + more) return 0;
-  return (std::max(token_ids_.size() + more, 2 * token_ids_.capacity()) - token_ids_.capacity()) *
-         sizeof(int32_t);
+uint64_t Sequence::SlotGrowth(size_t tokens) const {
+  uint64_t bytes = 0;
+  if (token_ids_.capacity() < token_ids_.size() + tokens) {
+    bytes +=
+        (std::max(token_ids_.size() + tokens, 2 * token_ids_.capacity()) - token_ids_.capacity()) *
+        sizeof(int32_t);
+  }
+  for (const Stream& st : streams_) {
+    bytes += st.ReserveGrowth(tokens, host_scores(), policy_->history_rows());
+  }
+  if (slots_) bytes += slots_->AppendGrowth(static_cast<uint32_t>(tokens));
+  return bytes;
 }
 
 void Sequence::RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position,

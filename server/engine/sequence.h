@@ -172,11 +172,11 @@ class Stream {
   void ReserveBlocks(size_t n) {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }
-  // Bytes by which Reserve(more, ...) and then SwapBlocks(tail, _, from) of a tail of
-  // `tail_size` entries in a vector of `tail_capacity` (with ReserveBlocks(from + tail_size)
-  // before it when from > 0) would raise host_bytes().
-  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows, size_t from,
-                         size_t tail_size, size_t tail_capacity) const;
+  // Bytes by which Reserve(more, ...) would raise host_bytes().
+  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows) const;
+  // The same for SwapBlocks(tail, _, from) of a tail of `tail_size` entries in a vector of
+  // `tail_capacity` (with ReserveBlocks(from + tail_size) before it when from > 0).
+  uint64_t BlockListGrowth(size_t from, size_t tail_size, size_t tail_capacity) const;
   // Live slots in layout blocks, live slots in quantized blocks, quantized blocks: what
   // KV bytes are made of (BlockFormat::KvBytes), kept by SwapBlocks.
   uint64_t layout_slots() const { return layout_slots_; }
@@ -390,8 +390,10 @@ class Sequence {
   uint64_t appended() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return appended_; }
   // Room for `more` token ids, so that RecordAppend does not allocate. May throw.
   void ReserveTokens(size_t more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Bytes by which ReserveTokens(more) would raise host_bytes().
-  uint64_t TokenGrowth(size_t more) const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // Bytes by which making room for `tokens` more slots (ReserveTokens, every stream's
+  // Reserve, the slot state's Append) would raise host_bytes() and the slot state's bytes;
+  // a vector that must grow doubles, so one token can take as much as the sequence holds.
+  uint64_t SlotGrowth(size_t tokens) const ABSL_SHARED_LOCKS_REQUIRED(mu);
   // An append's commit: its token ids and last position (into reserved room).
   void RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position, uint64_t tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
