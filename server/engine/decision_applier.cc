@@ -3,7 +3,6 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "server/common/simd_loops.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
@@ -78,11 +77,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   }
   // Validate the policy's output before touching anything.
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    if (!decision.keep[s]) continue;
-    const std::vector<uint32_t>& keep = *decision.keep[s];
-    const size_t slots = seq.streams()[s].size();
-    if (!AscendingBelow(keep.data(), keep.size(),
-                        static_cast<uint32_t>(std::min<size_t>(slots, UINT32_MAX)))) {
+    if (decision.keep[s] && !decision.keep[s]->ValidFor(seq.streams()[s].size())) {
       return absl::InternalError(absl::StrCat("policy ", seq.policy_name(),
                                               " returned an invalid keep-set for stream ", s));
     }

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/simd_loops.h"
 
 namespace kvmem::engine {
 void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
@@ -40,9 +39,10 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
   arrival_step_.AppendFill(n, arrival);
 }
 
-void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows) {
+void Stream::KeepSlots(const KeepSet& keep, uint32_t history_rows) {
   const bool host_scores = scores_.size() > 0;  // empty: in the SlotState
-  if (keep.empty()) {
+  const absl::Span<const SlotRun> runs = keep.runs();
+  if (runs.empty()) {
     ForEachColumn(host_scores, history_rows, [](auto& column, size_t) { column.Clear(); });
     return;
   }
@@ -53,40 +53,39 @@ void Stream::KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows)
   // (dead front). A window's head eviction moves nothing either way; one slot out of the
   // middle (confkv's steady state) moves a quarter of the stream on average, not half.
   const size_t k = keep.size();
-  const auto run_end = [&keep, k](size_t i) { return RunEnd(keep.data(), k, i); };
-  const auto run_begin = [&keep](size_t e) { return RunBegin(keep.data(), e); };
-  const size_t head = run_end(0);            // kept slots in the run keep[0] starts
-  const size_t tail = k - run_begin(k - 1);  // kept slots in the run keep[k - 1] ends
-  if (k - head <= k - tail) {
-    const size_t drop = keep[0];
+  if (k - runs.front().size() <= k - runs.back().size()) {
+    // Toward the front: the first run stays (its front dropped), each later one moves down
+    // to follow the runs before it.
+    const size_t drop = runs.front().begin;
     ForEachColumn(host_scores, history_rows,
                   [&](auto& column, size_t width) { column.DropFront(drop * width); });
-    for (size_t j = head; j < k;) {
-      const size_t end = run_end(j);
-      const size_t from = keep[j] - drop, n = end - j;
+    size_t to = runs.front().size();
+    for (size_t r = 1; r < runs.size(); ++r) {
+      const size_t from = runs[r].begin - drop, n = runs[r].size();
       ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
-        column.MoveDown(from * width, j * width, n * width);
+        column.MoveDown(from * width, to * width, n * width);
       });
-      j = end;
+      to += n;
     }
     ForEachColumn(host_scores, history_rows,
                   [&](auto& column, size_t width) { column.Truncate(k * width); });
     return;
   }
-  // Toward the back: keep[j] goes to last - (k - 1 - j), runs from the back.
-  const size_t last = keep[k - 1];
+  // Toward the back: the last run stays, each earlier one moves up to precede the runs
+  // after it, from the back; the vacated front is dropped.
+  const size_t last = runs.back().end;
   ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.Truncate((last + 1) * width); });
-  for (size_t end = k - tail; end > 0;) {
-    const size_t j = run_begin(end - 1);
-    const size_t from = keep[j], to = last + 1 - (k - j), n = end - j;
+                [&](auto& column, size_t width) { column.Truncate(last * width); });
+  size_t end = runs.back().begin;  // where the runs still to move end
+  for (size_t r = runs.size() - 1; r-- > 0;) {
+    const size_t from = runs[r].begin, n = runs[r].size();
+    end -= n;
     ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
-      column.MoveUp(from * width, to * width, n * width);
+      column.MoveUp(from * width, end * width, n * width);
     });
-    end = j;
   }
   ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.DropFront((last + 1 - k) * width); });
+                [&](auto& column, size_t width) { column.DropFront(end * width); });
 }
 
 void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {

@@ -158,7 +158,7 @@ class Stream {
   // Keeps only the slots listed (ascending) in every per-slot vector, closing them up
   // toward the end that moves fewer; slots that leave from the front go without moving the
   // rest. Never allocates (it only shrinks), so it cannot throw.
-  void KeepSlots(const std::vector<uint32_t>& keep, uint32_t history_rows);
+  void KeepSlots(const KeepSet& keep, uint32_t history_rows);
   // Exchanges entries [from, end) of the block list with `other` (a commit installing a
   // planned list, or with `from` > 0 a planned tail: an append plans only its stream's
   // last block and the ones it adds), and stamps `version` on every entry that changed:

@@ -126,42 +126,43 @@ absl::Status StreamPlanner::Append(std::vector<StreamBlock>& blocks,
   return absl::OkStatus();
 }
 
-absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
-                                 absl::Span<const uint32_t> keep) {
+absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep) {
   // In place: the list only loses blocks or shrinks them, so entry `out` is written after
   // entry `in` >= out was read. No allocation but the copy-on-write blocks.
+  const absl::Span<const SlotRun> runs = keep.runs();
   size_t out = 0;
-  size_t k = 0;
-  uint64_t first_slot = 0;  // stream index of the block's first live slot
+  size_t r = 0;        // the first run that does not end before this block
+  uint64_t first = 0;  // stream index of the block's first live slot
   for (size_t in = 0; in < blocks.size(); ++in) {
     StreamBlock block = blocks[in];
-    // Fast path: keep-sets are ascending, so a block is kept whole exactly when its first and
-    // last slots are both kept at the expected indices.
-    if (k + block.count <= keep.size() && keep[k] == first_slot &&
-        keep[k + block.count - 1] == first_slot + block.count - 1) {
-      k += block.count;
-      first_slot += block.count;
+    const uint64_t last = first + block.count;  // one past the block's last live slot
+    while (r < runs.size() && runs[r].end <= first) ++r;
+    // Kept whole: one run covers the block (a window's step keeps every block but one so).
+    if (r < runs.size() && runs[r].begin <= first && runs[r].end >= last) {
       blocks[out++] = block;
+      first = last;
       continue;
     }
-    // This block's kept slots: keep[k0, k), as block-relative indices local(j).
-    const size_t k0 = k;
-    while (k < keep.size() && keep[k] < first_slot + block.count) ++k;
-    const uint64_t base_slot = first_slot;
-    auto local = [&](uint32_t j) { return static_cast<uint32_t>(keep[k0 + j] - base_slot); };
-    first_slot += block.count;
-    const auto kept = static_cast<uint32_t>(k - k0);
+    // The runs that meet the block, [r, e), and their pieces in it as block-relative
+    // ranges; the last of them may go on into the next block, so r stays.
+    size_t e = r;
+    while (e < runs.size() && runs[e].begin < last) ++e;
+    const uint64_t at = first;
+    const auto lo = [&runs, at](size_t i) {
+      return static_cast<uint32_t>(std::max<uint64_t>(runs[i].begin, at) - at);
+    };
+    const auto hi = [&runs, at, last](size_t i) {
+      return static_cast<uint32_t>(std::min<uint64_t>(runs[i].end, last) - at);
+    };
+    first = last;
+    uint32_t kept = 0;
+    for (size_t i = r; i < e; ++i) kept += hi(i) - lo(i);
     if (kept == 0) {
       batch_->dropped.push_back(block.id);
       continue;
     }
-    if (kept == block.count) {
-      blocks[out++] = block;
-      continue;
-    }
-    const uint32_t front = local(0), back = local(kept - 1);
-    if (back - front + 1 == kept) {  // already contiguous: no data moves
-      block.start += front;
+    if (e - r == 1) {  // one piece: already contiguous, no data moves
+      block.start += lo(r);
       block.count = kept;
       blocks[out++] = block;
       continue;
@@ -170,38 +171,24 @@ absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks,
       if (absl::Status s = Unshare(block); !s.ok()) return s;
     }
     const uint64_t off = pool_->offset(block.id);
-    // Pack toward whichever kept end leaves fewer slots to move. Toward the front, each
-    // destination is at or before its source, so ascending order never overwrites a slot
-    // still to be read; toward the back, descending order has the same property.
-    uint32_t front_moves = 0, back_moves = 0;
-    for (uint32_t j = 0; j < kept; ++j) {
-      front_moves += local(j) != front + j;
-      back_moves += local(j) != back - (kept - 1 - j);
-    }
-    // Runs of consecutive kept slots move as one (a memmove keeps the order's guarantee).
-    if (front_moves <= back_moves) {
-      const uint32_t to = block.start + front;
-      for (uint32_t j = 0; j < kept;) {
-        uint32_t end = j + 1;
-        while (end < kept && local(end) == local(end - 1) + 1) ++end;
-        if (local(j) != front + j) {
-          MoveSlots(block.precision, off, block.start + local(j), off, to + j, end - j);
-        }
-        j = end;
+    // Pack toward whichever end leaves fewer slots to move: toward the front the first
+    // piece stays and every later one moves down (ascending, so a memmove never overwrites
+    // a piece still to be read); toward the back the last stays and the others move up,
+    // descending, with the same property.
+    if (kept - (hi(r) - lo(r)) <= kept - (hi(e - 1) - lo(e - 1))) {
+      uint32_t to = block.start + hi(r);
+      for (size_t i = r + 1; i < e; ++i) {
+        MoveSlots(block.precision, off, block.start + lo(i), off, to, hi(i) - lo(i));
+        to += hi(i) - lo(i);
       }
-      block.start = to;
+      block.start += lo(r);
     } else {
-      const uint32_t top = block.start + back;
-      for (uint32_t end = kept; end > 0;) {
-        uint32_t j = end - 1;
-        while (j > 0 && local(j - 1) + 1 == local(j)) --j;
-        if (local(end - 1) != back - (kept - end)) {
-          MoveSlots(block.precision, off, block.start + local(j), off, top - (kept - 1 - j),
-                    end - j);
-        }
-        end = j;
+      uint32_t end = block.start + lo(e - 1);
+      for (size_t i = e - 1; i-- > r;) {
+        end -= hi(i) - lo(i);
+        MoveSlots(block.precision, off, block.start + lo(i), off, end, hi(i) - lo(i));
       }
-      block.start = top - (kept - 1);
+      block.start = end;
     }
     block.count = kept;
     block.version = 0;  // its slots moved: the commit stamps it

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "server/common/keep_set.h"
 #include "server/engine/block_format.h"
 #include "server/engine/failpoints.h"
 #include "server/store/backend.h"
@@ -67,8 +68,8 @@ class StreamPlanner {
 
   // Appends the runs in order after the stream's last slot.
   absl::Status Append(std::vector<StreamBlock>& blocks, absl::Span<const AppendRun> runs);
-  // Keeps only the listed slots (ascending indices over the stream, validated by caller).
-  absl::Status Keep(std::vector<StreamBlock>& blocks, absl::Span<const uint32_t> keep);
+  // Keeps only the slots of `keep` (valid over the stream: validated by the caller).
+  absl::Status Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep);
   // Merges neighbouring layout-precision blocks whose live slots fit one block.
   absl::Status Merge(std::vector<StreamBlock>& blocks);
   // Quantizes every layout block whose slots all lie before the last `recent` slots, as

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "server/common/simd_loops.h"
-
 namespace kvmem::engine {
 namespace {
 
@@ -100,29 +98,17 @@ PolicyTelemetry* Telemetry::For(std::string_view policy) const {
   return it == by_name_.end() ? nullptr : it->second;
 }
 
-double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep) {
-  // A step drops few slots of many: walk the gaps between kept runs, not every slot. In a
-  // strictly ascending keep-set the end of each run of consecutive kept slots is a binary
-  // search (RunEnd). The gaps are summed in ascending slot order, as a walk over every slot
-  // would.
-  const auto past = std::lower_bound(keep.begin(), keep.end(), row.size());
-  keep = keep.subspan(0, static_cast<size_t>(past - keep.begin()));
+double EvictedMass(absl::Span<const float> row, const KeepSet& keep) {
+  // A step drops few slots of many: walk the gaps between kept runs, not every slot, in
+  // ascending slot order as a walk over every slot would sum them.
   double mass = 0;
   size_t next = 0;  // the first slot not yet accounted for
-  size_t k = 0;     // keep[0, k) are accounted for
-  while (k < keep.size()) {
-    if (keep[k] < next || keep[k] >= row.size()) {
-      // Not strictly ascending (callers check first): skipped, so that the walk ends and
-      // stays inside the row all the same.
-      ++k;
-      continue;
-    }
-    // keep[k, end) continue the run that starts at slot `next` (none when keep[k] > next).
-    const size_t end = keep[k] == next ? RunEnd(keep.data(), keep.size(), k) : k;
-    next += end - k;
-    k = end;
-    if (k == keep.size()) break;
-    for (; next < keep[k]; ++next) mass += row[next];
+  for (const SlotRun& run : keep.runs()) {
+    // A run out of order or past the row (callers check first) counts only where it adds
+    // slots, so that the walk stays inside the row all the same.
+    const size_t begin = std::min<size_t>(run.begin, row.size());
+    for (; next < begin; ++next) mass += row[next];
+    next = std::max(next, std::min<size_t>(run.end, row.size()));
   }
   for (; next < row.size(); ++next) mass += row[next];
   return mass;

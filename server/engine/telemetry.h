@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
+#include "server/common/keep_set.h"
 
 namespace kvmem::engine {
 
@@ -87,9 +88,9 @@ class Telemetry {
   absl::flat_hash_map<std::string, PolicyTelemetry*> by_name_;  // every call looks one up
 };
 
-// Attention mass of a step for one stream: the weight `row` puts on the slots `keep` (strictly
-// ascending indices into the row, the slots that stay) leaves out. Slots past the row are
-// ignored. Costs the slots left out and a binary search per run of kept slots.
-double EvictedMass(absl::Span<const float> row, absl::Span<const uint32_t> keep);
+// Attention mass of a step for one stream: the weight `row` puts on the slots `keep` (the
+// slots that stay) leaves out. Slots past the row are ignored. Costs the slots left out and
+// one step per run of kept slots.
+double EvictedMass(absl::Span<const float> row, const KeepSet& keep);
 
 }  // namespace kvmem::engine

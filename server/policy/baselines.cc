@@ -1,7 +1,6 @@
 #include "server/policy/baselines.h"
 
 #include <limits>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "server/policy/scoring.h"
@@ -37,10 +36,8 @@ class StreamingLlmPolicy final : public Policy {
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
       if (n <= budget) continue;
-      std::vector<uint32_t> keep(sinks);
-      std::iota(keep.begin(), keep.end(), 0u);
-      for (size_t i = n - (budget - sinks); i < n; ++i) keep.push_back(static_cast<uint32_t>(i));
-      d.keep[s] = std::move(keep);
+      KeepSet& keep = d.keep[s].emplace(KeepSet::Range(0, sinks));
+      keep.AddRun(static_cast<uint32_t>(n - (budget - sinks)), static_cast<uint32_t>(n));
     }
     return d;
   }
@@ -114,7 +111,8 @@ class H2oPolicy final : public Policy {
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
       const uint32_t b = streams[s].layer < layer.size() ? layer[streams[s].layer] : budget;
-      if (n > b) d.keep[s] = KeepWindowPlusTop(n, recent, b, streams[s].next_scores);
+      if (n > b)
+        d.keep[s] = KeepSet::FromSlots(KeepWindowPlusTop(n, recent, b, streams[s].next_scores));
     }
     return d;
   }

@@ -7,7 +7,6 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/select.h"
 #include "server/common/parallel.h"
-#include "server/common/simd_loops.h"
 #include "server/policy/scoring.h"
 
 namespace kvmem::policy {
@@ -17,16 +16,10 @@ uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, u
   return std::max(floor, static_cast<uint32_t>(scaled));
 }
 
-std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
-                                 uint32_t budget, uint32_t protect, double attention_weight,
-                                 float max_ema) {
-  const size_t n = positions.size();
-  std::vector<uint32_t> keep;
-  if (n <= budget) {
-    keep.resize(n);
-    std::iota(keep.begin(), keep.end(), 0u);
-    return keep;
-  }
+KeepSet ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
+                   uint32_t budget, uint32_t protect, double attention_weight, float max_ema) {
+  const auto n = static_cast<uint32_t>(positions.size());
+  if (n <= budget) return KeepSet::Range(0, n);
   if (std::isnan(max_ema)) {
     max_ema = 0;
     for (float e : ema) max_ema = std::max(max_ema, e);
@@ -35,12 +28,10 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
   if (n - budget == 1 && budget > protect) {
     // The steady state of decoding: one slot out, one pass, no sort: the slot SelectTopRef
     // would evict (kernels/select.h: lowest priority, the newer on ties).
-    const auto length = static_cast<uint32_t>(n);
-    const uint32_t worst = kernels::LowestPriorityRef(ema.data(), positions.data(), length,
-                                                      length - protect, max_ema, weight);
-    keep.resize(n - 1);
-    FillAscending(keep.data(), 0, worst);
-    FillAscending(keep.data() + worst, worst + 1, length - 1 - worst);
+    const uint32_t worst =
+        kernels::LowestPriorityRef(ema.data(), positions.data(), n, n - protect, max_ema, weight);
+    KeepSet keep = KeepSet::Range(0, worst);
+    keep.AddRun(worst + 1, n);
     return keep;
   }
   // The general case is the kernel reference itself (kernels/select.h), so that the CPU and
@@ -48,8 +39,9 @@ std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const i
   const kernels::StreamSlice slice{0, static_cast<uint32_t>(n), budget, protect};
   std::vector<uint8_t> flags(n);
   kernels::SelectTopRef(&slice, 1, ema.data(), &max_ema, positions.data(), weight, flags.data());
+  KeepSet keep;
   for (uint32_t j = 0; j < n; ++j) {
-    if (flags[j]) keep.push_back(j);
+    if (flags[j]) keep.Add(j);
   }
   return keep;
 }
@@ -127,10 +119,11 @@ class ConfKvPolicy final : public Policy {
         const float max_ema = UpdateEma(streams[s]);
         const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
         if (evict && streams[s].positions.size() > budget) {
-          d.keep[s] = p_.random ? RandomKeep(streams[s].positions, streams[s].layer,
-                                             streams[s].kv_head, budget, p_.protect)
-                                : ConfKvKeep(streams[s].next_scores, streams[s].positions, budget,
-                                             p_.protect, p_.attention_weight, max_ema);
+          d.keep[s] = p_.random
+                          ? KeepSet::FromSlots(RandomKeep(streams[s].positions, streams[s].layer,
+                                                          streams[s].kv_head, budget, p_.protect))
+                          : ConfKvKeep(streams[s].next_scores, streams[s].positions, budget,
+                                       p_.protect, p_.attention_weight, max_ema);
         }
       }
     });

@@ -21,9 +21,9 @@ uint32_t ConfKvLayerBudget(uint32_t base, uint32_t layer, uint32_t num_layers, u
 // (1 - a_mix) * recency, the last `protect` slots kept, the lowest r evicted down to
 // `budget`. `ema` must be initialized (finite).
 // `max_ema` is max(ema) when the caller has it (NaN: computed here).
-std::vector<uint32_t> ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
-                                 uint32_t budget, uint32_t protect, double attention_weight,
-                                 float max_ema = std::nanf(""));
+KeepSet ConfKvKeep(absl::Span<const float> ema, absl::Span<const int64_t> positions,
+                   uint32_t budget, uint32_t protect, double attention_weight,
+                   float max_ema = std::nanf(""));
 
 // The ablation "random" at confkv's budgets: the last `protect` slots kept, the others kept
 // by a fixed pseudo-random priority of (layer, kv_head, position), down to `budget`.

@@ -105,7 +105,7 @@ class InfoKvPolicy final : public Policy {
       keep.insert(keep.end(), region.end() - window_, region.end());
       std::vector<uint32_t> outside;
       for (uint32_t j = 0; j < region.front(); ++j) outside.push_back(j);
-      d.keep[s] = MergeSorted(outside, keep);
+      d.keep[s] = KeepSet::FromSlots(MergeSorted(outside, keep));
     }
     d.mark = NewestPosition(ctx, streams);
     return d;
@@ -151,7 +151,7 @@ class InfoKvPolicy final : public Policy {
       budgets[s] =
           std::max<uint32_t>(budgets[s], static_cast<uint32_t>(std::min<size_t>(window_, n)));
       if (n <= budgets[s]) continue;
-      d.keep[s] = KeepWindowPlusTop(n, window_, budgets[s], scores[s]);
+      d.keep[s] = KeepSet::FromSlots(KeepWindowPlusTop(n, window_, budgets[s], scores[s]));
     }
     d.mark = NewestPosition(ctx, streams);
     (void)H;

@@ -7,7 +7,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "server/common/client_text.h"
-#include "server/common/simd_loops.h"
 #include "server/policy/baselines.h"
 #include "server/policy/confkv.h"
 #include "server/policy/infokv.h"
@@ -131,13 +130,6 @@ absl::StatusOr<LogitStats> LogitStatsFromTopLogprobs(absl::Span<const float> top
   if (rest > 0) entropy -= rest * std::log(rest);
   return LogitStats{static_cast<float>(entropy), std::exp(top_logprobs[0]),
                     std::exp(top_logprobs[1])};
-}
-
-std::vector<uint32_t> KeepLast(size_t n, size_t w) {
-  const size_t k = std::min(n, w);
-  std::vector<uint32_t> keep(k);
-  FillAscending(keep.data(), static_cast<uint32_t>(n - k), static_cast<uint32_t>(k));
-  return keep;
 }
 
 KernelStep Policy::PlanKernelStep(const CallContext&) const {

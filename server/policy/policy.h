@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/select.h"
+#include "server/common/keep_set.h"
 #include "server/policy/params.h"
 
 namespace kvmem::policy {
@@ -93,8 +94,8 @@ struct CallContext {
 struct Decision {
   double confidence = std::nan("");
   uint32_t budget_tokens = 0;  // 0 = unbounded
-  // keep[s]: ascending slot indices of stream s to retain; nullopt = keep every slot.
-  std::vector<std::optional<std::vector<uint32_t>>> keep;
+  // keep[s]: the slots of stream s to retain (ascending runs); nullopt = keep every slot.
+  std::vector<std::optional<KeepSet>> keep;
   bool scores_written = false;  // every stream's next_scores holds the next score state
   std::optional<int64_t> mark;  // the next CallContext::mark, when it changes
 };
@@ -142,8 +143,5 @@ absl::StatusOr<LogitStats> CheckLogitStats(const LogitStats& stats, uint32_t voc
 // Derives the stats from the top-k log-probabilities (descending, k >= 2). [ours] The mass
 // outside the top k counts as one outcome, so the entropy is a lower bound of the full one.
 absl::StatusOr<LogitStats> LogitStatsFromTopLogprobs(absl::Span<const float> top_logprobs);
-
-// Ascending indices of the last min(n, w) slots of a stream of n.
-std::vector<uint32_t> KeepLast(size_t n, size_t w);
 
 }  // namespace kvmem::policy

@@ -90,7 +90,7 @@ class RefreeKvPolicy final : public Policy {
             keep.push_back(j);
           }
         }
-        d.keep[s] = std::move(keep);
+        d.keep[s] = KeepSet::FromSlots(keep);
       }
     }
     return d;

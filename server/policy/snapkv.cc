@@ -67,7 +67,7 @@ class PrefillSelectPolicy final : public Policy {
       } else if (n <= budget) {
         continue;
       }
-      d.keep[s] = SnapKvKeep(streams[s].window_scores, w, keep_prefix, kernel_);
+      d.keep[s] = KeepSet::FromSlots(SnapKvKeep(streams[s].window_scores, w, keep_prefix, kernel_));
     }
     return d;
   }

@@ -7,8 +7,7 @@ class FullPolicy final : public Policy {
  public:
   const PolicyDescriptor& descriptor() const override { return FullDescriptor(); }
   Decision Step(const CallContext&, absl::Span<StreamState> streams) const override {
-    return Decision{std::nan(""), 0,
-                    std::vector<std::optional<std::vector<uint32_t>>>(streams.size())};
+    return Decision{std::nan(""), 0, std::vector<std::optional<KeepSet>>(streams.size())};
   }
   // `full` never evicts, even when a target is asked: that is what the name promises.
   Decision Compress(const CallContext& ctx, absl::Span<StreamState> streams) const override {
@@ -36,7 +35,9 @@ class WindowPolicy final : public Policy {
     decision.keep.resize(streams.size());
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
-      if (n > w) decision.keep[s] = KeepLast(n, w);
+      if (n > w) {
+        decision.keep[s] = KeepSet::Range(static_cast<uint32_t>(n - w), static_cast<uint32_t>(n));
+      }
     }
     return decision;
   }

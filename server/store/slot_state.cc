@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/parallel.h"
-#include "server/common/simd_loops.h"
 
 namespace kvmem::store {
 
@@ -57,25 +56,21 @@ KeepSets SlotBook::ToKeepSets(const uint8_t* flags) const {
   return keep;
 }
 
-std::optional<std::vector<uint32_t>> SlotBook::ToKeepSet(uint32_t s, const uint8_t* flags) const {
+std::optional<KeepSet> SlotBook::ToKeepSet(uint32_t s, const uint8_t* flags) const {
   const uint8_t* f = flags + size_t{s} * capacity_;
   const uint32_t n = length_[s];
   const void* zero = std::memchr(f, 0, n);
   if (zero == nullptr) return std::nullopt;  // every slot kept
-  // At least one slot goes: at most n - 1 stay. Run by run of kept slots (one or two runs
-  // at the decode steady state).
-  std::vector<uint32_t> kept(n - 1);
-  uint32_t* out = kept.data();
+  // Run by run of kept slots (one or two runs at the decode steady state).
+  KeepSet kept;
   uint32_t j = 0;
   while (j < n) {
     const void* stop = std::memchr(f + j, 0, n - j);
     const uint32_t end =
         stop == nullptr ? n : static_cast<uint32_t>(static_cast<const uint8_t*>(stop) - f);
-    FillAscending(out, j, end - j);
-    out += end - j;
+    kept.AddRun(j, end);
     j = end + 1;
   }
-  kept.resize(static_cast<size_t>(out - kept.data()));
   return kept;
 }
 
@@ -92,12 +87,11 @@ absl::Status SlotBook::FromKeepSets(const KeepSets& keep, uint8_t* flags) const 
       continue;
     }
     std::fill(f, f + n, 0);
-    const std::vector<uint32_t>& kept = *keep[s];
-    if (!AscendingBelow(kept.data(), kept.size(), n)) {
+    if (!keep[s]->ValidFor(n)) {
       return absl::InternalError(
           absl::StrCat("slot state: keep-set of stream ", s, " is not ascending within ", n));
     }
-    for (uint32_t i : kept) f[i] = 1;
+    for (const SlotRun& r : keep[s]->runs()) std::fill(f + r.begin, f + r.end, 1);
   }
   return absl::OkStatus();
 }

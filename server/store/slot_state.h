@@ -25,11 +25,12 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/select.h"
+#include "server/common/keep_set.h"
 
 namespace kvmem::store {
 
 // Per stream: ascending kept slot indices, or nullopt for "every slot".
-using KeepSets = std::vector<std::optional<std::vector<uint32_t>>>;
+using KeepSets = std::vector<std::optional<KeepSet>>;
 
 class SlotState {
  public:
@@ -103,7 +104,7 @@ class SlotBook {
   // slot is kept (streams in parallel), ToKeepSet() the same for stream s. FromKeepSets()
   // checks the sets (ascending, in range).
   KeepSets ToKeepSets(const uint8_t* flags) const;
-  std::optional<std::vector<uint32_t>> ToKeepSet(uint32_t s, const uint8_t* flags) const;
+  std::optional<KeepSet> ToKeepSet(uint32_t s, const uint8_t* flags) const;
   absl::Status FromKeepSets(const KeepSets& keep, uint8_t* flags) const;
   // INTERNAL unless there is one row of length(s) values and one budget per stream (Step),
   // or one score per slot (WriteScores): the engine's own checks make these bugs, not input.

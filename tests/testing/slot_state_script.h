@@ -26,17 +26,16 @@ inline bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Keep-set of one stream by the select.h priority (nullopt: the stream fits its budget).
-inline std::optional<std::vector<uint32_t>> ModelSelect(const std::vector<float>& scores,
-                                                        const std::vector<int64_t>& pos,
-                                                        uint32_t budget, uint32_t protect,
-                                                        float max_score, float weight) {
+inline std::optional<KeepSet> ModelSelect(const std::vector<float>& scores,
+                                          const std::vector<int64_t>& pos, uint32_t budget,
+                                          uint32_t protect, float max_score, float weight) {
   const auto n = static_cast<uint32_t>(scores.size());
   if (n <= budget) return std::nullopt;
   const std::vector<uint8_t> flags =
       OracleTopFlags(scores.data(), pos.data(), n, budget, protect, max_score, weight);
-  std::vector<uint32_t> keep;
+  KeepSet keep;
   for (uint32_t j = 0; j < n; ++j) {
-    if (flags[j]) keep.push_back(j);
+    if (flags[j]) keep.Add(j);
   }
   return keep;
 }
@@ -144,9 +143,9 @@ void RunSlotStateScript(const Make& make, uint32_t seed, int rounds) {
       store::KeepSets keep(S);
       for (uint32_t s = 0; s < S; ++s) {
         if (rng() % 3 == 0) continue;
-        std::vector<uint32_t>& k = keep[s].emplace();
+        KeepSet& k = keep[s].emplace();
         for (uint32_t j = 0; j < m.positions[s].size(); ++j) {
-          if (rng() % 3 != 0) k.push_back(j);
+          if (rng() % 3 != 0) k.Add(j);
         }
       }
       ASSERT_TRUE(state->Keep(keep).ok()) << at;
@@ -172,7 +171,7 @@ void RunSlotStateScript(const Make& make, uint32_t seed, int rounds) {
   }
   // Bad keep-sets are an error that changes nothing.
   store::KeepSets bad(S);
-  bad[0] = std::vector<uint32_t>{1u << 30};
+  bad[0] = KeepSet::Range(1u << 30, (1u << 30) + 1);
   EXPECT_FALSE(state->Keep(bad).ok());
   ExpectMatches(*state, m, "after a bad keep-set");
 }

@@ -45,34 +45,5 @@ TEST(FirstOutsideTest, InfiniteBoundsStillRejectInfAndNaN) {
   EXPECT_EQ(FirstOutside(v.data(), v.size(), -inf, 0.0f), 10u);
 }
 
-TEST(FillAscendingTest, WritesTheRunAndNothingElse) {
-  for (uint32_t count = 0; count < 20; ++count) {
-    std::vector<uint32_t> out(count + 2, 7);
-    FillAscending(out.data() + 1, 1000, count);
-    EXPECT_EQ(out.front(), 7u);
-    EXPECT_EQ(out.back(), 7u);
-    for (uint32_t i = 0; i < count; ++i) ASSERT_EQ(out[1 + i], 1000 + i);
-  }
-}
-
-TEST(AscendingBelowTest, RejectsEveryOutOfOrderPairAndEveryValueAtTheBound) {
-  for (size_t n = 0; n < 24; ++n) {
-    std::vector<uint32_t> v(n);
-    // Around 2^31 (a signed compare would misorder them) and up to the largest bound.
-    for (size_t j = 0; j < n; ++j) v[j] = static_cast<uint32_t>((1u << 31) - 12 + 3 * j);
-    if (n > 0 && n % 2 == 0) v.back() = UINT32_MAX - 1;
-    const uint32_t bound = n == 0 ? 0 : v.back() + 1;
-    ASSERT_TRUE(AscendingBelow(v.data(), n, bound)) << "n " << n;
-    if (n > 0) ASSERT_FALSE(AscendingBelow(v.data(), n, bound - 1)) << "n " << n;
-    for (size_t at = 1; at < n; ++at) {
-      for (uint32_t back : {0u, 1u}) {  // equal to its left neighbour, or below it
-        std::vector<uint32_t> w = v;
-        w[at] = w[at - 1] - back;
-        ASSERT_FALSE(AscendingBelow(w.data(), n, bound)) << "n " << n << " at " << at;
-      }
-    }
-  }
-}
-
 }  // namespace
 }  // namespace kvmem

@@ -166,7 +166,7 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
                                        : false;
         if (kept) keep.push_back(i);
       }
-      st.KeepSlots(keep, kRows);
+      st.KeepSlots(KeepSet::FromSlots(keep), kRows);
       auto filter = [&](auto& v, size_t width) {
         std::remove_reference_t<decltype(v)> out;
         for (uint32_t i : keep) {

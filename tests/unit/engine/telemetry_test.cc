@@ -41,9 +41,9 @@ TEST(TelemetryTest, ConcurrentObservationsAreAllCounted) {
 
 TEST(TelemetryTest, EvictedMassIsTheWeightOutsideTheKeepSet) {
   const std::vector<float> row = {0.1f, 0.2f, 0.3f, 0.4f};
-  EXPECT_NEAR(EvictedMass(row, std::vector<uint32_t>{1, 3}), 0.4, 1e-6);
-  EXPECT_NEAR(EvictedMass(row, std::vector<uint32_t>{}), 1.0, 1e-6);
-  EXPECT_NEAR(EvictedMass(row, std::vector<uint32_t>{0, 1, 2, 3}), 0.0, 1e-6);
+  EXPECT_NEAR(EvictedMass(row, KeepSet::FromSlots(std::vector<uint32_t>{1, 3})), 0.4, 1e-6);
+  EXPECT_NEAR(EvictedMass(row, KeepSet::FromSlots(std::vector<uint32_t>{})), 1.0, 1e-6);
+  EXPECT_NEAR(EvictedMass(row, KeepSet::FromSlots(std::vector<uint32_t>{0, 1, 2, 3})), 0.0, 1e-6);
 }
 
 // The gap walk against the definition: every slot of the row not named by the keep-set, summed
@@ -69,7 +69,7 @@ TEST(TelemetryTest, EvictedMassWalksTheGapsAsEverySlotWould) {
         expected += row[i];
       }
     }
-    ASSERT_EQ(EvictedMass(row, keep), expected) << "round " << round;
+    ASSERT_EQ(EvictedMass(row, KeepSet::FromSlots(keep)), expected) << "round " << round;
   }
 }
 

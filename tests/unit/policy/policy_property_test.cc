@@ -140,7 +140,7 @@ TEST_P(PolicyPropertyTest, RandomStreams) {
         }
         const std::vector<double> drops = RefreeDrops(cand_rows, m);
         for (uint32_t h = 0; h < H; ++h) {
-          const std::optional<std::vector<uint32_t>>& keep = d.keep[l * H + h];
+          const std::optional<KeepSet>& keep = d.keep[l * H + h];
           const size_t evicted = keep ? n - keep->size() : 0;
           if (l < 2) {
             EXPECT_EQ(evicted, 0u) << "layers 0 and 1 are never compressed";
@@ -169,7 +169,8 @@ TEST_P(PolicyPropertyTest, RandomStreams) {
         }
         continue;
       }
-      const std::vector<uint32_t>& keep = *d.keep[s];
+      EXPECT_TRUE(d.keep[s]->ValidFor(n)) << c.policy << " n=" << n;
+      const std::vector<uint32_t> keep = d.keep[s]->Slots();
       EXPECT_LE(keep.size(), budget) << c.policy << " n=" << n;
       for (size_t j = 0; j < keep.size(); ++j) {
         ASSERT_LT(keep[j], n);

@@ -194,8 +194,9 @@ TEST(H2oTest, PyramidBudgetsAverageTheBudget) {
   for (uint32_t l = 0; l < 4; ++l) {
     ASSERT_TRUE(d.keep[l].has_value());
     EXPECT_EQ(d.keep[l]->size(), want[l]) << l;
-    EXPECT_EQ(d.keep[l]->back(), 199u);  // the recent window stays
-    EXPECT_EQ((*d.keep[l])[d.keep[l]->size() - 32], 168u);
+    const std::vector<uint32_t> kept = d.keep[l]->Slots();
+    EXPECT_EQ(kept.back(), 199u);  // the recent window stays
+    EXPECT_EQ(kept[kept.size() - 32], 168u);
   }
 }
 
@@ -212,7 +213,7 @@ TEST(ConfKvTest, OneOutFastPathMatchesTheKernelReference) {
       positions[j] = at += 1 + rng() % 2;
     }
     const uint32_t protect = rng() % n;
-    const std::vector<uint32_t> fast = ConfKvKeep(ema, positions, n - 1, protect, 0.65);
+    const std::vector<uint32_t> fast = ConfKvKeep(ema, positions, n - 1, protect, 0.65).Slots();
     const kernels::StreamSlice slice{0, n, n - 1, protect};
     float mx = *std::max_element(ema.begin(), ema.end());
     std::vector<uint8_t> flags(n);

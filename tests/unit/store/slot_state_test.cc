@@ -47,7 +47,7 @@ TEST(SlotStateTest, KeepingFewSlotsGivesCapacityBack) {
   EXPECT_EQ(state->bytes(), 2u * 256 * 17);  // capacity 256 per stream, 17 bytes a slot
   KeepSets keep(2);
   keep[0].emplace();
-  for (uint32_t j = 190; j < 200; ++j) keep[0]->push_back(j);
+  for (uint32_t j = 190; j < 200; ++j) keep[0]->Add(j);
   ASSERT_TRUE(state->Keep(keep).ok());
   EXPECT_EQ(state->bytes(), 2u * 256 * 17);  // stream 1 still holds 200
   keep[1] = keep[0];
@@ -75,7 +75,7 @@ TEST(SlotStateTest, FlagsAndKeepSetsRoundTrip) {
   EXPECT_THAT(std::vector<uint8_t>(back.begin(), back.begin() + 4), ElementsAre(1, 0, 1, 1));
   EXPECT_THAT(std::vector<uint8_t>(back.begin() + 16, back.begin() + 20), ElementsAre(1, 1, 1, 1));
   KeepSets unordered(2);
-  unordered[1] = std::vector<uint32_t>{2, 1};
+  unordered[1] = KeepSet::FromSlots(std::vector<uint32_t>{2, 1});
   EXPECT_FALSE(book.FromKeepSets(unordered, back.data()).ok());
 }
 
