@@ -9,21 +9,43 @@ namespace kvmem::engine {
 
 void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
                          const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
-                         const std::vector<size_t>& from) {
+                         const std::vector<size_t>& from, const std::vector<size_t>& to) {
   // References held = old lists + the batch's allocations (nothing dropped yet); streams
-  // [0, swapped) hold their new entries from from[s] on (0 when `from` is empty) and
-  // other_lists[s] the old ones, the rest still hold the old list. What no stream names
-  // is kept for Release.
+  // [0, swapped) hold their new entries in [from[s], to[s]) (0 and the list's end when not
+  // given) and other_lists[s] the old ones, the rest still hold the old list. What no
+  // stream names is kept for Release.
   absl::flat_hash_map<store::BlockId, int64_t> refs;
   for (store::BlockId id : batch.allocated) ++refs[id];
   for (size_t s = 0; s < swapped && s < seq.streams().size(); ++s) {
     for (const StreamBlock& b : other_lists[s]) ++refs[b.id];
     const std::vector<StreamBlock>& now = seq.streams()[s].blocks();
-    for (size_t i = from.empty() ? 0 : from[s]; i < now.size(); ++i) --refs[now[i].id];
+    const size_t end = to.empty() ? now.size() : std::min(to[s], now.size());
+    for (size_t i = from.empty() ? 0 : from[s]; i < end; ++i) --refs[now[i].id];
   }
   for (const auto& [id, n] : refs) {
     for (int64_t i = 0; i < n; ++i) seq.AddOrphan(id);
   }
+}
+
+Engine::EntryRange Engine::EvictedEntries(const Stream& st, const KeepSet& keep) {
+  // The first and last slots the keep-set drops (it drops at least one).
+  const absl::Span<const SlotRun> runs = keep.runs();
+  const size_t n = st.size();
+  const size_t first_out = runs.empty() || runs.front().begin > 0 ? 0 : runs.front().end;
+  const size_t last_out = runs.empty() || runs.back().end < n ? n - 1 : runs.back().begin - 1;
+  const std::vector<StreamBlock>& blocks = st.blocks();
+  EntryRange range{0, blocks.size(), 0};
+  uint64_t slot = 0;  // the stream index of entry i's first slot
+  size_t i = 0;
+  for (; i < blocks.size() && slot + blocks[i].count <= first_out; ++i) slot += blocks[i].count;
+  range.begin = i;
+  range.first_slot = slot;
+  for (; i < blocks.size() && slot + blocks[i].count <= last_out; ++i) slot += blocks[i].count;
+  range.end = std::min(i + 1, blocks.size());
+  // One neighbour on each side, which a merge may join.
+  if (range.begin > 0) range.first_slot -= blocks[--range.begin].count;
+  if (range.end < blocks.size()) ++range.end;
+  return range;
 }
 
 Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
@@ -88,22 +110,31 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   OpBatch batch;
   StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints, seq.tenant());
   Applied applied;
-  // The new lists go to the sequence's spare lists, whose room earlier steps left there
-  // (empty for a stream that does not change: KeepOrphans reads them).
+  // The new entries go to the sequence's spare lists, whose room earlier steps left there
+  // (empty for a stream that does not change: KeepOrphans reads them). Stream s replaces
+  // its entries [from[s], old_to[s]) by new_blocks[s], which ends up at [from[s], to[s]):
+  // without quantization, only the entries that lose slots and one neighbour on each side
+  // (for merges) are planned, so a step that drops a slot or two per stream copies and
+  // pairs a few entries, not the stream's whole list.
+  const size_t num_streams = seq.streams().size();
   std::vector<std::vector<StreamBlock>>& new_blocks = seq.spare_lists();
-  new_blocks.resize(seq.streams().size());
-  std::vector<bool> changed(seq.streams().size(), false);
-  for (size_t s = 0; s < seq.streams().size(); ++s) {
+  new_blocks.resize(num_streams);
+  std::vector<bool> changed(num_streams, false);
+  std::vector<size_t> from(num_streams, 0), old_to(num_streams, 0), to(num_streams, 0);
+  for (size_t s = 0; s < num_streams; ++s) {
     const Stream& st = seq.streams()[s];
     std::vector<StreamBlock>& blocks = new_blocks[s];
     blocks.clear();
     const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
     if (!evicts && !seq.format().quantizes()) continue;  // nothing can change in this stream
-    blocks.assign(st.blocks().begin(), st.blocks().end());
+    EntryRange range{0, st.blocks().size(), 0};
+    if (!seq.format().quantizes()) range = EvictedEntries(st, *decision.keep[s]);
+    blocks.assign(st.blocks().begin() + static_cast<ptrdiff_t>(range.begin),
+                  st.blocks().begin() + static_cast<ptrdiff_t>(range.end));
     absl::Status planned = absl::OkStatus();
     if (evicts) {
       applied.evicted += st.size() - decision.keep[s]->size();
-      planned = planner.Keep(blocks, *decision.keep[s]);
+      planned = planner.Keep(blocks, *decision.keep[s], range.first_slot);
       if (planned.ok()) planned = planner.Merge(blocks);
       changed[s] = true;
     }
@@ -114,6 +145,9 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
       pool_->Unref(batch.allocated);
       return planned;
     }
+    from[s] = range.begin;
+    old_to[s] = range.end;
+    to[s] = range.begin + blocks.size();
   }
   applied.quantized = batch.quantized_slots;
   if (applied.evicted == 0 && applied.quantized == 0) {
@@ -135,7 +169,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // Nothing below should throw; if something does, the sequence is poisoned and keeps the
   // references no stream names for Release, so that the pool's accounting stays exact.
   absl::Cleanup on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    KeepOrphans(seq, batch, new_blocks, swapped);
+    KeepOrphans(seq, batch, new_blocks, swapped, from, to);
     Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };
   const uint64_t version = NewVersion(seq);
@@ -146,7 +180,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams()[s].size()) {
       seq.stream(s).KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.stream(s).SwapBlocks(new_blocks[s], version);
+    seq.stream(s).SwapBlocks(new_blocks[s], version, from[s], old_to[s]);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);

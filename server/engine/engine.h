@@ -343,11 +343,21 @@ class Engine {
   absl::Status Poison(Sequence& seq, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // After a commit interrupted past its point of no return: moves the references the
   // sequence holds but no stream names (old blocks of committed streams, new blocks of the
-  // rest) to seq.orphan_blocks, which Release drops. `from`: where each stream's swapped
-  // entries begin (Stream::SwapBlocks), empty when whole lists were swapped.
+  // rest) to seq.orphan_blocks, which Release drops. `from`, `to`: where each stream's
+  // swapped entries begin and end (Stream::SwapBlocks), empty when whole lists or whole
+  // tails were swapped.
   void KeepOrphans(Sequence& seq, const OpBatch& batch,
                    const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
-                   const std::vector<size_t>& from = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+                   const std::vector<size_t>& from = {}, const std::vector<size_t>& to = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // The entries of a stream's block list that a keep-set changes ([begin, end), one
+  // neighbour on each side included), and the stream index of entry `begin`'s first slot.
+  struct EntryRange {
+    size_t begin = 0;
+    size_t end = 0;
+    uint64_t first_slot = 0;
+  };
+  static EntryRange EvictedEntries(const Stream& st, const KeepSet& keep);
   // A seqlock write section on one sequence: readers of its current tables fail from the
   // moment it opens. Commit() publishes a fresh epoch; destroyed without it (an error or
   // an exception past the point of no return), it poisons the sequence.

@@ -88,7 +88,7 @@ void Stream::KeepSlots(const KeepSet& keep, uint32_t history_rows) {
                 [&](auto& column, size_t width) { column.DropFront(end * width); });
 }
 
-void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from) {
+void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from, size_t to) {
   // The KV byte tally: the old entries leave it, the new ones join it.
   auto tally = [this](const StreamBlock& b, bool add) {
     const bool layout = b.precision == Precision::kLayout;
@@ -96,29 +96,34 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
     slots = add ? slots + b.count : slots - b.count;
     if (!layout) quantized_blocks_ = add ? quantized_blocks_ + 1 : quantized_blocks_ - 1;
   };
-  for (size_t i = from; i < blocks_.size(); ++i) tally(blocks_[i], false);
-  // blocks_ = [prefix][old entries], other = [new entries]: exchange the two tails.
-  const size_t old_n = blocks_.size() - from, new_n = other.size();
-  if (from == 0) {
+  to = std::min(to, blocks_.size());
+  for (size_t i = from; i < to; ++i) tally(blocks_[i], false);
+  // blocks_ = [prefix][old entries][suffix], other = [new entries]: exchange the middles.
+  const size_t old_n = to - from, new_n = other.size();
+  if (from == 0 && to == blocks_.size()) {
     blocks_.swap(other);
   } else {
     const size_t common = std::min(old_n, new_n);
     const auto at = blocks_.begin() + static_cast<ptrdiff_t>(from);
     std::swap_ranges(other.begin(), other.begin() + static_cast<ptrdiff_t>(common), at);
     if (new_n > common) {
-      blocks_.insert(blocks_.end(), other.begin() + static_cast<ptrdiff_t>(common), other.end());
+      blocks_.insert(at + static_cast<ptrdiff_t>(common),
+                     other.begin() + static_cast<ptrdiff_t>(common), other.end());
       other.resize(common);
     } else if (old_n > common) {
-      other.insert(other.end(), at + static_cast<ptrdiff_t>(common), blocks_.end());
-      blocks_.resize(from + common);
+      other.insert(other.end(), at + static_cast<ptrdiff_t>(common),
+                   at + static_cast<ptrdiff_t>(old_n));
+      blocks_.erase(at + static_cast<ptrdiff_t>(common), at + static_cast<ptrdiff_t>(old_n));
     }
   }
   const std::vector<StreamBlock>& old = other;  // old[k] was entry from + k
   bool changed = new_n != old_n;
-  size_t moved_from = blocks_.size();  // the first entry not at its old index, or new
-  size_t touched_from = std::min(from + new_n, from + old_n);  // the first entry changed
-  size_t j = 0;  // old entries before j are paired or gone
-  for (size_t i = from; i < blocks_.size(); ++i) {
+  // The first entry not at its old index, or new: the suffix moved when the middle's
+  // length changed.
+  size_t moved_from = new_n != old_n ? from + new_n : blocks_.size();
+  size_t touched_from = from + std::min(new_n, old_n);  // the first entry changed
+  size_t j = 0;                                         // old entries before j are paired or gone
+  for (size_t i = from; i < from + new_n; ++i) {
     StreamBlock& b = blocks_[i];
     tally(b, true);
     size_t k = j;

@@ -168,7 +168,11 @@ class Stream {
   // Surviving blocks keep their order, which lets one walk pair them up. `other` gets
   // the old entries. Never allocates when the capacities were reserved: the list's for
   // from + other.size() (ReserveBlocks), other's for the old entries it takes.
-  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from = 0);
+  // With `to` as well, entries [from, to) are exchanged with `other` (a step's eviction
+  // plans only the entries it changes), and the entries after them stay as they were,
+  // moved up or down as a whole.
+  void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from = 0,
+                  size_t to = SIZE_MAX);
   void ReserveBlocks(size_t n) {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }

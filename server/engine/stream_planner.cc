@@ -126,13 +126,14 @@ absl::Status StreamPlanner::Append(std::vector<StreamBlock>& blocks,
   return absl::OkStatus();
 }
 
-absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep) {
+absl::Status StreamPlanner::Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep,
+                                 uint64_t first_slot) {
   // In place: the list only loses blocks or shrinks them, so entry `out` is written after
   // entry `in` >= out was read. No allocation but the copy-on-write blocks.
   const absl::Span<const SlotRun> runs = keep.runs();
   size_t out = 0;
-  size_t r = 0;        // the first run that does not end before this block
-  uint64_t first = 0;  // stream index of the block's first live slot
+  size_t r = 0;                 // the first run that does not end before this block
+  uint64_t first = first_slot;  // stream index of the block's first live slot
   for (size_t in = 0; in < blocks.size(); ++in) {
     StreamBlock block = blocks[in];
     const uint64_t last = first + block.count;  // one past the block's last live slot

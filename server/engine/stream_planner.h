@@ -68,8 +68,10 @@ class StreamPlanner {
 
   // Appends the runs in order after the stream's last slot.
   absl::Status Append(std::vector<StreamBlock>& blocks, absl::Span<const AppendRun> runs);
-  // Keeps only the slots of `keep` (valid over the stream: validated by the caller).
-  absl::Status Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep);
+  // Keeps only the slots of `keep` (valid over the stream: validated by the caller) in
+  // `blocks`, entries of the stream's list whose first slot is the stream's `first_slot`
+  // (the whole list, or the part of it that holds every slot the keep-set drops).
+  absl::Status Keep(std::vector<StreamBlock>& blocks, const KeepSet& keep, uint64_t first_slot = 0);
   // Merges neighbouring layout-precision blocks whose live slots fit one block.
   absl::Status Merge(std::vector<StreamBlock>& blocks);
   // Quantizes every layout block whose slots all lie before the last `recent` slots, as

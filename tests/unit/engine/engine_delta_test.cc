@@ -3,6 +3,7 @@
 // whole table; and the batched step behaves as the calls it folds.
 #include <random>
 #include <regex>
+#include <tuple>
 
 #include "gmock/gmock.h"
 #include "tests/unit/engine/engine_fixture.h"
@@ -559,6 +560,88 @@ TEST_F(DeltaTest, AFailingEntryChangesNothingAndLeavesTheOthersAlone) {
   // A sequence named twice: the whole batch is refused, nothing runs.
   calls = {data[0].call, data[0].call};
   EXPECT_THAT(engine_->StepBatch(calls).status().message(), HasSubstr("entries[1].sequence_id"));
+}
+
+// A step's eviction swaps only the entries it planned (SwapBlocks(list, v, from, to)); the
+// stream must end up exactly as if the whole list had been swapped: entries, versions,
+// published indices, the change record and the KV tally.
+TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
+  std::mt19937 rng(23);
+  store::BlockId next_id = 1;
+  for (int round = 0; round < 500; ++round) {
+    std::vector<StreamBlock> list;
+    const size_t n = 1 + rng() % 8;
+    for (size_t i = 0; i < n; ++i) {
+      const auto precision = rng() % 4 == 0 ? Precision::kInt8 : Precision::kLayout;
+      list.push_back({next_id++, 0, 1 + static_cast<uint32_t>(rng() % 16), precision});
+    }
+    Stream ranged, whole;
+    std::vector<StreamBlock> copy = list;
+    ranged.SwapBlocks(list, 10);
+    whole.SwapBlocks(copy, 10);
+    uint64_t version = 10;
+    for (int step = 0; step < 6 && !ranged.blocks().empty(); ++step) {
+      ++version;
+      if (rng() % 2 == 0) {
+        ranged.MarkPublished(static_cast<int>(version % 2));
+        whole.MarkPublished(static_cast<int>(version % 2));
+      }
+      const std::vector<StreamBlock>& now = ranged.blocks();
+      const size_t from = rng() % now.size();
+      const size_t to = from + 1 + rng() % (now.size() - from);
+      // The planned middle: entries shrunk, dropped, merged into a neighbour, or replaced.
+      std::vector<StreamBlock> middle;
+      for (size_t i = from; i < to; ++i) {
+        StreamBlock b = now[i];
+        const int what = static_cast<int>(rng() % 5);
+        if (what == 0) continue;  // dropped
+        if (what == 1 && b.count > 1) {
+          ++b.start;
+          --b.count;
+        }
+        if (what == 2) b = {next_id++, 0, b.count, b.precision};  // copied: a new id
+        if (what == 3 && !middle.empty()) {                       // merged into the last
+          middle.back().count += b.count;
+          middle.back().version = 0;
+          continue;
+        }
+        middle.push_back(b);
+      }
+      std::vector<StreamBlock> full(now.begin(), now.begin() + static_cast<ptrdiff_t>(from));
+      full.insert(full.end(), middle.begin(), middle.end());
+      full.insert(full.end(), now.begin() + static_cast<ptrdiff_t>(to), now.end());
+      const std::vector<StreamBlock> old_middle(now.begin() + static_cast<ptrdiff_t>(from),
+                                                now.begin() + static_cast<ptrdiff_t>(to));
+      ranged.SwapBlocks(middle, version, from, to);
+      whole.SwapBlocks(full, version);
+      const std::string at = absl::StrCat("round ", round, " step ", step);
+      ASSERT_EQ(ranged.blocks().size(), whole.blocks().size()) << at;
+      for (size_t i = 0; i < ranged.blocks().size(); ++i) {
+        const StreamBlock& a = ranged.blocks()[i];
+        const StreamBlock& b = whole.blocks()[i];
+        ASSERT_EQ(std::make_tuple(a.id, a.start, a.count, a.precision, a.version),
+                  std::make_tuple(b.id, b.start, b.count, b.precision, b.version))
+            << at << " entry " << i;
+      }
+      ASSERT_EQ(middle.size(), old_middle.size()) << at;  // the old entries, for an unwind
+      for (size_t i = 0; i < middle.size(); ++i) ASSERT_EQ(middle[i].id, old_middle[i].id) << at;
+      ASSERT_EQ(ranged.changed_version(), whole.changed_version()) << at;
+      ASSERT_EQ(ranged.previous_changed_version(), whole.previous_changed_version()) << at;
+      ASSERT_EQ(ranged.untouched_prefix(), whole.untouched_prefix()) << at;
+      ASSERT_EQ(ranged.layout_slots(), whole.layout_slots()) << at;
+      ASSERT_EQ(ranged.quantized_slots(), whole.quantized_slots()) << at;
+      ASSERT_EQ(ranged.quantized_blocks(), whole.quantized_blocks()) << at;
+      for (int which : {0, 1}) {
+        ranged.MarkPublished(which);
+        whole.MarkPublished(which);
+        for (size_t i = 0; i < ranged.blocks().size(); ++i) {
+          ASSERT_EQ(ranged.blocks()[i].published_index[which],
+                    whole.blocks()[i].published_index[which])
+              << at << " entry " << i;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
