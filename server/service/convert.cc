@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
+#include "server/common/simd_loops.h"
 
 namespace kvmem::service {
 
@@ -184,11 +185,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
                                                      " bytes is not a whole number of halves"));
     }
     std::vector<float>& row = storage->emplace_back(half.size() / 2);
-    for (size_t j = 0; j < row.size(); ++j) {
-      uint16_t h;
-      std::memcpy(&h, half.data() + 2 * j, 2);  // little-endian (the hosts kvmemd runs on)
-      row[j] = kernels::HalfToFloat(h);
-    }
+    HalfToFloat(half.data(), row.size(), row.data());  // little-endian, as kvmemd's hosts
     out[i].values = row;
   }
   return out;
