@@ -47,9 +47,10 @@ inline void HalfToFloat(const void* src, size_t n, float* out) {
   constexpr uint32_t kRebase = (127 - 15) << 23;
   constexpr uint32_t kHalfMaxExp = 0x1fu << 23;  // after the shift by 13
   const auto four = [](const void* at, float* to) {
-    uint16_t in[4];
-    std::memcpy(in, at, sizeof in);
-    const U4 h = {in[0], in[1], in[2], in[3]};
+    using H4 = uint16_t __attribute__((vector_size(8)));
+    H4 in;
+    std::memcpy(&in, at, sizeof in);
+    const U4 h = __builtin_convertvector(in, U4);
     U4 bits = (h & 0x7fffu) << 13;
     const U4 exp = bits & kHalfMaxExp;
     bits += kRebase;
