@@ -40,7 +40,8 @@ class KeepSet {
   }
 
   // Appends a slot, or the slots [begin, end), after those already in the set: a slot that
-  // continues the last run extends it. Out of order, it starts a run that ValidFor rejects.
+  // continues the last run extends it. Out of order, it starts a run that ValidFor rejects;
+  // so does a reversed run (end < begin), while an empty one adds nothing.
   void Add(uint32_t slot) {
     if (slot == UINT32_MAX) {
       overflow_ = true;  // no stream has that slot
@@ -49,6 +50,7 @@ class KeepSet {
     AddRun(slot, slot + 1);
   }
   void AddRun(uint32_t begin, uint32_t end) {
+    if (end < begin) overflow_ = true;  // a reversed run: a caller's arithmetic went wrong
     if (end <= begin) return;
     if (!runs_.empty() && runs_.back().end == begin) {
       runs_.back().end = end;
@@ -132,7 +134,7 @@ class KeepSet {
  private:
   absl::InlinedVector<SlotRun, 2> runs_;
   size_t size_ = 0;
-  bool overflow_ = false;  // Add() was given a slot past every stream
+  bool overflow_ = false;  // given a slot past every stream, or a reversed run
 };
 
 }  // namespace kvmem

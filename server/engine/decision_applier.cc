@@ -27,27 +27,6 @@ void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
   }
 }
 
-Engine::EntryRange Engine::EvictedEntries(const Stream& st, const KeepSet& keep) {
-  // The first and last slots the keep-set drops (it drops at least one).
-  const absl::Span<const SlotRun> runs = keep.runs();
-  const size_t n = st.size();
-  const size_t first_out = runs.empty() || runs.front().begin > 0 ? 0 : runs.front().end;
-  const size_t last_out = runs.empty() || runs.back().end < n ? n - 1 : runs.back().begin - 1;
-  const std::vector<StreamBlock>& blocks = st.blocks();
-  EntryRange range{0, blocks.size(), 0};
-  uint64_t slot = 0;  // the stream index of entry i's first slot
-  size_t i = 0;
-  for (; i < blocks.size() && slot + blocks[i].count <= first_out; ++i) slot += blocks[i].count;
-  range.begin = i;
-  range.first_slot = slot;
-  for (; i < blocks.size() && slot + blocks[i].count <= last_out; ++i) slot += blocks[i].count;
-  range.end = std::min(i + 1, blocks.size());
-  // One neighbour on each side, which a merge may join.
-  if (range.begin > 0) range.first_slot -= blocks[--range.begin].count;
-  if (range.end < blocks.size()) ++range.end;
-  return range;
-}
-
 Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
   engine_->board_->BeginWrite(seq_->epoch_slot(), seq_->epoch());
 }
@@ -117,6 +96,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // (for merges) are planned, so a step that drops a slot or two per stream copies and
   // pairs a few entries, not the stream's whole list.
   const size_t num_streams = seq.streams().size();
+  const uint64_t B = seq.layout().block_tokens;
   std::vector<std::vector<StreamBlock>>& new_blocks = seq.spare_lists();
   new_blocks.resize(num_streams);
   std::vector<bool> changed(num_streams, false);
@@ -127,8 +107,13 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     blocks.clear();
     const bool evicts = decision.keep[s] && decision.keep[s]->size() < st.size();
     if (!evicts && !seq.format().quantizes()) continue;  // nothing can change in this stream
+    // The whole list when the format quantizes (Quantize walks it all) or when the list is
+    // longer than a merged one can be (blocks left apart while shared: merge them all).
     EntryRange range{0, st.blocks().size(), 0};
-    if (!seq.format().quantizes()) range = EvictedEntries(st, *decision.keep[s]);
+    const uint64_t merged_most = 2 * ((st.size() + B - 1) / B) + 1;
+    if (!seq.format().quantizes() && st.blocks().size() <= merged_most) {
+      range = EvictedEntries(st.blocks(), st.size(), *decision.keep[s]);
+    }
     blocks.assign(st.blocks().begin() + static_cast<ptrdiff_t>(range.begin),
                   st.blocks().begin() + static_cast<ptrdiff_t>(range.end));
     absl::Status planned = absl::OkStatus();

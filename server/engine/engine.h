@@ -350,14 +350,7 @@ class Engine {
                    const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
                    const std::vector<size_t>& from = {}, const std::vector<size_t>& to = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // The entries of a stream's block list that a keep-set changes ([begin, end), one
-  // neighbour on each side included), and the stream index of entry `begin`'s first slot.
-  struct EntryRange {
-    size_t begin = 0;
-    size_t end = 0;
-    uint64_t first_slot = 0;
-  };
-  static EntryRange EvictedEntries(const Stream& st, const KeepSet& keep);
+
   // A seqlock write section on one sequence: readers of its current tables fail from the
   // moment it opens. Commit() publishes a fresh epoch; destroyed without it (an error or
   // an exception past the point of no return), it poisons the sequence.

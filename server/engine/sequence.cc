@@ -34,8 +34,10 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
   positions_.Append(positions);
   if (initial_score) scores_.AppendFill(n, *initial_score);
   history_.AppendFill(n * history_rows, 0.0f);
-  token_entropy_.Append(token_entropy);
-  layer_distance_.Append(layer_distance);
+  if (token_signals_) {
+    token_entropy_.Append(token_entropy);
+    layer_distance_.Append(layer_distance);
+  }
   arrival_step_.AppendFill(n, arrival);
 }
 
@@ -305,7 +307,8 @@ absl::Status Sequence::CheckInvariants() const {
       return absl::InternalError(
           absl::StrCat("sequence ", id_, " stream ", s, ": ", what, " (", n, " slots)"));
     };
-    if (st.token_entropy().size() != n || st.layer_distance().size() != n ||
+    const size_t signals = st.token_signals() ? n : 0;
+    if (st.token_entropy().size() != signals || st.layer_distance().size() != signals ||
         st.arrival_step().size() != n) {
       return broken("per-slot signals disagree with the positions");
     }

@@ -143,8 +143,14 @@ class Stream {
   absl::Span<const float> scores() const { return scores_.span(); }
   // [slot][history_rows]: the attention rows of past steps (policy.h).
   absl::Span<const float> history() const { return history_.span(); }
-  absl::Span<const float> token_entropy() const { return token_entropy_.span(); }    // NaN: none
-  absl::Span<const float> layer_distance() const { return layer_distance_.span(); }  // NaN: none
+  // The per-token signals (NaN where the worker sent none); empty when the stream keeps none.
+  absl::Span<const float> token_entropy() const { return token_entropy_.span(); }
+  absl::Span<const float> layer_distance() const { return layer_distance_.span(); }
+  // Whether the stream keeps the per-token signals: only for a policy that reads them
+  // (PolicyDescriptor::append_signals), 8 bytes per slot saved for every other. Set while
+  // the stream is empty (Sequence's constructor); copies keep it.
+  bool token_signals() const { return token_signals_; }
+  void set_token_signals(bool keep) { token_signals_ = keep; }
   absl::Span<const int64_t> arrival_step() const { return arrival_step_.span(); }
 
   // Room for `more` slots in every per-slot vector (capacity grows geometrically), so that
@@ -170,7 +176,8 @@ class Stream {
   // from + other.size() (ReserveBlocks), other's for the old entries it takes.
   // With `to` as well, entries [from, to) are exchanged with `other` (a step's eviction
   // plans only the entries it changes), and the entries after them stay as they were,
-  // moved up or down as a whole.
+  // moved up or down as a whole; a middle that grows needs the list's capacity for
+  // size() - (to - from) + other.size() (an eviction's only shrinks).
   void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from = 0,
                   size_t to = SIZE_MAX);
   void ReserveBlocks(size_t n) {
@@ -237,8 +244,10 @@ class Stream {
     f(st.positions_, size_t{1});
     if (host_scores) f(st.scores_, size_t{1});
     f(st.history_, size_t{history_rows});
-    f(st.token_entropy_, size_t{1});
-    f(st.layer_distance_, size_t{1});
+    if (st.token_signals_) {
+      f(st.token_entropy_, size_t{1});
+      f(st.layer_distance_, size_t{1});
+    }
     f(st.arrival_step_, size_t{1});
   }
 
@@ -253,6 +262,7 @@ class Stream {
   SlotColumn<float> scores_;
   std::vector<float> next_scores_;
   SlotColumn<float> history_;  // history_rows values per slot
+  bool token_signals_ = true;
   SlotColumn<float> token_entropy_;
   SlotColumn<float> layer_distance_;
   SlotColumn<int64_t> arrival_step_;
@@ -289,7 +299,9 @@ class Sequence {
         epoch_slot_(epoch_slot),
         parent_id_(parent_id),
         tenant_(tenant),
-        streams_(layout.num_streams()) {}
+        streams_(layout.num_streams()) {
+    for (Stream& st : streams_) st.set_token_signals(policy_->descriptor().append_signals != 0);
+  }
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;
 

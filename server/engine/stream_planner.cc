@@ -24,6 +24,26 @@ void PushMove(std::vector<store::MoveOp>& ops, uint64_t src, uint64_t dst, uint6
 
 }  // namespace
 
+EntryRange EvictedEntries(absl::Span<const StreamBlock> blocks, uint64_t slots,
+                          const KeepSet& keep) {
+  // The first and last slots the keep-set drops.
+  const absl::Span<const SlotRun> runs = keep.runs();
+  const uint64_t first_out = runs.empty() || runs.front().begin > 0 ? 0 : runs.front().end;
+  const uint64_t last_out =
+      runs.empty() || runs.back().end < slots ? slots - 1 : runs.back().begin - 1;
+  EntryRange range{0, blocks.size(), 0};
+  uint64_t slot = 0;  // the stream index of entry i's first slot
+  size_t i = 0;
+  for (; i < blocks.size() && slot + blocks[i].count <= first_out; ++i) slot += blocks[i].count;
+  range.begin = i;
+  range.first_slot = slot;
+  for (; i < blocks.size() && slot + blocks[i].count <= last_out; ++i) slot += blocks[i].count;
+  range.end = std::min(i + 1, blocks.size());
+  if (range.begin > 0) range.first_slot -= blocks[--range.begin].count;
+  if (range.end < blocks.size()) ++range.end;
+  return range;
+}
+
 uint64_t StreamPlanner::BlocksForAppend(const std::vector<StreamBlock>& blocks,
                                         uint64_t tokens) const {
   const uint32_t B = format_.block_tokens();

@@ -53,6 +53,18 @@ struct AppendRun {
   uint32_t count;
 };
 
+// Entries [begin, end) of a block list, and the stream index of entry begin's first slot.
+struct EntryRange {
+  size_t begin = 0;
+  size_t end = 0;
+  uint64_t first_slot = 0;
+};
+// The entries of a block list of `slots` slots that hold what `keep` drops (at least one
+// slot), with one neighbour on each side, which a merge may join: what a step's eviction
+// plans (Keep, then Merge) and swaps (Stream::SwapBlocks) instead of the whole list.
+EntryRange EvictedEntries(absl::Span<const StreamBlock> blocks, uint64_t slots,
+                          const KeepSet& keep);
+
 class StreamPlanner {
  public:
   StreamPlanner(const BlockFormat& format, store::BlockPool* pool, OpBatch* batch,

@@ -71,10 +71,12 @@ struct StreamState {
   // row of step t in column t % history_rows (0 where the slot did not exist yet). The
   // engine records each Step's row after the call commits.
   absl::Span<const float> history;
-  absl::Span<const float> attention;       // this call's row; empty when not sent
-  absl::Span<const float> window_scores;   // Compress only; empty when not sent
-  absl::Span<const float> token_entropy;   // per slot; NaN where the worker sent none
-  absl::Span<const float> layer_distance;  // per slot; NaN where the worker sent none
+  absl::Span<const float> attention;      // this call's row; empty when not sent
+  absl::Span<const float> window_scores;  // Compress only; empty when not sent
+  // Per slot, NaN where the worker sent none; empty unless the policy declares a per-token
+  // signal (PolicyDescriptor::append_signals).
+  absl::Span<const float> token_entropy;
+  absl::Span<const float> layer_distance;
   absl::Span<const int64_t> arrival_step;  // step at which the slot was appended
 };
 

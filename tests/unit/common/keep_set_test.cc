@@ -43,6 +43,9 @@ TEST(KeepSetTest, OutOfOrderRepeatedOrUnrepresentableSlotsAreInvalid) {
   EXPECT_FALSE(KeepSet::FromSlots(std::vector<uint32_t>{1, 1}).ValidFor(10));
   EXPECT_FALSE(KeepSet::FromSlots(std::vector<uint32_t>{0, 1, 2, 1}).ValidFor(10));
   EXPECT_FALSE(KeepSet::FromSlots(std::vector<uint32_t>{UINT32_MAX}).ValidFor(SIZE_MAX));
+  KeepSet reversed = KeepSet::Range(0, 2);
+  reversed.AddRun(9, 5);  // a caller's arithmetic gone wrong: not a smaller set
+  EXPECT_FALSE(reversed.ValidFor(10));
   KeepSet overlapping = KeepSet::Range(0, 5);
   overlapping.AddRun(3, 8);
   EXPECT_FALSE(overlapping.ValidFor(10));

@@ -26,6 +26,11 @@ struct SweepCase {
   // Whether the call has a point that can fail at all (Fork and Release take no block,
   // call no backend and commit nothing that can throw: the sweep then shows they run).
   bool can_fail = true;
+  // The prepared sequence: tokens per stream, and whether its format quantizes. Unquantized
+  // and one over an h2o budget, a step drops one slot out of the middle of a list of seven
+  // blocks: it plans and swaps only the entries around it (Engine::EvictedEntries).
+  int64_t tokens = 44;
+  bool quantized = true;
 };
 
 class FailureSweepTest : public EngineTest,
@@ -40,12 +45,13 @@ class FailureSweepTest : public EngineTest,
         },
         testing::FaultyBackend::Wrapper(&backend_));
     QuantConfig quant{kernels::QuantType::kInt8, 16};
+    if (!c.quantized) quant = QuantConfig{};
     const policy::ParamOverrides params =
         std::string(c.policy) == "h2o"
-            ? policy::ParamOverrides{{"budget", 40}, {"recent", 8}}
+            ? policy::ParamOverrides{{"budget", c.tokens == 44 ? 40 : c.tokens - 1}, {"recent", 8}}
             : policy::ParamOverrides{{"c_high", 30}, {"c_low", 40}, {"protect", 8}};
     id_ = Create(c.policy, params, absl::ZeroDuration(), quant);
-    ASSERT_TRUE(AppendRange(id_, 0, 44).ok());
+    ASSERT_TRUE(AppendRange(id_, 0, static_cast<uint32_t>(c.tokens)).ok());
     // A fork shares every block: the mutation meets copy-on-write too.
     other_ = engine_->Fork(id_, absl::ZeroDuration())->sequence_id;
   }
@@ -179,6 +185,11 @@ const SweepCase kCases[] = {
      [](Engine& e, uint64_t id, uint64_t) {
        return e.Step(id, RandomSignals(e, id, &g_rows)).status();
      }},
+    {"step_host_ranged", "h2o", false,
+     [](Engine& e, uint64_t id, uint64_t) {
+       return e.Step(id, RandomSignals(e, id, &g_rows)).status();
+     },
+     true, true, /*tokens=*/100, /*quantized=*/false},
     {"step_device", "confkv", true,
      [](Engine& e, uint64_t id, uint64_t) {
        return e.Step(id, RandomSignals(e, id, &g_rows)).status();

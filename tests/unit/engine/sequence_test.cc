@@ -14,11 +14,11 @@
 namespace kvmem::engine {
 namespace {
 
-std::unique_ptr<Sequence> Make(uint64_t id, uint64_t parent = 0) {
+std::unique_ptr<Sequence> Make(uint64_t id, uint64_t parent = 0, const std::string& name = "h2o") {
   const Layout layout{3, 2, 8, DType::kF16, 16, 0};
-  auto policy = policy::CreatePolicy("h2o", {});
+  auto policy = policy::CreatePolicy(name, {});
   EXPECT_TRUE(policy.ok()) << policy.status();
-  return std::make_unique<Sequence>(id, layout, "h2o", policy::ParamOverrides{}, *std::move(policy),
+  return std::make_unique<Sequence>(id, layout, name, policy::ParamOverrides{}, *std::move(policy),
                                     QuantConfig{}, absl::Seconds(30),
                                     /*epoch_slot=*/0, parent);
 }
@@ -29,6 +29,30 @@ TEST(SequenceTest, HasOneStreamPerLayerAndHeadFromTheStart) ABSL_NO_THREAD_SAFET
   EXPECT_EQ(seq->streams().size(), 6u);
   EXPECT_EQ(seq->num_streams(), 6u);
   EXPECT_TRUE(seq->CheckInvariants().ok());
+}
+
+TEST(SequenceTest, OnlyAPolicyThatReadsPerTokenSignalsKeepsThem) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const std::vector<int64_t> positions = {0, 1, 2};
+  const std::vector<float> entropy = {0.5f, 1.0f, 1.5f};
+  uint64_t bytes[2] = {0, 0};
+  for (const bool infokv : {false, true}) {
+    std::unique_ptr<Sequence> seq = Make(1, 0, infokv ? "infokv" : "window");
+    kvmem::MutexLock lock(&seq->mu);
+    for (size_t s = 0; s < seq->streams().size(); ++s) {
+      Stream& st = seq->stream(s);
+      ASSERT_EQ(st.token_signals(), infokv);
+      st.Reserve(positions.size(), false, 0);
+      st.AppendSlots(positions, std::nullopt, 0, entropy, entropy, 0);
+      EXPECT_EQ(st.token_entropy().size(), infokv ? 3u : 0u);
+      EXPECT_EQ(st.layer_distance().size(), infokv ? 3u : 0u);
+      EXPECT_EQ(st.arrival_step().size(), 3u);
+      // A copy (a fork's) keeps the choice.
+      const Stream copy = st;
+      EXPECT_EQ(copy.token_signals(), infokv);
+    }
+    bytes[infokv] = seq->streams()[0].host_bytes();
+  }
+  EXPECT_LT(bytes[0], bytes[1]);
 }
 
 TEST(SequenceTest, PoisonKeepsTheFirstReasonAndSetsTheFlag) ABSL_NO_THREAD_SAFETY_ANALYSIS {

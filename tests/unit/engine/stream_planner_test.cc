@@ -67,6 +67,7 @@ TEST(StreamPlannerTest, KeepLeavesExactlyTheKeptSlotsInOrder) {
     }
     ASSERT_TRUE(keep.ValidFor(slots));
 
+    const std::vector<char> before = bytes;
     OpBatch batch;
     StreamPlanner planner(format, pool.get(), &batch);
     std::vector<StreamBlock> planned = blocks;
@@ -95,6 +96,37 @@ TEST(StreamPlannerTest, KeepLeavesExactlyTheKeptSlotsInOrder) {
     }
     ASSERT_EQ(batch.dropped.size(), blocks.size() - named_old) << "round " << round;
     ASSERT_LE(batch.allocated.size(), shared);
+
+    // A step's plan: only the entries EvictedEntries names, kept and merged, spliced into
+    // the rest of the list, leaves the same slots in the same order.
+    if (keep.size() == slots) continue;
+    const EntryRange range = EvictedEntries(blocks, slots, keep);
+    ASSERT_LT(range.begin, range.end);
+    ASSERT_LE(range.end, blocks.size());
+    std::vector<char> ranged_bytes = before;
+    OpBatch ranged_batch;
+    StreamPlanner ranged_planner(format, pool.get(), &ranged_batch);
+    std::vector<StreamBlock> middle(blocks.begin() + static_cast<ptrdiff_t>(range.begin),
+                                    blocks.begin() + static_cast<ptrdiff_t>(range.end));
+    ASSERT_TRUE(ranged_planner.Keep(middle, keep, range.first_slot).ok());
+    ASSERT_TRUE(ranged_planner.Merge(middle).ok());
+    for (const store::MoveOp& op : ranged_batch.moves) {
+      std::memmove(ranged_bytes.data() + op.dst, ranged_bytes.data() + op.src, op.bytes);
+    }
+    std::vector<StreamBlock> spliced(blocks.begin(),
+                                     blocks.begin() + static_cast<ptrdiff_t>(range.begin));
+    spliced.insert(spliced.end(), middle.begin(), middle.end());
+    spliced.insert(spliced.end(), blocks.begin() + static_cast<ptrdiff_t>(range.end), blocks.end());
+    std::vector<uint32_t> ranged_got;
+    for (const StreamBlock& b : spliced) {
+      const uint64_t off = pool->offset(b.id);
+      for (uint32_t i = 0; i < b.count; ++i) {
+        uint32_t t;
+        std::memcpy(&t, ranged_bytes.data() + off + plane.k_offset(b.start + i), sizeof t);
+        ranged_got.push_back(t - 1);
+      }
+    }
+    ASSERT_EQ(ranged_got, keep.Slots()) << "round " << round << " kind " << kind;
   }
 }
 
