@@ -111,8 +111,9 @@ class H2oPolicy final : public Policy {
     for (size_t s = 0; s < streams.size(); ++s) {
       const size_t n = streams[s].positions.size();
       const uint32_t b = streams[s].layer < layer.size() ? layer[streams[s].layer] : budget;
-      if (n > b)
+      if (n > b) {
         d.keep[s] = KeepSet::FromSlots(KeepWindowPlusTop(n, recent, b, streams[s].next_scores));
+      }
     }
     return d;
   }

@@ -85,7 +85,9 @@ TEST(StreamPlannerTest, KeepLeavesExactlyTheKeptSlotsInOrder) {
         ASSERT_EQ(tag_at(off + plane.v_offset(b.start + i)), k) << "round " << round;
         got.push_back(k - 1);
         // A shared block is never written: what the plan moved into is private.
-        if (b.version == 0) ASSERT_EQ(pool->refs(b.id), 1u) << "round " << round;
+        if (b.version == 0) {
+          ASSERT_EQ(pool->refs(b.id), 1u) << "round " << round;
+        }
       }
     }
     ASSERT_EQ(got, keep.Slots()) << "round " << round << " kind " << kind;
