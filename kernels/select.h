@@ -32,6 +32,12 @@ enum class ScoreRule : uint8_t {
 // stream's max updated score to stream_max[s] (0 for an empty stream; scores are >= 0).
 void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,
                      const float* attention, float* scores, float* stream_max);
+// The same update read from `old_scores` (laid out as `scores`) and written to `scores`,
+// leaving the old ones as they were (a host step that may be undone): one pass instead of a
+// copy and an update. `old_scores` may be `scores`.
+void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,
+                     const float* attention, const float* old_scores, float* scores,
+                     float* stream_max);
 
 // Keep-set by priority: for unprotected slot j of a stream with n > budget,
 //   r_j = (score_j * e_scale + float(pos_j - pos_0) * r_scale) + r_const

@@ -39,14 +39,15 @@ float MaxLanes(F4 lanes, float from) {
   return from;
 }
 
-// e = lambda * e + (1 - lambda) * a (a where e is NaN: never scored) for n slots; returns
-// max(0, e...).
-float EmaStream(float lambda, uint32_t n, const float* attention, float* scores) {
+// e = lambda * e + (1 - lambda) * a (a where e is NaN: never scored) for n slots, e read
+// from `old` and written to `scores` (which may be `old`); returns max(0, e...).
+float EmaStream(float lambda, uint32_t n, const float* attention, const float* old_scores,
+                float* scores) {
   const float fresh_weight = 1.0f - lambda;
   F4 lanes = {};
   uint32_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const F4 old = Load<F4>(scores + j);
+    const F4 old = Load<F4>(old_scores + j);
     const F4 a = Load<F4>(attention + j);
     const F4 decayed = Splat(lambda) * old;
     const F4 fresh = Splat(fresh_weight) * a;
@@ -56,7 +57,7 @@ float EmaStream(float lambda, uint32_t n, const float* attention, float* scores)
   }
   float mx = MaxLanes(lanes, 0.0f);
   for (; j < n; ++j) {
-    const float old = scores[j];
+    const float old = old_scores[j];
     const float decayed = lambda * old;
     const float fresh = fresh_weight * attention[j];
     scores[j] = std::isnan(old) ? attention[j] : decayed + fresh;
@@ -65,18 +66,18 @@ float EmaStream(float lambda, uint32_t n, const float* attention, float* scores)
   return mx;
 }
 
-// s = s + a for n slots; returns max(0, s...).
-float AccumulateStream(uint32_t n, const float* attention, float* scores) {
+// s = s + a for n slots, s read from `old` and written to `scores`; returns max(0, s...).
+float AccumulateStream(uint32_t n, const float* attention, const float* old_scores, float* scores) {
   F4 lanes = {};
   uint32_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    const F4 e = Load<F4>(scores + j) + Load<F4>(attention + j);
+    const F4 e = Load<F4>(old_scores + j) + Load<F4>(attention + j);
     Store(scores + j, e);
     lanes = lanes < e ? e : lanes;
   }
   float mx = MaxLanes(lanes, 0.0f);
   for (; j < n; ++j) {
-    scores[j] += attention[j];
+    scores[j] = old_scores[j] + attention[j];
     mx = std::max(mx, scores[j]);
   }
   return mx;
@@ -147,13 +148,21 @@ uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32
 }
 
 void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,
-                     const float* attention, float* scores, float* stream_max) {
+                     const float* attention, const float* old_scores, float* scores,
+                     float* stream_max) {
   for (uint32_t s = 0; s < num_streams; ++s) {
     const StreamSlice& st = streams[s];
+    const float* a = attention + st.offset;
+    const float* old = old_scores + st.offset;
     stream_max[s] = rule == ScoreRule::kAccumulate
-                        ? AccumulateStream(st.length, attention + st.offset, scores + st.offset)
-                        : EmaStream(lambda, st.length, attention + st.offset, scores + st.offset);
+                        ? AccumulateStream(st.length, a, old, scores + st.offset)
+                        : EmaStream(lambda, st.length, a, old, scores + st.offset);
   }
+}
+
+void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,
+                     const float* attention, float* scores, float* stream_max) {
+  UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, scores, stream_max);
 }
 
 void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,

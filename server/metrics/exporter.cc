@@ -220,10 +220,14 @@ std::vector<MetricFamily> Collector::Collect() const {
 
   // RPCs.
   if (rpc_ != nullptr) {
-    MetricFamily& calls = f.Family("kvmem_rpc_requests_total",
-                                   "gRPC calls by method and status code", MetricType::Counter);
+    MetricFamily& calls =
+        f.Family("kvmem_rpc_requests_total",
+                 "KvCache calls by method and status code (StepBatch: over gRPC and step channels)",
+                 MetricType::Counter);
     MetricFamily& seconds =
-        f.Family("kvmem_rpc_duration_seconds", "gRPC call latency in the daemon by method",
+        f.Family("kvmem_rpc_duration_seconds",
+                 "KvCache call latency in the daemon by method (StepBatch through a step "
+                 "channel: from the request seen to the answer written)",
                  MetricType::Histogram);
     for (const auto& m : rpc_->methods()) {
       for (int code = 0; code < RpcTelemetry::kCodes; ++code) {
@@ -241,6 +245,14 @@ std::vector<MetricFamily> Collector::Collect() const {
                      {{"direction", "in"}, {"transport", "grpc"}});
     Families::Sample(moved, static_cast<double>(rpc_->bytes_out.load()),
                      {{"direction", "out"}, {"transport", "grpc"}});
+    Families::Sample(moved, static_cast<double>(rpc_->channel_bytes_in.load()),
+                     {{"direction", "in"}, {"transport", "step_channel"}});
+    Families::Sample(moved, static_cast<double>(rpc_->channel_bytes_out.load()),
+                     {{"direction", "out"}, {"transport", "step_channel"}});
+    f.Counter("kvmem_step_channel_batches_total",
+              "StepBatch calls answered through same-host step channels (in "
+              "kvmem_rpc_requests_total too)",
+              static_cast<double>(rpc_->channel_batches.load()));
   }
   return f.Take();
 }

@@ -11,6 +11,13 @@ RpcTelemetry::RpcTelemetry(const std::vector<std::string>& methods) {
     by_full_name_[name] = methods_.back().get();
   }
   methods_.push_back(std::make_unique<Method>("other"));
+  step_batch_ = &For("/kvmem.v1.KvCache/StepBatch");
+}
+
+void RpcTelemetry::RecordChannelBatch(int code, double seconds) {
+  if (code >= 0 && code < kCodes) step_batch_->calls[code].fetch_add(1, std::memory_order_relaxed);
+  step_batch_->seconds.Observe(seconds);
+  channel_batches.fetch_add(1, std::memory_order_relaxed);
 }
 
 RpcTelemetry::Method& RpcTelemetry::For(const char* full_name) {

@@ -35,8 +35,17 @@ class RpcTelemetry {
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
 
+  // StepBatch through same-host step channels: each batch counts as a StepBatch call (its
+  // code and latency in StepBatch's entry, as over gRPC), and here; its bytes count under
+  // their own transport.
+  void RecordChannelBatch(int code, double seconds);
+  std::atomic<uint64_t> channel_batches{0};
+  std::atomic<uint64_t> channel_bytes_in{0};
+  std::atomic<uint64_t> channel_bytes_out{0};
+
  private:
   std::vector<std::unique_ptr<Method>> methods_;  // the services' methods, then "other"
+  Method* step_batch_ = nullptr;                  // StepBatch's entry ("other" if not served)
   absl::flat_hash_map<std::string, Method*> by_full_name_;
 };
 

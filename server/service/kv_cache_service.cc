@@ -397,7 +397,16 @@ grpc::Status KvCacheService::OpenStepChannel(
     // A drain ends the channel, but not in the middle of an answer sent in chunks: the
     // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
     if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
-    const StepChannel::Served served = channel->ServeOne(absl::Milliseconds(50), handler);
+    StepChannel::Exchange exchange;
+    const StepChannel::Served served =
+        channel->ServeOne(absl::Milliseconds(50), handler, &exchange);
+    const bool answered =
+        served == StepChannel::Served::kServed || served == StepChannel::Served::kBrokenAfterRun;
+    if (answered && rpc_telemetry_ != nullptr) {
+      rpc_telemetry_->channel_bytes_in.fetch_add(exchange.bytes_in, std::memory_order_relaxed);
+      rpc_telemetry_->channel_bytes_out.fetch_add(exchange.bytes_out, std::memory_order_relaxed);
+      if (exchange.batch) rpc_telemetry_->RecordChannelBatch(exchange.code, exchange.seconds);
+    }
     if (served == StepChannel::Served::kBroken) {
       return ToGrpc(absl::FailedPreconditionError(
           "step channel: its segment was shrunk by the client; the request read from it was "

@@ -7,6 +7,7 @@
 
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
+#include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 #include "server/service/request_cache.h"
 #include "server/service/step_channel.h"
@@ -15,9 +16,12 @@ namespace kvmem::service {
 
 class KvCacheService final : public v1::KvCache::Service {
  public:
+  // `rpc_telemetry` (may be null) counts the StepBatch calls that step channels answer;
+  // the server's interceptor counts the gRPC calls.
   KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits,
-                 const engine::Clock* clock)
+                 const engine::Clock* clock, metrics::RpcTelemetry* rpc_telemetry = nullptr)
       : engine_(engine),
+        rpc_telemetry_(rpc_telemetry),
         version_(std::move(version)),
         streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
@@ -69,6 +73,7 @@ class KvCacheService final : public v1::KvCache::Service {
   void FillTableUpdate(uint64_t id, const v1::ClientTable& held, v1::TableUpdate* out);
 
   engine::Engine* const engine_;
+  metrics::RpcTelemetry* const rpc_telemetry_;
   const std::string version_;
   CallGate gate_;
   AppendStreamBudget streams_;

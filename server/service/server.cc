@@ -91,13 +91,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
-  server->service_ =
-      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits, clock);
+  server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
+  server->service_ = std::make_unique<KvCacheService>(
+      server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get());
 
   store::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
   builder.RegisterService(server->service_.get());

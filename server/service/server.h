@@ -62,9 +62,10 @@ class Server {
   Server() = default;
   engine::RealClock real_clock_;
   std::unique_ptr<engine::Engine> engine_;
-  std::unique_ptr<KvCacheService> service_;
-  // Before the gRPC server, so that it outlives the interceptors that record into it.
+  // Before the service and the gRPC server, so that it outlives the interceptors and the
+  // step channels that record into it.
   std::unique_ptr<metrics::RpcTelemetry> rpc_telemetry_;
+  std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::shared_ptr<metrics::Collector> collector_;
   std::unique_ptr<metrics::Exporter> exporter_;

@@ -80,10 +80,18 @@ class StepChannel {
   // An answer larger than the area is partly sent: its client will ask for the rest.
   bool chunks_pending() const { return !pending_.empty(); }
 
+  // What one answered request moved, for the daemon's RPC metrics.
+  struct Exchange {
+    bool batch = false;  // a kBatch request (a StepBatch call); else a chunk asked for
+    int code = 0;        // the answer's grpc::StatusCode
+    uint64_t bytes_in = 0, bytes_out = 0;  // the request's and this answer's bytes
+    double seconds = 0;                    // from the request seen to its answer written
+  };
   // Waits up to `wait` for a request and answers it with `handler` (or, for kMore, with
   // the next chunk of the answer too large for the area). kIdle: none came. After kBroken
-  // or kBrokenAfterRun the channel must be closed.
-  Served ServeOne(absl::Duration wait, const Handler& handler);
+  // or kBrokenAfterRun the channel must be closed. `exchange` (when given) describes the
+  // answer written for kServed and kBrokenAfterRun.
+  Served ServeOne(absl::Duration wait, const Handler& handler, Exchange* exchange = nullptr);
 
  private:
   StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity, std::string nonce)
@@ -94,9 +102,9 @@ class StepChannel {
         arena_block_(new char[ArenaBlockBytes(capacity)]) {}
   static uint64_t ArenaBlockBytes(uint64_t capacity) { return capacity + (256u << 10); }
   // Writes the next chunk of pending_ as the answer to `seq`.
-  void SendChunk(uint32_t seq);
-  // Publishes the answer to `seq` already in the area.
-  void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total);
+  void SendChunk(uint32_t seq, Exchange& exchange);
+  // Publishes the answer to `seq` already in the area, and notes it in `exchange`.
+  void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total, Exchange& exchange);
   std::unique_ptr<store::SharedSegment> segment_;
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
   const std::string nonce_;

@@ -171,11 +171,10 @@ class HostSlotState final : public BookedSlotState {
       for (size_t s = begin; s < end; ++s) {
         const uint32_t n = book_.length(static_cast<uint32_t>(s));
         float* scores = spare_scores_.data() + s * cap;
-        std::copy_n(scores_.data() + s * cap, n, scores);
         const kernels::StreamSlice one{0, n, budget[s], protect};
         float max_score = 0;
-        kernels::UpdateScoresRef(step.rule, step.lambda, &one, 1, rows[s].data(), scores,
-                                 &max_score);
+        kernels::UpdateScoresRef(step.rule, step.lambda, &one, 1, rows[s].data(),
+                                 scores_.data() + s * cap, scores, &max_score);
         if (!step.select) continue;
         kernels::SelectTopRef(&one, 1, scores, step.normalize ? &max_score : nullptr,
                               positions_.data() + s * cap, step.attention_weight,

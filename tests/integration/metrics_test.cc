@@ -114,6 +114,36 @@ TEST_F(MetricsTest, CountersAreExactAndAgreeWithStats) {
       absl::StrContains(server_->RenderMetrics(), "# TYPE kvmem_tokens_evicted_total counter"));
 }
 
+// A decode loop on the same-host fast path shows in the RPC panels: each StepBatch a step
+// channel answers counts as a StepBatch call (its code, its latency), its bytes under their
+// own transport, and the channel's batches on their own.
+TEST_F(MetricsTest, StepChannelBatchesAreStepBatchCalls) {
+  const uint64_t a = Create("window", {{"window", 16}});
+  ASSERT_TRUE(AppendRange(a, 0, 32).ok());
+  ASSERT_TRUE(client_->OpenStepChannel().ok());
+  std::vector<client::BatchEntry> batch(1);
+  batch[0].sequence_id = a;
+  batch[0].step = client::StepArgs{};
+  for (int i = 0; i < 3; ++i) {
+    auto r = client_->StepBatch(batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  }
+  batch[0].sequence_id = 999;  // the entry fails; the call does not
+  auto r = client_->StepBatch(batch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kNotFound);
+  ASSERT_EQ(client_->step_channel_batches(), 4u) << "the batches went by the channel";
+
+  const auto m = Samples(Scrape(server_->metrics_port()));
+  EXPECT_EQ(m.at("kvmem_rpc_requests_total{code=\"OK\",method=\"StepBatch\"}"), 4);
+  EXPECT_EQ(m.at("kvmem_rpc_duration_seconds_count{method=\"StepBatch\"}"), 4);
+  EXPECT_EQ(m.at("kvmem_step_channel_batches_total"), 4);
+  EXPECT_GT(m.at("kvmem_data_plane_bytes_total{direction=\"in\",transport=\"step_channel\"}"),
+            4 * 3);  // each request: an id, an entry, a request_id
+  EXPECT_GT(m.at("kvmem_data_plane_bytes_total{direction=\"out\",transport=\"step_channel\"}"), 0);
+}
+
 // h2o with budget 8 over 17 slots: the step keeps the 8 slots its row weighs most, so the
 // row (weights 1..17, normalized, the heaviest last) loses the 9 lightest: (1+...+9)/153 of
 // its mass, not the 9/17 a count would give.

@@ -111,12 +111,20 @@ TEST(SelectTest, UpdateMatchesTheFormulasAtEveryLength) {
         want_max = std::max(want_max, want[j]);
       }
       const StreamSlice slice{0, n, 0, 0};
+      // Out of place first (the old scores stay), then in place.
+      const std::vector<float> old = scores;
+      std::vector<float> out(n, -1.0f);
+      float out_max = -1.0f;
+      UpdateScoresRef(rule, 0.9f, &slice, 1, att.data(), old.data(), out.data(), &out_max);
       float got_max = -1.0f;
       UpdateScoresRef(rule, 0.9f, &slice, 1, att.data(), scores.data(), &got_max);
       for (uint32_t j = 0; j < n; ++j) {
         ASSERT_EQ(FloatBits(scores[j]), FloatBits(want[j])) << "n " << n << " slot " << j;
+        ASSERT_EQ(FloatBits(out[j]), FloatBits(want[j]))
+            << "out of place, n " << n << " slot " << j;
       }
       ASSERT_EQ(FloatBits(got_max), FloatBits(want_max)) << "n " << n;
+      ASSERT_EQ(FloatBits(out_max), FloatBits(want_max)) << "out of place, n " << n;
     }
   }
 }
