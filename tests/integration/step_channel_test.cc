@@ -419,8 +419,16 @@ class FakeChannelService final : public v1::KvCache::Service {
  public:
   explicit FakeChannelService(StepChannelHandlerForTest handler) : handler_(std::move(handler)) {}
   bool wrong_nonce = false;
+  // The first channel ends (as a restarting daemon's would) after serving this many batches.
+  int end_first_channel_after = -1;
+  std::atomic<int> channels_opened{0};
+  grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest* q,
+                         v1::StepBatchResponse* r) override {
+    return handler_(*q, r);
+  }
   grpc::Status OpenStepChannel(grpc::ServerContext* context, const v1::OpenStepChannelRequest* q,
                                grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) override {
+    const bool first = channels_opened.fetch_add(1) == 0;
     auto channel = service::StepChannel::Create(q->capacity_bytes());
     if (!channel.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "create");
     v1::OpenStepChannelResponse r;
@@ -432,7 +440,14 @@ class FakeChannelService final : public v1::KvCache::Service {
     if (wrong_nonce) nonce[0] = static_cast<char>(nonce[0] ^ 1);
     r.set_nonce(nonce);
     writer->Write(r);
-    while (!context->IsCancelled()) (*channel)->ServeOne(absl::Milliseconds(20), handler_);
+    int served = 0;
+    while (!context->IsCancelled()) {
+      if (first && served == end_first_channel_after) return grpc::Status::OK;
+      if ((*channel)->ServeOne(absl::Milliseconds(20), handler_) ==
+          service::StepChannel::Served::kServed) {
+        ++served;
+      }
+    }
     return grpc::Status::OK;
   }
 
@@ -483,6 +498,58 @@ TEST(StepChannelUnitTest, AnAnswerLargerThanTheAreaArrivesInChunks) {
   }
   EXPECT_EQ(calls, 2) << "each batch ran once; the chunks are not batches";
   EXPECT_EQ((*client)->step_channel_batches(), 2u);
+}
+
+// A channel that closes (its daemon restarted) is dropped: batches go by gRPC, and after
+// ClientOptions::step_channel_reopen a batch opens a new channel and goes through it. After
+// CloseStepChannel no channel is opened again.
+TEST(StepChannelUnitTest, AClosedChannelIsOpenedAgainAfterItsWait) {
+  std::atomic<int> calls{0};
+  FakeDaemon fake([&](const v1::StepBatchRequest& request, v1::StepBatchResponse* response) {
+    ++calls;
+    for (int i = 0; i < request.entries_size(); ++i) {
+      response->add_results()->mutable_status()->set_code(5);
+    }
+    return grpc::Status::OK;
+  });
+  fake.service.end_first_channel_after = 1;
+  client::ClientOptions options;
+  options.step_channel_reopen = absl::Milliseconds(300);
+  auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port), options);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->OpenStepChannel(1ull << 20).ok());
+  std::vector<client::BatchEntry> batch(1);
+  batch[0].sequence_id = 1;
+  auto step = [&] {
+    auto r = (*client)->StepBatch(batch);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->size(), 1u);
+    EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kNotFound);
+  };
+  step();  // through the channel, which then ends
+  EXPECT_EQ((*client)->step_channel_batches(), 1u);
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while ((*client)->step_channel_open() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_FALSE((*client)->step_channel_open());
+  step();  // by gRPC: the channel is gone
+  step();  // by gRPC: its wait has not passed
+  EXPECT_EQ((*client)->step_channel_batches(), 1u);
+  EXPECT_EQ(fake.service.channels_opened.load(), 1);
+  absl::SleepFor(absl::Milliseconds(400));
+  step();  // opens a channel again and goes through it
+  EXPECT_EQ(fake.service.channels_opened.load(), 2);
+  EXPECT_EQ((*client)->step_channel_batches(), 2u);
+  EXPECT_TRUE((*client)->step_channel_open());
+  EXPECT_EQ(calls.load(), 4) << "each batch ran once";
+
+  (*client)->CloseStepChannel();
+  absl::SleepFor(absl::Milliseconds(400));
+  step();  // by gRPC, and no channel again
+  EXPECT_EQ(fake.service.channels_opened.load(), 2);
+  EXPECT_FALSE((*client)->step_channel_open());
+  EXPECT_EQ(calls.load(), 5);
 }
 
 // A segment of the same name with another nonce is another daemon's: never used.

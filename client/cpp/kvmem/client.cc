@@ -362,15 +362,46 @@ struct Client::Impl {
   absl::Mutex step_mu;
   std::shared_ptr<internal::StepChannelClient> step_channel ABSL_GUARDED_BY(step_mu);
   std::atomic<uint64_t> channel_batches{0};
+  // While the caller wants a channel (OpenStepChannel succeeded, no CloseStepChannel since):
+  // the capacity it asked for, and when a dropped channel may be opened again.
+  std::optional<uint64_t> wanted_capacity ABSL_GUARDED_BY(step_mu);
+  absl::Time reopen_at ABSL_GUARDED_BY(step_mu) = absl::InfinitePast();
+  absl::Duration reopen_wait ABSL_GUARDED_BY(step_mu);
 
   std::shared_ptr<internal::StepChannelClient> StepChannel() {
     absl::MutexLock lock(&step_mu);
     return step_channel;
   }
+  // StepBatch's channel: the open one, or one opened again in place of a channel that closed
+  // once its wait has passed (one thread tries; the others go by gRPC meanwhile).
+  std::shared_ptr<internal::StepChannelClient> ChannelForBatch() {
+    uint64_t capacity = 0;
+    {
+      absl::MutexLock lock(&step_mu);
+      if (step_channel != nullptr || !wanted_capacity || absl::Now() < reopen_at) {
+        return step_channel;
+      }
+      capacity = *wanted_capacity;
+      reopen_wait = std::min(2 * reopen_wait, absl::Minutes(1));  // the wait if this fails
+      reopen_at = absl::Now() + reopen_wait;
+    }
+    absl::StatusOr<std::unique_ptr<internal::StepChannelClient>> opened =
+        internal::StepChannelClient::Open(stub.get(), capacity,
+                                          std::min(options.deadline, absl::Seconds(2)));
+    absl::MutexLock lock(&step_mu);
+    // Kept only while still wanted and not replaced meanwhile (OpenStepChannel).
+    if (opened.ok() && wanted_capacity && step_channel == nullptr) {
+      step_channel = *std::move(opened);
+      reopen_wait = options.step_channel_reopen;
+    }
+    return step_channel;
+  }
   void DropStepChannel(const internal::StepChannelClient* gone) {
     std::shared_ptr<internal::StepChannelClient> dropped;
     absl::MutexLock lock(&step_mu);
-    if (step_channel.get() == gone) dropped = std::move(step_channel);
+    if (step_channel.get() != gone) return;
+    dropped = std::move(step_channel);
+    reopen_at = absl::Now() + reopen_wait;
   }
 
   // The step signals of each sequence's policy (sequences this client created or forked):
@@ -650,7 +681,7 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
   v1::StepBatchResponse& r = *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
   absl::Status s;
   bool answered = false;
-  if (std::shared_ptr<internal::StepChannelClient> ch = impl_->StepChannel()) {
+  if (std::shared_ptr<internal::StepChannelClient> ch = impl_->ChannelForBatch()) {
     using Outcome = internal::StepChannelClient::Outcome;
     const Outcome outcome = ch->Call(q, absl::Now() + impl_->options.deadline, &r, &s);
     answered = outcome == Outcome::kAnswered;
@@ -728,8 +759,12 @@ absl::Status Client::OpenStepChannel(std::optional<uint64_t> capacity_bytes) {
       internal::StepChannelClient::Open(impl_->stub.get(), capacity_bytes.value_or(8ull << 20),
                                         impl_->options.deadline);
   if (!opened.ok()) return opened.status();
+  std::shared_ptr<internal::StepChannelClient> replaced;
   absl::MutexLock lock(&impl_->step_mu);
+  replaced = std::move(impl_->step_channel);
   impl_->step_channel = *std::move(opened);
+  impl_->wanted_capacity = impl_->step_channel->capacity();
+  impl_->reopen_wait = impl_->options.step_channel_reopen;
   return absl::OkStatus();
 }
 
@@ -737,6 +772,7 @@ void Client::CloseStepChannel() {
   std::shared_ptr<internal::StepChannelClient> closed;
   absl::MutexLock lock(&impl_->step_mu);
   closed = std::move(impl_->step_channel);
+  impl_->wanted_capacity.reset();
 }
 
 bool Client::step_channel_open() const {

@@ -71,6 +71,10 @@ struct ClientOptions {
   // Calls made while the daemon is unreachable wait for it (up to the deadline) instead of
   // failing at once: for a sidecar that may still be starting.
   bool wait_for_ready = false;
+  // A step channel that closes (a daemon restarted or drained) is opened again by a later
+  // StepBatch after this long, then after twice as long after each failed attempt, up to
+  // a minute; until then batches go by gRPC. CloseStepChannel stops it.
+  absl::Duration step_channel_reopen = absl::Seconds(1);
 };
 
 struct ParamInfo {
@@ -349,8 +353,9 @@ class Client {
   // (the same messages without gRPC's transport) instead of a gRPC call. Fails, changing
   // nothing, when the daemon is on another host or refuses (its limits); a channel that
   // closes later (a drain, a daemon restart) is dropped and StepBatch goes by gRPC again,
-  // repeating the batch in flight under its request_id. `capacity_bytes`: each
-  // direction's area, 8 MiB unless set; a batch or response larger goes by gRPC.
+  // repeating the batch in flight under its request_id, and a later StepBatch opens it
+  // again (ClientOptions::step_channel_reopen). `capacity_bytes`: each direction's area,
+  // 8 MiB unless set; a batch or response larger goes by gRPC.
   absl::Status OpenStepChannel(std::optional<uint64_t> capacity_bytes = std::nullopt);
   void CloseStepChannel();
   bool step_channel_open() const;
