@@ -393,20 +393,21 @@ grpc::Status KvCacheService::OpenStepChannel(
     if (!call.admitted()) return ToGrpc(DrainingError());
     return RunStepBatch(batch, max_update_bytes, response);
   };
+  // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
+  // client sees it.
+  StepChannel::Recorder record;
+  if (rpc_telemetry_ != nullptr) {
+    record = [telemetry = rpc_telemetry_](const StepChannel::Exchange& e) {
+      telemetry->channel_bytes_in.fetch_add(e.bytes_in, std::memory_order_relaxed);
+      telemetry->channel_bytes_out.fetch_add(e.bytes_out, std::memory_order_relaxed);
+      if (e.batch) telemetry->RecordChannelBatch(e.code, e.seconds);
+    };
+  }
   while (!context->IsCancelled()) {
     // A drain ends the channel, but not in the middle of an answer sent in chunks: the
     // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
     if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
-    StepChannel::Exchange exchange;
-    const StepChannel::Served served =
-        channel->ServeOne(absl::Milliseconds(50), handler, &exchange);
-    const bool answered =
-        served == StepChannel::Served::kServed || served == StepChannel::Served::kBrokenAfterRun;
-    if (answered && rpc_telemetry_ != nullptr) {
-      rpc_telemetry_->channel_bytes_in.fetch_add(exchange.bytes_in, std::memory_order_relaxed);
-      rpc_telemetry_->channel_bytes_out.fetch_add(exchange.bytes_out, std::memory_order_relaxed);
-      if (exchange.batch) rpc_telemetry_->RecordChannelBatch(exchange.code, exchange.seconds);
-    }
+    const StepChannel::Served served = channel->ServeOne(absl::Milliseconds(50), handler, record);
     if (served == StepChannel::Served::kBroken) {
       return ToGrpc(absl::FailedPreconditionError(
           "step channel: its segment was shrunk by the client; the request read from it was "

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstring>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/arena.h"
@@ -74,9 +73,12 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
 }
 
 void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total,
-                         Exchange& exchange) {
+                         Exchange& exchange, const Recorder& record) {
   exchange.code = static_cast<int>(code);
   exchange.bytes_out = bytes;
+  exchange.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - exchange.seen).count();
+  if (record) record(exchange);
   auto* header = reinterpret_cast<layout::Header*>(segment_->data());
   header->response_bytes.store(static_cast<uint32_t>(bytes), std::memory_order_relaxed);
   header->response_code.store(code, std::memory_order_relaxed);
@@ -85,7 +87,7 @@ void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t t
   layout::FutexWakeAll(&header->response_seq);
 }
 
-void StepChannel::SendChunk(uint32_t seq, Exchange& exchange) {
+void StepChannel::SendChunk(uint32_t seq, Exchange& exchange, const Recorder& record) {
   const size_t n = std::min<size_t>(pending_.size() - pending_sent_, capacity_);
   std::memcpy(segment_->data() + layout::kHeaderBytes + capacity_, pending_.data() + pending_sent_,
               n);
@@ -95,14 +97,12 @@ void StepChannel::SendChunk(uint32_t seq, Exchange& exchange) {
     std::string().swap(pending_);
     pending_sent_ = 0;
   }
-  Answer(seq, 0, n, total, exchange);
+  Answer(seq, 0, n, total, exchange, record);
 }
 
 StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& handler,
-                                          Exchange* exchange) {
-  Exchange ignored;
-  Exchange& ex = exchange != nullptr ? *exchange : ignored;
-  ex = Exchange{};
+                                          const Recorder& record) {
+  Exchange ex;
   uint8_t* const data = segment_->data();
   auto* header = reinterpret_cast<layout::Header*>(data);
   google::protobuf::ArenaOptions options;
@@ -114,14 +114,6 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   grpc::Status status;
   uint32_t seq = 0;
   uint32_t kind = layout::kBatch;
-  std::chrono::steady_clock::time_point started;
-  // The time from the request seen to its answer, whatever the path to it.
-  absl::Cleanup timed = [&] {
-    if (ex.batch || ex.bytes_out > 0) {
-      ex.seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    }
-  };
   {
     store::SegmentGuard guard(data, segment_->bytes());
     seq = header->request_seq.load(std::memory_order_acquire);
@@ -131,11 +123,10 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     }
     if (guard.faulted()) return Served::kBroken;
     if (seq == served_seq_) return Served::kIdle;
-    started = std::chrono::steady_clock::now();
+    ex.seen = std::chrono::steady_clock::now();
     kind = header->request_kind.load(std::memory_order_relaxed);
     const uint32_t bytes = header->request_bytes.load(std::memory_order_relaxed);
     ex.batch = kind != layout::kMore;  // a malformed kind is a (failed) call too
-    if (ex.batch) ex.bytes_in = bytes;
     if (kind == layout::kMore) {
       if (pending_.empty()) {
         ex.batch = true;  // not a chunk: a malformed call
@@ -143,7 +134,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
                               "request_kind: kMore, but no answer is pending");
       } else {
         served_seq_ = seq;
-        SendChunk(seq, ex);
+        SendChunk(seq, ex, record);
         return guard.faulted() ? Served::kBrokenAfterRun : Served::kServed;
       }
     } else if (kind != layout::kBatch) {
@@ -157,6 +148,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
       // Parse a private copy: the client can write the segment at any time, and a parse
       // of memory changing under it could combine two requests.
       std::memcpy(request_copy_.get(), data + layout::kHeaderBytes, bytes);
+      ex.bytes_in = bytes;  // only what was read: a refused length is the client's claim
       // What was read from a segment that faulted is zeros, not the client's bytes.
       if (guard.faulted()) return Served::kBroken;
       std::atomic_thread_fence(std::memory_order_acquire);  // the copy's reads come first
@@ -164,7 +156,6 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
         served_seq_ = seq;  // another request posted while it was copied: its client moved on
         std::string().swap(pending_);
         pending_sent_ = 0;
-        ex = Exchange{};
         return Served::kIdle;
       }
       if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {
@@ -199,10 +190,10 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     const size_t bytes = response.ByteSizeLong();
     if (bytes <= capacity_) {
       response.SerializeWithCachedSizesToArray(out);
-      Answer(seq, 0, bytes, bytes, ex);
+      Answer(seq, 0, bytes, bytes, ex, record);
     } else {
       response.SerializeToString(&pending_);
-      SendChunk(seq, ex);
+      SendChunk(seq, ex, record);
     }
   } else {
     google::rpc::Status rich;
@@ -215,7 +206,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     }
     const size_t bytes = rich.ByteSizeLong();
     rich.SerializeWithCachedSizesToArray(out);
-    Answer(seq, static_cast<uint32_t>(status.error_code()), bytes, bytes, ex);
+    Answer(seq, static_cast<uint32_t>(status.error_code()), bytes, bytes, ex, record);
   }
   if (!guard.faulted()) return Served::kServed;
   return ran ? Served::kBrokenAfterRun : Served::kBroken;

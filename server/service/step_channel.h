@@ -8,6 +8,7 @@
 //
 // StepChannelBudget bounds what the open channels hold, daemon-wide: how many there are
 // (each keeps one gRPC thread serving it) and their segments' bytes (contract 3).
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -84,14 +85,16 @@ class StepChannel {
   struct Exchange {
     bool batch = false;  // a kBatch request (a StepBatch call); else a chunk asked for
     int code = 0;        // the answer's grpc::StatusCode
-    uint64_t bytes_in = 0, bytes_out = 0;  // the request's and this answer's bytes
+    uint64_t bytes_in = 0, bytes_out = 0;  // the request read, this answer's bytes
     double seconds = 0;                    // from the request seen to its answer written
+    std::chrono::steady_clock::time_point seen;
   };
+  using Recorder = std::function<void(const Exchange&)>;
   // Waits up to `wait` for a request and answers it with `handler` (or, for kMore, with
   // the next chunk of the answer too large for the area). kIdle: none came. After kBroken
-  // or kBrokenAfterRun the channel must be closed. `exchange` (when given) describes the
-  // answer written for kServed and kBrokenAfterRun.
-  Served ServeOne(absl::Duration wait, const Handler& handler, Exchange* exchange = nullptr);
+  // or kBrokenAfterRun the channel must be closed. `record` (when set) sees every answer
+  // before its client can: a client that reads the metrics after its call finds it there.
+  Served ServeOne(absl::Duration wait, const Handler& handler, const Recorder& record = nullptr);
 
  private:
   StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity, std::string nonce)
@@ -102,9 +105,10 @@ class StepChannel {
         arena_block_(new char[ArenaBlockBytes(capacity)]) {}
   static uint64_t ArenaBlockBytes(uint64_t capacity) { return capacity + (256u << 10); }
   // Writes the next chunk of pending_ as the answer to `seq`.
-  void SendChunk(uint32_t seq, Exchange& exchange);
-  // Publishes the answer to `seq` already in the area, and notes it in `exchange`.
-  void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total, Exchange& exchange);
+  void SendChunk(uint32_t seq, Exchange& exchange, const Recorder& record);
+  // Publishes the answer to `seq` already in the area, after `record` has seen it.
+  void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total, Exchange& exchange,
+              const Recorder& record);
   std::unique_ptr<store::SharedSegment> segment_;
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
   const std::string nonce_;

@@ -413,8 +413,9 @@ TEST_F(StepChannelTest, ADrainEndsTheChannelAndTheClientGetsUnavailable) {
   EXPECT_FALSE(client_->step_channel_open());
 }
 
-// A KvCache with only OpenStepChannel, serving a real StepChannel with the test's handler
-// (and, when asked, announcing a nonce other than the segment's).
+// A KvCache with only OpenStepChannel and StepBatch, both serving the test's handler (the
+// channel a real StepChannel; when asked, announcing a nonce other than the segment's, or
+// ending the first channel after some batches).
 class FakeChannelService final : public v1::KvCache::Service {
  public:
   explicit FakeChannelService(StepChannelHandlerForTest handler) : handler_(std::move(handler)) {}
@@ -514,7 +515,7 @@ TEST(StepChannelUnitTest, AClosedChannelIsOpenedAgainAfterItsWait) {
   });
   fake.service.end_first_channel_after = 1;
   client::ClientOptions options;
-  options.step_channel_reopen = absl::Milliseconds(300);
+  options.step_channel_reopen = absl::Seconds(1);
   auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port), options);
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE((*client)->OpenStepChannel(1ull << 20).ok());
@@ -537,7 +538,7 @@ TEST(StepChannelUnitTest, AClosedChannelIsOpenedAgainAfterItsWait) {
   step();  // by gRPC: its wait has not passed
   EXPECT_EQ((*client)->step_channel_batches(), 1u);
   EXPECT_EQ(fake.service.channels_opened.load(), 1);
-  absl::SleepFor(absl::Milliseconds(400));
+  absl::SleepFor(absl::Milliseconds(1200));
   step();  // opens a channel again and goes through it
   EXPECT_EQ(fake.service.channels_opened.load(), 2);
   EXPECT_EQ((*client)->step_channel_batches(), 2u);
@@ -545,8 +546,7 @@ TEST(StepChannelUnitTest, AClosedChannelIsOpenedAgainAfterItsWait) {
   EXPECT_EQ(calls.load(), 4) << "each batch ran once";
 
   (*client)->CloseStepChannel();
-  absl::SleepFor(absl::Milliseconds(400));
-  step();  // by gRPC, and no channel again
+  step();  // by gRPC, and no channel again (a reopened channel leaves no wait behind)
   EXPECT_EQ(fake.service.channels_opened.load(), 2);
   EXPECT_FALSE((*client)->step_channel_open());
   EXPECT_EQ(calls.load(), 5);

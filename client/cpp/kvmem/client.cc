@@ -386,22 +386,30 @@ struct Client::Impl {
       reopen_at = absl::Now() + reopen_wait;
     }
     absl::StatusOr<std::unique_ptr<internal::StepChannelClient>> opened =
-        internal::StepChannelClient::Open(stub.get(), capacity,
-                                          std::min(options.deadline, absl::Seconds(2)));
+        internal::StepChannelClient::Open(stub.get(), capacity, options.deadline);
     absl::MutexLock lock(&step_mu);
-    // Kept only while still wanted and not replaced meanwhile (OpenStepChannel).
+    // Kept only while still wanted and not replaced meanwhile (OpenStepChannel). The wait
+    // stays doubled until the new channel answers a batch (ChannelAnswered): one that opens
+    // but fails every batch is not reopened every first wait.
     if (opened.ok() && wanted_capacity && step_channel == nullptr) {
       step_channel = *std::move(opened);
-      reopen_wait = options.step_channel_reopen;
+      reopen_at = absl::InfinitePast();
     }
     return step_channel;
+  }
+  void ChannelAnswered() {
+    absl::MutexLock lock(&step_mu);
+    reopen_wait = FirstReopenWait();
   }
   void DropStepChannel(const internal::StepChannelClient* gone) {
     std::shared_ptr<internal::StepChannelClient> dropped;
     absl::MutexLock lock(&step_mu);
     if (step_channel.get() != gone) return;
     dropped = std::move(step_channel);
-    reopen_at = absl::Now() + reopen_wait;
+    reopen_at = absl::Now() + reopen_wait;  // never, for an infinite wait
+  }
+  absl::Duration FirstReopenWait() const {
+    return std::max(options.step_channel_reopen, absl::Milliseconds(1));
   }
 
   // The step signals of each sequence's policy (sequences this client created or forked):
@@ -685,7 +693,10 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     using Outcome = internal::StepChannelClient::Outcome;
     const Outcome outcome = ch->Call(q, absl::Now() + impl_->options.deadline, &r, &s);
     answered = outcome == Outcome::kAnswered;
-    if (answered) impl_->channel_batches.fetch_add(1, std::memory_order_relaxed);
+    if (answered) {
+      impl_->channel_batches.fetch_add(1, std::memory_order_relaxed);
+      impl_->ChannelAnswered();
+    }
     // A closed channel is dropped: this and later batches go by gRPC, this one under the
     // same request_id, which answers it once whether or not the channel ran it.
     if (outcome == Outcome::kChannelGone || ch->gone()) impl_->DropStepChannel(ch.get());
@@ -764,7 +775,7 @@ absl::Status Client::OpenStepChannel(std::optional<uint64_t> capacity_bytes) {
   replaced = std::move(impl_->step_channel);
   impl_->step_channel = *std::move(opened);
   impl_->wanted_capacity = impl_->step_channel->capacity();
-  impl_->reopen_wait = impl_->options.step_channel_reopen;
+  impl_->reopen_wait = impl_->FirstReopenWait();
   return absl::OkStatus();
 }
 

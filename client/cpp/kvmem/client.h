@@ -72,8 +72,9 @@ struct ClientOptions {
   // failing at once: for a sidecar that may still be starting.
   bool wait_for_ready = false;
   // A step channel that closes (a daemon restarted or drained) is opened again by a later
-  // StepBatch after this long, then after twice as long after each failed attempt, up to
-  // a minute; until then batches go by gRPC. CloseStepChannel stops it.
+  // StepBatch after this long (at least 1 ms), then after twice as long after each attempt
+  // whose channel answers no batch, up to a minute; until then batches go by gRPC.
+  // absl::InfiniteDuration(): never. CloseStepChannel stops it.
   absl::Duration step_channel_reopen = absl::Seconds(1);
 };
 
