@@ -14,7 +14,11 @@ RpcTelemetry::RpcTelemetry(const std::vector<std::string>& methods) {
   step_batch_ = &For("/kvmem.v1.KvCache/StepBatch");
 }
 
-void RpcTelemetry::RecordChannelBatch(int code, double seconds) {
+void RpcTelemetry::RecordChannelAnswer(bool call, int code, double seconds, uint64_t bytes_in,
+                                       uint64_t bytes_out) {
+  channel_bytes_in.fetch_add(bytes_in, std::memory_order_relaxed);
+  channel_bytes_out.fetch_add(bytes_out, std::memory_order_relaxed);
+  if (!call) return;
   if (code >= 0 && code < kCodes) step_batch_->calls[code].fetch_add(1, std::memory_order_relaxed);
   step_batch_->seconds.Observe(seconds);
   channel_batches.fetch_add(1, std::memory_order_relaxed);

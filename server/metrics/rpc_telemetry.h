@@ -35,10 +35,11 @@ class RpcTelemetry {
   std::atomic<uint64_t> bytes_in{0};
   std::atomic<uint64_t> bytes_out{0};
 
-  // StepBatch through same-host step channels: each batch counts as a StepBatch call (its
-  // code and latency in StepBatch's entry, as over gRPC), and here; its bytes count under
-  // their own transport.
-  void RecordChannelBatch(int code, double seconds);
+  // One answer of a same-host step channel: a batch (`call`) counts as a StepBatch call (its
+  // code and latency in StepBatch's entry, as over gRPC) and in channel_batches; a chunk of
+  // a long answer counts only its bytes. The bytes count under their own transport.
+  void RecordChannelAnswer(bool call, int code, double seconds, uint64_t bytes_in,
+                           uint64_t bytes_out);
   std::atomic<uint64_t> channel_batches{0};
   std::atomic<uint64_t> channel_bytes_in{0};
   std::atomic<uint64_t> channel_bytes_out{0};

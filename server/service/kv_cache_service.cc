@@ -398,9 +398,7 @@ grpc::Status KvCacheService::OpenStepChannel(
   StepChannel::Recorder record;
   if (rpc_telemetry_ != nullptr) {
     record = [telemetry = rpc_telemetry_](const StepChannel::Exchange& e) {
-      telemetry->channel_bytes_in.fetch_add(e.bytes_in, std::memory_order_relaxed);
-      telemetry->channel_bytes_out.fetch_add(e.bytes_out, std::memory_order_relaxed);
-      if (e.batch) telemetry->RecordChannelBatch(e.code, e.seconds);
+      telemetry->RecordChannelAnswer(e.batch, e.code, e.seconds, e.bytes_in, e.bytes_out);
     };
   }
   while (!context->IsCancelled()) {

@@ -126,10 +126,10 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     ex.seen = std::chrono::steady_clock::now();
     kind = header->request_kind.load(std::memory_order_relaxed);
     const uint32_t bytes = header->request_bytes.load(std::memory_order_relaxed);
-    ex.batch = kind != layout::kMore;  // a malformed kind is a (failed) call too
+    // A call, unless it asks for a chunk that is pending (a malformed request is a failed call).
+    ex.batch = kind != layout::kMore || pending_.empty();
     if (kind == layout::kMore) {
       if (pending_.empty()) {
-        ex.batch = true;  // not a chunk: a malformed call
         status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                               "request_kind: kMore, but no answer is pending");
       } else {

@@ -367,6 +367,9 @@ struct Client::Impl {
   std::optional<uint64_t> wanted_capacity ABSL_GUARDED_BY(step_mu);
   absl::Time reopen_at ABSL_GUARDED_BY(step_mu) = absl::InfinitePast();
   absl::Duration reopen_wait ABSL_GUARDED_BY(step_mu);
+  // A reopened channel whose wait stays doubled until it answers a batch: read without the
+  // lock on every answered batch, so that only the first after a reopen takes it.
+  std::atomic<bool> reopen_unconfirmed{false};
 
   std::shared_ptr<internal::StepChannelClient> StepChannel() {
     absl::MutexLock lock(&step_mu);
@@ -385,6 +388,8 @@ struct Client::Impl {
       reopen_wait = std::min(2 * reopen_wait, absl::Minutes(1));  // the wait if this fails
       reopen_at = absl::Now() + reopen_wait;
     }
+    // The call's own deadline: a daemon that refuses a channel answers at once, and one
+    // that does not answer would hold the batch as long over gRPC.
     absl::StatusOr<std::unique_ptr<internal::StepChannelClient>> opened =
         internal::StepChannelClient::Open(stub.get(), capacity, options.deadline);
     absl::MutexLock lock(&step_mu);
@@ -394,12 +399,15 @@ struct Client::Impl {
     if (opened.ok() && wanted_capacity && step_channel == nullptr) {
       step_channel = *std::move(opened);
       reopen_at = absl::InfinitePast();
+      reopen_unconfirmed.store(true, std::memory_order_relaxed);
     }
     return step_channel;
   }
   void ChannelAnswered() {
+    if (!reopen_unconfirmed.load(std::memory_order_relaxed)) return;
     absl::MutexLock lock(&step_mu);
     reopen_wait = FirstReopenWait();
+    reopen_unconfirmed.store(false, std::memory_order_relaxed);
   }
   void DropStepChannel(const internal::StepChannelClient* gone) {
     std::shared_ptr<internal::StepChannelClient> dropped;
