@@ -11,7 +11,8 @@ namespace kvmem::kernels {
 namespace {
 
 // The per-slot loops run four slots at a time in GCC/Clang vector types (SSE2 on x86-64,
-// NEON on arm64), with the scalar code for the tail. Every float operation is the one the
+// NEON on arm64), LowestPriorityRef's eight at a time where the CPU has AVX2, with the
+// scalar code for the tail. Every float operation is the one the
 // contract writes, in its order, per slot, so the results are those of the scalar code bit
 // for bit; only the order of the max reduction differs, and it does not matter (MaxLanes).
 constexpr uint32_t kLanes = 4;
@@ -89,16 +90,20 @@ int32_t OrderedBits(float r) {
   const uint32_t u = FloatBits(r);
   return static_cast<int32_t>(u ^ ((u & 0x80000000u) ? 0x7fffffffu : 0u));
 }
-I4 OrderedBits(F4 r) {
-  I4 u;
-  std::memcpy(&u, &r, sizeof u);
-  return u ^ ((u >> 31) & 0x7fffffff);
-}
 
 }  // namespace
 
-uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
-                           uint32_t unprotected, float max_score, float attention_weight) {
+namespace {
+
+// LowestPriorityRef's loop in vectors of kWidth = sizeof(F) / 4 lanes: four (F4, SSE2 or NEON)
+// or eight (F8, AVX2 where the CPU has it). Per slot the same float operations in the same
+// order as the scalar tail, and lanes merged by the scalar rule, so both widths return the
+// same slot.
+template <typename F, typename I, typename U>
+__attribute__((always_inline)) inline uint32_t LowestPriorityIn(
+    const float* scores, const int64_t* positions, uint32_t length, uint32_t unprotected,
+    float max_score, float attention_weight) {
+  constexpr uint32_t kWidth = sizeof(F) / sizeof(float);
   const int64_t span = positions[length - 1] - positions[0];
   const PriorityScale p = PriorityScaleFor(attention_weight, max_score, span);
   // The smallest key: the lowest ordered priority, the later slot among equal ones (<=).
@@ -111,21 +116,37 @@ uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32
   const bool narrow = span >= 0 && span <= std::numeric_limits<int32_t>::max();
   if (narrow) {
     const uint32_t low0 = static_cast<uint32_t>(positions[0]);
-    I4 best = {lowest, lowest, lowest, lowest};
-    I4 at = {-1, -1, -1, -1};
-    I4 index = {0, 1, 2, 3};
-    for (; j + kLanes <= unprotected; j += kLanes, index += static_cast<int32_t>(kLanes)) {
-      // The low words of four little-endian int64 positions.
-      const U4 low =
-          __builtin_shufflevector(Load<U4>(positions + j), Load<U4>(positions + j + 2), 0, 2, 4, 6);
-      const F4 a = Load<F4>(scores + j) * Splat(p.e_scale);
-      const F4 b = __builtin_convertvector((I4)(low - low0), F4) * Splat(p.r_scale);
-      const I4 ordered = OrderedBits((a + b) + Splat(p.r_const));
-      const I4 take = ordered <= best;
+    I best = I{} + lowest;
+    I at = I{} - 1;
+    I index;
+    for (uint32_t i = 0; i < kWidth; ++i) index[i] = static_cast<int32_t>(i);
+    const F e_scale = F{} + p.e_scale, r_scale = F{} + p.r_scale, r_const = F{} + p.r_const;
+    for (; j + kWidth <= unprotected; j += kWidth, index += static_cast<int32_t>(kWidth)) {
+      // The low words of kWidth little-endian int64 positions.
+      // Loads by memcpy here, not Load<>: a function returning an AVX vector would be
+      // compiled for the default target, with another ABI.
+      U words_a, words_b;
+      std::memcpy(&words_a, positions + j, sizeof words_a);
+      std::memcpy(&words_b, positions + j + kWidth / 2, sizeof words_b);
+      U low;
+      if constexpr (kWidth == 4) {
+        low = __builtin_shufflevector(words_a, words_b, 0, 2, 4, 6);
+      } else {
+        low = __builtin_shufflevector(words_a, words_b, 0, 2, 4, 6, 8, 10, 12, 14);
+      }
+      F slot_scores;
+      std::memcpy(&slot_scores, scores + j, sizeof slot_scores);
+      const F a = slot_scores * e_scale;
+      const F b = __builtin_convertvector((I)(low - low0), F) * r_scale;
+      const F r = (a + b) + r_const;
+      I u;
+      std::memcpy(&u, &r, sizeof u);
+      const I ordered = u ^ ((u >> 31) & 0x7fffffff);  // OrderedBits, lane by lane
+      const I take = ordered <= best;
       best = take ? ordered : best;
       at = take ? index : at;
     }
-    for (uint32_t i = 0; i < kLanes; ++i) {
+    for (uint32_t i = 0; i < kWidth; ++i) {
       if (best[i] < lowest || (best[i] == lowest && at[i] > worst)) {
         lowest = best[i];
         worst = at[i];
@@ -145,6 +166,41 @@ uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32
     }
   }
   return static_cast<uint32_t>(worst);
+}
+
+#if defined(__x86_64__)
+using F8 = float __attribute__((vector_size(32)));
+using I8 = int32_t __attribute__((vector_size(32)));
+using U8 = uint32_t __attribute__((vector_size(32)));
+// AVX2 only (no FMA: a * b + c stays a product and a sum, as in the contract).
+__attribute__((target("avx2"))) uint32_t LowestPriorityAvx2(const float* scores,
+                                                            const int64_t* positions,
+                                                            uint32_t length, uint32_t unprotected,
+                                                            float max_score,
+                                                            float attention_weight) {
+  return LowestPriorityIn<F8, I8, U8>(scores, positions, length, unprotected, max_score,
+                                      attention_weight);
+}
+#endif
+
+}  // namespace
+
+uint32_t LowestPriorityPortable(const float* scores, const int64_t* positions, uint32_t length,
+                                uint32_t unprotected, float max_score, float attention_weight) {
+  return LowestPriorityIn<F4, I4, U4>(scores, positions, length, unprotected, max_score,
+                                      attention_weight);
+}
+
+uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
+                           uint32_t unprotected, float max_score, float attention_weight) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    return LowestPriorityAvx2(scores, positions, length, unprotected, max_score, attention_weight);
+  }
+#endif
+  return LowestPriorityPortable(scores, positions, length, unprotected, max_score,
+                                attention_weight);
 }
 
 void UpdateScoresRef(ScoreRule rule, float lambda, const StreamSlice* streams, uint32_t num_streams,

@@ -157,6 +157,35 @@ TEST(SelectTest, OneOutMatchesTheSortOracleForLargePositions) {
     const uint32_t dropped =
         LowestPriorityRef(scores.data(), positions.data(), n, n - protect, mx, w);
     ASSERT_EQ(want[dropped], 0) << "trial " << trial;
+    ASSERT_EQ(dropped,
+              LowestPriorityPortable(scores.data(), positions.data(), n, n - protect, mx, w))
+        << "trial " << trial;
+  }
+}
+
+// LowestPriorityRef (eight lanes where the CPU has AVX2) and the four-lane path pick the same
+// slot: over streams of every length up to a few hundred slots (full vectors and tails),
+// with many ties, narrow and wide position spans, and scores the update left NaN.
+TEST(SelectTest, LowestPriorityIsTheSameAtEveryVectorWidth) {
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const uint32_t n = 1 + rng() % 400;
+    std::vector<float> scores(n);
+    std::vector<int64_t> positions(n);
+    int64_t at = trial % 3 == 0 ? -static_cast<int64_t>(rng() % 100) : rng() % 1000;
+    float mx = 0;
+    for (uint32_t j = 0; j < n; ++j) {
+      scores[j] =
+          trial % 5 == 0 && rng() % 50 == 0 ? std::nanf("") : static_cast<float>(rng() % 8) / 8;
+      if (!std::isnan(scores[j])) mx = std::max(mx, scores[j]);
+      positions[j] = at;
+      at += trial % 4 == 1 && rng() % 8 == 0 ? (int64_t{1} << 31) : 1 + rng() % 3;
+    }
+    const uint32_t unprotected = 1 + rng() % n;
+    const float w = trial % 2 == 0 ? 1.0f : 0.65f;
+    ASSERT_EQ(LowestPriorityRef(scores.data(), positions.data(), n, unprotected, mx, w),
+              LowestPriorityPortable(scores.data(), positions.data(), n, unprotected, mx, w))
+        << "trial " << trial << ", " << n << " slots";
   }
 }
 
