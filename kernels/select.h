@@ -58,8 +58,8 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
 // shared with the policies that run on the host so that both paths drop the same slot.
 uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
                            uint32_t unprotected, float max_score, float attention_weight);
-// The same in four-lane vectors whatever the CPU (LowestPriorityRef takes eight lanes where
-// it has AVX2), for the tests that check both widths against each other.
+// Test only: the same in four-lane vectors whatever the CPU (LowestPriorityRef takes eight
+// lanes where it has AVX2), so that a test can check both widths against each other.
 uint32_t LowestPriorityPortable(const float* scores, const int64_t* positions, uint32_t length,
                                 uint32_t unprotected, float max_score, float attention_weight);
 

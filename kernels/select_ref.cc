@@ -12,9 +12,9 @@ namespace {
 
 // The per-slot loops run four slots at a time in GCC/Clang vector types (SSE2 on x86-64,
 // NEON on arm64), LowestPriorityRef's eight at a time where the CPU has AVX2, with the
-// scalar code for the tail. Every float operation is the one the
-// contract writes, in its order, per slot, so the results are those of the scalar code bit
-// for bit; only the order of the max reduction differs, and it does not matter (MaxLanes).
+// scalar code for the tail. Every float operation is the one the contract writes, in its
+// order, per slot, so the results are those of the scalar code bit for bit; only the order
+// of the max reduction differs, and it does not matter (MaxLanes).
 constexpr uint32_t kLanes = 4;
 using F4 = float __attribute__((vector_size(16)));
 using I4 = int32_t __attribute__((vector_size(16)));
@@ -91,16 +91,12 @@ int32_t OrderedBits(float r) {
   return static_cast<int32_t>(u ^ ((u & 0x80000000u) ? 0x7fffffffu : 0u));
 }
 
-}  // namespace
-
-namespace {
-
 // LowestPriorityRef's loop in vectors of kWidth = sizeof(F) / 4 lanes: four (F4, SSE2 or NEON)
 // or eight (F8, AVX2 where the CPU has it). Per slot the same float operations in the same
 // order as the scalar tail, and lanes merged by the scalar rule, so both widths return the
 // same slot.
 template <typename F, typename I, typename U>
-__attribute__((always_inline)) inline uint32_t LowestPriorityIn(
+__attribute__((always_inline)) inline uint32_t LowestPriorityLanes(
     const float* scores, const int64_t* positions, uint32_t length, uint32_t unprotected,
     float max_score, float attention_weight) {
   constexpr uint32_t kWidth = sizeof(F) / sizeof(float);
@@ -141,7 +137,9 @@ __attribute__((always_inline)) inline uint32_t LowestPriorityIn(
       const F r = (a + b) + r_const;
       I u;
       std::memcpy(&u, &r, sizeof u);
-      const I ordered = u ^ ((u >> 31) & 0x7fffffff);  // OrderedBits, lane by lane
+      // OrderedBits, lane by lane (written out: a function taking an AVX vector would be
+      // compiled for the default target).
+      const I ordered = u ^ ((u >> 31) & 0x7fffffff);
       const I take = ordered <= best;
       best = take ? ordered : best;
       at = take ? index : at;
@@ -172,14 +170,15 @@ __attribute__((always_inline)) inline uint32_t LowestPriorityIn(
 using F8 = float __attribute__((vector_size(32)));
 using I8 = int32_t __attribute__((vector_size(32)));
 using U8 = uint32_t __attribute__((vector_size(32)));
-// AVX2 only (no FMA: a * b + c stays a product and a sum, as in the contract).
+// AVX2 without FMA; and this library builds with -ffp-contract=off (CMakeLists.txt), so
+// a * b + c stays a product and a sum, as in the contract, whatever the target.
 __attribute__((target("avx2"))) uint32_t LowestPriorityAvx2(const float* scores,
                                                             const int64_t* positions,
                                                             uint32_t length, uint32_t unprotected,
                                                             float max_score,
                                                             float attention_weight) {
-  return LowestPriorityIn<F8, I8, U8>(scores, positions, length, unprotected, max_score,
-                                      attention_weight);
+  return LowestPriorityLanes<F8, I8, U8>(scores, positions, length, unprotected, max_score,
+                                         attention_weight);
 }
 #endif
 
@@ -187,8 +186,8 @@ __attribute__((target("avx2"))) uint32_t LowestPriorityAvx2(const float* scores,
 
 uint32_t LowestPriorityPortable(const float* scores, const int64_t* positions, uint32_t length,
                                 uint32_t unprotected, float max_score, float attention_weight) {
-  return LowestPriorityIn<F4, I4, U4>(scores, positions, length, unprotected, max_score,
-                                      attention_weight);
+  return LowestPriorityLanes<F4, I4, U4>(scores, positions, length, unprotected, max_score,
+                                         attention_weight);
 }
 
 uint32_t LowestPriorityRef(const float* scores, const int64_t* positions, uint32_t length,
