@@ -57,7 +57,9 @@ ABSL_FLAG(uint32_t, max_step_channels, 16,
           "same-host step channels (OpenStepChannel) open at once, each served by one thread; "
           "more get RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint64_t, step_channel_bytes, 256ull << 20,
-          "shared memory all step channels' segments may hold together");
+          "memory all step channels may hold together: each its segment (twice its capacity), "
+          "a request's copy and parse, and its answer as built and serialized (8 x its "
+          "capacity in all)");
 ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,
           "memory gRPC's transports may hold (its ResourceQuota)");
 ABSL_FLAG(int32_t, grpc_max_threads, 256,

@@ -11,14 +11,6 @@
 namespace kvmem::service {
 namespace {
 
-// `text` cut to at most `limit` bytes on a UTF-8 character boundary, saying how long it was.
-std::string Cut(absl::string_view text, size_t limit) {
-  if (text.size() <= limit) return std::string(text);
-  size_t cut = limit;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(text.substr(0, cut), "... (message cut, ", text.size(), " bytes)");
-}
-
 bool IsPathChar(char c) {
   return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '[' ||
          c == ']';
@@ -66,7 +58,7 @@ void AddStaleEpochDetails(const absl::Status& status, absl::string_view message,
   violation->set_type("EPOCH");
   violation->set_subject(subject);
   violation->set_description(epoch ? absl::StrCat("the current epoch is ", *epoch)
-                                   : Cut(AfterField(message, "epoch"), kMaxDetailTextBytes));
+                                   : CutMessage(AfterField(message, "epoch"), kMaxDetailTextBytes));
   if (version) {
     violation = failure.add_violations();
     violation->set_type("VERSION");
@@ -84,6 +76,13 @@ void AddStaleEpochDetails(const absl::Status& status, absl::string_view message,
 }
 
 }  // namespace
+
+std::string CutMessage(absl::string_view text, size_t limit) {
+  if (text.size() <= limit) return std::string(text);
+  size_t cut = limit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(text.substr(0, cut), "... (message cut, ", text.size(), " bytes)");
+}
 
 std::string FieldPathOf(absl::string_view message) {
   // A streamed chunk's errors start with its index: "chunk 3: positions[0]: ...".
@@ -125,7 +124,7 @@ grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence
 google::rpc::Status ToRpcStatus(const absl::Status& status, std::optional<uint64_t> sequence_id) {
   google::rpc::Status rich;
   if (status.ok()) return rich;
-  const std::string message = Cut(status.message(), kMaxStatusMessageBytes);
+  const std::string message = CutMessage(status.message(), kMaxStatusMessageBytes);
   rich.set_code(static_cast<int32_t>(status.code()));
   rich.set_message(message);
   switch (status.code()) {
@@ -135,7 +134,7 @@ google::rpc::Status ToRpcStatus(const absl::Status& status, std::optional<uint64
       google::rpc::BadRequest::FieldViolation* violation = bad.add_field_violations();
       violation->set_field(FieldPathOf(status.message()));
       violation->set_description(
-          Cut(AfterField(status.message(), violation->field()), kMaxDetailTextBytes));
+          CutMessage(AfterField(status.message(), violation->field()), kMaxDetailTextBytes));
       rich.add_details()->PackFrom(bad);
       break;
     }
@@ -151,7 +150,7 @@ google::rpc::Status ToRpcStatus(const absl::Status& status, std::optional<uint64
       google::rpc::QuotaFailure quota;
       google::rpc::QuotaFailure::Violation* violation = quota.add_violations();
       violation->set_subject(QuotaSubjectOf(status.message()));
-      violation->set_description(Cut(status.message(), kMaxDetailTextBytes));
+      violation->set_description(CutMessage(status.message(), kMaxDetailTextBytes));
       rich.add_details()->PackFrom(quota);
       break;
     }

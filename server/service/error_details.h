@@ -33,6 +33,10 @@ inline constexpr size_t kMaxStatusMessageBytes = 2048;
 // Longest description in a google.rpc detail (the message's text after its field path).
 inline constexpr size_t kMaxDetailTextBytes = 256;
 
+// `text`, or when longer than `limit` bytes its first `limit` at most (cut on a UTF-8
+// character's boundary) and a note of its length.
+std::string CutMessage(absl::string_view text, size_t limit);
+
 // `sequence_id`: the sequence the call acted on, the subject of an epoch violation.
 grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence_id = std::nullopt);
 // The google.rpc.Status ToGrpc sends as details (code 0 and nothing else for OK): also the

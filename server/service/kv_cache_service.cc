@@ -348,6 +348,10 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
   return grpc::Status::OK;
 }
 
+// Every batch's answer fits its channel once trimmed (StepChannel::FitAnswer).
+static_assert(KvCacheService::kMaxBatchEntries * StepChannel::kMaxTrimmedResultBytes <=
+              StepChannel::MaxAnswerBytes(StepChannel::kMinCapacity));
+
 grpc::Status KvCacheService::OpenStepChannel(
     grpc::ServerContext* context, const v1::OpenStepChannelRequest* request,
     grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) {

@@ -8,9 +8,11 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/arena.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "google/rpc/status.pb.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/common/mutex.h"
+#include "server/service/error_details.h"
 #include "server/store/segment_guard.h"
 
 namespace kvmem::service {
@@ -51,7 +53,36 @@ uint64_t StepChannel::SegmentBytes(uint64_t capacity) {
 }
 
 uint64_t StepChannel::HeldBytes(uint64_t capacity) {
-  return SegmentBytes(capacity) + capacity + ArenaBlockBytes(capacity);
+  return SegmentBytes(capacity) + capacity + ArenaBlockBytes(capacity) +
+         2 * MaxAnswerBytes(capacity);
+}
+
+void StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
+  size_t total = response->ByteSizeLong();
+  if (total <= limit) return;
+  // A result's share of the answer: its tag, its length and its bytes.
+  const auto framed = [](size_t bytes) {
+    return 1 + google::protobuf::io::CodedOutputStream::VarintSize64(bytes) + bytes;
+  };
+  const auto trim = [&](v1::StepBatchResult* result, const auto& change) {
+    const size_t before = framed(result->ByteSizeLong());
+    change(result);
+    total -= before - framed(result->ByteSizeLong());
+  };
+  for (int i = response->results_size() - 1; i >= 0 && total > limit; --i) {
+    if (!response->results(i).has_table_update()) continue;
+    trim(response->mutable_results(i),
+         [](v1::StepBatchResult* result) { result->clear_table_update(); });
+  }
+  for (int i = response->results_size() - 1; i >= 0 && total > limit; --i) {
+    trim(response->mutable_results(i), [](v1::StepBatchResult* result) {
+      google::rpc::Status* status = result->mutable_status();
+      status->clear_details();
+      if (status->message().size() > kMaxDetailTextBytes) {
+        status->set_message(CutMessage(status->message(), kMaxDetailTextBytes));
+      }
+    });
+  }
 }
 
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity) {
@@ -186,6 +217,15 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
 
   store::SegmentGuard guard(data, segment_->bytes());
   uint8_t* const out = data + layout::kHeaderBytes + capacity_;
+  if (status.ok()) FitAnswer(&response, MaxAnswerBytes(capacity_));
+  if (status.ok() && response.ByteSizeLong() > MaxAnswerBytes(capacity_)) {
+    // FitAnswer's trimmed results cannot add up to this (a static_assert in the service
+    // checks it for the largest batch); should they ever, the client gets the answer by
+    // gRPC, where the batch's request_id finds it without applying it again.
+    status = grpc::Status(grpc::StatusCode::INTERNAL,
+                          "step channel: the answer is longer than the channel can hold; "
+                          "repeat the batch over gRPC with the same request_id");
+  }
   if (status.ok()) {
     const size_t bytes = response.ByteSizeLong();
     if (bytes <= capacity_) {

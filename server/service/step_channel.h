@@ -67,9 +67,20 @@ class StepChannel {
   static constexpr uint64_t kDefaultCapacity = 8ull << 20;
   static constexpr uint64_t kMinCapacity = 1ull << 20;
   static uint64_t SegmentBytes(uint64_t capacity);
-  // The daemon memory a channel holds: its segment, its copy of a request and the first
-  // block of its parse arena.
+  // The longest answer a channel sends (past the area's capacity, in chunks): FitAnswer
+  // trims a longer one to it.
+  static constexpr uint64_t MaxAnswerBytes(uint64_t capacity) { return 2 * capacity; }
+  // The daemon memory a channel holds: its segment, its copy of a request, the first block
+  // of its parse arena, and an answer of MaxAnswerBytes twice (as built, and serialized
+  // while its chunks are pending).
   static uint64_t HeldBytes(uint64_t capacity);
+  // Trims `response` to at most `limit` serialized bytes, so that what a channel holds stays
+  // bounded: table updates go first, from the last entry back (an applied entry without
+  // its update makes its client fetch the table); then, from the back, the statuses'
+  // details and their messages past kMaxDetailTextBytes. A result then takes at most
+  // kMaxTrimmedResultBytes, so that kMaxBatchEntries of them fit any channel's answer.
+  static void FitAnswer(v1::StepBatchResponse* response, uint64_t limit);
+  static constexpr uint64_t kMaxTrimmedResultBytes = 512;
 
   // A fresh segment with its header written; `capacity` bytes per direction.
   static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity);
@@ -78,7 +89,8 @@ class StepChannel {
   const std::string& nonce() const { return nonce_; }
   uint64_t segment_bytes() const { return segment_->bytes(); }
   uint64_t capacity() const { return capacity_; }
-  // An answer larger than the area is partly sent: its client will ask for the rest.
+  // An answer larger than the area (up to MaxAnswerBytes) is partly sent: its client will
+  // ask for the rest.
   bool chunks_pending() const { return !pending_.empty(); }
 
   // What one answered request moved, for the daemon's RPC metrics.

@@ -10,7 +10,9 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
+#include "google/rpc/error_details.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/kv_cache_service.h"
@@ -347,7 +349,7 @@ TEST_F(StepChannelTest, ASegmentShrunkUnderTheDaemonClosesTheChannelAndAppliesNo
 
 TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
   limits_.max_step_channels = 2;
-  limits_.step_channel_bytes = 40ull << 20;  // one 8 MiB channel holds ~24.3 MiB
+  limits_.step_channel_bytes = 80ull << 20;  // one 8 MiB channel holds ~64.3 MiB, 1 MiB ~8.3
   StartDaemon(64ull << 20);
   auto stub = Stub();
   grpc::Status status;
@@ -361,7 +363,7 @@ TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
 
   RawChannel a, b, c;
   ASSERT_TRUE(OpenRaw(stub.get(), &a, 8ull << 20));
-  EXPECT_FALSE(OpenRaw(stub.get(), &b, 8ull << 20, &status)) << "2 x 24.3 MiB > 40 MiB";
+  EXPECT_FALSE(OpenRaw(stub.get(), &b, 8ull << 20, &status)) << "2 x 64.3 MiB > 80 MiB";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_THAT(status.error_message(), HasSubstr("--step-channel-bytes"));
   RawChannel b2;
@@ -478,8 +480,8 @@ TEST(StepChannelUnitTest, AnAnswerLargerThanTheAreaArrivesInChunks) {
     for (int i = 0; i < request.entries_size(); ++i) {
       v1::StepBatchResult* r = response->add_results();
       r->mutable_status()->set_code(5);
-      // 2.5 MiB in all: three chunks of a 1 MiB area.
-      r->mutable_status()->set_message(std::string(2621440 / request.entries_size(), 'a' + i));
+      // 1.75 MiB in all: two chunks of a 1 MiB area.
+      r->mutable_status()->set_message(std::string(1835008 / request.entries_size(), 'a' + i));
     }
     return grpc::Status::OK;
   });
@@ -494,11 +496,98 @@ TEST(StepChannelUnitTest, AnAnswerLargerThanTheAreaArrivesInChunks) {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->size(), 2u);
     EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kNotFound);
-    EXPECT_EQ((*r)[0].status.message(), std::string(1310720, 'a'));
-    EXPECT_EQ((*r)[1].status.message(), std::string(1310720, 'b'));
+    EXPECT_EQ((*r)[0].status.message(), std::string(917504, 'a'));
+    EXPECT_EQ((*r)[1].status.message(), std::string(917504, 'b'));
   }
   EXPECT_EQ(calls, 2) << "each batch ran once; the chunks are not batches";
   EXPECT_EQ((*client)->step_channel_batches(), 2u);
+}
+
+// An answer longer than twice the area is trimmed to it (what the channel holds while the
+// chunks are pending is bounded): here the statuses' messages are cut.
+TEST(StepChannelUnitTest, AnAnswerPastTwiceTheAreaIsTrimmedToIt) {
+  FakeDaemon fake([&](const v1::StepBatchRequest& request, v1::StepBatchResponse* response) {
+    for (int i = 0; i < request.entries_size(); ++i) {
+      v1::StepBatchResult* r = response->add_results();
+      r->mutable_status()->set_code(5);
+      r->mutable_status()->set_message(std::string(1u << 20, 'a' + i));  // 3 MiB in all
+    }
+    return grpc::Status::OK;
+  });
+  auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port));
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->OpenStepChannel(1ull << 20).ok());
+  std::vector<client::BatchEntry> batch(3);
+  for (int i = 0; i < 3; ++i) batch[i].sequence_id = i + 1;
+  auto r = (*client)->StepBatch(batch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_EQ((*r)[0].status.message(), std::string(1u << 20, 'a')) << "trimmed from the back";
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_EQ((*r)[i].status.code(), absl::StatusCode::kNotFound);
+    EXPECT_TRUE(absl::StartsWith((*r)[i].status.message(), std::string(200, 'a' + i)));
+    EXPECT_THAT((*r)[i].status.message(), HasSubstr("message cut, 1048576 bytes"));
+  }
+  EXPECT_EQ((*client)->step_channel_batches(), 1u);
+}
+
+// FitAnswer drops table updates from the back first, then details and long messages; the
+// most a trimmed result can take is kMaxTrimmedResultBytes.
+TEST(StepChannelUnitTest, FitAnswerDropsUpdatesFromTheBackThenCutsStatuses) {
+  v1::StepBatchResponse response;
+  for (int i = 0; i < 8; ++i) {
+    v1::StepBatchResult* r = response.add_results();
+    r->mutable_step()->set_table_version(i + 1);
+    for (int b = 0; b < 50000; ++b) r->mutable_table_update()->mutable_delta()->add_block_ids(b);
+  }
+  const size_t one = response.results(0).ByteSizeLong();
+  const uint64_t limit = 3 * one + one / 2;
+  service::StepChannel::FitAnswer(&response, limit);
+  EXPECT_LE(response.ByteSizeLong(), limit);
+  ASSERT_EQ(response.results_size(), 8);
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(response.results(i).has_table_update(), i < 3) << i;
+    EXPECT_EQ(response.results(i).step().table_version(), i + 1u) << "the rest stays";
+  }
+
+  // The largest result trimming leaves: the longest message, details, every field at its
+  // widest.
+  v1::StepBatchResponse worst;
+  for (int i = 0; i < 4; ++i) {
+    v1::StepBatchResult* r = worst.add_results();
+    r->mutable_status()->set_code(9);
+    std::string message;
+    for (int c = 0; c < 683; ++c) message += "\u20ac";  // 2,049 bytes of 3-byte characters
+    r->mutable_status()->set_message(message);
+    google::rpc::PreconditionFailure failure;
+    failure.add_violations()->set_description(std::string(256, 'd'));
+    r->mutable_status()->add_details()->PackFrom(failure);
+    v1::AppendResponse* a = r->mutable_append();
+    a->set_sequence_id(~0ull);
+    a->set_appended_tokens(~0ull);
+    a->set_max_stream_tokens(~0u);
+    a->set_epoch(~0ull);
+    a->set_kv_bytes(~0ull);
+    a->set_table_version(~0ull);
+    v1::StepResponse* s = r->mutable_step();
+    s->set_confidence(0.5);
+    s->set_budget_tokens(~0u);
+    s->set_evicted_tokens(~0ull);
+    s->set_quantized_tokens(~0ull);
+    s->set_kv_bytes_before(~0ull);
+    s->set_kv_bytes_after(~0ull);
+    s->set_epoch(~0ull);
+    s->set_step(~0ull);
+    s->set_table_version(~0ull);
+  }
+  service::StepChannel::FitAnswer(&worst, 0);
+  for (const v1::StepBatchResult& r : worst.results()) {
+    EXPECT_EQ(r.status().details_size(), 0);
+    EXPECT_LE(r.ByteSizeLong() + 3, service::StepChannel::kMaxTrimmedResultBytes);
+    EXPECT_EQ(r.status().code(), 9);
+    EXPECT_TRUE(absl::StartsWith(r.status().message(), "\u20ac\u20ac"));
+    EXPECT_THAT(r.status().message(), HasSubstr("(message cut, 2049 bytes)"));
+  }
 }
 
 // A channel that closes (its daemon restarted) is dropped: batches go by gRPC, and after
