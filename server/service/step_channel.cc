@@ -57,9 +57,9 @@ uint64_t StepChannel::HeldBytes(uint64_t capacity) {
          2 * MaxAnswerBytes(capacity);
 }
 
-void StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
+size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
   size_t total = response->ByteSizeLong();
-  if (total <= limit) return;
+  if (total <= limit) return total;
   // A result's share of the answer: its tag, its length and its bytes.
   const auto framed = [](size_t bytes) {
     return 1 + google::protobuf::io::CodedOutputStream::VarintSize64(bytes) + bytes;
@@ -83,6 +83,7 @@ void StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
       }
     });
   }
+  return response->ByteSizeLong();  // caches the sizes the serialization uses
 }
 
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity) {
@@ -217,17 +218,16 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
 
   store::SegmentGuard guard(data, segment_->bytes());
   uint8_t* const out = data + layout::kHeaderBytes + capacity_;
-  if (status.ok()) FitAnswer(&response, MaxAnswerBytes(capacity_));
-  if (status.ok() && response.ByteSizeLong() > MaxAnswerBytes(capacity_)) {
+  const size_t bytes = status.ok() ? FitAnswer(&response, MaxAnswerBytes(capacity_)) : 0;
+  if (bytes > MaxAnswerBytes(capacity_)) {
     // FitAnswer's trimmed results cannot add up to this (a static_assert in the service
-    // checks it for the largest batch); should they ever, the client gets the answer by
-    // gRPC, where the batch's request_id finds it without applying it again.
+    // checks it for the largest batch); should they ever, the batch ran and its client
+    // gets its answer by repeating it over gRPC under the same request_id.
     status = grpc::Status(grpc::StatusCode::INTERNAL,
                           "step channel: the answer is longer than the channel can hold; "
                           "repeat the batch over gRPC with the same request_id");
   }
   if (status.ok()) {
-    const size_t bytes = response.ByteSizeLong();
     if (bytes <= capacity_) {
       response.SerializeWithCachedSizesToArray(out);
       Answer(seq, 0, bytes, bytes, ex, record);

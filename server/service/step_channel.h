@@ -79,7 +79,8 @@ class StepChannel {
   // its update makes its client fetch the table); then, from the back, the statuses'
   // details and their messages past kMaxDetailTextBytes. A result then takes at most
   // kMaxTrimmedResultBytes, so that kMaxBatchEntries of them fit any channel's answer.
-  static void FitAnswer(v1::StepBatchResponse* response, uint64_t limit);
+  // Returns the answer's bytes (its sizes cached for SerializeWithCachedSizes).
+  static size_t FitAnswer(v1::StepBatchResponse* response, uint64_t limit);
   static constexpr uint64_t kMaxTrimmedResultBytes = 512;
 
   // A fresh segment with its header written; `capacity` bytes per direction.
