@@ -99,6 +99,7 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
     if (!layout) quantized_blocks_ = add ? quantized_blocks_ + 1 : quantized_blocks_ - 1;
   };
   to = std::min(to, blocks_.size());
+  const size_t old_size = blocks_.size();
   for (size_t i = from; i < to; ++i) tally(blocks_[i], false);
   // blocks_ = [prefix][old entries][suffix], other = [new entries]: exchange the middles.
   const size_t old_n = to - from, new_n = other.size();
@@ -148,12 +149,25 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   for (size_t& f : reindex_from_) f = std::min(f, moved_from);
   if (!changed) return;
   touched_from = std::min(touched_from, moved_from);
+  // The run left untouched, in the list as it was before this version's first change: all
+  // of it before a first change, else what the version's earlier changes left.
   if (version != changed_version_) {
     previous_changed_version_ = changed_version_;
-    untouched_prefix_ = touched_from;
-  } else {  // a second change within one version
-    untouched_prefix_ = std::min(untouched_prefix_, touched_from);
+    untouched_ = {0, old_size, 0};
   }
+  // This change keeps the run's part before touched_from where it was, and its part in
+  // the old suffix [to, old_size), moved by the middle's change of length; the longer
+  // part stays the run.
+  const UntouchedRun& run = untouched_;
+  const ptrdiff_t moved = static_cast<ptrdiff_t>(new_n) - static_cast<ptrdiff_t>(old_n);
+  UntouchedRun before{run.begin, std::max(run.begin, std::min(run.end, touched_from)), run.shift};
+  UntouchedRun after;
+  if (run.end > std::max(run.begin, to)) {
+    const size_t first = std::max(run.begin, to);
+    after = {static_cast<size_t>(static_cast<ptrdiff_t>(first) + moved),
+             static_cast<size_t>(static_cast<ptrdiff_t>(run.end) + moved), run.shift + moved};
+  }
+  untouched_ = after.size() > before.size() ? after : before;
   changed_version_ = version;
 }
 
@@ -166,6 +180,7 @@ void Stream::AdoptFrom(const Stream& other, uint64_t version) {
   }
   reindex_from_[0] = reindex_from_[1] = 0;
   changed_version_ = version;
+  untouched_ = {};  // the other stream's history says nothing of this one's
 }
 
 void Stream::MarkPublished(int which) {

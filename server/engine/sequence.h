@@ -196,11 +196,19 @@ class Stream {
   // The version of the last commit that changed the block list at all (blocks dropped
   // included).
   uint64_t changed_version() const { return changed_version_; }
-  // The version of the change before the last one (0: none), and how many leading entries
-  // the last change left as they were (same block, run, precision and index): a client
-  // that holds a version in [previous_changed_version(), changed_version()) holds those.
+  // The version of the change before the last one (0: none), and a run of entries the
+  // last change (all of its swaps) left as they were (same block, run and precision):
+  // entry i of [begin, end) was entry i - shift of the list before that change, so that a
+  // client holding a version in [previous_changed_version(), changed_version()) holds it
+  // there. A decode step's run is the entries between its evicted head and its appended
+  // tail: a delta names them without reading them (Engine::TableDelta).
+  struct UntouchedRun {
+    size_t begin = 0, end = 0;
+    ptrdiff_t shift = 0;
+    size_t size() const { return end - begin; }
+  };
   uint64_t previous_changed_version() const { return previous_changed_version_; }
-  size_t untouched_prefix() const { return untouched_prefix_; }
+  const UntouchedRun& untouched() const { return untouched_; }
   // Records each entry's index as published_index[which] (a version the stream's sequence
   // publishes, Engine::PublishVersion). Only the entries from the first one that moved or
   // is new since the last call for `which` are written.
@@ -254,7 +262,7 @@ class Stream {
   std::vector<StreamBlock> blocks_;
   uint64_t changed_version_ = 0;
   uint64_t previous_changed_version_ = 0;
-  size_t untouched_prefix_ = 0;
+  UntouchedRun untouched_;
   uint64_t layout_slots_ = 0, quantized_slots_ = 0, quantized_blocks_ = 0;
   // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
   size_t reindex_from_[2] = {0, 0};

@@ -27,6 +27,7 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
     update.table = TableOf(seq, positions);
     return update;
   }
+  update.streams.reserve(seq.streams().size());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     const Stream& st = seq.streams()[s];
     if (st.changed_version() <= known_version) continue;
@@ -36,25 +37,38 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
     delta.block_count = static_cast<uint32_t>(blocks.size());
     absl::Span<const int64_t> all = st.positions();
     size_t slot = 0;  // the first slot of blocks[i]
-    size_t begin = 0;
-    // One change since the client's version (an append's new tail, say): the entries it
-    // left untouched are where the client holds them, one run, without walking them. The
-    // ends are checked all the same; positions need every block's slot count: walk then.
-    const size_t prefix = std::min(st.untouched_prefix(), blocks.size());
-    if (!positions && prefix > 0 && st.previous_changed_version() <= known_version &&
-        blocks[0].version <= known_version && blocks[prefix - 1].version <= known_version &&
-        blocks[0].published_index[which] == 0 &&
-        blocks[prefix - 1].published_index[which] == prefix - 1) {
-      delta.kept.push_back({0, 0, static_cast<uint32_t>(prefix)});
-      begin = prefix;
-    }
-    for (size_t i = begin; i < blocks.size(); slot += blocks[i].count, ++i) {
+    // Entries the last change left untouched (an append's untouched front, a window step's
+    // blocks between its head and its tail): where the client holds them, one run, without
+    // walking them. The ends are checked all the same; positions need every block's slot
+    // count: walk then.
+    const Stream::UntouchedRun& run = st.untouched();
+    const bool skip = !positions && run.size() > 0 && run.end <= blocks.size() &&
+                      st.previous_changed_version() <= known_version &&
+                      blocks[run.begin].version <= known_version &&
+                      blocks[run.end - 1].version <= known_version &&
+                      static_cast<ptrdiff_t>(blocks[run.begin].published_index[which]) ==
+                          static_cast<ptrdiff_t>(run.begin) - run.shift &&
+                      static_cast<ptrdiff_t>(blocks[run.end - 1].published_index[which]) ==
+                          static_cast<ptrdiff_t>(run.end - 1) - run.shift;
+    for (size_t i = 0; i < blocks.size(); slot += blocks[i].count, ++i) {
+      if (skip && i == run.begin) {
+        KeptRun* last = delta.kept.empty() ? nullptr : &delta.kept.back();
+        const uint32_t from = blocks[i].published_index[which];
+        const uint32_t count = static_cast<uint32_t>(run.size());
+        if (last != nullptr && last->at + last->count == i && last->from + last->count == from) {
+          last->count += count;
+        } else {
+          delta.kept.push_back({static_cast<uint32_t>(i), from, count});
+        }
+        i = run.end - 1;  // slot is not kept when skipping (no positions)
+        continue;
+      }
       const StreamBlock& b = blocks[i];
       if (b.version <= known_version) {  // held by the client: where it sits there
         const uint32_t from = b.published_index[which];
-        KeptRun* run = delta.kept.empty() ? nullptr : &delta.kept.back();
-        if (run != nullptr && run->at + run->count == i && run->from + run->count == from) {
-          ++run->count;
+        KeptRun* last = delta.kept.empty() ? nullptr : &delta.kept.back();
+        if (last != nullptr && last->at + last->count == i && last->from + last->count == from) {
+          ++last->count;
         } else {
           delta.kept.push_back({static_cast<uint32_t>(i), from, 1});
         }

@@ -200,7 +200,7 @@ TEST_F(DeltaTest, ClientTablesFollowEveryKindOfChange) {
   std::mt19937 rng(7);
   int steps = 0, rewrites = 0;
   // With positions the delta walks every block; without, an update after one change sends
-  // the entries it left untouched as one run without walking them (Stream::untouched_prefix).
+  // the entries it left untouched as one run without walking them (Stream::untouched).
   for (const bool with_positions : {true, false}) {
     for (const Case& c : cases) {
       SCOPED_TRACE(c.policy + (c.int8 ? "+int8" : "") + (with_positions ? "" : ", no positions"));
@@ -577,6 +577,7 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
     }
     Stream ranged, whole;
     std::vector<StreamBlock> copy = list;
+    std::vector<StreamBlock> before;  // the list before the last change: none at first
     ranged.SwapBlocks(list, 10);
     whole.SwapBlocks(copy, 10);
     uint64_t version = 10;
@@ -612,7 +613,10 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
       full.insert(full.end(), now.begin() + static_cast<ptrdiff_t>(to), now.end());
       const std::vector<StreamBlock> old_middle(now.begin() + static_cast<ptrdiff_t>(from),
                                                 now.begin() + static_cast<ptrdiff_t>(to));
+      const std::vector<StreamBlock> listed = now;
       ranged.SwapBlocks(middle, version, from, to);
+      // The list before the last change (a swap that changed nothing is no change).
+      if (ranged.changed_version() == version) before = listed;
       whole.SwapBlocks(full, version);
       const std::string at = absl::StrCat("round ", round, " step ", step);
       ASSERT_EQ(ranged.blocks().size(), whole.blocks().size()) << at;
@@ -627,7 +631,27 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
       for (size_t i = 0; i < middle.size(); ++i) ASSERT_EQ(middle[i].id, old_middle[i].id) << at;
       ASSERT_EQ(ranged.changed_version(), whole.changed_version()) << at;
       ASSERT_EQ(ranged.previous_changed_version(), whole.previous_changed_version()) << at;
-      ASSERT_EQ(ranged.untouched_prefix(), whole.untouched_prefix()) << at;
+      // The untouched run holds what it says: entry i is entry i - shift of the list before
+      // the change, as it was. The ranged swap knows its suffix too, so its run is at least
+      // the whole swap's.
+      for (const Stream* st : {&ranged, &whole}) {
+        const Stream::UntouchedRun& run = st->untouched();
+        ASSERT_LE(run.begin, run.end) << at;
+        ASSERT_LE(run.end, st->blocks().size()) << at;
+        for (size_t i = run.begin; i < run.end; ++i) {
+          const ptrdiff_t was = static_cast<ptrdiff_t>(i) - run.shift;
+          ASSERT_GE(was, 0) << at;
+          ASSERT_LT(static_cast<size_t>(was), before.size()) << at;
+          const StreamBlock& a = st->blocks()[i];
+          const StreamBlock& b = before[static_cast<size_t>(was)];
+          ASSERT_EQ(std::make_tuple(a.id, a.start, a.count, a.precision, a.version),
+                    std::make_tuple(b.id, b.start, b.count, b.precision, b.version))
+              << at << " entry " << i << (st == &ranged ? " (range swap" : " (whole swap") << " ["
+              << from << ", " << to << ") of " << before.size() << " -> " << st->blocks().size()
+              << ", run [" << run.begin << ", " << run.end << ") shift " << run.shift << ")";
+        }
+      }
+      ASSERT_GE(ranged.untouched().size(), whole.untouched().size()) << at;
       ASSERT_EQ(ranged.layout_slots(), whole.layout_slots()) << at;
       ASSERT_EQ(ranged.quantized_slots(), whole.quantized_slots()) << at;
       ASSERT_EQ(ranged.quantized_blocks(), whole.quantized_blocks()) << at;
