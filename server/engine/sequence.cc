@@ -149,11 +149,13 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   for (size_t& f : reindex_from_) f = std::min(f, moved_from);
   if (!changed) return;
   touched_from = std::min(touched_from, moved_from);
-  // The run left untouched, in the list as it was before this version's first change: all
-  // of it before a first change, else what the version's earlier changes left.
-  if (version != changed_version_) {
-    previous_changed_version_ = changed_version_;
+  if (version != changed_version_) previous_changed_version_ = changed_version_;
+  // The run left untouched, in the list as it was before this change: all of it at the
+  // first change since the list was published, else what the changes since then left.
+  if (run_fresh_) {
     untouched_ = {0, old_size, 0};
+    untouched_base_ = marked_version_;
+    run_fresh_ = false;
   }
   // This change keeps the run's part before touched_from where it was, and its part in
   // the old suffix [to, old_size), moved by the middle's change of length; the longer
@@ -180,10 +182,15 @@ void Stream::AdoptFrom(const Stream& other, uint64_t version) {
   }
   reindex_from_[0] = reindex_from_[1] = 0;
   changed_version_ = version;
-  untouched_ = {};  // the other stream's history says nothing of this one's
+  // The other stream's history says nothing of this one's.
+  untouched_ = {};
+  untouched_base_ = marked_version_ = 0;
+  run_fresh_ = true;
 }
 
-void Stream::MarkPublished(int which) {
+void Stream::MarkPublished(int which, uint64_t version) {
+  marked_version_ = version;
+  run_fresh_ = true;
   for (size_t i = reindex_from_[which]; i < blocks_.size(); ++i) {
     blocks_[i].published_index[which] = static_cast<uint32_t>(i);
   }
@@ -253,7 +260,7 @@ void Sequence::set_version(uint64_t version) {
 void Sequence::Publish() {
   if (published_version_[newest_published_] == version_) return;
   const int which = 1 - newest_published_;  // the older of the two makes room
-  for (Stream& st : streams_) st.MarkPublished(which);
+  for (Stream& st : streams_) st.MarkPublished(which, version_);
   published_version_[which] = version_;
   newest_published_ = which;
 }

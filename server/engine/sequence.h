@@ -196,23 +196,26 @@ class Stream {
   // The version of the last commit that changed the block list at all (blocks dropped
   // included).
   uint64_t changed_version() const { return changed_version_; }
-  // The version of the change before the last one (0: none), and a run of entries the
-  // last change (all of its swaps) left as they were (same block, run and precision):
-  // entry i of [begin, end) was entry i - shift of the list before that change, so that a
-  // client holding a version in [previous_changed_version(), changed_version()) holds it
-  // there. A decode step's run is the entries between its evicted head and its appended
-  // tail: a delta names them without reading them (Engine::TableDelta).
+  // The version of the change before the last one (0: none).
+  uint64_t previous_changed_version() const { return previous_changed_version_; }
+  // A run of entries the changes since the last MarkPublished before them left as they
+  // were (same block, run and precision): entry i of [begin, end) was entry i - shift of
+  // the list published at untouched_base(), so that a client holding that version holds
+  // it there. A decode step's run (its append, then its eviction, published together) is
+  // the entries between its evicted head and its appended tail: a delta names them
+  // without reading them (Engine::TableDelta).
   struct UntouchedRun {
     size_t begin = 0, end = 0;
     ptrdiff_t shift = 0;
     size_t size() const { return end - begin; }
   };
-  uint64_t previous_changed_version() const { return previous_changed_version_; }
+  uint64_t untouched_base() const { return untouched_base_; }
   const UntouchedRun& untouched() const { return untouched_; }
-  // Records each entry's index as published_index[which] (a version the stream's sequence
-  // publishes, Engine::PublishVersion). Only the entries from the first one that moved or
-  // is new since the last call for `which` are written.
-  void MarkPublished(int which);
+  // Records each entry's index as published_index[which] (`version`, which the stream's
+  // sequence publishes: Sequence::Publish). Only the entries from the first one that moved
+  // or is new since the last call for `which` are written. The next change starts a new
+  // untouched run from this list.
+  void MarkPublished(int which, uint64_t version);
 
   // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
   // them the scores; DropStaging gives the memory back.
@@ -263,6 +266,9 @@ class Stream {
   uint64_t changed_version_ = 0;
   uint64_t previous_changed_version_ = 0;
   UntouchedRun untouched_;
+  uint64_t untouched_base_ = 0;  // the published version untouched_ is relative to
+  uint64_t marked_version_ = 0;  // the version of the last MarkPublished
+  bool run_fresh_ = true;        // no change since the last MarkPublished
   uint64_t layout_slots_ = 0, quantized_slots_ = 0, quantized_blocks_ = 0;
   // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
   size_t reindex_from_[2] = {0, 0};

@@ -37,13 +37,13 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
     delta.block_count = static_cast<uint32_t>(blocks.size());
     absl::Span<const int64_t> all = st.positions();
     size_t slot = 0;  // the first slot of blocks[i]
-    // Entries the last change left untouched (an append's untouched front, a window step's
+    // Entries the changes since the client's version left untouched (an append's front, a step's
     // blocks between its head and its tail): where the client holds them, one run, without
     // walking them. The ends are checked all the same; positions need every block's slot
     // count: walk then.
     const Stream::UntouchedRun& run = st.untouched();
     const bool skip = !positions && run.size() > 0 && run.end <= blocks.size() &&
-                      st.previous_changed_version() <= known_version &&
+                      st.untouched_base() == known_version &&
                       blocks[run.begin].version <= known_version &&
                       blocks[run.end - 1].version <= known_version &&
                       static_cast<ptrdiff_t>(blocks[run.begin].published_index[which]) ==
@@ -60,7 +60,7 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
         } else {
           delta.kept.push_back({static_cast<uint32_t>(i), from, count});
         }
-        i = run.end - 1;  // slot is not kept when skipping (no positions)
+        i = run.end - 1;  // (`slot` goes wrong from here: it counts for positions only)
         continue;
       }
       const StreamBlock& b = blocks[i];

@@ -258,7 +258,7 @@ TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
                                    {3, 0, 16, Precision::kLayout},
                                    {4, 0, 4, Precision::kLayout}};
   st.SwapBlocks(list, 10);
-  st.MarkPublished(0);
+  st.MarkPublished(0, 10);
   EXPECT_EQ(st.changed_version(), 10u);
   auto versions = [&st] {
     std::vector<uint64_t> v;
@@ -289,7 +289,7 @@ TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
   EXPECT_EQ(st.changed_version(), 12u);
   // Their index at the published version 10 travels with them.
   EXPECT_THAT(indices(0), ::testing::ElementsAre(1, 2, 3));
-  st.MarkPublished(1);
+  st.MarkPublished(1, 12);
   EXPECT_THAT(indices(1), ::testing::ElementsAre(0, 1, 2));
   EXPECT_THAT(indices(0), ::testing::ElementsAre(1, 2, 3));
 
@@ -312,7 +312,7 @@ TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
   EXPECT_EQ(st.changed_version(), 14u);
   EXPECT_THAT(versions(), ::testing::ElementsAre(13, 10));
   // The next mark of slot 0 indexes block 3 where it is now (its index there was 2).
-  st.MarkPublished(0);
+  st.MarkPublished(0, 14);
   EXPECT_THAT(indices(0), ::testing::ElementsAre(0, 1));
 }
 
@@ -324,7 +324,7 @@ TEST(StreamVersionsTest, AnAppendSwapsOnlyItsTailAndKeepsTheTally) {
   EXPECT_EQ(st.layout_slots(), 20u);
   EXPECT_EQ(st.quantized_slots(), 16u);
   EXPECT_EQ(st.quantized_blocks(), 1u);
-  st.MarkPublished(0);
+  st.MarkPublished(0, 10);
   // The planned tail: the last block, filled, and a new one after it.
   std::vector<StreamBlock> tail = {st.blocks()[2], {4, 0, 3, Precision::kLayout}};
   tail[0].count = 16;
@@ -342,7 +342,7 @@ TEST(StreamVersionsTest, AnAppendSwapsOnlyItsTailAndKeepsTheTally) {
   EXPECT_EQ(st.quantized_slots(), 16u);
   EXPECT_EQ(st.changed_version(), 11u);
   // The blocks before the tail kept their index; only the new one is indexed.
-  st.MarkPublished(1);
+  st.MarkPublished(1, 11);
   for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(st.blocks()[i].published_index[1], i);
   // A tail that shrank (not an append's, but the exchange allows it).
   tail = {st.blocks()[3]};
@@ -353,11 +353,42 @@ TEST(StreamVersionsTest, AnAppendSwapsOnlyItsTailAndKeepsTheTally) {
   // the list changed and the entry is indexed again at the next mark.
   EXPECT_EQ(st.blocks()[2].version, 11u);
   EXPECT_EQ(st.changed_version(), 12u);
-  st.MarkPublished(0);  // the older of the two published versions makes room
+  st.MarkPublished(0, 12);  // the older of the two published versions makes room
   EXPECT_EQ(st.blocks()[2].published_index[0], 2u);
   EXPECT_EQ(st.blocks()[2].published_index[1], 3u);  // where a client of version 11 has it
   EXPECT_EQ(tail.size(), 2u);
   EXPECT_EQ(st.layout_slots(), 16u + 3u);
+}
+
+// A decode step appends (one version) and evicts (the next) before it publishes: the run
+// is the blocks between its head and its tail, relative to the list last published, so
+// that the step's delta names them without reading them. A publish starts a new run.
+TEST(StreamVersionsTest, AStepsRunSpansItsAppendAndItsEviction) {
+  Stream st;
+  std::vector<StreamBlock> list;
+  for (store::BlockId id = 1; id <= 5; ++id) list.push_back({id, 0, 16, Precision::kLayout});
+  list.back().count = 3;
+  st.SwapBlocks(list, 10);
+  st.MarkPublished(0, 10);
+  std::vector<StreamBlock> tail = {st.blocks()[4]};  // the append: the last block grows
+  tail[0].count = 4;
+  st.SwapBlocks(tail, 11, /*from=*/4);
+  std::vector<StreamBlock> head = {st.blocks()[0]};  // the eviction: the head loses a slot
+  head[0].start = 1;
+  head[0].count = 15;
+  st.SwapBlocks(head, 12, /*from=*/0, /*to=*/1);
+  EXPECT_EQ(st.untouched_base(), 10u);
+  EXPECT_EQ(st.untouched().begin, 1u);
+  EXPECT_EQ(st.untouched().end, 4u);
+  EXPECT_EQ(st.untouched().shift, 0);
+
+  st.MarkPublished(1, 12);
+  head.clear();  // the head block dropped whole: the rest move up one index
+  st.SwapBlocks(head, 13, /*from=*/0, /*to=*/1);
+  EXPECT_EQ(st.untouched_base(), 12u);
+  EXPECT_EQ(st.untouched().begin, 0u);
+  EXPECT_EQ(st.untouched().end, 4u);
+  EXPECT_EQ(st.untouched().shift, -1);  // entry i was entry i + 1
 }
 
 TEST_F(DeltaTest, HeadEvictionSendsOnlyTheEntriesThatChanged) {
@@ -577,16 +608,24 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
     }
     Stream ranged, whole;
     std::vector<StreamBlock> copy = list;
-    std::vector<StreamBlock> before;  // the list before the last change: none at first
     ranged.SwapBlocks(list, 10);
     whole.SwapBlocks(copy, 10);
     uint64_t version = 10;
-    for (int step = 0; step < 6 && !ranged.blocks().empty(); ++step) {
+    // The list at the last MarkPublished and its version: the untouched run of the changes
+    // since then is relative to it.
+    std::vector<StreamBlock> base;
+    uint64_t base_version = 0;
+    bool changed_since = true;
+    const auto mark = [&](int which) {
+      ranged.MarkPublished(which, version);
+      whole.MarkPublished(which, version);
+      base = ranged.blocks();
+      base_version = version;
+      changed_since = false;
+    };
+    for (int step = 0; step < 8 && !ranged.blocks().empty(); ++step) {
+      if (rng() % 2 == 0) mark(static_cast<int>(version % 2));
       ++version;
-      if (rng() % 2 == 0) {
-        ranged.MarkPublished(static_cast<int>(version % 2));
-        whole.MarkPublished(static_cast<int>(version % 2));
-      }
       const std::vector<StreamBlock>& now = ranged.blocks();
       const size_t from = rng() % now.size();
       const size_t to = from + 1 + rng() % (now.size() - from);
@@ -601,7 +640,11 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
           --b.count;
         }
         if (what == 2) b = {next_id++, 0, b.count, b.precision};  // copied: a new id
-        if (what == 3 && !middle.empty()) {                       // merged into the last
+        if (what == 4 && rng() % 2 == 0) {  // a new entry after it: the list grows
+          middle.push_back(b);
+          b = {next_id++, 0, 1 + static_cast<uint32_t>(rng() % 16), Precision::kLayout};
+        }
+        if (what == 3 && !middle.empty()) {  // merged into the last
           middle.back().count += b.count;
           middle.back().version = 0;
           continue;
@@ -613,10 +656,7 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
       full.insert(full.end(), now.begin() + static_cast<ptrdiff_t>(to), now.end());
       const std::vector<StreamBlock> old_middle(now.begin() + static_cast<ptrdiff_t>(from),
                                                 now.begin() + static_cast<ptrdiff_t>(to));
-      const std::vector<StreamBlock> listed = now;
       ranged.SwapBlocks(middle, version, from, to);
-      // The list before the last change (a swap that changed nothing is no change).
-      if (ranged.changed_version() == version) before = listed;
       whole.SwapBlocks(full, version);
       const std::string at = absl::StrCat("round ", round, " step ", step);
       ASSERT_EQ(ranged.blocks().size(), whole.blocks().size()) << at;
@@ -631,10 +671,13 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
       for (size_t i = 0; i < middle.size(); ++i) ASSERT_EQ(middle[i].id, old_middle[i].id) << at;
       ASSERT_EQ(ranged.changed_version(), whole.changed_version()) << at;
       ASSERT_EQ(ranged.previous_changed_version(), whole.previous_changed_version()) << at;
-      // The untouched run holds what it says: entry i is entry i - shift of the list before
-      // the change, as it was. The ranged swap knows its suffix too, so its run is at least
-      // the whole swap's.
+      // The untouched run holds what it says: entry i is entry i - shift of the list last
+      // published, as it was there (a swap that changed nothing is no change).
+      changed_since = changed_since || ranged.changed_version() == version;
       for (const Stream* st : {&ranged, &whole}) {
+        if (!changed_since) break;
+        ASSERT_EQ(st->untouched_base(), base_version) << at;
+        const std::vector<StreamBlock>& before = base;
         const Stream::UntouchedRun& run = st->untouched();
         ASSERT_LE(run.begin, run.end) << at;
         ASSERT_LE(run.end, st->blocks().size()) << at;
@@ -651,13 +694,12 @@ TEST(StreamVersionsTest, ARangeSwapEqualsTheWholeListSwap) {
               << ", run [" << run.begin << ", " << run.end << ") shift " << run.shift << ")";
         }
       }
-      ASSERT_GE(ranged.untouched().size(), whole.untouched().size()) << at;
       ASSERT_EQ(ranged.layout_slots(), whole.layout_slots()) << at;
       ASSERT_EQ(ranged.quantized_slots(), whole.quantized_slots()) << at;
       ASSERT_EQ(ranged.quantized_blocks(), whole.quantized_blocks()) << at;
       for (int which : {0, 1}) {
-        ranged.MarkPublished(which);
-        whole.MarkPublished(which);
+        if (rng() % 3 == 0) continue;  // left for a later step: changes accumulate
+        mark(which);
         for (size_t i = 0; i < ranged.blocks().size(); ++i) {
           ASSERT_EQ(ranged.blocks()[i].published_index[which],
                     whole.blocks()[i].published_index[which])
