@@ -332,6 +332,9 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
   for (int i = 0; i < response->results_size() && i < request->entries_size(); ++i) {
     const v1::StepBatchEntry& entry = request->entries(i);
     if (!entry.has_client_table()) continue;
+    // Past the limit nothing more is converted: a cleared message keeps its memory (the
+    // channel's arena), so converting each update to drop it would hold them all.
+    if (update_bytes > max_update_bytes) break;
     v1::StepBatchResult* result = response->mutable_results(i);
     if (i < static_cast<int>(updates.size()) && updates[i]) {
       ToProto(*updates[i], result->mutable_table_update());

@@ -70,9 +70,16 @@ size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
     total -= before - framed(result->ByteSizeLong());
   };
   for (int i = response->results_size() - 1; i >= 0 && total > limit; --i) {
-    if (!response->results(i).has_table_update()) continue;
-    trim(response->mutable_results(i),
-         [](v1::StepBatchResult* result) { result->clear_table_update(); });
+    const v1::StepBatchResult& result = response->results(i);
+    if (!result.has_table_update() && !result.append().has_table_update() &&
+        !result.step().has_table_update()) {
+      continue;
+    }
+    trim(response->mutable_results(i), [](v1::StepBatchResult* result) {
+      result->clear_table_update();
+      if (result->has_append()) result->mutable_append()->clear_table_update();
+      if (result->has_step()) result->mutable_step()->clear_table_update();
+    });
   }
   for (int i = response->results_size() - 1; i >= 0 && total > limit; --i) {
     trim(response->mutable_results(i), [](v1::StepBatchResult* result) {
@@ -232,7 +239,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
       response.SerializeWithCachedSizesToArray(out);
       Answer(seq, 0, bytes, bytes, ex, record);
     } else {
-      response.SerializeToString(&pending_);
+      response.SerializeToString(&pending_);  // under MaxAnswerBytes: below 2 GiB
       SendChunk(seq, ex, record);
     }
   } else {
@@ -242,7 +249,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     rich.set_message(status.error_message());
     if (rich.ByteSizeLong() > capacity_) {  // a message can't be this long, but stay inside
       rich.clear_details();
-      rich.set_message(rich.message().substr(0, 1024));
+      rich.set_message(CutMessage(rich.message(), 1024));
     }
     const size_t bytes = rich.ByteSizeLong();
     rich.SerializeWithCachedSizesToArray(out);

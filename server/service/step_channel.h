@@ -8,6 +8,7 @@
 //
 // StepChannelBudget bounds what the open channels hold, daemon-wide: how many there are
 // (each keeps one gRPC thread serving it) and their segments' bytes (contract 3).
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -69,7 +70,10 @@ class StepChannel {
   static uint64_t SegmentBytes(uint64_t capacity);
   // The longest answer a channel sends (past the area's capacity, in chunks): FitAnswer
   // trims a longer one to it.
-  static constexpr uint64_t MaxAnswerBytes(uint64_t capacity) { return 2 * capacity; }
+  // (Below 2 GiB, which protobuf cannot serialize, for the largest capacity.)
+  static constexpr uint64_t MaxAnswerBytes(uint64_t capacity) {
+    return std::min<uint64_t>(2 * capacity, (2ull << 30) - (1ull << 20));
+  }
   // The daemon memory a channel holds: its segment, its copy of a request, the first block
   // of its parse arena, and an answer of MaxAnswerBytes twice (as built, and serialized
   // while its chunks are pending).
