@@ -531,6 +531,40 @@ TEST(StepChannelUnitTest, AnAnswerPastTwiceTheAreaIsTrimmedToIt) {
   EXPECT_EQ((*client)->step_channel_batches(), 1u);
 }
 
+// Sets every singular integer and floating field of `m` to the value that takes the most
+// bytes on the wire (fields added later included).
+void SetScalarsWidest(google::protobuf::Message* m) {
+  const google::protobuf::Descriptor* d = m->GetDescriptor();
+  const google::protobuf::Reflection* r = m->GetReflection();
+  using F = google::protobuf::FieldDescriptor;
+  for (int i = 0; i < d->field_count(); ++i) {
+    const F* f = d->field(i);
+    if (f->is_repeated()) continue;
+    switch (f->cpp_type()) {
+      case F::CPPTYPE_UINT64:
+        r->SetUInt64(m, f, ~0ull);
+        break;
+      case F::CPPTYPE_UINT32:
+        r->SetUInt32(m, f, ~0u);
+        break;
+      case F::CPPTYPE_INT64:
+        r->SetInt64(m, f, -1);
+        break;
+      case F::CPPTYPE_INT32:
+        r->SetInt32(m, f, -1);
+        break;
+      case F::CPPTYPE_DOUBLE:
+        r->SetDouble(m, f, 0.5);
+        break;
+      case F::CPPTYPE_FLOAT:
+        r->SetFloat(m, f, 0.5f);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
 // FitAnswer drops table updates from the back first, then details and long messages; the
 // most a trimmed result can take is kMaxTrimmedResultBytes.
 TEST(StepChannelUnitTest, FitAnswerDropsUpdatesFromTheBackThenCutsStatuses) {
@@ -562,23 +596,8 @@ TEST(StepChannelUnitTest, FitAnswerDropsUpdatesFromTheBackThenCutsStatuses) {
     google::rpc::PreconditionFailure failure;
     failure.add_violations()->set_description(std::string(256, 'd'));
     r->mutable_status()->add_details()->PackFrom(failure);
-    v1::AppendResponse* a = r->mutable_append();
-    a->set_sequence_id(~0ull);
-    a->set_appended_tokens(~0ull);
-    a->set_max_stream_tokens(~0u);
-    a->set_epoch(~0ull);
-    a->set_kv_bytes(~0ull);
-    a->set_table_version(~0ull);
-    v1::StepResponse* s = r->mutable_step();
-    s->set_confidence(0.5);
-    s->set_budget_tokens(~0u);
-    s->set_evicted_tokens(~0ull);
-    s->set_quantized_tokens(~0ull);
-    s->set_kv_bytes_before(~0ull);
-    s->set_kv_bytes_after(~0ull);
-    s->set_epoch(~0ull);
-    s->set_step(~0ull);
-    s->set_table_version(~0ull);
+    SetScalarsWidest(r->mutable_append());
+    SetScalarsWidest(r->mutable_step());
   }
   service::StepChannel::FitAnswer(&worst, 0);
   for (const v1::StepBatchResult& r : worst.results()) {
