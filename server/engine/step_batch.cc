@@ -50,28 +50,24 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
                           static_cast<ptrdiff_t>(run.begin) - run.shift &&
                       static_cast<ptrdiff_t>(blocks[run.end - 1].published_index[which]) ==
                           static_cast<ptrdiff_t>(run.end - 1) - run.shift;
+    // `count` entries from index `at` held by the client from its index `from` on.
+    const auto keep = [&delta](size_t at, uint32_t from, uint32_t count) {
+      KeptRun* last = delta.kept.empty() ? nullptr : &delta.kept.back();
+      if (last != nullptr && last->at + last->count == at && last->from + last->count == from) {
+        last->count += count;
+      } else {
+        delta.kept.push_back({static_cast<uint32_t>(at), from, count});
+      }
+    };
     for (size_t i = 0; i < blocks.size(); slot += blocks[i].count, ++i) {
       if (skip && i == run.begin) {
-        KeptRun* last = delta.kept.empty() ? nullptr : &delta.kept.back();
-        const uint32_t from = blocks[i].published_index[which];
-        const uint32_t count = static_cast<uint32_t>(run.size());
-        if (last != nullptr && last->at + last->count == i && last->from + last->count == from) {
-          last->count += count;
-        } else {
-          delta.kept.push_back({static_cast<uint32_t>(i), from, count});
-        }
+        keep(i, blocks[i].published_index[which], static_cast<uint32_t>(run.size()));
         i = run.end - 1;  // (`slot` goes wrong from here: it counts for positions only)
         continue;
       }
       const StreamBlock& b = blocks[i];
       if (b.version <= known_version) {  // held by the client: where it sits there
-        const uint32_t from = b.published_index[which];
-        KeptRun* last = delta.kept.empty() ? nullptr : &delta.kept.back();
-        if (last != nullptr && last->at + last->count == i && last->from + last->count == from) {
-          ++last->count;
-        } else {
-          delta.kept.push_back({static_cast<uint32_t>(i), from, 1});
-        }
+        keep(i, b.published_index[which], 1);
         continue;
       }
       delta.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});

@@ -239,7 +239,8 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
       response.SerializeWithCachedSizesToArray(out);
       Answer(seq, 0, bytes, bytes, ex, record);
     } else {
-      response.SerializeToString(&pending_);  // under MaxAnswerBytes: below 2 GiB
+      pending_.resize(bytes);  // under MaxAnswerBytes: below 2 GiB
+      response.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(pending_.data()));
       SendChunk(seq, ex, record);
     }
   } else {
