@@ -24,6 +24,9 @@ ABSL_FLAG(std::string, device_step, "auto",
           "where confkv/h2o steps run: on = scores and selection in the backend (device memory "
           "on cuda), off = policy code on the host, auto = on for cuda, off for cpu");
 ABSL_FLAG(uint64_t, pool_bytes, 1ull << 30, "pool size in bytes; never grows");
+ABSL_FLAG(bool, pool_prefault, true,
+          "map the whole pool ahead of use on a background thread (cpu backend), so that "
+          "Appends do not page-fault on fresh pool memory");
 ABSL_FLAG(uint64_t, page_bytes, 64 * 1024, "pool page size; a block must fit one page");
 ABSL_FLAG(uint32_t, block_tokens, 16, "default tokens per block");
 ABSL_FLAG(uint32_t, max_sequences, 1024, "most sequences held at once");
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
   config.device_step = absl::GetFlag(FLAGS_device_step);
   config.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   config.engine.pool_bytes = absl::GetFlag(FLAGS_pool_bytes);
+  config.prefault_pool = absl::GetFlag(FLAGS_pool_prefault);
   config.engine.page_bytes = absl::GetFlag(FLAGS_page_bytes);
   config.engine.default_block_tokens = absl::GetFlag(FLAGS_block_tokens);
   config.engine.max_sequences = absl::GetFlag(FLAGS_max_sequences);

@@ -1,6 +1,7 @@
 #include "server/service/server.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -126,6 +127,28 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   Server* raw = server.get();
+  if (config.prefault_pool) {
+    server->prefaulter_ = std::thread([raw] {
+      // In the order the pool hands pages out (lowest first), so that the pages the first
+      // sequences take are mapped first; a chunk at a time, so that a drain stops it soon.
+      constexpr uint64_t kChunk = 4ull << 20;
+      const store::Backend& backend = raw->engine_->backend();
+      const uint64_t total = backend.pool_bytes();
+      const auto started = std::chrono::steady_clock::now();
+      for (uint64_t at = 0; at < total; at += kChunk) {
+        if (raw->stop_prefault_.load(std::memory_order_relaxed)) return;
+        if (absl::Status s = backend.Prefault(at, std::min(kChunk, total - at)); !s.ok()) {
+          spdlog::warn("pool prefault stopped at byte {}: {} (the rest faults at first use)", at,
+                       s.ToString());
+          return;
+        }
+        raw->prefaulted_bytes_.store(std::min(total, at + kChunk), std::memory_order_release);
+      }
+      spdlog::info(
+          "pool prefaulted: {} bytes in {:.2f}s", total,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    });
+  }
   const absl::Duration period = config.reaper_period;
   const absl::Duration idle = config.limits.append_stream_idle;
   server->reaper_ = std::thread([raw, period, idle] {
@@ -166,12 +189,19 @@ void Server::Drain(absl::Duration deadline) {
   grpc_server_->Wait();
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
+  StopPrefault();
+}
+
+void Server::StopPrefault() {
+  stop_prefault_.store(true, std::memory_order_relaxed);
+  if (prefaulter_.joinable()) prefaulter_.join();
 }
 
 Server::~Server() {
   if (grpc_server_ != nullptr) Drain(absl::Seconds(5));
   if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
+  StopPrefault();  // before the engine (and its backend) goes
 }
 
 }  // namespace kvmem::service

@@ -1,6 +1,7 @@
 #pragma once
 // Server: assembles backend, engine, the KvCache service, grpc.health.v1 and reflection,
 // and the lease reaper; used by kvmemd's main and by in-process integration tests.
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,6 +39,11 @@ struct ServerConfig {
   absl::Duration reaper_period = absl::Seconds(1);
   // Where /metrics is served ("host:port", port 0 picks one); empty: not served.
   std::string metrics_listen;
+  // Map the whole pool ahead of use, on a thread of its own started with the server: the
+  // pool's memory is allocated at start, but the kernel zero-fills and maps each page at
+  // its first write, a page fault in the middle of an Append (kvmemd --pool-prefault, on
+  // by default; off here, so that in-process tests and benchmarks choose it).
+  bool prefault_pool = false;
 };
 
 class Server {
@@ -57,6 +63,8 @@ class Server {
   // the calls already inside a handler finish; after they have, or after `deadline`, gRPC
   // shuts down (cancelling what still runs) and the reaper stops. Idempotent.
   void Drain(absl::Duration deadline);
+  // Bytes of the pool mapped ahead of use so far (prefault_pool); the pool's size once done.
+  uint64_t prefaulted_bytes() const { return prefaulted_bytes_.load(std::memory_order_acquire); }
 
  private:
   Server() = default;
@@ -72,6 +80,10 @@ class Server {
   int port_ = 0;
   absl::Notification stop_reaper_;
   std::thread reaper_;
+  std::atomic<bool> stop_prefault_{false};
+  std::atomic<uint64_t> prefaulted_bytes_{0};
+  std::thread prefaulter_;
+  void StopPrefault();
   bool drained_ = false;
 };
 

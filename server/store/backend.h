@@ -103,6 +103,14 @@ class Backend {
   // Per-sequence slot metadata where this backend computes (slot_state.h).
   virtual absl::StatusOr<std::unique_ptr<SlotState>> CreateSlotState(uint32_t num_streams) = 0;
 
+  // Makes [offset, offset + bytes) of the pool ready for writes without a page fault per
+  // page (kvmemd maps the pool ahead of use, in the background: --pool-prefault). Changes
+  // no byte, safe beside every other call. A backend whose pool is ready when created
+  // (device memory) does nothing.
+  [[nodiscard]] virtual absl::Status Prefault(uint64_t /*offset*/, uint64_t /*bytes*/) const {
+    return absl::OkStatus();
+  }
+
   // The same-host export of the pool, when the backend has one.
   virtual std::optional<PoolExport> pool_export() const { return std::nullopt; }
 };

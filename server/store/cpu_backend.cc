@@ -44,6 +44,11 @@ absl::Status CpuBackend::CheckRange(uint64_t offset, uint64_t bytes, const char*
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::Prefault(uint64_t offset, uint64_t bytes) const {
+  if (absl::Status s = CheckRange(offset, bytes, "prefault"); !s.ok()) return s;
+  return segment_->Populate(offset, bytes);
+}
+
 absl::Status CpuBackend::Write(absl::Span<const WriteOp> ops) {
   for (const WriteOp& op : ops) {
     if (absl::Status s = CheckRange(op.dst, op.bytes, "write"); !s.ok()) return s;

@@ -8,6 +8,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -106,6 +107,28 @@ SharedSegment::~SharedSegment() {
   munmap(data_, bytes_);
   Unlink();
   close(fd_);
+}
+
+absl::Status SharedSegment::Populate(uint64_t offset, uint64_t bytes) const {
+  if (offset > bytes_ || bytes > bytes_ - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("populate: range [", offset, ", ",
+                                                   offset + bytes, ") outside the segment of ",
+                                                   bytes_, " bytes"));
+  }
+  // madvise wants a page-aligned start; the range grows to whole pages, inside the mapping.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t begin = offset / page * page;
+  const uint64_t end = std::min(bytes_, offset + bytes);
+  if (end <= begin) return absl::OkStatus();
+  if (madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) != 0) {
+    const int err = errno;
+    if (err == EINVAL) {
+      return absl::UnimplementedError("populate: madvise(MADV_POPULATE_WRITE) needs Linux 5.14");
+    }
+    return absl::InternalError(
+        absl::StrCat("populate: madvise(MADV_POPULATE_WRITE): ", std::strerror(err)));
+  }
+  return absl::OkStatus();
 }
 
 void SharedSegment::Unlink() {

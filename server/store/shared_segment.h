@@ -30,6 +30,12 @@ class SharedSegment {
   uint8_t* data() const { return data_; }
   // Removes the name now (a segment whose one client has mapped it); the mapping stays.
   void Unlink();
+  // Maps [offset, offset + bytes) writable now (madvise MADV_POPULATE_WRITE), so that the
+  // first writes there do not fault one page at a time: the memory is already allocated
+  // (Create), but the kernel zero-fills and maps each page at its first touch. Changes no
+  // byte; safe while other threads read and write the range. UNIMPLEMENTED on kernels
+  // before 5.14, INVALID_ARGUMENT for a range outside the segment.
+  absl::Status Populate(uint64_t offset, uint64_t bytes) const;
 
  private:
   SharedSegment(std::string name, int fd, uint8_t* data, uint64_t bytes)

@@ -243,6 +243,30 @@ TEST(ServerConfigTest, DeviceStepIsAutoOnOrOff) {
   EXPECT_THAT(bad.status().message(), HasSubstr("--device_step"));
 }
 
+// --pool-prefault: the whole pool is mapped by a thread of its own, which a drain stops.
+TEST(ServerConfigTest, PrefaultMapsThePoolInTheBackground) {
+  service::ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.engine.pool_bytes = 16 << 20;
+  auto off = service::Server::Start(config);
+  ASSERT_TRUE(off.ok()) << off.status();
+  config.prefault_pool = true;
+  auto on = service::Server::Start(config);
+  ASSERT_TRUE(on.ok()) << on.status();
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while ((*on)->prefaulted_bytes() < config.engine.pool_bytes && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ((*on)->prefaulted_bytes(), config.engine.pool_bytes);
+  EXPECT_EQ((*off)->prefaulted_bytes(), 0u);
+  // A drain of a pool still being mapped returns (the thread stops between chunks).
+  config.engine.pool_bytes = 256 << 20;
+  auto big = service::Server::Start(config);
+  ASSERT_TRUE(big.ok()) << big.status();
+  (*big)->Drain(absl::Seconds(1));
+  EXPECT_LE((*big)->prefaulted_bytes(), config.engine.pool_bytes);
+}
+
 }  // namespace
 }  // namespace kvmem
 
