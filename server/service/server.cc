@@ -138,8 +138,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       for (uint64_t at = 0; at < total; at += kChunk) {
         if (raw->stop_prefault_.load(std::memory_order_relaxed)) return;
         if (absl::Status s = backend.Prefault(at, std::min(kChunk, total - at)); !s.ok()) {
-          spdlog::warn("pool prefault stopped at byte {}: {} (the rest faults at first use)", at,
-                       s.ToString());
+          if (s.code() == absl::StatusCode::kUnimplemented) {
+            spdlog::info("pool prefault: not done: {}", std::string(s.message()));
+          } else {
+            spdlog::warn("pool prefault stopped at byte {}: {} (the rest faults at first use)", at,
+                         s.ToString());
+          }
           return;
         }
         raw->prefaulted_bytes_.store(std::min(total, at + kChunk), std::memory_order_release);

@@ -105,10 +105,10 @@ class Backend {
 
   // Makes [offset, offset + bytes) of the pool ready for writes without a page fault per
   // page (kvmemd maps the pool ahead of use, in the background: --pool-prefault). Changes
-  // no byte, safe beside every other call. A backend whose pool is ready when created
-  // (device memory) does nothing.
+  // no byte, safe beside every other call. UNIMPLEMENTED where there is nothing to do (a
+  // pool in device memory is ready when created) or the kernel cannot (before Linux 5.14).
   [[nodiscard]] virtual absl::Status Prefault(uint64_t /*offset*/, uint64_t /*bytes*/) const {
-    return absl::OkStatus();
+    return absl::UnimplementedError("the pool is ready when created");
   }
 
   // The same-host export of the pool, when the backend has one.
