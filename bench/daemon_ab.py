@@ -3,7 +3,9 @@
 through the daemon and the script reports the worker's wall time in daemon calls per step
 and the CPU time each daemon thread spent per step while the worker decoded (from
 /proc/<pid>/task/*/schedstat between the worker's 'prefill done' and 'decode done' marks).
-The builds run in turn, `--repeat` times, so that a busy machine slows them alike.
+The builds run in turn (a, b, then b, a, ...), `--repeat` times, so that a busy machine
+slows them alike. A thread that ends during the decode is not counted (gRPC's handler
+threads may); a build's pool prefault thread is waited for before the worker starts.
 
 Usage: python3 bench/daemon_ab.py --a DIR --b DIR [--worker DIR] [--context 1024]
        [--policy full] [--decode 128] [--repeat 3] [-- worker flags...]
@@ -16,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +52,12 @@ def run_once(kvmemd_dir, worker, model, text, args, extra):
     try:
         if not daemon.stdout.readline().startswith("READY"):
             raise RuntimeError(f"{kvmemd_dir}/kvmemd did not start")
+        # A build that maps its pool ahead of use does so first (its thread then ends), so
+        # that the decode is measured with the pool mapped and without that thread's CPU.
+        deadline = time.monotonic() + 120
+        while (any(name.endswith(":kvmem_prefault") for name in thread_cpu(daemon.pid))
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         cmd = [str(Path(worker) / "kvmem_worker"), "generate", f"--model={model}",
                f"--target=unix:{sock}", f"--policy={args.policy}", "--raw",
                f"--prompt_file={text}", f"--max_prompt_tokens={args.context}",
@@ -97,7 +106,8 @@ def main():
           f"name) | daemon CPU ms/step (all threads) |")
     print("|---|---|---|---|---|---|")
     for r in range(1, args.repeat + 1):
-        for label, d in (("a", args.a), ("b", args.b)):
+        order = (("a", args.a), ("b", args.b))
+        for label, d in (order if r % 2 else order[::-1]):  # a, b; then b, a; ...
             calls, decode, per_thread = run_once(d, worker, model, text, args, extra)
             busiest = max(per_thread.items(), key=lambda kv: kv[1])
             print(f"| {r} | {label} | {calls:.2f} | {decode:.1f} | {busiest[1]:.3f} ({busiest[0]}) "

@@ -1,5 +1,7 @@
 #include "server/service/server.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -127,32 +129,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
   Server* raw = server.get();
-  if (config.prefault_pool) {
-    server->prefaulter_ = std::thread([raw] {
-      // In the order the pool hands pages out (lowest first), so that the pages the first
-      // sequences take are mapped first; a chunk at a time, so that a drain stops it soon.
-      constexpr uint64_t kChunk = 4ull << 20;
-      const store::Backend& backend = raw->engine_->backend();
-      const uint64_t total = backend.pool_bytes();
-      const auto started = std::chrono::steady_clock::now();
-      for (uint64_t at = 0; at < total; at += kChunk) {
-        if (raw->stop_prefault_.load(std::memory_order_relaxed)) return;
-        if (absl::Status s = backend.Prefault(at, std::min(kChunk, total - at)); !s.ok()) {
-          if (s.code() == absl::StatusCode::kUnimplemented) {
-            spdlog::info("pool prefault: not done: {}", std::string(s.message()));
-          } else {
-            spdlog::warn("pool prefault stopped at byte {}: {} (the rest faults at first use)", at,
-                         s.ToString());
-          }
-          return;
-        }
-        raw->prefaulted_bytes_.store(std::min(total, at + kChunk), std::memory_order_release);
-      }
-      spdlog::info(
-          "pool prefaulted: {} bytes in {:.2f}s", total,
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-    });
-  }
+  if (config.prefault_pool) server->prefaulter_ = std::thread([raw] { raw->PrefaultPool(); });
   const absl::Duration period = config.reaper_period;
   const absl::Duration idle = config.limits.append_stream_idle;
   server->reaper_ = std::thread([raw, period, idle] {
@@ -174,9 +151,35 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   return server;
 }
 
+void Server::PrefaultPool() {
+  pthread_setname_np(pthread_self(), "kvmem_prefault");
+  // In the order the pool hands pages out (lowest first), so that the pages the first
+  // sequences take are mapped first; a chunk at a time, so that a drain stops it soon.
+  constexpr uint64_t kChunk = 4ull << 20;
+  const store::Backend& backend = engine_->backend();
+  const uint64_t total = backend.pool_bytes();
+  const auto started = std::chrono::steady_clock::now();
+  for (uint64_t at = 0; at < total; at += kChunk) {
+    if (stop_prefault_.load(std::memory_order_relaxed)) return;
+    if (absl::Status s = backend.Prefault(at, std::min(kChunk, total - at)); !s.ok()) {
+      if (s.code() == absl::StatusCode::kUnimplemented) {
+        spdlog::info("pool prefault: not done: {}", std::string(s.message()));
+      } else {
+        spdlog::warn("pool prefault stopped at byte {}: {} (the rest faults at first use)", at,
+                     s.ToString());
+      }
+      return;
+    }
+    prefaulted_bytes_.store(std::min(total, at + kChunk), std::memory_order_release);
+  }
+  spdlog::info("pool prefaulted: {} bytes in {:.2f}s", total,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+}
+
 void Server::Drain(absl::Duration deadline) {
   if (drained_) return;
   drained_ = true;
+  StopPrefault();  // first: the draining calls get the cores
   const absl::Time end = absl::Now() + deadline;
   // Shutdown() of the health service turns every status NOT_SERVING for good; Check keeps
   // answering until gRPC itself shuts down below.
@@ -193,7 +196,6 @@ void Server::Drain(absl::Duration deadline) {
   grpc_server_->Wait();
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
-  StopPrefault();
 }
 
 void Server::StopPrefault() {

@@ -41,7 +41,7 @@ struct ServerConfig {
   std::string metrics_listen;
   // Map the whole pool ahead of use, on a thread of its own started with the server: the
   // pool's memory is allocated at start, but the kernel zero-fills and maps each page at
-  // its first write, a page fault in the middle of an Append (kvmemd --pool-prefault, on
+  // its first touch, a page fault in the middle of an Append (kvmemd --pool-prefault, on
   // by default; off here, so that in-process tests and benchmarks choose it).
   bool prefault_pool = false;
 };
@@ -68,6 +68,9 @@ class Server {
 
  private:
   Server() = default;
+  // prefaulter_'s work: maps the pool a chunk at a time until done or told to stop.
+  void PrefaultPool();
+  void StopPrefault();
   engine::RealClock real_clock_;
   std::unique_ptr<engine::Engine> engine_;
   // Before the service and the gRPC server, so that it outlives the interceptors and the
@@ -83,7 +86,6 @@ class Server {
   std::atomic<bool> stop_prefault_{false};
   std::atomic<uint64_t> prefaulted_bytes_{0};
   std::thread prefaulter_;
-  void StopPrefault();
   bool drained_ = false;
 };
 

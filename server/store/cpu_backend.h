@@ -30,7 +30,7 @@ class CpuBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<SlotState>> CreateSlotState(uint32_t num_streams) override {
     return MakeHostSlotState(num_streams);
   }
-  absl::Status Prefault(uint64_t offset, uint64_t bytes) const override;
+  [[nodiscard]] absl::Status Prefault(uint64_t offset, uint64_t bytes) const override;
   std::optional<PoolExport> pool_export() const override;
 
  private:

@@ -8,7 +8,6 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -111,15 +110,14 @@ SharedSegment::~SharedSegment() {
 
 absl::Status SharedSegment::Populate(uint64_t offset, uint64_t bytes) const {
   if (offset > bytes_ || bytes > bytes_ - offset) {
-    return absl::InvalidArgumentError(absl::StrCat("populate: range [", offset, ", ",
-                                                   offset + bytes, ") outside the segment of ",
-                                                   bytes_, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("populate: ", bytes, " bytes at ", offset, " pass the segment's ", bytes_));
   }
   // madvise wants a page-aligned start; the range grows to whole pages, inside the mapping.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t begin = offset / page * page;
-  const uint64_t end = std::min(bytes_, offset + bytes);
-  if (end <= begin) return absl::OkStatus();
+  const uint64_t end = offset + bytes;  // inside the segment (checked above)
+  if (bytes == 0) return absl::OkStatus();
   if (madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) != 0) {
     const int err = errno;
     if (err == EINVAL) {
