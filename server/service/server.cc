@@ -154,8 +154,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
 void Server::PrefaultPool() {
   pthread_setname_np(pthread_self(), "kvmem_prefault");
   // In the order the pool hands pages out (lowest first), so that the pages the first
-  // sequences take are mapped first; a chunk at a time, so that a drain stops it soon.
-  constexpr uint64_t kChunk = 4ull << 20;
+  // sequences take are mapped first; 1 MiB at a time, so that a drain stops it soon and
+  // an mmap or munmap elsewhere in kvmemd (which waits for each call's hold of the address
+  // space lock) waits about a millisecond at most.
+  constexpr uint64_t kChunk = 1ull << 20;
   const store::Backend& backend = engine_->backend();
   const uint64_t total = backend.pool_bytes();
   const auto started = std::chrono::steady_clock::now();
