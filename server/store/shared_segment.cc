@@ -113,12 +113,11 @@ absl::Status SharedSegment::Populate(uint64_t offset, uint64_t bytes) const {
     return absl::InvalidArgumentError(
         absl::StrCat("populate: ", bytes, " bytes at ", offset, " pass the segment's ", bytes_));
   }
+  if (bytes == 0) return absl::OkStatus();
   // madvise wants a page-aligned start; the range grows to whole pages, inside the mapping.
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t begin = offset / page * page;
-  const uint64_t end = offset + bytes;  // inside the segment (checked above)
-  if (bytes == 0) return absl::OkStatus();
-  if (madvise(data_ + begin, end - begin, MADV_POPULATE_WRITE) != 0) {
+  if (madvise(data_ + begin, offset + bytes - begin, MADV_POPULATE_WRITE) != 0) {
     const int err = errno;
     if (err == EINVAL) {
       return absl::UnimplementedError("populate: madvise(MADV_POPULATE_WRITE) needs Linux 5.14");
