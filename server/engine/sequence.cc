@@ -38,7 +38,7 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
     token_entropy_.Append(token_entropy);
     layer_distance_.Append(layer_distance);
   }
-  arrival_step_.AppendFill(n, arrival);
+  if (arrival_steps_) arrival_step_.AppendFill(n, arrival);
 }
 
 void Stream::KeepSlots(const KeepSet& keep, uint32_t history_rows) {
@@ -331,7 +331,7 @@ absl::Status Sequence::CheckInvariants() const {
     };
     const size_t signals = st.token_signals() ? n : 0;
     if (st.token_entropy().size() != signals || st.layer_distance().size() != signals ||
-        st.arrival_step().size() != n) {
+        st.arrival_step().size() != (st.arrival_steps() ? n : 0)) {
       return broken("per-slot signals disagree with the positions");
     }
     if (st.scores().size() != (host_scores() ? n : 0)) {

@@ -151,7 +151,11 @@ class Stream {
   // the stream is empty (Sequence's constructor); copies keep it.
   bool token_signals() const { return token_signals_; }
   void set_token_signals(bool keep) { token_signals_ = keep; }
+  // The step each slot arrived at; empty unless the policy reads it
+  // (PolicyDescriptor::arrival_steps). Set as token_signals is; copies keep it.
   absl::Span<const int64_t> arrival_step() const { return arrival_step_.span(); }
+  bool arrival_steps() const { return arrival_steps_; }
+  void set_arrival_steps(bool keep) { arrival_steps_ = keep; }
 
   // Room for `more` slots in every per-slot vector (capacity grows geometrically), so that
   // AppendSlots, which a commit calls, never allocates. May throw; call it before commits.
@@ -259,7 +263,7 @@ class Stream {
       f(st.token_entropy_, size_t{1});
       f(st.layer_distance_, size_t{1});
     }
-    f(st.arrival_step_, size_t{1});
+    if (st.arrival_steps_) f(st.arrival_step_, size_t{1});
   }
 
   std::vector<StreamBlock> blocks_;
@@ -277,6 +281,7 @@ class Stream {
   std::vector<float> next_scores_;
   SlotColumn<float> history_;  // history_rows values per slot
   bool token_signals_ = true;
+  bool arrival_steps_ = true;
   SlotColumn<float> token_entropy_;
   SlotColumn<float> layer_distance_;
   SlotColumn<int64_t> arrival_step_;
@@ -314,7 +319,10 @@ class Sequence {
         parent_id_(parent_id),
         tenant_(tenant),
         streams_(layout.num_streams()) {
-    for (Stream& st : streams_) st.set_token_signals(policy_->descriptor().append_signals != 0);
+    for (Stream& st : streams_) {
+      st.set_token_signals(policy_->descriptor().append_signals != 0);
+      st.set_arrival_steps(policy_->descriptor().arrival_steps);
+    }
   }
   Sequence(const Sequence&) = delete;
   Sequence& operator=(const Sequence&) = delete;

@@ -118,23 +118,29 @@ std::vector<ParamSpec> RefreeParams(bool by_window_scores) {
   return specs;
 }
 
+// Candidates of a decode step are the slots decoded since the prompt (arrival step > 0).
+PolicyDescriptor* WithArrivalSteps(PolicyDescriptor* d) {
+  d->arrival_steps = true;
+  return d;
+}
+
 }  // namespace
 
 const PolicyDescriptor& RefreeKvDescriptor() {
-  static const PolicyDescriptor* d = new PolicyDescriptor{
+  static const PolicyDescriptor* d = WithArrivalSteps(new PolicyDescriptor{
       "refreekv",
       "ReFreeKV: per layer from layer 2, evicts the oldest candidates while the lost attention "
       "norm stays within T; the kept share is the policy's own decision (reported).",
-      RefreeParams(false), 0, kAttentionRows};
+      RefreeParams(false), 0, kAttentionRows});
   return *d;
 }
 
 const PolicyDescriptor& RefreeKvH2oDescriptor() {
-  static const PolicyDescriptor* d = new PolicyDescriptor{
+  static const PolicyDescriptor* d = WithArrivalSteps(new PolicyDescriptor{
       "refreekv_h2o",
       "ReFreeKV with candidates ordered by window scores (w = 8), least first; the last 8 "
       "tokens kept.",
-      RefreeParams(true), 0, kAttentionRows | kWindowScores};
+      RefreeParams(true), 0, kAttentionRows | kWindowScores});
   return *d;
 }
 

@@ -210,5 +210,39 @@ TEST_F(EngineTest, RefreeKvReportsItsOwnKeptSharePerLayer) {
   ExpectContentMatchesPositions(id);
 }
 
+// ReFreeKV's decode-time rule looks only at the slots decoded after the prompt (their
+// arrival step, which the engine keeps for this policy alone): prompt slots stay however
+// little attention they get, decoded ones go.
+TEST_F(EngineTest, RefreeKvStepEvictsDecodedSlotsOnly) {
+  const uint64_t id = Create("refreekv", {{"interval", 1}, {"sinks", 0}});
+  ASSERT_TRUE(AppendRange(id, 0, 40).ok());
+  for (int64_t t = 40; t < 80; ++t) {
+    auto table = engine_->GetBlockTable(id);
+    ASSERT_TRUE(table.ok()) << table.status();
+    std::vector<std::vector<float>> rows;
+    for (const StreamTable& st : table->streams) {
+      std::vector<float> row(st.positions.size(), 1e-6f);
+      row.back() = 1.0f;  // all the mass on the newest slot
+      rows.push_back(row);
+    }
+    auto step = engine_->Step(id, RowsInput(rows, table->epoch, kH));
+    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_TRUE(AppendRange(id, t, 1).ok());
+  }
+  auto table = engine_->GetBlockTable(id);
+  ASSERT_TRUE(table.ok()) << table.status();
+  for (const StreamTable& st : table->streams) {
+    // Every prompt position is still there, in every layer.
+    ASSERT_GE(st.positions.size(), 40u);
+    for (int64_t p = 0; p < 40; ++p) EXPECT_EQ(st.positions[p], p) << "layer " << st.layer;
+    if (st.layer >= 2) {
+      EXPECT_LT(st.positions.size(), 80u) << "layer " << st.layer << ": nothing decoded went";
+    } else {
+      EXPECT_EQ(st.positions.size(), 80u) << "layer " << st.layer << " is skipped";
+    }
+  }
+  ExpectContentMatchesPositions(id);
+}
+
 }  // namespace
 }  // namespace kvmem::engine

@@ -45,12 +45,37 @@ TEST(SequenceTest, OnlyAPolicyThatReadsPerTokenSignalsKeepsThem) ABSL_NO_THREAD_
       st.AppendSlots(positions, std::nullopt, 0, entropy, entropy, 0);
       EXPECT_EQ(st.token_entropy().size(), infokv ? 3u : 0u);
       EXPECT_EQ(st.layer_distance().size(), infokv ? 3u : 0u);
-      EXPECT_EQ(st.arrival_step().size(), 3u);
+      EXPECT_EQ(st.arrival_step().size(), 0u);  // neither reads it
       // A copy (a fork's) keeps the choice.
       const Stream copy = st;
       EXPECT_EQ(copy.token_signals(), infokv);
     }
     bytes[infokv] = seq->streams()[0].host_bytes();
+  }
+  EXPECT_LT(bytes[0], bytes[1]);
+}
+
+// Only ReFreeKV reads the step each slot arrived at; every other policy saves the column.
+TEST(SequenceTest, OnlyAPolicyThatReadsArrivalStepsKeepsThem) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const std::vector<int64_t> positions = {0, 1, 2};
+  uint64_t bytes[2] = {0, 0};
+  for (const bool refreekv : {false, true}) {
+    std::unique_ptr<Sequence> seq = Make(1, 0, refreekv ? "refreekv" : "confkv");
+    kvmem::MutexLock lock(&seq->mu);
+    for (size_t s = 0; s < seq->streams().size(); ++s) {
+      Stream& st = seq->stream(s);
+      ASSERT_EQ(st.arrival_steps(), refreekv);
+      st.Reserve(positions.size(), false, 0);
+      st.AppendSlots(positions, std::nullopt, 0, {}, {}, 7);
+      const std::vector<int64_t> want =
+          refreekv ? std::vector<int64_t>(3, 7) : std::vector<int64_t>();
+      EXPECT_EQ(std::vector<int64_t>(st.arrival_step().begin(), st.arrival_step().end()), want);
+      st.KeepSlots(KeepSet::FromSlots({0, 2}), 0);
+      EXPECT_EQ(st.arrival_step().size(), refreekv ? 2u : 0u);
+      const Stream copy = st;
+      EXPECT_EQ(copy.arrival_steps(), refreekv);
+    }
+    bytes[refreekv] = seq->streams()[0].host_bytes();
   }
   EXPECT_LT(bytes[0], bytes[1]);
 }
