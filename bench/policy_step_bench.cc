@@ -5,8 +5,12 @@
 // policy's own Step on the host; the others the device step (scores in the backend's
 // SlotState, the kernels' C++ twins on this backend); `cuda` rows the same on the CUDA
 // backend (scores and selection in device memory), skipped without a GPU.
+// `BM_ConfKvPolicy` is the policy's part of such a step alone: the host SlotState's one pass
+// per stream (EMA update, the pick of the slot to drop, the keep-set) and the compaction of
+// its slot records, without the block plan, the K/V moves and the engine around them.
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -14,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
+#include "server/store/slot_state.h"
 #ifdef KVMEM_WITH_CUDA
 #include "server/store/cuda_backend.h"
 #endif
@@ -121,6 +126,47 @@ BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_cuda, Shape{30, 3, 64, 256
     ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_cuda, Shape{32, 8, 128, 4096}, false, true,
                   true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+
+void BM_ConfKvPolicy(benchmark::State& state, Shape shape) {
+  const uint32_t streams = shape.layers * shape.heads;
+  std::unique_ptr<store::SlotState> slots = store::MakeHostSlotState(streams);
+  std::vector<int64_t> positions(shape.budget);
+  for (uint32_t i = 0; i < shape.budget; ++i) positions[i] = i;
+  if (absl::Status s = slots->Append(positions, std::nanf("")); !s.ok()) {
+    state.SkipWithError(std::string(s.message()).c_str());
+    return;
+  }
+  // confkv's plan at low confidence (PlanKernelStep): budget C_low in every stream.
+  const kernels::ScoreStep op{kernels::ScoreRule::kEma, 0.9f, 0.65f, true, true};
+  const std::vector<uint32_t> budget(streams, shape.budget);
+  std::mt19937 rng(1);
+  std::exponential_distribution<float> e(1.0f);
+  std::vector<std::vector<float>> rows(streams, std::vector<float>(shape.budget + 1));
+  std::vector<absl::Span<const float>> views(streams);
+  int64_t next = shape.budget;
+  for (auto _ : state) {
+    state.PauseTiming();
+    const int64_t p = next++;
+    absl::Status appended = slots->Append(absl::MakeConstSpan(&p, 1), std::nanf(""));
+    for (uint32_t s = 0; s < streams; ++s) {
+      float sum = 0;
+      for (float& a : rows[s]) sum += (a = e(rng));
+      for (float& a : rows[s]) a /= sum;
+      views[s] = rows[s];
+    }
+    state.ResumeTiming();
+    store::KeepSets keep;
+    absl::Status stepped = slots->Step(op, views, budget, 32, &keep);
+    if (stepped.ok()) stepped = slots->CommitStep();
+    if (!appended.ok() || !stepped.ok() || !keep[0] || keep[0]->size() != shape.budget) {
+      state.SkipWithError("unexpected step result");
+      break;
+    }
+  }
+}
+BENCHMARK_CAPTURE(BM_ConfKvPolicy, smollm2_30x3x64_b256, Shape{30, 3, 64, 256})
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
 
