@@ -21,6 +21,26 @@ absl::Status CheckFinite(absl::Span<const float> values, const Name& field, floa
       field(), "[", i, "]: ", values[i], " is not a finite value in [", min, ", ", max, "]"));
 }
 
+// K or V of a chunk of n tokens, [layers][kv_heads][n][head_dim] values of the layout's
+// dtype: an infinity or a NaN is refused, since a block quantized with it would spread it
+// to the same channel of every other token in the block (its scale).
+absl::Status CheckKvFinite(absl::string_view data, const Layout& layout, size_t n,
+                           const std::string& where, const char* field) {
+  const uint32_t bytes = DTypeBytes(layout.dtype);
+  const uint32_t exponent = layout.dtype == DType::kF16    ? 0x7c00u
+                            : layout.dtype == DType::kBF16 ? 0x7f80u
+                                                           : 0x7f800000u;
+  const size_t count = data.size() / bytes;
+  const size_t i = FirstNonFinite(data.data(), count, bytes, exponent);
+  if (i == count) return absl::OkStatus();
+  const uint64_t D = layout.head_dim, H = layout.num_kv_heads;
+  const uint64_t per_stream = n * D;
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, field, "[", i, "]: an infinity or NaN (layer ", i / per_stream / H,
+                   ", kv_head ", i / per_stream % H, ", token ", i % per_stream / D, ", dim ",
+                   i % D, "); K and V must be finite"));
+}
+
 }  // namespace
 
 absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
@@ -49,6 +69,8 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
     return absl::InvalidArgumentError(absl::StrCat(
         where, "v: ", chunk.v.size(), " bytes, expected ", want, " (same shape as k)"));
   }
+  if (absl::Status s = CheckKvFinite(chunk.k, layout, n, where, "k"); !s.ok()) return s;
+  if (absl::Status s = CheckKvFinite(chunk.v, layout, n, where, "v"); !s.ok()) return s;
   if (!chunk.token_ids.empty() && chunk.token_ids.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat(where, "token_ids: ", chunk.token_ids.size(),
                                                    " ids for ", n, " positions (send 0 or ", n,

@@ -10,8 +10,10 @@
 
 namespace kvmem::testing {
 
+// Bit 14 is kept clear, so that the element is a finite f16 and bf16 (their exponents
+// never all ones): kvmemd refuses infinities and NaNs in K and V.
 inline uint16_t Element16(uint32_t stream, int64_t position, uint32_t d, uint16_t salt) {
-  return static_cast<uint16_t>(position * 131 + stream * 17 + d * 3 + salt * 7919);
+  return static_cast<uint16_t>(position * 131 + stream * 17 + d * 3 + salt * 7919) & 0xbfffu;
 }
 
 // [streams][n][head_dim] of 2-byte elements for positions first..first+n-1.

@@ -2,6 +2,9 @@
 // order is named, whichever check it fails (a signal's shape is checked before its values),
 // also with streams long enough that the values are checked on several threads; a rejected
 // step changes nothing.
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/unit/engine/engine_fixture.h"
 
@@ -81,6 +84,54 @@ TEST_F(InputChecksTest, TheFirstBadSignalInOrderIsNamed) {
 
   rows_[7][kSlots - 1] = -0.0f;  // zero of either sign is a weight
   EXPECT_TRUE(engine_->Step(id_, Input()).ok());
+}
+
+// An infinity or NaN anywhere in K or V, in every layout dtype, is refused with the element
+// named (and where it lies), and the sequence is as before: quantizing a block with it
+// would spread it to the same channel of every token of the block.
+TEST_F(EngineTest, NonFiniteKvIsRefusedInEveryDtype) {
+  struct Case {
+    DType dtype;
+    uint32_t bytes;
+    std::vector<uint32_t> bad;  // bit patterns: +inf, -inf, a NaN
+  };
+  const Case cases[] = {{DType::kF16, 2, {0x7c00, 0xfc00, 0x7e01}},
+                        {DType::kBF16, 2, {0x7f80, 0xff80, 0x7fc1}},
+                        {DType::kF32, 4, {0x7f800000, 0xff800000, 0x7fc00001}}};
+  constexpr uint32_t kTokens = 3;
+  for (const Case& c : cases) {
+    const Layout layout{kL, kH, kD, c.dtype, kB, 1000};
+    auto created = engine_->CreateSequence(layout, "full", {}, {}, absl::ZeroDuration());
+    ASSERT_TRUE(created.ok()) << created.status();
+    const uint64_t id = created->sequence_id;
+    const std::vector<int64_t> positions = {0, 1, 2};
+    // 0x3c00 / 0x3f80 / 0x3f800000: 1.0 in each format.
+    const uint32_t one = c.bytes == 4 ? 0x3f800000u : (c.dtype == DType::kF16 ? 0x3c00u : 0x3f80u);
+    std::string good(size_t{kL} * kH * kTokens * kD * c.bytes, '\0');
+    for (size_t i = 0; i < good.size() / c.bytes; ++i) {
+      std::memcpy(good.data() + i * c.bytes, &one, c.bytes);
+    }
+    // Element of layer 2, kv_head 1, token 2, dim 5 in [L][H][n][D].
+    const size_t at = ((2 * kH + 1) * kTokens + 2) * kD + 5;
+    for (uint32_t bad : c.bad) {
+      for (const bool in_v : {false, true}) {
+        std::string broken = good;
+        std::memcpy(broken.data() + at * c.bytes, &bad, c.bytes);
+        const AppendChunk chunk{positions, {}, in_v ? good : broken, in_v ? broken : good, {}, {}};
+        auto r = engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
+        ASSERT_FALSE(r.ok()) << DTypeName(c.dtype) << " " << bad;
+        EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+        EXPECT_THAT(r.status().message(),
+                    HasSubstr(absl::StrCat(in_v ? "v[" : "k[", at,
+                                           "]: an infinity or NaN (layer 2, kv_head 1, token 2, "
+                                           "dim 5)")));
+        EXPECT_EQ(engine_->GetBlockTable(id)->streams[0].positions.size(), 0u);
+      }
+    }
+    const AppendChunk chunk{positions, {}, good, good, {}, {}};
+    ASSERT_TRUE(engine_->Append(id, absl::MakeConstSpan(&chunk, 1)).ok()) << DTypeName(c.dtype);
+    ASSERT_TRUE(engine_->Release(id).ok());
+  }
 }
 
 }  // namespace
