@@ -28,6 +28,7 @@ BlockTable Engine::TableOf(const Sequence& seq, bool positions) const {
   table.sequence_id = seq.id();
   table.epoch = seq.epoch();
   table.version = seq.version();
+  seq.NoteAnswered(table.version);
   table.layout = seq.layout();
   table.epoch_slot = seq.epoch_slot();
   table.quantization = seq.format().quant_precision();

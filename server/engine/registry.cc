@@ -89,6 +89,7 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
     kvmem::MutexLock lock(&seq->mu);
     result.epoch = seq->epoch();
     result.version = seq->version();
+    seq->NoteAnswered(result.version);  // the client is told it: it may hold it
   }
   kvmem::MutexLock lock(&mu_);
   result.sequence_id = seq->id();

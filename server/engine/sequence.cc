@@ -284,6 +284,7 @@ void Sequence::CopyStateFrom(const Sequence& parent, std::unique_ptr<store::Slot
   std::copy(std::begin(parent.published_version_), std::end(parent.published_version_),
             std::begin(published_version_));
   newest_published_ = parent.newest_published_;
+  answered_version_.store(parent.answered_version(), std::memory_order_relaxed);
   steps_ = parent.steps_;
   policy_mark_ = parent.policy_mark_;
   prefix_ = parent.prefix_;

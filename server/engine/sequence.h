@@ -454,6 +454,17 @@ class Sequence {
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Which of the two published versions `version` is (StreamBlock::published_index), or -1.
   int PublishedSlot(uint64_t version) const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  // The newest version a client has been told of (in a table or a table update). A version
+  // a client says it holds past this one is one it cannot hold (a guess at the next value
+  // of the engine-wide counter): it gets the whole table, never a delta from it, which could
+  // name as current a version whose changes it lacks. Noted under a shared lock too.
+  uint64_t answered_version() const { return answered_version_.load(std::memory_order_relaxed); }
+  void NoteAnswered(uint64_t version) const {
+    uint64_t seen = answered_version_.load(std::memory_order_relaxed);
+    while (version > seen &&
+           !answered_version_.compare_exchange_weak(seen, version, std::memory_order_relaxed)) {
+    }
+  }
 
   // A fork's child takes its parent's state (not its identity, epoch or accounting): the
   // same streams (block references are the caller's to add), tokens, steps, mark, version
@@ -537,6 +548,7 @@ class Sequence {
   uint64_t steps_ ABSL_GUARDED_BY(mu) = 0;
   uint64_t version_ ABSL_GUARDED_BY(mu) = 0;
   uint64_t published_version_[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  mutable std::atomic<uint64_t> answered_version_{0};
   int newest_published_ ABSL_GUARDED_BY(mu) = 0;
   PrefixState prefix_ ABSL_GUARDED_BY(mu);
 };

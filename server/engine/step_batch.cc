@@ -22,11 +22,13 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
   update.base_version = known_version;
   update.version = seq.version();
   update.epoch = seq.epoch();
-  const int which = seq.PublishedSlot(known_version);
+  // A version past every one a client was told of cannot be held: the whole table.
+  const int which = known_version <= seq.answered_version() ? seq.PublishedSlot(known_version) : -1;
   if (which < 0) {
-    update.table = TableOf(seq, positions);
+    update.table = TableOf(seq, positions);  // notes the version as answered
     return update;
   }
+  seq.NoteAnswered(update.version);
   update.streams.reserve(seq.streams().size());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     const Stream& st = seq.streams()[s];

@@ -489,6 +489,44 @@ TEST_F(DeltaTest, AClientMoreThanOneVersionBehindGetsTheWholeTable) {
   EXPECT_TRUE(engine_->GetTableUpdate(id, old.version + 1000, true)->full());
 }
 
+// Versions come from one engine-wide counter, so a client can guess the version a call will
+// produce. Claiming it as held must not earn the empty delta "you are current": the call's
+// update is the whole table (outside test: an Append that claimed the next version got an
+// empty delta and the client's table silently lacked the appended token).
+TEST_F(DeltaTest, AGuessedFutureVersionGetsTheWholeTable) {
+  const uint64_t id = Create("full");
+  ASSERT_TRUE(AppendRange(id, 0, 3).ok());
+  for (const bool batched : {true, false}) {
+    ClientTable table = Attach(id);
+    const uint64_t guess = table.version + 1;  // nothing else runs in this engine
+    const int64_t next = table.positions[0].back() + 1;
+    absl::StatusOr<TableUpdate> update;
+    if (batched) {
+      std::mt19937 rng(3);
+      CallData data;
+      MakeCall(id, table, next, 1, rng, &data);
+      data.call.step.reset();
+      data.call.table_version = guess;
+      absl::StatusOr<std::vector<StepOutcome>> out =
+          engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
+      ASSERT_TRUE(out.ok() && (*out)[0].status.ok());
+      ASSERT_TRUE((*out)[0].table.has_value());
+      update = *(*out)[0].table;
+    } else {  // a unary call: the service asks for the update after the call
+      ASSERT_TRUE(AppendRange(id, next, 1).ok());
+      update = engine_->GetTableUpdate(id, guess, true);
+    }
+    ASSERT_TRUE(update.ok()) << update.status();
+    ASSERT_EQ(update->version, guess) << "the guess must hit for the test to mean anything";
+    EXPECT_TRUE(update->full()) << (batched ? "batched" : "unary");
+    table.Apply(*update, kStreams);
+    ExpectSame(id, table, batched ? "batched" : "unary");
+    // Once told of, the version is one a client may hold: deltas from it as usual.
+    ASSERT_TRUE(AppendRange(id, next + 1, 1).ok());
+    EXPECT_FALSE(engine_->GetTableUpdate(id, guess, true)->full());
+  }
+}
+
 TEST_F(DeltaTest, BatchedStepsEqualStepsOneByOne) {
   // Two engines, the same workload: one batch per round on one, Append then Step per
   // sequence on the other. Tables and K/V must come out identical.
