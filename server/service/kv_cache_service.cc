@@ -111,8 +111,8 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
                                             v1::CreateSequenceResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(
-      requests_.Run("CreateSequence", 0, request->request_id(), response, [&]() -> absl::Status {
+  return ToGrpc(requests_.Run(
+      "CreateSequence", 0, *request, request->request_id(), response, [&]() -> absl::Status {
         if (!request->has_layout()) {
           return absl::InvalidArgumentError("layout: required");
         }
@@ -169,7 +169,7 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const absl::Status status =
-      requests_.Run("Append", id, request->request_id(), response, [&]() -> absl::Status {
+      requests_.Run("Append", id, *request, request->request_id(), response, [&]() -> absl::Status {
         const engine::AppendChunk chunk = ChunkView(*request);
         absl::StatusOr<engine::AppendResult> result =
             engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
@@ -203,8 +203,8 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
-  const absl::Status status =
-      requests_.Run("AppendStream", id, request.request_id(), response, [&]() -> absl::Status {
+  const absl::Status status = requests_.Run(
+      "AppendStream", id, request, request.request_id(), response, [&]() -> absl::Status {
         absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
             engine_->BeginAppend(id);
         if (!session.ok()) return session.status();
@@ -246,7 +246,7 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const absl::Status status =
-      requests_.Run("Step", id, request->request_id(), response, [&]() -> absl::Status {
+      requests_.Run("Step", id, *request, request->request_id(), response, [&]() -> absl::Status {
         SignalStorage storage;
         absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -282,8 +282,8 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
                                           v1::StepBatchResponse* response) {
   const v1::StepBatchRequest* const request = &request_message;
   std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
-  const absl::Status status =
-      requests_.Run("StepBatch", 0, request->request_id(), response, [&]() -> absl::Status {
+  const absl::Status status = requests_.Run(
+      "StepBatch", 0, *request, request->request_id(), response, [&]() -> absl::Status {
         const int n = request->entries_size();
         if (n == 0 || n > kMaxBatchEntries) {
           return absl::InvalidArgumentError(
@@ -432,8 +432,8 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const absl::Status status =
-      requests_.Run("Compress", id, request->request_id(), response, [&]() -> absl::Status {
+  const absl::Status status = requests_.Run(
+      "Compress", id, *request, request->request_id(), response, [&]() -> absl::Status {
         SignalStorage storage;
         absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -516,7 +516,7 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* r
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const absl::Status status =
-      requests_.Run("Fork", id, request->request_id(), response, [&]() -> absl::Status {
+      requests_.Run("Fork", id, *request, request->request_id(), response, [&]() -> absl::Status {
         absl::StatusOr<absl::Duration> lease = LeaseFromProto(
             request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
         if (!lease.ok()) return lease.status();
@@ -580,13 +580,13 @@ grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequ
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const absl::Status status =
-      requests_.Run("Release", id, request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<uint64_t> freed = engine_->Release(id);
-        if (!freed.ok()) return freed.status();
-        response->set_freed_blocks(*freed);
-        return absl::OkStatus();
-      });
+  const absl::Status status = requests_.Run("Release", id, *request, request->request_id(),
+                                            response, [&]() -> absl::Status {
+                                              absl::StatusOr<uint64_t> freed = engine_->Release(id);
+                                              if (!freed.ok()) return freed.status();
+                                              response->set_freed_blocks(*freed);
+                                              return absl::OkStatus();
+                                            });
   return ToGrpc(status, id);
 }
 

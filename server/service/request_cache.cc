@@ -1,10 +1,123 @@
 #include "server/service/request_cache.h"
 
 #include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/reflection.h"
 
 namespace kvmem::service {
+namespace {
 
-absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Message* response,
+using google::protobuf::FieldDescriptor;
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  h = (h ^ (h >> 27)) * 0x94d049bb133111ebULL;
+  return h ^ (h >> 31);
+}
+
+uint64_t MixBytes(uint64_t h, absl::string_view bytes) {
+  constexpr size_t kEnd = 32;
+  h = Mix(h, bytes.size());
+  const auto mix_run = [&h](absl::string_view run) {
+    for (size_t i = 0; i < run.size(); i += 8) {
+      uint64_t word = 0;
+      std::memcpy(&word, run.data() + i, std::min<size_t>(8, run.size() - i));
+      h = Mix(h, word);
+    }
+  };
+  if (bytes.size() <= 2 * kEnd) {
+    mix_run(bytes);
+  } else {
+    mix_run(bytes.substr(0, kEnd));
+    mix_run(bytes.substr(bytes.size() - kEnd));
+  }
+  return h;
+}
+
+uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth);
+
+// One value of `field` (element `index` of a repeated one, or -1).
+uint64_t MixValue(uint64_t h, const google::protobuf::Message& m, const FieldDescriptor* f,
+                  int index, int depth) {
+  const google::protobuf::Reflection* r = m.GetReflection();
+  const bool rep = index >= 0;
+  switch (f->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      return Mix(h,
+                 static_cast<uint32_t>(rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f)));
+    case FieldDescriptor::CPPTYPE_INT64:
+      return Mix(h,
+                 static_cast<uint64_t>(rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f)));
+    case FieldDescriptor::CPPTYPE_UINT32:
+      return Mix(h, rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f));
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return Mix(h, rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f));
+    case FieldDescriptor::CPPTYPE_FLOAT: {
+      const float v = rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      return Mix(h, bits);
+    }
+    case FieldDescriptor::CPPTYPE_DOUBLE: {
+      const double v = rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f);
+      uint64_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      return Mix(h, bits);
+    }
+    case FieldDescriptor::CPPTYPE_BOOL:
+      return Mix(h, rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f));
+    case FieldDescriptor::CPPTYPE_ENUM:
+      return Mix(h, static_cast<uint32_t>(rep ? r->GetRepeatedEnumValue(m, f, index)
+                                              : r->GetEnumValue(m, f)));
+    case FieldDescriptor::CPPTYPE_STRING: {
+      std::string scratch;
+      const std::string& v = rep ? r->GetRepeatedStringReference(m, f, index, &scratch)
+                                 : r->GetStringReference(m, f, &scratch);
+      return MixBytes(h, v);
+    }
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      return MixMessage(h, rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f),
+                        depth + 1);
+  }
+  return h;
+}
+
+uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
+  constexpr int kEnds = 4;  // elements at each end of a repeated field below the top level
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(m, &fields);  // the set ones, by number
+  for (const FieldDescriptor* f : fields) {
+    if (depth == 0 && f->name() == "request_id") continue;
+    h = Mix(h, static_cast<uint64_t>(f->number()));
+    if (!f->is_repeated()) {
+      h = MixValue(h, m, f, -1, depth);
+      continue;
+    }
+    const int n = r->FieldSize(m, f);
+    h = Mix(h, static_cast<uint64_t>(n));
+    const bool all = depth == 0 || n <= 2 * kEnds;
+    for (int i = 0; i < n; ++i) {
+      if (!all && i == kEnds) i = n - kEnds;
+      h = MixValue(h, m, f, i, depth);
+    }
+  }
+  return h;
+}
+
+}  // namespace
+
+uint64_t RequestFingerprint(const google::protobuf::Message& request) {
+  return MixMessage(Mix(0, request.GetDescriptor()->index()), request, 0);
+}
+
+absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
+                                 google::protobuf::Message* response,
                                  std::shared_ptr<Entry>* entry) {
   kvmem::MutexLock lock(&mu_);
   EvictLocked();
@@ -12,10 +125,16 @@ absl::Status RequestCache::Claim(const std::string& key, google::protobuf::Messa
     auto it = entries_.find(key);
     if (it == entries_.end()) {
       *entry = std::make_shared<Entry>();
+      (*entry)->fingerprint = fingerprint;
       entries_.emplace(key, *entry);
       return absl::OkStatus();
     }
     std::shared_ptr<Entry> found = it->second;
+    if (found->fingerprint != fingerprint && !(found->done && !found->ok)) {
+      return absl::InvalidArgumentError(
+          "request_id: already used for a different request (a retry must resend the same "
+          "request; a new request needs a new id)");
+    }
     if (found->done) {
       if (!found->ok) {  // failed calls are not kept: Finish removed it; run again
         entries_.erase(it);

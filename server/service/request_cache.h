@@ -7,6 +7,8 @@
 // Bounded: at most `max_entries` responses and `max_bytes` of them, each kept for `ttl`;
 // the oldest go first. Keys are (method, scope, request_id), the scope being the sequence a
 // call acts on, so one id reused across methods or sequences never replays another call's
+// response. A repeat must carry the same request: an id reused for a different one (a
+// fingerprint of the request differs) is INVALID_ARGUMENT, never a replay of the other's
 // response.
 #include <cstdint>
 #include <deque>
@@ -25,6 +27,13 @@ namespace kvmem::service {
 
 inline constexpr size_t kMaxRequestIdBytes = 64;
 
+// A fingerprint of a request that tells a retry (the same message again) from another
+// request under the same id, without reading all of a large one: every field but the top
+// level's request_id; the elements of the top level's repeated messages (a batch's entries)
+// all, deeper repeated fields by their count and a few elements at each end, strings and
+// bytes by their length and 32 bytes at each end.
+uint64_t RequestFingerprint(const google::protobuf::Message& request);
+
 class RequestCache {
  public:
   RequestCache(size_t max_entries, uint64_t max_bytes, absl::Duration ttl,
@@ -36,9 +45,11 @@ class RequestCache {
 
   // Runs `call` (which fills `response`) once per (method, request_id): a repeat of a call
   // that succeeded gets its response copied into `response` and `call` is not run.
-  // INVALID_ARGUMENT for an id longer than kMaxRequestIdBytes.
+  // INVALID_ARGUMENT for an id longer than kMaxRequestIdBytes, and for an id reused with a
+  // request that differs from the first one's (its fingerprint, RequestFingerprint).
   template <typename Call>
-  absl::Status Run(absl::string_view method, uint64_t scope, absl::string_view request_id,
+  absl::Status Run(absl::string_view method, uint64_t scope,
+                   const google::protobuf::Message& request, absl::string_view request_id,
                    google::protobuf::Message* response, Call&& call) {
     if (request_id.empty()) return call();
     if (request_id.size() > kMaxRequestIdBytes) {
@@ -47,7 +58,10 @@ class RequestCache {
     }
     const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
     std::shared_ptr<Entry> entry;
-    if (absl::Status s = Claim(key, response, &entry); !s.ok() || entry == nullptr) return s;
+    if (absl::Status s = Claim(key, RequestFingerprint(request), response, &entry);
+        !s.ok() || entry == nullptr) {
+      return s;
+    }
     absl::Status status = call();
     Finish(key, entry, status, *response);
     return status;
@@ -58,6 +72,7 @@ class RequestCache {
 
  private:
   struct Entry {
+    uint64_t fingerprint = 0;
     bool done = false;
     bool ok = false;
     std::string response;  // serialized, when ok
@@ -65,8 +80,8 @@ class RequestCache {
   };
 
   // Sets *entry when the caller must run the call; else the response was replayed (OK).
-  absl::Status Claim(const std::string& key, google::protobuf::Message* response,
-                     std::shared_ptr<Entry>* entry);
+  absl::Status Claim(const std::string& key, uint64_t fingerprint,
+                     google::protobuf::Message* response, std::shared_ptr<Entry>* entry);
   void Finish(const std::string& key, const std::shared_ptr<Entry>& entry,
               const absl::Status& status, const google::protobuf::Message& response);
   void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

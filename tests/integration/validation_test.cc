@@ -541,6 +541,68 @@ TEST_F(RequestIdTest, ARepeatedRequestIdIsAnsweredOnceAndAppliedOnce) {
   EXPECT_EQ(rr2.freed_blocks(), rr.freed_blocks());
 }
 
+// A request id names one request: a retry resends it and gets its answer; the id reused for
+// another request is refused, with nothing applied (outside test: a second batch under a
+// used id got the first batch's single result for its two entries, its new entry dropped).
+TEST_F(RequestIdTest, AnIdReusedForAnotherRequestIsRefused) {
+  const uint64_t other = Create("window", {{"window", 32}});
+  ASSERT_TRUE(AppendRange(other, 0, 5).ok());
+  auto entry = [&](uint64_t sequence, int64_t position) {
+    v1::StepBatchEntry e;
+    e.set_sequence_id(sequence);
+    v1::NewTokens* t = e.mutable_append();
+    t->add_positions(position);
+    t->set_k(testing::Payload16(kL * kH, position, 1, kD, 0));
+    t->set_v(testing::Payload16(kL * kH, position, 1, kD, 1));
+    return e;
+  };
+  v1::StepBatchRequest first;
+  *first.add_entries() = entry(id_, 40);
+  first.set_request_id("batch-rid");
+  v1::StepBatchRequest second;
+  *second.add_entries() = entry(other, 5);
+  *second.add_entries() = entry(id_, 41);
+  second.set_request_id("batch-rid");
+  v1::StepBatchResponse r1, r2, r3;
+  {
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub_->StepBatch(&c, first, &r1).ok());
+  }
+  const std::string before = Snapshot();
+  {
+    grpc::ClientContext c;
+    const grpc::Status s = stub_->StepBatch(&c, second, &r2);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("request_id: already used for a different request"));
+  }
+  EXPECT_EQ(Snapshot(), before) << "the refused batch changed something";
+  {
+    grpc::ClientContext c;  // the retry of the first: its answer again, applied once
+    ASSERT_TRUE(stub_->StepBatch(&c, first, &r3).ok());
+    EXPECT_EQ(r3.results_size(), 1);
+  }
+  EXPECT_EQ(Snapshot(), before);
+  // The same for a unary call: a CreateSequence with another layout under a used id.
+  v1::CreateSequenceRequest create;
+  create.mutable_layout()->set_num_layers(kL);
+  create.mutable_layout()->set_num_kv_heads(kH);
+  create.mutable_layout()->set_head_dim(kD);
+  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
+  create.mutable_layout()->set_vocab_size(1000);
+  create.set_request_id("create-rid");
+  v1::CreateSequenceResponse c1, c2;
+  {
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub_->CreateSequence(&c, create, &c1).ok());
+  }
+  create.mutable_layout()->set_num_layers(kL + 1);
+  {
+    grpc::ClientContext c;
+    EXPECT_EQ(stub_->CreateSequence(&c, create, &c2).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+}
+
 TEST_F(RequestIdTest, AFailedCallIsNotRememberedAndConcurrentRepeatsApplyOnce) {
   v1::StepRequest step;
   step.set_sequence_id(id_);
