@@ -375,15 +375,19 @@ class Engine {
   absl::StatusOr<CreateResult> Register(const std::shared_ptr<Sequence>& seq);
   absl::Status ValidateChunk(const Sequence& seq, const AppendChunk& chunk, size_t index,
                              int64_t* last_position) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
-  // Checks per-stream signals (range, duplicates, lengths, finiteness) and returns them
-  // indexed by stream (empty span where absent).
+  // Checks per-stream signals (range, duplicates, lengths, finiteness, values in [0, max])
+  // and returns them indexed by stream (empty span where absent).
   // `pending`: tokens this call appends before the signals apply (a folded Step).
   absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
-      const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
+      const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
       bool require_all, absl::string_view why, size_t pending = 0) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // The mean over streams of the weight the step's rows put on quantized slots; NaN
   // without rows.
+  // The largest value of an attention weight (a probability) and of a window score (a sum
+  // of probabilities over the window's queries).
+  static constexpr float kMaxAttention = 1.0f;
+  static constexpr float kMaxWindowScore = 1e30f;
   static double QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows)
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   struct Applied {

@@ -115,7 +115,7 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
 }
 
 absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
-    const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field,
+    const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
     bool require_all, absl::string_view why, size_t pending) const {
   const Layout& layout = seq.layout();
   std::vector<absl::Span<const float>> by_stream(seq.streams().size());
@@ -162,7 +162,7 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
   ParallelFor(shaped, StreamGrain(longest), [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end && i < first_bad.load(std::memory_order_relaxed); ++i) {
       const absl::Span<const float> v = signals[i].values;
-      if (FirstOutside(v.data(), v.size(), 0.0f, 1e30f) == v.size()) continue;
+      if (FirstOutside(v.data(), v.size(), 0.0f, max) == v.size()) continue;
       size_t seen_bad = first_bad.load(std::memory_order_relaxed);
       while (i < seen_bad && !first_bad.compare_exchange_weak(seen_bad, i)) {
       }
@@ -171,7 +171,7 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
   });
   if (const size_t i = first_bad.load(); i < shaped) {
     return CheckFinite(
-        signals[i].values, [&] { return absl::StrCat(field, "[", i, "]"); }, 0.0f, 1e30f);
+        signals[i].values, [&] { return absl::StrCat(field, "[", i, "]"); }, 0.0f, max);
   }
   if (!shape_error.ok()) return shape_error;
   if (require_all && signals.size() != seq.streams().size()) {

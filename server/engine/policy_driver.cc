@@ -125,12 +125,23 @@ absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const St
                                         seq.epoch(), "; fetch the block table again"));
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
-      IndexSignals(seq, input.attention, "attention",
+      IndexSignals(seq, input.attention, "attention", kMaxAttention,
                    (desc.step_signals & policy::kAttentionRows) != 0, why, pending);
   if (!rows.ok()) return rows.status();
 
   policy::CallContext ctx = Context(seq);
   if (input.logits) {
+    const RawLogitStats& raw = *input.logits;
+    const uint32_t vocab = seq.layout().vocab_size;
+    if (!raw.top_logprobs.empty() && (raw.entropy != 0 || raw.p1 != 0 || raw.p2 != 0)) {
+      return absl::InvalidArgumentError(
+          "logit_stats.top_logprobs: sent beside entropy, p1 and p2; send one or the other");
+    }
+    if (raw.top_logprobs.size() > vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_stats.top_logprobs: ", raw.top_logprobs.size(),
+                       " values, more than the vocabulary's ", vocab));
+    }
     absl::StatusOr<policy::LogitStats> stats =
         input.logits->top_logprobs.empty()
             ? policy::CheckLogitStats({input.logits->entropy, input.logits->p1, input.logits->p2},
@@ -240,11 +251,11 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
                                         "; fetch the block table again"));
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
-      IndexSignals(seq, input.attention, "attention",
+      IndexSignals(seq, input.attention, "attention", kMaxAttention,
                    (desc.compress_signals & policy::kAttentionRows) != 0, why);
   if (!rows.ok()) return rows.status();
   absl::StatusOr<std::vector<absl::Span<const float>>> window =
-      IndexSignals(seq, input.window_scores, "window_scores",
+      IndexSignals(seq, input.window_scores, "window_scores", kMaxWindowScore,
                    (desc.compress_signals & policy::kWindowScores) != 0, why);
   if (!window.ok()) return window.status();
 

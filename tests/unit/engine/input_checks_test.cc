@@ -86,6 +86,24 @@ TEST_F(InputChecksTest, TheFirstBadSignalInOrderIsNamed) {
   EXPECT_TRUE(engine_->Step(id_, Input()).ok());
 }
 
+// Attention weights are probabilities: a value past 1 (raw scores or logits sent by mistake)
+// is refused like a negative one. Top-k log-probabilities come instead of the three numbers,
+// never beside them, and at most one per vocabulary entry.
+TEST_F(InputChecksTest, AttentionPastOneAndMalformedTopLogprobsAreRefused) {
+  rows_[3][7] = 1.5f;
+  EXPECT_THAT(Rejection(Input()),
+              HasSubstr("attention[3][7]: 1.5 is not a finite value in [0, 1]"));
+  rows_[3][7] = 1.0f;  // the bound itself passes
+  StepInput input = Input();
+  input.logits = RawLogitStats{1.0f, 0.5f, 0.2f, {-0.1f, -2.0f}};
+  EXPECT_THAT(Rejection(input), HasSubstr("logit_stats.top_logprobs: sent beside entropy"));
+  input.logits = RawLogitStats{0, 0, 0, std::vector<float>(1001, -7.0f)};
+  EXPECT_THAT(Rejection(input), HasSubstr("1001 values, more than the vocabulary's 1000"));
+  input.logits = RawLogitStats{0, 0, 0, {-0.5f, -2.0f}};  // 0.61 + 0.14
+  absl::StatusOr<StepResult> r = engine_->Step(id_, input);
+  EXPECT_TRUE(r.ok()) << r.status();
+}
+
 // An infinity or NaN anywhere in K or V, in every layout dtype, is refused with the element
 // named (and where it lies), and the sequence is as before: quantizing a block with it
 // would spread it to the same channel of every token of the block.
