@@ -384,9 +384,10 @@ class Engine {
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // The mean over streams of the weight the step's rows put on quantized slots; NaN
   // without rows.
-  // The largest value of an attention weight (a probability) and of a window score (a sum
-  // of probabilities over the window's queries).
-  static constexpr float kMaxAttention = 1.0f;
+  // The largest value of an attention weight (a probability, with room for the rounding of
+  // a GQA group's mean: nine heads' 1.0 times f32 1/9 may sum past 1) and of a window score
+  // (a sum of probabilities over the window's queries).
+  static constexpr float kMaxAttention = 1.001f;
   static constexpr float kMaxWindowScore = 1e30f;
   static double QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows)
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
