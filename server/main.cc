@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "server/service/server.h"
 #include "server/store/shared_segment.h"
@@ -169,8 +170,10 @@ int main(int argc, char** argv) {
   if ((*server)->metrics_port() != 0) {
     spdlog::info("kvmemd: /metrics on port {}", (*server)->metrics_port());
   }
-  // A line a supervising script can wait for.
-  std::printf("READY port=%d metrics_port=%d\n", (*server)->port(), (*server)->metrics_port());
+  // A line a supervising script can wait for; port=0 when kvmemd listens on a unix socket.
+  const bool unix_socket = absl::StartsWith(config.listen, "unix:");
+  std::printf("READY port=%d metrics_port=%d listen=%s\n", unix_socket ? 0 : (*server)->port(),
+              (*server)->metrics_port(), config.listen.c_str());
   std::fflush(stdout);
 
   int sig = 0;

@@ -150,7 +150,9 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
       shape_error = absl::InvalidArgumentError(absl::StrCat(
           field, "[", i, "]: ", sig.values.size(), " values but stream (layer ", sig.layer,
           ", kv_head ", sig.kv_head, ") retains ", seq.streams()[s].size() + pending, " slots",
-          pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : ""));
+          pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : "",
+          " at table version ", seq.version(),
+          ": rows follow the current table (a client whose table is older fetches it again)"));
       break;
     }
     by_stream[s] = sig.values;

@@ -154,6 +154,15 @@ google::rpc::Status ToRpcStatus(const absl::Status& status, std::optional<uint64
       rich.add_details()->PackFrom(quota);
       break;
     }
+    case absl::StatusCode::kNotFound:
+      if (sequence_id) {  // the sequence the call named is gone (released, lapsed) or never was
+        google::rpc::ResourceInfo info;
+        info.set_resource_type("kvmem.v1.Sequence");
+        info.set_resource_name(absl::StrCat("sequence/", *sequence_id));
+        info.set_description(CutMessage(status.message(), kMaxDetailTextBytes));
+        rich.add_details()->PackFrom(info);
+      }
+      break;
     default:
       break;
   }

@@ -229,6 +229,12 @@ TEST(ToGrpcDetailsTest, PayloadsOfTheEngineComeFirst) {
                        absl::FailedPreconditionError("sequence_id: an AppendStream is open"), 1)))
                    .has_value());
   EXPECT_EQ(RichStatus(service::ToGrpc(absl::NotFoundError("sequence_id: 7"))).details_size(), 0);
+  // A NOT_FOUND for a named sequence says which, in a ResourceInfo.
+  const std::optional<google::rpc::ResourceInfo> gone = FindDetail<google::rpc::ResourceInfo>(
+      RichStatus(service::ToGrpc(absl::NotFoundError("sequence_id: 7 is not a sequence"), 7)));
+  ASSERT_TRUE(gone.has_value());
+  EXPECT_EQ(gone->resource_type(), "kvmem.v1.Sequence");
+  EXPECT_EQ(gone->resource_name(), "sequence/7");
   EXPECT_TRUE(service::ToGrpc(absl::OkStatus()).error_details().empty());
 }
 
