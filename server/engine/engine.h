@@ -382,13 +382,13 @@ class Engine {
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
       bool require_all, absl::string_view why, size_t pending = 0) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // The largest value of an attention weight (a probability, with room for the rounding of
+  // a GQA group's mean: nine heads' 1.0 times a rounded 1/9 sums past 1, by 0.2 % in bf16)
+  // and of a window score (a sum of probabilities over the window's queries).
+  static constexpr float kMaxAttention = 1.01f;
+  static constexpr float kMaxWindowScore = 1e30f;
   // The mean over streams of the weight the step's rows put on quantized slots; NaN
   // without rows.
-  // The largest value of an attention weight (a probability, with room for the rounding of
-  // a GQA group's mean: nine heads' 1.0 times f32 1/9 may sum past 1) and of a window score
-  // (a sum of probabilities over the window's queries).
-  static constexpr float kMaxAttention = 1.001f;
-  static constexpr float kMaxWindowScore = 1e30f;
   static double QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows)
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   struct Applied {

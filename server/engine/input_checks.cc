@@ -27,9 +27,18 @@ absl::Status CheckFinite(absl::Span<const float> values, const Name& field, floa
 absl::Status CheckKvFinite(absl::string_view data, const Layout& layout, size_t n,
                            const std::string& where, const char* field) {
   const uint32_t bytes = DTypeBytes(layout.dtype);
-  const uint32_t exponent = layout.dtype == DType::kF16    ? 0x7c00u
-                            : layout.dtype == DType::kBF16 ? 0x7f80u
-                                                           : 0x7f800000u;
+  uint32_t exponent = 0;  // the format's exponent bits
+  switch (layout.dtype) {
+    case DType::kF16:
+      exponent = 0x7c00u;
+      break;
+    case DType::kBF16:
+      exponent = 0x7f80u;
+      break;
+    case DType::kF32:
+      exponent = 0x7f800000u;
+      break;
+  }
   const size_t count = data.size() / bytes;
   const size_t i = FirstNonFinite(data.data(), count, bytes, exponent);
   if (i == count) return absl::OkStatus();

@@ -104,6 +104,9 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
   // the update then run on the same locked sequence.
   std::unique_ptr<AppendSession> session;
   Sequence* seq = &**ref;
+  // A version past the one before this call is one the client cannot hold (a guess at this
+  // call's own): the update is the whole table, whatever another caller was told meanwhile.
+  const uint64_t version_before = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq->version(); }();
   std::optional<SequenceRef> locked;
   if (call.append) {
     absl::StatusOr<std::unique_ptr<AppendSession>> begun =
@@ -121,7 +124,8 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
     seq->Publish();
     if (call.table_version && !seq->poisoned() && !seq->released()) {
       try {
-        out.table = TableDelta(*seq, *call.table_version, call.positions);
+        const uint64_t held = *call.table_version > version_before ? 0 : *call.table_version;
+        out.table = TableDelta(*seq, held, call.positions);
       } catch (const std::bad_alloc&) {
         // Everything applied; the client goes without the update and fetches its table.
       }

@@ -101,7 +101,18 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
     }
     const int n = r->FieldSize(m, f);
     h = Mix(h, static_cast<uint64_t>(n));
-    const bool all = depth == 0 || n <= 2 * kEnds;
+    if (f->is_map()) {
+      // A parsed map's entries come in an order of its own (seeded per map): each entry
+      // hashed alone and the hashes summed, so that a resent map gives the same value.
+      uint64_t sum = 0;
+      for (int i = 0; i < n; ++i) sum += MixValue(0, m, f, i, depth);
+      h = Mix(h, sum);
+      continue;
+    }
+    // A batch's entries all; any other repeated field by its ends (a long prompt's token ids
+    // would cost reflection calls by the million).
+    const bool all =
+        (depth == 0 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) || n <= 2 * kEnds;
     for (int i = 0; i < n; ++i) {
       if (!all && i == kEnds) i = n - kEnds;
       h = MixValue(h, m, f, i, depth);

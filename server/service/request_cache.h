@@ -29,9 +29,10 @@ inline constexpr size_t kMaxRequestIdBytes = 64;
 
 // A fingerprint of a request that tells a retry (the same message again) from another
 // request under the same id, without reading all of a large one: every field but the top
-// level's request_id; the elements of the top level's repeated messages (a batch's entries)
-// all, deeper repeated fields by their count and a few elements at each end, strings and
-// bytes by their length and 32 bytes at each end.
+// level's request_id; the top level's repeated messages (a batch's entries) element by
+// element; maps whatever their order; other repeated fields by their count and four elements
+// at each end, strings and bytes by their length and 32 bytes at each end. So a reused id is
+// caught when the requests differ in any field but the middle of a long payload.
 uint64_t RequestFingerprint(const google::protobuf::Message& request);
 
 class RequestCache {

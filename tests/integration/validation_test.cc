@@ -603,6 +603,35 @@ TEST_F(RequestIdTest, AnIdReusedForAnotherRequestIsRefused) {
   }
 }
 
+// A map's entries come out of a parse in an order seeded per message: a retried create with
+// several policy parameters must still be taken for the same request (a review found the
+// fingerprint walking the map in that order: most such retries were refused).
+TEST_F(RequestIdTest, ARetriedCreateWithManyParametersIsAnsweredAgain) {
+  v1::CreateSequenceRequest create;
+  create.mutable_layout()->set_num_layers(kL);
+  create.mutable_layout()->set_num_kv_heads(kH);
+  create.mutable_layout()->set_head_dim(kD);
+  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
+  create.mutable_layout()->set_vocab_size(1000);
+  create.mutable_policy()->set_name("confkv");
+  auto& params = *create.mutable_policy()->mutable_params();
+  params["c_high"] = 16;
+  params["c_low"] = 24;
+  params["protect"] = 4;
+  params["theta"] = 0.6;
+  params["lambda"] = 0.8;
+  create.set_request_id("create-many-params");
+  uint64_t id = 0;
+  for (int i = 0; i < 20; ++i) {
+    grpc::ClientContext c;
+    v1::CreateSequenceResponse r;
+    const grpc::Status s = stub_->CreateSequence(&c, create, &r);
+    ASSERT_TRUE(s.ok()) << "retry " << i << ": " << s.error_message();
+    if (i == 0) id = r.sequence_id();
+    EXPECT_EQ(r.sequence_id(), id) << "retry " << i;
+  }
+}
+
 TEST_F(RequestIdTest, AFailedCallIsNotRememberedAndConcurrentRepeatsApplyOnce) {
   v1::StepRequest step;
   step.set_sequence_id(id_);
