@@ -480,19 +480,26 @@ namespace {
 // Mutating calls are safe to retry: a repeated request_id gets the first answer and is
 // not applied twice (before request ids, a retried Step evicted twice and a retried
 // CreateSequence leaked a sequence).
-class RequestIdTest : public ValidationTest {};
+class RequestIdTest : public ValidationTest {
+ protected:
+  // A CreateSequence of the test layout, policy `full` unless set.
+  static v1::CreateSequenceRequest CreateRequest() {
+    v1::CreateSequenceRequest create;
+    create.mutable_layout()->set_num_layers(kL);
+    create.mutable_layout()->set_num_kv_heads(kH);
+    create.mutable_layout()->set_head_dim(kD);
+    create.mutable_layout()->set_dtype(v1::DTYPE_F16);
+    create.mutable_layout()->set_vocab_size(1000);
+    return create;
+  }
+};
 
 TEST_F(RequestIdTest, ARepeatedRequestIdIsAnsweredOnceAndAppliedOnce) {
   auto call = [&](auto method, const auto& q, auto* r) {
     grpc::ClientContext context;
     return (stub_.get()->*method)(&context, q, r);
   };
-  v1::CreateSequenceRequest create;
-  create.mutable_layout()->set_num_layers(kL);
-  create.mutable_layout()->set_num_kv_heads(kH);
-  create.mutable_layout()->set_head_dim(kD);
-  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
-  create.mutable_layout()->set_vocab_size(1000);
+  v1::CreateSequenceRequest create = CreateRequest();
   create.mutable_policy()->set_name("window");
   (*create.mutable_policy()->mutable_params())["window"] = 8;
   create.set_request_id("create-1");
@@ -583,12 +590,7 @@ TEST_F(RequestIdTest, AnIdReusedForAnotherRequestIsRefused) {
   }
   EXPECT_EQ(Snapshot(), before);
   // The same for a unary call: a CreateSequence with another layout under a used id.
-  v1::CreateSequenceRequest create;
-  create.mutable_layout()->set_num_layers(kL);
-  create.mutable_layout()->set_num_kv_heads(kH);
-  create.mutable_layout()->set_head_dim(kD);
-  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
-  create.mutable_layout()->set_vocab_size(1000);
+  v1::CreateSequenceRequest create = CreateRequest();
   create.set_request_id("create-rid");
   v1::CreateSequenceResponse c1, c2;
   {
@@ -607,12 +609,7 @@ TEST_F(RequestIdTest, AnIdReusedForAnotherRequestIsRefused) {
 // several policy parameters must still be taken for the same request (a review found the
 // fingerprint walking the map in that order: most such retries were refused).
 TEST_F(RequestIdTest, ARetriedCreateWithManyParametersIsAnsweredAgain) {
-  v1::CreateSequenceRequest create;
-  create.mutable_layout()->set_num_layers(kL);
-  create.mutable_layout()->set_num_kv_heads(kH);
-  create.mutable_layout()->set_head_dim(kD);
-  create.mutable_layout()->set_dtype(v1::DTYPE_F16);
-  create.mutable_layout()->set_vocab_size(1000);
+  v1::CreateSequenceRequest create = CreateRequest();
   create.mutable_policy()->set_name("confkv");
   auto& params = *create.mutable_policy()->mutable_params();
   params["c_high"] = 16;
