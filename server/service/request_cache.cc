@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/reflection.h"
 
 namespace kvmem::service {
@@ -87,8 +89,34 @@ uint64_t MixValue(uint64_t h, const google::protobuf::Message& m, const FieldDes
   return h;
 }
 
+// A message with a map field (a policy's parameters): its deterministic serialization,
+// which orders the map's entries by key (reflection would give them in an order seeded per
+// parse, and reading a map through reflection rebuilds a cache inside the const message).
+bool HasMap(const google::protobuf::Descriptor* d) {
+  for (int i = 0; i < d->field_count(); ++i) {
+    if (d->field(i)->is_map()) return true;
+  }
+  return false;
+}
+
 uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
   constexpr int kEnds = 4;  // elements at each end of a repeated field below the top level
+  if (depth > 0 && HasMap(m.GetDescriptor())) {
+    std::string bytes;
+    {
+      google::protobuf::io::StringOutputStream out(&bytes);
+      google::protobuf::io::CodedOutputStream coded(&out);
+      coded.SetSerializationDeterministic(true);
+      m.SerializePartialToCodedStream(&coded);
+    }
+    h = Mix(h, bytes.size());
+    for (size_t i = 0; i < std::min<size_t>(bytes.size(), 4096); i += 8) {  // all of it
+      uint64_t word = 0;
+      std::memcpy(&word, bytes.data() + i, std::min<size_t>(8, bytes.size() - i));
+      h = Mix(h, word);
+    }
+    return h;
+  }
   const google::protobuf::Reflection* r = m.GetReflection();
   std::vector<const FieldDescriptor*> fields;
   r->ListFields(m, &fields);  // the set ones, by number
@@ -101,14 +129,6 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
     }
     const int n = r->FieldSize(m, f);
     h = Mix(h, static_cast<uint64_t>(n));
-    if (f->is_map()) {
-      // A parsed map's entries come in an order of its own (seeded per map): each entry
-      // hashed alone and the hashes summed, so that a resent map gives the same value.
-      uint64_t sum = 0;
-      for (int i = 0; i < n; ++i) sum += MixValue(0, m, f, i, depth);
-      h = Mix(h, sum);
-      continue;
-    }
     // A batch's entries all; any other repeated field by its ends (a long prompt's token ids
     // would cost reflection calls by the million).
     const bool all =
