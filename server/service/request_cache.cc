@@ -22,23 +22,21 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   return h ^ (h >> 31);
 }
 
+// Every byte of `run`, eight at a time.
+uint64_t MixRun(uint64_t h, absl::string_view run) {
+  for (size_t i = 0; i < run.size(); i += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, run.data() + i, std::min<size_t>(8, run.size() - i));
+    h = Mix(h, word);
+  }
+  return h;
+}
+
 uint64_t MixBytes(uint64_t h, absl::string_view bytes) {
   constexpr size_t kEnd = 32;
   h = Mix(h, bytes.size());
-  const auto mix_run = [&h](absl::string_view run) {
-    for (size_t i = 0; i < run.size(); i += 8) {
-      uint64_t word = 0;
-      std::memcpy(&word, run.data() + i, std::min<size_t>(8, run.size() - i));
-      h = Mix(h, word);
-    }
-  };
-  if (bytes.size() <= 2 * kEnd) {
-    mix_run(bytes);
-  } else {
-    mix_run(bytes.substr(0, kEnd));
-    mix_run(bytes.substr(bytes.size() - kEnd));
-  }
-  return h;
+  if (bytes.size() <= 2 * kEnd) return MixRun(h, bytes);
+  return MixRun(MixRun(h, bytes.substr(0, kEnd)), bytes.substr(bytes.size() - kEnd));
 }
 
 uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth);
@@ -109,13 +107,7 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
       coded.SetSerializationDeterministic(true);
       m.SerializePartialToCodedStream(&coded);
     }
-    h = Mix(h, bytes.size());
-    for (size_t i = 0; i < std::min<size_t>(bytes.size(), 4096); i += 8) {  // all of it
-      uint64_t word = 0;
-      std::memcpy(&word, bytes.data() + i, std::min<size_t>(8, bytes.size() - i));
-      h = Mix(h, word);
-    }
-    return h;
+    return MixRun(Mix(h, bytes.size()), absl::string_view(bytes).substr(0, 4096));
   }
   const google::protobuf::Reflection* r = m.GetReflection();
   std::vector<const FieldDescriptor*> fields;
