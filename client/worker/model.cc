@@ -111,6 +111,69 @@ void BlockedAttention(const float* q, uint32_t q_stride, uint32_t head0, uint32_
   }
 }
 
+// One new query per head of a GQA group (`heads` heads from `head0`, sharing one KV stream):
+// decode. Each past key and value row is read once for the whole group, while it is in L1,
+// rather than once per head (the group's later heads would read the stream's K/V again from
+// L2 or memory). Per head the arithmetic and its
+// order are those of the row-by-row path: the same Dot per key, softmax, then Axpy per value
+// row in slot order; `accumulate(0, p, n)` is called per head in head order. `scores` is
+// scratch of heads * (n_past + 1) floats.
+template <typename Accumulate>
+void DecodeAttention(const float* q, uint32_t head0, uint32_t heads, const PastStream& past,
+                     int64_t position, const float* new_k, const float* new_v, uint32_t D,
+                     float scale, float* out, std::vector<float>* scores, Accumulate&& accumulate) {
+  const size_t n_past = past.slots();
+  const size_t n = n_past + 1;
+  scores->resize(uint64_t{heads} * n);
+  float* s = scores->data();
+  const float* qh = q + uint64_t{head0} * D;
+  // The runs lie apart (a pool's blocks) and a hardware prefetcher stops at each one's end:
+  // while one run is read, the next one's rows are fetched, row for row (bench/RESULTS.md).
+  auto prefetch = [D](const PastStream::Run* next, const float* PastStream::Run::*field,
+                      uint32_t i) {
+    if (next == nullptr || i >= next->count) return;
+    const char* row = reinterpret_cast<const char*>(next->*field + uint64_t{i} * D);
+    for (uint64_t b = 0; b < uint64_t{D} * sizeof(float); b += 64) __builtin_prefetch(row + b);
+  };
+  const PastStream::Run* const end = past.runs.data() + past.runs.size();
+  size_t j = 0;
+  for (const PastStream::Run* run = past.runs.data(); run != end; ++run) {
+    const PastStream::Run* next = run + 1 != end ? run + 1 : nullptr;
+    for (uint32_t i = 0; i < run->count; ++i, ++j) {
+      prefetch(next, &PastStream::Run::k, i);
+      const bool visible = past.positions.empty() || past.positions[j] <= position;
+      const float* k = run->k + uint64_t{i} * D;
+      for (uint32_t h = 0; h < heads; ++h) {
+        s[h * n + j] = visible ? Dot(qh + uint64_t{h} * D, k, D) * scale : -INFINITY;
+      }
+    }
+  }
+  for (uint32_t h = 0; h < heads; ++h) {
+    float* row = s + h * n;
+    row[n_past] = Dot(qh + uint64_t{h} * D, new_k, D) * scale;
+    const float mx = *std::max_element(row, row + n);
+    const float inv_z = 1.0f / ExpShiftSum(row, n, mx);
+    for (size_t u = 0; u < n; ++u) row[u] *= inv_z;
+    std::fill_n(out + uint64_t{head0 + h} * D, D, 0.0f);
+  }
+  j = 0;
+  for (const PastStream::Run* run = past.runs.data(); run != end; ++run) {
+    const PastStream::Run* next = run + 1 != end ? run + 1 : nullptr;
+    for (uint32_t i = 0; i < run->count; ++i, ++j) {
+      prefetch(next, &PastStream::Run::v, i);
+      const float* v = run->v + uint64_t{i} * D;
+      for (uint32_t h = 0; h < heads; ++h) {
+        const float w = s[h * n + j];
+        if (w != 0) Axpy(w, v, out + uint64_t{head0 + h} * D, D);
+      }
+    }
+  }
+  for (uint32_t h = 0; h < heads; ++h) {
+    Axpy(s[h * n + n_past], new_v, out + uint64_t{head0 + h} * D, D);
+    accumulate(0, s + h * n, n);
+  }
+}
+
 }  // namespace
 
 void LlamaModel::Apply(const Weight& w, const float* x, uint32_t T, uint32_t in, uint32_t out,
@@ -314,7 +377,8 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       Rope(&q[uint64_t{t} * E], H, D, positions[t], c.rope_base);
       Rope(&k[uint64_t{t} * KV], HKV, D, positions[t], c.rope_base);
     }
-    for (uint32_t g = 0; g < HKV; ++g) {
+    // One KV stream of this layer: its GQA group of query heads over its past and new keys.
+    auto attend = [&](uint32_t g, PastStream& past, std::vector<float>& scores) -> absl::Status {
       // New K/V of this stream, [T][D], into the result for the store.
       float* rk = &r.k[(uint64_t{l} * HKV + g) * T * D];
       float* rv = &r.v[(uint64_t{l} * HKV + g) * T * D];
@@ -346,7 +410,12 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
       if (T >= kBlockedMinTokens && past_before_new) {
         BlockedAttention(q.data(), E, g * group, group, T, past, rk, rv, D, inv_sqrt_d, attn.data(),
                          accumulate);
-        continue;
+        return absl::OkStatus();
+      }
+      if (T == 1) {
+        DecodeAttention(q.data(), g * group, group, past, positions[0], rk, rv, D, inv_sqrt_d,
+                        attn.data(), &scores, accumulate);
+        return absl::OkStatus();
       }
       scores.resize(n);
       for (uint32_t hh = 0; hh < group; ++hh) {
@@ -380,6 +449,28 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
           for (uint32_t u = 0; u <= t; ++u) Axpy(scores[n_past + u], rv + uint64_t{u} * D, out, D);
           accumulate(t, scores.data(), n);
         }
+      }
+      return absl::OkStatus();
+    };
+    // A decode step's streams attend on the worker's threads (each stream's arithmetic is
+    // its own, so the result does not depend on the split); a prompt's attend one by one
+    // (BlockedAttention's products have OpenBLAS's threads).
+    const int threads = T == 1 ? std::min<int>(WorkerThreads(), static_cast<int>(HKV)) : 1;
+    if (threads > 1) {
+      std::vector<absl::Status> status(HKV);
+#pragma omp parallel num_threads(threads)
+      {
+        PastStream own_past;
+        std::vector<float> own_scores;
+#pragma omp for schedule(static, 1)
+        for (int g = 0; g < static_cast<int>(HKV); ++g) status[g] = attend(g, own_past, own_scores);
+      }
+      for (const absl::Status& s : status) {
+        if (!s.ok()) return s;
+      }
+    } else {
+      for (uint32_t g = 0; g < HKV; ++g) {
+        if (absl::Status s = attend(g, past, scores); !s.ok()) return s;
       }
     }
     Apply(L.wo, attn.data(), T, E, E, o.data());

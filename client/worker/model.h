@@ -57,6 +57,8 @@ class KvStore {
   virtual ~KvStore() = default;
   // Called once per Forward before any Past(): fetch what the store needs (block table).
   virtual absl::Status BeginForward() = 0;
+  // Between BeginForward and EndForward; called from several threads at once for different
+  // streams (a decode step's streams attend in parallel), so it changes nothing shared.
   virtual absl::Status Past(uint32_t layer, uint32_t kv_head, PastStream* out) = 0;
   // Called after Forward() computed everything it reads.
   virtual absl::Status EndForward() { return absl::OkStatus(); }
