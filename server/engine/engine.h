@@ -199,6 +199,8 @@ class Engine {
   // sequence, or 0 = none held).
   absl::StatusOr<TableUpdate> GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
                                              bool positions);
+  // The sequence's table version now.
+  absl::StatusOr<uint64_t> TableVersion(uint64_t sequence_id);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
   // Calls `sink` once per stream of layers [layer_begin, layer_end) in order. The sequence

@@ -168,6 +168,7 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
+  const uint64_t version_before = VersionBefore(id, request->has_client_table());
   const absl::Status status =
       requests_.Run("Append", id, *request, request->request_id(), response, [&]() -> absl::Status {
         const engine::AppendChunk chunk = ChunkView(*request);
@@ -179,7 +180,7 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
       });
   // After the answer is kept for retries (which get a fresh update of their own).
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }
@@ -200,6 +201,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   const uint64_t id = request.sequence_id();
   std::optional<v1::ClientTable> held_table;  // the first chunk's
   if (request.has_client_table()) held_table = request.client_table();
+  const uint64_t version_before = VersionBefore(id, held_table.has_value());
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
@@ -236,7 +238,9 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
         FillAppendResponse(id, *result, response);
         return absl::OkStatus();
       });
-  if (status.ok() && held_table) FillTableUpdate(id, *held_table, response->mutable_table_update());
+  if (status.ok() && held_table) {
+    FillTableUpdate(id, *held_table, version_before, response->mutable_table_update());
+  }
   return ToGrpc(status, id);
 }
 
@@ -245,6 +249,7 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
+  const uint64_t version_before = VersionBefore(id, request->has_client_table());
   const absl::Status status =
       requests_.Run("Step", id, *request, request->request_id(), response, [&]() -> absl::Status {
         SignalStorage storage;
@@ -256,17 +261,26 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
         return absl::OkStatus();
       });
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }
 
+uint64_t KvCacheService::VersionBefore(uint64_t id, bool held) {
+  if (!held) return 0;
+  absl::StatusOr<uint64_t> version = engine_->TableVersion(id);
+  return version.ok() ? *version : 0;  // the call fails the same way, or any held is a guess
+}
+
 void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
-                                     v1::TableUpdate* out) {
+                                     uint64_t version_before, v1::TableUpdate* out) {
+  // The update is computed under a lock of its own, after the mutation's: another client may
+  // have been told the new version in between, so the sequence's note of answered versions
+  // cannot tell a guess from a held version here; the version before the call can.
+  const uint64_t known = held.version() > version_before ? 0 : held.version();
   // After a mutation that applied: if the sequence went meanwhile (released, lapsed), the
   // response goes without an update and the client's next call finds out why.
-  absl::StatusOr<engine::TableUpdate> update =
-      engine_->GetTableUpdate(id, held.version(), held.positions());
+  absl::StatusOr<engine::TableUpdate> update = engine_->GetTableUpdate(id, known, held.positions());
   if (update.ok()) ToProto(*update, out);
 }
 
@@ -339,7 +353,8 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
     if (i < static_cast<int>(updates.size()) && updates[i]) {
       ToProto(*updates[i], result->mutable_table_update());
     } else if (result->status().code() == 0 || result->has_append()) {  // a replay
-      FillTableUpdate(entry.sequence_id(), entry.client_table(), result->mutable_table_update());
+      FillTableUpdate(entry.sequence_id(), entry.client_table(), kNoVersionCheck,
+                      result->mutable_table_update());
     } else {
       continue;  // nothing of the entry applied: the client's table is still current
     }
@@ -432,6 +447,7 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
+  const uint64_t version_before = VersionBefore(id, request->has_client_table());
   const absl::Status status = requests_.Run(
       "Compress", id, *request, request->request_id(), response, [&]() -> absl::Status {
         SignalStorage storage;
@@ -443,7 +459,7 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
         return absl::OkStatus();
       });
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }

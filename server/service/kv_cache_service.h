@@ -69,8 +69,16 @@ class KvCacheService final : public v1::KvCache::Service {
   // `max_update_bytes` in all.
   grpc::Status RunStepBatch(const v1::StepBatchRequest& request, uint64_t max_update_bytes,
                             v1::StepBatchResponse* response);
-  // The update of the table `held` names, after a mutation of sequence `id` applied.
-  void FillTableUpdate(uint64_t id, const v1::ClientTable& held, v1::TableUpdate* out);
+  // Sequence `id`'s table version before a call that may change it, read when the request
+  // names a held table (`held`), else 0 (not read). No answer can have carried a version past
+  // it, so a client that claims one guessed (the version its own call would make, say).
+  uint64_t VersionBefore(uint64_t id, bool held);
+  // The update of the table `held` names, after a mutation of sequence `id` applied: the
+  // whole table when `held` is past `version_before` (a guess; kNoVersionCheck for a replay,
+  // whose version before is gone), else the delta from it.
+  static constexpr uint64_t kNoVersionCheck = ~uint64_t{0};
+  void FillTableUpdate(uint64_t id, const v1::ClientTable& held, uint64_t version_before,
+                       v1::TableUpdate* out);
 
   engine::Engine* const engine_;
   metrics::RpcTelemetry* const rpc_telemetry_;
