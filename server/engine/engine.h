@@ -298,7 +298,9 @@ class Engine {
     std::vector<absl::Span<const float>> rows;
     policy::CallContext ctx;
   };
-  absl::StatusOr<PreparedStep> PrepareStep(Sequence& seq, const StepInput& input, size_t pending)
+  // `table_version`: the client's held table (StepInput's, else a batch entry's).
+  absl::StatusOr<PreparedStep> PrepareStep(Sequence& seq, const StepInput& input, size_t pending,
+                                           uint64_t table_version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   absl::StatusOr<StepResult> RunStep(Sequence& seq, const PreparedStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
@@ -380,9 +382,12 @@ class Engine {
   // Checks per-stream signals (range, duplicates, lengths, finiteness, values in [0, max])
   // and returns them indexed by stream (empty span where absent).
   // `pending`: tokens this call appends before the signals apply (a folded Step).
+  // A signal whose length misses its stream's slot count is INVALID_ARGUMENT, or
+  // FAILED_PRECONDITION with the current epoch and version (StaleEpoch) when the client said
+  // it holds an older table (`table_version`, 0: not said): the rows follow that table.
   absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
-      bool require_all, absl::string_view why, size_t pending = 0) const
+      bool require_all, absl::string_view why, size_t pending, uint64_t table_version) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // The largest value of an attention weight (a probability, with room for the rounding of
   // a GQA group's mean: nine heads' 1.0 times a rounded 1/9 sums past 1, by 0.2 % in bf16)

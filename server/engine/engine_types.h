@@ -111,6 +111,10 @@ struct RawLogitStats {
 
 struct StepInput {
   uint64_t epoch = 0;
+  // The version of the client's table the rows were computed on (0: not said). Rows whose
+  // length misses a slot count because the table changed since (another client appended:
+  // the epoch stays) are then FAILED_PRECONDITION, as for a stale epoch.
+  uint64_t table_version = 0;
   std::optional<RawLogitStats> logits;
   std::vector<StreamSignal> attention;
 };
@@ -129,6 +133,7 @@ struct StepResult {
 
 struct CompressInput {
   uint64_t epoch = 0;
+  uint64_t table_version = 0;  // as StepInput's
   uint32_t target_tokens = 0;
   std::vector<StreamSignal> window_scores;
   std::vector<StreamSignal> attention;

@@ -125,7 +125,7 @@ absl::Status Engine::ValidateChunk(const Sequence& seq, const AppendChunk& chunk
 
 absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
-    bool require_all, absl::string_view why, size_t pending) const {
+    bool require_all, absl::string_view why, size_t pending, uint64_t table_version) const {
   const Layout& layout = seq.layout();
   std::vector<absl::Span<const float>> by_stream(seq.streams().size());
   std::vector<bool> seen(seq.streams().size(), false);
@@ -156,12 +156,18 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
     }
     seen[s] = true;
     if (sig.values.size() != seq.streams()[s].size() + pending) {
-      shape_error = absl::InvalidArgumentError(absl::StrCat(
+      const std::string message = absl::StrCat(
           field, "[", i, "]: ", sig.values.size(), " values but stream (layer ", sig.layer,
           ", kv_head ", sig.kv_head, ") retains ", seq.streams()[s].size() + pending, " slots",
           pending > 0 ? absl::StrCat(" (", pending, " of them appended by this call)") : "",
           " at table version ", seq.version(),
-          ": rows follow the current table (a client whose table is older fetches it again)"));
+          ": rows follow the current table (a client whose table is older fetches it again)");
+      // A client that says it holds an older table computed its rows on it: stale, not bad.
+      const bool stale = table_version != 0 && table_version < seq.version();
+      shape_error =
+          stale ? StaleEpoch(seq, absl::StrCat(message, "; the client's table is at version ",
+                                               table_version))
+                : absl::InvalidArgumentError(message);
       break;
     }
     by_stream[s] = sig.values;

@@ -106,7 +106,7 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
   absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& seq = **ref;
-  absl::StatusOr<PreparedStep> step = PrepareStep(seq, input, 0);
+  absl::StatusOr<PreparedStep> step = PrepareStep(seq, input, 0, input.table_version);
   if (!step.ok()) return step.status();
   absl::StatusOr<StepResult> result = RunStep(seq, *step);
   seq.Publish();
@@ -115,7 +115,7 @@ absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInpu
 }
 
 absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const StepInput& input,
-                                                         size_t pending) {
+                                                         size_t pending, uint64_t table_version) {
   const policy::PolicyDescriptor& desc = seq.policy().descriptor();
   const std::string why = absl::StrCat("policy ", desc.name);
 
@@ -126,7 +126,7 @@ absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const St
   }
   absl::StatusOr<std::vector<absl::Span<const float>>> rows =
       IndexSignals(seq, input.attention, "attention", kMaxAttention,
-                   (desc.step_signals & policy::kAttentionRows) != 0, why, pending);
+                   (desc.step_signals & policy::kAttentionRows) != 0, why, pending, table_version);
   if (!rows.ok()) return rows.status();
 
   policy::CallContext ctx = Context(seq);
@@ -250,13 +250,13 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
                                         " but the block table is at epoch ", seq.epoch(),
                                         "; fetch the block table again"));
   }
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
-      IndexSignals(seq, input.attention, "attention", kMaxAttention,
-                   (desc.compress_signals & policy::kAttentionRows) != 0, why);
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
+      seq, input.attention, "attention", kMaxAttention,
+      (desc.compress_signals & policy::kAttentionRows) != 0, why, 0, input.table_version);
   if (!rows.ok()) return rows.status();
-  absl::StatusOr<std::vector<absl::Span<const float>>> window =
-      IndexSignals(seq, input.window_scores, "window_scores", kMaxWindowScore,
-                   (desc.compress_signals & policy::kWindowScores) != 0, why);
+  absl::StatusOr<std::vector<absl::Span<const float>>> window = IndexSignals(
+      seq, input.window_scores, "window_scores", kMaxWindowScore,
+      (desc.compress_signals & policy::kWindowScores) != 0, why, 0, input.table_version);
   if (!window.ok()) return window.status();
 
   policy::CallContext ctx = Context(seq);

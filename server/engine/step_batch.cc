@@ -151,7 +151,10 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
     std::optional<PreparedStep> prepared;
     if (call.step) {
       const size_t pending = call.append ? call.append->positions.size() : 0;
-      absl::StatusOr<PreparedStep> p = PrepareStep(*seq, *call.step, pending);
+      absl::StatusOr<PreparedStep> p =
+          PrepareStep(*seq, *call.step, pending,
+                      call.step->table_version != 0 ? call.step->table_version
+                                                    : call.table_version.value_or(0));
       if (!p.ok()) {
         out.status = p.status();
         return;

@@ -215,7 +215,10 @@ absl::StatusOr<engine::StepInput> StepInputViewOf(const Signals& request, Signal
 
 absl::StatusOr<engine::StepInput> StepInputView(const v1::StepRequest& request,
                                                 SignalStorage* storage) {
-  return StepInputViewOf(request, storage);
+  absl::StatusOr<engine::StepInput> input = StepInputViewOf(request, storage);
+  if (input.ok() && request.has_client_table())
+    input->table_version = request.client_table().version();
+  return input;
 }
 
 absl::StatusOr<engine::StepInput> StepInputView(const v1::StepSignals& signals,
@@ -240,6 +243,7 @@ absl::StatusOr<engine::CompressInput> CompressInputView(const v1::CompressReques
                                                         SignalStorage* storage) {
   engine::CompressInput input;
   input.epoch = request.epoch();
+  if (request.has_client_table()) input.table_version = request.client_table().version();
   // The engine's target 0 is the policy's own rule: what an absent target_tokens asks for.
   if (request.has_target_tokens()) {
     if (request.target_tokens() == 0) {

@@ -277,6 +277,52 @@ TEST_F(ValidationTest, ExplicitZerosAreRejectedNotDefaults) {
   ExpectRejected("made-up page token", INVALID, "page_token", stats(sq));
 }
 
+TEST_F(ValidationTest, RowsForATableAnotherClientAppendedToSinceAreStale) {
+  // An append leaves the epoch as it was, so a client whose table predates another client's
+  // append sends rows one slot short with a current epoch. When it says which table it holds
+  // that is FAILED_PRECONDITION with the current epoch and version (fetch the table again,
+  // as after an eviction); without a held table, or holding the current one, the rows are
+  // simply malformed: INVALID_ARGUMENT. Neither changes anything.
+  const client::BlockTable held = *client_->GetBlockTable(id_);
+  ASSERT_TRUE(AppendRange(id_, 40, 1).ok());
+  const client::BlockTable now = *client_->GetBlockTable(id_);
+  ASSERT_EQ(now.epoch, held.epoch) << "an append moved the epoch: the case is void";
+  ASSERT_GT(now.version, held.version);
+  auto step_with = [&](std::optional<uint64_t> table_version) {
+    v1::StepRequest q;
+    q.set_sequence_id(id_);
+    q.set_epoch(held.epoch);
+    v1::AttentionRow* row = q.add_attention();
+    for (int i = 0; i < 40; ++i) row->add_weights(0.025f);  // the held table's 40 slots
+    if (table_version) q.mutable_client_table()->set_version(*table_version);
+    return q;
+  };
+  v1::StepResponse r;
+  auto step = [&](v1::StepRequest q) {
+    return [this, q, &r](grpc::ClientContext* c) { return stub_->Step(c, q, &r); };
+  };
+  ExpectRejected("rows of an older table", grpc::StatusCode::FAILED_PRECONDITION,
+                 "the client's table is at version " + std::to_string(held.version),
+                 step(step_with(held.version)));
+  ExpectRejected("no table said", grpc::StatusCode::INVALID_ARGUMENT, "retains 41 slots",
+                 step(step_with(std::nullopt)));
+  ExpectRejected("the current table said", grpc::StatusCode::INVALID_ARGUMENT, "retains 41 slots",
+                 step(step_with(now.version)));
+  // The same through a batch entry that carries the held table.
+  v1::StepBatchRequest batch;
+  v1::StepBatchEntry* entry = batch.add_entries();
+  entry->set_sequence_id(id_);
+  entry->mutable_step()->set_epoch(held.epoch);
+  *entry->mutable_step()->add_attention() = step_with(std::nullopt).attention(0);
+  entry->mutable_client_table()->set_version(held.version);
+  v1::StepBatchResponse answer;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub_->StepBatch(&context, batch, &answer).ok());
+  ASSERT_EQ(answer.results_size(), 1);
+  EXPECT_EQ(answer.results(0).status().code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << answer.results(0).status().message();
+}
+
 TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
   const auto INVALID = grpc::StatusCode::INVALID_ARGUMENT;
   const uint64_t epoch = client_->GetBlockTable(id_)->epoch;
