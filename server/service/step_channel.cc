@@ -169,20 +169,19 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     ex.batch = kind != layout::kMore || pending_.empty();
     if (kind == layout::kMore) {
       if (pending_.empty()) {
-        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              "request_kind: kMore, but no answer is pending");
+        status =
+            ToGrpc(absl::InvalidArgumentError("request_kind: kMore, but no answer is pending"));
       } else {
         served_seq_ = seq;
         SendChunk(seq, ex, record);
         return guard.faulted() ? Served::kBrokenAfterRun : Served::kServed;
       }
     } else if (kind != layout::kBatch) {
-      status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                            absl::StrCat("request_kind: ", kind, " is neither kBatch nor kMore"));
+      status = ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("request_kind: ", kind, " is neither kBatch nor kMore")));
     } else if (bytes > capacity_) {
-      status = grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          absl::StrCat("request_bytes: ", bytes, " is past the channel's capacity of ", capacity_));
+      status = ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+          "request_bytes: ", bytes, " is past the channel's capacity of ", capacity_)));
     } else {
       // Parse a private copy: the client can write the segment at any time, and a parse
       // of memory changing under it could combine two requests.
@@ -198,8 +197,8 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
         return Served::kIdle;
       }
       if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {
-        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                              "request: the request area does not hold a StepBatchRequest");
+        status = ToGrpc(absl::InvalidArgumentError(
+            "request: the request area does not hold a StepBatchRequest"));
       }
     }
     if (guard.faulted()) return Served::kBroken;
@@ -214,9 +213,9 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     unlinked_ = true;
   }
   if (status.ok() && request.request_id().empty()) {
-    status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "request_id: required on a step channel (a batch whose answer is "
-                          "lost with its channel is repeated by gRPC under it)");
+    status = ToGrpc(absl::InvalidArgumentError(
+        "request_id: required on a step channel (a batch whose answer is lost with its channel "
+        "is repeated by gRPC under it)"));
   }
   v1::StepBatchResponse& response =
       *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);

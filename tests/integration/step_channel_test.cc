@@ -86,6 +86,17 @@ struct RawChannel {
   }
 };
 
+// The field a channel error's google.rpc.BadRequest names ("" when it carries none).
+std::string ViolatedField(const google::rpc::Status& rich) {
+  for (const google::protobuf::Any& detail : rich.details()) {
+    google::rpc::BadRequest bad;
+    if (detail.UnpackTo(&bad) && bad.field_violations_size() > 0) {
+      return bad.field_violations(0).field();
+    }
+  }
+  return "";
+}
+
 class StepChannelTest : public DaemonTest {
  protected:
   static constexpr uint32_t kStreams = kL * kH;
@@ -289,12 +300,14 @@ TEST_F(StepChannelTest, GarbageLengthsAndMissingIdsGetErrorsAndTheChannelServesO
   google::rpc::Status rich;
   ASSERT_TRUE(rich.ParseFromString(body));
   EXPECT_THAT(rich.message(), HasSubstr("StepBatchRequest"));
+  EXPECT_EQ(ViolatedField(rich), "request");
 
   ch.Post("", ch.opened.capacity_bytes() + 1);
   std::tie(code, body) = ch.Answer();
   EXPECT_EQ(code, static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   ASSERT_TRUE(rich.ParseFromString(body));
   EXPECT_THAT(rich.message(), HasSubstr("request_bytes"));
+  EXPECT_EQ(ViolatedField(rich), "request_bytes");
 
   v1::StepBatchRequest q = AppendOnly(id, 2);
   ch.Post(q.SerializeAsString());  // no request_id
@@ -302,6 +315,7 @@ TEST_F(StepChannelTest, GarbageLengthsAndMissingIdsGetErrorsAndTheChannelServesO
   EXPECT_EQ(code, static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   ASSERT_TRUE(rich.ParseFromString(body));
   EXPECT_THAT(rich.message(), HasSubstr("request_id"));
+  EXPECT_EQ(ViolatedField(rich), "request_id");
   EXPECT_EQ(Appended(id), 0u);
 
   q.set_request_id("raw-1");
