@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <new>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -463,7 +464,13 @@ absl::StatusOr<ForwardResult> LlamaModel::Forward(absl::Span<const int32_t> toke
         PastStream own_past;
         std::vector<float> own_scores;
 #pragma omp for schedule(static, 1)
-        for (int g = 0; g < static_cast<int>(HKV); ++g) status[g] = attend(g, own_past, own_scores);
+        for (int g = 0; g < static_cast<int>(HKV); ++g) {
+          try {  // nothing may leave an OpenMP region by an exception
+            status[g] = attend(g, own_past, own_scores);
+          } catch (const std::bad_alloc&) {
+            status[g] = absl::ResourceExhaustedError("forward: out of memory in decode attention");
+          }
+        }
       }
       for (const absl::Status& s : status) {
         if (!s.ok()) return s;

@@ -383,8 +383,9 @@ class Engine {
   // and returns them indexed by stream (empty span where absent).
   // `pending`: tokens this call appends before the signals apply (a folded Step).
   // A signal whose length misses its stream's slot count is INVALID_ARGUMENT, or
-  // FAILED_PRECONDITION with the current epoch and version (StaleEpoch) when the client said
-  // it holds an older table (`table_version`, 0: not said): the rows follow that table.
+  // FAILED_PRECONDITION with the current epoch and version (StaleEpoch) when it is short and
+  // the client said it holds an older table (`table_version`, 0: not said): the rows follow
+  // that table.
   absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
       const Sequence& seq, absl::Span<const StreamSignal> signals, const char* field, float max,
       bool require_all, absl::string_view why, size_t pending, uint64_t table_version) const

@@ -163,7 +163,11 @@ absl::StatusOr<std::vector<absl::Span<const float>>> Engine::IndexSignals(
           " at table version ", seq.version(),
           ": rows follow the current table (a client whose table is older fetches it again)");
       // A client that says it holds an older table computed its rows on it: stale, not bad.
-      const bool stale = table_version != 0 && table_version < seq.version();
+      // Within an epoch a stream only grows (evictions and moves change the epoch, checked
+      // first), so only a row shorter than the slots can follow an older table; a longer
+      // one is malformed whatever the client holds (and a client never loops on it).
+      const bool stale = table_version != 0 && table_version < seq.version() &&
+                         sig.values.size() < seq.streams()[s].size() + pending;
       shape_error =
           stale ? StaleEpoch(seq, absl::StrCat(message, "; the client's table is at version ",
                                                table_version))

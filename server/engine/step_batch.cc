@@ -94,7 +94,7 @@ absl::StatusOr<TableUpdate> Engine::GetTableUpdate(uint64_t sequence_id, uint64_
 }
 
 absl::StatusOr<uint64_t> Engine::TableVersion(uint64_t sequence_id) {
-  return Guard("GetBlockTable", [&]() -> absl::StatusOr<uint64_t> {
+  return Guard("TableVersion", [&]() -> absl::StatusOr<uint64_t> {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     return [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return (*ref)->version(); }();

@@ -169,8 +169,10 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const uint64_t version_before = VersionBefore(id, request->has_client_table());
+  bool ran = false;  // else replayed
   const absl::Status status =
       requests_.Run("Append", id, *request, request->request_id(), response, [&]() -> absl::Status {
+        ran = true;
         const engine::AppendChunk chunk = ChunkView(*request);
         absl::StatusOr<engine::AppendResult> result =
             engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
@@ -180,7 +182,9 @@ grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendReques
       });
   // After the answer is kept for retries (which get a fresh update of their own).
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(),
+                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
+                    response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }
@@ -202,11 +206,13 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   std::optional<v1::ClientTable> held_table;  // the first chunk's
   if (request.has_client_table()) held_table = request.client_table();
   const uint64_t version_before = VersionBefore(id, held_table.has_value());
+  bool ran = false;  // else replayed
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
   const absl::Status status = requests_.Run(
       "AppendStream", id, request, request.request_id(), response, [&]() -> absl::Status {
+        ran = true;
         absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
             engine_->BeginAppend(id);
         if (!session.ok()) return session.status();
@@ -239,7 +245,9 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
         return absl::OkStatus();
       });
   if (status.ok() && held_table) {
-    FillTableUpdate(id, *held_table, version_before, response->mutable_table_update());
+    FillTableUpdate(id, *held_table,
+                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
+                    response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }
@@ -250,8 +258,10 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const uint64_t version_before = VersionBefore(id, request->has_client_table());
+  bool ran = false;  // else replayed
   const absl::Status status =
       requests_.Run("Step", id, *request, request->request_id(), response, [&]() -> absl::Status {
+        ran = true;
         SignalStorage storage;
         absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -261,7 +271,9 @@ grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* r
         return absl::OkStatus();
       });
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(),
+                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
+                    response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }
@@ -353,7 +365,9 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
     if (i < static_cast<int>(updates.size()) && updates[i]) {
       ToProto(*updates[i], result->mutable_table_update());
     } else if (result->status().code() == 0 || result->has_append()) {  // a replay
-      FillTableUpdate(entry.sequence_id(), entry.client_table(), kNoVersionCheck,
+      const uint64_t made =
+          std::max(result->append().table_version(), result->step().table_version());
+      FillTableUpdate(entry.sequence_id(), entry.client_table(), ReplayedVersionBefore(made),
                       result->mutable_table_update());
     } else {
       continue;  // nothing of the entry applied: the client's table is still current
@@ -448,8 +462,10 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
   const uint64_t version_before = VersionBefore(id, request->has_client_table());
+  bool ran = false;  // else replayed
   const absl::Status status = requests_.Run(
       "Compress", id, *request, request->request_id(), response, [&]() -> absl::Status {
+        ran = true;
         SignalStorage storage;
         absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -459,7 +475,9 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRe
         return absl::OkStatus();
       });
   if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(), version_before, response->mutable_table_update());
+    FillTableUpdate(id, request->client_table(),
+                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
+                    response->mutable_table_update());
   }
   return ToGrpc(status, id);
 }

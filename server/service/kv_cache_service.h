@@ -73,10 +73,13 @@ class KvCacheService final : public v1::KvCache::Service {
   // names a held table (`held`), else 0 (not read). No answer can have carried a version past
   // it, so a client that claims one guessed (the version its own call would make, say).
   uint64_t VersionBefore(uint64_t id, bool held);
+  // The same for a call whose answer was replayed (a retry under its request_id): the first
+  // run's version before is gone, and a client that repeats a call never got its answer, so
+  // it cannot hold the version the call made (`made`, the replayed answer's table_version)
+  // or a later one. A call that changed nothing then sends the whole table: retries are rare.
+  static uint64_t ReplayedVersionBefore(uint64_t made) { return made > 0 ? made - 1 : 0; }
   // The update of the table `held` names, after a mutation of sequence `id` applied: the
-  // whole table when `held` is past `version_before` (a guess; kNoVersionCheck for a replay,
-  // whose version before is gone), else the delta from it.
-  static constexpr uint64_t kNoVersionCheck = ~uint64_t{0};
+  // whole table when `held` is past `version_before` (a guess), else the delta from it.
   void FillTableUpdate(uint64_t id, const v1::ClientTable& held, uint64_t version_before,
                        v1::TableUpdate* out);
 

@@ -308,6 +308,12 @@ TEST_F(ValidationTest, RowsForATableAnotherClientAppendedToSinceAreStale) {
                  step(step_with(std::nullopt)));
   ExpectRejected("the current table said", grpc::StatusCode::INVALID_ARGUMENT, "retains 41 slots",
                  step(step_with(now.version)));
+  // Longer than the slots: no older table has more slots within the epoch, so malformed.
+  v1::StepRequest longer = step_with(held.version);
+  longer.mutable_attention(0)->add_weights(0.025f);
+  longer.mutable_attention(0)->add_weights(0.025f);
+  ExpectRejected("a row longer than any table", grpc::StatusCode::INVALID_ARGUMENT,
+                 "retains 41 slots", step(longer));
   // The same through a batch entry that carries the held table.
   v1::StepBatchRequest batch;
   v1::StepBatchEntry* entry = batch.add_entries();
@@ -321,6 +327,53 @@ TEST_F(ValidationTest, RowsForATableAnotherClientAppendedToSinceAreStale) {
   ASSERT_EQ(answer.results_size(), 1);
   EXPECT_EQ(answer.results(0).status().code(), grpc::StatusCode::FAILED_PRECONDITION)
       << answer.results(0).status().message();
+}
+
+TEST_F(ValidationTest, ARetryThatClaimsTheVersionItsCallMadeGetsTheWholeTable) {
+  // A client repeats a call because it never got the answer, so it cannot hold the version
+  // the call made. Claiming it (a guess) must not earn a replayed "current" from the first
+  // run's update having told of that version: the whole table, on the retry as on the call.
+  const uint64_t guess = client_->GetBlockTable(id_)->version + 1;  // nothing else runs
+  v1::AppendRequest append = GoodAppend(40, 1);
+  append.set_request_id("guess-append");
+  append.mutable_client_table()->set_version(guess);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::AppendResponse r;
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub_->Append(&c, append, &r).ok());
+    ASSERT_EQ(r.table_version(), guess) << "the guess must hit for the test to mean anything";
+    EXPECT_TRUE(r.table_update().has_table()) << "Append, attempt " << attempt;
+  }
+  // The same through a batch entry's replay.
+  const uint64_t next = client_->GetBlockTable(id_)->version + 1;
+  v1::StepBatchRequest batch;
+  batch.set_request_id("guess-batch");
+  v1::StepBatchEntry* entry = batch.add_entries();
+  entry->set_sequence_id(id_);
+  const v1::AppendRequest token = GoodAppend(41, 1);
+  entry->mutable_append()->mutable_positions()->CopyFrom(token.positions());
+  entry->mutable_append()->set_k(token.k());
+  entry->mutable_append()->set_v(token.v());
+  entry->mutable_client_table()->set_version(next);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::StepBatchResponse r;
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub_->StepBatch(&c, batch, &r).ok());
+    ASSERT_EQ(r.results_size(), 1);
+    ASSERT_EQ(r.results(0).append().table_version(), next) << "the guess must hit";
+    EXPECT_TRUE(r.results(0).table_update().has_table()) << "StepBatch, attempt " << attempt;
+  }
+  // A genuine retry, holding the table from before the call, still gets a delta.
+  const uint64_t before = client_->GetBlockTable(id_)->version;
+  v1::AppendRequest honest = GoodAppend(42, 1);
+  honest.set_request_id("honest");
+  honest.mutable_client_table()->set_version(before);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::AppendResponse r;
+    grpc::ClientContext c;
+    ASSERT_TRUE(stub_->Append(&c, honest, &r).ok());
+    EXPECT_TRUE(r.table_update().has_delta()) << "honest Append, attempt " << attempt;
+  }
 }
 
 TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
