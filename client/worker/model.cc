@@ -130,18 +130,16 @@ void DecodeAttention(const float* q, uint32_t head0, uint32_t heads, const PastS
   const float* qh = q + uint64_t{head0} * D;
   // The runs lie apart (a pool's blocks) and a hardware prefetcher stops at each one's end:
   // while one run is read, the next one's rows are fetched, row for row (bench/RESULTS.md).
-  auto prefetch = [D](const PastStream::Run* next, const float* PastStream::Run::*field,
-                      uint32_t i) {
-    if (next == nullptr || i >= next->count) return;
-    const char* row = reinterpret_cast<const char*>(next->*field + uint64_t{i} * D);
-    for (uint64_t b = 0; b < uint64_t{D} * sizeof(float); b += 64) __builtin_prefetch(row + b);
+  auto prefetch_row = [D](const float* row) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (uint64_t b = 0; b < uint64_t{D} * sizeof(float); b += 64) __builtin_prefetch(bytes + b);
   };
   const PastStream::Run* const end = past.runs.data() + past.runs.size();
   size_t j = 0;
   for (const PastStream::Run* run = past.runs.data(); run != end; ++run) {
     const PastStream::Run* next = run + 1 != end ? run + 1 : nullptr;
     for (uint32_t i = 0; i < run->count; ++i, ++j) {
-      prefetch(next, &PastStream::Run::k, i);
+      if (next != nullptr && i < next->count) prefetch_row(next->k + uint64_t{i} * D);
       const bool visible = past.positions.empty() || past.positions[j] <= position;
       const float* k = run->k + uint64_t{i} * D;
       for (uint32_t h = 0; h < heads; ++h) {
@@ -161,7 +159,7 @@ void DecodeAttention(const float* q, uint32_t head0, uint32_t heads, const PastS
   for (const PastStream::Run* run = past.runs.data(); run != end; ++run) {
     const PastStream::Run* next = run + 1 != end ? run + 1 : nullptr;
     for (uint32_t i = 0; i < run->count; ++i, ++j) {
-      prefetch(next, &PastStream::Run::v, i);
+      if (next != nullptr && i < next->count) prefetch_row(next->v + uint64_t{i} * D);
       const float* v = run->v + uint64_t{i} * D;
       for (uint32_t h = 0; h < heads; ++h) {
         const float w = s[h * n + j];

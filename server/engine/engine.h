@@ -196,9 +196,12 @@ class Engine {
   // What changed in the sequence's tables since `known_version`: a delta when that version
   // is one of the last two the sequence published (the current one, or the one before the
   // last call that changed it), else the whole table (also for a version of another
-  // sequence, or 0 = none held).
+  // sequence, or 0 = none held). After a call that changed the table, `version_before` is
+  // the table's version before it: a known version past it is one no answer can have carried
+  // (a guess at the call's own), and gets the whole table too.
+  static constexpr uint64_t kNoCall = ~uint64_t{0};
   absl::StatusOr<TableUpdate> GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
-                                             bool positions);
+                                             bool positions, uint64_t version_before = kNoCall);
   // The sequence's table version now.
   absl::StatusOr<uint64_t> TableVersion(uint64_t sequence_id);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
@@ -314,8 +317,8 @@ class Engine {
   // Records seq.version() as one a client may hold: at the end of every call that changed it
   // (the one before stays known too: Sequence::published_version).
   void PublishVersion(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  TableUpdate TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const
-      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  TableUpdate TableDelta(const Sequence& seq, uint64_t known_version, bool positions,
+                         uint64_t version_before) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   absl::StatusOr<std::unique_ptr<AppendSession>> BeginAppendLocked(SequenceRef ref, bool hold_lock)
       ABSL_NO_THREAD_SAFETY_ANALYSIS;
   absl::StatusOr<CompressResult> CompressImpl(uint64_t sequence_id, const CompressInput& input);

@@ -17,7 +17,9 @@ absl::Status Engine::StaleEpoch(const Sequence& seq, absl::string_view message,
   return status;
 }
 
-TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool positions) const {
+TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool positions,
+                               uint64_t version_before) const {
+  if (known_version > version_before) known_version = 0;  // a guess: none held
   TableUpdate update;
   update.base_version = known_version;
   update.version = seq.version();
@@ -84,12 +86,12 @@ TableUpdate Engine::TableDelta(const Sequence& seq, uint64_t known_version, bool
 }
 
 absl::StatusOr<TableUpdate> Engine::GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
-                                                   bool positions) {
+                                                   bool positions, uint64_t version_before) {
   return Guard("GetBlockTable", [&]() -> absl::StatusOr<TableUpdate> {
     absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Renew(**ref);
-    return TableDelta(**ref, known_version, positions);
+    return TableDelta(**ref, known_version, positions, version_before);
   });
 }
 
@@ -112,8 +114,7 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
   // the update then run on the same locked sequence.
   std::unique_ptr<AppendSession> session;
   Sequence* seq = &**ref;
-  // A version past the one before this call is one the client cannot hold (a guess at this
-  // call's own): the update is the whole table, whatever another caller was told meanwhile.
+  // For the update: a held version past it is a guess at this call's own (TableDelta).
   const uint64_t version_before = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq->version(); }();
   std::optional<SequenceRef> locked;
   if (call.append) {
@@ -132,8 +133,7 @@ StepOutcome Engine::StepCallImpl(const StepCall& call) {
     seq->Publish();
     if (call.table_version && !seq->poisoned() && !seq->released()) {
       try {
-        const uint64_t held = *call.table_version > version_before ? 0 : *call.table_version;
-        out.table = TableDelta(*seq, held, call.positions);
+        out.table = TableDelta(*seq, *call.table_version, call.positions, version_before);
       } catch (const std::bad_alloc&) {
         // Everything applied; the client goes without the update and fetches its table.
       }

@@ -289,10 +289,10 @@ void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
   // The update is computed under a lock of its own, after the mutation's: another client may
   // have been told the new version in between, so the sequence's note of answered versions
   // cannot tell a guess from a held version here; the version before the call can.
-  const uint64_t known = held.version() > version_before ? 0 : held.version();
   // After a mutation that applied: if the sequence went meanwhile (released, lapsed), the
   // response goes without an update and the client's next call finds out why.
-  absl::StatusOr<engine::TableUpdate> update = engine_->GetTableUpdate(id, known, held.positions());
+  absl::StatusOr<engine::TableUpdate> update =
+      engine_->GetTableUpdate(id, held.version(), held.positions(), version_before);
   if (update.ok()) ToProto(*update, out);
 }
 
