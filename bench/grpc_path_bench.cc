@@ -276,6 +276,8 @@ constexpr int kWarmupSteps = 3;          // the first evicts 64 per stream, then
 constexpr int64_t kLongContextTokens = 8000;
 constexpr int64_t kLongContextSteps = 256;
 constexpr int64_t kPrefillChunk = 500;  // tokens per prefill Append (11 MiB at this shape)
+// Twice this VM's 32 MiB L3: SmolLM2's forward pass reads far more between two steps.
+constexpr size_t kColdSweepBytes = size_t{64} << 20;
 
 enum class PolicyKind { kWindow, kConfKv, kFull };
 
@@ -292,6 +294,9 @@ struct Scenario {
   // cost without the delta); the untimed Append of kAppendThenStep still fetches it.
   bool tables = true;
   int64_t context = kContextTokens;  // tokens before the first step
+  // Before each step (timing paused) the process writes a buffer larger than the last-level
+  // cache, as a worker's forward pass does between its steps: the step starts cold.
+  bool cold = false;
 
   bool long_context() const { return context != kContextTokens; }
   std::string Key() const {
@@ -469,7 +474,16 @@ void BM_Decode(benchmark::State& state, Scenario scenario, Daemon daemon) {
   if (wire.request == 0 && MeasuredWire().count(scenario.Key()) > 0) {
     wire = MeasuredWire()[scenario.Key()];
   }
+  std::vector<uint64_t> sweep(scenario.cold ? kColdSweepBytes / sizeof(uint64_t) : 0);
+  uint64_t sweeps = 0;
   for (auto _ : state) {
+    if (scenario.cold) {
+      state.PauseTiming();
+      ++sweeps;
+      for (uint64_t& word : sweep) word += sweeps;
+      benchmark::DoNotOptimize(sweep.data());
+      state.ResumeTiming();
+    }
     if (absl::Status s = (*d)->StepOnce(&state); !s.ok()) {
       state.SkipWithError(std::string(s.message()).c_str());
       break;
@@ -586,6 +600,19 @@ BENCHMARK_CAPTURE(BM_Decode, window_8k_channel,
     ->Apply(LongTimed);
 BENCHMARK_CAPTURE(BM_Decode, confkv_8k_channel,
                   Scenario{kConfKv, 1, kBatch, true, kLongContextTokens}, Daemon::kUnixChannel)
+    ->Apply(LongTimed);
+// The same with each step's caches cold (Scenario::cold), as between a worker's forward passes.
+BENCHMARK_CAPTURE(BM_Decode, full_8k_channel_cold,
+                  Scenario{PolicyKind::kFull, 1, kBatch, true, kLongContextTokens, true},
+                  Daemon::kUnixChannel)
+    ->Apply(LongTimed);
+BENCHMARK_CAPTURE(BM_Decode, window_8k_channel_cold,
+                  Scenario{kWindow, 1, kBatch, true, kLongContextTokens, true},
+                  Daemon::kUnixChannel)
+    ->Apply(LongTimed);
+BENCHMARK_CAPTURE(BM_Decode, confkv_8k_channel_cold,
+                  Scenario{kConfKv, 1, kBatch, true, kLongContextTokens, true},
+                  Daemon::kUnixChannel)
     ->Apply(LongTimed);
 
 // Target 2: the single-sequence Step round trip over TCP and a unix socket, with and without

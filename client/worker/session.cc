@@ -204,6 +204,9 @@ void Session::PrepareStep(const std::vector<int32_t>& tokens, const ForwardResul
 
 absl::Status Session::FinishStep(const client::BatchResult& result, double seconds) {
   daemon_seconds_ += seconds;
+  const double read_seconds = daemon_->read_seconds();
+  daemon_ms_by_step_.push_back(1e3 * (seconds + read_seconds - read_seconds_counted_));
+  read_seconds_counted_ = read_seconds;
   if (!result.status.ok()) return result.status;
   if (!result.step) return absl::InternalError("StepBatch: an entry without its step's result");
   evicted_ += result.step->evicted_tokens;

@@ -71,6 +71,9 @@ class Session {
   // Mean wall time per decode step spent in daemon calls: the StepBatch that commits it,
   // and ReadKv before the forward pass on the gRPC path.
   double daemon_ms_per_step() const;
+  // The same time per step, in step order (ms): a policy's first decode step may evict most
+  // of a long prompt at once, so the mean alone hides what a steady step costs.
+  const std::vector<double>& daemon_ms_by_step() const { return daemon_ms_by_step_; }
   int64_t tokens() const { return next_position_; }
 
  private:
@@ -113,6 +116,8 @@ class Session {
   double kv_bytes_sum_ = 0;
   uint64_t steps_ = 0;
   double daemon_seconds_ = 0;
+  double read_seconds_counted_ = 0;  // the store's read time already in daemon_ms_by_step_
+  std::vector<double> daemon_ms_by_step_;
 };
 
 // Feeds tokens[i] to sessions[i] (one token each), then commits every session's step in one

@@ -17,6 +17,7 @@
 // --attention_f16 sends attention rows as halves), plus ReadKv with --read_path=grpc.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cmath>
@@ -318,8 +319,12 @@ int Generate() {
         double(session.evicted()) /
             (env.model->config().num_layers * env.model->config().num_kv_heads),
         static_cast<unsigned long long>(session.evicted()));
-    std::printf("daemon calls: %.2f ms per decode step (StepBatch %s%s)\n",
-                session.daemon_ms_per_step(),
+    std::vector<double> by_step = session.daemon_ms_by_step();
+    const double first = by_step.empty() ? 0.0 : by_step.front();
+    std::sort(by_step.begin(), by_step.end());
+    const double median = by_step.empty() ? 0.0 : by_step[by_step.size() / 2];
+    std::printf("daemon calls: %.2f ms per decode step, median %.2f, first %.2f (StepBatch %s%s)\n",
+                session.daemon_ms_per_step(), median, first,
                 env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
                 absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
   }

@@ -1,8 +1,8 @@
 #pragma once
 // Array loops of the step's hot path that GCC leaves scalar at -O2, written four lanes at
 // a time in GCC/Clang vector types (SSE2 on x86-64, NEON on arm64): the validation of float
-// signals (attention rows: tens of thousands of values a step) and their conversion from
-// f16, in which workers may send them.
+// signals (attention rows: tens of thousands of values a step) and of K/V. Their conversion
+// from f16 lives with the client's conversion to it, in kernels/half_arrays.h.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -34,50 +34,6 @@ inline size_t FirstOutside(const float* values, size_t n, float min, float max) 
     if (!std::isfinite(values[i]) || values[i] < min || values[i] > max) return i;
   }
   return n;
-}
-
-// out[i] = the IEEE half at src + 2i (little-endian, any alignment) as a float, exactly as
-// kernels::HalfToFloat gives it (subnormals, infinities, NaN payloads), four at a time: the half's
-// exponent and mantissa moved into a float's place and the exponent rebased; an infinity or NaN
-// rebased once more to the float's all-ones exponent; a subnormal (or zero) made the normal float
-// 2^-14 (1 + m/1024) and then exactly m * 2^-24 by subtracting 2^-14.
-inline void HalfToFloat(const void* src, size_t n, float* out) {
-  using U4 = uint32_t __attribute__((vector_size(16)));
-  using F4 = float __attribute__((vector_size(16)));
-  constexpr uint32_t kRebase = (127 - 15) << 23;
-  constexpr uint32_t kHalfMaxExp = 0x1fu << 23;  // after the shift by 13
-  const auto four = [](const void* at, float* to) {
-    using H4 = uint16_t __attribute__((vector_size(8)));
-    H4 in;
-    std::memcpy(&in, at, sizeof in);
-    const U4 h = __builtin_convertvector(in, U4);
-    U4 bits = (h & 0x7fffu) << 13;
-    const U4 exp = bits & kHalfMaxExp;
-    bits += kRebase;
-    bits += static_cast<U4>(exp == kHalfMaxExp) & kRebase;  // Inf / NaN
-    const U4 small = static_cast<U4>(exp == 0);             // subnormal or zero
-    // The subtraction runs on every lane but is kept only for the small ones, so that a
-    // signaling NaN's bits pass untouched (arithmetic would quiet it).
-    const U4 raised = bits + (1u << 23);
-    F4 f;
-    std::memcpy(&f, &raised, sizeof f);
-    const F4 two_to_minus_14 = {1.0f / 16384, 1.0f / 16384, 1.0f / 16384, 1.0f / 16384};
-    f -= two_to_minus_14;
-    U4 subnormal;
-    std::memcpy(&subnormal, &f, sizeof subnormal);
-    U4 result = (subnormal & small) | (bits & ~small);
-    result |= (h & 0x8000u) << 16;
-    std::memcpy(to, &result, sizeof result);
-  };
-  const auto* bytes = static_cast<const char*>(src);
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) four(bytes + 2 * i, out + i);
-  if (i == n) return;
-  uint16_t rest[4] = {0, 0, 0, 0};
-  float converted[4];
-  std::memcpy(rest, bytes + 2 * i, (n - i) * sizeof(uint16_t));
-  four(rest, converted);
-  std::memcpy(out + i, converted, (n - i) * sizeof(float));
 }
 
 // The index of the first element of `n` IEEE values of `bytes` bytes each (2: f16 or bf16,

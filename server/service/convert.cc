@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
-#include "server/common/simd_loops.h"
+#include "kernels/half_arrays.h"
 
 namespace kvmem::service {
 
@@ -185,7 +185,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
                                                      " bytes is not a whole number of halves"));
     }
     std::vector<float>& row = storage->emplace_back(half.size() / 2);
-    HalfToFloat(half.data(), row.size(), row.data());  // little-endian, as kvmemd's hosts
+    kernels::HalfToFloat(half.data(), row.size(), row.data());  // little-endian, as kvmemd's hosts
     out[i].values = row;
   }
   return out;

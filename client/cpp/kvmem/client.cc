@@ -15,7 +15,7 @@
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/dtype.h"
+#include "kernels/half_arrays.h"
 #include "kvmem/step_channel_client.h"
 #include "kvmem/table_update.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
@@ -460,10 +460,7 @@ struct Client::Impl {
       row->set_kv_head(s.kv_head);
       std::string* half = row->mutable_weights_f16();
       half->resize(2 * s.values.size());
-      for (size_t j = 0; j < s.values.size(); ++j) {
-        const uint16_t h = kernels::FloatToHalf(s.values[j]);
-        std::memcpy(half->data() + 2 * j, &h, 2);  // little-endian hosts
-      }
+      kernels::FloatToHalf(s.values.data(), s.values.size(), half->data());  // little-endian
     }
   }
 

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 
 namespace kvmem {
 namespace {
@@ -90,28 +89,6 @@ TEST(FirstOutsideTest, InfiniteBoundsStillRejectInfAndNaN) {
   EXPECT_EQ(FirstOutside(v.data(), v.size(), -inf, inf), 70u);
   v[10] = std::nanf("");
   EXPECT_EQ(FirstOutside(v.data(), v.size(), -inf, 0.0f), 10u);
-}
-
-TEST(HalfToFloatTest, EveryHalfConvertsAsTheScalarReferenceAtEveryOffset) {
-  // All 65,536 halves (zeros, subnormals, normals, infinities, quiet and signaling NaNs),
-  // bit for bit against kernels::HalfToFloat, from every byte offset mod 8 and with every
-  // tail length.
-  std::vector<uint16_t> all(1 << 16);
-  for (uint32_t h = 0; h < all.size(); ++h) all[h] = static_cast<uint16_t>(h);
-  std::vector<char> unaligned(2 * all.size() + 8);
-  for (size_t shift = 0; shift < 8; ++shift) {
-    std::memcpy(unaligned.data() + shift, all.data(), 2 * all.size());
-    for (size_t tail = 0; tail < 4; ++tail) {
-      const size_t n = all.size() - tail;
-      std::vector<float> got(n + 1, 7.0f);
-      HalfToFloat(unaligned.data() + shift, n, got.data());
-      for (size_t i = 0; i < n; ++i) {
-        const uint32_t want = kernels::FloatBits(kernels::HalfToFloat(all[i]));
-        ASSERT_EQ(kernels::FloatBits(got[i]), want) << "half " << i << " shift " << shift;
-      }
-      ASSERT_EQ(got[n], 7.0f) << "wrote past the end";
-    }
-  }
 }
 
 }  // namespace

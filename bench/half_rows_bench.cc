@@ -1,0 +1,81 @@
+// One decode step's attention rows at SmolLM2-135M's shape (90 streams x 257 weights: confkv
+// at its low budget plus the new token) converted to f16 by the client library and back to
+// f32 by kvmemd: the scalar twins of kernels/dtype.h, one value at a time, against the
+// four-lane loops of kernels/half_arrays.h. Same data, one run: compare the rows' ratios.
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "kernels/half_arrays.h"
+
+namespace {
+
+constexpr size_t kStreams = 90, kWeights = 257;
+
+std::vector<float> Rows() {
+  std::vector<float> v(kStreams * kWeights);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 1.0f / static_cast<float>(1 + i % kWeights);
+  return v;
+}
+
+void BM_NarrowScalar(benchmark::State& state) {
+  const std::vector<float> rows = Rows();
+  std::vector<char> half(2 * rows.size());
+  for (auto _ : state) {
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const uint16_t h = kvmem::kernels::FloatToHalf(rows[j]);
+      std::memcpy(half.data() + 2 * j, &h, 2);
+    }
+    benchmark::DoNotOptimize(half.data());
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_NarrowScalar);
+
+void BM_NarrowFourLanes(benchmark::State& state) {
+  const std::vector<float> rows = Rows();
+  std::vector<char> half(2 * rows.size());
+  for (auto _ : state) {
+    for (size_t s = 0; s < kStreams; ++s) {  // one call per row, as the client converts
+      kvmem::kernels::FloatToHalf(rows.data() + s * kWeights, kWeights,
+                                  half.data() + 2 * s * kWeights);
+    }
+    benchmark::DoNotOptimize(half.data());
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_NarrowFourLanes);
+
+void BM_WidenScalar(benchmark::State& state) {
+  const std::vector<float> rows = Rows();
+  std::vector<uint16_t> half(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) half[j] = kvmem::kernels::FloatToHalf(rows[j]);
+  std::vector<float> out(rows.size());
+  for (auto _ : state) {
+    for (size_t j = 0; j < half.size(); ++j) out[j] = kvmem::kernels::HalfToFloat(half[j]);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_WidenScalar);
+
+void BM_WidenFourLanes(benchmark::State& state) {
+  const std::vector<float> rows = Rows();
+  std::vector<uint16_t> half(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) half[j] = kvmem::kernels::FloatToHalf(rows[j]);
+  std::vector<float> out(rows.size());
+  for (auto _ : state) {
+    for (size_t s = 0; s < kStreams; ++s) {
+      kvmem::kernels::HalfToFloat(half.data() + s * kWeights, kWeights, out.data() + s * kWeights);
+    }
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_WidenFourLanes);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,105 @@
+#pragma once
+// Whole arrays of floats to and from IEEE halves, bit for bit as the scalar twins in
+// dtype.h, four lanes at a time in GCC/Clang vector types (SSE2 on x86-64, NEON on arm64):
+// attention rows cross the wire as f16 (tens of thousands of values a step), narrowed by the
+// client library and widened by kvmemd. Host code only.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace kvmem::kernels {
+
+// out[i] = the IEEE half at src + 2i (little-endian, any alignment) as a float, exactly as
+// HalfToFloat(uint16_t) gives it (subnormals, infinities, NaN payloads), four at a time: the half's
+// exponent and mantissa moved into a float's place and the exponent rebased; an infinity or NaN
+// rebased once more to the float's all-ones exponent; a subnormal (or zero) made the normal float
+// 2^-14 (1 + m/1024) and then exactly m * 2^-24 by subtracting 2^-14.
+inline void HalfToFloat(const void* src, size_t n, float* out) {
+  using U4 = uint32_t __attribute__((vector_size(16)));
+  using F4 = float __attribute__((vector_size(16)));
+  constexpr uint32_t kRebase = (127 - 15) << 23;
+  constexpr uint32_t kHalfMaxExp = 0x1fu << 23;  // after the shift by 13
+  const auto four = [](const void* at, float* to) {
+    using H4 = uint16_t __attribute__((vector_size(8)));
+    H4 in;
+    std::memcpy(&in, at, sizeof in);
+    const U4 h = __builtin_convertvector(in, U4);
+    U4 bits = (h & 0x7fffu) << 13;
+    const U4 exp = bits & kHalfMaxExp;
+    bits += kRebase;
+    bits += static_cast<U4>(exp == kHalfMaxExp) & kRebase;  // Inf / NaN
+    const U4 small = static_cast<U4>(exp == 0);             // subnormal or zero
+    // The subtraction runs on every lane but is kept only for the small ones, so that a
+    // signaling NaN's bits pass untouched (arithmetic would quiet it).
+    const U4 raised = bits + (1u << 23);
+    F4 f;
+    std::memcpy(&f, &raised, sizeof f);
+    const F4 two_to_minus_14 = {1.0f / 16384, 1.0f / 16384, 1.0f / 16384, 1.0f / 16384};
+    f -= two_to_minus_14;
+    U4 subnormal;
+    std::memcpy(&subnormal, &f, sizeof subnormal);
+    U4 result = (subnormal & small) | (bits & ~small);
+    result |= (h & 0x8000u) << 16;
+    std::memcpy(to, &result, sizeof result);
+  };
+  const auto* bytes = static_cast<const char*>(src);
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) four(bytes + 2 * i, out + i);
+  if (i == n) return;
+  uint16_t rest[4] = {0, 0, 0, 0};
+  float converted[4];
+  std::memcpy(rest, bytes + 2 * i, (n - i) * sizeof(uint16_t));
+  four(rest, converted);
+  std::memcpy(out + i, converted, (n - i) * sizeof(float));
+}
+
+// dst + 2i = FloatToHalf(values[i]) (little-endian, any alignment), exactly as the scalar
+// twin rounds (to nearest, ties to even; past the largest half to infinity; a NaN to the
+// quiet NaN of its sign), four at a time. A normal half: the exponent rebased and the 13
+// dropped bits rounded by adding 0xfff plus the kept mantissa's lowest bit. A subnormal half
+// (|f| < 2^-14): |f| + 0.5f, whose float ulp is 2^-24, the half's subnormal step, makes the
+// float unit do the rounding (the default rounding mode); its low bits are then the half.
+inline void FloatToHalf(const float* values, size_t n, void* dst) {
+  using U4 = uint32_t __attribute__((vector_size(16)));
+  using F4 = float __attribute__((vector_size(16)));
+  using H4 = uint16_t __attribute__((vector_size(8)));
+  constexpr uint32_t kHalfMin = 113u << 23;      // 2^-14, the smallest normal half
+  constexpr uint32_t kTooLarge = 143u << 23;     // 2^16: every larger value rounds to infinity
+  constexpr uint32_t kFloatInfinity = 0xffu << 23;
+  constexpr uint32_t kOneHalf = 126u << 23;      // 0.5f
+  const auto four = [](const float* at, uint16_t* to) {
+    U4 u;
+    std::memcpy(&u, at, sizeof u);
+    const U4 abs = u & 0x7fffffffu;
+    const U4 normal = (abs - ((127u - 15u) << 23) + 0xfffu + ((abs >> 13) & 1u)) >> 13;
+    F4 f;
+    std::memcpy(&f, &abs, sizeof f);
+    const F4 one_half = {0.5f, 0.5f, 0.5f, 0.5f};
+    f += one_half;
+    U4 subnormal;
+    std::memcpy(&subnormal, &f, sizeof subnormal);
+    subnormal -= kOneHalf;
+    const U4 small = static_cast<U4>(abs < kHalfMin);
+    const U4 large = static_cast<U4>(abs >= kTooLarge);
+    const U4 special = 0x7c00u | (static_cast<U4>(abs > kFloatInfinity) & 0x200u);
+    U4 h = (subnormal & small) | (normal & ~small);
+    h = (special & large) | (h & ~large);
+    h |= (u >> 16) & 0x8000u;
+    const H4 out = __builtin_convertvector(h, H4);
+    std::memcpy(to, &out, sizeof out);
+  };
+  auto* bytes = static_cast<char*>(dst);
+  size_t i = 0;
+  uint16_t converted[4];
+  for (; i + 4 <= n; i += 4) {
+    four(values + i, converted);
+    std::memcpy(bytes + 2 * i, converted, sizeof converted);
+  }
+  if (i == n) return;
+  float rest[4] = {0, 0, 0, 0};
+  std::memcpy(rest, values + i, (n - i) * sizeof(float));
+  four(rest, converted);
+  std::memcpy(bytes + 2 * i, converted, (n - i) * sizeof(uint16_t));
+}
+
+}  // namespace kvmem::kernels
