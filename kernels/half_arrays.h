@@ -59,14 +59,16 @@ inline void HalfToFloat(const void* src, size_t n, float* out) {
 // dropped bits rounded by adding 0xfff plus the kept mantissa's lowest bit. A subnormal half
 // (|f| < 2^-14): |f| + 0.5f, whose float ulp is 2^-24, the half's subnormal step, makes the
 // float unit do the rounding (the default rounding mode); its low bits are then the half.
+// Unlike the scalar twin, the addition may raise the FP status flags (inexact; invalid for a
+// signaling NaN): no caller reads them.
 inline void FloatToHalf(const float* values, size_t n, void* dst) {
   using U4 = uint32_t __attribute__((vector_size(16)));
   using F4 = float __attribute__((vector_size(16)));
   using H4 = uint16_t __attribute__((vector_size(8)));
-  constexpr uint32_t kHalfMin = 113u << 23;      // 2^-14, the smallest normal half
-  constexpr uint32_t kTooLarge = 143u << 23;     // 2^16: every larger value rounds to infinity
+  constexpr uint32_t kHalfMin = 113u << 23;   // 2^-14, the smallest normal half
+  constexpr uint32_t kTooLarge = 143u << 23;  // 2^16: every larger value rounds to infinity
   constexpr uint32_t kFloatInfinity = 0xffu << 23;
-  constexpr uint32_t kOneHalf = 126u << 23;      // 0.5f
+  constexpr uint32_t kOneHalf = 126u << 23;  // 0.5f
   const auto four = [](const float* at, uint16_t* to) {
     U4 u;
     std::memcpy(&u, at, sizeof u);

@@ -155,6 +155,7 @@ absl::Status Session::CommitPrompt(const std::vector<int32_t>& tokens, const For
   absl::StatusOr<client::AppendResult> appended =
       daemon_->Append(positions, tokens, r, entropy, distance);
   if (!appended.ok()) return appended.status();
+  read_seconds_counted_ = daemon_->read_seconds();  // a prompt's reads are no decode step's
   kv_bytes_ = appended->kv_bytes;
   if (!compress_prompt_ || !Compresses(daemon_->policy())) return absl::OkStatus();
   const uint32_t window = PrefillWindow(daemon_->policy(), options_.observation_window);
@@ -203,12 +204,14 @@ void Session::PrepareStep(const std::vector<int32_t>& tokens, const ForwardResul
 }
 
 absl::Status Session::FinishStep(const client::BatchResult& result, double seconds) {
-  daemon_seconds_ += seconds;
-  const double read_seconds = daemon_->read_seconds();
-  daemon_ms_by_step_.push_back(1e3 * (seconds + read_seconds - read_seconds_counted_));
-  read_seconds_counted_ = read_seconds;
   if (!result.status.ok()) return result.status;
   if (!result.step) return absl::InternalError("StepBatch: an entry without its step's result");
+  // The step's call, and the reads since the last step (ReadKv before its forward pass).
+  const double read_seconds = daemon_->read_seconds();
+  const double step_seconds = seconds + read_seconds - read_seconds_counted_;
+  read_seconds_counted_ = read_seconds;
+  daemon_seconds_ += step_seconds;
+  daemon_ms_by_step_.push_back(1e3 * step_seconds);
   evicted_ += result.step->evicted_tokens;
   kv_bytes_ = result.step->kv_bytes_after;
   kv_bytes_sum_ += static_cast<double>(result.step->kv_bytes_after);
@@ -218,7 +221,7 @@ absl::Status Session::FinishStep(const client::BatchResult& result, double secon
 
 double Session::daemon_ms_per_step() const {
   if (steps_ == 0 || daemon_ == nullptr) return 0.0;
-  return 1e3 * (daemon_seconds_ + daemon_->read_seconds()) / static_cast<double>(steps_);
+  return 1e3 * daemon_seconds_ / static_cast<double>(steps_);
 }
 
 absl::Status DecodeBatch(absl::Span<Session* const> sessions, absl::Span<const int32_t> tokens,

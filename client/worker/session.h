@@ -69,7 +69,7 @@ class Session {
   uint64_t kv_bytes() const { return kv_bytes_; }
   double mean_kv_bytes() const { return steps_ > 0 ? kv_bytes_sum_ / steps_ : 0.0; }
   // Mean wall time per decode step spent in daemon calls: the StepBatch that commits it,
-  // and ReadKv before the forward pass on the gRPC path.
+  // and ReadKv before its forward pass on the gRPC path (a prompt's reads not counted).
   double daemon_ms_per_step() const;
   // The same time per step, in step order (ms): a policy's first decode step may evict most
   // of a long prompt at once, so the mean alone hides what a steady step costs.
@@ -116,7 +116,7 @@ class Session {
   double kv_bytes_sum_ = 0;
   uint64_t steps_ = 0;
   double daemon_seconds_ = 0;
-  double read_seconds_counted_ = 0;  // the store's read time already in daemon_ms_by_step_
+  double read_seconds_counted_ = 0;  // the store's read time counted (in a step, or a prompt's)
   std::vector<double> daemon_ms_by_step_;
 };
 

@@ -322,7 +322,10 @@ int Generate() {
     std::vector<double> by_step = session.daemon_ms_by_step();
     const double first = by_step.empty() ? 0.0 : by_step.front();
     std::sort(by_step.begin(), by_step.end());
-    const double median = by_step.empty() ? 0.0 : by_step[by_step.size() / 2];
+    const size_t half = by_step.size() / 2;
+    const double median = by_step.empty()      ? 0.0
+                          : by_step.size() % 2 ? by_step[half]
+                                               : (by_step[half - 1] + by_step[half]) / 2;
     std::printf("daemon calls: %.2f ms per decode step, median %.2f, first %.2f (StepBatch %s%s)\n",
                 session.daemon_ms_per_step(), median, first,
                 env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",

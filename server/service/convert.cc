@@ -1,10 +1,8 @@
 #include "server/service/convert.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/dtype.h"
 #include "kernels/half_arrays.h"
 
 namespace kvmem::service {

@@ -1,7 +1,6 @@
 #include "kvmem/client.h"
 
 #include <atomic>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <thread>

@@ -45,10 +45,10 @@ std::vector<uint32_t> NarrowingCases() {
       for (int d = -2; d <= 2; ++d) bits.push_back(b + static_cast<uint32_t>(d));
     }
   }
-  for (uint32_t b : {0x00000000u, 0x00000001u, 0x007fffffu, 0x00800000u, 0x33000000u,
-                     0x33000001u, 0x337fffffu, 0x387fffffu, 0x38800000u, 0x477fefffu,
-                     0x477ff000u, 0x477fffffu, 0x47800000u, 0x7f7fffffu, 0x7f800000u,
-                     0x7f800001u, 0x7fbfffffu, 0x7fc00000u, 0x7fffffffu}) {
+  for (uint32_t b :
+       {0x00000000u, 0x00000001u, 0x007fffffu, 0x00800000u, 0x33000000u, 0x33000001u, 0x337fffffu,
+        0x387fffffu, 0x38800000u, 0x477fefffu, 0x477ff000u, 0x477fffffu, 0x47800000u, 0x7f7fffffu,
+        0x7f800000u, 0x7f800001u, 0x7fbfffffu, 0x7fc00000u, 0x7fffffffu}) {
     bits.push_back(b);
   }
   for (uint64_t b = 0; b <= 0xffffffffu; b += 65521) bits.push_back(static_cast<uint32_t>(b));
@@ -82,8 +82,7 @@ TEST(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
 // The four lanes of one call and the scalar tail each convert their own value: a special
 // value in any lane leaves its neighbours as they would be alone.
 TEST(HalfArraysTest, LanesAreIndependent) {
-  const float specials[] = {BitsFloat(0x7fc00001u), BitsFloat(0xff800000u), 1e-7f, 65520.0f,
-                            -0.0f};
+  const float specials[] = {BitsFloat(0x7fc00001u), BitsFloat(0xff800000u), 1e-7f, 65520.0f, -0.0f};
   for (size_t n = 1; n <= 9; ++n) {
     for (size_t at = 0; at < n; ++at) {
       for (float special : specials) {
