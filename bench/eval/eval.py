@@ -464,9 +464,9 @@ def study_speed(args):
              f"{time.time() - start:.0f} s ({time.strftime('%Y-%m-%d')}). Prompt: the first N tokens of "
              "the Lee corpus; cache in kvmemd (f32), read in place; one StepBatch per token, confkv's "
              "attention rows as f16 unless the row says f32. Daemon "
-             "calls: the worker's wall time in them per step, mean / median / the first step (which "
-             "also opens the same-host step channel); daemon CPU: kvmemd's threads' CPU time while "
-             "the worker decoded.", "",
+             "calls: the worker's wall time in them per step, mean / median / the first step (the "
+             "step channel's first batch); daemon CPU: kvmemd's threads' CPU time while the worker "
+             "decoded.", "",
              "| context | policy | prefill tok/s | decode tok/s | daemon calls per step, mean / median / first (ms) "
              "| daemon CPU per step (ms) |",
              "|---|---|---|---|---|---|"]
