@@ -20,6 +20,14 @@ std::vector<float> Rows() {
   return v;
 }
 
+// The same rows as the client sends them.
+std::vector<uint16_t> HalfRows() {
+  const std::vector<float> rows = Rows();
+  std::vector<uint16_t> half(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) half[j] = kvmem::kernels::FloatToHalf(rows[j]);
+  return half;
+}
+
 void BM_NarrowScalar(benchmark::State& state) {
   const std::vector<float> rows = Rows();
   std::vector<char> half(2 * rows.size());
@@ -49,10 +57,8 @@ void BM_NarrowFourLanes(benchmark::State& state) {
 BENCHMARK(BM_NarrowFourLanes);
 
 void BM_WidenScalar(benchmark::State& state) {
-  const std::vector<float> rows = Rows();
-  std::vector<uint16_t> half(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) half[j] = kvmem::kernels::FloatToHalf(rows[j]);
-  std::vector<float> out(rows.size());
+  const std::vector<uint16_t> half = HalfRows();
+  std::vector<float> out(half.size());
   for (auto _ : state) {
     for (size_t j = 0; j < half.size(); ++j) out[j] = kvmem::kernels::HalfToFloat(half[j]);
     benchmark::DoNotOptimize(out.data());
@@ -62,10 +68,8 @@ void BM_WidenScalar(benchmark::State& state) {
 BENCHMARK(BM_WidenScalar);
 
 void BM_WidenFourLanes(benchmark::State& state) {
-  const std::vector<float> rows = Rows();
-  std::vector<uint16_t> half(rows.size());
-  for (size_t j = 0; j < rows.size(); ++j) half[j] = kvmem::kernels::FloatToHalf(rows[j]);
-  std::vector<float> out(rows.size());
+  const std::vector<uint16_t> half = HalfRows();
+  std::vector<float> out(half.size());
   for (auto _ : state) {
     for (size_t s = 0; s < kStreams; ++s) {
       kvmem::kernels::HalfToFloat(half.data() + s * kWeights, kWeights, out.data() + s * kWeights);

@@ -69,7 +69,7 @@ inline void FloatToHalf(const float* values, size_t n, void* dst) {
   constexpr uint32_t kTooLarge = 143u << 23;  // 2^16: every larger value rounds to infinity
   constexpr uint32_t kFloatInfinity = 0xffu << 23;
   constexpr uint32_t kOneHalf = 126u << 23;  // 0.5f
-  const auto four = [](const float* at, uint16_t* to) {
+  const auto four = [](const float* at, void* to) {
     U4 u;
     std::memcpy(&u, at, sizeof u);
     const U4 abs = u & 0x7fffffffu;
@@ -92,13 +92,10 @@ inline void FloatToHalf(const float* values, size_t n, void* dst) {
   };
   auto* bytes = static_cast<char*>(dst);
   size_t i = 0;
-  uint16_t converted[4];
-  for (; i + 4 <= n; i += 4) {
-    four(values + i, converted);
-    std::memcpy(bytes + 2 * i, converted, sizeof converted);
-  }
+  for (; i + 4 <= n; i += 4) four(values + i, bytes + 2 * i);
   if (i == n) return;
   float rest[4] = {0, 0, 0, 0};
+  uint16_t converted[4];
   std::memcpy(rest, values + i, (n - i) * sizeof(float));
   four(rest, converted);
   std::memcpy(bytes + 2 * i, converted, (n - i) * sizeof(uint16_t));

@@ -71,8 +71,8 @@ class Session {
   // Mean wall time per decode step spent in daemon calls: the StepBatch that commits it,
   // and ReadKv before its forward pass on the gRPC path (a prompt's reads not counted).
   double daemon_ms_per_step() const;
-  // The same time per step, in step order (ms): a policy's first decode step may evict most
-  // of a long prompt at once, so the mean alone hides what a steady step costs.
+  // The same time per step, in step order (ms): the first step (the step channel's first
+  // batch) and rare slow ones weigh in the mean, so it alone hides what a steady step costs.
   const std::vector<double>& daemon_ms_by_step() const { return daemon_ms_by_step_; }
   int64_t tokens() const { return next_position_; }
 
