@@ -34,6 +34,10 @@ inline constexpr size_t kMaxRequestIdBytes = 64;
 // at each end, strings and bytes by their length and 32 bytes at each end. So a reused id is
 // caught when the requests differ in any field but the middle of a long payload.
 uint64_t RequestFingerprint(const google::protobuf::Message& request);
+// The same value by a walk of the message's reflection: what RequestFingerprint computes
+// for every message but a StepBatchRequest, whose fingerprint it takes from the generated
+// accessors (the decode loop's, every step). For tests.
+uint64_t ReflectedFingerprint(const google::protobuf::Message& request);
 
 class RequestCache {
  public:

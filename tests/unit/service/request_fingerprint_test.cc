@@ -1,0 +1,199 @@
+// RequestFingerprint takes a StepBatchRequest's fingerprint from its generated accessors;
+// it must be the reflection walk's value for every batch, whichever fields are set, or a
+// retry over gRPC of a batch first sent through a step channel (or the other way) could be
+// refused, and a field left out of the fast walk would let an id be reused for a request
+// that differs only there.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/reflection.h"
+#include "gtest/gtest.h"
+#include "kvmem/v1/kvmem.pb.h"
+#include "server/service/request_cache.h"
+
+namespace kvmem::service {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+
+// Sets a random selection of `m`'s fields (all of them when `all`), recursively, with
+// values that probe the fingerprint's rules: repeated fields around its 2 x 4 sampled
+// ends, bytes around its 2 x 32, floats with -0.0 and NaN among them.
+class Filler {
+ public:
+  explicit Filler(uint32_t seed) : rng_(seed) {}
+
+  void Fill(Message* m, bool all, int depth) {
+    const google::protobuf::Reflection* r = m->GetReflection();
+    const google::protobuf::Descriptor* d = m->GetDescriptor();
+    for (int i = 0; i < d->field_count(); ++i) {
+      const FieldDescriptor* f = d->field(i);
+      if (!all && Pick(3) == 0) continue;
+      if (f->is_repeated()) {
+        static constexpr int kSizes[] = {0, 1, 3, 8, 9, 20};
+        const int n = depth > 2 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE
+                          ? 2
+                          : kSizes[all ? 1 + Pick(5) : Pick(6)];
+        for (int k = 0; k < n; ++k) Add(m, r, f, all, depth);
+      } else {
+        Set(m, r, f, all, depth);
+      }
+    }
+  }
+
+ private:
+  int Pick(int n) { return std::uniform_int_distribution<int>(0, n - 1)(rng_); }
+  uint64_t Bits() { return rng_(); }
+  float Float() {
+    switch (Pick(6)) {
+      case 0:
+        return -0.0f;
+      case 1:
+        return std::numeric_limits<float>::quiet_NaN();
+      case 2:
+        return 0.0f;
+      default:
+        return std::uniform_real_distribution<float>(-4, 4)(rng_);
+    }
+  }
+  std::string Bytes() {
+    static constexpr size_t kLengths[] = {0, 5, 64, 65, 200};
+    std::string s(kLengths[Pick(5)], '\0');
+    for (char& c : s) c = static_cast<char>(Pick(256));
+    return s;
+  }
+
+  void Set(Message* m, const google::protobuf::Reflection* r, const FieldDescriptor* f, bool all,
+           int depth) {
+    switch (f->cpp_type()) {
+      case FieldDescriptor::CPPTYPE_INT32:
+        r->SetInt32(m, f, static_cast<int32_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        r->SetInt64(m, f, static_cast<int64_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        r->SetUInt32(m, f, static_cast<uint32_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        r->SetUInt64(m, f, Bits());
+        break;
+      case FieldDescriptor::CPPTYPE_FLOAT:
+        r->SetFloat(m, f, Float());
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        r->SetDouble(m, f, Float());
+        break;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        r->SetBool(m, f, Pick(2) == 1);
+        break;
+      case FieldDescriptor::CPPTYPE_ENUM:
+        r->SetEnumValue(m, f, Pick(3));
+        break;
+      case FieldDescriptor::CPPTYPE_STRING:
+        r->SetString(m, f, Bytes());
+        break;
+      case FieldDescriptor::CPPTYPE_MESSAGE:
+        Fill(r->MutableMessage(m, f), all, depth + 1);
+        break;
+    }
+  }
+  void Add(Message* m, const google::protobuf::Reflection* r, const FieldDescriptor* f, bool all,
+           int depth) {
+    switch (f->cpp_type()) {
+      case FieldDescriptor::CPPTYPE_INT32:
+        r->AddInt32(m, f, static_cast<int32_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        r->AddInt64(m, f, static_cast<int64_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        r->AddUInt32(m, f, static_cast<uint32_t>(Bits()));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        r->AddUInt64(m, f, Bits());
+        break;
+      case FieldDescriptor::CPPTYPE_FLOAT:
+        r->AddFloat(m, f, Float());
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        r->AddDouble(m, f, Float());
+        break;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        r->AddBool(m, f, Pick(2) == 1);
+        break;
+      case FieldDescriptor::CPPTYPE_ENUM:
+        r->AddEnumValue(m, f, Pick(3));
+        break;
+      case FieldDescriptor::CPPTYPE_STRING:
+        r->AddString(m, f, Bytes());
+        break;
+      case FieldDescriptor::CPPTYPE_MESSAGE:
+        Fill(r->AddMessage(m, f), all, depth + 1);
+        break;
+    }
+  }
+
+  std::mt19937_64 rng_;
+};
+
+TEST(RequestFingerprintTest, ABatchGetsTheReflectionWalksValue) {
+  for (uint32_t seed = 0; seed < 3000; ++seed) {
+    v1::StepBatchRequest batch;
+    Filler(seed).Fill(&batch, /*all=*/seed % 4 == 0, 0);
+    ASSERT_EQ(RequestFingerprint(batch), ReflectedFingerprint(batch))
+        << "seed " << seed << ": " << batch.ShortDebugString().substr(0, 400);
+  }
+}
+
+// The fast walk must see what the reflection walk sees: a change in any one field of a batch
+// with every field set changes the fingerprint (the request_id aside), including one in
+// the sampled ends of a long payload.
+TEST(RequestFingerprintTest, EachFieldOfABatchCounts) {
+  v1::StepBatchRequest batch;
+  Filler(7).Fill(&batch, /*all=*/true, 0);
+  const uint64_t base = RequestFingerprint(batch);
+  v1::StepBatchRequest changed = batch;
+  changed.set_request_id(changed.request_id() + "x");
+  EXPECT_EQ(RequestFingerprint(changed), base) << "the request_id is no part of it";
+  auto expect_changed = [&](const char* what, auto&& change) {
+    v1::StepBatchRequest c = batch;
+    change(c.mutable_entries(0));
+    EXPECT_NE(RequestFingerprint(c), base) << what;
+  };
+  expect_changed("sequence_id",
+                 [](v1::StepBatchEntry* e) { e->set_sequence_id(e->sequence_id() + 1); });
+  expect_changed("append.positions", [](v1::StepBatchEntry* e) {
+    e->mutable_append()->set_positions(0, e->append().positions(0) + 1);
+  });
+  expect_changed("append.k's last byte", [](v1::StepBatchEntry* e) {
+    std::string* k = e->mutable_append()->mutable_k();
+    k->push_back('\x01');
+  });
+  expect_changed("append.layer_distance",
+                 [](v1::StepBatchEntry* e) { e->mutable_append()->add_layer_distance(1.5f); });
+  expect_changed("step.epoch", [](v1::StepBatchEntry* e) {
+    e->mutable_step()->set_epoch(e->step().epoch() + 1);
+  });
+  expect_changed("step.logit_stats.p2", [](v1::StepBatchEntry* e) {
+    e->mutable_step()->mutable_logit_stats()->set_p2(0.125f);
+  });
+  expect_changed("step.attention[0].weights_f16", [](v1::StepBatchEntry* e) {
+    e->mutable_step()->mutable_attention(0)->mutable_weights_f16()->append("zz");
+  });
+  expect_changed("client_table.version", [](v1::StepBatchEntry* e) {
+    e->mutable_client_table()->set_version(e->client_table().version() + 1);
+  });
+  expect_changed("client_table.positions", [](v1::StepBatchEntry* e) {
+    e->mutable_client_table()->set_positions(!e->client_table().positions());
+  });
+}
+
+}  // namespace
+}  // namespace kvmem::service
