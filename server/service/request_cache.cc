@@ -40,6 +40,9 @@ uint64_t MixBytes(uint64_t h, absl::string_view bytes) {
   return MixRun(MixRun(h, bytes.substr(0, kEnd)), bytes.substr(bytes.size() - kEnd));
 }
 
+// Elements read at each end of a repeated field below the top level (both walks).
+constexpr int kEnds = 4;
+
 uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth);
 
 // One value of `field` (element `index` of a repeated one, or -1).
@@ -99,7 +102,6 @@ bool HasMap(const google::protobuf::Descriptor* d) {
 }
 
 uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
-  constexpr int kEnds = 4;  // elements at each end of a repeated field below the top level
   if (depth > 0 && HasMap(m.GetDescriptor())) {
     std::string bytes;
     {
@@ -139,8 +141,6 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
 // reflection walk took about 30 us of an 8k SmolLM2 step's daemon time (bench/RESULTS.md,
 // session 18). A test holds the two equal on messages with every field set, so a field
 // added to these messages and not here fails it.
-constexpr int kEnds = 4;  // MixMessage's, for repeated fields below the top level
-
 template <typename T, typename Bits>
 uint64_t MixRepeated(uint64_t h, int number, const google::protobuf::RepeatedField<T>& values,
                      Bits bits) {
@@ -236,8 +236,9 @@ uint64_t ReflectedFingerprint(const google::protobuf::Message& request) {
 }
 
 uint64_t RequestFingerprint(const google::protobuf::Message& request) {
-  if (request.GetDescriptor() == v1::StepBatchRequest::descriptor()) {
-    return StepBatchFingerprint(static_cast<const v1::StepBatchRequest&>(request));
+  if (const auto* batch =
+          google::protobuf::DynamicCastToGenerated<v1::StepBatchRequest>(&request)) {
+    return StepBatchFingerprint(*batch);
   }
   return ReflectedFingerprint(request);
 }

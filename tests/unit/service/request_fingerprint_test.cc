@@ -3,7 +3,6 @@
 // retry over gRPC of a batch first sent through a step channel (or the other way) could be
 // refused, and a field left out of the fast walk would let an id be reused for a request
 // that differs only there.
-#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -172,7 +171,7 @@ TEST(RequestFingerprintTest, EachFieldOfABatchCounts) {
   expect_changed("append.positions", [](v1::StepBatchEntry* e) {
     e->mutable_append()->set_positions(0, e->append().positions(0) + 1);
   });
-  expect_changed("append.k's last byte", [](v1::StepBatchEntry* e) {
+  expect_changed("append.k's length", [](v1::StepBatchEntry* e) {
     std::string* k = e->mutable_append()->mutable_k();
     k->push_back('\x01');
   });
@@ -192,6 +191,42 @@ TEST(RequestFingerprintTest, EachFieldOfABatchCounts) {
   });
   expect_changed("client_table.positions", [](v1::StepBatchEntry* e) {
     e->mutable_client_table()->set_positions(!e->client_table().positions());
+  });
+  // Same lengths, other content: the sampled ends are read, not only the sizes.
+  expect_changed("append.k's last byte", [](v1::StepBatchEntry* e) {
+    std::string* k = e->mutable_append()->mutable_k();
+    k->back() = static_cast<char>(k->back() ^ 1);
+  });
+  expect_changed("append.v's first byte", [](v1::StepBatchEntry* e) {
+    std::string* v = e->mutable_append()->mutable_v();
+    v->front() = static_cast<char>(v->front() ^ 1);
+  });
+  expect_changed("append.token_ids' last", [](v1::StepBatchEntry* e) {
+    auto* ids = e->mutable_append()->mutable_token_ids();
+    ids->Set(ids->size() - 1, ids->Get(ids->size() - 1) + 1);
+  });
+  expect_changed("append.token_entropy's last", [](v1::StepBatchEntry* e) {
+    auto* x = e->mutable_append()->mutable_token_entropy();
+    x->Set(x->size() - 1, x->Get(x->size() - 1) + 8.0f);
+  });
+  expect_changed("step.logit_stats.entropy", [](v1::StepBatchEntry* e) {
+    e->mutable_step()->mutable_logit_stats()->set_entropy(3.25f);
+  });
+  expect_changed("step.logit_stats.top_logprobs' first", [](v1::StepBatchEntry* e) {
+    auto* x = e->mutable_step()->mutable_logit_stats()->mutable_top_logprobs();
+    x->Set(0, x->Get(0) + 8.0f);
+  });
+  expect_changed("the last attention row's kv_head", [](v1::StepBatchEntry* e) {
+    v1::AttentionRow* row = e->mutable_step()->mutable_attention(e->step().attention_size() - 1);
+    row->set_kv_head(row->kv_head() + 1);
+  });
+  expect_changed("step.attention[0].weights' last", [](v1::StepBatchEntry* e) {
+    auto* w = e->mutable_step()->mutable_attention(0)->mutable_weights();
+    w->Set(w->size() - 1, w->Get(w->size() - 1) + 8.0f);
+  });
+  expect_changed("step.attention[0].weights_f16's last byte", [](v1::StepBatchEntry* e) {
+    std::string* w = e->mutable_step()->mutable_attention(0)->mutable_weights_f16();
+    w->back() = static_cast<char>(w->back() ^ 1);
   });
 }
 
