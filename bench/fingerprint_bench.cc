@@ -6,6 +6,7 @@
 // between two steps, so the message is out of the cores' caches as kvmemd finds it.
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -41,8 +42,9 @@ kvmem::v1::StepBatchRequest ConfkvBatch() {
   return batch;
 }
 
-template <uint64_t (*Fingerprint)(const google::protobuf::Message&)>
-void BM_Fingerprint(benchmark::State& state) {
+using Fingerprint = uint64_t (*)(const google::protobuf::Message&);
+
+void BM_Fingerprint(benchmark::State& state, Fingerprint fingerprint) {
   const bool cold = state.range(0) != 0;
   const kvmem::v1::StepBatchRequest batch = ConfkvBatch();
   const std::vector<uint64_t> sweep(cold ? (size_t{64} << 20) / sizeof(uint64_t) : 0, 1);
@@ -54,32 +56,30 @@ void BM_Fingerprint(benchmark::State& state) {
       benchmark::DoNotOptimize(sum);
       state.ResumeTiming();
     }
-    benchmark::DoNotOptimize(Fingerprint(batch));
+    benchmark::DoNotOptimize(fingerprint(batch));
   }
 }
+
 // Warm rows by time, cold ones by a fixed count (each cold call reads 64 MiB first).
-BENCHMARK(BM_Fingerprint<kvmem::service::RequestFingerprint>)
-    ->Name("BM_Fingerprint/generated")
-    ->ArgName("cold")
-    ->Arg(0)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Fingerprint<kvmem::service::ReflectedFingerprint>)
-    ->Name("BM_Fingerprint/reflection")
-    ->ArgName("cold")
-    ->Arg(0)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Fingerprint<kvmem::service::RequestFingerprint>)
-    ->Name("BM_Fingerprint/generated")
-    ->ArgName("cold")
-    ->Arg(1)
-    ->Iterations(200)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Fingerprint<kvmem::service::ReflectedFingerprint>)
-    ->Name("BM_Fingerprint/reflection")
-    ->ArgName("cold")
-    ->Arg(1)
-    ->Iterations(200)
-    ->Unit(benchmark::kMicrosecond);
+const bool kRegistered = [] {
+  const std::pair<const char*, Fingerprint> walks[] = {
+      {"BM_Fingerprint/generated", kvmem::service::RequestFingerprint},
+      {"BM_Fingerprint/reflection", kvmem::service::ReflectedFingerprint}};
+  for (const auto& [name, fingerprint] : walks) {
+    benchmark::RegisterBenchmark(name, BM_Fingerprint, fingerprint)
+        ->ArgName("cold")
+        ->Arg(0)
+        ->Unit(benchmark::kMicrosecond);
+  }
+  for (const auto& [name, fingerprint] : walks) {
+    benchmark::RegisterBenchmark(name, BM_Fingerprint, fingerprint)
+        ->ArgName("cold")
+        ->Arg(1)
+        ->Iterations(200)
+        ->Unit(benchmark::kMicrosecond);
+  }
+  return true;
+}();
 
 }  // namespace
 

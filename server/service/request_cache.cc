@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -40,8 +41,21 @@ uint64_t MixBytes(uint64_t h, absl::string_view bytes) {
   return MixRun(MixRun(h, bytes.substr(0, kEnd)), bytes.substr(bytes.size() - kEnd));
 }
 
-// Elements read at each end of a repeated field below the top level (both walks).
+// A repeated field's count and the elements read of it: all of them when `all` (a batch's
+// entries) or when there are at most 2 x kEnds, else kEnds at each end (a long prompt's
+// token ids would cost reflection calls by the million). `mix(h, i)` mixes element i.
 constexpr int kEnds = 4;
+template <typename MixElement>
+uint64_t MixSampled(uint64_t h, int n, bool all, const MixElement& mix) {
+  h = Mix(h, static_cast<uint64_t>(n));
+  for (int i = 0; i < n; ++i) {
+    if (!all && n > 2 * kEnds && i == kEnds) i = n - kEnds;
+    h = mix(h, i);
+  }
+  return h;
+}
+
+uint64_t FloatBits(float v) { return absl::bit_cast<uint32_t>(v); }
 
 uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth);
 
@@ -61,18 +75,11 @@ uint64_t MixValue(uint64_t h, const google::protobuf::Message& m, const FieldDes
       return Mix(h, rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f));
     case FieldDescriptor::CPPTYPE_UINT64:
       return Mix(h, rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f));
-    case FieldDescriptor::CPPTYPE_FLOAT: {
-      const float v = rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f);
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof bits);
-      return Mix(h, bits);
-    }
-    case FieldDescriptor::CPPTYPE_DOUBLE: {
-      const double v = rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f);
-      uint64_t bits;
-      std::memcpy(&bits, &v, sizeof bits);
-      return Mix(h, bits);
-    }
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      return Mix(h, FloatBits(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f)));
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      return Mix(h, absl::bit_cast<uint64_t>(rep ? r->GetRepeatedDouble(m, f, index)
+                                                 : r->GetDouble(m, f)));
     case FieldDescriptor::CPPTYPE_BOOL:
       return Mix(h, rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f));
     case FieldDescriptor::CPPTYPE_ENUM:
@@ -122,16 +129,9 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
       h = MixValue(h, m, f, -1, depth);
       continue;
     }
-    const int n = r->FieldSize(m, f);
-    h = Mix(h, static_cast<uint64_t>(n));
-    // A batch's entries all; any other repeated field by its ends (a long prompt's token ids
-    // would cost reflection calls by the million).
-    const bool all =
-        (depth == 0 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) || n <= 2 * kEnds;
-    for (int i = 0; i < n; ++i) {
-      if (!all && i == kEnds) i = n - kEnds;
-      h = MixValue(h, m, f, i, depth);
-    }
+    const bool all = depth == 0 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE;
+    h = MixSampled(h, r->FieldSize(m, f), all,
+                   [&](uint64_t acc, int i) { return MixValue(acc, m, f, i, depth); });
   }
   return h;
 }
@@ -144,20 +144,9 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
 template <typename T, typename Bits>
 uint64_t MixRepeated(uint64_t h, int number, const google::protobuf::RepeatedField<T>& values,
                      Bits bits) {
-  const int n = values.size();
-  if (n == 0) return h;
-  h = Mix(Mix(h, static_cast<uint64_t>(number)), static_cast<uint64_t>(n));
-  for (int i = 0; i < n; ++i) {
-    if (n > 2 * kEnds && i == kEnds) i = n - kEnds;
-    h = Mix(h, bits(values.Get(i)));
-  }
-  return h;
-}
-
-uint64_t FloatBits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
+  if (values.empty()) return h;
+  return MixSampled(Mix(h, static_cast<uint64_t>(number)), values.size(), false,
+                    [&](uint64_t acc, int i) { return Mix(acc, bits(values.Get(i))); });
 }
 
 // A proto3 scalar is set (ListFields lists it) when it is not zero; a float by its bits.
@@ -197,14 +186,9 @@ uint64_t MixSignals(uint64_t h, const v1::StepSignals& s) {
     h = MixScalar(h, v1::LogitStats::kP2FieldNumber, FloatBits(l.p2()));
     h = MixRepeated(h, v1::LogitStats::kTopLogprobsFieldNumber, l.top_logprobs(), FloatBits);
   }
-  const int n = s.attention_size();
-  if (n == 0) return h;
-  h = Mix(Mix(h, v1::StepSignals::kAttentionFieldNumber), static_cast<uint64_t>(n));
-  for (int i = 0; i < n; ++i) {
-    if (n > 2 * kEnds && i == kEnds) i = n - kEnds;
-    h = MixRow(h, s.attention(i));
-  }
-  return h;
+  if (s.attention().empty()) return h;
+  return MixSampled(Mix(h, v1::StepSignals::kAttentionFieldNumber), s.attention_size(), false,
+                    [&](uint64_t acc, int i) { return MixRow(acc, s.attention(i)); });
 }
 
 uint64_t MixEntry(uint64_t h, const v1::StepBatchEntry& e) {
@@ -221,12 +205,10 @@ uint64_t MixEntry(uint64_t h, const v1::StepBatchEntry& e) {
 
 uint64_t StepBatchFingerprint(const v1::StepBatchRequest& batch) {
   static const uint64_t kStart = Mix(0, v1::StepBatchRequest::descriptor()->index());
-  const int n = batch.entries_size();
-  if (n == 0) return kStart;
-  uint64_t h =
-      Mix(Mix(kStart, v1::StepBatchRequest::kEntriesFieldNumber), static_cast<uint64_t>(n));
-  for (const v1::StepBatchEntry& e : batch.entries()) h = MixEntry(h, e);  // all: top level
-  return h;
+  if (batch.entries().empty()) return kStart;
+  return MixSampled(Mix(kStart, v1::StepBatchRequest::kEntriesFieldNumber), batch.entries_size(),
+                    /*all=*/true,
+                    [&](uint64_t acc, int i) { return MixEntry(acc, batch.entries(i)); });
 }
 
 }  // namespace

@@ -34,15 +34,12 @@ class Filler {
     for (int i = 0; i < d->field_count(); ++i) {
       const FieldDescriptor* f = d->field(i);
       if (!all && Pick(3) == 0) continue;
-      if (f->is_repeated()) {
-        static constexpr int kSizes[] = {0, 1, 3, 8, 9, 20};
-        const int n = depth > 2 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE
-                          ? 2
-                          : kSizes[all ? 1 + Pick(5) : Pick(6)];
-        for (int k = 0; k < n; ++k) Add(m, r, f, all, depth);
-      } else {
-        Set(m, r, f, all, depth);
-      }
+      static constexpr int kSizes[] = {0, 1, 3, 8, 9, 20};
+      const int n = !f->is_repeated() ? 1
+                    : depth > 2 && f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE
+                        ? 2
+                        : kSizes[all ? 1 + Pick(5) : Pick(6)];
+      for (int k = 0; k < n; ++k) Put(m, r, f, all, depth);
     }
   }
 
@@ -68,73 +65,56 @@ class Filler {
     return s;
   }
 
-  void Set(Message* m, const google::protobuf::Reflection* r, const FieldDescriptor* f, bool all,
+  // One value of field `f`: set, or added to a repeated field.
+  void Put(Message* m, const google::protobuf::Reflection* r, const FieldDescriptor* f, bool all,
            int depth) {
+    const bool rep = f->is_repeated();
     switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT32:
-        r->SetInt32(m, f, static_cast<int32_t>(Bits()));
+      case FieldDescriptor::CPPTYPE_INT32: {
+        const auto v = static_cast<int32_t>(Bits());
+        rep ? r->AddInt32(m, f, v) : r->SetInt32(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_INT64:
-        r->SetInt64(m, f, static_cast<int64_t>(Bits()));
+      }
+      case FieldDescriptor::CPPTYPE_INT64: {
+        const auto v = static_cast<int64_t>(Bits());
+        rep ? r->AddInt64(m, f, v) : r->SetInt64(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_UINT32:
-        r->SetUInt32(m, f, static_cast<uint32_t>(Bits()));
+      }
+      case FieldDescriptor::CPPTYPE_UINT32: {
+        const auto v = static_cast<uint32_t>(Bits());
+        rep ? r->AddUInt32(m, f, v) : r->SetUInt32(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_UINT64:
-        r->SetUInt64(m, f, Bits());
+      }
+      case FieldDescriptor::CPPTYPE_UINT64: {
+        const uint64_t v = Bits();
+        rep ? r->AddUInt64(m, f, v) : r->SetUInt64(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_FLOAT:
-        r->SetFloat(m, f, Float());
+      }
+      case FieldDescriptor::CPPTYPE_FLOAT: {
+        const float v = Float();
+        rep ? r->AddFloat(m, f, v) : r->SetFloat(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_DOUBLE:
-        r->SetDouble(m, f, Float());
+      }
+      case FieldDescriptor::CPPTYPE_DOUBLE: {
+        const double v = Float();
+        rep ? r->AddDouble(m, f, v) : r->SetDouble(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_BOOL:
-        r->SetBool(m, f, Pick(2) == 1);
+      }
+      case FieldDescriptor::CPPTYPE_BOOL: {
+        const bool v = Pick(2) == 1;
+        rep ? r->AddBool(m, f, v) : r->SetBool(m, f, v);
         break;
-      case FieldDescriptor::CPPTYPE_ENUM:
-        r->SetEnumValue(m, f, Pick(3));
+      }
+      case FieldDescriptor::CPPTYPE_ENUM: {
+        const int v = Pick(3);
+        rep ? r->AddEnumValue(m, f, v) : r->SetEnumValue(m, f, v);
         break;
+      }
       case FieldDescriptor::CPPTYPE_STRING:
-        r->SetString(m, f, Bytes());
+        rep ? r->AddString(m, f, Bytes()) : r->SetString(m, f, Bytes());
         break;
       case FieldDescriptor::CPPTYPE_MESSAGE:
-        Fill(r->MutableMessage(m, f), all, depth + 1);
-        break;
-    }
-  }
-  void Add(Message* m, const google::protobuf::Reflection* r, const FieldDescriptor* f, bool all,
-           int depth) {
-    switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT32:
-        r->AddInt32(m, f, static_cast<int32_t>(Bits()));
-        break;
-      case FieldDescriptor::CPPTYPE_INT64:
-        r->AddInt64(m, f, static_cast<int64_t>(Bits()));
-        break;
-      case FieldDescriptor::CPPTYPE_UINT32:
-        r->AddUInt32(m, f, static_cast<uint32_t>(Bits()));
-        break;
-      case FieldDescriptor::CPPTYPE_UINT64:
-        r->AddUInt64(m, f, Bits());
-        break;
-      case FieldDescriptor::CPPTYPE_FLOAT:
-        r->AddFloat(m, f, Float());
-        break;
-      case FieldDescriptor::CPPTYPE_DOUBLE:
-        r->AddDouble(m, f, Float());
-        break;
-      case FieldDescriptor::CPPTYPE_BOOL:
-        r->AddBool(m, f, Pick(2) == 1);
-        break;
-      case FieldDescriptor::CPPTYPE_ENUM:
-        r->AddEnumValue(m, f, Pick(3));
-        break;
-      case FieldDescriptor::CPPTYPE_STRING:
-        r->AddString(m, f, Bytes());
-        break;
-      case FieldDescriptor::CPPTYPE_MESSAGE:
-        Fill(r->AddMessage(m, f), all, depth + 1);
+        Fill(rep ? r->AddMessage(m, f) : r->MutableMessage(m, f), all, depth + 1);
         break;
     }
   }
