@@ -321,15 +321,20 @@ int Generate() {
         static_cast<unsigned long long>(session.evicted()));
     std::vector<double> by_step = session.daemon_ms_by_step();
     const double first = by_step.empty() ? 0.0 : by_step.front();
+    const auto slowest = std::max_element(by_step.begin(), by_step.end());
+    const double slowest_ms = slowest == by_step.end() ? 0.0 : *slowest;
+    const size_t slowest_step = static_cast<size_t>(slowest - by_step.begin()) + 1;
     std::sort(by_step.begin(), by_step.end());
     const size_t half = by_step.size() / 2;
     const double median = by_step.empty()      ? 0.0
                           : by_step.size() % 2 ? by_step[half]
                                                : (by_step[half - 1] + by_step[half]) / 2;
-    std::printf("daemon calls: %.2f ms per decode step, median %.2f, first %.2f (StepBatch %s%s)\n",
-                session.daemon_ms_per_step(), median, first,
-                env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
-                absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
+    std::printf(
+        "daemon calls: %.2f ms per decode step, median %.2f, first %.2f, slowest %.2f (step %zu) "
+        "(StepBatch %s%s)\n",
+        session.daemon_ms_per_step(), median, first, slowest_ms, slowest_step,
+        env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
+        absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
   }
   return 0;
 }

@@ -3,12 +3,18 @@
 // stream of chunks is never buffered; Commit then makes them all the sequence's at once,
 // into reserved capacity. A session that ends without Commit gives its blocks back and the
 // sequence is as it was.
+//
+// A decode step's token fits every stream's last block: the session then writes it into
+// the blocks' free tails and its commit lengthens each last entry (Stream::GrowTail),
+// without planning new lists; the first chunk that does not fit starts the plans
+// (StartPlans), from the lists with what the tails already took.
 #include <algorithm>
 #include <cmath>
 #include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/block_layout.h"
 #include "server/engine/engine.h"
 
 namespace kvmem::engine {
@@ -45,14 +51,6 @@ absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked
     if (absl::Status s = NotAppending(seq); !s.ok()) return s;
     seq.set_append_open(true);
     auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(ref)));
-    session->new_blocks_.resize(seq.streams().size());
-    session->tail_from_.resize(seq.streams().size());
-    for (size_t s = 0; s < seq.streams().size(); ++s) {
-      const std::vector<StreamBlock>& blocks = seq.streams()[s].blocks();
-      const size_t from = blocks.empty() ? 0 : blocks.size() - 1;
-      session->tail_from_[s] = from;
-      session->new_blocks_[s].assign(blocks.begin() + static_cast<ptrdiff_t>(from), blocks.end());
-    }
     session->last_position_ = seq.last_position();
     session->hold_lock_ = hold_lock;
     if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
@@ -122,6 +120,85 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
     }
   }
 
+  if (tails_only_ && TailsFit(seq, n)) {
+    if (absl::Status s = WriteTails(seq, chunk); !s.ok()) return s;
+  } else {
+    if (absl::Status s = PlanBlocks(seq, chunk); !s.ok()) return s;
+  }
+  positions_.insert(positions_.end(), chunk.positions.begin(), chunk.positions.end());
+  if (chunk.token_ids.empty()) {
+    token_ids_.insert(token_ids_.end(), n, -1);
+  } else {
+    token_ids_.insert(token_ids_.end(), chunk.token_ids.begin(), chunk.token_ids.end());
+  }
+  if (chunk.token_entropy.empty()) {
+    token_entropy_.insert(token_entropy_.end(), n, std::nanf(""));
+  } else {
+    token_entropy_.insert(token_entropy_.end(), chunk.token_entropy.begin(),
+                          chunk.token_entropy.end());
+  }
+  if (chunk.layer_distance.empty()) {
+    layer_distance_.insert(layer_distance_.end(), n, std::nanf(""));
+  } else {
+    layer_distance_.insert(layer_distance_.end(), chunk.layer_distance.begin(),
+                           chunk.layer_distance.end());
+  }
+  ++chunks_;
+  return absl::OkStatus();
+}
+
+bool Engine::AppendSession::TailsFit(const Sequence& seq, size_t n) const {
+  const uint32_t B = seq.format().block_tokens();
+  for (const Stream& st : seq.streams()) {
+    if (st.blocks().empty()) return false;
+    const StreamBlock& last = st.blocks().back();
+    if (last.precision != Precision::kLayout || last.start + last.count + tail_slots_ + n > B ||
+        engine_->pool_->refs(last.id) > 1) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status Engine::AppendSession::WriteTails(const Sequence& seq, const AppendChunk& chunk) {
+  const uint32_t B = seq.format().block_tokens();
+  const uint64_t row = seq.layout().row_bytes();
+  const size_t n = chunk.positions.size();
+  const kernels::LayoutBlock plane{B, row};
+  std::vector<store::WriteOp> writes;
+  writes.reserve(2 * seq.streams().size());
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    const StreamBlock& last = seq.streams()[s].blocks().back();
+    const uint32_t slot = last.start + last.count + tail_slots_;
+    const uint64_t off = engine_->pool_->offset(last.id);
+    const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
+    writes.push_back({chunk.k.data() + src, off + plane.k_offset(slot), n * row});
+    writes.push_back({chunk.v.data() + src, off + plane.v_offset(slot), n * row});
+  }
+  absl::Status io = engine_->backend_->Write(writes);
+  if (io.ok()) io = engine_->backend_->Synchronize();
+  if (!io.ok()) return io;
+  tail_slots_ += static_cast<uint32_t>(n);
+  return absl::OkStatus();
+}
+
+void Engine::AppendSession::StartPlans(const Sequence& seq) {
+  new_blocks_.resize(seq.streams().size());
+  tail_from_.resize(seq.streams().size());
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    const std::vector<StreamBlock>& blocks = seq.streams()[s].blocks();
+    const size_t from = blocks.empty() ? 0 : blocks.size() - 1;
+    tail_from_[s] = from;
+    new_blocks_[s].assign(blocks.begin() + static_cast<ptrdiff_t>(from), blocks.end());
+    // What the earlier chunks wrote into the last block's free tail, as the plan's own.
+    if (!new_blocks_[s].empty()) new_blocks_[s].back().count += tail_slots_;
+  }
+  tails_only_ = false;
+}
+
+absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const AppendChunk& chunk) {
+  if (tails_only_) StartPlans(seq);
+  const size_t n = chunk.positions.size();
   // Blocks for this chunk (and the copy of a shared last block), all or none.
   OpBatch batch;
   StreamPlanner planner(seq.format(), engine_->pool_.get(), &batch, engine_->config_.failpoints,
@@ -168,25 +245,6 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
   if (!io.ok()) return io;
   for (const store::MoveOp& op : batch.moves) engine_->bytes_moved_ += op.bytes;
 
-  positions_.insert(positions_.end(), chunk.positions.begin(), chunk.positions.end());
-  if (chunk.token_ids.empty()) {
-    token_ids_.insert(token_ids_.end(), n, -1);
-  } else {
-    token_ids_.insert(token_ids_.end(), chunk.token_ids.begin(), chunk.token_ids.end());
-  }
-  if (chunk.token_entropy.empty()) {
-    token_entropy_.insert(token_entropy_.end(), n, std::nanf(""));
-  } else {
-    token_entropy_.insert(token_entropy_.end(), chunk.token_entropy.begin(),
-                          chunk.token_entropy.end());
-  }
-  if (chunk.layer_distance.empty()) {
-    layer_distance_.insert(layer_distance_.end(), n, std::nanf(""));
-  } else {
-    layer_distance_.insert(layer_distance_.end(), chunk.layer_distance.begin(),
-                           chunk.layer_distance.end());
-  }
-  ++chunks_;
   return absl::OkStatus();
 }
 
@@ -207,7 +265,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   const uint32_t history_rows = seq.policy().history_rows();
   // What the room below takes, exactly.
   uint64_t growth = seq.SlotGrowth(total);
-  for (size_t s = 0; s < seq.streams().size(); ++s) {
+  for (size_t s = 0; s < new_blocks_.size(); ++s) {  // (no plans: the lists keep their length)
     growth += seq.streams()[s].BlockListGrowth(tail_from_[s], new_blocks_[s].size(),
                                                new_blocks_[s].capacity());
   }
@@ -219,7 +277,8 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     seq.stream(s).Reserve(total, seq.host_scores(), history_rows);
     // (From 0 the new list is swapped in whole: nothing to make room in.)
-    if (tail_from_[s] > 0) seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
+    if (!tails_only_ && tail_from_[s] > 0)
+      seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
   }
   seq.ReserveTokens(total);
   if (seq.slots()) {
@@ -235,7 +294,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // sequence is poisoned on the way out (and keeps what no stream names for Release).
   size_t swapped = 0;  // streams [0, swapped) hold their new block list
   absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    engine_->KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
+    if (!tails_only_) engine_->KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
     committed_ = true;  // the orphans are the sequence's now
     engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
   };
@@ -244,7 +303,11 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     if (s == seq.streams().size() / 2) engine_->CommitFailpoint();
     Stream& st = seq.stream(s);
-    st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
+    if (tails_only_) {
+      st.GrowTail(tail_slots_, version);
+    } else {
+      st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
+    }
     swapped = s + 1;
     st.AppendSlots(positions_, seq.host_initial_score(), history_rows, token_entropy_,
                    layer_distance_, arrival);

@@ -156,6 +156,15 @@ class Engine {
     AppendSession(Engine* engine, SequenceRef seq);
     absl::Status AddLocked(const AppendChunk& chunk);
     absl::StatusOr<AppendResult> CommitLocked();
+    // Whether `n` more slots fit every stream's last block after what the session wrote
+    // there: a private layout block (its free tail is nothing a table names).
+    bool TailsFit(const Sequence& seq, size_t n) const;
+    // Writes the chunk into those free tails.
+    absl::Status WriteTails(const Sequence& seq, const AppendChunk& chunk);
+    // Plans each stream's tail (its last entry, what the tails took included) from here on.
+    void StartPlans(const Sequence& seq);
+    // Writes the chunk into blocks the plans take (allocated, or copied when shared).
+    absl::Status PlanBlocks(const Sequence& seq, const AppendChunk& chunk);
     uint64_t staged_bytes() const {
       return positions_.capacity() * 8 +
              (token_ids_.capacity() + token_entropy_.capacity() + layer_distance_.capacity()) * 4;
@@ -169,8 +178,12 @@ class Engine {
     bool publish_ = true;  // false inside a folded step, which publishes once at its end
     bool hold_lock_ = false;  // a unary Append: the lock is held from Begin to the end
     OpBatch batch_;           // allocated: every block the session took; dropped: copied-on-write
-    // Stream s's planned tail: its entries from tail_from_[s] on (the last block when the
-    // session began, then what the chunks added), all the plan touches.
+    // While every chunk fitted the streams' last blocks: no plans, and the slots written
+    // into each last block's free tail.
+    bool tails_only_ = true;
+    uint32_t tail_slots_ = 0;
+    // Once a chunk did not: stream s's planned tail, its entries from tail_from_[s] on (the
+    // last block when the plans started, then what the chunks added), all the plan touches.
     std::vector<std::vector<StreamBlock>> new_blocks_;
     std::vector<size_t> tail_from_;
     std::vector<int64_t> positions_;

@@ -148,7 +148,21 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   if (moved_from < blocks_.size()) changed = true;
   for (size_t& f : reindex_from_) f = std::min(f, moved_from);
   if (!changed) return;
-  touched_from = std::min(touched_from, moved_from);
+  RecordChange(version, old_size, std::min(touched_from, moved_from), to,
+               static_cast<ptrdiff_t>(new_n) - static_cast<ptrdiff_t>(old_n));
+}
+
+void Stream::GrowTail(uint32_t n, uint64_t version) {
+  StreamBlock& last = blocks_.back();
+  last.count += n;
+  last.version = version;
+  layout_slots_ += n;
+  for (size_t& f : reindex_from_) f = std::min(f, blocks_.size());
+  RecordChange(version, blocks_.size(), blocks_.size() - 1, blocks_.size(), 0);
+}
+
+void Stream::RecordChange(uint64_t version, size_t old_size, size_t touched_from, size_t to,
+                          ptrdiff_t moved) {
   if (version != changed_version_) previous_changed_version_ = changed_version_;
   // The run left untouched, in the list as it was before this change: all of it at the
   // first change since the list was published, else what the changes since then left.
@@ -161,7 +175,6 @@ void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_
   // the old suffix [to, old_size), moved by the middle's change of length; the longer
   // part stays the run.
   const UntouchedRun& run = untouched_;
-  const ptrdiff_t moved = static_cast<ptrdiff_t>(new_n) - static_cast<ptrdiff_t>(old_n);
   UntouchedRun before{run.begin, std::max(run.begin, std::min(run.end, touched_from)), run.shift};
   UntouchedRun after;
   if (run.end > std::max(run.begin, to)) {

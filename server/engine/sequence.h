@@ -184,6 +184,9 @@ class Stream {
   // size() - (to - from) + other.size() (an eviction's only shrinks).
   void SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from = 0,
                   size_t to = SIZE_MAX);
+  // What SwapBlocks does to a one-entry tail that is the last entry with `n` more slots
+  // (a private layout block), without the list: the append of a token that fits.
+  void GrowTail(uint32_t n, uint64_t version);
   void ReserveBlocks(size_t n) {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }
@@ -246,6 +249,11 @@ class Stream {
  private:
   // Calls f(column, values per slot) on each per-slot column (the scores when they live
   // here): what Reserve and KeepSlots do to one, they do to all.
+  // A change that stamped `version`: entries from `touched_from` on are new, moved or
+  // changed, the old entries [.., to) were replaced and the ones after it moved by `moved`.
+  // Updates the untouched run and the changed versions.
+  void RecordChange(uint64_t version, size_t old_size, size_t touched_from, size_t to,
+                    ptrdiff_t moved);
   template <typename F>
   void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) {
     ForEachColumnOf(*this, host_scores, history_rows, f);

@@ -170,6 +170,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows, SignalStorage* storage) {
   std::vector<engine::StreamSignal> out = Views(
       rows, [](const v1::AttentionRow& r) -> const auto& { return r.weights(); });
+  size_t halves = 0;
   for (int i = 0; i < rows.size(); ++i) {
     const std::string& half = rows[i].weights_f16();
     if (half.empty()) continue;
@@ -182,9 +183,18 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
                                                      "].weights_f16: ", half.size(),
                                                      " bytes is not a whole number of halves"));
     }
-    std::vector<float>& row = storage->emplace_back(half.size() / 2);
-    kernels::HalfToFloat(half.data(), row.size(), row.data());  // little-endian, as kvmemd's hosts
-    out[i].values = row;
+    halves += half.size() / 2;
+  }
+  if (halves == 0) return out;
+  // The widened rows, one after another in one buffer (one allocation per call, not per row).
+  std::vector<float>& widened = storage->emplace_back(halves);
+  float* at = widened.data();
+  for (int i = 0; i < rows.size(); ++i) {
+    const std::string& half = rows[i].weights_f16();
+    if (half.empty()) continue;
+    kernels::HalfToFloat(half.data(), half.size() / 2, at);  // little-endian, as kvmemd's hosts
+    out[i].values = absl::MakeConstSpan(at, half.size() / 2);
+    at += half.size() / 2;
   }
   return out;
 }

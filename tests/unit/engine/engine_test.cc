@@ -21,6 +21,58 @@ TEST_F(EngineTest, AppendThenReadIsBitExact) {
   EXPECT_EQ(table.streams[0].blocks.back().count, 138u - 8 * 16);
 }
 
+TEST_F(EngineTest, ChunksThatFillTheLastBlocksThenSpillEqualOneAppend) {
+  // A session's first chunks go into the free tails of the streams' last blocks (no plan);
+  // a chunk that does not fit starts the plans from the lists with those slots in them.
+  const uint64_t a = Create(), b = Create();
+  ASSERT_TRUE(AppendRange(a, 0, 5).ok());
+  ASSERT_TRUE(AppendRange(b, 0, 5).ok());
+  const auto chunk = [](int64_t first, uint32_t n, std::vector<int64_t>* positions, std::string* k,
+                        std::string* v) {
+    *positions = testing::Range(first, n);
+    *k = testing::Payload16(kL * kH, first, n, kD, 0);
+    *v = testing::Payload16(kL * kH, first, n, kD, 1);
+    return AppendChunk{*positions, {}, *k, *v, {}, {}};
+  };
+  std::vector<int64_t> p1, p2, p3;
+  std::string k1, v1, k2, v2, k3, v3;
+  auto session = engine_->BeginAppend(a);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->Add(chunk(5, 3, &p1, &k1, &v1)).ok());    // slots 5-7: the tail
+  ASSERT_TRUE((*session)->Add(chunk(8, 7, &p2, &k2, &v2)).ok());    // 8-14: the tail still
+  ASSERT_TRUE((*session)->Add(chunk(15, 20, &p3, &k3, &v3)).ok());  // 15-34: plans
+  absl::StatusOr<AppendResult> committed = (*session)->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->appended_tokens, 35u);
+  ASSERT_TRUE(AppendRange(b, 5, 30).ok());
+  ExpectContentMatchesPositions(a);
+  EXPECT_EQ(Content(a), Content(b));
+  const BlockTable table = *engine_->GetBlockTable(a);
+  ASSERT_EQ(table.streams[0].blocks.size(), 3u);  // 16 + 16 + 3
+  EXPECT_EQ(table.streams[0].blocks[0].count, 16u);
+  EXPECT_EQ(table.streams[0].blocks[2].count, 3u);
+}
+
+TEST_F(EngineTest, ASessionThatWroteIntoTheTailsAndEndsUncommittedChangesNothing) {
+  const uint64_t id = Create();
+  ASSERT_TRUE(AppendRange(id, 0, 5).ok());
+  const std::string before = Content(id);
+  const uint64_t version = *engine_->TableVersion(id);
+  {
+    const std::vector<int64_t> positions = testing::Range(5, 2);
+    const std::string junk(kL * kH * 2 * kD * 2, '\x11');  // finite f16s
+    const AppendChunk chunk{positions, {}, junk, junk, {}, {}};
+    auto session = engine_->BeginAppend(id);
+    ASSERT_TRUE(session.ok());
+    ASSERT_TRUE((*session)->Add(chunk).ok());
+  }  // ends without Commit
+  EXPECT_EQ(Content(id), before);
+  EXPECT_EQ(*engine_->TableVersion(id), version);
+  // The next append writes the same slots: what the sequence holds is the new tokens'.
+  ASSERT_TRUE(AppendRange(id, 5, 2).ok());
+  ExpectContentMatchesPositions(id);
+}
+
 TEST_F(EngineTest, WindowKeepsExactlyTheLastWAndEpochChangesOnEveryEviction) {
   const uint64_t id = Create("window", {{"window", 20}});
   ASSERT_TRUE(AppendRange(id, 0, 50).ok());
