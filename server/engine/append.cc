@@ -277,8 +277,9 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     seq.stream(s).Reserve(total, seq.host_scores(), history_rows);
     // (From 0 the new list is swapped in whole: nothing to make room in.)
-    if (!tails_only_ && tail_from_[s] > 0)
+    if (!tails_only_ && tail_from_[s] > 0) {
       seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
+    }
   }
   seq.ReserveTokens(total);
   if (seq.slots()) {
