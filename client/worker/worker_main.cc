@@ -323,7 +323,8 @@ int Generate() {
     const double first = by_step.empty() ? 0.0 : by_step.front();
     const auto slowest = std::max_element(by_step.begin(), by_step.end());
     const double slowest_ms = slowest == by_step.end() ? 0.0 : *slowest;
-    const size_t slowest_step = static_cast<size_t>(slowest - by_step.begin()) + 1;
+    const size_t slowest_step =  // 1-based; 0 when no step ran
+        slowest == by_step.end() ? 0 : static_cast<size_t>(slowest - by_step.begin()) + 1;
     std::sort(by_step.begin(), by_step.end());
     const size_t half = by_step.size() / 2;
     const double median = by_step.empty()      ? 0.0

@@ -247,13 +247,13 @@ class Stream {
   uint64_t host_bytes() const;
 
  private:
-  // Calls f(column, values per slot) on each per-slot column (the scores when they live
-  // here): what Reserve and KeepSlots do to one, they do to all.
   // A change that stamped `version`: entries from `touched_from` on are new, moved or
   // changed, the old entries [.., to) were replaced and the ones after it moved by `moved`.
   // Updates the untouched run and the changed versions.
   void RecordChange(uint64_t version, size_t old_size, size_t touched_from, size_t to,
                     ptrdiff_t moved);
+  // Calls f(column, values per slot) on each per-slot column (the scores when they live
+  // here): what Reserve and KeepSlots do to one, they do to all.
   template <typename F>
   void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) {
     ForEachColumnOf(*this, host_scores, history_rows, f);

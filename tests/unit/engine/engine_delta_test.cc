@@ -5,6 +5,7 @@
 #include <regex>
 #include <tuple>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/unit/engine/engine_fixture.h"
 
@@ -314,6 +315,52 @@ TEST(StreamVersionsTest, StampsOnlyTheEntriesThatChanged) {
   // The next mark of slot 0 indexes block 3 where it is now (its index there was 2).
   st.MarkPublished(0, 14);
   EXPECT_THAT(indices(0), ::testing::ElementsAre(0, 1));
+}
+
+TEST(StreamVersionsTest, GrowTailIsTheSwapOfAOneEntryTailThatGrew) {
+  // What an append that fits the last block does without a plan (Stream::GrowTail) must
+  // leave the stream as the planned one-entry tail did (SwapBlocks from the last entry):
+  // entries, versions, tallies, the untouched run and the indices the next marks write.
+  const auto state = [](const Stream& st) {
+    std::string out;
+    for (const StreamBlock& b : st.blocks()) {
+      absl::StrAppend(&out, b.id, "[", b.start, "+", b.count, "]p", static_cast<int>(b.precision),
+                      "v", b.version, "i", b.published_index[0], ",", b.published_index[1], " ");
+    }
+    absl::StrAppend(&out, "| layout ", st.layout_slots(), " quantized ", st.quantized_slots(),
+                    " changed ", st.changed_version(), " previous ", st.previous_changed_version(),
+                    " run ", st.untouched().begin, "-", st.untouched().end, "@",
+                    st.untouched().shift, " base ", st.untouched_base());
+    return out;
+  };
+  Stream a;
+  std::vector<StreamBlock> list = {{1, 0, 16, Precision::kInt8},
+                                   {2, 0, 16, Precision::kLayout},
+                                   {3, 2, 10, Precision::kLayout},
+                                   {4, 0, 5, Precision::kLayout}};
+  a.SwapBlocks(list, 10);
+  a.MarkPublished(0, 10);
+  for (int round = 0; round < 3; ++round) {
+    // Round 0: the first change since a mark; round 1: after another change at the same
+    // version window (an eviction of entry 1's head); round 2: after a mark of slot 1.
+    if (round == 1) {
+      std::vector<StreamBlock> middle = {a.blocks()[1]};
+      middle[0].start += 3;
+      middle[0].count -= 3;
+      a.SwapBlocks(middle, 20, /*from=*/1, /*to=*/2);
+    }
+    if (round == 2) a.MarkPublished(1, 20);
+    Stream b = a;  // a copy keeps the blocks, tallies and run (not the slot columns' fronts)
+    const uint64_t version = 30 + round;
+    a.GrowTail(2, version);
+    std::vector<StreamBlock> tail = {b.blocks().back()};
+    tail[0].count += 2;
+    b.SwapBlocks(tail, version, b.blocks().size() - 1);
+    ASSERT_EQ(state(a), state(b)) << "round " << round;
+    a.MarkPublished(round % 2, version);
+    b.MarkPublished(round % 2, version);
+    ASSERT_EQ(state(a), state(b)) << "round " << round << ", marked";
+  }
 }
 
 TEST(StreamVersionsTest, AnAppendSwapsOnlyItsTailAndKeepsTheTally) {

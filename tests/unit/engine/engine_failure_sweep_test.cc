@@ -4,6 +4,7 @@
 // never in between; and once everything is released the pool is empty with no bad drop.
 #include <functional>
 #include <random>
+#include <utility>
 
 #include "gmock/gmock.h"
 #include "tests/testing/faulty_backend.h"
@@ -31,6 +32,9 @@ struct SweepCase {
   // blocks: it plans and swaps only the entries around it (Engine::EvictedEntries).
   int64_t tokens = 44;
   bool quantized = true;
+  // Whether the prepared sequence is forked (every block shared: copy-on-write). Without
+  // the fork, a token that fits goes into the last blocks' free tails (no plan).
+  bool fork = true;
 };
 
 class FailureSweepTest : public EngineTest,
@@ -53,7 +57,7 @@ class FailureSweepTest : public EngineTest,
     id_ = Create(c.policy, params, absl::ZeroDuration(), quant);
     ASSERT_TRUE(AppendRange(id_, 0, static_cast<uint32_t>(c.tokens)).ok());
     // A fork shares every block: the mutation meets copy-on-write too.
-    other_ = engine_->Fork(id_, absl::ZeroDuration())->sequence_id;
+    other_ = c.fork ? engine_->Fork(id_, absl::ZeroDuration())->sequence_id : 0;
   }
 
   void Arm(Site site, uint64_t n) {
@@ -107,7 +111,7 @@ TEST_P(FailureSweepTest, EveryFailureLeavesTheSequenceUnchangedOrPoisoned) {
   for (uint64_t n = 1; n <= 64; ++n) {
     Prepare(c);
     const std::string before = *engine_->Fingerprint(id_);
-    const std::string other_before = *engine_->Fingerprint(other_);
+    const std::string other_before = c.fork ? *engine_->Fingerprint(other_) : "";
     Arm(site, n);
     const absl::Status status = c.op(*engine_, id_, other_);
     const bool reached = Reached(site, n);
@@ -128,7 +132,8 @@ TEST_P(FailureSweepTest, EveryFailureLeavesTheSequenceUnchangedOrPoisoned) {
     }
     // The fork is another sequence: whatever happened, it is untouched (unless the call
     // was its Release).
-    absl::StatusOr<std::string> other_after = engine_->Fingerprint(other_);
+    absl::StatusOr<std::string> other_after =
+        c.fork ? engine_->Fingerprint(other_) : absl::StatusOr<std::string>("");
     if (other_after.ok()) {
       EXPECT_EQ(*other_after, other_before) << c.name << ": failure " << n;
     } else {
@@ -172,6 +177,31 @@ const SweepCase kCases[] = {
        }
        return (*session)->Commit().status();
      }},
+    {"append_tails", "h2o", false,
+     [](Engine& e, uint64_t id, uint64_t) {
+       // 2 tokens into the 4 free slots of each stream's last block: no allocation.
+       const std::vector<int64_t> positions = testing::Range(44, 2);
+       const std::string k = testing::Payload16(4 * 2, 44, 2, 8, 0);
+       const std::string v = testing::Payload16(4 * 2, 44, 2, 8, 1);
+       AppendChunk chunk{positions, {}, k, v, {}, {}};
+       return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+     },
+     false, true, 44, true, /*fork=*/false},
+    {"append_stream_tails", "h2o", false,
+     [](Engine& e, uint64_t id, uint64_t) {
+       // 1 and 1 token into the free tails, then 7 that do not fit: the plans start.
+       absl::StatusOr<std::unique_ptr<Engine::AppendSession>> session = e.BeginAppend(id);
+       if (!session.ok()) return session.status();
+       for (const auto& [first, n] : {std::pair<int64_t, uint32_t>{44, 1}, {45, 1}, {46, 7}}) {
+         const std::vector<int64_t> positions = testing::Range(first, n);
+         const std::string k = testing::Payload16(4 * 2, first, n, 8, 0);
+         const std::string v = testing::Payload16(4 * 2, first, n, 8, 1);
+         AppendChunk chunk{positions, {}, k, v, {}, {}};
+         if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
+       }
+       return (*session)->Commit().status();
+     },
+     true, true, 44, true, /*fork=*/false},
     {"fork", "h2o", false,
      [](Engine& e, uint64_t id, uint64_t) {
        absl::StatusOr<CreateResult> child = e.Fork(id, absl::ZeroDuration());

@@ -21,7 +21,7 @@ TEST_F(EngineTest, AppendThenReadIsBitExact) {
   EXPECT_EQ(table.streams[0].blocks.back().count, 138u - 8 * 16);
 }
 
-TEST_F(EngineTest, ChunksThatFillTheLastBlocksThenSpillEqualOneAppend) {
+TEST_F(EngineTest, ChunksThatFillTheLastBlocksThenSpillEqualPlainAppends) {
   // A session's first chunks go into the free tails of the streams' last blocks (no plan);
   // a chunk that does not fit starts the plans from the lists with those slots in them.
   const uint64_t a = Create(), b = Create();
@@ -51,6 +51,31 @@ TEST_F(EngineTest, ChunksThatFillTheLastBlocksThenSpillEqualOneAppend) {
   ASSERT_EQ(table.streams[0].blocks.size(), 3u);  // 16 + 16 + 3
   EXPECT_EQ(table.streams[0].blocks[0].count, 16u);
   EXPECT_EQ(table.streams[0].blocks[2].count, 3u);
+}
+
+TEST_F(EngineTest, AChunkThatFitsOnlyWithoutTheSessionsEarlierTailSlotsStartsThePlans) {
+  // 5 tokens held, 11 free slots per last block: 8 go into the tails; the next 8 would fit
+  // the block as the table has it (5 + 8) but not after the session's own 8.
+  const uint64_t id = Create();
+  ASSERT_TRUE(AppendRange(id, 0, 5).ok());
+  std::vector<std::vector<int64_t>> positions;
+  std::vector<std::string> k, v;
+  auto session = engine_->BeginAppend(id);
+  ASSERT_TRUE(session.ok());
+  for (int64_t first : {5, 13}) {
+    positions.push_back(testing::Range(first, 8));
+    k.push_back(testing::Payload16(kL * kH, first, 8, kD, 0));
+    v.push_back(testing::Payload16(kL * kH, first, 8, kD, 1));
+  }
+  for (size_t i = 0; i < positions.size(); ++i) {
+    ASSERT_TRUE((*session)->Add(AppendChunk{positions[i], {}, k[i], v[i], {}, {}}).ok());
+  }
+  ASSERT_TRUE((*session)->Commit().ok());
+  ExpectContentMatchesPositions(id);
+  const BlockTable table = *engine_->GetBlockTable(id);
+  ASSERT_EQ(table.streams[0].blocks.size(), 2u);  // 16 + 5
+  EXPECT_EQ(table.streams[0].blocks[0].count, 16u);
+  EXPECT_EQ(table.streams[0].blocks[1].count, 5u);
 }
 
 TEST_F(EngineTest, ASessionThatWroteIntoTheTailsAndEndsUncommittedChangesNothing) {
