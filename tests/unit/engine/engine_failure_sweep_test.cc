@@ -156,35 +156,21 @@ std::vector<std::vector<float>> g_rows;
 
 const SweepCase kCases[] = {
     {"append", "h2o", false,
-     [](Engine& e, uint64_t id, uint64_t) {
-       const std::vector<int64_t> positions = testing::Range(44, 20);
-       const std::string k = testing::Payload16(4 * 2, 44, 20, 8, 0);
-       const std::string v = testing::Payload16(4 * 2, 44, 20, 8, 1);
-       AppendChunk chunk{positions, {}, k, v, {}, {}};
-       return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
-     }},
+     [](Engine& e, uint64_t id, uint64_t) { return AppendTokens(e, id, 44, 20); }},
     {"append_stream", "h2o", false,
      [](Engine& e, uint64_t id, uint64_t) {
        // Three chunks through one session, as AppendStream sends them.
        absl::StatusOr<std::unique_ptr<Engine::AppendSession>> session = e.BeginAppend(id);
        if (!session.ok()) return session.status();
        for (int64_t first : {44, 51, 58}) {
-         const std::vector<int64_t> positions = testing::Range(first, 7);
-         const std::string k = testing::Payload16(4 * 2, first, 7, 8, 0);
-         const std::string v = testing::Payload16(4 * 2, first, 7, 8, 1);
-         AppendChunk chunk{positions, {}, k, v, {}, {}};
-         if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
+         if (absl::Status s = AddRange(**session, first, 7); !s.ok()) return s;
        }
        return (*session)->Commit().status();
      }},
     {"append_tails", "h2o", false,
      [](Engine& e, uint64_t id, uint64_t) {
        // 2 tokens into the 4 free slots of each stream's last block: no allocation.
-       const std::vector<int64_t> positions = testing::Range(44, 2);
-       const std::string k = testing::Payload16(4 * 2, 44, 2, 8, 0);
-       const std::string v = testing::Payload16(4 * 2, 44, 2, 8, 1);
-       AppendChunk chunk{positions, {}, k, v, {}, {}};
-       return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+       return AppendTokens(e, id, 44, 2);
      },
      false, true, 44, true, /*fork=*/false},
     {"append_stream_tails", "h2o", false,
@@ -193,11 +179,7 @@ const SweepCase kCases[] = {
        absl::StatusOr<std::unique_ptr<Engine::AppendSession>> session = e.BeginAppend(id);
        if (!session.ok()) return session.status();
        for (const auto& [first, n] : {std::pair<int64_t, uint32_t>{44, 1}, {45, 1}, {46, 7}}) {
-         const std::vector<int64_t> positions = testing::Range(first, n);
-         const std::string k = testing::Payload16(4 * 2, first, n, 8, 0);
-         const std::string v = testing::Payload16(4 * 2, first, n, 8, 1);
-         AppendChunk chunk{positions, {}, k, v, {}, {}};
-         if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
+         if (absl::Status s = AddRange(**session, first, n); !s.ok()) return s;
        }
        return (*session)->Commit().status();
      },

@@ -13,9 +13,10 @@
 namespace kvmem::engine {
 
 class EngineTest : public ::testing::Test {
- protected:
+ public:
   static constexpr uint32_t kL = 4, kH = 2, kD = 8, kB = 16;
 
+ protected:
   void SetUp() override { MakeEngine(1 << 20); }
 
   // `adjust` changes the test configuration; `wrap` may put a backend around the CPU one.
@@ -85,5 +86,27 @@ class EngineTest : public ::testing::Test {
   std::vector<int64_t> positions_;
   std::string k_, v_;
 };
+
+// Positions first..first+n-1 as one chunk (K salt 0, V salt 1) and the buffers it views.
+struct RangeChunk {
+  RangeChunk(int64_t first, uint32_t n)
+      : positions(testing::Range(first, n)),
+        k(testing::Payload16(EngineTest::kL * EngineTest::kH, first, n, EngineTest::kD, 0)),
+        v(testing::Payload16(EngineTest::kL * EngineTest::kH, first, n, EngineTest::kD, 1)) {}
+  AppendChunk chunk() const { return AppendChunk{positions, {}, k, v, {}, {}}; }
+  std::vector<int64_t> positions;
+  std::string k, v;
+};
+
+// Adds the range to an append session (Add is done with the buffers when it returns).
+inline absl::Status AddRange(Engine::AppendSession& session, int64_t first, uint32_t n) {
+  return session.Add(RangeChunk(first, n).chunk());
+}
+// The same as one unary Append.
+inline absl::Status AppendTokens(Engine& engine, uint64_t id, int64_t first, uint32_t n) {
+  const RangeChunk range(first, n);
+  const AppendChunk chunk = range.chunk();
+  return engine.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+}
 
 }  // namespace kvmem::engine

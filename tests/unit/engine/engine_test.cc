@@ -27,20 +27,11 @@ TEST_F(EngineTest, ChunksThatFillTheLastBlocksThenSpillEqualPlainAppends) {
   const uint64_t a = Create(), b = Create();
   ASSERT_TRUE(AppendRange(a, 0, 5).ok());
   ASSERT_TRUE(AppendRange(b, 0, 5).ok());
-  const auto chunk = [](int64_t first, uint32_t n, std::vector<int64_t>* positions, std::string* k,
-                        std::string* v) {
-    *positions = testing::Range(first, n);
-    *k = testing::Payload16(kL * kH, first, n, kD, 0);
-    *v = testing::Payload16(kL * kH, first, n, kD, 1);
-    return AppendChunk{*positions, {}, *k, *v, {}, {}};
-  };
-  std::vector<int64_t> p1, p2, p3;
-  std::string k1, v1, k2, v2, k3, v3;
   auto session = engine_->BeginAppend(a);
   ASSERT_TRUE(session.ok()) << session.status();
-  ASSERT_TRUE((*session)->Add(chunk(5, 3, &p1, &k1, &v1)).ok());    // slots 5-7: the tail
-  ASSERT_TRUE((*session)->Add(chunk(8, 7, &p2, &k2, &v2)).ok());    // 8-14: the tail still
-  ASSERT_TRUE((*session)->Add(chunk(15, 20, &p3, &k3, &v3)).ok());  // 15-34: plans
+  ASSERT_TRUE(AddRange(**session, 5, 3).ok());    // slots 5-7: the tail
+  ASSERT_TRUE(AddRange(**session, 8, 7).ok());    // 8-14: the tail still
+  ASSERT_TRUE(AddRange(**session, 15, 20).ok());  // 15-34: plans
   absl::StatusOr<AppendResult> committed = (*session)->Commit();
   ASSERT_TRUE(committed.ok()) << committed.status();
   EXPECT_EQ(committed->appended_tokens, 35u);
@@ -58,18 +49,9 @@ TEST_F(EngineTest, AChunkThatFitsOnlyWithoutTheSessionsEarlierTailSlotsStartsThe
   // the block as the table has it (5 + 8) but not after the session's own 8.
   const uint64_t id = Create();
   ASSERT_TRUE(AppendRange(id, 0, 5).ok());
-  std::vector<std::vector<int64_t>> positions;
-  std::vector<std::string> k, v;
   auto session = engine_->BeginAppend(id);
   ASSERT_TRUE(session.ok());
-  for (int64_t first : {5, 13}) {
-    positions.push_back(testing::Range(first, 8));
-    k.push_back(testing::Payload16(kL * kH, first, 8, kD, 0));
-    v.push_back(testing::Payload16(kL * kH, first, 8, kD, 1));
-  }
-  for (size_t i = 0; i < positions.size(); ++i) {
-    ASSERT_TRUE((*session)->Add(AppendChunk{positions[i], {}, k[i], v[i], {}, {}}).ok());
-  }
+  for (int64_t first : {5, 13}) ASSERT_TRUE(AddRange(**session, first, 8).ok());
   ASSERT_TRUE((*session)->Commit().ok());
   ExpectContentMatchesPositions(id);
   const BlockTable table = *engine_->GetBlockTable(id);
