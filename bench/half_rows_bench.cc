@@ -1,7 +1,9 @@
 // One decode step's attention rows at SmolLM2-135M's shape (90 streams x 257 weights: confkv
 // at its low budget plus the new token) converted to f16 by the client library and back to
 // f32 by kvmemd: the scalar twins of kernels/dtype.h, one value at a time, against the
-// four-lane loops of kernels/half_arrays.h. Same data, one run: compare the rows' ratios.
+// loops of kernels/half_arrays.h: the four-lane ones (*Lanes) and the entry points the
+// client and kvmemd call (F16C where the CPU has it). Same data, one run: compare the rows'
+// ratios.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -42,19 +44,22 @@ void BM_NarrowScalar(benchmark::State& state) {
 }
 BENCHMARK(BM_NarrowScalar);
 
-void BM_NarrowFourLanes(benchmark::State& state) {
+using Narrow = void (*)(const float*, size_t, void*);
+using Widen = void (*)(const void*, size_t, float*);
+
+void BM_NarrowRows(benchmark::State& state, Narrow narrow) {
   const std::vector<float> rows = Rows();
   std::vector<char> half(2 * rows.size());
   for (auto _ : state) {
     for (size_t s = 0; s < kStreams; ++s) {  // one call per row, as the client converts
-      kvmem::kernels::FloatToHalf(rows.data() + s * kWeights, kWeights,
-                                  half.data() + 2 * s * kWeights);
+      narrow(rows.data() + s * kWeights, kWeights, half.data() + 2 * s * kWeights);
     }
     benchmark::DoNotOptimize(half.data());
     benchmark::ClobberMemory();
   }
 }
-BENCHMARK(BM_NarrowFourLanes);
+BENCHMARK_CAPTURE(BM_NarrowRows, FourLanes, kvmem::kernels::FloatToHalfLanes);
+BENCHMARK_CAPTURE(BM_NarrowRows, Chosen, kvmem::kernels::FloatToHalf);
 
 void BM_WidenScalar(benchmark::State& state) {
   const std::vector<uint16_t> half = HalfRows();
@@ -67,18 +72,19 @@ void BM_WidenScalar(benchmark::State& state) {
 }
 BENCHMARK(BM_WidenScalar);
 
-void BM_WidenFourLanes(benchmark::State& state) {
+void BM_WidenRows(benchmark::State& state, Widen widen) {
   const std::vector<uint16_t> half = HalfRows();
   std::vector<float> out(half.size());
   for (auto _ : state) {
     for (size_t s = 0; s < kStreams; ++s) {
-      kvmem::kernels::HalfToFloat(half.data() + s * kWeights, kWeights, out.data() + s * kWeights);
+      widen(half.data() + s * kWeights, kWeights, out.data() + s * kWeights);
     }
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
 }
-BENCHMARK(BM_WidenFourLanes);
+BENCHMARK_CAPTURE(BM_WidenRows, FourLanes, kvmem::kernels::HalfToFloatLanes);
+BENCHMARK_CAPTURE(BM_WidenRows, Chosen, kvmem::kernels::HalfToFloat);
 
 }  // namespace
 

@@ -1,11 +1,20 @@
 #pragma once
 // Whole arrays of floats to and from IEEE halves, bit for bit as the scalar twins in
-// dtype.h, four lanes at a time in GCC/Clang vector types (SSE2 on x86-64, NEON on arm64):
-// attention rows cross the wire as f16 (tens of thousands of values a step), narrowed by the
-// client library and widened by kvmemd. Host code only.
+// dtype.h: attention rows cross the wire as f16 (tens of thousands of values a step),
+// narrowed by the client library and widened by kvmemd. Host code only.
+//
+// HalfToFloat / FloatToHalf take eight values at a time with the F16C instructions where the
+// CPU has them (x86-64 since about 2012), else four at a time in GCC/Clang vector types
+// (SSE2 on x86-64, NEON on arm64: the *Lanes functions). The instructions give the scalar
+// twins' value for every input but a NaN (they keep a NaN's payload, the twins give the
+// canonical quiet NaN on narrowing): eight values holding a NaN go through the lanes instead.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace kvmem::kernels {
 
@@ -14,7 +23,7 @@ namespace kvmem::kernels {
 // exponent and mantissa moved into a float's place and the exponent rebased; an infinity or NaN
 // rebased once more to the float's all-ones exponent; a subnormal (or zero) made the normal float
 // 2^-14 (1 + m/1024) and then exactly m * 2^-24 by subtracting 2^-14.
-inline void HalfToFloat(const void* src, size_t n, float* out) {
+inline void HalfToFloatLanes(const void* src, size_t n, float* out) {
   using U4 = uint32_t __attribute__((vector_size(16)));
   using F4 = float __attribute__((vector_size(16)));
   constexpr uint32_t kRebase = (127 - 15) << 23;
@@ -61,7 +70,7 @@ inline void HalfToFloat(const void* src, size_t n, float* out) {
 // float unit do the rounding (the default rounding mode); its low bits are then the half.
 // Unlike the scalar twin, the addition may raise the FP status flags (inexact; invalid for a
 // signaling NaN): no caller reads them.
-inline void FloatToHalf(const float* values, size_t n, void* dst) {
+inline void FloatToHalfLanes(const float* values, size_t n, void* dst) {
   using U4 = uint32_t __attribute__((vector_size(16)));
   using F4 = float __attribute__((vector_size(16)));
   using H4 = uint16_t __attribute__((vector_size(8)));
@@ -99,6 +108,67 @@ inline void FloatToHalf(const float* values, size_t n, void* dst) {
   std::memcpy(rest, values + i, (n - i) * sizeof(float));
   four(rest, converted);
   std::memcpy(bytes + 2 * i, converted, (n - i) * sizeof(uint16_t));
+}
+
+#if defined(__x86_64__)
+inline bool HasF16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+__attribute__((target("avx,f16c"))) inline void HalfToFloatF16c(const void* src, size_t n,
+                                                                float* out) {
+  const auto* bytes = static_cast<const char*>(src);
+  const __m128i magnitude = _mm_set1_epi16(0x7fff);
+  const __m128i infinity = _mm_set1_epi16(0x7c00);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 2 * i));
+    // A NaN's magnitude is above infinity's (a signed compare: both are below 0x8000).
+    const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), infinity);
+    if (_mm_movemask_epi8(nan) != 0) {
+      HalfToFloatLanes(bytes + 2 * i, 8, out + i);
+      continue;
+    }
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  if (i < n) HalfToFloatLanes(bytes + 2 * i, n - i, out + i);
+}
+
+__attribute__((target("avx,f16c"))) inline void FloatToHalfF16c(const float* values, size_t n,
+                                                                void* dst) {
+  auto* bytes = static_cast<char*>(dst);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 f = _mm256_loadu_ps(values + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)) != 0) {
+      FloatToHalfLanes(values + i, 8, bytes + 2 * i);
+      continue;
+    }
+    // Rounded to nearest, ties to even, by the instruction's own mode (not MXCSR's).
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + 2 * i),
+                     _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+  }
+  if (i < n) FloatToHalfLanes(values + i, n - i, bytes + 2 * i);
+}
+#endif
+
+// out[i] = the IEEE half at src + 2i (little-endian, any alignment) as a float, exactly as
+// HalfToFloat(uint16_t) gives it.
+inline void HalfToFloat(const void* src, size_t n, float* out) {
+#if defined(__x86_64__)
+  if (HasF16c()) return HalfToFloatF16c(src, n, out);
+#endif
+  HalfToFloatLanes(src, n, out);
+}
+
+// dst + 2i = FloatToHalf(values[i]) (little-endian, any alignment), exactly as the scalar
+// twin rounds.
+inline void FloatToHalf(const float* values, size_t n, void* dst) {
+#if defined(__x86_64__)
+  if (HasF16c()) return FloatToHalfF16c(values, n, dst);
+#endif
+  FloatToHalfLanes(values, n, dst);
 }
 
 }  // namespace kvmem::kernels

@@ -187,8 +187,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
   }
   if (halves == 0) return out;
   // The widened rows, one after another in one buffer (one allocation per call, not per row).
-  std::vector<float>& widened = storage->emplace_back(halves);
-  float* at = widened.data();
+  float* at = storage->emplace_back(new float[halves]).get();
   for (int i = 0; i < rows.size(); ++i) {
     const std::string& half = rows[i].weights_f16();
     if (half.empty()) continue;

@@ -3,6 +3,7 @@
 // are resolved here, so the engine never sees a request's "unset"; an explicit value that
 // is not valid is INVALID_ARGUMENT naming the field. absl::Status -> gRPC: error_details.h.
 #include <deque>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,9 +49,10 @@ engine::AppendChunk ChunkView(const Request& request) {
       absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
   return chunk;
 }
-// Rows converted from f16 (AttentionRow.weights_f16), which the views point into; a deque
-// so that adding one moves none.
-using SignalStorage = std::deque<std::vector<float>>;
+// Rows converted from f16 (AttentionRow.weights_f16), which the views point into: arrays
+// left uninitialized until the conversion writes them (no zeroing of tens of KiB a step), in
+// a deque so that adding one moves none.
+using SignalStorage = std::deque<std::unique_ptr<float[]>>;
 // Attention rows as views into `rows`, or into `storage` for rows sent as f16.
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows, SignalStorage* storage);

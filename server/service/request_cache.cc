@@ -136,11 +136,12 @@ uint64_t MixMessage(uint64_t h, const google::protobuf::Message& m, int depth) {
   return h;
 }
 
-// The decode loop's batch, by its generated accessors: the value ReflectedFingerprint gives
-// (the same fields in the same order, by the same rules), at a fraction of the cost: the
-// reflection walk took about 30 us of an 8k SmolLM2 step's daemon time (bench/RESULTS.md,
-// session 18). A test holds the two equal on messages with every field set, so a field
-// added to these messages and not here fails it.
+// The decode loop's calls (StepBatch, Step), by their generated accessors: the value
+// ReflectedFingerprint gives (the same fields in the same order, by the same rules), at a
+// fraction of the cost: the reflection walk took about 30 us of an 8k SmolLM2 step's daemon
+// time (bench/RESULTS.md, session 18), and 20 us of a single confkv Step (session 20). A test
+// holds the two equal on messages with every field set, so a field added to these messages
+// and not here fails it.
 template <typename T, typename Bits>
 uint64_t MixRepeated(uint64_t h, int number, const google::protobuf::RepeatedField<T>& values,
                      Bits bits) {
@@ -176,19 +177,35 @@ uint64_t MixRow(uint64_t h, const v1::AttentionRow& row) {
   return MixField(h, v1::AttentionRow::kWeightsF16FieldNumber, row.weights_f16());
 }
 
+uint64_t MixLogitStats(uint64_t h, const v1::LogitStats& l) {
+  h = MixScalar(h, v1::LogitStats::kEntropyFieldNumber, FloatBits(l.entropy()));
+  h = MixScalar(h, v1::LogitStats::kP1FieldNumber, FloatBits(l.p1()));
+  h = MixScalar(h, v1::LogitStats::kP2FieldNumber, FloatBits(l.p2()));
+  return MixRepeated(h, v1::LogitStats::kTopLogprobsFieldNumber, l.top_logprobs(), FloatBits);
+}
+
+// A message's attention rows, field `number`: every row when the message is the request
+// itself (the reflection walk reads all elements of a top-level repeated message), else
+// the sampled ends.
+uint64_t MixRows(uint64_t h, int number,
+                 const google::protobuf::RepeatedPtrField<v1::AttentionRow>& rows, bool all) {
+  if (rows.empty()) return h;
+  return MixSampled(Mix(h, static_cast<uint64_t>(number)), rows.size(), all,
+                    [&](uint64_t acc, int i) { return MixRow(acc, rows.Get(i)); });
+}
+
+uint64_t MixClientTable(uint64_t h, int number, const v1::ClientTable& t) {
+  h = Mix(h, static_cast<uint64_t>(number));
+  h = MixScalar(h, v1::ClientTable::kVersionFieldNumber, t.version());
+  return MixScalar(h, v1::ClientTable::kPositionsFieldNumber, t.positions());
+}
+
 uint64_t MixSignals(uint64_t h, const v1::StepSignals& s) {
   h = MixScalar(h, v1::StepSignals::kEpochFieldNumber, s.epoch());
   if (s.has_logit_stats()) {
-    const v1::LogitStats& l = s.logit_stats();
-    h = Mix(h, v1::StepSignals::kLogitStatsFieldNumber);
-    h = MixScalar(h, v1::LogitStats::kEntropyFieldNumber, FloatBits(l.entropy()));
-    h = MixScalar(h, v1::LogitStats::kP1FieldNumber, FloatBits(l.p1()));
-    h = MixScalar(h, v1::LogitStats::kP2FieldNumber, FloatBits(l.p2()));
-    h = MixRepeated(h, v1::LogitStats::kTopLogprobsFieldNumber, l.top_logprobs(), FloatBits);
+    h = MixLogitStats(Mix(h, v1::StepSignals::kLogitStatsFieldNumber), s.logit_stats());
   }
-  if (s.attention().empty()) return h;
-  return MixSampled(Mix(h, v1::StepSignals::kAttentionFieldNumber), s.attention_size(), false,
-                    [&](uint64_t acc, int i) { return MixRow(acc, s.attention(i)); });
+  return MixRows(h, v1::StepSignals::kAttentionFieldNumber, s.attention(), /*all=*/false);
 }
 
 uint64_t MixEntry(uint64_t h, const v1::StepBatchEntry& e) {
@@ -196,9 +213,7 @@ uint64_t MixEntry(uint64_t h, const v1::StepBatchEntry& e) {
   if (e.has_append()) h = MixTokens(Mix(h, v1::StepBatchEntry::kAppendFieldNumber), e.append());
   if (e.has_step()) h = MixSignals(Mix(h, v1::StepBatchEntry::kStepFieldNumber), e.step());
   if (e.has_client_table()) {
-    h = Mix(h, v1::StepBatchEntry::kClientTableFieldNumber);
-    h = MixScalar(h, v1::ClientTable::kVersionFieldNumber, e.client_table().version());
-    h = MixScalar(h, v1::ClientTable::kPositionsFieldNumber, e.client_table().positions());
+    h = MixClientTable(h, v1::StepBatchEntry::kClientTableFieldNumber, e.client_table());
   }
   return h;
 }
@@ -211,6 +226,22 @@ uint64_t StepBatchFingerprint(const v1::StepBatchRequest& batch) {
                     [&](uint64_t acc, int i) { return MixEntry(acc, batch.entries(i)); });
 }
 
+// The single-sequence Step, the same way: its rows are the request's own repeated message,
+// so all of them count, as in the reflection walk.
+uint64_t StepFingerprint(const v1::StepRequest& step) {
+  static const uint64_t kStart = Mix(0, v1::StepRequest::descriptor()->index());
+  uint64_t h = MixScalar(kStart, v1::StepRequest::kSequenceIdFieldNumber, step.sequence_id());
+  h = MixScalar(h, v1::StepRequest::kEpochFieldNumber, step.epoch());
+  if (step.has_logit_stats()) {
+    h = MixLogitStats(Mix(h, v1::StepRequest::kLogitStatsFieldNumber), step.logit_stats());
+  }
+  h = MixRows(h, v1::StepRequest::kAttentionFieldNumber, step.attention(), /*all=*/true);
+  if (step.has_client_table()) {
+    h = MixClientTable(h, v1::StepRequest::kClientTableFieldNumber, step.client_table());
+  }
+  return h;
+}
+
 }  // namespace
 
 uint64_t ReflectedFingerprint(const google::protobuf::Message& request) {
@@ -221,6 +252,9 @@ uint64_t RequestFingerprint(const google::protobuf::Message& request) {
   if (const auto* batch =
           google::protobuf::DynamicCastToGenerated<v1::StepBatchRequest>(&request)) {
     return StepBatchFingerprint(*batch);
+  }
+  if (const auto* step = google::protobuf::DynamicCastToGenerated<v1::StepRequest>(&request)) {
+    return StepFingerprint(*step);
   }
   return ReflectedFingerprint(request);
 }

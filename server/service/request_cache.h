@@ -35,8 +35,8 @@ inline constexpr size_t kMaxRequestIdBytes = 64;
 // caught when the requests differ in any field but the middle of a long payload.
 uint64_t RequestFingerprint(const google::protobuf::Message& request);
 // The same value by a walk of the message's reflection: what RequestFingerprint computes
-// for every message but a StepBatchRequest, whose fingerprint it takes from the generated
-// accessors (the decode loop's, every step). For tests.
+// for every message but a StepBatchRequest and a StepRequest, whose fingerprints it takes
+// from the generated accessors (the decode loop's, every step). For tests.
 uint64_t ReflectedFingerprint(const google::protobuf::Message& request);
 
 class RequestCache {

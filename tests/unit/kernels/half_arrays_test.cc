@@ -1,17 +1,49 @@
-// half_arrays.h's four-lane loops against the scalar twins in dtype.h, bit for bit.
+// half_arrays.h's loops (the four-lane one everywhere, the F16C one where the CPU has it, and
+// the entry points that choose) against the scalar twins in dtype.h, bit for bit.
 #include "kernels/half_arrays.h"
 
 #include <algorithm>
 #include <cstring>
+#include <ostream>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 namespace kvmem::kernels {
 namespace {
 
-TEST(HalfArraysTest, EveryHalfWidensAsTheScalarTwinAtEveryOffset) {
+using Widen = void (*)(const void*, size_t, float*);
+using Narrow = void (*)(const float*, size_t, void*);
+
+struct Loops {
+  std::string name;
+  Widen widen;
+  Narrow narrow;
+};
+
+void PrintTo(const Loops& loops, std::ostream* os) { *os << loops.name; }
+
+std::vector<Loops> AllLoops() {
+  std::vector<Loops> loops = {{"Lanes", HalfToFloatLanes, FloatToHalfLanes},
+                              {"Chosen", HalfToFloat, FloatToHalf}};
+#if defined(__x86_64__)
+  if (HasF16c()) loops.push_back({"F16c", HalfToFloatF16c, FloatToHalfF16c});
+#endif
+  return loops;
+}
+
+class HalfArraysTest : public testing::TestWithParam<Loops> {};
+
+INSTANTIATE_TEST_SUITE_P(Loops, HalfArraysTest, testing::ValuesIn(AllLoops()),
+                         [](const testing::TestParamInfo<Loops>& info) { return info.param.name; });
+
+TEST_P(HalfArraysTest, EveryHalfWidensAsTheScalarTwinAtEveryOffset) {
   // All 65,536 halves (zeros, subnormals, normals, infinities, quiet and signaling NaNs),
   // from every byte offset mod 8 and with every tail length.
   std::vector<uint16_t> all(1 << 16);
@@ -22,7 +54,7 @@ TEST(HalfArraysTest, EveryHalfWidensAsTheScalarTwinAtEveryOffset) {
     for (size_t tail = 0; tail < 4; ++tail) {
       const size_t n = all.size() - tail;
       std::vector<float> got(n + 1, 7.0f);
-      HalfToFloat(unaligned.data() + shift, n, got.data());
+      GetParam().widen(unaligned.data() + shift, n, got.data());
       for (size_t i = 0; i < n; ++i) {
         const uint32_t want = FloatBits(HalfToFloat(all[i]));
         ASSERT_EQ(FloatBits(got[i]), want) << "half " << i << " shift " << shift;
@@ -57,7 +89,7 @@ std::vector<uint32_t> NarrowingCases() {
   return bits;
 }
 
-TEST(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
+TEST_P(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
   const std::vector<uint32_t> bits = NarrowingCases();
   std::vector<float> values(bits.size());
   std::memcpy(values.data(), bits.data(), 4 * bits.size());
@@ -66,7 +98,7 @@ TEST(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
     for (size_t tail = 0; tail < 4; ++tail) {
       const size_t n = values.size() - tail;
       std::fill(out.begin(), out.end(), '\x5a');
-      FloatToHalf(values.data(), n, out.data() + shift);
+      GetParam().narrow(values.data(), n, out.data() + shift);
       for (size_t i = 0; i < n; ++i) {
         uint16_t got;
         std::memcpy(&got, out.data() + shift + 2 * i, 2);
@@ -79,23 +111,47 @@ TEST(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
   }
 }
 
-// The four lanes of one call and the scalar tail each convert their own value: a special
-// value in any lane leaves its neighbours as they would be alone.
-TEST(HalfArraysTest, LanesAreIndependent) {
+// The lanes of one call and the tail each convert their own value: a special value in any
+// lane leaves its neighbours as they would be alone.
+TEST_P(HalfArraysTest, LanesAreIndependent) {
   const float specials[] = {BitsFloat(0x7fc00001u), BitsFloat(0xff800000u), 1e-7f, 65520.0f, -0.0f};
-  for (size_t n = 1; n <= 9; ++n) {
+  for (size_t n = 1; n <= 17; ++n) {
     for (size_t at = 0; at < n; ++at) {
       for (float special : specials) {
         std::vector<float> v(n);
         for (size_t i = 0; i < n; ++i) v[i] = 0.1f * static_cast<float>(i + 1);
         v[at] = special;
         std::vector<uint16_t> got(n);
-        FloatToHalf(v.data(), n, got.data());
+        GetParam().narrow(v.data(), n, got.data());
         for (size_t i = 0; i < n; ++i) ASSERT_EQ(got[i], FloatToHalf(v[i])) << n << " " << at;
       }
     }
   }
 }
+
+#if defined(__x86_64__)
+// A process may run with subnormals flushed (MXCSR's FTZ and DAZ; some BLAS and inference
+// libraries set them): the conversions still give the twins' values, subnormal halves
+// included.
+TEST_P(HalfArraysTest, SubnormalHalvesSurviveFlushToZero) {
+  const unsigned int saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x8040);  // FTZ | DAZ
+  std::vector<uint16_t> halves;
+  for (uint32_t h = 0; h < 0x0400; h += 3) {
+    halves.push_back(static_cast<uint16_t>(h));
+    halves.push_back(static_cast<uint16_t>(h | 0x8000));
+  }
+  std::vector<float> wide(halves.size());
+  GetParam().widen(halves.data(), halves.size(), wide.data());
+  std::vector<uint16_t> back(halves.size());
+  GetParam().narrow(wide.data(), wide.size(), back.data());
+  _mm_setcsr(saved);
+  for (size_t i = 0; i < halves.size(); ++i) {
+    ASSERT_EQ(FloatBits(wide[i]), FloatBits(HalfToFloat(halves[i]))) << std::hex << halves[i];
+    ASSERT_EQ(back[i], halves[i]) << std::hex << halves[i];
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace kvmem::kernels

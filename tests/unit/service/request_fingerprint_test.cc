@@ -1,8 +1,8 @@
-// RequestFingerprint takes a StepBatchRequest's fingerprint from its generated accessors;
-// it must be the reflection walk's value for every batch, whichever fields are set, or a
-// retry over gRPC of a batch first sent through a step channel (or the other way) could be
-// refused, and a field left out of the fast walk would let an id be reused for a request
-// that differs only there.
+// RequestFingerprint takes a StepBatchRequest's and a StepRequest's fingerprints from their
+// generated accessors; each must be the reflection walk's value for every request, whichever
+// fields are set, or a retry over gRPC of a batch first sent through a step channel (or the
+// other way) could be refused, and a field left out of the fast walk would let an id be
+// reused for a request that differs only there.
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -122,13 +122,22 @@ class Filler {
   std::mt19937_64 rng_;
 };
 
-TEST(RequestFingerprintTest, ABatchGetsTheReflectionWalksValue) {
+template <typename Request>
+void ExpectTheReflectionWalksValue() {
   for (uint32_t seed = 0; seed < 3000; ++seed) {
-    v1::StepBatchRequest batch;
-    Filler(seed).Fill(&batch, /*all=*/seed % 4 == 0, 0);
-    ASSERT_EQ(RequestFingerprint(batch), ReflectedFingerprint(batch))
-        << "seed " << seed << ": " << batch.ShortDebugString().substr(0, 400);
+    Request request;
+    Filler(seed).Fill(&request, /*all=*/seed % 4 == 0, 0);
+    ASSERT_EQ(RequestFingerprint(request), ReflectedFingerprint(request))
+        << "seed " << seed << ": " << request.ShortDebugString().substr(0, 400);
   }
+}
+
+TEST(RequestFingerprintTest, ABatchGetsTheReflectionWalksValue) {
+  ExpectTheReflectionWalksValue<v1::StepBatchRequest>();
+}
+
+TEST(RequestFingerprintTest, AStepGetsTheReflectionWalksValue) {
+  ExpectTheReflectionWalksValue<v1::StepRequest>();
 }
 
 // The fast walk must see what the reflection walk sees: a change in any one field of a batch
@@ -207,6 +216,38 @@ TEST(RequestFingerprintTest, EachFieldOfABatchCounts) {
   expect_changed("step.attention[0].weights_f16's last byte", [](v1::StepBatchEntry* e) {
     std::string* w = e->mutable_step()->mutable_attention(0)->mutable_weights_f16();
     w->back() = static_cast<char>(w->back() ^ 1);
+  });
+}
+
+// As for a batch; a Step's rows are its own repeated message, so a row in the middle counts
+// as much as one at an end.
+TEST(RequestFingerprintTest, EachFieldOfAStepCounts) {
+  v1::StepRequest step;
+  Filler(11).Fill(&step, /*all=*/true, 0);
+  while (step.attention_size() < 9) *step.add_attention() = step.attention(0);
+  const uint64_t base = RequestFingerprint(step);
+  v1::StepRequest changed = step;
+  changed.set_request_id(changed.request_id() + "x");
+  EXPECT_EQ(RequestFingerprint(changed), base) << "the request_id is no part of it";
+  auto expect_changed = [&](const char* what, auto&& change) {
+    v1::StepRequest c = step;
+    change(&c);
+    EXPECT_NE(RequestFingerprint(c), base) << what;
+  };
+  expect_changed("sequence_id",
+                 [](v1::StepRequest* s) { s->set_sequence_id(s->sequence_id() + 1); });
+  expect_changed("epoch", [](v1::StepRequest* s) { s->set_epoch(s->epoch() + 1); });
+  expect_changed("logit_stats.p1",
+                 [](v1::StepRequest* s) { s->mutable_logit_stats()->set_p1(0.375f); });
+  expect_changed("the middle attention row's layer", [](v1::StepRequest* s) {
+    v1::AttentionRow* row = s->mutable_attention(s->attention_size() / 2);
+    row->set_layer(row->layer() + 1);
+  });
+  expect_changed("the middle attention row's weights_f16", [](v1::StepRequest* s) {
+    s->mutable_attention(s->attention_size() / 2)->mutable_weights_f16()->append("zz");
+  });
+  expect_changed("client_table.version", [](v1::StepRequest* s) {
+    s->mutable_client_table()->set_version(s->client_table().version() + 1);
   });
 }
 
