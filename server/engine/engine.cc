@@ -121,7 +121,9 @@ uint64_t Engine::ReclaimToWatermarkImpl() {
 
 absl::StatusOr<uint64_t> Engine::PublishDocument(uint64_t sequence_id) {
   return Guard("Publish", [&]() -> absl::StatusOr<uint64_t> {
-    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    // As for every change: an open AppendStream may have written its chunks into the free
+    // tails of the very blocks a document would share.
+    absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
     if (!ref.ok()) return ref.status();
     Renew(**ref);
     return PublishDocumentLocked(**ref);

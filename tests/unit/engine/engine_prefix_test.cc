@@ -647,6 +647,28 @@ TEST_F(DocumentTest, SharersNeverEditThePublishedDocument) {
   ExpectContentMatchesPositions(second->sequence_id);
 }
 
+// An open AppendStream holds its sequence against every other change, publishing included:
+// its chunks may already sit in the free tails of the blocks a document would share.
+TEST_F(DocumentTest, AnOpenAppendStreamHoldsOffPublishing) {
+  const uint64_t publisher = Compressed(kSnap);
+  const std::string compressed = Content(publisher);
+  {
+    auto session = engine_->BeginAppend(publisher);
+    ASSERT_TRUE(session.ok()) << session.status();
+    ASSERT_TRUE(AddRange(**session, kDoc, 2).ok());
+    auto refused = engine_->PublishDocument(publisher);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("AppendStream"));
+  }  // ends without Commit
+  EXPECT_EQ(Content(publisher), compressed);
+  ASSERT_EQ(*engine_->PublishDocument(publisher), kDoc);
+  auto reader = CreateReader(kSnap);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  EXPECT_EQ(reader->reused_prefix_tokens, kDoc);
+  EXPECT_EQ(Content(reader->sequence_id), compressed);
+}
+
 TEST_F(DocumentTest, OnlyTheSameRepresentationMapsIt) {
   ASSERT_EQ(*engine_->PublishDocument(Compressed(kSnap)), kDoc);
   auto other = CreateReader({{"budget", 32}, {"window", 8}});
