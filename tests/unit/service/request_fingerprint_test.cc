@@ -140,20 +140,30 @@ TEST(RequestFingerprintTest, AStepGetsTheReflectionWalksValue) {
   ExpectTheReflectionWalksValue<v1::StepRequest>();
 }
 
+// A checker for changes to `request`: each change must move its fingerprint. Checks first
+// that the request_id is no part of it.
+template <typename Request>
+auto ChangesCount(const Request& request) {
+  const uint64_t base = RequestFingerprint(request);
+  Request renamed = request;
+  renamed.set_request_id(renamed.request_id() + "x");
+  EXPECT_EQ(RequestFingerprint(renamed), base) << "the request_id is no part of it";
+  return [request, base](const char* what, auto&& change) {
+    Request c = request;
+    change(&c);
+    EXPECT_NE(RequestFingerprint(c), base) << what;
+  };
+}
+
 // The fast walk must see what the reflection walk sees: a change in any one field of a batch
 // with every field set changes the fingerprint (the request_id aside), including one in
 // the sampled ends of a long payload.
 TEST(RequestFingerprintTest, EachFieldOfABatchCounts) {
   v1::StepBatchRequest batch;
   Filler(7).Fill(&batch, /*all=*/true, 0);
-  const uint64_t base = RequestFingerprint(batch);
-  v1::StepBatchRequest changed = batch;
-  changed.set_request_id(changed.request_id() + "x");
-  EXPECT_EQ(RequestFingerprint(changed), base) << "the request_id is no part of it";
+  const auto changes = ChangesCount(batch);
   auto expect_changed = [&](const char* what, auto&& change) {
-    v1::StepBatchRequest c = batch;
-    change(c.mutable_entries(0));
-    EXPECT_NE(RequestFingerprint(c), base) << what;
+    changes(what, [&](v1::StepBatchRequest* c) { change(c->mutable_entries(0)); });
   };
   expect_changed("sequence_id",
                  [](v1::StepBatchEntry* e) { e->set_sequence_id(e->sequence_id() + 1); });
@@ -225,15 +235,7 @@ TEST(RequestFingerprintTest, EachFieldOfAStepCounts) {
   v1::StepRequest step;
   Filler(11).Fill(&step, /*all=*/true, 0);
   while (step.attention_size() < 9) *step.add_attention() = step.attention(0);
-  const uint64_t base = RequestFingerprint(step);
-  v1::StepRequest changed = step;
-  changed.set_request_id(changed.request_id() + "x");
-  EXPECT_EQ(RequestFingerprint(changed), base) << "the request_id is no part of it";
-  auto expect_changed = [&](const char* what, auto&& change) {
-    v1::StepRequest c = step;
-    change(&c);
-    EXPECT_NE(RequestFingerprint(c), base) << what;
-  };
+  const auto expect_changed = ChangesCount(step);
   expect_changed("sequence_id",
                  [](v1::StepRequest* s) { s->set_sequence_id(s->sequence_id() + 1); });
   expect_changed("epoch", [](v1::StepRequest* s) { s->set_epoch(s->epoch() + 1); });
