@@ -6,8 +6,9 @@
 // HalfToFloat / FloatToHalf take eight values at a time with the F16C instructions where the
 // CPU has them (x86-64 since about 2012), else four at a time in GCC/Clang vector types
 // (SSE2 on x86-64, NEON on arm64: the *Lanes functions). The instructions give the scalar
-// twins' value for every input but a NaN (they keep a NaN's payload, the twins give the
-// canonical quiet NaN on narrowing): eight values holding a NaN go through the lanes instead.
+// twins' value for every input but a NaN (narrowing keeps its payload where the twin gives
+// the canonical quiet NaN; widening quiets a signaling NaN the twin passes through): eight
+// values holding a NaN go through the lanes instead.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>

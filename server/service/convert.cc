@@ -187,7 +187,9 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
   }
   if (halves == 0) return out;
   // The widened rows, one after another in one buffer (one allocation per call, not per row).
-  float* at = storage->emplace_back(new float[halves]).get();
+  std::unique_ptr<float[]> widened(new float[halves]);  // owned before the deque allocates
+  float* at = widened.get();
+  storage->push_back(std::move(widened));
   for (int i = 0; i < rows.size(); ++i) {
     const std::string& half = rows[i].weights_f16();
     if (half.empty()) continue;

@@ -51,7 +51,7 @@ TEST_P(HalfArraysTest, EveryHalfWidensAsTheScalarTwinAtEveryOffset) {
   std::vector<char> unaligned(2 * all.size() + 8);
   for (size_t shift = 0; shift < 8; ++shift) {
     std::memcpy(unaligned.data() + shift, all.data(), 2 * all.size());
-    for (size_t tail = 0; tail < 4; ++tail) {
+    for (size_t tail = 0; tail < 8; ++tail) {  // every remainder of 4 and of 8
       const size_t n = all.size() - tail;
       std::vector<float> got(n + 1, 7.0f);
       GetParam().widen(unaligned.data() + shift, n, got.data());
@@ -95,7 +95,7 @@ TEST_P(HalfArraysTest, NarrowsAsTheScalarTwinAtEveryOffsetAndTail) {
   std::memcpy(values.data(), bits.data(), 4 * bits.size());
   std::vector<char> out(2 * values.size() + 8);
   for (size_t shift = 0; shift < 4; ++shift) {
-    for (size_t tail = 0; tail < 4; ++tail) {
+    for (size_t tail = 0; tail < 8; ++tail) {  // every remainder of 4 and of 8
       const size_t n = values.size() - tail;
       std::fill(out.begin(), out.end(), '\x5a');
       GetParam().narrow(values.data(), n, out.data() + shift);
