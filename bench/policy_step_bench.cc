@@ -4,7 +4,8 @@
 // in the same run puts the bytes each step touches in proportion. `host` rows run the
 // policy's own Step on the host; the others the device step (scores in the backend's
 // SlotState, the kernels' C++ twins on this backend); `cuda` rows the same on the CUDA
-// backend (scores and selection in device memory), skipped without a GPU.
+// backend (scores and selection in device memory), `cuda_host` rows the policy's host code on
+// the CUDA backend; both skipped without a GPU.
 // `BM_ConfKvPolicy` is the policy's part of such a step alone: the host SlotState's one pass
 // per stream (EMA update, the pick of the slot to drop, the keep-set) and the compaction of
 // its slot records, without the block plan, the K/V moves and the engine around them.
@@ -126,6 +127,16 @@ BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_cuda, Shape{30, 3, 64, 256
     ->MinTime(2.0);
 BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_cuda, Shape{32, 8, 128, 4096}, false, true,
                   true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+// The CUDA backend with the policy's host code (kvmemd --backend=cuda --device_step=off):
+// scores on the host, the K/V moves by the copy kernels.
+BENCHMARK_CAPTURE(BM_ConfKvStep, smollm2_30x3x64_b256_cuda_host, Shape{30, 3, 64, 256}, false,
+                  false, true)
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_ConfKvStep, llama8b_32x8x128_b4096_cuda_host, Shape{32, 8, 128, 4096}, false,
+                  false, true)
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(2.0);
 

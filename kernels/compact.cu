@@ -52,9 +52,10 @@ cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
                         uint8_t* base, uint32_t* blocks_used, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;
-  CompactRowsKernel<<<num_streams, kThreads, 0, stream>>>(streams, kept_index, kept, block_offsets,
-                                                          block_first, g, base, blocks_used);
-  return cudaGetLastError();
+  return Launched([&] {
+    CompactRowsKernel<<<num_streams, kThreads, 0, stream>>>(
+        streams, kept_index, kept, block_offsets, block_first, g, base, blocks_used);
+  });
 }
 
 }  // namespace kvmem::kernels::cuda

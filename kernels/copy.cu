@@ -30,8 +30,7 @@ cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint3
                       cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const uint32_t blocks = std::min<uint32_t>(n, 65535u);
-  CopyBatchKernel<<<blocks, 256, 0, stream>>>(src, dst, ops, n);
-  return cudaGetLastError();
+  return Launched([&] { CopyBatchKernel<<<blocks, 256, 0, stream>>>(src, dst, ops, n); });
 }
 
 }  // namespace kvmem::kernels::cuda

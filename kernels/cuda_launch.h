@@ -14,6 +14,17 @@
 
 namespace kvmem::kernels::cuda {
 
+// Runs `launch` (a <<<>>> launch) and returns its launch error. A launch reports that only
+// through cudaGetLastError, which also hands back an earlier failed runtime call of this
+// thread that nobody read (a cudaMalloc that ran out, say) and would fail a good request
+// with it; so the record is cleared first. Every launcher goes through here.
+template <typename Launch>
+cudaError_t Launched(Launch&& launch) {
+  (void)cudaGetLastError();
+  launch();
+  return cudaGetLastError();
+}
+
 // ops[i] copies [src + ops[i].src, + bytes) to [dst + ops[i].dst, + bytes); destinations
 // must not overlap each other or any source (a move wave goes pool -> scratch -> pool).
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,

@@ -46,7 +46,7 @@ __global__ void QuantizeKernel(uint8_t* base, ElemType elem, QuantGeometry g,
       const uint32_t c0 = grp * 64, c1 = min(D, c0 + 64);
       float absmax = 0;
       for (uint32_t c = c0; c < c1; ++c) {
-        absmax = fmaxf(absmax, fabsf(LoadElem(src, uint64_t{t} * D + c, elem)));
+        absmax = fmaxf(absmax, ScaleCandidate(LoadElem(src, uint64_t{t} * D + c, elem)));
       }
       scales[uint64_t{t} * G + grp] = absmax;
       uint8_t* row = codes + uint64_t{t} * row_bytes;
@@ -54,7 +54,7 @@ __global__ void QuantizeKernel(uint8_t* base, ElemType elem, QuantGeometry g,
         uint8_t byte = 0;
         for (uint32_t k = 0; k < 2 && c + k < c1; ++k) {
           const float x = LoadElem(src, uint64_t{t} * D + c + k, elem);
-          const uint8_t q = absmax > 0 ? NearestNf4(x / absmax) : 7;
+          const uint8_t q = NearestNf4(Nf4Ratio(x, absmax));
           byte |= static_cast<uint8_t>(q << (4 * k));
         }
         row[c / 2] = byte;
@@ -70,7 +70,7 @@ __global__ void QuantizeKernel(uint8_t* base, ElemType elem, QuantGeometry g,
     for (uint32_t k = 0; k < per_thread && c0 + k < D; ++k) {
       float absmax = 0;
       for (uint32_t t = op.start; t < op.start + op.count; ++t) {
-        absmax = fmaxf(absmax, fabsf(LoadElem(src, uint64_t{t} * D + c0 + k, elem)));
+        absmax = fmaxf(absmax, ScaleCandidate(LoadElem(src, uint64_t{t} * D + c0 + k, elem)));
       }
       scale[k] = absmax / qmax;
       scales[c0 + k] = scale[k];
@@ -80,7 +80,7 @@ __global__ void QuantizeKernel(uint8_t* base, ElemType elem, QuantGeometry g,
       uint8_t byte = 0;
       for (uint32_t k = 0; k < per_thread && c0 + k < D; ++k) {
         const float x = LoadElem(src, uint64_t{t} * D + c0 + k, elem);
-        const float q = scale[k] > 0 ? fminf(fmaxf(rintf(x / scale[k]), -qmax), qmax) : 0.0f;
+        const float q = SymmetricCode(x, scale[k], qmax);
         if (int8) {
           row[c0] = static_cast<uint8_t>(static_cast<int8_t>(q));
         } else {
@@ -127,16 +127,15 @@ __global__ void DequantizeKernel(const uint8_t* base, QuantGeometry g, ElemType 
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  QuantizeKernel<<<dim3(n, 2), 128, 0, stream>>>(base, elem, g, ops);
-  return cudaGetLastError();
+  return Launched([&] { QuantizeKernel<<<dim3(n, 2), 128, 0, stream>>>(base, elem, g, ops); });
 }
 
 cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
                              const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  DequantizeKernel<<<dim3(n, 2), 256, 0, stream>>>(base, g, elem, ops, out);
-  return cudaGetLastError();
+  return Launched(
+      [&] { DequantizeKernel<<<dim3(n, 2), 256, 0, stream>>>(base, g, elem, ops, out); });
 }
 
 }  // namespace kvmem::kernels::cuda

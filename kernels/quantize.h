@@ -16,6 +16,11 @@
 // x_hat = q * s (int8/int4) or kNf4Codes[q] * s (nf4). Error bound per element:
 //   int8 |x - x_hat| <= s_c / 2, int4 <= s_c / 2, nf4 <= s * (largest gap between codes) / 2.
 // A channel whose absmax is 0 gets scale 0 and decodes to exactly 0.
+// Non-finite inputs (an f16 overflow in the model, say; K/V bytes are not checked on the way
+// in): a scale is the absmax of the finite values only, NaN codes as 0 and +-Inf as the
+// largest code of its sign, so one such element decodes to 0 or to +-absmax instead of
+// turning every other value of its channel into NaN (Inf in the absmax would do that).
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/dtype.h"
@@ -71,6 +76,27 @@ struct QuantGeometry {
     return type == QuantType::kNF4 ? 0 : 8ull * head_dim;
   }
 };
+
+// The element-wise rules both twins share (the contract above, bit for bit).
+KVMEM_HD bool IsNanBits(float x) { return (FloatBits(x) & 0x7fffffffu) > 0x7f800000u; }
+// |x| as a candidate for an absmax: 0 for NaN and +-Inf.
+KVMEM_HD float ScaleCandidate(float x) {
+  return (FloatBits(x) & 0x7f800000u) == 0x7f800000u ? 0.0f : fabsf(x);
+}
+// The int8/int4 code of x for its channel's scale (qmax 127 or 7): x / scale rounded half
+// to even, clamped to [-qmax, qmax]; 0 for NaN and for a zero scale.
+KVMEM_HD float SymmetricCode(float x, float scale, float qmax) {
+  if (!(scale > 0.0f) || IsNanBits(x)) return 0.0f;
+  const float q = rintf(x / scale);
+  return q < -qmax ? -qmax : (q > qmax ? qmax : q);
+}
+// What nf4 rounds to the nearest code: x over its group's absmax, clamped to [-1, 1]; 0 for
+// NaN and for a zero absmax.
+KVMEM_HD float Nf4Ratio(float x, float absmax) {
+  if (!(absmax > 0.0f) || IsNanBits(x)) return 0.0f;
+  const float r = x / absmax;
+  return r < -1.0f ? -1.0f : (r > 1.0f ? 1.0f : r);
+}
 
 // Quantizes one plane (K or V) of a layout-precision block: rows [start, start+count) of
 // `src` ([B][D] in `elem`) into `codes` ([B][code_row]) and `scales` (see above).

@@ -45,12 +45,12 @@ void QuantizePlaneRef(const void* src, ElemType elem, const QuantGeometry& g, ui
         const uint32_t c0 = grp * 64, c1 = std::min(D, c0 + 64);
         float absmax = 0;
         for (uint32_t c = c0; c < c1; ++c) {
-          absmax = std::max(absmax, std::fabs(LoadElem(src, uint64_t{t} * D + c, elem)));
+          absmax = std::max(absmax, ScaleCandidate(LoadElem(src, uint64_t{t} * D + c, elem)));
         }
         scales[uint64_t{t} * G + grp] = absmax;
         for (uint32_t c = c0; c < c1; ++c) {
           const float x = LoadElem(src, uint64_t{t} * D + c, elem);
-          PutNibble(row, c, absmax > 0 ? NearestNf4(x / absmax) : 7);  // code 7 is 0.0
+          PutNibble(row, c, NearestNf4(Nf4Ratio(x, absmax)));  // a ratio of 0 is code 7, 0.0
         }
       }
     }
@@ -60,7 +60,7 @@ void QuantizePlaneRef(const void* src, ElemType elem, const QuantGeometry& g, ui
   for (uint32_t c = 0; c < D; ++c) {
     float absmax = 0;
     for (uint32_t t = start; t < start + count; ++t) {
-      absmax = std::max(absmax, std::fabs(LoadElem(src, uint64_t{t} * D + c, elem)));
+      absmax = std::max(absmax, ScaleCandidate(LoadElem(src, uint64_t{t} * D + c, elem)));
     }
     scales[c] = absmax / qmax;
   }
@@ -69,7 +69,7 @@ void QuantizePlaneRef(const void* src, ElemType elem, const QuantGeometry& g, ui
     if (g.type == QuantType::kInt4) std::fill(row, row + row_bytes, 0);
     for (uint32_t c = 0; c < D; ++c) {
       const float x = LoadElem(src, uint64_t{t} * D + c, elem);
-      const float q = scales[c] > 0 ? std::clamp(std::nearbyint(x / scales[c]), -qmax, qmax) : 0.0f;
+      const float q = SymmetricCode(x, scales[c], qmax);
       if (g.type == QuantType::kInt8) {
         row[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
       } else {

@@ -142,34 +142,38 @@ cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* stream
                          uint32_t num_streams, const float* attention, float* scores,
                          float* stream_max, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;
-  UpdateScoresKernel<<<num_streams, kThreads, 0, stream>>>(rule, lambda, streams, attention, scores,
-                                                           stream_max);
-  return cudaGetLastError();
+  return Launched([&] {
+    UpdateScoresKernel<<<num_streams, kThreads, 0, stream>>>(rule, lambda, streams, attention,
+                                                             scores, stream_max);
+  });
 }
 
 cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                       const float* stream_max, const int64_t* positions, float attention_weight,
                       uint8_t* keep, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;
-  SelectTopKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, stream_max, positions,
-                                                        attention_weight, keep);
-  return cudaGetLastError();
+  return Launched([&] {
+    SelectTopKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, stream_max, positions,
+                                                          attention_weight, keep);
+  });
 }
 
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;
-  SelectThresholdKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, threshold, keep);
-  return cudaGetLastError();
+  return Launched([&] {
+    SelectThresholdKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, threshold, keep);
+  });
 }
 
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
                          cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;
-  CompactSlotsKernel<<<num_streams, kThreads, 0, stream>>>(streams, keep, scores, positions,
-                                                           kept_index, kept);
-  return cudaGetLastError();
+  return Launched([&] {
+    CompactSlotsKernel<<<num_streams, kThreads, 0, stream>>>(streams, keep, scores, positions,
+                                                             kept_index, kept);
+  });
 }
 
 }  // namespace kvmem::kernels::cuda

@@ -1,8 +1,9 @@
 // The emulated CUDA runtime (cuda_runtime_api.h) and the kernels' launchers on their C++
-// reference twins.
+// reference twins, which report through the last-error record as the real ones do.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "cuda_runtime_api.h"
 #include "kernels/cuda_launch.h"
@@ -11,12 +12,21 @@ namespace {
 
 std::atomic<size_t> live{0};
 
+// The runtime's per-thread record of the last failed call: cudaGetLastError returns it and
+// clears it, and a launch reports through it (kernels::cuda::Launched).
+thread_local cudaError_t last_error = cudaSuccess;
+
+cudaError_t Record(cudaError_t e) {
+  if (e != cudaSuccess) last_error = e;
+  return e;
+}
+
 // Fresh "device" memory is not zero on a GPU: fill it with a pattern so that code relying on
 // zeros fails here too.
 cudaError_t Allocate(void** ptr, size_t bytes) {
-  if (bytes > kvmem::cuda_emulation::kDeviceBytes) return cudaErrorMemoryAllocation;
+  if (bytes > kvmem::cuda_emulation::kDeviceBytes) return Record(cudaErrorMemoryAllocation);
   *ptr = std::malloc(bytes == 0 ? 1 : bytes);
-  if (*ptr == nullptr) return cudaErrorMemoryAllocation;
+  if (*ptr == nullptr) return Record(cudaErrorMemoryAllocation);
   std::memset(*ptr, 0xa5, bytes);
   ++live;
   return cudaSuccess;
@@ -55,14 +65,16 @@ const char* cudaGetErrorName(cudaError_t error) {
 const char* cudaGetErrorString(cudaError_t error) {
   return error == cudaSuccess ? "no error" : "emulated CUDA runtime error";
 }
-cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaGetLastError() { return std::exchange(last_error, cudaSuccess); }
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int device) {
+  return Record(device == 0 ? cudaSuccess : cudaErrorInvalidDevice);
+}
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
-  if (device != 0) return cudaErrorInvalidDevice;
+  if (device != 0) return Record(cudaErrorInvalidDevice);
   std::memset(prop, 0, sizeof *prop);
   std::strcpy(prop->name, "emulated CUDA device (host memory)");
   for (int i = 0; i < 16; ++i) prop->uuid.bytes[i] = static_cast<char>(i * 17);
@@ -81,7 +93,7 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
-  if (bytes > 0 && (dst == nullptr || src == nullptr)) return cudaErrorInvalidValue;
+  if (bytes > 0 && (dst == nullptr || src == nullptr)) return Record(cudaErrorInvalidValue);
   std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
@@ -108,62 +120,64 @@ namespace kvmem::kernels::cuda {
 
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
                       cudaStream_t) {
-  CopyBatchRef(src, dst, ops, n);
-  return cudaSuccess;
+  return Launched([&] { CopyBatchRef(src, dst, ops, n); });
 }
 
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t) {
-  for (uint32_t i = 0; i < n; ++i) {
-    QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
-  }
-  return cudaSuccess;
+  return Launched([&] {
+    for (uint32_t i = 0; i < n; ++i) {
+      QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
+    }
+  });
 }
 
 cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
                              const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
                              cudaStream_t) {
-  for (uint32_t i = 0; i < n; ++i) {
-    DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem, out + ops[i].k_out,
-                       out + ops[i].v_out);
-  }
-  return cudaSuccess;
+  return Launched([&] {
+    for (uint32_t i = 0; i < n; ++i) {
+      DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem, out + ops[i].k_out,
+                         out + ops[i].v_out);
+    }
+  });
 }
 
 cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
                          uint32_t num_streams, const float* attention, float* scores,
                          float* stream_max, cudaStream_t) {
-  UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
-  return cudaSuccess;
+  return Launched(
+      [&] { UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max); });
 }
 
 cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                       const float* stream_max, const int64_t* positions, float attention_weight,
                       uint8_t* keep, cudaStream_t) {
-  SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
-  return cudaSuccess;
+  return Launched([&] {
+    SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
+  });
 }
 
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t) {
-  SelectThresholdRef(streams, num_streams, scores, threshold, keep);
-  return cudaSuccess;
+  return Launched([&] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
 }
 
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
                          cudaStream_t) {
-  CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
-  return cudaSuccess;
+  return Launched(
+      [&] { CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept); });
 }
 
 cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         const uint32_t* kept_index, const uint32_t* kept,
                         const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
                         uint8_t* base, uint32_t* blocks_used, cudaStream_t) {
-  CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
-                 blocks_used);
-  return cudaSuccess;
+  return Launched([&] {
+    CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
+                   blocks_used);
+  });
 }
 
 }  // namespace kvmem::kernels::cuda

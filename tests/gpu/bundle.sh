@@ -2,11 +2,12 @@
 # Packs what the GPU machine cannot build (it has CUDA and CMake but none of Debian's -dev
 # packages): the CUDA backend's gtest programs, kvmemd and the engine step benchmark, built
 # here against Debian's gRPC/abseil/protobuf, plus every shared library they load that is
-# not the C/C++ runtime or the driver, into gpu-bundle/ (ignored by git). Carry it with the
-# device run (carry: ["gpu-bundle"]); tests/gpu/run.sh then runs it after the parity tests.
+# not the C/C++ runtime or the driver, into gpu-bundle/ (ignored by git); also gpu_parity
+# and gpu_bench, so that the GPU machine spends its minutes running, not compiling. Carry it
+# with the device run (carry: ["gpu-bundle"]); tests/gpu/run.sh then uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-targets=(cuda_backend_test cuda_attach_test kvmemd policy_step_bench)
+targets=(cuda_backend_test cuda_attach_test kvmemd policy_step_bench gpu_parity gpu_bench)
 cmake --build build -j "${KVMEM_JOBS:-2}" --target "${targets[@]}"
 rm -rf gpu-bundle
 mkdir -p gpu-bundle/bin gpu-bundle/lib

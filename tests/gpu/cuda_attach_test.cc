@@ -63,7 +63,12 @@ TEST(CudaAttachTest, WorkerReadsBlocksInPlaceOnTheSameGpu) {
     step.logit_stats = client::LogitStats{2.0f + (t % 3), 0.5f, 0.1f, {}};
     for (const client::StreamTable& st : table.streams) {
       std::vector<float> row(st.positions.size());
-      for (float& a : row) a = e(rng);
+      float sum = 0;
+      for (float& a : row) {
+        a = e(rng);
+        sum += a;
+      }
+      for (float& a : row) a /= sum;  // a softmax row: each weight in [0, 1]
       step.attention.push_back({st.layer, st.kv_head, std::move(row)});
     }
     auto r = client->Step(id, step);

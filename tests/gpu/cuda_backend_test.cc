@@ -120,6 +120,24 @@ TEST_F(CudaBackendParity, WritesMovesQuantizeAndReadsMatchTheCpuBackend) {
   EXPECT_EQ(cuda_->Move({&bad, 1}).code(), absl::StatusCode::kInternal);
 }
 
+// A failed runtime call leaves a per-thread record that cudaGetLastError hands back, and a
+// launch reports its errors through that call: a pool that did not fit must not fail the
+// next good write of the thread (found on the first GPU run: the parity test's write after
+// the too-large pool of the test before it).
+TEST_F(CudaBackendParity, AFailedAllocationDoesNotFailTheNextLaunch) {
+  auto huge = CudaBackend::Create(uint64_t{1} << 50);
+  ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  std::vector<uint8_t> data(4096), back(4096);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7);
+  WriteOp w{data.data(), 512, data.size()};
+  ASSERT_TRUE(cuda_->Write({&w, 1}).ok());
+  MoveOp m{512, 8192, data.size()};
+  ASSERT_TRUE(cuda_->Move({&m, 1}).ok());
+  ReadOp r{8192, back.data(), back.size()};
+  ASSERT_TRUE(cuda_->Read({&r, 1}).ok());
+  EXPECT_EQ(back, data);
+}
+
 TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
   // One scratch pool for every state, as a backend shares it among its sequences.

@@ -1,6 +1,8 @@
 // GPU parity: every CUDA kernel against its C++ reference on random inputs. Needs CUDA and
 // CMake only (no GoogleTest here: tests/gpu/run.sh builds on bare GPU machines). Exits 0
 // when all checks pass, 1 on a mismatch, 77 (skipped) when no CUDA device is present.
+// Arguments name the groups to run (move, quant, select, compact); none runs them all
+// (tests/gpu/run.sh runs select and compact again under racecheck).
 //
 // Tolerances: none. Every kernel is specified bit for bit (copies, compaction, selection
 // keys with unfused f32 arithmetic, quantization with IEEE division and round-half-even),
@@ -103,6 +105,9 @@ void Quantization() {
           float x = normal(rng);
           if (i % 97 == 0) x = 0;
           if (i % 1013 == 0) x *= 1000;
+          // Non-finite values (quantize.h's rule): NaN, +Inf, -Inf now and then.
+          if (i % 331 == 0) x = std::nanf("");
+          if (i % 577 == 0) x = std::copysign(INFINITY, x);
           StoreElem(pool.data(), i, elem, x);
         }
         // A zero channel in block 0 (scale 0 decodes to 0).
@@ -285,7 +290,23 @@ void RowCompaction() {
 }  // namespace
 }  // namespace kvmem::kernels
 
-int main() {
+int main(int argc, char** argv) {
+  const auto named = [](int count, const char* const* names, const char* group) {
+    for (int i = 0; i < count; ++i) {
+      if (std::strcmp(names[i], group) == 0) return true;
+    }
+    return false;
+  };
+  const auto wanted = [&](const char* group) {
+    return argc == 1 || named(argc - 1, argv + 1, group);
+  };
+  const char* groups[] = {"move", "quant", "select", "compact"};
+  for (int i = 1; i < argc; ++i) {
+    if (!named(4, groups, argv[i])) {
+      std::printf("gpu parity: unknown group '%s' (move, quant, select, compact)\n", argv[i]);
+      return 2;
+    }
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("gpu parity: no CUDA device, skipped\n");
@@ -295,10 +316,10 @@ int main() {
   cudaGetDeviceProperties(&prop, 0);
   std::printf("gpu parity on %s (sm_%d%d)\n", prop.name, prop.major, prop.minor);
   using namespace kvmem::kernels;
-  MoveBatches();
-  Quantization();
-  Selection();
-  RowCompaction();
+  if (wanted("move")) MoveBatches();
+  if (wanted("quant")) Quantization();
+  if (wanted("select")) Selection();
+  if (wanted("compact")) RowCompaction();
   std::printf("gpu parity: %d checks, %d mismatches\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

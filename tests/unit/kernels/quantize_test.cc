@@ -2,6 +2,7 @@
 #include "kernels/quantize.h"
 
 #include <cmath>
+#include <limits>
 #include <random>
 #include <set>
 #include <vector>
@@ -113,6 +114,66 @@ TEST(QuantizeTest, Nf4UsesExactlyTheSixteenCodes) {
   EXPECT_EQ(seen.size(), 16u);
   // V (all zeros) decodes to exactly zero.
   for (float vv : v) EXPECT_EQ(vv, 0.0f);
+}
+
+// NaN and +-Inf in a block (an f16 overflow in the model): the other values decode exactly
+// as without them, NaN decodes to 0, +-Inf to +-(the largest code) times the scale of the
+// finite values. Before this rule an Inf made its channel's scale Inf and every other value
+// of the channel decoded to NaN, and a NaN's code was an undefined float-to-int cast (the
+// GPU and the CPU disagreed).
+TEST(QuantizeTest, NonFiniteValuesStayInTheirSlot) {
+  constexpr uint32_t B = 16, D = 80;
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Odd {
+    uint32_t plane, t, c;
+    float x;
+  };
+  const Odd odd[] = {{0, 3, 5, std::nanf("")}, {0, 7, 5, inf}, {1, 2, 70, -inf}, {1, 9, 0, inf}};
+  for (QuantType type : {QuantType::kInt8, QuantType::kInt4, QuantType::kNF4}) {
+    for (ElemType elem : {ElemType::kF32, ElemType::kF16, ElemType::kBF16}) {
+      SCOPED_TRACE(testing::Message() << "type " << int(type) << " elem " << int(elem));
+      const QuantGeometry g{type, B, D};
+      std::vector<float> x = Gaussian(2ull * B * D, 5);
+      std::vector<uint8_t> clean(x.size() * ElemBytes(elem)), src(clean.size());
+      for (size_t i = 0; i < x.size(); ++i) StoreElem(clean.data(), i, elem, x[i]);
+      src = clean;
+      for (const Odd& o : odd) {
+        const uint64_t i = (uint64_t{o.plane} * B + o.t) * D + o.c;
+        StoreElem(src.data(), i, elem, o.x);
+        StoreElem(clean.data(), i, elem, 0.0f);  // contributes nothing to a scale either
+      }
+      std::vector<uint8_t> block(g.block_bytes()), clean_block(g.block_bytes());
+      QuantizeBlockRef(src.data(), elem, g, 0, B, block.data());
+      QuantizeBlockRef(clean.data(), elem, g, 0, B, clean_block.data());
+      std::vector<float> out(2 * B * D), clean_out(2 * B * D);
+      DequantizeBlockRef(block.data(), g, 0, B, ElemType::kF32, out.data(), out.data() + B * D);
+      DequantizeBlockRef(clean_block.data(), g, 0, B, ElemType::kF32, clean_out.data(),
+                         clean_out.data() + B * D);
+      for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out[i])) << i;
+      for (const Odd& o : odd) {
+        const uint64_t i = (uint64_t{o.plane} * B + o.t) * D + o.c;
+        float expected = 0;
+        if (!std::isnan(o.x)) {
+          // The scale over the finite values: the channel (int8/int4) or the slot's group of
+          // 64 (nf4), from the values the block held.
+          float absmax = 0;
+          for (uint32_t t = 0; t < B; ++t) {
+            for (uint32_t c = 0; c < D; ++c) {
+              const bool same = type == QuantType::kNF4 ? t == o.t && c / 64 == o.c / 64 : c == o.c;
+              const uint64_t j = (uint64_t{o.plane} * B + t) * D + c;
+              if (same) absmax = std::max(absmax, std::fabs(LoadElem(clean.data(), j, elem)));
+            }
+          }
+          const float qmax = type == QuantType::kInt8 ? 127.0f : 7.0f;
+          expected = type == QuantType::kNF4 ? absmax : qmax * (absmax / qmax);
+          if (o.x < 0) expected = -expected;
+        }
+        EXPECT_EQ(out[i], expected) << "plane " << o.plane << " slot " << o.t << " channel " << o.c;
+        out[i] = clean_out[i] = 0;
+      }
+      EXPECT_EQ(out, clean_out);
+    }
+  }
 }
 
 TEST(QuantizeTest, GeometryKeepsScalesAligned) {
