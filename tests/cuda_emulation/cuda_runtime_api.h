@@ -1,10 +1,11 @@
 #pragma once
 // An emulated CUDA runtime for testing the CUDA backend's host code on machines without a
 // GPU (CI): just the part of the runtime API that server/store/cuda_*.cc use, with "device"
-// memory in host memory, copies as memcpy, streams that complete at once, and the kernels'
-// launchers (kernels/cuda_launch.h) running their C++ reference twins (runtime.cc). It
-// checks the orchestration — staging, op lists, offsets, waves, leases, error paths — not
-// the kernels: tests/gpu/parity.cc does that on a real GPU. Never linked into kvmemd.
+// memory in host memory, copies as memcpy, streams that run their queued work only when it
+// is waited for, a per-thread last-error record, and the kernels' launchers
+// (kernels/cuda_launch.h) queueing their C++ reference twins (runtime.cc). It checks the
+// orchestration — staging, op lists, offsets, waves, leases, waits, error paths — not the
+// kernels: tests/gpu/parity.cc does that on a real GPU. Never linked into kvmemd.
 #include <cstddef>
 
 enum cudaError_t {

@@ -1,6 +1,10 @@
 // Only under the emulated runtime: every device and pinned allocation the CUDA backend makes
 // (pool, staging, op lists, slot states, their scratch pool) is given back when the engine
-// and the backend go, including after forks, compressions and growth.
+// and the backend go, including after forks, compressions and growth; and the emulation's
+// streams are asynchronous, so the backend's tests see a missing wait.
+#include <cstring>
+#include <vector>
+
 #include "cuda_runtime_api.h"
 #include "gtest/gtest.h"
 #include "server/engine/engine.h"
@@ -30,6 +34,41 @@ TEST(CudaEmulationTest, EveryAllocationIsGivenBack) {
     // b is left for the engine's destructor to release.
   }
   EXPECT_EQ(cuda_emulation::LiveAllocations(), before);
+}
+
+// A copy into pinned memory lands when its stream is waited for, not before; a copy from
+// pageable memory takes the bytes when called (the real runtime's rules). Without this the
+// backend's tests could not see a result read before its stream is synchronized (tried:
+// dropping CudaBackend::Read's wait, or the slot state's wait after a step, fails the
+// backend's or the slot state's test and all 7 engine cases).
+TEST(CudaEmulationTest, StreamsRunTheirWorkWhenWaitedFor) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  uint8_t* device = nullptr;
+  uint8_t* pinned = nullptr;
+  ASSERT_EQ(cudaMalloc(&device, 64), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&pinned, 64), cudaSuccess);
+  std::vector<uint8_t> pageable(64, 7);
+  ASSERT_EQ(cudaMemcpyAsync(device, pageable.data(), 64, cudaMemcpyHostToDevice, stream),
+            cudaSuccess);
+  pageable.assign(64, 9);  // too late to change what was sent
+  std::memset(pinned, 1, 64);
+  ASSERT_EQ(cudaMemcpyAsync(pinned, device, 64, cudaMemcpyDeviceToHost, stream), cudaSuccess);
+  EXPECT_EQ(pinned[0], 1);  // queued, not done
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(pinned[0], 7);
+  EXPECT_EQ(pinned[63], 7);
+  // Into pageable memory the call returns once the copy (and the stream's work before it)
+  // is done.
+  ASSERT_EQ(cudaMemcpyAsync(device, pinned, 1, cudaMemcpyHostToDevice, stream), cudaSuccess);
+  pinned[0] = 5;  // pinned: read when the stream gets there
+  ASSERT_EQ(cudaMemcpyAsync(pageable.data(), device, 64, cudaMemcpyDeviceToHost, stream),
+            cudaSuccess);
+  EXPECT_EQ(pageable[0], 5);
+  EXPECT_EQ(pageable[1], 7);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaFree(device), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 }  // namespace

@@ -1,12 +1,39 @@
 // The emulated CUDA runtime (cuda_runtime_api.h) and the kernels' launchers on their C++
 // reference twins, which report through the last-error record as the real ones do.
+//
+// Streams are asynchronous here too: the work queued on a stream (copies, launches) runs
+// only when something waits for it — cudaStreamSynchronize, cudaFree/cudaFreeHost (which
+// wait for the whole device), the stream's destruction — as a GPU may run it late. Host code
+// that reads a result before it waits, or reuses a buffer a queued copy still reads, sees the
+// wrong bytes here as it would on a GPU. The runtime's own rules for pageable host memory are
+// kept: cudaMemcpyAsync from pageable memory takes the bytes when called, into pageable
+// memory it returns once the copy is done; only pinned memory (cudaMallocHost) is read and
+// written when the stream gets to the copy.
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
 #include <utility>
+#include <vector>
 
 #include "cuda_runtime_api.h"
 #include "kernels/cuda_launch.h"
+
+// A stream: its queued work, run in order when waited for.
+struct CUstream_st {
+  std::mutex mu;
+  std::vector<std::function<void()>> work;
+
+  void Run() {
+    std::lock_guard<std::mutex> lock(mu);
+    for (std::function<void()>& f : work) f();
+    work.clear();
+  }
+};
 
 namespace {
 
@@ -21,6 +48,37 @@ cudaError_t Record(cudaError_t e) {
   return e;
 }
 
+std::mutex registry_mu;
+std::set<cudaStream_t> streams;      // live streams
+std::map<uintptr_t, size_t> pinned;  // cudaMallocHost allocations: begin -> bytes
+
+bool IsPinned(const void* p) {
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = pinned.upper_bound(at);
+  return it != pinned.begin() && at < std::prev(it)->first + std::prev(it)->second;
+}
+
+// Work on `stream`, or at once on the legacy default stream (nullptr).
+void Enqueue(cudaStream_t stream, std::function<void()> f) {
+  if (stream == nullptr) {
+    f();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(stream->mu);
+  stream->work.push_back(std::move(f));
+}
+
+// What a device-wide synchronization does: every stream's queued work runs.
+void RunAllStreams() {
+  std::vector<cudaStream_t> all;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    all.assign(streams.begin(), streams.end());
+  }
+  for (cudaStream_t s : all) s->Run();
+}
+
 // Fresh "device" memory is not zero on a GPU: fill it with a pattern so that code relying on
 // zeros fails here too.
 cudaError_t Allocate(void** ptr, size_t bytes) {
@@ -33,7 +91,12 @@ cudaError_t Allocate(void** ptr, size_t bytes) {
 }
 
 cudaError_t Release(void* ptr) {
+  RunAllStreams();  // cudaFree and cudaFreeHost wait for the device
   if (ptr != nullptr) {
+    {
+      std::lock_guard<std::mutex> lock(registry_mu);
+      pinned.erase(reinterpret_cast<uintptr_t>(ptr));
+    }
     std::free(ptr);
     --live;
   }
@@ -85,7 +148,14 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   return cudaSuccess;
 }
 cudaError_t cudaMalloc(void** ptr, size_t bytes) { return Allocate(ptr, bytes); }
-cudaError_t cudaMallocHost(void** ptr, size_t bytes) { return Allocate(ptr, bytes); }
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
+  const cudaError_t e = Allocate(ptr, bytes);
+  if (e == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    pinned[reinterpret_cast<uintptr_t>(*ptr)] = bytes;
+  }
+  return e;
+}
 cudaError_t cudaFree(void* ptr) { return Release(ptr); }
 cudaError_t cudaFreeHost(void* ptr) { return Release(ptr); }
 cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
@@ -98,18 +168,41 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind)
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t) {
-  return cudaMemcpy(dst, src, bytes, kind);
+                            cudaStream_t stream) {
+  if (bytes > 0 && (dst == nullptr || src == nullptr)) return Record(cudaErrorInvalidValue);
+  if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst)) {  // returns once the copy is done
+    if (stream != nullptr) stream->Run();
+    std::memcpy(dst, src, bytes);
+    return cudaSuccess;
+  }
+  if (kind == cudaMemcpyHostToDevice && !IsPinned(src)) {  // the bytes are taken now
+    auto taken = std::make_shared<std::vector<uint8_t>>(static_cast<const uint8_t*>(src),
+                                                        static_cast<const uint8_t*>(src) + bytes);
+    Enqueue(stream, [dst, taken] { std::memcpy(dst, taken->data(), taken->size()); });
+    return cudaSuccess;
+  }
+  Enqueue(stream, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
-  *stream = reinterpret_cast<cudaStream_t>(new char);
+  *stream = new CUstream_st;
+  std::lock_guard<std::mutex> lock(registry_mu);
+  streams.insert(*stream);
   return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  delete reinterpret_cast<char*>(stream);
+  stream->Run();  // the queued work still completes
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    streams.erase(stream);
+  }
+  delete stream;
   return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  if (stream != nullptr) stream->Run();
+  return cudaSuccess;
+}
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   std::memset(handle, 0, sizeof *handle);
   std::memcpy(handle->reserved, &ptr, sizeof ptr);
@@ -119,64 +212,80 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
 namespace kvmem::kernels::cuda {
 
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
-                      cudaStream_t) {
-  return Launched([&] { CopyBatchRef(src, dst, ops, n); });
+                      cudaStream_t stream) {
+  return Launched([&] { Enqueue(stream, [=] { CopyBatchRef(src, dst, ops, n); }); });
 }
 
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
-                           const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t) {
+                           const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
   return Launched([&] {
-    for (uint32_t i = 0; i < n; ++i) {
-      QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
-    }
+    Enqueue(stream, [=] {
+      for (uint32_t i = 0; i < n; ++i) {
+        QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
+      }
+    });
   });
 }
 
 cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
                              const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
-                             cudaStream_t) {
+                             cudaStream_t stream) {
   return Launched([&] {
-    for (uint32_t i = 0; i < n; ++i) {
-      DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem, out + ops[i].k_out,
-                         out + ops[i].v_out);
-    }
+    Enqueue(stream, [=] {
+      for (uint32_t i = 0; i < n; ++i) {
+        DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem,
+                           out + ops[i].k_out, out + ops[i].v_out);
+      }
+    });
   });
 }
 
 cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
                          uint32_t num_streams, const float* attention, float* scores,
-                         float* stream_max, cudaStream_t) {
-  return Launched(
-      [&] { UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max); });
+                         float* stream_max, cudaStream_t stream) {
+  return Launched([&] {
+    Enqueue(stream, [=] {
+      UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
+    });
+  });
 }
 
 cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                       const float* stream_max, const int64_t* positions, float attention_weight,
-                      uint8_t* keep, cudaStream_t) {
+                      uint8_t* keep, cudaStream_t stream) {
   return Launched([&] {
-    SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
+    Enqueue(stream, [=] {
+      SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
+    });
   });
 }
 
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
-                            const float* threshold, uint8_t* keep, cudaStream_t) {
-  return Launched([&] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
+                            const float* threshold, uint8_t* keep, cudaStream_t stream) {
+  return Launched([&] {
+    Enqueue(stream, [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
+  });
 }
 
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
-                         cudaStream_t) {
-  return Launched(
-      [&] { CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept); });
+                         cudaStream_t stream) {
+  return Launched([&] {
+    Enqueue(stream, [=] {
+      CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
+    });
+  });
 }
 
 cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         const uint32_t* kept_index, const uint32_t* kept,
                         const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
-                        uint8_t* base, uint32_t* blocks_used, cudaStream_t) {
+                        uint8_t* base, uint32_t* blocks_used, cudaStream_t stream) {
   return Launched([&] {
-    CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
-                   blocks_used);
+    Enqueue(stream, [=] {
+      CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
+                     blocks_used);
+    });
   });
 }
 
