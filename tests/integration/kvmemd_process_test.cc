@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -399,6 +400,58 @@ TEST(KvmemdProcessTest, ClientKilledMidStreamAppendsNothing) {
   EXPECT_EQ(kvmem::testing::WaitExit(child), 128 + SIGKILL);
   ExpectNothingAppendedThenPrefillWorks(*stub, id);
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
+}
+
+// The child side of ADaemonEndsWithTheTestThatStartedIt, run in a fresh process: starts a
+// kvmemd, sends its pid on the pipe, and ends without stopping it (as a test whose ASSERT
+// returned early, or that crashed).
+TEST(KvmemdProcessChild, DISABLED_StartsADaemonAndEnds) {
+  const char* fd = std::getenv("KVMEM_CHILD_FD");
+  if (fd == nullptr) GTEST_SKIP() << "child of a test only";
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH,
+      {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--drain-seconds=1", "--log-level=warn"});
+  const int out = std::atoi(fd);
+  if (d.port == 0 || write(out, &d.pid, sizeof d.pid) != sizeof d.pid) _exit(1);
+  _exit(0);
+}
+
+// A pid's process is gone or a zombie (an orphan is reaped by whoever adopts it, if at all).
+bool Ended(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return true;
+  char state = '?';
+  const int read = std::fscanf(f, "%*d (%*[^)]) %c", &state);
+  std::fclose(f);
+  return read == 1 && (state == 'Z' || state == 'X');
+}
+
+TEST(KvmemdProcessTest, ADaemonEndsWithTheTestThatStartedIt) {
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  const std::string fd = std::to_string(fds[1]);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(fds[0]);
+    setenv("KVMEM_CHILD_FD", fd.c_str(), 1);
+    execl("/proc/self/exe", "kvmemd_process_test",
+          "--gtest_filter=KvmemdProcessChild.DISABLED_StartsADaemonAndEnds",
+          "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(fds[1]);
+  pid_t daemon = -1;
+  const bool got = read(fds[0], &daemon, sizeof daemon) == sizeof daemon;
+  close(fds[0]);
+  EXPECT_EQ(kvmem::testing::WaitExit(child), 0);
+  ASSERT_TRUE(got) << "the child did not start a daemon";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!Ended(daemon) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const bool ended = Ended(daemon);
+  if (!ended) kill(daemon, SIGKILL);
+  EXPECT_TRUE(ended) << "kvmemd " << daemon << " outlived the test process that started it";
 }
 
 TEST(KvmemdProcessTest, SigtermFinishesAcceptedCallsAndRefusesNewOnes) {
