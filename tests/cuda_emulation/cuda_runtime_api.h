@@ -60,6 +60,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr);
+cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned int flags);
+cudaError_t cudaIpcCloseMemHandle(void* ptr);
+cudaError_t cudaGetDevice(int* device);
 
 // The runtime's typed conveniences (cuda_runtime.h has them as templates too).
 template <typename T>
@@ -72,6 +75,8 @@ cudaError_t cudaMallocHost(T** ptr, size_t bytes) {
 }
 
 namespace kvmem::cuda_emulation {
+// Devices visible (each thread has a current one, 0 to begin with); their UUIDs differ.
+inline constexpr int kDevices = 2;
 // Allocations larger than this fail as out of memory (the emulated device's size).
 inline constexpr size_t kDeviceBytes = size_t{16} << 30;
 // Live device allocations (leak checks in tests).

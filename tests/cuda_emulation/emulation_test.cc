@@ -2,11 +2,18 @@
 // (pool, staging, op lists, slot states, their scratch pool) is given back when the engine
 // and the backend go, including after forks, compressions and growth; and the emulation's
 // streams are asynchronous, so the backend's tests see a missing wait.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "cuda_runtime_api.h"
 #include "gtest/gtest.h"
+#include "kvmem/cuda_pool.h"
 #include "server/engine/engine.h"
 #include "server/store/cuda_backend.h"
 #include "tests/testing/engine_twins.h"
@@ -69,6 +76,52 @@ TEST(CudaEmulationTest, StreamsRunTheirWorkWhenWaitedFor) {
   EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
   EXPECT_EQ(cudaFree(device), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The client's same-GPU attach in a worker's process: it opens the handle on the pool's GPU
+// and leaves the worker's current device as it was; when it fails, the runtime's error
+// record is cleared too (the worker's next launch check would report it as its own).
+TEST(CudaEmulationTest, AttachLeavesTheWorkersDeviceAndErrorRecordAlone) {
+  const std::string board = "/kvmem-emulated-board-" + std::to_string(getpid());
+  const int fd = shm_open(board.c_str(), O_CREAT | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 1), cudaSuccess);
+  client::Info info;
+  info.backend = "cuda";
+  info.epoch_board_name = board;
+  info.epoch_stride = 64;
+  info.epoch_slots = 64;
+  for (char c : prop.uuid.bytes) {
+    absl::StrAppend(&info.cuda_device_uuid,
+                    absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+  }
+  info.cuda_pool_bytes = 4096;
+  info.cuda_ipc_handle.assign(sizeof(cudaIpcMemHandle_t), '\0');  // a handle of nothing
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto failed = client::CudaPool::Attach(info);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  int current = -1;
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0);
+
+  uint8_t* pool = nullptr;
+  ASSERT_EQ(cudaMalloc(&pool, 4096), cudaSuccess);
+  cudaIpcMemHandle_t handle;
+  ASSERT_EQ(cudaIpcGetMemHandle(&handle, pool), cudaSuccess);
+  info.cuda_ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+  auto attached = client::CudaPool::Attach(info);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ((*attached)->device(), 1);
+  EXPECT_EQ((*attached)->device_base(), pool);
+  ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+  EXPECT_EQ(current, 0);
+  attached->reset();
+  EXPECT_EQ(cudaFree(pool), cudaSuccess);
+  shm_unlink(board.c_str());
 }
 
 }  // namespace

@@ -42,6 +42,7 @@ std::atomic<size_t> live{0};
 // The runtime's per-thread record of the last failed call: cudaGetLastError returns it and
 // clears it, and a launch reports through it (kernels::cuda::Launched).
 thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device = 0;
 
 cudaError_t Record(cudaError_t e) {
   if (e != cudaSuccess) last_error = e;
@@ -130,17 +131,27 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 cudaError_t cudaGetLastError() { return std::exchange(last_error, cudaSuccess); }
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  *count = kvmem::cuda_emulation::kDevices;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
-  return Record(device == 0 ? cudaSuccess : cudaErrorInvalidDevice);
+  if (device < 0 || device >= kvmem::cuda_emulation::kDevices) {
+    return Record(cudaErrorInvalidDevice);
+  }
+  current_device = device;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* device) {
+  *device = current_device;
+  return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
-  if (device != 0) return Record(cudaErrorInvalidDevice);
+  if (device < 0 || device >= kvmem::cuda_emulation::kDevices) {
+    return Record(cudaErrorInvalidDevice);
+  }
   std::memset(prop, 0, sizeof *prop);
   std::strcpy(prop->name, "emulated CUDA device (host memory)");
-  for (int i = 0; i < 16; ++i) prop->uuid.bytes[i] = static_cast<char>(i * 17);
+  for (int i = 0; i < 16; ++i) prop->uuid.bytes[i] = static_cast<char>(i * 17 + device);
   return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
@@ -208,6 +219,12 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
   std::memcpy(handle->reserved, &ptr, sizeof ptr);
   return cudaSuccess;
 }
+// Same process only: the handle carries the pointer; a handle of nothing fails.
+cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned int) {
+  std::memcpy(ptr, handle.reserved, sizeof *ptr);
+  return *ptr == nullptr ? Record(cudaErrorInvalidValue) : cudaSuccess;
+}
+cudaError_t cudaIpcCloseMemHandle(void*) { return cudaSuccess; }
 
 namespace kvmem::kernels::cuda {
 

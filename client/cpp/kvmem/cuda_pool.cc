@@ -9,8 +9,12 @@
 namespace kvmem::client {
 namespace {
 
+// A failed call's error is returned as a status, and the runtime's per-thread record of it
+// is cleared: the worker's own next launch check (cudaGetLastError after a kernel, as
+// PyTorch does) would otherwise report this library's failure as its kernel's.
 absl::Status Cuda(cudaError_t e, absl::string_view what) {
   if (e == cudaSuccess) return absl::OkStatus();
+  (void)cudaGetLastError();
   const std::string message =
       absl::StrCat("cuda_ipc: ", what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
   if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
@@ -25,7 +29,7 @@ absl::StatusOr<int> DeviceWithUuid(const std::string& uuid) {
   if (absl::Status s = Cuda(cudaGetDeviceCount(&count), "device count"); !s.ok()) return s;
   for (int d = 0; d < count; ++d) {
     cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) continue;
+    if (!Cuda(cudaGetDeviceProperties(&prop, d), "device properties").ok()) continue;
     std::string hex;
     for (char c : prop.uuid.bytes) {
       absl::StrAppend(&hex, absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
@@ -51,14 +55,21 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   pool->epochs_ = *std::move(epochs);
+  // The handle opens on the pool's GPU; the caller's current device is left as it was.
+  int current = 0;
+  if (absl::Status s = Cuda(cudaGetDevice(&current), "current device"); !s.ok()) return s;
   if (absl::Status s = Cuda(cudaSetDevice(*device), "set device"); !s.ok()) return s;
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, info.cuda_ipc_handle.data(), sizeof handle);
   void* base = nullptr;
-  if (absl::Status s = Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-                            "open the pool's handle");
-      !s.ok()) {
-    return s;
+  const absl::Status opened =
+      Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+           "open the pool's handle");
+  const absl::Status restored = Cuda(cudaSetDevice(current), "restore the current device");
+  if (!opened.ok()) return opened;
+  if (!restored.ok()) {
+    (void)Cuda(cudaIpcCloseMemHandle(base), "close the pool's handle");
+    return restored;
   }
   pool->device_ = *device;
   pool->base_ = static_cast<const uint8_t*>(base);
@@ -67,7 +78,9 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
 }
 
 CudaPool::~CudaPool() {
-  if (base_ != nullptr) (void)cudaIpcCloseMemHandle(const_cast<uint8_t*>(base_));
+  if (base_ != nullptr) {
+    (void)Cuda(cudaIpcCloseMemHandle(const_cast<uint8_t*>(base_)), "close the pool's handle");
+  }
 }
 
 absl::Status CudaPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {
