@@ -81,4 +81,11 @@ inline constexpr int kDevices = 2;
 inline constexpr size_t kDeviceBytes = size_t{16} << 30;
 // Live device allocations (leak checks in tests).
 size_t LiveAllocations();
+// Since the start: the host's waits for the device (stream synchronizations, copies into
+// pageable memory, synchronous copies, frees), the copies between host and device, and the
+// kernel launches.
+struct Counts {
+  size_t waits, transfers, launches;
+};
+Counts Count();
 }  // namespace kvmem::cuda_emulation

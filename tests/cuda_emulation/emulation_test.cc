@@ -6,7 +6,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -76,6 +79,59 @@ TEST(CudaEmulationTest, StreamsRunTheirWorkWhenWaitedFor) {
   EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
   EXPECT_EQ(cudaFree(device), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// What one decode token (Append of one token, then Step) costs a GPU beyond its work, in
+// the steady state of confkv: the host's waits for the device and the copies between them
+// (kernel launches vary with the K/V moves' waves: two per wave). On the H200 run
+// (bench/RESULTS.md) the device step took 224 us per step for SmolLM2's shape, which is
+// these round trips, not GPU work; the numbers are ceilings, so that one more wait on the
+// decode path fails here and fewer pass.
+TEST(CudaEmulationTest, ADecodeTokenWaitsForTheDeviceAFewTimes) {
+  struct Ceiling {
+    bool device_step;
+    size_t waits, transfers;
+  };
+  for (const Ceiling& most : {Ceiling{true, 5, 8}, Ceiling{false, 2, 3}}) {
+    SCOPED_TRACE(most.device_step ? "device step" : "host policy code");
+    FakeClock clock;
+    EngineConfig config;
+    config.pool_bytes = 32 << 20;
+    config.page_bytes = 4096;
+    config.device_step = most.device_step;
+    auto engine = *Engine::Create(config, *store::CudaBackend::Create(config.pool_bytes), &clock);
+    const Layout layout{twins::kL, twins::kH, twins::kD, DType::kF16, twins::kB, twins::kVocab};
+    const uint64_t id =
+        engine
+            ->CreateSequence(layout, "confkv", {{"c_high", 48}, {"c_low", 80}, {"protect", 8}}, {},
+                             {})
+            ->sequence_id;
+    ASSERT_TRUE(twins::Append(*engine, id, 0, 100).ok());
+    std::mt19937 rng(3);
+    size_t launches = 0;
+    for (int64_t t = 100; t < 140; ++t) {
+      const cuda_emulation::Counts start = cuda_emulation::Count();
+      ASSERT_TRUE(twins::Append(*engine, id, t, 1).ok());
+      const BlockTable table = *engine->GetBlockTable(id);  // host data only
+      const std::vector<std::vector<float>> rows = twins::Rows(table, rng);
+      StepInput in;
+      in.attention = twins::Signals(rows);
+      in.logits = RawLogitStats{2.0f, 0.5f, 0.1f, {}};
+      in.epoch = table.epoch;
+      absl::StatusOr<StepResult> r = engine->Step(id, in);
+      ASSERT_TRUE(r.ok()) << r.status();
+      const cuda_emulation::Counts end = cuda_emulation::Count();
+      if (t < 110) continue;  // past the first steps' growth
+      EXPECT_LE(end.waits - start.waits, most.waits) << "step " << t;
+      EXPECT_LE(end.transfers - start.transfers, most.transfers) << "step " << t;
+      launches = std::max(launches, end.launches - start.launches);
+      if (t == 139) {
+        std::printf("%s: %zu waits, %zu transfers, up to %zu launches per decode token\n",
+                    most.device_step ? "device step" : "host policy", end.waits - start.waits,
+                    end.transfers - start.transfers, launches);
+      }
+    }
+  }
 }
 
 // The client's same-GPU attach in a worker's process: it opens the handle on the pool's GPU

@@ -38,6 +38,9 @@ struct CUstream_st {
 namespace {
 
 std::atomic<size_t> live{0};
+// What a step costs a GPU beyond its work: the times the host waits for the device, the
+// copies between them and the kernel launches (kvmem::cuda_emulation::Count).
+std::atomic<size_t> waits{0}, transfers{0}, launches{0};
 
 // The runtime's per-thread record of the last failed call: cudaGetLastError returns it and
 // clears it, and a launch reports through it (kernels::cuda::Launched).
@@ -70,6 +73,12 @@ void Enqueue(cudaStream_t stream, std::function<void()> f) {
   stream->work.push_back(std::move(f));
 }
 
+// A kernel: queued like any other work, and counted.
+void Launch(cudaStream_t stream, std::function<void()> f) {
+  ++launches;
+  Enqueue(stream, std::move(f));
+}
+
 // What a device-wide synchronization does: every stream's queued work runs.
 void RunAllStreams() {
   std::vector<cudaStream_t> all;
@@ -92,6 +101,7 @@ cudaError_t Allocate(void** ptr, size_t bytes) {
 }
 
 cudaError_t Release(void* ptr) {
+  ++waits;
   RunAllStreams();  // cudaFree and cudaFreeHost wait for the device
   if (ptr != nullptr) {
     {
@@ -108,6 +118,7 @@ cudaError_t Release(void* ptr) {
 
 namespace kvmem::cuda_emulation {
 size_t LiveAllocations() { return live.load(); }
+Counts Count() { return {waits.load(), transfers.load(), launches.load()}; }
 }  // namespace kvmem::cuda_emulation
 
 const char* cudaGetErrorName(cudaError_t error) {
@@ -173,15 +184,19 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   if (bytes > 0 && (dst == nullptr || src == nullptr)) return Record(cudaErrorInvalidValue);
+  if (kind != cudaMemcpyDeviceToDevice) ++transfers;
+  ++waits;
   std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream) {
   if (bytes > 0 && (dst == nullptr || src == nullptr)) return Record(cudaErrorInvalidValue);
+  if (kind != cudaMemcpyDeviceToDevice) ++transfers;
   if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst)) {  // returns once the copy is done
+    ++waits;
     if (stream != nullptr) stream->Run();
     std::memcpy(dst, src, bytes);
     return cudaSuccess;
@@ -211,6 +226,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  ++waits;
   if (stream != nullptr) stream->Run();
   return cudaSuccess;
 }
@@ -230,13 +246,13 @@ namespace kvmem::kernels::cuda {
 
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
                       cudaStream_t stream) {
-  return Launched([&] { Enqueue(stream, [=] { CopyBatchRef(src, dst, ops, n); }); });
+  return Launched([&] { Launch(stream, [=] { CopyBatchRef(src, dst, ops, n); }); });
 }
 
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
       }
@@ -248,7 +264,7 @@ cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem
                              const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
                              cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem,
                            out + ops[i].k_out, out + ops[i].v_out);
@@ -261,7 +277,7 @@ cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* stream
                          uint32_t num_streams, const float* attention, float* scores,
                          float* stream_max, cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
     });
   });
@@ -271,7 +287,7 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
                       const float* stream_max, const int64_t* positions, float attention_weight,
                       uint8_t* keep, cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
     });
   });
@@ -280,7 +296,7 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
+    Launch(stream, [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
   });
 }
 
@@ -288,7 +304,7 @@ cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
                          cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
     });
   });
@@ -299,7 +315,7 @@ cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
                         uint8_t* base, uint32_t* blocks_used, cudaStream_t stream) {
   return Launched([&] {
-    Enqueue(stream, [=] {
+    Launch(stream, [=] {
       CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
                      blocks_used);
     });
