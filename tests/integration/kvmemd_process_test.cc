@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -350,6 +351,26 @@ TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
 }
 
+// Runs test KvmemdProcessChild.`name` of this binary in a fresh process (a forked copy of a
+// process with gRPC threads could not use gRPC), with `env` and the pipe's write end as
+// KVMEM_CHILD_FD; closes that end here.
+pid_t StartChild(const char* name, const int fds[2],
+                 const std::vector<std::pair<std::string, std::string>>& env) {
+  const std::string filter = std::string("--gtest_filter=KvmemdProcessChild.") + name;
+  const std::string fd = std::to_string(fds[1]);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(fds[0]);
+    for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
+    setenv("KVMEM_CHILD_FD", fd.c_str(), 1);
+    execl("/proc/self/exe", "kvmemd_process_test", filter.c_str(),
+          "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(fds[1]);
+  return child;
+}
+
 // The child side of ClientKilledMidStreamAppendsNothing, run in a fresh process (a forked
 // copy of a process with gRPC threads could not use gRPC): streams three chunks of the
 // sequence named by the environment, says so on the pipe, then waits to be killed.
@@ -378,20 +399,9 @@ TEST(KvmemdProcessTest, ClientKilledMidStreamAppendsNothing) {
   const uint64_t id = CreateSequence(*stub);
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
-  const std::string port = std::to_string(d.port), sequence = std::to_string(id),
-                    fd = std::to_string(fds[1]);
-  const pid_t child = fork();
-  if (child == 0) {
-    close(fds[0]);
-    setenv("KVMEM_CHILD_PORT", port.c_str(), 1);
-    setenv("KVMEM_CHILD_SEQUENCE", sequence.c_str(), 1);
-    setenv("KVMEM_CHILD_FD", fd.c_str(), 1);
-    execl("/proc/self/exe", "kvmemd_process_test",
-          "--gtest_filter=KvmemdProcessChild.DISABLED_StreamsThreeChunksThenWaits",
-          "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(fds[1]);
+  const pid_t child = StartChild(
+      "DISABLED_StreamsThreeChunksThenWaits", fds,
+      {{"KVMEM_CHILD_PORT", std::to_string(d.port)}, {"KVMEM_CHILD_SEQUENCE", std::to_string(id)}});
   char wrote = 0;
   ASSERT_EQ(read(fds[0], &wrote, 1), 1) << "the streaming child did not start";
   close(fds[0]);
@@ -429,17 +439,7 @@ bool Ended(pid_t pid) {
 TEST(KvmemdProcessTest, ADaemonEndsWithTheTestThatStartedIt) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
-  const std::string fd = std::to_string(fds[1]);
-  const pid_t child = fork();
-  if (child == 0) {
-    close(fds[0]);
-    setenv("KVMEM_CHILD_FD", fd.c_str(), 1);
-    execl("/proc/self/exe", "kvmemd_process_test",
-          "--gtest_filter=KvmemdProcessChild.DISABLED_StartsADaemonAndEnds",
-          "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  close(fds[1]);
+  const pid_t child = StartChild("DISABLED_StartsADaemonAndEnds", fds, {});
   pid_t daemon = -1;
   const bool got = read(fds[0], &daemon, sizeof daemon) == sizeof daemon;
   close(fds[0]);
