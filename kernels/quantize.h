@@ -17,9 +17,11 @@
 //   int8 |x - x_hat| <= s_c / 2, int4 <= s_c / 2, nf4 <= s * (largest gap between codes) / 2.
 // A channel whose absmax is 0 gets scale 0 and decodes to exactly 0.
 // Non-finite inputs (an f16 overflow in the model, say; K/V bytes are not checked on the way
-// in): a scale is the absmax of the finite values only, NaN codes as 0 and +-Inf as the
-// largest code of its sign, so one such element decodes to 0 or to +-absmax instead of
-// turning every other value of its channel into NaN (Inf in the absmax would do that).
+// in): a scale is the absmax of the finite values only, NaN codes as 0 and +-Inf, when the
+// scale is above 0, as the largest code of its sign (else 0), so one such element decodes to
+// 0 or to about +-absmax instead of turning every other value of its channel into NaN (Inf
+// in the absmax would do that). An f32 channel whose absmax is within rounding of FLT_MAX
+// can still decode its largest code as +-Inf (q * s rounds up).
 #include <cmath>
 #include <cstdint>
 

@@ -93,22 +93,27 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
                      free_bytes, " of ", total_bytes, " bytes free)"));
   }
   if (absl::Status s = FromCuda(alloc, "pool allocation"); !s.ok()) return s;
-  if (absl::Status s = FromCuda(cudaMemset(b->pool_, 0, pool_bytes), "pool clear"); !s.ok()) {
+  b->buffers_ = std::make_unique<Buffers>();
+  if (absl::Status s = FromCuda(
+          cudaStreamCreateWithFlags(&b->buffers_->stream, cudaStreamNonBlocking), "stream");
+      !s.ok()) {
     return s;
   }
+  // On the backend's own stream, and waited for: a clear on the legacy default stream is
+  // not ordered before work on a non-blocking stream, and could zero the first writes.
+  if (absl::Status s =
+          FromCuda(cudaMemsetAsync(b->pool_, 0, pool_bytes, b->buffers_->stream), "pool clear");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = b->buffers_->Wait("pool clear"); !s.ok()) return s;
   cudaIpcMemHandle_t handle;
   if (cudaIpcGetMemHandle(&handle, b->pool_) == cudaSuccess) {
     b->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
   } else {
     (void)cudaGetLastError();  // no IPC on this platform: the pool is simply not exported
   }
-  b->buffers_ = std::make_unique<Buffers>();
   b->slot_scratch_ = MakeCudaScratchPool();
-  if (absl::Status s = FromCuda(
-          cudaStreamCreateWithFlags(&b->buffers_->stream, cudaStreamNonBlocking), "stream");
-      !s.ok()) {
-    return s;
-  }
   return b;
 }
 

@@ -350,6 +350,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   absl::Status ReserveCommit() override {
+    if (absl::Status s = Bind(); !s.ok()) return s;  // the scratch is allocated on our device
     const uint64_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     const uint64_t keep_host = Align16(S * C) + S * sizeof(StreamSlice);

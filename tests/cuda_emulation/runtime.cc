@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -55,6 +56,11 @@ cudaError_t Record(cudaError_t e) {
 std::mutex registry_mu;
 std::set<cudaStream_t> streams;      // live streams
 std::map<uintptr_t, size_t> pinned;  // cudaMallocHost allocations: begin -> bytes
+struct DeviceAllocation {
+  size_t bytes;
+  int device;
+};
+std::map<uintptr_t, DeviceAllocation> on_device;  // cudaMalloc allocations: begin -> them
 
 bool IsPinned(const void* p) {
   const auto at = reinterpret_cast<uintptr_t>(p);
@@ -63,14 +69,30 @@ bool IsPinned(const void* p) {
   return it != pinned.begin() && at < std::prev(it)->first + std::prev(it)->second;
 }
 
-// Work on `stream`, or at once on the legacy default stream (nullptr).
-void Enqueue(cudaStream_t stream, std::function<void()> f) {
-  if (stream == nullptr) {
-    f();
-    return;
+// The legacy default stream (nullptr): as late as the others, run by its own waits and by
+// the device-wide ones, never by a wait on a non-blocking stream (the only kind made here).
+CUstream_st legacy;
+
+// Whether every device pointer of a launch is memory of this thread's current device: a
+// kernel on one GPU that reads another's memory faults (the emulation makes that a launch
+// error). Pointers it does not know (nullptr, host memory) pass.
+bool OnCurrentDevice(std::initializer_list<const void*> pointers) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  for (const void* p : pointers) {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    auto it = on_device.upper_bound(at);
+    if (p == nullptr || it == on_device.begin()) continue;
+    --it;
+    if (at < it->first + it->second.bytes && it->second.device != current_device) return false;
   }
-  std::lock_guard<std::mutex> lock(stream->mu);
-  stream->work.push_back(std::move(f));
+  return true;
+}
+
+// Work on `stream` (nullptr: the legacy default stream).
+void Enqueue(cudaStream_t stream, std::function<void()> f) {
+  CUstream_st& s = stream == nullptr ? legacy : *stream;
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.work.push_back(std::move(f));
 }
 
 // A kernel: queued like any other work, and counted.
@@ -79,14 +101,12 @@ void Launch(cudaStream_t stream, std::function<void()> f) {
   Enqueue(stream, std::move(f));
 }
 
-// What a device-wide synchronization does: every stream's queued work runs.
+// What a device-wide synchronization does: every stream's queued work runs (under the
+// registry's lock, so that no stream is destroyed meanwhile; queued work takes no locks).
 void RunAllStreams() {
-  std::vector<cudaStream_t> all;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    all.assign(streams.begin(), streams.end());
-  }
-  for (cudaStream_t s : all) s->Run();
+  legacy.Run();
+  std::lock_guard<std::mutex> lock(registry_mu);
+  for (cudaStream_t s : streams) s->Run();
 }
 
 // Fresh "device" memory is not zero on a GPU: fill it with a pattern so that code relying on
@@ -101,12 +121,13 @@ cudaError_t Allocate(void** ptr, size_t bytes) {
 }
 
 cudaError_t Release(void* ptr) {
-  ++waits;
-  RunAllStreams();  // cudaFree and cudaFreeHost wait for the device
   if (ptr != nullptr) {
+    ++waits;
+    RunAllStreams();  // cudaFree and cudaFreeHost wait for the device
     {
       std::lock_guard<std::mutex> lock(registry_mu);
       pinned.erase(reinterpret_cast<uintptr_t>(ptr));
+      on_device.erase(reinterpret_cast<uintptr_t>(ptr));
     }
     std::free(ptr);
     --live;
@@ -169,7 +190,14 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = kvmem::cuda_emulation::kDeviceBytes;
   return cudaSuccess;
 }
-cudaError_t cudaMalloc(void** ptr, size_t bytes) { return Allocate(ptr, bytes); }
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  const cudaError_t e = Allocate(ptr, bytes);
+  if (e == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    on_device[reinterpret_cast<uintptr_t>(*ptr)] = {bytes == 0 ? 1 : bytes, current_device};
+  }
+  return e;
+}
 cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
   const cudaError_t e = Allocate(ptr, bytes);
   if (e == cudaSuccess) {
@@ -180,14 +208,19 @@ cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
 }
 cudaError_t cudaFree(void* ptr) { return Release(ptr); }
 cudaError_t cudaFreeHost(void* ptr) { return Release(ptr); }
-cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
-  std::memset(ptr, value, bytes);
+// Device memory: queued on its stream like a kernel (cudaMemset: the legacy one).
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+  Enqueue(stream, [ptr, value, bytes] { std::memset(ptr, value, bytes); });
   return cudaSuccess;
+}
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+  return cudaMemsetAsync(ptr, value, bytes, nullptr);
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   if (bytes > 0 && (dst == nullptr || src == nullptr)) return Record(cudaErrorInvalidValue);
   if (kind != cudaMemcpyDeviceToDevice) ++transfers;
   ++waits;
+  legacy.Run();  // a copy on the legacy stream, after its earlier work
   std::memcpy(dst, src, bytes);
   return cudaSuccess;
 }
@@ -197,7 +230,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (kind != cudaMemcpyDeviceToDevice) ++transfers;
   if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst)) {  // returns once the copy is done
     ++waits;
-    if (stream != nullptr) stream->Run();
+    (stream == nullptr ? legacy : *stream).Run();
     std::memcpy(dst, src, bytes);
     return cudaSuccess;
   }
@@ -227,7 +260,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   ++waits;
-  if (stream != nullptr) stream->Run();
+  (stream == nullptr ? legacy : *stream).Run();
   return cudaSuccess;
 }
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {
@@ -246,12 +279,24 @@ namespace kvmem::kernels::cuda {
 
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
                       cudaStream_t stream) {
-  return Launched([&] { Launch(stream, [=] { CopyBatchRef(src, dst, ops, n); }); });
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
+  return Launched([&] {
+    if (!OnCurrentDevice({src, dst, ops})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
+    Launch(stream, [=] { CopyBatchRef(src, dst, ops, n); });
+  });
 }
 
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({base, ops})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
@@ -263,7 +308,12 @@ cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
 cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem,
                              const DequantizeDeviceOp* ops, uint32_t n, uint8_t* out,
                              cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({base, ops, out})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem,
@@ -276,7 +326,12 @@ cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem
 cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* streams,
                          uint32_t num_streams, const float* attention, float* scores,
                          float* stream_max, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({streams, attention, scores, stream_max})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
     });
@@ -286,7 +341,12 @@ cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* stream
 cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                       const float* stream_max, const int64_t* positions, float attention_weight,
                       uint8_t* keep, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({streams, scores, stream_max, positions, keep})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
     });
@@ -295,7 +355,12 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
 
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({streams, scores, threshold, keep})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
   });
 }
@@ -303,7 +368,12 @@ cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, co
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,
                          float* scores, int64_t* positions, uint32_t* kept_index, uint32_t* kept,
                          cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice({streams, keep, scores, positions, kept_index, kept})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
     });
@@ -314,7 +384,13 @@ cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         const uint32_t* kept_index, const uint32_t* kept,
                         const uint64_t* block_offsets, const uint32_t* block_first, RowGeometry g,
                         uint8_t* base, uint32_t* blocks_used, cudaStream_t stream) {
+  if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
+    if (!OnCurrentDevice(
+            {streams, kept_index, kept, block_offsets, block_first, base, blocks_used})) {
+      Record(cudaErrorInvalidDevice);
+      return;
+    }
     Launch(stream, [=] {
       CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
                      blocks_used);

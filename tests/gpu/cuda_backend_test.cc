@@ -154,6 +154,24 @@ TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   }
 }
 
+// A commit's reservation allocates on the slot state's own device whatever device the
+// calling thread has current (kvmemd --cuda-device=1 on a gRPC thread that last worked for
+// device 0): single-token appends keep the shared scratch small, so the reservation for
+// 64 streams of 300 slots has to grow it, and the compaction's launch then reads it.
+TEST(CudaSlotStateTest, ReservesItsCommitOnItsOwnDevice) {
+  if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
+  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool());
+  ASSERT_TRUE(state.ok()) << state.status();
+  for (int64_t p = 0; p < 300; ++p) ASSERT_TRUE((*state)->Append({&p, 1}, 0.5f).ok());
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_TRUE((*state)->ReserveCommit().ok());
+  KeepSets keep(64, KeepSet::Range(1, 300));
+  absl::Status kept = (*state)->Keep(keep);
+  (*state)->EndCommit();
+  ASSERT_TRUE(kept.ok()) << kept;
+  EXPECT_EQ((*state)->length(63), 299u);
+}
+
 class CudaEngineTest : public ::testing::TestWithParam<engine::twins::Case> {};
 
 TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
@@ -168,6 +186,67 @@ TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
   config.device_step = false;
   auto on_host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
   engine::twins::RunTwinWorkload(*on_gpu, *on_host, GetParam());
+}
+
+// kvmemd --cuda-device=1 serves calls on gRPC threads whose current device is any other:
+// every call of the backend and its slot states must make its own device current before it
+// allocates or launches (a scratch buffer on device 0 read by a kernel on device 1 faults).
+// Here every call of the engine on device 1 comes while device 0 is current. The emulated
+// runtime has two devices and refuses a launch that touches another device's memory.
+TEST(CudaEngineOnSecondGpuTest, EveryCallWorksWhateverDeviceIsCurrent) {
+  if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
+  auto cuda = CudaBackend::Create(8 << 20, 1);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  engine::FakeClock clock;
+  engine::EngineConfig config;
+  config.pool_bytes = 8 << 20;
+  config.page_bytes = 4096;
+  auto gpu = *engine::Engine::Create(config, *std::move(cuda), &clock);
+  config.device_step = false;
+  auto host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
+  const auto away = [] { ASSERT_EQ(cudaSetDevice(0), cudaSuccess); };
+  const engine::Layout layout{engine::twins::kL,   engine::twins::kH, engine::twins::kD,
+                              engine::DType::kF16, engine::twins::kB, engine::twins::kVocab};
+  const policy::ParamOverrides params{{"c_high", 48}, {"c_low", 80}, {"protect", 8}};
+  const engine::QuantConfig quant{kernels::QuantType::kInt8, 24};
+  away();
+  const uint64_t g = gpu->CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
+  const uint64_t h = host->CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
+  away();
+  ASSERT_TRUE(engine::twins::Append(*gpu, g, 0, 120).ok());
+  ASSERT_TRUE(engine::twins::Append(*host, h, 0, 120).ok());
+  std::mt19937 rng(11);
+  {
+    const engine::BlockTable table = *host->GetBlockTable(h);
+    const std::vector<std::vector<float>> window = engine::twins::Rows(table, rng);
+    engine::CompressInput in;
+    in.window_scores = engine::twins::Signals(window);
+    in.epoch = table.epoch;
+    ASSERT_TRUE(host->Compress(h, in).ok());
+    in.epoch = gpu->GetBlockTable(g)->epoch;
+    away();
+    absl::StatusOr<engine::CompressResult> r = gpu->Compress(g, in);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  for (int64_t t = 120; t < 180; ++t) {
+    away();
+    ASSERT_TRUE(engine::twins::Append(*gpu, g, t, 1).ok());
+    ASSERT_TRUE(engine::twins::Append(*host, h, t, 1).ok());
+    const engine::BlockTable table = *host->GetBlockTable(h);
+    const std::vector<std::vector<float>> rows = engine::twins::Rows(table, rng);
+    engine::StepInput in;
+    in.attention = engine::twins::Signals(rows);
+    in.logits = engine::RawLogitStats{2.0f + (t % 3), 0.5f, 0.1f, {}};
+    in.epoch = table.epoch;
+    ASSERT_TRUE(host->Step(h, in).ok());
+    in.epoch = gpu->GetBlockTable(g)->epoch;
+    away();
+    absl::StatusOr<engine::StepResult> r = gpu->Step(g, in);
+    ASSERT_TRUE(r.ok()) << "step " << t << ": " << r.status();
+    engine::twins::ExpectSameTables(*gpu, g, *host, h, "step " + std::to_string(t));
+  }
+  away();
+  engine::twins::ExpectContent(*gpu, g, kernels::QuantType::kInt8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, CudaEngineTest, ::testing::ValuesIn(engine::twins::Cases()),

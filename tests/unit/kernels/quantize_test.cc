@@ -128,7 +128,11 @@ TEST(QuantizeTest, NonFiniteValuesStayInTheirSlot) {
     uint32_t plane, t, c;
     float x;
   };
-  const Odd odd[] = {{0, 3, 5, std::nanf("")}, {0, 7, 5, inf}, {1, 2, 70, -inf}, {1, 9, 0, inf}};
+  // NaN and +Inf in one K channel, -Inf in a V channel, and a V channel of nothing but Inf
+  // (its scale is 0: all of it decodes to 0).
+  std::vector<Odd> odd = {
+      {0, 3, 5, std::nanf("")}, {0, 7, 5, inf}, {1, 2, 70, -inf}, {1, 9, 0, inf}};
+  for (uint32_t t = 0; t < B; ++t) odd.push_back({1, t, 33, t % 2 ? inf : -inf});
   for (QuantType type : {QuantType::kInt8, QuantType::kInt4, QuantType::kNF4}) {
     for (ElemType elem : {ElemType::kF32, ElemType::kF16, ElemType::kBF16}) {
       SCOPED_TRACE(testing::Message() << "type " << int(type) << " elem " << int(elem));
