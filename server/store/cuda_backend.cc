@@ -113,11 +113,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
   } else {
     (void)cudaGetLastError();  // no IPC on this platform: the pool is simply not exported
   }
-  b->slot_scratch_ = MakeCudaScratchPool();
+  b->slot_scratch_ = MakeCudaScratchPool(device);
   return b;
 }
 
 CudaBackend::~CudaBackend() {
+  (void)cudaSetDevice(device_);  // its memory is freed on its own device
   buffers_.reset();
   if (pool_ != nullptr) cudaFree(pool_);
 }

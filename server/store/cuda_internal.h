@@ -33,9 +33,9 @@ inline uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
 // Per-call scratch of the slot states (device memory and pinned host memory), shared by all
 // sequences of a backend: a sequence holds only what persists between calls, and pinned
 // memory grows with the calls in flight, not with the sequences alive. Buffers are reused
-// and grown on demand (cuda_slot_state.cc).
+// and grown on demand, always on `device` (cuda_slot_state.cc).
 class CudaScratchPool;
-std::shared_ptr<CudaScratchPool> MakeCudaScratchPool();
+std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(int device);
 
 // A SlotState in device memory on `device` (cuda_slot_state.cc).
 absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(

@@ -48,11 +48,18 @@ class CudaScratchPool {
     Buffers b_;
   };
 
+  explicit CudaScratchPool(int device) : device_(device) {}
   ~CudaScratchPool() {
+    (void)cudaSetDevice(device_);
     for (Buffers& b : free_) Free(b);
   }
 
+  // On the pool's device, whichever the calling thread has current.
   absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes) {
+    if (absl::Status s = FromCuda(cudaSetDevice(device_), "slot state scratch: set device");
+        !s.ok()) {
+      return s;
+    }
     Buffers b;
     {
       kvmem::MutexLock lock(&mu_);
@@ -118,12 +125,13 @@ class CudaScratchPool {
     free_.push_back(b);
   }
 
+  const int device_;
   absl::Mutex mu_;
   std::vector<Buffers> free_ ABSL_GUARDED_BY(mu_);
 };
 
-std::shared_ptr<CudaScratchPool> MakeCudaScratchPool() {
-  return std::make_shared<CudaScratchPool>();
+std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(int device) {
+  return std::make_shared<CudaScratchPool>(device);
 }
 
 namespace {

@@ -95,8 +95,14 @@ void Enqueue(cudaStream_t stream, std::function<void()> f) {
   s.work.push_back(std::move(f));
 }
 
-// A kernel: queued like any other work, and counted.
-void Launch(cudaStream_t stream, std::function<void()> f) {
+// A kernel reading and writing `pointers`: refused (a launch error) when one of them is
+// another device's memory, else queued like any other work, and counted.
+void Launch(cudaStream_t stream, std::initializer_list<const void*> pointers,
+            std::function<void()> f) {
+  if (!OnCurrentDevice(pointers)) {
+    Record(cudaErrorInvalidDevice);
+    return;
+  }
   ++launches;
   Enqueue(stream, std::move(f));
 }
@@ -281,11 +287,7 @@ cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint3
                       cudaStream_t stream) {
   if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({src, dst, ops})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] { CopyBatchRef(src, dst, ops, n); });
+    Launch(stream, {src, dst, ops}, [=] { CopyBatchRef(src, dst, ops, n); });
   });
 }
 
@@ -293,11 +295,7 @@ cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({base, ops})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {base, ops}, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         QuantizeBlockRef(base + ops[i].src, elem, g, ops[i].start, ops[i].count, base + ops[i].dst);
       }
@@ -310,11 +308,7 @@ cudaError_t DequantizeBlocks(const uint8_t* base, QuantGeometry g, ElemType elem
                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({base, ops, out})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {base, ops, out}, [=] {
       for (uint32_t i = 0; i < n; ++i) {
         DequantizeBlockRef(base + ops[i].src, g, ops[i].start, ops[i].count, elem,
                            out + ops[i].k_out, out + ops[i].v_out);
@@ -328,11 +322,7 @@ cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* stream
                          float* stream_max, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({streams, attention, scores, stream_max})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {streams, attention, scores, stream_max}, [=] {
       UpdateScoresRef(rule, lambda, streams, num_streams, attention, scores, stream_max);
     });
   });
@@ -343,11 +333,7 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
                       uint8_t* keep, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({streams, scores, stream_max, positions, keep})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {streams, scores, stream_max, positions, keep}, [=] {
       SelectTopRef(streams, num_streams, scores, stream_max, positions, attention_weight, keep);
     });
   });
@@ -357,11 +343,8 @@ cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, co
                             const float* threshold, uint8_t* keep, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({streams, scores, threshold, keep})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
+    Launch(stream, {streams, scores, threshold, keep},
+           [=] { SelectThresholdRef(streams, num_streams, scores, threshold, keep); });
   });
 }
 
@@ -370,11 +353,7 @@ cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const
                          cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice({streams, keep, scores, positions, kept_index, kept})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {streams, keep, scores, positions, kept_index, kept}, [=] {
       CompactSlotsRef(streams, num_streams, keep, scores, positions, kept_index, kept);
     });
   });
@@ -386,12 +365,7 @@ cudaError_t CompactRows(const StreamSlice* streams, uint32_t num_streams,
                         uint8_t* base, uint32_t* blocks_used, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched
   return Launched([&] {
-    if (!OnCurrentDevice(
-            {streams, kept_index, kept, block_offsets, block_first, base, blocks_used})) {
-      Record(cudaErrorInvalidDevice);
-      return;
-    }
-    Launch(stream, [=] {
+    Launch(stream, {streams, kept_index, kept, block_offsets, block_first, base, blocks_used}, [=] {
       CompactRowsRef(streams, num_streams, kept_index, kept, block_offsets, block_first, g, base,
                      blocks_used);
     });

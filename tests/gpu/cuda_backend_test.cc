@@ -120,6 +120,25 @@ TEST_F(CudaBackendParity, WritesMovesQuantizeAndReadsMatchTheCpuBackend) {
   EXPECT_EQ(cuda_->Move({&bad, 1}).code(), absl::StatusCode::kInternal);
 }
 
+// The pool starts zeroed, and its clear is done before the first write: a clear queued on
+// the legacy default stream is not ordered before the backend's own (non-blocking) stream,
+// and could land on top of the first K/V when anything later waits for the whole device.
+TEST_F(CudaBackendParity, ThePoolsClearIsDoneBeforeTheFirstWrite) {
+  std::vector<uint8_t> data(8192), back(8192);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(1 + i % 251);
+  WriteOp w{data.data(), 4096, data.size()};
+  ASSERT_TRUE(cuda_->Write({&w, 1}).ok());
+  void* other = nullptr;  // a free waits for the whole device
+  ASSERT_EQ(cudaMalloc(&other, 256), cudaSuccess);
+  ASSERT_EQ(cudaFree(other), cudaSuccess);
+  ReadOp r{4096, back.data(), back.size()};
+  ASSERT_TRUE(cuda_->Read({&r, 1}).ok());
+  EXPECT_EQ(back, data);
+  ReadOp zero{0, back.data(), 4096};
+  ASSERT_TRUE(cuda_->Read({&zero, 1}).ok());
+  EXPECT_EQ(std::vector<uint8_t>(back.begin(), back.begin() + 4096), std::vector<uint8_t>(4096, 0));
+}
+
 // A failed runtime call leaves a per-thread record that cudaGetLastError hands back, and a
 // launch reports its errors through that call: a pool that did not fit must not fail the
 // next good write of the thread (found on the first GPU run: the parity test's write after
@@ -141,7 +160,7 @@ TEST_F(CudaBackendParity, AFailedAllocationDoesNotFailTheNextLaunch) {
 TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
   // One scratch pool for every state, as a backend shares it among its sequences.
-  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool();
+  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool(0);
   for (uint32_t seed = 0; seed < 40; ++seed) {
     testing::RunSlotStateScript(
         [&scratch](uint32_t streams) -> std::unique_ptr<SlotState> {
@@ -160,7 +179,7 @@ TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
 // 64 streams of 300 slots has to grow it, and the compaction's launch then reads it.
 TEST(CudaSlotStateTest, ReservesItsCommitOnItsOwnDevice) {
   if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
-  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool());
+  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool(1));
   ASSERT_TRUE(state.ok()) << state.status();
   for (int64_t p = 0; p < 300; ++p) ASSERT_TRUE((*state)->Append({&p, 1}, 0.5f).ok());
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
@@ -174,18 +193,30 @@ TEST(CudaSlotStateTest, ReservesItsCommitOnItsOwnDevice) {
 
 class CudaEngineTest : public ::testing::TestWithParam<engine::twins::Case> {};
 
-TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
-  if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
-  auto cuda = CudaBackend::Create(8 << 20);
-  ASSERT_TRUE(cuda.ok()) << cuda.status();
+// An engine on a CudaBackend of `device` (the device step on) and its twin on the CPU
+// backend (the host policy code), 8 MiB pools each.
+struct TwinEngines {
   engine::FakeClock clock;
+  std::unique_ptr<engine::Engine> gpu, host;
+};
+absl::StatusOr<std::unique_ptr<TwinEngines>> MakeTwinEngines(int device) {
+  absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(8 << 20, device);
+  if (!cuda.ok()) return cuda.status();
+  auto twins = std::make_unique<TwinEngines>();
   engine::EngineConfig config;
   config.pool_bytes = 8 << 20;
   config.page_bytes = 4096;
-  auto on_gpu = *engine::Engine::Create(config, *std::move(cuda), &clock);
+  twins->gpu = *engine::Engine::Create(config, *std::move(cuda), &twins->clock);
   config.device_step = false;
-  auto on_host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
-  engine::twins::RunTwinWorkload(*on_gpu, *on_host, GetParam());
+  twins->host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &twins->clock);
+  return twins;
+}
+
+TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
+  if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
+  auto twins = MakeTwinEngines(0);
+  ASSERT_TRUE(twins.ok()) << twins.status();
+  engine::twins::RunTwinWorkload(*(*twins)->gpu, *(*twins)->host, GetParam());
 }
 
 // kvmemd --cuda-device=1 serves calls on gRPC threads whose current device is any other:
@@ -195,58 +226,53 @@ TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
 // runtime has two devices and refuses a launch that touches another device's memory.
 TEST(CudaEngineOnSecondGpuTest, EveryCallWorksWhateverDeviceIsCurrent) {
   if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
-  auto cuda = CudaBackend::Create(8 << 20, 1);
-  ASSERT_TRUE(cuda.ok()) << cuda.status();
-  engine::FakeClock clock;
-  engine::EngineConfig config;
-  config.pool_bytes = 8 << 20;
-  config.page_bytes = 4096;
-  auto gpu = *engine::Engine::Create(config, *std::move(cuda), &clock);
-  config.device_step = false;
-  auto host = *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
+  auto twins = MakeTwinEngines(1);
+  ASSERT_TRUE(twins.ok()) << twins.status();
+  engine::Engine& gpu = *(*twins)->gpu;
+  engine::Engine& host = *(*twins)->host;
   const auto away = [] { ASSERT_EQ(cudaSetDevice(0), cudaSuccess); };
   const engine::Layout layout{engine::twins::kL,   engine::twins::kH, engine::twins::kD,
                               engine::DType::kF16, engine::twins::kB, engine::twins::kVocab};
   const policy::ParamOverrides params{{"c_high", 48}, {"c_low", 80}, {"protect", 8}};
   const engine::QuantConfig quant{kernels::QuantType::kInt8, 24};
   away();
-  const uint64_t g = gpu->CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
-  const uint64_t h = host->CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
+  const uint64_t g = gpu.CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
+  const uint64_t h = host.CreateSequence(layout, "confkv", params, quant, {})->sequence_id;
   away();
-  ASSERT_TRUE(engine::twins::Append(*gpu, g, 0, 120).ok());
-  ASSERT_TRUE(engine::twins::Append(*host, h, 0, 120).ok());
+  ASSERT_TRUE(engine::twins::Append(gpu, g, 0, 120).ok());
+  ASSERT_TRUE(engine::twins::Append(host, h, 0, 120).ok());
   std::mt19937 rng(11);
   {
-    const engine::BlockTable table = *host->GetBlockTable(h);
+    const engine::BlockTable table = *host.GetBlockTable(h);
     const std::vector<std::vector<float>> window = engine::twins::Rows(table, rng);
     engine::CompressInput in;
     in.window_scores = engine::twins::Signals(window);
     in.epoch = table.epoch;
-    ASSERT_TRUE(host->Compress(h, in).ok());
-    in.epoch = gpu->GetBlockTable(g)->epoch;
+    ASSERT_TRUE(host.Compress(h, in).ok());
+    in.epoch = gpu.GetBlockTable(g)->epoch;
     away();
-    absl::StatusOr<engine::CompressResult> r = gpu->Compress(g, in);
+    absl::StatusOr<engine::CompressResult> r = gpu.Compress(g, in);
     ASSERT_TRUE(r.ok()) << r.status();
   }
   for (int64_t t = 120; t < 180; ++t) {
     away();
-    ASSERT_TRUE(engine::twins::Append(*gpu, g, t, 1).ok());
-    ASSERT_TRUE(engine::twins::Append(*host, h, t, 1).ok());
-    const engine::BlockTable table = *host->GetBlockTable(h);
+    ASSERT_TRUE(engine::twins::Append(gpu, g, t, 1).ok());
+    ASSERT_TRUE(engine::twins::Append(host, h, t, 1).ok());
+    const engine::BlockTable table = *host.GetBlockTable(h);
     const std::vector<std::vector<float>> rows = engine::twins::Rows(table, rng);
     engine::StepInput in;
     in.attention = engine::twins::Signals(rows);
     in.logits = engine::RawLogitStats{2.0f + (t % 3), 0.5f, 0.1f, {}};
     in.epoch = table.epoch;
-    ASSERT_TRUE(host->Step(h, in).ok());
-    in.epoch = gpu->GetBlockTable(g)->epoch;
+    ASSERT_TRUE(host.Step(h, in).ok());
+    in.epoch = gpu.GetBlockTable(g)->epoch;
     away();
-    absl::StatusOr<engine::StepResult> r = gpu->Step(g, in);
+    absl::StatusOr<engine::StepResult> r = gpu.Step(g, in);
     ASSERT_TRUE(r.ok()) << "step " << t << ": " << r.status();
-    engine::twins::ExpectSameTables(*gpu, g, *host, h, "step " + std::to_string(t));
+    engine::twins::ExpectSameTables(gpu, g, host, h, "step " + std::to_string(t));
   }
   away();
-  engine::twins::ExpectContent(*gpu, g, kernels::QuantType::kInt8);
+  engine::twins::ExpectContent(gpu, g, kernels::QuantType::kInt8);
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, CudaEngineTest, ::testing::ValuesIn(engine::twins::Cases()),

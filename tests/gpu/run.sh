@@ -11,8 +11,10 @@
 #
 # The most telling checks come first. The whole run keeps to one deadline (KVMEM_GPU_SECONDS,
 # default 540: the device tool allows 600 s a call); each step gets the time it may take or
-# what is left, whichever is less, and a step that runs out is named in the summary. The
-# summary grows after every step, so a run cut short still says what it did. Logs:
+# what is left, whichever is less; a step that runs out, or finds no time left, is named in
+# the summary. The summary grows after every step, so a run cut short still says what it
+# did. Where nvidia-smi finds a GPU, a skipped check (no device seen, a kvmemd that did not
+# start) fails the run. Logs:
 # build-gpu/logs/ (ignored by git), or $OUT when that is set (the device tool's output
 # folder, which takes at most 8 files: there are 8).
 set -uo pipefail
@@ -29,10 +31,11 @@ ok=1
 mark() { echo "== [$(($(date +%s) - start)) s] $*"; }
 # note TEXT: a line of the summary (printed too).
 note() { echo "$*" | tee -a "$summary"; }
-# limit SECONDS: the seconds a step may take: SECONDS, or what is left before the deadline.
+# limit SECONDS: the seconds a step may take: SECONDS, or what is left before the deadline
+# less the 10 s a killed step may take to go (0: no time left).
 limit() {
-  local left=$((deadline - $(date +%s) - 5))
-  [ "$left" -lt 1 ] && left=1
+  local left=$((deadline - $(date +%s) - 15))
+  [ "$left" -lt 1 ] && left=0
   echo $(($1 < left ? $1 : left))
 }
 # verdict RC [TOOL]: a step's exit code in words.
@@ -41,13 +44,16 @@ verdict() {
     0) echo pass ;;
     77) echo skipped ;;
     3) echo "${2:-sanitizer} errors" ;;
-    124 | 137) echo "out of time" ;;
+    124) echo "out of time" ;;
+    137) echo "killed (out of time, or memory)" ;;
     *) echo "FAIL ($1)" ;;
   esac
 }
 
 gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader)
 note "gpu: ${gpu:-none found}"
+skip_ok=1  # without a GPU a skip is the expected answer
+[ -n "$gpu" ] && skip_ok=0
 sanitizer=1
 command -v compute-sanitizer >/dev/null || sanitizer=0
 [ $sanitizer = 1 ] || note "compute-sanitizer not found: the sanitized steps run without it"
@@ -59,9 +65,12 @@ else
   mark "building the kernels for this GPU"
   generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
-  cmake -S tests/gpu -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_CUDA_ARCHITECTURES="${KVMEM_CUDA_ARCH:-native}" >/dev/null || exit 1
-  cmake --build build-gpu -j "$(nproc)" --target gpu_parity gpu_bench || exit 1
+  if ! cmake -S tests/gpu -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES="${KVMEM_CUDA_ARCH:-native}" >/dev/null ||
+    ! cmake --build build-gpu -j "$(nproc)" --target gpu_parity gpu_bench; then
+    note "build: FAIL"
+    exit 1
+  fi
   bin=build-gpu
 fi
 
@@ -72,18 +81,28 @@ run() {
   local name=$1 cap=$2 log=$3 tool=$4
   shift 4
   mark "$name"
+  local seconds
+  seconds=$(limit "$cap")
+  if [ "$seconds" = 0 ]; then
+    note "$name: not run (no time left)"
+    ok=0
+    return
+  fi
   local wrap=()
   if [ "$tool" != - ] && [ $sanitizer = 1 ]; then
     wrap=(compute-sanitizer --tool "$tool" --error-exitcode 3)
     [ "$tool" = memcheck ] && wrap+=(--leak-check full)
   fi
-  timeout -k 10 "$(limit "$cap")" "${wrap[@]}" "$@" >"$log" 2>&1
+  timeout -k 10 "$seconds" "${wrap[@]}" "$@" >"$log" 2>&1
   local rc=$?
-  tail -4 "$log"
+  if [ "$(wc -l <"$log")" -le 40 ]; then cat "$log"; else tail -4 "$log"; fi
+  local skipped
+  skipped=$(grep -c -E '^\[  SKIPPED \] [0-9]' "$log")
+  [ "$rc" = 0 ] && [ "$skipped" != 0 ] && rc=77
   local result
   result=$(verdict $rc "${tool#-}")
-  [ "$rc" = 0 ] || [ "$rc" = 77 ] || ok=0
-  note "$name: $result $(grep -h -E 'gpu parity:|SUMMARY|^\[  (PASSED|FAILED) ' "$log" |
+  [ "$rc" = 0 ] || { [ "$rc" = 77 ] && [ $skip_ok = 1 ]; } || ok=0
+  note "$name: $result $(grep -h -E 'gpu parity:|SUMMARY|^\[  (PASSED|FAILED|SKIPPED) ' "$log" |
     tr -s ' ' | tr '\n' ' ')"
 }
 
@@ -95,7 +114,6 @@ if [ -x gpu-bundle/bin/cuda_backend_test ]; then
   done
 fi
 run "kernel benchmarks" 90 "$logs/gpu_bench.log" - "$bin/gpu_bench"
-cat "$logs/gpu_bench.log"
 if [ -x gpu-bundle/bin/policy_step_bench ]; then
   # The CUDA rows (device step, and host policy code on the CUDA backend) and the CPU rows
   # of the Llama-8B shape on this machine's cores; its Llama-8B CUDA row took over a minute

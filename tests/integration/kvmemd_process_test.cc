@@ -353,18 +353,24 @@ TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
 
 // Runs test KvmemdProcessChild.`name` of this binary in a fresh process (a forked copy of a
 // process with gRPC threads could not use gRPC), with `env` and the pipe's write end as
-// KVMEM_CHILD_FD; closes that end here.
+// KVMEM_CHILD_FD added to this environment; closes that end here. Everything the child
+// needs is built before the fork: it only execs.
 pid_t StartChild(const char* name, const int fds[2],
-                 const std::vector<std::pair<std::string, std::string>>& env) {
-  const std::string filter = std::string("--gtest_filter=KvmemdProcessChild.") + name;
-  const std::string fd = std::to_string(fds[1]);
+                 std::vector<std::pair<std::string, std::string>> env) {
+  std::string filter = std::string("--gtest_filter=KvmemdProcessChild.") + name;
+  env.emplace_back("KVMEM_CHILD_FD", std::to_string(fds[1]));
+  std::vector<std::string> entries;
+  for (char** e = environ; *e != nullptr; ++e) entries.emplace_back(*e);
+  for (const auto& [key, value] : env) entries.push_back(key + "=" + value);
+  std::vector<char*> envp;
+  for (std::string& e : entries) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string self = "kvmemd_process_test", all = "--gtest_also_run_disabled_tests";
+  char* argv[] = {self.data(), filter.data(), all.data(), nullptr};
   const pid_t child = fork();
   if (child == 0) {
     close(fds[0]);
-    for (const auto& [key, value] : env) setenv(key.c_str(), value.c_str(), 1);
-    setenv("KVMEM_CHILD_FD", fd.c_str(), 1);
-    execl("/proc/self/exe", "kvmemd_process_test", filter.c_str(),
-          "--gtest_also_run_disabled_tests", static_cast<char*>(nullptr));
+    execve("/proc/self/exe", argv, envp.data());
     _exit(127);
   }
   close(fds[1]);

@@ -1,10 +1,12 @@
 #pragma once
 // kvmemd as a child process, for tests of the binary itself: started from flags, ready once
 // it prints its READY line, stopped by SIGTERM. /metrics goes to a port of its choosing
-// unless the flags say otherwise (tests run side by side; the default port is one). It also
-// gets SIGTERM when the thread that started it ends, so a test that returns early or
+// unless the flags say otherwise (tests run side by side; the default port is one). It is
+// also killed when the thread that started it ends, so a test that returns early or
 // crashes leaves no daemon behind (an orphan holds the test's output pipe open, and whoever
 // reads that pipe — ctest, a `| tee` — waits for it forever; seen on the first GPU run).
+// SIGKILL, not SIGTERM: a daemon still starting ignores SIGTERM; the next daemon removes
+// the shared-memory segments of a killed one.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -30,7 +32,7 @@ inline KvmemdProcess StartKvmemd(const char* path, const std::vector<std::string
   const pid_t parent = getpid();
   d.pid = fork();
   if (d.pid == 0) {
-    if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent) _exit(127);
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent) _exit(127);
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
     std::vector<char*> argv = {const_cast<char*>(path)};

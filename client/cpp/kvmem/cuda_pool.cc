@@ -11,7 +11,8 @@ namespace {
 
 // A failed call's error is returned as a status, and the runtime's per-thread record of it
 // is cleared: the worker's own next launch check (cudaGetLastError after a kernel, as
-// PyTorch does) would otherwise report this library's failure as its kernel's.
+// PyTorch does) would otherwise report this library's failure as its kernel's. (A record
+// the worker had left unread before the call goes with it.)
 absl::Status Cuda(cudaError_t e, absl::string_view what) {
   if (e == cudaSuccess) return absl::OkStatus();
   (void)cudaGetLastError();
@@ -55,21 +56,15 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   pool->epochs_ = *std::move(epochs);
-  // The handle opens on the pool's GPU; the caller's current device is left as it was.
-  int current = 0;
-  if (absl::Status s = Cuda(cudaGetDevice(&current), "current device"); !s.ok()) return s;
+  // The handle opens on the pool's GPU, which stays current on this thread (cuda_pool.h).
   if (absl::Status s = Cuda(cudaSetDevice(*device), "set device"); !s.ok()) return s;
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, info.cuda_ipc_handle.data(), sizeof handle);
   void* base = nullptr;
-  const absl::Status opened =
-      Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-           "open the pool's handle");
-  const absl::Status restored = Cuda(cudaSetDevice(current), "restore the current device");
-  if (!opened.ok()) return opened;
-  if (!restored.ok()) {
-    (void)Cuda(cudaIpcCloseMemHandle(base), "close the pool's handle");
-    return restored;
+  if (absl::Status s = Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+                            "open the pool's handle");
+      !s.ok()) {
+    return s;
   }
   pool->device_ = *device;
   pool->base_ = static_cast<const uint8_t*>(base);

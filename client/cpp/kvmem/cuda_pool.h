@@ -25,6 +25,9 @@ class CudaPool final : public MappedPool {
  public:
   // FAILED_PRECONDITION when the daemon exports no CUDA pool or no visible GPU has its
   // UUID; UNAVAILABLE when the handle cannot be opened (another host, or no IPC support).
+  // The pool's GPU is made current on the calling thread and stays so (restoring another
+  // device could create a context on a GPU the worker never uses); a CUDA call that fails
+  // here leaves no error record behind for the worker's own launch checks.
   static absl::StatusOr<std::unique_ptr<CudaPool>> Attach(const Info& info);
   ~CudaPool() override;
 
