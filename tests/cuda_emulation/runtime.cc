@@ -26,6 +26,7 @@
 
 // A stream: its queued work, run in order when waited for.
 struct CUstream_st {
+  int device = 0;  // the current device when it was made
   std::mutex mu;
   std::vector<std::function<void()>> work;
 
@@ -95,11 +96,11 @@ void Enqueue(cudaStream_t stream, std::function<void()> f) {
   s.work.push_back(std::move(f));
 }
 
-// A kernel reading and writing `pointers`: refused (a launch error) when one of them is
-// another device's memory, else queued like any other work, and counted.
+// A kernel reading and writing `pointers`: refused (a launch error) when one of them, or the
+// stream, is another device's, else queued like any other work, and counted.
 void Launch(cudaStream_t stream, std::initializer_list<const void*> pointers,
             std::function<void()> f) {
-  if (!OnCurrentDevice(pointers)) {
+  if (!OnCurrentDevice(pointers) || (stream != nullptr && stream->device != current_device)) {
     Record(cudaErrorInvalidDevice);
     return;
   }
@@ -251,6 +252,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
   *stream = new CUstream_st;
+  (*stream)->device = current_device;
   std::lock_guard<std::mutex> lock(registry_mu);
   streams.insert(*stream);
   return cudaSuccess;
