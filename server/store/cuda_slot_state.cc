@@ -54,12 +54,7 @@ class CudaScratchPool {
     for (Buffers& b : free_) Free(b);
   }
 
-  // On the pool's device, whichever the calling thread has current.
   absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes) {
-    if (absl::Status s = FromCuda(cudaSetDevice(device_), "slot state scratch: set device");
-        !s.ok()) {
-      return s;
-    }
     Buffers b;
     {
       kvmem::MutexLock lock(&mu_);
@@ -91,7 +86,13 @@ class CudaScratchPool {
     while (r < n) r *= 2;
     return r;
   }
-  static absl::Status Grow(Buffers* b, uint64_t device_bytes, uint64_t host_bytes) {
+  // On the pool's device, whichever the calling thread has current.
+  absl::Status Grow(Buffers* b, uint64_t device_bytes, uint64_t host_bytes) const {
+    if (b->device_bytes >= device_bytes && b->host_bytes >= host_bytes) return absl::OkStatus();
+    if (absl::Status s = FromCuda(cudaSetDevice(device_), "slot state scratch: set device");
+        !s.ok()) {
+      return s;
+    }
     if (b->device_bytes < device_bytes) {
       (void)cudaFree(b->device);
       b->device = nullptr;

@@ -93,13 +93,13 @@ TEST(CudaEmulationTest, ADecodeTokenWaitsForTheDeviceAFewTimes) {
     bool device_step;
     size_t waits, transfers, min_launches, max_launches;
   };
-  for (const Expected& most : {Expected{true, 5, 8, 8, 14}, Expected{false, 2, 3, 3, 9}}) {
-    SCOPED_TRACE(most.device_step ? "device step" : "host policy code");
+  for (const Expected& want : {Expected{true, 5, 8, 8, 14}, Expected{false, 2, 3, 3, 9}}) {
+    SCOPED_TRACE(want.device_step ? "device step" : "host policy code");
     FakeClock clock;
     EngineConfig config;
     config.pool_bytes = 32 << 20;
     config.page_bytes = 4096;
-    config.device_step = most.device_step;
+    config.device_step = want.device_step;
     auto engine = *Engine::Create(config, *store::CudaBackend::Create(config.pool_bytes), &clock);
     const Layout layout{twins::kL, twins::kH, twins::kD, DType::kF16, twins::kB, twins::kVocab};
     const uint64_t id =
@@ -123,14 +123,14 @@ TEST(CudaEmulationTest, ADecodeTokenWaitsForTheDeviceAFewTimes) {
       ASSERT_TRUE(r.ok()) << r.status();
       const cuda_emulation::Counts end = cuda_emulation::Count();
       if (t < 110) continue;  // past the first steps' growth
-      EXPECT_EQ(end.waits - start.waits, most.waits) << "step " << t;
-      EXPECT_EQ(end.transfers - start.transfers, most.transfers) << "step " << t;
-      EXPECT_GE(end.launches - start.launches, most.min_launches) << "step " << t;
-      EXPECT_LE(end.launches - start.launches, most.max_launches) << "step " << t;
+      EXPECT_EQ(end.waits - start.waits, want.waits) << "step " << t;
+      EXPECT_EQ(end.transfers - start.transfers, want.transfers) << "step " << t;
+      EXPECT_GE(end.launches - start.launches, want.min_launches) << "step " << t;
+      EXPECT_LE(end.launches - start.launches, want.max_launches) << "step " << t;
       launches = std::max(launches, end.launches - start.launches);
       if (t == 139) {
         std::printf("%s: %zu waits, %zu transfers, up to %zu launches per decode token\n",
-                    most.device_step ? "device step" : "host policy", end.waits - start.waits,
+                    want.device_step ? "device step" : "host policy", end.waits - start.waits,
                     end.transfers - start.transfers, launches);
       }
     }

@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -54,44 +55,51 @@ cudaError_t Record(cudaError_t e) {
   return e;
 }
 
-std::mutex registry_mu;
-std::set<cudaStream_t> streams;      // live streams
-std::map<uintptr_t, size_t> pinned;  // cudaMallocHost allocations: begin -> bytes
-struct DeviceAllocation {
+// What the runtime made: live streams, and device and pinned host allocations by start.
+struct Allocation {
   size_t bytes;
-  int device;
+  int device;   // the current device when it was made (device memory)
+  bool pinned;  // cudaMallocHost
 };
-std::map<uintptr_t, DeviceAllocation> on_device;  // cudaMalloc allocations: begin -> them
+std::mutex registry_mu;
+std::set<cudaStream_t> streams;
+std::map<uintptr_t, Allocation> allocations;
 
-bool IsPinned(const void* p) {
+// The allocation holding `p`, if the runtime made one (nullptr, pageable memory: none).
+std::optional<Allocation> Find(const void* p) {
   const auto at = reinterpret_cast<uintptr_t>(p);
   std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = pinned.upper_bound(at);
-  return it != pinned.begin() && at < std::prev(it)->first + std::prev(it)->second;
+  auto it = allocations.upper_bound(at);
+  if (p == nullptr || it == allocations.begin()) return std::nullopt;
+  --it;
+  if (at >= it->first + it->second.bytes) return std::nullopt;
+  return it->second;
+}
+
+bool IsPinned(const void* p) {
+  const std::optional<Allocation> a = Find(p);
+  return a.has_value() && a->pinned;
 }
 
 // The legacy default stream (nullptr): as late as the others, run by its own waits and by
 // the device-wide ones, never by a wait on a non-blocking stream (the only kind made here).
 CUstream_st legacy;
+CUstream_st& Of(cudaStream_t stream) { return stream == nullptr ? legacy : *stream; }
 
 // Whether every device pointer of a launch is memory of this thread's current device: a
 // kernel on one GPU that reads another's memory faults (the emulation makes that a launch
 // error). Pointers it does not know (nullptr, host memory) pass.
 bool OnCurrentDevice(std::initializer_list<const void*> pointers) {
-  std::lock_guard<std::mutex> lock(registry_mu);
   for (const void* p : pointers) {
-    const auto at = reinterpret_cast<uintptr_t>(p);
-    auto it = on_device.upper_bound(at);
-    if (p == nullptr || it == on_device.begin()) continue;
-    --it;
-    if (at < it->first + it->second.bytes && it->second.device != current_device) return false;
+    const std::optional<Allocation> a = Find(p);
+    if (a.has_value() && !a->pinned && a->device != current_device) return false;
   }
   return true;
 }
 
 // Work on `stream` (nullptr: the legacy default stream).
 void Enqueue(cudaStream_t stream, std::function<void()> f) {
-  CUstream_st& s = stream == nullptr ? legacy : *stream;
+  CUstream_st& s = Of(stream);
   std::lock_guard<std::mutex> lock(s.mu);
   s.work.push_back(std::move(f));
 }
@@ -118,12 +126,15 @@ void RunAllStreams() {
 
 // Fresh "device" memory is not zero on a GPU: fill it with a pattern so that code relying on
 // zeros fails here too.
-cudaError_t Allocate(void** ptr, size_t bytes) {
+cudaError_t Allocate(void** ptr, size_t bytes, bool pinned) {
   if (bytes > kvmem::cuda_emulation::kDeviceBytes) return Record(cudaErrorMemoryAllocation);
-  *ptr = std::malloc(bytes == 0 ? 1 : bytes);
+  const size_t held = bytes == 0 ? 1 : bytes;
+  *ptr = std::malloc(held);
   if (*ptr == nullptr) return Record(cudaErrorMemoryAllocation);
   std::memset(*ptr, 0xa5, bytes);
   ++live;
+  std::lock_guard<std::mutex> lock(registry_mu);
+  allocations[reinterpret_cast<uintptr_t>(*ptr)] = {held, current_device, pinned};
   return cudaSuccess;
 }
 
@@ -133,8 +144,7 @@ cudaError_t Release(void* ptr) {
     RunAllStreams();  // cudaFree and cudaFreeHost wait for the device
     {
       std::lock_guard<std::mutex> lock(registry_mu);
-      pinned.erase(reinterpret_cast<uintptr_t>(ptr));
-      on_device.erase(reinterpret_cast<uintptr_t>(ptr));
+      allocations.erase(reinterpret_cast<uintptr_t>(ptr));
     }
     std::free(ptr);
     --live;
@@ -197,22 +207,8 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = kvmem::cuda_emulation::kDeviceBytes;
   return cudaSuccess;
 }
-cudaError_t cudaMalloc(void** ptr, size_t bytes) {
-  const cudaError_t e = Allocate(ptr, bytes);
-  if (e == cudaSuccess) {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    on_device[reinterpret_cast<uintptr_t>(*ptr)] = {bytes == 0 ? 1 : bytes, current_device};
-  }
-  return e;
-}
-cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
-  const cudaError_t e = Allocate(ptr, bytes);
-  if (e == cudaSuccess) {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    pinned[reinterpret_cast<uintptr_t>(*ptr)] = bytes;
-  }
-  return e;
-}
+cudaError_t cudaMalloc(void** ptr, size_t bytes) { return Allocate(ptr, bytes, false); }
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) { return Allocate(ptr, bytes, true); }
 cudaError_t cudaFree(void* ptr) { return Release(ptr); }
 cudaError_t cudaFreeHost(void* ptr) { return Release(ptr); }
 // Device memory: queued on its stream like a kernel (cudaMemset: the legacy one).
@@ -237,7 +233,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (kind != cudaMemcpyDeviceToDevice) ++transfers;
   if (kind == cudaMemcpyDeviceToHost && !IsPinned(dst)) {  // returns once the copy is done
     ++waits;
-    (stream == nullptr ? legacy : *stream).Run();
+    Of(stream).Run();
     std::memcpy(dst, src, bytes);
     return cudaSuccess;
   }
@@ -268,7 +264,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   ++waits;
-  (stream == nullptr ? legacy : *stream).Run();
+  Of(stream).Run();
   return cudaSuccess;
 }
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr) {

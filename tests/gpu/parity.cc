@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -291,22 +292,15 @@ void RowCompaction() {
 }  // namespace kvmem::kernels
 
 int main(int argc, char** argv) {
-  const auto named = [](int count, const char* const* names, const char* group) {
-    for (int i = 0; i < count; ++i) {
-      if (std::strcmp(names[i], group) == 0) return true;
-    }
-    return false;
-  };
-  const auto wanted = [&](const char* group) {
-    return argc == 1 || named(argc - 1, argv + 1, group);
-  };
-  const char* groups[] = {"move", "quant", "select", "compact"};
-  for (int i = 1; i < argc; ++i) {
-    if (!named(4, groups, argv[i])) {
-      std::printf("gpu parity: unknown group '%s' (move, quant, select, compact)\n", argv[i]);
+  const std::set<std::string> groups = {"move", "quant", "select", "compact"};
+  const std::set<std::string> asked(argv + 1, argv + argc);
+  for (const std::string& group : asked) {
+    if (groups.count(group) == 0) {
+      std::printf("gpu parity: unknown group '%s' (move, quant, select, compact)\n", group.c_str());
       return 2;
     }
   }
+  const auto wanted = [&](const char* group) { return asked.empty() || asked.count(group) > 0; };
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::printf("gpu parity: no CUDA device, skipped\n");

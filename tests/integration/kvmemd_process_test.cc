@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -352,20 +351,17 @@ TEST(KvmemdProcessTest, CancelledAppendStreamAppendsNothing) {
 }
 
 // Runs test KvmemdProcessChild.`name` of this binary in a fresh process (a forked copy of a
-// process with gRPC threads could not use gRPC), with `env` and the pipe's write end as
-// KVMEM_CHILD_FD added to this environment; closes that end here. Everything the child
-// needs is built before the fork: it only execs.
-pid_t StartChild(const char* name, const int fds[2],
-                 std::vector<std::pair<std::string, std::string>> env) {
-  std::string filter = std::string("--gtest_filter=KvmemdProcessChild.") + name;
-  env.emplace_back("KVMEM_CHILD_FD", std::to_string(fds[1]));
-  std::vector<std::string> entries;
-  for (char** e = environ; *e != nullptr; ++e) entries.emplace_back(*e);
-  for (const auto& [key, value] : env) entries.push_back(key + "=" + value);
+// process with gRPC threads could not use gRPC), with this environment plus `env`
+// ("KEY=value") and the pipe's write end as KVMEM_CHILD_FD; closes that end here.
+// Everything the child needs is built before the fork: it only execs.
+pid_t StartChild(const char* name, const int fds[2], std::vector<std::string> env) {
+  env.push_back("KVMEM_CHILD_FD=" + std::to_string(fds[1]));
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
   std::vector<char*> envp;
-  for (std::string& e : entries) envp.push_back(e.data());
+  for (std::string& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   std::string self = "kvmemd_process_test", all = "--gtest_also_run_disabled_tests";
+  std::string filter = std::string("--gtest_filter=KvmemdProcessChild.") + name;
   char* argv[] = {self.data(), filter.data(), all.data(), nullptr};
   const pid_t child = fork();
   if (child == 0) {
@@ -407,7 +403,7 @@ TEST(KvmemdProcessTest, ClientKilledMidStreamAppendsNothing) {
   ASSERT_EQ(pipe(fds), 0);
   const pid_t child = StartChild(
       "DISABLED_StreamsThreeChunksThenWaits", fds,
-      {{"KVMEM_CHILD_PORT", std::to_string(d.port)}, {"KVMEM_CHILD_SEQUENCE", std::to_string(id)}});
+      {"KVMEM_CHILD_PORT=" + std::to_string(d.port), "KVMEM_CHILD_SEQUENCE=" + std::to_string(id)});
   char wrote = 0;
   ASSERT_EQ(read(fds[0], &wrote, 1), 1) << "the streaming child did not start";
   close(fds[0]);
