@@ -212,6 +212,8 @@ absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const Append
   if (failpoints != nullptr && needed > 0 && failpoints->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
+  // Room first, so that the blocks, once taken, are noted without a throw.
+  batch_.allocated.reserve(batch_.allocated.size() + needed);
   if (absl::Status s = engine_->pool_->AllocateMany(
           static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve,
           store::BlockPool::Use::kGrow, seq.tenant());
@@ -220,6 +222,7 @@ absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const Append
   }
   // From here the blocks are the session's: the destructor gives them back on failure.
   batch_.allocated.insert(batch_.allocated.end(), reserve.begin(), reserve.end());
+  if (needed > 0) Failpoints::ThrowIfHit(failpoints, Failpoints::kHostAlloc);
   planner.Reserve(std::move(reserve));
   const uint64_t row = seq.layout().row_bytes();
   for (size_t s = 0; s < new_blocks_.size(); ++s) {

@@ -88,6 +88,16 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // what the plan took and changes nothing.
   OpBatch batch;
   StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints, seq.tenant());
+  // What the plan took goes back however planning ends (an error, or a host allocation
+  // that throws), until the point of no return hands it to the batch's execution.
+  bool plan_settled = false;
+  auto release_plan = [&] {
+    plan_settled = true;
+    pool_->Unref(batch.allocated);
+  };
+  absl::Cleanup release_unless_handed_over = [&] {
+    if (!plan_settled) release_plan();
+  };
   Applied applied;
   // The new entries go to the sequence's spare lists, whose room earlier steps left there
   // (empty for a stream that does not change: KeepOrphans reads them). Stream s replaces
@@ -126,17 +136,14 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
     const size_t quantized_before = batch.quantizes.size();
     if (planned.ok()) planned = planner.Quantize(blocks, seq.quant().recent_tokens);
     if (batch.quantizes.size() != quantized_before) changed[s] = true;
-    if (!planned.ok()) {
-      pool_->Unref(batch.allocated);
-      return planned;
-    }
+    if (!planned.ok()) return planned;  // release_unless_handed_over gives the plan back
     from[s] = range.begin;
     old_to[s] = range.end;
     to[s] = range.begin + blocks.size();
   }
   applied.quantized = batch.quantized_slots;
   if (applied.evicted == 0 && applied.quantized == 0) {
-    pool_->Unref(batch.allocated);  // nothing is allocated when nothing changes; kept exact
+    release_plan();  // nothing is allocated when nothing changes; kept exact
     if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
     return applied;
   }
@@ -144,6 +151,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // The point of no return: readers of the old table see the odd word before any byte
   // moves and before any dropped block can be reused; from here a failure poisons.
   WriteSection section(this, &seq);
+  plan_settled = true;  // Execute gives it back if it fails; else the streams hold it
   if (absl::Status io = Execute(seq, batch); !io.ok()) return Poison(seq, io);
   if (absl::Status s = commit(); !s.ok()) {
     KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them

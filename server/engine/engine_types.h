@@ -241,6 +241,9 @@ struct StepCall {
   // The table version the client holds: the outcome carries the update from it.
   std::optional<uint64_t> table_version;
   bool positions = false;  // the update carries positions
+  // Set by the caller when the entry could not be read (a malformed row, say): the entry is
+  // answered with it and nothing of it runs; the other entries run as ever.
+  absl::Status rejected;
 };
 
 // What one StepCall did. The append and the step are each atomic; a step that fails after

@@ -5,12 +5,15 @@
 // none (EngineConfig::failpoints is null); the checks then cost one pointer test.
 #include <atomic>
 #include <cstdint>
+#include <new>
 
 namespace kvmem::engine {
 
 class Failpoints {
  public:
-  enum Site : int { kAllocate = 0, kCommit = 1, kNumSites = 2 };
+  // kHostAlloc: a host allocation of a mutation's planning (std::bad_alloc, thrown by
+  // ThrowIfHit) after it has taken pool blocks or loaded state it must give back.
+  enum Site : int { kAllocate = 0, kCommit = 1, kHostAlloc = 2, kNumSites = 3 };
 
   // The n-th hit (1-based) of `site` from now on fails; 0 disarms it.
   void FailAt(Site site, uint64_t n) {
@@ -26,6 +29,11 @@ class Failpoints {
     return fail_at_[site].load() == n;
   }
   uint64_t hits(Site site) const { return hits_[site].load(); }
+  // Throws std::bad_alloc when this hit of `site` is the one that must fail; for a null
+  // hook (production) a pointer test.
+  static void ThrowIfHit(Failpoints* hook, Site site) {
+    if (hook != nullptr && hook->Hit(site)) throw std::bad_alloc();
+  }
 
  private:
   std::atomic<uint64_t> hits_[kNumSites] = {};

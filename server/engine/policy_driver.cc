@@ -124,9 +124,12 @@ absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const St
                                         input.epoch, " but the block table is at epoch ",
                                         seq.epoch(), "; fetch the block table again"));
   }
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows =
-      IndexSignals(seq, input.attention, "attention", kMaxAttention,
-                   (desc.step_signals & policy::kAttentionRows) != 0, why, pending, table_version);
+  // Rows cover every stream or none: a policy that reads them when sent (refreekv) reads
+  // every stream's.
+  const bool rows_required = (desc.step_signals & policy::kAttentionRows) != 0;
+  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
+      seq, input.attention, "attention", kMaxAttention, rows_required || !input.attention.empty(),
+      rows_required ? why : absl::StrCat(why, " (rows, when sent)"), pending, table_version);
   if (!rows.ok()) return rows.status();
 
   policy::CallContext ctx = Context(seq);
@@ -279,8 +282,15 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
     // now (given back when the call ends, however it ends).
     if (absl::Status s = seq.slots()->ReserveCommit(); !s.ok()) return s;
   }
+  // The host copies of the scores go however the call ends (they are taken back below
+  // when it ends well): a stream of a SlotState sequence keeps no host scores between calls.
   absl::Cleanup end_commit = [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (seq.slots()) seq.slots()->EndCommit();
+    if (!seq.slots()) return;
+    for (size_t s = 0; s < seq.streams().size(); ++s) {
+      seq.stream(s).TakeScores();
+      seq.stream(s).DropStaging();
+    }
+    seq.slots()->EndCommit();
   };
   if (seq.slots()) {
     std::vector<std::vector<float>> scores;
@@ -288,6 +298,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
     for (size_t s = 0; s < seq.streams().size(); ++s) {
       seq.stream(s).LoadScores(std::move(scores[s]));
     }
+    Failpoints::ThrowIfHit(config_.failpoints, Failpoints::kHostAlloc);
   }
   std::vector<policy::StreamState> states = StagedStreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {

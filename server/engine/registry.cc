@@ -184,30 +184,42 @@ absl::StatusOr<Engine::HostReservation> Engine::ReserveHost(uint64_t more, absl:
 }
 
 std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  // Renewed under the registry lock: the reaper, which takes it too, sees either the
+  // sequence gone (NOT_FOUND here) or its new deadline. Only codes are noted under it; the
+  // messages are written after, so that a long list holds the lock for lookups only.
+  std::vector<absl::StatusCode> codes(sequence_ids.size(), absl::StatusCode::kOk);
+  {
+    kvmem::MutexLock lock(&mu_);
+    const absl::Time now = clock_->Now();
+    for (size_t i = 0; i < sequence_ids.size(); ++i) {
+      auto it = sequences_.find(sequence_ids[i]);
+      if (it == sequences_.end()) {
+        codes[i] = absl::StatusCode::kNotFound;
+      } else if (it->second->poisoned_relaxed()) {
+        // Not renewed: a poisoned sequence is kept only until its client releases it or its
+        // lease lapses, so that its blocks come back either way.
+        codes[i] = absl::StatusCode::kDataLoss;
+      } else {
+        it->second->set_lease_deadline_ns(absl::ToUnixNanos(now + it->second->lease()));
+      }
+    }
+  }
   std::vector<absl::Status> results;
   results.reserve(sequence_ids.size());
-  // Renewed under the registry lock: the reaper, which takes it too, sees either the
-  // sequence gone (NOT_FOUND here) or its new deadline.
-  kvmem::MutexLock lock(&mu_);
-  const absl::Time now = clock_->Now();
   for (size_t i = 0; i < sequence_ids.size(); ++i) {
-    auto it = sequences_.find(sequence_ids[i]);
-    if (it == sequences_.end()) {
-      results.push_back(
-          absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i],
-                                           " (never created, released, or its lease lapsed)")));
-      continue;
+    switch (codes[i]) {
+      case absl::StatusCode::kNotFound:
+        results.push_back(
+            absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i],
+                                             " (never created, released, or its lease lapsed)")));
+        break;
+      case absl::StatusCode::kDataLoss:
+        results.push_back(absl::DataLossError(absl::StrCat(
+            "sequence_ids[", i, "]: sequence ", sequence_ids[i], " is poisoned; release it")));
+        break;
+      default:
+        results.push_back(absl::OkStatus());
     }
-    Sequence& seq = *it->second;
-    if (seq.poisoned_relaxed()) {
-      // Not renewed: a poisoned sequence is kept only until its client releases it or its
-      // lease lapses, so that its blocks come back either way.
-      results.push_back(absl::DataLossError(
-          absl::StrCat("sequence_ids[", i, "]: sequence ", seq.id(), " is poisoned; release it")));
-      continue;
-    }
-    seq.set_lease_deadline_ns(absl::ToUnixNanos(now + seq.lease()));
-    results.push_back(absl::OkStatus());
   }
   return results;
 }

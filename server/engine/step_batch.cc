@@ -105,6 +105,14 @@ absl::StatusOr<uint64_t> Engine::TableVersion(uint64_t sequence_id) {
 
 StepOutcome Engine::StepCallImpl(const StepCall& call) {
   StepOutcome out;
+  if (!call.rejected.ok()) {
+    out.status = call.rejected;
+    return out;
+  }
+  if (!call.append && !call.step) {
+    out.status = absl::InvalidArgumentError("neither an append nor a step");
+    return out;
+  }
   absl::StatusOr<SequenceRef> ref = LockForChange(call.sequence_id);
   if (!ref.ok()) {
     out.status = ref.status();
@@ -195,10 +203,6 @@ absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const Step
         return absl::InvalidArgumentError(
             absl::StrCat("entries[", i, "].sequence_id: sequence ", calls[i].sequence_id,
                          " appears twice in one batch (one entry per sequence)"));
-      }
-      if (!calls[i].append && !calls[i].step) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("entries[", i, "]: neither an append nor a step"));
       }
     }
     std::vector<StepOutcome> outcomes(calls.size());

@@ -70,6 +70,9 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaim
   if (failpoints_ != nullptr && failpoints_->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
+  // Room first: once the block is taken, noting it in the batch cannot throw (the batch's
+  // owner gives back what it notes, however the plan ends).
+  batch_->allocated.reserve(batch_->allocated.size() + 1);
   std::vector<store::BlockId> ids;
   if (absl::Status s =
           pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids, use, tenant_);
@@ -77,6 +80,7 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaim
     return s;
   }
   batch_->allocated.push_back(ids[0]);
+  Failpoints::ThrowIfHit(failpoints_, Failpoints::kHostAlloc);
   return ids[0];
 }
 

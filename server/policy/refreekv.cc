@@ -60,6 +60,13 @@ class RefreeKvPolicy final : public Policy {
     d.keep.resize(streams.size());
     const uint32_t H = ctx.num_kv_heads;
     for (uint32_t layer = skip_layers_; layer < ctx.num_layers; ++layer) {
+      // A layer runs the rule only when each of its streams has a row over its slots.
+      bool rows_cover = true;
+      for (uint32_t h = 0; h < H; ++h) {
+        const StreamState& st = streams[size_t{layer} * H + h];
+        rows_cover = rows_cover && st.attention.size() >= st.positions.size();
+      }
+      if (!rows_cover) continue;
       std::vector<std::vector<uint32_t>> cands(H);
       std::vector<std::vector<float>> rows(H);
       for (uint32_t h = 0; h < H; ++h) {

@@ -324,11 +324,12 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
           if (entry.has_append()) call.append = ChunkView(entry.append());
           if (entry.has_step()) {
             absl::StatusOr<engine::StepInput> input = StepInputView(entry.step(), &storage[i]);
-            if (!input.ok()) {
-              return absl::Status(input.status().code(),
-                                  absl::StrCat("entries[", i, "].step.", input.status().message()));
+            if (input.ok()) {
+              call.step = *std::move(input);
+            } else {
+              call.rejected = absl::Status(input.status().code(),
+                                           absl::StrCat("step.", input.status().message()));
             }
-            call.step = *std::move(input);
           }
           if (entry.has_client_table()) {
             call.table_version = entry.client_table().version();
@@ -630,6 +631,13 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
   if (!call.admitted()) return ToGrpc(DrainingError());
   if (request->sequence_ids().empty()) {
     return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));
+  }
+  // No more ids than sequences can exist: the answer holds a result per id.
+  const uint32_t most = engine_->config().max_sequences;
+  if (static_cast<uint64_t>(request->sequence_ids_size()) > most) {
+    return ToGrpc(absl::InvalidArgumentError(
+        absl::StrCat("sequence_ids: ", request->sequence_ids_size(), " ids; at most ", most,
+                     " (the daemon's max_sequences) per call")));
   }
   const std::vector<absl::Status> results = engine_->KeepAlive(
       absl::MakeConstSpan(request->sequence_ids().data(), request->sequence_ids().size()));

@@ -415,6 +415,9 @@ TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
   ExpectRejected("stale epoch", grpc::StatusCode::FAILED_PRECONDITION, "epoch", step(q));
   q.set_epoch(epoch);
   q.clear_attention();
+  *q.add_attention() = row(1, 0, 40, 0.025f);
+  ExpectRejected("rows for some streams", INVALID, "one entry per stream", step(q));
+  q.clear_attention();
   q.mutable_logit_stats()->set_entropy(1.0f);
   q.mutable_logit_stats()->set_p1(1.5f);
   ExpectRejected("p1 above 1", INVALID, "logit_stats.p1", step(q));
@@ -423,6 +426,50 @@ TEST_F(ValidationTest, MalformedStepsAreRejectedAndChangeNothing) {
   ExpectRejected("NaN entropy", INVALID, "logit_stats.entropy", step(q));
   q.set_sequence_id(0);
   ExpectRejected("sequence 0", grpc::StatusCode::NOT_FOUND, "sequence_id", step(q));
+}
+
+// A batch is refused whole only for its entry count or a sequence named twice: an entry that
+// cannot be read (a malformed row, neither append nor step) fails alone, and changes nothing.
+TEST_F(ValidationTest, AMalformedBatchEntryFailsOnlyItself) {
+  const uint64_t other = Create("window", {{"window", 32}});
+  ASSERT_TRUE(AppendRange(other, 0, 40).ok());
+  v1::StepBatchRequest q;
+  v1::StepBatchEntry* good = q.add_entries();
+  good->set_sequence_id(id_);
+  *good->mutable_append() = [&] {
+    v1::AppendRequest a = GoodAppend(40, 1);
+    v1::NewTokens t;
+    *t.mutable_positions() = a.positions();
+    t.set_k(a.k());
+    t.set_v(a.v());
+    return t;
+  }();
+  good->mutable_step();
+  v1::StepBatchEntry* odd_row = q.add_entries();
+  odd_row->set_sequence_id(other);
+  v1::AttentionRow* row = odd_row->mutable_step()->add_attention();
+  row->set_weights_f16(std::string(81, '\0'));  // 40.5 halves
+  v1::StepBatchEntry* empty = q.add_entries();
+  empty->set_sequence_id(other + 1000);
+  auto other_before = client_->GetBlockTable(other);
+  ASSERT_TRUE(other_before.ok());
+  grpc::ClientContext context;
+  v1::StepBatchResponse r;
+  const grpc::Status status = stub_->StepBatch(&context, q, &r);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(r.results_size(), 3);
+  EXPECT_EQ(r.results(0).status().code(), 0) << r.results(0).status().message();
+  EXPECT_EQ(r.results(1).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.results(1).status().message(), HasSubstr("step.attention[0]"));
+  EXPECT_FALSE(r.results(1).has_append());
+  EXPECT_EQ(r.results(2).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.results(2).status().message(), HasSubstr("neither an append nor a step"));
+  // Only the good entry's sequence changed.
+  auto other_after = client_->GetBlockTable(other);
+  ASSERT_TRUE(other_after.ok());
+  EXPECT_EQ(other_after->version, other_before->version);
+  EXPECT_EQ(other_after->epoch, other_before->epoch);
+  EXPECT_EQ(client_->GetBlockTable(id_)->streams[0].positions.back(), 40);
 }
 
 TEST_F(ValidationTest, OtherCallsNameTheirFields) {
@@ -442,6 +489,17 @@ TEST_F(ValidationTest, OtherCallsNameTheirFields) {
   v1::KeepAliveResponse kr;
   ExpectRejected("empty keepalive", grpc::StatusCode::INVALID_ARGUMENT, "sequence_ids",
                  [&](grpc::ClientContext* c) { return stub_->KeepAlive(c, kq, &kr); });
+  // A result per id: no more ids than sequences can exist (a packed id is one byte on the
+  // wire, and each unknown one cost a message: one call could exhaust the daemon's memory).
+  const uint32_t most = server_->engine().config().max_sequences;
+  for (uint32_t i = 0; i <= most; ++i) kq.add_sequence_ids(id_);
+  ExpectRejected("keepalive past max_sequences", grpc::StatusCode::INVALID_ARGUMENT,
+                 "sequence_ids: " + std::to_string(most + 1) + " ids; at most",
+                 [&](grpc::ClientContext* c) { return stub_->KeepAlive(c, kq, &kr); });
+  kq.mutable_sequence_ids()->RemoveLast();
+  grpc::ClientContext at_most;
+  ASSERT_TRUE(stub_->KeepAlive(&at_most, kq, &kr).ok());
+  EXPECT_EQ(kr.renewed(), most);
   v1::ForkRequest fq;
   fq.set_sequence_id(777);
   v1::ForkResponse fr;

@@ -13,7 +13,9 @@
 namespace kvmem::engine {
 namespace {
 
-enum class Site { kAllocate, kCommit, kBackend };
+// kHostAlloc: a host allocation that throws (std::bad_alloc) after the mutation took pool
+// blocks or loaded state: what it took must go back.
+enum class Site { kAllocate, kCommit, kBackend, kHostAlloc };
 
 struct SweepCase {
   const char* name;
@@ -71,6 +73,9 @@ class FailureSweepTest : public EngineTest,
       case Site::kBackend:
         backend_->FailAt(n);
         return;
+      case Site::kHostAlloc:
+        failpoints_.FailAt(Failpoints::kHostAlloc, n);
+        return;
     }
   }
   bool Reached(Site site, uint64_t n) const {
@@ -81,6 +86,8 @@ class FailureSweepTest : public EngineTest,
         return failpoints_.hits(Failpoints::kCommit) >= n;
       case Site::kBackend:
         return backend_->calls() >= n;
+      case Site::kHostAlloc:
+        return failpoints_.hits(Failpoints::kHostAlloc) >= n;
     }
     return false;
   }
@@ -147,7 +154,8 @@ TEST_P(FailureSweepTest, EveryFailureLeavesTheSequenceUnchangedOrPoisoned) {
     EXPECT_EQ(stats.host_metadata_bytes, 0u) << c.name << ": failure " << n;
     if (!reached) break;  // the sweep is complete
   }
-  if (c.can_fail && (site != Site::kAllocate || c.allocation_can_fail)) {
+  const bool allocates = site == Site::kAllocate || site == Site::kHostAlloc;
+  if (c.can_fail && (!allocates || c.allocation_can_fail)) {
     EXPECT_GT(failures, 0) << "the sweep never failed the mutation";
   }
 }
@@ -217,7 +225,7 @@ const SweepCase kCases[] = {
 };
 
 std::string SweepName(const ::testing::TestParamInfo<std::tuple<SweepCase, Site>>& info) {
-  const char* sites[] = {"allocation", "commit", "backend"};
+  const char* sites[] = {"allocation", "commit", "backend", "host_allocation"};
   return std::string(std::get<0>(info.param).name) + "_" +
          sites[static_cast<int>(std::get<1>(info.param))];
 }
@@ -225,7 +233,7 @@ std::string SweepName(const ::testing::TestParamInfo<std::tuple<SweepCase, Site>
 INSTANTIATE_TEST_SUITE_P(Mutations, FailureSweepTest,
                          ::testing::Combine(::testing::ValuesIn(kCases),
                                             ::testing::Values(Site::kAllocate, Site::kCommit,
-                                                              Site::kBackend)),
+                                                              Site::kBackend, Site::kHostAlloc)),
                          SweepName);
 
 }  // namespace

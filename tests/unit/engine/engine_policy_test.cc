@@ -244,5 +244,26 @@ TEST_F(EngineTest, RefreeKvStepEvictsDecodedSlotsOnly) {
   ExpectContentMatchesPositions(id);
 }
 
+// Attention rows on a Step cover every stream or none: refreekv reads them when sent, and
+// rows for some streams only once made it read a stream's missing row (a null span) for its
+// decoded slots: the daemon crashed. Now INVALID_ARGUMENT, and nothing changes.
+TEST_F(EngineTest, RefreeKvStepWithRowsForSomeStreamsIsRefused) {
+  const uint64_t id = Create("refreekv", {{"interval", 1}, {"sinks", 0}});
+  ASSERT_TRUE(AppendRange(id, 0, 6).ok());
+  ASSERT_TRUE(engine_->Step(id, StepInput{}).ok());  // step 0: no rows, nothing runs
+  ASSERT_TRUE(AppendRange(id, 6, 1).ok());           // a slot decoded at step 1
+  auto before = engine_->GetBlockTable(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  const std::vector<std::vector<float>> one_row = {std::vector<float>(7, 1.0f / 7)};
+  auto step = engine_->Step(id, RowsInput(one_row, before->epoch, kH));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument) << step.status();
+  EXPECT_THAT(step.status().message(), ::testing::HasSubstr("one entry per stream"));
+  auto after = engine_->GetBlockTable(id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->version, before->version);
+  EXPECT_EQ(after->epoch, before->epoch);
+  ExpectContentMatchesPositions(id);
+}
+
 }  // namespace
 }  // namespace kvmem::engine

@@ -117,7 +117,7 @@ TEST_F(EngineTest, StaleEpochIsFailedPreconditionAndChangesNothing) {
   std::vector<float> row(8, 1.0f / 8);
   StepInput input;
   input.epoch = epoch + 1000;
-  input.attention.push_back({0, 0, row});
+  for (uint32_t s = 0; s < kL * kH; ++s) input.attention.push_back({s / kH, s % kH, row});
   auto s = engine_->Step(id, input);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.status().message(), HasSubstr("epoch"));

@@ -98,6 +98,27 @@ TEST(FullPolicyTest, NeverEvicts) {
   EXPECT_FALSE(policy->Compress(ctx, absl::MakeSpan(streams)).keep[0].has_value());
 }
 
+// A pure policy reads only what it is handed: a layer whose streams lack rows keeps every
+// slot instead of reading past an empty span (the engine refuses such a step anyway).
+TEST(RefreeKvPolicyTest, AStepSkipsLayersWithoutRows) {
+  auto policy = *CreatePolicy("refreekv", {{"interval", 1}, {"sinks", 0}, {"skip_layers", 0}});
+  std::vector<std::vector<int64_t>> pos(2, std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6});
+  std::vector<StreamState> streams = Streams(pos);
+  const std::vector<int64_t> arrival = {0, 0, 0, 1, 2, 3, 4};
+  const std::vector<float> row = {0.3f, 0.3f, 0.3f, 1e-4f, 1e-4f, 1e-4f, 0.0997f};
+  for (StreamState& st : streams) st.arrival_step = arrival;
+  streams[0].attention = row;  // layer 0 has its row, layer 1 none
+  CallContext ctx;
+  ctx.step = 4;
+  ctx.num_layers = 2;
+  ctx.num_kv_heads = 1;
+  const Decision d = policy->Step(ctx, absl::MakeSpan(streams));
+  ASSERT_EQ(d.keep.size(), 2u);
+  ASSERT_TRUE(d.keep[0].has_value());
+  EXPECT_LT(d.keep[0]->size(), 7u);  // layer 0 ran the rule
+  EXPECT_FALSE(d.keep[1].has_value());
+}
+
 TEST(LogitStatsTest, ChecksRanges) {
   EXPECT_TRUE(CheckLogitStats({1.0f, 0.5f, 0.2f}, 100).ok());
   EXPECT_THAT(CheckLogitStats({-1.0f, 0.5f, 0.2f}, 100).status().message(),
