@@ -219,11 +219,15 @@ class Engine {
   absl::StatusOr<uint64_t> TableVersion(uint64_t sequence_id);
   absl::StatusOr<CompressResult> Compress(uint64_t sequence_id, const CompressInput& input);
   absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
-  // Calls `sink` once per stream of layers [layer_begin, layer_end) in order. The sequence
-  // lock is not held while `sink` runs; an epoch change between streams is ABORTED.
-  // A non-OK status from `sink` stops the read and is returned.
+  // Calls `sink` per stream of layers [layer_begin, layer_end) in order: once with the whole
+  // stream, or, with `piece_bytes` > 0, once per piece of consecutive slots whose K+V and
+  // positions (10 bytes each, their packed most) fit it (at least one slot a piece), so
+  // that a read holds one piece in host memory, not a stream. The sequence lock is not held while
+  // `sink` runs; an epoch change between pieces is ABORTED. A non-OK status from `sink` stops the
+  // read and is returned.
   absl::Status ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
-                      uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink);
+                      uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
+                      uint64_t piece_bytes = 0);
   absl::StatusOr<CreateResult> Fork(uint64_t sequence_id, absl::Duration lease);
   // Returns the number of blocks whose last reference this dropped.
   absl::StatusOr<uint64_t> Release(uint64_t sequence_id);
@@ -339,7 +343,8 @@ class Engine {
   absl::StatusOr<BlockTable> GetBlockTableImpl(uint64_t sequence_id, bool positions);
   BlockTable TableOf(const Sequence& seq, bool positions) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   absl::Status ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
-                          uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink);
+                          uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
+                          uint64_t piece_bytes);
   // Throws std::bad_alloc at the armed commit step (Failpoints::kCommit).
   void CommitFailpoint() const;
   Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,

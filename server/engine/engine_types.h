@@ -187,6 +187,7 @@ struct StreamKV {
   uint32_t layer = 0;
   uint32_t kv_head = 0;
   uint64_t epoch = 0;
+  uint64_t first_slot = 0;  // the index in the stream of the first slot given here
   std::vector<int64_t> positions;
   std::string k;
   std::string v;

@@ -10,10 +10,11 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool posi
 }
 
 absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
-                            uint32_t layer_end,
-                            const std::function<absl::Status(StreamKV&&)>& sink) {
-  return Guard("ReadKV",
-               [&] { return ReadKVImpl(sequence_id, epoch, layer_begin, layer_end, sink); });
+                            uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
+                            uint64_t piece_bytes) {
+  return Guard("ReadKV", [&] {
+    return ReadKVImpl(sequence_id, epoch, layer_begin, layer_end, sink, piece_bytes);
+  });
 }
 
 absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id, bool positions) {
@@ -52,7 +53,8 @@ BlockTable Engine::TableOf(const Sequence& seq, bool positions) const {
 
 absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                                 uint32_t layer_end,
-                                const std::function<absl::Status(StreamKV&&)>& sink) {
+                                const std::function<absl::Status(StreamKV&&)>& sink,
+                                uint64_t piece_bytes) {
   absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
   if (!seq_or.ok()) return seq_or.status();
   Sequence& seq = **seq_or;
@@ -63,60 +65,80 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
         absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ", layer_end,
                      ") is not a non-empty range within [0, ", layout.num_layers, ")"));
   }
+  const uint64_t row = layout.row_bytes();
+  const uint32_t B = layout.block_tokens;
+  // Slots per piece: a slot is 2 rows (K and V) and a position (at most 10 bytes packed).
+  const uint64_t piece_slots =
+      piece_bytes == 0 ? ~uint64_t{0} : std::max<uint64_t>(1, piece_bytes / (2 * row + 10));
   uint64_t read_epoch = epoch;
+  bool first_piece = true;
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
-      StreamKV out;
-      {
-        kvmem::MutexLock lock(&seq.mu);
-        if (absl::Status s = Unusable(seq); !s.ok()) return s;
-        if (read_epoch == 0) read_epoch = seq.epoch();
-        if (seq.epoch() != read_epoch) {
-          if (layer == layer_begin && head == 0) {
-            return StaleEpoch(seq, absl::StrCat("epoch: asked for epoch ", read_epoch,
-                                                " but the block table is at epoch ", seq.epoch()));
+      // Pieces of the stream until its last slot (a stream with no slot gives one, empty).
+      for (uint64_t first = 0, slots = 1; first < slots; first += piece_slots) {
+        StreamKV out;
+        {
+          kvmem::MutexLock lock(&seq.mu);
+          if (absl::Status s = Unusable(seq); !s.ok()) return s;
+          if (read_epoch == 0) read_epoch = seq.epoch();
+          if (seq.epoch() != read_epoch) {
+            if (first_piece) {
+              return StaleEpoch(seq,
+                                absl::StrCat("epoch: asked for epoch ", read_epoch,
+                                             " but the block table is at epoch ", seq.epoch()));
+            }
+            return StaleEpoch(seq,
+                              absl::StrCat("epoch: the block table changed from epoch ", read_epoch,
+                                           " to ", seq.epoch(), " during the read; read again"),
+                              absl::StatusCode::kAborted);
           }
-          return StaleEpoch(seq,
-                            absl::StrCat("epoch: the block table changed from epoch ", read_epoch,
-                                         " to ", seq.epoch(), " during the read; read again"),
-                            absl::StatusCode::kAborted);
-        }
-        const Stream& st = seq.streams()[size_t{layer} * layout.num_kv_heads + head];
-        const uint64_t row = layout.row_bytes();
-        const uint32_t B = layout.block_tokens;
-        out.layer = layer;
-        out.kv_head = head;
-        out.epoch = seq.epoch();
-        out.positions.assign(st.positions().begin(), st.positions().end());
-        out.k.resize(st.size() * row);
-        out.v.resize(st.size() * row);
-        std::vector<store::ReadOp> reads;
-        std::vector<store::DequantizeOp> dequantizes;
-        uint64_t first = 0;
-        for (const StreamBlock& b : st.blocks()) {
-          const uint64_t off = pool_->offset(b.id);
-          if (b.precision == Precision::kLayout) {
-            const kernels::LayoutBlock plane{B, row};
-            reads.push_back(
-                {off + plane.k_offset(b.start), out.k.data() + first * row, b.count * row});
-            reads.push_back(
-                {off + plane.v_offset(b.start), out.v.data() + first * row, b.count * row});
-          } else {
-            dequantizes.push_back(
-                {off, b.start, b.count, out.k.data() + first * row, out.v.data() + first * row});
+          const Stream& st = seq.streams()[size_t{layer} * layout.num_kv_heads + head];
+          slots = std::max<uint64_t>(st.size(), 1);
+          const uint64_t end = std::min<uint64_t>(st.size(), first + piece_slots);
+          const uint64_t n = end > first ? end - first : 0;
+          out.layer = layer;
+          out.kv_head = head;
+          out.epoch = seq.epoch();
+          out.first_slot = first;
+          out.positions.assign(st.positions().begin() + static_cast<ptrdiff_t>(first),
+                               st.positions().begin() + static_cast<ptrdiff_t>(first + n));
+          out.k.resize(n * row);
+          out.v.resize(n * row);
+          std::vector<store::ReadOp> reads;
+          std::vector<store::DequantizeOp> dequantizes;
+          uint64_t at = 0;  // the stream's slot index at the block's first slot
+          for (const StreamBlock& b : st.blocks()) {
+            // The block's slots [at, at + count) that fall in the piece [first, end).
+            const uint64_t from = std::max(at, first), to = std::min(at + b.count, end);
+            if (from < to) {
+              const uint32_t start = b.start + static_cast<uint32_t>(from - at);
+              const uint32_t count = static_cast<uint32_t>(to - from);
+              char* k = out.k.data() + (from - first) * row;
+              char* v = out.v.data() + (from - first) * row;
+              const uint64_t off = pool_->offset(b.id);
+              if (b.precision == Precision::kLayout) {
+                const kernels::LayoutBlock plane{B, row};
+                reads.push_back({off + plane.k_offset(start), k, count * row});
+                reads.push_back({off + plane.v_offset(start), v, count * row});
+              } else {
+                dequantizes.push_back({off, start, count, k, v});
+              }
+            }
+            at += b.count;
+            if (at >= end) break;
           }
-          first += b.count;
+          absl::Status io = backend_->Read(reads);
+          if (io.ok() && !dequantizes.empty()) {
+            io = backend_->Dequantize(seq.format().quant_geometry(), seq.format().elem(),
+                                      dequantizes);
+          }
+          if (io.ok()) io = backend_->Synchronize();
+          if (!io.ok()) return io;
+          Renew(seq);
         }
-        absl::Status io = backend_->Read(reads);
-        if (io.ok() && !dequantizes.empty()) {
-          io =
-              backend_->Dequantize(seq.format().quant_geometry(), seq.format().elem(), dequantizes);
-        }
-        if (io.ok()) io = backend_->Synchronize();
-        if (!io.ok()) return io;
-        Renew(seq);
+        first_piece = false;
+        if (absl::Status s = sink(std::move(out)); !s.ok()) return s;
       }
-      if (absl::Status s = sink(std::move(out)); !s.ok()) return s;
     }
   }
   return absl::OkStatus();

@@ -523,19 +523,22 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
                     id);
     }
   }
-  absl::Status status =
-      engine_->ReadKV(id, epoch, layer_begin, layer_end, [&](engine::StreamKV&& kv) {
+  absl::Status status = engine_->ReadKV(
+      id, epoch, layer_begin, layer_end,
+      [&](engine::StreamKV&& kv) {
         if (context->IsCancelled()) return absl::CancelledError("ReadKv: the client cancelled");
         v1::ReadKvResponse chunk;
         chunk.set_layer(kv.layer);
         chunk.set_kv_head(kv.kv_head);
         chunk.set_epoch(kv.epoch);
+        chunk.set_first_slot(kv.first_slot);
         chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
         chunk.set_k(std::move(kv.k));
         chunk.set_v(std::move(kv.v));
         if (!writer->Write(chunk)) return absl::CancelledError("ReadKv: the stream was closed");
         return absl::OkStatus();
-      });
+      },
+      kReadPieceBytes);
   // The engine names the range by its own parameters; the request's field is `layers`.
   constexpr absl::string_view kEngineRange = "layer_begin/layer_end: ";
   if (absl::IsInvalidArgument(status) && absl::StartsWith(status.message(), kEngineRange)) {

@@ -48,6 +48,10 @@ class KvCacheService final : public v1::KvCache::Service {
   uint32_t step_channels_open() const { return channels_.open(); }
   // Most entries one StepBatch may carry.
   static constexpr int kMaxBatchEntries = 4096;
+  // A ReadKv response's K+V and positions bytes at most (one slot's, if that is more): a
+  // read holds one piece of a stream at a time, whatever the stream's length, and a piece
+  // passes any gRPC client's default receive limit (4 MiB).
+  static constexpr uint64_t kReadPieceBytes = 2 << 20;
   grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
                         v1::CompressResponse*) override;
   grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,

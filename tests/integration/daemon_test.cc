@@ -3,6 +3,8 @@
 #include <thread>
 
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/store/cpu_backend.h"
 #include "tests/integration/daemon_fixture.h"
 
@@ -23,6 +25,47 @@ TEST_F(DaemonTest, ThousandTokensOverFourLayersTwoHeadsReadBackBitExact) {
   EXPECT_EQ(table.streams.size(), kL * kH);
   ASSERT_EQ(table.streams[7].blocks.size(), 63u);  // ceil(1000 / 16)
   EXPECT_EQ(table.streams[7].blocks.back().count, 1000u - 62 * 16);
+}
+
+// A stream longer than one ReadKv response (4 MiB of K+V) comes in pieces that the client
+// puts back together; no response holds more than the bound.
+TEST_F(DaemonTest, ALongStreamIsReadInPiecesAndJoined) {
+  constexpr uint32_t kWideD = 4096;  // 16 KiB of K+V per slot: 256 slots a piece
+  auto seq = client_->CreateSequence(client::Layout{1, 1, kWideD, client::DType::kF16, 4, 100},
+                                     {"window", {{"window", 598}}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  for (int64_t first = 0; first < 700; first += 175) {  // 5.6 MB of K+V a call
+    const std::vector<int64_t> positions = testing::Range(first, 175);
+    const std::string k = testing::Payload16(1, first, 175, kWideD, 0);
+    const std::string v = testing::Payload16(1, first, 175, kWideD, 1);
+    auto appended = client_->Append(seq->id, {positions, {}, k, v, {}, {}});
+    ASSERT_TRUE(appended.ok()) << appended.status();
+  }
+  ASSERT_TRUE(client_->Step(seq->id, {}).ok());  // keeps 102..699: mid-block start
+  auto streams = client_->ReadKv(seq->id);
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  ASSERT_EQ(streams->size(), 1u);
+  EXPECT_EQ((*streams)[0].positions, testing::Range(102, 598));
+  EXPECT_EQ((*streams)[0].k, testing::Expected16(0, testing::Range(102, 598), kWideD, 0));
+  EXPECT_EQ((*streams)[0].v, testing::Expected16(0, testing::Range(102, 598), kWideD, 1));
+
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::ReadKvRequest q;
+  q.set_sequence_id(seq->id);
+  auto reader = stub->ReadKv(&context, q);
+  v1::ReadKvResponse piece;
+  uint64_t next = 0, pieces = 0;
+  while (reader->Read(&piece)) {
+    EXPECT_EQ(piece.first_slot(), next);
+    next += static_cast<uint64_t>(piece.positions_size());
+    ++pieces;
+    EXPECT_LE(piece.ByteSizeLong(), (2u << 20) + 64);
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(next, 598u);
+  EXPECT_EQ(pieces, 5u);  // 127 slots of 16 KiB (and a position) a piece
 }
 
 TEST_F(DaemonTest, AppendStreamIsAtomic) {

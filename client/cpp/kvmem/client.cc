@@ -872,6 +872,25 @@ absl::StatusOr<std::vector<StreamKv>> Client::ReadKv(uint64_t sequence_id,
     std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader = impl_->stub->ReadKv(&c, q);
     v1::ReadKvResponse chunk;
     while (reader->Read(&chunk)) {
+      // A stream comes in pieces, in order: a piece past a stream's first continues it.
+      if (chunk.first_slot() > 0) {
+        if (out.empty() || out.back().layer != chunk.layer() ||
+            out.back().kv_head != chunk.kv_head() ||
+            out.back().positions.size() != chunk.first_slot()) {
+          c.TryCancel();
+          (void)reader->Finish();  // the call's own status does not matter: the read is bad
+          return grpc::Status(grpc::StatusCode::INTERNAL,
+                              absl::StrCat("ReadKv: a piece of stream (layer ", chunk.layer(),
+                                           ", kv_head ", chunk.kv_head(), ") at slot ",
+                                           chunk.first_slot(), " does not continue the read"));
+        }
+        StreamKv& stream = out.back();
+        stream.positions.insert(stream.positions.end(), chunk.positions().begin(),
+                                chunk.positions().end());
+        stream.k.append(chunk.k());
+        stream.v.append(chunk.v());
+        continue;
+      }
       out.push_back({chunk.layer(), chunk.kv_head(), chunk.epoch(), ToVector(chunk.positions()),
                      std::move(*chunk.mutable_k()), std::move(*chunk.mutable_v())});
     }

@@ -54,5 +54,65 @@ TEST_F(EngineTest, EvictionInAChildNeverTouchesTheParent) {
   ExpectContentMatchesPositions(child.sequence_id);
 }
 
+// ReadKV in pieces: the pieces of each stream, put end to end, are the whole stream's read
+// (slots mid-block after evictions, quantized and layout blocks alike), each piece within
+// its byte bound, and a stream without slots comes as one empty piece.
+TEST_F(EngineTest, ReadInPiecesIsTheWholeReadCutAtSlots) {
+  const uint64_t id = Create("window", {{"window", 45}}, absl::ZeroDuration(),
+                             QuantConfig{kernels::QuantType::kInt8, 16});
+  ASSERT_TRUE(AppendRange(id, 0, 70).ok());
+  ASSERT_TRUE(engine_->Step(id, {}).ok());  // keeps 25..69: the first block starts mid-way
+  const uint64_t empty = Create();
+  std::vector<StreamKV> whole;
+  ASSERT_TRUE(engine_
+                  ->ReadKV(id, 0, 0, 0,
+                           [&](StreamKV&& kv) {
+                             whole.push_back(std::move(kv));
+                             return absl::OkStatus();
+                           })
+                  .ok());
+  ASSERT_EQ(whole.size(), kL * kH);
+  const uint64_t slot_bytes = kD * 2 * 2 + 10;  // K and V rows and a position's most
+  for (const uint64_t piece_slots : {1, 3, 16, 44, 45, 100}) {
+    std::vector<StreamKV> joined;
+    absl::Status s = engine_->ReadKV(
+        id, 0, 0, 0,
+        [&](StreamKV&& kv) {
+          EXPECT_LE(kv.positions.size(), piece_slots);
+          if (kv.first_slot == 0) {
+            joined.push_back(std::move(kv));
+          } else {
+            EXPECT_EQ(kv.first_slot, joined.back().positions.size());
+            joined.back().positions.insert(joined.back().positions.end(), kv.positions.begin(),
+                                           kv.positions.end());
+            joined.back().k += kv.k;
+            joined.back().v += kv.v;
+          }
+          return absl::OkStatus();
+        },
+        piece_slots * slot_bytes);
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(joined.size(), whole.size()) << piece_slots;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      EXPECT_EQ(joined[i].positions, testing::Range(25, 45)) << piece_slots;
+      EXPECT_EQ(joined[i].positions, whole[i].positions) << piece_slots;
+      EXPECT_EQ(joined[i].k, whole[i].k) << piece_slots << " stream " << i;
+      EXPECT_EQ(joined[i].v, whole[i].v) << piece_slots << " stream " << i;
+    }
+    size_t pieces = 0;
+    ASSERT_TRUE(engine_
+                    ->ReadKV(
+                        empty, 0, 0, 0,
+                        [&](StreamKV&& kv) {
+                          ++pieces;
+                          EXPECT_TRUE(kv.positions.empty());
+                          return absl::OkStatus();
+                        },
+                        piece_slots * slot_bytes)
+                    .ok());
+    EXPECT_EQ(pieces, kL * kH);
+  }
+}
+
 }  // namespace
 }  // namespace kvmem::engine
