@@ -190,7 +190,9 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
       // What was read from a segment that faulted is zeros, not the client's bytes.
       if (guard.faulted()) return Served::kBroken;
       std::atomic_thread_fence(std::memory_order_acquire);  // the copy's reads come first
-      if (header->request_seq.load(std::memory_order_relaxed) != seq) {
+      const uint32_t seq_after = header->request_seq.load(std::memory_order_relaxed);
+      if (guard.faulted()) return Served::kBroken;  // a zero read there is no new request
+      if (seq_after != seq) {
         served_seq_ = seq;  // another request posted while it was copied: its client moved on
         std::string().swap(pending_);
         pending_sent_ = 0;

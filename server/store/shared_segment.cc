@@ -13,9 +13,11 @@
 #include <cstring>
 #include <limits>
 
+#include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
@@ -70,8 +72,13 @@ absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory ", prefix, ": cannot map a segment of ", bytes, " bytes"));
   }
+  // "<prefix>-<pid>-<n>", n a count and 20 random digits: a name nobody can guess, so that
+  // no other process can take it first (O_EXCL would then refuse the daemon its segment)
+  // or open it before its client maps it.
   static std::atomic<uint32_t> counter{0};
-  const std::string name = absl::StrCat("/", prefix, "-", getpid(), "-", counter++);
+  thread_local absl::BitGen random;
+  const std::string name = absl::StrCat("/", prefix, "-", getpid(), "-", counter++,
+                                        absl::StrFormat("%020u", absl::Uniform<uint64_t>(random)));
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) {
     return absl::InternalError(absl::StrCat("shm_open(", name, "): ", std::strerror(errno)));
