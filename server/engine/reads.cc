@@ -55,10 +55,12 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
                                 uint32_t layer_end,
                                 const std::function<absl::Status(StreamKV&&)>& sink,
                                 uint64_t piece_bytes) {
-  absl::StatusOr<SequenceRef> seq_or = Find(sequence_id);
-  if (!seq_or.ok()) return seq_or.status();
-  Sequence& seq = **seq_or;
-  const Layout& layout = seq.layout();
+  Layout layout;
+  {
+    absl::StatusOr<SequenceRef> found = Find(sequence_id);
+    if (!found.ok()) return found.status();
+    layout = (*found)->layout();  // fixed for the sequence's life
+  }
   if (layer_begin == 0 && layer_end == 0) layer_end = layout.num_layers;
   if (layer_end > layout.num_layers || layer_begin >= layer_end) {
     return absl::InvalidArgumentError(
@@ -71,6 +73,7 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
   const uint64_t piece_slots =
       piece_bytes == 0 ? ~uint64_t{0} : std::max<uint64_t>(1, piece_bytes / (2 * row + 10));
   uint64_t read_epoch = epoch;
+  uint64_t read_version = 0;  // the table's version at the first piece: every piece's
   bool first_piece = true;
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
@@ -78,9 +81,24 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
       for (uint64_t first = 0, slots = 1; first < slots; first += piece_slots) {
         StreamKV out;
         {
+          // Found anew for each piece: a reader that stops taking pieces (a client that
+          // does not read) holds no call on the sequence, whose lease can then lapse.
+          absl::StatusOr<SequenceRef> found = Find(sequence_id);
+          if (!found.ok()) return found.status();
+          Sequence& seq = **found;
           kvmem::MutexLock lock(&seq.mu);
           if (absl::Status s = Unusable(seq); !s.ok()) return s;
           if (read_epoch == 0) read_epoch = seq.epoch();
+          if (first_piece) read_version = seq.version();
+          if (seq.epoch() == read_epoch && seq.version() != read_version) {
+            // An append grows the streams within an epoch: the pieces read so far and the
+            // ones to come would hold different tokens.
+            return StaleEpoch(
+                seq,
+                absl::StrCat("ReadKV: the block table changed from version ", read_version, " to ",
+                             seq.version(), " during the read; read again"),
+                absl::StatusCode::kAborted);
+          }
           if (seq.epoch() != read_epoch) {
             if (first_piece) {
               return StaleEpoch(seq,

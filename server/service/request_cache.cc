@@ -298,6 +298,14 @@ absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
       return absl::AbortedError(
           "request_id: the first call with this id is still running; retry later");
     }
+    // The first call's own entry answers, even if the cache let it go meanwhile (a small
+    // cache, a large response): looking the key up again would run the call twice.
+    if (found->ok) {
+      if (!response->ParseFromString(found->response)) {
+        return absl::InternalError("request_id: the stored response does not parse");
+      }
+      return absl::OkStatus();  // replayed; *entry stays null
+    }
   }
 }
 

@@ -114,5 +114,54 @@ TEST_F(EngineTest, ReadInPiecesIsTheWholeReadCutAtSlots) {
   }
 }
 
+// A read is one state of the table: an append between its pieces (streams grow within an
+// epoch) ends it with ABORTED instead of giving some streams the new tokens and not others.
+TEST_F(EngineTest, AnAppendDuringAReadAbortsIt) {
+  const uint64_t id = Create();
+  ASSERT_TRUE(AppendRange(id, 0, 20).ok());
+  for (const uint64_t piece_bytes : {uint64_t{0}, uint64_t{7 * (kD * 2 * 2 + 10)}}) {
+    const int64_t next =
+        static_cast<int64_t>(engine_->GetBlockTable(id)->streams[0].positions.size());
+    bool appended = false;
+    std::vector<size_t> lengths;
+    absl::Status s = engine_->ReadKV(
+        id, 0, 0, 0,
+        [&](StreamKV&& kv) {
+          lengths.push_back(kv.positions.size());
+          if (!appended) {
+            appended = true;
+            return AppendRange(id, next, 1).status();  // another client, between pieces
+          }
+          return absl::OkStatus();
+        },
+        piece_bytes);
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s << " after pieces of " << lengths.size();
+    EXPECT_THAT(s.message(), ::testing::HasSubstr("changed from version"));
+  }
+}
+
+// A reader that stops taking pieces (its client no longer reads) holds no call on the
+// sequence between them: the lease lapses as it would without the read, and the read then
+// ends with NOT_FOUND.
+TEST_F(EngineTest, AStalledReadDoesNotKeepALapsedSequence) {
+  const uint64_t id = Create("full", {}, absl::Seconds(10));
+  ASSERT_TRUE(AppendRange(id, 0, 20).ok());
+  uint32_t expired = 0;
+  size_t pieces = 0;
+  absl::Status s = engine_->ReadKV(
+      id, 0, 0, 0,
+      [&](StreamKV&&) {
+        if (++pieces == 1) {
+          clock_.Advance(absl::Seconds(11));  // the client sat on the first piece
+          expired = engine_->ExpireLeases();
+        }
+        return absl::OkStatus();
+      },
+      7 * (kD * 2 * 2 + 10));
+  EXPECT_EQ(expired, 1u);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_EQ(pieces, 1u);
+}
+
 }  // namespace
 }  // namespace kvmem::engine
