@@ -212,8 +212,11 @@ absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const Append
   if (failpoints != nullptr && needed > 0 && failpoints->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
-  // Room first, so that the blocks, once taken, are noted without a throw.
-  batch_.allocated.reserve(batch_.allocated.size() + needed);
+  // Room first (at least doubling), so that the blocks, once taken, are noted without a throw.
+  if (batch_.allocated.capacity() - batch_.allocated.size() < needed) {
+    batch_.allocated.reserve(
+        std::max(batch_.allocated.size() + needed, 2 * batch_.allocated.capacity()));
+  }
   if (absl::Status s = engine_->pool_->AllocateMany(
           static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve,
           store::BlockPool::Use::kGrow, seq.tenant());

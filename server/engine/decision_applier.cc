@@ -151,8 +151,9 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // The point of no return: readers of the old table see the odd word before any byte
   // moves and before any dropped block can be reused; from here a failure poisons.
   WriteSection section(this, &seq);
-  plan_settled = true;  // Execute gives it back if it fails; else the streams hold it
-  if (absl::Status io = Execute(seq, batch); !io.ok()) return Poison(seq, io);
+  const absl::Status io = Execute(seq, batch);  // a throw: the cleanup gives the plan back
+  plan_settled = true;  // Execute gave it back if it failed; else the streams take it below
+  if (!io.ok()) return Poison(seq, io);
   if (absl::Status s = commit(); !s.ok()) {
     KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them
     return Poison(seq, s);

@@ -185,20 +185,21 @@ absl::StatusOr<Engine::HostReservation> Engine::ReserveHost(uint64_t more, absl:
 
 std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
   // Renewed under the registry lock: the reaper, which takes it too, sees either the
-  // sequence gone (NOT_FOUND here) or its new deadline. Only codes are noted under it; the
+  // sequence gone (NOT_FOUND here) or its new deadline. Only outcomes are noted under it; the
   // messages are written after, so that a long list holds the lock for lookups only.
-  std::vector<absl::StatusCode> codes(sequence_ids.size(), absl::StatusCode::kOk);
+  enum class Renewal { kRenewed, kUnknown, kPoisoned };
+  std::vector<Renewal> renewals(sequence_ids.size(), Renewal::kRenewed);
   {
     kvmem::MutexLock lock(&mu_);
     const absl::Time now = clock_->Now();
     for (size_t i = 0; i < sequence_ids.size(); ++i) {
       auto it = sequences_.find(sequence_ids[i]);
       if (it == sequences_.end()) {
-        codes[i] = absl::StatusCode::kNotFound;
+        renewals[i] = Renewal::kUnknown;
       } else if (it->second->poisoned_relaxed()) {
         // Not renewed: a poisoned sequence is kept only until its client releases it or its
         // lease lapses, so that its blocks come back either way.
-        codes[i] = absl::StatusCode::kDataLoss;
+        renewals[i] = Renewal::kPoisoned;
       } else {
         it->second->set_lease_deadline_ns(absl::ToUnixNanos(now + it->second->lease()));
       }
@@ -207,18 +208,19 @@ std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_
   std::vector<absl::Status> results;
   results.reserve(sequence_ids.size());
   for (size_t i = 0; i < sequence_ids.size(); ++i) {
-    switch (codes[i]) {
-      case absl::StatusCode::kNotFound:
+    switch (renewals[i]) {
+      case Renewal::kRenewed:
+        results.push_back(absl::OkStatus());
+        break;
+      case Renewal::kUnknown:
         results.push_back(
             absl::NotFoundError(absl::StrCat("sequence_ids[", i, "]: no sequence ", sequence_ids[i],
                                              " (never created, released, or its lease lapsed)")));
         break;
-      case absl::StatusCode::kDataLoss:
+      case Renewal::kPoisoned:
         results.push_back(absl::DataLossError(absl::StrCat(
             "sequence_ids[", i, "]: sequence ", sequence_ids[i], " is poisoned; release it")));
         break;
-      default:
-        results.push_back(absl::OkStatus());
     }
   }
   return results;

@@ -70,9 +70,11 @@ absl::StatusOr<store::BlockId> StreamPlanner::Allocate(Precision p, bool reclaim
   if (failpoints_ != nullptr && failpoints_->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
-  // Room first: once the block is taken, noting it in the batch cannot throw (the batch's
-  // owner gives back what it notes, however the plan ends).
-  batch_->allocated.reserve(batch_->allocated.size() + 1);
+  // Room first (doubling, as push_back would): once the block is taken, noting it in the
+  // batch cannot throw (the batch's owner gives back what it notes, however the plan ends).
+  if (batch_->allocated.size() == batch_->allocated.capacity()) {
+    batch_->allocated.reserve(std::max<size_t>(16, 2 * batch_->allocated.capacity()));
+  }
   std::vector<store::BlockId> ids;
   if (absl::Status s =
           pool_->AllocateMany(static_cast<uint32_t>(format_.block_bytes(p)), 1, &ids, use, tenant_);

@@ -290,10 +290,12 @@ absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
     }
     // The first call with this id is still running: wait for it, for a while.
     TsanRelease(&mu_);
+    ++waiting_;
     const bool done = mu_.AwaitWithTimeout(absl::Condition(
                                                +[](Entry* e) { return e->done; }, found.get()),
                                            kMaxWait);
     TsanAcquire(&mu_);
+    --waiting_;
     if (!done) {
       return absl::AbortedError(
           "request_id: the first call with this id is still running; retry later");
@@ -347,6 +349,11 @@ void RequestCache::EvictLocked() {
 uint64_t RequestCache::bytes() const {
   kvmem::MutexLock lock(&mu_);
   return bytes_;
+}
+
+size_t RequestCache::waiting() const {
+  kvmem::MutexLock lock(&mu_);
+  return waiting_;
 }
 
 size_t RequestCache::size() const {

@@ -74,6 +74,8 @@ class RequestCache {
 
   size_t size() const;
   uint64_t bytes() const;
+  // Repeats waiting now for the first call with their id.
+  size_t waiting() const;
 
  private:
   struct Entry {
@@ -98,7 +100,8 @@ class RequestCache {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // keys of finished entries, oldest first
-  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;             // responses and keys of finished entries
+  size_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // responses and keys of finished entries
 };
 
 }  // namespace kvmem::service

@@ -27,10 +27,10 @@ TEST_F(DaemonTest, ThousandTokensOverFourLayersTwoHeadsReadBackBitExact) {
   EXPECT_EQ(table.streams[7].blocks.back().count, 1000u - 62 * 16);
 }
 
-// A stream longer than one ReadKv response (4 MiB of K+V) comes in pieces that the client
-// puts back together; no response holds more than the bound.
+// A stream longer than one ReadKv response (2 MiB of K+V and positions) comes in pieces
+// that the client puts back together; no response holds more than the bound.
 TEST_F(DaemonTest, ALongStreamIsReadInPiecesAndJoined) {
-  constexpr uint32_t kWideD = 4096;  // 16 KiB of K+V per slot: 256 slots a piece
+  constexpr uint32_t kWideD = 4096;  // 16 KiB of K+V per slot: 127 slots a piece
   auto seq = client_->CreateSequence(client::Layout{1, 1, kWideD, client::DType::kF16, 4, 100},
                                      {"window", {{"window", 598}}});
   ASSERT_TRUE(seq.ok()) << seq.status();

@@ -370,7 +370,9 @@ class Client {
   // meanwhile, or the update did not check out) and was fetched again whole.
   uint64_t table_refetches() const;
   // Retained K/V of `layers` (unset: all), if the table is at `epoch` (unset: the current
-  // one); one StreamKv per stream, layer-major.
+  // one); one StreamKv per stream, layer-major (the daemon's pieces of a stream joined).
+  // FAILED_PRECONDITION when the table is not at `epoch`; ABORTED when it changed during
+  // the read (another caller appended, stepped or compressed): read again.
   absl::StatusOr<std::vector<StreamKv>> ReadKv(uint64_t sequence_id,
                                                std::optional<uint64_t> epoch = std::nullopt,
                                                std::optional<LayerRange> layers = std::nullopt);
@@ -378,7 +380,8 @@ class Client {
   absl::StatusOr<Sequence> Fork(uint64_t sequence_id,
                                 std::optional<absl::Duration> lease = std::nullopt);
   absl::StatusOr<uint64_t> Release(uint64_t sequence_id);  // freed blocks
-  // Renews each id's lease; one status per id, in order (OK, NOT_FOUND, DATA_LOSS).
+  // Renews each id's lease; one status per id, in order (OK, NOT_FOUND, DATA_LOSS). At most
+  // GetInfo's max_sequences ids a call (INVALID_ARGUMENT beyond).
   absl::StatusOr<std::vector<absl::Status>> KeepAlive(absl::Span<const uint64_t> sequence_ids);
   // The daemon's counters and, with include_sequences, every sequence: the daemon answers
   // in pages, gathered here (counters as of the first page; a sequence created or released

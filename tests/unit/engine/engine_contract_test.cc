@@ -205,7 +205,7 @@ TEST_F(ContractTest, ForkedInfokvChildDoesNotCompressItsPromptAgain) {
   EXPECT_EQ(Content(parent), Content(child.sequence_id));
 }
 
-TEST_F(ContractTest, KeepAliveAnswersPerIdAndTheReaperSparesCallsInFlight) {
+TEST_F(ContractTest, KeepAliveAnswersPerIdAndAReadRenewsTheLeaseAtEachPiece) {
   const uint64_t a = Create("full", {}, absl::Seconds(5));
   const uint64_t b = Create("full", {}, absl::Seconds(5));
   ASSERT_TRUE(AppendRange(a, 0, 4).ok());

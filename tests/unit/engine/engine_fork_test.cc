@@ -99,6 +99,28 @@ TEST_F(EngineTest, ReadInPiecesIsTheWholeReadCutAtSlots) {
       EXPECT_EQ(joined[i].k, whole[i].k) << piece_slots << " stream " << i;
       EXPECT_EQ(joined[i].v, whole[i].v) << piece_slots << " stream " << i;
     }
+    // And against the bytes appended, for a sequence without quantized blocks.
+    const uint64_t plain = Create("window", {{"window", 45}});
+    ASSERT_TRUE(AppendRange(plain, 0, 70).ok());
+    ASSERT_TRUE(engine_->Step(plain, {}).ok());
+    std::vector<StreamKV> plain_pieces;
+    ASSERT_TRUE(engine_
+                    ->ReadKV(
+                        plain, 0, 0, 0,
+                        [&](StreamKV&& kv) {
+                          plain_pieces.push_back(std::move(kv));
+                          return absl::OkStatus();
+                        },
+                        piece_slots * slot_bytes)
+                    .ok());
+    for (const StreamKV& kv : plain_pieces) {
+      const uint32_t stream = kv.layer * kH + kv.kv_head;
+      EXPECT_EQ(kv.positions, testing::Range(25 + static_cast<int64_t>(kv.first_slot),
+                                             static_cast<uint32_t>(kv.positions.size())));
+      EXPECT_EQ(kv.k, testing::Expected16(stream, kv.positions, kD, 0)) << piece_slots;
+      EXPECT_EQ(kv.v, testing::Expected16(stream, kv.positions, kD, 1)) << piece_slots;
+    }
+    ASSERT_TRUE(engine_->Release(plain).ok());
     size_t pieces = 0;
     ASSERT_TRUE(engine_
                     ->ReadKV(

@@ -22,7 +22,7 @@ TEST(RequestCacheTest, AWaitingRepeatGetsTheFirstAnswerEvenIfTheCacheLetItGo) {
   std::atomic<int> runs{0};
   absl::Notification first_running, release_first;
   auto call = [&](v1::StepResponse* response) {
-    ++runs;
+    if (++runs > 1) return absl::InternalError("ran twice");
     first_running.Notify();
     release_first.WaitForNotification();
     response->set_step(runs.load());
@@ -41,9 +41,7 @@ TEST(RequestCacheTest, AWaitingRepeatGetsTheFirstAnswerEvenIfTheCacheLetItGo) {
             .Run("Step", 7, request, "id", &repeat_response, [&] { return call(&repeat_response); })
             .ok());
   });
-  // The repeat is waiting for the first call by now (it has nothing else to do): there is
-  // no hook to observe it, so the test gives it time.
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  while (cache.waiting() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   release_first.Notify();
   first.join();
   repeat.join();
