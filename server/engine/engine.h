@@ -222,9 +222,9 @@ class Engine {
   // Calls `sink` per stream of layers [layer_begin, layer_end) in order: once with the whole
   // stream, or, with `piece_bytes` > 0, once per piece of consecutive slots whose K+V and
   // positions (10 bytes each, their packed most) fit it (at least one slot a piece), so
-  // that a read holds one piece in host memory, not a stream. The sequence lock is not held while
-  // `sink` runs; an epoch change between pieces is ABORTED. A non-OK status from `sink` stops the
-  // read and is returned.
+  // that a read holds one piece in host memory, not a stream. The sequence lock is not held
+  // while `sink` runs; any change of the table between pieces (its epoch or its version) is
+  // ABORTED. A non-OK status from `sink` stops the read and is returned.
   absl::Status ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                       uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
                       uint64_t piece_bytes = 0);

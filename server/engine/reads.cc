@@ -77,6 +77,10 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
   bool first_piece = true;
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     for (uint32_t head = 0; head < layout.num_kv_heads; ++head) {
+      // Where the next piece's blocks begin: the table stays as it was for the whole read
+      // (checked at each piece), so each piece walks only its own blocks.
+      size_t next_block = 0;
+      uint64_t next_block_slot = 0;  // the stream's slot index at that block's first slot
       // Pieces of the stream until its last slot (a stream with no slot gives one, empty).
       for (uint64_t first = 0, slots = 1; first < slots; first += piece_slots) {
         StreamKV out;
@@ -124,8 +128,9 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
           out.v.resize(n * row);
           std::vector<store::ReadOp> reads;
           std::vector<store::DequantizeOp> dequantizes;
-          uint64_t at = 0;  // the stream's slot index at the block's first slot
-          for (const StreamBlock& b : st.blocks()) {
+          uint64_t at = next_block_slot;  // the stream's slot index at the block's first slot
+          for (size_t i = next_block; i < st.blocks().size(); ++i) {
+            const StreamBlock& b = st.blocks()[i];
             // The block's slots [at, at + count) that fall in the piece [first, end).
             const uint64_t from = std::max(at, first), to = std::min(at + b.count, end);
             if (from < to) {
@@ -142,8 +147,14 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
                 dequantizes.push_back({off, start, count, k, v});
               }
             }
+            if (at + b.count > end) {  // the next piece begins inside this block
+              next_block = i;
+              next_block_slot = at;
+              break;
+            }
             at += b.count;
-            if (at >= end) break;
+            next_block = i + 1;
+            next_block_slot = at;
           }
           absl::Status io = backend_->Read(reads);
           if (io.ok() && !dequantizes.empty()) {

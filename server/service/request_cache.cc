@@ -259,6 +259,14 @@ uint64_t RequestFingerprint(const google::protobuf::Message& request) {
   return ReflectedFingerprint(request);
 }
 
+// A finished call's answer copied into `response` (*entry stays null: replayed).
+absl::Status RequestCache::Replay(const Entry& done, google::protobuf::Message* response) {
+  if (!response->ParseFromString(done.response)) {
+    return absl::InternalError("request_id: the stored response does not parse");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
                                  google::protobuf::Message* response,
                                  std::shared_ptr<Entry>* entry) {
@@ -283,10 +291,7 @@ absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
         entries_.erase(it);
         continue;
       }
-      if (!response->ParseFromString(found->response)) {
-        return absl::InternalError("request_id: the stored response does not parse");
-      }
-      return absl::OkStatus();  // replayed; *entry stays null
+      return Replay(*found, response);
     }
     // The first call with this id is still running: wait for it, for a while.
     TsanRelease(&mu_);
@@ -302,12 +307,7 @@ absl::Status RequestCache::Claim(const std::string& key, uint64_t fingerprint,
     }
     // The first call's own entry answers, even if the cache let it go meanwhile (a small
     // cache, a large response): looking the key up again would run the call twice.
-    if (found->ok) {
-      if (!response->ParseFromString(found->response)) {
-        return absl::InternalError("request_id: the stored response does not parse");
-      }
-      return absl::OkStatus();  // replayed; *entry stays null
-    }
+    if (found->ok) return Replay(*found, response);
   }
 }
 

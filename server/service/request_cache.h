@@ -86,6 +86,7 @@ class RequestCache {
     absl::Time stored;
   };
 
+  static absl::Status Replay(const Entry& done, google::protobuf::Message* response);
   // Sets *entry when the caller must run the call; else the response was replayed (OK).
   absl::Status Claim(const std::string& key, uint64_t fingerprint,
                      google::protobuf::Message* response, std::shared_ptr<Entry>* entry);
