@@ -1,15 +1,14 @@
-// The decision applier: turns a policy's keep-sets into an op batch, runs it inside a
-// seqlock write section and commits it; owns the point of no return and what happens past it.
+#include "server/engine/decision_applier.h"
+
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "server/engine/engine.h"
 
 namespace kvmem::engine {
 
-void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
-                         const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
-                         const std::vector<size_t>& from, const std::vector<size_t>& to) {
+void KeepOrphans(Sequence& seq, const OpBatch& batch,
+                 const std::vector<std::vector<StreamBlock>>& other_lists, size_t swapped,
+                 const std::vector<size_t>& from, const std::vector<size_t>& to) {
   // References held = old lists + the batch's allocations (nothing dropped yet); streams
   // [0, swapped) hold their new entries in [from[s], to[s]) (0 and the list's end when not
   // given) and other_lists[s] the old ones, the rest still hold the old list. What no
@@ -27,30 +26,7 @@ void Engine::KeepOrphans(Sequence& seq, const OpBatch& batch,
   }
 }
 
-Engine::WriteSection::WriteSection(Engine* engine, Sequence* seq) : engine_(engine), seq_(seq) {
-  engine_->board_->BeginWrite(seq_->epoch_slot(), seq_->epoch());
-}
-
-void Engine::WriteSection::Commit() {
-  seq_->set_epoch(engine_->next_epoch_.fetch_add(1));
-  engine_->board_->EndWrite(seq_->epoch_slot(), seq_->epoch());
-  committed_ = true;
-}
-
-Engine::WriteSection::~WriteSection() {
-  if (!committed_) {
-    engine_->Poison(*seq_, absl::InternalError("a write section ended without its commit"))
-        .IgnoreError();
-  }
-}
-
-void Engine::CommitFailpoint() const {
-  if (config_.failpoints != nullptr && config_.failpoints->Hit(Failpoints::kCommit)) {
-    throw std::bad_alloc();
-  }
-}
-
-absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
+absl::Status DecisionApplier::Execute(const Sequence& seq, OpBatch& batch) {
   const kernels::QuantGeometry& geometry = seq.format().quant_geometry();
   absl::Status io = backend_->Move(batch.moves);
   if (io.ok()) io = backend_->Write(batch.writes);
@@ -64,13 +40,13 @@ absl::Status Engine::Execute(Sequence& seq, OpBatch& batch) {
   }
   uint64_t moved = 0;
   for (const store::MoveOp& op : batch.moves) moved += op.bytes;
-  bytes_moved_ += moved;
+  telemetry_->bytes_moved += moved;
   return io;
 }
 
-absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
-                                                      const policy::Decision& decision,
-                                                      const CommitHook& commit) {
+absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
+                                                                const policy::Decision& decision,
+                                                                const CommitHook& commit) {
   if (decision.keep.size() != seq.streams().size()) {
     return absl::InternalError(absl::StrCat("policy ", seq.policy_name(), " returned ",
                                             decision.keep.size(), " keep-sets for ",
@@ -87,7 +63,7 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // Plan: every allocation happens here, before the point of no return; a failure releases
   // what the plan took and changes nothing.
   OpBatch batch;
-  StreamPlanner planner(seq.format(), pool_.get(), &batch, config_.failpoints, seq.tenant());
+  StreamPlanner planner(seq.format(), pool_, &batch, failpoints_, seq.tenant());
   // What the plan took goes back however planning ends (an error, or a host allocation
   // that throws), until the point of no return hands it to the batch's execution.
   bool plan_settled = false;
@@ -144,19 +120,19 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   applied.quantized = batch.quantized_slots;
   if (applied.evicted == 0 && applied.quantized == 0) {
     release_plan();  // nothing is allocated when nothing changes; kept exact
-    if (absl::Status s = commit(); !s.ok()) return Poison(seq, s);
+    if (absl::Status s = commit(); !s.ok()) return versions_->Poison(seq, s);
     return applied;
   }
 
   // The point of no return: readers of the old table see the odd word before any byte
   // moves and before any dropped block can be reused; from here a failure poisons.
-  WriteSection section(this, &seq);
+  TableVersions::WriteSection section(versions_, &seq);
   const absl::Status io = Execute(seq, batch);  // a throw: the cleanup gives the plan back
   plan_settled = true;  // Execute gave it back if it failed; else the streams take it below
-  if (!io.ok()) return Poison(seq, io);
+  if (!io.ok()) return versions_->Poison(seq, io);
   if (absl::Status s = commit(); !s.ok()) {
     KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them
-    return Poison(seq, s);
+    return versions_->Poison(seq, s);
   }
   const uint32_t history_rows = seq.policy().history_rows();
   size_t swapped = 0;  // streams [0, swapped) are committed
@@ -164,12 +140,12 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   // references no stream names for Release, so that the pool's accounting stays exact.
   absl::Cleanup on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     KeepOrphans(seq, batch, new_blocks, swapped, from, to);
-    Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
+    versions_->Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };
-  const uint64_t version = NewVersion(seq);
+  const uint64_t version = versions_->NewVersion(seq);
   for (; swapped < seq.streams().size(); ++swapped) {
     const size_t s = swapped;
-    if (s == seq.streams().size() / 2) CommitFailpoint();
+    if (s == seq.streams().size() / 2) Failpoints::ThrowIfHit(failpoints_, Failpoints::kCommit);
     if (!changed[s]) continue;
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams()[s].size()) {
       seq.stream(s).KeepSlots(*decision.keep[s], history_rows);
@@ -179,9 +155,9 @@ absl::StatusOr<Engine::Applied> Engine::ApplyDecision(Sequence& seq,
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);
   section.Commit();
-  tokens_evicted_ += applied.evicted;
-  tokens_quantized_ += applied.quantized;
-  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+  telemetry_->stream_slots_evicted += applied.evicted;
+  telemetry_->stream_slots_quantized += applied.quantized;
+  if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
     const double streams = static_cast<double>(seq.streams().size());
     t->stream_slots_evicted += applied.evicted;
     t->stream_slots_quantized += applied.quantized;

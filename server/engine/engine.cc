@@ -1,5 +1,5 @@
-// Engine: creation, the public entry points (each guarded against host memory exhaustion),
-// sequence creation and Fork, Release, Stats and the test fingerprint.
+// Engine: creation, and each call composed of the rooms' work, guarded against host memory
+// exhaustion (guard.h).
 #include "server/engine/engine.h"
 
 #include <algorithm>
@@ -9,6 +9,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/engine/guard.h"
+#include "server/engine/input_checks.h"
 #include "spdlog/spdlog.h"
 
 namespace kvmem::engine {
@@ -52,33 +54,49 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
       new Engine(config, std::move(backend), *std::move(pool), *std::move(board), *root, clock));
 }
 
+namespace {
+
+uint64_t HostBudgetBytes(const EngineConfig& config) {
+  return config.host_metadata_bytes > 0 ? config.host_metadata_bytes
+                                        : config.pool_bytes / 2 + (64ull << 20);
+}
+
+std::vector<std::string> PolicyNames() {
+  std::vector<std::string> names;
+  for (const policy::PolicyDescriptor& d : policy::AllPolicies()) names.emplace_back(d.name);
+  return names;
+}
+
+}  // namespace
+
 Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,
                std::unique_ptr<store::BlockPool> pool, std::unique_ptr<EpochBoard> board,
                prefix::BlockHash prefix_root, const Clock* clock)
     : config_(config),
       backend_(std::move(backend)),
       pool_(std::move(pool)),
-      prefix_(std::make_unique<prefix::PrefixIndex>(pool_.get())),
-      prefix_root_(prefix_root),
-      board_(std::move(board)),
-      clock_(clock),
-      telemetry_([] {
-        std::vector<std::string> names;
-        for (const policy::PolicyDescriptor& d : policy::AllPolicies()) names.emplace_back(d.name);
-        return names;
-      }()) {
+      telemetry_(PolicyNames()),
+      publisher_(pool_.get(), prefix_root),
+      budget_(HostBudgetBytes(config), [this] { return publisher_.index().host_bytes(); }),
+      versions_(std::move(board), pool_.get(), &telemetry_),
+      registry_(clock, config.default_lease, config.max_lease),
+      tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas),
+      applier_(pool_.get(), backend_.get(), &versions_, &telemetry_, config.failpoints),
+      driver_(&applier_, &versions_, &budget_, &registry_, &telemetry_, config.failpoints),
+      reader_(&registry_, pool_.get(), backend_.get()),
+      append_rooms_{pool_.get(), backend_.get(),    &budget_,
+                    &versions_,  &registry_,        &publisher_,
+                    &telemetry_, config.failpoints, config.max_append_bytes},
+      batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches) {
+  publisher_.set_budget(&budget_);
   // A full pool first gives back what only the prefix cache holds.
-  pool_->set_reclaimer(
-      [this](uint64_t bytes, store::TenantId tenant) { return prefix_->Reclaim(bytes, tenant); });
+  pool_->set_reclaimer([this](uint64_t bytes, store::TenantId tenant) {
+    return publisher_.index().Reclaim(bytes, tenant);
+  });
 }
 
 Engine::~Engine() {
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> all;
-  {
-    kvmem::MutexLock lock(&mu_);
-    all.swap(sequences_);
-  }
-  for (auto& [id, seq] : all) {
+  for (const std::shared_ptr<Sequence>& seq : registry_.TakeAll()) {
     kvmem::MutexLock seq_lock(&seq->mu);
     ReleaseLocked(*seq);
   }
@@ -88,18 +106,18 @@ absl::StatusOr<CreateResult> Engine::CreateSequence(Layout layout, absl::string_
                                                     const policy::ParamOverrides& params,
                                                     QuantConfig quant, absl::Duration lease,
                                                     const PromptPrefix& prompt) {
-  return Guard("CreateSequence", [&] {
+  return GuardHostMemory("CreateSequence", [&] {
     return CreateSequenceImpl(layout, policy_name, params, quant, lease, prompt);
   });
 }
 
 absl::StatusOr<uint64_t> Engine::Publish(uint64_t sequence_id,
                                          std::optional<uint64_t> up_to_tokens) {
-  return Guard("Publish", [&]() -> absl::StatusOr<uint64_t> {
-    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+  return GuardHostMemory("Publish", [&]() -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
-    Renew(**ref);
-    return PublishLocked(**ref, up_to_tokens.value_or(UINT64_MAX));
+    registry_.Renew(**ref);
+    return publisher_.Publish(**ref, up_to_tokens.value_or(UINT64_MAX));
   });
 }
 
@@ -116,71 +134,142 @@ uint64_t Engine::ReclaimToWatermarkImpl() {
   const double total = static_cast<double>(usage.pages_total);
   if (static_cast<double>(usage.pages_used) <= config_.cache_high_watermark * total) return 0;
   const double excess = static_cast<double>(usage.pages_used) - config_.cache_low_watermark * total;
-  return prefix_->Reclaim(static_cast<uint64_t>(excess * static_cast<double>(usage.page_bytes)));
+  return publisher_.index().Reclaim(
+      static_cast<uint64_t>(excess * static_cast<double>(usage.page_bytes)));
 }
 
 absl::StatusOr<uint64_t> Engine::PublishDocument(uint64_t sequence_id) {
-  return Guard("Publish", [&]() -> absl::StatusOr<uint64_t> {
+  return GuardHostMemory("Publish", [&]() -> absl::StatusOr<uint64_t> {
     // As for every change: an open AppendStream may have written its chunks into the free
     // tails of the very blocks a document would share.
-    absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
+    absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
     if (!ref.ok()) return ref.status();
-    Renew(**ref);
-    return PublishDocumentLocked(**ref);
+    registry_.Renew(**ref);
+    return publisher_.PublishDocument(**ref);
   });
 }
 
 absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& prompt,
                                         absl::string_view policy_name,
                                         const policy::ParamOverrides& params, QuantConfig quant) {
-  return Guard("Lookup", [&]() -> absl::StatusOr<uint64_t> {
+  return GuardHostMemory("Lookup", [&]() -> absl::StatusOr<uint64_t> {
     if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
     if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
-    if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
-    if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
-      return absl::InvalidArgumentError(absl::StrCat("document_tokens: ", prompt.document_tokens,
-                                                     " must be less than the prompt's ",
-                                                     prompt.token_ids.size(), " tokens"));
-    }
-    if (prompt.document_tokens > 0) {
-      absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
-          policy::CreatePolicy(policy_name, params);  // its own name, and checked parameters
-      if (!policy.ok()) return policy.status();
-      // What CreateSequence would never map (CreateSequenceImpl) is not reported either:
-      // nothing for a policy that needs per-token signals, no document for a device step.
-      if ((*policy)->descriptor().append_signals != 0) return uint64_t{0};
-      if (!(config_.device_step && (*policy)->has_kernel_step())) {
-        absl::StatusOr<prefix::BlockHash> key =
-            DocumentKey(prompt.token_ids.first(prompt.document_tokens),
-                        Representation((*policy)->descriptor().name, params, quant), prompt.salt);
-        if (!key.ok()) return key.status();
-        if (prefix_->ContainsDocument(PrefixNamespace(layout, prompt.model), *key)) {
-          return uint64_t{prompt.document_tokens};
-        }
+    std::unique_ptr<policy::Policy> policy;
+    if (prompt.document_tokens > 0 && prompt.document_tokens < prompt.token_ids.size()) {
+      // Its own name, and checked parameters: a document's representation.
+      absl::StatusOr<std::unique_ptr<policy::Policy>> created =
+          policy::CreatePolicy(policy_name, params);
+      if (!created.ok()) {
+        // The prompt's own errors come first.
+        if (absl::Status s = PrefixPublisher::CheckPrompt(layout, prompt); !s.ok()) return s;
+        return created.status();
       }
+      policy = *std::move(created);
     }
-    absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
-    if (!hashes.ok()) return hashes.status();
-    const size_t matched = prefix_->Match(PrefixNamespace(layout, prompt.model), *hashes);
-    return uint64_t{matched} * layout.block_tokens;
+    return publisher_.Lookup(layout, prompt, policy.get(), params, quant, config_.device_step);
   });
 }
 
 absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
-                                            absl::Span<const AppendChunk> chunks) {
-  return Guard("Append", [&] { return AppendImpl(sequence_id, chunks); });
+                                            absl::Span<const AppendChunk> chunks,
+                                            const std::optional<HeldTable>& held) {
+  return GuardHostMemory("Append", [&]() -> absl::StatusOr<AppendResult> {
+    // One call: the session keeps the sequence locked throughout, so concurrent calls on the
+    // sequence wait for it (as for any mutation) instead of finding an append open.
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    absl::StatusOr<std::unique_ptr<AppendSession>> session =
+        AppendSession::Begin(append_rooms_, *std::move(ref), /*hold_lock=*/true);
+    if (!session.ok()) return session.status();
+    for (const AppendChunk& chunk : chunks) {
+      if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
+    }
+    return (*session)->Commit(held);
+  });
 }
 
-absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input) {
-  return Guard("Step", [&] { return StepImpl(sequence_id, input); });
+absl::StatusOr<std::unique_ptr<AppendSession>> Engine::BeginAppend(uint64_t sequence_id) {
+  return GuardHostMemory("Append", [&]() -> absl::StatusOr<std::unique_ptr<AppendSession>> {
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    return AppendSession::Begin(append_rooms_, *std::move(ref), /*hold_lock=*/false);
+  });
 }
 
-absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const CompressInput& input) {
-  return Guard("Compress", [&] { return CompressImpl(sequence_id, input); });
+absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& input,
+                                        const std::optional<HeldTable>& held) {
+  return GuardHostMemory("Step", [&]() -> absl::StatusOr<StepResult> {
+    absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    const uint64_t version_before = seq.version();
+    absl::StatusOr<CheckedStep> checked = CheckStep(seq, input, 0, input.table_version);
+    if (!checked.ok()) return checked.status();
+    absl::StatusOr<StepResult> result = driver_.Step(seq, *checked);
+    seq.Publish();
+    if (result.ok()) {
+      result->version = seq.version();
+      result->table = versions_.Answer(seq, held, version_before);
+    }
+    return result;
+  });
+}
+
+absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const CompressInput& input,
+                                                const std::optional<HeldTable>& held) {
+  return GuardHostMemory("Compress", [&]() -> absl::StatusOr<CompressResult> {
+    absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    const uint64_t version_before = seq.version();
+    absl::StatusOr<CheckedCompress> checked = CheckCompress(seq, input);
+    if (!checked.ok()) return checked.status();
+    absl::StatusOr<CompressResult> result = driver_.Compress(seq, *checked, input.target_tokens);
+    if (result.ok()) result->table = versions_.Answer(seq, held, version_before);
+    return result;
+  });
+}
+
+absl::StatusOr<std::vector<StepOutcome>> Engine::StepBatch(absl::Span<const StepCall> calls) {
+  return batches_.Run(calls);
+}
+
+absl::StatusOr<TableUpdate> Engine::GetTableUpdate(uint64_t sequence_id, uint64_t known_version,
+                                                   bool positions, uint64_t version_before) {
+  return GuardHostMemory("GetBlockTable", [&]() -> absl::StatusOr<TableUpdate> {
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    registry_.Renew(**ref);
+    return versions_.Update(**ref, known_version, positions, version_before);
+  });
+}
+
+absl::StatusOr<uint64_t> Engine::TableVersion(uint64_t sequence_id) {
+  absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  return [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return (*ref)->version(); }();
+}
+
+absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions) {
+  return GuardHostMemory("GetBlockTable", [&]() -> absl::StatusOr<BlockTable> {
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    registry_.Renew(**ref);
+    return versions_.Table(**ref, positions);
+  });
+}
+
+absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+                            uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
+                            uint64_t piece_bytes) {
+  return GuardHostMemory("ReadKV", [&] {
+    return reader_.Read(sequence_id, epoch, layer_begin, layer_end, sink, piece_bytes);
+  });
 }
 
 absl::StatusOr<CreateResult> Engine::Fork(uint64_t sequence_id, absl::Duration lease) {
-  return Guard("Fork", [&] { return ForkImpl(sequence_id, lease); });
+  return GuardHostMemory("Fork", [&] { return ForkImpl(sequence_id, lease); });
 }
 
 absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
@@ -193,7 +282,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(policy_name, params);
   if (!policy.ok()) return policy.status();
-  absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
+  absl::StatusOr<absl::Duration> granted = registry_.ResolveLease(lease);
   if (!granted.ok()) return granted.status();
   if (quant.recent_tokens > kMaxRecentTokens) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -208,129 +297,66 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
                                                      pool_->page_bytes(), " bytes"));
     }
   }
-
   if (2 * layout.payload_bytes(1) > config_.max_append_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("layout: one token's K+V is ", 2 * layout.payload_bytes(1),
                      " bytes, over the message limit of ", config_.max_append_bytes,
                      " bytes (--max-message-bytes): no Append could carry it"));
   }
-  // The prompt (checked first: a bad prompt changes nothing) and its published prefix.
-  // A policy that needs per-token signals on every append gets none mapped: the worker
-  // appends the whole prompt with its signals.
-  if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
-  std::vector<prefix::BlockHash> hashes;
-  std::optional<prefix::BlockHash> document;
-  if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "document_tokens: ", prompt.document_tokens, " must be less than the prompt's ",
-        prompt.token_ids.size(), " tokens (the question follows the document)"));
-  }
-  if ((*policy)->descriptor().append_signals == 0) {
-    absl::StatusOr<std::vector<prefix::BlockHash>> h = PublishedPrefix(layout, prompt);
-    if (!h.ok()) return h.status();
-    hashes = *std::move(h);
-    // Compressed documents are host state: not for policies that step on the device.
-    if (prompt.document_tokens > 0 && !(config_.device_step && (*policy)->has_kernel_step())) {
-      absl::StatusOr<prefix::BlockHash> key =
-          DocumentKey(prompt.token_ids.first(prompt.document_tokens),
-                      Representation((*policy)->descriptor().name, params, quant), prompt.salt);
-      if (!key.ok()) return key.status();
-      document = *key;
-    }
-  }
-  absl::StatusOr<HostReservation> host = ReserveHost(
+  const bool device_step = config_.device_step && (*policy)->has_kernel_step();
+  absl::StatusOr<PrefixPublisher::MapPlan> plan =
+      publisher_.Plan(layout, prompt, **policy, params, quant, device_step);
+  if (!plan.ok()) return plan.status();
+  absl::StatusOr<HostReservation> host = budget_.Reserve(
       sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
   if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
-  if (config_.device_step && (*policy)->has_kernel_step()) {
+  if (device_step) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> created =
         backend_->CreateSlotState(layout.num_streams());
     if (!created.ok()) return created.status();
     slots = *std::move(created);
   }
   // Registered only now that the request is known good (a tenant stays registered).
-  absl::StatusOr<store::TenantId> tenant = TenantFor(prompt.salt);
+  absl::StatusOr<store::TenantId> tenant = tenants_.For(prompt.salt);
   if (!tenant.ok()) return tenant.status();
 
-  const uint64_t epoch = next_epoch_.fetch_add(1);
-  absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
-  if (!slot.ok()) return slot.status();
+  absl::StatusOr<TableVersions::Claimed> claimed = versions_.ClaimSlot();
+  if (!claimed.ok()) return claimed.status();
   // Until the sequence owns it (an exception below would leak it for good).
-  absl::Cleanup give_back_slot = [this, &slot] { board_->Release(*slot); };
-  uint64_t id;
-  {
-    kvmem::MutexLock lock(&mu_);
-    id = next_id_++;
-  }
+  absl::Cleanup give_back_slot = [this, &claimed] { versions_.ReturnSlot(claimed->slot); };
+  const uint64_t id = registry_.NewId();
   std::string name((*policy)->descriptor().name);
   auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
-                                        quant, *granted, *slot, /*parent_id=*/0, *tenant);
+                                        quant, *granted, claimed->slot, /*parent_id=*/0, *tenant);
   uint64_t reused = 0;
   {
     kvmem::MutexLock lock(&seq->mu);
-    seq->set_epoch(epoch);
-    const uint64_t version = NewVersion(*seq);
+    seq->set_epoch(claimed->epoch);
+    const uint64_t version = versions_.NewVersion(*seq);
     seq->set_slots(std::move(slots));
     Sequence::PrefixState& state = seq->mutable_prefix();
-    state.ns = PrefixNamespace(layout, prompt.model);
+    state.ns = PrefixPublisher::Namespace(layout, prompt.model);
     state.salt = prompt.salt;
     state.auto_publish = prompt.auto_publish;
-    if (document) {
-      prefix::PrefixIndex::MappedDocument doc =
-          prefix_->MapDocument(state.ns, *document, prompt.document_tokens);
-      if (doc.payload != nullptr) {
-        // Given back unless the sequence takes them (an error, or an exception).
-        absl::Cleanup unref_doc = [&] { pool_->Unref(doc.blocks); };
-        absl::Status s = host->Grow(doc.payload->host_bytes(), "CreateSequence");
-        if (!s.ok()) return s;
-        if (s = AdoptDocument(*seq, *doc.payload, version); !s.ok()) return s;
-        std::move(unref_doc).Cancel();
-        reused = prompt.document_tokens;
-        hashes.clear();  // the whole document is there
-      }
-    }
-    if (!hashes.empty()) {
-      // Pinned from here by the sequence's references (its lease), never by the lookup.
-      std::vector<std::vector<store::BlockId>> mapped =
-          prefix_->Map(state.ns, hashes, hashes.size(), layout.block_tokens);
-      if (!mapped.empty()) {
-        // Given back unless the sequence takes them (an error, or an exception).
-        absl::Cleanup unref_mapped = [&] {
-          for (const auto& blocks : mapped) pool_->Unref(blocks);
-        };
-        const uint64_t tokens = uint64_t{mapped.size()} * layout.block_tokens;
-        // What MapPrefix's room takes, exactly (as an Append reserves: append.cc): every
-        // stream's columns, its list of mapped.size() entries, the token ids, the slot state.
-        uint64_t growth = seq->SlotGrowth(tokens);
-        for (const Stream& st : seq->streams()) {
-          growth += st.BlockListGrowth(0, mapped.size(), mapped.size());
-        }
-        absl::Status s = host->Grow(growth, "CreateSequence");
-        if (!s.ok()) return s;
-        state.hashes.assign(hashes.begin(), hashes.begin() + mapped.size());
-        state.published_blocks = mapped.size();
-        if (s = MapPrefix(*seq, mapped, prompt.token_ids, version); !s.ok()) return s;
-        std::move(unref_mapped).Cancel();
-        state.mapped_prefix = true;
-        reused = tokens;
-      }
-    }
+    absl::StatusOr<uint64_t> mapped = publisher_.Map(*seq, prompt, *plan, &*host, version);
+    if (!mapped.ok()) return mapped.status();
+    reused = *mapped;
     seq->Publish();
-    AccountSlotState(*seq);
+    budget_.Account(*seq);
   }
   std::move(give_back_slot).Cancel();
   spdlog::debug("sequence {} created: policy {}, {} streams, {} prompt tokens reused", id,
                 seq->policy_name(), layout.num_streams(), reused);
-  absl::StatusOr<CreateResult> result = RegisterOrRelease(seq);
+  absl::StatusOr<CreateResult> result = Register(seq);
   if (result.ok()) result->reused_prefix_tokens = reused;
   return result;
 }
 
 absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Duration lease) {
-  absl::StatusOr<absl::Duration> granted = ResolveLease(lease);
+  absl::StatusOr<absl::Duration> granted = registry_.ResolveLease(lease);
   if (!granted.ok()) return granted.status();
-  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
+  absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& parent = **ref;
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
@@ -339,7 +365,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   // The child copies the parent's host metadata and slot state: both count against the
   // host budget (beam search forks a lot).
   absl::StatusOr<HostReservation> host =
-      ReserveHost(parent.host_bytes() + parent.slot_bytes_accounted(), "Fork");
+      budget_.Reserve(parent.host_bytes() + parent.slot_bytes_accounted(), "Fork");
   if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots()) {
@@ -350,63 +376,103 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   // The child's tables name the parent's blocks but live under an epoch of their own, never
   // used before: a reader holding a table of an earlier child that had this epoch slot must
   // never validate against this one.
-  const uint64_t epoch = next_epoch_.fetch_add(1);
-  absl::StatusOr<uint32_t> slot = board_->Acquire(epoch);
-  if (!slot.ok()) return slot.status();
-  absl::Cleanup give_back_slot = [this, &slot] { board_->Release(*slot); };
-  uint64_t id;
-  {
-    kvmem::MutexLock lock(&mu_);
-    id = next_id_++;
-  }
+  absl::StatusOr<TableVersions::Claimed> claimed = versions_.ClaimSlot();
+  if (!claimed.ok()) return claimed.status();
+  absl::Cleanup give_back_slot = [this, &claimed] { versions_.ReturnSlot(claimed->slot); };
+  const uint64_t id = registry_.NewId();
   auto child = std::make_shared<Sequence>(
       id, parent.layout(), parent.policy_name(), parent.policy_params(), *std::move(policy),
-      parent.quant(), *granted, *slot, parent.id(), parent.tenant());
+      parent.quant(), *granted, claimed->slot, parent.id(), parent.tenant());
   {
     kvmem::MutexLock lock(&child->mu);
     child->CopyStateFrom(parent, std::move(slots));
-    child->set_epoch(epoch);
-    AccountSlotState(*child);
+    child->set_epoch(claimed->epoch);
+    budget_.Account(*child);
     for (const Stream& st : child->streams()) {
       for (const StreamBlock& b : st.blocks()) pool_->Ref({b.id});
     }
   }
   std::move(give_back_slot).Cancel();
-  Renew(parent);
-  return RegisterOrRelease(child);
+  registry_.Renew(parent);
+  return Register(child);
+}
+
+absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& seq) {
+  try {
+    registry_.Renew(*seq);
+    CreateResult result{seq->id(), static_cast<uint32_t>(absl::ToInt64Seconds(seq->lease())),
+                        seq->layout().block_tokens, seq->epoch_slot()};
+    {
+      kvmem::MutexLock lock(&seq->mu);
+      result.epoch = seq->epoch();
+      result.version = seq->version();
+      seq->NoteAnswered(result.version);  // the client is told it: it may hold it
+    }
+    registry_.Insert(seq);
+    ++telemetry_.sequences_created;
+    return result;
+  } catch (...) {
+    kvmem::MutexLock lock(&seq->mu);
+    ReleaseLocked(*seq);
+    throw;
+  }
+}
+
+uint64_t Engine::ReleaseLocked(Sequence& seq) {
+  // The word odd first: no reader accepts the tables once their blocks can be reused.
+  versions_.Seal(seq);
+  uint64_t freed = pool_->Unref(seq.TakeOrphans());
+  for (const Stream& st : seq.streams()) {
+    for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
+  }
+  seq.Clear();
+  budget_.Account(seq);
+  versions_.ReturnSlot(seq.epoch_slot());
+  return freed;
+}
+
+std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+  return registry_.KeepAlive(sequence_ids);
+}
+
+uint32_t Engine::ExpireLeases() {
+  const std::vector<std::shared_ptr<Sequence>> expired = registry_.TakeExpired();
+  for (const auto& seq : expired) {
+    kvmem::MutexLock lock(&seq->mu);
+    const uint64_t freed = ReleaseLocked(*seq);
+    spdlog::info("sequence {} released: lease of {}s lapsed ({} blocks freed)", seq->id(),
+                 absl::ToInt64Seconds(seq->lease()), freed);
+  }
+  telemetry_.leases_expired += expired.size();
+  return static_cast<uint32_t>(expired.size());
+}
+
+void Engine::RunLeaseReaper(absl::Duration period, absl::Notification* stop) {
+  while (!stop->WaitForNotificationWithTimeout(period)) ExpireLeases();
 }
 
 absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
-  std::shared_ptr<Sequence> seq;
-  {
-    kvmem::MutexLock lock(&mu_);
-    auto it = sequences_.find(sequence_id);
-    if (it == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat("sequence_id: no sequence ", sequence_id,
-                                              " (never created, released, or its lease lapsed)"));
-    }
-    seq = std::move(it->second);
-    sequences_.erase(it);
-  }
-  kvmem::MutexLock lock(&seq->mu);
-  return ReleaseLocked(*seq);
+  absl::StatusOr<std::shared_ptr<Sequence>> seq = registry_.Take(sequence_id);
+  if (!seq.ok()) return seq.status();
+  kvmem::MutexLock lock(&(*seq)->mu);
+  return ReleaseLocked(**seq);
 }
 
 EngineStats Engine::Stats(bool include_sequences) {
   EngineStats stats;
   stats.pool = pool_->usage();
   stats.pool_free_bytes = pool_->free_bytes();
-  stats.tokens_appended = tokens_appended_;
-  stats.stream_slots_evicted = tokens_evicted_;
-  stats.stream_slots_quantized = tokens_quantized_;
-  stats.bytes_moved = bytes_moved_;
-  stats.slot_state_bytes = slot_state_bytes_;
-  stats.host_metadata_bytes = host_bytes_;
-  stats.host_metadata_budget_bytes = host_budget();
-  stats.steps = steps_;
-  stats.leases_expired = leases_expired_;
-  stats.prefix = prefix_->stats();
-  stats.sequences_poisoned = sequences_poisoned_;
+  stats.tokens_appended = telemetry_.tokens_appended;
+  stats.stream_slots_evicted = telemetry_.stream_slots_evicted;
+  stats.stream_slots_quantized = telemetry_.stream_slots_quantized;
+  stats.bytes_moved = telemetry_.bytes_moved;
+  stats.slot_state_bytes = budget_.slot_state_bytes();
+  stats.host_metadata_bytes = budget_.host_bytes();
+  stats.host_metadata_budget_bytes = budget_.budget();
+  stats.steps = telemetry_.steps;
+  stats.leases_expired = telemetry_.leases_expired;
+  stats.prefix = publisher_.index().stats();
+  stats.sequences_poisoned = telemetry_.sequences_poisoned;
   stats.sequences_created = telemetry_.sequences_created;
   for (const auto& t : telemetry_.policies()) {
     PolicyCounts c;
@@ -419,16 +485,11 @@ EngineStats Engine::Stats(bool include_sequences) {
     c.steps = t->step_seconds[0].Read().count + t->step_seconds[1].Read().count;
     stats.policies.push_back(std::move(c));
   }
-  std::vector<std::shared_ptr<Sequence>> all;
-  {
-    kvmem::MutexLock lock(&mu_);
-    stats.sequences_active = static_cast<uint32_t>(sequences_.size());
-    all.reserve(sequences_.size());
-    for (const auto& [id, seq] : sequences_) all.push_back(seq);
-  }
+  const std::vector<std::shared_ptr<Sequence>> all = registry_.All();
+  stats.sequences_active = static_cast<uint32_t>(all.size());
   // Table bytes by precision: the layout's dtype, then the quantized formats.
   absl::flat_hash_map<std::string, uint64_t> by_precision;
-  const absl::Time now = clock_->Now();
+  const absl::Time now = registry_.Now();
   for (const auto& seq : all) {
     kvmem::MutexLock lock(&seq->mu);
     if (seq->released()) continue;
@@ -480,7 +541,7 @@ EngineStats Engine::Stats(bool include_sequences) {
 absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
   std::string out;
   {
-    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
     if (absl::Status s = seq.CheckInvariants(); !s.ok()) return s;

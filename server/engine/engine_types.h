@@ -89,72 +89,6 @@ struct AppendChunk {
   absl::Span<const float> layer_distance;
 };
 
-struct AppendResult {
-  uint64_t appended_tokens = 0;
-  uint32_t max_stream_tokens = 0;
-  uint64_t epoch = 0;
-  uint64_t kv_bytes = 0;
-  uint64_t version = 0;  // table version after the call
-};
-
-// One per-stream signal vector (attention row or window scores).
-struct StreamSignal {
-  uint32_t layer = 0;
-  uint32_t kv_head = 0;
-  absl::Span<const float> values;
-};
-
-struct RawLogitStats {
-  float entropy = 0, p1 = 0, p2 = 0;
-  std::vector<float> top_logprobs;  // alternative to the three numbers
-};
-
-struct StepInput {
-  uint64_t epoch = 0;
-  // The version of the client's table the rows were computed on (0: not said). Rows whose
-  // length misses a slot count because the table changed since (another client appended:
-  // the epoch stays) are then FAILED_PRECONDITION, as for a stale epoch.
-  uint64_t table_version = 0;
-  std::optional<RawLogitStats> logits;
-  std::vector<StreamSignal> attention;
-};
-
-struct StepResult {
-  double confidence = 0;
-  uint32_t budget_tokens = 0;
-  uint64_t evicted_tokens = 0;
-  uint64_t quantized_tokens = 0;
-  uint64_t kv_bytes_before = 0;
-  uint64_t kv_bytes_after = 0;
-  uint64_t epoch = 0;
-  uint64_t step = 0;
-  uint64_t version = 0;  // table version after the call
-};
-
-struct CompressInput {
-  uint64_t epoch = 0;
-  uint64_t table_version = 0;  // as StepInput's
-  uint32_t target_tokens = 0;
-  std::vector<StreamSignal> window_scores;
-  std::vector<StreamSignal> attention;
-};
-
-struct LayerKept {
-  uint32_t layer = 0;
-  uint64_t kept_tokens = 0;
-  uint64_t before_tokens = 0;
-};
-
-struct CompressResult {
-  std::vector<LayerKept> layers;
-  uint64_t evicted_tokens = 0;
-  uint64_t quantized_tokens = 0;
-  uint64_t kv_bytes_before = 0;
-  uint64_t kv_bytes_after = 0;
-  uint64_t epoch = 0;
-  uint64_t version = 0;  // table version after the call
-};
-
 struct TableBlock {
   store::BlockId id = 0;
   uint64_t offset = 0;  // bytes into the pool
@@ -234,14 +168,89 @@ struct TableUpdate {
   bool full() const { return table.has_value(); }
 };
 
+// The table a client holds (its ClientTable): a mutation given one answers the update from
+// it, computed under the mutation's own lock.
+struct HeldTable {
+  uint64_t version = 0;    // 0: none held (the whole table)
+  bool positions = false;  // the update carries positions
+};
+
+struct AppendResult {
+  uint64_t appended_tokens = 0;
+  uint32_t max_stream_tokens = 0;
+  uint64_t epoch = 0;
+  uint64_t kv_bytes = 0;
+  uint64_t version = 0;              // table version after the call
+  std::optional<TableUpdate> table;  // from the HeldTable the call was given
+};
+
+// One per-stream signal vector (attention row or window scores).
+struct StreamSignal {
+  uint32_t layer = 0;
+  uint32_t kv_head = 0;
+  absl::Span<const float> values;
+};
+
+struct RawLogitStats {
+  float entropy = 0, p1 = 0, p2 = 0;
+  std::vector<float> top_logprobs;  // alternative to the three numbers
+};
+
+struct StepInput {
+  uint64_t epoch = 0;
+  // The version of the client's table the rows were computed on (0: not said). Rows whose
+  // length misses a slot count because the table changed since (another client appended:
+  // the epoch stays) are then FAILED_PRECONDITION, as for a stale epoch.
+  uint64_t table_version = 0;
+  std::optional<RawLogitStats> logits;
+  std::vector<StreamSignal> attention;
+};
+
+struct StepResult {
+  double confidence = 0;
+  uint32_t budget_tokens = 0;
+  uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+  uint64_t version = 0;              // table version after the call
+  std::optional<TableUpdate> table;  // from the HeldTable the call was given
+};
+
+struct CompressInput {
+  uint64_t epoch = 0;
+  uint64_t table_version = 0;  // as StepInput's
+  uint32_t target_tokens = 0;
+  std::vector<StreamSignal> window_scores;
+  std::vector<StreamSignal> attention;
+};
+
+struct LayerKept {
+  uint32_t layer = 0;
+  uint64_t kept_tokens = 0;
+  uint64_t before_tokens = 0;
+};
+
+struct CompressResult {
+  std::vector<LayerKept> layers;
+  uint64_t evicted_tokens = 0;
+  uint64_t quantized_tokens = 0;
+  uint64_t kv_bytes_before = 0;
+  uint64_t kv_bytes_after = 0;
+  uint64_t epoch = 0;
+  uint64_t version = 0;              // table version after the call
+  std::optional<TableUpdate> table;  // from the HeldTable the call was given
+};
+
 // One entry of a batched step: the new token(s) appended, then the step, on one sequence.
 struct StepCall {
   uint64_t sequence_id = 0;
   std::optional<AppendChunk> append;  // applied first; the step's rows cover these tokens
   std::optional<StepInput> step;      // absent: the call only appends
-  // The table version the client holds: the outcome carries the update from it.
-  std::optional<uint64_t> table_version;
-  bool positions = false;  // the update carries positions
+  // The table the client holds: the outcome carries the update from it.
+  std::optional<HeldTable> held;
   // Set by the caller when the entry could not be read (a malformed row, say): the entry is
   // answered with it and nothing of it runs; the other entries run as ever.
   absl::Status rejected;
@@ -254,7 +263,7 @@ struct StepOutcome {
   absl::Status status;
   std::optional<AppendResult> appended;
   std::optional<StepResult> step;
-  std::optional<TableUpdate> table;  // when table_version was given and the sequence serves
+  std::optional<TableUpdate> table;  // when a table was held and the sequence serves
 };
 
 struct SequenceSummary {

@@ -1,16 +1,15 @@
-// The policy driver: Step and Compress. Policies read the committed state and stage the
-// next; the staged state becomes the sequence's only when the whole call applies.
+#include "server/engine/policy_driver.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
-#include "server/engine/engine.h"
 
 namespace kvmem::engine {
 
-policy::CallContext Engine::Context(const Sequence& seq) const {
+policy::CallContext PolicyDriver::Context(const Sequence& seq) const {
   policy::CallContext ctx;
   ctx.step = seq.steps();
   ctx.num_layers = seq.layout().num_layers;
@@ -21,7 +20,7 @@ policy::CallContext Engine::Context(const Sequence& seq) const {
   return ctx;
 }
 
-std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
+std::vector<policy::StreamState> PolicyDriver::StagedStreamStates(Sequence& seq) {
   std::vector<policy::StreamState> states(seq.streams().size());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     Stream& st = seq.stream(s);
@@ -44,9 +43,10 @@ std::vector<policy::StreamState> Engine::StagedStreamStates(Sequence& seq) {
   return states;
 }
 
-Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decision& decision,
-                                             const std::vector<absl::Span<const float>>* rows) {
-  return [this, &seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+DecisionApplier::CommitHook PolicyDriver::CommitPolicyState(
+    Sequence& seq, const policy::Decision& decision,
+    const std::vector<absl::Span<const float>>* rows) {
+  return [&seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     const uint32_t R = seq.policy().history_rows();
     // Only what StagedStreamStates staged (a policy that keeps no scores was handed none).
     const bool scores = decision.scores_written && seq.policy().descriptor().initial_score;
@@ -63,9 +63,9 @@ Engine::CommitHook Engine::CommitPolicyState(Sequence& seq, const policy::Decisi
   };
 }
 
-absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::CallContext& ctx,
-                                                   absl::Span<const absl::Span<const float>> rows,
-                                                   policy::Decision* decision) {
+absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
+    Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
+    policy::Decision* decision) {
   const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
   const uint32_t H = seq.layout().num_kv_heads;
   std::vector<uint32_t> budget(seq.streams().size());
@@ -78,7 +78,7 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
   auto abort = [&](const absl::Status& why) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (seq.poisoned()) return why;
     absl::Status restored = seq.slots()->AbortStep();
-    return restored.ok() ? why : Poison(seq, restored);
+    return restored.ok() ? why : versions_->Poison(seq, restored);
   };
   // An exception (host memory) past this point must not leave the scores stepped either.
   absl::Cleanup abort_on_unwind = [&] { abort(absl::ResourceExhaustedError("")).IgnoreError(); };
@@ -87,75 +87,20 @@ absl::StatusOr<Engine::Applied> Engine::KernelStep(Sequence& seq, const policy::
     std::move(abort_on_unwind).Cancel();
     return abort(s);
   }
-  absl::StatusOr<Applied> done =
-      ApplyDecision(seq, *decision,
-                    [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots()->CommitStep(); });
+  absl::StatusOr<Applied> done = applier_->Apply(
+      seq, *decision,
+      [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots()->CommitStep(); });
   std::move(abort_on_unwind).Cancel();
   if (!done.ok()) return abort(done.status());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     if (seq.slots()->length(static_cast<uint32_t>(s)) != seq.streams()[s].size()) {
-      return Poison(seq, absl::InternalError(absl::StrCat(
-                             "slot state of stream ", s, " holds ", seq.slots()->length(s),
-                             " slots, the table ", seq.streams()[s].size())));
+      return versions_->Poison(
+          seq, absl::InternalError(absl::StrCat("slot state of stream ", s, " holds ",
+                                                seq.slots()->length(s), " slots, the table ",
+                                                seq.streams()[s].size())));
     }
   }
   return done;
-}
-
-absl::StatusOr<StepResult> Engine::StepImpl(uint64_t sequence_id, const StepInput& input) {
-  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
-  if (!ref.ok()) return ref.status();
-  Sequence& seq = **ref;
-  absl::StatusOr<PreparedStep> step = PrepareStep(seq, input, 0, input.table_version);
-  if (!step.ok()) return step.status();
-  absl::StatusOr<StepResult> result = RunStep(seq, *step);
-  seq.Publish();
-  if (result.ok()) result->version = seq.version();
-  return result;
-}
-
-absl::StatusOr<Engine::PreparedStep> Engine::PrepareStep(Sequence& seq, const StepInput& input,
-                                                         size_t pending, uint64_t table_version) {
-  const policy::PolicyDescriptor& desc = seq.policy().descriptor();
-  const std::string why = absl::StrCat("policy ", desc.name);
-
-  if (!input.attention.empty() && input.epoch != seq.epoch()) {
-    return StaleEpoch(seq, absl::StrCat("epoch: attention rows were computed on epoch ",
-                                        input.epoch, " but the block table is at epoch ",
-                                        seq.epoch(), "; fetch the block table again"));
-  }
-  // Rows cover every stream or none: a policy that reads them when sent (refreekv) reads
-  // every stream's.
-  const bool rows_required = (desc.step_signals & policy::kAttentionRows) != 0;
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
-      seq, input.attention, "attention", kMaxAttention, rows_required || !input.attention.empty(),
-      rows_required ? why : absl::StrCat(why, " (rows, when sent)"), pending, table_version);
-  if (!rows.ok()) return rows.status();
-
-  policy::CallContext ctx = Context(seq);
-  if (input.logits) {
-    const RawLogitStats& raw = *input.logits;
-    const uint32_t vocab = seq.layout().vocab_size;
-    if (!raw.top_logprobs.empty() && (raw.entropy != 0 || raw.p1 != 0 || raw.p2 != 0)) {
-      return absl::InvalidArgumentError(
-          "logit_stats.top_logprobs: sent beside entropy, p1 and p2; send one or the other");
-    }
-    if (raw.top_logprobs.size() > vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("logit_stats.top_logprobs: ", raw.top_logprobs.size(),
-                       " values, more than the vocabulary's ", vocab));
-    }
-    absl::StatusOr<policy::LogitStats> stats =
-        input.logits->top_logprobs.empty()
-            ? policy::CheckLogitStats({input.logits->entropy, input.logits->p1, input.logits->p2},
-                                      seq.layout().vocab_size)
-            : policy::LogitStatsFromTopLogprobs(input.logits->top_logprobs);
-    if (!stats.ok()) return stats.status();
-    ctx.logits = *stats;
-  } else if (desc.step_signals & policy::kLogitStats) {
-    return absl::InvalidArgumentError(absl::StrCat("logit_stats: ", why, " needs them every step"));
-  }
-  return PreparedStep{*std::move(rows), ctx};
 }
 
 namespace {
@@ -176,7 +121,8 @@ double EvictedMassOf(absl::Span<const absl::Span<const float>> rows,
 
 // The mean over streams of the weight each row puts on slots held in quantized blocks; NaN
 // when the step carries no rows (nothing to measure with).
-double Engine::QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows) {
+double PolicyDriver::QuantizedMass(const Sequence& seq,
+                                   absl::Span<const absl::Span<const float>> rows) {
   if (rows.empty() || rows[0].empty()) return std::nan("");
   if (!seq.quant().type) return 0.0;  // never quantizes: no block to walk
   double mass = 0;
@@ -193,9 +139,10 @@ double Engine::QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<co
   return mass / static_cast<double>(rows.size());
 }
 
-absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& step) {
+absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& step) {
   const auto started = std::chrono::steady_clock::now();  // latency: monotonic
-  const policy::CallContext& ctx = step.ctx;
+  policy::CallContext ctx = Context(seq);
+  ctx.logits = step.logits;
   const std::vector<absl::Span<const float>>* rows = &step.rows;
   const uint64_t before = seq.kv_bytes();
   // The attention mass quantized slots hold, from the rows over the table as it is now.
@@ -210,10 +157,10 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
     std::vector<policy::StreamState> states = StagedStreamStates(seq);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
     decision = seq.policy().Step(ctx, absl::MakeSpan(states));
-    applied = ApplyDecision(seq, decision, CommitPolicyState(seq, decision, rows));
+    applied = applier_->Apply(seq, decision, CommitPolicyState(seq, decision, rows));
   }
   if (!applied.ok()) return applied.status();
-  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+  if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
     const StepSite site = seq.slots() ? StepSite::kDevice : StepSite::kHost;
     t->step_seconds[static_cast<int>(site)].Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
@@ -235,35 +182,18 @@ absl::StatusOr<StepResult> Engine::RunStep(Sequence& seq, const PreparedStep& st
   result.epoch = seq.epoch();
   result.step = seq.CountStep();
   seq.mutable_prefix().compressed_document = false;
-  ++steps_;
-  AccountSlotState(seq);
-  Renew(seq);
+  ++telemetry_->steps;
+  budget_->Account(seq);
+  registry_->Renew(seq);
   return result;
 }
 
-absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
-                                                    const CompressInput& input) {
-  absl::StatusOr<SequenceRef> ref = LockForChange(sequence_id);
-  if (!ref.ok()) return ref.status();
-  Sequence& seq = **ref;
-  const policy::PolicyDescriptor& desc = seq.policy().descriptor();
-  const std::string why = absl::StrCat("policy ", desc.name);
-  if ((!input.attention.empty() || !input.window_scores.empty()) && input.epoch != seq.epoch()) {
-    return StaleEpoch(seq, absl::StrCat("epoch: signals were computed on epoch ", input.epoch,
-                                        " but the block table is at epoch ", seq.epoch(),
-                                        "; fetch the block table again"));
-  }
-  absl::StatusOr<std::vector<absl::Span<const float>>> rows = IndexSignals(
-      seq, input.attention, "attention", kMaxAttention,
-      (desc.compress_signals & policy::kAttentionRows) != 0, why, 0, input.table_version);
-  if (!rows.ok()) return rows.status();
-  absl::StatusOr<std::vector<absl::Span<const float>>> window = IndexSignals(
-      seq, input.window_scores, "window_scores", kMaxWindowScore,
-      (desc.compress_signals & policy::kWindowScores) != 0, why, 0, input.table_version);
-  if (!window.ok()) return window.status();
-
+absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const CheckedCompress& signals,
+                                                      uint32_t target_tokens) {
+  const std::vector<absl::Span<const float>>* rows = &signals.rows;
+  const std::vector<absl::Span<const float>>* window = &signals.window_scores;
   policy::CallContext ctx = Context(seq);
-  ctx.target_tokens = input.target_tokens;
+  ctx.target_tokens = target_tokens;
 
   const auto started = std::chrono::steady_clock::now();  // latency: monotonic
   CompressResult result;
@@ -298,7 +228,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
     for (size_t s = 0; s < seq.streams().size(); ++s) {
       seq.stream(s).LoadScores(std::move(scores[s]));
     }
-    Failpoints::ThrowIfHit(config_.failpoints, Failpoints::kHostAlloc);
+    Failpoints::ThrowIfHit(failpoints_, Failpoints::kHostAlloc);
   }
   std::vector<policy::StreamState> states = StagedStreamStates(seq);
   for (size_t s = 0; s < states.size(); ++s) {
@@ -307,7 +237,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   }
   const policy::Decision decision = seq.policy().Compress(ctx, absl::MakeSpan(states));
   absl::StatusOr<Applied> applied =
-      ApplyDecision(seq, decision, CommitPolicyState(seq, decision, nullptr));
+      applier_->Apply(seq, decision, CommitPolicyState(seq, decision, nullptr));
   if (seq.slots()) {
     std::vector<std::vector<float>> scores(seq.streams().size());
     for (size_t s = 0; s < seq.streams().size(); ++s) {
@@ -317,8 +247,8 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
     if (applied.ok()) {
       absl::Status synced = seq.slots()->Keep(decision.keep);
       if (synced.ok()) synced = seq.slots()->WriteScores(scores);
-      AccountSlotState(seq);  // a compression may have given capacity back
-      if (!synced.ok()) return Poison(seq, synced);
+      budget_->Account(seq);  // a compression may have given capacity back
+      if (!synced.ok()) return versions_->Poison(seq, synced);
     }
   }
   if (!applied.ok()) return applied.status();
@@ -329,10 +259,10 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   result.quantized_tokens = applied->quantized;
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch();
-  AccountSlotState(seq);
-  Renew(seq);
+  budget_->Account(seq);
+  registry_->Renew(seq);
   seq.Publish();
-  if (PolicyTelemetry* t = telemetry_.For(seq.policy_name())) {
+  if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
     t->compress_seconds.Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
@@ -341,8 +271,7 @@ absl::StatusOr<CompressResult> Engine::CompressImpl(uint64_t sequence_id,
   // others may map. A second Compress, or one with a target of the client's, is not.
   Sequence::PrefixState& prefix = seq.mutable_prefix();
   ++prefix.compressions;
-  prefix.compressed_document =
-      seq.steps() == 0 && prefix.compressions == 1 && input.target_tokens == 0;
+  prefix.compressed_document = seq.steps() == 0 && prefix.compressions == 1 && target_tokens == 0;
   return result;
 }
 

@@ -81,7 +81,15 @@ class Telemetry {
   PolicyTelemetry* For(std::string_view policy) const;
   const std::vector<std::unique_ptr<PolicyTelemetry>>& policies() const { return policies_; }
 
+  // Engine-wide counts, every policy together.
   std::atomic<uint64_t> sequences_created{0};
+  std::atomic<uint64_t> tokens_appended{0};
+  std::atomic<uint64_t> stream_slots_evicted{0};
+  std::atomic<uint64_t> stream_slots_quantized{0};
+  std::atomic<uint64_t> bytes_moved{0};  // compaction, merges, copy-on-write
+  std::atomic<uint64_t> steps{0};
+  std::atomic<uint64_t> leases_expired{0};
+  std::atomic<uint64_t> sequences_poisoned{0};
 
  private:
   std::vector<std::unique_ptr<PolicyTelemetry>> policies_;      // in registration order

@@ -4,6 +4,7 @@
 // is not valid is INVALID_ARGUMENT naming the field. absl::Status -> gRPC: error_details.h.
 #include <deque>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -49,6 +50,13 @@ engine::AppendChunk ChunkView(const Request& request) {
       absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
   return chunk;
 }
+// The table a request's client_table says the client holds; none without the field.
+template <typename Request>
+std::optional<engine::HeldTable> HeldFromProto(const Request& request) {
+  if (!request.has_client_table()) return std::nullopt;
+  return engine::HeldTable{request.client_table().version(), request.client_table().positions()};
+}
+
 // Rows converted from f16 (AttentionRow.weights_f16), which the views point into: arrays
 // left uninitialized until the conversion writes them (no zeroing of tens of KiB a step), in
 // a deque so that adding one moves none.

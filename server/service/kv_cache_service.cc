@@ -30,6 +30,19 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 
 }  // namespace
 
+absl::Status KvCacheService::StillWanted(grpc::ServerContext* context, absl::string_view method) {
+  if (context == nullptr) return absl::OkStatus();
+  if (context->deadline() < std::chrono::system_clock::now()) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(method, ": the call's deadline passed before it ran; nothing was applied"));
+  }
+  if (context->IsCancelled()) {
+    return absl::CancelledError(
+        absl::StrCat(method, ": the client cancelled before the call ran; nothing was applied"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
@@ -106,48 +119,47 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::CreateSequence(grpc::ServerContext*,
+grpc::Status KvCacheService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return ToGrpc(requests_.Run(
-      "CreateSequence", 0, *request, request->request_id(), response, [&]() -> absl::Status {
-        if (!request->has_layout()) {
-          return absl::InvalidArgumentError("layout: required");
-        }
-        const engine::EngineConfig& config = engine_->config();
-        absl::StatusOr<engine::Layout> layout =
-            FromProto(request->layout(), config.default_block_tokens);
-        if (!layout.ok()) return layout.status();
-        absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
-        if (!policy_name.ok()) return policy_name.status();
-        policy::ParamOverrides params(request->policy().params().begin(),
-                                      request->policy().params().end());
-        absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
-        if (!quant.ok()) return quant.status();
-        absl::StatusOr<absl::Duration> lease =
-            LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
-        if (!lease.ok()) return lease.status();
-        engine::PromptPrefix prompt;
-        prompt.model = request->model();
-        prompt.salt = request->cache_salt();
-        prompt.token_ids = absl::MakeConstSpan(request->prompt_token_ids().data(),
-                                               request->prompt_token_ids().size());
-        prompt.auto_publish = request->auto_publish();
-        prompt.document_tokens = request->document_tokens();
-        absl::StatusOr<engine::CreateResult> created =
-            engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
-        if (!created.ok()) return created.status();
-        response->set_sequence_id(created->sequence_id);
-        response->set_reused_prefix_tokens(static_cast<uint32_t>(created->reused_prefix_tokens));
-        ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
-        response->set_block_tokens(created->block_tokens);
-        response->set_epoch_slot(created->epoch_slot);
-        response->set_epoch(created->epoch);
-        response->set_table_version(created->version);
-        return absl::OkStatus();
-      }));
+  return RunMutation(context, "CreateSequence", 0, *request, response, [&]() -> absl::Status {
+    if (!request->has_layout()) {
+      return absl::InvalidArgumentError("layout: required");
+    }
+    const engine::EngineConfig& config = engine_->config();
+    absl::StatusOr<engine::Layout> layout =
+        FromProto(request->layout(), config.default_block_tokens);
+    if (!layout.ok()) return layout.status();
+    absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
+    if (!policy_name.ok()) return policy_name.status();
+    policy::ParamOverrides params(request->policy().params().begin(),
+                                  request->policy().params().end());
+    absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
+    if (!quant.ok()) return quant.status();
+    absl::StatusOr<absl::Duration> lease =
+        LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
+    if (!lease.ok()) return lease.status();
+    engine::PromptPrefix prompt;
+    prompt.model = request->model();
+    prompt.salt = request->cache_salt();
+    prompt.token_ids =
+        absl::MakeConstSpan(request->prompt_token_ids().data(), request->prompt_token_ids().size());
+    prompt.auto_publish = request->auto_publish();
+    prompt.document_tokens = request->document_tokens();
+    absl::StatusOr<engine::CreateResult> created =
+        engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
+    if (!created.ok()) return created.status();
+    response->set_sequence_id(created->sequence_id);
+    response->set_reused_prefix_tokens(static_cast<uint32_t>(created->reused_prefix_tokens));
+    ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
+    response->set_block_tokens(created->block_tokens);
+    response->set_epoch_slot(created->epoch_slot);
+    response->set_epoch(created->epoch);
+    response->set_table_version(created->version);
+    return absl::OkStatus();
+  });
 }
 
 namespace {
@@ -163,36 +175,29 @@ void FillAppendResponse(uint64_t id, const engine::AppendResult& r, Response* ou
 }
 }  // namespace
 
-grpc::Status KvCacheService::Append(grpc::ServerContext*, const v1::AppendRequest* request,
+grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::AppendRequest* request,
                                     v1::AppendResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const uint64_t version_before = VersionBefore(id, request->has_client_table());
-  bool ran = false;  // else replayed
-  const absl::Status status =
-      requests_.Run("Append", id, *request, request->request_id(), response, [&]() -> absl::Status {
-        ran = true;
-        const engine::AppendChunk chunk = ChunkView(*request);
-        absl::StatusOr<engine::AppendResult> result =
-            engine_->Append(id, absl::MakeConstSpan(&chunk, 1));
-        if (!result.ok()) return result.status();
-        FillAppendResponse(id, *result, response);
-        return absl::OkStatus();
-      });
-  // After the answer is kept for retries (which get a fresh update of their own).
-  if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(),
-                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
-                    response->mutable_table_update());
-  }
-  return ToGrpc(status, id);
+  const std::optional<engine::HeldTable> held = HeldFromProto(*request);
+  std::optional<engine::TableUpdate> update;
+  return RunMutation(context, "Append", id, *request, response, held, &update,
+                     [&]() -> absl::Status {
+                       const engine::AppendChunk chunk = ChunkView(*request);
+                       absl::StatusOr<engine::AppendResult> result =
+                           engine_->Append(id, absl::MakeConstSpan(&chunk, 1), held);
+                       if (!result.ok()) return result.status();
+                       FillAppendResponse(id, *result, response);
+                       update = std::move(result->table);
+                       return absl::OkStatus();
+                     });
 }
 
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           grpc::ServerReader<v1::AppendStreamRequest>* reader,
                                           v1::AppendStreamResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
+  const CallGate::Ticket call = gate_.Enter();  // held through the stream (a drain waits)
   if (!call.admitted()) return ToGrpc(DrainingError());
   absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open(context);
   if (!held.ok()) return ToGrpc(held.status());
@@ -203,18 +208,14 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                       : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
   }
   const uint64_t id = request.sequence_id();
-  std::optional<v1::ClientTable> held_table;  // the first chunk's
-  if (request.has_client_table()) held_table = request.client_table();
-  const uint64_t version_before = VersionBefore(id, held_table.has_value());
-  bool ran = false;  // else replayed
+  const std::optional<engine::HeldTable> table = HeldFromProto(request);  // the first chunk's
+  std::optional<engine::TableUpdate> update;
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
   // stream is applied at its end, or nothing is.
-  const absl::Status status = requests_.Run(
-      "AppendStream", id, request, request.request_id(), response, [&]() -> absl::Status {
-        ran = true;
-        absl::StatusOr<std::unique_ptr<engine::Engine::AppendSession>> session =
-            engine_->BeginAppend(id);
+  return RunMutation(
+      context, "AppendStream", id, request, response, table, &update, [&]() -> absl::Status {
+        absl::StatusOr<std::unique_ptr<engine::AppendSession>> session = engine_->BeginAppend(id);
         if (!session.ok()) return session.status();
         size_t index = 0;
         do {
@@ -239,56 +240,35 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
               "AppendStream: the stream was cancelled or broken before its end; nothing was "
               "appended");
         }
-        absl::StatusOr<engine::AppendResult> result = (*session)->Commit();
+        absl::StatusOr<engine::AppendResult> result = (*session)->Commit(table);
         if (!result.ok()) return result.status();
         FillAppendResponse(id, *result, response);
+        update = std::move(result->table);
         return absl::OkStatus();
       });
-  if (status.ok() && held_table) {
-    FillTableUpdate(id, *held_table,
-                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
-                    response->mutable_table_update());
-  }
-  return ToGrpc(status, id);
 }
 
-grpc::Status KvCacheService::Step(grpc::ServerContext*, const v1::StepRequest* request,
+grpc::Status KvCacheService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
                                   v1::StepResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const uint64_t version_before = VersionBefore(id, request->has_client_table());
-  bool ran = false;  // else replayed
-  const absl::Status status =
-      requests_.Run("Step", id, *request, request->request_id(), response, [&]() -> absl::Status {
-        ran = true;
-        SignalStorage storage;
-        absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
-        if (!input.ok()) return input.status();
-        absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input);
-        if (!result.ok()) return result.status();
-        ToProto(*result, response);
-        return absl::OkStatus();
-      });
-  if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(),
-                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
-                    response->mutable_table_update());
-  }
-  return ToGrpc(status, id);
-}
-
-uint64_t KvCacheService::VersionBefore(uint64_t id, bool held) {
-  if (!held) return 0;
-  absl::StatusOr<uint64_t> version = engine_->TableVersion(id);
-  return version.ok() ? *version : 0;  // the call fails the same way, or any held is a guess
+  const std::optional<engine::HeldTable> held = HeldFromProto(*request);
+  std::optional<engine::TableUpdate> update;
+  return RunMutation(context, "Step", id, *request, response, held, &update, [&]() -> absl::Status {
+    SignalStorage storage;
+    absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
+    if (!input.ok()) return input.status();
+    absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input, held);
+    if (!result.ok()) return result.status();
+    ToProto(*result, response);
+    update = std::move(result->table);
+    return absl::OkStatus();
+  });
 }
 
 void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
                                      uint64_t version_before, v1::TableUpdate* out) {
-  // The update is computed under a lock of its own, after the mutation's: another client may
-  // have been told the new version in between, so the sequence's note of answered versions
-  // cannot tell a guess from a held version here; the version before the call can.
   // After a mutation that applied: if the sequence went meanwhile (released, lapsed), the
   // response goes without an update and the client's next call finds out why.
   absl::StatusOr<engine::TableUpdate> update =
@@ -296,20 +276,22 @@ void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
   if (update.ok()) ToProto(*update, out);
 }
 
-grpc::Status KvCacheService::StepBatch(grpc::ServerContext*, const v1::StepBatchRequest* request,
+grpc::Status KvCacheService::StepBatch(grpc::ServerContext* context,
+                                       const v1::StepBatchRequest* request,
                                        v1::StepBatchResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  return RunStepBatch(*request, engine_->config().max_append_bytes, response);
+  return RunStepBatch(context, *request, engine_->config().max_append_bytes, response);
 }
 
-grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_message,
+grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
+                                          const v1::StepBatchRequest& request_message,
                                           uint64_t max_update_bytes,
                                           v1::StepBatchResponse* response) {
   const v1::StepBatchRequest* const request = &request_message;
   std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
-  const absl::Status status = requests_.Run(
-      "StepBatch", 0, *request, request->request_id(), response, [&]() -> absl::Status {
+  const grpc::Status status =
+      RunMutation(context, "StepBatch", 0, *request, response, [&]() -> absl::Status {
         const int n = request->entries_size();
         if (n == 0 || n > kMaxBatchEntries) {
           return absl::InvalidArgumentError(
@@ -331,10 +313,7 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
                                            absl::StrCat("step.", input.status().message()));
             }
           }
-          if (entry.has_client_table()) {
-            call.table_version = entry.client_table().version();
-            call.positions = entry.client_table().positions();
-          }
+          call.held = HeldFromProto(entry);
         }
         absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
         if (!outcomes.ok()) return outcomes.status();
@@ -351,7 +330,7 @@ grpc::Status KvCacheService::RunStepBatch(const v1::StepBatchRequest& request_me
         }
         return absl::OkStatus();
       });
-  if (!status.ok()) return ToGrpc(status);
+  if (!status.ok()) return status;
   // The table updates go in after the answer is kept for retries (a replay computes fresh
   // ones), and only up to --max-message-bytes in all: past it an entry's update is left
   // out, and a client that sees an applied entry without one fetches its table.
@@ -428,7 +407,7 @@ grpc::Status KvCacheService::OpenStepChannel(
                                            v1::StepBatchResponse* response) {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
-    return RunStepBatch(batch, max_update_bytes, response);
+    return RunStepBatch(/*context=*/nullptr, batch, max_update_bytes, response);
   };
   // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
   // client sees it.
@@ -457,30 +436,25 @@ grpc::Status KvCacheService::OpenStepChannel(
   return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the step channel");
 }
 
-grpc::Status KvCacheService::Compress(grpc::ServerContext*, const v1::CompressRequest* request,
+grpc::Status KvCacheService::Compress(grpc::ServerContext* context,
+                                      const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const uint64_t version_before = VersionBefore(id, request->has_client_table());
-  bool ran = false;  // else replayed
-  const absl::Status status = requests_.Run(
-      "Compress", id, *request, request->request_id(), response, [&]() -> absl::Status {
-        ran = true;
+  const std::optional<engine::HeldTable> held = HeldFromProto(*request);
+  std::optional<engine::TableUpdate> update;
+  return RunMutation(
+      context, "Compress", id, *request, response, held, &update, [&]() -> absl::Status {
         SignalStorage storage;
         absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
-        absl::StatusOr<engine::CompressResult> result = engine_->Compress(id, *input);
+        absl::StatusOr<engine::CompressResult> result = engine_->Compress(id, *input, held);
         if (!result.ok()) return result.status();
         ToProto(*result, response);
+        update = std::move(result->table);
         return absl::OkStatus();
       });
-  if (status.ok() && request->has_client_table()) {
-    FillTableUpdate(id, request->client_table(),
-                    ran ? version_before : ReplayedVersionBefore(response->table_version()),
-                    response->mutable_table_update());
-  }
-  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
@@ -548,26 +522,24 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
   return ToGrpc(status, id);
 }
 
-grpc::Status KvCacheService::Fork(grpc::ServerContext*, const v1::ForkRequest* request,
+grpc::Status KvCacheService::Fork(grpc::ServerContext* context, const v1::ForkRequest* request,
                                   v1::ForkResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const absl::Status status =
-      requests_.Run("Fork", id, *request, request->request_id(), response, [&]() -> absl::Status {
-        absl::StatusOr<absl::Duration> lease = LeaseFromProto(
-            request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
-        if (!lease.ok()) return lease.status();
-        absl::StatusOr<engine::CreateResult> child = engine_->Fork(id, *lease);
-        if (!child.ok()) return child.status();
-        response->set_sequence_id(child->sequence_id);
-        response->set_epoch_slot(child->epoch_slot);
-        response->set_epoch(child->epoch);
-        response->set_table_version(child->version);
-        ToProto(absl::Seconds(child->lease_seconds), response->mutable_lease());
-        return absl::OkStatus();
-      });
-  return ToGrpc(status, id);
+  return RunMutation(context, "Fork", id, *request, response, [&]() -> absl::Status {
+    absl::StatusOr<absl::Duration> lease = LeaseFromProto(
+        request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
+    if (!lease.ok()) return lease.status();
+    absl::StatusOr<engine::CreateResult> child = engine_->Fork(id, *lease);
+    if (!child.ok()) return child.status();
+    response->set_sequence_id(child->sequence_id);
+    response->set_epoch_slot(child->epoch_slot);
+    response->set_epoch(child->epoch);
+    response->set_table_version(child->version);
+    ToProto(absl::Seconds(child->lease_seconds), response->mutable_lease());
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
@@ -613,19 +585,18 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::Release(grpc::ServerContext*, const v1::ReleaseRequest* request,
+grpc::Status KvCacheService::Release(grpc::ServerContext* context,
+                                     const v1::ReleaseRequest* request,
                                      v1::ReleaseResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
   const uint64_t id = request->sequence_id();
-  const absl::Status status = requests_.Run("Release", id, *request, request->request_id(),
-                                            response, [&]() -> absl::Status {
-                                              absl::StatusOr<uint64_t> freed = engine_->Release(id);
-                                              if (!freed.ok()) return freed.status();
-                                              response->set_freed_blocks(*freed);
-                                              return absl::OkStatus();
-                                            });
-  return ToGrpc(status, id);
+  return RunMutation(context, "Release", id, *request, response, [&]() -> absl::Status {
+    absl::StatusOr<uint64_t> freed = engine_->Release(id);
+    if (!freed.ok()) return freed.status();
+    response->set_freed_blocks(*freed);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,

@@ -3,12 +3,15 @@
 // the request can tell, translates to engine types, calls the engine and translates back.
 // No cache logic lives here. Every handler first takes a CallGate ticket, so that a drain
 // refuses new calls (UNAVAILABLE, nothing applied) and lets admitted ones finish.
+#include <optional>
 #include <string>
 
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
+#include "server/service/convert.h"
+#include "server/service/error_details.h"
 #include "server/service/request_cache.h"
 #include "server/service/step_channel.h"
 
@@ -71,18 +74,57 @@ class KvCacheService final : public v1::KvCache::Service {
  private:
   // StepBatch's work, for gRPC and for step channels: table updates go in up to
   // `max_update_bytes` in all.
-  grpc::Status RunStepBatch(const v1::StepBatchRequest& request, uint64_t max_update_bytes,
-                            v1::StepBatchResponse* response);
-  // Sequence `id`'s table version before a call that may change it, read when the request
-  // names a held table (`held`), else 0 (not read). No answer can have carried a version past
-  // it, so a client that claims one guessed (the version its own call would make, say).
-  uint64_t VersionBefore(uint64_t id, bool held);
-  // The same for a call whose answer was replayed (a retry under its request_id): the first
-  // run's version before is gone, and a client that repeats a call never got its answer, so
-  // it cannot hold the version the call made (`made`, the replayed answer's table_version)
-  // or a later one. A call that changed nothing then sends the whole table: retries are rare.
+  // `context`: null for a step channel's batch.
+  grpc::Status RunStepBatch(grpc::ServerContext* context, const v1::StepBatchRequest& request,
+                            uint64_t max_update_bytes, v1::StepBatchResponse* response);
+  // A mutating call's frame, shared by the handlers: a call whose deadline passed or whose
+  // client left is refused before it runs (nothing applied); a request_id makes a retry get
+  // the first answer (RequestCache); errors map to gRPC statuses naming sequence `scope`
+  // (0: none). The caller holds its CallGate ticket.
+  template <typename Request, typename Response, typename Call>
+  grpc::Status RunMutation(grpc::ServerContext* context, absl::string_view method, uint64_t scope,
+                           const Request& request, Response* response, Call&& call) {
+    if (absl::Status s = StillWanted(context, method); !s.ok()) return ToGrpc(s, Scope(scope));
+    const absl::Status status =
+        requests_.Run(method, scope, request, request.request_id(), response, call);
+    return ToGrpc(status, Scope(scope));
+  }
+  // The same for a call that may carry the client's held table: the engine computes its
+  // update under the mutation's lock (`*update`, set by `call`); it goes into the response
+  // after the answer is kept for retries, so a replayed retry gets a fresh one.
+  template <typename Request, typename Response, typename Call>
+  grpc::Status RunMutation(grpc::ServerContext* context, absl::string_view method, uint64_t scope,
+                           const Request& request, Response* response,
+                           const std::optional<engine::HeldTable>& held,
+                           std::optional<engine::TableUpdate>* update, Call&& call) {
+    bool ran = false;  // else replayed
+    grpc::Status status =
+        RunMutation(context, method, scope, request, response, [&]() -> absl::Status {
+          ran = true;
+          return call();
+        });
+    if (status.ok() && held) {
+      if (!ran) {
+        FillTableUpdate(scope, request.client_table(),
+                        ReplayedVersionBefore(response->table_version()),
+                        response->mutable_table_update());
+      } else if (*update) {
+        ToProto(**update, response->mutable_table_update());
+      }
+    }
+    return status;
+  }
+  static absl::Status StillWanted(grpc::ServerContext* context, absl::string_view method);
+  static std::optional<uint64_t> Scope(uint64_t scope) {
+    return scope == 0 ? std::nullopt : std::optional<uint64_t>(scope);
+  }
+  // The table version before a call whose answer was replayed (a retry under its
+  // request_id): the first run's is gone, and a client that repeats a call never got its
+  // answer, so it cannot hold the version the call made (`made`, the replayed answer's
+  // table_version) or a later one. A call that changed nothing then sends the whole table:
+  // retries are rare.
   static uint64_t ReplayedVersionBefore(uint64_t made) { return made > 0 ? made - 1 : 0; }
-  // The update of the table `held` names, after a mutation of sequence `id` applied: the
+  // The update of the table `held` names, after a replayed mutation of sequence `id`: the
   // whole table when `held` is past `version_before` (a guess), else the delta from it.
   void FillTableUpdate(uint64_t id, const v1::ClientTable& held, uint64_t version_before,
                        v1::TableUpdate* out);

@@ -27,17 +27,11 @@ namespace kvmem::service {
 
 inline constexpr size_t kMaxRequestIdBytes = 64;
 
-// A fingerprint of a request that tells a retry (the same message again) from another
-// request under the same id, without reading all of a large one: every field but the top
-// level's request_id; the top level's repeated messages (a batch's entries) element by
-// element; maps whatever their order; other repeated fields by their count and four elements
-// at each end, strings and bytes by their length and 32 bytes at each end. So a reused id is
-// caught when the requests differ in any field but the middle of a long payload.
+// A fingerprint of a request: a hash of every byte of its deterministic serialization
+// (maps ordered by key), so that an id reused for a request that differs anywhere, the
+// middle of a long K/V payload included, is told from a retry. Values compare only within
+// one process (the hash is seeded per process), as the cache's entries do.
 uint64_t RequestFingerprint(const google::protobuf::Message& request);
-// The same value by a walk of the message's reflection: what RequestFingerprint computes
-// for every message but a StepBatchRequest and a StepRequest, whose fingerprints it takes
-// from the generated accessors (the decode loop's, every step). For tests.
-uint64_t ReflectedFingerprint(const google::protobuf::Message& request);
 
 class RequestCache {
  public:

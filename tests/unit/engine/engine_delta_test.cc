@@ -154,8 +154,7 @@ class DeltaTest : public EngineTest {
           {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), data->rows[s]});
     }
     data->call.step = std::move(in);
-    data->call.table_version = table.version;
-    data->call.positions = table.with_positions;
+    data->call.held = HeldTable{table.version, table.with_positions};
   }
 
   ClientTable Attach(uint64_t id) {
@@ -553,15 +552,20 @@ TEST_F(DeltaTest, AGuessedFutureVersionGetsTheWholeTable) {
       CallData data;
       MakeCall(id, table, next, 1, rng, &data);
       data.call.step.reset();
-      data.call.table_version = guess;
+      data.call.held->version = guess;
       absl::StatusOr<std::vector<StepOutcome>> out =
           engine_->StepBatch(absl::MakeConstSpan(&data.call, 1));
       ASSERT_TRUE(out.ok() && (*out)[0].status.ok());
       ASSERT_TRUE((*out)[0].table.has_value());
       update = *(*out)[0].table;
-    } else {  // a unary call: the service asks for the update after the call
-      ASSERT_TRUE(AppendRange(id, next, 1).ok());
-      update = engine_->GetTableUpdate(id, guess, true);
+    } else {  // a unary call: its update comes under the call's own lock, as a batch entry's
+      const RangeChunk range(next, 1);
+      const AppendChunk chunk = range.chunk();
+      absl::StatusOr<AppendResult> appended =
+          engine_->Append(id, absl::MakeConstSpan(&chunk, 1), HeldTable{guess, true});
+      ASSERT_TRUE(appended.ok()) << appended.status();
+      ASSERT_TRUE(appended->table.has_value());
+      update = *appended->table;
     }
     ASSERT_TRUE(update.ok()) << update.status();
     ASSERT_EQ(update->version, guess) << "the guess must hit for the test to mean anything";

@@ -168,7 +168,7 @@ const SweepCase kCases[] = {
     {"append_stream", "h2o", false,
      [](Engine& e, uint64_t id, uint64_t) {
        // Three chunks through one session, as AppendStream sends them.
-       absl::StatusOr<std::unique_ptr<Engine::AppendSession>> session = e.BeginAppend(id);
+       absl::StatusOr<std::unique_ptr<AppendSession>> session = e.BeginAppend(id);
        if (!session.ok()) return session.status();
        for (int64_t first : {44, 51, 58}) {
          if (absl::Status s = AddRange(**session, first, 7); !s.ok()) return s;
@@ -184,7 +184,7 @@ const SweepCase kCases[] = {
     {"append_stream_tails", "h2o", false,
      [](Engine& e, uint64_t id, uint64_t) {
        // 1 and 1 token into the free tails, then 7 that do not fit: the plans start.
-       absl::StatusOr<std::unique_ptr<Engine::AppendSession>> session = e.BeginAppend(id);
+       absl::StatusOr<std::unique_ptr<AppendSession>> session = e.BeginAppend(id);
        if (!session.ok()) return session.status();
        for (const auto& [first, n] : {std::pair<int64_t, uint32_t>{44, 1}, {45, 1}, {46, 7}}) {
          if (absl::Status s = AddRange(**session, first, n); !s.ok()) return s;

@@ -99,7 +99,7 @@ struct RangeChunk {
 };
 
 // Adds the range to an append session (Add is done with the buffers when it returns).
-inline absl::Status AddRange(Engine::AppendSession& session, int64_t first, uint32_t n) {
+inline absl::Status AddRange(AppendSession& session, int64_t first, uint32_t n) {
   return session.Add(RangeChunk(first, n).chunk());
 }
 // The same as one unary Append.

@@ -1,10 +1,12 @@
 // RequestCache: a repeat that waited for the first call with its id gets that call's answer,
 // even when the cache let the entry go before the repeat woke (a cache smaller than one
-// response): it never runs the call a second time.
+// response): it never runs the call a second time. An id reused for a request that differs
+// in one byte of its K/V is refused, not answered with the first call's response.
 #include "server/service/request_cache.h"
 
 #include <atomic>
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -48,6 +50,34 @@ TEST(RequestCacheTest, AWaitingRepeatGetsTheFirstAnswerEvenIfTheCacheLetItGo) {
   EXPECT_EQ(runs.load(), 1) << "the repeat ran the call again";
   EXPECT_EQ(repeat_response.step(), first_response.step());
   EXPECT_EQ(cache.size(), 0u);  // one byte of room: the answer was not kept
+}
+
+TEST(RequestCacheTest, AnIdReusedWithOneOtherByteInTheMiddleOfKvIsRefused) {
+  engine::FakeClock clock;
+  RequestCache cache(/*max_entries=*/16, /*max_bytes=*/1 << 20, absl::Minutes(1), &clock);
+  v1::AppendRequest request;
+  request.set_sequence_id(7);
+  request.add_positions(0);
+  request.set_k(std::string(64 << 10, '\x11'));
+  request.set_v(request.k());
+  int runs = 0;
+  auto run = [&](const v1::AppendRequest& r, v1::AppendResponse* response) {
+    return cache.Run("Append", 7, r, "id", response, [&] {
+      response->set_appended_tokens(++runs);
+      return absl::OkStatus();
+    });
+  };
+  v1::AppendResponse first, repeat, other;
+  ASSERT_TRUE(run(request, &first).ok());
+  ASSERT_TRUE(run(request, &repeat).ok());
+  EXPECT_EQ(repeat.appended_tokens(), first.appended_tokens())
+      << "the same request again is a retry";
+  v1::AppendRequest changed = request;
+  (*changed.mutable_k())[32 << 10] = '\x12';
+  const absl::Status status = run(changed, &other);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_EQ(runs, 1) << "neither the retry nor the changed request ran the call again";
+  EXPECT_EQ(other.appended_tokens(), 0u) << "no replay of the first call's response";
 }
 
 }  // namespace

@@ -1,63 +1,19 @@
-// Reads: block tables and the retained K/V of a sequence.
+#include "server/engine/kv_reader.h"
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/block_layout.h"
-#include "server/engine/engine.h"
+#include "server/engine/table_versions.h"
 
 namespace kvmem::engine {
 
-absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions) {
-  return Guard("GetBlockTable", [&] { return GetBlockTableImpl(sequence_id, positions); });
-}
-
-absl::Status Engine::ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
+absl::Status KvReader::Read(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                             uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
                             uint64_t piece_bytes) {
-  return Guard("ReadKV", [&] {
-    return ReadKVImpl(sequence_id, epoch, layer_begin, layer_end, sink, piece_bytes);
-  });
-}
-
-absl::StatusOr<BlockTable> Engine::GetBlockTableImpl(uint64_t sequence_id, bool positions) {
-  absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
-  if (!ref.ok()) return ref.status();
-  Renew(**ref);
-  return TableOf(**ref, positions);
-}
-
-BlockTable Engine::TableOf(const Sequence& seq, bool positions) const {
-  BlockTable table;
-  table.sequence_id = seq.id();
-  table.epoch = seq.epoch();
-  table.version = seq.version();
-  seq.NoteAnswered(table.version);
-  table.layout = seq.layout();
-  table.epoch_slot = seq.epoch_slot();
-  table.quantization = seq.format().quant_precision();
-  table.quantized_block_bytes =
-      seq.quant().type ? seq.format().block_bytes(seq.format().quant_precision()) : 0;
-  table.streams.resize(seq.streams().size());
-  for (size_t s = 0; s < seq.streams().size(); ++s) {
-    const Stream& st = seq.streams()[s];
-    StreamTable& out = table.streams[s];
-    out.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
-    out.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
-    out.blocks.reserve(st.blocks().size());
-    for (const StreamBlock& b : st.blocks()) {
-      out.blocks.push_back({b.id, pool_->offset(b.id), b.start, b.count, b.precision});
-    }
-    if (positions) out.positions.assign(st.positions().begin(), st.positions().end());
-  }
-  table.positions = positions;
-  return table;
-}
-
-absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
-                                uint32_t layer_end,
-                                const std::function<absl::Status(StreamKV&&)>& sink,
-                                uint64_t piece_bytes) {
   Layout layout;
   {
-    absl::StatusOr<SequenceRef> found = Find(sequence_id);
+    absl::StatusOr<SequenceRef> found = registry_->Find(sequence_id);
     if (!found.ok()) return found.status();
     layout = (*found)->layout();  // fixed for the sequence's life
   }
@@ -87,17 +43,17 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
         {
           // Found anew for each piece: a reader that stops taking pieces (a client that
           // does not read) holds no call on the sequence, whose lease can then lapse.
-          absl::StatusOr<SequenceRef> found = Find(sequence_id);
+          absl::StatusOr<SequenceRef> found = registry_->Find(sequence_id);
           if (!found.ok()) return found.status();
           Sequence& seq = **found;
           kvmem::MutexLock lock(&seq.mu);
-          if (absl::Status s = Unusable(seq); !s.ok()) return s;
+          if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
           if (read_epoch == 0) read_epoch = seq.epoch();
           if (first_piece) read_version = seq.version();
           if (seq.epoch() == read_epoch && seq.version() != read_version) {
             // An append grows the streams within an epoch: the pieces read so far and the
             // ones to come would hold different tokens.
-            return StaleEpoch(
+            return TableVersions::StaleEpoch(
                 seq,
                 absl::StrCat("ReadKV: the block table changed from version ", read_version, " to ",
                              seq.version(), " during the read; read again"),
@@ -105,14 +61,15 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
           }
           if (seq.epoch() != read_epoch) {
             if (first_piece) {
-              return StaleEpoch(seq,
-                                absl::StrCat("epoch: asked for epoch ", read_epoch,
-                                             " but the block table is at epoch ", seq.epoch()));
+              return TableVersions::StaleEpoch(
+                  seq, absl::StrCat("epoch: asked for epoch ", read_epoch,
+                                    " but the block table is at epoch ", seq.epoch()));
             }
-            return StaleEpoch(seq,
-                              absl::StrCat("epoch: the block table changed from epoch ", read_epoch,
-                                           " to ", seq.epoch(), " during the read; read again"),
-                              absl::StatusCode::kAborted);
+            return TableVersions::StaleEpoch(
+                seq,
+                absl::StrCat("epoch: the block table changed from epoch ", read_epoch, " to ",
+                             seq.epoch(), " during the read; read again"),
+                absl::StatusCode::kAborted);
           }
           const Stream& st = seq.streams()[size_t{layer} * layout.num_kv_heads + head];
           slots = std::max<uint64_t>(st.size(), 1);
@@ -163,7 +120,7 @@ absl::Status Engine::ReadKVImpl(uint64_t sequence_id, uint64_t epoch, uint32_t l
           }
           if (io.ok()) io = backend_->Synchronize();
           if (!io.ok()) return io;
-          Renew(seq);
+          registry_->Renew(seq);
         }
         first_piece = false;
         if (absl::Status s = sink(std::move(out)); !s.ok()) return s;

@@ -1,15 +1,14 @@
-// Prefix sharing: a sequence's prompt blocks published under their hash chain, mapped into
-// new sequences with the same prompt prefix at creation (engine.cc), and the cache of
-// published blocks only the index holds (PrefixIndex).
+#include "server/engine/prefix_publisher.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "server/engine/engine.h"
 
 namespace kvmem::engine {
 namespace {
@@ -30,8 +29,115 @@ class DocumentState final : public prefix::EntryPayload {
 
 }  // namespace
 
-std::string Engine::Representation(absl::string_view policy_name,
-                                   const policy::ParamOverrides& params, const QuantConfig& quant) {
+PrefixPublisher::PrefixPublisher(store::BlockPool* pool, prefix::BlockHash root)
+    : pool_(pool), index_(std::make_unique<prefix::PrefixIndex>(pool)), root_(root) {}
+
+absl::StatusOr<PrefixPublisher::MapPlan> PrefixPublisher::Plan(
+    const Layout& layout, const PromptPrefix& prompt, const policy::Policy& policy,
+    const policy::ParamOverrides& params, const QuantConfig& quant, bool device_step) const {
+  // The prompt (checked first: a bad prompt changes nothing) and its published prefix. A
+  // policy that needs per-token signals on every append gets none mapped: the worker
+  // appends the whole prompt with its signals.
+  if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+  if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "document_tokens: ", prompt.document_tokens, " must be less than the prompt's ",
+        prompt.token_ids.size(), " tokens (the question follows the document)"));
+  }
+  MapPlan plan;
+  if (policy.descriptor().append_signals != 0) return plan;
+  absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
+  if (!hashes.ok()) return hashes.status();
+  plan.hashes = *std::move(hashes);
+  // Compressed documents are host state: not for policies that step on the device.
+  if (prompt.document_tokens > 0 && !(device_step && policy.has_kernel_step())) {
+    absl::StatusOr<prefix::BlockHash> key =
+        DocumentKey(prompt.token_ids.first(prompt.document_tokens),
+                    Representation(policy.descriptor().name, params, quant), prompt.salt);
+    if (!key.ok()) return key.status();
+    plan.document = *key;
+  }
+  return plan;
+}
+
+absl::StatusOr<uint64_t> PrefixPublisher::Map(Sequence& seq, const PromptPrefix& prompt,
+                                              const MapPlan& plan, HostReservation* host,
+                                              uint64_t version) {
+  const Sequence::PrefixState& state = seq.prefix();
+  if (plan.document) {
+    prefix::PrefixIndex::MappedDocument doc =
+        index_->MapDocument(state.ns, *plan.document, prompt.document_tokens);
+    if (doc.payload != nullptr) {
+      // Given back unless the sequence takes them (an error, or an exception).
+      absl::Cleanup unref_doc = [&] { pool_->Unref(doc.blocks); };
+      absl::Status s = host->Grow(doc.payload->host_bytes(), "CreateSequence");
+      if (!s.ok()) return s;
+      if (s = AdoptDocument(seq, *doc.payload, version); !s.ok()) return s;
+      std::move(unref_doc).Cancel();
+      return uint64_t{prompt.document_tokens};  // the whole document is there
+    }
+  }
+  if (plan.hashes.empty()) return uint64_t{0};
+  const Layout& layout = seq.layout();
+  // Pinned from here by the sequence's references (its lease), never by the lookup.
+  std::vector<std::vector<store::BlockId>> mapped =
+      index_->Map(state.ns, plan.hashes, plan.hashes.size(), layout.block_tokens);
+  if (mapped.empty()) return uint64_t{0};
+  // Given back unless the sequence takes them (an error, or an exception).
+  absl::Cleanup unref_mapped = [&] {
+    for (const auto& blocks : mapped) pool_->Unref(blocks);
+  };
+  const uint64_t tokens = uint64_t{mapped.size()} * layout.block_tokens;
+  // What MapPrefix's room takes, exactly (as an Append reserves): every stream's columns,
+  // its list of mapped.size() entries, the token ids, the slot state.
+  uint64_t growth = seq.SlotGrowth(tokens);
+  for (const Stream& st : seq.streams()) {
+    growth += st.BlockListGrowth(0, mapped.size(), mapped.size());
+  }
+  absl::Status s = host->Grow(growth, "CreateSequence");
+  if (!s.ok()) return s;
+  Sequence::PrefixState& mutable_state = seq.mutable_prefix();
+  mutable_state.hashes.assign(plan.hashes.begin(), plan.hashes.begin() + mapped.size());
+  mutable_state.published_blocks = mapped.size();
+  if (s = MapPrefix(seq, mapped, prompt.token_ids, version); !s.ok()) return s;
+  std::move(unref_mapped).Cancel();
+  mutable_state.mapped_prefix = true;
+  return tokens;
+}
+
+absl::StatusOr<uint64_t> PrefixPublisher::Lookup(const Layout& layout, const PromptPrefix& prompt,
+                                                 const policy::Policy* policy,
+                                                 const policy::ParamOverrides& params,
+                                                 const QuantConfig& quant, bool device_step) const {
+  if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+  if (prompt.document_tokens >= prompt.token_ids.size() && prompt.document_tokens > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("document_tokens: ", prompt.document_tokens,
+                                                   " must be less than the prompt's ",
+                                                   prompt.token_ids.size(), " tokens"));
+  }
+  if (prompt.document_tokens > 0 && policy != nullptr) {
+    // What Map would never map is not reported either: nothing for a policy that needs
+    // per-token signals, no document for a device step.
+    if (policy->descriptor().append_signals != 0) return uint64_t{0};
+    if (!(device_step && policy->has_kernel_step())) {
+      absl::StatusOr<prefix::BlockHash> key =
+          DocumentKey(prompt.token_ids.first(prompt.document_tokens),
+                      Representation(policy->descriptor().name, params, quant), prompt.salt);
+      if (!key.ok()) return key.status();
+      if (index_->ContainsDocument(Namespace(layout, prompt.model), *key)) {
+        return uint64_t{prompt.document_tokens};
+      }
+    }
+  }
+  absl::StatusOr<std::vector<prefix::BlockHash>> hashes = PublishedPrefix(layout, prompt);
+  if (!hashes.ok()) return hashes.status();
+  const size_t matched = index_->Match(Namespace(layout, prompt.model), *hashes);
+  return uint64_t{matched} * layout.block_tokens;
+}
+
+std::string PrefixPublisher::Representation(absl::string_view policy_name,
+                                            const policy::ParamOverrides& params,
+                                            const QuantConfig& quant) {
   std::vector<std::pair<std::string, double>> sorted(params.begin(), params.end());
   std::sort(sorted.begin(), sorted.end());
   std::string out = absl::StrCat(policy_name, "(");
@@ -44,18 +150,18 @@ std::string Engine::Representation(absl::string_view policy_name,
   return out;
 }
 
-absl::StatusOr<prefix::BlockHash> Engine::DocumentKey(absl::Span<const int32_t> tokens,
-                                                      absl::string_view representation,
-                                                      absl::string_view salt) const {
+absl::StatusOr<prefix::BlockHash> PrefixPublisher::DocumentKey(absl::Span<const int32_t> tokens,
+                                                               absl::string_view representation,
+                                                               absl::string_view salt) const {
   // One hash over all of the document's tokens; the extra keys keep it apart from any
   // block hash and carry what the compressed form depends on besides the tokens.
   return prefix::ChainHash(
-      prefix_root_, tokens,
+      root_, tokens,
       std::vector<std::string>{"kvmem-document", std::string(representation), std::string(salt)});
 }
 
-absl::Status Engine::AdoptDocument(Sequence& seq, const prefix::EntryPayload& payload,
-                                   uint64_t version) {
+absl::Status PrefixPublisher::AdoptDocument(Sequence& seq, const prefix::EntryPayload& payload,
+                                            uint64_t version) {
   const auto& doc = static_cast<const DocumentState&>(payload);  // the only kind published
   if (doc.streams.size() != seq.num_streams()) {
     return absl::InternalError(absl::StrCat("a published document has ", doc.streams.size(),
@@ -72,7 +178,7 @@ absl::Status Engine::AdoptDocument(Sequence& seq, const prefix::EntryPayload& pa
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
+absl::StatusOr<uint64_t> PrefixPublisher::PublishDocument(Sequence& seq) {
   const Sequence::PrefixState& state = seq.prefix();
   auto refuse = [&](absl::string_view why) {
     return absl::FailedPreconditionError(
@@ -112,7 +218,7 @@ absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) blocks.push_back(b.id);
   }
-  absl::StatusOr<HostReservation> host = ReserveHost(
+  absl::StatusOr<HostReservation> host = budget_->Reserve(
       seq.host_bytes() + prefix::PrefixIndex::EntryHostBytes(state.ns.size() + 48, blocks.size()),
       "Publish");
   if (!host.ok()) return host.status();
@@ -120,11 +226,11 @@ absl::StatusOr<uint64_t> Engine::PublishDocumentLocked(Sequence& seq) {
   for (Stream& st : doc->streams) st.DropStaging();
   doc->token_ids.assign(tokens.begin(), tokens.end());
   doc->policy_mark = seq.policy_mark();
-  prefix_->PublishDocument(state.ns, *key, std::move(blocks), std::move(doc));
+  index_->PublishDocument(state.ns, *key, std::move(blocks), std::move(doc));
   return uint64_t{tokens.size()};
 }
 
-std::string Engine::PrefixNamespace(const Layout& layout, absl::string_view model) {
+std::string PrefixPublisher::Namespace(const Layout& layout, absl::string_view model) {
   // Everything that makes two blocks of the same tokens hold different bytes, except the
   // tokens: the model, the layout and the precision (published blocks are never quantized).
   return absl::StrCat(layout.num_layers, "x", layout.num_kv_heads, "x", layout.head_dim, " ",
@@ -132,7 +238,7 @@ std::string Engine::PrefixNamespace(const Layout& layout, absl::string_view mode
                       " layout-precision ", model.size(), ":", model);
 }
 
-absl::Status Engine::CheckPrompt(const Layout& layout, const PromptPrefix& prompt) {
+absl::Status PrefixPublisher::CheckPrompt(const Layout& layout, const PromptPrefix& prompt) {
   if (prompt.salt.size() > kMaxSaltBytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("cache_salt: ", prompt.salt.size(), " bytes, more than ", kMaxSaltBytes));
@@ -155,7 +261,7 @@ absl::Status Engine::CheckPrompt(const Layout& layout, const PromptPrefix& promp
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PublishedPrefix(
+absl::StatusOr<std::vector<prefix::BlockHash>> PrefixPublisher::PublishedPrefix(
     const Layout& layout, const PromptPrefix& prompt) const {
   // The last token is never reused: the worker computes it, for the logits it samples from.
   // A prompt that starts with a document maps its compressed document or nothing: without
@@ -164,24 +270,24 @@ absl::StatusOr<std::vector<prefix::BlockHash>> Engine::PublishedPrefix(
   // index has them.
   std::vector<prefix::BlockHash> hashes;
   if (prompt.token_ids.size() < 2 || prompt.document_tokens > 0) return hashes;
-  const std::string ns = PrefixNamespace(layout, prompt.model);
+  const std::string ns = Namespace(layout, prompt.model);
   const uint32_t B = layout.block_tokens;
   const size_t blocks = (prompt.token_ids.size() - 1) / B;
   for (size_t i = 0; i < blocks; ++i) {
     std::optional<std::vector<std::string>> extra;
     if (i == 0 && !prompt.salt.empty()) extra = std::vector<std::string>{prompt.salt};
     absl::StatusOr<prefix::BlockHash> h = prefix::ChainHash(
-        i == 0 ? prefix_root_ : hashes.back(), prompt.token_ids.subspan(i * B, B), extra);
+        i == 0 ? root_ : hashes.back(), prompt.token_ids.subspan(i * B, B), extra);
     if (!h.ok()) return h.status();
-    if (!prefix_->Contains(ns, *h)) break;
+    if (!index_->Contains(ns, *h)) break;
     hashes.push_back(*h);
   }
   return hashes;
 }
 
-absl::Status Engine::MapPrefix(Sequence& seq,
-                               const std::vector<std::vector<store::BlockId>>& mapped,
-                               absl::Span<const int32_t> token_ids, uint64_t version) {
+absl::Status PrefixPublisher::MapPrefix(Sequence& seq,
+                                        const std::vector<std::vector<store::BlockId>>& mapped,
+                                        absl::Span<const int32_t> token_ids, uint64_t version) {
   const uint32_t B = seq.layout().block_tokens;
   const size_t n = mapped.size() * B;
   const float initial = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
@@ -211,7 +317,7 @@ absl::Status Engine::MapPrefix(Sequence& seq,
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tokens) {
+absl::StatusOr<uint64_t> PrefixPublisher::Publish(Sequence& seq, uint64_t up_to_tokens) {
   const uint32_t B = seq.layout().block_tokens;
   absl::Span<const int32_t> tokens = seq.token_ids();
   if (tokens.size() != seq.appended()) {
@@ -224,7 +330,7 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
   // last published entry is still there (then so are its ancestors: only leaves go): skip
   // the walks below, which could only find that out.
   if (want <= state.published_blocks && state.published_blocks > 0 &&
-      prefix_->Contains(state.ns, state.hashes[state.published_blocks - 1])) {
+      index_->Contains(state.ns, state.hashes[state.published_blocks - 1])) {
     return uint64_t{state.published_blocks} * B;
   }
   // Appends without token ids record -1 (append.cc): only whole blocks of known tokens.
@@ -260,9 +366,9 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
   // Entries from the first one this sequence has not published; from its first block again
   // when the one before it has been reclaimed meanwhile (a chain is matched from its start).
   size_t from = std::min(state.published_blocks, whole);
-  if (from > 0 && !prefix_->Contains(state.ns, state.hashes[from - 1])) from = 0;
+  if (from > 0 && !index_->Contains(state.ns, state.hashes[from - 1])) from = 0;
   if (from < whole) {
-    absl::StatusOr<HostReservation> host = ReserveHost(
+    absl::StatusOr<HostReservation> host = budget_->Reserve(
         (whole - from) * (prefix::PrefixIndex::EntryHostBytes(state.ns.size(), seq.num_streams()) +
                           sizeof(prefix::BlockHash)),
         "Publish");
@@ -273,18 +379,18 @@ absl::StatusOr<uint64_t> Engine::PublishLocked(Sequence& seq, uint64_t up_to_tok
       const size_t i = state.hashes.size();
       std::optional<std::vector<std::string>> extra;
       if (i == 0 && !state.salt.empty()) extra = std::vector<std::string>{state.salt};
-      absl::StatusOr<prefix::BlockHash> h = prefix::ChainHash(
-          i == 0 ? prefix_root_ : state.hashes[i - 1], tokens.subspan(i * B, B), extra);
+      absl::StatusOr<prefix::BlockHash> h =
+          prefix::ChainHash(i == 0 ? root_ : state.hashes[i - 1], tokens.subspan(i * B, B), extra);
       if (!h.ok()) return h.status();
       state.hashes.push_back(*h);
     }
     std::vector<store::BlockId> ids(seq.num_streams());
     for (size_t i = from; i < whole; ++i) {
       for (size_t s = 0; s < ids.size(); ++s) ids[s] = seq.streams()[s].blocks()[i].id;
-      prefix_->Publish(state.ns, i == 0 ? nullptr : &state.hashes[i - 1], state.hashes[i], ids);
+      index_->Publish(state.ns, i == 0 ? nullptr : &state.hashes[i - 1], state.hashes[i], ids);
       state.published_blocks = std::max(state.published_blocks, i + 1);
     }
-    AccountSlotState(seq);  // the hashes it keeps
+    budget_->Account(seq);  // the hashes it keeps
   }
   return uint64_t{state.published_blocks} * B;
 }

@@ -1,13 +1,5 @@
-// Append: chunks are validated and written, one at a time, into blocks a session owns
-// (new blocks, or the free tail of a private last block: nothing a table names), so a
-// stream of chunks is never buffered; Commit then makes them all the sequence's at once,
-// into reserved capacity. A session that ends without Commit gives its blocks back and the
-// sequence is as it was.
-//
-// A decode step's token fits every stream's last block: the session then writes it into
-// the blocks' free tails and its commit lengthens each last entry (Stream::GrowTail),
-// without planning new lists; the first chunk that does not fit starts the plans
-// (StartPlans), from the lists with what the tails already took.
+#include "server/engine/append_session.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -15,97 +7,59 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/block_layout.h"
-#include "server/engine/engine.h"
+#include "server/engine/decision_applier.h"
+#include "server/engine/guard.h"
+#include "server/engine/input_checks.h"
 
 namespace kvmem::engine {
 
-absl::StatusOr<AppendResult> Engine::AppendImpl(uint64_t sequence_id,
-                                                absl::Span<const AppendChunk> chunks) {
-  // One call: the session keeps the sequence locked throughout, so concurrent calls on the
-  // sequence wait for it (as for any mutation) instead of finding an append open.
-  absl::StatusOr<std::unique_ptr<AppendSession>> session = BeginAppend(sequence_id, true);
-  if (!session.ok()) return session.status();
-  for (const AppendChunk& chunk : chunks) {
-    if (absl::Status s = (*session)->Add(chunk); !s.ok()) return s;
-  }
-  return (*session)->Commit();
+absl::StatusOr<std::unique_ptr<AppendSession>> AppendSession::Begin(const AppendRooms& rooms,
+                                                                    SequenceRef ref, bool hold_lock,
+                                                                    bool publish) {
+  Sequence& seq = *ref;
+  if (absl::Status s = SequenceRegistry::NotAppending(seq); !s.ok()) return s;
+  seq.set_append_open(true);
+  const int64_t last_position = seq.last_position();
+  auto session =
+      std::unique_ptr<AppendSession>(new AppendSession(rooms, std::move(ref), hold_lock, publish));
+  session->last_position_ = last_position;
+  if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
+  return session;
 }
 
-absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint64_t sequence_id) {
-  return BeginAppend(sequence_id, false);
-}
-
-absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppend(uint64_t sequence_id,
-                                                                           bool hold_lock) {
-  return Guard("Append", [&]() -> absl::StatusOr<std::unique_ptr<AppendSession>> {
-    absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
-    if (!ref.ok()) return ref.status();
-    return BeginAppendLocked(*std::move(ref), hold_lock);
-  });
-}
-
-absl::StatusOr<std::unique_ptr<Engine::AppendSession>> Engine::BeginAppendLocked(SequenceRef ref,
-                                                                                 bool hold_lock) {
-  {
-    Sequence& seq = *ref;
-    if (absl::Status s = NotAppending(seq); !s.ok()) return s;
-    seq.set_append_open(true);
-    auto session = std::unique_ptr<AppendSession>(new AppendSession(this, std::move(ref)));
-    session->last_position_ = seq.last_position();
-    session->hold_lock_ = hold_lock;
-    if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
-    return session;
-  }
-}
-
-absl::Status Engine::NotAppending(const Sequence& seq) {
-  if (!seq.append_open()) return absl::OkStatus();
-  return absl::FailedPreconditionError(
-      absl::StrCat("sequence_id: sequence ", seq.id(),
-                   " has an AppendStream open; other changes wait until it ends"));
-}
-
-Engine::AppendSession::AppendSession(Engine* engine, SequenceRef seq)
-    : engine_(engine),
+AppendSession::AppendSession(const AppendRooms& rooms, SequenceRef seq, bool hold_lock,
+                             bool publish)
+    : rooms_(rooms),
       started_(std::chrono::steady_clock::now()),
-      staged_reservation_(engine),
-      seq_(std::move(seq)) {}
+      staged_reservation_(rooms.budget->Empty()),
+      seq_(std::move(seq)),
+      hold_lock_(hold_lock),
+      publish_(publish) {}
 
-Engine::AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (committed_) return;
   std::optional<kvmem::MutexLock> lock;
   if (!hold_lock_) lock.emplace(&seq_->mu);
   seq_->set_append_open(false);
-  engine_->pool_->Unref(batch_.allocated);
+  rooms_.pool->Unref(batch_.allocated);
 }
 
-absl::Status Engine::AppendSession::Add(const AppendChunk& chunk) {
-  absl::Status s = engine_->Guard("Append", [&] { return AddLocked(chunk); });
+absl::Status AppendSession::Add(const AppendChunk& chunk) {
+  absl::Status s = GuardHostMemory("Append", [&] { return AddLocked(chunk); });
   if (!s.ok()) broken_ = s;
   return s;
 }
 
-absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status AppendSession::AddLocked(const AppendChunk& chunk) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!broken_.ok()) return broken_;
   std::optional<kvmem::MutexLock> lock;
   if (!hold_lock_) lock.emplace(&seq_->mu);
   Sequence& seq = *seq_;
-  if (absl::Status s = Unusable(seq); !s.ok()) return s;
+  if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
   const size_t index = chunks_;
-  if (absl::Status s = engine_->ValidateChunk(seq, chunk, index, &last_position_); !s.ok()) {
+  if (absl::Status s = CheckChunk(seq, rooms_.max_append_bytes, chunk, index, &last_position_);
+      !s.ok()) {
     return s;
-  }
-  const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
-  const policy::SignalSet needs = seq.policy().descriptor().append_signals;
-  if ((needs & policy::kTokenEntropy) && chunk.token_entropy.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, "token_entropy: policy ", seq.policy_name(), " needs one value per appended token"));
-  }
-  if ((needs & policy::kLayerDistance) && chunk.layer_distance.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, "layer_distance: policy ",
-                                                   seq.policy_name(),
-                                                   " needs one value per appended token"));
   }
   const size_t n = chunk.positions.size();
   // What the chunk stages on the host until Commit (position, token id, two signals).
@@ -147,20 +101,20 @@ absl::Status Engine::AppendSession::AddLocked(const AppendChunk& chunk)
   return absl::OkStatus();
 }
 
-bool Engine::AppendSession::TailsFit(const Sequence& seq, size_t n) const {
+bool AppendSession::TailsFit(const Sequence& seq, size_t n) const {
   const uint32_t B = seq.format().block_tokens();
   for (const Stream& st : seq.streams()) {
     if (st.blocks().empty()) return false;
     const StreamBlock& last = st.blocks().back();
     if (last.precision != Precision::kLayout || last.start + last.count + tail_slots_ + n > B ||
-        engine_->pool_->refs(last.id) > 1) {
+        rooms_.pool->refs(last.id) > 1) {
       return false;
     }
   }
   return true;
 }
 
-absl::Status Engine::AppendSession::WriteTails(const Sequence& seq, const AppendChunk& chunk) {
+absl::Status AppendSession::WriteTails(const Sequence& seq, const AppendChunk& chunk) {
   const uint32_t B = seq.format().block_tokens();
   const uint64_t row = seq.layout().row_bytes();
   const size_t n = chunk.positions.size();
@@ -170,19 +124,19 @@ absl::Status Engine::AppendSession::WriteTails(const Sequence& seq, const Append
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     const StreamBlock& last = seq.streams()[s].blocks().back();
     const uint32_t slot = last.start + last.count + tail_slots_;
-    const uint64_t off = engine_->pool_->offset(last.id);
+    const uint64_t off = rooms_.pool->offset(last.id);
     const uint64_t src = uint64_t{s} * n * row;  // stream s of [L][H][n][D]
     writes.push_back({chunk.k.data() + src, off + plane.k_offset(slot), n * row});
     writes.push_back({chunk.v.data() + src, off + plane.v_offset(slot), n * row});
   }
-  absl::Status io = engine_->backend_->Write(writes);
-  if (io.ok()) io = engine_->backend_->Synchronize();
+  absl::Status io = rooms_.backend->Write(writes);
+  if (io.ok()) io = rooms_.backend->Synchronize();
   if (!io.ok()) return io;
   tail_slots_ += static_cast<uint32_t>(n);
   return absl::OkStatus();
 }
 
-void Engine::AppendSession::StartPlans(const Sequence& seq) {
+void AppendSession::StartPlans(const Sequence& seq) {
   new_blocks_.resize(seq.streams().size());
   tail_from_.resize(seq.streams().size());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
@@ -196,19 +150,18 @@ void Engine::AppendSession::StartPlans(const Sequence& seq) {
   tails_only_ = false;
 }
 
-absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const AppendChunk& chunk) {
+absl::Status AppendSession::PlanBlocks(const Sequence& seq, const AppendChunk& chunk) {
   if (tails_only_) StartPlans(seq);
   const size_t n = chunk.positions.size();
   // Blocks for this chunk (and the copy of a shared last block), all or none.
   OpBatch batch;
-  StreamPlanner planner(seq.format(), engine_->pool_.get(), &batch, engine_->config_.failpoints,
-                        seq.tenant());
+  StreamPlanner planner(seq.format(), rooms_.pool, &batch, rooms_.failpoints, seq.tenant());
   uint64_t needed = 0;
   for (const std::vector<StreamBlock>& blocks : new_blocks_) {
     needed += planner.BlocksForAppend(blocks, n);
   }
   std::vector<store::BlockId> reserve;
-  Failpoints* failpoints = engine_->config_.failpoints;
+  Failpoints* failpoints = rooms_.failpoints;
   if (failpoints != nullptr && needed > 0 && failpoints->Hit(Failpoints::kAllocate)) {
     return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
   }
@@ -217,7 +170,7 @@ absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const Append
     batch_.allocated.reserve(
         std::max(batch_.allocated.size() + needed, 2 * batch_.allocated.capacity()));
   }
-  if (absl::Status s = engine_->pool_->AllocateMany(
+  if (absl::Status s = rooms_.pool->AllocateMany(
           static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), needed, &reserve,
           store::BlockPool::Use::kGrow, seq.tenant());
       !s.ok()) {
@@ -240,32 +193,35 @@ absl::Status Engine::AppendSession::PlanBlocks(const Sequence& seq, const Append
   // plan then wrote in place, and the block set aside for the copy goes back.
   for (store::BlockId unused : planner.unused_reserve()) {
     batch_.allocated.erase(std::find(batch_.allocated.begin(), batch_.allocated.end(), unused));
-    engine_->pool_->Unref({unused});
+    rooms_.pool->Unref({unused});
   }
   batch_.dropped.insert(batch_.dropped.end(), batch.dropped.begin(), batch.dropped.end());
   // Written now, where no table looks: the session's blocks or a private block's free tail
   // (a shared last block is copied into a session block first: the moves).
-  absl::Status io = engine_->backend_->Move(batch.moves);
-  if (io.ok()) io = engine_->backend_->Write(batch.writes);
-  if (io.ok()) io = engine_->backend_->Synchronize();
+  absl::Status io = rooms_.backend->Move(batch.moves);
+  if (io.ok()) io = rooms_.backend->Write(batch.writes);
+  if (io.ok()) io = rooms_.backend->Synchronize();
   if (!io.ok()) return io;
-  for (const store::MoveOp& op : batch.moves) engine_->bytes_moved_ += op.bytes;
+  for (const store::MoveOp& op : batch.moves) rooms_.telemetry->bytes_moved += op.bytes;
 
   return absl::OkStatus();
 }
 
-absl::StatusOr<AppendResult> Engine::AppendSession::Commit() {
-  return engine_->Guard("Append", [&] { return CommitLocked(); });
+absl::StatusOr<AppendResult> AppendSession::Commit(const std::optional<HeldTable>& held) {
+  return GuardHostMemory("Append", [&] { return CommitLocked(held); });
 }
 
-absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<HeldTable>& held)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!broken_.ok()) return broken_;
   std::optional<kvmem::MutexLock> lock;
   if (!hold_lock_) lock.emplace(&seq_->mu);
   Sequence& seq = *seq_;
-  if (absl::Status s = Unusable(seq); !s.ok()) return s;
+  if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
   const uint64_t total = positions_.size();
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
+  // For the update: a held version past it is a guess at this call's own (TableVersions).
+  const uint64_t version_before = seq.version();
   // A SlotState always scores (a policy with a kernel step keeps scores: policy.h).
   const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t history_rows = seq.policy().history_rows();
@@ -275,7 +231,7 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
     growth += seq.streams()[s].BlockListGrowth(tail_from_[s], new_blocks_[s].size(),
                                                new_blocks_[s].capacity());
   }
-  absl::StatusOr<HostReservation> host = engine_->ReserveHost(growth, "Append");
+  absl::StatusOr<HostReservation> host = rooms_.budget->Reserve(growth, "Append");
   if (!host.ok()) return host.status();
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // below then only fills reserved capacity and cannot throw.
@@ -294,21 +250,24 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   // A copy-on-write makes the table stop naming a shared block: the epoch must change (a
   // reader of the old table must fail before the block's other owners free it), in a
   // write section. Plain appends leave every table-visible byte as it was.
-  std::optional<WriteSection> section;
-  if (!batch_.dropped.empty()) section.emplace(engine_, &seq);
+  std::optional<TableVersions::WriteSection> section;
+  if (!batch_.dropped.empty()) section.emplace(rooms_.versions, &seq);
 
   // Nothing here should throw; if something does, the streams may disagree, so the
   // sequence is poisoned on the way out (and keeps what no stream names for Release).
   size_t swapped = 0;  // streams [0, swapped) hold their new block list
   absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    if (!tails_only_) engine_->KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
+    if (!tails_only_) KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
     committed_ = true;  // the orphans are the sequence's now
-    engine_->Poison(seq, absl::InternalError("append: its commit was interrupted")).IgnoreError();
+    rooms_.versions->Poison(seq, absl::InternalError("append: its commit was interrupted"))
+        .IgnoreError();
   };
   const int64_t arrival = static_cast<int64_t>(seq.steps());
-  const uint64_t version = engine_->NewVersion(seq);
+  const uint64_t version = rooms_.versions->NewVersion(seq);
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    if (s == seq.streams().size() / 2) engine_->CommitFailpoint();
+    if (s == seq.streams().size() / 2) {
+      Failpoints::ThrowIfHit(rooms_.failpoints, Failpoints::kCommit);
+    }
     Stream& st = seq.stream(s);
     if (tails_only_) {
       st.GrowTail(tail_slots_, version);
@@ -323,31 +282,32 @@ absl::StatusOr<AppendResult> Engine::AppendSession::CommitLocked() ABSL_NO_THREA
   seq.mutable_prefix().compressed_document = false;
   seq.mutable_prefix().compressions = 0;
   // Inside the section: readers of the old table already see the odd word.
-  engine_->pool_->Unref(batch_.dropped);
+  rooms_.pool->Unref(batch_.dropped);
   std::move(poison_on_unwind).Cancel();
   committed_ = true;
   seq.set_append_open(false);
   if (section) section->Commit();
-  engine_->AccountSlotState(seq);
-  engine_->tokens_appended_ += total;
-  if (PolicyTelemetry* t = engine_->telemetry_.For(seq.policy_name())) {
+  rooms_.budget->Account(seq);
+  rooms_.telemetry->tokens_appended += total;
+  if (PolicyTelemetry* t = rooms_.telemetry->For(seq.policy_name())) {
     t->tokens_appended += total;
     t->append_seconds.Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   }
-  engine_->Renew(seq);
+  rooms_.registry->Renew(seq);
   if (publish_) seq.Publish();
   // A prompt's blocks, published as they fill (PromptPrefix::auto_publish). Not the
   // append's failure when they cannot be (token ids not sent): they stay unpublished.
   if (seq.prefix().auto_publish) {
     try {
-      engine_->PublishLocked(seq, UINT64_MAX).IgnoreError();
+      rooms_.publisher->Publish(seq, UINT64_MAX).IgnoreError();
     } catch (const std::bad_alloc&) {
       // The append stands; the blocks stay unpublished (a later append tries again).
     }
   }
-  return AppendResult{seq.appended(), seq.max_stream_tokens(), seq.epoch(), seq.kv_bytes(),
-                      seq.version()};
+  return AppendResult{seq.appended(), seq.max_stream_tokens(),
+                      seq.epoch(),    seq.kv_bytes(),
+                      seq.version(),  rooms_.versions->Answer(seq, held, version_before)};
 }
 
 }  // namespace kvmem::engine
