@@ -1,6 +1,10 @@
 // CUDA twin of select_ref.cc (contract: select.h): one thread block per stream, all streams
 // of a step in one launch. Products and sums use __fmul_rn / __fadd_rn so that nothing is
-// fused and every value matches the reference bit for bit.
+// fused and every value matches the reference bit for bit. The block-wide steps are cub's:
+// the stream maximum (BlockReduce), the radix select's digit search and the compaction's
+// ranks (BlockScan over integers). No float is ever summed across threads, so the order cub
+// combines in cannot change a bit.
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda_launch.h"
@@ -10,10 +14,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// max(a, b) by the twin's rule (std::max: b only if a < b), so a NaN never replaces a value
+// and a -0 never replaces a +0. Every thread starts from +0, so each partial is a number
+// >= +0 (never NaN, never -0) and the block's maximum is the same in any order of combining:
+// what select_ref.cc's vector lanes rely on too (MaxLanes).
+struct ScoreMax {
+  __device__ float operator()(float a, float b) const { return a < b ? b : a; }
+};
+
 __global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSlice* streams,
                                    const float* attention, float* scores, float* stream_max) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage temp;
   const StreamSlice st = streams[blockIdx.x];
-  __shared__ float partial[kThreads];
+  const ScoreMax max_of;
   float mx = 0.0f;
   const float keep = 1.0f - lambda;
   for (uint32_t j = st.offset + threadIdx.x; j < st.offset + st.length; j += blockDim.x) {
@@ -27,17 +41,10 @@ __global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSli
       e = __fadd_rn(__fmul_rn(lambda, s), __fmul_rn(keep, a));
     }
     scores[j] = e;
-    mx = fmaxf(mx, e);
+    mx = max_of(mx, e);
   }
-  partial[threadIdx.x] = mx;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) {
-      partial[threadIdx.x] = fmaxf(partial[threadIdx.x], partial[threadIdx.x + half]);
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) stream_max[blockIdx.x] = partial[0];
+  const float block_max = Reduce(temp).Reduce(mx, max_of);  // valid in thread 0
+  if (threadIdx.x == 0) stream_max[blockIdx.x] = block_max;
 }
 
 __device__ uint64_t KeyOf(const float* scores, const int64_t* pos, PriorityScale p, uint32_t j) {
@@ -47,7 +54,10 @@ __device__ uint64_t KeyOf(const float* scores, const int64_t* pos, PriorityScale
 }
 
 // The take-th largest key among the unprotected slots by an 8-pass radix select (keys are
-// unique, so exactly `take` keys are >= it), then the keep flags.
+// unique, so exactly `take` keys are >= it), then the keep flags. Each pass counts the next
+// byte (digit) of the keys that match the prefix so far, then finds the digit holding the
+// remaining-th largest: thread t owns digit 255 - t, and an exclusive sum over the threads
+// gives every digit the count of keys above it.
 __global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
                                 const float* stream_max, const int64_t* positions,
                                 float attention_weight, uint8_t* keep) {
@@ -65,6 +75,9 @@ __global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
   const PriorityScale p =
       PriorityScaleFor(attention_weight, stream_max != nullptr ? stream_max[blockIdx.x] : 1.0f,
                        pos[st.length - 1] - pos[0]);
+  using DigitScan = cub::BlockScan<uint32_t, kThreads>;
+  static_assert(kThreads == 256, "one thread per digit value");
+  __shared__ typename DigitScan::TempStorage scan_temp;
   __shared__ uint32_t hist[256];
   __shared__ uint64_t prefix_s;
   __shared__ uint32_t remaining_s;
@@ -79,15 +92,15 @@ __global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
       if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xff], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t above = 0;
-      int d = 255;
-      for (; d > 0; --d) {
-        if (above + hist[d] >= remaining) break;
-        above += hist[d];
-      }
+    const uint32_t d = 255 - threadIdx.x;
+    const uint32_t count = hist[d];
+    uint32_t above;  // keys matching the prefix whose digit is above d
+    DigitScan(scan_temp).ExclusiveSum(count, above);
+    // The one digit where the count from the top first reaches `remaining` (the matching
+    // keys number at least `remaining`, so one does; digit 0 as the last resort).
+    if (above < remaining && (remaining <= above + count || d == 0)) {
       remaining_s = remaining - above;
-      prefix_s = prefix | (uint64_t(d) << shift);
+      prefix_s = prefix | (uint64_t{d} << shift);
     }
     __syncthreads();
     remaining = remaining_s;

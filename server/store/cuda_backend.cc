@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -12,49 +13,141 @@
 #include "server/store/cuda_internal.h"
 
 namespace kvmem::store {
-// Staging and op-list buffers, grown on demand and reused; one request at a time uses them.
+
+StreamOrderedBuffer& StreamOrderedBuffer::operator=(StreamOrderedBuffer&& other) noexcept {
+  if (this != &other) {
+    Release();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    stream_ = other.stream_;
+  }
+  return *this;
+}
+
+void StreamOrderedBuffer::Release() {
+  if (data_ == nullptr) return;
+  (void)cudaFreeAsync(data_, stream_);  // fails only for a pointer or stream it never made
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+absl::StatusOr<std::shared_ptr<CudaMemoryPool>> CudaMemoryPool::Create(int device,
+                                                                       uint64_t release_threshold) {
+  int supported = 0;
+  if (absl::Status s =
+          FromCuda(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device),
+                   "memory pool support");
+      !s.ok()) {
+    return s;
+  }
+  if (supported == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda: device ", device,
+                     " has no stream-ordered memory pools (cudaMallocAsync), which the CUDA "
+                     "backend's scratch needs"));
+  }
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;  // device memory that stays where it is
+  props.handleTypes = cudaMemHandleTypeNone;      // scratch is never exported
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  if (absl::Status s = FromCuda(cudaMemPoolCreate(&pool, &props), "memory pool"); !s.ok()) {
+    return s;
+  }
+  std::shared_ptr<CudaMemoryPool> made(new CudaMemoryPool(device, pool));
+  uint64_t threshold = release_threshold;  // cuuint64_t, as the attribute takes it
+  if (absl::Status s =
+          FromCuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold),
+                   "memory pool release threshold");
+      !s.ok()) {
+    return s;
+  }
+  return made;
+}
+
+CudaMemoryPool::~CudaMemoryPool() { (void)cudaMemPoolDestroy(pool_); }
+
+absl::StatusOr<StreamOrderedBuffer> CudaMemoryPool::Allocate(uint64_t bytes, cudaStream_t stream,
+                                                             absl::string_view what) const {
+  if (bytes == 0) return StreamOrderedBuffer();
+  void* data = nullptr;
+  if (absl::Status s = FromCuda(cudaMallocFromPoolAsync(&data, bytes, pool_, stream), what);
+      !s.ok()) {
+    return s;
+  }
+  return StreamOrderedBuffer(static_cast<uint8_t*>(data), bytes, stream);
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    (void)cudaFreeHost(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() { (void)cudaFreeHost(data_); }
+
+absl::Status PinnedBuffer::Reserve(uint64_t bytes, absl::string_view what) {
+  if (bytes <= bytes_) return absl::OkStatus();
+  (void)cudaFreeHost(data_);
+  data_ = nullptr;
+  bytes_ = 0;
+  uint64_t rounded = 4096;  // a power of two, so that the size settles after a few calls
+  while (rounded < bytes) rounded *= 2;
+  if (absl::Status s = FromCuda(cudaMallocHost(&data_, rounded), what); !s.ok()) {
+    data_ = nullptr;
+    return s;
+  }
+  bytes_ = rounded;
+  return absl::OkStatus();
+}
+
+// The backend's stream and pinned staging, used by one request at a time; a request's device
+// memory (staging and op list) comes from the backend's CudaMemoryPool.
 struct CudaBackend::Buffers {
   absl::Mutex mu;
   cudaStream_t stream = nullptr;
-  uint8_t* device_staging = nullptr;
-  uint64_t device_staging_bytes = 0;
-  uint8_t* host_staging = nullptr;  // pinned
-  uint64_t host_staging_bytes = 0;
-  uint8_t* device_ops = nullptr;
-  uint64_t device_ops_bytes = 0;
+  PinnedBuffer host_staging;
 
   ~Buffers() {
-    cudaFree(device_staging);
-    cudaFreeHost(host_staging);
-    cudaFree(device_ops);
-    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (stream != nullptr) cudaStreamDestroy(stream);  // its queued frees still run
   }
-  absl::Status Reserve(uint64_t staging, uint64_t ops) {
-    absl::Status s = Grow(&device_staging, &device_staging_bytes, staging, false, "staging");
-    if (s.ok()) s = Grow(&host_staging, &host_staging_bytes, staging, true, "pinned staging");
-    if (s.ok()) s = Grow(&device_ops, &device_ops_bytes, ops, false, "op list");
-    return s;
+
+  // One call's device memory, [staging][op list] in one allocation on `stream`.
+  struct Call {
+    StreamOrderedBuffer memory;
+    uint64_t ops_at = 0;
+    uint8_t* staging() const { return memory.data(); }
+    uint8_t* ops() const { return memory.data() + ops_at; }
+  };
+  // Device memory for a call (and `staging` bytes of host_staging where `pinned`).
+  absl::StatusOr<Call> Borrow(const CudaMemoryPool& pool, uint64_t staging, uint64_t ops,
+                              bool pinned) {
+    if (pinned) {
+      if (absl::Status s = host_staging.Reserve(staging, "pinned staging"); !s.ok()) return s;
+    }
+    Call call;
+    call.ops_at = Align16(staging);
+    absl::StatusOr<StreamOrderedBuffer> memory =
+        pool.Allocate(call.ops_at + ops, stream, "staging and op list");
+    if (!memory.ok()) return memory.status();
+    call.memory = *std::move(memory);
+    return call;
   }
-  // Replaces *buffer with one of at least `needed` bytes (device, or pinned host memory).
-  static absl::Status Grow(uint8_t** buffer, uint64_t* bytes, uint64_t needed, bool pinned,
-                           absl::string_view what) {
-    if (needed <= *bytes) return absl::OkStatus();
-    (void)(pinned ? cudaFreeHost(*buffer) : cudaFree(*buffer));
-    *buffer = nullptr;
-    *bytes = 0;
-    const cudaError_t e = pinned ? cudaMallocHost(buffer, needed) : cudaMalloc(buffer, needed);
-    if (e == cudaSuccess) *bytes = needed;
-    return FromCuda(e, what);
-  }
-  // Uploads an op list (synchronous: the host vector may go right after).
+  // Uploads an op list (the host vector may go right after: pageable memory is read now).
   template <typename T>
-  absl::Status Upload(const std::vector<T>& ops, uint64_t at = 0) {
+  absl::Status Upload(const Call& call, const std::vector<T>& ops) {
     if (ops.empty()) return absl::OkStatus();
-    return FromCuda(cudaMemcpyAsync(device_ops + at, ops.data(), ops.size() * sizeof(T),
+    return FromCuda(cudaMemcpyAsync(call.ops(), ops.data(), ops.size() * sizeof(T),
                                     cudaMemcpyHostToDevice, stream),
                     "op list upload");
   }
-  absl::Status Wait(absl::string_view what) {
+  // Frees the call's device memory behind its work, then waits for both.
+  absl::Status Finish(Call& call, absl::string_view what) {
+    call.memory.Release();
     return FromCuda(cudaStreamSynchronize(stream), what);
   }
 };
@@ -106,14 +199,20 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = b->buffers_->Wait("pool clear"); !s.ok()) return s;
+  if (absl::Status s = FromCuda(cudaStreamSynchronize(b->buffers_->stream), "pool clear");
+      !s.ok()) {
+    return s;
+  }
   cudaIpcMemHandle_t handle;
   if (cudaIpcGetMemHandle(&handle, b->pool_) == cudaSuccess) {
     b->ipc_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
   } else {
     (void)cudaGetLastError();  // no IPC on this platform: the pool is simply not exported
   }
-  b->slot_scratch_ = MakeCudaScratchPool(device);
+  absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(device);
+  if (!memory.ok()) return memory.status();
+  b->memory_ = *std::move(memory);
+  b->slot_scratch_ = MakeCudaScratchPool(b->memory_);
   return b;
 }
 
@@ -148,23 +247,25 @@ absl::Status CudaBackend::Write(absl::Span<const WriteOp> ops) {
   }
   Buffers& b = *buffers_;
   kvmem::MutexLock lock(&b.mu);
-  if (absl::Status s = b.Reserve(total, scatter.size() * sizeof(kernels::CopyOp)); !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<Buffers::Call> call =
+      b.Borrow(*memory_, total, scatter.size() * sizeof(kernels::CopyOp), /*pinned=*/true);
+  if (!call.ok()) return call.status();
+  uint8_t* host = b.host_staging.data();
   for (size_t i = 0; i < ops.size(); ++i) {
-    std::memcpy(b.host_staging + scatter[i].src, ops[i].src, ops[i].bytes);
+    std::memcpy(host + scatter[i].src, ops[i].src, ops[i].bytes);
   }
-  if (absl::Status s = b.Upload(scatter); !s.ok()) return s;
-  absl::Status s = FromCuda(
-      cudaMemcpyAsync(b.device_staging, b.host_staging, total, cudaMemcpyHostToDevice, b.stream),
-      "write upload");
+  absl::Status s = b.Upload(*call, scatter);
   if (s.ok()) {
-    s = FromCuda(kernels::cuda::CopyBatch(b.device_staging, pool_,
-                                          reinterpret_cast<kernels::CopyOp*>(b.device_ops),
+    s = FromCuda(cudaMemcpyAsync(call->staging(), host, total, cudaMemcpyHostToDevice, b.stream),
+                 "write upload");
+  }
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::CopyBatch(call->staging(), pool_,
+                                          reinterpret_cast<const kernels::CopyOp*>(call->ops()),
                                           static_cast<uint32_t>(scatter.size()), b.stream),
                  "write scatter");
   }
-  absl::Status waited = b.Wait("write");
+  absl::Status waited = b.Finish(*call, "write");
   return s.ok() ? waited : s;
 }
 
@@ -180,26 +281,26 @@ absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
   }
   Buffers& b = *buffers_;
   kvmem::MutexLock lock(&b.mu);
-  if (absl::Status s = b.Reserve(total, gather.size() * sizeof(kernels::CopyOp)); !s.ok()) {
-    return s;
-  }
-  absl::Status s = b.Upload(gather);
+  absl::StatusOr<Buffers::Call> call =
+      b.Borrow(*memory_, total, gather.size() * sizeof(kernels::CopyOp), /*pinned=*/true);
+  if (!call.ok()) return call.status();
+  uint8_t* host = b.host_staging.data();
+  absl::Status s = b.Upload(*call, gather);
   if (s.ok()) {
-    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging,
-                                          reinterpret_cast<kernels::CopyOp*>(b.device_ops),
+    s = FromCuda(kernels::cuda::CopyBatch(pool_, call->staging(),
+                                          reinterpret_cast<const kernels::CopyOp*>(call->ops()),
                                           static_cast<uint32_t>(gather.size()), b.stream),
                  "read gather");
   }
   if (s.ok()) {
-    s = FromCuda(
-        cudaMemcpyAsync(b.host_staging, b.device_staging, total, cudaMemcpyDeviceToHost, b.stream),
-        "read download");
+    s = FromCuda(cudaMemcpyAsync(host, call->staging(), total, cudaMemcpyDeviceToHost, b.stream),
+                 "read download");
   }
-  absl::Status waited = b.Wait("read");
+  absl::Status waited = b.Finish(*call, "read");
   if (!s.ok()) return s;
   if (!waited.ok()) return waited;
   for (size_t i = 0; i < ops.size(); ++i) {
-    std::memcpy(ops[i].dst, b.host_staging + gather[i].dst, ops[i].bytes);
+    std::memcpy(ops[i].dst, host + gather[i].dst, ops[i].bytes);
   }
   return absl::OkStatus();
 }
@@ -227,22 +328,22 @@ absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
   }
   Buffers& b = *buffers_;
   kvmem::MutexLock lock(&b.mu);
-  if (absl::Status s = b.Reserve(scratch, lists.size() * sizeof(kernels::CopyOp)); !s.ok()) {
-    return s;
-  }
-  absl::Status s = b.Upload(lists);
-  const auto* list = reinterpret_cast<const kernels::CopyOp*>(b.device_ops);
+  absl::StatusOr<Buffers::Call> call =
+      b.Borrow(*memory_, scratch, lists.size() * sizeof(kernels::CopyOp), /*pinned=*/false);
+  if (!call.ok()) return call.status();
+  absl::Status s = b.Upload(*call, lists);
+  const auto* list = reinterpret_cast<const kernels::CopyOp*>(call->ops());
   for (size_t w = 0; s.ok() && w < waves.size(); ++w) {
     const auto n = static_cast<uint32_t>(waves[w].gather.size());
-    s = FromCuda(kernels::cuda::CopyBatch(pool_, b.device_staging, list + first[w], n, b.stream),
+    s = FromCuda(kernels::cuda::CopyBatch(pool_, call->staging(), list + first[w], n, b.stream),
                  "move gather");
     if (s.ok()) {
       s = FromCuda(
-          kernels::cuda::CopyBatch(b.device_staging, pool_, list + first[w] + n, n, b.stream),
+          kernels::cuda::CopyBatch(call->staging(), pool_, list + first[w] + n, n, b.stream),
           "move scatter");
     }
   }
-  absl::Status waited = b.Wait("move");
+  absl::Status waited = b.Finish(*call, "move");
   return s.ok() ? waited : s;
 }
 
@@ -263,16 +364,18 @@ absl::Status CudaBackend::Quantize(kernels::ElemType elem, const kernels::QuantG
   }
   Buffers& b = *buffers_;
   kvmem::MutexLock lock(&b.mu);
-  if (absl::Status s = b.Reserve(0, list.size() * sizeof(list[0])); !s.ok()) return s;
-  absl::Status s = b.Upload(list);
+  absl::StatusOr<Buffers::Call> call =
+      b.Borrow(*memory_, 0, list.size() * sizeof(list[0]), /*pinned=*/false);
+  if (!call.ok()) return call.status();
+  absl::Status s = b.Upload(*call, list);
   if (s.ok()) {
     s = FromCuda(kernels::cuda::QuantizeBlocks(
                      pool_, elem, geometry,
-                     reinterpret_cast<const kernels::cuda::QuantizeDeviceOp*>(b.device_ops),
+                     reinterpret_cast<const kernels::cuda::QuantizeDeviceOp*>(call->ops()),
                      static_cast<uint32_t>(list.size()), b.stream),
                  "quantize");
   }
-  absl::Status waited = b.Wait("quantize");
+  absl::Status waited = b.Finish(*call, "quantize");
   return s.ok() ? waited : s;
 }
 
@@ -293,26 +396,28 @@ absl::Status CudaBackend::Dequantize(const kernels::QuantGeometry& geometry, ker
   }
   Buffers& b = *buffers_;
   kvmem::MutexLock lock(&b.mu);
-  if (absl::Status s = b.Reserve(total, list.size() * sizeof(list[0])); !s.ok()) return s;
-  absl::Status s = b.Upload(list);
+  absl::StatusOr<Buffers::Call> call =
+      b.Borrow(*memory_, total, list.size() * sizeof(list[0]), /*pinned=*/true);
+  if (!call.ok()) return call.status();
+  uint8_t* host = b.host_staging.data();
+  absl::Status s = b.Upload(*call, list);
   if (s.ok()) {
     s = FromCuda(kernels::cuda::DequantizeBlocks(
                      pool_, geometry, elem,
-                     reinterpret_cast<const kernels::cuda::DequantizeDeviceOp*>(b.device_ops),
-                     static_cast<uint32_t>(list.size()), b.device_staging, b.stream),
+                     reinterpret_cast<const kernels::cuda::DequantizeDeviceOp*>(call->ops()),
+                     static_cast<uint32_t>(list.size()), call->staging(), b.stream),
                  "dequantize");
   }
   if (s.ok()) {
-    s = FromCuda(
-        cudaMemcpyAsync(b.host_staging, b.device_staging, total, cudaMemcpyDeviceToHost, b.stream),
-        "dequantize download");
+    s = FromCuda(cudaMemcpyAsync(host, call->staging(), total, cudaMemcpyDeviceToHost, b.stream),
+                 "dequantize download");
   }
-  absl::Status waited = b.Wait("dequantize");
+  absl::Status waited = b.Finish(*call, "dequantize");
   if (!s.ok()) return s;
   if (!waited.ok()) return waited;
   for (size_t i = 0; i < ops.size(); ++i) {
-    std::memcpy(ops[i].k_dst, b.host_staging + list[i].k_out, ops[i].count * row);
-    std::memcpy(ops[i].v_dst, b.host_staging + list[i].v_out, ops[i].count * row);
+    std::memcpy(ops[i].k_dst, host + list[i].k_out, ops[i].count * row);
+    std::memcpy(ops[i].v_dst, host + list[i].v_out, ops[i].count * row);
   }
   return absl::OkStatus();
 }

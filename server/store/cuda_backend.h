@@ -3,7 +3,8 @@
 // sized by --pool-bytes, exported to same-GPU processes through a CUDA IPC handle. Every
 // operation is one batch for all streams of a request: one upload of the op list, one or a
 // few kernel launches (kernels/cuda_launch.h), staging through pinned host memory for the
-// host <-> device halves. Calls complete before they return (Synchronize is then free), so
+// host <-> device halves, device scratch from a stream-ordered memory pool of the backend's
+// device (cuda_internal.h). Calls complete before they return (Synchronize is then free), so
 // host buffers need not outlive a call. CUDA errors become absl::Status (out of memory:
 // RESOURCE_EXHAUSTED), never an abort.
 #include <memory>
@@ -13,6 +14,7 @@
 
 namespace kvmem::store {
 
+class CudaMemoryPool;   // cuda_internal.h
 class CudaScratchPool;  // cuda_internal.h
 
 class CudaBackend final : public Backend {
@@ -39,7 +41,7 @@ class CudaBackend final : public Backend {
   std::optional<PoolExport> pool_export() const override;
 
  private:
-  struct Buffers;  // device and pinned staging, grown on demand (cuda_backend.cc)
+  struct Buffers;  // the stream and pinned staging (cuda_backend.cc)
   CudaBackend() = default;
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const char* what) const;
   absl::Status Bind() const;  // makes this backend's device current in the calling thread
@@ -48,8 +50,9 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   std::string device_uuid_;
   uint64_t pool_bytes_ = 0;
-  uint8_t* pool_ = nullptr;  // device
-  std::string ipc_handle_;   // cudaIpcMemHandle_t bytes
+  uint8_t* pool_ = nullptr;                 // device
+  std::string ipc_handle_;                  // cudaIpcMemHandle_t bytes
+  std::shared_ptr<CudaMemoryPool> memory_;  // every call's device scratch
   std::unique_ptr<Buffers> buffers_;
   std::shared_ptr<CudaScratchPool> slot_scratch_;  // shared by the sequences' slot states
 };

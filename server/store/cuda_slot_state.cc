@@ -2,13 +2,14 @@
 // allocation with what persists between calls — scores, positions, keep flags, the slices
 // of the last step — 13 bytes per slot of capacity. What a call needs only while it runs
 // (the uploaded attention rows, CompactSlots' index output, pinned host memory for the
-// transfers) comes from the backend's CudaScratchPool. Every call completes before it
-// returns.
+// transfers) comes from the backend's CudaScratchPool, its device part allocated and freed
+// in the order of the sequence's stream. Every call completes before it returns.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -20,119 +21,94 @@ namespace kvmem::store {
 
 class CudaScratchPool {
  public:
-  struct Buffers {
-    uint8_t* device = nullptr;
-    uint64_t device_bytes = 0;
-    uint8_t* host = nullptr;  // pinned
-    uint64_t host_bytes = 0;
-  };
-
-  // Buffers of at least the given sizes, for one call; given back by the Lease.
+  // Device memory of at least the given size from the backend's memory pool, on the stream
+  // of the call that took it, and pinned memory from this pool's free list; given back by
+  // the Lease.
   class Lease {
    public:
-    Lease(CudaScratchPool* pool, Buffers b) : pool_(pool), b_(b) {}
-    Lease(Lease&& other) noexcept : pool_(other.pool_), b_(other.b_) { other.pool_ = nullptr; }
+    Lease(CudaScratchPool* pool, StreamOrderedBuffer device, PinnedBuffer host)
+        : pool_(pool), device_(std::move(device)), host_(std::move(host)) {}
+    Lease(Lease&& other) noexcept
+        : pool_(std::exchange(other.pool_, nullptr)),
+          device_(std::move(other.device_)),
+          host_(std::move(other.host_)) {}
     Lease& operator=(Lease&&) = delete;
     Lease(const Lease&) = delete;
     ~Lease() {
-      if (pool_ != nullptr) pool_->GiveBack(b_);
+      device_.Release();
+      if (pool_ != nullptr) pool_->GiveBack(std::move(host_));
     }
-    uint8_t* device() const { return b_.device; }
-    uint8_t* host() const { return b_.host; }
+    uint8_t* device() const { return device_.data(); }
+    uint8_t* host() const { return host_.data(); }
     bool Holds(uint64_t device_bytes, uint64_t host_bytes) const {
-      return b_.device_bytes >= device_bytes && b_.host_bytes >= host_bytes;
+      return device_.bytes() >= device_bytes && host_.bytes() >= host_bytes;
     }
+    // Frees the device memory behind the work queued so far (before the call's final wait,
+    // so that the memory is back in the pool when the call returns).
+    void ReleaseDevice() { device_.Release(); }
 
    private:
     CudaScratchPool* pool_;
-    Buffers b_;
+    StreamOrderedBuffer device_;
+    PinnedBuffer host_;
   };
 
-  explicit CudaScratchPool(int device) : device_(device) {}
-  ~CudaScratchPool() {
-    (void)cudaSetDevice(device_);
-    for (Buffers& b : free_) Free(b);
-  }
+  explicit CudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory)
+      : memory_(std::move(memory)) {}
+  // The pinned buffers go (free_, after this) with the pool's device current.
+  ~CudaScratchPool() { (void)cudaSetDevice(memory_->device()); }
 
-  absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes) {
-    Buffers b;
-    {
+  // Scratch for work queued on `stream`, a stream of the pool's device.
+  absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes, cudaStream_t stream) {
+    PinnedBuffer host;
+    if (host_bytes > 0) {
       kvmem::MutexLock lock(&mu_);
-      // The first free set that is large enough, else the largest one (to be grown).
-      auto fits = std::find_if(free_.begin(), free_.end(), [&](const Buffers& x) {
-        return x.device_bytes >= device_bytes && x.host_bytes >= host_bytes;
-      });
+      // The first free buffer that is large enough, else the largest one (to be grown).
+      auto fits = std::find_if(free_.begin(), free_.end(),
+                               [&](const PinnedBuffer& x) { return x.bytes() >= host_bytes; });
       if (fits == free_.end() && !free_.empty()) {
-        fits = std::max_element(free_.begin(), free_.end(), [](const Buffers& x, const Buffers& y) {
-          return x.device_bytes + x.host_bytes < y.device_bytes + y.host_bytes;
-        });
+        fits = std::max_element(
+            free_.begin(), free_.end(),
+            [](const PinnedBuffer& x, const PinnedBuffer& y) { return x.bytes() < y.bytes(); });
       }
       if (fits != free_.end()) {
-        b = *fits;
+        host = std::move(*fits);
         free_.erase(fits);
       }
     }
-    if (absl::Status s = Grow(&b, device_bytes, host_bytes); !s.ok()) {
-      Free(b);
-      return s;
-    }
-    return Lease(this, b);
-  }
-
- private:
-  // Sizes grow to the next power of two, so that a pool settles after a few calls.
-  static uint64_t Rounded(uint64_t n) {
-    uint64_t r = 4096;
-    while (r < n) r *= 2;
-    return r;
-  }
-  // On the pool's device, whichever the calling thread has current.
-  absl::Status Grow(Buffers* b, uint64_t device_bytes, uint64_t host_bytes) const {
-    if (b->device_bytes >= device_bytes && b->host_bytes >= host_bytes) return absl::OkStatus();
-    if (absl::Status s = FromCuda(cudaSetDevice(device_), "slot state scratch: set device");
-        !s.ok()) {
-      return s;
-    }
-    if (b->device_bytes < device_bytes) {
-      (void)cudaFree(b->device);
-      b->device = nullptr;
-      b->device_bytes = 0;
-      const uint64_t n = Rounded(device_bytes);
-      if (absl::Status s = FromCuda(cudaMalloc(&b->device, n), "slot state scratch"); !s.ok()) {
-        return s;
-      }
-      b->device_bytes = n;
-    }
-    if (b->host_bytes < host_bytes) {
-      (void)cudaFreeHost(b->host);
-      b->host = nullptr;
-      b->host_bytes = 0;
-      const uint64_t n = Rounded(host_bytes);
-      if (absl::Status s = FromCuda(cudaMallocHost(&b->host, n), "slot state pinned scratch");
+    if (host.bytes() < host_bytes) {
+      // On the pool's device, whichever the calling thread has current.
+      if (absl::Status s = FromCuda(cudaSetDevice(memory_->device()), "slot state scratch");
           !s.ok()) {
         return s;
       }
-      b->host_bytes = n;
+      if (absl::Status s = host.Reserve(host_bytes, "slot state pinned scratch"); !s.ok()) {
+        return s;
+      }
     }
-    return absl::OkStatus();
-  }
-  static void Free(Buffers& b) {
-    (void)cudaFree(b.device);
-    (void)cudaFreeHost(b.host);
-    b = Buffers{};
-  }
-  void GiveBack(Buffers b) {
-    kvmem::MutexLock lock(&mu_);
-    free_.push_back(b);
+    absl::StatusOr<StreamOrderedBuffer> device =
+        memory_->Allocate(device_bytes, stream, "slot state scratch");
+    if (!device.ok()) {
+      GiveBack(std::move(host));
+      return device.status();
+    }
+    return Lease(this, *std::move(device), std::move(host));
   }
 
-  const int device_;
+ private:
+  void GiveBack(PinnedBuffer host) {
+    if (host.data() == nullptr) return;
+    kvmem::MutexLock lock(&mu_);
+    free_.push_back(std::move(host));
+  }
+
+  const std::shared_ptr<const CudaMemoryPool> memory_;
   absl::Mutex mu_;
-  std::vector<Buffers> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<PinnedBuffer> free_ ABSL_GUARDED_BY(mu_);
 };
 
-std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(int device) {
-  return std::make_shared<CudaScratchPool>(device);
+std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory) {
+  return std::make_shared<CudaScratchPool>(std::move(memory));
 }
 
 namespace {
@@ -182,6 +158,7 @@ class CudaSlotState final : public BookedSlotState {
 
   ~CudaSlotState() override {
     (void)cudaSetDevice(gpu_);
+    reserved_.reset();  // freed on stream_, so before it goes
     if (stream_ != nullptr) {
       (void)cudaStreamSynchronize(stream_);
       (void)cudaStreamDestroy(stream_);
@@ -211,7 +188,7 @@ class CudaSlotState final : public BookedSlotState {
       ops.push_back({score_at, regions_.scores + slot * sizeof(float), count * sizeof(float)});
     }
     const uint64_t total = ops_at + ops.size() * sizeof(kernels::CopyOp);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(total, total);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(total, total, stream_);
     if (!lease.ok()) return lease.status();
     uint8_t* staged = lease->host();
     std::memcpy(staged, positions.data(), count * sizeof(int64_t));
@@ -227,6 +204,7 @@ class CudaSlotState final : public BookedSlotState {
                        static_cast<uint32_t>(ops.size()), stream_),
                    "slot state: append scatter");
     }
+    lease->ReleaseDevice();
     if (absl::Status w = Wait("append"); s.ok()) s = w;
     if (!s.ok()) return s;
     book_.Grow(count);
@@ -261,8 +239,8 @@ class CudaSlotState final : public BookedSlotState {
     const uint64_t upload_bytes = ops_at + S * sizeof(kernels::CopyOp);
     const uint64_t slice_bytes = S * sizeof(StreamSlice);
     const uint64_t slices_at = Align16(upload_bytes);
-    absl::StatusOr<CudaScratchPool::Lease> lease =
-        scratch_->Acquire(laid_out_at + laid_out_bytes, std::max(slices_at + slice_bytes, S * C));
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(
+        laid_out_at + laid_out_bytes, std::max(slices_at + slice_bytes, S * C), stream_);
     if (!lease.ok()) return lease.status();
     // What CommitStep's compaction takes, taken now: it runs past the point of no return.
     if (step.select) {
@@ -323,6 +301,7 @@ class CudaSlotState final : public BookedSlotState {
       }
     }
     saved_ = save_enqueued;  // from the first launch on, the scores may have changed
+    lease->ReleaseDevice();
     if (absl::Status w = Wait("step"); s.ok()) s = w;
     if (!s.ok()) return s;
     FinishStep(step.select, lease->host(), keep);
@@ -461,7 +440,7 @@ class CudaSlotState final : public BookedSlotState {
                      next.positions + s * capacity * sizeof(int64_t), n * sizeof(int64_t)});
     }
     const uint64_t op_bytes = ops.size() * sizeof(kernels::CopyOp);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(op_bytes, op_bytes);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(op_bytes, op_bytes, stream_);
     if (!lease.ok()) return lease.status();
     std::memcpy(lease->host(), ops.data(), op_bytes);
     uint8_t* fresh = nullptr;
@@ -478,6 +457,7 @@ class CudaSlotState final : public BookedSlotState {
                        static_cast<uint32_t>(ops.size()), stream_),
                    "slot state: relayout");
     }
+    lease->ReleaseDevice();
     if (absl::Status w = Wait("relayout"); s.ok()) s = w;
     if (!s.ok()) {
       (void)cudaFree(fresh);
@@ -519,6 +499,7 @@ class CudaSlotState final : public BookedSlotState {
                                    cudaMemcpyDeviceToHost, stream_),
                    "slot state: kept download");
     }
+    lease->ReleaseDevice();
     if (absl::Status w = Wait("compact"); s.ok()) s = w;
     if (!s.ok()) return s;
     const auto* kept = reinterpret_cast<const uint32_t*>(lease->host());
@@ -535,7 +516,7 @@ class CudaSlotState final : public BookedSlotState {
     out->assign(S, {});
     if (C == 0) return absl::OkStatus();
     const uint64_t bytes = S * C * sizeof(T);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes);
+    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(0, bytes, stream_);
     if (!lease.ok()) return lease.status();
     absl::Status s = FromCuda(
         cudaMemcpyAsync(lease->host(), device_ + region, bytes, cudaMemcpyDeviceToHost, stream_),
@@ -559,26 +540,31 @@ class CudaSlotState final : public BookedSlotState {
   // of its own.
   class Scratch {
    public:
-    explicit Scratch(const CudaScratchPool::Lease* reserved) : view_(reserved) {}
+    explicit Scratch(CudaScratchPool::Lease* reserved) : view_(reserved) {}
     explicit Scratch(CudaScratchPool::Lease own) : own_(std::move(own)), view_(&*own_) {}
     Scratch(Scratch&& other) noexcept
         : own_(std::move(other.own_)), view_(own_ ? &*own_ : other.view_) {}
     uint8_t* device() const { return view_->device(); }
     uint8_t* host() const { return view_->host(); }
+    // Frees the device memory behind the work queued so far, a reservation's too: its one
+    // user is the commit's compaction.
+    void ReleaseDevice() { view_->ReleaseDevice(); }
 
    private:
     std::optional<CudaScratchPool::Lease> own_;
-    const CudaScratchPool::Lease* view_;
+    CudaScratchPool::Lease* view_;
   };
   absl::StatusOr<Scratch> TakeScratch(uint64_t device_bytes, uint64_t host_bytes) {
     if (reserved_ && reserved_->Holds(device_bytes, host_bytes)) return Scratch(&*reserved_);
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(device_bytes, host_bytes);
+    absl::StatusOr<CudaScratchPool::Lease> lease =
+        scratch_->Acquire(device_bytes, host_bytes, stream_);
     if (!lease.ok()) return lease.status();
     return Scratch(*std::move(lease));
   }
   absl::Status Reserve(uint64_t device_bytes, uint64_t host_bytes) {
     reserved_.reset();
-    absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(device_bytes, host_bytes);
+    absl::StatusOr<CudaScratchPool::Lease> lease =
+        scratch_->Acquire(device_bytes, host_bytes, stream_);
     if (!lease.ok()) return lease.status();
     reserved_.emplace(*std::move(lease));
     return absl::OkStatus();

@@ -2,10 +2,11 @@
 // An emulated CUDA runtime for testing the CUDA backend's host code on machines without a
 // GPU (CI): just the part of the runtime API that server/store/cuda_*.cc use, with "device"
 // memory in host memory, copies as memcpy, streams that run their queued work only when it
-// is waited for, a per-thread last-error record, and the kernels' launchers
-// (kernels/cuda_launch.h) queueing their C++ reference twins (runtime.cc). It checks the
-// orchestration — staging, op lists, offsets, waves, leases, waits, error paths — not the
-// kernels: tests/gpu/parity.cc does that on a real GPU. Never linked into kvmemd.
+// is waited for, stream-ordered memory pools whose frees land in stream order, a per-thread
+// last-error record, and the kernels' launchers (kernels/cuda_launch.h) queueing their C++
+// reference twins (runtime.cc). It checks the orchestration — staging, op lists, offsets,
+// waves, leases, waits, frees, error paths — not the kernels: tests/gpu/parity.cc does that
+// on a real GPU. Never linked into kvmemd.
 #include <cstddef>
 
 enum cudaError_t {
@@ -15,6 +16,9 @@ enum cudaError_t {
   cudaErrorInsufficientDriver = 35,
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorNotSupported = 801,
 };
 
 enum cudaMemcpyKind {
@@ -41,6 +45,54 @@ struct cudaIpcMemHandle_t {
   char reserved[64];
 };
 
+enum cudaDeviceAttr {
+  cudaDevAttrMemoryPoolsSupported = 115,
+  cudaDevAttrHostMemoryPoolsSupported = 144,
+};
+
+// Stream-ordered memory pools (the runtime's values and field order).
+struct CUmemPoolHandle_st;
+using cudaMemPool_t = CUmemPoolHandle_st*;
+enum cudaMemPoolAttr {
+  cudaMemPoolReuseFollowEventDependencies = 0x1,
+  cudaMemPoolReuseAllowOpportunistic = 0x2,
+  cudaMemPoolReuseAllowInternalDependencies = 0x3,
+  cudaMemPoolAttrReleaseThreshold = 0x4,
+  cudaMemPoolAttrReservedMemCurrent = 0x5,
+  cudaMemPoolAttrReservedMemHigh = 0x6,
+  cudaMemPoolAttrUsedMemCurrent = 0x7,
+  cudaMemPoolAttrUsedMemHigh = 0x8,
+};
+enum cudaMemLocationType {
+  cudaMemLocationTypeInvalid = 0,
+  cudaMemLocationTypeDevice = 1,
+  cudaMemLocationTypeHost = 2,
+  cudaMemLocationTypeHostNuma = 3,
+  cudaMemLocationTypeHostNumaCurrent = 4,
+};
+struct cudaMemLocation {
+  cudaMemLocationType type;
+  int id;
+};
+enum cudaMemAllocationType {
+  cudaMemAllocationTypeInvalid = 0x0,
+  cudaMemAllocationTypePinned = 0x1,
+  cudaMemAllocationTypeManaged = 0x2,
+};
+enum cudaMemAllocationHandleType {
+  cudaMemHandleTypeNone = 0x0,
+  cudaMemHandleTypePosixFileDescriptor = 0x1,
+};
+struct cudaMemPoolProps {
+  cudaMemAllocationType allocType;
+  cudaMemAllocationHandleType handleTypes;
+  cudaMemLocation location;
+  void* win32SecurityAttributes;
+  size_t maxSize;
+  unsigned short usage;
+  unsigned char reserved[54];
+};
+
 const char* cudaGetErrorName(cudaError_t error);
 const char* cudaGetErrorString(cudaError_t error);
 cudaError_t cudaGetLastError();
@@ -64,6 +116,16 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle, void* ptr);
 cudaError_t cudaIpcOpenMemHandle(void** ptr, cudaIpcMemHandle_t handle, unsigned int flags);
 cudaError_t cudaIpcCloseMemHandle(void* ptr);
 cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+// Pools of device memory only (a host location is cudaErrorNotSupported here), no IPC.
+cudaError_t cudaMemPoolCreate(cudaMemPool_t* pool, const cudaMemPoolProps* props);
+cudaError_t cudaMemPoolDestroy(cudaMemPool_t pool);
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value);
+cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, cudaMemPoolAttr attr, void* value);
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t pool, size_t min_bytes_to_keep);
+cudaError_t cudaMallocFromPoolAsync(void** ptr, size_t bytes, cudaMemPool_t pool,
+                                    cudaStream_t stream);
+cudaError_t cudaFreeAsync(void* ptr, cudaStream_t stream);
 
 // The runtime's typed conveniences (cuda_runtime.h has them as templates too).
 template <typename T>
@@ -74,14 +136,35 @@ template <typename T>
 cudaError_t cudaMallocHost(T** ptr, size_t bytes) {
   return cudaMallocHost(reinterpret_cast<void**>(ptr), bytes);
 }
+template <typename T>
+cudaError_t cudaMallocFromPoolAsync(T** ptr, size_t bytes, cudaMemPool_t pool,
+                                    cudaStream_t stream) {
+  return cudaMallocFromPoolAsync(reinterpret_cast<void**>(ptr), bytes, pool, stream);
+}
+// The runtime's C++ spelling of cudaMallocFromPoolAsync.
+template <typename T>
+cudaError_t cudaMallocAsync(T** ptr, size_t bytes, cudaMemPool_t pool, cudaStream_t stream) {
+  return cudaMallocFromPoolAsync(reinterpret_cast<void**>(ptr), bytes, pool, stream);
+}
 
 namespace kvmem::cuda_emulation {
 // Devices visible (each thread has a current one, 0 to begin with); their UUIDs differ.
 inline constexpr int kDevices = 2;
 // Allocations larger than this fail as out of memory (the emulated device's size).
 inline constexpr size_t kDeviceBytes = size_t{16} << 30;
-// Live device allocations (leak checks in tests).
+// Live device and pinned allocations, a pool's among them from cudaMallocFromPoolAsync until
+// its cudaFreeAsync is reached in stream order (leak checks in tests).
 size_t LiveAllocations();
+// Memory pools made and not yet gone (a destroyed pool goes with its last allocation), and
+// the bytes they reserve: in use, or cached for reuse up to the release threshold.
+size_t LivePools();
+size_t PoolReservedBytes();
+size_t PoolUsedBytes();
+// The n-th allocation from now (1-based; cudaMalloc, cudaMallocHost, cudaMallocFromPoolAsync,
+// of any thread) fails as out of memory (cudaErrorMemoryAllocation); 0 disarms. Failures
+// injected since the start: InjectedFailures (a sweep stops when its run injected none).
+void FailAllocationAt(size_t n);
+size_t InjectedFailures();
 // Since the start: the host's waits for the device (stream synchronizations, copies into
 // pageable memory, synchronous copies, frees), the copies between host and device, and the
 // kernel launches.

@@ -160,7 +160,9 @@ TEST_F(CudaBackendParity, AFailedAllocationDoesNotFailTheNextLaunch) {
 TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
   // One scratch pool for every state, as a backend shares it among its sequences.
-  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool(0);
+  absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(0);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool(*memory);
   for (uint32_t seed = 0; seed < 40; ++seed) {
     testing::RunSlotStateScript(
         [&scratch](uint32_t streams) -> std::unique_ptr<SlotState> {
@@ -179,7 +181,9 @@ TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
 // 64 streams of 300 slots has to grow it, and the compaction's launch then reads it.
 TEST(CudaSlotStateTest, ReservesItsCommitOnItsOwnDevice) {
   if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
-  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool(1));
+  absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(1);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool(*memory));
   ASSERT_TRUE(state.ok()) << state.status();
   for (int64_t p = 0; p < 300; ++p) ASSERT_TRUE((*state)->Append({&p, 1}, 0.5f).ok());
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);

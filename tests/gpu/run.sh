@@ -77,6 +77,12 @@ fi
 # run NAME CAP LOG TOOL PROGRAM ARGS...: PROGRAM under compute-sanitizer TOOL (plainly where
 # there is none, or TOOL is -), output into LOG (a file, not a pipe: a daemon a test leaves
 # behind would hold a pipe open), the verdict into the summary.
+# expected=REGEX run ...: the sanitizer's reports whose first line matches REGEX (after the
+# "========= " prefix) are the program's own doing, not errors — a test that provokes a
+# failing CUDA call on purpose, which memcheck reports as an API error. Then the sanitizer
+# runs without --error-exitcode (its exit code is the program's) and the step fails for
+# sanitizer errors only when the log's ERROR SUMMARY counts more errors than reports that
+# match. A report worded otherwise does not match, so it counts: the filter fails safe.
 run() {
   local name=$1 cap=$2 log=$3 tool=$4
   shift 4
@@ -88,14 +94,29 @@ run() {
     ok=0
     return
   fi
-  local wrap=()
+  local wrap=() filter=${expected:-}
   if [ "$tool" != - ] && [ $sanitizer = 1 ]; then
-    wrap=(compute-sanitizer --tool "$tool" --error-exitcode 3)
+    wrap=(compute-sanitizer --tool "$tool")
+    [ -z "$filter" ] && wrap+=(--error-exitcode 3)
     [ "$tool" = memcheck ] && wrap+=(--leak-check full)
+  else
+    filter=""
   fi
   timeout -k 10 "$seconds" "${wrap[@]}" "$@" >"$log" 2>&1
   local rc=$?
   if [ "$(wc -l <"$log")" -le 40 ]; then cat "$log"; else tail -4 "$log"; fi
+  local forgiven=""
+  if [ -n "$filter" ]; then
+    local errors matched
+    errors=$(sed -n -E 's/^========= ERROR SUMMARY: ([0-9]+) errors?.*/\1/p' "$log" | tail -1)
+    matched=$(grep -c -E "^========= $filter" "$log")
+    # No summary: the run was cut short, and its exit code says so.
+    if [ -n "$errors" ] && [ "$errors" -gt "$matched" ] && [ "$rc" != 124 ] && [ "$rc" != 137 ]
+    then
+      rc=3
+    fi
+    [ "$matched" != 0 ] && forgiven="($matched expected, provoked by the tests)"
+  fi
   local skipped
   skipped=$(grep -c -E '^\[  SKIPPED \] [0-9]' "$log")
   [ "$rc" = 0 ] && [ "$skipped" != 0 ] && rc=77
@@ -103,7 +124,7 @@ run() {
   result=$(verdict $rc "${tool#-}")
   [ "$rc" = 0 ] || { [ "$rc" = 77 ] && [ $skip_ok = 1 ]; } || ok=0
   note "$name: $result $(grep -h -E 'gpu parity:|SUMMARY|^\[  (PASSED|FAILED|SKIPPED) ' "$log" |
-    tr -s ' ' | tr '\n' ' ')"
+    tr -s ' ' | tr '\n' ' ')$forgiven"
 }
 
 run "kernel parity (memcheck)" 150 "$logs/parity_memcheck.log" memcheck "$bin/gpu_parity"
@@ -125,7 +146,12 @@ fi
 run "selection and compaction (racecheck)" 120 "$logs/parity_racecheck.log" racecheck \
   "$bin/gpu_parity" select compact
 if [ -x gpu-bundle/bin/cuda_backend_test ]; then
-  run "cuda_backend_test (memcheck)" 150 "$logs/cuda_backend_memcheck.log" memcheck \
+  # The backend's tests ask for pools no GPU holds (--pool-bytes of 1 and 4 PiB) to see
+  # RESOURCE_EXHAUSTED, and memcheck reports each failed cudaMalloc as an API error: those,
+  # and only those (not cudaMallocHost, not the scratch pool's cudaMallocFromPoolAsync), are
+  # expected. Every other failing call is the tests' own business: they check each status.
+  expected='Program hit cudaErrorMemoryAllocation .* on CUDA API call to cudaMalloc\.' \
+    run "cuda_backend_test (memcheck)" 150 "$logs/cuda_backend_memcheck.log" memcheck \
     gpu-bundle/bin/cuda_backend_test --gtest_brief=1
 fi
 
