@@ -31,6 +31,18 @@ namespace kvmem::kernels {
 
 enum class QuantType : uint8_t { kInt8, kInt4, kNF4 };
 
+// Every quantizer with its name and a one-line description (what GetInfo lists).
+struct QuantizerDescription {
+  QuantType type;
+  const char* name;
+  const char* description;
+};
+inline constexpr QuantizerDescription kQuantizers[] = {
+    {QuantType::kInt8, "int8",
+     "symmetric int8, per-channel absmax scales over each block (K and V separately)"},
+    {QuantType::kInt4, "int4", "symmetric int4 (-7..7), per-channel absmax scales per block"},
+    {QuantType::kNF4, "nf4", "NormalFloat4 codes, absmax scale per 64 values of a token"}};
+
 inline constexpr float kNf4Codes[16] = {-1.0f,
                                         -0.6961928009986877f,
                                         -0.5250730514526367f,

@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "server/service/server.h"
-#include "server/store/shared_segment.h"
+#include "server/transport/shared_segment.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
   for (const std::string& name :
-       kvmem::store::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan"})) {
+       kvmem::transport::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan"})) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 

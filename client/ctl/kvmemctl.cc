@@ -1,14 +1,21 @@
 // kvmemctl: look inside a running kvmemd.
 //   kvmemctl [--target=HOST:PORT|unix:PATH] info|stats|sequences
 #include <cstdio>
-#include <cstring>
 #include <string>
+#include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "kvmem/client.h"
 
+ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address: HOST:PORT or unix:PATH");
+
 namespace {
+
+constexpr char kUsage[] = "usage: kvmemctl [--target=HOST:PORT|unix:PATH] info|stats|sequences";
 
 std::string Bytes(uint64_t b) {
   char buf[64];
@@ -143,26 +150,17 @@ int Stats(kvmem::client::Client& client, bool sequences) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string target = "127.0.0.1:50551";
-  std::string command;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--target=", 9) == 0) {
-      target = argv[i] + 9;
-    } else if (command.empty()) {
-      command = argv[i];
-    } else {
-      command.clear();
-      break;
-    }
-  }
+  absl::SetProgramUsageMessage(kUsage);
+  const std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::string command = args.size() == 2 ? args[1] : "";
   if (command != "info" && command != "stats" && command != "sequences") {
-    std::fprintf(stderr, "usage: kvmemctl [--target=HOST:PORT|unix:PATH] info|stats|sequences\n");
+    std::fprintf(stderr, "%s\n", kUsage);
     return 2;
   }
   kvmem::client::ClientOptions options;
   options.deadline = absl::Seconds(5);
   absl::StatusOr<std::unique_ptr<kvmem::client::Client>> client =
-      kvmem::client::Client::Connect(target, options);
+      kvmem::client::Client::Connect(absl::GetFlag(FLAGS_target), options);
   if (!client.ok()) {
     std::fprintf(stderr, "kvmemctl: %s\n", client.status().ToString().c_str());
     return 1;

@@ -23,4 +23,16 @@ inline std::string EchoClientText(absl::string_view text) {
                       " bytes)");
 }
 
+// Longest description in a google.rpc detail (the message's text after its field path).
+inline constexpr size_t kMaxDetailTextBytes = 256;
+
+// `text`, or when longer than `limit` bytes its first `limit` at most (cut on a UTF-8
+// character's boundary) and a note of its length.
+inline std::string CutMessage(absl::string_view text, size_t limit) {
+  if (text.size() <= limit) return std::string(text);
+  size_t cut = limit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat(text.substr(0, cut), "... (message cut, ", text.size(), " bytes)");
+}
+
 }  // namespace kvmem

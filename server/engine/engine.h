@@ -11,6 +11,10 @@
 //   BatchRunner       StepBatch's entries across cores              (batch_runner.h)
 //   KvReader          ReadKV in pieces                              (kv_reader.h)
 //   Tenants           a cache salt's pool quota                     (tenants.h)
+// Who calls whom (nothing calls the Engine back): BatchRunner -> AppendSession, input
+// checks, PolicyDriver; PolicyDriver -> DecisionApplier -> TableVersions; AppendSession ->
+// PrefixPublisher, TableVersions, HostBudget; every room -> SequenceRegistry (lookups,
+// leases) and the store (pool, backend).
 //
 // Lock order: Sequence::mu -> the registry's -> BlockPool's. Calls on different sequences
 // run in parallel; calls on one sequence are serialized. Every call validates its whole

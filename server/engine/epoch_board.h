@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/common/mutex.h"
-#include "server/store/shared_segment.h"
+#include "server/transport/shared_segment.h"
 
 namespace kvmem::engine {
 
@@ -37,10 +37,10 @@ class EpochBoard {
   uint32_t slots() const { return slots_; }
 
  private:
-  EpochBoard(std::unique_ptr<store::SharedSegment> segment, uint32_t slots);
+  EpochBoard(std::unique_ptr<transport::SharedSegment> segment, uint32_t slots);
   std::atomic<uint64_t>* word(uint32_t slot) const;
 
-  std::unique_ptr<store::SharedSegment> segment_;
+  std::unique_ptr<transport::SharedSegment> segment_;
   const uint32_t slots_;
   absl::Mutex mu_;
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);

@@ -28,10 +28,9 @@ uint64_t SequenceRegistry::NewId() {
   return next_id_++;
 }
 
-void SequenceRegistry::Insert(std::shared_ptr<Sequence> seq) {
+void SequenceRegistry::Insert(const std::shared_ptr<Sequence>& seq) {
   kvmem::MutexLock lock(&mu_);
-  const uint64_t id = seq->id();
-  sequences_.emplace(id, std::move(seq));
+  sequences_.emplace(seq->id(), seq);
 }
 
 absl::StatusOr<std::shared_ptr<Sequence>> SequenceRegistry::Take(uint64_t sequence_id) {

@@ -51,7 +51,7 @@ class SequenceRegistry {
       : clock_(clock), default_lease_(default_lease), max_lease_(max_lease) {}
 
   uint64_t NewId();
-  void Insert(std::shared_ptr<Sequence> seq);
+  void Insert(const std::shared_ptr<Sequence>& seq);
   // Removes the sequence; NOT_FOUND if it is not there.
   absl::StatusOr<std::shared_ptr<Sequence>> Take(uint64_t sequence_id);
   std::vector<std::shared_ptr<Sequence>> TakeAll();

@@ -77,13 +77,6 @@ void AddStaleEpochDetails(const absl::Status& status, absl::string_view message,
 
 }  // namespace
 
-std::string CutMessage(absl::string_view text, size_t limit) {
-  if (text.size() <= limit) return std::string(text);
-  size_t cut = limit;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
-  return absl::StrCat(text.substr(0, cut), "... (message cut, ", text.size(), " bytes)");
-}
-
 std::string FieldPathOf(absl::string_view message) {
   // A streamed chunk's errors start with its index: "chunk 3: positions[0]: ...".
   if (absl::StartsWith(message, "chunk ")) {

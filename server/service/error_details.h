@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "google/rpc/status.pb.h"
 #include "grpcpp/support/status.h"
+#include "server/common/client_text.h"
 
 namespace kvmem::service {
 
@@ -30,12 +31,7 @@ namespace kvmem::service {
 // pass a client's 8 KiB metadata limit and reach it as a metadata-size failure instead of
 // its own code.
 inline constexpr size_t kMaxStatusMessageBytes = 2048;
-// Longest description in a google.rpc detail (the message's text after its field path).
-inline constexpr size_t kMaxDetailTextBytes = 256;
-
-// `text`, or when longer than `limit` bytes its first `limit` at most (cut on a UTF-8
-// character's boundary) and a note of its length.
-std::string CutMessage(absl::string_view text, size_t limit);
+// kMaxDetailTextBytes and CutMessage: server/common/client_text.h.
 
 // `sequence_id`: the sequence the call acted on, the subject of an epoch violation.
 grpc::Status ToGrpc(const absl::Status& status, std::optional<uint64_t> sequence_id = std::nullopt);

@@ -1,34 +1,16 @@
 #include "server/service/kv_cache_service.h"
 
 #include <algorithm>
-#include <iterator>
 #include <optional>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
+#include "server/service/daemon_info.h"
 
 namespace kvmem::service {
-namespace {
-
-constexpr uint32_t kDefaultStatsPageSize = 100;
-constexpr uint32_t kMaxStatsPageSize = 1000;
-
-// A Stats page token: the last sequence id of the page before, behind a tag that keeps
-// clients from taking it for an id.
-constexpr absl::string_view kPageTokenTag = "after-sequence-";
-
-std::string PageToken(uint64_t last_id) { return absl::StrCat(kPageTokenTag, last_id); }
-
-bool ParsePageToken(absl::string_view token, uint64_t* after) {
-  return absl::ConsumePrefix(&token, kPageTokenTag) && absl::SimpleAtoi(token, after);
-}
-
-}  // namespace
 
 absl::Status KvCacheService::StillWanted(grpc::ServerContext* context, absl::string_view method) {
   if (context == nullptr) return absl::OkStatus();
@@ -47,75 +29,7 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
                                      v1::GetInfoResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  const engine::EngineConfig& config = engine_->config();
-  const store::Backend& backend = engine_->backend();
-  response->set_version(version_);
-  response->set_backend(std::string(backend.kind()));
-  response->set_device_name(backend.device_name());
-  // The pool's own figures: GetInfo never waits for a sequence.
-  const store::PoolUsage pool = engine_->PoolUsage();
-  response->set_pool_bytes(pool.pool_bytes);
-  response->set_pool_free_bytes(engine_->PoolFreeBytes());
-  response->set_page_bytes(pool.page_bytes);
-  response->set_default_block_tokens(config.default_block_tokens);
-  response->set_max_sequences(config.max_sequences);
-  ToProto(config.default_lease, response->mutable_default_lease());
-  ToProto(config.max_lease, response->mutable_max_lease());
-  response->set_max_message_bytes(config.max_append_bytes);
-  response->set_device_step(config.device_step);
-  for (const policy::PolicyDescriptor& d : policy::AllPolicies()) {
-    v1::PolicyInfo* info = response->add_policies();
-    info->set_name(d.name);
-    info->set_description(d.description);
-    for (const policy::ParamSpec& p : d.params) {
-      v1::ParamInfo* param = info->add_params();
-      param->set_name(p.name);
-      param->set_default_value(p.default_value);
-      param->set_min_value(p.min_value);
-      param->set_max_value(p.max_value);
-      param->set_description(p.description);
-    }
-    for (const std::string& s : policy::SignalNames(d.step_signals)) info->add_step_signals(s);
-    for (const std::string& s : policy::SignalNames(d.compress_signals)) {
-      info->add_compress_signals(s);
-    }
-    for (const std::string& s : policy::SignalNames(d.append_signals)) {
-      info->add_append_signals(s);
-    }
-  }
-  if (std::optional<store::PoolExport> exported = backend.pool_export()) {
-    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
-      v1::SharedMemoryPool* pool = response->mutable_shared_memory();
-      pool->set_name(shm->name);
-      pool->set_segment_bytes(shm->bytes);
-    } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
-      v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
-      ipc->set_handle(cuda->handle);
-      ipc->set_pool_bytes(cuda->bytes);
-      ipc->set_device(cuda->device);
-      ipc->set_device_uuid(cuda->device_uuid);
-    }
-  }
-  static constexpr struct {
-    v1::Precision precision;
-    const char* name;
-    const char* description;
-  } kQuantizers[] = {
-      {v1::PRECISION_INT8, "int8",
-       "symmetric int8, per-channel absmax scales over each block (K and V separately)"},
-      {v1::PRECISION_INT4, "int4", "symmetric int4 (-7..7), per-channel absmax scales per block"},
-      {v1::PRECISION_NF4, "nf4", "NormalFloat4 codes, absmax scale per 64 values of a token"}};
-  for (const auto& q : kQuantizers) {
-    v1::QuantizerInfo* info = response->add_quantizers();
-    info->set_precision(q.precision);
-    info->set_name(q.name);
-    info->set_description(q.description);
-  }
-  response->set_default_quantization_recent_tokens(engine::QuantConfig{}.recent_tokens);
-  const engine::EpochBoard& board = engine_->epoch_board();
-  response->mutable_epoch_board()->set_name(board.name());
-  response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
-  response->mutable_epoch_board()->set_slots(board.slots());
+  DescribeDaemon(*engine_, version_, response);
   return grpc::Status::OK;
 }
 
@@ -360,33 +274,36 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-// Every batch's answer fits its channel once trimmed (StepChannel::FitAnswer).
-static_assert(KvCacheService::kMaxBatchEntries * StepChannel::kMaxTrimmedResultBytes <=
-              StepChannel::MaxAnswerBytes(StepChannel::kMinCapacity));
+// Every batch's answer fits its channel once trimmed (transport::StepChannel::FitAnswer).
+static_assert(KvCacheService::kMaxBatchEntries * transport::StepChannel::kMaxTrimmedResultBytes <=
+              transport::StepChannel::MaxAnswerBytes(transport::StepChannel::kMinCapacity));
 
 grpc::Status KvCacheService::OpenStepChannel(
     grpc::ServerContext* context, const v1::OpenStepChannelRequest* request,
     grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) {
-  std::optional<StepChannelBudget::Lease> lease;  // given back after the channel is freed
-  std::unique_ptr<StepChannel> channel;
+  std::optional<transport::StepChannelBudget::Lease>
+      lease;  // given back after the channel is freed
+  std::unique_ptr<transport::StepChannel> channel;
   {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
     // Lengths in the segment are 32-bit: at most 1 GiB per area.
     const uint64_t max_capacity =
         std::min<uint64_t>(engine_->config().max_append_bytes + (4ull << 20), 1ull << 30);
-    const uint64_t capacity =
-        request->has_capacity_bytes() ? request->capacity_bytes() : StepChannel::kDefaultCapacity;
-    if (capacity < StepChannel::kMinCapacity || capacity > max_capacity) {
+    const uint64_t capacity = request->has_capacity_bytes()
+                                  ? request->capacity_bytes()
+                                  : transport::StepChannel::kDefaultCapacity;
+    if (capacity < transport::StepChannel::kMinCapacity || capacity > max_capacity) {
       return ToGrpc(absl::InvalidArgumentError(absl::StrCat(
-          "capacity_bytes: ", capacity, " is outside [", StepChannel::kMinCapacity, ", ",
+          "capacity_bytes: ", capacity, " is outside [", transport::StepChannel::kMinCapacity, ", ",
           max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB, at most 1 GiB)")));
     }
-    absl::StatusOr<StepChannelBudget::Lease> opened =
-        channels_.Open(StepChannel::HeldBytes(capacity));
+    absl::StatusOr<transport::StepChannelBudget::Lease> opened =
+        channels_.Open(transport::StepChannel::HeldBytes(capacity));
     if (!opened.ok()) return ToGrpc(opened.status());
     lease.emplace(*std::move(opened));
-    absl::StatusOr<std::unique_ptr<StepChannel>> created = StepChannel::Create(capacity);
+    absl::StatusOr<std::unique_ptr<transport::StepChannel>> created =
+        transport::StepChannel::Create(capacity, [](const absl::Status& s) { return ToGrpc(s); });
     if (!created.ok()) return ToGrpc(created.status());
     channel = *std::move(created);
     v1::OpenStepChannelResponse response;
@@ -403,17 +320,17 @@ grpc::Status KvCacheService::OpenStepChannel(
   // for an idle channel; the loop notices the drain, or the client leaving, within a tick.
   const uint64_t max_update_bytes =
       std::min(engine_->config().max_append_bytes, channel->capacity() / 2);
-  const StepChannel::Handler handler = [&](const v1::StepBatchRequest& batch,
-                                           v1::StepBatchResponse* response) {
+  const transport::StepChannel::Handler handler = [&](const v1::StepBatchRequest& batch,
+                                                      v1::StepBatchResponse* response) {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
     return RunStepBatch(/*context=*/nullptr, batch, max_update_bytes, response);
   };
   // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
   // client sees it.
-  StepChannel::Recorder record;
+  transport::StepChannel::Recorder record;
   if (rpc_telemetry_ != nullptr) {
-    record = [telemetry = rpc_telemetry_](const StepChannel::Exchange& e) {
+    record = [telemetry = rpc_telemetry_](const transport::StepChannel::Exchange& e) {
       telemetry->RecordChannelAnswer(e.batch, e.code, e.seconds, e.bytes_in, e.bytes_out);
     };
   }
@@ -421,13 +338,14 @@ grpc::Status KvCacheService::OpenStepChannel(
     // A drain ends the channel, but not in the middle of an answer sent in chunks: the
     // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
     if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
-    const StepChannel::Served served = channel->ServeOne(absl::Milliseconds(50), handler, record);
-    if (served == StepChannel::Served::kBroken) {
+    const transport::StepChannel::Served served =
+        channel->ServeOne(absl::Milliseconds(50), handler, record);
+    if (served == transport::StepChannel::Served::kBroken) {
       return ToGrpc(absl::FailedPreconditionError(
           "step channel: its segment was shrunk by the client; the request read from it was "
           "not applied; open a new channel"));
     }
-    if (served == StepChannel::Served::kBrokenAfterRun) {
+    if (served == transport::StepChannel::Served::kBrokenAfterRun) {
       return ToGrpc(absl::FailedPreconditionError(
           "step channel: its segment was shrunk by the client while the answer was written; "
           "the batch may have applied: repeat it with the same request_id to get its answer"));
@@ -631,40 +549,9 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest*
                                    v1::StatsResponse* response) {
   const CallGate::Ticket call = gate_.Enter();
   if (!call.admitted()) return ToGrpc(DrainingError());
-  uint32_t page_size = kDefaultStatsPageSize;
-  uint64_t after = 0;  // sequence ids start at 1
-  if (request->include_sequences()) {
-    if (request->has_page_size()) {
-      page_size = request->page_size();
-      if (page_size == 0 || page_size > kMaxStatsPageSize) {
-        return ToGrpc(absl::InvalidArgumentError(
-            absl::StrCat("page_size: ", page_size, " is outside [1, ", kMaxStatsPageSize,
-                         "] (leave the field out for ", kDefaultStatsPageSize, ")")));
-      }
-    }
-    if (!request->page_token().empty() && !ParsePageToken(request->page_token(), &after)) {
-      return ToGrpc(absl::InvalidArgumentError(
-          absl::StrCat("page_token: \"", EchoClientText(request->page_token()),
-                       "\" is not a next_page_token of a StatsResponse")));
-    }
-  }
-  engine::EngineStats stats = engine_->Stats(request->include_sequences());
-  ToProto(stats, response);
-  // A page: the sequences after the last one of the page before, in id order.
-  std::vector<engine::SequenceSummary>& sequences = stats.sequences;
-  std::sort(sequences.begin(), sequences.end(),
-            [](const engine::SequenceSummary& a, const engine::SequenceSummary& b) {
-              return a.sequence_id < b.sequence_id;
-            });
-  auto first = std::upper_bound(
-      sequences.begin(), sequences.end(), after,
-      [](uint64_t id, const engine::SequenceSummary& s) { return id < s.sequence_id; });
-  const size_t left = static_cast<size_t>(sequences.end() - first);
-  const auto last = first + static_cast<std::ptrdiff_t>(std::min<size_t>(left, page_size));
-  for (auto it = first; it != last; ++it) ToProto(*it, response->add_sequences());
-  if (last != sequences.end()) {
-    response->set_next_page_token(PageToken(std::prev(last)->sequence_id));
-  }
+  StatsPage page;
+  if (absl::Status s = ReadStatsPage(*request, &page); !s.ok()) return ToGrpc(s);
+  FillStatsPage(engine_->Stats(request->include_sequences()), page, response);
   return grpc::Status::OK;
 }
 

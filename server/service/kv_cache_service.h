@@ -13,7 +13,7 @@
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
 #include "server/service/request_cache.h"
-#include "server/service/step_channel.h"
+#include "server/transport/step_channel.h"
 
 namespace kvmem::service {
 
@@ -135,7 +135,7 @@ class KvCacheService final : public v1::KvCache::Service {
   CallGate gate_;
   AppendStreamBudget streams_;
   RequestCache requests_;  // retries of mutating calls (request_id)
-  StepChannelBudget channels_;
+  transport::StepChannelBudget channels_;
 };
 
 }  // namespace kvmem::service

@@ -15,11 +15,8 @@
 #include "server/common/client_text.h"
 #include "server/service/kv_cache_service.h"
 #include "server/service/rpc_interceptor.h"
-#include "server/store/cpu_backend.h"
-#include "server/store/segment_guard.h"
-#ifdef KVMEM_WITH_CUDA
-#include "server/store/cuda_backend.h"
-#endif
+#include "server/store/backend_factory.h"
+#include "server/transport/segment_guard.h"
 #include "spdlog/spdlog.h"
 
 #ifndef KVMEM_VERSION
@@ -27,30 +24,6 @@
 #endif
 
 namespace kvmem::service {
-
-absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
-                                                            uint64_t pool_bytes, int cuda_device) {
-  if (name == "cpu") {
-    absl::StatusOr<std::unique_ptr<store::CpuBackend>> cpu = store::CpuBackend::Create(pool_bytes);
-    if (!cpu.ok()) return cpu.status();
-    return std::unique_ptr<store::Backend>(*std::move(cpu));
-  }
-  if (name == "cuda") {
-#ifdef KVMEM_WITH_CUDA
-    absl::StatusOr<std::unique_ptr<store::CudaBackend>> cuda =
-        store::CudaBackend::Create(pool_bytes, cuda_device);
-    if (!cuda.ok()) return cuda.status();
-    return std::unique_ptr<store::Backend>(*std::move(cuda));
-#else
-    (void)cuda_device;
-    return absl::FailedPreconditionError(
-        "--backend=cuda: this kvmemd was built without CUDA (configure with -DWITH_CUDA=ON on "
-        "a machine with nvcc); use --backend=cpu");
-#endif
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--backend: unknown backend \"", EchoClientText(name), "\" (known: cpu, cuda)"));
-}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config,
                                                       const engine::Clock* clock) {
@@ -79,7 +52,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                      " (each open channel or stream holds a thread)"));
   }
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
-      MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
+      store::MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
   if (!backend.ok()) return backend.status();
   engine::EngineConfig engine_config = config.engine;
   if (config.device_step == "auto") {
@@ -98,7 +71,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->service_ = std::make_unique<KvCacheService>(
       server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get());
 
-  store::SegmentGuard::Install();  // step channels' segments may shrink under a read
+  transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

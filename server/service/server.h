@@ -89,10 +89,4 @@ class Server {
   bool drained_ = false;
 };
 
-// Builds the backend named by `name` (on GPU `cuda_device` for cuda); a clear error for one
-// this build does not include.
-absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(const std::string& name,
-                                                            uint64_t pool_bytes,
-                                                            int cuda_device = 0);
-
 }  // namespace kvmem::service

@@ -10,8 +10,8 @@
 namespace kvmem::store {
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(uint64_t pool_bytes) {
-  absl::StatusOr<std::unique_ptr<SharedSegment>> segment =
-      SharedSegment::Create("kvmem-pool", pool_bytes);
+  absl::StatusOr<std::unique_ptr<transport::SharedSegment>> segment =
+      transport::SharedSegment::Create("kvmem-pool", pool_bytes);
   if (absl::IsResourceExhausted(segment.status())) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "--pool-bytes=", pool_bytes, ": ", segment.status().message(),

@@ -6,7 +6,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "server/store/backend.h"
-#include "server/store/shared_segment.h"
+#include "server/transport/shared_segment.h"
 
 namespace kvmem::store {
 
@@ -34,9 +34,10 @@ class CpuBackend final : public Backend {
   std::optional<PoolExport> pool_export() const override;
 
  private:
-  explicit CpuBackend(std::unique_ptr<SharedSegment> segment) : segment_(std::move(segment)) {}
+  explicit CpuBackend(std::unique_ptr<transport::SharedSegment> segment)
+      : segment_(std::move(segment)) {}
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const char* what) const;
-  std::unique_ptr<SharedSegment> segment_;
+  std::unique_ptr<transport::SharedSegment> segment_;
 };
 
 }  // namespace kvmem::store

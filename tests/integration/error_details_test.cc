@@ -258,7 +258,7 @@ TEST(ToGrpcDetailsTest, FieldPathsAndLimitsComeFromTheMessage) {
   EXPECT_LE(long_status.error_message().size(), service::kMaxStatusMessageBytes + 64);
   EXPECT_EQ(FindDetail<google::rpc::BadRequest>(rich)->field_violations(0).field(), "k");
   EXPECT_LE(long_status.error_details().size(),
-            service::kMaxStatusMessageBytes + 2 * service::kMaxDetailTextBytes + 256);
+            service::kMaxStatusMessageBytes + 2 * kvmem::kMaxDetailTextBytes + 256);
 }
 
 }  // namespace

@@ -15,8 +15,9 @@
 #include "google/rpc/error_details.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/service/error_details.h"
 #include "server/service/kv_cache_service.h"
-#include "server/service/step_channel.h"
+#include "server/transport/step_channel.h"
 #include "tests/integration/daemon_fixture.h"
 
 namespace kvmem {
@@ -24,7 +25,10 @@ namespace {
 
 using ::testing::HasSubstr;
 namespace layout = v1::step_channel;
-using StepChannelHandlerForTest = service::StepChannel::Handler;
+using StepChannelHandlerForTest = transport::StepChannel::Handler;
+
+// The daemon's mapping of the channel's own errors.
+grpc::Status ToGrpcStatus(const absl::Status& status) { return service::ToGrpc(status); }
 
 // A table as text; without `where`, the blocks' places in the pool are left out (two
 // sequences with the same history have the same table but other blocks and versions).
@@ -291,7 +295,7 @@ TEST_F(StepChannelTest, GarbageLengthsAndMissingIdsGetErrorsAndTheChannelServesO
   auto stub = Stub();
   RawChannel ch;
   ASSERT_TRUE(OpenRaw(stub.get(), &ch, std::nullopt));
-  EXPECT_EQ(ch.opened.capacity_bytes(), service::StepChannel::kDefaultCapacity);
+  EXPECT_EQ(ch.opened.capacity_bytes(), transport::StepChannel::kDefaultCapacity);
   EXPECT_EQ(ch.opened.layout_version(), layout::kLayoutVersion);
 
   ch.Post(std::string("\xff\xff\xff\xff\x0f garbage", 13));
@@ -446,7 +450,7 @@ class FakeChannelService final : public v1::KvCache::Service {
   grpc::Status OpenStepChannel(grpc::ServerContext* context, const v1::OpenStepChannelRequest* q,
                                grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) override {
     const bool first = channels_opened.fetch_add(1) == 0;
-    auto channel = service::StepChannel::Create(q->capacity_bytes());
+    auto channel = transport::StepChannel::Create(q->capacity_bytes(), ToGrpcStatus);
     if (!channel.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "create");
     v1::OpenStepChannelResponse r;
     r.set_name((*channel)->name());
@@ -461,7 +465,7 @@ class FakeChannelService final : public v1::KvCache::Service {
     while (!context->IsCancelled()) {
       if (first && served == end_first_channel_after) return grpc::Status::OK;
       if ((*channel)->ServeOne(absl::Milliseconds(20), handler_) ==
-          service::StepChannel::Served::kServed) {
+          transport::StepChannel::Served::kServed) {
         ++served;
       }
     }
@@ -590,7 +594,7 @@ TEST(StepChannelUnitTest, FitAnswerDropsUpdatesFromTheBackThenCutsStatuses) {
   }
   const size_t one = response.results(0).ByteSizeLong();
   const uint64_t limit = 3 * one + one / 2;
-  service::StepChannel::FitAnswer(&response, limit);
+  transport::StepChannel::FitAnswer(&response, limit);
   EXPECT_LE(response.ByteSizeLong(), limit);
   ASSERT_EQ(response.results_size(), 8);
   for (int i = 0; i < 8; ++i) {
@@ -613,10 +617,10 @@ TEST(StepChannelUnitTest, FitAnswerDropsUpdatesFromTheBackThenCutsStatuses) {
     SetScalarsWidest(r->mutable_append());
     SetScalarsWidest(r->mutable_step());
   }
-  service::StepChannel::FitAnswer(&worst, 0);
+  transport::StepChannel::FitAnswer(&worst, 0);
   for (const v1::StepBatchResult& r : worst.results()) {
     EXPECT_EQ(r.status().details_size(), 0);
-    EXPECT_LE(r.ByteSizeLong() + 3, service::StepChannel::kMaxTrimmedResultBytes);
+    EXPECT_LE(r.ByteSizeLong() + 3, transport::StepChannel::kMaxTrimmedResultBytes);
     EXPECT_EQ(r.status().code(), 9);
     EXPECT_TRUE(absl::StartsWith(r.status().message(), "\u20ac\u20ac"));
     EXPECT_THAT(r.status().message(), HasSubstr("(message cut, 2049 bytes)"));
@@ -692,7 +696,7 @@ TEST(StepChannelUnitTest, TheClientRefusesASegmentWhoseNonceDiffers) {
 // Requests a client rewrites while the daemon reads them, asks for chunks when none are
 // pending, or names no kind the layout knows: nothing runs, or an error comes back.
 TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
-  auto channel = service::StepChannel::Create(service::StepChannel::kMinCapacity);
+  auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus);
   ASSERT_TRUE(channel.ok()) << channel.status();
   const int fd = shm_open((*channel)->name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
@@ -709,12 +713,12 @@ TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
   };
   header->request_kind = layout::kMore;
   header->request_seq.store(1);
-  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), service::StepChannel::Served::kServed);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kServed);
   EXPECT_EQ(header->response_code.load(),
             static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   header->request_kind = 7;
   header->request_seq.store(2);
-  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), service::StepChannel::Served::kServed);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kServed);
   EXPECT_EQ(header->response_code.load(),
             static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   EXPECT_EQ(calls, 0);
@@ -722,7 +726,7 @@ TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
 }
 
 TEST(StepChannelUnitTest, AShrunkSegmentRunsNothing) {
-  auto channel = service::StepChannel::Create(service::StepChannel::kMinCapacity);
+  auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus);
   ASSERT_TRUE(channel.ok()) << channel.status();
   const int fd = shm_open((*channel)->name().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
@@ -737,7 +741,7 @@ TEST(StepChannelUnitTest, AShrunkSegmentRunsNothing) {
     ++calls;
     return grpc::Status::OK;
   };
-  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), service::StepChannel::Served::kBroken);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kBroken);
   EXPECT_EQ(calls, 0);
   munmap(header, layout::kHeaderBytes);
 }

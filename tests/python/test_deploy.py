@@ -311,13 +311,13 @@ def known_flags(program):
     binary = BIN / program
     if not binary.exists():
         pytest.skip(f"{binary} not built (set KVMEM_BIN to the build folder)")
-    if program == "kvmemctl":  # no absl flags: its usage line lists them
-        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
-        usage = out.stdout + out.stderr
-        return set(re.findall(r"--(\w+)", usage)), set(usage.split("]")[-1].strip().split("|"))
     out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True, timeout=30)
-    names = set(re.findall(r"^\s+--(\w+) ", out.stdout + out.stderr, re.M))
+    text = out.stdout + out.stderr
+    names = set(re.findall(r"^\s+--(\w+) ", text, re.M))
     assert "flagfile" in names, f"{binary} --helpfull printed no absl flag list"
+    if program == "kvmemctl":  # its usage line lists the commands: "... info|stats|sequences"
+        usage = text.splitlines()[0]
+        return names, set(usage.split("]")[-1].strip().split("|"))
     return names, None
 
 

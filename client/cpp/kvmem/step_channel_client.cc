@@ -12,13 +12,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "google/rpc/status.pb.h"
+#include "kvmem/convert.h"
 #include "kvmem/v1/step_channel.h"
 
 namespace kvmem::client::internal {
 
 namespace layout = v1::step_channel;
-
-absl::Status FromRpcStatusForChannel(const google::rpc::Status& rich);
 
 absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
     v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline) {
@@ -196,7 +195,7 @@ StepChannelClient::Outcome StepChannelClient::Call(const v1::StepBatchRequest& r
         rich.set_message("step channel: an error without a readable status");
       }
       rich.set_code(static_cast<int32_t>(code));
-      *status = FromRpcStatusForChannel(rich);
+      *status = FromRpcStatus(rich);
       return Outcome::kAnswered;
     }
     if (assembled.empty()) total = header->response_total.load(std::memory_order_relaxed);

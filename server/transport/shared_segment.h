@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace kvmem::store {
+namespace kvmem::transport {
 
 class SharedSegment {
  public:
@@ -54,4 +54,4 @@ class SharedSegment {
 std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& prefixes,
                                              const std::string& dir = "/dev/shm");
 
-}  // namespace kvmem::store
+}  // namespace kvmem::transport

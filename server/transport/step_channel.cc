@@ -1,4 +1,4 @@
-#include "server/service/step_channel.h"
+#include "server/transport/step_channel.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,11 +11,11 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/rpc/status.pb.h"
 #include "kvmem/v1/step_channel.h"
+#include "server/common/client_text.h"
 #include "server/common/mutex.h"
-#include "server/service/error_details.h"
-#include "server/store/segment_guard.h"
+#include "server/transport/segment_guard.h"
 
-namespace kvmem::service {
+namespace kvmem::transport {
 
 namespace layout = v1::step_channel;
 
@@ -93,9 +93,10 @@ size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
   return response->ByteSizeLong();  // caches the sizes the serialization uses
 }
 
-absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity) {
-  absl::StatusOr<std::unique_ptr<store::SharedSegment>> segment =
-      store::SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
+absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity,
+                                                                 ErrorMapper to_grpc) {
+  absl::StatusOr<std::unique_ptr<SharedSegment>> segment =
+      SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
   if (!segment.ok()) return segment.status();
   std::string nonce(layout::kNonceBytes, '\0');
   absl::BitGen bits;
@@ -108,7 +109,7 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
   header->capacity_bytes = capacity;
   std::memcpy(header->nonce, nonce.data(), layout::kNonceBytes);
   return std::unique_ptr<StepChannel>(
-      new StepChannel(*std::move(segment), capacity, std::move(nonce)));
+      new StepChannel(*std::move(segment), capacity, std::move(nonce), std::move(to_grpc)));
 }
 
 void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total,
@@ -154,7 +155,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   uint32_t seq = 0;
   uint32_t kind = layout::kBatch;
   {
-    store::SegmentGuard guard(data, segment_->bytes());
+    SegmentGuard guard(data, segment_->bytes());
     seq = header->request_seq.load(std::memory_order_acquire);
     if (seq == served_seq_ && !guard.faulted()) {
       layout::FutexWait(&header->request_seq, seq, absl::ToInt64Nanoseconds(wait));
@@ -170,17 +171,17 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     if (kind == layout::kMore) {
       if (pending_.empty()) {
         status =
-            ToGrpc(absl::InvalidArgumentError("request_kind: kMore, but no answer is pending"));
+            to_grpc_(absl::InvalidArgumentError("request_kind: kMore, but no answer is pending"));
       } else {
         served_seq_ = seq;
         SendChunk(seq, ex, record);
         return guard.faulted() ? Served::kBrokenAfterRun : Served::kServed;
       }
     } else if (kind != layout::kBatch) {
-      status = ToGrpc(absl::InvalidArgumentError(
+      status = to_grpc_(absl::InvalidArgumentError(
           absl::StrCat("request_kind: ", kind, " is neither kBatch nor kMore")));
     } else if (bytes > capacity_) {
-      status = ToGrpc(absl::InvalidArgumentError(absl::StrCat(
+      status = to_grpc_(absl::InvalidArgumentError(absl::StrCat(
           "request_bytes: ", bytes, " is past the channel's capacity of ", capacity_)));
     } else {
       // Parse a private copy: the client can write the segment at any time, and a parse
@@ -199,7 +200,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
         return Served::kIdle;
       }
       if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {
-        status = ToGrpc(absl::InvalidArgumentError(
+        status = to_grpc_(absl::InvalidArgumentError(
             "request: the request area does not hold a StepBatchRequest"));
       }
     }
@@ -215,7 +216,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
     unlinked_ = true;
   }
   if (status.ok() && request.request_id().empty()) {
-    status = ToGrpc(absl::InvalidArgumentError(
+    status = to_grpc_(absl::InvalidArgumentError(
         "request_id: required on a step channel (a batch whose answer is lost with its channel "
         "is repeated by gRPC under it)"));
   }
@@ -224,7 +225,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   const bool ran = status.ok();
   if (ran) status = handler(request, &response);
 
-  store::SegmentGuard guard(data, segment_->bytes());
+  SegmentGuard guard(data, segment_->bytes());
   uint8_t* const out = data + layout::kHeaderBytes + capacity_;
   const size_t bytes = status.ok() ? FitAnswer(&response, MaxAnswerBytes(capacity_)) : 0;
   if (bytes > MaxAnswerBytes(capacity_)) {
@@ -261,4 +262,4 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   return ran ? Served::kBrokenAfterRun : Served::kBroken;
 }
 
-}  // namespace kvmem::service
+}  // namespace kvmem::transport

@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvmem::store {
+namespace kvmem::transport {
 
 namespace segment_guard_internal {
 struct Range {
@@ -41,4 +41,4 @@ class SegmentGuard {
   segment_guard_internal::Range range_;
 };
 
-}  // namespace kvmem::store
+}  // namespace kvmem::transport

@@ -1,4 +1,4 @@
-#include "server/store/shared_segment.h"
+#include "server/transport/shared_segment.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -21,7 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 
-namespace kvmem::store {
+namespace kvmem::transport {
 namespace {
 
 // Where glibc's shm_open keeps its names.
@@ -167,4 +167,4 @@ std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& pre
   return removed;
 }
 
-}  // namespace kvmem::store
+}  // namespace kvmem::transport

@@ -20,9 +20,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/support/status.h"
 #include "kvmem/v1/kvmem.pb.h"
-#include "server/store/shared_segment.h"
+#include "server/transport/shared_segment.h"
 
-namespace kvmem::service {
+namespace kvmem::transport {
 
 class StepChannelBudget {
  public:
@@ -87,8 +87,12 @@ class StepChannel {
   static size_t FitAnswer(v1::StepBatchResponse* response, uint64_t limit);
   static constexpr uint64_t kMaxTrimmedResultBytes = 512;
 
+  // How the channel's own errors (a malformed request) reach its client: the service's
+  // mapping of an absl::Status to a gRPC status with its details.
+  using ErrorMapper = std::function<grpc::Status(const absl::Status&)>;
   // A fresh segment with its header written; `capacity` bytes per direction.
-  static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity);
+  static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity,
+                                                             ErrorMapper to_grpc);
 
   const std::string& name() const { return segment_->name(); }
   const std::string& nonce() const { return nonce_; }
@@ -114,8 +118,10 @@ class StepChannel {
   Served ServeOne(absl::Duration wait, const Handler& handler, const Recorder& record = nullptr);
 
  private:
-  StepChannel(std::unique_ptr<store::SharedSegment> segment, uint64_t capacity, std::string nonce)
-      : segment_(std::move(segment)),
+  StepChannel(std::unique_ptr<SharedSegment> segment, uint64_t capacity, std::string nonce,
+              ErrorMapper to_grpc)
+      : to_grpc_(std::move(to_grpc)),
+        segment_(std::move(segment)),
         capacity_(capacity),
         nonce_(std::move(nonce)),
         request_copy_(new char[capacity]),
@@ -126,7 +132,8 @@ class StepChannel {
   // Publishes the answer to `seq` already in the area, after `record` has seen it.
   void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total, Exchange& exchange,
               const Recorder& record);
-  std::unique_ptr<store::SharedSegment> segment_;
+  const ErrorMapper to_grpc_;
+  std::unique_ptr<SharedSegment> segment_;
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
   const std::string nonce_;
   // Each request is copied here before it is parsed: the segment may change under a parse.
@@ -142,4 +149,4 @@ class StepChannel {
   size_t pending_sent_ = 0;
 };
 
-}  // namespace kvmem::service
+}  // namespace kvmem::transport

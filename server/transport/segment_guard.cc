@@ -1,4 +1,4 @@
-#include "server/store/segment_guard.h"
+#include "server/transport/segment_guard.h"
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <mutex>
 
-namespace kvmem::store {
+namespace kvmem::transport {
 namespace {
 
 using Section = segment_guard_internal::Range;
@@ -94,4 +94,4 @@ bool SegmentGuard::faulted() const {
   return range_.faulted != 0;
 }
 
-}  // namespace kvmem::store
+}  // namespace kvmem::transport

@@ -1,0 +1,281 @@
+#include "kvmem/convert.h"
+
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
+#include "google/rpc/error_details.pb.h"
+#include "kernels/half_arrays.h"
+
+namespace kvmem::client {
+
+std::optional<uint64_t> CurrentEpoch(const absl::Status& status) {
+  const auto payload = status.GetPayload(kCurrentEpochPayload);
+  uint64_t epoch = 0;
+  if (!payload || !absl::SimpleAtoi(std::string(*payload), &epoch)) return std::nullopt;
+  return epoch;
+}
+
+namespace internal {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  google::rpc::Status rich;
+  if (status.error_details().empty() || !rich.ParseFromString(status.error_details())) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  rich.set_code(status.error_code());
+  rich.set_message(status.error_message());
+  return FromRpcStatus(rich);
+}
+
+absl::Status FromRpcStatus(const google::rpc::Status& rich) {
+  if (rich.code() == 0) return absl::OkStatus();
+  absl::Status out(static_cast<absl::StatusCode>(rich.code()), rich.message());
+  for (const google::protobuf::Any& detail : rich.details()) {
+    out.SetPayload(detail.type_url(), absl::Cord(detail.value()));
+    if (google::rpc::BadRequest bad; detail.UnpackTo(&bad)) {
+      if (bad.field_violations_size() > 0 && !bad.field_violations(0).field().empty()) {
+        out.SetPayload(kFieldPayload, absl::Cord(bad.field_violations(0).field()));
+      }
+    } else if (google::rpc::ErrorInfo info; detail.UnpackTo(&info)) {
+      const auto& metadata = info.metadata();
+      if (auto it = metadata.find("current_epoch"); it != metadata.end()) {
+        out.SetPayload(kCurrentEpochPayload, absl::Cord(it->second));
+      }
+      if (auto it = metadata.find("current_version"); it != metadata.end()) {
+        out.SetPayload(kCurrentVersionPayload, absl::Cord(it->second));
+      }
+    } else if (google::rpc::QuotaFailure quota; detail.UnpackTo(&quota)) {
+      if (quota.violations_size() > 0) {
+        out.SetPayload(kLimitPayload, absl::Cord(quota.violations(0).subject()));
+      }
+    }
+  }
+  return out;
+}
+
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos());
+}
+
+void ToProto(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t seconds = absl::IDivDuration(d, absl::Seconds(1), &d);
+  out->set_seconds(seconds);
+  out->set_nanos(static_cast<int32_t>(absl::ToInt64Nanoseconds(d)));
+}
+
+void ToProto(const PolicySpec& policy, v1::PolicySpec* out) {
+  if (policy.name) out->set_name(*policy.name);
+  out->set_quantization(static_cast<v1::Precision>(policy.quantization));
+  if (policy.quantization_recent_tokens) {
+    out->set_quantization_recent_tokens(*policy.quantization_recent_tokens);
+  }
+  for (const auto& [k, v] : policy.params) (*out->mutable_params())[k] = v;
+}
+
+void ToProto(const Layout& layout, v1::Layout* out) {
+  out->set_num_layers(layout.num_layers);
+  out->set_num_kv_heads(layout.num_kv_heads);
+  out->set_head_dim(layout.head_dim);
+  out->set_dtype(static_cast<v1::DType>(layout.dtype));
+  if (layout.block_tokens) out->set_block_tokens(*layout.block_tokens);
+  out->set_vocab_size(layout.vocab_size);
+}
+
+Layout FromProto(const v1::Layout& layout) {
+  Layout out{layout.num_layers(), layout.num_kv_heads(),
+             layout.head_dim(),   static_cast<DType>(layout.dtype()),
+             std::nullopt,        layout.vocab_size()};
+  if (layout.has_block_tokens()) out.block_tokens = layout.block_tokens();
+  return out;
+}
+
+BlockTable FromProto(const v1::BlockTable& r) {
+  BlockTable table;
+  table.sequence_id = r.sequence_id();
+  table.epoch = r.epoch();
+  table.version = r.version();
+  table.positions = r.positions();
+  table.block_tokens = r.block_tokens();
+  table.block_bytes = r.block_bytes();
+  table.layout = FromProto(r.layout());
+  table.epoch_slot = r.epoch_slot();
+  table.quantization = static_cast<Precision>(r.quantization());
+  table.quantized_block_bytes = r.quantized_block_bytes();
+  for (const v1::StreamTable& st : r.streams()) {
+    StreamTable out{st.layer(), st.kv_head(), {}, ToVector(st.positions())};
+    out.blocks.reserve(st.block_ids_size());
+    for (int b = 0; b < st.block_ids_size(); ++b) {
+      out.blocks.push_back({st.block_ids(b), st.block_offsets(b), st.block_starts(b),
+                            st.block_counts(b), static_cast<Precision>(st.block_precisions(b))});
+    }
+    table.streams.push_back(std::move(out));
+  }
+  return table;
+}
+
+Info InfoOf(const v1::GetInfoResponse& r) {
+  Info info;
+  info.version = r.version();
+  info.backend = r.backend();
+  info.device_name = r.device_name();
+  info.pool_bytes = r.pool_bytes();
+  info.pool_free_bytes = r.pool_free_bytes();
+  info.page_bytes = r.page_bytes();
+  info.default_block_tokens = r.default_block_tokens();
+  info.max_sequences = r.max_sequences();
+  info.default_lease = FromProto(r.default_lease());
+  info.max_lease = FromProto(r.max_lease());
+  info.max_message_bytes = r.max_message_bytes();
+  info.device_step = r.device_step();
+  for (const v1::PolicyInfo& p : r.policies()) {
+    PolicyInfo pi{p.name(),
+                  p.description(),
+                  {},
+                  ToVector(p.step_signals()),
+                  ToVector(p.compress_signals()),
+                  ToVector(p.append_signals())};
+    for (const v1::ParamInfo& param : p.params()) {
+      pi.params.push_back({param.name(), param.default_value(), param.min_value(),
+                           param.max_value(), param.description()});
+    }
+    info.policies.push_back(std::move(pi));
+  }
+  for (const v1::QuantizerInfo& q : r.quantizers()) {
+    info.quantizers.push_back({static_cast<Precision>(q.precision()), q.name(), q.description()});
+  }
+  info.default_quantization_recent_tokens = r.default_quantization_recent_tokens();
+  switch (r.pool_export_case()) {
+    case v1::GetInfoResponse::kSharedMemory:
+      info.shm_name = r.shared_memory().name();
+      info.shm_bytes = r.shared_memory().segment_bytes();
+      break;
+    case v1::GetInfoResponse::kCudaIpc:
+      info.cuda_ipc_handle = r.cuda_ipc().handle();
+      info.cuda_device_uuid = r.cuda_ipc().device_uuid();
+      info.cuda_pool_bytes = r.cuda_ipc().pool_bytes();
+      break;
+    case v1::GetInfoResponse::POOL_EXPORT_NOT_SET:
+      break;
+  }
+  info.epoch_board_name = r.epoch_board().name();
+  info.epoch_stride = r.epoch_board().stride();
+  info.epoch_slots = r.epoch_board().slots();
+  return info;
+}
+
+StepResult StepResultOf(const v1::StepResponse& r) {
+  StepResult out{r.confidence(),      std::nullopt,       r.evicted_tokens(), r.quantized_tokens(),
+                 r.kv_bytes_before(), r.kv_bytes_after(), r.epoch(),          r.step(),
+                 r.table_version()};
+  if (r.has_budget_tokens()) out.budget_tokens = r.budget_tokens();
+  return out;
+}
+
+CompressResult CompressResultOf(const v1::CompressResponse& r) {
+  CompressResult out;
+  out.evicted_tokens = r.evicted_tokens();
+  out.quantized_tokens = r.quantized_tokens();
+  out.kv_bytes_before = r.kv_bytes_before();
+  out.kv_bytes_after = r.kv_bytes_after();
+  out.epoch = r.epoch();
+  out.table_version = r.table_version();
+  for (const v1::LayerKept& l : r.layers()) {
+    out.layers.push_back({l.layer(), l.kept_tokens(), l.before_tokens()});
+  }
+  return out;
+}
+
+Stats StatsCountersOf(const v1::StatsResponse& r) {
+  Stats out;
+  out.pool_bytes = r.pool_bytes();
+  out.pool_used_bytes = r.pool_used_bytes();
+  out.pool_free_bytes = r.pool_free_bytes();
+  out.pages_total = r.pages_total();
+  out.pages_used = r.pages_used();
+  out.blocks_used = r.blocks_used();
+  out.sequences_active = r.sequences_active();
+  out.tokens_appended = r.tokens_appended();
+  out.tokens_evicted = r.tokens_evicted();
+  out.tokens_quantized = r.tokens_quantized();
+  out.stream_slots_evicted = r.stream_slots_evicted();
+  out.stream_slots_quantized = r.stream_slots_quantized();
+  out.sequences_created = r.sequences_created();
+  out.kv_bytes = r.kv_bytes();
+  out.full_cache_bytes = r.full_cache_bytes();
+  for (const v1::PolicyCounters& p : r.policies()) {
+    out.policies.push_back({p.policy(), p.tokens_appended(), p.tokens_evicted(),
+                            p.tokens_quantized(), p.stream_slots_evicted(),
+                            p.stream_slots_quantized(), p.steps()});
+  }
+  out.steps = r.steps();
+  out.leases_expired = r.leases_expired();
+  out.slot_state_bytes = r.slot_state_bytes();
+  out.host_metadata_bytes = r.host_metadata_bytes();
+  out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
+  out.sequences_poisoned = r.sequences_poisoned();
+  out.prefix_queries = r.prefix().queries_total();
+  out.prefix_hits = r.prefix().hits_total();
+  out.prefix_reused_tokens = r.prefix().reused_tokens_total();
+  out.prefix_reclaimed_bytes = r.prefix().reclaimed_bytes_total();
+  out.prefix_entries = r.prefix().entries();
+  out.prefix_indexed_blocks = r.prefix().indexed_blocks();
+  out.prefix_cached_blocks = r.prefix().cached_blocks();
+  return out;
+}
+
+SequenceStats SequenceStatsOf(const v1::SequenceStats& seq) {
+  SequenceStats one{seq.sequence_id(),
+                    seq.policy(),
+                    seq.appended_tokens(),
+                    seq.max_stream_tokens(),
+                    seq.kv_bytes(),
+                    seq.blocks(),
+                    seq.epoch(),
+                    seq.steps(),
+                    FromProto(seq.lease_remaining()),
+                    std::nullopt,
+                    seq.pool_bytes_held(),
+                    seq.quantization(),
+                    seq.slot_state_bytes()};
+  if (seq.has_parent_id()) one.parent_id = seq.parent_id();
+  return one;
+}
+
+void HoldTable(const BlockTable& table, v1::ClientTable* out) {
+  out->set_version(table.version);
+  out->set_positions(table.positions);
+}
+
+template <typename Signals>
+void FillStepSignals(const StepArgs& args, bool logit_stats, bool attention_rows, Signals* q) {
+  q->set_epoch(args.epoch);
+  if (args.logit_stats && logit_stats) {
+    v1::LogitStats* ls = q->mutable_logit_stats();
+    ls->set_entropy(args.logit_stats->entropy);
+    ls->set_p1(args.logit_stats->p1);
+    ls->set_p2(args.logit_stats->p2);
+    ls->mutable_top_logprobs()->Add(args.logit_stats->top_logprobs.begin(),
+                                    args.logit_stats->top_logprobs.end());
+  }
+  if (!attention_rows) return;
+  if (!args.attention_f16) {
+    AddSignals(args.attention, q->mutable_attention());
+    return;
+  }
+  for (const StreamSignal& s : args.attention) {
+    v1::AttentionRow* row = q->add_attention();
+    row->set_layer(s.layer);
+    row->set_kv_head(s.kv_head);
+    std::string* half = row->mutable_weights_f16();
+    half->resize(2 * s.values.size());
+    kernels::FloatToHalf(s.values.data(), s.values.size(), half->data());  // little-endian
+  }
+}
+
+template void FillStepSignals(const StepArgs&, bool, bool, v1::StepRequest*);
+template void FillStepSignals(const StepArgs&, bool, bool, v1::StepSignals*);
+
+}  // namespace internal
+}  // namespace kvmem::client

@@ -1,0 +1,131 @@
+// kvmem_worker generate: a chat answer, decoded token by token with the cache in kvmemd (one
+// StepBatch per token) or in process; prints the answer, then speeds and KV bytes.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "absl/flags/flag.h"
+#include "commands/commands.h"
+
+ABSL_FLAG(double, temperature, 0, "0 = greedy");
+ABSL_FLAG(uint32_t, seed, 1, "sampling seed");
+ABSL_FLAG(uint32_t, max_prompt_tokens, 0, "generate: cut the prompt to this many tokens");
+ABSL_FLAG(bool, prefix_cache, false,
+          "generate: create the sequence with the prompt's token ids (its published prefix is "
+          "mapped and not computed again) and publish its blocks as they fill; policies that "
+          "do not compress the prompt only (with --prefill_chunk=16 a request that reuses a "
+          "prefix gives the cold request's logits to the bit)");
+
+namespace kvmem::worker {
+namespace {
+
+int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
+  if (temperature <= 0) {
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  std::vector<double> w(logits.size());
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::exp((logits[i] - mx) / temperature);
+  std::discrete_distribution<int32_t> d(w.begin(), w.end());
+  return d(rng);
+}
+
+}  // namespace
+
+int RunGenerate() {
+  Env env;
+  if (absl::Status s = Setup(env, false); !s.ok()) return Fail("setup", s);
+  const std::string prompt =
+      (absl::GetFlag(FLAGS_raw) ? PromptText() : env.tokenizer->ChatPrompt(PromptText())) +
+      absl::GetFlag(FLAGS_answer_prefix);
+  std::vector<int32_t> ids = env.tokenizer->Encode(prompt, true);
+  const uint32_t max_prompt = absl::GetFlag(FLAGS_max_prompt_tokens);
+  if (max_prompt > 0 && ids.size() > max_prompt) ids.resize(max_prompt);
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t reused = 0;
+  if (absl::GetFlag(FLAGS_prefix_cache)) {
+    absl::StatusOr<client::PolicySpec> policy = PolicyFromFlags();
+    if (!policy.ok()) return Fail("setup", policy.status());
+    if (env.daemon == nullptr || policy->name.value_or("full") != "full" ||
+        policy->quantization != client::Precision::kLayout) {
+      return Fail("setup", absl::InvalidArgumentError(
+                               "--prefix_cache: needs kvmemd and a policy that keeps the prompt "
+                               "as it is (full, layout precision)"));
+    }
+    // The sequence again, created with the prompt (timed: it is part of the first token).
+    env.store = nullptr;
+    env.daemon.reset();
+    client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d = KvmemKvStore::Create(
+        env.client.get(), env.model->config(), *policy, ReadPathFromFlags(), &prompt);
+    if (!d.ok()) return Fail("setup", d.status());
+    env.daemon = *std::move(d);
+    env.store = env.daemon.get();
+    reused = env.daemon->reused_tokens();
+  }
+  Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
+  std::mt19937 rng(absl::GetFlag(FLAGS_seed));
+  session.SkipMapped(static_cast<int64_t>(reused));
+  absl::StatusOr<std::vector<float>> logits = session.Feed(
+      std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(reused), ids.end()), true);
+  if (!logits.ok()) return Fail("prefill", logits.status());
+  const auto t1 = std::chrono::steady_clock::now();
+  // Marks for scripts that sample the daemon while the worker decodes (eval.py speed).
+  std::fprintf(stderr, "prefill done\n");
+  std::string answer;
+  uint32_t generated = 0;
+  for (; generated < absl::GetFlag(FLAGS_max_tokens); ++generated) {
+    const int32_t next = Pick(*logits, absl::GetFlag(FLAGS_temperature), rng);
+    if (next == env.tokenizer->eos() || next == env.tokenizer->im_end()) break;
+    answer += env.tokenizer->Decode(next);
+    std::fprintf(stderr, "\r%u/%u tokens", generated + 1, absl::GetFlag(FLAGS_max_tokens));
+    logits = session.Feed({next}, false);
+    if (!logits.ok()) return Fail("decode", logits.status());
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  std::fprintf(stderr, "\ndecode done\n");
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
+  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  std::printf("%s\n", answer.c_str());
+  std::printf("---\nprompt %zu tokens, %.1f tokens/s prefill; %u generated, %.1f tokens/s decode\n",
+              ids.size(), ids.size() / prefill_s, generated,
+              generated > 0 ? generated / decode_s : 0.0);
+  if (absl::GetFlag(FLAGS_prefix_cache)) {
+    std::printf("prefix cache: %llu of %zu prompt tokens reused; first token after %.1f ms\n",
+                static_cast<unsigned long long>(reused), ids.size(), 1000 * prefill_s);
+  }
+  if (env.daemon != nullptr) {
+    const uint64_t full = FullCacheBytes(env.model->config(), session.tokens(), 4);
+    std::printf(
+        "kvmemd (%s): %llu KV bytes held for %lld tokens; full cache %llu (%.1f%% saved); "
+        "%.1f tokens evicted per stream (%llu stream slots)\n",
+        absl::GetFlag(FLAGS_policy).c_str(), static_cast<unsigned long long>(session.kv_bytes()),
+        static_cast<long long>(session.tokens()), static_cast<unsigned long long>(full),
+        100.0 * (1.0 - double(session.kv_bytes()) / double(full)),
+        double(session.evicted()) /
+            (env.model->config().num_layers * env.model->config().num_kv_heads),
+        static_cast<unsigned long long>(session.evicted()));
+    std::vector<double> by_step = session.daemon_ms_by_step();
+    const double first = by_step.empty() ? 0.0 : by_step.front();
+    const auto slowest = std::max_element(by_step.begin(), by_step.end());
+    const double slowest_ms = slowest == by_step.end() ? 0.0 : *slowest;
+    const size_t slowest_step =  // 1-based; 0 when no step ran
+        slowest == by_step.end() ? 0 : static_cast<size_t>(slowest - by_step.begin()) + 1;
+    std::sort(by_step.begin(), by_step.end());
+    const size_t half = by_step.size() / 2;
+    const double median = by_step.empty()      ? 0.0
+                          : by_step.size() % 2 ? by_step[half]
+                                               : (by_step[half - 1] + by_step[half]) / 2;
+    std::printf(
+        "daemon calls: %.2f ms per decode step, median %.2f, first %.2f, slowest %.2f (step %zu) "
+        "(StepBatch %s%s)\n",
+        session.daemon_ms_per_step(), median, first, slowest_ms, slowest_step,
+        env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
+        absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
+  }
+  return 0;
+}
+
+}  // namespace kvmem::worker

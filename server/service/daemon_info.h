@@ -1,0 +1,29 @@
+#pragma once
+// What GetInfo and Stats report: the daemon's description (backend, pool, limits, policies
+// with their parameters and signals, quantizers, same-host exports, the epoch board), and a
+// page of Stats' sequences.
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "kvmem/v1/kvmem.pb.h"
+#include "server/engine/engine.h"
+
+namespace kvmem::service {
+
+void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
+                    v1::GetInfoResponse* response);
+
+inline constexpr uint32_t kDefaultStatsPageSize = 100;
+inline constexpr uint32_t kMaxStatsPageSize = 1000;
+// The page a StatsRequest asks for: at most `size` sequences with ids past `after`.
+struct StatsPage {
+  uint32_t size = kDefaultStatsPageSize;
+  uint64_t after = 0;  // sequence ids start at 1
+};
+// INVALID_ARGUMENT naming page_size or page_token.
+absl::Status ReadStatsPage(const v1::StatsRequest& request, StatsPage* page);
+// The daemon-wide figures and the page's sequences, in id order, with the next page's token.
+void FillStatsPage(engine::EngineStats stats, const StatsPage& page, v1::StatsResponse* response);
+
+}  // namespace kvmem::service
