@@ -18,11 +18,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "server/engine/engine.h"
-#include "server/store/cpu_backend.h"
+#include "server/store/backend_factory.h"
 #include "server/store/slot_state.h"
-#ifdef KVMEM_WITH_CUDA
-#include "server/store/cuda_backend.h"
-#endif
 
 namespace kvmem {
 namespace {
@@ -30,14 +27,6 @@ namespace {
 struct Shape {
   uint32_t layers, heads, dim, budget;
 };
-
-absl::StatusOr<std::unique_ptr<store::Backend>> MakeBackend(bool cuda, uint64_t bytes) {
-#ifdef KVMEM_WITH_CUDA
-  if (cuda) return store::CudaBackend::Create(bytes);
-#endif
-  if (cuda) return absl::UnimplementedError("built without CUDA");
-  return store::CpuBackend::Create(bytes);
-}
 
 void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8, bool device_step,
                    bool cuda = false) {
@@ -47,7 +36,8 @@ void BM_ConfKvStep(benchmark::State& state, Shape shape, bool int8, bool device_
   config.pool_bytes = (shape.budget + 512) * token_bytes * 2 + (64 << 20);
   config.page_bytes = 256 * 1024;
   config.device_step = device_step;
-  absl::StatusOr<std::unique_ptr<store::Backend>> backend = MakeBackend(cuda, config.pool_bytes);
+  absl::StatusOr<std::unique_ptr<store::Backend>> backend =
+      store::MakeBackend(cuda ? "cuda" : "cpu", config.pool_bytes);
   if (!backend.ok()) {
     state.SkipWithError(backend.status().ToString().c_str());
     return;

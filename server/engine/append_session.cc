@@ -18,10 +18,11 @@ absl::StatusOr<std::unique_ptr<AppendSession>> AppendSession::Begin(const Append
                                                                     bool publish) {
   Sequence& seq = *ref;
   if (absl::Status s = SequenceRegistry::NotAppending(seq); !s.ok()) return s;
-  seq.set_append_open(true);
   const int64_t last_position = seq.last_position();
+  // Made first: a throw here must not leave the sequence marked as appending for good.
   auto session =
       std::unique_ptr<AppendSession>(new AppendSession(rooms, std::move(ref), hold_lock, publish));
+  seq.set_append_open(true);
   session->last_position_ = last_position;
   if (!hold_lock) session->seq_.UnlockNow();  // each Add and the Commit lock it themselves
   return session;

@@ -124,42 +124,67 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   const uint64_t id = request.sequence_id();
   const std::optional<engine::HeldTable> table = HeldFromProto(request);  // the first chunk's
   std::optional<engine::TableUpdate> update;
+  if (absl::Status s = StillWanted(context, "AppendStream"); !s.ok()) return ToGrpc(s, id);
+  bool ran = false;                                  // else replayed
+  const bool keyed = !request.request_id().empty();  // (the chunks are cleared as they go)
   // Each chunk goes into pool blocks reserved for the stream as it arrives (the engine's
   // AppendSession), so the daemon holds one chunk at a time, not the stream; the whole
-  // stream is applied at its end, or nothing is.
-  return RunMutation(
-      context, "AppendStream", id, request, response, table, &update, [&]() -> absl::Status {
-        absl::StatusOr<std::unique_ptr<engine::AppendSession>> session = engine_->BeginAppend(id);
-        if (!session.ok()) return session.status();
-        size_t index = 0;
-        do {
-          if (request.sequence_id() != id) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("chunk ", index, ": sequence_id: ", request.sequence_id(),
-                             " differs from the stream's first chunk (", id, ")"));
-          }
-          const uint64_t bytes = request.ByteSizeLong();
-          if (absl::Status s = held->Reserve(bytes); !s.ok()) return s;
-          absl::Status added = (*session)->Add(ChunkView(request));
-          held->Return(bytes);
-          held->Touch();
-          if (!added.ok()) return added;
-          ++index;
-          request.Clear();
-        } while (reader->Read(&request));
-        // Read() also ends when the client cancels or its connection breaks: only a stream
-        // that the client closed is applied.
-        if (context->IsCancelled()) {
-          return absl::CancelledError(
-              "AppendStream: the stream was cancelled or broken before its end; nothing was "
-              "appended");
-        }
-        absl::StatusOr<engine::AppendResult> result = (*session)->Commit(table);
-        if (!result.ok()) return result.status();
-        FillAppendResponse(id, *result, response);
-        update = std::move(result->table);
-        return absl::OkStatus();
-      });
+  // stream is applied at its end, or nothing is. A retry under the same request_id must
+  // resend the whole stream: every chunk counts in its fingerprint.
+  auto run = [&](uint64_t* whole) -> absl::Status {
+    ran = true;
+    absl::StatusOr<std::unique_ptr<engine::AppendSession>> session = engine_->BeginAppend(id);
+    if (!session.ok()) return session.status();
+    size_t index = 0;
+    do {
+      if (request.sequence_id() != id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("chunk ", index, ": sequence_id: ", request.sequence_id(),
+                         " differs from the stream's first chunk (", id, ")"));
+      }
+      if (keyed) *whole = RequestCache::StreamFingerprint(*whole, request);
+      const uint64_t bytes = request.ByteSizeLong();
+      if (absl::Status s = held->Reserve(bytes); !s.ok()) return s;
+      absl::Status added = (*session)->Add(ChunkView(request));
+      held->Return(bytes);
+      held->Touch();
+      if (!added.ok()) return added;
+      ++index;
+      request.Clear();
+    } while (reader->Read(&request));
+    // Read() also ends when the client cancels or its connection breaks: only a stream that
+    // the client closed is applied.
+    if (context->IsCancelled()) {
+      return absl::CancelledError(
+          "AppendStream: the stream was cancelled or broken before its end; nothing was "
+          "appended");
+    }
+    absl::StatusOr<engine::AppendResult> result = (*session)->Commit(table);
+    if (!result.ok()) return result.status();
+    FillAppendResponse(id, *result, response);
+    update = std::move(result->table);
+    return absl::OkStatus();
+  };
+  // A repeat of a stream that applied: its chunks are read and fingerprinted, not applied.
+  auto rest = [&]() -> absl::StatusOr<uint64_t> {
+    uint64_t whole = 0;
+    do {
+      const uint64_t bytes = request.ByteSizeLong();
+      if (absl::Status s = held->Reserve(bytes); !s.ok()) return s;
+      whole = RequestCache::StreamFingerprint(whole, request);
+      held->Return(bytes);
+      held->Touch();
+      request.Clear();
+    } while (reader->Read(&request));
+    if (context->IsCancelled()) {
+      return absl::CancelledError("AppendStream: the repeated stream was cancelled or broken");
+    }
+    return whole;
+  };
+  const absl::Status status =
+      requests_.RunStream("AppendStream", id, request, request.request_id(), response, run, rest);
+  if (status.ok() && table) AnswerHeldTable(ran, id, *table, update, response);
+  return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
@@ -181,12 +206,12 @@ grpc::Status KvCacheService::Step(grpc::ServerContext* context, const v1::StepRe
   });
 }
 
-void KvCacheService::FillTableUpdate(uint64_t id, const v1::ClientTable& held,
+void KvCacheService::FillTableUpdate(uint64_t id, const engine::HeldTable& held,
                                      uint64_t version_before, v1::TableUpdate* out) {
   // After a mutation that applied: if the sequence went meanwhile (released, lapsed), the
   // response goes without an update and the client's next call finds out why.
   absl::StatusOr<engine::TableUpdate> update =
-      engine_->GetTableUpdate(id, held.version(), held.positions(), version_before);
+      engine_->GetTableUpdate(id, held.version, held.positions, version_before);
   if (update.ok()) ToProto(*update, out);
 }
 
@@ -261,7 +286,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
     } else if (result->status().code() == 0 || result->has_append()) {  // a replay
       const uint64_t made =
           std::max(result->append().table_version(), result->step().table_version());
-      FillTableUpdate(entry.sequence_id(), entry.client_table(), ReplayedVersionBefore(made),
+      FillTableUpdate(entry.sequence_id(), *HeldFromProto(entry), ReplayedVersionBefore(made),
                       result->mutable_table_update());
     } else {
       continue;  // nothing of the entry applied: the client's table is still current

@@ -103,16 +103,20 @@ class KvCacheService final : public v1::KvCache::Service {
           ran = true;
           return call();
         });
-    if (status.ok() && held) {
-      if (!ran) {
-        FillTableUpdate(scope, request.client_table(),
-                        ReplayedVersionBefore(response->table_version()),
-                        response->mutable_table_update());
-      } else if (*update) {
-        ToProto(**update, response->mutable_table_update());
-      }
-    }
+    if (status.ok() && held) AnswerHeldTable(ran, scope, *held, *update, response);
     return status;
+  }
+  // The update of the client's held table in a mutation's response: the one the call made
+  // under its lock (`ran`), or a fresh one for a replayed retry.
+  template <typename Response>
+  void AnswerHeldTable(bool ran, uint64_t id, const engine::HeldTable& held,
+                       const std::optional<engine::TableUpdate>& update, Response* response) {
+    if (!ran) {
+      FillTableUpdate(id, held, ReplayedVersionBefore(response->table_version()),
+                      response->mutable_table_update());
+    } else if (update) {
+      ToProto(*update, response->mutable_table_update());
+    }
   }
   static absl::Status StillWanted(grpc::ServerContext* context, absl::string_view method);
   static std::optional<uint64_t> Scope(uint64_t scope) {
@@ -126,7 +130,7 @@ class KvCacheService final : public v1::KvCache::Service {
   static uint64_t ReplayedVersionBefore(uint64_t made) { return made > 0 ? made - 1 : 0; }
   // The update of the table `held` names, after a replayed mutation of sequence `id`: the
   // whole table when `held` is past `version_before` (a guess), else the delta from it.
-  void FillTableUpdate(uint64_t id, const v1::ClientTable& held, uint64_t version_before,
+  void FillTableUpdate(uint64_t id, const engine::HeldTable& held, uint64_t version_before,
                        v1::TableUpdate* out);
 
   engine::Engine* const engine_;

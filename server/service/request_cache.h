@@ -17,6 +17,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "google/protobuf/message.h"
@@ -51,10 +52,7 @@ class RequestCache {
                    const google::protobuf::Message& request, absl::string_view request_id,
                    google::protobuf::Message* response, Call&& call) {
     if (request_id.empty()) return call();
-    if (request_id.size() > kMaxRequestIdBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "request_id: ", request_id.size(), " bytes, over the limit of ", kMaxRequestIdBytes));
-    }
+    if (absl::Status s = CheckId(request_id); !s.ok()) return s;
     const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
     std::shared_ptr<Entry> entry;
     if (absl::Status s = Claim(key, RequestFingerprint(request), response, &entry);
@@ -66,6 +64,42 @@ class RequestCache {
     return status;
   }
 
+  // Run() for a client stream (AppendStream), whose messages arrive one at a time: the first
+  // keys the call as Run's request does, and a repeat must resend the same whole stream.
+  // `call(&whole)` runs the stream, setting `whole` to StreamFingerprint over every message
+  // it read; `rest()` reads a repeat's remaining messages, applying nothing, and returns the
+  // whole stream's StreamFingerprint. A repeat whose stream differs anywhere is
+  // INVALID_ARGUMENT, not a replay.
+  template <typename Call, typename Rest>
+  absl::Status RunStream(absl::string_view method, uint64_t scope,
+                         const google::protobuf::Message& first, absl::string_view request_id,
+                         google::protobuf::Message* response, Call&& call, Rest&& rest) {
+    uint64_t whole = 0;
+    if (request_id.empty()) return call(&whole);
+    if (absl::Status s = CheckId(request_id); !s.ok()) return s;
+    const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
+    std::shared_ptr<Entry> entry;
+    uint64_t replayed_stream = 0;
+    if (absl::Status s = Claim(key, RequestFingerprint(first), response, &entry, &replayed_stream);
+        !s.ok()) {
+      return s;
+    }
+    if (entry == nullptr) {  // replayed: only if the whole stream is the first call's
+      absl::StatusOr<uint64_t> repeat = rest();
+      if (!repeat.ok() || *repeat != replayed_stream) {
+        response->Clear();
+        return repeat.ok() ? ReusedIdError() : repeat.status();
+      }
+      return absl::OkStatus();
+    }
+    absl::Status status = call(&whole);
+    Finish(key, entry, status, *response, whole);
+    return status;
+  }
+  // The fingerprint of a stream so far (`so_far`, 0 before the first message) and its next
+  // message.
+  static uint64_t StreamFingerprint(uint64_t so_far, const google::protobuf::Message& next);
+
   size_t size() const;
   uint64_t bytes() const;
   // Repeats waiting now for the first call with their id.
@@ -74,18 +108,25 @@ class RequestCache {
  private:
   struct Entry {
     uint64_t fingerprint = 0;
+    uint64_t stream_fingerprint = 0;  // a client stream's whole (RunStream)
     bool done = false;
     bool ok = false;
     std::string response;  // serialized, when ok
     absl::Time stored;
   };
 
-  static absl::Status Replay(const Entry& done, google::protobuf::Message* response);
+  static absl::Status CheckId(absl::string_view request_id);
+  static absl::Status ReusedIdError();
+  // The response of a finished call, and its stream's fingerprint (RunStream).
+  static absl::Status Replay(const Entry& done, google::protobuf::Message* response,
+                             uint64_t* stream_fingerprint);
   // Sets *entry when the caller must run the call; else the response was replayed (OK).
   absl::Status Claim(const std::string& key, uint64_t fingerprint,
-                     google::protobuf::Message* response, std::shared_ptr<Entry>* entry);
+                     google::protobuf::Message* response, std::shared_ptr<Entry>* entry,
+                     uint64_t* stream_fingerprint = nullptr);
   void Finish(const std::string& key, const std::shared_ptr<Entry>& entry,
-              const absl::Status& status, const google::protobuf::Message& response);
+              const absl::Status& status, const google::protobuf::Message& response,
+              uint64_t stream_fingerprint = 0);
   void EvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t max_entries_;

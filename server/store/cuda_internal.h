@@ -32,12 +32,12 @@ inline absl::Status FromCuda(cudaError_t e, absl::string_view what) {
 
 inline uint64_t Align16(uint64_t n) { return (n + 15) / 16 * 16; }
 
-// What a CudaMemoryPool keeps reserved across synchronizations (its release threshold): a
-// decode step's scratch is kilobytes and a batch of appends a few megabytes, so the steady
-// state never goes back to the driver; a prefill-sized peak (hundreds of MiB) is handed back
-// at the call's final synchronization instead of being held from the inference engine that
-// shares the GPU.
-inline constexpr uint64_t kScratchReleaseThreshold = uint64_t{64} << 20;
+// What a CudaMemoryPool keeps reserved across synchronizations (its release threshold): all
+// of it, the high-water mark, as the grown buffers before it did. Move, Write and Quantize
+// run inside a write section, past a mutation's point of no return: scratch taken there
+// from the driver could fail for memory the inference engine took meanwhile and poison the
+// sequence; kept, only a new peak can.
+inline constexpr uint64_t kScratchReleaseThreshold = ~uint64_t{0};
 
 // One allocation from a CudaMemoryPool, owned. Release (or the destructor) frees it on the
 // stream it was allocated on (cudaFreeAsync): work queued there before still uses it, the

@@ -227,6 +227,28 @@ TEST(CudaEmulationTest, PoolsKeepUpToTheirReleaseThreshold) {
   EXPECT_EQ(cuda_emulation::LivePools(), pools);
 }
 
+// The backend's pool keeps its high-water mark across calls (its release threshold is the
+// whole pool): a Move, Write or Quantize inside a write section reuses scratch an earlier call
+// took instead of asking the driver, which could fail and poison the sequence.
+TEST(CudaEmulationTest, TheBackendKeepsItsScratchAcrossCalls) {
+  constexpr uint64_t kPool = 160 << 20;
+  auto backend = *store::CudaBackend::Create(kPool);
+  const size_t reserved = cuda_emulation::PoolReservedBytes();
+  std::vector<uint8_t> data(72 << 20, 3);  // a prefill's worth, past any small threshold
+  store::WriteOp w{data.data(), 0, data.size()};
+  ASSERT_TRUE(backend->Write({&w, 1}).ok());
+  const size_t kept = cuda_emulation::PoolReservedBytes();
+  EXPECT_GT(kept, reserved) << "the call's scratch went back to the driver";
+  ASSERT_TRUE(backend->Write({&w, 1}).ok());
+  EXPECT_EQ(cuda_emulation::PoolReservedBytes(), kept) << "a second Write took more";
+  store::MoveOp m{0, kPool / 2, data.size()};
+  ASSERT_TRUE(backend->Move({&m, 1}).ok());
+  const size_t kept_after_move = cuda_emulation::PoolReservedBytes();
+  ASSERT_TRUE(backend->Move({&m, 1}).ok());
+  ASSERT_TRUE(backend->Write({&w, 1}).ok());
+  EXPECT_EQ(cuda_emulation::PoolReservedBytes(), kept_after_move) << "repeated calls took more";
+}
+
 // Every call of the backend frees its device scratch behind its work, before its final wait:
 // when it returns, the memory is back in the pool for the next call (with the free left to
 // the scratch's destructor, after the wait, it would stay in use until the next call's wait).

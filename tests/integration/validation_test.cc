@@ -762,6 +762,45 @@ TEST_F(RequestIdTest, AnIdReusedForAnotherRequestIsRefused) {
   }
 }
 
+// An AppendStream is keyed by its first chunk, but a retry must resend the whole stream: the
+// same id with one byte changed in a later chunk's K is refused, not answered with the first
+// stream's result (before, it was: the changed K/V was silently dropped).
+TEST_F(RequestIdTest, AStreamRetriedWithAnotherLaterChunkIsRefused) {
+  const uint64_t seq = Create("full", {});
+  auto chunk = [&](int64_t position) {
+    v1::AppendStreamRequest c;
+    c.set_sequence_id(seq);
+    c.add_positions(position);
+    c.set_k(testing::Payload16(kL * kH, position, 1, kD, 0));
+    c.set_v(testing::Payload16(kL * kH, position, 1, kD, 1));
+    c.set_request_id("stream-rid");
+    return c;
+  };
+  auto send = [&](const std::vector<v1::AppendStreamRequest>& chunks,
+                  v1::AppendStreamResponse* response) {
+    grpc::ClientContext context;
+    auto writer = stub_->AppendStream(&context, response);
+    for (const v1::AppendStreamRequest& c : chunks) EXPECT_TRUE(writer->Write(c));
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  const std::vector<v1::AppendStreamRequest> stream = {chunk(0), chunk(1), chunk(2)};
+  v1::AppendStreamResponse first, retry, changed;
+  ASSERT_TRUE(send(stream, &first).ok());
+  const std::string before = Snapshot();
+  ASSERT_TRUE(send(stream, &retry).ok()) << "a retry of the same stream";
+  EXPECT_EQ(retry.appended_tokens(), first.appended_tokens());
+  EXPECT_EQ(Snapshot(), before) << "the retry applied again";
+  std::vector<v1::AppendStreamRequest> other = stream;
+  std::string* k = other[2].mutable_k();
+  (*k)[k->size() / 2] = static_cast<char>((*k)[k->size() / 2] ^ 1);
+  const grpc::Status status = send(other, &changed);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("request_id: already used"));
+  EXPECT_EQ(Snapshot(), before) << "the refused stream changed something";
+  EXPECT_EQ(client_->GetBlockTable(seq)->streams[0].positions.size(), 3u);
+}
+
 // A map's entries come out of a parse in an order seeded per message: a retried create with
 // several policy parameters must still be taken for the same request (a review found the
 // fingerprint walking the map in that order: most such retries were refused).
