@@ -77,8 +77,8 @@ class KvCacheService final : public v1::KvCache::Service {
   // `context`: null for a step channel's batch.
   grpc::Status RunStepBatch(grpc::ServerContext* context, const v1::StepBatchRequest& request,
                             uint64_t max_update_bytes, v1::StepBatchResponse* response);
-  // A mutating call's frame, shared by the handlers: a call whose deadline passed or whose
-  // client left is refused before it runs (nothing applied); a request_id makes a retry get
+  // A mutating call's frame, shared by the handlers: a call whose deadline passed is refused
+  // before it runs (nothing applied); a request_id makes a retry get
   // the first answer (RequestCache); errors map to gRPC statuses naming sequence `scope`
   // (0: none). The caller holds its CallGate ticket.
   template <typename Request, typename Response, typename Call>
