@@ -13,9 +13,8 @@
 namespace kvmem::service {
 
 absl::Status KvCacheService::StillWanted(grpc::ServerContext* context, absl::string_view method) {
-  // The deadline only: IsCancelled() polls the call's completion queue on the sync server
-  // (tens of microseconds a call, measured on the decode loop); a cancelled call's answer is
-  // dropped by gRPC anyway.
+  // The deadline only: IsCancelled() polls the call's completion queue on the sync server,
+  // work on every decode step; a cancelled call's answer is dropped by gRPC anyway.
   if (context != nullptr && context->deadline() < std::chrono::system_clock::now()) {
     return absl::DeadlineExceededError(
         absl::StrCat(method, ": the call's deadline passed before it ran; nothing was applied"));
