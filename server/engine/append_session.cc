@@ -17,6 +17,7 @@ absl::StatusOr<std::unique_ptr<AppendSession>> AppendSession::Begin(const Append
                                                                     SequenceRef ref, bool hold_lock,
                                                                     bool publish) {
   Sequence& seq = *ref;
+  seq.mu.AssertHeld();  // callers pass a locked sequence
   if (absl::Status s = SequenceRegistry::NotAppending(seq); !s.ok()) return s;
   const int64_t last_position = seq.last_position();
   // Made first: a throw here must not leave the sequence marked as appending for good.
@@ -257,7 +258,8 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   // Nothing here should throw; if something does, the streams may disagree, so the
   // sequence is poisoned on the way out (and keeps what no stream names for Release).
   size_t swapped = 0;  // streams [0, swapped) hold their new block list
-  absl::Cleanup poison_on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  absl::Cleanup poison_on_unwind = [&] {
+    seq.mu.AssertHeld();
     if (!tails_only_) KeepOrphans(seq, batch_, new_blocks_, swapped, tail_from_);
     committed_ = true;  // the orphans are the sequence's now
     rooms_.versions->Poison(seq, absl::InternalError("append: its commit was interrupted"))

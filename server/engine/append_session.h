@@ -66,13 +66,15 @@ class AppendSession {
   absl::StatusOr<AppendResult> CommitLocked(const std::optional<HeldTable>& held);
   // Whether `n` more slots fit every stream's last block after what the session wrote
   // there: a private layout block (its free tail is nothing a table names).
-  bool TailsFit(const Sequence& seq, size_t n) const;
+  bool TailsFit(const Sequence& seq, size_t n) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Writes the chunk into those free tails.
-  absl::Status WriteTails(const Sequence& seq, const AppendChunk& chunk);
+  absl::Status WriteTails(const Sequence& seq, const AppendChunk& chunk)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Plans each stream's tail (its last entry, what the tails took included) from here on.
-  void StartPlans(const Sequence& seq);
+  void StartPlans(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Writes the chunk into blocks the plans take (allocated, or copied when shared).
-  absl::Status PlanBlocks(const Sequence& seq, const AppendChunk& chunk);
+  absl::Status PlanBlocks(const Sequence& seq, const AppendChunk& chunk)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   uint64_t staged_bytes() const {
     return positions_.capacity() * 8 +
            (token_ids_.capacity() + token_entropy_.capacity() + layer_distance_.capacity()) * 4;

@@ -30,8 +30,9 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
   // the update then run on the same locked sequence.
   std::unique_ptr<AppendSession> session;
   Sequence* seq = &**ref;
+  seq->mu.AssertHeld();  // locked by the registry, then by the session or `locked` below
   // For the update: a held version past it is a guess at this call's own (TableVersions).
-  const uint64_t version_before = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq->version(); }();
+  const uint64_t version_before = seq->version();
   std::optional<SequenceRef> locked;
   if (call.append) {
     absl::StatusOr<std::unique_ptr<AppendSession>> begun =
@@ -44,11 +45,13 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
   } else {
     locked.emplace(*std::move(ref));
   }
-  auto finish = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto finish = [&] {
+    seq->mu.AssertHeld();
     seq->Publish();
     out.table = rooms_->versions->Answer(*seq, call.held, version_before);
   };
-  [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  [&] {
+    seq->mu.AssertHeld();
     // Everything is checked before anything applies: the chunk (staged by the session,
     // where no table looks) and the step's signals over the tokens it adds.
     if (session) {
@@ -81,8 +84,10 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     if (prepared) {
       // Past the append's commit: host memory running out in the step must not hide that
       // the append applied (the step itself applies whole, poisons, or changes nothing).
-      absl::StatusOr<StepResult> stepped =
-          GuardHostMemory("Step", [&] { return driver_->Step(*seq, *prepared); });
+      absl::StatusOr<StepResult> stepped = GuardHostMemory("Step", [&] {
+        seq->mu.AssertHeld();  // held for the whole entry
+        return driver_->Step(*seq, *prepared);
+      });
       if (!stepped.ok()) {
         out.status = stepped.status();
         return;
@@ -91,6 +96,7 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     }
   }();
   finish();
+  seq->mu.AssertHeld();  // by the session or `locked`, to the end of the entry
   if (out.appended) out.appended->version = seq->version();
   if (out.step) out.step->version = seq->version();
   return out;

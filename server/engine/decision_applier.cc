@@ -138,7 +138,8 @@ absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
   size_t swapped = 0;  // streams [0, swapped) are committed
   // Nothing below should throw; if something does, the sequence is poisoned and keeps the
   // references no stream names for Release, so that the pool's accounting stays exact.
-  absl::Cleanup on_unwind = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  absl::Cleanup on_unwind = [&] {
+    seq.mu.AssertHeld();
     KeepOrphans(seq, batch, new_blocks, swapped, from, to);
     versions_->Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };

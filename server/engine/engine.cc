@@ -117,8 +117,10 @@ absl::StatusOr<uint64_t> Engine::Publish(uint64_t sequence_id,
   return GuardHostMemory("Publish", [&]() -> absl::StatusOr<uint64_t> {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
-    registry_.Renew(**ref);
-    return publisher_.Publish(**ref, up_to_tokens.value_or(UINT64_MAX));
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();  // locked by the registry (SequenceRef)
+    registry_.Renew(seq);
+    return publisher_.Publish(seq, up_to_tokens.value_or(UINT64_MAX));
   });
 }
 
@@ -145,8 +147,10 @@ absl::StatusOr<uint64_t> Engine::PublishDocument(uint64_t sequence_id) {
     // tails of the very blocks a document would share.
     absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
     if (!ref.ok()) return ref.status();
-    registry_.Renew(**ref);
-    return publisher_.PublishDocument(**ref);
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();
+    registry_.Renew(seq);
+    return publisher_.PublishDocument(seq);
   });
 }
 
@@ -204,6 +208,7 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
     absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
+    seq.mu.AssertHeld();
     const uint64_t version_before = seq.version();
     absl::StatusOr<CheckedStep> checked = CheckStep(seq, input, 0, input.table_version);
     if (!checked.ok()) return checked.status();
@@ -223,6 +228,7 @@ absl::StatusOr<CompressResult> Engine::Compress(uint64_t sequence_id, const Comp
     absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
+    seq.mu.AssertHeld();
     const uint64_t version_before = seq.version();
     absl::StatusOr<CheckedCompress> checked = CheckCompress(seq, input);
     if (!checked.ok()) return checked.status();
@@ -241,23 +247,29 @@ absl::StatusOr<TableUpdate> Engine::GetTableUpdate(uint64_t sequence_id, uint64_
   return GuardHostMemory("GetBlockTable", [&]() -> absl::StatusOr<TableUpdate> {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
-    registry_.Renew(**ref);
-    return versions_.Update(**ref, known_version, positions, version_before);
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();
+    registry_.Renew(seq);
+    return versions_.Update(seq, known_version, positions, version_before);
   });
 }
 
 absl::StatusOr<uint64_t> Engine::TableVersion(uint64_t sequence_id) {
   absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
   if (!ref.ok()) return ref.status();
-  return [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return (*ref)->version(); }();
+  Sequence& seq = **ref;
+  seq.mu.AssertHeld();
+  return seq.version();
 }
 
 absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions) {
   return GuardHostMemory("GetBlockTable", [&]() -> absl::StatusOr<BlockTable> {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
-    registry_.Renew(**ref);
-    return versions_.Table(**ref, positions);
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();
+    registry_.Renew(seq);
+    return versions_.Table(seq, positions);
   });
 }
 
@@ -360,6 +372,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
   if (!ref.ok()) return ref.status();
   Sequence& parent = **ref;
+  parent.mu.AssertHeld();
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(parent.policy_name(), parent.policy_params());
   if (!policy.ok()) return policy.status();
@@ -517,6 +530,7 @@ absl::StatusOr<std::string> Engine::Fingerprint(uint64_t sequence_id) {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
+    seq.mu.AssertHeld();
     if (absl::Status s = seq.CheckInvariants(); !s.ok()) return s;
     absl::StatusOr<std::string> state = DescribeState(seq, *pool_);
     if (!state.ok()) return state.status();

@@ -46,7 +46,8 @@ std::vector<policy::StreamState> PolicyDriver::StagedStreamStates(Sequence& seq)
 DecisionApplier::CommitHook PolicyDriver::CommitPolicyState(
     Sequence& seq, const policy::Decision& decision,
     const std::vector<absl::Span<const float>>* rows) {
-  return [&seq, &decision, rows]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  return [&seq, &decision, rows] {
+    seq.mu.AssertHeld();  // run by DecisionApplier::Apply, under the call's lock
     const uint32_t R = seq.policy().history_rows();
     // Only what StagedStreamStates staged (a policy that keeps no scores was handed none).
     const bool scores = decision.scores_written && seq.policy().descriptor().initial_score;
@@ -75,7 +76,8 @@ absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
   // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
   // puts the scores back when the step fails before its point of no return.
   // If the scores cannot be put back, a retry would apply the row twice: poison instead.
-  auto abort = [&](const absl::Status& why) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto abort = [&](const absl::Status& why) {
+    seq.mu.AssertHeld();
     if (seq.poisoned()) return why;
     absl::Status restored = seq.slots()->AbortStep();
     return restored.ok() ? why : versions_->Poison(seq, restored);
@@ -87,9 +89,10 @@ absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
     std::move(abort_on_unwind).Cancel();
     return abort(s);
   }
-  absl::StatusOr<Applied> done = applier_->Apply(
-      seq, *decision,
-      [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return seq.slots()->CommitStep(); });
+  absl::StatusOr<Applied> done = applier_->Apply(seq, *decision, [&seq] {
+    seq.mu.AssertHeld();
+    return seq.slots()->CommitStep();
+  });
   std::move(abort_on_unwind).Cancel();
   if (!done.ok()) return abort(done.status());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
@@ -214,7 +217,8 @@ absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const Check
   }
   // The host copies of the scores go however the call ends (they are taken back below
   // when it ends well): a stream of a SlotState sequence keeps no host scores between calls.
-  absl::Cleanup end_commit = [&seq]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  absl::Cleanup end_commit = [&seq] {
+    seq.mu.AssertHeld();
     if (!seq.slots()) return;
     for (size_t s = 0; s < seq.streams().size(); ++s) {
       seq.stream(s).TakeScores();

@@ -100,14 +100,18 @@ absl::StatusOr<SequenceRef> SequenceRegistry::Lock(uint64_t sequence_id) {
   if (!found.ok()) return found.status();
   SequenceRef ref(std::move(*found));
   ref.LockNow();
-  if (absl::Status s = Unusable(*ref); !s.ok()) return s;
+  Sequence& seq = *ref;
+  seq.mu.AssertHeld();
+  if (absl::Status s = Unusable(seq); !s.ok()) return s;
   return ref;
 }
 
 absl::StatusOr<SequenceRef> SequenceRegistry::LockForChange(uint64_t sequence_id) {
   absl::StatusOr<SequenceRef> ref = Lock(sequence_id);
   if (!ref.ok()) return ref;
-  if (absl::Status s = NotAppending(**ref); !s.ok()) return s;
+  Sequence& seq = **ref;
+  seq.mu.AssertHeld();  // locked by Lock
+  if (absl::Status s = NotAppending(seq); !s.ok()) return s;
   return ref;
 }
 

@@ -38,13 +38,15 @@ TableVersions::WriteSection::WriteSection(TableVersions* versions, Sequence* seq
   versions_->board_->BeginWrite(seq_->epoch_slot(), seq_->epoch());
 }
 
-void TableVersions::WriteSection::Commit() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void TableVersions::WriteSection::Commit() {
+  seq_->mu.AssertHeld();  // a section lives inside its sequence's lock (its constructor's)
   seq_->set_epoch(versions_->next_epoch_.fetch_add(1));
   versions_->board_->EndWrite(seq_->epoch_slot(), seq_->epoch());
   committed_ = true;
 }
 
-TableVersions::WriteSection::~WriteSection() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+TableVersions::WriteSection::~WriteSection() {
+  seq_->mu.AssertHeld();
   if (!committed_) {
     versions_->Poison(*seq_, absl::InternalError("a write section ended without its commit"))
         .IgnoreError();
