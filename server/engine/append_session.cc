@@ -58,8 +58,21 @@ absl::Status AppendSession::AddLocked(const AppendChunk& chunk) ABSL_NO_THREAD_S
   if (!hold_lock_) lock.emplace(&seq_->mu);
   Sequence& seq = *seq_;
   if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
-  const size_t index = chunks_;
-  if (absl::Status s = CheckChunk(seq, rooms_.max_append_bytes, chunk, index, &last_position_);
+  if (absl::Status s = CheckAndReserve(seq, chunk, /*written=*/false); !s.ok()) return s;
+  const size_t n = chunk.positions.size();
+  if (tails_only_ && TailsFit(seq, n)) {
+    if (absl::Status s = WriteTails(seq, chunk); !s.ok()) return s;
+  } else {
+    if (absl::Status s = PlanBlocks(seq, chunk); !s.ok()) return s;
+  }
+  Stage(chunk);
+  return absl::OkStatus();
+}
+
+absl::Status AppendSession::CheckAndReserve(const Sequence& seq, const AppendChunk& chunk,
+                                            bool written) {
+  if (absl::Status s = CheckChunk(seq, rooms_.max_append_bytes, chunk, chunks_, &last_position_,
+                                  written);
       !s.ok()) {
     return s;
   }
@@ -69,18 +82,13 @@ absl::Status AppendSession::AddLocked(const AppendChunk& chunk) ABSL_NO_THREAD_S
   // sequence holds them yet.
   const uint64_t staged_after = (staged_bytes() + n * (8 + 4 + 4 + 4)) * 2;
   if (staged_after > staged_reservation_.bytes()) {
-    if (absl::Status s =
-            staged_reservation_.Grow(staged_after - staged_reservation_.bytes(), "Append");
-        !s.ok()) {
-      return s;
-    }
+    return staged_reservation_.Grow(staged_after - staged_reservation_.bytes(), "Append");
   }
+  return absl::OkStatus();
+}
 
-  if (tails_only_ && TailsFit(seq, n)) {
-    if (absl::Status s = WriteTails(seq, chunk); !s.ok()) return s;
-  } else {
-    if (absl::Status s = PlanBlocks(seq, chunk); !s.ok()) return s;
-  }
+void AppendSession::Stage(const AppendChunk& chunk) {
+  const size_t n = chunk.positions.size();
   positions_.insert(positions_.end(), chunk.positions.begin(), chunk.positions.end());
   if (chunk.token_ids.empty()) {
     token_ids_.insert(token_ids_.end(), n, -1);
@@ -100,6 +108,55 @@ absl::Status AppendSession::AddLocked(const AppendChunk& chunk) ABSL_NO_THREAD_S
                            chunk.layer_distance.end());
   }
   ++chunks_;
+}
+
+absl::Status AppendSession::AddWritten(const AppendChunk& chunk, uint64_t plan_id) {
+  absl::Status s = GuardHostMemory("Append", [&] {
+    if (!broken_.ok()) return broken_;
+    if (!hold_lock_ || chunks_ != 0 || rooms_.plans == nullptr) {
+      return absl::InternalError("append: tokens written in place need a fresh locked session");
+    }
+    seq_->mu.AssertHeld();
+    return AddWrittenLocked(chunk, plan_id);
+  });
+  if (!s.ok()) broken_ = s;
+  return s;
+}
+
+absl::Status AppendSession::AddWrittenLocked(const AppendChunk& chunk, uint64_t plan_id) {
+  Sequence& seq = *seq_;
+  if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
+  const size_t n = chunk.positions.size();
+  if (absl::Status s = rooms_.plans->CheckCommit(seq, plan_id, n); !s.ok()) return s;
+  if (absl::Status s = CheckAndReserve(seq, chunk, /*written=*/true); !s.ok()) return s;
+  const Sequence::WritePlan& plan = *seq.plan();
+  bool all_tails = true;
+  for (const Sequence::WritePlan::Target& t : plan.streams) all_tails = all_tails && !t.fresh;
+  if (all_tails) {
+    tail_slots_ = static_cast<uint32_t>(n);  // the tails hold the tokens: the decode step
+  } else {
+    // The session's own reference on each fresh block (the plan keeps its own until the
+    // commit): an uncommitted session gives back only its own.
+    std::vector<store::BlockId> fresh;
+    for (const Sequence::WritePlan::Target& t : plan.streams) {
+      if (t.fresh) fresh.push_back(t.block);
+    }
+    batch_.allocated.reserve(fresh.size());
+    StartPlans(seq);
+    for (size_t s = 0; s < plan.streams.size(); ++s) {
+      const Sequence::WritePlan::Target& t = plan.streams[s];
+      if (t.fresh) {
+        new_blocks_[s].push_back(StreamBlock{t.block, 0, static_cast<uint32_t>(n)});
+      } else {
+        new_blocks_[s].back().count += static_cast<uint32_t>(n);
+        new_blocks_[s].back().version = 0;  // slots written: stamped by the commit
+      }
+    }
+    rooms_.pool->Ref(fresh);
+    batch_.allocated.insert(batch_.allocated.end(), fresh.begin(), fresh.end());
+  }
+  Stage(chunk);
+  written_ = true;
   return absl::OkStatus();
 }
 
@@ -286,6 +343,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   seq.mutable_prefix().compressions = 0;
   // Inside the section: readers of the old table already see the odd word.
   rooms_.pool->Unref(batch_.dropped);
+  if (written_) rooms_.plans->Drop(seq);  // its slots are the table's now
   std::move(poison_on_unwind).Cancel();
   committed_ = true;
   seq.set_append_open(false);

@@ -24,6 +24,7 @@
 #include "server/engine/stream_planner.h"
 #include "server/engine/table_versions.h"
 #include "server/engine/telemetry.h"
+#include "server/engine/write_plans.h"
 #include "server/store/backend.h"
 #include "server/store/block_pool.h"
 
@@ -39,6 +40,7 @@ struct AppendRooms {
   PrefixPublisher* publisher = nullptr;
   Telemetry* telemetry = nullptr;
   Failpoints* failpoints = nullptr;
+  WritePlans* plans = nullptr;
   uint64_t max_append_bytes = 0;
 };
 
@@ -57,12 +59,24 @@ class AppendSession {
 
   // Any error ends the session: later calls return it, nothing is applied.
   absl::Status Add(const AppendChunk& chunk);
+  // The session's only chunk, its K/V written in place by the client at the sequence's
+  // write plan `plan_id` (WritePlans): `chunk` carries positions and per-token signals but
+  // no K/V. The commit takes the planned slots and gives the plan back; a session that ends
+  // uncommitted leaves the plan as it was. Needs a session that holds the lock.
+  absl::Status AddWritten(const AppendChunk& chunk, uint64_t plan_id);
   // Applies every chunk; with `held`, the result carries the update of that table.
   absl::StatusOr<AppendResult> Commit(const std::optional<HeldTable>& held = std::nullopt);
 
  private:
   AppendSession(const AppendRooms& rooms, SequenceRef seq, bool hold_lock, bool publish);
   absl::Status AddLocked(const AppendChunk& chunk);
+  absl::Status AddWrittenLocked(const AppendChunk& chunk, uint64_t plan_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq_->mu);
+  // Checks the chunk and reserves what staging it takes (the first half of every Add).
+  absl::Status CheckAndReserve(const Sequence& seq, const AppendChunk& chunk, bool written)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // Stages the chunk's positions, ids and signals for the commit (the second half).
+  void Stage(const AppendChunk& chunk);
   absl::StatusOr<AppendResult> CommitLocked(const std::optional<HeldTable>& held);
   // Whether `n` more slots fit every stream's last block after what the session wrote
   // there: a private layout block (its free tail is nothing a table names).
@@ -101,6 +115,7 @@ class AppendSession {
   std::vector<float> token_entropy_, layer_distance_;
   int64_t last_position_ = -1;
   size_t chunks_ = 0;
+  bool written_ = false;  // the chunk was written in place: the commit gives the plan back
   absl::Status broken_;
   bool committed_ = false;
 };

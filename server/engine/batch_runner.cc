@@ -17,8 +17,18 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     out.status = call.rejected;
     return out;
   }
-  if (!call.append && !call.step) {
-    out.status = absl::InvalidArgumentError("neither an append nor a step");
+  if (!call.append && !call.step && call.plan_tokens == 0) {
+    out.status = absl::InvalidArgumentError("neither an append, a step nor plan_tokens");
+    return out;
+  }
+  if ((call.plan_id != 0 || call.plan_tokens != 0) && rooms_->plans == nullptr) {
+    out.status = absl::FailedPreconditionError(
+        call.plan_id != 0 ? "append.plan_id: in-place writes are off (kvmemd --in-place-writes)"
+                          : "plan_tokens: in-place writes are off (kvmemd --in-place-writes)");
+    return out;
+  }
+  if (call.plan_id != 0 && !call.append) {
+    out.status = absl::InvalidArgumentError("plan_id: set without the tokens written (append)");
     return out;
   }
   absl::StatusOr<SequenceRef> ref = registry_->LockForChange(call.sequence_id);
@@ -55,7 +65,9 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     // Everything is checked before anything applies: the chunk (staged by the session,
     // where no table looks) and the step's signals over the tokens it adds.
     if (session) {
-      if (absl::Status s = session->Add(*call.append); !s.ok()) {
+      if (absl::Status s = call.plan_id != 0 ? session->AddWritten(*call.append, call.plan_id)
+                                             : session->Add(*call.append);
+          !s.ok()) {
         out.status = s;
         return;
       }
@@ -95,6 +107,14 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
       out.step = *stepped;
     }
   }();
+  // The next plan, after whatever of the entry applied, on the table the update answers.
+  if (call.plan_tokens != 0 && !seq->poisoned() && !seq->released()) {
+    out.plan = GuardHostMemory("StepBatch", [&] {
+      seq->mu.AssertHeld();
+      return rooms_->plans->Make(*seq, call.plan_tokens);
+    });
+    rooms_->budget->Account(*seq);
+  }
   finish();
   seq->mu.AssertHeld();  // by the session or `locked`, to the end of the entry
   if (out.appended) out.appended->version = seq->version();

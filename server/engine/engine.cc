@@ -85,9 +85,13 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       applier_(pool_.get(), backend_.get(), &versions_, &telemetry_, config.failpoints),
       driver_(&applier_, &versions_, &budget_, &registry_, &telemetry_, config.failpoints),
       reader_(&registry_, pool_.get(), backend_.get()),
-      append_rooms_{pool_.get(), backend_.get(),    &budget_,
-                    &versions_,  &registry_,        &publisher_,
-                    &telemetry_, config.failpoints, config.max_append_bytes},
+      plans_(config.in_place_writes ? std::make_optional<WritePlans>(pool_.get(), config.failpoints)
+                                    : std::nullopt),
+      append_rooms_{pool_.get(),       backend_.get(),
+                    &budget_,          &versions_,
+                    &registry_,        &publisher_,
+                    &telemetry_,       config.failpoints,
+                    plans_ ? &*plans_ : nullptr, config.max_append_bytes},
       batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches) {
   publisher_.set_budget(&budget_);
   // A full pool first gives back what only the prefix cache holds.
@@ -436,6 +440,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   // The word odd first: no reader accepts the tables once their blocks can be reused.
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
+  pool_->Unref(seq.TakePlan());  // blocks a write plan holds (not the sequence's own)
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
   }

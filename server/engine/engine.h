@@ -47,6 +47,7 @@
 #include "server/engine/table_versions.h"
 #include "server/engine/telemetry.h"
 #include "server/engine/tenants.h"
+#include "server/engine/write_plans.h"
 #include "server/policy/policy.h"
 #include "server/store/backend.h"
 #include "server/store/block_pool.h"
@@ -165,6 +166,7 @@ class Engine {
   DecisionApplier applier_;
   PolicyDriver driver_;
   KvReader reader_;
+  std::optional<WritePlans> plans_;  // with EngineConfig::in_place_writes
   const AppendRooms append_rooms_;
   BatchRunner batches_;
 };

@@ -13,6 +13,7 @@
 #include "server/engine/failpoints.h"
 #include "server/engine/layout.h"
 #include "server/engine/sequence.h"
+#include "server/engine/write_plans.h"
 #include "server/prefix/prefix_index.h"
 #include "server/store/block_pool.h"
 
@@ -44,6 +45,10 @@ struct EngineConfig {
   // Policies with a kernel step keep their scores in the backend (store::SlotState: device
   // memory on a GPU) and run each Step there; false runs every policy on the host.
   bool device_step = true;
+  // StepBatch entries may ask for write plans and commit tokens written in place
+  // (WritePlans; kvmemd --in-place-writes): the clients then write into the pool, so the
+  // daemon serves one trust domain.
+  bool in_place_writes = false;
   // StepBatch runs its entries on every core (oneTBB); false runs them one after another on
   // the caller's thread.
   bool parallel_batches = true;
@@ -251,6 +256,10 @@ struct StepCall {
   std::optional<StepInput> step;      // absent: the call only appends
   // The table the client holds: the outcome carries the update from it.
   std::optional<HeldTable> held;
+  // In-place writes (WritePlans): the append's K/V was written at this plan (0: the chunk
+  // carries it); after the entry, a new plan for this many tokens (0: none).
+  uint64_t plan_id = 0;
+  uint32_t plan_tokens = 0;
   // Set by the caller when the entry could not be read (a malformed row, say): the entry is
   // answered with it and nothing of it runs; the other entries run as ever.
   absl::Status rejected;
@@ -263,7 +272,9 @@ struct StepOutcome {
   absl::Status status;
   std::optional<AppendResult> appended;
   std::optional<StepResult> step;
-  std::optional<TableUpdate> table;  // when a table was held and the sequence serves
+  std::optional<TableUpdate> table;  // when a table was held and the sequence serves  // When asked for: where the next tokens go, or why there is no plan (the rest of the
+  // entry applied or not regardless: `status` is not this one).
+  std::optional<absl::StatusOr<PlanView>> plan;
 };
 
 struct SequenceSummary {

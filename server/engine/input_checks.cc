@@ -138,7 +138,7 @@ absl::StatusOr<std::vector<absl::Span<const float>>> IndexSignals(
 }  // namespace
 
 absl::Status CheckChunk(const Sequence& seq, uint64_t max_append_bytes, const AppendChunk& chunk,
-                        size_t index, int64_t* last_position) {
+                        size_t index, int64_t* last_position, bool written) {
   const std::string where = index == 0 ? "" : absl::StrCat("chunk ", index, ": ");
   const size_t n = chunk.positions.size();
   const Layout& layout = seq.layout();
@@ -152,7 +152,13 @@ absl::Status CheckChunk(const Sequence& seq, uint64_t max_append_bytes, const Ap
         where, "positions: ", n, " tokens exceed the per-message limit of ", max_tokens,
         " tokens (", max_append_bytes, " bytes of K+V); split them with AppendStream"));
   }
-  const uint64_t want = layout.payload_bytes(n);
+  const uint64_t want = written ? 0 : layout.payload_bytes(n);
+  if (written && (!chunk.k.empty() || !chunk.v.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, chunk.k.empty() ? "v: " : "k: ",
+        std::max(chunk.k.size(), chunk.v.size()),
+        " bytes sent with plan_id: the K/V of tokens written in place is in the pool already"));
+  }
   if (chunk.k.size() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         where, "k: ", chunk.k.size(), " bytes, expected ", want, " = layers ", layout.num_layers,
@@ -163,8 +169,10 @@ absl::Status CheckChunk(const Sequence& seq, uint64_t max_append_bytes, const Ap
     return absl::InvalidArgumentError(absl::StrCat(
         where, "v: ", chunk.v.size(), " bytes, expected ", want, " (same shape as k)"));
   }
-  if (absl::Status s = CheckKvFinite(chunk.k, layout, n, where, "k"); !s.ok()) return s;
-  if (absl::Status s = CheckKvFinite(chunk.v, layout, n, where, "v"); !s.ok()) return s;
+  if (!written) {
+    if (absl::Status s = CheckKvFinite(chunk.k, layout, n, where, "k"); !s.ok()) return s;
+    if (absl::Status s = CheckKvFinite(chunk.v, layout, n, where, "v"); !s.ok()) return s;
+  }
   if (!chunk.token_ids.empty() && chunk.token_ids.size() != n) {
     return absl::InvalidArgumentError(absl::StrCat(where, "token_ids: ", chunk.token_ids.size(),
                                                    " ids for ", n, " positions (send 0 or ", n,

@@ -28,8 +28,11 @@ inline constexpr float kMaxWindowScore = 1e30f;
 // Chunk `index` of an append (0: the first; later ones are named in errors): its shape
 // against the layout and --max-message-bytes, finite K/V and signals, positions past
 // *last_position (advanced to its last), and the per-token signals the policy needs.
+// `written`: the K/V is in the pool already (an in-place write plan): the chunk must carry
+// none.
 absl::Status CheckChunk(const Sequence& seq, uint64_t max_append_bytes, const AppendChunk& chunk,
-                        size_t index, int64_t* last_position) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+                        size_t index, int64_t* last_position, bool written = false)
+    ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
 
 // A Step's input against the sequence, `pending` tokens appended before it runs (a folded
 // step); `table_version`: the table the client says it holds (0: not said).

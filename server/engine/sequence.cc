@@ -309,6 +309,7 @@ void Sequence::Clear() {
   // Swapped with empty vectors: `= {}` would keep their room.
   std::vector<store::BlockId>().swap(orphan_blocks_);
   std::vector<std::vector<StreamBlock>>().swap(spare_lists_);
+  plan_.reset();  // its references were taken first, with the orphans
   released_ = true;
 }
 
@@ -319,6 +320,10 @@ uint64_t Sequence::host_bytes() const {
   bytes += spare_lists_.capacity() * sizeof(std::vector<StreamBlock>);
   for (const std::vector<StreamBlock>& list : spare_lists_) {
     bytes += list.capacity() * sizeof(StreamBlock);
+  }
+  if (plan_) {
+    bytes += plan_->streams.capacity() * sizeof(WritePlan::Target) +
+             plan_->held.capacity() * sizeof(store::BlockId);
   }
   return bytes;
 }

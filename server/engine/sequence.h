@@ -411,6 +411,31 @@ class Sequence {
     return spare_lists_;
   }
 
+  // An in-place write plan (WritePlans): where the next `tokens` tokens of every stream go,
+  // made on table `version`. The plan holds one pool reference on every block it names
+  // (`held`), so that none is freed or reused while a client may be writing into it.
+  struct WritePlan {
+    struct Target {
+      store::BlockId block = 0;
+      uint32_t slot = 0;   // the first of the `tokens` slots
+      bool fresh = false;  // a block of the plan's own (else the stream's private last block)
+    };
+    uint64_t id = 0;
+    uint64_t version = 0;
+    uint32_t tokens = 0;
+    std::vector<Target> streams;
+    std::vector<store::BlockId> held;
+  };
+  const std::optional<WritePlan>& plan() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return plan_; }
+  void set_plan(WritePlan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { plan_ = std::move(plan); }
+  // The plan's references, for the caller to give back; no plan after it.
+  std::vector<store::BlockId> TakePlan() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<store::BlockId> held;
+    if (plan_) held = std::move(plan_->held);
+    plan_.reset();
+    return held;
+  }
+
   // References a poisoned sequence holds that no stream names (Engine::KeepOrphans).
   void AddOrphan(store::BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     orphan_blocks_.push_back(id);
@@ -546,6 +571,7 @@ class Sequence {
   int64_t policy_mark_ ABSL_GUARDED_BY(mu) = -1;
   bool append_open_ ABSL_GUARDED_BY(mu) = false;
   std::vector<store::BlockId> orphan_blocks_ ABSL_GUARDED_BY(mu);
+  std::optional<WritePlan> plan_ ABSL_GUARDED_BY(mu);
   std::vector<std::vector<StreamBlock>> spare_lists_ ABSL_GUARDED_BY(mu);
   uint64_t slot_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
   uint64_t host_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
