@@ -38,6 +38,9 @@ ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
           "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
           "+ 64 MiB");
 ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core");
+ABSL_FLAG(bool, in_place_writes, false,
+          "StepBatch hands out write plans and commits K/V that same-host clients write into "
+          "the pool themselves (the pool mapped writable): serve one trust domain only");
 ABSL_FLAG(std::string, prefix_hash_seed, "0",
           "seed of the prefix block hash chain: vLLM's PYTHONHASHSEED, for block names "
           "that match a vLLM deployment's");
@@ -133,6 +136,7 @@ int main(int argc, char** argv) {
   config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
+  config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);
   config.engine.prefix_hash_seed = absl::GetFlag(FLAGS_prefix_hash_seed);
@@ -153,7 +157,7 @@ int main(int argc, char** argv) {
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
   for (const std::string& name :
-       kvmem::transport::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan"})) {
+       kvmem::transport::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig"})) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 

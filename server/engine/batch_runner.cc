@@ -18,13 +18,13 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     return out;
   }
   if (!call.append && !call.step && call.plan_tokens == 0) {
-    out.status = absl::InvalidArgumentError("neither an append, a step nor plan_tokens");
+    out.status = absl::InvalidArgumentError("neither an append nor a step (nor plan_tokens)");
     return out;
   }
   if ((call.plan_id != 0 || call.plan_tokens != 0) && rooms_->plans == nullptr) {
     out.status = absl::FailedPreconditionError(
-        call.plan_id != 0 ? "append.plan_id: in-place writes are off (kvmemd --in-place-writes)"
-                          : "plan_tokens: in-place writes are off (kvmemd --in-place-writes)");
+        call.plan_id != 0 ? "append.plan_id: in-place writes are off (kvmemd --in_place_writes)"
+                          : "plan_tokens: in-place writes are off (kvmemd --in_place_writes)");
     return out;
   }
   if (call.plan_id != 0 && !call.append) {

@@ -46,7 +46,7 @@ struct EngineConfig {
   // memory on a GPU) and run each Step there; false runs every policy on the host.
   bool device_step = true;
   // StepBatch entries may ask for write plans and commit tokens written in place
-  // (WritePlans; kvmemd --in-place-writes): the clients then write into the pool, so the
+  // (WritePlans; kvmemd --in_place_writes): the clients then write into the pool, so the
   // daemon serves one trust domain.
   bool in_place_writes = false;
   // StepBatch runs its entries on every core (oneTBB); false runs them one after another on

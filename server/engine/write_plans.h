@@ -15,7 +15,7 @@
 //   still private; anything else is FAILED_PRECONDITION and changes nothing (the plan
 //   stays for a retry only when it is still current and valid).
 // - The daemon does not read the K/V a client wrote (not for finiteness either): a plan is
-//   opt-in (kvmemd --in-place-writes) and serves one trust domain.
+//   opt-in (kvmemd --in_place_writes) and serves one trust domain.
 #include <atomic>
 #include <cstdint>
 #include <vector>

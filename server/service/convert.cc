@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/half_arrays.h"
+#include "kvmem/v1/step_channel.h"
 
 namespace kvmem::service {
 
@@ -198,6 +199,62 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
     at += half.size() / 2;
   }
   return out;
+}
+
+absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read,
+                                                                  uint64_t offset,
+                                                                  absl::string_view field,
+                                                                  SignalStorage* storage) {
+  namespace area = v1::signal_area;
+  area::RowsHeader header;
+  if (absl::Status s = read(offset, sizeof header, &header); !s.ok()) return s;
+  if (header.rows == 0 || header.rows > area::kMaxRows) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": the header at ", offset, " says ",
+                                                   header.rows, " rows (1 to ", area::kMaxRows,
+                                                   ")"));
+  }
+  if (header.dtype != area::kF32 && header.dtype != area::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the header at ", offset, " says dtype ", header.dtype, " (0 f32 or 1 f16)"));
+  }
+  // The entries, then the values: each read is bounded by the area, so every total below
+  // is bounded by its size (at most 1 GiB) before anything is allocated for it.
+  std::vector<area::RowEntry> entries(header.rows);
+  const uint64_t entries_at = offset + sizeof header;
+  if (absl::Status s = read(entries_at, header.rows * sizeof(area::RowEntry), entries.data());
+      !s.ok()) {
+    return s;
+  }
+  uint64_t values = 0;
+  for (const area::RowEntry& e : entries) values += e.length;
+  const uint64_t width = header.dtype == area::kF16 ? 2 : 4;
+  const uint64_t values_at = entries_at + header.rows * sizeof(area::RowEntry);
+  // The rows must end inside the area before their buffers are allocated (an empty read
+  // at their end checks it).
+  if (absl::Status s = read(values_at + values * width, 0, nullptr); !s.ok()) return s;
+  std::unique_ptr<float[]> rows(new float[std::max<uint64_t>(values, 1)]);
+  if (header.dtype == area::kF32) {
+    if (absl::Status s = read(values_at, values * width, rows.get()); !s.ok()) return s;
+  } else {
+    std::unique_ptr<uint16_t[]> halves(new uint16_t[std::max<uint64_t>(values, 1)]);
+    if (absl::Status s = read(values_at, values * width, halves.get()); !s.ok()) return s;
+    kernels::HalfToFloat(halves.get(), values, rows.get());
+  }
+  std::vector<engine::StreamSignal> out(header.rows);
+  const float* at = rows.get();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    out[i] = {entries[i].layer, entries[i].kv_head, absl::MakeConstSpan(at, entries[i].length)};
+    at += entries[i].length;
+  }
+  storage->push_back(std::move(rows));
+  return out;
+}
+
+void ToProto(const engine::PlanView& plan, v1::WritePlan* out) {
+  out->set_plan_id(plan.id);
+  out->set_tokens(plan.tokens);
+  out->mutable_block_offsets()->Assign(plan.block_offsets.begin(), plan.block_offsets.end());
+  out->mutable_first_slots()->Assign(plan.first_slots.begin(), plan.first_slots.end());
 }
 
 std::vector<engine::StreamSignal> SignalViews(

@@ -47,6 +47,7 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   ToProto(config.max_lease, response->mutable_max_lease());
   response->set_max_message_bytes(config.max_append_bytes);
   response->set_device_step(config.device_step);
+  response->set_in_place_writes(config.in_place_writes);
   for (const policy::PolicyDescriptor& d : policy::AllPolicies()) {
     v1::PolicyInfo* info = response->add_policies();
     info->set_name(d.name);

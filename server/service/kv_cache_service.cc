@@ -220,10 +220,39 @@ grpc::Status KvCacheService::StepBatch(grpc::ServerContext* context,
   return RunStepBatch(context, *request, engine_->config().max_append_bytes, response);
 }
 
+namespace {
+
+// An entry's attention rows from its channel's signal area (StepSignals.attention_offset).
+absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
+                                                    const transport::StepChannel* channel,
+                                                    engine::StepInput input,
+                                                    SignalStorage* storage) {
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(
+        "attention_offset: rows in a signal area come only through a step channel opened with "
+        "signal_bytes; this batch came over gRPC");
+  }
+  if (!step.attention().empty()) {
+    return absl::InvalidArgumentError(
+        "attention_offset: set with attention rows in the message too; send one of the two");
+  }
+  absl::StatusOr<std::vector<engine::StreamSignal>> rows = SignalsFromArea(
+      [channel](uint64_t offset, uint64_t bytes, void* out) {
+        return channel->CopySignals(offset, bytes, out, "attention_offset");
+      },
+      step.attention_offset(), "attention_offset", storage);
+  if (!rows.ok()) return rows.status();
+  input.attention = *std::move(rows);
+  return input;
+}
+
+}  // namespace
+
 grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
                                           const v1::StepBatchRequest& request_message,
                                           uint64_t max_update_bytes,
-                                          v1::StepBatchResponse* response) {
+                                          v1::StepBatchResponse* response,
+                                          const transport::StepChannel* channel) {
   const v1::StepBatchRequest* const request = &request_message;
   std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
   const grpc::Status status =
@@ -239,9 +268,16 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
           const v1::StepBatchEntry& entry = request->entries(i);
           engine::StepCall& call = calls[i];
           call.sequence_id = entry.sequence_id();
-          if (entry.has_append()) call.append = ChunkView(entry.append());
+          if (entry.has_append()) {
+            call.append = ChunkView(entry.append());
+            call.plan_id = entry.append().plan_id();
+          }
+          call.plan_tokens = entry.plan_tokens();
           if (entry.has_step()) {
             absl::StatusOr<engine::StepInput> input = StepInputView(entry.step(), &storage[i]);
+            if (input.ok() && entry.step().has_attention_offset()) {
+              input = AttentionFromArea(entry.step(), channel, *std::move(input), &storage[i]);
+            }
             if (input.ok()) {
               call.step = *std::move(input);
             } else {
@@ -262,6 +298,10 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
             FillAppendResponse(calls[i].sequence_id, *out.appended, result->mutable_append());
           }
           if (out.step) ToProto(*out.step, result->mutable_step());
+          if (out.plan && out.plan->ok()) ToProto(**out.plan, result->mutable_plan());
+          if (out.plan && !out.plan->ok()) {
+            *result->mutable_plan_status() = ToRpcStatus(out.plan->status(), calls[i].sequence_id);
+          }
           updates[i] = std::move(out.table);
         }
         return absl::OkStatus();
@@ -320,12 +360,19 @@ grpc::Status KvCacheService::OpenStepChannel(
           "capacity_bytes: ", capacity, " is outside [", transport::StepChannel::kMinCapacity, ", ",
           max_capacity, "] (1 MiB to --max-message-bytes + 4 MiB, at most 1 GiB)")));
     }
+    const uint64_t signal_bytes = request->signal_bytes();
+    if (signal_bytes > transport::StepChannel::kMaxSignalBytes) {
+      return ToGrpc(absl::InvalidArgumentError(
+          absl::StrCat("signal_bytes: ", signal_bytes, " is past the limit of ",
+                       transport::StepChannel::kMaxSignalBytes, " (1 GiB)")));
+    }
     absl::StatusOr<transport::StepChannelBudget::Lease> opened =
-        channels_.Open(transport::StepChannel::HeldBytes(capacity));
+        channels_.Open(transport::StepChannel::HeldBytes(capacity) + signal_bytes);
     if (!opened.ok()) return ToGrpc(opened.status());
     lease.emplace(*std::move(opened));
     absl::StatusOr<std::unique_ptr<transport::StepChannel>> created =
-        transport::StepChannel::Create(capacity, [](const absl::Status& s) { return ToGrpc(s); });
+        transport::StepChannel::Create(
+            capacity, [](const absl::Status& s) { return ToGrpc(s); }, signal_bytes);
     if (!created.ok()) return ToGrpc(created.status());
     channel = *std::move(created);
     v1::OpenStepChannelResponse response;
@@ -334,6 +381,10 @@ grpc::Status KvCacheService::OpenStepChannel(
     response.set_capacity_bytes(channel->capacity());
     response.set_layout_version(v1::step_channel::kLayoutVersion);
     response.set_nonce(channel->nonce());
+    if (signal_bytes > 0) {
+      response.set_signal_name(channel->signal_name());
+      response.set_signal_bytes(channel->signal_bytes());
+    }
     if (!writer->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client left before the channel opened");
     }
@@ -346,7 +397,7 @@ grpc::Status KvCacheService::OpenStepChannel(
                                                       v1::StepBatchResponse* response) {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
-    return RunStepBatch(/*context=*/nullptr, batch, max_update_bytes, response);
+    return RunStepBatch(/*context=*/nullptr, batch, max_update_bytes, response, channel.get());
   };
   // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
   // client sees it.

@@ -75,8 +75,11 @@ class KvCacheService final : public v1::KvCache::Service {
   // StepBatch's work, for gRPC and for step channels: table updates go in up to
   // `max_update_bytes` in all.
   // `context`: null for a step channel's batch.
+  // `channel`: the step channel the batch came through (null over gRPC), whose signal area
+  // entries may name rows in.
   grpc::Status RunStepBatch(grpc::ServerContext* context, const v1::StepBatchRequest& request,
-                            uint64_t max_update_bytes, v1::StepBatchResponse* response);
+                            uint64_t max_update_bytes, v1::StepBatchResponse* response,
+                            const transport::StepChannel* channel = nullptr);
   // A mutating call's frame, shared by the handlers: a call whose deadline passed is refused
   // before it runs (nothing applied); a request_id makes a retry get
   // the first answer (RequestCache); errors map to gRPC statuses naming sequence `scope`

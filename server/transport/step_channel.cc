@@ -94,10 +94,18 @@ size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
 }
 
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity,
-                                                                 ErrorMapper to_grpc) {
+                                                                 ErrorMapper to_grpc,
+                                                                 uint64_t signal_bytes) {
   absl::StatusOr<std::unique_ptr<SharedSegment>> segment =
       SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
   if (!segment.ok()) return segment.status();
+  std::unique_ptr<SharedSegment> signals;
+  if (signal_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<SharedSegment>> created =
+        SharedSegment::Create("kvmem-sig", signal_bytes);
+    if (!created.ok()) return created.status();
+    signals = *std::move(created);
+  }
   std::string nonce(layout::kNonceBytes, '\0');
   absl::BitGen bits;
   for (char& c : nonce) c = static_cast<char>(absl::Uniform<uint8_t>(bits));
@@ -108,8 +116,40 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
   header->response_offset = layout::kHeaderBytes + capacity;
   header->capacity_bytes = capacity;
   std::memcpy(header->nonce, nonce.data(), layout::kNonceBytes);
-  return std::unique_ptr<StepChannel>(
-      new StepChannel(*std::move(segment), capacity, std::move(nonce), std::move(to_grpc)));
+  return std::unique_ptr<StepChannel>(new StepChannel(
+      *std::move(segment), std::move(signals), capacity, std::move(nonce), std::move(to_grpc)));
+}
+
+const std::string& StepChannel::signal_name() const {
+  static const std::string* const kNone = new std::string();
+  return signals_ ? signals_->name() : *kNone;
+}
+
+absl::Status StepChannel::CopySignals(uint64_t offset, uint64_t bytes, void* out,
+                                      absl::string_view field) const {
+  if (!signals_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": this step channel has no signal area (open it with signal_bytes)"));
+  }
+  const uint64_t size = signals_->bytes();
+  if (offset > size || bytes > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": bytes [", offset, ", +", bytes,
+                                                   ") lie outside the signal area of ", size,
+                                                   " bytes"));
+  }
+  const auto broken = [] {
+    return absl::FailedPreconditionError(
+        "signal area: shrunk by the client; nothing read from it was used; open a new channel");
+  };
+  if (signals_broken_.load(std::memory_order_relaxed)) return broken();
+  if (bytes == 0) return absl::OkStatus();
+  SegmentGuard guard(signals_->data(), size);
+  std::memcpy(out, signals_->data() + offset, bytes);
+  if (guard.faulted()) {
+    signals_broken_.store(true, std::memory_order_relaxed);
+    return broken();
+  }
+  return absl::OkStatus();
 }
 
 void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total,
@@ -213,6 +253,7 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   }
   if (!unlinked_) {  // its client has it mapped: no one else needs the name
     segment_->Unlink();
+    if (signals_) signals_->Unlink();  // mapped before the first request, as the channel
     unlinked_ = true;
   }
   if (status.ok() && request.request_id().empty()) {

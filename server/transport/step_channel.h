@@ -9,6 +9,7 @@
 // StepChannelBudget bounds what the open channels hold, daemon-wide: how many there are
 // (each keeps one gRPC thread serving it) and their segments' bytes (contract 3).
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -16,6 +17,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/status.h"
@@ -90,14 +92,26 @@ class StepChannel {
   // How the channel's own errors (a malformed request) reach its client: the service's
   // mapping of an absl::Status to a gRPC status with its details.
   using ErrorMapper = std::function<grpc::Status(const absl::Status&)>;
-  // A fresh segment with its header written; `capacity` bytes per direction.
+  // A fresh segment with its header written; `capacity` bytes per direction; a signal area
+  // of `signal_bytes` (0: none) in a segment of its own.
   static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity,
-                                                             ErrorMapper to_grpc);
+                                                             ErrorMapper to_grpc,
+                                                             uint64_t signal_bytes = 0);
+  static constexpr uint64_t kMaxSignalBytes = 1ull << 30;
 
   const std::string& name() const { return segment_->name(); }
   const std::string& nonce() const { return nonce_; }
   uint64_t segment_bytes() const { return segment_->bytes(); }
   uint64_t capacity() const { return capacity_; }
+  // The signal area (step_channel.h's signal_area layout): its name ("" when none) and size.
+  const std::string& signal_name() const;
+  uint64_t signal_bytes() const { return signals_ ? signals_->bytes() : 0; }
+  // Copies [offset, offset + bytes) of the signal area to `out`, inside a SegmentGuard.
+  // INVALID_ARGUMENT naming `field` for a range outside the area or no area;
+  // FAILED_PRECONDITION once the client has shrunk it (what was read is void; every later
+  // read fails too). Safe from any thread that holds no other SegmentGuard.
+  absl::Status CopySignals(uint64_t offset, uint64_t bytes, void* out,
+                           absl::string_view field) const;
   // An answer larger than the area (up to MaxAnswerBytes) is partly sent: its client will
   // ask for the rest.
   bool chunks_pending() const { return !pending_.empty(); }
@@ -118,10 +132,11 @@ class StepChannel {
   Served ServeOne(absl::Duration wait, const Handler& handler, const Recorder& record = nullptr);
 
  private:
-  StepChannel(std::unique_ptr<SharedSegment> segment, uint64_t capacity, std::string nonce,
-              ErrorMapper to_grpc)
+  StepChannel(std::unique_ptr<SharedSegment> segment, std::unique_ptr<SharedSegment> signals,
+              uint64_t capacity, std::string nonce, ErrorMapper to_grpc)
       : to_grpc_(std::move(to_grpc)),
         segment_(std::move(segment)),
+        signals_(std::move(signals)),
         capacity_(capacity),
         nonce_(std::move(nonce)),
         request_copy_(new char[capacity]),
@@ -134,6 +149,8 @@ class StepChannel {
               const Recorder& record);
   const ErrorMapper to_grpc_;
   std::unique_ptr<SharedSegment> segment_;
+  std::unique_ptr<SharedSegment> signals_;  // null: no signal area
+  mutable std::atomic<bool> signals_broken_{false};
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
   const std::string nonce_;
   // Each request is copied here before it is parsed: the segment may change under a parse.

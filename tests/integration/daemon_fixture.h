@@ -32,6 +32,7 @@ class DaemonTest : public ::testing::Test {
     config.limits = limits_;
     config.reaper_period = absl::Hours(1);  // tests expire leases explicitly
     config.metrics_listen = metrics_listen_;
+    config.engine.in_place_writes = in_place_writes_;
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -72,6 +73,7 @@ class DaemonTest : public ::testing::Test {
   // The service's limits; a fixture that wants others sets them in its constructor.
   service::ServiceLimits limits_;
   std::string metrics_listen_;  // empty: no /metrics endpoint
+  bool in_place_writes_ = false;
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

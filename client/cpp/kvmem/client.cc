@@ -244,8 +244,10 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     v1::StepBatchEntry* entry = q.add_entries();
     entry->set_sequence_id(e.sequence_id);
     if (e.append) FillTokens(*e.append, entry->mutable_append());
+    if (e.written_plan != 0) entry->mutable_append()->set_plan_id(e.written_plan);
     if (e.step) impl_->FillSignals(e.sequence_id, *e.step, entry->mutable_step());
     if (e.table != nullptr) HoldTable(*e.table, entry->mutable_client_table());
+    if (e.plan_tokens != 0) entry->set_plan_tokens(e.plan_tokens);
   }
   q.set_request_id(NewRequestId());
   v1::StepBatchResponse& r = *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
@@ -275,6 +277,14 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     out[i].status = FromRpcStatus(result.status());
     if (result.has_append()) out[i].appended = AppendResultOf(result.append());
     if (result.has_step()) out[i].step = StepResultOf(result.step());
+    if (result.has_plan()) {
+      const v1::WritePlan& p = result.plan();
+      out[i].plan = WritePlan{p.plan_id(),
+                              p.tokens(),
+                              {p.block_offsets().begin(), p.block_offsets().end()},
+                              {p.first_slots().begin(), p.first_slots().end()}};
+    }
+    if (result.has_plan_status()) out[i].plan_status = FromRpcStatus(result.plan_status());
     // An entry of which something applied but that came back without an update (the
     // batch's updates passed the daemon's message limit) has its table fetched: Sync
     // finds no update to apply.
@@ -314,8 +324,16 @@ absl::StatusOr<BlockTable> Client::GetBlockTable(uint64_t sequence_id, bool posi
   return impl_->FetchTable(sequence_id, positions);
 }
 
-absl::Status Client::OpenStepChannel(std::optional<uint64_t> capacity_bytes) {
-  return impl_->step_channels.Open(capacity_bytes.value_or(8ull << 20));
+absl::Status Client::OpenStepChannel(std::optional<uint64_t> capacity_bytes,
+                                     uint64_t signal_bytes) {
+  return impl_->step_channels.Open(capacity_bytes.value_or(8ull << 20), signal_bytes);
+}
+
+Client::SignalArea Client::signal_area() const {
+  std::shared_ptr<internal::StepChannelClient> channel = impl_->step_channels.current();
+  if (channel == nullptr || channel->gone()) return {};
+  const absl::Span<uint8_t> bytes = channel->signal_area();
+  return {std::move(channel), bytes};
 }
 
 void Client::CloseStepChannel() { impl_->step_channels.Close(); }

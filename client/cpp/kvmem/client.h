@@ -105,6 +105,7 @@ struct Info {
   absl::Duration default_lease, max_lease;  // whole seconds
   uint64_t max_message_bytes = 0;
   bool device_step = false;  // confkv/confkv_l/h2o steps run in the backend (kvmemd --device_step)
+  bool in_place_writes = false;  // StepBatch hands out write plans (kvmemd --in_place_writes)
   std::vector<PolicyInfo> policies;
   std::vector<QuantizerInfo> quantizers;
   uint32_t default_quantization_recent_tokens = 0;
@@ -183,6 +184,25 @@ struct StepArgs {
   std::vector<StreamSignal> attention;
   // Send the attention rows as IEEE halves (half the bytes; ~3 significant digits).
   bool attention_f16 = false;
+  // StepBatch through a step channel with a signal area (OpenStepChannel's signal_bytes):
+  // the rows are in the area at this offset (WriteAttentionRows), `attention` is not sent.
+  std::optional<uint64_t> attention_offset = std::nullopt;
+};
+
+// Writes `rows` into a step channel's signal area at `offset` (the layout of step_channel.h's
+// signal_area), as halves when `f16`; returns the bytes written. INVALID_ARGUMENT when they
+// do not fit.
+absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t offset,
+                                            const std::vector<StreamSignal>& rows, bool f16);
+
+// Where a sequence's next tokens go, to write their K/V into the pool in place (kvmemd
+// --in_place_writes; WritePlan in kvmem.proto): token i of stream s at slot
+// first_slots[s] + i of the block at pool offset block_offsets[s].
+struct WritePlan {
+  uint64_t plan_id = 0;
+  uint32_t tokens = 0;
+  std::vector<uint64_t> block_offsets;
+  std::vector<uint32_t> first_slots;
 };
 
 struct StepResult {
@@ -254,6 +274,10 @@ struct BatchEntry {
   std::optional<AppendArgs> append;  // unset: only the step
   std::optional<StepArgs> step;      // unset: only the append; rows cover the new tokens too
   BlockTable* table = nullptr;       // kept current when set (see BlockTable)
+  // The append's K/V was written in place at this plan (its k and v are then empty).
+  uint64_t written_plan = 0;
+  // Set: the result carries a plan for this many next tokens (an entry may ask only that).
+  uint32_t plan_tokens = 0;
 };
 
 // What one entry did: the append and the step are each atomic; a step that failed after
@@ -262,6 +286,9 @@ struct BatchResult {
   absl::Status status;
   std::optional<AppendResult> appended;
   std::optional<StepResult> step;
+  // When plan_tokens was set: the plan, or plan_status says why there is none.
+  std::optional<WritePlan> plan;
+  absl::Status plan_status;
 };
 
 // Layers [begin, end), begin < end <= num_layers.
@@ -357,7 +384,17 @@ class Client {
   // repeating the batch in flight under its request_id, and a later StepBatch opens it
   // again (ClientOptions::step_channel_reopen). `capacity_bytes`: each direction's area,
   // 8 MiB unless set; a batch or response larger goes by gRPC.
-  absl::Status OpenStepChannel(std::optional<uint64_t> capacity_bytes = std::nullopt);
+  // `signal_bytes`: a signal area with the channel, for attention rows written in place
+  // (StepArgs::attention_offset; SignalArea).
+  absl::Status OpenStepChannel(std::optional<uint64_t> capacity_bytes = std::nullopt,
+                               uint64_t signal_bytes = 0);
+  // The open channel's signal area, mapped writable, and what keeps it mapped (hold it while
+  // writing); empty when no channel with one is open. A reopened channel has a new area.
+  struct SignalArea {
+    std::shared_ptr<const void> keep;
+    absl::Span<uint8_t> bytes;
+  };
+  SignalArea signal_area() const;
   void CloseStepChannel();
   bool step_channel_open() const;
   // Batches answered through a step channel since Connect.

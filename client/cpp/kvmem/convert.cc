@@ -1,11 +1,15 @@
 #include "kvmem/convert.h"
 
+#include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "google/rpc/error_details.pb.h"
 #include "kernels/half_arrays.h"
+#include "kvmem/v1/step_channel.h"
 
 namespace kvmem::client {
 
@@ -129,6 +133,7 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.max_lease = FromProto(r.max_lease());
   info.max_message_bytes = r.max_message_bytes();
   info.device_step = r.device_step();
+  info.in_place_writes = r.in_place_writes();
   for (const v1::PolicyInfo& p : r.policies()) {
     PolicyInfo pi{p.name(),
                   p.description(),
@@ -260,6 +265,12 @@ void FillStepSignals(const StepArgs& args, bool logit_stats, bool attention_rows
                                     args.logit_stats->top_logprobs.end());
   }
   if (!attention_rows) return;
+  if constexpr (std::is_same_v<Signals, v1::StepSignals>) {
+    if (args.attention_offset) {  // the rows are in the channel's signal area
+      q->set_attention_offset(*args.attention_offset);
+      return;
+    }
+  }
   if (!args.attention_f16) {
     AddSignals(args.attention, q->mutable_attention());
     return;
@@ -278,4 +289,38 @@ template void FillStepSignals(const StepArgs&, bool, bool, v1::StepRequest*);
 template void FillStepSignals(const StepArgs&, bool, bool, v1::StepSignals*);
 
 }  // namespace internal
+
+absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t offset,
+                                            const std::vector<StreamSignal>& rows, bool f16) {
+  namespace layout = v1::signal_area;
+  uint64_t values = 0;
+  for (const StreamSignal& r : rows) values += r.values.size();
+  const uint64_t bytes = sizeof(layout::RowsHeader) + rows.size() * sizeof(layout::RowEntry) +
+                         values * (f16 ? 2 : 4);
+  if (offset > area.size() || bytes > area.size() - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("signal area: ", bytes, " bytes at ", offset,
+                                                   " do not fit its ", area.size()));
+  }
+  uint8_t* at = area.data() + offset;
+  const layout::RowsHeader header{static_cast<uint32_t>(rows.size()),
+                                  f16 ? layout::kF16 : layout::kF32};
+  std::memcpy(at, &header, sizeof header);
+  at += sizeof header;
+  for (const StreamSignal& r : rows) {
+    const layout::RowEntry entry{r.layer, r.kv_head, static_cast<uint32_t>(r.values.size()), 0};
+    std::memcpy(at, &entry, sizeof entry);
+    at += sizeof entry;
+  }
+  for (const StreamSignal& r : rows) {
+    if (f16) {
+      kernels::FloatToHalf(r.values.data(), r.values.size(), at);
+      at += 2 * r.values.size();
+    } else {
+      std::memcpy(at, r.values.data(), 4 * r.values.size());
+      at += 4 * r.values.size();
+    }
+  }
+  return bytes;
+}
+
 }  // namespace kvmem::client

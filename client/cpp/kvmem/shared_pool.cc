@@ -15,13 +15,15 @@
 namespace kvmem::client {
 namespace {
 
-absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t bytes) {
-  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t bytes,
+                                           bool writable = false) {
+  const int fd = shm_open(name.c_str(), writable ? O_RDWR : O_RDONLY, 0);
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("shared memory ", name, ": ", std::strerror(errno),
                                                " (is the daemon on this host?)"));
   }
-  void* data = mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  void* data =
+      mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
   close(fd);
   if (data == MAP_FAILED) {
@@ -81,7 +83,8 @@ absl::Status EpochReader::EndRead(const BlockTable& table) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info) {
+absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info,
+                                                               bool writable) {
   if (info.shm_name.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
                                                       " backend does not export its pool"));
@@ -90,11 +93,43 @@ absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info)
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   pool->epochs_ = *std::move(epochs);
-  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes);
+  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes, writable);
   if (!data.ok()) return data.status();
   pool->base_ = *data;
   pool->bytes_ = info.shm_bytes;
+  if (writable) pool->writable_ = const_cast<uint8_t*>(*data);
   return pool;
+}
+
+absl::Status SharedPool::WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
+                                      std::string_view k, std::string_view v) {
+  if (writable_ == nullptr) {
+    return absl::FailedPreconditionError("WritePlanned: the pool was attached read-only");
+  }
+  const Layout& layout = table.layout;
+  const uint64_t streams = uint64_t{layout.num_layers} * layout.num_kv_heads;
+  const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
+  if (n == 0 || n > plan.tokens || plan.block_offsets.size() != streams ||
+      plan.first_slots.size() != streams || k.size() != streams * n * row ||
+      v.size() != k.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "WritePlanned: ", n, " tokens of ", k.size(), "+", v.size(), " bytes for a plan of ",
+        plan.tokens, " tokens over ", plan.block_offsets.size(), " streams; the layout has ",
+        streams, " streams of ", row, "-byte rows"));
+  }
+  const kernels::LayoutBlock block{table.block_tokens, row};
+  for (uint64_t s = 0; s < streams; ++s) {
+    const uint64_t at = plan.block_offsets[s];
+    if (plan.first_slots[s] + n > table.block_tokens || at > bytes_ ||
+        block.bytes() > bytes_ - at) {
+      return absl::OutOfRangeError(absl::StrCat("WritePlanned: stream ", s, "'s block at ", at,
+                                                " lies outside the pool of ", bytes_, " bytes"));
+    }
+    const uint64_t src = s * n * row;  // stream s of [L][H][n][D]
+    std::memcpy(writable_ + at + block.k_offset(plan.first_slots[s]), k.data() + src, n * row);
+    std::memcpy(writable_ + at + block.v_offset(plan.first_slots[s]), v.data() + src, n * row);
+  }
+  return absl::OkStatus();
 }
 
 SharedPool::~SharedPool() {

@@ -88,11 +88,21 @@ class MappedPool {
 
 class SharedPool final : public MappedPool {
  public:
-  static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info);
+  // `writable`: maps the pool read-write too, for in-place writes (Info::in_place_writes).
+  static absl::StatusOr<std::unique_ptr<SharedPool>> Attach(const Info& info,
+                                                            bool writable = false);
   ~SharedPool() override;
+
+  // Writes `n` tokens' K and V ([L][H][n][D] in the layout dtype each, as an Append
+  // carries them) where `plan` says, into a pool attached writable; then commit them with
+  // BatchEntry::written_plan. INVALID_ARGUMENT when the sizes disagree with the table's
+  // layout or n passes the plan; OUT_OF_RANGE for a plan offset outside the pool.
+  absl::Status WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
+                            std::string_view k, std::string_view v);
 
  private:
   SharedPool() = default;
+  uint8_t* writable_ = nullptr;  // base_, when attached writable
   absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const override;
 };
 

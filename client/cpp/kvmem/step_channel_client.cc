@@ -19,11 +19,40 @@ namespace kvmem::client::internal {
 
 namespace layout = v1::step_channel;
 
+namespace {
+
+// Maps a daemon's segment of at least `bytes` read-write.
+absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, const char* what) {
+  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("OpenStepChannel: shm_open(", name, ") of the ", what, ": ",
+                     std::strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("OpenStepChannel: the ", what, " ", name, " is smaller than announced"));
+  }
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (data == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("OpenStepChannel: mmap(", name, "): ", std::strerror(errno)));
+  }
+  return static_cast<uint8_t*>(data);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
-    v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline) {
+    v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline,
+    uint64_t signal_bytes) {
   std::unique_ptr<StepChannelClient> channel(new StepChannelClient());
   v1::OpenStepChannelRequest request;
   request.set_capacity_bytes(capacity_bytes);
+  request.set_signal_bytes(signal_bytes);
   channel->reader_ = stub->OpenStepChannel(&channel->context_, request);
   v1::OpenStepChannelResponse opened;
   // The first message comes at once; the deadline bounds only the wait for it.
@@ -84,6 +113,17 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
                      " is not the channel the daemon opened (another daemon's of the same "
                      "name: it runs elsewhere)"));
   }
+  if (signal_bytes > 0) {
+    if (opened.signal_bytes() < signal_bytes) {
+      return absl::FailedPreconditionError(
+          "OpenStepChannel: the daemon opened no signal area (an older kvmemd?)");
+    }
+    absl::StatusOr<uint8_t*> area =
+        MapShared(opened.signal_name(), opened.signal_bytes(), "signal area");
+    if (!area.ok()) return area.status();
+    channel->signal_data_ = *area;
+    channel->signal_bytes_ = opened.signal_bytes();
+  }
   // The call's end (the daemon drained, or died) closes the channel.
   channel->watcher_ = std::thread([raw = channel.get()] { raw->Watch(); });
   return channel;
@@ -111,6 +151,7 @@ StepChannelClient::~StepChannelClient() {
     reader_->Finish().ok();
   }
   if (data_ != nullptr) munmap(data_, bytes_);
+  if (signal_data_ != nullptr) munmap(signal_data_, signal_bytes_);
 }
 
 StepChannelClient::Wait StepChannelClient::AwaitAnswer(uint32_t seq, absl::Time deadline) {

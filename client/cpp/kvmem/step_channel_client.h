@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -22,8 +23,9 @@ class StepChannelClient {
   // another host (no such segment), on a layout this client does not know, or when the
   // daemon refuses (the status says why).
   static absl::StatusOr<std::unique_ptr<StepChannelClient>> Open(v1::KvCache::Stub* stub,
-                                                                 uint64_t capacity_bytes,
-                                                                 absl::Duration deadline);
+                                                                  uint64_t capacity_bytes,
+                                                                  absl::Duration deadline,
+                                                                  uint64_t signal_bytes = 0);
   ~StepChannelClient();  // closes the channel (ends the call) and unmaps
   StepChannelClient(const StepChannelClient&) = delete;
   StepChannelClient& operator=(const StepChannelClient&) = delete;
@@ -39,6 +41,8 @@ class StepChannelClient {
                v1::StepBatchResponse* response, absl::Status* status);
   bool gone() const { return gone_.load(std::memory_order_acquire); }
   uint64_t capacity() const { return capacity_; }
+  // The signal area (OpenStepChannelRequest.signal_bytes), mapped writable; empty if none.
+  absl::Span<uint8_t> signal_area() const { return {signal_data_, signal_bytes_}; }
 
  private:
   StepChannelClient() = default;
@@ -60,6 +64,8 @@ class StepChannelClient {
   uint8_t* data_ = nullptr;
   uint64_t bytes_ = 0;
   uint64_t capacity_ = 0;
+  uint8_t* signal_data_ = nullptr;
+  uint64_t signal_bytes_ = 0;
   absl::Mutex mu_;  // one request in flight
   uint32_t seq_ ABSL_GUARDED_BY(mu_) = 0;
 };

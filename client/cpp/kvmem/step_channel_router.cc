@@ -12,15 +12,16 @@ StepChannelRouter::StepChannelRouter(v1::KvCache::Stub* stub, absl::Duration dea
       first_reopen_wait_(std::max(first_reopen_wait, absl::Milliseconds(1))),
       reopen_wait_(first_reopen_wait_) {}
 
-absl::Status StepChannelRouter::Open(uint64_t capacity_bytes) {
+absl::Status StepChannelRouter::Open(uint64_t capacity_bytes, uint64_t signal_bytes) {
   absl::StatusOr<std::unique_ptr<StepChannelClient>> opened =
-      StepChannelClient::Open(stub_, capacity_bytes, deadline_);
+      StepChannelClient::Open(stub_, capacity_bytes, deadline_, signal_bytes);
   if (!opened.ok()) return opened.status();
   std::shared_ptr<StepChannelClient> replaced;  // closed after the lock is released
   absl::MutexLock lock(&mu_);
   replaced = std::move(channel_);
   channel_ = *std::move(opened);
   wanted_capacity_ = channel_->capacity();
+  wanted_signal_bytes_ = signal_bytes;
   reopen_wait_ = first_reopen_wait_;
   return absl::OkStatus();
 }
@@ -30,6 +31,11 @@ void StepChannelRouter::Close() {
   absl::MutexLock lock(&mu_);
   closed = std::move(channel_);
   wanted_capacity_.reset();
+}
+
+std::shared_ptr<StepChannelClient> StepChannelRouter::current() const {
+  absl::MutexLock lock(&mu_);
+  return channel_;
 }
 
 bool StepChannelRouter::open() const {
@@ -42,18 +48,19 @@ bool StepChannelRouter::open() const {
 }
 
 std::shared_ptr<StepChannelClient> StepChannelRouter::ForBatch() {
-  uint64_t capacity = 0;
+  uint64_t capacity = 0, signal_bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     if (channel_ != nullptr || !wanted_capacity_ || absl::Now() < reopen_at_) return channel_;
     capacity = *wanted_capacity_;
+    signal_bytes = wanted_signal_bytes_;
     reopen_wait_ = std::min(2 * reopen_wait_, absl::Minutes(1));  // the wait if this fails
     reopen_at_ = absl::Now() + reopen_wait_;
   }
   // The call's own deadline: a daemon that refuses a channel answers at once, and one that
   // does not answer would hold the batch as long over gRPC.
   absl::StatusOr<std::unique_ptr<StepChannelClient>> opened =
-      StepChannelClient::Open(stub_, capacity, deadline_);
+      StepChannelClient::Open(stub_, capacity, deadline_, signal_bytes);
   absl::MutexLock lock(&mu_);
   // Kept only while still wanted and not replaced meanwhile (Open). The wait stays doubled
   // until the new channel answers a batch (Answered): one that opens but fails every batch

@@ -29,10 +29,13 @@ class StepChannelRouter {
 
   // Opens a channel now, in place of any open one; fails, changing nothing, when the daemon
   // is on another host or refuses. From then on a closed channel is reopened.
-  absl::Status Open(uint64_t capacity_bytes);
+  // `signal_bytes`: a signal area with the channel (and with each reopened one).
+  absl::Status Open(uint64_t capacity_bytes, uint64_t signal_bytes = 0);
   // Closes the channel and stops reopening it.
   void Close();
   bool open() const;
+  // The channel in use now (null: none), without reopening one.
+  std::shared_ptr<StepChannelClient> current() const;
 
   // A batch's channel: the open one, or one opened again in place of a channel that closed
   // once its wait has passed (one thread tries; the others go by gRPC meanwhile); null:
@@ -55,6 +58,7 @@ class StepChannelRouter {
   // While the caller wants a channel (Open succeeded, no Close since): the capacity it
   // asked for, and when a dropped channel may be opened again.
   std::optional<uint64_t> wanted_capacity_ ABSL_GUARDED_BY(mu_);
+  uint64_t wanted_signal_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time reopen_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Duration reopen_wait_ ABSL_GUARDED_BY(mu_);
   // A reopened channel whose wait stays doubled until it answers a batch: read without the

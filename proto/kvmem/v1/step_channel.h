@@ -67,3 +67,34 @@ inline void FutexWakeAll(std::atomic<uint32_t>* word) {
 }
 
 }  // namespace kvmem::v1::step_channel
+
+// A channel's signal area (OpenStepChannelRequest.signal_bytes): a second segment the client
+// writes and the daemon reads, each entry's attention rows at the offset its
+// StepSignals.attention_offset names:
+//
+//   RowsHeader, then `rows` RowEntry, then each row's `length` values in entry order
+//   (little-endian f32, or IEEE halves when dtype is kF16), packed.
+//
+// The daemon copies what an entry names out of the area before it checks or uses it (the
+// client may write the area at any time), bounded by the area's size: a header, entry or
+// row past its end is INVALID_ARGUMENT for that entry alone. Write an entry's rows before
+// posting its batch and leave them until the answer comes.
+namespace kvmem::v1::signal_area {
+
+enum DType : uint32_t { kF32 = 0, kF16 = 1 };
+inline constexpr uint32_t kMaxRows = 1u << 16;
+
+struct RowsHeader {
+  uint32_t rows;
+  uint32_t dtype;
+};
+
+struct RowEntry {
+  uint32_t layer;
+  uint32_t kv_head;
+  uint32_t length;  // values in this row
+  uint32_t reserved;
+};
+static_assert(sizeof(RowsHeader) == 8 && sizeof(RowEntry) == 16);
+
+}  // namespace kvmem::v1::signal_area

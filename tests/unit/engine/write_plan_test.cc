@@ -193,7 +193,7 @@ TEST_F(WritePlanTest, PlansNeedTheFlagAndAValidTokenCount) {
   ASSERT_TRUE(AppendRange(id, 0, 3).ok());
   absl::StatusOr<PlanView> off = Plan(id, 1);
   EXPECT_EQ(off.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(off.status().message()), ::testing::HasSubstr("--in-place-writes"));
+  EXPECT_THAT(std::string(off.status().message()), ::testing::HasSubstr("--in_place_writes"));
   EXPECT_EQ(Commit(id, 1, 3, 1, false, 0).status.code(), absl::StatusCode::kFailedPrecondition);
 
   MakePlanEngine(1 << 20);
