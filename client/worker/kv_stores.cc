@@ -38,7 +38,8 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
                                                                    const ModelConfig& config,
                                                                    const client::PolicySpec& policy,
                                                                    ReadPath path,
-                                                                   const client::Prompt* prompt) {
+                                                                   const client::Prompt* prompt,
+                                                                   bool in_place) {
   std::unique_ptr<KvmemKvStore> store(new KvmemKvStore());
   store->client_ = client;
   store->config_ = config;
@@ -50,7 +51,9 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Clien
     if (p.name == policy.name.value_or("full")) store->policy_info_ = p;
   }
   if (path == ReadPath::kSharedMemory) {
-    absl::StatusOr<std::unique_ptr<client::SharedPool>> pool = client::SharedPool::Attach(*info);
+    store->pool_writable_ = in_place && info->in_place_writes;
+    absl::StatusOr<std::unique_ptr<client::SharedPool>> pool =
+        client::SharedPool::Attach(*info, store->pool_writable_);
     if (!pool.ok()) return pool.status();
     store->pool_ = *std::move(pool);
   }
@@ -213,9 +216,48 @@ absl::StatusOr<client::CompressResult> KvmemKvStore::Compress(client::CompressAr
 }
 
 client::BatchEntry KvmemKvStore::StepEntry(std::optional<client::AppendArgs> append,
-                                           std::optional<client::StepArgs> step) {
+                                           std::optional<client::StepArgs> step,
+                                           const client::Client::SignalArea* area,
+                                           uint64_t* area_offset) {
   if (step) step->epoch = table_.epoch;
-  return client::BatchEntry{sequence_.id, std::move(append), std::move(step), &table_};
+  client::BatchEntry entry{sequence_.id, std::nullopt, std::nullopt, &table_};
+  plan_written_ = false;
+  if (pool_writable_) {
+    entry.plan_tokens = 1;  // the next step's plan
+    // A plan is good only on the table it was made on: one changed elsewhere since (and
+    // fetched again) would have the daemon refuse the commit.
+    if (append && plan_ && plan_version_ == table_.version &&
+        append->positions.size() <= plan_->tokens &&
+        pool_->WritePlanned(*plan_, table_, static_cast<uint32_t>(append->positions.size()),
+                            append->k, append->v)
+            .ok()) {
+      append->k = {};
+      append->v = {};
+      entry.written_plan = plan_->plan_id;
+      plan_written_ = true;
+    }
+    if (step && !step->attention.empty() && area != nullptr && area_offset != nullptr &&
+        !area->bytes.empty()) {
+      absl::StatusOr<uint64_t> written = client::WriteAttentionRows(
+          area->bytes, *area_offset, step->attention, step->attention_f16);
+      if (written.ok()) {
+        step->attention_offset = *area_offset;
+        step->attention.clear();
+        *area_offset += (*written + 7) / 8 * 8;
+        ++area_row_steps_;
+      }
+    }
+  }
+  entry.append = std::move(append);
+  entry.step = std::move(step);
+  return entry;
+}
+
+void KvmemKvStore::StepDone(const client::BatchResult& result) {
+  if (plan_written_ && (result.status.ok() || result.appended)) ++in_place_steps_;
+  // A plan is good for one commit: the one made after this entry, or none.
+  plan_ = result.plan;
+  plan_version_ = table_.version;  // the call kept the table: it is the plan's
 }
 
 }  // namespace kvmem::worker

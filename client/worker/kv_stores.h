@@ -42,9 +42,13 @@ class KvmemKvStore final : public KvStore {
   enum class ReadPath { kSharedMemory, kGrpc };
   // With `prompt`, the sequence starts with the longest published prefix of it mapped
   // (reused_tokens(); published again as it fills when prompt->auto_publish).
+  // `in_place`: on the shared-memory path, against a kvmemd that offers it
+  // (--in_place_writes), each decode step's K/V is written into the pool where the last
+  // step's write plan says and its attention rows into the step channel's signal area (when
+  // one is open), so that its StepBatch entry carries neither.
   static absl::StatusOr<std::unique_ptr<KvmemKvStore>> Create(
       client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
-      ReadPath path, const client::Prompt* prompt = nullptr);
+      ReadPath path, const client::Prompt* prompt = nullptr, bool in_place = false);
   uint64_t reused_tokens() const { return sequence_.reused_prefix_tokens; }
   ~KvmemKvStore() override;
 
@@ -64,8 +68,19 @@ class KvmemKvStore final : public KvStore {
   absl::StatusOr<client::CompressResult> Compress(client::CompressArgs args);
   // This sequence's entry of a StepBatch: `append` (views that must outlive the call), then
   // `step` at the table's epoch; the table is kept by the call.
+  // In place, the K/V goes into the pool now, and the rows into `area` (the batch's signal
+  // area, its next free byte at *area_offset) when it holds them; what does not fit a plan
+  // or the area goes as message bytes.
   client::BatchEntry StepEntry(std::optional<client::AppendArgs> append,
-                               std::optional<client::StepArgs> step);
+                               std::optional<client::StepArgs> step,
+                               const client::Client::SignalArea* area = nullptr,
+                               uint64_t* area_offset = nullptr);
+  // Takes the result of the entry StepEntry made: its plan for the next step.
+  void StepDone(const client::BatchResult& result);
+  bool in_place() const { return pool_writable_; }
+  // Steps whose K/V this store wrote in place, and whose rows went in the signal area.
+  uint64_t in_place_steps() const { return in_place_steps_; }
+  uint64_t area_row_steps() const { return area_row_steps_; }
 
   // Whether the sequence's policy requires `signal` ("attention_rows", "logit_stats", ...)
   // on every Step, or per appended token (GetInfo's lists for the policy).
@@ -90,6 +105,11 @@ class KvmemKvStore final : public KvStore {
   client::PolicyInfo policy_info_;
   ReadPath path_ = ReadPath::kSharedMemory;
   std::unique_ptr<client::SharedPool> pool_;
+  bool pool_writable_ = false;
+  std::optional<client::WritePlan> plan_;  // where the next token goes (in place)
+  uint64_t plan_version_ = 0;              // the table version the plan was made on
+  bool plan_written_ = false;              // the last entry committed a plan
+  uint64_t in_place_steps_ = 0, area_row_steps_ = 0;
   client::BlockTable table_;
   std::vector<client::StreamKv> grpc_kv_;  // kGrpc: this forward's streams
   uint64_t max_message_bytes_ = 0;

@@ -110,7 +110,9 @@ absl::StatusOr<std::vector<float>> Session::Commit(const std::vector<int32_t>& t
     return logits;
   }
   PendingStep pending;
-  PrepareStep(tokens, r, &pending);
+  const client::Client::SignalArea area = daemon_->client()->signal_area();
+  uint64_t area_offset = 0;
+  PrepareStep(tokens, r, &pending, &area, &area_offset);
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<client::BatchResult>> results =
       daemon_->client()->StepBatch(absl::MakeConstSpan(&pending.entry, 1));
@@ -180,7 +182,8 @@ absl::Status Session::CommitPrompt(const std::vector<int32_t>& tokens, const For
 }
 
 void Session::PrepareStep(const std::vector<int32_t>& tokens, const ForwardResult& r,
-                          PendingStep* pending) {
+                          PendingStep* pending, const client::Client::SignalArea* area,
+                          uint64_t* area_offset) {
   pending->positions = NextPositions(tokens.size());
   pending->tokens = tokens;
   next_position_ += static_cast<int64_t>(tokens.size());
@@ -200,10 +203,11 @@ void Session::PrepareStep(const std::vector<int32_t>& tokens, const ForwardResul
   }
   step.attention = AttentionRows(r);  // empty unless the policy reads them
   step.attention_f16 = options_.attention_f16;
-  pending->entry = daemon_->StepEntry(append, std::move(step));
+  pending->entry = daemon_->StepEntry(append, std::move(step), area, area_offset);
 }
 
 absl::Status Session::FinishStep(const client::BatchResult& result, double seconds) {
+  daemon_->StepDone(result);
   if (!result.status.ok()) return result.status;
   if (!result.step) return absl::InternalError("StepBatch: an entry without its step's result");
   // The step's call, and the reads since the last step (ReadKv before its forward pass).
@@ -237,6 +241,9 @@ absl::Status DecodeBatch(absl::Span<Session* const> sessions, absl::Span<const i
   std::vector<client::BatchEntry> entries;
   entries.reserve(sessions.size());
   const uint32_t V = sessions[0]->model_.config().vocab;
+  // One signal area for the batch: each entry's rows after the last's.
+  const client::Client::SignalArea area = sessions[0]->daemon_->client()->signal_area();
+  uint64_t area_offset = 0;
   for (size_t i = 0; i < sessions.size(); ++i) {
     Session& s = *sessions[i];
     if (s.daemon_ == nullptr || s.daemon_->client() != sessions[0]->daemon_->client()) {
@@ -248,7 +255,7 @@ absl::Status DecodeBatch(absl::Span<Session* const> sessions, absl::Span<const i
     if (!r.ok()) return r.status();
     forwards[i] = *std::move(r);
     (*logits)[i].assign(forwards[i].logits.end() - V, forwards[i].logits.end());
-    s.PrepareStep(token, forwards[i], &pending[i]);
+    s.PrepareStep(token, forwards[i], &pending[i], &area, &area_offset);
     entries.push_back(pending[i].entry);
   }
   const auto start = std::chrono::steady_clock::now();

@@ -33,11 +33,16 @@ class WorkerTest : public ::testing::Test {
   }
   void SetUp() override {
     if (model_ == nullptr) GTEST_SKIP() << "KVMEM_MODEL is not set (bash scripts/fetch_model.sh)";
-    service::ServerConfig config;
-    config.listen = "127.0.0.1:0";
-    config.engine.pool_bytes = 256ull << 20;
-    config.engine.page_bytes = 256 * 1024;
-    server_ = *service::Server::Start(config);
+    config_.listen = "127.0.0.1:0";
+    config_.engine.pool_bytes = 256ull << 20;
+    config_.engine.page_bytes = 256 * 1024;
+    Restart();
+  }
+  // A daemon with config_ (in place of the one running).
+  void Restart() {
+    client_.reset();
+    server_.reset();
+    server_ = *service::Server::Start(config_);
     client_ = *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()));
   }
 
@@ -96,6 +101,7 @@ class WorkerTest : public ::testing::Test {
   static GgufFile* file_;
   static Tokenizer* tokenizer_;
   static LlamaModel* model_;
+  service::ServerConfig config_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;
 };
@@ -221,6 +227,67 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
     EXPECT_GT(sessions[p]->evicted(), 0u);
   }
   EXPECT_NE(batched[1].back(), local.back());  // eviction changed what the model saw
+}
+
+// In place (kvmemd --in_place_writes): each decode step's K/V written into the pool where
+// the last step's plan said, its rows in the step channel's signal area; the logits are the
+// message path's to the bit (full: the in-process cache's), one sequence alone and several
+// in one batch, and the kept tables are the daemon's.
+TEST_F(WorkerTest, InPlaceStepsGiveTheMessagePathsLogits) {
+  config_.engine.in_place_writes = true;
+  Restart();
+  ASSERT_TRUE(client_->OpenStepChannel(std::nullopt, 4 << 20).ok());
+  const std::vector<int32_t> ids = tokenizer_->Encode(
+      "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.", false);
+  const std::vector<int32_t> more = {100, 200, 300, 400, 500, 600, 700, 800};
+  const std::vector<std::pair<client::PolicySpec, bool>> policies = {
+      {{"full", {}}, false}, {{"h2o", {{"budget", 16}}}, true}, {{"confkv", {}}, false}};
+  const auto local = RunLocal(ids, more);
+  for (const auto& [policy, f16] : policies) {
+    std::vector<std::vector<float>> want, got;
+    for (bool in_place : {false, true}) {
+      auto store = KvmemKvStore::Create(client_.get(), model_->config(), policy,
+                                        KvmemKvStore::ReadPath::kSharedMemory, nullptr, in_place);
+      ASSERT_TRUE(store.ok()) << store.status();
+      ASSERT_EQ((*store)->in_place(), in_place);
+      Session session(*model_, **store, store->get(), {32, f16});
+      (in_place ? got : want) = Run(session, ids, more);
+      ExpectTableCurrent(**store);
+      if (in_place) {
+        // The first step has no plan yet; every later one writes in place.
+        EXPECT_EQ((*store)->in_place_steps(), more.size() - 1) << *policy.name;
+        if (policy.name != "full") EXPECT_EQ((*store)->area_row_steps(), more.size());
+      }
+    }
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], want[i]) << *policy.name << " call " << i;
+    }
+    if (policy.name == "full") {
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], local[i]) << "call " << i;
+    }
+  }
+  // Several in one batch, in place, as each alone.
+  std::vector<std::unique_ptr<KvmemKvStore>> stores;
+  std::vector<std::unique_ptr<Session>> sessions;
+  std::vector<Session*> all;
+  for (const auto& [policy, f16] : policies) {
+    stores.push_back(*KvmemKvStore::Create(client_.get(), model_->config(), policy,
+                                           KvmemKvStore::ReadPath::kSharedMemory, nullptr, true));
+    sessions.push_back(std::make_unique<Session>(*model_, *stores.back(), stores.back().get(),
+                                                 SessionOptions{32, f16}));
+    ASSERT_TRUE(sessions.back()->Feed(ids, true).ok());
+    all.push_back(sessions.back().get());
+  }
+  std::vector<std::vector<float>> last;
+  for (int32_t t : more) {
+    ASSERT_TRUE(DecodeBatch(all, std::vector<int32_t>(all.size(), t), &last).ok());
+  }
+  EXPECT_EQ(last[0], local.back());
+  for (const auto& store : stores) {
+    EXPECT_EQ(store->in_place_steps(), more.size() - 1);
+    ExpectTableCurrent(*store);
+  }
 }
 
 // A second request with the same prompt maps the published blocks (auto_publish by the

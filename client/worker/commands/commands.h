@@ -65,6 +65,8 @@ absl::StatusOr<client::PolicySpec> PolicyFromFlags();
 SessionOptions SessionOptionsFromFlags();
 // --read_path.
 KvmemKvStore::ReadPath ReadPathFromFlags();
+// --in_place_writes: write K/V and rows in place when kvmemd offers it (KvmemKvStore::Create).
+bool InPlaceFromFlags();
 
 // The model and where its KV cache lives: `local` (in process) or `daemon` (kvmemd, with
 // `client`); `store` is the one in use.

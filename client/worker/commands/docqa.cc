@@ -93,7 +93,7 @@ int RunDocQa() {
     const bool with_prompt = mode == "prefix" || mode == "document";
     absl::StatusOr<std::unique_ptr<KvmemKvStore>> store = KvmemKvStore::Create(
         c->get(), env.model->config(), *policy, KvmemKvStore::ReadPath::kSharedMemory,
-        with_prompt ? &prompt : nullptr);
+        with_prompt ? &prompt : nullptr, InPlaceFromFlags());
     if (!store.ok()) return Fail("create", store.status());
     r.store = *std::move(store);
     r.reused = r.store->reused_tokens();

@@ -30,6 +30,10 @@ ABSL_FLAG(uint32_t, window, 32, "observation window for prefill window scores");
 ABSL_FLAG(bool, step_channel, true,
           "send each StepBatch through a shared-memory step channel when kvmemd is on this host "
           "(falls back to gRPC when it cannot open one)");
+ABSL_FLAG(bool, in_place_writes, true,
+          "against a same-host kvmemd that offers it (kvmemd --in_place_writes), write each "
+          "decode step's K/V into the pool and its attention rows into the step channel's "
+          "signal area instead of sending them");
 ABSL_FLAG(bool, attention_f16, false,
           "send the per-step attention rows to kvmemd as IEEE halves instead of f32");
 ABSL_FLAG(uint32_t, prefill_chunk, 0,
@@ -97,6 +101,8 @@ SessionOptions SessionOptionsFromFlags() {
                         absl::GetFlag(FLAGS_prefill_chunk)};
 }
 
+bool InPlaceFromFlags() { return absl::GetFlag(FLAGS_in_place_writes); }
+
 KvmemKvStore::ReadPath ReadPathFromFlags() {
   return absl::GetFlag(FLAGS_read_path) == "grpc" ? KvmemKvStore::ReadPath::kGrpc
                                                   : KvmemKvStore::ReadPath::kSharedMemory;
@@ -106,7 +112,14 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
   absl::StatusOr<std::unique_ptr<client::Client>> c =
       client::Client::Connect(absl::GetFlag(FLAGS_target));
   if (!c.ok() || !absl::GetFlag(FLAGS_step_channel)) return c;
-  if (absl::Status s = (*c)->OpenStepChannel(); !s.ok()) {
+  // A signal area for the rows when they may go in place: 16 MiB holds a step's rows of
+  // SmolLM2 (90 streams) at 16k tokens as f32, or a batch of shorter ones.
+  uint64_t signal_bytes = 0;
+  if (absl::GetFlag(FLAGS_in_place_writes)) {
+    absl::StatusOr<client::Info> info = (*c)->GetInfo();
+    if (info.ok() && info->in_place_writes) signal_bytes = 16ull << 20;
+  }
+  if (absl::Status s = (*c)->OpenStepChannel(std::nullopt, signal_bytes); !s.ok()) {
     std::fprintf(stderr, "step channel not opened (StepBatch goes by gRPC): %s\n",
                  s.ToString().c_str());
   }
@@ -134,7 +147,8 @@ absl::Status Setup(Env& env, bool force_local) {
   if (!c.ok()) return c.status();
   env.client = *std::move(c);
   absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
-      KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags());
+      KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags(),
+                           nullptr, InPlaceFromFlags());
   if (!d.ok()) return d.status();
   env.daemon = *std::move(d);
   env.store = env.daemon.get();

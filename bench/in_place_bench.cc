@@ -1,0 +1,252 @@
+// The decode loop as a same-host serving engine drives kvmemd, the in-place path against the
+// message path in one run: N sequences of one layout, a 512-token prompt each, then decode
+// steps of one token per sequence, one StepBatch per step through the step channel.
+//   bytes:    K/V and the attention rows (halves) in the message, as before;
+//   in place: K/V written into the pool where the write plan says (the pool mapped
+//             writable), rows (halves) in the channel's signal area, the entry carrying
+//             only ids, versions, the plan and offsets.
+// The two alternate (bytes, in place, bytes, in place) on two daemons started alike in this
+// process (every call crosses a unix socket and shared memory as between processes). The
+// time of a step runs from putting its data where the daemon reads it (the message, or the
+// pool and the area) to having the answer with the tables updated; the K/V and row values
+// themselves are made once, as a model would have them.
+//
+//   in_place_bench [--sequences=64] [--policy=confkv|window] [--steps=100] [--shape=smollm2]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "kvmem/client.h"
+#include "kvmem/shared_pool.h"
+#include "server/service/server.h"
+
+ABSL_FLAG(uint32_t, sequences, 64, "sequences in each batch");
+ABSL_FLAG(std::string, policy, "confkv", "confkv (c_high = c_low = 256) or window (256)");
+ABSL_FLAG(uint32_t, steps, 100, "timed decode steps per round (after 10 untimed)");
+ABSL_FLAG(uint32_t, rounds, 2, "rounds of (bytes, in place)");
+ABSL_FLAG(bool, in_place_only, false, "time only the in-place path (for a profiler)");
+ABSL_FLAG(std::string, shape, "smollm2", "smollm2 (30x3x64) or llama8b (32x8x128)");
+
+namespace {
+
+using kvmem::client::BatchEntry;
+using kvmem::client::BlockTable;
+using kvmem::client::Client;
+
+constexpr uint32_t kPrompt = 512;
+
+struct Daemon {
+  std::unique_ptr<kvmem::service::Server> server;
+  std::unique_ptr<Client> client;
+  std::unique_ptr<kvmem::client::SharedPool> pool;
+};
+
+Daemon Start(const std::string& name, uint64_t pool_bytes) {
+  kvmem::service::ServerConfig config;
+  const std::string socket = absl::StrCat("/tmp/kvmem-bench-", getpid(), "-", name);
+  config.listen = "unix:" + socket;
+  config.metrics_listen = "";
+  config.engine.pool_bytes = pool_bytes;
+  config.engine.max_sequences = 4096;
+  config.engine.in_place_writes = true;
+  Daemon d;
+  absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
+      kvmem::service::Server::Start(config);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvmemd: %s\n", server.status().ToString().c_str());
+    std::exit(1);
+  }
+  d.server = *std::move(server);
+  d.client = *Client::Connect("unix:" + socket);
+  return d;
+}
+
+struct Seq {
+  uint64_t id = 0;
+  BlockTable table;
+  kvmem::client::WritePlan plan;
+  int64_t next = kPrompt;
+};
+
+struct Run {
+  Daemon daemon;
+  std::vector<Seq> seqs;
+  bool in_place = false;
+};
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const uint32_t n = absl::GetFlag(FLAGS_sequences);
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  const bool llama = absl::GetFlag(FLAGS_shape) == "llama8b";
+  const kvmem::client::Layout layout{llama ? 32u : 30u, llama ? 8u : 3u, llama ? 128u : 64u,
+                                     kvmem::client::DType::kF16, 16, 49152};
+  const uint32_t streams = layout.num_layers * layout.num_kv_heads;
+  const uint64_t row = uint64_t{layout.head_dim} * 2;
+  const kvmem::client::PolicySpec spec =
+      policy == "window"
+          ? kvmem::client::PolicySpec{"window", {{"window", 256}}}
+          : kvmem::client::PolicySpec{"confkv", {{"c_high", 256}, {"c_low", 256}}};
+  const bool rows_needed = policy != "window";
+  // Pool: the prompt of every sequence, twice over for the blocks in flight.
+  const uint64_t pool_bytes = uint64_t{n} * kPrompt * streams * row * 2 * 2 + (256ull << 20);
+
+  // The values a model would produce: one prompt's K/V, one token's, one row per stream.
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> small(0x2000, 0x3800);  // finite halves
+  auto halves = [&](uint64_t count) {
+    std::string out(count * 2, '\0');
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint16_t h = static_cast<uint16_t>(small(rng));
+      std::memcpy(out.data() + 2 * i, &h, 2);
+    }
+    return out;
+  };
+  const std::string prompt_k = halves(uint64_t{streams} * kPrompt * layout.head_dim);
+  const std::string prompt_v = halves(uint64_t{streams} * kPrompt * layout.head_dim);
+  const std::string token_k = halves(uint64_t{streams} * layout.head_dim);
+  const std::string token_v = halves(uint64_t{streams} * layout.head_dim);
+  std::uniform_real_distribution<float> weight(0.001f, 0.01f);
+  std::vector<float> row_values(kPrompt + 1);
+  for (float& w : row_values) w = weight(rng);
+
+  std::vector<int64_t> prompt_positions(kPrompt);
+  for (uint32_t i = 0; i < kPrompt; ++i) prompt_positions[i] = i;
+  Run runs[2];
+  for (int r = 0; r < 2; ++r) {
+    runs[r].in_place = r == 1;
+    runs[r].daemon = Start(r == 0 ? "bytes" : "inplace", pool_bytes);
+    Client& c = *runs[r].daemon.client;
+    Check(c.OpenStepChannel(16ull << 20, runs[r].in_place ? 16ull << 20 : 0), "OpenStepChannel");
+    if (runs[r].in_place) {
+      absl::StatusOr<kvmem::client::Info> info = c.GetInfo();
+      Check(info.status(), "GetInfo");
+      auto pool = kvmem::client::SharedPool::Attach(*info, /*writable=*/true);
+      Check(pool.status(), "SharedPool::Attach");
+      runs[r].daemon.pool = *std::move(pool);
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+      absl::StatusOr<kvmem::client::Sequence> seq = c.CreateSequence(layout, spec);
+      Check(seq.status(), "CreateSequence");
+      Seq s;
+      s.id = seq->id;
+      Check(c.Append(s.id, {prompt_positions, {}, prompt_k, prompt_v, {}, {}}, &s.table).status(),
+            "Append");
+      runs[r].seqs.push_back(std::move(s));
+    }
+    if (runs[r].in_place) {  // every sequence's first plan, in one batch
+      std::vector<BatchEntry> entries(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        entries[i].sequence_id = runs[r].seqs[i].id;
+        entries[i].plan_tokens = 1;
+      }
+      absl::StatusOr<std::vector<kvmem::client::BatchResult>> out = c.StepBatch(entries);
+      Check(out.status(), "StepBatch (plans)");
+      for (uint32_t i = 0; i < n; ++i) {
+        Check((*out)[i].plan_status, "plan");
+        runs[r].seqs[i].plan = *(*out)[i].plan;
+      }
+    }
+  }
+
+  // One decode step of every sequence; returns its wall time in µs.
+  std::vector<BatchEntry> entries(n);
+  std::vector<std::vector<int64_t>> positions(n);
+  auto step = [&](Run& run) {
+    Client& c = *run.daemon.client;
+    const auto started = std::chrono::steady_clock::now();
+    const Client::SignalArea area = run.in_place ? c.signal_area() : Client::SignalArea{};
+    uint64_t offset = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      Seq& s = run.seqs[i];
+      positions[i] = {s.next};
+      BatchEntry& e = entries[i];
+      e = BatchEntry{};
+      e.sequence_id = s.id;
+      e.table = &s.table;
+      kvmem::client::StepArgs args;
+      args.epoch = s.table.epoch;
+      args.logit_stats = kvmem::client::LogitStats{2.0f, 0.5f, 0.2f, {}};
+      args.attention_f16 = true;
+      if (rows_needed) {
+        args.attention.resize(streams);
+        for (uint32_t st = 0; st < streams; ++st) {
+          size_t len = 1;  // the retained slots and the new token
+          for (const kvmem::client::TableBlock& b : s.table.streams[st].blocks) len += b.count;
+          args.attention[st] = {st / layout.num_kv_heads, st % layout.num_kv_heads,
+                                std::vector<float>(row_values.begin(), row_values.begin() +
+                                                                           static_cast<long>(len))};
+        }
+      }
+      if (run.in_place) {
+        Check(run.daemon.pool->WritePlanned(s.plan, s.table, 1, token_k, token_v), "WritePlanned");
+        e.append = kvmem::client::AppendArgs{positions[i], {}, {}, {}, {}, {}};
+        e.written_plan = s.plan.plan_id;
+        e.plan_tokens = 1;
+        if (rows_needed) {
+          absl::StatusOr<uint64_t> written =
+              kvmem::client::WriteAttentionRows(area.bytes, offset, args.attention, true);
+          Check(written.status(), "WriteAttentionRows");
+          args.attention.clear();
+          args.attention_offset = offset;
+          offset += (*written + 7) / 8 * 8;
+        }
+      } else {
+        e.append = kvmem::client::AppendArgs{positions[i], {}, token_k, token_v, {}, {}};
+      }
+      e.step = std::move(args);
+    }
+    absl::StatusOr<std::vector<kvmem::client::BatchResult>> out = c.StepBatch(entries);
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
+            .count();
+    Check(out.status(), "StepBatch");
+    for (uint32_t i = 0; i < n; ++i) {
+      Check((*out)[i].status, "entry");
+      if (run.in_place) {
+        Check((*out)[i].plan_status, "plan");
+        run.seqs[i].plan = *(*out)[i].plan;
+      }
+      ++run.seqs[i].next;
+    }
+    return us;
+  };
+
+  const uint32_t steps = absl::GetFlag(FLAGS_steps);
+  std::printf("%s shape (%ux%ux%u f16), %s, %u sequences, %u-token prompts, %u timed steps per "
+              "round; median and 10th percentile per batched step\n",
+              llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads,
+              layout.head_dim, policy.c_str(), n, kPrompt, steps);
+  std::printf("| round | path | µs per batched step (median) | p10 | µs per sequence-step |\n");
+  std::printf("|---|---|---|---|---|\n");
+  for (uint32_t round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    for (Run& run : runs) {
+      if (absl::GetFlag(FLAGS_in_place_only) && !run.in_place) continue;
+      for (int w = 0; w < 10; ++w) step(run);
+      std::vector<double> us;
+      for (uint32_t t = 0; t < steps; ++t) us.push_back(step(run));
+      std::sort(us.begin(), us.end());
+      const double median = us[us.size() / 2];
+      std::printf("| %u | %s | %.0f | %.0f | %.1f |\n", round + 1,
+                  run.in_place ? "in place" : "bytes", median, us[us.size() / 10], median / n);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
