@@ -95,14 +95,17 @@ int main(int argc, char** argv) {
   const uint32_t n = absl::GetFlag(FLAGS_sequences);
   const std::string policy = absl::GetFlag(FLAGS_policy);
   const bool llama = absl::GetFlag(FLAGS_shape) == "llama8b";
-  const kvmem::client::Layout layout{llama ? 32u : 30u, llama ? 8u : 3u, llama ? 128u : 64u,
-                                     kvmem::client::DType::kF16, 16, 49152};
+  const kvmem::client::Layout layout{llama ? 32u : 30u,
+                                     llama ? 8u : 3u,
+                                     llama ? 128u : 64u,
+                                     kvmem::client::DType::kF16,
+                                     16,
+                                     49152};
   const uint32_t streams = layout.num_layers * layout.num_kv_heads;
   const uint64_t row = uint64_t{layout.head_dim} * 2;
   const kvmem::client::PolicySpec spec =
-      policy == "window"
-          ? kvmem::client::PolicySpec{"window", {{"window", 256}}}
-          : kvmem::client::PolicySpec{"confkv", {{"c_high", 256}, {"c_low", 256}}};
+      policy == "window" ? kvmem::client::PolicySpec{"window", {{"window", 256}}}
+                         : kvmem::client::PolicySpec{"confkv", {{"c_high", 256}, {"c_low", 256}}};
   const bool rows_needed = policy != "window";
   // Pool: the prompt of every sequence, twice over for the blocks in flight.
   const uint64_t pool_bytes = uint64_t{n} * kPrompt * streams * row * 2 * 2 + (256ull << 20);
@@ -189,9 +192,9 @@ int main(int argc, char** argv) {
         for (uint32_t st = 0; st < streams; ++st) {
           size_t len = 1;  // the retained slots and the new token
           for (const kvmem::client::TableBlock& b : s.table.streams[st].blocks) len += b.count;
-          args.attention[st] = {st / layout.num_kv_heads, st % layout.num_kv_heads,
-                                std::vector<float>(row_values.begin(), row_values.begin() +
-                                                                           static_cast<long>(len))};
+          args.attention[st] = {
+              st / layout.num_kv_heads, st % layout.num_kv_heads,
+              std::vector<float>(row_values.begin(), row_values.begin() + static_cast<long>(len))};
         }
       }
       if (run.in_place) {
@@ -229,10 +232,11 @@ int main(int argc, char** argv) {
   };
 
   const uint32_t steps = absl::GetFlag(FLAGS_steps);
-  std::printf("%s shape (%ux%ux%u f16), %s, %u sequences, %u-token prompts, %u timed steps per "
-              "round; median and 10th percentile per batched step\n",
-              llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads,
-              layout.head_dim, policy.c_str(), n, kPrompt, steps);
+  std::printf(
+      "%s shape (%ux%ux%u f16), %s, %u sequences, %u-token prompts, %u timed steps per "
+      "round; median and 10th percentile per batched step\n",
+      llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads, layout.head_dim,
+      policy.c_str(), n, kPrompt, steps);
   std::printf("| round | path | µs per batched step (median) | p10 | µs per sequence-step |\n");
   std::printf("|---|---|---|---|---|\n");
   for (uint32_t round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {

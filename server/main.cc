@@ -156,8 +156,8 @@ int main(int argc, char** argv) {
 
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
-  for (const std::string& name :
-       kvmem::transport::RemoveStaleSegments({"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig"})) {
+  for (const std::string& name : kvmem::transport::RemoveStaleSegments(
+           {"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig"})) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 

@@ -34,12 +34,9 @@ void LocalKvStore::Append(absl::Span<const int64_t> positions, const ForwardResu
   }
 }
 
-absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(client::Client* client,
-                                                                   const ModelConfig& config,
-                                                                   const client::PolicySpec& policy,
-                                                                   ReadPath path,
-                                                                   const client::Prompt* prompt,
-                                                                   bool in_place) {
+absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(
+    client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
+    ReadPath path, const client::Prompt* prompt, bool in_place) {
   std::unique_ptr<KvmemKvStore> store(new KvmemKvStore());
   store->client_ = client;
   store->config_ = config;
@@ -228,8 +225,9 @@ client::BatchEntry KvmemKvStore::StepEntry(std::optional<client::AppendArgs> app
     // fetched again) would have the daemon refuse the commit.
     if (append && plan_ && plan_version_ == table_.version &&
         append->positions.size() <= plan_->tokens &&
-        pool_->WritePlanned(*plan_, table_, static_cast<uint32_t>(append->positions.size()),
-                            append->k, append->v)
+        pool_
+            ->WritePlanned(*plan_, table_, static_cast<uint32_t>(append->positions.size()),
+                           append->k, append->v)
             .ok()) {
       append->k = {};
       append->v = {};

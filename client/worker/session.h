@@ -100,8 +100,8 @@ class Session {
   // Advances the session over `tokens`; `pending` gets the daemon's entry (its spans point
   // into `pending` and `r`, which must stay where they are until FinishStep).
   // In place (KvmemKvStore::in_place), the step's rows go into `area` from *area_offset.
-  void PrepareStep(const std::vector<int32_t>& tokens, const ForwardResult& r,
-                   PendingStep* pending, const client::Client::SignalArea* area = nullptr,
+  void PrepareStep(const std::vector<int32_t>& tokens, const ForwardResult& r, PendingStep* pending,
+                   const client::Client::SignalArea* area = nullptr,
                    uint64_t* area_offset = nullptr);
   absl::Status FinishStep(const client::BatchResult& result, double seconds);
 

@@ -71,8 +71,8 @@ absl::Status AppendSession::AddLocked(const AppendChunk& chunk) ABSL_NO_THREAD_S
 
 absl::Status AppendSession::CheckAndReserve(const Sequence& seq, const AppendChunk& chunk,
                                             bool written) {
-  if (absl::Status s = CheckChunk(seq, rooms_.max_append_bytes, chunk, chunks_, &last_position_,
-                                  written);
+  if (absl::Status s =
+          CheckChunk(seq, rooms_.max_append_bytes, chunk, chunks_, &last_position_, written);
       !s.ok()) {
     return s;
   }
@@ -125,6 +125,7 @@ absl::Status AppendSession::AddWritten(const AppendChunk& chunk, uint64_t plan_i
 
 absl::Status AppendSession::AddWrittenLocked(const AppendChunk& chunk, uint64_t plan_id) {
   Sequence& seq = *seq_;
+  seq.mu.AssertHeld();  // seq_'s, which the analysis does not see through the reference
   if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
   const size_t n = chunk.positions.size();
   if (absl::Status s = rooms_.plans->CheckCommit(seq, plan_id, n); !s.ok()) return s;
@@ -281,7 +282,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
   // For the update: a held version past it is a guess at this call's own (TableVersions).
   const uint64_t version_before = seq.version();
-  // A SlotState always scores (a policy with a kernel step keeps scores: policy.h).
+  // The slot state exists only for a policy that keeps scores (Sequence::slots).
   const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t history_rows = seq.policy().history_rows();
   // What the room below takes, exactly.
@@ -296,7 +297,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   // below then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    seq.stream(s).Reserve(total, seq.host_scores(), history_rows);
+    seq.stream(s).Reserve(total, history_rows);
     // (From 0 the new list is swapped in whole: nothing to make room in.)
     if (!tails_only_ && tail_from_[s] > 0) {
       seq.stream(s).ReserveBlocks(tail_from_[s] + new_blocks_[s].size());
@@ -335,8 +336,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
       st.SwapBlocks(new_blocks_[s], version, tail_from_[s]);
     }
     swapped = s + 1;
-    st.AppendSlots(positions_, seq.host_initial_score(), history_rows, token_entropy_,
-                   layer_distance_, arrival);
+    st.AppendSlots(positions_, history_rows, token_entropy_, layer_distance_, arrival);
   }
   seq.RecordAppend(token_ids_, last_position_, total);
   seq.mutable_prefix().compressed_document = false;

@@ -87,11 +87,16 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       reader_(&registry_, pool_.get(), backend_.get()),
       plans_(config.in_place_writes ? std::make_optional<WritePlans>(pool_.get(), config.failpoints)
                                     : std::nullopt),
-      append_rooms_{pool_.get(),       backend_.get(),
-                    &budget_,          &versions_,
-                    &registry_,        &publisher_,
-                    &telemetry_,       config.failpoints,
-                    plans_ ? &*plans_ : nullptr, config.max_append_bytes},
+      append_rooms_{pool_.get(),
+                    backend_.get(),
+                    &budget_,
+                    &versions_,
+                    &registry_,
+                    &publisher_,
+                    &telemetry_,
+                    config.failpoints,
+                    plans_ ? &*plans_ : nullptr,
+                    config.max_append_bytes},
       batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches) {
   publisher_.set_budget(&budget_);
   // A full pool first gives back what only the prefix cache holds.
@@ -327,12 +332,15 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   absl::StatusOr<HostReservation> host = budget_.Reserve(
       sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
   if (!host.ok()) return host.status();
+  // The scores' one home (Sequence::slots): where the policy steps.
   std::unique_ptr<store::SlotState> slots;
   if (device_step) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> created =
         backend_->CreateSlotState(layout.num_streams());
     if (!created.ok()) return created.status();
     slots = *std::move(created);
+  } else if ((*policy)->descriptor().initial_score) {
+    slots = store::MakeHostScoreState(layout.num_streams());
   }
   // Registered only now that the request is known good (a tenant stays registered).
   absl::StatusOr<store::TenantId> tenant = tenants_.For(prompt.salt);
@@ -351,7 +359,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     kvmem::MutexLock lock(&seq->mu);
     seq->set_epoch(claimed->epoch);
     const uint64_t version = versions_.NewVersion(*seq);
-    seq->set_slots(std::move(slots));
+    seq->set_slots(std::move(slots), device_step);
     Sequence::PrefixState& state = seq->mutable_prefix();
     state.ns = PrefixPublisher::Namespace(layout, prompt.model);
     state.salt = prompt.salt;

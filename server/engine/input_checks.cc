@@ -155,8 +155,7 @@ absl::Status CheckChunk(const Sequence& seq, uint64_t max_append_bytes, const Ap
   const uint64_t want = written ? 0 : layout.payload_bytes(n);
   if (written && (!chunk.k.empty() || !chunk.v.empty())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        where, chunk.k.empty() ? "v: " : "k: ",
-        std::max(chunk.k.size(), chunk.v.size()),
+        where, chunk.k.empty() ? "v: " : "k: ", std::max(chunk.k.size(), chunk.v.size()),
         " bytes sent with plan_id: the K/V of tokens written in place is in the pool already"));
   }
   if (chunk.k.size() != want) {

@@ -20,20 +20,90 @@ policy::CallContext PolicyDriver::Context(const Sequence& seq) const {
   return ctx;
 }
 
-std::vector<policy::StreamState> PolicyDriver::StagedStreamStates(Sequence& seq) {
+class PolicyDriver::HostScoreCall {
+ public:
+  HostScoreCall() = default;
+  HostScoreCall(const HostScoreCall&) = delete;
+  HostScoreCall& operator=(const HostScoreCall&) = delete;
+  ~HostScoreCall() {
+    if (reserved_) slots_->EndCommit();
+  }
+
+  // Before anything changes: staging room in a host slot state, or copies of a device
+  // one's (and what its commit needs, reserved). May throw std::bad_alloc.
+  absl::Status Begin(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu) {
+    slots_ = seq.slots();
+    if (slots_ == nullptr) return absl::OkStatus();
+    host_ = slots_->host_scores();
+    if (host_ != nullptr) {
+      host_->PrepareStage();
+      return absl::OkStatus();
+    }
+    // Keep and WriteScores run past the point of no return: what they need is taken now.
+    if (absl::Status s = slots_->ReserveCommit(); !s.ok()) return s;
+    reserved_ = true;
+    if (absl::Status s = slots_->ReadScores(&copies_); !s.ok()) return s;
+    next_.resize(copies_.size());
+    for (size_t i = 0; i < copies_.size(); ++i) next_[i].resize(copies_[i].size());
+    return absl::OkStatus();
+  }
+  bool empty() const { return slots_ == nullptr; }
+  bool copied() const { return slots_ != nullptr && host_ == nullptr; }
+  absl::Span<const float> scores(uint32_t s) const {
+    return host_ != nullptr ? host_->scores(s) : absl::MakeConstSpan(copies_[s]);
+  }
+  absl::Span<float> next(uint32_t s) {
+    return host_ != nullptr ? host_->staged(s) : absl::MakeSpan(next_[s]);
+  }
+
+  // At the commit point: the staged scores (when the decision wrote them) become the
+  // scores, and the slot state keeps what the decision keeps. Allocates nothing.
+  absl::Status Commit(const policy::Decision& decision) {
+    if (slots_ == nullptr) return absl::OkStatus();
+    bool keeps = false;
+    for (size_t s = 0; s < decision.keep.size(); ++s) {
+      keeps = keeps || (decision.keep[s] &&
+                        decision.keep[s]->size() < slots_->length(static_cast<uint32_t>(s)));
+    }
+    if (host_ != nullptr) {
+      if (decision.scores_written) host_->CommitStaged();
+      return keeps ? slots_->Keep(decision.keep) : absl::OkStatus();
+    }
+    if (keeps) {
+      if (absl::Status s = slots_->Keep(decision.keep); !s.ok()) return s;
+    }
+    if (!decision.scores_written) return absl::OkStatus();
+    // The kept slots' next scores, closed up as the slot state's were.
+    for (size_t s = 0; s < next_.size() && s < decision.keep.size(); ++s) {
+      if (!decision.keep[s]) continue;
+      size_t at = 0;
+      for (const SlotRun& r : decision.keep[s]->runs()) {
+        for (uint32_t j = r.begin; j < r.end; ++j) next_[s][at++] = next_[s][j];
+      }
+      next_[s].resize(at);
+    }
+    return slots_->WriteScores(next_);
+  }
+
+ private:
+  store::SlotState* slots_ = nullptr;
+  store::HostScores* host_ = nullptr;
+  std::vector<std::vector<float>> copies_, next_;  // a device slot state's, for the call
+  bool reserved_ = false;
+};
+
+std::vector<policy::StreamState> PolicyDriver::StagedStreamStates(Sequence& seq,
+                                                                  HostScoreCall& scores) {
   std::vector<policy::StreamState> states(seq.streams().size());
   for (size_t s = 0; s < seq.streams().size(); ++s) {
-    Stream& st = seq.stream(s);
-
+    const Stream& st = seq.streams()[s];
     policy::StreamState& state = states[s];
     state.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
     state.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
     state.positions = st.positions();
-    // Empty when the policy keeps no scores; a Compress of a sequence whose scores live in a
-    // SlotState has brought them over first.
-    if (seq.policy().descriptor().initial_score) {
-      state.scores = st.scores();
-      state.next_scores = st.StageScores();
+    if (!scores.empty()) {  // empty when the policy keeps no scores
+      state.scores = scores.scores(static_cast<uint32_t>(s));
+      state.next_scores = scores.next(static_cast<uint32_t>(s));
     }
     state.history = st.history();
     state.token_entropy = st.token_entropy();
@@ -44,24 +114,34 @@ std::vector<policy::StreamState> PolicyDriver::StagedStreamStates(Sequence& seq)
 }
 
 DecisionApplier::CommitHook PolicyDriver::CommitPolicyState(
-    Sequence& seq, const policy::Decision& decision,
+    Sequence& seq, const policy::Decision& decision, HostScoreCall& scores,
     const std::vector<absl::Span<const float>>* rows) {
-  return [&seq, &decision, rows] {
+  return [&seq, &decision, &scores, rows] {
     seq.mu.AssertHeld();  // run by DecisionApplier::Apply, under the call's lock
+    if (absl::Status s = scores.Commit(decision); !s.ok()) return s;
     const uint32_t R = seq.policy().history_rows();
-    // Only what StagedStreamStates staged (a policy that keeps no scores was handed none).
-    const bool scores = decision.scores_written && seq.policy().descriptor().initial_score;
-    for (size_t s = 0; s < seq.streams().size(); ++s) {
-      Stream& st = seq.stream(s);
-      if (scores) st.CommitScores();
-      if (R > 0 && rows != nullptr) {
+    if (R > 0 && rows != nullptr) {
+      for (size_t s = 0; s < seq.streams().size(); ++s) {
         // This step's row goes where the row of step - R was (policy.h).
-        st.RecordHistory((*rows)[s], seq.steps() % R, R);
+        seq.stream(s).RecordHistory((*rows)[s], seq.steps() % R, R);
       }
     }
     if (decision.mark) seq.set_policy_mark(*decision.mark);
     return absl::OkStatus();
   };
+}
+
+absl::Status PolicyDriver::CheckSlotLengths(Sequence& seq) {
+  if (seq.slots() == nullptr) return absl::OkStatus();
+  for (size_t s = 0; s < seq.streams().size(); ++s) {
+    if (seq.slots()->length(static_cast<uint32_t>(s)) != seq.streams()[s].size()) {
+      return versions_->Poison(
+          seq, absl::InternalError(absl::StrCat("slot state of stream ", s, " holds ",
+                                                seq.slots()->length(static_cast<uint32_t>(s)),
+                                                " slots, the table ", seq.streams()[s].size())));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
@@ -95,14 +175,7 @@ absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
   });
   std::move(abort_on_unwind).Cancel();
   if (!done.ok()) return abort(done.status());
-  for (size_t s = 0; s < seq.streams().size(); ++s) {
-    if (seq.slots()->length(static_cast<uint32_t>(s)) != seq.streams()[s].size()) {
-      return versions_->Poison(
-          seq, absl::InternalError(absl::StrCat("slot state of stream ", s, " holds ",
-                                                seq.slots()->length(s), " slots, the table ",
-                                                seq.streams()[s].size())));
-    }
-  }
+  if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
   return done;
 }
 
@@ -152,19 +225,24 @@ absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& 
   const double quantized_mass = QuantizedMass(seq, *rows);
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
-  if (seq.slots()) {
+  if (seq.kernel_step()) {
     applied = KernelStep(seq, ctx, *rows, &decision);
   } else {
     // The policy reads the committed state and stages the next (policy.h); it becomes the
     // sequence's only if the whole step applies.
-    std::vector<policy::StreamState> states = StagedStreamStates(seq);
+    HostScoreCall scores;
+    if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
+    std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
     for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
     decision = seq.policy().Step(ctx, absl::MakeSpan(states));
-    applied = applier_->Apply(seq, decision, CommitPolicyState(seq, decision, rows));
+    applied = applier_->Apply(seq, decision, CommitPolicyState(seq, decision, scores, rows));
+    if (applied.ok()) {
+      if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
+    }
   }
   if (!applied.ok()) return applied.status();
   if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
-    const StepSite site = seq.slots() ? StepSite::kDevice : StepSite::kHost;
+    const StepSite site = seq.kernel_step() ? StepSite::kDevice : StepSite::kHost;
     t->step_seconds[static_cast<int>(site)].Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     t->confidence.Observe(decision.confidence);  // NaN (no confidence) is not observed
@@ -207,53 +285,21 @@ absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const Check
     layer.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
     layer.before_tokens += seq.streams()[s].size();
   }
-  // Compress runs on the host: scores kept in a SlotState come over for the call (into the
-  // streams' host scores, which are empty between calls) and go back, compacted, after it
-  // (once per prompt, not per step).
-  if (seq.slots()) {
-    // Keep and WriteScores below run past the point of no return: what they need is taken
-    // now (given back when the call ends, however it ends).
-    if (absl::Status s = seq.slots()->ReserveCommit(); !s.ok()) return s;
-  }
-  // The host copies of the scores go however the call ends (they are taken back below
-  // when it ends well): a stream of a SlotState sequence keeps no host scores between calls.
-  absl::Cleanup end_commit = [&seq] {
-    seq.mu.AssertHeld();
-    if (!seq.slots()) return;
-    for (size_t s = 0; s < seq.streams().size(); ++s) {
-      seq.stream(s).TakeScores();
-      seq.stream(s).DropStaging();
-    }
-    seq.slots()->EndCommit();
-  };
-  if (seq.slots()) {
-    std::vector<std::vector<float>> scores;
-    if (absl::Status s = seq.slots()->ReadScores(&scores); !s.ok()) return s;
-    for (size_t s = 0; s < seq.streams().size(); ++s) {
-      seq.stream(s).LoadScores(std::move(scores[s]));
-    }
-    Failpoints::ThrowIfHit(failpoints_, Failpoints::kHostAlloc);
-  }
-  std::vector<policy::StreamState> states = StagedStreamStates(seq);
+  // Compress runs policy code on the host: on the scores in place, or on copies of a
+  // device slot state's (once per prompt, not per step).
+  HostScoreCall scores;
+  if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
+  if (scores.copied()) Failpoints::ThrowIfHit(failpoints_, Failpoints::kHostAlloc);
+  std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
   for (size_t s = 0; s < states.size(); ++s) {
     states[s].attention = (*rows)[s];
     states[s].window_scores = (*window)[s];
   }
   const policy::Decision decision = seq.policy().Compress(ctx, absl::MakeSpan(states));
   absl::StatusOr<Applied> applied =
-      applier_->Apply(seq, decision, CommitPolicyState(seq, decision, nullptr));
-  if (seq.slots()) {
-    std::vector<std::vector<float>> scores(seq.streams().size());
-    for (size_t s = 0; s < seq.streams().size(); ++s) {
-      scores[s] = seq.stream(s).TakeScores();
-      seq.stream(s).DropStaging();
-    }
-    if (applied.ok()) {
-      absl::Status synced = seq.slots()->Keep(decision.keep);
-      if (synced.ok()) synced = seq.slots()->WriteScores(scores);
-      budget_->Account(seq);  // a compression may have given capacity back
-      if (!synced.ok()) return versions_->Poison(seq, synced);
-    }
+      applier_->Apply(seq, decision, CommitPolicyState(seq, decision, scores, nullptr));
+  if (applied.ok()) {
+    if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
   }
   if (!applied.ok()) return applied.status();
   for (size_t s = 0; s < seq.streams().size(); ++s) {

@@ -1,8 +1,10 @@
 #pragma once
 // PolicyDriver: runs a sequence's policy on checked signals (input_checks.h) and applies its
-// decision. Host policies read the committed state and stage the next, which becomes the
-// sequence's only when the whole call applies (DecisionApplier's commit hook); a policy
-// with a kernel step scores and selects in the sequence's SlotState (device memory on a
+// decision. The scores live in the sequence's SlotState only (Sequence::slots). Host
+// policy code reads the committed scores and stages the next in place in a host slot state
+// (a device one's are copied over for the call: a Compress of a kernel-step sequence); they
+// become the sequence's only when the whole call applies (DecisionApplier's commit hook). A
+// policy with a kernel step scores and selects in the SlotState itself (device memory on a
 // GPU), which stages the step until its commit. Runs under the sequence's lock.
 #include <cstdint>
 #include <vector>
@@ -46,15 +48,22 @@ class PolicyDriver {
  private:
   using Applied = DecisionApplier::Applied;
   policy::CallContext Context(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
-  // StreamStates over the committed state, with next_scores staged per stream and the
-  // history of the policy's width.
-  std::vector<policy::StreamState> StagedStreamStates(Sequence& seq)
+  // The scores a host policy call reads and stages: in place in a host slot state, or
+  // copies of a device one's (taken back at the commit). Empty for a policy that keeps none.
+  class HostScoreCall;
+  // StreamStates over the committed state, with the scores and their staging from `scores`
+  // and the history of the policy's width.
+  std::vector<policy::StreamState> StagedStreamStates(Sequence& seq, HostScoreCall& scores)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // The commit hook of a host policy call: takes the staged scores, the mark, and (Step)
-  // records `rows` in the history.
+  // The commit hook of a host policy call: takes the staged scores (and compacts the slot
+  // state to the decision), the mark, and (Step) records `rows` in the history.
   DecisionApplier::CommitHook CommitPolicyState(Sequence& seq, const policy::Decision& decision,
+                                                HostScoreCall& scores,
                                                 const std::vector<absl::Span<const float>>* rows)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // After a host call applied: the slot state holds as many slots as each stream, else the
+  // sequence is poisoned.
+  absl::Status CheckSlotLengths(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // A step of a policy with a kernel step: scores and selection in the SlotState, then the
   // K/V rows move as for any decision.
   absl::StatusOr<Applied> KernelStep(Sequence& seq, const policy::CallContext& ctx,

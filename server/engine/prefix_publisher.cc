@@ -14,15 +14,18 @@ namespace kvmem::engine {
 namespace {
 
 // A compressed document as the index keeps it: a frozen copy of the publisher's streams
-// (their tables name the blocks the entry references), token ids and policy mark.
+// (their tables name the blocks the entry references) and scores (its host slot state; none
+// for a policy that keeps none), token ids and policy mark.
 class DocumentState final : public prefix::EntryPayload {
  public:
   std::vector<Stream> streams;
+  std::unique_ptr<store::SlotState> slots;
   std::vector<int32_t> token_ids;
   int64_t policy_mark = -1;
   uint64_t host_bytes() const override {
     uint64_t bytes = sizeof(*this) + token_ids.capacity() * sizeof(int32_t);
     for (const Stream& st : streams) bytes += st.host_bytes();
+    if (slots) bytes += slots->bytes();
     return bytes;
   }
 };
@@ -169,6 +172,13 @@ absl::Status PrefixPublisher::AdoptDocument(Sequence& seq, const prefix::EntryPa
   }
   // The sequence is not visible yet: an exception here leaves it to be discarded.
   seq.ReserveTokens(doc.token_ids.size());
+  // The document's scores, a copy of its own (a host slot state: documents are never of a
+  // device step), in place of the sequence's empty one.
+  if (doc.slots) {
+    absl::StatusOr<std::unique_ptr<store::SlotState>> slots = doc.slots->Clone();
+    if (!slots.ok()) return slots.status();
+    seq.set_slots(*std::move(slots), /*kernel_step=*/false);
+  }
   for (size_t s = 0; s < doc.streams.size(); ++s) seq.stream(s).AdoptFrom(doc.streams[s], version);
   const auto n = static_cast<int64_t>(doc.token_ids.size());
   seq.RecordAppend(doc.token_ids, n - 1, static_cast<uint64_t>(n));
@@ -195,7 +205,7 @@ absl::StatusOr<uint64_t> PrefixPublisher::PublishDocument(Sequence& seq) {
         "their queries; create it without the prompt's ids (or with document_tokens) to "
         "compute the whole document");
   }
-  if (seq.slots() != nullptr) {
+  if (seq.kernel_step()) {
     return refuse(absl::StrCat("policy ", seq.policy_name(),
                                " keeps its scores in the backend (device step)"));
   }
@@ -218,12 +228,17 @@ absl::StatusOr<uint64_t> PrefixPublisher::PublishDocument(Sequence& seq) {
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) blocks.push_back(b.id);
   }
-  absl::StatusOr<HostReservation> host = budget_->Reserve(
-      seq.host_bytes() + prefix::PrefixIndex::EntryHostBytes(state.ns.size() + 48, blocks.size()),
-      "Publish");
+  absl::StatusOr<HostReservation> host =
+      budget_->Reserve(seq.host_bytes() + (seq.slots() ? seq.slots()->bytes() : 0) +
+                           prefix::PrefixIndex::EntryHostBytes(state.ns.size() + 48, blocks.size()),
+                       "Publish");
   if (!host.ok()) return host.status();
   doc->streams.assign(seq.streams().begin(), seq.streams().end());
-  for (Stream& st : doc->streams) st.DropStaging();
+  if (seq.slots()) {
+    absl::StatusOr<std::unique_ptr<store::SlotState>> slots = seq.slots()->Clone();
+    if (!slots.ok()) return slots.status();
+    doc->slots = *std::move(slots);
+  }
   doc->token_ids.assign(tokens.begin(), tokens.end());
   doc->policy_mark = seq.policy_mark();
   index_->PublishDocument(state.ns, *key, std::move(blocks), std::move(doc));
@@ -298,7 +313,7 @@ absl::Status PrefixPublisher::MapPrefix(Sequence& seq,
   // Everything that can fail or allocate first; then the install, which cannot.
   std::vector<std::vector<StreamBlock>> lists(seq.num_streams());
   for (size_t s = 0; s < lists.size(); ++s) {
-    seq.stream(s).Reserve(n, seq.host_scores(), R);
+    seq.stream(s).Reserve(n, R);
     lists[s].resize(mapped.size());
     for (size_t i = 0; i < mapped.size(); ++i) {
       lists[s][i] = StreamBlock{mapped[i][s], 0, B, Precision::kLayout};
@@ -311,7 +326,7 @@ absl::Status PrefixPublisher::MapPrefix(Sequence& seq,
   for (size_t s = 0; s < lists.size(); ++s) {
     Stream& st = seq.stream(s);
     st.SwapBlocks(lists[s], version);
-    st.AppendSlots(positions, seq.host_initial_score(), R, unsent, unsent, 0);
+    st.AppendSlots(positions, R, unsent, unsent, 0);
   }
   seq.RecordAppend(token_ids.first(n), static_cast<int64_t>(n) - 1, n);
   return absl::OkStatus();

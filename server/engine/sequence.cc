@@ -5,14 +5,13 @@
 #include "absl/strings/str_cat.h"
 
 namespace kvmem::engine {
-void Stream::Reserve(size_t more, bool host_scores, uint32_t history_rows) {
-  ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.Reserve(more * width); });
+void Stream::Reserve(size_t more, uint32_t history_rows) {
+  ForEachColumn(history_rows, [&](auto& column, size_t width) { column.Reserve(more * width); });
 }
 
-uint64_t Stream::ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows) const {
+uint64_t Stream::ReserveGrowth(size_t more, uint32_t history_rows) const {
   uint64_t bytes = 0;
-  ForEachColumn(host_scores, history_rows, [&](const auto& column, size_t width) {
+  ForEachColumn(history_rows, [&](const auto& column, size_t width) {
     bytes += column.GrowthBytes(more * width);
   });
   return bytes;
@@ -27,12 +26,11 @@ uint64_t Stream::BlockListGrowth(size_t from, size_t tail_size, size_t tail_capa
   return after > now ? (after - now) * sizeof(StreamBlock) : 0;
 }
 
-void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
-                         uint32_t history_rows, absl::Span<const float> token_entropy,
+void Stream::AppendSlots(absl::Span<const int64_t> positions, uint32_t history_rows,
+                         absl::Span<const float> token_entropy,
                          absl::Span<const float> layer_distance, int64_t arrival) {
   const size_t n = positions.size();
   positions_.Append(positions);
-  if (initial_score) scores_.AppendFill(n, *initial_score);
   history_.AppendFill(n * history_rows, 0.0f);
   if (token_signals_) {
     token_entropy_.Append(token_entropy);
@@ -42,52 +40,7 @@ void Stream::AppendSlots(absl::Span<const int64_t> positions, std::optional<floa
 }
 
 void Stream::KeepSlots(const KeepSet& keep, uint32_t history_rows) {
-  const bool host_scores = scores_.size() > 0;  // empty: in the SlotState
-  const absl::Span<const SlotRun> runs = keep.runs();
-  if (runs.empty()) {
-    ForEachColumn(host_scores, history_rows, [](auto& column, size_t) { column.Clear(); });
-    return;
-  }
-  // The kept slots close up toward whichever end moves fewer of them (one memmove per
-  // vector and run): toward the front, the run the first kept slot starts stays and
-  // everything after it moves down; toward the back, the run the last kept slot ends stays
-  // and everything before it moves up, and the vacated front is dropped without moving
-  // (dead front). A window's head eviction moves nothing either way; one slot out of the
-  // middle (confkv's steady state) moves a quarter of the stream on average, not half.
-  const size_t k = keep.size();
-  if (k - runs.front().size() <= k - runs.back().size()) {
-    // Toward the front: the first run stays (its front dropped), each later one moves down
-    // to follow the runs before it.
-    const size_t drop = runs.front().begin;
-    ForEachColumn(host_scores, history_rows,
-                  [&](auto& column, size_t width) { column.DropFront(drop * width); });
-    size_t to = runs.front().size();
-    for (size_t r = 1; r < runs.size(); ++r) {
-      const size_t from = runs[r].begin - drop, n = runs[r].size();
-      ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
-        column.MoveDown(from * width, to * width, n * width);
-      });
-      to += n;
-    }
-    ForEachColumn(host_scores, history_rows,
-                  [&](auto& column, size_t width) { column.Truncate(k * width); });
-    return;
-  }
-  // Toward the back: the last run stays, each earlier one moves up to precede the runs
-  // after it, from the back; the vacated front is dropped.
-  const size_t last = runs.back().end;
-  ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.Truncate(last * width); });
-  size_t end = runs.back().begin;  // where the runs still to move end
-  for (size_t r = runs.size() - 1; r-- > 0;) {
-    const size_t from = runs[r].begin, n = runs[r].size();
-    end -= n;
-    ForEachColumn(host_scores, history_rows, [&](auto& column, size_t width) {
-      column.MoveUp(from * width, end * width, n * width);
-    });
-  }
-  ForEachColumn(host_scores, history_rows,
-                [&](auto& column, size_t width) { column.DropFront(end * width); });
+  KeepRuns(keep, [&](auto&& f) { ForEachColumn(history_rows, f); });
 }
 
 void Stream::SwapBlocks(std::vector<StreamBlock>& other, uint64_t version, size_t from, size_t to) {
@@ -188,7 +141,6 @@ void Stream::RecordChange(uint64_t version, size_t old_size, size_t touched_from
 
 void Stream::AdoptFrom(const Stream& other, uint64_t version) {
   *this = other;
-  std::vector<float>().swap(next_scores_);  // its memory too, not only its values
   for (StreamBlock& b : blocks_) {
     b.version = version;
     b.published_index[0] = b.published_index[1] = 0;
@@ -210,11 +162,6 @@ void Stream::MarkPublished(int which, uint64_t version) {
   reindex_from_[which] = blocks_.size();
 }
 
-absl::Span<float> Stream::StageScores() {
-  next_scores_.resize(scores_.size());
-  return absl::MakeSpan(next_scores_);
-}
-
 void Stream::RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows) {
   for (size_t j = 0; j < size(); ++j) {
     history_.data()[j * history_rows + column] = j < row.size() ? row[j] : 0.0f;
@@ -223,8 +170,7 @@ void Stream::RecordHistory(absl::Span<const float> row, size_t column, uint32_t 
 
 uint64_t Stream::host_bytes() const {
   return sizeof(Stream) + blocks_.capacity() * sizeof(StreamBlock) +
-         positions_.capacity() * sizeof(int64_t) + scores_.capacity() * sizeof(float) +
-         next_scores_.capacity() * sizeof(float) + history_.capacity() * sizeof(float) +
+         positions_.capacity() * sizeof(int64_t) + history_.capacity() * sizeof(float) +
          token_entropy_.capacity() * sizeof(float) + layer_distance_.capacity() * sizeof(float) +
          arrival_step_.capacity() * sizeof(int64_t);
 }
@@ -251,7 +197,7 @@ uint64_t Sequence::SlotGrowth(size_t tokens) const {
         sizeof(int32_t);
   }
   for (const Stream& st : streams_) {
-    bytes += st.ReserveGrowth(tokens, host_scores(), policy_->history_rows());
+    bytes += st.ReserveGrowth(tokens, policy_->history_rows());
   }
   if (slots_) bytes += slots_->AppendGrowth(static_cast<uint32_t>(tokens));
   return bytes;
@@ -288,8 +234,8 @@ int Sequence::PublishedSlot(uint64_t version) const {
 
 void Sequence::CopyStateFrom(const Sequence& parent, std::unique_ptr<store::SlotState> slots) {
   streams_ = parent.streams_;
-  for (Stream& st : streams_) st.DropStaging();
   slots_ = std::move(slots);
+  kernel_step_ = parent.kernel_step_ && slots_ != nullptr;
   token_ids_ = parent.token_ids_;
   last_position_ = parent.last_position_;
   appended_ = parent.appended_;
@@ -306,6 +252,7 @@ void Sequence::CopyStateFrom(const Sequence& parent, std::unique_ptr<store::Slot
 void Sequence::Clear() {
   for (Stream& st : streams_) st.Clear();
   slots_.reset();
+  kernel_step_ = false;
   // Swapped with empty vectors: `= {}` would keep their room.
   std::vector<store::BlockId>().swap(orphan_blocks_);
   std::vector<std::vector<StreamBlock>>().swap(spare_lists_);
@@ -341,6 +288,11 @@ absl::Status Sequence::CheckInvariants() const {
                                               " is newer than the table's ", version_));
     }
   }
+  if (!released_ && policy_->descriptor().initial_score.has_value() != (slots_ != nullptr)) {
+    return absl::InternalError(absl::StrCat("sequence ", id_,
+                                            ": the scores have no home, or one without a policy "
+                                            "that keeps them"));
+  }
   for (size_t s = 0; s < streams_.size(); ++s) {
     const Stream& st = streams_[s];
     const size_t n = st.size();
@@ -352,9 +304,6 @@ absl::Status Sequence::CheckInvariants() const {
     if (st.token_entropy().size() != signals || st.layer_distance().size() != signals ||
         st.arrival_step().size() != (st.arrival_steps() ? n : 0)) {
       return broken("per-slot signals disagree with the positions");
-    }
-    if (st.scores().size() != (host_scores() ? n : 0)) {
-      return broken("scores disagree with the positions");
     }
     if (st.history().size() != n * history_rows) return broken("history disagrees");
     if (slots_ && slots_->length(static_cast<uint32_t>(s)) != n) {

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/common/slot_column.h"
 #include "server/engine/block_format.h"
 #include "server/engine/layout.h"
 #include "server/engine/stream_planner.h"
@@ -26,111 +27,6 @@
 
 namespace kvmem::engine {
 
-// One per-slot vector of a stream, with a dead front: slots that leave from the front (a
-// window's eviction, every step) cost nothing to drop, and the room they leave is taken back
-// when an append needs it and the dead front is at least as long as the live slots, so that
-// each slot is moved at most once per slot dropped (amortized O(1)). Holds at most twice
-// the live values and the append that last grew it. A copy holds the live values only.
-template <typename T>
-class SlotColumn {
- public:
-  SlotColumn() = default;
-  SlotColumn(const SlotColumn& other) : v_(other.span().begin(), other.span().end()) {}
-  SlotColumn& operator=(const SlotColumn& other) {
-    if (this != &other) Assign(std::vector<T>(other.span().begin(), other.span().end()));
-    return *this;
-  }
-  SlotColumn(SlotColumn&& other) noexcept
-      : v_(std::move(other.v_)), front_(std::exchange(other.front_, 0)) {
-    other.v_.clear();
-  }
-  SlotColumn& operator=(SlotColumn&& other) noexcept {
-    if (this == &other) return *this;
-    v_ = std::move(other.v_);
-    front_ = std::exchange(other.front_, 0);
-    other.v_.clear();
-    return *this;
-  }
-
-  size_t size() const { return v_.size() - front_; }
-  absl::Span<const T> span() const { return absl::MakeConstSpan(v_).subspan(front_); }
-  T* data() { return v_.data() + front_; }
-  size_t capacity() const { return v_.capacity(); }
-  // Room for `more` values at the end, so that Append and AppendFill do not allocate. May
-  // throw (then nothing changed).
-  void Reserve(size_t more) {
-    if (v_.size() + more <= v_.capacity()) return;
-    if (ClosesUp(more)) {
-      v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(front_));
-      front_ = 0;
-      return;
-    }
-    std::vector<T> grown;
-    grown.reserve(GrownCapacity(more));
-    grown.assign(v_.begin() + static_cast<ptrdiff_t>(front_), v_.end());
-    v_.swap(grown);
-    front_ = 0;
-  }
-  // Bytes by which Reserve(more) would raise capacity() * sizeof(T).
-  size_t GrowthBytes(size_t more) const {
-    if (v_.size() + more <= v_.capacity() || ClosesUp(more)) return 0;
-    return (GrownCapacity(more) - v_.capacity()) * sizeof(T);
-  }
-  // Into room Reserve made (then they cannot throw); without it they make the room first.
-  void Append(absl::Span<const T> values) {
-    Reserve(values.size());
-    v_.insert(v_.end(), values.begin(), values.end());
-  }
-  void AppendFill(size_t n, T value) {
-    Reserve(n);
-    v_.insert(v_.end(), n, value);
-  }
-  // Drops the first n values without moving the others.
-  void DropFront(size_t n) {
-    front_ += n;
-    if (front_ == v_.size()) Clear();
-  }
-  // Keeps the first n values (n <= size()).
-  void Truncate(size_t n) { v_.resize(front_ + n); }
-  // Copies values [from, from + n) to [to, to + n), to <= from (one memmove for trivial T).
-  void MoveDown(size_t from, size_t to, size_t n) {
-    std::copy(data() + from, data() + from + n, data() + to);
-  }
-  // The same with to >= from.
-  void MoveUp(size_t from, size_t to, size_t n) {
-    std::copy_backward(data() + from, data() + from + n, data() + to + n);
-  }
-  void Clear() {
-    v_.clear();
-    front_ = 0;
-  }
-  void Assign(std::vector<T> values) {
-    v_ = std::move(values);
-    front_ = 0;
-  }
-  // The values as a vector (the column is left empty); drops the dead front first.
-  std::vector<T> Take() {
-    v_.erase(v_.begin(), v_.begin() + static_cast<ptrdiff_t>(front_));
-    front_ = 0;
-    return std::exchange(v_, {});
-  }
-  // Takes `other`'s values as the column's and gives `other` the old buffer, whose contents
-  // are left unspecified (a staging buffer, overwritten before its next use).
-  void Swap(std::vector<T>& other) {
-    v_.swap(other);
-    front_ = 0;
-  }
-
- private:
-  // Reserve's two ways to make room: close up over a dead front at least as long as the
-  // live values (no allocation), or move into a buffer of twice what is then needed.
-  bool ClosesUp(size_t more) const { return front_ >= size() && size() + more <= v_.capacity(); }
-  size_t GrownCapacity(size_t more) const { return 2 * (size() + more); }
-
-  std::vector<T> v_;
-  size_t front_ = 0;  // v_[0, front_) is dead
-};
-
 // One stream's retained slots. Its per-slot vectors stay aligned by construction: they are
 // changed only through the methods below, each of which changes all of them.
 class Stream {
@@ -138,9 +34,6 @@ class Stream {
   size_t size() const { return positions_.size(); }
   const std::vector<StreamBlock>& blocks() const { return blocks_; }
   absl::Span<const int64_t> positions() const { return positions_.span(); }
-  // Policy score state (EMA or accumulated attention); empty while the scores live in the
-  // sequence's SlotState (policies with a kernel step), except during a Compress.
-  absl::Span<const float> scores() const { return scores_.span(); }
   // [slot][history_rows]: the attention rows of past steps (policy.h).
   absl::Span<const float> history() const { return history_.span(); }
   // The per-token signals (NaN where the worker sent none); empty when the stream keeps none.
@@ -159,12 +52,12 @@ class Stream {
 
   // Room for `more` slots in every per-slot vector (capacity grows geometrically), so that
   // AppendSlots, which a commit calls, never allocates. May throw; call it before commits.
-  void Reserve(size_t more, bool host_scores, uint32_t history_rows);
-  // Appends slots to every per-slot vector (into reserved room): their positions, the
-  // initial score when the scores live here, zero history, the per-token signals.
-  void AppendSlots(absl::Span<const int64_t> positions, std::optional<float> initial_score,
-                   uint32_t history_rows, absl::Span<const float> token_entropy,
-                   absl::Span<const float> layer_distance, int64_t arrival);
+  void Reserve(size_t more, uint32_t history_rows);
+  // Appends slots to every per-slot vector (into reserved room): their positions, zero
+  // history, the per-token signals. (Scores live in the sequence's SlotState.)
+  void AppendSlots(absl::Span<const int64_t> positions, uint32_t history_rows,
+                   absl::Span<const float> token_entropy, absl::Span<const float> layer_distance,
+                   int64_t arrival);
   // Keeps only the slots listed (ascending) in every per-slot vector, closing them up
   // toward the end that moves fewer; slots that leave from the front go without moving the
   // rest. Never allocates (it only shrinks), so it cannot throw.
@@ -191,7 +84,7 @@ class Stream {
     if (blocks_.capacity() < n) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
   }
   // Bytes by which Reserve(more, ...) would raise host_bytes().
-  uint64_t ReserveGrowth(size_t more, bool host_scores, uint32_t history_rows) const;
+  uint64_t ReserveGrowth(size_t more, uint32_t history_rows) const;
   // The same for SwapBlocks(tail, _, from) of a tail of `tail_size` entries in a vector of
   // `tail_capacity` (with ReserveBlocks(from + tail_size) before it when from > 0).
   uint64_t BlockListGrowth(size_t from, size_t tail_size, size_t tail_capacity) const;
@@ -224,18 +117,8 @@ class Stream {
   // untouched run from this list.
   void MarkPublished(int which, uint64_t version);
 
-  // A policy call's staging: the next scores, one per slot (policy.h). CommitScores makes
-  // them the scores; DropStaging gives the memory back.
-  absl::Span<float> StageScores();
-  void CommitScores() { scores_.Swap(next_scores_); }  // next_scores_: staging only
-  // (`= {}` would keep the capacity: it assigns an empty initializer list.)
-  void DropStaging() { std::vector<float>().swap(next_scores_); }
   // Records one step's attention row in history column `column` (0 past the row's end).
   void RecordHistory(absl::Span<const float> row, size_t column, uint32_t history_rows);
-  // Scores that live in a SlotState, brought over for a host call (one per slot) and
-  // taken back after it.
-  void LoadScores(std::vector<float> scores) { scores_.Assign(std::move(scores)); }
-  std::vector<float> TakeScores() { return scores_.Take(); }
 
   // Drops every slot and block (Release; the caller has dropped the block references).
   void Clear() { *this = Stream{}; }
@@ -252,20 +135,19 @@ class Stream {
   // Updates the untouched run and the changed versions.
   void RecordChange(uint64_t version, size_t old_size, size_t touched_from, size_t to,
                     ptrdiff_t moved);
-  // Calls f(column, values per slot) on each per-slot column (the scores when they live
-  // here): what Reserve and KeepSlots do to one, they do to all.
+  // Calls f(column, values per slot) on each per-slot column: what Reserve and KeepSlots
+  // do to one, they do to all.
   template <typename F>
-  void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) {
-    ForEachColumnOf(*this, host_scores, history_rows, f);
+  void ForEachColumn(uint32_t history_rows, F&& f) {
+    ForEachColumnOf(*this, history_rows, f);
   }
   template <typename F>
-  void ForEachColumn(bool host_scores, uint32_t history_rows, F&& f) const {
-    ForEachColumnOf(*this, host_scores, history_rows, f);
+  void ForEachColumn(uint32_t history_rows, F&& f) const {
+    ForEachColumnOf(*this, history_rows, f);
   }
   template <typename Self, typename F>
-  static void ForEachColumnOf(Self& st, bool host_scores, uint32_t history_rows, F& f) {
+  static void ForEachColumnOf(Self& st, uint32_t history_rows, F& f) {
     f(st.positions_, size_t{1});
-    if (host_scores) f(st.scores_, size_t{1});
     f(st.history_, size_t{history_rows});
     if (st.token_signals_) {
       f(st.token_entropy_, size_t{1});
@@ -285,8 +167,6 @@ class Stream {
   // Per published slot: entries [0, n) sit where they sat at its last MarkPublished.
   size_t reindex_from_[2] = {0, 0};
   SlotColumn<int64_t> positions_;
-  SlotColumn<float> scores_;
-  std::vector<float> next_scores_;
   SlotColumn<float> history_;  // history_rows values per slot
   bool token_signals_ = true;
   bool arrival_steps_ = true;
@@ -370,21 +250,19 @@ class Sequence {
   // A stream to change: only a commit, under a write section where the change is visible
   // to readers, and only through Stream's methods, which keep it aligned.
   Stream& stream(size_t s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return streams_[s]; }
-  // Where the scores live when the policy has a kernel step (Stream::scores is then empty
-  // between calls); null otherwise.
+  // The one home of the scores, for a policy that keeps them (PolicyDescriptor::
+  // initial_score; null for one that does not): the backend's SlotState (device memory on
+  // a GPU) when the policy steps there (kernel_step), else a host one, whose scores host
+  // policy code reads and stages in place (store::HostScores).
   store::SlotState* slots() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return slots_.get(); }
-  void set_slots(std::unique_ptr<store::SlotState> slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void set_slots(std::unique_ptr<store::SlotState> slots, bool kernel_step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     slots_ = std::move(slots);
+    kernel_step_ = kernel_step && slots_ != nullptr;
   }
-  // The streams keep a score per slot between calls: the policy keeps one
-  // (PolicyDescriptor::initial_score) and no SlotState holds it.
-  bool host_scores() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
-    return host_initial_score().has_value();
-  }
-  // The score of a newly appended slot in the streams; none when they keep no scores.
-  std::optional<float> host_initial_score() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
-    return slots_ ? std::nullopt : policy_->descriptor().initial_score;
-  }
+  // Every Step runs the policy's kernel step in the SlotState (Policy::has_kernel_step,
+  // EngineConfig::device_step), not its host code.
+  bool kernel_step() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return kernel_step_; }
 
   bool released() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return released_; }
   // Set when a mutation failed past its point of no return: the blocks may no longer hold
@@ -566,6 +444,7 @@ class Sequence {
 
   std::vector<Stream> streams_ ABSL_GUARDED_BY(mu);  // index = layer * H + kv_head
   std::unique_ptr<store::SlotState> slots_ ABSL_GUARDED_BY(mu);
+  bool kernel_step_ ABSL_GUARDED_BY(mu) = false;
   bool released_ ABSL_GUARDED_BY(mu) = false;
   std::string poison_reason_ ABSL_GUARDED_BY(mu);
   int64_t policy_mark_ ABSL_GUARDED_BY(mu) = -1;

@@ -50,6 +50,8 @@ absl::StatusOr<std::string> DescribeState(const Sequence& seq, const store::Bloc
   std::vector<std::vector<int64_t>> slot_positions;
   if (seq.slots()) {
     if (absl::Status s = seq.slots()->ReadScores(&slot_scores); !s.ok()) return s;
+  }
+  if (seq.kernel_step()) {  // a host score state keeps no positions (the streams do)
     if (absl::Status s = seq.slots()->ReadPositions(&slot_positions); !s.ok()) return s;
   }
   auto floats = [&out](absl::string_view name, absl::Span<const float> v) {
@@ -73,11 +75,11 @@ absl::StatusOr<std::string> DescribeState(const Sequence& seq, const store::Bloc
                       static_cast<int>(b.precision));
     }
     out += "\n";
-    floats("scores", seq.slots() ? absl::MakeConstSpan(slot_scores[s]) : st.scores());
+    floats("scores", seq.slots() ? absl::MakeConstSpan(slot_scores[s]) : absl::Span<const float>());
     floats("history", st.history());
     floats("entropy", st.token_entropy());
     floats("distance", st.layer_distance());
-    if (seq.slots()) {
+    if (seq.kernel_step()) {
       absl::StrAppend(&out, "slot positions ", absl::StrJoin(slot_positions[s], ","), "\n");
     }
   }

@@ -7,8 +7,8 @@ namespace kvmem::engine {
 absl::StatusOr<PlanView> WritePlans::Make(Sequence& seq, uint32_t tokens) {
   const uint32_t B = seq.format().block_tokens();
   if (tokens == 0 || tokens > B) {
-    return absl::InvalidArgumentError(absl::StrCat("plan_tokens: ", tokens, " is outside [1, ",
-                                                   B, "] (the sequence's block_tokens)"));
+    return absl::InvalidArgumentError(absl::StrCat("plan_tokens: ", tokens, " is outside [1, ", B,
+                                                   "] (the sequence's block_tokens)"));
   }
   Drop(seq);
   const size_t S = seq.num_streams();
@@ -43,9 +43,9 @@ absl::StatusOr<PlanView> WritePlans::Make(Sequence& seq, uint32_t tokens) {
     if (failpoints_ != nullptr && failpoints_->Hit(Failpoints::kAllocate)) {
       return absl::ResourceExhaustedError("pool: allocation failed (failpoint)");
     }
-    if (absl::Status s = pool_->AllocateMany(
-            static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)), fresh, &ids,
-            store::BlockPool::Use::kGrow, seq.tenant());
+    if (absl::Status s =
+            pool_->AllocateMany(static_cast<uint32_t>(seq.format().block_bytes(Precision::kLayout)),
+                                fresh, &ids, store::BlockPool::Use::kGrow, seq.tenant());
         !s.ok()) {
       return s;
     }

@@ -201,8 +201,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
   return out;
 }
 
-absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read,
-                                                                  uint64_t offset,
+absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
                                                                   SignalStorage* storage) {
   namespace area = v1::signal_area;

@@ -7,8 +7,8 @@
 #include <optional>
 #include <vector>
 
-#include "absl/status/status.h"
 #include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "google/protobuf/duration.pb.h"
@@ -71,10 +71,8 @@ std::vector<engine::StreamSignal> SignalViews(
 // Attention rows an entry names in a step channel's signal area (step_channel.h's
 // signal_area layout) at `offset`, copied out by `read` (bounded by the area) into
 // `storage`; errors name `field`.
-using AreaReader =
-    absl::FunctionRef<absl::Status(uint64_t offset, uint64_t bytes, void* out)>;
-absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read,
-                                                                  uint64_t offset,
+using AreaReader = absl::FunctionRef<absl::Status(uint64_t offset, uint64_t bytes, void* out)>;
+absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
                                                                   SignalStorage* storage);
 void ToProto(const engine::PlanView& plan, v1::WritePlan* out);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/parallel.h"
+#include "server/common/slot_column.h"
 
 namespace kvmem::store {
 
@@ -132,9 +133,23 @@ void SlotBook::ApplyKeep(const KeepSets& keep) {
 
 namespace {
 
-class HostSlotState final : public BookedSlotState {
+class HostSlotState final : public BookedSlotState, public HostScores {
  public:
   explicit HostSlotState(uint32_t num_streams) : BookedSlotState(num_streams) {}
+
+  HostScores* host_scores() override { return this; }
+  absl::Span<const float> scores(uint32_t s) const override {
+    return {scores_.data() + size_t{s} * book_.capacity(), book_.length(s)};
+  }
+  void PrepareStage() override { spare_scores_.resize(scores_.size()); }
+  absl::Span<float> staged(uint32_t s) override {
+    return {spare_scores_.data() + size_t{s} * book_.capacity(), book_.length(s)};
+  }
+  void CommitStaged() override {
+    scores_.swap(spare_scores_);
+    saved_ = false;  // the spare holds nothing to restore
+    pending_ = false;
+  }
 
   uint64_t BytesAt(uint32_t capacity) const override {
     return uint64_t{capacity} * book_.num_streams() * (2 * sizeof(float) + sizeof(int64_t) + 1);
@@ -296,6 +311,104 @@ class HostSlotState final : public BookedSlotState {
 };
 
 }  // namespace
+
+// Scores only, one column per stream with a dead front (SlotColumn): a Keep closes each
+// stream up toward the end that moves fewer slots, as the stream's own vectors do.
+class HostScoreState final : public SlotState, public HostScores {
+ public:
+  explicit HostScoreState(uint32_t num_streams) : scores_(num_streams), staged_(num_streams) {}
+
+  uint32_t num_streams() const override { return static_cast<uint32_t>(scores_.size()); }
+  uint32_t length(uint32_t s) const override { return static_cast<uint32_t>(scores_[s].size()); }
+  uint64_t bytes() const override {
+    uint64_t n = 0;
+    for (size_t s = 0; s < scores_.size(); ++s) {
+      n += scores_[s].capacity() + staged_[s].capacity();
+    }
+    return n * sizeof(float);
+  }
+  uint64_t AppendGrowth(uint32_t count) const override {
+    uint64_t n = 0;
+    for (const SlotColumn<float>& c : scores_) n += c.GrowthBytes(count);
+    return n;
+  }
+  absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
+    for (SlotColumn<float>& c : scores_) c.Reserve(positions.size());  // may throw: no change
+    for (SlotColumn<float>& c : scores_) c.AppendFill(positions.size(), initial_score);
+    return absl::OkStatus();
+  }
+  void DropNewest(uint32_t count) override {
+    for (SlotColumn<float>& c : scores_) c.Truncate(c.size() - std::min<size_t>(c.size(), count));
+  }
+  absl::Status Step(const kernels::ScoreStep&, absl::Span<const absl::Span<const float>>,
+                    absl::Span<const uint32_t>, uint32_t, KeepSets*) override {
+    return absl::InternalError("slot state: a host score state has no kernel step");
+  }
+  absl::Status CommitStep() override { return absl::OkStatus(); }
+  absl::Status AbortStep() override { return absl::OkStatus(); }
+  absl::Status Keep(const KeepSets& keep) override {
+    if (keep.size() != scores_.size()) {
+      return absl::InternalError(
+          absl::StrCat("slot state: ", keep.size(), " keep-sets for ", scores_.size(), " streams"));
+    }
+    for (size_t s = 0; s < keep.size(); ++s) {
+      if (keep[s] && !keep[s]->ValidFor(static_cast<uint32_t>(scores_[s].size()))) {
+        return absl::InternalError(absl::StrCat("slot state: keep-set of stream ", s,
+                                                " is not ascending within ", scores_[s].size()));
+      }
+    }
+    for (size_t s = 0; s < keep.size(); ++s) {
+      if (keep[s]) KeepRuns(*keep[s], [&](auto&& f) { f(scores_[s], size_t{1}); });
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
+    scores->resize(scores_.size());
+    for (size_t s = 0; s < scores_.size(); ++s) {
+      (*scores)[s].assign(scores_[s].span().begin(), scores_[s].span().end());
+    }
+    return absl::OkStatus();
+  }
+  absl::Status WriteScores(const std::vector<std::vector<float>>& scores) override {
+    if (scores.size() != scores_.size()) {
+      return absl::InternalError("slot state: one score vector per stream expected");
+    }
+    for (size_t s = 0; s < scores_.size(); ++s) {
+      if (scores[s].size() != scores_[s].size()) {
+        return absl::InternalError(absl::StrCat(
+            "slot state: ", scores[s].size(), " scores for stream ", s, " of ", scores_[s].size()));
+      }
+      std::copy(scores[s].begin(), scores[s].end(), scores_[s].data());
+    }
+    return absl::OkStatus();
+  }
+  absl::Status ReadPositions(std::vector<std::vector<int64_t>>*) override {
+    return absl::FailedPreconditionError("slot state: a host score state keeps no positions");
+  }
+  absl::StatusOr<std::unique_ptr<SlotState>> Clone() const override {
+    auto copy = std::make_unique<HostScoreState>(num_streams());
+    copy->scores_ = scores_;  // the live values only
+    return copy;
+  }
+
+  HostScores* host_scores() override { return this; }
+  absl::Span<const float> scores(uint32_t s) const override { return scores_[s].span(); }
+  void PrepareStage() override {
+    for (size_t s = 0; s < scores_.size(); ++s) staged_[s].resize(scores_[s].size());
+  }
+  absl::Span<float> staged(uint32_t s) override { return absl::MakeSpan(staged_[s]); }
+  void CommitStaged() override {
+    for (size_t s = 0; s < scores_.size(); ++s) scores_[s].Swap(staged_[s]);
+  }
+
+ private:
+  std::vector<SlotColumn<float>> scores_;
+  std::vector<std::vector<float>> staged_;  // the next scores of a call, until its commit
+};
+
+std::unique_ptr<SlotState> MakeHostScoreState(uint32_t num_streams) {
+  return std::make_unique<HostScoreState>(num_streams);
+}
 
 std::unique_ptr<SlotState> MakeHostSlotState(uint32_t num_streams) {
   return std::make_unique<HostSlotState>(num_streams);

@@ -32,6 +32,22 @@ namespace kvmem::store {
 // Per stream: ascending kept slot indices, or nullopt for "every slot".
 using KeepSets = std::vector<std::optional<KeepSet>>;
 
+// Scores in host memory, for policy code that runs on the host (PolicyDriver): it reads the
+// committed scores and writes the next ones into staging, which becomes the scores only at
+// the call's commit; a call that fails before it leaves the scores as they were.
+class HostScores {
+ public:
+  virtual ~HostScores() = default;
+  // Stream s's committed scores (length(s) values).
+  virtual absl::Span<const float> scores(uint32_t s) const = 0;
+  // Room to stage every stream's next scores; may throw std::bad_alloc, changing nothing.
+  virtual void PrepareStage() = 0;
+  // Stream s's next scores (length(s) values), after PrepareStage.
+  virtual absl::Span<float> staged(uint32_t s) = 0;
+  // The staged scores become the scores; allocates nothing.
+  virtual void CommitStaged() = 0;
+};
+
 class SlotState {
  public:
   virtual ~SlotState() = default;
@@ -76,6 +92,9 @@ class SlotState {
 
   // An independent copy (Fork).
   virtual absl::StatusOr<std::unique_ptr<SlotState>> Clone() const = 0;
+  // The scores in host memory, to read and stage in place; null where they live in device
+  // memory (a host call then copies them over with ReadScores and back with WriteScores).
+  virtual HostScores* host_scores() { return nullptr; }
 };
 
 // Host bookkeeping shared by the implementations.
@@ -193,7 +212,11 @@ class BookedSlotState : public SlotState {
   bool saved_ = false;    // the scores before the last Step are saved (until Commit/Abort)
 };
 
-// The CPU implementation: flat host arrays.
+// The CPU implementation: flat host arrays (host_scores() is never null).
 std::unique_ptr<SlotState> MakeHostSlotState(uint32_t num_streams);
+// The scores only (no positions, no keep flags: 8 bytes a slot): the home of the scores of
+// a sequence whose policy code runs on the host, which reads positions from its streams.
+// Its Step is INTERNAL and ReadPositions FAILED_PRECONDITION.
+std::unique_ptr<SlotState> MakeHostScoreState(uint32_t num_streams);
 
 }  // namespace kvmem::store

@@ -94,8 +94,7 @@ class StepChannel {
   using ErrorMapper = std::function<grpc::Status(const absl::Status&)>;
   // A fresh segment with its header written; `capacity` bytes per direction; a signal area
   // of `signal_bytes` (0: none) in a segment of its own.
-  static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity,
-                                                             ErrorMapper to_grpc,
+  static absl::StatusOr<std::unique_ptr<StepChannel>> Create(uint64_t capacity, ErrorMapper to_grpc,
                                                              uint64_t signal_bytes = 0);
   static constexpr uint64_t kMaxSignalBytes = 1ull << 30;
 

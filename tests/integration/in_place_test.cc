@@ -197,9 +197,7 @@ TEST_F(InPlaceTest, AHostileSignalAreaFailsOnlyTheEntryThatNamesIt) {
        [&](uint8_t* at) {
          std::vector<client::StreamSignal> rows = Rows(b.table, 1, rng);
          rows.pop_back();
-         ASSERT_TRUE(client::WriteAttentionRows(
-                         absl::MakeSpan(at, 8192), 0, rows, false)
-                         .ok());
+         ASSERT_TRUE(client::WriteAttentionRows(absl::MakeSpan(at, 8192), 0, rows, false).ok());
        },
        "attention"},
       {"a NaN in a row", 1024,

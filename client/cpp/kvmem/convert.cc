@@ -295,8 +295,8 @@ absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t o
   namespace layout = v1::signal_area;
   uint64_t values = 0;
   for (const StreamSignal& r : rows) values += r.values.size();
-  const uint64_t bytes = sizeof(layout::RowsHeader) + rows.size() * sizeof(layout::RowEntry) +
-                         values * (f16 ? 2 : 4);
+  const uint64_t bytes =
+      sizeof(layout::RowsHeader) + rows.size() * sizeof(layout::RowEntry) + values * (f16 ? 2 : 4);
   if (offset > area.size() || bytes > area.size() - offset) {
     return absl::InvalidArgumentError(absl::StrCat("signal area: ", bytes, " bytes at ", offset,
                                                    " do not fit its ", area.size()));

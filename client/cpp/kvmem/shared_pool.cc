@@ -83,8 +83,7 @@ absl::Status EpochReader::EndRead(const BlockTable& table) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info,
-                                                               bool writable) {
+absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info, bool writable) {
   if (info.shm_name.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
                                                       " backend does not export its pool"));
@@ -110,8 +109,7 @@ absl::Status SharedPool::WritePlanned(const WritePlan& plan, const BlockTable& t
   const uint64_t streams = uint64_t{layout.num_layers} * layout.num_kv_heads;
   const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
   if (n == 0 || n > plan.tokens || plan.block_offsets.size() != streams ||
-      plan.first_slots.size() != streams || k.size() != streams * n * row ||
-      v.size() != k.size()) {
+      plan.first_slots.size() != streams || k.size() != streams * n * row || v.size() != k.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "WritePlanned: ", n, " tokens of ", k.size(), "+", v.size(), " bytes for a plan of ",
         plan.tokens, " tokens over ", plan.block_offsets.size(), " streams; the layout has ",

@@ -25,9 +25,8 @@ namespace {
 absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, const char* what) {
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("OpenStepChannel: shm_open(", name, ") of the ", what, ": ",
-                     std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("OpenStepChannel: shm_open(", name, ") of the ",
+                                               what, ": ", std::strerror(errno)));
   }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
@@ -46,9 +45,10 @@ absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, cons
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
-    v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline,
-    uint64_t signal_bytes) {
+absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(v1::KvCache::Stub* stub,
+                                                                           uint64_t capacity_bytes,
+                                                                           absl::Duration deadline,
+                                                                           uint64_t signal_bytes) {
   std::unique_ptr<StepChannelClient> channel(new StepChannelClient());
   v1::OpenStepChannelRequest request;
   request.set_capacity_bytes(capacity_bytes);

@@ -9,9 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/types/span.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
@@ -23,9 +23,9 @@ class StepChannelClient {
   // another host (no such segment), on a layout this client does not know, or when the
   // daemon refuses (the status says why).
   static absl::StatusOr<std::unique_ptr<StepChannelClient>> Open(v1::KvCache::Stub* stub,
-                                                                  uint64_t capacity_bytes,
-                                                                  absl::Duration deadline,
-                                                                  uint64_t signal_bytes = 0);
+                                                                 uint64_t capacity_bytes,
+                                                                 absl::Duration deadline,
+                                                                 uint64_t signal_bytes = 0);
   ~StepChannelClient();  // closes the channel (ends the call) and unmaps
   StepChannelClient(const StepChannelClient&) = delete;
   StepChannelClient& operator=(const StepChannelClient&) = delete;

@@ -58,9 +58,9 @@ int RunGenerate() {
     env.store = nullptr;
     env.daemon.reset();
     client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
-    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d = KvmemKvStore::Create(
-        env.client.get(), env.model->config(), *policy, ReadPathFromFlags(), &prompt,
-        InPlaceFromFlags());
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
+        KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags(),
+                             &prompt, InPlaceFromFlags());
     if (!d.ok()) return Fail("setup", d.status());
     env.daemon = *std::move(d);
     env.store = env.daemon.get();

@@ -191,10 +191,12 @@ TEST(DeviceStepTest, SlotStateMemoryIsCountedAndGivenBack) {
   ASSERT_TRUE(engine->Release(a).ok());
   ASSERT_TRUE(engine->Release(child).ok());
   EXPECT_EQ(engine->Stats(false).slot_state_bytes, 0u);
-  // The host path keeps none.
+  // The host path keeps its scores in a host score state (their one home: f32 per slot).
   std::unique_ptr<Engine> host = CpuEngine(&clock, false);
   const uint64_t h = host->CreateSequence(layout, "confkv", {}, {}, {})->sequence_id;
   ASSERT_TRUE(twins::Append(*host, h, 0, 100).ok());
+  EXPECT_EQ(host->Stats(false).slot_state_bytes, 8u * 200 * 4);  // room for twice the append
+  ASSERT_TRUE(host->Release(h).ok());
   EXPECT_EQ(host->Stats(false).slot_state_bytes, 0u);
 }
 

@@ -18,9 +18,15 @@ std::unique_ptr<Sequence> Make(uint64_t id, uint64_t parent = 0, const std::stri
   const Layout layout{3, 2, 8, DType::kF16, 16, 0};
   auto policy = policy::CreatePolicy(name, {});
   EXPECT_TRUE(policy.ok()) << policy.status();
-  return std::make_unique<Sequence>(id, layout, name, policy::ParamOverrides{}, *std::move(policy),
-                                    QuantConfig{}, absl::Seconds(30),
-                                    /*epoch_slot=*/0, parent);
+  auto seq = std::make_unique<Sequence>(id, layout, name, policy::ParamOverrides{},
+                                        *std::move(policy), QuantConfig{}, absl::Seconds(30),
+                                        /*epoch_slot=*/0, parent);
+  // The scores' home, as the engine gives a sequence whose policy keeps them.
+  kvmem::MutexLock lock(&seq->mu);
+  if (seq->policy().descriptor().initial_score) {
+    seq->set_slots(store::MakeHostScoreState(layout.num_streams()), /*kernel_step=*/false);
+  }
+  return seq;
 }
 
 TEST(SequenceTest, HasOneStreamPerLayerAndHeadFromTheStart) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -41,8 +47,8 @@ TEST(SequenceTest, OnlyAPolicyThatReadsPerTokenSignalsKeepsThem) ABSL_NO_THREAD_
     for (size_t s = 0; s < seq->streams().size(); ++s) {
       Stream& st = seq->stream(s);
       ASSERT_EQ(st.token_signals(), infokv);
-      st.Reserve(positions.size(), false, 0);
-      st.AppendSlots(positions, std::nullopt, 0, entropy, entropy, 0);
+      st.Reserve(positions.size(), 0);
+      st.AppendSlots(positions, 0, entropy, entropy, 0);
       EXPECT_EQ(st.token_entropy().size(), infokv ? 3u : 0u);
       EXPECT_EQ(st.layer_distance().size(), infokv ? 3u : 0u);
       EXPECT_EQ(st.arrival_step().size(), 0u);  // neither reads it
@@ -65,8 +71,8 @@ TEST(SequenceTest, OnlyAPolicyThatReadsArrivalStepsKeepsThem) ABSL_NO_THREAD_SAF
     for (size_t s = 0; s < seq->streams().size(); ++s) {
       Stream& st = seq->stream(s);
       ASSERT_EQ(st.arrival_steps(), refreekv);
-      st.Reserve(positions.size(), false, 0);
-      st.AppendSlots(positions, std::nullopt, 0, {}, {}, 7);
+      st.Reserve(positions.size(), 0);
+      st.AppendSlots(positions, 0, {}, {}, 7);
       const std::vector<int64_t> want =
           refreekv ? std::vector<int64_t>(3, 7) : std::vector<int64_t>();
       EXPECT_EQ(std::vector<int64_t>(st.arrival_step().begin(), st.arrival_step().end()), want);
@@ -137,7 +143,7 @@ TEST(SequenceTest, ForkCopiesTheStateButNotTheIdentity) ABSL_NO_THREAD_SAFETY_AN
   parent->Publish();
   parent->set_epoch(99);
   child->set_epoch(100);
-  child->CopyStateFrom(*parent, nullptr);
+  child->CopyStateFrom(*parent, *parent->slots()->Clone());  // the scores' copy (the engine's)
   EXPECT_EQ(child->id(), 2u);
   EXPECT_EQ(child->parent_id(), 1u);
   EXPECT_EQ(child->epoch(), 100u);  // its own
@@ -167,15 +173,15 @@ TEST(SequenceTest, ClearedHoldsNothing) ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 // A stream's per-slot vectors against plain vectors, over thousands of appends and keep-sets
 // of every kind: head evictions (which only move the dead front), holes, a whole stream
-// dropped, host scores on and off, history rows. Every vector must hold the reference's
+// dropped, history rows. Every vector must hold the reference's
 // values in order, and the memory held stays within a bound of the live slots.
 TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
   std::mt19937 rng(11);
   constexpr uint32_t kRows = 3;
-  for (bool host_scores : {false, true}) {
+  {
     Stream st;
     std::vector<int64_t> positions, arrival;
-    std::vector<float> scores, history, entropy, distance;
+    std::vector<float> history, entropy, distance;
     int64_t next = 0;
     size_t most = 0;
     for (int step = 0; step < 3000; ++step) {
@@ -187,12 +193,11 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
         e[i] = static_cast<float>(p[i]) * 0.5f;
         d[i] = static_cast<float>(p[i]) * 0.25f;
       }
-      st.Reserve(n, host_scores, kRows);
+      st.Reserve(n, kRows);
       const uint64_t reserved = st.host_bytes();
-      st.AppendSlots(p, host_scores ? std::optional<float>(1.5f) : std::nullopt, kRows, e, d, step);
+      st.AppendSlots(p, kRows, e, d, step);
       ASSERT_EQ(st.host_bytes(), reserved) << "an append into reserved room allocated";
       positions.insert(positions.end(), p.begin(), p.end());
-      if (host_scores) scores.insert(scores.end(), n, 1.5f);
       history.insert(history.end(), n * kRows, 0.0f);
       entropy.insert(entropy.end(), e.begin(), e.end());
       distance.insert(distance.end(), d.begin(), d.end());
@@ -224,7 +229,6 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
         v = out;
       };
       filter(positions, 1);
-      if (host_scores) filter(scores, 1);
       filter(history, kRows);
       filter(entropy, 1);
       filter(distance, 1);
@@ -233,7 +237,6 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
       ASSERT_TRUE(std::equal(positions.begin(), positions.end(), st.positions().begin(),
                              st.positions().end()))
           << "step " << step;
-      ASSERT_EQ(std::vector<float>(st.scores().begin(), st.scores().end()), scores);
       ASSERT_EQ(std::vector<float>(st.history().begin(), st.history().end()), history);
       ASSERT_EQ(std::vector<float>(st.token_entropy().begin(), st.token_entropy().end()), entropy);
       ASSERT_EQ(std::vector<float>(st.layer_distance().begin(), st.layer_distance().end()),
@@ -241,23 +244,9 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
       ASSERT_EQ(std::vector<int64_t>(st.arrival_step().begin(), st.arrival_step().end()), arrival);
       most = std::max(most, positions.size() + n);
       // Dead fronts are taken back: each vector holds at most twice the most slots ever live
-      // with an append (the staged scores once more).
+      // with an append.
       ASSERT_LE(st.host_bytes(), sizeof(Stream) + 2 * most * (2 * 8 + 4 * (4 + kRows)))
           << "step " << step;
-      if (host_scores && step % 3 == 0) {
-        // A policy's staged scores become the scores; a host call's loaded scores too.
-        absl::Span<float> next = st.StageScores();
-        ASSERT_EQ(next.size(), scores.size());
-        for (size_t j = 0; j < next.size(); ++j) next[j] = scores[j] = static_cast<float>(step + j);
-        st.CommitScores();
-        if (step % 2 == 0) {
-          std::vector<float> taken = st.TakeScores();
-          ASSERT_EQ(taken, scores);
-          EXPECT_TRUE(st.scores().empty());
-          st.LoadScores(std::move(taken));
-        }
-        ASSERT_EQ(std::vector<float>(st.scores().begin(), st.scores().end()), scores);
-      }
       if (step % 97 == 0) {
         // A copy holds the same slots, and only the live ones.
         Stream copy;
@@ -265,7 +254,6 @@ TEST(StreamTest, PerSlotVectorsFollowEveryAppendAndKeepSet) {
         ASSERT_TRUE(std::equal(positions.begin(), positions.end(), copy.positions().begin(),
                                copy.positions().end()));
         ASSERT_EQ(std::vector<float>(copy.history().begin(), copy.history().end()), history);
-        ASSERT_EQ(std::vector<float>(copy.scores().begin(), copy.scores().end()), scores);
         ASSERT_LE(copy.host_bytes(), sizeof(Stream) + positions.size() * (2 * 8 + 4 * (4 + kRows)))
             << "step " << step;
       }

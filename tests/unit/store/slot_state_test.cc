@@ -148,4 +148,41 @@ TEST(SlotStateTest, AbortStepPutsTheScoresBack) {
   EXPECT_EQ(state->length(0), 4u);
 }
 
+// Host policy code reads the scores and stages the next in place: they become the scores
+// only at CommitStaged (a call that fails before leaves them as they were), and a Keep
+// after it compacts the committed ones; a step's AbortStep after a commit restores nothing
+// stale.
+TEST(SlotStateTest, HostScoresStageInPlaceAndCommitOnlyWhenAsked) {
+  std::unique_ptr<SlotState> state = MakeHostSlotState(2);
+  HostScores* host = state->host_scores();
+  ASSERT_NE(host, nullptr);
+  ASSERT_TRUE(state->Append(std::vector<int64_t>{0, 1, 2, 3, 4}, 0.5f).ok());
+  EXPECT_THAT(host->scores(1), ElementsAre(0.5f, 0.5f, 0.5f, 0.5f, 0.5f));
+  host->PrepareStage();
+  for (uint32_t s = 0; s < 2; ++s) {
+    absl::Span<float> next = host->staged(s);
+    ASSERT_EQ(next.size(), 5u);
+    for (size_t j = 0; j < next.size(); ++j) next[j] = static_cast<float>(10 * s + j);
+  }
+  // Not committed: a failed call's staging changes nothing.
+  EXPECT_THAT(host->scores(0), ElementsAre(0.5f, 0.5f, 0.5f, 0.5f, 0.5f));
+  host->PrepareStage();
+  for (uint32_t s = 0; s < 2; ++s) {
+    absl::Span<float> next = host->staged(s);
+    for (size_t j = 0; j < next.size(); ++j) next[j] = static_cast<float>(10 * s + j);
+  }
+  host->CommitStaged();
+  EXPECT_THAT(host->scores(1), ElementsAre(10, 11, 12, 13, 14));
+  KeepSets keep(2);
+  keep[0] = KeepSet::FromSlots(std::vector<uint32_t>{1, 3});
+  ASSERT_TRUE(state->Keep(keep).ok());
+  EXPECT_THAT(host->scores(0), ElementsAre(1, 3));
+  EXPECT_THAT(host->scores(1), ElementsAre(10, 11, 12, 13, 14));
+  ASSERT_TRUE(state->AbortStep().ok());  // no step pending: nothing to put back
+  EXPECT_THAT(host->scores(0), ElementsAre(1, 3));
+  std::vector<std::vector<int64_t>> positions;
+  ASSERT_TRUE(state->ReadPositions(&positions).ok());
+  EXPECT_THAT(positions[0], ElementsAre(1, 3));
+}
+
 }  // namespace kvmem::store
