@@ -185,4 +185,49 @@ TEST(SlotStateTest, HostScoresStageInPlaceAndCommitOnlyWhenAsked) {
   EXPECT_THAT(positions[0], ElementsAre(1, 3));
 }
 
+// The scores-only state of a host-stepping sequence: the same staging contract, a Keep
+// that closes each stream up (either end), copies back and forth, and no kernel step.
+TEST(SlotStateTest, HostScoreStateKeepsScoresOnly) {
+  std::unique_ptr<SlotState> state = MakeHostScoreState(2);
+  HostScores* host = state->host_scores();
+  ASSERT_NE(host, nullptr);
+  ASSERT_TRUE(state->Append(std::vector<int64_t>{0, 1, 2, 3, 4, 5}, std::nanf("")).ok());
+  host->PrepareStage();
+  for (uint32_t s = 0; s < 2; ++s) {
+    absl::Span<float> next = host->staged(s);
+    for (size_t j = 0; j < next.size(); ++j) next[j] = static_cast<float>(10 * s + j);
+  }
+  EXPECT_TRUE(std::isnan(host->scores(0)[0]));  // staged, not committed
+  host->CommitStaged();
+  KeepSets keep(2);
+  keep[0] = KeepSet::FromSlots(std::vector<uint32_t>{0, 1, 2, 4, 5});  // toward the front
+  keep[1] = KeepSet::FromSlots(std::vector<uint32_t>{1, 3, 4, 5});     // toward the back
+  ASSERT_TRUE(state->Keep(keep).ok());
+  EXPECT_THAT(host->scores(0), ElementsAre(0, 1, 2, 4, 5));
+  EXPECT_THAT(host->scores(1), ElementsAre(11, 13, 14, 15));
+  EXPECT_EQ(state->length(1), 4u);
+  KeepSets bad(2);
+  bad[0] = KeepSet::FromSlots(std::vector<uint32_t>{0, 9});
+  EXPECT_EQ(state->Keep(bad).code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(host->scores(0), ElementsAre(0, 1, 2, 4, 5));  // refused whole
+  std::vector<std::vector<float>> scores;
+  ASSERT_TRUE(state->ReadScores(&scores).ok());
+  scores[1][0] = 99;
+  ASSERT_TRUE(state->WriteScores(scores).ok());
+  std::unique_ptr<SlotState> copy = *state->Clone();
+  state->DropNewest(2);
+  EXPECT_THAT(copy->host_scores()->scores(1), ElementsAre(99, 13, 14, 15));
+  EXPECT_THAT(host->scores(1), ElementsAre(99, 13));
+  std::vector<std::vector<int64_t>> positions;
+  EXPECT_EQ(state->ReadPositions(&positions).code(), absl::StatusCode::kFailedPrecondition);
+  KeepSets sets;
+  const std::vector<float> row = {1, 2};
+  const absl::Span<const float> rows[] = {row, row};
+  const uint32_t budget[] = {1, 1};
+  EXPECT_EQ(
+      state->Step({kernels::ScoreRule::kAccumulate, 0, 1, false, true}, rows, budget, 0, &sets)
+          .code(),
+      absl::StatusCode::kInternal);
+}
+
 }  // namespace kvmem::store
