@@ -7,7 +7,7 @@
 # with the device run (carry: ["gpu-bundle"]); tests/gpu/run.sh then uses it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-targets=(cuda_backend_test cuda_attach_test kvmemd policy_step_bench gpu_parity gpu_bench)
+targets=(cuda_backend_test cuda_attach_test kvmemd policy_step_bench in_place_bench gpu_parity gpu_bench)
 cmake --build build -j "${KVMEM_JOBS:-2}" --target "${targets[@]}"
 rm -rf gpu-bundle
 mkdir -p gpu-bundle/bin gpu-bundle/lib

@@ -7,7 +7,7 @@
 # of building here, and also the CUDA backend's gtests run — CudaBackend and the device
 # SlotState against the CPU ones, the engine's device step against the host policies, a
 # worker process attaching the pool by CUDA IPC — once plainly and once under memcheck,
-# then the engine step benchmark on the GPU.
+# then the engine step benchmark on the GPU and the in-place decode loop (CPU backend).
 #
 # The most telling checks come first. The whole run keeps to one deadline (KVMEM_GPU_SECONDS,
 # default 540: the device tool allows 600 s a call); each step gets the time it may take or
@@ -142,6 +142,15 @@ if [ -x gpu-bundle/bin/policy_step_bench ]; then
   run "engine step benchmark" 240 "$logs/policy_step_bench.log" - \
     gpu-bundle/bin/policy_step_bench --benchmark_filter='cuda|b4096'
   grep -h '^BM_' "$logs/policy_step_bench.log"
+fi
+if [ -x gpu-bundle/bin/in_place_bench ]; then
+  # The decode loop in place against message bytes on this machine's cores (CPU backend:
+  # the same-GPU in-place path needs the worker's own kernels, not there yet). Its log
+  # stays out of $OUT (eight files at most there); its table goes in the summary.
+  mkdir -p build-gpu
+  run "in-place decode loop, CPU backend" 90 build-gpu/in_place_bench.log - \
+    gpu-bundle/bin/in_place_bench --sequences=64 --steps=50 --rounds=1
+  grep -h '^|' build-gpu/in_place_bench.log | while read -r line; do note "$line"; done
 fi
 run "selection and compaction (racecheck)" 120 "$logs/parity_racecheck.log" racecheck \
   "$bin/gpu_parity" select compact
