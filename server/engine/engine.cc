@@ -448,7 +448,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   // The word odd first: no reader accepts the tables once their blocks can be reused.
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
-  pool_->Unref(seq.TakePlan());  // blocks a write plan holds (not the sequence's own)
+  freed += pool_->Unref(seq.TakePlan());  // blocks a write plan holds
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
   }

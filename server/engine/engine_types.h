@@ -272,9 +272,8 @@ struct StepOutcome {
   absl::Status status;
   std::optional<AppendResult> appended;
   std::optional<StepResult> step;
-  std::optional<TableUpdate>
-      table;  // when a table was held and the sequence serves  // When asked for: where the next
-              // tokens go, or why there is no plan (the rest of the
+  std::optional<TableUpdate> table;  // when a table was held and the sequence serves
+  // When asked for: where the next tokens go, or why there is no plan (the rest of the
   // entry applied or not regardless: `status` is not this one).
   std::optional<absl::StatusOr<PlanView>> plan;
 };

@@ -203,9 +203,22 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
 
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
+                                                                  uint64_t* budget,
                                                                   SignalStorage* storage) {
   namespace area = v1::signal_area;
+  // What the batch's entries copy out of the area, in all, is at most the area's size: a
+  // batch that names the same bytes from many entries is refused, not copied many times.
+  const auto take = [&](uint64_t bytes) {
+    if (bytes > *budget) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": the batch's entries name more bytes of the signal area than it holds (",
+          *budget, " left of its size for this entry's ", bytes, ")"));
+    }
+    *budget -= bytes;
+    return absl::OkStatus();
+  };
   area::RowsHeader header;
+  if (absl::Status s = take(sizeof header); !s.ok()) return s;
   if (absl::Status s = read(offset, sizeof header, &header); !s.ok()) return s;
   if (header.rows == 0 || header.rows > area::kMaxRows) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": the header at ", offset, " says ",
@@ -216,21 +229,20 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader rea
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": the header at ", offset, " says dtype ", header.dtype, " (0 f32 or 1 f16)"));
   }
-  // The entries, then the values: each read is bounded by the area, so every total below
-  // is bounded by its size (at most 1 GiB) before anything is allocated for it.
-  std::vector<area::RowEntry> entries(header.rows);
+  // The entries, then the values: each is checked against the area and the batch's budget
+  // before anything is allocated for it.
   const uint64_t entries_at = offset + sizeof header;
-  if (absl::Status s = read(entries_at, header.rows * sizeof(area::RowEntry), entries.data());
-      !s.ok()) {
-    return s;
-  }
+  const uint64_t entry_bytes = uint64_t{header.rows} * sizeof(area::RowEntry);
+  if (absl::Status s = read(entries_at + entry_bytes, 0, nullptr); !s.ok()) return s;
+  if (absl::Status s = take(entry_bytes); !s.ok()) return s;
+  std::vector<area::RowEntry> entries(header.rows);
+  if (absl::Status s = read(entries_at, entry_bytes, entries.data()); !s.ok()) return s;
   uint64_t values = 0;
   for (const area::RowEntry& e : entries) values += e.length;
   const uint64_t width = header.dtype == area::kF16 ? 2 : 4;
-  const uint64_t values_at = entries_at + header.rows * sizeof(area::RowEntry);
-  // The rows must end inside the area before their buffers are allocated (an empty read
-  // at their end checks it).
+  const uint64_t values_at = entries_at + entry_bytes;
   if (absl::Status s = read(values_at + values * width, 0, nullptr); !s.ok()) return s;
+  if (absl::Status s = take(values * width); !s.ok()) return s;
   std::unique_ptr<float[]> rows(new float[std::max<uint64_t>(values, 1)]);
   if (header.dtype == area::kF32) {
     if (absl::Status s = read(values_at, values * width, rows.get()); !s.ok()) return s;

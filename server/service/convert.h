@@ -70,10 +70,13 @@ std::vector<engine::StreamSignal> SignalViews(
 
 // Attention rows an entry names in a step channel's signal area (step_channel.h's
 // signal_area layout) at `offset`, copied out by `read` (bounded by the area) into
-// `storage`; errors name `field`.
+// `storage`; errors name `field`. `budget`: the area's bytes the batch may still copy
+// (its size, at the batch's start), less what this entry's header, entries and rows take:
+// a batch holds at most three times the area in copies (f16 rows widened, their views).
 using AreaReader = absl::FunctionRef<absl::Status(uint64_t offset, uint64_t bytes, void* out)>;
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
+                                                                  uint64_t* budget,
                                                                   SignalStorage* storage);
 void ToProto(const engine::PlanView& plan, v1::WritePlan* out);
 

@@ -225,7 +225,7 @@ namespace {
 // An entry's attention rows from its channel's signal area (StepSignals.attention_offset).
 absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
                                                     const transport::StepChannel* channel,
-                                                    engine::StepInput input,
+                                                    engine::StepInput input, uint64_t* budget,
                                                     SignalStorage* storage) {
   if (channel == nullptr) {
     return absl::InvalidArgumentError(
@@ -240,7 +240,7 @@ absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
       [channel](uint64_t offset, uint64_t bytes, void* out) {
         return channel->CopySignals(offset, bytes, out, "attention_offset");
       },
-      step.attention_offset(), "attention_offset", storage);
+      step.attention_offset(), "attention_offset", budget, storage);
   if (!rows.ok()) return rows.status();
   input.attention = *std::move(rows);
   return input;
@@ -264,6 +264,8 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
         }
         std::vector<engine::StepCall> calls(n);
         std::vector<SignalStorage> storage(n);
+        // The signal area's bytes the batch's entries may copy, in all (SignalsFromArea).
+        uint64_t area_budget = channel != nullptr ? channel->signal_bytes() : 0;
         for (int i = 0; i < n; ++i) {
           const v1::StepBatchEntry& entry = request->entries(i);
           engine::StepCall& call = calls[i];
@@ -276,7 +278,8 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
           if (entry.has_step()) {
             absl::StatusOr<engine::StepInput> input = StepInputView(entry.step(), &storage[i]);
             if (input.ok() && entry.step().has_attention_offset()) {
-              input = AttentionFromArea(entry.step(), channel, *std::move(input), &storage[i]);
+              input = AttentionFromArea(entry.step(), channel, *std::move(input), &area_budget,
+                                        &storage[i]);
             }
             if (input.ok()) {
               call.step = *std::move(input);
@@ -367,7 +370,7 @@ grpc::Status KvCacheService::OpenStepChannel(
                        transport::StepChannel::kMaxSignalBytes, " (1 GiB)")));
     }
     absl::StatusOr<transport::StepChannelBudget::Lease> opened =
-        channels_.Open(transport::StepChannel::HeldBytes(capacity) + signal_bytes);
+        channels_.Open(transport::StepChannel::HeldBytes(capacity, signal_bytes));
     if (!opened.ok()) return ToGrpc(opened.status());
     lease.emplace(*std::move(opened));
     absl::StatusOr<std::unique_ptr<transport::StepChannel>> created =

@@ -52,9 +52,9 @@ uint64_t StepChannel::SegmentBytes(uint64_t capacity) {
   return layout::kHeaderBytes + 2 * capacity;
 }
 
-uint64_t StepChannel::HeldBytes(uint64_t capacity) {
+uint64_t StepChannel::HeldBytes(uint64_t capacity, uint64_t signal_bytes) {
   return SegmentBytes(capacity) + capacity + ArenaBlockBytes(capacity) +
-         2 * MaxAnswerBytes(capacity);
+         2 * MaxAnswerBytes(capacity) + 4 * signal_bytes;
 }
 
 size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {

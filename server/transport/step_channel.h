@@ -78,8 +78,9 @@ class StepChannel {
   }
   // The daemon memory a channel holds: its segment, its copy of a request, the first block
   // of its parse arena, and an answer of MaxAnswerBytes twice (as built, and serialized
-  // while its chunks are pending).
-  static uint64_t HeldBytes(uint64_t capacity);
+  // while its chunks are pending); with a signal area, the area and what a batch may copy
+  // out of it (at most three times its size: the service's SignalsFromArea).
+  static uint64_t HeldBytes(uint64_t capacity, uint64_t signal_bytes = 0);
   // Trims `response` to at most `limit` serialized bytes, so that what a channel holds stays
   // bounded: table updates go first, from the last entry back (an applied entry without
   // its update makes its client fetch the table); then, from the back, the statuses'

@@ -228,6 +228,25 @@ TEST_F(InPlaceTest, AHostileSignalAreaFailsOnlyTheEntryThatNamesIt) {
     EXPECT_THAT(std::string((*out)[1].status.message()), HasSubstr(c.expect)) << c.name;
     EXPECT_FALSE((*out)[1].step.has_value()) << c.name;
   }
+  // Entries that name the same bytes copy the area once, not once each: past its size in
+  // all, the batch's later entries are refused (before anything is allocated for them).
+  {
+    std::vector<client::StreamSignal> big;
+    for (uint32_t s = 0; s < kStreams; ++s)
+      big.push_back({s / kH, s % kH, std::vector<float>(1200, 0.5f)});
+    ASSERT_TRUE(client::WriteAttentionRows(area.bytes, 0, big, false).ok());  // ~38 KiB of 64
+    client::BatchEntry e1, e2;
+    e1.sequence_id = good;
+    e1.step = client::StepArgs{g.table.epoch, {}, {}, false, 0};
+    e2.sequence_id = bad;
+    e2.step = client::StepArgs{b.table.epoch, {}, {}, false, 0};
+    const client::BatchEntry both[] = {e1, e2};
+    absl::StatusOr<std::vector<client::BatchResult>> twice = client_->StepBatch(both);
+    ASSERT_TRUE(twice.ok()) << twice.status();
+    EXPECT_EQ((*twice)[1].status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string((*twice)[1].status.message()),
+                HasSubstr("more bytes of the signal area"));
+  }
   // Over gRPC there is no area to name.
   client_->CloseStepChannel();
   client::BatchEntry over_grpc;

@@ -203,6 +203,10 @@ absl::StatusOr<AppendResult> Client::AppendStream(uint64_t sequence_id,
 
 absl::StatusOr<StepResult> Client::Step(uint64_t sequence_id, const StepArgs& args,
                                         BlockTable* table) {
+  if (args.attention_offset) {
+    return absl::InvalidArgumentError(
+        "attention_offset: rows in a signal area go only in a StepBatch through a step channel");
+  }
   v1::StepRequest q;
   q.set_sequence_id(sequence_id);
   impl_->FillSignals(sequence_id, args, &q);
