@@ -51,6 +51,16 @@ engine::AppendChunk ChunkView(const Request& request) {
       absl::MakeConstSpan(request.layer_distance().data(), request.layer_distance().size());
   return chunk;
 }
+// An AppendResponse, an AppendStreamResponse or a StepBatch entry's append result.
+template <typename Response>
+void FillAppendResponse(uint64_t id, const engine::AppendResult& r, Response* out) {
+  out->set_sequence_id(id);
+  out->set_appended_tokens(r.appended_tokens);
+  out->set_max_stream_tokens(r.max_stream_tokens);
+  out->set_epoch(r.epoch);
+  out->set_kv_bytes(r.kv_bytes);
+  out->set_table_version(r.version);
+}
 // The table a request's client_table says the client holds; none without the field.
 template <typename Request>
 std::optional<engine::HeldTable> HeldFromProto(const Request& request) {
