@@ -21,12 +21,16 @@ namespace layout = v1::step_channel;
 
 namespace {
 
-// Maps a daemon's segment of at least `bytes` read-write.
+// Maps a daemon's segment (`what`: the channel's, or its signal area) of at least `bytes`
+// read-write.
 absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, const char* what) {
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("OpenStepChannel: shm_open(", name, ") of the ",
-                                               what, ": ", std::strerror(errno)));
+    const int err = errno;
+    return absl::UnavailableError(absl::StrCat(
+        "OpenStepChannel: shm_open(", name, ") of the ", what, ": ", std::strerror(err),
+        err == EACCES ? " (the daemon runs as another user)"
+                      : " (is the daemon on another host, or without this /dev/shm?)"));
   }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
@@ -35,10 +39,11 @@ absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, cons
         absl::StrCat("OpenStepChannel: the ", what, " ", name, " is smaller than announced"));
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
   close(fd);
   if (data == MAP_FAILED) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("OpenStepChannel: mmap(", name, "): ", std::strerror(errno)));
+        absl::StrCat("OpenStepChannel: mmap(", name, "): ", std::strerror(err)));
   }
   return static_cast<uint8_t*>(data);
 }
@@ -74,29 +79,14 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(v1::K
         absl::StrCat("OpenStepChannel: layout_version ", opened.layout_version(),
                      "; this client knows ", layout::kLayoutVersion));
   }
-  const int fd = shm_open(opened.name().c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    const int err = errno;
-    return absl::UnavailableError(absl::StrCat(
-        "OpenStepChannel: shm_open(", opened.name(), "): ", std::strerror(err),
-        err == EACCES ? " (the daemon runs as another user)"
-                      : " (is the daemon on another host, or without this /dev/shm?)"));
-  }
-  struct stat st {};
   const uint64_t bytes = opened.segment_bytes();
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes ||
-      bytes < layout::kHeaderBytes + 2 * opened.capacity_bytes()) {
-    close(fd);
+  if (bytes < layout::kHeaderBytes + 2 * opened.capacity_bytes()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("OpenStepChannel: segment ", opened.name(), " is smaller than announced"));
+        absl::StrCat("OpenStepChannel: the segment ", opened.name(), " is smaller than announced"));
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (data == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("OpenStepChannel: mmap(", opened.name(), "): ", std::strerror(errno)));
-  }
-  channel->data_ = static_cast<uint8_t*>(data);
+  absl::StatusOr<uint8_t*> data = MapShared(opened.name(), bytes, "segment");
+  if (!data.ok()) return data.status();
+  channel->data_ = *data;
   channel->bytes_ = bytes;
   channel->capacity_ = opened.capacity_bytes();
   const auto* header = reinterpret_cast<const layout::Header*>(channel->data_);
