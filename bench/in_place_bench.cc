@@ -4,14 +4,18 @@
 //   bytes:    K/V and the attention rows (halves) in the message, as before;
 //   in place: K/V written into the pool where the write plan says (the pool mapped
 //             writable), rows (halves) in the channel's signal area, the entry carrying
-//             only ids, versions, the plan and offsets.
-// The two alternate (bytes, in place, bytes, in place) on two daemons started alike in this
-// process (every call crosses a unix socket and shared memory as between processes). The
-// time of a step runs from putting its data where the daemon reads it (the message, or the
-// pool and the area) to having the answer with the tables updated; the K/V and row values
-// themselves are made once, as a model would have them.
+//             only ids, versions, the plan and offsets;
+//   in place + table area: the same, and no table in the answers: each table read where
+//             it lies in the daemon's table area (--table_area_bytes), as a paged-attention
+//             kernel reads it (the bench sums its blocks' slots, for the next rows).
+// The three alternate (bytes, in place, in place + area, ...) on three daemons started
+// alike in this process (every call crosses a unix socket and shared memory as between processes).
+// The time of a step runs from putting its data where the daemon reads it (the message, or the pool
+// and the area) to having the answer with the tables updated; the K/V and row values themselves are
+// made once, as a model would have them.
 //
 //   in_place_bench [--sequences=64] [--policy=confkv|window] [--steps=100] [--shape=smollm2]
+//                  [--only=bytes|in_place|area]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,13 +29,14 @@
 #include "absl/strings/str_cat.h"
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
+#include "kvmem/table_area.h"
 #include "server/service/server.h"
 
 ABSL_FLAG(uint32_t, sequences, 64, "sequences in each batch");
 ABSL_FLAG(std::string, policy, "confkv", "confkv (c_high = c_low = 256) or window (256)");
 ABSL_FLAG(uint32_t, steps, 100, "timed decode steps per round (after 10 untimed)");
-ABSL_FLAG(uint32_t, rounds, 2, "rounds of (bytes, in place)");
-ABSL_FLAG(bool, in_place_only, false, "time only the in-place path (for a profiler)");
+ABSL_FLAG(uint32_t, rounds, 2, "rounds of (bytes, in place, in place + table area)");
+ABSL_FLAG(std::string, only, "", "time only this path: bytes, in_place or area (for a profiler)");
 ABSL_FLAG(std::string, shape, "smollm2", "smollm2 (30x3x64) or llama8b (32x8x128)");
 
 namespace {
@@ -46,9 +51,10 @@ struct Daemon {
   std::unique_ptr<kvmem::service::Server> server;
   std::unique_ptr<Client> client;
   std::unique_ptr<kvmem::client::SharedPool> pool;
+  std::unique_ptr<kvmem::client::TableReader> tables;
 };
 
-Daemon Start(const std::string& name, uint64_t pool_bytes) {
+Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_bytes) {
   kvmem::service::ServerConfig config;
   const std::string socket = absl::StrCat("/tmp/kvmem-bench-", getpid(), "-", name);
   config.listen = "unix:" + socket;
@@ -56,6 +62,7 @@ Daemon Start(const std::string& name, uint64_t pool_bytes) {
   config.engine.pool_bytes = pool_bytes;
   config.engine.max_sequences = 4096;
   config.engine.in_place_writes = true;
+  config.engine.table_area_bytes = table_area_bytes;
   Daemon d;
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);
@@ -70,7 +77,9 @@ Daemon Start(const std::string& name, uint64_t pool_bytes) {
 
 struct Seq {
   uint64_t id = 0;
-  BlockTable table;
+  BlockTable table;               // the area path: as attached (layout, epoch slot), not kept
+  std::vector<uint32_t> lengths;  // the area path: live slots per stream, from the area
+  uint64_t epoch = 0;
   kvmem::client::WritePlan plan;
   int64_t next = kPrompt;
 };
@@ -78,7 +87,9 @@ struct Seq {
 struct Run {
   Daemon daemon;
   std::vector<Seq> seqs;
+  std::string name;  // bytes, in_place, area
   bool in_place = false;
+  bool area = false;
 };
 
 void Check(const absl::Status& s, const char* what) {
@@ -131,11 +142,24 @@ int main(int argc, char** argv) {
 
   std::vector<int64_t> prompt_positions(kPrompt);
   for (uint32_t i = 0; i < kPrompt; ++i) prompt_positions[i] = i;
-  Run runs[2];
-  for (int r = 0; r < 2; ++r) {
-    runs[r].in_place = r == 1;
-    runs[r].daemon = Start(r == 0 ? "bytes" : "inplace", pool_bytes);
+  const std::string only = absl::GetFlag(FLAGS_only);
+  std::vector<Run> runs;
+  for (const char* name : {"bytes", "in_place", "area"}) {
+    if (!only.empty() && only != name) continue;
+    runs.emplace_back().name = name;
+  }
+  for (size_t r = 0; r < runs.size(); ++r) {
+    runs[r].in_place = runs[r].name != "bytes";
+    runs[r].area = runs[r].name == "area";
+    runs[r].daemon = Start(runs[r].name, pool_bytes, runs[r].area ? 64ull << 20 : 0);
     Client& c = *runs[r].daemon.client;
+    if (runs[r].area) {
+      absl::StatusOr<kvmem::client::Info> info = c.GetInfo();
+      Check(info.status(), "GetInfo");
+      auto tables = kvmem::client::TableReader::Attach(*info);
+      Check(tables.status(), "TableReader::Attach");
+      runs[r].daemon.tables = *std::move(tables);
+    }
     Check(c.OpenStepChannel(16ull << 20, runs[r].in_place ? 16ull << 20 : 0), "OpenStepChannel");
     if (runs[r].in_place) {
       absl::StatusOr<kvmem::client::Info> info = c.GetInfo();
@@ -151,6 +175,12 @@ int main(int argc, char** argv) {
       s.id = seq->id;
       Check(c.Append(s.id, {prompt_positions, {}, prompt_k, prompt_v, {}, {}}, &s.table).status(),
             "Append");
+      s.epoch = s.table.epoch;
+      for (const kvmem::client::StreamTable& st : s.table.streams) {
+        uint32_t live = 0;
+        for (const kvmem::client::TableBlock& b : st.blocks) live += b.count;
+        s.lengths.push_back(live);
+      }
       runs[r].seqs.push_back(std::move(s));
     }
     if (runs[r].in_place) {  // every sequence's first plan, in one batch
@@ -182,16 +212,20 @@ int main(int argc, char** argv) {
       BatchEntry& e = entries[i];
       e = BatchEntry{};
       e.sequence_id = s.id;
-      e.table = &s.table;
+      e.table = run.area ? nullptr : &s.table;
       kvmem::client::StepArgs args;
-      args.epoch = s.table.epoch;
+      args.epoch = run.area ? s.epoch : s.table.epoch;
       args.logit_stats = kvmem::client::LogitStats{2.0f, 0.5f, 0.2f, {}};
       args.attention_f16 = true;
       if (rows_needed) {
         args.attention.resize(streams);
         for (uint32_t st = 0; st < streams; ++st) {
           size_t len = 1;  // the retained slots and the new token
-          for (const kvmem::client::TableBlock& b : s.table.streams[st].blocks) len += b.count;
+          if (run.area) {
+            len += s.lengths[st];
+          } else {
+            for (const kvmem::client::TableBlock& b : s.table.streams[st].blocks) len += b.count;
+          }
           args.attention[st] = {
               st / layout.num_kv_heads, st % layout.num_kv_heads,
               std::vector<float>(row_values.begin(), row_values.begin() + static_cast<long>(len))};
@@ -216,9 +250,6 @@ int main(int argc, char** argv) {
       e.step = std::move(args);
     }
     absl::StatusOr<std::vector<kvmem::client::BatchResult>> out = c.StepBatch(entries);
-    const double us =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
-            .count();
     Check(out.status(), "StepBatch");
     for (uint32_t i = 0; i < n; ++i) {
       Check((*out)[i].status, "entry");
@@ -228,6 +259,29 @@ int main(int argc, char** argv) {
       }
       ++run.seqs[i].next;
     }
+    if (run.area) {
+      // What the model's attention does with the table, where it lies: reads every stream's
+      // blocks (here: their slot counts) and checks the slot did not move under the read.
+      for (uint32_t i = 0; i < n; ++i) {
+        Seq& s = run.seqs[i];
+        const uint64_t version = (*out)[i].step->table_version;
+        for (;;) {
+          absl::StatusOr<kvmem::client::TableView> view =
+              run.daemon.tables->View(s.table.epoch_slot, s.id, version);
+          Check(view.status(), "TableReader::View");
+          for (uint32_t st = 0; st < streams; ++st) {
+            uint32_t live = 0;
+            for (const kvmem::v1::table_area::Entry& b : view->stream(st)) live += b.count;
+            s.lengths[st] = live;
+          }
+          s.epoch = view->epoch;
+          if (run.daemon.tables->Unchanged(*view)) break;
+        }
+      }
+    }
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
+            .count();
     return us;
   };
 
@@ -241,15 +295,22 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|\n");
   for (uint32_t round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (Run& run : runs) {
-      if (absl::GetFlag(FLAGS_in_place_only) && !run.in_place) continue;
       for (int w = 0; w < 10; ++w) step(run);
       std::vector<double> us;
       for (uint32_t t = 0; t < steps; ++t) us.push_back(step(run));
       std::sort(us.begin(), us.end());
       const double median = us[us.size() / 2];
-      std::printf("| %u | %s | %.0f | %.0f | %.1f |\n", round + 1,
-                  run.in_place ? "in place" : "bytes", median, us[us.size() / 10], median / n);
+      const char* path = run.area ? "in place + table area" : run.in_place ? "in place" : "bytes";
+      std::printf("| %u | %s | %.0f | %.0f | %.1f |\n", round + 1, path, median, us[us.size() / 10],
+                  median / n);
       std::fflush(stdout);
+    }
+  }
+  for (const Run& run : runs) {
+    if (run.daemon.client->table_refetches() > 0) {
+      std::printf("(%s: %llu tables fetched again: an update or the area missed)\n",
+                  run.name.c_str(),
+                  static_cast<unsigned long long>(run.daemon.client->table_refetches()));
     }
   }
   return 0;

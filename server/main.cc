@@ -41,6 +41,10 @@ ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core
 ABSL_FLAG(bool, in_place_writes, false,
           "StepBatch hands out write plans and commits K/V that same-host clients write into "
           "the pool themselves (the pool mapped writable): serve one trust domain only");
+ABSL_FLAG(uint64_t, table_area_bytes, 0,
+          "a shared-memory table area of this size, where same-host readers find every "
+          "sequence's block table (StepBatch then names the version to read there instead of "
+          "sending the update); 0 = none");
 ABSL_FLAG(std::string, prefix_hash_seed, "0",
           "seed of the prefix block hash chain: vLLM's PYTHONHASHSEED, for block names "
           "that match a vLLM deployment's");
@@ -137,6 +141,7 @@ int main(int argc, char** argv) {
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
   config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
+  config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);
   config.engine.prefix_hash_seed = absl::GetFlag(FLAGS_prefix_hash_seed);
@@ -155,9 +160,10 @@ int main(int argc, char** argv) {
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
 
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
-  // prefixes are those of store/cpu_backend.cc and engine/epoch_board.cc.
+  // prefixes are those of store/cpu_backend.cc, engine/epoch_board.cc, engine/table_board.cc
+  // and transport/step_channel.cc.
   for (const std::string& name : kvmem::transport::RemoveStaleSegments(
-           {"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig"})) {
+           {"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig", "kvmem-tables"})) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 

@@ -356,7 +356,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   }
   rooms_.registry->Renew(seq);
-  if (publish_) seq.Publish();
+  if (publish_) rooms_.versions->Publish(seq);
   // A prompt's blocks, published as they fill (PromptPrefix::auto_publish). Not the
   // append's failure when they cannot be (token ids not sent): they stay unpublished.
   if (seq.prefix().auto_publish) {

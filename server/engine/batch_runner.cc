@@ -57,7 +57,7 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
   }
   auto finish = [&] {
     seq->mu.AssertHeld();
-    seq->Publish();
+    rooms_->versions->Publish(*seq);
     out.table = rooms_->versions->Answer(*seq, call.held, version_before);
   };
   [&] {

@@ -51,8 +51,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   if (!board.ok()) return board.status();
   absl::StatusOr<prefix::BlockHash> root = prefix::RootHash(config.prefix_hash_seed);
   if (!root.ok()) return root.status();
-  return std::unique_ptr<Engine>(
+  std::unique_ptr<TableBoard> tables;
+  if (config.table_area_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<TableBoard>> made =
+        TableBoard::Create(config.max_sequences, config.table_area_bytes);
+    if (!made.ok()) return made.status();
+    tables = *std::move(made);
+  }
+  std::unique_ptr<Engine> engine(
       new Engine(config, std::move(backend), *std::move(pool), *std::move(board), *root, clock));
+  engine->versions_.set_tables(std::move(tables));
+  return engine;
 }
 
 namespace {
@@ -222,7 +231,7 @@ absl::StatusOr<StepResult> Engine::Step(uint64_t sequence_id, const StepInput& i
     absl::StatusOr<CheckedStep> checked = CheckStep(seq, input, 0, input.table_version);
     if (!checked.ok()) return checked.status();
     absl::StatusOr<StepResult> result = driver_.Step(seq, *checked);
-    seq.Publish();
+    versions_.Publish(seq);
     if (result.ok()) {
       result->version = seq.version();
       result->table = versions_.Answer(seq, held, version_before);

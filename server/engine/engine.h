@@ -66,6 +66,7 @@ class Engine {
   const EngineConfig& config() const { return config_; }
   const store::Backend& backend() const { return *backend_; }
   const EpochBoard& epoch_board() const { return versions_.board(); }
+  const TableBoard* table_board() const { return versions_.tables(); }
   store::PoolUsage PoolUsage() const { return pool_->usage(); }
   uint64_t PoolFreeBytes() const { return pool_->free_bytes(); }
   // Counters and histograms since the daemon started (server/metrics reads them).

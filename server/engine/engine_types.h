@@ -49,6 +49,9 @@ struct EngineConfig {
   // (WritePlans; kvmemd --in_place_writes): the clients then write into the pool, so the
   // daemon serves one trust domain.
   bool in_place_writes = false;
+  // Bytes of the table area (TableBoard; kvmemd --table-area-bytes), a shared-memory
+  // segment where same-host readers find every sequence's block table; 0: none.
+  uint64_t table_area_bytes = 0;
   // StepBatch runs its entries on every core (oneTBB); false runs them one after another on
   // the caller's thread.
   bool parallel_batches = true;
@@ -170,6 +173,8 @@ struct TableUpdate {
   uint64_t epoch = 0;
   std::optional<BlockTable> table;   // the whole table (`streams` is then empty)
   std::vector<StreamDelta> streams;  // else the streams that changed
+  // Neither: the table at `version` is in the table area, where the client reads it.
+  bool in_area = false;
   bool full() const { return table.has_value(); }
 };
 
@@ -178,6 +183,9 @@ struct TableUpdate {
 struct HeldTable {
   uint64_t version = 0;    // 0: none held (the whole table)
   bool positions = false;  // the update carries positions
+  // The client reads the table area (StepBatch's ClientTable.from_area): an answer names
+  // the version to read there instead of carrying the update, when the area holds it.
+  bool from_area = false;
 };
 
 struct AppendResult {

@@ -311,7 +311,7 @@ absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const Check
   result.epoch = seq.epoch();
   budget_->Account(seq);
   registry_->Renew(seq);
-  seq.Publish();
+  versions_->Publish(seq);
   if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
     t->compress_seconds.Observe(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());

@@ -16,7 +16,15 @@ absl::StatusOr<TableVersions::Claimed> TableVersions::ClaimSlot() {
   return Claimed{epoch, *slot};
 }
 
-void TableVersions::Seal(Sequence& seq) { board_->BeginWrite(seq.epoch_slot(), seq.epoch()); }
+void TableVersions::Seal(Sequence& seq) {
+  board_->BeginWrite(seq.epoch_slot(), seq.epoch());
+  if (tables_) tables_->Clear(seq.epoch_slot());
+}
+
+void TableVersions::Publish(Sequence& seq) {
+  seq.Publish();
+  if (tables_ && !seq.poisoned() && !seq.released()) tables_->Write(seq, *pool_);
+}
 
 uint64_t TableVersions::NewVersion(Sequence& seq) {
   seq.set_version(next_version_.fetch_add(1));
@@ -92,6 +100,13 @@ std::optional<TableUpdate> TableVersions::Answer(const Sequence& seq,
                                                  const std::optional<HeldTable>& held,
                                                  uint64_t version_before) const {
   if (!held || seq.poisoned() || seq.released()) return std::nullopt;
+  if (held->from_area && !held->positions && held->version != seq.version() && tables_ &&
+      tables_->Holds(seq.epoch_slot(), seq.id(), seq.version())) {
+    seq.NoteAnswered(seq.version());
+    return std::optional<TableUpdate>(
+        std::in_place,
+        TableUpdate{held->version, seq.version(), seq.epoch(), std::nullopt, {}, true});
+  }
   try {
     return Update(seq, held->version, held->positions, version_before);
   } catch (const std::bad_alloc&) {

@@ -14,6 +14,7 @@
 #include "server/engine/engine_types.h"
 #include "server/engine/epoch_board.h"
 #include "server/engine/sequence.h"
+#include "server/engine/table_board.h"
 #include "server/engine/telemetry.h"
 #include "server/store/block_pool.h"
 
@@ -31,6 +32,13 @@ class TableVersions {
       : board_(std::move(board)), pool_(pool), telemetry_(telemetry) {}
 
   const EpochBoard& board() const { return *board_; }
+  // The table area (kvmemd --table-area-bytes), or null.
+  const TableBoard* tables() const { return tables_.get(); }
+  void set_tables(std::unique_ptr<TableBoard> tables) { tables_ = std::move(tables); }
+
+  // The sequence publishes its current version (Sequence::Publish), which also goes to the
+  // table area when there is one.
+  void Publish(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
 
   // A fresh epoch and the board slot that publishes it; RESOURCE_EXHAUSTED when every slot
   // is taken (max_sequences).
@@ -79,7 +87,8 @@ class TableVersions {
                      uint64_t version_before) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Update() for a call's answer: none without a held table or for a sequence that can no
   // longer serve, nor when host memory runs out (the call applied; its client fetches its
-  // table).
+  // table). A client that reads the table area (held->from_area) is told the version to
+  // read there instead, when the area holds it.
   std::optional<TableUpdate> Answer(const Sequence& seq, const std::optional<HeldTable>& held,
                                     uint64_t version_before) const
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
@@ -92,6 +101,7 @@ class TableVersions {
 
  private:
   const std::unique_ptr<EpochBoard> board_;
+  std::unique_ptr<TableBoard> tables_;  // set once, before the engine serves
   const store::BlockPool* const pool_;
   Telemetry* const telemetry_;
   std::atomic<uint64_t> next_epoch_{1};

@@ -92,6 +92,11 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   response->mutable_epoch_board()->set_name(board.name());
   response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
   response->mutable_epoch_board()->set_slots(board.slots());
+  if (const engine::TableBoard* tables = engine.table_board()) {
+    response->mutable_table_area()->set_name(tables->name());
+    response->mutable_table_area()->set_bytes(tables->bytes());
+    response->mutable_table_area()->set_slots(tables->slots());
+  }
 }
 
 absl::Status ReadStatsPage(const v1::StatsRequest& request, StatsPage* page) {

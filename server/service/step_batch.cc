@@ -87,6 +87,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
             }
           }
           call.held = HeldFromProto(entry);
+          if (call.held) call.held->from_area = entry.client_table().from_area();
         }
         absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
         if (!outcomes.ok()) return outcomes.status();
@@ -119,6 +120,10 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
     // channel's arena), so converting each update to drop it would hold them all.
     if (update_bytes > max_update_bytes) break;
     v1::StepBatchResult* result = response->mutable_results(i);
+    if (i < static_cast<int>(updates.size()) && updates[i] && updates[i]->in_area) {
+      result->set_table_in_area(updates[i]->version);
+      continue;
+    }
     if (i < static_cast<int>(updates.size()) && updates[i]) {
       ToProto(*updates[i], result->mutable_table_update());
     } else if (result->status().code() == 0 || result->has_append()) {  // a replay

@@ -16,6 +16,7 @@
 #include "kvmem/convert.h"
 #include "kvmem/policy_signals.h"
 #include "kvmem/step_channel_router.h"
+#include "kvmem/table_area.h"
 #include "kvmem/table_update.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 
@@ -54,9 +55,12 @@ struct Client::Impl {
   const std::shared_ptr<grpc::Channel> channel;
   const std::unique_ptr<v1::KvCache::Stub> stub;
   internal::StepChannelRouter step_channels;  // StepBatch's same-host channel
+  // Set once by AttachTableArea, before the StepBatch calls that read it.
+  std::shared_ptr<const TableReader> tables;
   // Learned from GetInfo at the first CreateSequence.
   internal::PolicySignals policy_signals;
   std::atomic<uint64_t> table_refetches{0};
+  std::atomic<uint64_t> table_area_reads{0};
 
   // The step request's signals, without those the sequence's policy does not use.
   template <typename Signals>
@@ -250,7 +254,12 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     if (e.append) FillTokens(*e.append, entry->mutable_append());
     if (e.written_plan != 0) entry->mutable_append()->set_plan_id(e.written_plan);
     if (e.step) impl_->FillSignals(e.sequence_id, *e.step, entry->mutable_step());
-    if (e.table != nullptr) HoldTable(*e.table, entry->mutable_client_table());
+    if (e.table != nullptr) {
+      HoldTable(*e.table, entry->mutable_client_table());
+      if (impl_->tables && e.table->version != 0 && !e.table->positions) {
+        entry->mutable_client_table()->set_from_area(true);
+      }
+    }
     if (e.plan_tokens != 0) entry->set_plan_tokens(e.plan_tokens);
   }
   q.set_request_id(NewRequestId());
@@ -293,6 +302,11 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     // batch's updates passed the daemon's message limit) has its table fetched: Sync
     // finds no update to apply.
     const bool applied = result.status().code() == 0 || result.has_append();
+    if (entries[i].table != nullptr && result.table_in_area() != 0 && impl_->tables &&
+        impl_->tables->Read(result.table_in_area(), entries[i].table).ok()) {
+      impl_->table_area_reads.fetch_add(1, std::memory_order_relaxed);
+      continue;
+    }
     if (entries[i].table != nullptr && (result.has_table_update() || applied)) {
       absl::Status synced =
           impl_->Sync(entries[i].sequence_id, result.table_update(), entries[i].table);
@@ -300,6 +314,15 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     }
   }
   return out;
+}
+
+absl::Status Client::AttachTableArea() {
+  absl::StatusOr<Info> info = GetInfo();
+  if (!info.ok()) return info.status();
+  absl::StatusOr<std::unique_ptr<TableReader>> reader = TableReader::Attach(*info);
+  if (!reader.ok()) return reader.status();
+  impl_->tables = *std::move(reader);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CompressResult> Client::Compress(uint64_t sequence_id, const CompressArgs& args,
@@ -345,6 +368,10 @@ void Client::CloseStepChannel() { impl_->step_channels.Close(); }
 bool Client::step_channel_open() const { return impl_->step_channels.open(); }
 
 uint64_t Client::step_channel_batches() const { return impl_->step_channels.batches(); }
+
+uint64_t Client::table_area_reads() const {
+  return impl_->table_area_reads.load(std::memory_order_relaxed);
+}
 
 uint64_t Client::table_refetches() const {
   return impl_->table_refetches.load(std::memory_order_relaxed);

@@ -119,6 +119,10 @@ struct Info {
   uint64_t cuda_pool_bytes = 0;
   std::string epoch_board_name;
   uint32_t epoch_stride = 0, epoch_slots = 0;
+  // The table area (kvmem/table_area.h); empty name: the daemon keeps none.
+  std::string table_area_name;
+  uint64_t table_area_bytes = 0;
+  uint32_t table_area_slots = 0;
 };
 
 struct Sequence {
@@ -388,6 +392,12 @@ class Client {
   // (StepArgs::attention_offset; SignalArea).
   absl::Status OpenStepChannel(std::optional<uint64_t> capacity_bytes = std::nullopt,
                                uint64_t signal_bytes = 0);
+  // The same-host table path: from now on StepBatch keeps an entry's table (one held, not
+  // asking for positions) current from the daemon's table area (kvmemd --table_area_bytes),
+  // told only its new version, instead of receiving and applying the update; where the
+  // area has moved on or holds none, the table is fetched. Fails, changing nothing, when the
+  // daemon keeps no area or is on another host.
+  absl::Status AttachTableArea();
   // The open channel's signal area, mapped writable, and what keeps it mapped (hold it while
   // writing); empty when no channel with one is open. A reopened channel has a new area.
   struct SignalArea {
@@ -406,6 +416,8 @@ class Client {
   // How often a kept table could not take its update (another caller changed the sequence
   // meanwhile, or the update did not check out) and was fetched again whole.
   uint64_t table_refetches() const;
+  // Tables StepBatch brought current from the table area (AttachTableArea).
+  uint64_t table_area_reads() const;
   // Retained K/V of `layers` (unset: all), if the table is at `epoch` (unset: the current
   // one); one StreamKv per stream, layer-major (the daemon's pieces of a stream joined).
   // FAILED_PRECONDITION when the table is not at `epoch`; ABORTED when it changed during

@@ -167,6 +167,9 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.epoch_board_name = r.epoch_board().name();
   info.epoch_stride = r.epoch_board().stride();
   info.epoch_slots = r.epoch_board().slots();
+  info.table_area_name = r.table_area().name();
+  info.table_area_bytes = r.table_area().bytes();
+  info.table_area_slots = r.table_area().slots();
   return info;
 }
 

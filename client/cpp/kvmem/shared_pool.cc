@@ -1,16 +1,21 @@
 #include "kvmem/shared_pool.h"
 
+// TableReader (kvmem/table_area.h) is here too: it maps its segment as the pool's.
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/block_layout.h"
 #include "kernels/quantize.h"
+#include "kvmem/table_area.h"
+#include "kvmem/v1/table_area.h"
 
 namespace kvmem::client {
 namespace {
@@ -226,6 +231,162 @@ absl::Status MappedPool::ReadStream(const BlockTable& table, uint32_t layer, uin
     first += b.count;
   }
   return EndRead(table);
+}
+
+namespace area = v1::table_area;
+
+absl::StatusOr<std::unique_ptr<TableReader>> TableReader::Attach(const Info& info) {
+  if (info.table_area_name.empty()) {
+    return absl::FailedPreconditionError("table_area: the daemon keeps none (--table_area_bytes)");
+  }
+  const uint64_t least = sizeof(area::Header) + uint64_t{info.table_area_slots} * area::kSlotBytes;
+  if (info.table_area_bytes < least) {
+    return absl::FailedPreconditionError(absl::StrCat("table_area: ", info.table_area_bytes,
+                                                      " bytes cannot hold ", info.table_area_slots,
+                                                      " slots"));
+  }
+  std::unique_ptr<TableReader> reader(new TableReader());
+  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.table_area_name, info.table_area_bytes);
+  if (!data.ok()) return data.status();
+  reader->base_ = *data;
+  reader->bytes_ = info.table_area_bytes;
+  reader->slots_ = info.table_area_slots;
+  const auto* header = reinterpret_cast<const area::Header*>(reader->base_);
+  if (header->magic != area::kMagic || header->slots != reader->slots_) {
+    return absl::FailedPreconditionError(absl::StrCat("table_area: ", info.table_area_name,
+                                                      " holds no table area of ", reader->slots_,
+                                                      " slots"));
+  }
+  return reader;
+}
+
+TableReader::~TableReader() {
+  if (base_ != nullptr) munmap(const_cast<uint8_t*>(base_), bytes_);
+}
+
+absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequence_id,
+                                            uint64_t version) const {
+  if (epoch_slot >= slots_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("epoch_slot: ", epoch_slot, " is outside [0, ", slots_, ")"));
+  }
+  const uint8_t* at = base_ + sizeof(area::Header) + uint64_t{epoch_slot} * area::kSlotBytes;
+  const auto& word = reinterpret_cast<const area::Slot*>(at)->word;
+  constexpr int kTries = 64;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    TableView view;
+    view.epoch_slot = epoch_slot;
+    view.word = word.load(std::memory_order_acquire);
+    if (view.word % 2 == 1) continue;
+    alignas(8) uint8_t slot_bytes[area::kSlotBytes];
+    CopyOut(slot_bytes, at, sizeof(slot_bytes));
+    uint64_t id, offset, bytes;
+    std::memcpy(&id, slot_bytes + offsetof(area::Slot, sequence_id), 8);
+    std::memcpy(&view.version, slot_bytes + offsetof(area::Slot, version), 8);
+    std::memcpy(&view.epoch, slot_bytes + offsetof(area::Slot, epoch), 8);
+    std::memcpy(&offset, slot_bytes + offsetof(area::Slot, record_offset), 8);
+    std::memcpy(&bytes, slot_bytes + offsetof(area::Slot, record_bytes), 8);
+    std::memcpy(&view.streams, slot_bytes + offsetof(area::Slot, streams), 4);
+    std::memcpy(&view.capacity, slot_bytes + offsetof(area::Slot, capacity), 4);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (word.load(std::memory_order_relaxed) != view.word) continue;
+    // The fields are a clean copy now; the record they name is checked to lie inside the
+    // mapping, so that reading through the view stays inside it whatever happens next.
+    const bool fits = bytes > 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
+                      bytes == area::RecordBytes(view.streams, view.capacity);
+    if (!fits || id != sequence_id || view.version < version) {
+      return absl::FailedPreconditionError(absl::StrCat("table area: slot ", epoch_slot,
+                                                        " holds no table of sequence ", sequence_id,
+                                                        " at version ", version, " or later"));
+    }
+    view.counts = reinterpret_cast<const uint32_t*>(base_ + offset);
+    view.regions =
+        reinterpret_cast<const area::Entry*>(base_ + offset + area::CountsBytes(view.streams));
+    return view;
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("table area: slot ", epoch_slot, " changed under ", kTries, " reads"));
+}
+
+bool TableReader::Unchanged(const TableView& view) const {
+  if (view.epoch_slot >= slots_) return false;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const auto& slot = *reinterpret_cast<const area::Slot*>(
+      base_ + sizeof(area::Header) + uint64_t{view.epoch_slot} * area::kSlotBytes);
+  return slot.word.load(std::memory_order_relaxed) == view.word;
+}
+
+void TableReader::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) {
+  std::memcpy(dst, src, bytes);
+}
+
+absl::Status TableReader::Read(uint64_t version, BlockTable* table) const {
+  if (table->epoch_slot >= slots_ || table->version == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("table: epoch_slot ", table->epoch_slot, " of ",
+                                                   slots_, " slots, version ", table->version,
+                                                   " (attach with a whole table first)"));
+  }
+  const uint8_t* at = base_ + sizeof(area::Header) + uint64_t{table->epoch_slot} * area::kSlotBytes;
+  const auto& word = reinterpret_cast<const area::Slot*>(at)->word;
+  // The slot and its record are copied out under the seqlock, then checked and decoded
+  // from the copy: a torn copy can hold anything, and `table` changes only after a clean one.
+  thread_local std::vector<uint64_t> copy;
+  constexpr int kTries = 64;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    const uint64_t before = word.load(std::memory_order_acquire);
+    if (before % 2 == 1) continue;  // being rewritten
+    alignas(8) uint8_t slot_bytes[area::kSlotBytes];
+    CopyOut(slot_bytes, at, sizeof(slot_bytes));
+    uint64_t id, held, epoch, offset, bytes;
+    uint32_t streams, capacity;
+    std::memcpy(&id, slot_bytes + offsetof(area::Slot, sequence_id), 8);
+    std::memcpy(&held, slot_bytes + offsetof(area::Slot, version), 8);
+    std::memcpy(&epoch, slot_bytes + offsetof(area::Slot, epoch), 8);
+    std::memcpy(&offset, slot_bytes + offsetof(area::Slot, record_offset), 8);
+    std::memcpy(&bytes, slot_bytes + offsetof(area::Slot, record_bytes), 8);
+    std::memcpy(&streams, slot_bytes + offsetof(area::Slot, streams), 4);
+    std::memcpy(&capacity, slot_bytes + offsetof(area::Slot, capacity), 4);
+    const bool fits = bytes > 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
+                      streams == table->streams.size() &&
+                      bytes == area::RecordBytes(streams, capacity);
+    if (fits) {
+      copy.resize((bytes + 7) / 8);
+      CopyOut(copy.data(), base_ + offset, bytes);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (word.load(std::memory_order_relaxed) != before) continue;
+    if (!fits || id != table->sequence_id || held < version) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("table area: slot ", table->epoch_slot, " holds ",
+                       id == table->sequence_id && bytes > 0 ? absl::StrCat("version ", held)
+                                                             : std::string("no table"),
+                       " of sequence ", table->sequence_id, ", not version ", version));
+    }
+    const auto* counts = reinterpret_cast<const uint32_t*>(copy.data());
+    const auto* regions = reinterpret_cast<const area::Entry*>(
+        reinterpret_cast<const uint8_t*>(copy.data()) + area::CountsBytes(streams));
+    for (uint32_t s = 0; s < streams; ++s) {
+      if (counts[s] > capacity) {
+        return absl::DataLossError(absl::StrCat("table area: stream ", s, " has ", counts[s],
+                                                " blocks in a region of ", capacity));
+      }
+    }
+    for (uint32_t s = 0; s < streams; ++s) {
+      std::vector<TableBlock>& blocks = table->streams[s].blocks;
+      blocks.resize(counts[s]);
+      const area::Entry* entry = regions + uint64_t{s} * capacity;
+      for (TableBlock& b : blocks) {
+        b = {entry->id, entry->offset, entry->start, entry->count,
+             static_cast<Precision>(entry->precision)};
+        ++entry;
+      }
+    }
+    table->version = held;
+    table->epoch = epoch;
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("table area: slot ", table->epoch_slot, " changed under ", kTries, " reads"));
 }
 
 }  // namespace kvmem::client
