@@ -232,11 +232,14 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
 // In place (kvmemd --in_place_writes): each decode step's K/V written into the pool where
 // the last step's plan said, its rows in the step channel's signal area; the logits are the
 // message path's to the bit (full: the in-process cache's), one sequence alone and several
-// in one batch, and the kept tables are the daemon's.
+// in one batch, and the kept tables are the daemon's. The tables come from the table area
+// (the answers name only their versions).
 TEST_F(WorkerTest, InPlaceStepsGiveTheMessagePathsLogits) {
   config_.engine.in_place_writes = true;
+  config_.engine.table_area_bytes = 8 << 20;
   Restart();
   ASSERT_TRUE(client_->OpenStepChannel(std::nullopt, 4 << 20).ok());
+  ASSERT_TRUE(client_->AttachTableArea().ok());
   const std::vector<int32_t> ids = tokenizer_->Encode(
       "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.", false);
   const std::vector<int32_t> more = {100, 200, 300, 400, 500, 600, 700, 800};
@@ -288,6 +291,8 @@ TEST_F(WorkerTest, InPlaceStepsGiveTheMessagePathsLogits) {
     EXPECT_EQ(store->in_place_steps(), more.size() - 1);
     ExpectTableCurrent(*store);
   }
+  EXPECT_GT(client_->table_area_reads(), 3 * more.size()) << "the tables came from the area";
+  EXPECT_EQ(client_->table_refetches(), 0u);
 }
 
 // A second request with the same prompt maps the published blocks (auto_publish by the
