@@ -12,6 +12,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvmem/cuda_pool.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
 #include "server/store/cuda_internal.h"
@@ -221,6 +222,117 @@ TEST_P(CudaEngineTest, DeviceStepMatchesTheHostPolicies) {
   auto twins = MakeTwinEngines(0);
   ASSERT_TRUE(twins.ok()) << twins.status();
   engine::twins::RunTwinWorkload(*(*twins)->gpu, *(*twins)->host, GetParam());
+}
+
+// In place on the GPU (kvmemd --in_place_writes over the CUDA backend): a worker copies each
+// step's K/V from its own device buffers into the pool through the IPC mapping
+// (CudaPool::WritePlanned) and commits them by plan id in the entry that steps; the device
+// step decides exactly what the CPU engine decides for the same tokens sent as bytes, and
+// the K/V read back is what was written.
+TEST(CudaInPlaceTest, KvWrittenThroughTheIpcMappingDecodesAsBytes) {
+  if (VisibleDevices() == 0) GTEST_SKIP() << "no CUDA device";
+  using namespace engine::twins;  // NOLINT: the twins' workload vocabulary
+  absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(8 << 20, 0);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  const auto exported = std::get<CudaIpcExport>(*(*cuda)->pool_export());
+  engine::FakeClock clock;
+  engine::EngineConfig config;
+  config.pool_bytes = 8 << 20;
+  config.page_bytes = 4096;
+  config.in_place_writes = true;
+  std::unique_ptr<engine::Engine> gpu = *engine::Engine::Create(config, *std::move(cuda), &clock);
+  config.device_step = false;
+  config.in_place_writes = false;
+  std::unique_ptr<engine::Engine> host =
+      *engine::Engine::Create(config, *CpuBackend::Create(8 << 20), &clock);
+
+  // What a worker learns from GetInfo, for the same-GPU attach.
+  client::Info info;
+  info.backend = "cuda";
+  info.cuda_ipc_handle = exported.handle;
+  info.cuda_device_uuid = exported.device_uuid;
+  info.cuda_pool_bytes = exported.bytes;
+  info.epoch_board_name = gpu->epoch_board().name();
+  info.epoch_stride = engine::EpochBoard::kStride;
+  info.epoch_slots = gpu->epoch_board().slots();
+  absl::StatusOr<std::unique_ptr<client::CudaPool>> pool = client::CudaPool::Attach(info, true);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  client::BlockTable geometry;  // what WritePlanned needs of the table
+  geometry.layout = client::Layout{kL, kH, kD, client::DType::kF16, kB, kVocab};
+  geometry.block_tokens = kB;
+
+  const engine::Layout layout{kL, kH, kD, engine::DType::kF16, kB, kVocab};
+  const Case c{"confkv", {{"c_high", 40}, {"c_low", 72}, {"protect", 8}}, {}};
+  const uint64_t d = gpu->CreateSequence(layout, c.policy, c.params, c.quant, {})->sequence_id;
+  const uint64_t h = host->CreateSequence(layout, c.policy, c.params, c.quant, {})->sequence_id;
+  ASSERT_TRUE(Append(*gpu, d, 0, 100).ok());
+  ASSERT_TRUE(Append(*host, h, 0, 100).ok());
+  auto run = [&](engine::StepCall call) {
+    absl::StatusOr<std::vector<engine::StepOutcome>> out =
+        gpu->StepBatch(absl::MakeConstSpan(&call, 1));
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (!out.ok()) {
+      engine::StepOutcome failed;
+      failed.status = out.status();
+      return failed;
+    }
+    return std::move((*out)[0]);
+  };
+  engine::StepCall first;
+  first.sequence_id = d;
+  first.plan_tokens = 1;
+  engine::StepOutcome planned = run(first);
+  ASSERT_TRUE(planned.plan && planned.plan->ok());
+  engine::PlanView plan = **planned.plan;
+
+  const uint64_t kv_bytes = uint64_t{kL} * kH * kD * 2;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  ASSERT_EQ(cudaMalloc(&dk, kv_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, kv_bytes), cudaSuccess);
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  uint64_t evicted = 0;
+  for (int64_t t = 100; t < 220; ++t) {
+    const std::string at = "step " + std::to_string(t);
+    // The worker's kernels made this token's K/V in its own device memory.
+    const std::string k = testing::PayloadF16(kL * kH, t, 1, kD, 0);
+    const std::string v = testing::PayloadF16(kL * kH, t, 1, kD, 1);
+    ASSERT_EQ(cudaMemcpy(dk, k.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dv, v.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    const client::WritePlan written{plan.id, plan.tokens, plan.block_offsets, plan.first_slots};
+    ASSERT_TRUE((*pool)->WritePlanned(written, geometry, 1, dk, dv, kv_bytes).ok()) << at;
+    // The same token as bytes to the host engine; rows over its table, the new token in.
+    ASSERT_TRUE(Append(*host, h, t, 1).ok());
+    const std::vector<std::vector<float>> rows = Rows(*host->GetBlockTable(h), rng);
+    engine::StepInput in;
+    in.attention = Signals(rows);
+    const float p1 = 0.05f + 0.9f * unit(rng);
+    in.logits = engine::RawLogitStats{unit(rng) * std::log(float(kVocab)), p1, p1 * unit(rng), {}};
+    in.epoch = host->GetBlockTable(h)->epoch;
+    absl::StatusOr<engine::StepResult> want = host->Step(h, in);
+    ASSERT_TRUE(want.ok()) << at << ": " << want.status();
+    const std::vector<int64_t> position = {t};
+    engine::StepCall call;
+    call.sequence_id = d;
+    call.append = engine::AppendChunk{position, {}, {}, {}, {}, {}};
+    call.plan_id = plan.id;
+    in.epoch = gpu->GetBlockTable(d)->epoch;
+    call.step = in;
+    call.plan_tokens = 1;
+    engine::StepOutcome got = run(call);
+    ASSERT_TRUE(got.status.ok()) << at << ": " << got.status;
+    ASSERT_TRUE(got.step && got.plan && got.plan->ok()) << at;
+    EXPECT_EQ(got.step->evicted_tokens, want->evicted_tokens) << at;
+    EXPECT_EQ(got.step->budget_tokens, want->budget_tokens) << at;
+    ExpectSameTables(*gpu, d, *host, h, at);
+    evicted += got.step->evicted_tokens;
+    plan = **got.plan;
+  }
+  EXPECT_GT(evicted, 50u);
+  ExpectContent(*gpu, d, c.quant.type);
+  EXPECT_EQ(cudaFree(dk), cudaSuccess);
+  EXPECT_EQ(cudaFree(dv), cudaSuccess);
 }
 
 // kvmemd --cuda-device=1 serves calls on gRPC threads whose current device is any other:

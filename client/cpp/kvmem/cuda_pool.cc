@@ -3,8 +3,10 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_launch.h"
 
 namespace kvmem::client {
 namespace {
@@ -44,7 +46,7 @@ absl::StatusOr<int> DeviceWithUuid(const std::string& uuid) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
+absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info, bool writable) {
   if (info.cuda_ipc_handle.size() != sizeof(cudaIpcMemHandle_t)) {
     return absl::FailedPreconditionError(
         absl::StrCat("cuda_ipc: the daemon's ", info.backend, " backend exports no CUDA pool",
@@ -67,15 +69,70 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info) {
     return s;
   }
   pool->device_ = *device;
+  pool->writable_ = writable;
   pool->base_ = static_cast<const uint8_t*>(base);
   pool->bytes_ = info.cuda_pool_bytes;
   return pool;
 }
 
 CudaPool::~CudaPool() {
+  if (ops_ != nullptr) (void)Cuda(cudaFree(ops_), "free the write ops");
   if (base_ != nullptr) {
     (void)Cuda(cudaIpcCloseMemHandle(const_cast<uint8_t*>(base_)), "close the pool's handle");
   }
+}
+
+absl::Status CudaPool::WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
+                                    const void* k, const void* v, uint64_t kv_bytes) {
+  if (!writable_) {
+    return absl::FailedPreconditionError("WritePlanned: the pool was attached read-only");
+  }
+  absl::StatusOr<PlannedWrites> writes = PlanWrites(plan, table, n, kv_bytes);
+  if (!writes.ok()) return writes.status();
+  // The K ops, then the V ops (the same rows a plane further), in one device buffer.
+  std::vector<kernels::CopyOp> ops;
+  ops.reserve(2 * writes->k.size());
+  for (const RowsCopy& op : writes->k) ops.push_back({op.src, op.dst, op.bytes});
+  for (const RowsCopy& op : writes->k) {
+    ops.push_back({op.src, op.dst + writes->v_plane, op.bytes});
+  }
+  if (ops.size() > ops_capacity_) {
+    if (ops_ != nullptr) (void)Cuda(cudaFree(ops_), "free the write ops");
+    ops_ = nullptr;
+    ops_capacity_ = 0;
+    void* buffer = nullptr;
+    if (absl::Status s = Cuda(cudaMalloc(&buffer, ops.size() * sizeof(kernels::CopyOp)),
+                              "allocate the write ops");
+        !s.ok()) {
+      return s;
+    }
+    ops_ = buffer;
+    ops_capacity_ = ops.size();
+  }
+  const auto half = static_cast<uint32_t>(writes->k.size());
+  auto* pool = const_cast<uint8_t*>(base_);
+  cudaStream_t stream = nullptr;  // the legacy default stream, in order: ops, K, V
+  if (absl::Status s = Cuda(cudaMemcpyAsync(ops_, ops.data(), ops.size() * sizeof(kernels::CopyOp),
+                                            cudaMemcpyHostToDevice, stream),
+                            "copy the write ops");
+      !s.ok()) {
+    return s;
+  }
+  auto* device_ops = static_cast<const kernels::CopyOp*>(ops_);
+  if (absl::Status s = Cuda(
+          kernels::cuda::CopyBatch(static_cast<const uint8_t*>(k), pool, device_ops, half, stream),
+          "write K");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Cuda(kernels::cuda::CopyBatch(static_cast<const uint8_t*>(v), pool,
+                                                     device_ops + half, half, stream),
+                            "write V");
+      !s.ok()) {
+    return s;
+  }
+  // The commit that follows must find the rows there, and `ops` (pageable) goes now.
+  return Cuda(cudaStreamSynchronize(stream), "wait for the writes");
 }
 
 absl::Status CudaPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {

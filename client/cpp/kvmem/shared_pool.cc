@@ -105,22 +105,24 @@ absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info,
   return pool;
 }
 
-absl::Status SharedPool::WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
-                                      std::string_view k, std::string_view v) {
-  if (writable_ == nullptr) {
-    return absl::FailedPreconditionError("WritePlanned: the pool was attached read-only");
-  }
+absl::StatusOr<MappedPool::PlannedWrites> MappedPool::PlanWrites(const WritePlan& plan,
+                                                                 const BlockTable& table,
+                                                                 uint32_t n,
+                                                                 uint64_t kv_bytes) const {
   const Layout& layout = table.layout;
   const uint64_t streams = uint64_t{layout.num_layers} * layout.num_kv_heads;
   const uint64_t row = uint64_t{layout.head_dim} * DTypeBytes(layout.dtype);
   if (n == 0 || n > plan.tokens || plan.block_offsets.size() != streams ||
-      plan.first_slots.size() != streams || k.size() != streams * n * row || v.size() != k.size()) {
+      plan.first_slots.size() != streams || kv_bytes != streams * n * row) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "WritePlanned: ", n, " tokens of ", k.size(), "+", v.size(), " bytes for a plan of ",
+        "WritePlanned: ", n, " tokens of ", kv_bytes, " bytes each of K and V for a plan of ",
         plan.tokens, " tokens over ", plan.block_offsets.size(), " streams; the layout has ",
         streams, " streams of ", row, "-byte rows"));
   }
   const kernels::LayoutBlock block{table.block_tokens, row};
+  PlannedWrites out;
+  out.v_plane = block.v_offset(0) - block.k_offset(0);
+  out.k.reserve(streams);
   for (uint64_t s = 0; s < streams; ++s) {
     const uint64_t at = plan.block_offsets[s];
     if (plan.first_slots[s] + n > table.block_tokens || at > bytes_ ||
@@ -128,9 +130,25 @@ absl::Status SharedPool::WritePlanned(const WritePlan& plan, const BlockTable& t
       return absl::OutOfRangeError(absl::StrCat("WritePlanned: stream ", s, "'s block at ", at,
                                                 " lies outside the pool of ", bytes_, " bytes"));
     }
-    const uint64_t src = s * n * row;  // stream s of [L][H][n][D]
-    std::memcpy(writable_ + at + block.k_offset(plan.first_slots[s]), k.data() + src, n * row);
-    std::memcpy(writable_ + at + block.v_offset(plan.first_slots[s]), v.data() + src, n * row);
+    out.k.push_back({s * n * row, at + block.k_offset(plan.first_slots[s]), n * row});
+  }
+  return out;
+}
+
+absl::Status SharedPool::WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
+                                      std::string_view k, std::string_view v) {
+  if (writable_ == nullptr) {
+    return absl::FailedPreconditionError("WritePlanned: the pool was attached read-only");
+  }
+  if (v.size() != k.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WritePlanned: ", k.size(), " bytes of K and ", v.size(), " of V"));
+  }
+  absl::StatusOr<PlannedWrites> writes = PlanWrites(plan, table, n, k.size());
+  if (!writes.ok()) return writes.status();
+  for (const RowsCopy& op : writes->k) {
+    std::memcpy(writable_ + op.dst, k.data() + op.src, op.bytes);
+    std::memcpy(writable_ + op.dst + writes->v_plane, v.data() + op.src, op.bytes);
   }
   return absl::OkStatus();
 }

@@ -80,6 +80,21 @@ class MappedPool {
   MappedPool() = default;
   // Copies `bytes` at `src`, an address in the mapping, to host memory at `dst`.
   virtual absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const = 0;
+  // The copies of an in-place write: `n` tokens of every stream ([L][H][n][D] in the layout
+  // dtype, `kv_bytes` each of K and V) to where `plan` says, one op per stream (its rows
+  // are contiguous in a block's K plane and in its V plane, `v_plane` bytes further):
+  // source offsets into K (or V), destination offsets into the mapping. INVALID_ARGUMENT
+  // when the sizes disagree with the table's layout or n passes the plan; OUT_OF_RANGE for
+  // a plan offset outside the pool.
+  struct RowsCopy {
+    uint64_t src, dst, bytes;
+  };
+  struct PlannedWrites {
+    std::vector<RowsCopy> k;  // V: the same with dst + v_plane
+    uint64_t v_plane = 0;
+  };
+  absl::StatusOr<PlannedWrites> PlanWrites(const WritePlan& plan, const BlockTable& table,
+                                           uint32_t n, uint64_t kv_bytes) const;
 
   const uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
