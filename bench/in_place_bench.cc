@@ -14,7 +14,13 @@
 // and the area) to having the answer with the tables updated; the K/V and row values themselves are
 // made once, as a model would have them.
 //
-//   in_place_bench [--sequences=64] [--policy=confkv|window] [--steps=100] [--shape=smollm2]
+// --backend=cuda (a CUDA build, on a GPU): the daemons keep their pools in device memory,
+// and the in-place paths copy each step's K/V from device buffers (the model's) into the
+// pool through the IPC mapping (CudaPool::WritePlanned: two copy launches and a wait per
+// sequence).
+//
+//   in_place_bench [--backend=cpu|cuda] [--sequences=64] [--policy=confkv|window] [--steps=100]
+//   [--shape=smollm2]
 //                  [--only=bytes|in_place|area]
 #include <algorithm>
 #include <chrono>
@@ -29,6 +35,11 @@
 #include "absl/strings/str_cat.h"
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
+#if KVMEM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "kvmem/cuda_pool.h"
+#endif
 #include "kvmem/table_area.h"
 #include "server/service/server.h"
 
@@ -38,6 +49,7 @@ ABSL_FLAG(uint32_t, steps, 100, "timed decode steps per round (after 10 untimed)
 ABSL_FLAG(uint32_t, rounds, 2, "rounds of (bytes, in place, in place + table area)");
 ABSL_FLAG(std::string, only, "", "time only this path: bytes, in_place or area (for a profiler)");
 ABSL_FLAG(std::string, shape, "smollm2", "smollm2 (30x3x64) or llama8b (32x8x128)");
+ABSL_FLAG(std::string, backend, "cpu", "the daemons' backend: cpu, or cuda (a CUDA build)");
 
 namespace {
 
@@ -51,11 +63,15 @@ struct Daemon {
   std::unique_ptr<kvmem::service::Server> server;
   std::unique_ptr<Client> client;
   std::unique_ptr<kvmem::client::SharedPool> pool;
+#if KVMEM_WITH_CUDA
+  std::unique_ptr<kvmem::client::CudaPool> cuda_pool;
+#endif
   std::unique_ptr<kvmem::client::TableReader> tables;
 };
 
 Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_bytes) {
   kvmem::service::ServerConfig config;
+  config.backend = absl::GetFlag(FLAGS_backend);
   const std::string socket = absl::StrCat("/tmp/kvmem-bench-", getpid(), "-", name);
   config.listen = "unix:" + socket;
   config.metrics_listen = "";
@@ -140,6 +156,28 @@ int main(int argc, char** argv) {
   std::vector<float> row_values(kPrompt + 1);
   for (float& w : row_values) w = weight(rng);
 
+  const bool cuda = absl::GetFlag(FLAGS_backend) == "cuda";
+#if KVMEM_WITH_CUDA
+  // The model's K/V of a step, in device memory (CudaPool::WritePlanned copies from there).
+  void* device_k = nullptr;
+  void* device_v = nullptr;
+  if (cuda) {
+    if (cudaMalloc(&device_k, token_k.size()) != cudaSuccess ||
+        cudaMalloc(&device_v, token_v.size()) != cudaSuccess ||
+        cudaMemcpy(device_k, token_k.data(), token_k.size(), cudaMemcpyHostToDevice) !=
+            cudaSuccess ||
+        cudaMemcpy(device_v, token_v.data(), token_v.size(), cudaMemcpyHostToDevice) !=
+            cudaSuccess) {
+      std::fprintf(stderr, "no device memory for the model's K/V\n");
+      return 1;
+    }
+  }
+#else
+  if (cuda) {
+    std::fprintf(stderr, "--backend=cuda: this build has no CUDA (WITH_CUDA off)\n");
+    return 1;
+  }
+#endif
   std::vector<int64_t> prompt_positions(kPrompt);
   for (uint32_t i = 0; i < kPrompt; ++i) prompt_positions[i] = i;
   const std::string only = absl::GetFlag(FLAGS_only);
@@ -164,9 +202,17 @@ int main(int argc, char** argv) {
     if (runs[r].in_place) {
       absl::StatusOr<kvmem::client::Info> info = c.GetInfo();
       Check(info.status(), "GetInfo");
-      auto pool = kvmem::client::SharedPool::Attach(*info, /*writable=*/true);
-      Check(pool.status(), "SharedPool::Attach");
-      runs[r].daemon.pool = *std::move(pool);
+      if (cuda) {
+#if KVMEM_WITH_CUDA
+        auto pool = kvmem::client::CudaPool::Attach(*info, /*writable=*/true);
+        Check(pool.status(), "CudaPool::Attach");
+        runs[r].daemon.cuda_pool = *std::move(pool);
+#endif
+      } else {
+        auto pool = kvmem::client::SharedPool::Attach(*info, /*writable=*/true);
+        Check(pool.status(), "SharedPool::Attach");
+        runs[r].daemon.pool = *std::move(pool);
+      }
     }
     for (uint32_t i = 0; i < n; ++i) {
       absl::StatusOr<kvmem::client::Sequence> seq = c.CreateSequence(layout, spec);
@@ -232,7 +278,16 @@ int main(int argc, char** argv) {
         }
       }
       if (run.in_place) {
-        Check(run.daemon.pool->WritePlanned(s.plan, s.table, 1, token_k, token_v), "WritePlanned");
+        if (cuda) {
+#if KVMEM_WITH_CUDA
+          Check(run.daemon.cuda_pool->WritePlanned(s.plan, s.table, 1, device_k, device_v,
+                                                   token_k.size()),
+                "WritePlanned");
+#endif
+        } else {
+          Check(run.daemon.pool->WritePlanned(s.plan, s.table, 1, token_k, token_v),
+                "WritePlanned");
+        }
         e.append = kvmem::client::AppendArgs{positions[i], {}, {}, {}, {}, {}};
         e.written_plan = s.plan.plan_id;
         e.plan_tokens = 1;
@@ -287,10 +342,10 @@ int main(int argc, char** argv) {
 
   const uint32_t steps = absl::GetFlag(FLAGS_steps);
   std::printf(
-      "%s shape (%ux%ux%u f16), %s, %u sequences, %u-token prompts, %u timed steps per "
-      "round; median and 10th percentile per batched step\n",
-      llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads, layout.head_dim,
-      policy.c_str(), n, kPrompt, steps);
+      "%s backend, %s shape (%ux%ux%u f16), %s, %u sequences, %u-token prompts, %u timed "
+      "steps per round; median and 10th percentile per batched step\n",
+      cuda ? "CUDA" : "CPU", llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads,
+      layout.head_dim, policy.c_str(), n, kPrompt, steps);
   std::printf("| round | path | µs per batched step (median) | p10 | µs per sequence-step |\n");
   std::printf("|---|---|---|---|---|\n");
   for (uint32_t round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {

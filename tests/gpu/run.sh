@@ -144,13 +144,16 @@ if [ -x gpu-bundle/bin/policy_step_bench ]; then
   grep -h '^BM_' "$logs/policy_step_bench.log"
 fi
 if [ -x gpu-bundle/bin/in_place_bench ]; then
-  # The decode loop in place against message bytes on this machine's cores (CPU backend:
-  # the same-GPU in-place path needs the worker's own kernels, not there yet). Its log
-  # stays out of $OUT (eight files at most there); its table goes in the summary.
+  # The decode loop in place against message bytes, on this machine's cores (CPU backend)
+  # and on the GPU (CUDA backend: K/V copied from device buffers through the IPC mapping).
+  # The logs stay out of $OUT (eight files at most there); the tables go in the summary.
   mkdir -p build-gpu
   run "in-place decode loop, CPU backend" 90 build-gpu/in_place_bench.log - \
     gpu-bundle/bin/in_place_bench --sequences=64 --steps=50 --rounds=1
   grep -h '^|' build-gpu/in_place_bench.log | while read -r line; do note "$line"; done
+  run "in-place decode loop, CUDA backend" 120 build-gpu/in_place_bench_cuda.log - \
+    gpu-bundle/bin/in_place_bench --backend=cuda --sequences=64 --steps=50 --rounds=1
+  grep -h '^|' build-gpu/in_place_bench_cuda.log | while read -r line; do note "$line"; done
 fi
 run "selection and compaction (racecheck)" 120 "$logs/parity_racecheck.log" racecheck \
   "$bin/gpu_parity" select compact
