@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "google/rpc/error_details.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/half_arrays.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/error_details.h"
 #include "server/service/kv_cache_service.h"
@@ -442,18 +443,26 @@ class FakeChannelService final : public v1::KvCache::Service {
   bool wrong_nonce = false;
   // The first channel ends (as a restarting daemon's would) after serving this many batches.
   int end_first_channel_after = -1;
+  std::atomic<bool> end_channels{false};  // set: every open channel ends
   std::atomic<int> channels_opened{0};
+  std::atomic<int> grpc_batches{0};
   grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest* q,
                          v1::StepBatchResponse* r) override {
+    ++grpc_batches;
     return handler_(*q, r);
   }
   grpc::Status OpenStepChannel(grpc::ServerContext* context, const v1::OpenStepChannelRequest* q,
                                grpc::ServerWriter<v1::OpenStepChannelResponse>* writer) override {
     const bool first = channels_opened.fetch_add(1) == 0;
-    auto channel = transport::StepChannel::Create(q->capacity_bytes(), ToGrpcStatus);
+    auto channel =
+        transport::StepChannel::Create(q->capacity_bytes(), ToGrpcStatus, q->signal_bytes());
     if (!channel.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "create");
     v1::OpenStepChannelResponse r;
     r.set_name((*channel)->name());
+    if ((*channel)->signal_bytes() > 0) {
+      r.set_signal_name((*channel)->signal_name());
+      r.set_signal_bytes((*channel)->signal_bytes());
+    }
     r.set_segment_bytes((*channel)->segment_bytes());
     r.set_capacity_bytes((*channel)->capacity());
     r.set_layout_version(layout::kLayoutVersion);
@@ -464,6 +473,7 @@ class FakeChannelService final : public v1::KvCache::Service {
     int served = 0;
     while (!context->IsCancelled()) {
       if (first && served == end_first_channel_after) return grpc::Status::OK;
+      if (end_channels) return grpc::Status::OK;
       if ((*channel)->ServeOne(absl::Milliseconds(20), handler_) ==
           transport::StepChannel::Served::kServed) {
         ++served;
@@ -676,6 +686,56 @@ TEST(StepChannelUnitTest, AClosedChannelIsOpenedAgainAfterItsWait) {
   EXPECT_EQ(fake.service.channels_opened.load(), 2);
   EXPECT_FALSE((*client)->step_channel_open());
   EXPECT_EQ(calls.load(), 5);
+}
+
+// Rows a client put in its channel's signal area travel in the message when the batch goes
+// by gRPC because that channel closed: the daemon gets the rows, not an offset it cannot
+// read. Rows that cannot be read back leave the offset, which the daemon refuses by name.
+TEST(StepChannelUnitTest, RowsInTheSignalAreaGoInTheMessageWhenTheBatchGoesByGrpc) {
+  std::vector<v1::StepBatchRequest> seen;
+  FakeDaemon fake([&](const v1::StepBatchRequest& request, v1::StepBatchResponse* response) {
+    seen.push_back(request);
+    for (int i = 0; i < request.entries_size(); ++i) response->add_results();
+    return grpc::Status::OK;
+  });
+  auto client = client::Client::Connect("127.0.0.1:" + std::to_string(fake.port));
+  ASSERT_TRUE(client.ok());
+  const absl::Status opened = (*client)->OpenStepChannel(1ull << 20, 1ull << 16);
+  ASSERT_TRUE(opened.ok()) << opened;
+  const client::Client::SignalArea area = (*client)->signal_area();
+  ASSERT_FALSE(area.bytes.empty());
+  const std::vector<client::StreamSignal> rows = {{0, 0, {0.25f, 0.5f, 0.125f}},
+                                                  {0, 1, {1.0f, 0.0f}}};
+  absl::StatusOr<uint64_t> written = client::WriteAttentionRows(area.bytes, 64, rows, true);
+  ASSERT_TRUE(written.ok()) << written.status();
+  std::vector<client::BatchEntry> batch(2);
+  batch[0].sequence_id = 1;
+  batch[0].step = client::StepArgs{};
+  batch[0].step->attention_offset = 64;
+  batch[1].sequence_id = 2;
+  batch[1].step = client::StepArgs{};
+  batch[1].step->attention_offset = area.bytes.size() - 4;  // rows past the area's end
+  // The channel ends (its daemon restarts) before the batch: it goes by gRPC.
+  fake.service.end_channels = true;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while ((*client)->step_channel_open() && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  auto r = (*client)->StepBatch(batch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(fake.service.grpc_batches.load(), 1);
+  ASSERT_EQ(seen.size(), 1u);
+  const v1::StepSignals& moved = seen[0].entries(0).step();
+  EXPECT_FALSE(moved.has_attention_offset());
+  ASSERT_EQ(moved.attention_size(), 2);
+  EXPECT_EQ(moved.attention(1).kv_head(), 1u);
+  ASSERT_EQ(moved.attention(0).weights_f16().size(), 6u);  // three halves
+  float back[3];
+  kernels::HalfToFloat(moved.attention(0).weights_f16().data(), 3, back);
+  EXPECT_EQ(back[1], 0.5f);
+  const v1::StepSignals& kept = seen[0].entries(1).step();
+  EXPECT_TRUE(kept.has_attention_offset()) << "the daemon names what it cannot read";
+  EXPECT_EQ(kept.attention_size(), 0);
 }
 
 // A segment of the same name with another nonce is another daemon's: never used.

@@ -11,6 +11,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/convert.h"
@@ -57,6 +58,10 @@ struct Client::Impl {
   internal::StepChannelRouter step_channels;  // StepBatch's same-host channel
   // Set once by AttachTableArea, before the StepBatch calls that read it.
   std::shared_ptr<const TableReader> tables;
+  // The channel whose signal area signal_area() handed out last: the area that
+  // StepArgs::attention_offset refers to.
+  absl::Mutex area_mu;
+  std::weak_ptr<internal::StepChannelClient> area_channel ABSL_GUARDED_BY(area_mu);
   // Learned from GetInfo at the first CreateSequence.
   internal::PolicySignals policy_signals;
   std::atomic<uint64_t> table_refetches{0};
@@ -266,7 +271,32 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
   v1::StepBatchResponse& r = *google::protobuf::Arena::CreateMessage<v1::StepBatchResponse>(&arena);
   absl::Status s;
   bool answered = false;
-  if (std::shared_ptr<internal::StepChannelClient> ch = impl_->step_channels.ForBatch()) {
+  // Rows in a signal area are at offsets into the area signal_area() handed out last. A
+  // batch that goes any other way than through that area's channel carries them in the
+  // message instead (the area is still mapped: its SignalArea::keep holds it). An entry
+  // whose rows cannot be read back loses them: over gRPC its offset stays, which the daemon
+  // refuses naming it; through another channel it goes without (that channel's area holds
+  // other bytes at that offset), which a policy that needs rows refuses.
+  std::shared_ptr<internal::StepChannelClient> area_channel;
+  {
+    absl::MutexLock lock(&impl_->area_mu);
+    area_channel = impl_->area_channel.lock();
+  }
+  auto inline_rows = [&](bool keep_offset) {
+    for (int i = 0; i < q.entries_size(); ++i) {
+      v1::StepBatchEntry* entry = q.mutable_entries(i);
+      if (!entry->has_step() || !entry->step().has_attention_offset()) continue;
+      if (area_channel &&
+          internal::InlineAreaRows(area_channel->signal_area(), entry->mutable_step()).ok()) {
+        continue;
+      }
+      entry->mutable_step()->clear_attention();
+      if (!keep_offset) entry->mutable_step()->clear_attention_offset();
+    }
+  };
+  std::shared_ptr<internal::StepChannelClient> ch = impl_->step_channels.ForBatch();
+  if (ch && ch != area_channel) inline_rows(/*keep_offset=*/false);
+  if (ch) {
     using Outcome = internal::StepChannelClient::Outcome;
     const Outcome outcome = ch->Call(q, absl::Now() + impl_->options.deadline, &r, &s);
     answered = outcome == Outcome::kAnswered;
@@ -276,6 +306,7 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     if (outcome == Outcome::kChannelGone || ch->gone()) impl_->step_channels.Drop(ch.get());
   }
   if (!answered) {
+    inline_rows(/*keep_offset=*/true);
     r.Clear();
     s = impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->StepBatch(&c, q, &r); });
   }
@@ -359,6 +390,10 @@ absl::Status Client::OpenStepChannel(std::optional<uint64_t> capacity_bytes,
 Client::SignalArea Client::signal_area() const {
   std::shared_ptr<internal::StepChannelClient> channel = impl_->step_channels.current();
   if (channel == nullptr || channel->gone()) return {};
+  if (!channel->signal_area().empty()) {
+    absl::MutexLock lock(&impl_->area_mu);
+    impl_->area_channel = channel;
+  }
   const absl::Span<uint8_t> bytes = channel->signal_area();
   return {std::move(channel), bytes};
 }

@@ -326,4 +326,54 @@ absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t o
   return bytes;
 }
 
+namespace internal {
+
+absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step) {
+  namespace layout = v1::signal_area;
+  const uint64_t offset = step->attention_offset();
+  layout::RowsHeader header{};
+  auto outside = [&](uint64_t at, uint64_t bytes) {
+    return at > area.size() || bytes > area.size() - at;
+  };
+  if (outside(offset, sizeof header)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention_offset: ", offset, " is outside the signal area"));
+  }
+  std::memcpy(&header, area.data() + offset, sizeof header);
+  if (header.dtype != layout::kF16 && header.dtype != layout::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention_offset: rows of dtype ", header.dtype, " in the signal area"));
+  }
+  const uint64_t value_bytes = header.dtype == layout::kF16 ? 2 : 4;
+  uint64_t at = offset + sizeof header + uint64_t{header.rows} * sizeof(layout::RowEntry);
+  if (header.rows > layout::kMaxRows || at > area.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("attention_offset: ", header.rows, " rows do not fit the signal area"));
+  }
+  google::protobuf::RepeatedPtrField<v1::AttentionRow> rows;
+  for (uint32_t r = 0; r < header.rows; ++r) {
+    layout::RowEntry entry{};
+    std::memcpy(&entry, area.data() + offset + sizeof header + r * sizeof entry, sizeof entry);
+    const uint64_t bytes = uint64_t{entry.length} * value_bytes;
+    if (outside(at, bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("attention_offset: row ", r, " does not fit the signal area"));
+    }
+    v1::AttentionRow* row = rows.Add();
+    row->set_layer(entry.layer);
+    row->set_kv_head(entry.kv_head);
+    if (value_bytes == 2) {
+      row->set_weights_f16(area.data() + at, bytes);
+    } else {
+      row->mutable_weights()->Resize(static_cast<int>(entry.length), 0.0f);
+      std::memcpy(row->mutable_weights()->mutable_data(), area.data() + at, bytes);
+    }
+    at += bytes;
+  }
+  step->clear_attention_offset();
+  *step->mutable_attention() = std::move(rows);
+  return absl::OkStatus();
+}
+
+}  // namespace internal
 }  // namespace kvmem::client
