@@ -178,19 +178,16 @@ absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& promp
   return GuardHostMemory("Lookup", [&]() -> absl::StatusOr<uint64_t> {
     if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
     if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
-    std::unique_ptr<policy::Policy> policy;
-    if (prompt.document_tokens > 0 && prompt.document_tokens < prompt.token_ids.size()) {
-      // Its own name, and checked parameters: a document's representation.
-      absl::StatusOr<std::unique_ptr<policy::Policy>> created =
-          policy::CreatePolicy(policy_name, params);
-      if (!created.ok()) {
-        // The prompt's own errors come first.
-        if (absl::Status s = PrefixPublisher::CheckPrompt(layout, prompt); !s.ok()) return s;
-        return created.status();
-      }
-      policy = *std::move(created);
-    }
-    return publisher_.Lookup(layout, prompt, policy.get(), params, quant, config_.device_step);
+    // The prompt's own errors come first, then the policy's (refused as CreateSequence
+    // refuses it, though only a document's lookup depends on it).
+    if (absl::Status s = PrefixPublisher::CheckPrompt(layout, prompt); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+        policy::CreatePolicy(policy_name, params);
+    if (!policy.ok()) return policy.status();
+    const bool document =
+        prompt.document_tokens > 0 && prompt.document_tokens < prompt.token_ids.size();
+    return publisher_.Lookup(layout, prompt, document ? policy->get() : nullptr, params, quant,
+                             config_.device_step);
   });
 }
 

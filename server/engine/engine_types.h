@@ -86,6 +86,8 @@ struct PromptPrefix {
   // is mapped (reused_prefix_tokens = document_tokens); else nothing (no plain prefix:
   // the client computes the whole document, compresses it and may publish it).
   uint32_t document_tokens = 0;
+  // The request's name for token_ids, in errors (CreateSequence's; Lookup's is token_ids).
+  absl::string_view token_ids_field = "prompt_token_ids";
 };
 
 struct AppendChunk {

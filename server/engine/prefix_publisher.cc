@@ -263,13 +263,14 @@ absl::Status PrefixPublisher::CheckPrompt(const Layout& layout, const PromptPref
         absl::StrCat("model: ", prompt.model.size(), " bytes, more than ", kMaxSaltBytes));
   }
   if (prompt.token_ids.size() > kMaxPromptTokens) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids: ", prompt.token_ids.size(),
-                                                   " tokens, more than ", kMaxPromptTokens));
+    return absl::InvalidArgumentError(absl::StrCat(prompt.token_ids_field, ": ",
+                                                   prompt.token_ids.size(), " tokens, more than ",
+                                                   kMaxPromptTokens));
   }
   for (size_t i = 0; i < prompt.token_ids.size(); ++i) {
     const int32_t t = prompt.token_ids[i];
     if (t < 0 || static_cast<uint32_t>(t) >= layout.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: ", t,
+      return absl::InvalidArgumentError(absl::StrCat(prompt.token_ids_field, "[", i, "]: ", t,
                                                      " is outside [0, ", layout.vocab_size, ")"));
     }
   }

@@ -1,8 +1,10 @@
 #include "server/policy/params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
@@ -24,9 +26,22 @@ absl::StatusOr<ResolvedParams> ResolvedParams::Resolve(absl::string_view policy,
       std::vector<std::string> known;
       known.reserve(specs.size());
       for (const ParamSpec& s : specs) known.push_back(s.name);
-      return absl::InvalidArgumentError(absl::StrCat(
-          "policy.params[", EchoClientText(name), "]: unknown parameter of policy \"", policy,
-          "\" (known: ", known.empty() ? "none" : absl::StrJoin(known, ", "), ")"));
+      // A name that is not a plain key (too long, or with characters a field path cannot
+      // hold) is echoed after the map's path, so that the error still names a field.
+      const bool plain_key =
+          !name.empty() && name.size() <= kMaxEchoedBytes &&
+          std::all_of(name.begin(), name.end(), [](char c) {
+            return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_';
+          });
+      const std::string known_list = known.empty() ? "none" : absl::StrJoin(known, ", ");
+      if (!plain_key) {
+        return absl::InvalidArgumentError(absl::StrCat("policy.params: unknown parameter \"",
+                                                       EchoClientText(name), "\" of policy \"",
+                                                       policy, "\" (known: ", known_list, ")"));
+      }
+      return absl::InvalidArgumentError(absl::StrCat("policy.params[", name,
+                                                     "]: unknown parameter of policy \"", policy,
+                                                     "\" (known: ", known_list, ")"));
     }
     if (!std::isfinite(value) || value < spec->min_value || value > spec->max_value) {
       return absl::InvalidArgumentError(absl::StrCat("policy.params[", name, "]: ", value,

@@ -336,6 +336,7 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
   prompt.salt = request->cache_salt();
   prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
   prompt.document_tokens = request->document_tokens();
+  prompt.token_ids_field = "token_ids";
   absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
   if (!policy_name.ok()) return ToGrpc(policy_name.status());
   policy::ParamOverrides params(request->policy().params().begin(),

@@ -4,6 +4,7 @@
 // keeps the message unchanged and surfaces the details as absl::Status payloads.
 #include "server/service/error_details.h"
 
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -116,6 +117,52 @@ TEST_F(ErrorDetailsTest, InvalidArgumentNamesTheFieldInABadRequest) {
   google::rpc::BadRequest parsed;
   ASSERT_TRUE(parsed.ParseFromString(std::string(*typed)));
   EXPECT_EQ(parsed.field_violations(0).field(), "layout.block_tokens");
+}
+
+// Lookup refuses what CreateSequence refuses (an unknown policy or parameter), and names
+// its own fields (token_ids, not CreateSequence's prompt_token_ids); an unknown parameter
+// whose name cannot sit in a field path still names a field: the map's.
+TEST_F(ErrorDetailsTest, LookupNamesItsOwnFieldsAndRefusesAnUnknownPolicy) {
+  auto field_of = [](const grpc::Status& status) {
+    const std::optional<google::rpc::BadRequest> bad =
+        FindDetail<google::rpc::BadRequest>(RichStatus(status));
+    return bad && bad->field_violations_size() == 1 ? bad->field_violations(0).field()
+                                                    : std::string("(none)");
+  };
+  auto lookup = [&](const std::function<void(v1::LookupRequest&)>& edit) {
+    v1::LookupRequest q;
+    *q.mutable_layout() = GoodCreate().layout();
+    for (int32_t t : {1, 2, 3}) q.add_token_ids(t);
+    edit(q);
+    v1::LookupResponse r;
+    grpc::ClientContext context;
+    return stub_->Lookup(&context, q, &r);
+  };
+  EXPECT_TRUE(lookup([](v1::LookupRequest&) {}).ok());
+  const grpc::Status token = lookup([](v1::LookupRequest& q) { q.set_token_ids(1, 100); });
+  EXPECT_EQ(token.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(field_of(token), "token_ids[1]");
+  const grpc::Status policy =
+      lookup([](v1::LookupRequest& q) { q.mutable_policy()->set_name("no_such_policy"); });
+  EXPECT_EQ(policy.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << policy.error_message();
+  const grpc::Status param = lookup([](v1::LookupRequest& q) {
+    q.mutable_policy()->set_name("window");
+    (*q.mutable_policy()->mutable_params())["no_such_param"] = 1;
+  });
+  EXPECT_EQ(param.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(field_of(param), "policy.params[no_such_param]");
+  const grpc::Status long_name = lookup([](v1::LookupRequest& q) {
+    q.mutable_policy()->set_name("window");
+    (*q.mutable_policy()->mutable_params())[std::string(100, 'x')] = 1;
+  });
+  EXPECT_EQ(long_name.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(field_of(long_name), "policy.params");
+  EXPECT_THAT(long_name.error_message(), HasSubstr("(100 bytes)"));
+  const grpc::Status odd_name = lookup([](v1::LookupRequest& q) {
+    q.mutable_policy()->set_name("window");
+    (*q.mutable_policy()->mutable_params())["a-b"] = 1;
+  });
+  EXPECT_EQ(field_of(odd_name), "policy.params");
 }
 
 TEST_F(ErrorDetailsTest, AStaleEpochCarriesTheCurrentEpoch) {
