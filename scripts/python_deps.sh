@@ -21,3 +21,6 @@ if ! have llama_cpp; then
     python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl
   fi
 fi
+# The kvmem Python client (client/python): its gRPC stubs are generated from proto/ when it
+# is installed, so it is installed again every run (the proto may have changed).
+python3 -m pip install --quiet "$(dirname "$0")/../client/python"
