@@ -1,0 +1,286 @@
+"""Same-host, zero-copy reads of a CPU-backend daemon's pool, as client/cpp/kvmem/shared_pool.h.
+
+The pool segment and the epoch board are mapped read-only. Blocks named by a BlockTable are
+numpy views into the mapping; what a view shows is trustworthy only if the sequence's epoch
+word equals 2 * epoch both before and after the read (a seqlock: the daemon holds the word
+odd while it rewrites the sequence's blocks, and frees no block while a table naming it can
+still validate). The table can change while it is read (another thread's call applies its
+update), so begin_read takes one snapshot of it (slot, epoch, streams): the views are built
+from that snapshot and end_read checks against it. Protocol:
+
+    with pool.reading(seq.table) as blocks:     # StaleEpochError: refresh the table first
+        k = blocks.stream(layer, kv_head)[0].k  # views: copy what you keep
+    # leaving the block checks the epoch again: StaleEpochError means discard what was read;
+    # blocks.stream() raises from then on
+
+or pool.read_stream(table, layer, kv_head), which copies out under the protocol.
+
+Memory ordering: the epoch word is read as one aligned 8-byte load, and the reads of the
+data and of the epoch words are plain loads with no fence between them (numpy has none to
+offer). That is correct only where the CPU keeps loads in order with other loads: x86-64
+(TSO). Elsewhere (ARM, POWER) the data could be read after the second epoch check has
+passed, so attach() refuses with FailedPreconditionError there; ReadKv (Client.read_kv) is
+the way to read on such a host.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import mmap
+import os
+import platform
+from typing import Iterator, Optional, Union
+
+import grpc
+import numpy as np
+
+from kvmem.block_table import BlockTable, TableSnapshot
+from kvmem.errors import (FailedPreconditionError, InvalidArgumentError, KvmemError,
+                          OutOfRangeError, StaleEpochError, UnavailableError)
+from kvmem.layout import Precision
+from kvmem.messages import Info, StreamKv
+from kvmem.quantize import QuantGeometry, dequantize_block
+
+# Where loads are not reordered with other loads, so a seqlock needs no reader fence.
+_ORDERED_LOADS = ("x86_64", "amd64")
+
+
+def _require_ordered_loads() -> None:
+    machine = platform.machine()
+    if machine.lower() not in _ORDERED_LOADS:
+        raise FailedPreconditionError(
+            f"shared_pool: zero-copy reads need x86-64; on {machine or 'this CPU'} loads may "
+            "be reordered and numpy offers no acquire fence, so a read could pass its epoch "
+            "check on data the daemon was rewriting: use Client.read_kv")
+
+
+def _map_read_only(name: str, size: int) -> mmap.mmap:
+    """shm_open(name, O_RDONLY) + mmap(PROT_READ, MAP_SHARED): on Linux a POSIX shared-memory
+    name is a file under /dev/shm."""
+    path = os.path.join("/dev/shm", name.lstrip("/"))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise UnavailableError(f"shared memory {name}: {e.strerror} (is the daemon on this host?)",
+                               code=grpc.StatusCode.UNAVAILABLE) from None
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (OSError, ValueError) as e:
+        raise UnavailableError(f"shared memory {name}: mmap: {e}",
+                               code=grpc.StatusCode.UNAVAILABLE) from None
+    finally:
+        os.close(fd)
+
+
+class EpochReader:
+    """The daemon's per-sequence epoch words, mapped read-only."""
+
+    def __init__(self, info: Info) -> None:
+        if not info.epoch_board_name or info.epoch_stride == 0 or info.epoch_slots == 0:
+            raise FailedPreconditionError("epoch_board: the daemon advertises none")
+        if info.epoch_stride % 8:
+            raise FailedPreconditionError(
+                f"epoch_board.stride: {info.epoch_stride} is not a multiple of 8")
+        self._map = _map_read_only(info.epoch_board_name, info.epoch_stride * info.epoch_slots)
+        self._words = np.frombuffer(self._map, dtype="<u8")
+        self._step = info.epoch_stride // 8
+        self.slots = info.epoch_slots
+
+    def word(self, slot: int) -> int:
+        return int(self._words[slot * self._step])
+
+    def begin_read(self, table: Union[BlockTable, TableSnapshot]) -> TableSnapshot:
+        """The table's snapshot, when the sequence is at its epoch; StaleEpochError when it
+        is not (fetch the table again)."""
+        snap = table.snapshot() if isinstance(table, BlockTable) else table
+        if snap.epoch == 0:
+            raise StaleEpochError("epoch: the table holds no epoch (none fetched, or its last "
+                                  "update was lost); fetch the block table again",
+                                  code=grpc.StatusCode.FAILED_PRECONDITION)
+        if not 0 <= snap.epoch_slot < self.slots:
+            raise InvalidArgumentError(
+                f"table.epoch_slot: {snap.epoch_slot} is outside [0, {self.slots})")
+        word = self.word(snap.epoch_slot)
+        if word != 2 * snap.epoch:
+            where = "being rewritten or released" if word & 1 else f"at epoch {word // 2}"
+            raise _stale(f"epoch: the table is at epoch {snap.epoch} but the sequence is "
+                         f"{where}; fetch the block table again", word)
+        return snap
+
+    def end_read(self, snap: TableSnapshot) -> None:
+        """StaleEpochError when the sequence left the snapshot's epoch since begin_read."""
+        word = self.word(snap.epoch_slot)
+        if word != 2 * snap.epoch:
+            raise _stale(f"epoch: the sequence left epoch {snap.epoch} during the read; "
+                         "discard it", word)
+
+    def close(self) -> None:
+        self._words = np.zeros(0, dtype="<u8")
+        _close_map(self._map)
+
+
+def _stale(message: str, word: int) -> StaleEpochError:
+    e = StaleEpochError(message, code=grpc.StatusCode.FAILED_PRECONDITION)
+    if not word & 1:
+        e.current_epoch = word // 2
+    return e
+
+
+def _close_map(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:
+        pass  # numpy views of it are still alive: the mapping goes when the last one does
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockView:
+    """One block of a stream as mapped. Layout precision: k and v are [count][D] views of the
+    live slots in the layout dtype (bf16 as uint16). Quantized: `block` is the whole block's
+    bytes (kvmem.quantize layout) and k, v are None."""
+    k: Optional[np.ndarray]
+    v: Optional[np.ndarray]
+    block: np.ndarray
+    start: int
+    count: int
+    precision: Precision
+
+
+class _Reading:
+    """What `SharedPool.reading` yields: stream views of one snapshot, under one epoch check.
+    Once the block has exited (its check made or skipped), stream() raises."""
+
+    def __init__(self, pool: SharedPool, snap: TableSnapshot) -> None:
+        self._pool = pool
+        self._snap = snap
+        self._open = True
+
+    @property
+    def table(self) -> TableSnapshot:
+        """The snapshot the views come from (its epoch and streams)."""
+        return self._snap
+
+    def stream(self, layer: int, kv_head: int) -> list[BlockView]:
+        if not self._open:
+            raise FailedPreconditionError(
+                "reading: the block has exited, so its views are no longer checked; read "
+                "inside the block (and copy what is kept) or begin a new read")
+        return self._pool.stream_blocks(self._snap, layer, kv_head)
+
+    def _close(self) -> None:
+        self._open = False
+
+
+class SharedPool:
+    """A CPU-backend daemon's pool and epoch board, mapped read-only."""
+
+    def __init__(self, info: Info, pool: mmap.mmap, epochs: EpochReader) -> None:
+        self._map = pool
+        self._bytes = np.frombuffer(pool, dtype=np.uint8)
+        self.size = info.shm_bytes
+        self.epochs = epochs
+
+    @staticmethod
+    def attach(info: Info) -> SharedPool:
+        """FailedPreconditionError off x86-64 (see the module's docstring on memory
+        ordering) or when the daemon exports no pool."""
+        _require_ordered_loads()
+        if not info.shm_name:
+            raise FailedPreconditionError(
+                f"shared_memory: the daemon's {info.backend} backend does not export its pool")
+        epochs = EpochReader(info)
+        try:
+            pool = _map_read_only(info.shm_name, info.shm_bytes)
+        except KvmemError:
+            epochs.close()
+            raise
+        return SharedPool(info, pool, epochs)
+
+    def close(self) -> None:
+        self._bytes = np.zeros(0, dtype=np.uint8)
+        _close_map(self._map)
+        self.epochs.close()
+
+    def __enter__(self) -> SharedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def begin_read(self, table: Union[BlockTable, TableSnapshot]) -> TableSnapshot:
+        """The snapshot to read through (stream_blocks) and to pass to end_read;
+        StaleEpochError when the table is stale: fetch it again."""
+        return self.epochs.begin_read(table)
+
+    def end_read(self, snap: TableSnapshot) -> None:
+        """StaleEpochError when the table went stale during the read: discard what was read."""
+        self.epochs.end_read(snap)
+
+    @contextlib.contextmanager
+    def reading(self, table: Union[BlockTable, TableSnapshot]) -> Iterator[_Reading]:
+        """begin_read, the block's reads, end_read (not run when the block raised)."""
+        reading = _Reading(self, self.begin_read(table))
+        try:
+            yield reading
+        finally:
+            reading._close()
+        self.end_read(reading.table)
+
+    def stream_blocks(self, snap: TableSnapshot, layer: int, kv_head: int) -> list[BlockView]:
+        """Views of one stream's blocks, in order; OutOfRangeError for a block outside the
+        mapping. Valid only between begin_read and end_read of the same snapshot."""
+        if not isinstance(snap, TableSnapshot):
+            raise TypeError("stream_blocks: pass the snapshot begin_read returned, not a "
+                            f"{type(snap).__name__}")
+        layout = snap.layout
+        if not (0 <= layer < layout.num_layers and 0 <= kv_head < layout.num_kv_heads):
+            raise InvalidArgumentError(f"stream ({layer}, {kv_head}) is outside the layout")
+        st = snap.stream(layer, kv_head)
+        row = layout.head_dim * layout.dtype.itemsize
+        views = []
+        for b in range(st.num_blocks):
+            offset, start, count = int(st.offsets[b]), int(st.starts[b]), int(st.counts[b])
+            precision = Precision(int(st.precisions[b]))
+            size = snap.block_bytes if precision is Precision.LAYOUT else \
+                snap.quantized_block_bytes
+            if offset > self.size or size > self.size - offset or \
+                    start + count > snap.block_tokens:
+                raise OutOfRangeError(
+                    f"blocks[{b}]: offset {offset} slots [{start}, {start + count}) is outside "
+                    "the mapped pool or block", code=grpc.StatusCode.OUT_OF_RANGE)
+            block = self._bytes[offset:offset + size]
+            if precision is not Precision.LAYOUT:
+                views.append(BlockView(None, None, block, start, count, precision))
+                continue
+            # [K rows: B][V rows: B] (kernels/block_layout.h), one row = D elements.
+            k_plane = block[:snap.block_tokens * row].view(layout.dtype.numpy)
+            v_plane = block[snap.block_tokens * row:2 * snap.block_tokens * row].view(
+                layout.dtype.numpy)
+            k = k_plane.reshape(snap.block_tokens, layout.head_dim)[start:start + count]
+            v = v_plane.reshape(snap.block_tokens, layout.head_dim)[start:start + count]
+            views.append(BlockView(k, v, block, start, count, precision))
+        return views
+
+    def read_stream(self, table: Union[BlockTable, TableSnapshot], layer: int,
+                    kv_head: int) -> StreamKv:
+        """One stream's retained K and V copied out ([n][D] each, quantized blocks dequantized
+        to the layout dtype) under the full read protocol. positions are the table's (empty
+        when it keeps none)."""
+        snap = self.begin_read(table)
+        layout = snap.layout
+        parts_k, parts_v = [], []
+        for b in self.stream_blocks(snap, layer, kv_head):
+            if b.precision is Precision.LAYOUT:
+                parts_k.append(np.array(b.k))
+                parts_v.append(np.array(b.v))
+            else:
+                g = QuantGeometry(b.precision, snap.block_tokens, layout.head_dim)
+                k, v = dequantize_block(np.array(b.block), g, b.start, b.count, layout.dtype)
+                parts_k.append(k)
+                parts_v.append(v)
+        self.end_read(snap)
+        empty = np.zeros((0, layout.head_dim), dtype=layout.dtype.numpy)
+        st = snap.stream(layer, kv_head)
+        return StreamKv(layer, kv_head, snap.epoch, st.positions.copy(),
+                        np.concatenate(parts_k) if parts_k else empty,
+                        np.concatenate(parts_v) if parts_v else empty)

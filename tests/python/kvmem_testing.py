@@ -1,0 +1,57 @@
+"""What the kvmem client tests share: the `kvmem` package (imported here, so that both test
+files skip, or with KVMEM_CI=1 fail, the same way when it is missing), the repository root, a
+small layout, a table comparison and the manual clock.
+"""
+import os
+import pathlib
+import time
+
+import numpy as np
+import pytest
+
+CI = os.environ.get("KVMEM_CI") == "1"
+if CI:
+    import kvmem  # in CI a missing package fails the run
+else:
+    kvmem = pytest.importorskip(
+        "kvmem",
+        reason="the kvmem package is not installed: python3 -m pip install ./client/python")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def layout(dtype=kvmem.DType.F16, L=2, H=2, D=8, block_tokens=None):
+    return kvmem.Layout(L, H, D, dtype, block_tokens, vocab_size=1000)
+
+
+def same_table(a, b):
+    assert (a.sequence_id, a.epoch, a.version) == (b.sequence_id, b.epoch, b.version)
+    assert len(a.streams) == len(b.streams)
+    for x, y in zip(a.streams, b.streams):
+        for column in ("ids", "offsets", "starts", "counts", "precisions"):
+            assert getattr(x, column) == getattr(y, column), column
+        if a.positions and b.positions:
+            assert np.array_equal(x.positions, y.positions)
+
+
+def wait_until(condition, timeout=5.0):
+    """Whether `condition()` became true within `timeout` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+class ManualClock:
+    """A clock that moves only when told (the lease renewer's injected clock)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def advance(self, seconds):
+        self.now += seconds
