@@ -439,6 +439,7 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
       result.epoch = seq->epoch();
       result.version = seq->version();
       seq->NoteAnswered(result.version);  // the client is told it: it may hold it
+      versions_.Mirror(*seq);
     }
     registry_.Insert(seq);
     ++telemetry_.sequences_created;

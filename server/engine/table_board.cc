@@ -38,7 +38,19 @@ TableBoard::TableBoard(std::unique_ptr<transport::SharedSegment> segment, uint32
     new (base + sizeof(area::Header) + uint64_t{i} * area::kSlotBytes) area::Slot{};
   }
   kvmem::MutexLock lock(&mu_);
-  free_.emplace(heap_offset, header->heap_bytes);
+  // Every node the free list will ever need, made now: past this, freeing and allocating a
+  // range never allocates host memory (they run under sequence locks, in a release too).
+  // Free ranges lie between records, and each slot holds at most one record, two for a
+  // moment while a record moves.
+  for (uint64_t n = 0; n < uint64_t{slots} + 3; ++n) {
+    free_.emplace(n, 0);
+    spare_.push_back(free_.extract(n));
+  }
+  FreeList::node_type first = std::move(spare_.back());
+  spare_.pop_back();
+  first.key() = heap_offset;
+  first.mapped() = header->heap_bytes;
+  free_.insert(std::move(first));
 }
 
 TableBoard::~TableBoard() = default;
@@ -55,8 +67,15 @@ uint64_t TableBoard::Allocate(uint64_t bytes) {
     if (it->second < bytes) continue;
     const uint64_t offset = it->first;
     const uint64_t rest = it->second - bytes;
-    free_.erase(it);
-    if (rest > 0) free_.emplace(offset + bytes, rest);
+    // The range's node is reused for what is left of it, or kept for later: no allocation.
+    FreeList::node_type node = free_.extract(it);
+    if (rest > 0) {
+      node.key() = offset + bytes;
+      node.mapped() = rest;
+      free_.insert(std::move(node));
+    } else {
+      spare_.push_back(std::move(node));
+    }
     in_use_ += bytes;
     return offset;
   }
@@ -67,20 +86,30 @@ void TableBoard::Free(uint64_t offset, uint64_t bytes) {
   if (bytes == 0) return;
   kvmem::MutexLock lock(&mu_);
   in_use_ -= bytes;
+  // Merges with the free neighbours, so that the heap does not crumble into grains; a
+  // range that merges with none takes a spare node (there are more spares than ranges can
+  // be: Create made one per slot and two more).
   auto next = free_.lower_bound(offset);
-  // Merges with the free neighbours, so that the heap does not crumble into grains.
-  if (next != free_.end() && offset + bytes == next->first) {
-    bytes += next->second;
-    next = free_.erase(next);
+  auto prev = next == free_.begin() ? free_.end() : std::prev(next);
+  const bool with_prev = prev != free_.end() && prev->first + prev->second == offset;
+  const bool with_next = next != free_.end() && offset + bytes == next->first;
+  if (with_prev && with_next) {
+    prev->second += bytes + next->second;
+    spare_.push_back(free_.extract(next));
+  } else if (with_prev) {
+    prev->second += bytes;
+  } else if (with_next) {
+    FreeList::node_type node = free_.extract(next);
+    node.key() = offset;
+    node.mapped() += bytes;
+    free_.insert(std::move(node));
+  } else {
+    FreeList::node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = offset;
+    node.mapped() = bytes;
+    free_.insert(std::move(node));
   }
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == offset) {
-      prev->second += bytes;
-      return;
-    }
-  }
-  free_.emplace(offset, bytes);
 }
 
 uint64_t TableBoard::heap_bytes_in_use() const {
@@ -113,9 +142,13 @@ bool TableBoard::Write(const Sequence& seq, const store::BlockPool& pool) {
   // version the sequence published (so that its entries' published indexes say where each
   // sits in the record), with room for the longest stream.
   const int which = r.id == seq.id() ? seq.PublishedSlot(r.version) : -1;
-  bool fresh = r.bytes == 0 || which < 0 || r.streams != streams || longest > r.capacity;
+  // A record too small moves to a larger one; one more than twice too large (after a
+  // compression) to a smaller one, so that it does not crowd out the others.
+  const bool resize = r.bytes == 0 || r.streams != streams || longest > r.capacity ||
+                      r.capacity > 2 * (longest + 2);
+  bool fresh = resize || which < 0;
   uint64_t old_offset = 0, old_bytes = 0;
-  if (r.bytes == 0 || r.streams != streams || longest > r.capacity) {
+  if (resize) {
     // Room for a quarter more blocks, so that a growing table does not move at every step.
     const auto capacity = static_cast<uint32_t>(longest + longest / 4 + 2);
     const uint64_t bytes = (area::RecordBytes(streams, capacity) + kGrain - 1) / kGrain * kGrain;

@@ -8,10 +8,10 @@
 // answers carry the update as before (TableVersions::Answer asks Holds first). A slot is
 // written only under its sequence's lock; the heap's free list has a lock of its own.
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <vector>
 
-#include "absl/container/btree_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/kvmem/v1/table_area.h"
@@ -32,9 +32,10 @@ class TableBoard {
   // Sequence::Publish: of a stream the record holds at an older published version, only
   // the entries that changed (the untouched run moves as a whole, as in a delta); false
   // (the slot then holds none) when the heap has no room for it. Under seq's lock.
+  // Allocates no host memory (the heap's free list has its nodes from Create).
   bool Write(const Sequence& seq, const store::BlockPool& pool)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // Empties slot `slot` (a sequence released or poisoned).
+  // Empties slot `slot` (a sequence released or poisoned); allocates nothing.
   void Clear(uint32_t slot);
   // Whether slot `slot` holds sequence `id`'s table at `version`.
   bool Holds(uint32_t slot, uint64_t id, uint64_t version) const;
@@ -55,7 +56,8 @@ class TableBoard {
   uint64_t Allocate(uint64_t bytes);
   void Free(uint64_t offset, uint64_t bytes);
 
-  // What the daemon knows of each slot's record (slot i: under its sequence's lock).
+  // What the daemon knows of each slot's record: slot i is read and written only under the
+  // lock of the sequence that holds epoch slot i (Write, Clear, Holds).
   struct Record {
     uint64_t offset = 0, bytes = 0;      // the heap range it owns (0: none)
     uint32_t streams = 0, capacity = 0;  // its regions (table_area.h)
@@ -69,7 +71,9 @@ class TableBoard {
   const uint32_t slots_;
   std::vector<Record> records_;
   mutable absl::Mutex mu_;
-  absl::btree_map<uint64_t, uint64_t> free_ ABSL_GUARDED_BY(mu_);  // offset -> bytes
+  using FreeList = std::map<uint64_t, uint64_t>;  // offset -> bytes
+  FreeList free_ ABSL_GUARDED_BY(mu_);
+  std::vector<FreeList::node_type> spare_ ABSL_GUARDED_BY(mu_);  // nodes for free_
   uint64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -23,6 +23,10 @@ void TableVersions::Seal(Sequence& seq) {
 
 void TableVersions::Publish(Sequence& seq) {
   seq.Publish();
+  Mirror(seq);
+}
+
+void TableVersions::Mirror(const Sequence& seq) {
   if (tables_ && !seq.poisoned() && !seq.released()) tables_->Write(seq, *pool_);
 }
 

@@ -39,6 +39,9 @@ class TableVersions {
   // The sequence publishes its current version (Sequence::Publish), which also goes to the
   // table area when there is one.
   void Publish(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Writes the sequence's current table into the table area, if there is one (a sequence
+  // created or forked: its first version, before any call publishes).
+  void Mirror(const Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
 
   // A fresh epoch and the board slot that publishes it; RESOURCE_EXHAUSTED when every slot
   // is taken (max_sequences).

@@ -116,14 +116,15 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
   for (int i = 0; i < response->results_size() && i < request->entries_size(); ++i) {
     const v1::StepBatchEntry& entry = request->entries(i);
     if (!entry.has_client_table()) continue;
-    // Past the limit nothing more is converted: a cleared message keeps its memory (the
-    // channel's arena), so converting each update to drop it would hold them all.
-    if (update_bytes > max_update_bytes) break;
     v1::StepBatchResult* result = response->mutable_results(i);
+    // A version in the table area costs 8 bytes: named whatever the limit.
     if (i < static_cast<int>(updates.size()) && updates[i] && updates[i]->in_area) {
       result->set_table_in_area(updates[i]->version);
       continue;
     }
+    // Past the limit nothing more is converted: a cleared message keeps its memory (the
+    // channel's arena), so converting each update to drop it would hold them all.
+    if (update_bytes > max_update_bytes) break;
     if (i < static_cast<int>(updates.size()) && updates[i]) {
       ToProto(*updates[i], result->mutable_table_update());
     } else if (result->status().code() == 0 || result->has_append()) {  // a replay

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvmem/cuda_pool.h"
@@ -256,6 +257,12 @@ TEST(CudaInPlaceTest, KvWrittenThroughTheIpcMappingDecodesAsBytes) {
   info.epoch_stride = engine::EpochBoard::kStride;
   info.epoch_slots = gpu->epoch_board().slots();
   absl::StatusOr<std::unique_ptr<client::CudaPool>> pool = client::CudaPool::Attach(info, true);
+  // A real runtime opens an IPC handle only in another process than the one that made it
+  // (the emulated one here, in this one): there the worker's side is a process of its own,
+  // as in cuda_attach_test.
+  if (!pool.ok() && absl::StrContains(pool.status().message(), "open the pool's handle")) {
+    GTEST_SKIP() << "this runtime opens IPC handles only in another process: " << pool.status();
+  }
   ASSERT_TRUE(pool.ok()) << pool.status();
   client::BlockTable geometry;  // what WritePlanned needs of the table
   geometry.layout = client::Layout{kL, kH, kD, client::DType::kF16, kB, kVocab};

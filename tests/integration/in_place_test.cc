@@ -5,7 +5,9 @@
 #include <random>
 
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "kvmem/shared_pool.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "kvmem/v1/step_channel.h"
 #include "tests/integration/daemon_fixture.h"
@@ -247,16 +249,20 @@ TEST_F(InPlaceTest, AHostileSignalAreaFailsOnlyTheEntryThatNamesIt) {
     EXPECT_THAT(std::string((*twice)[1].status.message()),
                 HasSubstr("more bytes of the signal area"));
   }
-  // Over gRPC there is no area to name.
-  client_->CloseStepChannel();
-  client::BatchEntry over_grpc;
-  over_grpc.sequence_id = bad;
-  over_grpc.step = client::StepArgs{b.table.epoch, {}, {}, false, 0};
-  absl::StatusOr<std::vector<client::BatchResult>> out =
-      client_->StepBatch(absl::MakeConstSpan(&over_grpc, 1));
-  ASSERT_TRUE(out.ok());
-  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string((*out)[0].status.message()), HasSubstr("step channel"));
+  // Over gRPC there is no area to name (the C++ client moves the rows into the message
+  // then: a raw call here).
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  v1::StepBatchRequest q;
+  v1::StepBatchEntry* entry = q.add_entries();
+  entry->set_sequence_id(bad);
+  entry->mutable_step()->set_epoch(b.table.epoch);
+  entry->mutable_step()->set_attention_offset(0);
+  v1::StepBatchResponse r;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub->StepBatch(&context, q, &r).ok());
+  EXPECT_EQ(r.results(0).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(r.results(0).status().message(), HasSubstr("step channel"));
   ExpectContentMatchesPositions(good);
   ExpectContentMatchesPositions(bad);
 }

@@ -123,6 +123,77 @@ TEST_F(TableAreaTest, TablesReadFromTheAreaEqualTheDaemonsAfterEveryStep) {
   for (uint64_t id : ids) ExpectContentMatchesPositions(id);
 }
 
+// Tables through a sequence's whole life in the area: a fork (a new record from a copied
+// sequence), a compression (most blocks go: the record shrinks), a release and a new
+// sequence in the freed slot; after every call the area's table is the daemon's.
+TEST_F(TableAreaTest, ForksCompressionsAndReusedSlotsKeepTheAreasTablesExact) {
+  ASSERT_TRUE(client_->AttachTableArea().ok());
+  absl::StatusOr<client::Info> info = client_->GetInfo();
+  ASSERT_TRUE(info.ok());
+  absl::StatusOr<std::unique_ptr<client::TableReader>> reader = client::TableReader::Attach(*info);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  struct Live {
+    uint64_t id = 0;
+    client::BlockTable table;
+    int64_t next = 0;
+  };
+  std::vector<Live> live;
+  auto start = [&](int64_t prompt) {
+    Live l;
+    l.id = Create("h2o", {{"budget", 80}});
+    EXPECT_TRUE(AppendRange(l.id, 0, static_cast<uint32_t>(prompt)).ok());
+    l.table = *client_->GetBlockTable(l.id, false);
+    l.next = prompt;
+    live.push_back(std::move(l));
+  };
+  // After every change: the area's copy, read fresh, is the daemon's table.
+  auto check = [&](const std::string& at) {
+    for (const Live& l : live) {
+      absl::StatusOr<client::BlockTable> fetched = client_->GetBlockTable(l.id, false);
+      ASSERT_TRUE(fetched.ok());
+      client::BlockTable copy = *fetched;
+      copy.version = 1;  // anything older: Read brings it to the area's
+      ASSERT_TRUE((*reader)->Read(fetched->version, &copy).ok()) << at;
+      ASSERT_EQ(copy.version, fetched->version) << at;
+      ASSERT_EQ(Blocks(copy), Blocks(*fetched)) << at << ", sequence " << l.id;
+      ASSERT_EQ(Blocks(l.table), Blocks(*fetched)) << at << ", the client's, " << l.id;
+    }
+  };
+  start(120);
+  std::mt19937 rng(5);
+  for (int step = 0; step < 40; ++step) {
+    const std::string at = "step " + std::to_string(step);
+    if (step == 10) {  // a fork
+      absl::StatusOr<client::Sequence> child = client_->Fork(live[0].id);
+      ASSERT_TRUE(child.ok()) << child.status();
+      Live l;
+      l.id = child->id;
+      l.table = *client_->GetBlockTable(l.id, false);
+      l.next = live[0].next;
+      live.push_back(std::move(l));
+    }
+    if (step == 20) {  // a compression to a quarter: the record shrinks
+      client::CompressArgs args;
+      args.epoch = live[0].table.epoch;
+      args.target_tokens = 20;
+      ASSERT_TRUE(client_->Compress(live[0].id, args, &live[0].table).ok());
+    }
+    if (step == 30) {  // a release, and a new sequence that may take its slot
+      ASSERT_TRUE(client_->Release(live[0].id).ok());
+      live.erase(live.begin());
+      start(50);
+    }
+    check(at + " (before)");
+    std::vector<client::BatchEntry> entries;
+    for (Live& l : live) entries.push_back(Entry(l.id, l.next++, &l.table, rng));
+    absl::StatusOr<std::vector<client::BatchResult>> out = client_->StepBatch(entries);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const client::BatchResult& r : *out) ASSERT_TRUE(r.status.ok()) << at << ": " << r.status;
+    check(at);
+  }
+  for (const Live& l : live) ExpectContentMatchesPositions(l.id);
+}
+
 TEST_F(TableAreaTest, TheAnswerNamesTheVersionInsteadOfCarryingTheUpdate) {
   const uint64_t id = Create("window", {{"window", 20}});
   ASSERT_TRUE(AppendRange(id, 0, 30).ok());
@@ -246,7 +317,12 @@ TEST_F(TableAreaTest, AReaderRacingTheDaemonNeverAcceptsATornTable) {
   std::thread racer([&] {
     client::BlockTable t = *first;
     while (!stop.load()) {
-      if ((*reader)->Read(1, &t).ok()) seen.push_back(t);
+      // Read takes no version older than the one held: t starts at the prompt's each time,
+      // and one copy of each version is kept.
+      t.version = first->version;
+      if ((*reader)->Read(1, &t).ok() && (seen.empty() || seen.back().version != t.version)) {
+        seen.push_back(t);
+      }
     }
   });
   std::map<uint64_t, client::BlockTable> truth;
@@ -266,7 +342,7 @@ TEST_F(TableAreaTest, AReaderRacingTheDaemonNeverAcceptsATornTable) {
     ASSERT_EQ(t.epoch, it->second.epoch) << "version " << t.version;
     ASSERT_EQ(Blocks(t), Blocks(it->second)) << "version " << t.version;
   }
-  EXPECT_GT(compared, 100u) << "the reader raced too few appends to tell";
+  EXPECT_GT(compared, 50u) << "the reader raced too few appends to tell";
 }
 
 }  // namespace

@@ -56,11 +56,11 @@ struct Client::Impl {
   const std::shared_ptr<grpc::Channel> channel;
   const std::unique_ptr<v1::KvCache::Stub> stub;
   internal::StepChannelRouter step_channels;  // StepBatch's same-host channel
-  // Set once by AttachTableArea, before the StepBatch calls that read it.
-  std::shared_ptr<const TableReader> tables;
+  absl::Mutex area_mu;
+  // The table area (AttachTableArea); a StepBatch takes its own reference.
+  std::shared_ptr<const TableReader> tables ABSL_GUARDED_BY(area_mu);
   // The channel whose signal area signal_area() handed out last: the area that
   // StepArgs::attention_offset refers to.
-  absl::Mutex area_mu;
   std::weak_ptr<internal::StepChannelClient> area_channel ABSL_GUARDED_BY(area_mu);
   // Learned from GetInfo at the first CreateSequence.
   internal::PolicySignals policy_signals;
@@ -253,6 +253,11 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
   };
   google::protobuf::Arena arena(arena_options);
   v1::StepBatchRequest& q = *google::protobuf::Arena::CreateMessage<v1::StepBatchRequest>(&arena);
+  std::shared_ptr<const TableReader> tables;
+  {
+    absl::MutexLock lock(&impl_->area_mu);
+    tables = impl_->tables;
+  }
   for (const BatchEntry& e : entries) {
     v1::StepBatchEntry* entry = q.add_entries();
     entry->set_sequence_id(e.sequence_id);
@@ -261,7 +266,7 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     if (e.step) impl_->FillSignals(e.sequence_id, *e.step, entry->mutable_step());
     if (e.table != nullptr) {
       HoldTable(*e.table, entry->mutable_client_table());
-      if (impl_->tables && e.table->version != 0 && !e.table->positions) {
+      if (tables && e.table->version != 0 && !e.table->positions) {
         entry->mutable_client_table()->set_from_area(true);
       }
     }
@@ -273,29 +278,31 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
   bool answered = false;
   // Rows in a signal area are at offsets into the area signal_area() handed out last. A
   // batch that goes any other way than through that area's channel carries them in the
-  // message instead (the area is still mapped: its SignalArea::keep holds it). An entry
-  // whose rows cannot be read back loses them: over gRPC its offset stays, which the daemon
-  // refuses naming it; through another channel it goes without (that channel's area holds
-  // other bytes at that offset), which a policy that needs rows refuses.
+  // message instead (the area is still mapped: its SignalArea::keep holds it).
   std::shared_ptr<internal::StepChannelClient> area_channel;
   {
     absl::MutexLock lock(&impl_->area_mu);
     area_channel = impl_->area_channel.lock();
   }
-  auto inline_rows = [&](bool keep_offset) {
+  auto inline_rows = [&] {
+    // At most the area's bytes in all, as the daemon would copy (entries may name the same
+    // rows); an entry past that, or whose rows cannot be read back, keeps an offset past
+    // any area, which the daemon refuses by name for that entry alone.
+    uint64_t budget = area_channel ? area_channel->signal_area().size() : 0;
     for (int i = 0; i < q.entries_size(); ++i) {
       v1::StepBatchEntry* entry = q.mutable_entries(i);
       if (!entry->has_step() || !entry->step().has_attention_offset()) continue;
       if (area_channel &&
-          internal::InlineAreaRows(area_channel->signal_area(), entry->mutable_step()).ok()) {
+          internal::InlineAreaRows(area_channel->signal_area(), entry->mutable_step(), &budget)
+              .ok()) {
         continue;
       }
       entry->mutable_step()->clear_attention();
-      if (!keep_offset) entry->mutable_step()->clear_attention_offset();
+      entry->mutable_step()->set_attention_offset(UINT64_MAX);
     }
   };
   std::shared_ptr<internal::StepChannelClient> ch = impl_->step_channels.ForBatch();
-  if (ch && ch != area_channel) inline_rows(/*keep_offset=*/false);
+  if (ch && ch != area_channel) inline_rows();
   if (ch) {
     using Outcome = internal::StepChannelClient::Outcome;
     const Outcome outcome = ch->Call(q, absl::Now() + impl_->options.deadline, &r, &s);
@@ -306,7 +313,7 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     if (outcome == Outcome::kChannelGone || ch->gone()) impl_->step_channels.Drop(ch.get());
   }
   if (!answered) {
-    inline_rows(/*keep_offset=*/true);
+    inline_rows();
     r.Clear();
     s = impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->StepBatch(&c, q, &r); });
   }
@@ -333,8 +340,8 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     // batch's updates passed the daemon's message limit) has its table fetched: Sync
     // finds no update to apply.
     const bool applied = result.status().code() == 0 || result.has_append();
-    if (entries[i].table != nullptr && result.table_in_area() != 0 && impl_->tables &&
-        impl_->tables->Read(result.table_in_area(), entries[i].table).ok()) {
+    if (entries[i].table != nullptr && result.table_in_area() != 0 && tables &&
+        tables->Read(result.table_in_area(), entries[i].table).ok()) {
       impl_->table_area_reads.fetch_add(1, std::memory_order_relaxed);
       continue;
     }
@@ -352,6 +359,7 @@ absl::Status Client::AttachTableArea() {
   if (!info.ok()) return info.status();
   absl::StatusOr<std::unique_ptr<TableReader>> reader = TableReader::Attach(*info);
   if (!reader.ok()) return reader.status();
+  absl::MutexLock lock(&impl_->area_mu);
   impl_->tables = *std::move(reader);
   return absl::OkStatus();
 }

@@ -328,7 +328,8 @@ absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t o
 
 namespace internal {
 
-absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step) {
+absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step,
+                            uint64_t* budget) {
   namespace layout = v1::signal_area;
   const uint64_t offset = step->attention_offset();
   layout::RowsHeader header{};
@@ -370,6 +371,12 @@ absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* ste
     }
     at += bytes;
   }
+  const uint64_t moved = at - offset;
+  if (moved > *budget) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attention_offset: ", moved, " bytes of rows past the ", *budget, " left of the area"));
+  }
+  *budget -= moved;
   step->clear_attention_offset();
   *step->mutable_attention() = std::move(rows);
   return absl::OkStatus();

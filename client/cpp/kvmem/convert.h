@@ -43,9 +43,11 @@ void HoldTable(const BlockTable& table, v1::ClientTable* out);
 
 // The rows a step put in a signal area (StepSignals.attention_offset; the layout of
 // WriteAttentionRows), moved into the message itself, for a batch that goes by gRPC after
-// its step channel closed: the area is still mapped here. INVALID_ARGUMENT for rows that
-// do not lie inside the area.
-absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step);
+// its step channel closed: the area is still mapped here. INVALID_ARGUMENT, `step`
+// unchanged, for rows that do not lie inside the area or would take more than `*budget`
+// bytes (which the rows moved are taken from).
+absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step,
+                            uint64_t* budget);
 
 // The step signals a request carries, without those the sequence's policy does not use;
 // attention rows as IEEE halves when args.attention_f16. `Signals`: a StepRequest or a

@@ -83,10 +83,13 @@ CudaPool::~CudaPool() {
 }
 
 absl::Status CudaPool::WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
-                                    const void* k, const void* v, uint64_t kv_bytes) {
+                                    const void* k, const void* v, uint64_t kv_bytes,
+                                    cudaStream_t stream) {
   if (!writable_) {
     return absl::FailedPreconditionError("WritePlanned: the pool was attached read-only");
   }
+  // The pool's GPU, whichever the calling thread has current.
+  if (absl::Status s = Cuda(cudaSetDevice(device_), "set device"); !s.ok()) return s;
   absl::StatusOr<PlannedWrites> writes = PlanWrites(plan, table, n, kv_bytes);
   if (!writes.ok()) return writes.status();
   // The K ops, then the V ops (the same rows a plane further), in one device buffer.
@@ -111,7 +114,6 @@ absl::Status CudaPool::WritePlanned(const WritePlan& plan, const BlockTable& tab
   }
   const auto half = static_cast<uint32_t>(writes->k.size());
   auto* pool = const_cast<uint8_t*>(base_);
-  cudaStream_t stream = nullptr;  // the legacy default stream, in order: ops, K, V
   if (absl::Status s = Cuda(cudaMemcpyAsync(ops_, ops.data(), ops.size() * sizeof(kernels::CopyOp),
                                             cudaMemcpyHostToDevice, stream),
                             "copy the write ops");

@@ -15,6 +15,8 @@
 // K/V from the worker's own device buffers into the pool where a write plan says — two
 // batched copy launches and one wait — and the StepBatch entry then commits them with
 // BatchEntry::written_plan, as over a SharedPool.
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,11 +42,14 @@ class CudaPool final : public MappedPool {
 
   // Writes `n` tokens' K and V ([L][H][n][D] in the layout dtype each, device memory of the
   // pool's GPU, `kv_bytes` each) where `plan` says, and waits for the copies; then commit
-  // them with BatchEntry::written_plan. FAILED_PRECONDITION when attached read-only; the
-  // checks of SharedPool::WritePlanned; INTERNAL (the CUDA error) when a copy fails. Not
-  // for concurrent use: the copies' op list has one device buffer.
+  // them with BatchEntry::written_plan. The copies go on `stream`, the one the worker's
+  // kernels made K and V on (ordered after them; the legacy default stream when null).
+  // FAILED_PRECONDITION when attached read-only; the checks of SharedPool::WritePlanned;
+  // INTERNAL (the CUDA error) when a copy fails. Not for concurrent use: the copies' op list
+  // has one device buffer.
   absl::Status WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
-                            const void* k, const void* v, uint64_t kv_bytes);
+                            const void* k, const void* v, uint64_t kv_bytes,
+                            cudaStream_t stream = nullptr);
 
   int device() const { return device_; }  // this process's ordinal of the daemon's GPU
   const uint8_t* device_base() const { return base_; }

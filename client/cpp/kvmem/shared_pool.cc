@@ -4,8 +4,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -26,6 +28,13 @@ absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t byt
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("shared memory ", name, ": ", std::strerror(errno),
                                                " (is the daemon on this host?)"));
+  }
+  // A segment shorter than announced would fault (SIGBUS) where the mapping passes its end.
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared memory ", name, ": smaller than the ", bytes, " bytes announced"));
   }
   void* data =
       mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
@@ -125,7 +134,7 @@ absl::StatusOr<MappedPool::PlannedWrites> MappedPool::PlanWrites(const WritePlan
   out.k.reserve(streams);
   for (uint64_t s = 0; s < streams; ++s) {
     const uint64_t at = plan.block_offsets[s];
-    if (plan.first_slots[s] + n > table.block_tokens || at > bytes_ ||
+    if (uint64_t{plan.first_slots[s]} + n > table.block_tokens || at > bytes_ ||
         block.bytes() > bytes_ - at) {
       return absl::OutOfRangeError(absl::StrCat("WritePlanned: stream ", s, "'s block at ", at,
                                                 " lies outside the pool of ", bytes_, " bytes"));
@@ -264,6 +273,9 @@ absl::StatusOr<std::unique_ptr<TableReader>> TableReader::Attach(const Info& inf
                                                       " slots"));
   }
   std::unique_ptr<TableReader> reader(new TableReader());
+  absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
+  if (!epochs.ok()) return epochs.status();
+  reader->epochs_ = *std::move(epochs);
   absl::StatusOr<const uint8_t*> data = MapReadOnly(info.table_area_name, info.table_area_bytes);
   if (!data.ok()) return data.status();
   reader->base_ = *data;
@@ -317,6 +329,11 @@ absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequen
                                                         " holds no table of sequence ", sequence_id,
                                                         " at version ", version, " or later"));
     }
+    if (!epochs_->Stable(epoch_slot, view.epoch)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "table area: sequence ", sequence_id, " left epoch ", view.epoch,
+          " after the area's version ", view.version, " (a commit not published yet: retry)"));
+    }
     view.counts = reinterpret_cast<const uint32_t*>(base_ + offset);
     view.regions =
         reinterpret_cast<const area::Entry*>(base_ + offset + area::CountsBytes(view.streams));
@@ -331,7 +348,8 @@ bool TableReader::Unchanged(const TableView& view) const {
   std::atomic_thread_fence(std::memory_order_acquire);
   const auto& slot = *reinterpret_cast<const area::Slot*>(
       base_ + sizeof(area::Header) + uint64_t{view.epoch_slot} * area::kSlotBytes);
-  return slot.word.load(std::memory_order_relaxed) == view.word;
+  return slot.word.load(std::memory_order_relaxed) == view.word &&
+         epochs_->Stable(view.epoch_slot, view.epoch);
 }
 
 void TableReader::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) {
@@ -346,9 +364,11 @@ absl::Status TableReader::Read(uint64_t version, BlockTable* table) const {
   }
   const uint8_t* at = base_ + sizeof(area::Header) + uint64_t{table->epoch_slot} * area::kSlotBytes;
   const auto& word = reinterpret_cast<const area::Slot*>(at)->word;
-  // The slot and its record are copied out under the seqlock, then checked and decoded
-  // from the copy: a torn copy can hold anything, and `table` changes only after a clean one.
-  thread_local std::vector<uint64_t> copy;
+  // The slot, its record's counts and each stream's entries in use are copied out under the
+  // seqlock, then checked and decoded from the copy: a torn copy can hold anything, and
+  // `table` changes only after a clean one.
+  thread_local std::vector<uint32_t> counts;
+  thread_local std::vector<area::Entry> entries;
   constexpr int kTries = 64;
   for (int attempt = 0; attempt < kTries; ++attempt) {
     const uint64_t before = word.load(std::memory_order_acquire);
@@ -367,36 +387,47 @@ absl::Status TableReader::Read(uint64_t version, BlockTable* table) const {
     const bool fits = bytes > 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
                       streams == table->streams.size() &&
                       bytes == area::RecordBytes(streams, capacity);
+    bool counted = true;  // every count within its region
     if (fits) {
-      copy.resize((bytes + 7) / 8);
-      CopyOut(copy.data(), base_ + offset, bytes);
+      counts.resize(streams);
+      CopyOut(counts.data(), base_ + offset, uint64_t{streams} * sizeof(uint32_t));
+      uint64_t total = 0;
+      for (uint32_t n : counts) {
+        counted = counted && n <= capacity;
+        total += n;
+      }
+      if (counted) {
+        entries.resize(total);
+        const uint8_t* regions = base_ + offset + area::CountsBytes(streams);
+        uint64_t next = 0;
+        for (uint32_t s = 0; s < streams; ++s) {
+          CopyOut(entries.data() + next, regions + uint64_t{s} * capacity * sizeof(area::Entry),
+                  uint64_t{counts[s]} * sizeof(area::Entry));
+          next += counts[s];
+        }
+      }
     }
     std::atomic_thread_fence(std::memory_order_acquire);
     if (word.load(std::memory_order_relaxed) != before) continue;
-    if (!fits || id != table->sequence_id || held < version) {
+    if (!fits || id != table->sequence_id || held < std::max(version, table->version)) {
       return absl::FailedPreconditionError(
           absl::StrCat("table area: slot ", table->epoch_slot, " holds ",
                        id == table->sequence_id && bytes > 0 ? absl::StrCat("version ", held)
                                                              : std::string("no table"),
-                       " of sequence ", table->sequence_id, ", not version ", version));
+                       " of sequence ", table->sequence_id, ", not version ",
+                       std::max(version, table->version), " or later"));
     }
-    const auto* counts = reinterpret_cast<const uint32_t*>(copy.data());
-    const auto* regions = reinterpret_cast<const area::Entry*>(
-        reinterpret_cast<const uint8_t*>(copy.data()) + area::CountsBytes(streams));
-    for (uint32_t s = 0; s < streams; ++s) {
-      if (counts[s] > capacity) {
-        return absl::DataLossError(absl::StrCat("table area: stream ", s, " has ", counts[s],
-                                                " blocks in a region of ", capacity));
-      }
+    if (!counted) {
+      return absl::DataLossError(absl::StrCat("table area: slot ", table->epoch_slot,
+                                              " counts more blocks than its regions hold"));
     }
+    uint64_t next = 0;
     for (uint32_t s = 0; s < streams; ++s) {
       std::vector<TableBlock>& blocks = table->streams[s].blocks;
       blocks.resize(counts[s]);
-      const area::Entry* entry = regions + uint64_t{s} * capacity;
       for (TableBlock& b : blocks) {
-        b = {entry->id, entry->offset, entry->start, entry->count,
-             static_cast<Precision>(entry->precision)};
-        ++entry;
+        const area::Entry& e = entries[next++];
+        b = {e.id, e.offset, e.start, e.count, static_cast<Precision>(e.precision)};
       }
     }
     table->version = held;

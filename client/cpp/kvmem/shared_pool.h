@@ -47,6 +47,10 @@ class EpochReader {
   // FAILED_PRECONDITION when the table is stale (before) or went stale (after the read).
   absl::Status BeginRead(const BlockTable& table) const;
   absl::Status EndRead(const BlockTable& table) const;
+  // Whether slot `slot` is stable at `epoch` now (false for a slot outside the board).
+  bool Stable(uint32_t slot, uint64_t epoch) const {
+    return slot < slots_ && EpochWord(slot) == 2 * epoch;
+  }
 
  private:
   EpochReader() = default;

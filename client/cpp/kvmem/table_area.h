@@ -9,13 +9,16 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvmem/client.h"
+#include "kvmem/shared_pool.h"
 #include "kvmem/v1/table_area.h"
 
 namespace kvmem::client {
 
 // A table read where it lies, as a paged-attention kernel reads it: the area's own stream
-// regions, good only while TableReader::Unchanged says the slot did not move on since the
-// view was taken (check after using what was read; a torn read can hold anything).
+// regions, good only while TableReader::Unchanged says neither the slot nor the sequence's
+// epoch word moved since the view was taken (check after using what was read, and after
+// reading the K/V it names: a step frees blocks at its commit, before the area has its
+// new table, and only the epoch word says so then; a torn read can hold anything).
 struct TableView {
   uint32_t epoch_slot = 0;
   uint64_t version = 0, epoch = 0;
@@ -41,17 +44,20 @@ class TableReader {
   TableReader& operator=(const TableReader&) = delete;
 
   // Brings `table` (one of table->sequence_id, attached from a whole table: layout, block
-  // sizes and epoch_slot set) to the area's copy when that copy is at `version` or later:
+  // sizes and epoch_slot set) to the area's copy when that copy is at `version` or later,
+  // and not older than the table itself:
   // its version, epoch and every stream's blocks. FAILED_PRECONDITION, `table` untouched,
   // when the area holds an older version, none, another sequence's, or one that changed
   // under every try (fetch the table instead).
   absl::Status Read(uint64_t version, BlockTable* table) const;
 
   // A view of sequence `sequence_id`'s table in slot `epoch_slot` when the area holds it at
-  // `version` or later; FAILED_PRECONDITION otherwise (or when it is being rewritten under
-  // every try).
+  // `version` or later and the sequence is still at that table's epoch; FAILED_PRECONDITION
+  // otherwise (a step's commit that the area does not have yet: try again), or when it is
+  // being rewritten under every try.
   absl::StatusOr<TableView> View(uint32_t epoch_slot, uint64_t sequence_id, uint64_t version) const;
-  // Whether what was read through `view` is the table it names (the slot did not change).
+  // Whether what was read through `view`, and the K/V it names, are the table and the data
+  // of view.version: the slot did not change, and the epoch word still holds view.epoch.
   bool Unchanged(const TableView& view) const;
 
  private:
@@ -62,6 +68,7 @@ class TableReader {
   const uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
   uint32_t slots_ = 0;
+  std::unique_ptr<EpochReader> epochs_;
 };
 
 }  // namespace kvmem::client
