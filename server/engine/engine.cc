@@ -503,6 +503,11 @@ EngineStats Engine::Stats(bool include_sequences) {
   stats.slot_state_bytes = budget_.slot_state_bytes();
   stats.host_metadata_bytes = budget_.host_bytes();
   stats.host_metadata_budget_bytes = budget_.budget();
+  if (const TableBoard* tables = versions_.tables()) {
+    stats.table_area_heap_bytes = tables->heap_bytes();
+    stats.table_area_used_bytes = tables->heap_bytes_in_use();
+    stats.table_area_misses = tables->misses();
+  }
   stats.steps = telemetry_.steps;
   stats.leases_expired = telemetry_.leases_expired;
   stats.prefix = publisher_.index().stats();

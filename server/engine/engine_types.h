@@ -336,6 +336,11 @@ struct EngineStats {
   uint64_t slot_state_bytes = 0;     // SlotState memory of all sequences (outside the pool)
   uint64_t host_metadata_bytes = 0;  // sequences' host metadata (outside the pool)
   uint64_t host_metadata_budget_bytes = 0;
+  // The table area (--table_area_bytes): its heap, the bytes of it the records take, and the
+  // writes that found no room.
+  uint64_t table_area_heap_bytes = 0;
+  uint64_t table_area_used_bytes = 0;
+  uint64_t table_area_misses = 0;
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   uint64_t sequences_poisoned = 0;

@@ -34,6 +34,7 @@ TableBoard::TableBoard(std::unique_ptr<transport::SharedSegment> segment, uint32
   header->slots = slots;
   header->heap_offset = heap_offset;
   header->heap_bytes = (segment_->bytes() - heap_offset) / kGrain * kGrain;
+  heap_bytes_ = header->heap_bytes;
   for (uint32_t i = 0; i < slots; ++i) {
     new (base + sizeof(area::Header) + uint64_t{i} * area::kSlotBytes) area::Slot{};
   }
@@ -156,6 +157,7 @@ bool TableBoard::Write(const Sequence& seq, const store::BlockPool& pool) {
     old_bytes = r.bytes;
     r.offset = Allocate(bytes);
     r.bytes = r.offset == 0 ? 0 : bytes;
+    if (r.bytes == 0) misses_.fetch_add(1, std::memory_order_relaxed);
     r.streams = streams;
     r.capacity = capacity;
     fresh = true;

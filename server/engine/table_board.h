@@ -7,6 +7,7 @@
 // The area is a view: a table that finds no room in its heap leaves its slot empty, and
 // answers carry the update as before (TableVersions::Answer asks Holds first). A slot is
 // written only under its sequence's lock; the heap's free list has a lock of its own.
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -44,6 +45,9 @@ class TableBoard {
   uint64_t bytes() const { return segment_->bytes(); }
   uint32_t slots() const { return slots_; }
   uint64_t heap_bytes_in_use() const;
+  uint64_t heap_bytes() const { return heap_bytes_; }
+  // Writes that found no room for their table (its answers carried updates instead).
+  uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
 
   // Heap allocations are multiples of this.
   static constexpr uint64_t kGrain = 64;
@@ -69,6 +73,8 @@ class TableBoard {
 
   const std::unique_ptr<transport::SharedSegment> segment_;
   const uint32_t slots_;
+  uint64_t heap_bytes_ = 0;
+  std::atomic<uint64_t> misses_{0};
   std::vector<Record> records_;
   mutable absl::Mutex mu_;
   using FreeList = std::map<uint64_t, uint64_t>;  // offset -> bytes

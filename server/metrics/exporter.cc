@@ -125,6 +125,13 @@ std::vector<MetricFamily> Collector::Collect() const {
           static_cast<double>(s.host_metadata_bytes));
   f.Gauge("kvmem_host_metadata_budget_bytes", "the budget of kvmem_host_metadata_bytes",
           static_cast<double>(s.host_metadata_budget_bytes));
+  f.Gauge("kvmem_table_area_bytes", "bytes of the table area's heap its tables take",
+          static_cast<double>(s.table_area_used_bytes));
+  f.Gauge("kvmem_table_area_budget_bytes", "the table area's heap (--table_area_bytes, 0: none)",
+          static_cast<double>(s.table_area_heap_bytes));
+  f.Counter("kvmem_table_area_misses_total",
+            "table writes that found no room in the table area (answers carried the update)",
+            static_cast<double>(s.table_area_misses));
   f.Gauge("kvmem_slot_state_bytes", "the sequences' slot state (scores, positions) in the backend",
           static_cast<double>(s.slot_state_bytes));
 

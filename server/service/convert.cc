@@ -458,6 +458,9 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_bytes_moved(stats.bytes_moved);
   out->set_slot_state_bytes(stats.slot_state_bytes);
   out->set_host_metadata_bytes(stats.host_metadata_bytes);
+  out->set_table_area_heap_bytes(stats.table_area_heap_bytes);
+  out->set_table_area_used_bytes(stats.table_area_used_bytes);
+  out->set_table_area_misses(stats.table_area_misses);
   out->set_host_metadata_budget_bytes(stats.host_metadata_budget_bytes);
   out->set_sequences_poisoned(stats.sequences_poisoned);
   out->set_steps(stats.steps);

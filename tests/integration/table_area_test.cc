@@ -295,6 +295,17 @@ TEST_F(TableAreaTest, TablesThatFindNoRoomComeAsUpdates) {
   EXPECT_GT(client_->table_area_reads(), 0u) << "the first tables fit";
   EXPECT_LT(client_->table_area_reads(), 20 * ids.size()) << "the last ones do not";
   for (uint64_t id : ids) ExpectContentMatchesPositions(id);
+  // Stats count what the heap holds and the writes that found no room; releases give the
+  // heap back whole.
+  absl::StatusOr<client::Stats> stats = client_->GetStats(false);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GT(stats->table_area_misses, 0u);
+  EXPECT_GT(stats->table_area_used_bytes, 0u);
+  EXPECT_LE(stats->table_area_used_bytes, stats->table_area_heap_bytes);
+  for (uint64_t id : ids) ASSERT_TRUE(client_->Release(id).ok());
+  stats = client_->GetStats(false);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->table_area_used_bytes, 0u);
 }
 
 TEST_F(TableAreaTest, AReaderRacingTheDaemonNeverAcceptsATornTable) {

@@ -344,6 +344,8 @@ struct Stats {
   uint64_t steps = 0, leases_expired = 0;
   uint64_t slot_state_bytes = 0;  // all sequences' scores/positions in the backend
   uint64_t host_metadata_bytes = 0, host_metadata_budget_bytes = 0;  // outside the pool
+  // The table area: its heap, what the tables take of it, writes that found no room.
+  uint64_t table_area_heap_bytes = 0, table_area_used_bytes = 0, table_area_misses = 0;
   uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
   // Prefix sharing: counters since the daemon started, then the index now.
   uint64_t prefix_queries = 0, prefix_hits = 0, prefix_reused_tokens = 0;

@@ -221,6 +221,9 @@ Stats StatsCountersOf(const v1::StatsResponse& r) {
   out.leases_expired = r.leases_expired();
   out.slot_state_bytes = r.slot_state_bytes();
   out.host_metadata_bytes = r.host_metadata_bytes();
+  out.table_area_heap_bytes = r.table_area_heap_bytes();
+  out.table_area_used_bytes = r.table_area_used_bytes();
+  out.table_area_misses = r.table_area_misses();
   out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
   out.sequences_poisoned = r.sequences_poisoned();
   out.prefix_queries = r.prefix().queries_total();
