@@ -3,6 +3,7 @@
 // and composes them per call; none reaches into another:
 //   SequenceRegistry  ids, lookup, calls in flight, leases         (sequence_registry.h)
 //   TableVersions     epochs, versions, deltas, write sections, poisoning (table_versions.h)
+//     TableBoard      its table area: every table in shared memory  (table_board.h)
 //   HostBudget        host memory outside the pool                  (host_budget.h)
 //   AppendSession     the append transaction                        (append_session.h)
 //   input checks      every check of a Step/Compress/Append input   (input_checks.h)
@@ -11,12 +12,14 @@
 //   BatchRunner       StepBatch's entries across cores              (batch_runner.h)
 //   KvReader          ReadKV in pieces                              (kv_reader.h)
 //   Tenants           a cache salt's pool quota                     (tenants.h)
+//   WritePlans        where in-place K/V goes, and its commits      (write_plans.h)
 // Who calls whom (nothing calls the Engine back): BatchRunner -> AppendSession, input
 // checks, PolicyDriver; PolicyDriver -> DecisionApplier -> TableVersions; AppendSession ->
 // PrefixPublisher, TableVersions, HostBudget; every room -> SequenceRegistry (lookups,
 // leases) and the store (pool, backend).
 //
-// Lock order: Sequence::mu -> the registry's -> BlockPool's. Calls on different sequences
+// Lock order: Sequence::mu -> the registry's -> BlockPool's; TableBoard's (its heap's free
+// list) is taken under Sequence::mu and takes none. Calls on different sequences
 // run in parallel; calls on one sequence are serialized. Every call validates its whole
 // input before changing anything (an error return means no state changed), and a mutation
 // given the client's held table answers its update under the same lock.
