@@ -300,7 +300,7 @@ absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequen
     return absl::InvalidArgumentError(
         absl::StrCat("epoch_slot: ", epoch_slot, " is outside [0, ", slots_, ")"));
   }
-  const uint8_t* at = base_ + sizeof(area::Header) + uint64_t{epoch_slot} * area::kSlotBytes;
+  const uint8_t* at = SlotAt(epoch_slot);
   const auto& word = reinterpret_cast<const area::Slot*>(at)->word;
   constexpr int kTries = 64;
   for (int attempt = 0; attempt < kTries; ++attempt) {
@@ -308,23 +308,16 @@ absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequen
     view.epoch_slot = epoch_slot;
     view.word = word.load(std::memory_order_acquire);
     if (view.word % 2 == 1) continue;
-    alignas(8) uint8_t slot_bytes[area::kSlotBytes];
-    CopyOut(slot_bytes, at, sizeof(slot_bytes));
-    uint64_t id, offset, bytes;
-    std::memcpy(&id, slot_bytes + offsetof(area::Slot, sequence_id), 8);
-    std::memcpy(&view.version, slot_bytes + offsetof(area::Slot, version), 8);
-    std::memcpy(&view.epoch, slot_bytes + offsetof(area::Slot, epoch), 8);
-    std::memcpy(&offset, slot_bytes + offsetof(area::Slot, record_offset), 8);
-    std::memcpy(&bytes, slot_bytes + offsetof(area::Slot, record_bytes), 8);
-    std::memcpy(&view.streams, slot_bytes + offsetof(area::Slot, streams), 4);
-    std::memcpy(&view.capacity, slot_bytes + offsetof(area::Slot, capacity), 4);
+    const SlotFields f = CopySlot(at);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (word.load(std::memory_order_relaxed) != view.word) continue;
     // The fields are a clean copy now; the record they name is checked to lie inside the
     // mapping, so that reading through the view stays inside it whatever happens next.
-    const bool fits = bytes > 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
-                      bytes == area::RecordBytes(view.streams, view.capacity);
-    if (!fits || id != sequence_id || view.version < version) {
+    view.version = f.version;
+    view.epoch = f.epoch;
+    view.streams = f.streams;
+    view.capacity = f.capacity;
+    if (!Fits(f) || f.id != sequence_id || view.version < version) {
       return absl::FailedPreconditionError(absl::StrCat("table area: slot ", epoch_slot,
                                                         " holds no table of sequence ", sequence_id,
                                                         " at version ", version, " or later"));
@@ -334,9 +327,9 @@ absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequen
           "table area: sequence ", sequence_id, " left epoch ", view.epoch,
           " after the area's version ", view.version, " (a commit not published yet: retry)"));
     }
-    view.counts = reinterpret_cast<const uint32_t*>(base_ + offset);
+    view.counts = reinterpret_cast<const uint32_t*>(base_ + f.offset);
     view.regions =
-        reinterpret_cast<const area::Entry*>(base_ + offset + area::CountsBytes(view.streams));
+        reinterpret_cast<const area::Entry*>(base_ + f.offset + area::CountsBytes(view.streams));
     return view;
   }
   return absl::FailedPreconditionError(
@@ -346,8 +339,7 @@ absl::StatusOr<TableView> TableReader::View(uint32_t epoch_slot, uint64_t sequen
 bool TableReader::Unchanged(const TableView& view) const {
   if (view.epoch_slot >= slots_) return false;
   std::atomic_thread_fence(std::memory_order_acquire);
-  const auto& slot = *reinterpret_cast<const area::Slot*>(
-      base_ + sizeof(area::Header) + uint64_t{view.epoch_slot} * area::kSlotBytes);
+  const auto& slot = *reinterpret_cast<const area::Slot*>(SlotAt(view.epoch_slot));
   return slot.word.load(std::memory_order_relaxed) == view.word &&
          epochs_->Stable(view.epoch_slot, view.epoch);
 }
@@ -356,13 +348,36 @@ void TableReader::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
+const uint8_t* TableReader::SlotAt(uint32_t slot) const {
+  return base_ + sizeof(area::Header) + uint64_t{slot} * area::kSlotBytes;
+}
+
+TableReader::SlotFields TableReader::CopySlot(const uint8_t* at) {
+  alignas(8) uint8_t bytes[area::kSlotBytes];
+  CopyOut(bytes, at, sizeof(bytes));
+  SlotFields f;
+  std::memcpy(&f.id, bytes + offsetof(area::Slot, sequence_id), 8);
+  std::memcpy(&f.version, bytes + offsetof(area::Slot, version), 8);
+  std::memcpy(&f.epoch, bytes + offsetof(area::Slot, epoch), 8);
+  std::memcpy(&f.offset, bytes + offsetof(area::Slot, record_offset), 8);
+  std::memcpy(&f.bytes, bytes + offsetof(area::Slot, record_bytes), 8);
+  std::memcpy(&f.streams, bytes + offsetof(area::Slot, streams), 4);
+  std::memcpy(&f.capacity, bytes + offsetof(area::Slot, capacity), 4);
+  return f;
+}
+
+bool TableReader::Fits(const SlotFields& f) const {
+  return f.bytes > 0 && f.offset <= bytes_ && f.bytes <= bytes_ - f.offset &&
+         f.bytes == area::RecordBytes(f.streams, f.capacity);
+}
+
 absl::Status TableReader::Read(uint64_t version, BlockTable* table) const {
   if (table->epoch_slot >= slots_ || table->version == 0) {
     return absl::InvalidArgumentError(absl::StrCat("table: epoch_slot ", table->epoch_slot, " of ",
                                                    slots_, " slots, version ", table->version,
                                                    " (attach with a whole table first)"));
   }
-  const uint8_t* at = base_ + sizeof(area::Header) + uint64_t{table->epoch_slot} * area::kSlotBytes;
+  const uint8_t* at = SlotAt(table->epoch_slot);
   const auto& word = reinterpret_cast<const area::Slot*>(at)->word;
   // The slot, its record's counts and each stream's entries in use are copied out under the
   // seqlock, then checked and decoded from the copy: a torn copy can hold anything, and
@@ -373,20 +388,11 @@ absl::Status TableReader::Read(uint64_t version, BlockTable* table) const {
   for (int attempt = 0; attempt < kTries; ++attempt) {
     const uint64_t before = word.load(std::memory_order_acquire);
     if (before % 2 == 1) continue;  // being rewritten
-    alignas(8) uint8_t slot_bytes[area::kSlotBytes];
-    CopyOut(slot_bytes, at, sizeof(slot_bytes));
-    uint64_t id, held, epoch, offset, bytes;
-    uint32_t streams, capacity;
-    std::memcpy(&id, slot_bytes + offsetof(area::Slot, sequence_id), 8);
-    std::memcpy(&held, slot_bytes + offsetof(area::Slot, version), 8);
-    std::memcpy(&epoch, slot_bytes + offsetof(area::Slot, epoch), 8);
-    std::memcpy(&offset, slot_bytes + offsetof(area::Slot, record_offset), 8);
-    std::memcpy(&bytes, slot_bytes + offsetof(area::Slot, record_bytes), 8);
-    std::memcpy(&streams, slot_bytes + offsetof(area::Slot, streams), 4);
-    std::memcpy(&capacity, slot_bytes + offsetof(area::Slot, capacity), 4);
-    const bool fits = bytes > 0 && offset <= bytes_ && bytes <= bytes_ - offset &&
-                      streams == table->streams.size() &&
-                      bytes == area::RecordBytes(streams, capacity);
+    const SlotFields f = CopySlot(at);
+    const uint64_t id = f.id, held = f.version, epoch = f.epoch, offset = f.offset;
+    const uint64_t bytes = f.bytes;
+    const uint32_t streams = f.streams, capacity = f.capacity;
+    const bool fits = Fits(f) && streams == table->streams.size();
     bool counted = true;  // every count within its region
     if (fits) {
       counts.resize(streams);

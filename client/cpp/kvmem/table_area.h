@@ -65,6 +65,15 @@ class TableReader {
   // The seqlock's copy of bytes the daemon may be rewriting (discarded when the word moved):
   // the one designed race, kept in this function (tests/tsan.supp).
   static void CopyOut(void* dst, const uint8_t* src, uint64_t bytes);
+  // A slot's fields, copied out (under the caller's seqlock check).
+  struct SlotFields {
+    uint64_t id = 0, version = 0, epoch = 0, offset = 0, bytes = 0;
+    uint32_t streams = 0, capacity = 0;
+  };
+  const uint8_t* SlotAt(uint32_t slot) const;
+  static SlotFields CopySlot(const uint8_t* at);
+  // Whether the record the fields name lies inside the mapping and has their size.
+  bool Fits(const SlotFields& f) const;
   const uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
   uint32_t slots_ = 0;
