@@ -285,21 +285,8 @@ absl::StatusOr<std::vector<BatchResult>> Client::StepBatch(absl::Span<const Batc
     area_channel = impl_->area_channel.lock();
   }
   auto inline_rows = [&] {
-    // At most the area's bytes in all, as the daemon would copy (entries may name the same
-    // rows); an entry past that, or whose rows cannot be read back, keeps an offset past
-    // any area, which the daemon refuses by name for that entry alone.
-    uint64_t budget = area_channel ? area_channel->signal_area().size() : 0;
-    for (int i = 0; i < q.entries_size(); ++i) {
-      v1::StepBatchEntry* entry = q.mutable_entries(i);
-      if (!entry->has_step() || !entry->step().has_attention_offset()) continue;
-      if (area_channel &&
-          internal::InlineAreaRows(area_channel->signal_area(), entry->mutable_step(), &budget)
-              .ok()) {
-        continue;
-      }
-      entry->mutable_step()->clear_attention();
-      entry->mutable_step()->set_attention_offset(UINT64_MAX);
-    }
+    internal::InlineAreaRows(
+        area_channel ? area_channel->signal_area() : absl::Span<const uint8_t>(), &q);
   };
   std::shared_ptr<internal::StepChannelClient> ch = impl_->step_channels.ForBatch();
   if (ch && ch != area_channel) inline_rows();

@@ -331,7 +331,11 @@ absl::StatusOr<uint64_t> WriteAttentionRows(absl::Span<uint8_t> area, uint64_t o
 
 namespace internal {
 
-absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step,
+namespace {
+
+// One step's rows (InlineAreaRows); INVALID_ARGUMENT, `step` unchanged, for rows outside
+// the area or past `*budget` bytes (which the rows moved are taken from).
+absl::Status InlineStepRows(absl::Span<const uint8_t> area, v1::StepSignals* step,
                             uint64_t* budget) {
   namespace layout = v1::signal_area;
   const uint64_t offset = step->attention_offset();
@@ -383,6 +387,19 @@ absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* ste
   step->clear_attention_offset();
   *step->mutable_attention() = std::move(rows);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+void InlineAreaRows(absl::Span<const uint8_t> area, v1::StepBatchRequest* q) {
+  uint64_t budget = area.size();
+  for (int i = 0; i < q->entries_size(); ++i) {
+    v1::StepBatchEntry* entry = q->mutable_entries(i);
+    if (!entry->has_step() || !entry->step().has_attention_offset()) continue;
+    if (InlineStepRows(area, entry->mutable_step(), &budget).ok()) continue;
+    entry->mutable_step()->clear_attention();
+    entry->mutable_step()->set_attention_offset(UINT64_MAX);
+  }
 }
 
 }  // namespace internal

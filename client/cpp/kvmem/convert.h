@@ -41,13 +41,13 @@ SequenceStats SequenceStatsOf(const v1::SequenceStats& seq);
 // The client_table of a request that should bring `table` up to date.
 void HoldTable(const BlockTable& table, v1::ClientTable* out);
 
-// The rows a step put in a signal area (StepSignals.attention_offset; the layout of
-// WriteAttentionRows), moved into the message itself, for a batch that goes by gRPC after
-// its step channel closed: the area is still mapped here. INVALID_ARGUMENT, `step`
-// unchanged, for rows that do not lie inside the area or would take more than `*budget`
-// bytes (which the rows moved are taken from).
-absl::Status InlineAreaRows(absl::Span<const uint8_t> area, v1::StepSignals* step,
-                            uint64_t* budget);
+// The rows the batch's steps put in a signal area (StepSignals.attention_offset; the layout
+// of WriteAttentionRows), moved into the message itself, for a batch that goes any other
+// way than through that area's channel: the area is still mapped here (empty: none). At
+// most the area's bytes in all, as the daemon would copy (entries may name the same rows);
+// an entry past that, or whose rows cannot be read back, keeps an offset past any area,
+// which the daemon refuses by name for that entry alone.
+void InlineAreaRows(absl::Span<const uint8_t> area, v1::StepBatchRequest* q);
 
 // The step signals a request carries, without those the sequence's policy does not use;
 // attention rows as IEEE halves when args.attention_f16. `Signals`: a StepRequest or a
