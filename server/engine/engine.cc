@@ -178,12 +178,14 @@ absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& promp
   return GuardHostMemory("Lookup", [&]() -> absl::StatusOr<uint64_t> {
     if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
     if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
-    // The prompt's own errors come first, then the policy's (refused as CreateSequence
-    // refuses it, though only a document's lookup depends on it).
-    if (absl::Status s = PrefixPublisher::CheckPrompt(layout, prompt); !s.ok()) return s;
+    // The policy is refused as CreateSequence refuses it (though only a document's lookup
+    // depends on it), after the prompt's own errors (the publisher checks the prompt).
     absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
         policy::CreatePolicy(policy_name, params);
-    if (!policy.ok()) return policy.status();
+    if (!policy.ok()) {
+      if (absl::Status s = PrefixPublisher::CheckPrompt(layout, prompt); !s.ok()) return s;
+      return policy.status();
+    }
     const bool document =
         prompt.document_tokens > 0 && prompt.document_tokens < prompt.token_ids.size();
     return publisher_.Lookup(layout, prompt, document ? policy->get() : nullptr, params, quant,
