@@ -54,6 +54,11 @@ cudaError_t UpdateScores(ScoreRule rule, float lambda, const StreamSlice* stream
 cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                       const float* stream_max, const int64_t* positions, float attention_weight,
                       uint8_t* keep, cudaStream_t stream);
+// select.h's segments (one block per segment); `segments` in device memory.
+cudaError_t UpdateScoresSegments(const StepSegment* segments, uint32_t n, float* stream_max,
+                                 cudaStream_t stream);
+cudaError_t SelectTopSegments(const StepSegment* segments, uint32_t n, const float* stream_max,
+                              uint8_t* keep_copy, cudaStream_t stream);
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream);
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,

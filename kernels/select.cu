@@ -22,16 +22,18 @@ struct ScoreMax {
   __device__ float operator()(float a, float b) const { return a < b ? b : a; }
 };
 
-__global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSlice* streams,
-                                   const float* attention, float* scores, float* stream_max) {
+// Updates one stream's `length` scores with its row; the block's maximum (valid in thread
+// 0). `saved` (may be null) gets the scores as they were.
+__device__ float UpdateStream(ScoreRule rule, float lambda, uint32_t length, const float* attention,
+                              float* scores, float* saved) {
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage temp;
-  const StreamSlice st = streams[blockIdx.x];
   const ScoreMax max_of;
   float mx = 0.0f;
   const float keep = 1.0f - lambda;
-  for (uint32_t j = st.offset + threadIdx.x; j < st.offset + st.length; j += blockDim.x) {
+  for (uint32_t j = threadIdx.x; j < length; j += blockDim.x) {
     const float a = attention[j], s = scores[j];
+    if (saved != nullptr) saved[j] = s;
     float e;
     if (rule == ScoreRule::kAccumulate) {
       e = __fadd_rn(s, a);
@@ -43,8 +45,26 @@ __global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSli
     scores[j] = e;
     mx = max_of(mx, e);
   }
-  const float block_max = Reduce(temp).Reduce(mx, max_of);  // valid in thread 0
+  return Reduce(temp).Reduce(mx, max_of);
+}
+
+__global__ void UpdateScoresKernel(ScoreRule rule, float lambda, const StreamSlice* streams,
+                                   const float* attention, float* scores, float* stream_max) {
+  const StreamSlice st = streams[blockIdx.x];
+  const float block_max =
+      UpdateStream(rule, lambda, st.length, attention + st.offset, scores + st.offset, nullptr);
   if (threadIdx.x == 0) stream_max[blockIdx.x] = block_max;
+}
+
+__global__ void UpdateScoresSegmentsKernel(const StepSegment* segments, float* stream_max) {
+  const StepSegment g = segments[blockIdx.x];
+  const uint32_t at = g.slice.offset;
+  const float block_max = UpdateStream(g.op.rule, g.op.lambda, g.slice.length, g.attention,
+                                       g.scores + at, g.saved_scores + at);
+  if (threadIdx.x == 0) {
+    stream_max[blockIdx.x] = block_max;
+    *g.slice_out = g.slice;
+  }
 }
 
 __device__ uint64_t KeyOf(const float* scores, const int64_t* pos, PriorityScale p, uint32_t j) {
@@ -58,23 +78,22 @@ __device__ uint64_t KeyOf(const float* scores, const int64_t* pos, PriorityScale
 // byte (digit) of the keys that match the prefix so far, then finds the digit holding the
 // remaining-th largest: thread t owns digit 255 - t, and an exclusive sum over the threads
 // gives every digit the count of keys above it.
-__global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
-                                const float* stream_max, const int64_t* positions,
-                                float attention_weight, uint8_t* keep) {
-  const StreamSlice st = streams[blockIdx.x];
-  uint8_t* k = keep + st.offset;
+// One stream's keep flags: `length` slots from sc/pos, written to k (and to `copy`, may
+// be null).
+__device__ void SelectStream(StreamSlice st, const float* sc, const int64_t* pos, float max_score,
+                             float attention_weight, uint8_t* k, uint8_t* copy) {
   if (st.length <= st.budget) {
-    for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) k[j] = 1;
+    for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) {
+      k[j] = 1;
+      if (copy != nullptr) copy[j] = 1;
+    }
     return;
   }
   const uint32_t protect = min(st.protect, st.budget);
   const uint32_t unprotected = st.length - protect;
   const uint32_t take = st.budget - protect;
-  const float* sc = scores + st.offset;
-  const int64_t* pos = positions + st.offset;
   const PriorityScale p =
-      PriorityScaleFor(attention_weight, stream_max != nullptr ? stream_max[blockIdx.x] : 1.0f,
-                       pos[st.length - 1] - pos[0]);
+      PriorityScaleFor(attention_weight, max_score, pos[st.length - 1] - pos[0]);
   using DigitScan = cub::BlockScan<uint32_t, kThreads>;
   static_assert(kThreads == 256, "one thread per digit value");
   __shared__ typename DigitScan::TempStorage scan_temp;
@@ -108,8 +127,34 @@ __global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
     mask |= uint64_t{0xff} << shift;
   }
   for (uint32_t j = threadIdx.x; j < st.length; j += blockDim.x) {
-    k[j] = j >= unprotected || (take > 0 && KeyOf(sc, pos, p, j) >= prefix);
+    const uint8_t kept = j >= unprotected || (take > 0 && KeyOf(sc, pos, p, j) >= prefix);
+    k[j] = kept;
+    if (copy != nullptr) copy[j] = kept;
   }
+}
+
+// The take-th largest key among the unprotected slots by an 8-pass radix select (keys are
+// unique, so exactly `take` keys are >= it), then the keep flags. Each pass counts the next
+// byte (digit) of the keys that match the prefix so far, then finds the digit holding the
+// remaining-th largest: thread t owns digit 255 - t, and an exclusive sum over the threads
+// gives every digit the count of keys above it.
+__global__ void SelectTopKernel(const StreamSlice* streams, const float* scores,
+                                const float* stream_max, const int64_t* positions,
+                                float attention_weight, uint8_t* keep) {
+  const StreamSlice st = streams[blockIdx.x];
+  SelectStream(st, scores + st.offset, positions + st.offset,
+               stream_max != nullptr ? stream_max[blockIdx.x] : 1.0f, attention_weight,
+               keep + st.offset, nullptr);
+}
+
+__global__ void SelectTopSegmentsKernel(const StepSegment* segments, const float* stream_max,
+                                        uint8_t* keep_copy) {
+  const StepSegment g = segments[blockIdx.x];
+  if (!g.op.select) return;
+  const uint32_t at = g.slice.offset;
+  SelectStream(g.slice, g.scores + at, g.positions + at,
+               g.op.normalize ? stream_max[blockIdx.x] : 1.0f, g.op.attention_weight, g.keep + at,
+               keep_copy + g.keep_copy);
 }
 
 __global__ void SelectThresholdKernel(const StreamSlice* streams, const float* scores,
@@ -168,6 +213,21 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
   return Launched([&] {
     SelectTopKernel<<<num_streams, kThreads, 0, stream>>>(streams, scores, stream_max, positions,
                                                           attention_weight, keep);
+  });
+}
+
+cudaError_t UpdateScoresSegments(const StepSegment* segments, uint32_t n, float* stream_max,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return Launched(
+      [&] { UpdateScoresSegmentsKernel<<<n, kThreads, 0, stream>>>(segments, stream_max); });
+}
+
+cudaError_t SelectTopSegments(const StepSegment* segments, uint32_t n, const float* stream_max,
+                              uint8_t* keep_copy, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return Launched([&] {
+    SelectTopSegmentsKernel<<<n, kThreads, 0, stream>>>(segments, stream_max, keep_copy);
   });
 }
 

@@ -85,6 +85,29 @@ struct ScoreStep {
   bool select = true;             // false: update the scores only
 };
 
+// One stream of one sequence in a batched step (StepBatch runs the steps of many sequences
+// as one UpdateScoresSegments and one SelectTopSegments): the arrays are that sequence's
+// own, laid out as above with `slice` the stream's place in them, and `op` its policy's.
+struct StepSegment {
+  StreamSlice slice;
+  ScoreStep op;
+  const float* attention;  // slice.length values, from attention[0]
+  float* scores;           // updated in place
+  float* saved_scores;     // laid out as `scores`: the stream's scores before the update
+  const int64_t* positions;
+  uint8_t* keep;           // laid out as `scores`: the keep flags when op.select
+  StreamSlice* slice_out;  // where `slice` is written (what a later CompactSlots reads)
+  uint64_t keep_copy;      // offset in SelectTopSegments' `keep_copy` of a copy of the flags
+};
+
+// For every segment i: saves its scores to saved_scores, updates them as UpdateScoresRef
+// does (max to stream_max[i]) and writes its slice to *slice_out.
+void UpdateScoresSegmentsRef(const StepSegment* segments, uint32_t n, float* stream_max);
+// For every segment with op.select: the keep flags as SelectTopRef writes them (stream_max[i]
+// when op.normalize, else raw scores), in `keep` and at keep_copy + segments[i].keep_copy.
+void SelectTopSegmentsRef(const StepSegment* segments, uint32_t n, const float* stream_max,
+                          uint8_t* keep_copy);
+
 // r_j's scale factors for one stream (see SelectTopRef), shared by both twins.
 struct PriorityScale {
   float e_scale, r_scale, r_const;

@@ -265,6 +265,30 @@ void SelectTopRef(const StreamSlice* streams, uint32_t num_streams, const float*
   }
 }
 
+void UpdateScoresSegmentsRef(const StepSegment* segments, uint32_t n, float* stream_max) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const StepSegment& g = segments[i];
+    const StreamSlice one{0, g.slice.length, g.slice.budget, g.slice.protect};
+    float* scores = g.scores + g.slice.offset;
+    std::copy_n(scores, g.slice.length, g.saved_scores + g.slice.offset);
+    UpdateScoresRef(g.op.rule, g.op.lambda, &one, 1, g.attention, scores, &stream_max[i]);
+    *g.slice_out = g.slice;
+  }
+}
+
+void SelectTopSegmentsRef(const StepSegment* segments, uint32_t n, const float* stream_max,
+                          uint8_t* keep_copy) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const StepSegment& g = segments[i];
+    if (!g.op.select) continue;
+    const StreamSlice one{0, g.slice.length, g.slice.budget, g.slice.protect};
+    uint8_t* keep = g.keep + g.slice.offset;
+    SelectTopRef(&one, 1, g.scores + g.slice.offset, g.op.normalize ? &stream_max[i] : nullptr,
+                 g.positions + g.slice.offset, g.op.attention_weight, keep);
+    std::copy_n(keep, g.slice.length, keep_copy + g.keep_copy);
+  }
+}
+
 void SelectThresholdRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                         const float* threshold, uint8_t* keep) {
   for (uint32_t s = 0; s < num_streams; ++s) {

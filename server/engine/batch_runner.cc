@@ -1,5 +1,7 @@
 #include "server/engine/batch_runner.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 
@@ -11,115 +13,185 @@
 
 namespace kvmem::engine {
 
-StepOutcome BatchRunner::RunOne(const StepCall& call) {
+struct BatchRunner::Entry {
+  explicit Entry(const StepCall& c) : call(c) {}
+  const StepCall& call;
   StepOutcome out;
+  std::optional<SequenceRef> ref;          // locked; the session takes it for an append
+  std::unique_ptr<AppendSession> session;  // holding the lock to the end of the entry
+  Sequence* seq = nullptr;                 // set while the entry holds its lock
+  // For the update: a held version past it is a guess at this call's own (TableVersions).
+  uint64_t version_before = 0;
+  std::optional<CheckedStep> prepared;  // the step, checked, while nothing failed
+};
+
+bool BatchRunner::Admit(const StepCall& call, StepOutcome* out) const {
   if (!call.rejected.ok()) {
-    out.status = call.rejected;
-    return out;
-  }
-  if (!call.append && !call.step && call.plan_tokens == 0) {
-    out.status = absl::InvalidArgumentError("neither an append nor a step (nor plan_tokens)");
-    return out;
-  }
-  if ((call.plan_id != 0 || call.plan_tokens != 0) && rooms_->plans == nullptr) {
-    out.status = absl::FailedPreconditionError(
+    out->status = call.rejected;
+  } else if (!call.append && !call.step && call.plan_tokens == 0) {
+    out->status = absl::InvalidArgumentError("neither an append nor a step (nor plan_tokens)");
+  } else if ((call.plan_id != 0 || call.plan_tokens != 0) && rooms_->plans == nullptr) {
+    out->status = absl::FailedPreconditionError(
         call.plan_id != 0 ? "append.plan_id: in-place writes are off (kvmemd --in_place_writes)"
                           : "plan_tokens: in-place writes are off (kvmemd --in_place_writes)");
-    return out;
+  } else if (call.plan_id != 0 && !call.append) {
+    out->status = absl::InvalidArgumentError("plan_id: set without the tokens written (append)");
   }
-  if (call.plan_id != 0 && !call.append) {
-    out.status = absl::InvalidArgumentError("plan_id: set without the tokens written (append)");
-    return out;
-  }
-  absl::StatusOr<SequenceRef> ref = registry_->LockForChange(call.sequence_id);
-  if (!ref.ok()) {
-    out.status = ref.status();
-    return out;
-  }
-  // An append goes through a session holding the lock to the end of the call; the step and
-  // the update then run on the same locked sequence.
-  std::unique_ptr<AppendSession> session;
-  Sequence* seq = &**ref;
-  seq->mu.AssertHeld();  // locked by the registry, then by the session or `locked` below
-  // For the update: a held version past it is a guess at this call's own (TableVersions).
-  const uint64_t version_before = seq->version();
-  std::optional<SequenceRef> locked;
-  if (call.append) {
+  return out->status.ok();
+}
+
+void BatchRunner::Begin(Entry& e) {
+  Sequence* seq = &**e.ref;
+  seq->mu.AssertHeld();  // locked by the registry, then by the session or `ref`
+  e.version_before = seq->version();
+  if (e.call.append) {
     absl::StatusOr<std::unique_ptr<AppendSession>> begun =
-        AppendSession::Begin(*rooms_, *std::move(ref), /*hold_lock=*/true, /*publish=*/false);
+        AppendSession::Begin(*rooms_, *std::move(e.ref), /*hold_lock=*/true, /*publish=*/false);
+    e.ref.reset();
     if (!begun.ok()) {
-      out.status = begun.status();
-      return out;
+      e.out.status = begun.status();  // the lock went with the ref: no update either
+      return;
     }
-    session = *std::move(begun);
-  } else {
-    locked.emplace(*std::move(ref));
+    e.session = *std::move(begun);
   }
-  auto finish = [&] {
-    seq->mu.AssertHeld();
-    rooms_->versions->Publish(*seq);
-    out.table = rooms_->versions->Answer(*seq, call.held, version_before);
-  };
-  [&] {
-    seq->mu.AssertHeld();
-    // Everything is checked before anything applies: the chunk (staged by the session,
-    // where no table looks) and the step's signals over the tokens it adds.
-    if (session) {
-      if (absl::Status s = call.plan_id != 0 ? session->AddWritten(*call.append, call.plan_id)
-                                             : session->Add(*call.append);
-          !s.ok()) {
-        out.status = s;
-        return;
-      }
+  e.seq = seq;
+  // Everything is checked before anything applies: the chunk (staged by the session, where
+  // no table looks) and the step's signals over the tokens it adds.
+  if (e.session) {
+    if (absl::Status s = e.call.plan_id != 0 ? e.session->AddWritten(*e.call.append, e.call.plan_id)
+                                             : e.session->Add(*e.call.append);
+        !s.ok()) {
+      e.out.status = s;
+      return;
     }
-    std::optional<CheckedStep> prepared;
-    if (call.step) {
-      const size_t pending = call.append ? call.append->positions.size() : 0;
-      absl::StatusOr<CheckedStep> p =
-          CheckStep(*seq, *call.step, pending,
-                    call.step->table_version != 0 ? call.step->table_version
-                                                  : (call.held ? call.held->version : 0));
-      if (!p.ok()) {
-        out.status = p.status();
-        return;
-      }
-      prepared = *std::move(p);
+  }
+  if (e.call.step) {
+    const size_t pending = e.call.append ? e.call.append->positions.size() : 0;
+    absl::StatusOr<CheckedStep> p =
+        CheckStep(*seq, *e.call.step, pending,
+                  e.call.step->table_version != 0 ? e.call.step->table_version
+                                                  : (e.call.held ? e.call.held->version : 0));
+    if (!p.ok()) {
+      e.out.status = p.status();
+      return;
     }
-    if (session) {
-      absl::StatusOr<AppendResult> appended = session->Commit();
-      if (!appended.ok()) {
-        out.status = appended.status();
-        return;
-      }
-      out.appended = *appended;
+    e.prepared = *std::move(p);
+  }
+  if (e.session) {
+    absl::StatusOr<AppendResult> appended = e.session->Commit();
+    if (!appended.ok()) {
+      e.out.status = appended.status();
+      e.prepared.reset();
+      return;
     }
-    if (prepared) {
-      // Past the append's commit: host memory running out in the step must not hide that
-      // the append applied (the step itself applies whole, poisons, or changes nothing).
-      absl::StatusOr<StepResult> stepped = GuardHostMemory("Step", [&] {
-        seq->mu.AssertHeld();  // held for the whole entry
-        return driver_->Step(*seq, *prepared);
-      });
-      if (!stepped.ok()) {
-        out.status = stepped.status();
-        return;
-      }
-      out.step = *stepped;
+    e.out.appended = *appended;
+  }
+}
+
+void BatchRunner::Finish(Entry& e, PolicyDriver::Staged* staged) {
+  Sequence* seq = e.seq;
+  seq->mu.AssertHeld();  // by the session or `ref`, to the end of the entry
+  if (e.out.status.ok() && e.prepared) {
+    // Past the append's commit: host memory running out in the step must not hide that
+    // the append applied (the step itself applies whole, poisons, or changes nothing).
+    absl::StatusOr<StepResult> stepped = GuardHostMemory("Step", [&] {
+      seq->mu.AssertHeld();  // held for the whole entry
+      return driver_->Step(*seq, *e.prepared, staged);
+    });
+    if (stepped.ok()) {
+      e.out.step = *stepped;
+    } else {
+      e.out.status = stepped.status();
     }
-  }();
+  }
   // The next plan, after whatever of the entry applied, on the table the update answers.
-  if (call.plan_tokens != 0 && !seq->poisoned() && !seq->released()) {
-    out.plan = GuardHostMemory("StepBatch", [&] {
+  if (e.call.plan_tokens != 0 && !seq->poisoned() && !seq->released()) {
+    e.out.plan = GuardHostMemory("StepBatch", [&] {
       seq->mu.AssertHeld();
-      return rooms_->plans->Make(*seq, call.plan_tokens);
+      return rooms_->plans->Make(*seq, e.call.plan_tokens);
     });
     rooms_->budget->Account(*seq);
   }
-  finish();
-  seq->mu.AssertHeld();  // by the session or `locked`, to the end of the entry
-  if (out.appended) out.appended->version = seq->version();
-  if (out.step) out.step->version = seq->version();
-  return out;
+  rooms_->versions->Publish(*seq);
+  e.out.table = rooms_->versions->Answer(*seq, e.call.held, e.version_before);
+  if (e.out.appended) e.out.appended->version = seq->version();
+  if (e.out.step) e.out.step->version = seq->version();
+}
+
+StepOutcome BatchRunner::RunOne(const StepCall& call) {
+  Entry e(call);
+  if (!Admit(call, &e.out)) return std::move(e.out);
+  absl::StatusOr<SequenceRef> ref = registry_->LockForChange(call.sequence_id);
+  if (!ref.ok()) {
+    e.out.status = ref.status();
+    return std::move(e.out);
+  }
+  e.ref.emplace(*std::move(ref));
+  Begin(e);
+  if (e.seq != nullptr) Finish(e, nullptr);
+  return std::move(e.out);
+}
+
+std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> calls) {
+  std::vector<Entry> entries;
+  entries.reserve(calls.size());
+  for (const StepCall& call : calls) entries.emplace_back(call);
+  // A throw (host memory) fails the entry as RunOne's caller fails it; what applied of it
+  // before stays applied.
+  auto guarded = [](Entry& e, auto&& phase) {
+    try {
+      phase();
+    } catch (const std::bad_alloc&) {
+      e.out = StepOutcome{};
+      e.out.status =
+          absl::ResourceExhaustedError("StepBatch: out of host memory (kvmemd could not allocate)");
+      e.prepared.reset();
+      e.seq = nullptr;  // nothing more of it runs (its lock goes with the entry)
+    }
+  };
+  // The locks, in the order of sequence ids: two batches naming the same sequences cannot
+  // each hold one the other waits for.
+  std::vector<size_t> order(calls.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return calls[a].sequence_id < calls[b].sequence_id; });
+  for (size_t i : order) {
+    Entry& e = entries[i];
+    if (!Admit(e.call, &e.out)) continue;
+    absl::StatusOr<SequenceRef> ref = registry_->LockForChange(e.call.sequence_id);
+    if (!ref.ok()) {
+      e.out.status = ref.status();
+      continue;
+    }
+    e.ref.emplace(*std::move(ref));
+  }
+  for (Entry& e : entries) {
+    if (e.ref) guarded(e, [&] { Begin(e); });
+  }
+  // The slot-state halves of the kernel steps, together.
+  std::vector<Sequence*> seqs;
+  std::vector<const CheckedStep*> steps;
+  std::vector<size_t> staged_of(entries.size(), SIZE_MAX);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& e = entries[i];
+    if (e.seq == nullptr || !e.out.status.ok() || !e.prepared) continue;
+    e.seq->mu.AssertHeld();
+    if (!e.seq->kernel_step()) continue;
+    staged_of[i] = seqs.size();
+    seqs.push_back(e.seq);
+    steps.push_back(&*e.prepared);
+  }
+  std::vector<PolicyDriver::Staged> staged = driver_->StageKernelSteps(seqs, steps);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    Entry& e = entries[i];
+    if (e.seq == nullptr) continue;
+    PolicyDriver::Staged* mine = staged_of[i] == SIZE_MAX ? nullptr : &staged[staged_of[i]];
+    guarded(e, [&] { Finish(e, mine); });
+  }
+  std::vector<StepOutcome> outcomes;
+  outcomes.reserve(entries.size());
+  for (Entry& e : entries) outcomes.push_back(std::move(e.out));
+  return outcomes;
 }
 
 absl::StatusOr<std::vector<StepOutcome>> BatchRunner::Run(absl::Span<const StepCall> calls) {
@@ -133,6 +205,7 @@ absl::StatusOr<std::vector<StepOutcome>> BatchRunner::Run(absl::Span<const StepC
                          " appears twice in one batch (one entry per sequence)"));
       }
     }
+    if (batched_) return RunBatched(calls);
     std::vector<StepOutcome> outcomes(calls.size());
     // Whether entry i ran: once one has, the batch answers per entry whatever happens.
     std::vector<char> ran(calls.size(), 0);

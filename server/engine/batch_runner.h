@@ -2,7 +2,8 @@
 // BatchRunner: a StepBatch, the decode loop's call. Each entry appends its new token(s) and
 // steps, on one locked sequence, and answers the update of the client's held table under
 // that lock. Entries name different sequences (a sequence named twice fails the whole batch
-// and nothing runs) and run across cores; one entry's error never affects another's. An
+// and nothing runs) and run across cores, or, on a backend whose slot states step together,
+// with their kernel steps batched; one entry's error never affects another's. An
 // entry's append and step are each atomic: a step that fails after its append applied
 // leaves the append applied.
 #include <vector>
@@ -19,20 +20,37 @@ namespace kvmem::engine {
 
 class BatchRunner {
  public:
-  // `parallel`: entries run on every core oneTBB has; else one after another.
+  // `parallel`: entries run on every core oneTBB has; else one after another. `batched`:
+  // the slot-state halves of the entries' kernel steps run as one batch (PolicyDriver::
+  // StageKernelSteps: one upload, two launches, one download and one wait per CUDA
+  // device), the rest of each entry on the calling thread, with every entry's sequence
+  // locked from its append to its update (the locks taken in the order of sequence ids).
   BatchRunner(const AppendRooms* rooms, SequenceRegistry* registry, PolicyDriver* driver,
-              bool parallel)
-      : rooms_(rooms), registry_(registry), driver_(driver), parallel_(parallel) {}
+              bool parallel, bool batched)
+      : rooms_(rooms),
+        registry_(registry),
+        driver_(driver),
+        parallel_(parallel),
+        batched_(batched) {}
 
   absl::StatusOr<std::vector<StepOutcome>> Run(absl::Span<const StepCall> calls);
 
  private:
+  struct Entry;  // one StepCall on its way through the phases below
   StepOutcome RunOne(const StepCall& call);
+  std::vector<StepOutcome> RunBatched(absl::Span<const StepCall> calls);
+  // The checks that need no sequence: false when the entry is answered already.
+  bool Admit(const StepCall& call, StepOutcome* out) const;
+  // On the locked sequence: the append staged and committed, the step's signals checked.
+  void Begin(Entry& e);
+  // The step (its slot-state half run here, or `staged`), the next plan, the update.
+  void Finish(Entry& e, PolicyDriver::Staged* staged);
 
   const AppendRooms* const rooms_;
   SequenceRegistry* const registry_;
   PolicyDriver* const driver_;
   const bool parallel_;
+  const bool batched_;
 };
 
 }  // namespace kvmem::engine

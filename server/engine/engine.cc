@@ -106,7 +106,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
                     config.failpoints,
                     plans_ ? &*plans_ : nullptr,
                     config.max_append_bytes},
-      batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches) {
+      batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches,
+               config.device_step && backend_->steps_slot_states_together()) {
   publisher_.set_budget(&budget_);
   // A full pool first gives back what only the prefix cache holds.
   pool_->set_reclaimer([this](uint64_t bytes, store::TenantId tenant) {

@@ -144,13 +144,43 @@ absl::Status PolicyDriver::CheckSlotLengths(Sequence& seq) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
-    Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
-    policy::Decision* decision) {
-  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
+std::vector<uint32_t> PolicyDriver::StreamBudgets(const Sequence& seq,
+                                                  const policy::KernelStep& plan) {
   const uint32_t H = seq.layout().num_kv_heads;
   std::vector<uint32_t> budget(seq.streams().size());
   for (size_t s = 0; s < budget.size(); ++s) budget[s] = plan.layer_budget[s / H];
+  return budget;
+}
+
+std::vector<PolicyDriver::Staged> PolicyDriver::StageKernelSteps(
+    absl::Span<Sequence* const> seqs, absl::Span<const CheckedStep* const> steps) {
+  std::vector<Staged> staged(seqs.size());
+  std::vector<std::vector<uint32_t>> budgets(seqs.size());
+  std::vector<store::SlotStepCall> calls(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence& seq = *seqs[i];
+    seq.mu.AssertHeld();  // by the caller, as Step's
+    const policy::KernelStep plan = seq.policy().PlanKernelStep(StepContext(seq, *steps[i]));
+    budgets[i] = StreamBudgets(seq, plan);
+    calls[i] = {seq.slots(),  plan.op,         steps[i]->rows,  budgets[i],
+                plan.protect, &staged[i].keep, absl::OkStatus()};
+  }
+  try {
+    store::StepSlotStates(absl::MakeSpan(calls));
+  } catch (const std::bad_alloc&) {
+    // Every step fails and is aborted (those that stepped have their scores put back).
+    for (store::SlotStepCall& call : calls) {
+      call.status = absl::ResourceExhaustedError("StepBatch: out of host memory");
+    }
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) staged[i].status = calls[i].status;
+  return staged;
+}
+
+absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
+    Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
+    Staged* staged, policy::Decision* decision) {
+  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
   decision->confidence = plan.confidence;
   decision->budget_tokens = plan.budget_tokens;
   // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
@@ -164,8 +194,15 @@ absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
   };
   // An exception (host memory) past this point must not leave the scores stepped either.
   absl::Cleanup abort_on_unwind = [&] { abort(absl::ResourceExhaustedError("")).IgnoreError(); };
-  if (absl::Status s = seq.slots()->Step(plan.op, rows, budget, plan.protect, &decision->keep);
-      !s.ok()) {
+  absl::Status stepped = absl::OkStatus();
+  if (staged != nullptr) {
+    stepped = staged->status;
+    decision->keep = std::move(staged->keep);
+  } else {
+    stepped =
+        seq.slots()->Step(plan.op, rows, StreamBudgets(seq, plan), plan.protect, &decision->keep);
+  }
+  if (absl::Status s = stepped; !s.ok()) {
     std::move(abort_on_unwind).Cancel();
     return abort(s);
   }
@@ -215,10 +252,10 @@ double PolicyDriver::QuantizedMass(const Sequence& seq,
   return mass / static_cast<double>(rows.size());
 }
 
-absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& step) {
+absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& step,
+                                              Staged* staged) {
   const auto started = std::chrono::steady_clock::now();  // latency: monotonic
-  policy::CallContext ctx = Context(seq);
-  ctx.logits = step.logits;
+  const policy::CallContext ctx = StepContext(seq, step);
   const std::vector<absl::Span<const float>>* rows = &step.rows;
   const uint64_t before = seq.kv_bytes();
   // The attention mass quantized slots hold, from the rows over the table as it is now.
@@ -226,7 +263,7 @@ absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& 
   policy::Decision decision;
   absl::StatusOr<Applied> applied;
   if (seq.kernel_step()) {
-    applied = KernelStep(seq, ctx, *rows, &decision);
+    applied = KernelStep(seq, ctx, *rows, staged, &decision);
   } else {
     // The policy reads the committed state and stages the next (policy.h); it becomes the
     // sequence's only if the whole step applies.

@@ -38,6 +38,22 @@ class PolicyDriver {
   // One decode step: scores, selection, eviction and quantization, whole or not at all
   // (past the point of no return: poisoned). Counts the step and renews the lease.
   absl::StatusOr<StepResult> Step(Sequence& seq, const CheckedStep& step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu) {
+    return Step(seq, step, nullptr);
+  }
+
+  // The slot-state half of the steps of sequences whose policy steps in its slot state
+  // (kernel_step()), for several sequences at once (StepBatch): scores and selection staged
+  // in each slot state, as store::StepSlotStates runs them (one batch per CUDA device).
+  // Step(seq, step, &staged[i]) then finishes each. Every sequence is locked by the caller.
+  struct Staged {
+    absl::Status status;
+    store::KeepSets keep;
+  };
+  std::vector<Staged> StageKernelSteps(absl::Span<Sequence* const> seqs,
+                                       absl::Span<const CheckedStep* const> steps);
+  // A step whose slot-state half `staged` holds (null: runs it here).
+  absl::StatusOr<StepResult> Step(Sequence& seq, const CheckedStep& step, Staged* staged)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // An explicit compression by the policy's rule (`target_tokens` > 0: to that many per
   // stream), on the host also for a sequence whose scores live in a SlotState.
@@ -67,9 +83,19 @@ class PolicyDriver {
   // A step of a policy with a kernel step: scores and selection in the SlotState, then the
   // K/V rows move as for any decision.
   absl::StatusOr<Applied> KernelStep(Sequence& seq, const policy::CallContext& ctx,
-                                     absl::Span<const absl::Span<const float>> rows,
+                                     absl::Span<const absl::Span<const float>> rows, Staged* staged,
                                      policy::Decision* decision)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // The call context of a step (Context, with the step's logit statistics).
+  policy::CallContext StepContext(const Sequence& seq, const CheckedStep& step) const
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu) {
+    policy::CallContext ctx = Context(seq);
+    ctx.logits = step.logits;
+    return ctx;
+  }
+  // Per stream, the SelectTop budget of the plan's layer.
+  static std::vector<uint32_t> StreamBudgets(const Sequence& seq, const policy::KernelStep& plan)
+      ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // The mean over streams of the weight the step's rows put on quantized slots; NaN
   // without rows.
   static double QuantizedMass(const Sequence& seq, absl::Span<const absl::Span<const float>> rows)

@@ -85,6 +85,9 @@ class Backend {
   // pool lives unless told otherwise (kvmemd --device_step=auto): true where moving the
   // scores to the host would cost a bus crossing per step.
   virtual bool prefers_device_step() const = 0;
+  // Whether its slot states step together (SlotState::stepper()): a batch of steps then
+  // costs one round trip to the device, not one per sequence.
+  virtual bool steps_slot_states_together() const { return false; }
   virtual std::string device_name() const = 0;
   virtual uint64_t pool_bytes() const = 0;
 

@@ -26,6 +26,7 @@ class CudaBackend final : public Backend {
 
   absl::string_view kind() const override { return "cuda"; }
   bool prefers_device_step() const override { return true; }
+  bool steps_slot_states_together() const override { return true; }
   std::string device_name() const override { return device_name_; }
   uint64_t pool_bytes() const override { return pool_bytes_; }
 

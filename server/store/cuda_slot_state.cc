@@ -19,7 +19,7 @@
 
 namespace kvmem::store {
 
-class CudaScratchPool {
+class CudaScratchPool final : public SlotStepper {
  public:
   // Device memory of at least the given size from the backend's memory pool, on the stream
   // of the call that took it, and pinned memory from this pool's free list; given back by
@@ -56,16 +56,24 @@ class CudaScratchPool {
   explicit CudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory)
       : memory_(std::move(memory)) {}
   // The pinned buffers go (free_, after this) with the pool's device current.
-  ~CudaScratchPool() { (void)cudaSetDevice(memory_->device()); }
+  ~CudaScratchPool() override { (void)cudaSetDevice(memory_->device()); }
+
+  // The Steps of CUDA slot states of this pool's device as one batch (slot_state.h).
+  void StepAll(absl::Span<SlotStepCall* const> calls) override;
 
   // Scratch for work queued on `stream`, a stream of the pool's device.
   absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes, cudaStream_t stream) {
     PinnedBuffer host;
     if (host_bytes > 0) {
       kvmem::MutexLock lock(&mu_);
-      // The first free buffer that is large enough, else the largest one (to be grown).
-      auto fits = std::find_if(free_.begin(), free_.end(),
-                               [&](const PinnedBuffer& x) { return x.bytes() >= host_bytes; });
+      // The smallest free buffer that is large enough (a batch's large one stays for the
+      // next batch), else the largest one (to be grown).
+      auto fits = free_.end();
+      for (auto x = free_.begin(); x != free_.end(); ++x) {
+        if (x->bytes() >= host_bytes && (fits == free_.end() || x->bytes() < fits->bytes())) {
+          fits = x;
+        }
+      }
       if (fits == free_.end() && !free_.empty()) {
         fits = std::max_element(
             free_.begin(), free_.end(),
@@ -211,6 +219,8 @@ class CudaSlotState final : public BookedSlotState {
     pending_ = false;
     return absl::OkStatus();
   }
+
+  SlotStepper* stepper() override { return scratch_.get(); }
 
   absl::Status Step(const kernels::ScoreStep& step, absl::Span<const absl::Span<const float>> rows,
                     absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
@@ -394,6 +404,8 @@ class CudaSlotState final : public BookedSlotState {
   }
 
  private:
+  friend class ::kvmem::store::CudaScratchPool;  // StepAll
+
   CudaSlotState(uint32_t num_streams, int gpu, std::shared_ptr<CudaScratchPool> scratch)
       : BookedSlotState(num_streams), gpu_(gpu), scratch_(std::move(scratch)) {}
 
@@ -580,6 +592,119 @@ class CudaSlotState final : public BookedSlotState {
 };
 
 }  // namespace
+
+void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
+  // What each Step checks and takes before its transfers, per call: a call that fails here,
+  // or whose state holds no slot yet, is done and stays out of the batch.
+  std::vector<SlotStepCall*> batch;
+  std::vector<CudaSlotState*> states;
+  for (SlotStepCall* call : calls) {
+    auto* state = static_cast<CudaSlotState*>(call->state);
+    state->pending_ = false;
+    call->status = state->book_.CheckStep(call->rows, call->budget);
+    if (call->status.ok()) call->status = state->Bind();
+    if (!call->status.ok()) continue;
+    if (state->book_.capacity() == 0) {  // nothing appended yet: every stream is empty
+      *call->keep = KeepSets(state->book_.num_streams());
+      continue;
+    }
+    // What CommitStep's compaction takes, taken now: it runs past the point of no return.
+    if (call->op.select) {
+      call->status = state->Reserve(state->CompactDeviceBytes(), state->CompactHostBytes());
+      if (!call->status.ok()) continue;
+    }
+    batch.push_back(call);
+    states.push_back(state);
+  }
+  if (batch.empty()) return;
+  // One buffer, up: [segments][rows packed]; on the device then [stream max][keep flags],
+  // the flags (state by state, capacity per stream, as Step downloads them) coming back.
+  uint64_t segments = 0, row_values = 0, flag_bytes = 0;
+  std::vector<uint64_t> flags_at(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SlotBook& book = states[i]->book_;
+    segments += book.num_streams();
+    for (const absl::Span<const float>& row : batch[i]->rows) row_values += row.size();
+    flags_at[i] = flag_bytes;
+    if (batch[i]->op.select) flag_bytes += book.total_slots();
+  }
+  const uint64_t rows_at = Align16(segments * sizeof(kernels::StepSegment));
+  const uint64_t upload_bytes = rows_at + row_values * sizeof(float);
+  const uint64_t max_at = Align16(upload_bytes);
+  const uint64_t flags_device_at = Align16(max_at + segments * sizeof(float));
+  const uint64_t device_bytes = flags_device_at + flag_bytes;
+  const uint64_t flags_host_at = Align16(upload_bytes);
+  cudaStream_t stream = states[0]->stream_;
+  auto fail_all = [&](const absl::Status& why) {
+    for (SlotStepCall* call : batch) call->status = why;
+  };
+  absl::StatusOr<Lease> lease = Acquire(device_bytes, flags_host_at + flag_bytes, stream);
+  if (!lease.ok()) return fail_all(lease.status());
+  uint8_t* host = lease->host();
+  uint8_t* device = lease->device();
+  auto* segment = reinterpret_cast<kernels::StepSegment*>(host);
+  auto* packed = reinterpret_cast<float*>(host + rows_at);
+  uint64_t row_at = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const CudaSlotState& st = *states[i];
+    const uint32_t S = st.book_.num_streams();
+    const uint64_t C = st.book_.capacity();
+    const std::vector<kernels::StreamSlice> slices =
+        st.book_.Slices(batch[i]->budget, batch[i]->protect);
+    for (uint32_t s = 0; s < S; ++s, ++segment) {
+      const absl::Span<const float> row = batch[i]->rows[s];
+      std::copy(row.begin(), row.end(), packed + row_at);
+      *segment = kernels::StepSegment{slices[s],
+                                      batch[i]->op,
+                                      reinterpret_cast<const float*>(device + rows_at) + row_at,
+                                      st.Ptr<float>(st.regions_.scores),
+                                      st.Ptr<float>(st.regions_.saved_scores),
+                                      st.Ptr<int64_t>(st.regions_.positions),
+                                      st.Ptr<uint8_t>(st.regions_.flags),
+                                      st.Ptr<kernels::StreamSlice>(st.regions_.slices) + s,
+                                      flags_at[i] + s * C};
+      row_at += row.size();
+    }
+  }
+  const auto* d_segments = reinterpret_cast<const kernels::StepSegment*>(device);
+  auto* d_max = reinterpret_cast<float*>(device + max_at);
+  const auto n = static_cast<uint32_t>(segments);
+  absl::Status s =
+      FromCuda(cudaMemcpyAsync(device, host, upload_bytes, cudaMemcpyHostToDevice, stream),
+               "slot states: batched step upload");
+  bool launched = false;  // from the first launch on, the scores may have changed
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::UpdateScoresSegments(d_segments, n, d_max, stream),
+                 "slot states: batched score update");
+    launched = s.ok();
+  }
+  if (s.ok() && flag_bytes > 0) {
+    s = FromCuda(
+        kernels::cuda::SelectTopSegments(d_segments, n, d_max, device + flags_device_at, stream),
+        "slot states: batched select");
+    if (s.ok()) {
+      s = FromCuda(cudaMemcpyAsync(host + flags_host_at, device + flags_device_at, flag_bytes,
+                                   cudaMemcpyDeviceToHost, stream),
+                   "slot states: keep flags download");
+    }
+  }
+  lease->ReleaseDevice();
+  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched step");
+      s.ok()) {
+    s = w;
+  }
+  for (CudaSlotState* state : states) state->saved_ = launched;
+  if (!s.ok()) return fail_all(s);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    try {
+      states[i]->FinishStep(batch[i]->op.select, host + flags_host_at + flags_at[i],
+                            batch[i]->keep);
+    } catch (const std::bad_alloc&) {
+      // The engine aborts the step (AbortStep puts the saved scores back).
+      batch[i]->status = absl::ResourceExhaustedError("slot state step: out of host memory");
+    }
+  }
+}
 
 absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(
     uint32_t num_streams, int device, std::shared_ptr<CudaScratchPool> scratch) {

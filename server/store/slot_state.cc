@@ -131,6 +131,29 @@ void SlotBook::ApplyKeep(const KeepSets& keep) {
   }
 }
 
+void StepSlotStates(absl::Span<SlotStepCall> calls) {
+  // Grouped by stepper, in the calls' order (a handful of steppers at most: one per device).
+  std::vector<std::pair<SlotStepper*, std::vector<SlotStepCall*>>> groups;
+  for (SlotStepCall& call : calls) {
+    SlotStepper* stepper = call.state->stepper();
+    if (stepper == nullptr) continue;
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& g) { return g.first == stepper; });
+    if (group == groups.end()) group = groups.insert(groups.end(), {stepper, {}});
+    group->second.push_back(&call);
+  }
+  for (auto& [stepper, group] : groups) stepper->StepAll(group);
+  for (SlotStepCall& call : calls) {
+    if (call.state->stepper() != nullptr) continue;
+    try {
+      call.status = call.state->Step(call.op, call.rows, call.budget, call.protect, call.keep);
+    } catch (const std::bad_alloc&) {
+      // The engine aborts it (AbortStep) as it aborts any step that fails.
+      call.status = absl::ResourceExhaustedError("slot state step: out of host memory");
+    }
+  }
+}
+
 namespace {
 
 class HostSlotState final : public BookedSlotState, public HostScores {

@@ -16,6 +16,7 @@
 // compacts from each stream's first dropped slot (the streams of a Step split across cores,
 // server/common/parallel.h), the CUDA one runs the kernels' twins
 // (cuda_slot_state.cc). Both give the same scores, positions and keep-sets bit for bit.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <new>
@@ -47,6 +48,34 @@ class HostScores {
   // The staged scores become the scores; allocates nothing.
   virtual void CommitStaged() = 0;
 };
+
+class SlotState;
+
+// One Step of several run together (StepSlotStates): SlotState::Step's arguments, and what
+// it returns.
+struct SlotStepCall {
+  SlotState* state = nullptr;
+  kernels::ScoreStep op;
+  absl::Span<const absl::Span<const float>> rows;
+  absl::Span<const uint32_t> budget;
+  uint32_t protect = 0;
+  KeepSets* keep = nullptr;
+  absl::Status status;
+};
+
+// Runs the Steps of states that share it as one batch (the CUDA states of one device: one
+// upload, one launch per kernel, one download and one wait for all of them). Each call
+// ends exactly as its own Step would: its status, its keep-sets, the step staged in its
+// state until CommitStep or AbortStep; one call's error never touches another's.
+class SlotStepper {
+ public:
+  virtual ~SlotStepper() = default;
+  virtual void StepAll(absl::Span<SlotStepCall* const> calls) = 0;
+};
+
+// Steps every call: those whose states share a stepper as one batch per stepper, the others
+// one by one. The states are distinct. May throw std::bad_alloc before any call steps.
+void StepSlotStates(absl::Span<SlotStepCall> calls);
 
 class SlotState {
  public:
@@ -95,6 +124,8 @@ class SlotState {
   // The scores in host memory, to read and stage in place; null where they live in device
   // memory (a host call then copies them over with ReadScores and back with WriteScores).
   virtual HostScores* host_scores() { return nullptr; }
+  // What steps this state together with others (StepSlotStates); null: it steps alone.
+  virtual SlotStepper* stepper() { return nullptr; }
 };
 
 // Host bookkeeping shared by the implementations.
@@ -201,10 +232,12 @@ class BookedSlotState : public SlotState {
       // Relayout allocates before it changes anything.
     }
   }
-  // Ends a Step: the keep-sets by the flags (host copy) when it selected.
+  // Ends a Step: the keep-sets by the flags (host copy) when it selected. CommitStep
+  // compacts only when a stream drops a slot (else the compaction changes nothing).
   void FinishStep(bool selected, const uint8_t* flags, KeepSets* keep) {
     *keep = selected ? book_.ToKeepSets(flags) : KeepSets(book_.num_streams());
-    pending_ = selected;
+    pending_ = std::any_of(keep->begin(), keep->end(),
+                           [](const std::optional<KeepSet>& k) { return k.has_value(); });
   }
 
   SlotBook book_;

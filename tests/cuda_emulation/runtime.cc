@@ -667,6 +667,24 @@ cudaError_t SelectTop(const StreamSlice* streams, uint32_t num_streams, const fl
   });
 }
 
+cudaError_t UpdateScoresSegments(const StepSegment* segments, uint32_t n, float* stream_max,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
+  return Launched([&] {
+    Launch(stream, {segments, stream_max},
+           [=] { UpdateScoresSegmentsRef(segments, n, stream_max); });
+  });
+}
+
+cudaError_t SelectTopSegments(const StepSegment* segments, uint32_t n, const float* stream_max,
+                              uint8_t* keep_copy, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
+  return Launched([&] {
+    Launch(stream, {segments, stream_max, keep_copy},
+           [=] { SelectTopSegmentsRef(segments, n, stream_max, keep_copy); });
+  });
+}
+
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream) {
   if (num_streams == 0) return cudaSuccess;  // as the real launcher: nothing launched

@@ -1,0 +1,232 @@
+// StepBatch on the CUDA backend with the device step: the slot-state halves of every
+// entry's step run as one batch (store::StepSlotStates), on the emulated runtime, which
+// counts the host's waits for the device, the copies between them and the launches.
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_runtime_api.h"
+#include "gtest/gtest.h"
+#include "server/engine/engine.h"
+#include "server/store/cpu_backend.h"
+#include "server/store/cuda_backend.h"
+#include "tests/testing/engine_twins.h"
+
+namespace kvmem::engine {
+namespace {
+
+using twins::kB;
+using twins::kD;
+using twins::kH;
+using twins::kL;
+using twins::kVocab;
+
+const Layout kLayout{kL, kH, kD, DType::kF16, kB, kVocab};
+
+std::unique_ptr<Engine> CudaEngine(FakeClock* clock, uint64_t pool_bytes) {
+  EngineConfig config;
+  config.pool_bytes = pool_bytes;
+  config.page_bytes = 4096;
+  return *Engine::Create(config, *store::CudaBackend::Create(pool_bytes), clock);
+}
+
+// One decode entry's inputs, kept alive for the call that reads them.
+struct DecodeInput {
+  std::vector<int64_t> positions;
+  std::string k, v;
+  std::vector<std::vector<float>> rows;
+  StepCall call;
+};
+
+// An entry stepping `id` over its table as it is, plus `appended` new tokens from
+// position `first` (0: no append): rows normalized over the table and the new tokens.
+void MakeEntry(Engine& e, uint64_t id, int64_t first, uint32_t appended, std::mt19937& rng,
+               DecodeInput* in) {
+  const BlockTable table = *e.GetBlockTable(id);
+  in->rows = twins::Rows(table, rng);
+  for (std::vector<float>& row : in->rows) row.insert(row.end(), appended, 0.01f);
+  in->call = StepCall{};
+  in->call.sequence_id = id;
+  if (appended > 0) {
+    in->positions = testing::Range(first, appended);
+    in->k = testing::PayloadF16(kL * kH, first, appended, kD, 0);
+    in->v = testing::PayloadF16(kL * kH, first, appended, kD, 1);
+    in->call.append = AppendChunk{in->positions, {}, in->k, in->v, {}, {}};
+  }
+  StepInput step;
+  step.epoch = table.epoch;
+  step.attention = twins::Signals(in->rows);
+  const float p1 = std::uniform_real_distribution<float>(0.05f, 0.95f)(rng);
+  step.logits = RawLogitStats{1.5f, p1, p1 / 3, {}};
+  in->call.step = std::move(step);
+}
+
+// A batch of N step entries that evict nothing costs one round trip, whatever N: one
+// upload of every entry's rows and segments, UpdateScoresSegments and SelectTopSegments,
+// one download of the keep flags and one wait (and no compaction: nothing was dropped).
+TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
+  for (uint32_t n : {1u, 8u, 64u}) {
+    SCOPED_TRACE(::testing::Message() << n << " entries");
+    FakeClock clock;
+    auto engine = CudaEngine(&clock, 64 << 20);
+    std::vector<uint64_t> ids;
+    for (uint32_t i = 0; i < n; ++i) {
+      ids.push_back(
+          engine->CreateSequence(kLayout, "confkv", {{"c_high", 512}, {"c_low", 512}}, {}, {})
+              ->sequence_id);
+      ASSERT_TRUE(twins::Append(*engine, ids.back(), 0, 40).ok());
+    }
+    std::mt19937 rng(n);
+    for (int round = 0; round < 3; ++round) {
+      std::vector<DecodeInput> inputs(n);
+      std::vector<StepCall> calls;
+      for (uint32_t i = 0; i < n; ++i) {
+        MakeEntry(*engine, ids[i], 0, 0, rng, &inputs[i]);
+        calls.push_back(inputs[i].call);
+      }
+      const cuda_emulation::Counts start = cuda_emulation::Count();
+      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
+      const cuda_emulation::Counts end = cuda_emulation::Count();
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (const StepOutcome& o : *out) {
+        ASSERT_TRUE(o.status.ok()) << o.status;
+        ASSERT_TRUE(o.step.has_value());
+        EXPECT_EQ(o.step->evicted_tokens, 0u);
+      }
+      EXPECT_EQ(end.waits - start.waits, 1u);
+      EXPECT_EQ(end.transfers - start.transfers, 2u);
+      EXPECT_EQ(end.launches - start.launches, 2u);
+    }
+  }
+}
+
+// The counts of a decode step that evicts, batched: the steps' one round trip, and what
+// each entry still does on its own (the K/V write, the slot state's append, the K/V
+// moves, the metadata compaction). Exact, so that a change to the batch's round trips shows here;
+// the figures are in bench/RESULTS.md.
+TEST(BatchedStepTest, AnEvictingDecodeBatchCostsOneRoundTripPlusFourPerEntry) {
+  for (uint32_t n : {1u, 8u, 64u}) {
+    SCOPED_TRACE(::testing::Message() << n << " entries");
+    FakeClock clock;
+    auto engine = CudaEngine(&clock, 64 << 20);
+    std::vector<uint64_t> ids;
+    for (uint32_t i = 0; i < n; ++i) {
+      ids.push_back(engine
+                        ->CreateSequence(kLayout, "confkv",
+                                         {{"c_high", 48}, {"c_low", 48}, {"protect", 8}}, {}, {})
+                        ->sequence_id);
+      ASSERT_TRUE(twins::Append(*engine, ids.back(), 0, 100).ok());
+    }
+    std::mt19937 rng(n);
+    for (int64_t t = 100; t < 106; ++t) {
+      std::vector<DecodeInput> inputs(n);
+      std::vector<StepCall> calls;
+      for (uint32_t i = 0; i < n; ++i) {
+        MakeEntry(*engine, ids[i], t, 1, rng, &inputs[i]);
+        calls.push_back(inputs[i].call);
+      }
+      const cuda_emulation::Counts start = cuda_emulation::Count();
+      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
+      const cuda_emulation::Counts end = cuda_emulation::Count();
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (const StepOutcome& o : *out) {
+        ASSERT_TRUE(o.status.ok()) << o.status;
+        EXPECT_GT(o.step->evicted_tokens, 0u);
+      }
+      if (t < 102) continue;  // past the first steps' growth
+      const size_t waits = end.waits - start.waits, transfers = end.transfers - start.transfers;
+      EXPECT_EQ(waits, 1 + 4 * size_t{n});
+      EXPECT_EQ(transfers, 2 + 5 * size_t{n});
+      if (t == 105) {
+        std::printf("%u entries: %zu waits, %zu transfers, %zu launches per decode batch\n", n,
+                    waits, transfers, end.launches - start.launches);
+      }
+    }
+  }
+}
+
+// Batched steps decide what the host policies decide, entry by entry: one StepBatch per
+// decode step over sequences of every policy with a kernel step (quantizing ones too) and
+// a fork, against the same batches on the CPU backend running the policies' host code;
+// entries that fail (rows of the wrong length, an unknown sequence) fail alone and alike.
+TEST(BatchedStepTest, BatchedStepsDecideWhatTheHostPoliciesDecide) {
+  FakeClock clock;
+  auto gpu = CudaEngine(&clock, 32 << 20);
+  EngineConfig config;
+  config.pool_bytes = 32 << 20;
+  config.page_bytes = 4096;
+  config.device_step = false;
+  auto host = *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  std::vector<uint64_t> g_ids, h_ids;
+  std::vector<std::optional<kernels::QuantType>> quant;
+  for (const twins::Case& c : twins::Cases()) {
+    g_ids.push_back(gpu->CreateSequence(kLayout, c.policy, c.params, c.quant, {})->sequence_id);
+    h_ids.push_back(host->CreateSequence(kLayout, c.policy, c.params, c.quant, {})->sequence_id);
+    quant.push_back(c.quant.type);
+    ASSERT_TRUE(twins::Append(*gpu, g_ids.back(), 0, 120).ok());
+    ASSERT_TRUE(twins::Append(*host, h_ids.back(), 0, 120).ok());
+  }
+  std::mt19937 g_rng(11), h_rng(11);
+  uint64_t evicted = 0, failed = 0;
+  for (int64_t t = 120; t < 320; ++t) {
+    const std::string at = "step " + std::to_string(t);
+    if (t == 200) {
+      g_ids.push_back(gpu->Fork(g_ids[0], {})->sequence_id);
+      h_ids.push_back(host->Fork(h_ids[0], {})->sequence_id);
+      quant.push_back(quant[0]);
+    }
+    const size_t n = g_ids.size();
+    std::vector<DecodeInput> g_in(n), h_in(n);
+    std::vector<StepCall> g_calls, h_calls;
+    const size_t bad = static_cast<size_t>(t) % (3 * n);  // a bad entry one step in three
+    for (size_t i = 0; i < n; ++i) {
+      MakeEntry(*gpu, g_ids[i], t, 1, g_rng, &g_in[i]);
+      MakeEntry(*host, h_ids[i], t, 1, h_rng, &h_in[i]);
+      if (i == bad) {
+        g_in[i].rows[1].pop_back();
+        h_in[i].rows[1].pop_back();
+        g_in[i].call.step->attention = twins::Signals(g_in[i].rows);
+        h_in[i].call.step->attention = twins::Signals(h_in[i].rows);
+      }
+      g_calls.push_back(g_in[i].call);
+      h_calls.push_back(h_in[i].call);
+    }
+    StepCall unknown;
+    unknown.sequence_id = 999999;
+    unknown.step = StepInput{};
+    g_calls.insert(g_calls.begin() + static_cast<ptrdiff_t>(t % 3), unknown);
+    h_calls.insert(h_calls.begin() + static_cast<ptrdiff_t>(t % 3), unknown);
+    absl::StatusOr<std::vector<StepOutcome>> g_out = gpu->StepBatch(g_calls);
+    absl::StatusOr<std::vector<StepOutcome>> h_out = host->StepBatch(h_calls);
+    ASSERT_TRUE(g_out.ok()) << at << ": " << g_out.status();
+    ASSERT_TRUE(h_out.ok()) << at << ": " << h_out.status();
+    ASSERT_EQ(g_out->size(), h_out->size());
+    for (size_t e = 0; e < g_out->size(); ++e) {
+      const StepOutcome &g = (*g_out)[e], &h = (*h_out)[e];
+      SCOPED_TRACE(::testing::Message() << at << " entry " << e);
+      ASSERT_EQ(g.status.code(), h.status.code()) << g.status << " vs " << h.status;
+      EXPECT_EQ(g.appended.has_value(), h.appended.has_value());
+      ASSERT_EQ(g.step.has_value(), h.step.has_value());
+      if (!g.status.ok()) {
+        ++failed;
+        continue;
+      }
+      EXPECT_EQ(g.step->evicted_tokens, h.step->evicted_tokens);
+      EXPECT_EQ(g.step->quantized_tokens, h.step->quantized_tokens);
+      EXPECT_EQ(g.step->budget_tokens, h.step->budget_tokens);
+      EXPECT_EQ(g.step->kv_bytes_after, h.step->kv_bytes_after);
+      evicted += g.step->evicted_tokens;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      twins::ExpectSameTables(*gpu, g_ids[i], *host, h_ids[i], at);
+    }
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(evicted, 5000u);
+  EXPECT_GT(failed, 250u);  // the unknown sequence every step, and the bad rows
+  for (size_t i = 0; i < g_ids.size(); ++i) twins::ExpectContent(*gpu, g_ids[i], quant[i]);
+}
+
+}  // namespace
+}  // namespace kvmem::engine
