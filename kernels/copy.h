@@ -30,6 +30,16 @@ void MoveBatchRef(uint8_t* base, const CopyOp* ops, size_t n);
 // [dst+ops[i].dst, +bytes). Destinations must not overlap (the order is unspecified).
 void CopyBatchRef(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n);
 
+// From `src` to destinations anywhere (pointers into distinct allocations: the slot states
+// of a batch): ops[i] copies [src + ops[i].src, + bytes) to ops[i].dst. Destinations must
+// not overlap.
+struct ScatterOp {
+  uint64_t src;
+  uint8_t* dst;
+  uint64_t bytes;
+};
+void ScatterBatchRef(const uint8_t* src, const ScatterOp* ops, size_t n);
+
 // Start indices of the waves of a move batch (always begins with 0; empty for n = 0).
 std::vector<size_t> MoveWaves(const CopyOp* ops, size_t n);
 

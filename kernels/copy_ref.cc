@@ -15,6 +15,10 @@ void CopyBatchRef(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n)
   for (size_t i = 0; i < n; ++i) std::memcpy(dst + ops[i].dst, src + ops[i].src, ops[i].bytes);
 }
 
+void ScatterBatchRef(const uint8_t* src, const ScatterOp* ops, size_t n) {
+  for (size_t i = 0; i < n; ++i) std::memcpy(ops[i].dst, src + ops[i].src, ops[i].bytes);
+}
+
 namespace {
 // Disjoint byte ranges [begin, end) written so far in the current wave, keyed by begin.
 class RangeSet {

@@ -30,6 +30,9 @@ cudaError_t Launched(Launch&& launch) {
 cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint32_t n,
                       cudaStream_t stream);
 
+// ops[i] copies [src + ops[i].src, + bytes) to ops[i].dst (copy.h); `ops` on the device.
+cudaError_t ScatterBatch(const uint8_t* src, const ScatterOp* ops, uint32_t n, cudaStream_t stream);
+
 // Quantize / dequantize batches over the pool at `base` (QuantizeOp / this op's offsets).
 struct QuantizeDeviceOp {
   uint64_t src;  // layout block (K plane then V plane)
@@ -59,6 +62,8 @@ cudaError_t UpdateScoresSegments(const StepSegment* segments, uint32_t n, float*
                                  cudaStream_t stream);
 cudaError_t SelectTopSegments(const StepSegment* segments, uint32_t n, const float* stream_max,
                               uint8_t* keep_copy, cudaStream_t stream);
+cudaError_t CompactSlotsSegments(const CompactSegment* segments, uint32_t n, uint32_t* kept,
+                                 cudaStream_t stream);
 cudaError_t SelectThreshold(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                             const float* threshold, uint8_t* keep, cudaStream_t stream);
 cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const uint8_t* keep,

@@ -166,13 +166,13 @@ __global__ void SelectThresholdKernel(const StreamSlice* streams, const float* s
   }
 }
 
-// Stable in-place compaction: chunk by chunk, every thread reads its slot, the block scans
-// the keep flags, then the kept slots are written at or before their old index.
-__global__ void CompactSlotsKernel(const StreamSlice* streams, const uint8_t* keep, float* scores,
-                                   int64_t* positions, uint32_t* kept_index, uint32_t* kept) {
+// Stable in-place compaction of one stream: chunk by chunk, every thread reads its slot,
+// the block scans the keep flags, then the kept slots are written at or before their old
+// index. Returns the kept count (in every thread).
+__device__ uint32_t CompactStream(StreamSlice st, const uint8_t* keep, float* scores,
+                                  int64_t* positions, uint32_t* kept_index) {
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
-  const StreamSlice st = streams[blockIdx.x];
   uint32_t carry = 0;
   for (uint32_t base = 0; base < st.length; base += kThreads) {
     const uint32_t j = base + threadIdx.x;
@@ -191,7 +191,19 @@ __global__ void CompactSlotsKernel(const StreamSlice* streams, const uint8_t* ke
     carry += total;
     __syncthreads();  // temp storage reused by the next chunk
   }
-  if (threadIdx.x == 0) kept[blockIdx.x] = carry;
+  return carry;
+}
+
+__global__ void CompactSlotsKernel(const StreamSlice* streams, const uint8_t* keep, float* scores,
+                                   int64_t* positions, uint32_t* kept_index, uint32_t* kept) {
+  const uint32_t n = CompactStream(streams[blockIdx.x], keep, scores, positions, kept_index);
+  if (threadIdx.x == 0) kept[blockIdx.x] = n;
+}
+
+__global__ void CompactSlotsSegmentsKernel(const CompactSegment* segments, uint32_t* kept) {
+  const CompactSegment g = segments[blockIdx.x];
+  const uint32_t n = CompactStream(g.slice, g.keep, g.scores, g.positions, g.kept_index);
+  if (threadIdx.x == 0) kept[blockIdx.x] = n;
 }
 
 }  // namespace
@@ -247,6 +259,12 @@ cudaError_t CompactSlots(const StreamSlice* streams, uint32_t num_streams, const
     CompactSlotsKernel<<<num_streams, kThreads, 0, stream>>>(streams, keep, scores, positions,
                                                              kept_index, kept);
   });
+}
+
+cudaError_t CompactSlotsSegments(const CompactSegment* segments, uint32_t n, uint32_t* kept,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  return Launched([&] { CompactSlotsSegmentsKernel<<<n, kThreads, 0, stream>>>(segments, kept); });
 }
 
 }  // namespace kvmem::kernels::cuda

@@ -108,6 +108,18 @@ void UpdateScoresSegmentsRef(const StepSegment* segments, uint32_t n, float* str
 void SelectTopSegmentsRef(const StepSegment* segments, uint32_t n, const float* stream_max,
                           uint8_t* keep_copy);
 
+// One stream of one sequence in a batched compaction (CompactSlotsSegments), its arrays
+// that sequence's own, `slice` the stream's place in them.
+struct CompactSegment {
+  StreamSlice slice;
+  const uint8_t* keep;
+  float* scores;
+  int64_t* positions;
+  uint32_t* kept_index;  // laid out as `scores`
+};
+// CompactSlotsRef on every segment; segment i's kept count to kept[i].
+void CompactSlotsSegmentsRef(const CompactSegment* segments, uint32_t n, uint32_t* kept);
+
 // r_j's scale factors for one stream (see SelectTopRef), shared by both twins.
 struct PriorityScale {
   float e_scale, r_scale, r_const;

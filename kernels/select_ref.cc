@@ -289,6 +289,13 @@ void SelectTopSegmentsRef(const StepSegment* segments, uint32_t n, const float* 
   }
 }
 
+void CompactSlotsSegmentsRef(const CompactSegment* segments, uint32_t n, uint32_t* kept) {
+  for (uint32_t i = 0; i < n; ++i) {
+    const CompactSegment& g = segments[i];
+    CompactSlotsRef(&g.slice, 1, g.keep, g.scores, g.positions, g.kept_index, &kept[i]);
+  }
+}
+
 void SelectThresholdRef(const StreamSlice* streams, uint32_t num_streams, const float* scores,
                         const float* threshold, uint8_t* keep) {
   for (uint32_t s = 0; s < num_streams; ++s) {

@@ -43,6 +43,9 @@ AppendSession::~AppendSession() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   std::optional<kvmem::MutexLock> lock;
   if (!hold_lock_) lock.emplace(&seq_->mu);
   seq_->set_append_open(false);
+  // Slots appended for a commit that did not come (past every length: DropNewest only
+  // shortens the book).
+  if (slots_appended_) seq_->slots()->DropNewest(static_cast<uint32_t>(positions_.size()));
   rooms_.pool->Unref(batch_.allocated);
 }
 
@@ -189,9 +192,13 @@ absl::Status AppendSession::WriteTails(const Sequence& seq, const AppendChunk& c
     writes.push_back({chunk.k.data() + src, off + plane.k_offset(slot), n * row});
     writes.push_back({chunk.v.data() + src, off + plane.v_offset(slot), n * row});
   }
-  absl::Status io = rooms_.backend->Write(writes);
-  if (io.ok()) io = rooms_.backend->Synchronize();
-  if (!io.ok()) return io;
+  if (defer_writes_) {
+    deferred_.writes.insert(deferred_.writes.end(), writes.begin(), writes.end());
+  } else {
+    absl::Status io = rooms_.backend->Write(writes);
+    if (io.ok()) io = rooms_.backend->Synchronize();
+    if (!io.ok()) return io;
+  }
   tail_slots_ += static_cast<uint32_t>(n);
   return absl::OkStatus();
 }
@@ -257,7 +264,13 @@ absl::Status AppendSession::PlanBlocks(const Sequence& seq, const AppendChunk& c
   }
   batch_.dropped.insert(batch_.dropped.end(), batch.dropped.begin(), batch.dropped.end());
   // Written now, where no table looks: the session's blocks or a private block's free tail
-  // (a shared last block is copied into a session block first: the moves).
+  // (a shared last block is copied into a session block first: the moves). In a batch,
+  // with the other sessions' (WriteMany).
+  if (defer_writes_) {
+    deferred_.moves.insert(deferred_.moves.end(), batch.moves.begin(), batch.moves.end());
+    deferred_.writes.insert(deferred_.writes.end(), batch.writes.begin(), batch.writes.end());
+    return absl::OkStatus();
+  }
   absl::Status io = rooms_.backend->Move(batch.moves);
   if (io.ok()) io = rooms_.backend->Write(batch.writes);
   if (io.ok()) io = rooms_.backend->Synchronize();
@@ -271,19 +284,23 @@ absl::StatusOr<AppendResult> AppendSession::Commit(const std::optional<HeldTable
   return GuardHostMemory("Append", [&] { return CommitLocked(held); });
 }
 
-absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<HeldTable>& held)
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (!broken_.ok()) return broken_;
-  std::optional<kvmem::MutexLock> lock;
-  if (!hold_lock_) lock.emplace(&seq_->mu);
+absl::Status AppendSession::PrepareCommit() {
+  absl::Status s = GuardHostMemory("Append", [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (!broken_.ok()) return broken_;
+    std::optional<kvmem::MutexLock> lock;
+    if (!hold_lock_) lock.emplace(&seq_->mu);
+    if (absl::Status s = SequenceRegistry::Unusable(*seq_); !s.ok()) return s;
+    return PrepareLocked();
+  });
+  if (!s.ok()) broken_ = s;
+  return s;
+}
+
+absl::Status AppendSession::PrepareLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   Sequence& seq = *seq_;
-  if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
+  seq.mu.AssertHeld();  // by the session, or by the call
   const uint64_t total = positions_.size();
   if (total == 0) return absl::InvalidArgumentError("positions: at least one token is required");
-  // For the update: a held version past it is a guess at this call's own (TableVersions).
-  const uint64_t version_before = seq.version();
-  // The slot state exists only for a policy that keeps scores (Sequence::slots).
-  const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
   const uint32_t history_rows = seq.policy().history_rows();
   // What the room below takes, exactly.
   uint64_t growth = seq.SlotGrowth(total);
@@ -293,8 +310,9 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   }
   absl::StatusOr<HostReservation> host = rooms_.budget->Reserve(growth, "Append");
   if (!host.ok()) return host.status();
+  commit_reservation_.emplace(*std::move(host));
   // Room for the new slots in every per-slot vector, before anything changes: the commit
-  // below then only fills reserved capacity and cannot throw.
+  // then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
   for (size_t s = 0; s < seq.streams().size(); ++s) {
     seq.stream(s).Reserve(total, history_rows);
@@ -304,8 +322,94 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
     }
   }
   seq.ReserveTokens(total);
-  if (seq.slots()) {
+  prepared_ = true;
+  return absl::OkStatus();
+}
+
+void AppendSession::WriteMany(absl::Span<AppendSession* const> sessions) {
+  std::vector<AppendSession*> writers;
+  std::vector<store::MoveOp> moves;
+  std::vector<store::WriteOp> writes;
+  try {
+    for (AppendSession* session : sessions) {
+      const OpBatch& d = session->deferred_;
+      if (!session->broken_.ok() || (d.moves.empty() && d.writes.empty())) continue;
+      writers.push_back(session);
+      moves.insert(moves.end(), d.moves.begin(), d.moves.end());
+      writes.insert(writes.end(), d.writes.begin(), d.writes.end());
+    }
+  } catch (const std::bad_alloc&) {
+    writers.clear();  // nothing written: every session with writes ends
+    for (AppendSession* session : sessions) {
+      if (!session->deferred_.moves.empty() || !session->deferred_.writes.empty()) {
+        session->broken_ = absl::ResourceExhaustedError("Append: out of host memory");
+      }
+    }
+    return;
+  }
+  if (writers.empty()) return;
+  // Sessions write only into blocks of their own (a shared block is copied first), so the
+  // moves of all, then the writes of all, keep each session's order.
+  const AppendRooms& rooms = writers[0]->rooms_;
+  absl::Status io = rooms.backend->Move(moves);
+  if (io.ok()) io = rooms.backend->Write(writes);
+  if (io.ok()) io = rooms.backend->Synchronize();
+  for (AppendSession* session : writers) {
+    if (!io.ok()) {
+      session->broken_ = io;
+      continue;
+    }
+    for (const store::MoveOp& op : session->deferred_.moves) {
+      rooms.telemetry->bytes_moved += op.bytes;
+    }
+    session->deferred_.moves.clear();
+    session->deferred_.writes.clear();
+  }
+}
+
+void AppendSession::AppendSlotsOfMany(absl::Span<AppendSession* const> sessions) {
+  std::vector<store::SlotAppendCall> calls;
+  std::vector<AppendSession*> callers;
+  for (AppendSession* session : sessions) {
+    Sequence& seq = *session->seq_;
+    seq.mu.AssertHeld();  // a batch's sessions hold their locks
+    if (!session->prepared_ || !session->broken_.ok() || seq.slots() == nullptr) continue;
+    const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
+    calls.push_back({seq.slots(), session->positions_, initial_score, absl::OkStatus()});
+    callers.push_back(session);
+  }
+  store::AppendSlotStates(absl::MakeSpan(calls));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (calls[i].status.ok()) {
+      callers[i]->slots_appended_ = true;
+    } else {
+      callers[i]->broken_ = calls[i].status;
+    }
+  }
+}
+
+absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<HeldTable>& held)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (!broken_.ok()) return broken_;
+  if (!deferred_.moves.empty() || !deferred_.writes.empty()) {
+    return absl::InternalError("append: its K/V was never written (no WriteMany)");
+  }
+  std::optional<kvmem::MutexLock> lock;
+  if (!hold_lock_) lock.emplace(&seq_->mu);
+  Sequence& seq = *seq_;
+  if (absl::Status s = SequenceRegistry::Unusable(seq); !s.ok()) return s;
+  if (!prepared_) {
+    if (absl::Status s = PrepareLocked(); !s.ok()) return s;
+  }
+  const uint64_t total = positions_.size();
+  // For the update: a held version past it is a guess at this call's own (TableVersions).
+  const uint64_t version_before = seq.version();
+  // The slot state exists only for a policy that keeps scores (Sequence::slots).
+  const float initial_score = seq.policy().descriptor().initial_score.value_or(std::nanf(""));
+  const uint32_t history_rows = seq.policy().history_rows();
+  if (seq.slots() && !slots_appended_) {
     if (absl::Status s = seq.slots()->Append(positions_, initial_score); !s.ok()) return s;
+    slots_appended_ = true;
   }
   // A copy-on-write makes the table stop naming a shared block: the epoch must change (a
   // reader of the old table must fail before the block's other owners free it), in a

@@ -67,6 +67,20 @@ class AppendSession {
   // Applies every chunk; with `held`, the result carries the update of that table.
   absl::StatusOr<AppendResult> Commit(const std::optional<HeldTable>& held = std::nullopt);
 
+  // For the sessions of a batch (StepBatch), Commit in parts: PrepareCommit takes what the
+  // commit needs (host budget, room in every per-slot vector); AppendSlotsOfMany appends
+  // the new slots of every prepared session's slot state together (store::
+  // AppendSlotStates: one round trip per CUDA device), a session whose append fails ending
+  // with that error; then each Commit completes. An error ends the session.
+  absl::Status PrepareCommit();
+  static void AppendSlotsOfMany(absl::Span<AppendSession* const> sessions);
+  // Also for a batch: after DeferWrites, Add leaves the chunk's K/V (and the copy of a
+  // shared last block) to WriteMany, which writes every session's at once (one move, one
+  // write and one synchronization on the backend) before the commits; a session whose
+  // writes fail ends with that error. The chunks must live until then.
+  void DeferWrites() { defer_writes_ = true; }
+  static void WriteMany(absl::Span<AppendSession* const> sessions);
+
  private:
   AppendSession(const AppendRooms& rooms, SequenceRef seq, bool hold_lock, bool publish);
   absl::Status AddLocked(const AppendChunk& chunk);
@@ -77,6 +91,8 @@ class AppendSession {
       ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // Stages the chunk's positions, ids and signals for the commit (the second half).
   void Stage(const AppendChunk& chunk);
+  // PrepareCommit's work, under the sequence's lock.
+  absl::Status PrepareLocked();
   absl::StatusOr<AppendResult> CommitLocked(const std::optional<HeldTable>& held);
   // Whether `n` more slots fit every stream's last block after what the session wrote
   // there: a private layout block (its free tail is nothing a table names).
@@ -117,6 +133,11 @@ class AppendSession {
   size_t chunks_ = 0;
   bool written_ = false;  // the chunk was written in place: the commit gives the plan back
   absl::Status broken_;
+  bool defer_writes_ = false;
+  OpBatch deferred_;                                   // moves and writes left to WriteMany
+  bool prepared_ = false;                              // PrepareCommit took what Commit needs
+  std::optional<HostReservation> commit_reservation_;  // the commit's host memory
+  bool slots_appended_ = false;  // the slot state holds the new slots (its length grew)
   bool committed_ = false;
 };
 

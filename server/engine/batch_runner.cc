@@ -23,6 +23,8 @@ struct BatchRunner::Entry {
   // For the update: a held version past it is a guess at this call's own (TableVersions).
   uint64_t version_before = 0;
   std::optional<CheckedStep> prepared;  // the step, checked, while nothing failed
+  // Begun, in a batch (last: it goes before the lock it lives under).
+  std::unique_ptr<PolicyDriver::PendingStep> pending;
 };
 
 bool BatchRunner::Admit(const StepCall& call, StepOutcome* out) const {
@@ -53,6 +55,7 @@ void BatchRunner::Begin(Entry& e) {
       return;
     }
     e.session = *std::move(begun);
+    if (batched_) e.session->DeferWrites();  // RunBatched writes the batch's K/V at once
   }
   e.seq = seq;
   // Everything is checked before anything applies: the chunk (staged by the session, where
@@ -77,26 +80,52 @@ void BatchRunner::Begin(Entry& e) {
     }
     e.prepared = *std::move(p);
   }
-  if (e.session) {
-    absl::StatusOr<AppendResult> appended = e.session->Commit();
-    if (!appended.ok()) {
-      e.out.status = appended.status();
+  if (!e.session) return;
+  if (batched_) {
+    // The slot states' appends of the batch's commits run together (RunBatched).
+    if (absl::Status s = e.session->PrepareCommit(); !s.ok()) {
+      e.out.status = s;
       e.prepared.reset();
-      return;
     }
-    e.out.appended = *appended;
+    return;
+  }
+  CommitAppend(e);
+}
+
+void BatchRunner::CommitAppend(Entry& e) {
+  absl::StatusOr<AppendResult> appended = e.session->Commit();
+  if (!appended.ok()) {
+    e.out.status = appended.status();
+    e.prepared.reset();
+    return;
+  }
+  e.out.appended = *appended;
+}
+
+void BatchRunner::BeginStep(Entry& e, PolicyDriver::Staged* staged) {
+  if (!e.out.status.ok() || !e.prepared) return;
+  Sequence* seq = e.seq;
+  absl::StatusOr<std::unique_ptr<PolicyDriver::PendingStep>> begun = GuardHostMemory("Step", [&] {
+    seq->mu.AssertHeld();  // held for the whole entry
+    return driver_->BeginStep(*seq, *e.prepared, staged);
+  });
+  if (begun.ok()) {
+    e.pending = *std::move(begun);
+  } else {
+    e.out.status = begun.status();
   }
 }
 
-void BatchRunner::Finish(Entry& e, PolicyDriver::Staged* staged) {
+void BatchRunner::Finish(Entry& e, const absl::Status* executed) {
   Sequence* seq = e.seq;
   seq->mu.AssertHeld();  // by the session or `ref`, to the end of the entry
-  if (e.out.status.ok() && e.prepared) {
+  if (e.pending || (executed == nullptr && e.out.status.ok() && e.prepared)) {
     // Past the append's commit: host memory running out in the step must not hide that
     // the append applied (the step itself applies whole, poisons, or changes nothing).
     absl::StatusOr<StepResult> stepped = GuardHostMemory("Step", [&] {
       seq->mu.AssertHeld();  // held for the whole entry
-      return driver_->Step(*seq, *e.prepared, staged);
+      return e.pending ? driver_->EndStep(*e.pending, *executed)
+                       : driver_->Step(*seq, *e.prepared, nullptr);
     });
     if (stepped.ok()) {
       e.out.step = *stepped;
@@ -146,7 +175,8 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
       e.out.status =
           absl::ResourceExhaustedError("StepBatch: out of host memory (kvmemd could not allocate)");
       e.prepared.reset();
-      e.seq = nullptr;  // nothing more of it runs (its lock goes with the entry)
+      e.pending.reset();  // undone, or its sequence poisoned
+      e.seq = nullptr;    // nothing more of it runs (its lock goes with the entry)
     }
   };
   // The locks, in the order of sequence ids: two batches naming the same sequences cannot
@@ -168,6 +198,21 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
   for (Entry& e : entries) {
     if (e.ref) guarded(e, [&] { Begin(e); });
   }
+  // The appends' commits: their K/V writes together, their slot states' appends together,
+  // then each.
+  std::vector<AppendSession*> sessions;
+  for (Entry& e : entries) {
+    if (e.seq != nullptr && e.session && e.out.status.ok()) sessions.push_back(e.session.get());
+  }
+  AppendSession::WriteMany(sessions);
+  try {
+    AppendSession::AppendSlotsOfMany(sessions);
+  } catch (const std::bad_alloc&) {
+    // Before any slot state appended: each commit appends its own.
+  }
+  for (Entry& e : entries) {
+    if (e.seq != nullptr && e.session && e.out.status.ok()) guarded(e, [&] { CommitAppend(e); });
+  }
   // The slot-state halves of the kernel steps, together.
   std::vector<Sequence*> seqs;
   std::vector<const CheckedStep*> steps;
@@ -182,11 +227,21 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
     steps.push_back(&*e.prepared);
   }
   std::vector<PolicyDriver::Staged> staged = driver_->StageKernelSteps(seqs, steps);
+  // Each step up to its op batch, every op batch in one execution, then each commit.
+  std::vector<PolicyDriver::PendingStep*> pending;
   for (size_t i = 0; i < entries.size(); ++i) {
     Entry& e = entries[i];
     if (e.seq == nullptr) continue;
     PolicyDriver::Staged* mine = staged_of[i] == SIZE_MAX ? nullptr : &staged[staged_of[i]];
-    guarded(e, [&] { Finish(e, mine); });
+    guarded(e, [&] { BeginStep(e, mine); });
+    if (e.pending) pending.push_back(e.pending.get());
+  }
+  // A throw here (host memory) is past every begun step's point of no return: each is
+  // poisoned by its end, as for a failed execution.
+  const absl::Status executed =
+      GuardHostMemory("StepBatch", [&] { return driver_->ExecuteSteps(pending); });
+  for (Entry& e : entries) {
+    if (e.seq != nullptr) guarded(e, [&] { Finish(e, &executed); });
   }
   std::vector<StepOutcome> outcomes;
   outcomes.reserve(entries.size());

@@ -41,10 +41,15 @@ class BatchRunner {
   std::vector<StepOutcome> RunBatched(absl::Span<const StepCall> calls);
   // The checks that need no sequence: false when the entry is answered already.
   bool Admit(const StepCall& call, StepOutcome* out) const;
-  // On the locked sequence: the append staged and committed, the step's signals checked.
+  // On the locked sequence: the append staged, the step's signals checked, then the append
+  // committed (in a batch: prepared, its commit left to RunBatched).
   void Begin(Entry& e);
-  // The step (its slot-state half run here, or `staged`), the next plan, the update.
-  void Finish(Entry& e, PolicyDriver::Staged* staged);
+  void CommitAppend(Entry& e);
+  // The step up to its op batch (its slot-state half run here, or `staged`), for a batch.
+  void BeginStep(Entry& e, PolicyDriver::Staged* staged);
+  // The step (whole, or its end given how the batch's op batches ran: `executed`), the next
+  // plan, the update.
+  void Finish(Entry& e, const absl::Status* executed);
 
   const AppendRooms* const rooms_;
   SequenceRegistry* const registry_;

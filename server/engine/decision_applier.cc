@@ -1,5 +1,8 @@
 #include "server/engine/decision_applier.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -26,27 +29,74 @@ void KeepOrphans(Sequence& seq, const OpBatch& batch,
   }
 }
 
-absl::Status DecisionApplier::Execute(const Sequence& seq, OpBatch& batch) {
-  const kernels::QuantGeometry& geometry = seq.format().quant_geometry();
-  absl::Status io = backend_->Move(batch.moves);
-  if (io.ok()) io = backend_->Write(batch.writes);
-  if (io.ok() && !batch.quantizes.empty()) {
-    io = backend_->Quantize(seq.format().elem(), geometry, batch.quantizes);
+absl::Status DecisionApplier::ExecuteMany(absl::Span<Pending* const> pending) {
+  // The moves of different sequences touch different blocks (a sequence moves rows only
+  // into blocks it allocated), so one move batch holds them all; quantizations go by format.
+  // One sequence's lists (a unary call) are used as they are.
+  std::vector<store::MoveOp> moves;
+  std::vector<store::WriteOp> writes;
+  std::vector<std::pair<const Sequence*, std::vector<store::QuantizeOp>>> quantizes;
+  const bool one = pending.size() == 1;
+  uint64_t moved = 0;
+  for (Pending* p : pending) {
+    const OpBatch& b = p->batch_;
+    for (const store::MoveOp& op : b.moves) moved += op.bytes;
+    if (!one) {
+      moves.insert(moves.end(), b.moves.begin(), b.moves.end());
+      writes.insert(writes.end(), b.writes.begin(), b.writes.end());
+    }
+    if (b.quantizes.empty()) continue;
+    const Sequence& seq = *p->seq_;
+    auto same = std::find_if(quantizes.begin(), quantizes.end(), [&](const auto& q) {
+      const kernels::QuantGeometry &a = q.first->format().quant_geometry(),
+                                   &g = seq.format().quant_geometry();
+      return q.first->format().elem() == seq.format().elem() && a.type == g.type &&
+             a.block_tokens == g.block_tokens && a.head_dim == g.head_dim;
+    });
+    if (same == quantizes.end()) same = quantizes.insert(quantizes.end(), {&seq, {}});
+    same->second.insert(same->second.end(), b.quantizes.begin(), b.quantizes.end());
+  }
+  absl::Status io = backend_->Move(one ? pending[0]->batch_.moves : moves);
+  if (io.ok()) io = backend_->Write(one ? pending[0]->batch_.writes : writes);
+  for (size_t q = 0; io.ok() && q < quantizes.size(); ++q) {
+    const Sequence& seq = *quantizes[q].first;
+    io =
+        backend_->Quantize(seq.format().elem(), seq.format().quant_geometry(), quantizes[q].second);
   }
   if (io.ok()) io = backend_->Synchronize();
   if (!io.ok()) {
-    pool_->Unref(batch.allocated);
+    for (Pending* p : pending) {
+      pool_->Unref(p->batch_.allocated);
+      p->settled_ = true;
+    }
     return io;
   }
-  uint64_t moved = 0;
-  for (const store::MoveOp& op : batch.moves) moved += op.bytes;
   telemetry_->bytes_moved += moved;
   return io;
 }
 
+DecisionApplier::Pending::Pending(DecisionApplier* applier, Sequence* seq,
+                                  const policy::Decision* decision, CommitHook commit)
+    : applier_(applier), seq_(seq), decision_(decision), commit_(std::move(commit)) {}
+
+DecisionApplier::Pending::~Pending() {
+  if (!settled_) applier_->pool_->Unref(batch_.allocated);
+  // An open section poisons the sequence as it goes.
+}
+
 absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
                                                                 const policy::Decision& decision,
-                                                                const CommitHook& commit) {
+                                                                CommitHook commit) {
+  absl::StatusOr<std::unique_ptr<Pending>> pending = Plan(seq, decision, std::move(commit));
+  if (!pending.ok()) return pending.status();
+  absl::Status executed = absl::OkStatus();
+  // A throw: the Pending gives the plan back, and its section poisons the sequence.
+  if ((*pending)->executes()) executed = ExecuteMany({pending->get()});
+  return Finish(**pending, executed);
+}
+
+absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> DecisionApplier::Plan(
+    Sequence& seq, const policy::Decision& decision, CommitHook commit) {
   if (decision.keep.size() != seq.streams().size()) {
     return absl::InternalError(absl::StrCat("policy ", seq.policy_name(), " returned ",
                                             decision.keep.size(), " keep-sets for ",
@@ -61,20 +111,11 @@ absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
   }
 
   // Plan: every allocation happens here, before the point of no return; a failure releases
-  // what the plan took and changes nothing.
-  OpBatch batch;
+  // what the plan took (the Pending, however planning ends) and changes nothing.
+  std::unique_ptr<Pending> p(new Pending(this, &seq, &decision, std::move(commit)));
+  OpBatch& batch = p->batch_;
   StreamPlanner planner(seq.format(), pool_, &batch, failpoints_, seq.tenant());
-  // What the plan took goes back however planning ends (an error, or a host allocation
-  // that throws), until the point of no return hands it to the batch's execution.
-  bool plan_settled = false;
-  auto release_plan = [&] {
-    plan_settled = true;
-    pool_->Unref(batch.allocated);
-  };
-  absl::Cleanup release_unless_handed_over = [&] {
-    if (!plan_settled) release_plan();
-  };
-  Applied applied;
+  Applied& applied = p->applied_;
   // The new entries go to the sequence's spare lists, whose room earlier steps left there
   // (empty for a stream that does not change: KeepOrphans reads them). Stream s replaces
   // its entries [from[s], old_to[s]) by new_blocks[s], which ends up at [from[s], to[s]):
@@ -85,8 +126,10 @@ absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
   const uint64_t B = seq.layout().block_tokens;
   std::vector<std::vector<StreamBlock>>& new_blocks = seq.spare_lists();
   new_blocks.resize(num_streams);
-  std::vector<bool> changed(num_streams, false);
-  std::vector<size_t> from(num_streams, 0), old_to(num_streams, 0), to(num_streams, 0);
+  p->changed_.assign(num_streams, false);
+  p->from_.assign(num_streams, 0);
+  p->old_to_.assign(num_streams, 0);
+  p->to_.assign(num_streams, 0);
   for (size_t s = 0; s < num_streams; ++s) {
     const Stream& st = seq.streams()[s];
     std::vector<StreamBlock>& blocks = new_blocks[s];
@@ -107,30 +150,47 @@ absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
       applied.evicted += st.size() - decision.keep[s]->size();
       planned = planner.Keep(blocks, *decision.keep[s], range.first_slot);
       if (planned.ok()) planned = planner.Merge(blocks);
-      changed[s] = true;
+      p->changed_[s] = true;
     }
     const size_t quantized_before = batch.quantizes.size();
     if (planned.ok()) planned = planner.Quantize(blocks, seq.quant().recent_tokens);
-    if (batch.quantizes.size() != quantized_before) changed[s] = true;
-    if (!planned.ok()) return planned;  // release_unless_handed_over gives the plan back
-    from[s] = range.begin;
-    old_to[s] = range.end;
-    to[s] = range.begin + blocks.size();
+    if (batch.quantizes.size() != quantized_before) p->changed_[s] = true;
+    if (!planned.ok()) return planned;  // the Pending gives the plan back
+    p->from_[s] = range.begin;
+    p->old_to_[s] = range.end;
+    p->to_[s] = range.begin + blocks.size();
   }
   applied.quantized = batch.quantized_slots;
   if (applied.evicted == 0 && applied.quantized == 0) {
-    release_plan();  // nothing is allocated when nothing changes; kept exact
-    if (absl::Status s = commit(); !s.ok()) return versions_->Poison(seq, s);
-    return applied;
+    pool_->Unref(batch.allocated);  // nothing is allocated when nothing changes; kept exact
+    batch.allocated.clear();
+    p->settled_ = true;
+    return p;
   }
-
   // The point of no return: readers of the old table see the odd word before any byte
   // moves and before any dropped block can be reused; from here a failure poisons.
-  TableVersions::WriteSection section(versions_, &seq);
-  const absl::Status io = Execute(seq, batch);  // a throw: the cleanup gives the plan back
-  plan_settled = true;  // Execute gave it back if it failed; else the streams take it below
-  if (!io.ok()) return versions_->Poison(seq, io);
-  if (absl::Status s = commit(); !s.ok()) {
+  p->section_.emplace(versions_, &seq);
+  return p;
+}
+
+absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Finish(Pending& p,
+                                                                 const absl::Status& executed) {
+  Sequence& seq = *p.seq_;
+  seq.mu.AssertHeld();  // a Pending lives inside its sequence's lock
+  const policy::Decision& decision = *p.decision_;
+  OpBatch& batch = p.batch_;
+  if (!p.section_) {
+    if (absl::Status s = p.commit_(); !s.ok()) return versions_->Poison(seq, s);
+    return p.applied_;
+  }
+  if (!executed.ok()) {
+    if (!p.settled_) pool_->Unref(batch.allocated);
+    p.settled_ = true;
+    return versions_->Poison(seq, executed);
+  }
+  p.settled_ = true;  // the streams take the batch's blocks below
+  std::vector<std::vector<StreamBlock>>& new_blocks = seq.spare_lists();
+  if (absl::Status s = p.commit_(); !s.ok()) {
     KeepOrphans(seq, batch, new_blocks, 0);  // the batch's new blocks: Release frees them
     return versions_->Poison(seq, s);
   }
@@ -140,22 +200,23 @@ absl::StatusOr<DecisionApplier::Applied> DecisionApplier::Apply(Sequence& seq,
   // references no stream names for Release, so that the pool's accounting stays exact.
   absl::Cleanup on_unwind = [&] {
     seq.mu.AssertHeld();
-    KeepOrphans(seq, batch, new_blocks, swapped, from, to);
+    KeepOrphans(seq, batch, new_blocks, swapped, p.from_, p.to_);
     versions_->Poison(seq, absl::InternalError("a step's commit was interrupted")).IgnoreError();
   };
   const uint64_t version = versions_->NewVersion(seq);
   for (; swapped < seq.streams().size(); ++swapped) {
     const size_t s = swapped;
     if (s == seq.streams().size() / 2) Failpoints::ThrowIfHit(failpoints_, Failpoints::kCommit);
-    if (!changed[s]) continue;
+    if (!p.changed_[s]) continue;
     if (decision.keep[s] && decision.keep[s]->size() < seq.streams()[s].size()) {
       seq.stream(s).KeepSlots(*decision.keep[s], history_rows);
     }
-    seq.stream(s).SwapBlocks(new_blocks[s], version, from[s], old_to[s]);
+    seq.stream(s).SwapBlocks(new_blocks[s], version, p.from_[s], p.old_to_[s]);
   }
   std::move(on_unwind).Cancel();
   pool_->Unref(batch.dropped);
-  section.Commit();
+  p.section_->Commit();
+  const Applied& applied = p.applied_;
   telemetry_->stream_slots_evicted += applied.evicted;
   telemetry_->stream_slots_quantized += applied.quantized;
   if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {

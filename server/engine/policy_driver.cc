@@ -177,23 +177,25 @@ std::vector<PolicyDriver::Staged> PolicyDriver::StageKernelSteps(
   return staged;
 }
 
-absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
+absl::Status PolicyDriver::AbortKernelStep(Sequence& seq, const absl::Status& why) {
+  if (seq.poisoned()) return why;
+  absl::Status restored = seq.slots()->AbortStep();
+  return restored.ok() ? why : versions_->Poison(seq, restored);
+}
+
+absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> PolicyDriver::PlanKernelStep(
     Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
     Staged* staged, policy::Decision* decision) {
   const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
   decision->confidence = plan.confidence;
   decision->budget_tokens = plan.budget_tokens;
   // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
-  // puts the scores back when the step fails before its point of no return.
-  // If the scores cannot be put back, a retry would apply the row twice: poison instead.
-  auto abort = [&](const absl::Status& why) {
+  // puts the scores back when the step fails before its point of no return. An exception
+  // (host memory) past this point must not leave the scores stepped either.
+  absl::Cleanup abort_on_unwind = [&] {
     seq.mu.AssertHeld();
-    if (seq.poisoned()) return why;
-    absl::Status restored = seq.slots()->AbortStep();
-    return restored.ok() ? why : versions_->Poison(seq, restored);
+    AbortKernelStep(seq, absl::ResourceExhaustedError("")).IgnoreError();
   };
-  // An exception (host memory) past this point must not leave the scores stepped either.
-  absl::Cleanup abort_on_unwind = [&] { abort(absl::ResourceExhaustedError("")).IgnoreError(); };
   absl::Status stepped = absl::OkStatus();
   if (staged != nullptr) {
     stepped = staged->status;
@@ -202,16 +204,24 @@ absl::StatusOr<DecisionApplier::Applied> PolicyDriver::KernelStep(
     stepped =
         seq.slots()->Step(plan.op, rows, StreamBudgets(seq, plan), plan.protect, &decision->keep);
   }
-  if (absl::Status s = stepped; !s.ok()) {
+  if (!stepped.ok()) {
     std::move(abort_on_unwind).Cancel();
-    return abort(s);
+    return AbortKernelStep(seq, stepped);
   }
-  absl::StatusOr<Applied> done = applier_->Apply(seq, *decision, [&seq] {
-    seq.mu.AssertHeld();
-    return seq.slots()->CommitStep();
-  });
+  absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> pending =
+      applier_->Plan(seq, *decision, [&seq] {
+        seq.mu.AssertHeld();
+        return seq.slots()->CommitStep();
+      });
   std::move(abort_on_unwind).Cancel();
-  if (!done.ok()) return abort(done.status());
+  if (!pending.ok()) return AbortKernelStep(seq, pending.status());
+  return pending;
+}
+
+absl::StatusOr<DecisionApplier::Applied> PolicyDriver::FinishKernelStep(
+    Sequence& seq, DecisionApplier::Pending& pending, const absl::Status& executed) {
+  absl::StatusOr<Applied> done = applier_->Finish(pending, executed);
+  if (!done.ok()) return AbortKernelStep(seq, done.status());
   if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
   return done;
 }
@@ -252,41 +262,98 @@ double PolicyDriver::QuantizedMass(const Sequence& seq,
   return mass / static_cast<double>(rows.size());
 }
 
-absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& step,
-                                              Staged* staged) {
-  const auto started = std::chrono::steady_clock::now();  // latency: monotonic
+PolicyDriver::PendingStep::~PendingStep() {
+  if (ended_ || pending_ == nullptr) return;
+  Sequence& seq = *seq_;
+  seq.mu.AssertHeld();  // a PendingStep lives inside its sequence's lock
+  pending_.reset();     // an open write section poisons the sequence as it goes
+  driver_->AbortKernelStep(seq, absl::ResourceExhaustedError("")).IgnoreError();
+}
+
+absl::StatusOr<std::unique_ptr<PolicyDriver::PendingStep>> PolicyDriver::BeginStep(
+    Sequence& seq, const CheckedStep& step, Staged* staged) {
+  // A staged step is undone if this throws before PlanKernelStep takes it over.
+  absl::Cleanup abort_staged = [&] {
+    seq.mu.AssertHeld();
+    if (staged != nullptr) AbortKernelStep(seq, absl::ResourceExhaustedError("")).IgnoreError();
+  };
+  std::unique_ptr<PendingStep> p(new PendingStep(this, &seq, &step));
+  p->started_ = std::chrono::steady_clock::now();  // latency: monotonic
   const policy::CallContext ctx = StepContext(seq, step);
-  const std::vector<absl::Span<const float>>* rows = &step.rows;
-  const uint64_t before = seq.kv_bytes();
+  p->kv_bytes_before_ = seq.kv_bytes();
   // The attention mass quantized slots hold, from the rows over the table as it is now.
-  const double quantized_mass = QuantizedMass(seq, *rows);
-  policy::Decision decision;
-  absl::StatusOr<Applied> applied;
+  p->quantized_mass_ = QuantizedMass(seq, step.rows);
+  std::move(abort_staged).Cancel();
   if (seq.kernel_step()) {
-    applied = KernelStep(seq, ctx, *rows, staged, &decision);
-  } else {
-    // The policy reads the committed state and stages the next (policy.h); it becomes the
-    // sequence's only if the whole step applies.
-    HostScoreCall scores;
-    if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
-    std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
-    for (size_t s = 0; s < states.size(); ++s) states[s].attention = (*rows)[s];
-    decision = seq.policy().Step(ctx, absl::MakeSpan(states));
-    applied = applier_->Apply(seq, decision, CommitPolicyState(seq, decision, scores, rows));
-    if (applied.ok()) {
-      if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> planned =
+        PlanKernelStep(seq, ctx, step.rows, staged, &p->decision_);
+    if (!planned.ok()) return planned.status();
+    p->pending_ = *std::move(planned);
+    return p;
+  }
+  // The policy reads the committed state and stages the next (policy.h); it becomes the
+  // sequence's only if the whole step applies.
+  HostScoreCall scores;
+  if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
+  std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
+  for (size_t s = 0; s < states.size(); ++s) states[s].attention = step.rows[s];
+  p->decision_ = seq.policy().Step(ctx, absl::MakeSpan(states));
+  absl::StatusOr<Applied> applied =
+      applier_->Apply(seq, p->decision_, CommitPolicyState(seq, p->decision_, scores, &step.rows));
+  if (!applied.ok()) return applied.status();
+  if (absl::Status s = CheckSlotLengths(seq); !s.ok()) return s;
+  p->applied_ = *applied;
+  return p;
+}
+
+absl::Status PolicyDriver::ExecuteSteps(absl::Span<PendingStep* const> steps) {
+  std::vector<DecisionApplier::Pending*> batches;
+  for (PendingStep* step : steps) {
+    if (step->pending_ != nullptr && step->pending_->executes()) {
+      batches.push_back(step->pending_.get());
     }
   }
+  if (batches.empty()) return absl::OkStatus();
+  absl::Status executed = applier_->ExecuteMany(batches);
+  if (!executed.ok()) return executed;
+  // The commits' compactions of the slot states, together when there are several (each
+  // CommitStep then has nothing left to do, or compacts alone if this could not).
+  std::vector<store::SlotState*> states;
+  for (PendingStep* step : steps) {
+    step->seq_->mu.AssertHeld();  // by the caller
+    if (step->pending_ != nullptr && step->pending_->executes()) {
+      states.push_back(step->seq_->slots());
+    }
+  }
+  if (states.size() < 2) return executed;
+  try {
+    store::CommitSlotStates(states);
+  } catch (const std::bad_alloc&) {
+    // Compacted by each CommitStep instead.
+  }
+  return executed;
+}
+
+absl::StatusOr<StepResult> PolicyDriver::EndStep(PendingStep& p, const absl::Status& executed) {
+  Sequence& seq = *p.seq_;
+  seq.mu.AssertHeld();  // a PendingStep lives inside its sequence's lock
+  p.ended_ = true;
+  absl::StatusOr<Applied> applied =
+      p.applied_ ? absl::StatusOr<Applied>(*p.applied_)
+                 : FinishKernelStep(seq, *p.pending_,
+                                    p.pending_->executes() ? executed : absl::OkStatus());
   if (!applied.ok()) return applied.status();
+  const policy::Decision& decision = p.decision_;
+  const std::vector<absl::Span<const float>>& rows = p.step_->rows;
   if (PolicyTelemetry* t = telemetry_->For(seq.policy_name())) {
     const StepSite site = seq.kernel_step() ? StepSite::kDevice : StepSite::kHost;
     t->step_seconds[static_cast<int>(site)].Observe(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - p.started_).count());
     t->confidence.Observe(decision.confidence);  // NaN (no confidence) is not observed
     if (decision.budget_tokens > 0) t->budget_tokens.Observe(decision.budget_tokens);
-    if (!std::isnan(quantized_mass)) {
-      t->quantized_attention_mass.Observe(quantized_mass);
-      t->evicted_attention_mass.Observe(EvictedMassOf(*rows, decision));
+    if (!std::isnan(p.quantized_mass_)) {
+      t->quantized_attention_mass.Observe(p.quantized_mass_);
+      t->evicted_attention_mass.Observe(EvictedMassOf(rows, decision));
     }
   }
 
@@ -295,7 +362,7 @@ absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& 
   result.budget_tokens = decision.budget_tokens;
   result.evicted_tokens = applied->evicted;
   result.quantized_tokens = applied->quantized;
-  result.kv_bytes_before = before;
+  result.kv_bytes_before = p.kv_bytes_before_;
   result.kv_bytes_after = seq.kv_bytes();
   result.epoch = seq.epoch();
   result.step = seq.CountStep();
@@ -304,6 +371,14 @@ absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& 
   budget_->Account(seq);
   registry_->Renew(seq);
   return result;
+}
+
+absl::StatusOr<StepResult> PolicyDriver::Step(Sequence& seq, const CheckedStep& step,
+                                              Staged* staged) {
+  absl::StatusOr<std::unique_ptr<PendingStep>> begun = BeginStep(seq, step, staged);
+  if (!begun.ok()) return begun.status();
+  const absl::Status executed = ExecuteSteps({begun->get()});
+  return EndStep(**begun, executed);
 }
 
 absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const CheckedCompress& signals,

@@ -6,7 +6,10 @@
 // become the sequence's only when the whole call applies (DecisionApplier's commit hook). A
 // policy with a kernel step scores and selects in the SlotState itself (device memory on a
 // GPU), which stages the step until its commit. Runs under the sequence's lock.
+#include <chrono>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -52,9 +55,46 @@ class PolicyDriver {
   };
   std::vector<Staged> StageKernelSteps(absl::Span<Sequence* const> seqs,
                                        absl::Span<const CheckedStep* const> steps);
-  // A step whose slot-state half `staged` holds (null: runs it here).
+  // A step whose slot-state half `staged` holds (null: runs it here): BeginStep,
+  // ExecuteSteps and EndStep in one.
   absl::StatusOr<StepResult> Step(Sequence& seq, const CheckedStep& step, Staged* staged)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+
+  // A step between its plan and the execution of its op batch, so that StepBatch runs the
+  // batches of several sequences together. Ended by EndStep; destroyed without it (an
+  // exception), it is undone, or past its point of no return its sequence is poisoned.
+  class PendingStep {
+   public:
+    PendingStep(const PendingStep&) = delete;
+    PendingStep& operator=(const PendingStep&) = delete;
+    ~PendingStep();
+
+   private:
+    friend class PolicyDriver;
+    PendingStep(PolicyDriver* driver, Sequence* seq, const CheckedStep* step)
+        : driver_(driver), seq_(seq), step_(step) {}
+    PolicyDriver* const driver_;
+    Sequence* const seq_;
+    const CheckedStep* const step_;
+    std::chrono::steady_clock::time_point started_;
+    uint64_t kv_bytes_before_ = 0;
+    double quantized_mass_ = 0;
+    policy::Decision decision_;
+    std::optional<DecisionApplier::Applied> applied_;    // a host policy's step, whole
+    std::unique_ptr<DecisionApplier::Pending> pending_;  // a kernel step's decision
+    bool ended_ = false;
+  };
+  // The step up to its op batch: its scores and selection (or `staged`'s), the decision
+  // planned and, when it changes anything, its write section open. A host policy's step
+  // applies whole here. An error changes nothing.
+  absl::StatusOr<std::unique_ptr<PendingStep>> BeginStep(Sequence& seq, const CheckedStep& step,
+                                                         Staged* staged)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Runs the op batches of pending steps (DecisionApplier::ExecuteMany); every sequence is
+  // locked by the caller. Its status goes to each EndStep.
+  absl::Status ExecuteSteps(absl::Span<PendingStep* const> steps);
+  // Commits the step (or poisons its sequence when `executed` failed) and answers it.
+  absl::StatusOr<StepResult> EndStep(PendingStep& step, const absl::Status& executed);
   // An explicit compression by the policy's rule (`target_tokens` > 0: to that many per
   // stream), on the host also for a sequence whose scores live in a SlotState.
   absl::StatusOr<CompressResult> Compress(Sequence& seq, const CheckedCompress& signals,
@@ -80,11 +120,19 @@ class PolicyDriver {
   // After a host call applied: the slot state holds as many slots as each stream, else the
   // sequence is poisoned.
   absl::Status CheckSlotLengths(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
-  // A step of a policy with a kernel step: scores and selection in the SlotState, then the
-  // K/V rows move as for any decision.
-  absl::StatusOr<Applied> KernelStep(Sequence& seq, const policy::CallContext& ctx,
-                                     absl::Span<const absl::Span<const float>> rows, Staged* staged,
-                                     policy::Decision* decision)
+  // A step of a policy with a kernel step: scores and selection in the SlotState (or
+  // `staged`), then the decision planned as for any (its K/V rows move when the plan runs).
+  absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> PlanKernelStep(
+      Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
+      Staged* staged, policy::Decision* decision) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // Its end: the decision committed, or the step undone (the scores as before it) where its
+  // point of no return was not passed.
+  absl::StatusOr<Applied> FinishKernelStep(Sequence& seq, DecisionApplier::Pending& pending,
+                                           const absl::Status& executed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // A kernel step that fails before its point of no return: the slot state's scores put
+  // back (AbortStep); if they cannot be, a retry would apply the row twice: poisoned.
+  absl::Status AbortKernelStep(Sequence& seq, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // The call context of a step (Context, with the step's logit statistics).
   policy::CallContext StepContext(const Sequence& seq, const CheckedStep& step) const

@@ -60,6 +60,8 @@ class CudaScratchPool final : public SlotStepper {
 
   // The Steps of CUDA slot states of this pool's device as one batch (slot_state.h).
   void StepAll(absl::Span<SlotStepCall* const> calls) override;
+  void CommitAll(absl::Span<SlotState* const> states) override;
+  void AppendAll(absl::Span<SlotAppendCall* const> calls) override;
 
   // Scratch for work queued on `stream`, a stream of the pool's device.
   absl::StatusOr<Lease> Acquire(uint64_t device_bytes, uint64_t host_bytes, cudaStream_t stream) {
@@ -703,6 +705,148 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
       // The engine aborts the step (AbortStep puts the saved scores back).
       batch[i]->status = absl::ResourceExhaustedError("slot state step: out of host memory");
     }
+  }
+}
+
+void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
+  std::vector<CudaSlotState*> states;
+  uint64_t segments = 0, slots = 0;
+  for (SlotState* s : all) {
+    auto* state = static_cast<CudaSlotState*>(s);
+    if (!state->pending_ || !state->Bind().ok()) continue;
+    states.push_back(state);
+    segments += state->book_.num_streams();
+    slots += state->book_.total_slots();
+  }
+  if (states.empty()) return;
+  // Up: the segments; on the device then CompactSlots' index output (laid out as each
+  // state's scores, state after state) and the kept counts, which come back.
+  const uint64_t index_at = Align16(segments * sizeof(kernels::CompactSegment));
+  const uint64_t kept_at = Align16(index_at + slots * sizeof(uint32_t));
+  const uint64_t kept_host_at = index_at;
+  cudaStream_t stream = states[0]->stream_;
+  absl::StatusOr<Lease> lease = Acquire(kept_at + segments * sizeof(uint32_t),
+                                        kept_host_at + segments * sizeof(uint32_t), stream);
+  if (!lease.ok()) return;  // each compacts in its CommitStep
+  uint8_t* host = lease->host();
+  uint8_t* device = lease->device();
+  auto* segment = reinterpret_cast<kernels::CompactSegment*>(host);
+  uint64_t index = 0;
+  for (CudaSlotState* st : states) {
+    const uint32_t S = st->book_.num_streams();
+    const std::vector<kernels::StreamSlice> slices = st->book_.Slices({}, 0);
+    for (uint32_t s = 0; s < S; ++s, ++segment) {
+      *segment = kernels::CompactSegment{slices[s], st->Ptr<uint8_t>(st->regions_.flags),
+                                         st->Ptr<float>(st->regions_.scores),
+                                         st->Ptr<int64_t>(st->regions_.positions),
+                                         reinterpret_cast<uint32_t*>(device + index_at) + index};
+    }
+    index += st->book_.total_slots();
+  }
+  const auto n = static_cast<uint32_t>(segments);
+  absl::Status s =
+      FromCuda(cudaMemcpyAsync(device, host, segments * sizeof(kernels::CompactSegment),
+                               cudaMemcpyHostToDevice, stream),
+               "slot states: batched compaction upload");
+  bool launched = false;  // from the launch on, the slots may have moved
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::CompactSlotsSegments(
+                     reinterpret_cast<const kernels::CompactSegment*>(device), n,
+                     reinterpret_cast<uint32_t*>(device + kept_at), stream),
+                 "slot states: batched compaction");
+    launched = s.ok();
+  }
+  if (s.ok()) {
+    s = FromCuda(cudaMemcpyAsync(host + kept_host_at, device + kept_at, n * sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost, stream),
+                 "slot states: kept download");
+  }
+  lease->ReleaseDevice();
+  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched compaction");
+      s.ok()) {
+    s = w;
+  }
+  // Nothing launched: each compacts in its CommitStep. Launched and failed, the compaction
+  // may have run in part and cannot be run again: each CommitStep fails with the error.
+  if (!s.ok()) {
+    if (launched) {
+      for (CudaSlotState* st : states) st->commit_error_ = s;
+    }
+    return;
+  }
+  const auto* kept = reinterpret_cast<const uint32_t*>(host + kept_host_at);
+  for (CudaSlotState* st : states) {
+    for (uint32_t i = 0; i < st->book_.num_streams(); ++i) st->book_.set_length(i, *kept++);
+    st->pending_ = false;
+  }
+}
+
+void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
+  // Room first, as each Append makes it (a relayout is rare: capacity doubles).
+  std::vector<SlotAppendCall*> batch;
+  std::vector<CudaSlotState*> states;
+  uint64_t staged = 0, num_ops = 0;
+  for (SlotAppendCall* call : calls) {
+    auto* state = static_cast<CudaSlotState*>(call->state);
+    const auto count = static_cast<uint32_t>(call->positions.size());
+    call->status = state->Bind();
+    if (call->status.ok()) call->status = state->EnsureCapacity(count);
+    if (!call->status.ok()) continue;
+    batch.push_back(call);
+    states.push_back(state);
+    staged += Align16(count * sizeof(int64_t)) + Align16(count * sizeof(float));
+    num_ops += 2 * state->book_.num_streams();
+  }
+  if (batch.empty()) return;
+  // Up: every call's [positions][scores], then the ops that scatter them into every
+  // stream's tail of its state.
+  const uint64_t ops_at = staged;
+  const uint64_t total = ops_at + num_ops * sizeof(kernels::ScatterOp);
+  cudaStream_t stream = states[0]->stream_;
+  absl::StatusOr<Lease> lease = Acquire(total, total, stream);
+  if (!lease.ok()) {
+    for (SlotAppendCall* call : batch) call->status = lease.status();
+    return;
+  }
+  uint8_t* host = lease->host();
+  auto* op = reinterpret_cast<kernels::ScatterOp*>(host + ops_at);
+  uint64_t at = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const CudaSlotState& st = *states[i];
+    const absl::Span<const int64_t> positions = batch[i]->positions;
+    const uint64_t count = positions.size();
+    const uint64_t score_at = at + Align16(count * sizeof(int64_t));
+    std::memcpy(host + at, positions.data(), count * sizeof(int64_t));
+    std::fill_n(reinterpret_cast<float*>(host + score_at), count, batch[i]->initial_score);
+    const uint64_t C = st.book_.capacity();
+    for (uint32_t s = 0; s < st.book_.num_streams(); ++s) {
+      const uint64_t slot = s * C + st.book_.length(s);
+      *op++ = {at, st.Ptr<uint8_t>(st.regions_.positions + slot * sizeof(int64_t)),
+               count * sizeof(int64_t)};
+      *op++ = {score_at, st.Ptr<uint8_t>(st.regions_.scores + slot * sizeof(float)),
+               count * sizeof(float)};
+    }
+    at = score_at + Align16(count * sizeof(float));
+  }
+  uint8_t* device = lease->device();
+  absl::Status s = FromCuda(cudaMemcpyAsync(device, host, total, cudaMemcpyHostToDevice, stream),
+                            "slot states: batched append upload");
+  if (s.ok()) {
+    s = FromCuda(kernels::cuda::ScatterBatch(
+                     device, reinterpret_cast<const kernels::ScatterOp*>(device + ops_at),
+                     static_cast<uint32_t>(num_ops), stream),
+                 "slot states: batched append scatter");
+  }
+  lease->ReleaseDevice();
+  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched append");
+      s.ok()) {
+    s = w;
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i]->status = s;
+    if (!s.ok()) continue;  // past every length: nothing a reader or a step looks at
+    states[i]->book_.Grow(static_cast<uint32_t>(batch[i]->positions.size()));
+    states[i]->pending_ = false;
   }
 }
 

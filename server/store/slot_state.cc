@@ -131,18 +131,54 @@ void SlotBook::ApplyKeep(const KeepSets& keep) {
   }
 }
 
-void StepSlotStates(absl::Span<SlotStepCall> calls) {
-  // Grouped by stepper, in the calls' order (a handful of steppers at most: one per device).
-  std::vector<std::pair<SlotStepper*, std::vector<SlotStepCall*>>> groups;
-  for (SlotStepCall& call : calls) {
-    SlotStepper* stepper = call.state->stepper();
+namespace {
+
+// Items grouped by their state's stepper, in their order (a handful of steppers at most:
+// one per device); items whose state has none are left out.
+template <typename T, typename StateOf>
+std::vector<std::pair<SlotStepper*, std::vector<T*>>> ByStepper(absl::Span<T> items,
+                                                                StateOf state_of) {
+  std::vector<std::pair<SlotStepper*, std::vector<T*>>> groups;
+  for (T& item : items) {
+    SlotStepper* stepper = state_of(item)->stepper();
     if (stepper == nullptr) continue;
     auto group = std::find_if(groups.begin(), groups.end(),
                               [&](const auto& g) { return g.first == stepper; });
     if (group == groups.end()) group = groups.insert(groups.end(), {stepper, {}});
-    group->second.push_back(&call);
+    group->second.push_back(&item);
   }
-  for (auto& [stepper, group] : groups) stepper->StepAll(group);
+  return groups;
+}
+
+}  // namespace
+
+void CommitSlotStates(absl::Span<SlotState* const> states) {
+  std::vector<SlotState*> all(states.begin(), states.end());
+  for (auto& [stepper, group] : ByStepper(absl::MakeSpan(all), [](SlotState* s) { return s; })) {
+    std::vector<SlotState*> members;
+    for (SlotState** s : group) members.push_back(*s);
+    stepper->CommitAll(members);
+  }
+}
+
+void AppendSlotStates(absl::Span<SlotAppendCall> calls) {
+  for (auto& [stepper, group] : ByStepper(calls, [](SlotAppendCall& c) { return c.state; })) {
+    stepper->AppendAll(group);
+  }
+  for (SlotAppendCall& call : calls) {
+    if (call.state->stepper() != nullptr) continue;
+    try {
+      call.status = call.state->Append(call.positions, call.initial_score);
+    } catch (const std::bad_alloc&) {
+      call.status = absl::ResourceExhaustedError("slot state append: out of host memory");
+    }
+  }
+}
+
+void StepSlotStates(absl::Span<SlotStepCall> calls) {
+  for (auto& [stepper, group] : ByStepper(calls, [](SlotStepCall& c) { return c.state; })) {
+    stepper->StepAll(group);
+  }
   for (SlotStepCall& call : calls) {
     if (call.state->stepper() != nullptr) continue;
     try {

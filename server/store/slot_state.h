@@ -21,6 +21,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -63,6 +64,14 @@ struct SlotStepCall {
   absl::Status status;
 };
 
+// One Append of several run together (AppendSlotStates).
+struct SlotAppendCall {
+  SlotState* state = nullptr;
+  absl::Span<const int64_t> positions;
+  float initial_score = 0;
+  absl::Status status;
+};
+
 // Runs the Steps of states that share it as one batch (the CUDA states of one device: one
 // upload, one launch per kernel, one download and one wait for all of them). Each call
 // ends exactly as its own Step would: its status, its keep-sets, the step staged in its
@@ -71,11 +80,23 @@ class SlotStepper {
  public:
   virtual ~SlotStepper() = default;
   virtual void StepAll(absl::Span<SlotStepCall* const> calls) = 0;
+  // Compacts the states whose last Step is pending (CommitStep's work) as one batch; a
+  // state whose compaction fails here keeps its step pending for its own CommitStep.
+  virtual void CommitAll(absl::Span<SlotState* const> states) = 0;
+  // The Appends of states that share it as one batch, each ending as its own Append would.
+  virtual void AppendAll(absl::Span<SlotAppendCall* const> calls) = 0;
 };
 
 // Steps every call: those whose states share a stepper as one batch per stepper, the others
 // one by one. The states are distinct. May throw std::bad_alloc before any call steps.
 void StepSlotStates(absl::Span<SlotStepCall> calls);
+// The compaction CommitStep does, done now for the states that share a stepper, as one
+// batch per stepper (the others, and any whose batch fails, compact in their CommitStep,
+// which must still be called for every state). May throw std::bad_alloc, compacting none.
+void CommitSlotStates(absl::Span<SlotState* const> states);
+// Appends for every call, as one batch per stepper, the others one by one. The states are
+// distinct. May throw std::bad_alloc before any call appends.
+void AppendSlotStates(absl::Span<SlotAppendCall> calls);
 
 class SlotState {
  public:
@@ -190,8 +211,8 @@ class BookedSlotState : public SlotState {
   }
   absl::Status CommitStep() final {
     saved_ = false;
-    absl::Status s = absl::OkStatus();
-    if (pending_) s = Compact();
+    absl::Status s = std::exchange(commit_error_, absl::OkStatus());
+    if (s.ok() && pending_) s = Compact();
     pending_ = false;
     EndCommit();
     return s;
@@ -199,6 +220,8 @@ class BookedSlotState : public SlotState {
   absl::Status AbortStep() final {
     pending_ = false;
     EndCommit();
+    // A batched compaction failed part-way: nothing to put back to.
+    if (!commit_error_.ok()) return std::exchange(commit_error_, absl::OkStatus());
     if (!saved_) return absl::OkStatus();
     saved_ = false;
     return RestoreScores();
@@ -243,6 +266,9 @@ class BookedSlotState : public SlotState {
   SlotBook book_;
   bool pending_ = false;  // the flags hold the last Step's keep-sets
   bool saved_ = false;    // the scores before the last Step are saved (until Commit/Abort)
+  // A batch's compaction of the pending step failed once launched (SlotStepper::CommitAll):
+  // CommitStep and AbortStep report it instead of compacting or restoring.
+  absl::Status commit_error_;
 };
 
 // The CPU implementation: flat host arrays (host_scores() is never null).

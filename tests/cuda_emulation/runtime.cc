@@ -619,6 +619,12 @@ cudaError_t CopyBatch(const uint8_t* src, uint8_t* dst, const CopyOp* ops, uint3
   });
 }
 
+cudaError_t ScatterBatch(const uint8_t* src, const ScatterOp* ops, uint32_t n,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
+  return Launched([&] { Launch(stream, {src, ops}, [=] { ScatterBatchRef(src, ops, n); }); });
+}
+
 cudaError_t QuantizeBlocks(uint8_t* base, ElemType elem, QuantGeometry g,
                            const QuantizeDeviceOp* ops, uint32_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
@@ -682,6 +688,14 @@ cudaError_t SelectTopSegments(const StepSegment* segments, uint32_t n, const flo
   return Launched([&] {
     Launch(stream, {segments, stream_max, keep_copy},
            [=] { SelectTopSegmentsRef(segments, n, stream_max, keep_copy); });
+  });
+}
+
+cudaError_t CompactSlotsSegments(const CompactSegment* segments, uint32_t n, uint32_t* kept,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;  // as the real launcher: nothing launched
+  return Launched([&] {
+    Launch(stream, {segments, kept}, [=] { CompactSlotsSegmentsRef(segments, n, kept); });
   });
 }
 

@@ -1,7 +1,7 @@
 // GPU parity: every CUDA kernel against its C++ reference on random inputs. Needs CUDA and
 // CMake only (no GoogleTest here: tests/gpu/run.sh builds on bare GPU machines). Exits 0
 // when all checks pass, 1 on a mismatch, 77 (skipped) when no CUDA device is present.
-// Arguments name the groups to run (move, quant, select, compact); none runs them all
+// Arguments name the groups to run (move, quant, select, compact, segments); none runs them all
 // (tests/gpu/run.sh runs select and compact again under racecheck).
 //
 // Tolerances: none. Every kernel is specified bit for bit (copies, compaction, selection
@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -288,15 +289,149 @@ void RowCompaction() {
   }
 }
 
+// The batched step's kernels (one launch over the streams of several sequences, each in
+// its own allocation): UpdateScoresSegments, SelectTopSegments, CompactSlotsSegments and
+// ScatterBatch against their references, which run the per-stream ones.
+void Segments() {
+  for (int trial = 0; trial < 30; ++trial) {
+    const std::string t = " trial " + std::to_string(trial);
+    const uint32_t states = 1 + rng() % 8;
+    std::vector<Streams> host(states);
+    std::vector<std::unique_ptr<DeviceArray<float>>> d_scores, d_saved;
+    std::vector<std::unique_ptr<DeviceArray<int64_t>>> d_pos;
+    std::vector<std::unique_ptr<DeviceArray<uint8_t>>> d_keep;
+    std::vector<std::unique_ptr<DeviceArray<StreamSlice>>> d_slice_out;
+    std::vector<std::vector<float>> saved(states);
+    std::vector<std::vector<uint8_t>> keep(states);
+    std::vector<std::vector<StreamSlice>> slice_out(states);
+    std::vector<float> rows;
+    std::vector<StepSegment> h_seg, d_seg_host;
+    std::vector<uint64_t> row_at;
+    uint64_t copy_bytes = 0;
+    const ScoreStep op{trial % 2 ? ScoreRule::kEma : ScoreRule::kAccumulate, 0.9f,
+                       trial % 3 ? 0.65f : 1.0f, trial % 3 != 0, trial % 5 != 0};
+    for (uint32_t i = 0; i < states; ++i) {
+      Streams& st = host[i] = RandomStreams(1 + rng() % 40, trial % 7 == 0 ? 3000 : 500);
+      if (op.rule == ScoreRule::kAccumulate) {
+        for (float& x : st.scores) x = std::isnan(x) ? 0.0f : x;
+      }
+      saved[i].assign(st.scores.size(), -1.0f);
+      keep[i].assign(st.scores.size(), 9);
+      slice_out[i].assign(st.slices.size(), StreamSlice{});
+      d_scores.push_back(std::make_unique<DeviceArray<float>>(st.scores));
+      d_saved.push_back(std::make_unique<DeviceArray<float>>(saved[i]));
+      d_pos.push_back(std::make_unique<DeviceArray<int64_t>>(st.positions));
+      d_keep.push_back(std::make_unique<DeviceArray<uint8_t>>(keep[i]));
+      d_slice_out.push_back(std::make_unique<DeviceArray<StreamSlice>>(slice_out[i]));
+    }
+    // Rows packed back to back; each segment's flags copied to keep_copy in order.
+    for (uint32_t i = 0; i < states; ++i) {
+      for (size_t s = 0; s < host[i].slices.size(); ++s) {
+        const StreamSlice sl = host[i].slices[s];
+        row_at.push_back(rows.size());
+        rows.insert(rows.end(), host[i].attention.begin() + sl.offset,
+                    host[i].attention.begin() + sl.offset + sl.length);
+        h_seg.push_back({sl, op, nullptr, host[i].scores.data(), saved[i].data(),
+                         host[i].positions.data(), keep[i].data(), &slice_out[i][s], copy_bytes});
+        d_seg_host.push_back({sl, op, nullptr, d_scores[i]->get(), d_saved[i]->get(),
+                              d_pos[i]->get(), d_keep[i]->get(), d_slice_out[i]->get() + s,
+                              copy_bytes});
+        copy_bytes += sl.length;
+      }
+    }
+    DeviceArray<float> d_rows(rows);
+    for (size_t g = 0; g < h_seg.size(); ++g) {
+      h_seg[g].attention = rows.data() + row_at[g];
+      d_seg_host[g].attention = d_rows.get() + row_at[g];
+    }
+    const auto n = static_cast<uint32_t>(h_seg.size());
+    std::vector<float> mx(n, 0);
+    std::vector<uint8_t> copy(copy_bytes, 7);
+    DeviceArray<StepSegment> d_seg(d_seg_host);
+    DeviceArray<float> d_mx(mx);
+    DeviceArray<uint8_t> d_copy(copy);
+    UpdateScoresSegmentsRef(h_seg.data(), n, mx.data());
+    SelectTopSegmentsRef(h_seg.data(), n, mx.data(), copy.data());
+    CUDA_OK(cuda::UpdateScoresSegments(d_seg.get(), n, d_mx.get(), nullptr));
+    CUDA_OK(cuda::SelectTopSegments(d_seg.get(), n, d_mx.get(), d_copy.get(), nullptr));
+    Check(BitEqual(d_mx.Host(), mx), "segments: stream max" + t);
+    Check(d_copy.Host() == copy, "segments: keep copy" + t);
+    for (uint32_t i = 0; i < states; ++i) {
+      Check(BitEqual(d_scores[i]->Host(), host[i].scores), "segments: scores" + t);
+      Check(BitEqual(d_saved[i]->Host(), saved[i]), "segments: saved scores" + t);
+      Check(d_keep[i]->Host() == keep[i], "segments: keep" + t);
+      Check(BitEqual(d_slice_out[i]->Host(), slice_out[i]), "segments: slices" + t);
+    }
+    if (!op.select) continue;
+    // The compaction to those flags, by segments.
+    std::vector<CompactSegment> hc, dc_host;
+    std::vector<std::vector<uint32_t>> index(states);
+    std::vector<std::unique_ptr<DeviceArray<uint32_t>>> d_index;
+    for (uint32_t i = 0; i < states; ++i) {
+      index[i].assign(host[i].scores.size(), 0);
+      d_index.push_back(std::make_unique<DeviceArray<uint32_t>>(index[i]));
+      for (const StreamSlice& sl : host[i].slices) {
+        hc.push_back(
+            {sl, keep[i].data(), host[i].scores.data(), host[i].positions.data(), index[i].data()});
+        dc_host.push_back(
+            {sl, d_keep[i]->get(), d_scores[i]->get(), d_pos[i]->get(), d_index[i]->get()});
+      }
+    }
+    std::vector<uint32_t> kept(n, 0);
+    DeviceArray<CompactSegment> d_cseg(dc_host);
+    DeviceArray<uint32_t> d_kept(kept);
+    CompactSlotsSegmentsRef(hc.data(), n, kept.data());
+    CUDA_OK(cuda::CompactSlotsSegments(d_cseg.get(), n, d_kept.get(), nullptr));
+    Check(d_kept.Host() == kept, "segments: kept" + t);
+    bool same = true;
+    uint32_t g = 0;
+    for (uint32_t i = 0; i < states; ++i) {
+      const std::vector<float> sc = d_scores[i]->Host();
+      const std::vector<int64_t> pos = d_pos[i]->Host();
+      const std::vector<uint32_t> idx = d_index[i]->Host();
+      for (const StreamSlice& sl : host[i].slices) {
+        for (uint32_t r = 0; r < kept[g]; ++r) {
+          const uint32_t at = sl.offset + r;
+          same = same && idx[at] == index[i][at] && pos[at] == host[i].positions[at] &&
+                 std::memcmp(&sc[at], &host[i].scores[at], 4) == 0;
+        }
+        ++g;
+      }
+    }
+    Check(same, "segments: compact slots" + t);
+    // A scatter into every state's scores, from one staged buffer.
+    std::vector<uint8_t> staged(64 * states);
+    for (auto& b : staged) b = static_cast<uint8_t>(rng());
+    std::vector<ScatterOp> h_ops, d_ops_host;
+    for (uint32_t i = 0; i < states; ++i) {
+      const uint64_t bytes = std::min<uint64_t>(64, host[i].scores.size() * 4);
+      h_ops.push_back({64ull * i, reinterpret_cast<uint8_t*>(host[i].scores.data()), bytes});
+      d_ops_host.push_back({64ull * i, reinterpret_cast<uint8_t*>(d_scores[i]->get()), bytes});
+    }
+    DeviceArray<uint8_t> d_staged(staged);
+    DeviceArray<ScatterOp> d_ops(d_ops_host);
+    ScatterBatchRef(staged.data(), h_ops.data(), h_ops.size());
+    CUDA_OK(cuda::ScatterBatch(d_staged.get(), d_ops.get(), states, nullptr));
+    bool scattered = true;
+    for (uint32_t i = 0; i < states; ++i) {
+      const std::vector<float> sc = d_scores[i]->Host();
+      const uint64_t bytes = h_ops[i].bytes;
+      scattered = scattered && std::memcmp(sc.data(), host[i].scores.data(), bytes) == 0;
+    }
+    Check(scattered, "scatter batch" + t);
+  }
+}
+
 }  // namespace
 }  // namespace kvmem::kernels
 
 int main(int argc, char** argv) {
-  const std::set<std::string> groups = {"move", "quant", "select", "compact"};
+  const std::set<std::string> groups = {"move", "quant", "select", "compact", "segments"};
   const std::set<std::string> asked(argv + 1, argv + argc);
   for (const std::string& group : asked) {
     if (groups.count(group) == 0) {
-      std::printf("gpu parity: unknown group '%s' (move, quant, select, compact)\n", group.c_str());
+      std::printf("gpu parity: unknown group '%s' (move, quant, select, compact, segments)\n",
+                  group.c_str());
       return 2;
     }
   }
@@ -314,6 +449,7 @@ int main(int argc, char** argv) {
   if (wanted("quant")) Quantization();
   if (wanted("select")) Selection();
   if (wanted("compact")) RowCompaction();
+  if (wanted("segments")) Segments();
   std::printf("gpu parity: %d checks, %d mismatches\n", checks, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -156,7 +156,7 @@ if [ -x gpu-bundle/bin/in_place_bench ]; then
   grep -h '^|' build-gpu/in_place_bench_cuda.log | while read -r line; do note "$line"; done
 fi
 run "selection and compaction (racecheck)" 120 "$logs/parity_racecheck.log" racecheck \
-  "$bin/gpu_parity" select compact
+  "$bin/gpu_parity" select compact segments
 if [ -x gpu-bundle/bin/cuda_backend_test ]; then
   # The backend's tests ask for pools no GPU holds (--pool-bytes of 1 and 4 PiB) to see
   # RESOURCE_EXHAUSTED, and memcheck reports each failed cudaMalloc as an API error: those,

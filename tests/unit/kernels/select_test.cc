@@ -229,5 +229,105 @@ TEST(SelectTest, CompactMovesKeptSlotsToTheFrontInOrder) {
   EXPECT_EQ(index[5], 1u);
 }
 
+// The batched step's segments over two sequences' own arrays step, select and compact each
+// stream exactly as the flat per-stream calls do, and leave the scores as they were in
+// saved_scores, each slice where a later compaction reads it, the flags in the copy.
+TEST(SelectTest, SegmentsOfSeveralSequencesMatchThePerStreamCalls) {
+  std::mt19937 rng(17);
+  struct Seq {
+    std::vector<StreamSlice> slices;
+    std::vector<float> scores, attention, saved;
+    std::vector<int64_t> positions;
+    std::vector<uint8_t> keep;
+    std::vector<StreamSlice> slice_out;
+  };
+  std::vector<Seq> seqs(2);
+  const uint32_t C = 50;  // capacity per stream, as a slot state lays them out
+  for (Seq& q : seqs) {
+    for (uint32_t s = 0; s < 3; ++s) {
+      const uint32_t n = 10 + rng() % 40;
+      q.slices.push_back({s * C, n, 20, 4});
+    }
+    q.scores.resize(3 * C);
+    q.attention.resize(3 * C);
+    q.positions.resize(3 * C);
+    for (uint32_t j = 0; j < 3 * C; ++j) {
+      q.scores[j] = static_cast<float>(rng() % 100) / 100;
+      q.attention[j] = static_cast<float>(rng() % 100) / 100;
+      q.positions[j] = 3 * (j % C) + 1;
+    }
+    q.saved.assign(3 * C, -1);
+    q.keep.assign(3 * C, 9);
+    q.slice_out.assign(3, StreamSlice{});
+  }
+  const ScoreStep op{ScoreRule::kEma, 0.8f, 0.65f, true, true};
+  std::vector<StepSegment> segments;
+  uint64_t copy_at = 0;
+  for (Seq& q : seqs) {
+    for (size_t s = 0; s < q.slices.size(); ++s) {
+      const StreamSlice sl = q.slices[s];
+      segments.push_back({sl, op, q.attention.data() + sl.offset, q.scores.data(), q.saved.data(),
+                          q.positions.data(), q.keep.data(), &q.slice_out[s], copy_at});
+      copy_at += sl.length;
+    }
+  }
+  const std::vector<Seq> before = seqs;
+  std::vector<Seq> want = seqs;
+  std::vector<float> mx(segments.size());
+  std::vector<uint8_t> copy(copy_at, 7);
+  UpdateScoresSegmentsRef(segments.data(), static_cast<uint32_t>(segments.size()), mx.data());
+  SelectTopSegmentsRef(segments.data(), static_cast<uint32_t>(segments.size()), mx.data(),
+                       copy.data());
+  size_t g = 0;
+  uint64_t at = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Seq& w = want[i];
+    std::vector<float> wmx(3);
+    UpdateScoresRef(op.rule, op.lambda, w.slices.data(), 3, w.attention.data(), w.scores.data(),
+                    wmx.data());
+    SelectTopRef(w.slices.data(), 3, w.scores.data(), wmx.data(), w.positions.data(),
+                 op.attention_weight, w.keep.data());
+    for (size_t s = 0; s < 3; ++s, ++g) {
+      const StreamSlice sl = w.slices[s];
+      EXPECT_EQ(mx[g], wmx[s]);
+      EXPECT_EQ(seqs[i].slice_out[s].offset, sl.offset);
+      EXPECT_EQ(seqs[i].slice_out[s].length, sl.length);
+      for (uint32_t j = 0; j < sl.length; ++j) {
+        EXPECT_EQ(seqs[i].scores[sl.offset + j], w.scores[sl.offset + j]);
+        EXPECT_EQ(seqs[i].saved[sl.offset + j], before[i].scores[sl.offset + j]);
+        EXPECT_EQ(seqs[i].keep[sl.offset + j], w.keep[sl.offset + j]);
+        EXPECT_EQ(copy[at + j], w.keep[sl.offset + j]);
+      }
+      at += sl.length;
+    }
+  }
+  // Compaction by segments equals CompactSlotsRef per sequence.
+  std::vector<CompactSegment> compact;
+  std::vector<std::vector<uint32_t>> index(seqs.size(), std::vector<uint32_t>(3 * C));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (const StreamSlice& sl : seqs[i].slices) {
+      compact.push_back({sl, seqs[i].keep.data(), seqs[i].scores.data(), seqs[i].positions.data(),
+                         index[i].data()});
+    }
+  }
+  std::vector<uint32_t> kept(compact.size());
+  CompactSlotsSegmentsRef(compact.data(), static_cast<uint32_t>(compact.size()), kept.data());
+  g = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<uint32_t> windex(3 * C), wkept(3);
+    CompactSlotsRef(want[i].slices.data(), 3, want[i].keep.data(), want[i].scores.data(),
+                    want[i].positions.data(), windex.data(), wkept.data());
+    for (size_t s = 0; s < 3; ++s, ++g) {
+      ASSERT_EQ(kept[g], wkept[s]);
+      const uint32_t off = want[i].slices[s].offset;
+      for (uint32_t r = 0; r < kept[g]; ++r) {
+        EXPECT_EQ(index[i][off + r], windex[off + r]);
+        EXPECT_EQ(seqs[i].positions[off + r], want[i].positions[off + r]);
+        EXPECT_EQ(seqs[i].scores[off + r], want[i].scores[off + r]);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvmem::kernels
