@@ -53,5 +53,9 @@ struct MoveWave {
   uint64_t scratch_bytes = 0;
 };
 std::vector<MoveWave> PlanMoveWaves(const CopyOp* ops, size_t n);
+// The waves of several move batches that touch disjoint bytes (the sequences of a batched
+// step): wave w runs every batch's own wave w, so the batches take as many waves as the
+// longest of them, not their sum. Running them equals MoveBatchRef of each batch.
+std::vector<MoveWave> PlanMoveWaves(const std::vector<std::vector<CopyOp>>& batches);
 
 }  // namespace kvmem::kernels

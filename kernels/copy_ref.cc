@@ -80,4 +80,23 @@ std::vector<MoveWave> PlanMoveWaves(const CopyOp* ops, size_t n) {
   return waves;
 }
 
+std::vector<MoveWave> PlanMoveWaves(const std::vector<std::vector<CopyOp>>& batches) {
+  std::vector<MoveWave> merged;
+  for (const std::vector<CopyOp>& batch : batches) {
+    const std::vector<MoveWave> own = PlanMoveWaves(batch.data(), batch.size());
+    if (merged.size() < own.size()) merged.resize(own.size());
+    for (size_t w = 0; w < own.size(); ++w) {
+      MoveWave& into = merged[w];
+      const uint64_t base = into.scratch_bytes;  // 16-aligned, as every wave's end is
+      for (const CopyOp& op : own[w].gather)
+        into.gather.push_back({op.src, base + op.dst, op.bytes});
+      for (const CopyOp& op : own[w].scatter) {
+        into.scatter.push_back({base + op.src, op.dst, op.bytes});
+      }
+      into.scratch_bytes = base + own[w].scratch_bytes;
+    }
+  }
+  return merged;
+}
+
 }  // namespace kvmem::kernels

@@ -328,14 +328,14 @@ absl::Status AppendSession::PrepareLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
 
 void AppendSession::WriteMany(absl::Span<AppendSession* const> sessions) {
   std::vector<AppendSession*> writers;
-  std::vector<store::MoveOp> moves;
+  std::vector<absl::Span<const store::MoveOp>> moves;
   std::vector<store::WriteOp> writes;
   try {
     for (AppendSession* session : sessions) {
       const OpBatch& d = session->deferred_;
       if (!session->broken_.ok() || (d.moves.empty() && d.writes.empty())) continue;
       writers.push_back(session);
-      moves.insert(moves.end(), d.moves.begin(), d.moves.end());
+      moves.push_back(d.moves);
       writes.insert(writes.end(), d.writes.begin(), d.writes.end());
     }
   } catch (const std::bad_alloc&) {
@@ -349,9 +349,9 @@ void AppendSession::WriteMany(absl::Span<AppendSession* const> sessions) {
   }
   if (writers.empty()) return;
   // Sessions write only into blocks of their own (a shared block is copied first), so the
-  // moves of all, then the writes of all, keep each session's order.
+  // moves of all (disjoint batches), then the writes of all, keep each session's order.
   const AppendRooms& rooms = writers[0]->rooms_;
-  absl::Status io = rooms.backend->Move(moves);
+  absl::Status io = rooms.backend->MoveDisjoint(moves);
   if (io.ok()) io = rooms.backend->Write(writes);
   if (io.ok()) io = rooms.backend->Synchronize();
   for (AppendSession* session : writers) {

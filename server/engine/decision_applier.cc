@@ -31,9 +31,10 @@ void KeepOrphans(Sequence& seq, const OpBatch& batch,
 
 absl::Status DecisionApplier::ExecuteMany(absl::Span<Pending* const> pending) {
   // The moves of different sequences touch different blocks (a sequence moves rows only
-  // into blocks it allocated), so one move batch holds them all; quantizations go by format.
-  // One sequence's lists (a unary call) are used as they are.
-  std::vector<store::MoveOp> moves;
+  // within blocks it holds alone, and into blocks it allocated), so they run as disjoint
+  // batches; quantizations go by format. One sequence's writes (a unary call) are used as
+  // they are.
+  std::vector<absl::Span<const store::MoveOp>> moves;
   std::vector<store::WriteOp> writes;
   std::vector<std::pair<const Sequence*, std::vector<store::QuantizeOp>>> quantizes;
   const bool one = pending.size() == 1;
@@ -41,10 +42,8 @@ absl::Status DecisionApplier::ExecuteMany(absl::Span<Pending* const> pending) {
   for (Pending* p : pending) {
     const OpBatch& b = p->batch_;
     for (const store::MoveOp& op : b.moves) moved += op.bytes;
-    if (!one) {
-      moves.insert(moves.end(), b.moves.begin(), b.moves.end());
-      writes.insert(writes.end(), b.writes.begin(), b.writes.end());
-    }
+    moves.push_back(b.moves);
+    if (!one) writes.insert(writes.end(), b.writes.begin(), b.writes.end());
     if (b.quantizes.empty()) continue;
     const Sequence& seq = *p->seq_;
     auto same = std::find_if(quantizes.begin(), quantizes.end(), [&](const auto& q) {
@@ -56,7 +55,7 @@ absl::Status DecisionApplier::ExecuteMany(absl::Span<Pending* const> pending) {
     if (same == quantizes.end()) same = quantizes.insert(quantizes.end(), {&seq, {}});
     same->second.insert(same->second.end(), b.quantizes.begin(), b.quantizes.end());
   }
-  absl::Status io = backend_->Move(one ? pending[0]->batch_.moves : moves);
+  absl::Status io = backend_->MoveDisjoint(moves);
   if (io.ok()) io = backend_->Write(one ? pending[0]->batch_.writes : writes);
   for (size_t q = 0; io.ok() && q < quantizes.size(); ++q) {
     const Sequence& seq = *quantizes[q].first;

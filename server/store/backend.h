@@ -94,6 +94,16 @@ class Backend {
   [[nodiscard]] virtual absl::Status Write(absl::Span<const WriteOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Read(absl::Span<const ReadOp> ops) = 0;
   [[nodiscard]] virtual absl::Status Move(absl::Span<const MoveOp> ops) = 0;
+  // Several move batches that touch disjoint bytes (the sequences of a batched step), each
+  // applied in order; a backend may interleave them (the CUDA one runs their waves side by
+  // side). By default, one after another.
+  [[nodiscard]] virtual absl::Status MoveDisjoint(
+      absl::Span<const absl::Span<const MoveOp>> batches) {
+    for (absl::Span<const MoveOp> ops : batches) {
+      if (absl::Status s = Move(ops); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // Quantization entry points (kernels/quantize.h is the contract); one call per batch.
   [[nodiscard]] virtual absl::Status Quantize(kernels::ElemType elem,
                                               const kernels::QuantGeometry& geometry,

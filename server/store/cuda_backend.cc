@@ -306,17 +306,26 @@ absl::Status CudaBackend::Read(absl::Span<const ReadOp> ops) {
 }
 
 absl::Status CudaBackend::Move(absl::Span<const MoveOp> ops) {
-  if (ops.empty()) return absl::OkStatus();
-  if (absl::Status s = Bind(); !s.ok()) return s;
-  std::vector<kernels::CopyOp> moves;
-  for (const MoveOp& op : ops) {
-    if (absl::Status s = CheckRange(op.src, op.bytes, "move source"); !s.ok()) return s;
-    if (absl::Status s = CheckRange(op.dst, op.bytes, "move destination"); !s.ok()) return s;
-    moves.push_back({op.src, op.dst, op.bytes});
+  return MoveDisjoint(absl::MakeConstSpan(&ops, 1));
+}
+
+absl::Status CudaBackend::MoveDisjoint(absl::Span<const absl::Span<const MoveOp>> batches) {
+  std::vector<std::vector<kernels::CopyOp>> moves(batches.size());
+  bool any = false;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    for (const MoveOp& op : batches[b]) {
+      if (absl::Status s = CheckRange(op.src, op.bytes, "move source"); !s.ok()) return s;
+      if (absl::Status s = CheckRange(op.dst, op.bytes, "move destination"); !s.ok()) return s;
+      moves[b].push_back({op.src, op.dst, op.bytes});
+      any = true;
+    }
   }
+  if (!any) return absl::OkStatus();
+  if (absl::Status s = Bind(); !s.ok()) return s;
   // Per wave (copy.h): every source to scratch, then scratch to every destination. Every
-  // wave's two op lists go up in one copy: wave w's gathers, then its scatters.
-  const std::vector<kernels::MoveWave> waves = kernels::PlanMoveWaves(moves.data(), moves.size());
+  // wave's two op lists go up in one copy: wave w's gathers, then its scatters. The
+  // batches' waves run side by side (wave w of each in wave w).
+  const std::vector<kernels::MoveWave> waves = kernels::PlanMoveWaves(moves);
   std::vector<kernels::CopyOp> lists;
   std::vector<size_t> first;  // index in `lists` of each wave's gathers
   uint64_t scratch = 0;

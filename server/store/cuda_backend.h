@@ -33,6 +33,7 @@ class CudaBackend final : public Backend {
   absl::Status Write(absl::Span<const WriteOp> ops) override;
   absl::Status Read(absl::Span<const ReadOp> ops) override;
   absl::Status Move(absl::Span<const MoveOp> ops) override;
+  absl::Status MoveDisjoint(absl::Span<const absl::Span<const MoveOp>> batches) override;
   absl::Status Quantize(kernels::ElemType elem, const kernels::QuantGeometry& geometry,
                         absl::Span<const QuantizeOp> ops) override;
   absl::Status Dequantize(const kernels::QuantGeometry& geometry, kernels::ElemType elem,

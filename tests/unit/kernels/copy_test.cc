@@ -3,6 +3,7 @@
 // the CPU: for random batches full of overlaps the two must give the same bytes.
 #include "kernels/copy.h"
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -43,6 +44,40 @@ TEST(CopyTest, WavesMatchInOrderMemmoveOnRandomBatches) {
     ++batches;
   }
   EXPECT_GT(total_waves, batches);  // the random batches did have hazards to split at
+}
+
+// Batches over disjoint regions (the sequences of a batched step), run with their waves
+// side by side: the bytes of each batch's in-order memmove, in as many waves as the
+// longest batch needs.
+TEST(CopyTest, DisjointBatchesRunSideBySideInTheLongestOnesWaves) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    const uint64_t region = 256;
+    const size_t num = 1 + rng() % 6;
+    std::vector<uint8_t> a(region * num), b;
+    for (auto& x : a) x = static_cast<uint8_t>(rng());
+    b = a;
+    std::vector<std::vector<CopyOp>> batches(num);
+    size_t longest = 0;
+    for (size_t i = 0; i < num; ++i) {
+      batches[i].resize(1 + rng() % 10);
+      for (CopyOp& op : batches[i]) {
+        op.bytes = rng() % 40;
+        op.src = region * i + rng() % (region - op.bytes + 1);
+        op.dst = region * i + rng() % (region - op.bytes + 1);
+      }
+      MoveBatchRef(a.data(), batches[i].data(), batches[i].size());
+      longest = std::max(longest, MoveWaves(batches[i].data(), batches[i].size()).size());
+    }
+    const std::vector<MoveWave> waves = PlanMoveWaves(batches);
+    EXPECT_EQ(waves.size(), longest) << "trial " << trial;
+    for (const MoveWave& wave : waves) {
+      std::vector<uint8_t> scratch(wave.scratch_bytes);
+      CopyBatchRef(b.data(), scratch.data(), wave.gather.data(), wave.gather.size());
+      CopyBatchRef(scratch.data(), b.data(), wave.scatter.data(), wave.scatter.size());
+    }
+    ASSERT_EQ(a, b) << "trial " << trial;
+  }
 }
 
 TEST(CopyTest, WavesSplitOnlyAtHazards) {
