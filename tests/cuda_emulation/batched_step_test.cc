@@ -106,8 +106,8 @@ TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
 // metadata compactions (DecisionApplier::ExecuteMany, store::AppendSlotStates and
 // CommitSlotStates batch what each entry did on its own) — and eight copies (seven for one
 // entry, whose compaction downloads its kept counts only). Launches vary with the waves of
-// the moves (two per wave, the sequences' side by side: Backend::MoveDisjoint). Exact, so that a change to the batch's round trips shows here;
-// the figures are in bench/RESULTS.md.
+// the moves (two per wave, the sequences' side by side: Backend::MoveDisjoint). Exact, so that a
+// change to the batch's round trips shows here; the figures are in bench/RESULTS.md.
 TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
   for (uint32_t n : {1u, 8u, 64u}) {
     SCOPED_TRACE(::testing::Message() << n << " entries");
@@ -141,7 +141,10 @@ TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
       const size_t waits = end.waits - start.waits, transfers = end.transfers - start.transfers;
       EXPECT_EQ(waits, 5u);
       EXPECT_EQ(transfers, n == 1 ? 7u : 8u);
-      EXPECT_LE(end.launches - start.launches, 12u);  // the sequences' move waves side by side
+      // Five launches besides the moves, two per wave of the sequence whose moves take the
+      // most (a compaction that shifts rows toward a block's end, as StreamPlanner::Keep
+      // plans some, reads rows written earlier in the batch: a new wave); at most five seen.
+      EXPECT_LE(end.launches - start.launches, 5u + 2 * 5);
       if (t == 105) {
         std::printf("%u entries: %zu waits, %zu transfers, %zu launches per decode batch\n", n,
                     waits, transfers, end.launches - start.launches);
