@@ -162,9 +162,22 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
 }
 
 std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> calls) {
+  // Everything the phases keep, allocated before any entry applies: from the first commit
+  // on, a throw must fail entries, not the batch.
   std::vector<Entry> entries;
   entries.reserve(calls.size());
   for (const StepCall& call : calls) entries.emplace_back(call);
+  std::vector<size_t> order(calls.size()), staged_of(calls.size(), SIZE_MAX);
+  std::vector<AppendSession*> sessions;
+  std::vector<Sequence*> seqs;
+  std::vector<const CheckedStep*> steps;
+  std::vector<PolicyDriver::PendingStep*> pending;
+  std::vector<StepOutcome> outcomes;
+  sessions.reserve(calls.size());
+  seqs.reserve(calls.size());
+  steps.reserve(calls.size());
+  pending.reserve(calls.size());
+  outcomes.reserve(calls.size());
   // A throw (host memory) fails the entry as RunOne's caller fails it; what applied of it
   // before stays applied.
   auto guarded = [](Entry& e, auto&& phase) {
@@ -179,9 +192,34 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
       e.seq = nullptr;    // nothing more of it runs (its lock goes with the entry)
     }
   };
+  // A phase's host work on every entry it concerns: across cores when parallel_ (entries
+  // name different sequences, all locked by this thread for the whole batch: the phases
+  // use the locks, never take or drop them), else in order.
+  auto for_each = [&](auto&& concerns, auto&& phase) {
+    auto run = [&](Entry& e) {
+      if (concerns(e)) guarded(e, [&] { phase(e); });
+    };
+    if (!parallel_ || entries.size() < 2) {
+      for (Entry& e : entries) run(e);
+      return;
+    }
+    std::vector<char> ran(entries.size(), 0);
+    try {
+      ParallelFor(entries.size(), 1, [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) {
+          ran[i] = 1;
+          run(entries[i]);
+        }
+      });
+    } catch (const std::exception&) {
+      // The scheduler itself failed (no task ran, or some did): the rest run here.
+    }
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (!ran[i]) run(entries[i]);
+    }
+  };
   // The locks, in the order of sequence ids: two batches naming the same sequences cannot
   // each hold one the other waits for.
-  std::vector<size_t> order(calls.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t b) { return calls[a].sequence_id < calls[b].sequence_id; });
@@ -195,14 +233,14 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
     }
     e.ref.emplace(*std::move(ref));
   }
-  for (Entry& e : entries) {
-    if (e.ref) guarded(e, [&] { Begin(e); });
-  }
+  for_each([](const Entry& e) { return e.ref.has_value(); }, [&](Entry& e) { Begin(e); });
   // The appends' commits: their K/V writes together, their slot states' appends together,
   // then each.
-  std::vector<AppendSession*> sessions;
+  auto appending = [](const Entry& e) {
+    return e.seq != nullptr && e.session != nullptr && e.out.status.ok();
+  };
   for (Entry& e : entries) {
-    if (e.seq != nullptr && e.session && e.out.status.ok()) sessions.push_back(e.session.get());
+    if (appending(e)) sessions.push_back(e.session.get());
   }
   AppendSession::WriteMany(sessions);
   try {
@@ -210,13 +248,8 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
   } catch (const std::bad_alloc&) {
     // Before any slot state appended: each commit appends its own.
   }
-  for (Entry& e : entries) {
-    if (e.seq != nullptr && e.session && e.out.status.ok()) guarded(e, [&] { CommitAppend(e); });
-  }
+  for_each(appending, [&](Entry& e) { CommitAppend(e); });
   // The slot-state halves of the kernel steps, together.
-  std::vector<Sequence*> seqs;
-  std::vector<const CheckedStep*> steps;
-  std::vector<size_t> staged_of(entries.size(), SIZE_MAX);
   for (size_t i = 0; i < entries.size(); ++i) {
     Entry& e = entries[i];
     if (e.seq == nullptr || !e.out.status.ok() || !e.prepared) continue;
@@ -226,25 +259,33 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
     seqs.push_back(e.seq);
     steps.push_back(&*e.prepared);
   }
-  std::vector<PolicyDriver::Staged> staged = driver_->StageKernelSteps(seqs, steps);
+  std::vector<PolicyDriver::Staged> staged;
+  try {
+    staged = driver_->StageKernelSteps(seqs, steps);
+  } catch (const std::bad_alloc&) {
+    // Before any slot state stepped: those steps fail (their appends stand).
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (staged_of[i] == SIZE_MAX) continue;
+      entries[i].out.status = absl::ResourceExhaustedError("Step: out of host memory");
+      entries[i].prepared.reset();
+      staged_of[i] = SIZE_MAX;
+    }
+  }
   // Each step up to its op batch, every op batch in one execution, then each commit.
-  std::vector<PolicyDriver::PendingStep*> pending;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    Entry& e = entries[i];
-    if (e.seq == nullptr) continue;
-    PolicyDriver::Staged* mine = staged_of[i] == SIZE_MAX ? nullptr : &staged[staged_of[i]];
-    guarded(e, [&] { BeginStep(e, mine); });
+  for_each([](const Entry& e) { return e.seq != nullptr; },
+           [&](Entry& e) {
+             const size_t at = staged_of[static_cast<size_t>(&e - entries.data())];
+             BeginStep(e, at == SIZE_MAX ? nullptr : &staged[at]);
+           });
+  for (Entry& e : entries) {
     if (e.pending) pending.push_back(e.pending.get());
   }
   // A throw here (host memory) is past every begun step's point of no return: each is
   // poisoned by its end, as for a failed execution.
   const absl::Status executed =
       GuardHostMemory("StepBatch", [&] { return driver_->ExecuteSteps(pending); });
-  for (Entry& e : entries) {
-    if (e.seq != nullptr) guarded(e, [&] { Finish(e, &executed); });
-  }
-  std::vector<StepOutcome> outcomes;
-  outcomes.reserve(entries.size());
+  for_each([](const Entry& e) { return e.seq != nullptr; },
+           [&](Entry& e) { Finish(e, &executed); });
   for (Entry& e : entries) outcomes.push_back(std::move(e.out));
   return outcomes;
 }
