@@ -88,8 +88,9 @@ std::vector<MoveWave> PlanMoveWaves(const std::vector<std::vector<CopyOp>>& batc
     for (size_t w = 0; w < own.size(); ++w) {
       MoveWave& into = merged[w];
       const uint64_t base = into.scratch_bytes;  // 16-aligned, as every wave's end is
-      for (const CopyOp& op : own[w].gather)
+      for (const CopyOp& op : own[w].gather) {
         into.gather.push_back({op.src, base + op.dst, op.bytes});
+      }
       for (const CopyOp& op : own[w].scatter) {
         into.scatter.push_back({base + op.src, op.dst, op.bytes});
       }
