@@ -356,8 +356,16 @@ void AppendSession::WriteMany(absl::Span<AppendSession* const> sessions) {
   if (io.ok()) io = rooms.backend->Synchronize();
   for (AppendSession* session : writers) {
     if (!io.ok()) {
-      session->broken_ = io;
-      continue;
+      // Each alone, then (one session's bytes must not fail the others): the copies land
+      // where no table looks, so running them again is safe.
+      const OpBatch& d = session->deferred_;
+      absl::Status alone = rooms.backend->Move(d.moves);
+      if (alone.ok()) alone = rooms.backend->Write(d.writes);
+      if (alone.ok()) alone = rooms.backend->Synchronize();
+      if (!alone.ok()) {
+        session->broken_ = alone;
+        continue;
+      }
     }
     for (const store::MoveOp& op : session->deferred_.moves) {
       rooms.telemetry->bytes_moved += op.bytes;
@@ -453,6 +461,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   seq.set_append_open(false);
   if (section) section->Commit();
   rooms_.budget->Account(seq);
+  commit_reservation_.reset();  // what it held is accounted now
   rooms_.telemetry->tokens_appended += total;
   if (PolicyTelemetry* t = rooms_.telemetry->For(seq.policy_name())) {
     t->tokens_appended += total;

@@ -42,7 +42,7 @@ bool BatchRunner::Admit(const StepCall& call, StepOutcome* out) const {
   return out->status.ok();
 }
 
-void BatchRunner::Begin(Entry& e) {
+void BatchRunner::Open(Entry& e) {
   Sequence* seq = &**e.ref;
   seq->mu.AssertHeld();  // locked by the registry, then by the session or `ref`
   e.version_before = seq->version();
@@ -58,6 +58,11 @@ void BatchRunner::Begin(Entry& e) {
     if (batched_) e.session->DeferWrites();  // RunBatched writes the batch's K/V at once
   }
   e.seq = seq;
+}
+
+void BatchRunner::Begin(Entry& e) {
+  Sequence* seq = e.seq;
+  seq->mu.AssertHeld();  // by the session or `ref`
   // Everything is checked before anything applies: the chunk (staged by the session, where
   // no table looks) and the step's signals over the tokens it adds.
   if (e.session) {
@@ -156,8 +161,10 @@ StepOutcome BatchRunner::RunOne(const StepCall& call) {
     return std::move(e.out);
   }
   e.ref.emplace(*std::move(ref));
+  Open(e);
+  if (e.seq == nullptr) return std::move(e.out);
   Begin(e);
-  if (e.seq != nullptr) Finish(e, nullptr);
+  Finish(e, nullptr);
   return std::move(e.out);
 }
 
@@ -232,8 +239,9 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
       continue;
     }
     e.ref.emplace(*std::move(ref));
+    guarded(e, [&] { Open(e); });  // here: a session that cannot begin drops the lock
   }
-  for_each([](const Entry& e) { return e.ref.has_value(); }, [&](Entry& e) { Begin(e); });
+  for_each([](const Entry& e) { return e.seq != nullptr; }, [&](Entry& e) { Begin(e); });
   // The appends' commits: their K/V writes together, their slot states' appends together,
   // then each.
   auto appending = [](const Entry& e) {

@@ -41,8 +41,11 @@ class BatchRunner {
   std::vector<StepOutcome> RunBatched(absl::Span<const StepCall> calls);
   // The checks that need no sequence: false when the entry is answered already.
   bool Admit(const StepCall& call, StepOutcome* out) const;
-  // On the locked sequence: the append staged, the step's signals checked, then the append
-  // committed (in a batch: prepared, its commit left to RunBatched).
+  // On the locked sequence: the append's session opened (on the thread that took the lock:
+  // a session that cannot begin drops it; e.seq is set when the entry goes on).
+  void Open(Entry& e);
+  // Then the append staged, the step's signals checked, the append committed (in a batch:
+  // prepared, its commit left to RunBatched).
   void Begin(Entry& e);
   void CommitAppend(Entry& e);
   // The step up to its op batch (its slot-state half run here, or `staged`), for a batch.

@@ -9,7 +9,8 @@
 //   input checks      every check of a Step/Compress/Append input   (input_checks.h)
 //   PolicyDriver      signals -> policy decision -> DecisionApplier (policy_driver.h)
 //   PrefixPublisher   publishing and mapping shared prefixes        (prefix_publisher.h)
-//   BatchRunner       StepBatch's entries across cores              (batch_runner.h)
+//   BatchRunner       StepBatch's entries across cores, their device
+//                     work batched where slot states step together (batch_runner.h)
 //   KvReader          ReadKV in pieces                              (kv_reader.h)
 //   Tenants           a cache salt's pool quota                     (tenants.h)
 //   WritePlans        where in-place K/V goes, and its commits      (write_plans.h)
@@ -19,7 +20,8 @@
 // leases) and the store (pool, backend).
 //
 // Lock order: Sequence::mu -> the registry's -> BlockPool's; TableBoard's (its heap's free
-// list) is taken under Sequence::mu and takes none. Calls on different sequences
+// list) is taken under Sequence::mu and takes none. Several Sequence::mu are held at once
+// only by a batched StepBatch, taken in the order of sequence ids. Calls on different sequences
 // run in parallel; calls on one sequence are serialized. Every call validates its whole
 // input before changing anything (an error return means no state changed), and a mutation
 // given the client's held table answers its update under the same lock.

@@ -186,16 +186,17 @@ absl::Status PolicyDriver::AbortKernelStep(Sequence& seq, const absl::Status& wh
 absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> PolicyDriver::PlanKernelStep(
     Sequence& seq, const policy::CallContext& ctx, absl::Span<const absl::Span<const float>> rows,
     Staged* staged, policy::Decision* decision) {
-  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
-  decision->confidence = plan.confidence;
-  decision->budget_tokens = plan.budget_tokens;
   // The slot state stages the step (new scores, keep flags) until CommitStep; AbortStep
   // puts the scores back when the step fails before its point of no return. An exception
-  // (host memory) past this point must not leave the scores stepped either.
+  // (host memory) from here on must not leave the scores stepped either (`staged`'s are
+  // stepped already).
   absl::Cleanup abort_on_unwind = [&] {
     seq.mu.AssertHeld();
     AbortKernelStep(seq, absl::ResourceExhaustedError("")).IgnoreError();
   };
+  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
+  decision->confidence = plan.confidence;
+  decision->budget_tokens = plan.budget_tokens;
   absl::Status stepped = absl::OkStatus();
   if (staged != nullptr) {
     stepped = staged->status;

@@ -595,6 +595,16 @@ class CudaSlotState final : public BookedSlotState {
 
 }  // namespace
 
+namespace {
+
+// The end of a batch's queued work: waits for `stream`; the first error of the two.
+absl::Status Waited(const absl::Status& queued, cudaStream_t stream, absl::string_view what) {
+  absl::Status waited = FromCuda(cudaStreamSynchronize(stream), what);
+  return queued.ok() ? waited : queued;
+}
+
+}  // namespace
+
 void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
   // What each Step checks and takes before its transfers, per call: a call that fails here,
   // or whose state holds no slot yet, is done and stays out of the batch.
@@ -641,7 +651,14 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
     for (SlotStepCall* call : batch) call->status = why;
   };
   absl::StatusOr<Lease> lease = Acquire(device_bytes, flags_host_at + flag_bytes, stream);
-  if (!lease.ok()) return fail_all(lease.status());
+  if (!lease.ok()) {
+    // Nothing ran: each steps alone (one entry's large rows must not fail the others).
+    for (size_t i = 0; i < batch.size(); ++i) {
+      SlotStepCall& c = *batch[i];
+      c.status = states[i]->Step(c.op, c.rows, c.budget, c.protect, c.keep);
+    }
+    return;
+  }
   uint8_t* host = lease->host();
   uint8_t* device = lease->device();
   auto* segment = reinterpret_cast<kernels::StepSegment*>(host);
@@ -691,10 +708,7 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
     }
   }
   lease->ReleaseDevice();
-  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched step");
-      s.ok()) {
-    s = w;
-  }
+  s = Waited(s, stream, "slot states: batched step");
   for (CudaSlotState* state : states) state->saved_ = launched;
   if (!s.ok()) return fail_all(s);
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -762,10 +776,7 @@ void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
                  "slot states: kept download");
   }
   lease->ReleaseDevice();
-  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched compaction");
-      s.ok()) {
-    s = w;
-  }
+  s = Waited(s, stream, "slot states: batched compaction");
   // Nothing launched: each compacts in its CommitStep. Launched and failed, the compaction
   // may have run in part and cannot be run again: each CommitStep fails with the error.
   if (!s.ok()) {
@@ -803,11 +814,15 @@ void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
   const uint64_t ops_at = staged;
   const uint64_t total = ops_at + num_ops * sizeof(kernels::ScatterOp);
   cudaStream_t stream = states[0]->stream_;
+  // A failure appends each alone: nothing a length covers has changed (a copy that ran
+  // wrote past every length), so each Append may run again.
+  auto each_alone = [&] {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      batch[i]->status = states[i]->Append(batch[i]->positions, batch[i]->initial_score);
+    }
+  };
   absl::StatusOr<Lease> lease = Acquire(total, total, stream);
-  if (!lease.ok()) {
-    for (SlotAppendCall* call : batch) call->status = lease.status();
-    return;
-  }
+  if (!lease.ok()) return each_alone();
   uint8_t* host = lease->host();
   auto* op = reinterpret_cast<kernels::ScatterOp*>(host + ops_at);
   uint64_t at = 0;
@@ -838,13 +853,10 @@ void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
                  "slot states: batched append scatter");
   }
   lease->ReleaseDevice();
-  if (absl::Status w = FromCuda(cudaStreamSynchronize(stream), "slot states: batched append");
-      s.ok()) {
-    s = w;
-  }
+  s = Waited(s, stream, "slot states: batched append");
+  if (!s.ok()) return each_alone();
   for (size_t i = 0; i < batch.size(); ++i) {
-    batch[i]->status = s;
-    if (!s.ok()) continue;  // past every length: nothing a reader or a step looks at
+    batch[i]->status = absl::OkStatus();
     states[i]->book_.Grow(static_cast<uint32_t>(batch[i]->positions.size()));
     states[i]->pending_ = false;
   }

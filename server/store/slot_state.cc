@@ -150,6 +150,30 @@ std::vector<std::pair<SlotStepper*, std::vector<T*>>> ByStepper(absl::Span<T> it
   return groups;
 }
 
+// Runs `calls` (SlotAppendCall or SlotStepCall) by stepper: each stepper's group with
+// `together`, the calls whose state has none one by one with `alone`. A call that runs out
+// of host memory fails with `why` (a stepper's group whole: it allocates before it
+// launches, and catches what could throw after).
+template <typename Call, typename Together, typename Alone>
+void RunByStepper(absl::Span<Call> calls, const char* why, Together together, Alone alone) {
+  for (auto& [stepper, group] : ByStepper(calls, [](Call& c) { return c.state; })) {
+    try {
+      together(stepper, group);
+    } catch (const std::bad_alloc&) {
+      for (Call* call : group) call->status = absl::ResourceExhaustedError(why);
+    }
+  }
+  for (Call& call : calls) {
+    if (call.state->stepper() != nullptr) continue;
+    try {
+      call.status = alone(call);
+    } catch (const std::bad_alloc&) {
+      // The engine aborts a step that fails (AbortStep); an Append that throws grows nothing.
+      call.status = absl::ResourceExhaustedError(why);
+    }
+  }
+}
+
 }  // namespace
 
 void CommitSlotStates(absl::Span<SlotState* const> states) {
@@ -162,32 +186,19 @@ void CommitSlotStates(absl::Span<SlotState* const> states) {
 }
 
 void AppendSlotStates(absl::Span<SlotAppendCall> calls) {
-  for (auto& [stepper, group] : ByStepper(calls, [](SlotAppendCall& c) { return c.state; })) {
-    stepper->AppendAll(group);
-  }
-  for (SlotAppendCall& call : calls) {
-    if (call.state->stepper() != nullptr) continue;
-    try {
-      call.status = call.state->Append(call.positions, call.initial_score);
-    } catch (const std::bad_alloc&) {
-      call.status = absl::ResourceExhaustedError("slot state append: out of host memory");
-    }
-  }
+  RunByStepper(
+      calls, "slot state append: out of host memory",
+      [](SlotStepper* stepper, absl::Span<SlotAppendCall* const> group) {
+        stepper->AppendAll(group);
+      },
+      [](SlotAppendCall& c) { return c.state->Append(c.positions, c.initial_score); });
 }
 
 void StepSlotStates(absl::Span<SlotStepCall> calls) {
-  for (auto& [stepper, group] : ByStepper(calls, [](SlotStepCall& c) { return c.state; })) {
-    stepper->StepAll(group);
-  }
-  for (SlotStepCall& call : calls) {
-    if (call.state->stepper() != nullptr) continue;
-    try {
-      call.status = call.state->Step(call.op, call.rows, call.budget, call.protect, call.keep);
-    } catch (const std::bad_alloc&) {
-      // The engine aborts it (AbortStep) as it aborts any step that fails.
-      call.status = absl::ResourceExhaustedError("slot state step: out of host memory");
-    }
-  }
+  RunByStepper(
+      calls, "slot state step: out of host memory",
+      [](SlotStepper* stepper, absl::Span<SlotStepCall* const> group) { stepper->StepAll(group); },
+      [](SlotStepCall& c) { return c.state->Step(c.op, c.rows, c.budget, c.protect, c.keep); });
 }
 
 namespace {

@@ -88,14 +88,17 @@ class SlotStepper {
 };
 
 // Steps every call: those whose states share a stepper as one batch per stepper, the others
-// one by one. The states are distinct. May throw std::bad_alloc before any call steps.
+// one by one. The states are distinct. May throw std::bad_alloc before any call steps (a
+// stepper's batch that runs out of host memory fails its calls).
 void StepSlotStates(absl::Span<SlotStepCall> calls);
 // The compaction CommitStep does, done now for the states that share a stepper, as one
 // batch per stepper (the others, and any whose batch fails, compact in their CommitStep,
-// which must still be called for every state). May throw std::bad_alloc, compacting none.
+// which must still be called for every state). May throw std::bad_alloc; a state it did
+// not compact compacts in its CommitStep.
 void CommitSlotStates(absl::Span<SlotState* const> states);
 // Appends for every call, as one batch per stepper, the others one by one. The states are
-// distinct. May throw std::bad_alloc before any call appends.
+// distinct. May throw std::bad_alloc before any call appends (a stepper's batch that runs
+// out of host memory fails its calls).
 void AppendSlotStates(absl::Span<SlotAppendCall> calls);
 
 class SlotState {

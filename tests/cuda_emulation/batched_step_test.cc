@@ -62,6 +62,37 @@ void MakeEntry(Engine& e, uint64_t id, int64_t first, uint32_t appended, std::mt
   in->call.step = std::move(step);
 }
 
+// N sequences of `policy`, each with `tokens` appended.
+std::vector<uint64_t> Sequences(Engine& e, uint32_t n, const char* policy,
+                                const policy::ParamOverrides& params, uint32_t tokens) {
+  std::vector<uint64_t> ids;
+  for (uint32_t i = 0; i < n; ++i) {
+    ids.push_back(e.CreateSequence(kLayout, policy, params, {}, {})->sequence_id);
+    EXPECT_TRUE(twins::Append(e, ids.back(), 0, tokens).ok());
+  }
+  return ids;
+}
+
+// One StepBatch with an entry per sequence (MakeEntry's), and what it cost the device.
+struct CountedBatch {
+  absl::StatusOr<std::vector<StepOutcome>> out;
+  size_t waits, transfers, launches;
+};
+CountedBatch RunCounted(Engine& e, const std::vector<uint64_t>& ids, int64_t first,
+                        uint32_t appended, std::mt19937& rng) {
+  std::vector<DecodeInput> inputs(ids.size());
+  std::vector<StepCall> calls;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    MakeEntry(e, ids[i], first, appended, rng, &inputs[i]);
+    calls.push_back(inputs[i].call);
+  }
+  const cuda_emulation::Counts start = cuda_emulation::Count();
+  absl::StatusOr<std::vector<StepOutcome>> out = e.StepBatch(calls);
+  const cuda_emulation::Counts end = cuda_emulation::Count();
+  return {std::move(out), end.waits - start.waits, end.transfers - start.transfers,
+          end.launches - start.launches};
+}
+
 // A batch of N step entries that evict nothing costs one round trip, whatever N: one
 // upload of every entry's rows and segments, UpdateScoresSegments and SelectTopSegments,
 // one download of the keep flags and one wait (and no compaction: nothing was dropped).
@@ -70,33 +101,20 @@ TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
     SCOPED_TRACE(::testing::Message() << n << " entries");
     FakeClock clock;
     auto engine = CudaEngine(&clock, 64 << 20);
-    std::vector<uint64_t> ids;
-    for (uint32_t i = 0; i < n; ++i) {
-      ids.push_back(
-          engine->CreateSequence(kLayout, "confkv", {{"c_high", 512}, {"c_low", 512}}, {}, {})
-              ->sequence_id);
-      ASSERT_TRUE(twins::Append(*engine, ids.back(), 0, 40).ok());
-    }
+    const std::vector<uint64_t> ids =
+        Sequences(*engine, n, "confkv", {{"c_high", 512}, {"c_low", 512}}, 40);
     std::mt19937 rng(n);
     for (int round = 0; round < 3; ++round) {
-      std::vector<DecodeInput> inputs(n);
-      std::vector<StepCall> calls;
-      for (uint32_t i = 0; i < n; ++i) {
-        MakeEntry(*engine, ids[i], 0, 0, rng, &inputs[i]);
-        calls.push_back(inputs[i].call);
-      }
-      const cuda_emulation::Counts start = cuda_emulation::Count();
-      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
-      const cuda_emulation::Counts end = cuda_emulation::Count();
-      ASSERT_TRUE(out.ok()) << out.status();
-      for (const StepOutcome& o : *out) {
+      const CountedBatch batch = RunCounted(*engine, ids, 0, 0, rng);
+      ASSERT_TRUE(batch.out.ok()) << batch.out.status();
+      for (const StepOutcome& o : *batch.out) {
         ASSERT_TRUE(o.status.ok()) << o.status;
         ASSERT_TRUE(o.step.has_value());
         EXPECT_EQ(o.step->evicted_tokens, 0u);
       }
-      EXPECT_EQ(end.waits - start.waits, 1u);
-      EXPECT_EQ(end.transfers - start.transfers, 2u);
-      EXPECT_EQ(end.launches - start.launches, 2u);
+      EXPECT_EQ(batch.waits, 1u);
+      EXPECT_EQ(batch.transfers, 2u);
+      EXPECT_EQ(batch.launches, 2u);
     }
   }
 }
@@ -113,41 +131,26 @@ TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
     SCOPED_TRACE(::testing::Message() << n << " entries");
     FakeClock clock;
     auto engine = CudaEngine(&clock, 64 << 20);
-    std::vector<uint64_t> ids;
-    for (uint32_t i = 0; i < n; ++i) {
-      ids.push_back(engine
-                        ->CreateSequence(kLayout, "confkv",
-                                         {{"c_high", 48}, {"c_low", 48}, {"protect", 8}}, {}, {})
-                        ->sequence_id);
-      ASSERT_TRUE(twins::Append(*engine, ids.back(), 0, 100).ok());
-    }
+    const std::vector<uint64_t> ids =
+        Sequences(*engine, n, "confkv", {{"c_high", 48}, {"c_low", 48}, {"protect", 8}}, 100);
     std::mt19937 rng(n);
     for (int64_t t = 100; t < 106; ++t) {
-      std::vector<DecodeInput> inputs(n);
-      std::vector<StepCall> calls;
-      for (uint32_t i = 0; i < n; ++i) {
-        MakeEntry(*engine, ids[i], t, 1, rng, &inputs[i]);
-        calls.push_back(inputs[i].call);
-      }
-      const cuda_emulation::Counts start = cuda_emulation::Count();
-      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
-      const cuda_emulation::Counts end = cuda_emulation::Count();
-      ASSERT_TRUE(out.ok()) << out.status();
-      for (const StepOutcome& o : *out) {
+      const CountedBatch batch = RunCounted(*engine, ids, t, 1, rng);
+      ASSERT_TRUE(batch.out.ok()) << batch.out.status();
+      for (const StepOutcome& o : *batch.out) {
         ASSERT_TRUE(o.status.ok()) << o.status;
         EXPECT_GT(o.step->evicted_tokens, 0u);
       }
       if (t < 102) continue;  // past the first steps' growth
-      const size_t waits = end.waits - start.waits, transfers = end.transfers - start.transfers;
-      EXPECT_EQ(waits, 5u);
-      EXPECT_EQ(transfers, n == 1 ? 7u : 8u);
+      EXPECT_EQ(batch.waits, 5u);
+      EXPECT_EQ(batch.transfers, n == 1 ? 7u : 8u);
       // Five launches besides the moves, two per wave of the sequence whose moves take the
       // most (a compaction that shifts rows toward a block's end, as StreamPlanner::Keep
       // plans some, reads rows written earlier in the batch: a new wave); at most five seen.
-      EXPECT_LE(end.launches - start.launches, 5u + 2 * 5);
+      EXPECT_LE(batch.launches, 5u + 2 * 5);
       if (t == 105) {
         std::printf("%u entries: %zu waits, %zu transfers, %zu launches per decode batch\n", n,
-                    waits, transfers, end.launches - start.launches);
+                    batch.waits, batch.transfers, batch.launches);
       }
     }
   }

@@ -308,12 +308,17 @@ void Segments() {
     std::vector<StepSegment> h_seg, d_seg_host;
     std::vector<uint64_t> row_at;
     uint64_t copy_bytes = 0;
-    const ScoreStep op{trial % 2 ? ScoreRule::kEma : ScoreRule::kAccumulate, 0.9f,
-                       trial % 3 ? 0.65f : 1.0f, trial % 3 != 0, trial % 5 != 0};
+    const ScoreStep ops[] = {{ScoreRule::kEma, 0.9f, 0.65f, true, true},
+                             {ScoreRule::kAccumulate, 0.0f, 1.0f, false, true},
+                             {ScoreRule::kEma, 0.5f, 0.65f, true, trial % 2 == 0}};
     for (uint32_t i = 0; i < states; ++i) {
       Streams& st = host[i] = RandomStreams(1 + rng() % 40, trial % 7 == 0 ? 3000 : 500);
-      if (op.rule == ScoreRule::kAccumulate) {
-        for (float& x : st.scores) x = std::isnan(x) ? 0.0f : x;
+      for (size_t k = 0; k < st.slices.size(); ++k) {  // NaN (never scored) under EMA only
+        if (ops[(i + k) % 3].rule != ScoreRule::kAccumulate) continue;
+        for (uint32_t j = 0; j < st.slices[k].length; ++j) {
+          float& x = st.scores[st.slices[k].offset + j];
+          x = std::isnan(x) ? 0.0f : x;
+        }
       }
       saved[i].assign(st.scores.size(), -1.0f);
       keep[i].assign(st.scores.size(), 9);
@@ -331,6 +336,8 @@ void Segments() {
         row_at.push_back(rows.size());
         rows.insert(rows.end(), host[i].attention.begin() + sl.offset,
                     host[i].attention.begin() + sl.offset + sl.length);
+        // Each segment its own policy's rule, as in a batch that mixes policies.
+        const ScoreStep op = ops[(i + s) % 3];
         h_seg.push_back({sl, op, nullptr, host[i].scores.data(), saved[i].data(),
                          host[i].positions.data(), keep[i].data(), &slice_out[i][s], copy_bytes});
         d_seg_host.push_back({sl, op, nullptr, d_scores[i]->get(), d_saved[i]->get(),
@@ -362,26 +369,29 @@ void Segments() {
       Check(d_keep[i]->Host() == keep[i], "segments: keep" + t);
       Check(BitEqual(d_slice_out[i]->Host(), slice_out[i]), "segments: slices" + t);
     }
-    if (!op.select) continue;
-    // The compaction to those flags, by segments.
+    // The compaction to those flags, by segments: the streams that selected (a state is
+    // compacted only after a selecting step).
     std::vector<CompactSegment> hc, dc_host;
     std::vector<std::vector<uint32_t>> index(states);
     std::vector<std::unique_ptr<DeviceArray<uint32_t>>> d_index;
     for (uint32_t i = 0; i < states; ++i) {
       index[i].assign(host[i].scores.size(), 0);
       d_index.push_back(std::make_unique<DeviceArray<uint32_t>>(index[i]));
-      for (const StreamSlice& sl : host[i].slices) {
+      for (size_t k = 0; k < host[i].slices.size(); ++k) {
+        if (!ops[(i + k) % 3].select) continue;
+        const StreamSlice sl = host[i].slices[k];
         hc.push_back(
             {sl, keep[i].data(), host[i].scores.data(), host[i].positions.data(), index[i].data()});
         dc_host.push_back(
             {sl, d_keep[i]->get(), d_scores[i]->get(), d_pos[i]->get(), d_index[i]->get()});
       }
     }
-    std::vector<uint32_t> kept(n, 0);
+    const auto nc = static_cast<uint32_t>(hc.size());
+    std::vector<uint32_t> kept(nc, 0);
     DeviceArray<CompactSegment> d_cseg(dc_host);
     DeviceArray<uint32_t> d_kept(kept);
-    CompactSlotsSegmentsRef(hc.data(), n, kept.data());
-    CUDA_OK(cuda::CompactSlotsSegments(d_cseg.get(), n, d_kept.get(), nullptr));
+    CompactSlotsSegmentsRef(hc.data(), nc, kept.data());
+    CUDA_OK(cuda::CompactSlotsSegments(d_cseg.get(), nc, d_kept.get(), nullptr));
     Check(d_kept.Host() == kept, "segments: kept" + t);
     bool same = true;
     uint32_t g = 0;
@@ -389,7 +399,9 @@ void Segments() {
       const std::vector<float> sc = d_scores[i]->Host();
       const std::vector<int64_t> pos = d_pos[i]->Host();
       const std::vector<uint32_t> idx = d_index[i]->Host();
-      for (const StreamSlice& sl : host[i].slices) {
+      for (size_t k = 0; k < host[i].slices.size(); ++k) {
+        if (!ops[(i + k) % 3].select) continue;
+        const StreamSlice sl = host[i].slices[k];
         for (uint32_t r = 0; r < kept[g]; ++r) {
           const uint32_t at = sl.offset + r;
           same = same && idx[at] == index[i][at] && pos[at] == host[i].positions[at] &&

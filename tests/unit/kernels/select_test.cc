@@ -260,14 +260,21 @@ TEST(SelectTest, SegmentsOfSeveralSequencesMatchThePerStreamCalls) {
     q.keep.assign(3 * C, 9);
     q.slice_out.assign(3, StreamSlice{});
   }
-  const ScoreStep op{ScoreRule::kEma, 0.8f, 0.65f, true, true};
+  // A batch mixes policies: each segment has its own rule (confkv's, H2O's, an update-only
+  // step of an interval).
+  const ScoreStep ops[] = {{ScoreRule::kEma, 0.8f, 0.65f, true, true},
+                           {ScoreRule::kAccumulate, 0.0f, 1.0f, false, true},
+                           {ScoreRule::kEma, 0.5f, 0.65f, true, false}};
+  auto op_of = [&](size_t i, size_t s) { return ops[(i + s) % 3]; };
   std::vector<StepSegment> segments;
   uint64_t copy_at = 0;
-  for (Seq& q : seqs) {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Seq& q = seqs[i];
     for (size_t s = 0; s < q.slices.size(); ++s) {
       const StreamSlice sl = q.slices[s];
-      segments.push_back({sl, op, q.attention.data() + sl.offset, q.scores.data(), q.saved.data(),
-                          q.positions.data(), q.keep.data(), &q.slice_out[s], copy_at});
+      segments.push_back({sl, op_of(i, s), q.attention.data() + sl.offset, q.scores.data(),
+                          q.saved.data(), q.positions.data(), q.keep.data(), &q.slice_out[s],
+                          copy_at});
       copy_at += sl.length;
     }
   }
@@ -283,10 +290,15 @@ TEST(SelectTest, SegmentsOfSeveralSequencesMatchThePerStreamCalls) {
   for (size_t i = 0; i < seqs.size(); ++i) {
     Seq& w = want[i];
     std::vector<float> wmx(3);
-    UpdateScoresRef(op.rule, op.lambda, w.slices.data(), 3, w.attention.data(), w.scores.data(),
-                    wmx.data());
-    SelectTopRef(w.slices.data(), 3, w.scores.data(), wmx.data(), w.positions.data(),
-                 op.attention_weight, w.keep.data());
+    for (size_t s = 0; s < 3; ++s) {
+      const ScoreStep op = op_of(i, s);
+      UpdateScoresRef(op.rule, op.lambda, &w.slices[s], 1, w.attention.data(), w.scores.data(),
+                      &wmx[s]);
+      if (op.select) {
+        SelectTopRef(&w.slices[s], 1, w.scores.data(), op.normalize ? &wmx[s] : nullptr,
+                     w.positions.data(), op.attention_weight, w.keep.data());
+      }
+    }
     for (size_t s = 0; s < 3; ++s, ++g) {
       const StreamSlice sl = w.slices[s];
       EXPECT_EQ(mx[g], wmx[s]);
@@ -296,7 +308,7 @@ TEST(SelectTest, SegmentsOfSeveralSequencesMatchThePerStreamCalls) {
         EXPECT_EQ(seqs[i].scores[sl.offset + j], w.scores[sl.offset + j]);
         EXPECT_EQ(seqs[i].saved[sl.offset + j], before[i].scores[sl.offset + j]);
         EXPECT_EQ(seqs[i].keep[sl.offset + j], w.keep[sl.offset + j]);
-        EXPECT_EQ(copy[at + j], w.keep[sl.offset + j]);
+        EXPECT_EQ(copy[at + j], op_of(i, s).select ? w.keep[sl.offset + j] : 7);
       }
       at += sl.length;
     }
