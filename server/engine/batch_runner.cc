@@ -13,6 +13,37 @@
 
 namespace kvmem::engine {
 
+namespace {
+
+// Calls run(i) once for every i < ran.size(): across cores when `parallel` (one index per
+// task, the caller's thread included, isolated from other loops: ParallelFor; in order
+// under ThreadSanitizer, which cannot see oneTBB), else in order. If the scheduler itself
+// fails, the indices it did not reach run here. `ran` is the caller's (all 0): so that
+// a batch past its first commit allocates nothing here.
+template <typename Run>
+void EachIndex(bool parallel, std::vector<char>& ran, const Run& run) {
+  const size_t n = ran.size();
+  if (n < 2 || !parallel) {
+    for (size_t i = 0; i < n; ++i) run(i);
+    return;
+  }
+  try {
+    ParallelFor(n, 1, [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        ran[i] = 1;
+        run(i);
+      }
+    });
+  } catch (const std::exception&) {
+    // No task ran, or some did: the rest run here.
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!ran[i]) run(i);
+  }
+}
+
+}  // namespace
+
 struct BatchRunner::Entry {
   explicit Entry(const StepCall& c) : call(c) {}
   const StepCall& call;
@@ -199,31 +230,16 @@ std::vector<StepOutcome> BatchRunner::RunBatched(absl::Span<const StepCall> call
       e.seq = nullptr;    // nothing more of it runs (its lock goes with the entry)
     }
   };
-  // A phase's host work on every entry it concerns: across cores when parallel_ (entries
+  // A phase's host work on every entry it concerns, across cores when parallel_ (entries
   // name different sequences, all locked by this thread for the whole batch: the phases
-  // use the locks, never take or drop them), else in order.
+  // use the locks, never take or drop them).
+  std::vector<char> ran(calls.size());
   auto for_each = [&](auto&& concerns, auto&& phase) {
-    auto run = [&](Entry& e) {
+    std::fill(ran.begin(), ran.end(), 0);
+    EachIndex(parallel_, ran, [&](size_t i) {
+      Entry& e = entries[i];
       if (concerns(e)) guarded(e, [&] { phase(e); });
-    };
-    if (!parallel_ || entries.size() < 2) {
-      for (Entry& e : entries) run(e);
-      return;
-    }
-    std::vector<char> ran(entries.size(), 0);
-    try {
-      ParallelFor(entries.size(), 1, [&](size_t begin, size_t end) {
-        for (size_t i = begin; i < end; ++i) {
-          ran[i] = 1;
-          run(entries[i]);
-        }
-      });
-    } catch (const std::exception&) {
-      // The scheduler itself failed (no task ran, or some did): the rest run here.
-    }
-    for (size_t i = 0; i < entries.size(); ++i) {
-      if (!ran[i]) run(entries[i]);
-    }
+    });
   };
   // The locks, in the order of sequence ids: two batches naming the same sequences cannot
   // each hold one the other waits for.
@@ -311,10 +327,10 @@ absl::StatusOr<std::vector<StepOutcome>> BatchRunner::Run(absl::Span<const StepC
     }
     if (batched_) return RunBatched(calls);
     std::vector<StepOutcome> outcomes(calls.size());
-    // Whether entry i ran: once one has, the batch answers per entry whatever happens.
+    // Entries name different sequences, so they take different locks. Once one has run,
+    // the batch answers per entry whatever happens.
     std::vector<char> ran(calls.size(), 0);
-    auto run = [&](size_t i) noexcept {
-      ran[i] = 1;
+    EachIndex(parallel_, ran, [&](size_t i) noexcept {
       try {
         outcomes[i] = RunOne(calls[i]);
       } catch (const std::bad_alloc&) {
@@ -322,24 +338,7 @@ absl::StatusOr<std::vector<StepOutcome>> BatchRunner::Run(absl::Span<const StepC
         outcomes[i].status = absl::ResourceExhaustedError(
             "StepBatch: out of host memory (kvmemd could not allocate)");
       }
-    };
-    // Entries name different sequences, so they take different locks: they run on every
-    // core TBB has (the caller's thread included), one entry per task, isolated from other
-    // loops (ParallelFor), and in order under ThreadSanitizer, which cannot see oneTBB.
-    if (calls.size() < 2 || !parallel_) {
-      for (size_t i = 0; i < calls.size(); ++i) run(i);
-    } else {
-      try {
-        ParallelFor(calls.size(), 1, [&](size_t begin, size_t end) {
-          for (size_t i = begin; i < end; ++i) run(i);
-        });
-      } catch (const std::exception&) {
-        // The scheduler itself failed (no task ran, or some did): the rest run here.
-      }
-      for (size_t i = 0; i < calls.size(); ++i) {
-        if (!ran[i]) run(i);
-      }
-    }
+    });
     return outcomes;
   });
 }

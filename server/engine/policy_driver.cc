@@ -160,7 +160,8 @@ std::vector<PolicyDriver::Staged> PolicyDriver::StageKernelSteps(
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence& seq = *seqs[i];
     seq.mu.AssertHeld();  // by the caller, as Step's
-    const policy::KernelStep plan = seq.policy().PlanKernelStep(StepContext(seq, *steps[i]));
+    const policy::KernelStep& plan = staged[i].plan =
+        seq.policy().PlanKernelStep(StepContext(seq, *steps[i]));
     budgets[i] = StreamBudgets(seq, plan);
     calls[i] = {seq.slots(),  plan.op,         steps[i]->rows,  budgets[i],
                 plan.protect, &staged[i].keep, absl::OkStatus()};
@@ -194,7 +195,8 @@ absl::StatusOr<std::unique_ptr<DecisionApplier::Pending>> PolicyDriver::PlanKern
     seq.mu.AssertHeld();
     AbortKernelStep(seq, absl::ResourceExhaustedError("")).IgnoreError();
   };
-  const policy::KernelStep plan = seq.policy().PlanKernelStep(ctx);
+  const policy::KernelStep plan =
+      staged != nullptr ? std::move(staged->plan) : seq.policy().PlanKernelStep(ctx);
   decision->confidence = plan.confidence;
   decision->budget_tokens = plan.budget_tokens;
   absl::Status stepped = absl::OkStatus();

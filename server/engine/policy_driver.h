@@ -50,6 +50,7 @@ class PolicyDriver {
   // in each slot state, as store::StepSlotStates runs them (one batch per CUDA device).
   // Step(seq, step, &staged[i]) then finishes each. Every sequence is locked by the caller.
   struct Staged {
+    policy::KernelStep plan;  // the policy's, planned once for both halves
     absl::Status status;
     store::KeepSets keep;
   };
