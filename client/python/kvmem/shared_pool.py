@@ -284,3 +284,70 @@ class SharedPool:
         return StreamKv(layer, kv_head, snap.epoch, st.positions.copy(),
                         np.concatenate(parts_k) if parts_k else empty,
                         np.concatenate(parts_v) if parts_v else empty)
+
+    def read_all(self, table: Union[BlockTable, TableSnapshot]) -> PaddedKv:
+        """Every stream's retained K and V copied out at once under the full read protocol,
+        padded to the longest stream: what a forward pass over the whole sequence reads.
+        Layout-precision blocks are gathered by one index per plane; quantized blocks are
+        dequantized to the layout dtype one by one."""
+        snap = self.begin_read(table)
+        layout = snap.layout
+        D, itemsize = layout.head_dim, layout.dtype.itemsize
+        row = D * itemsize
+        counts = np.array([st.num_slots for st in snap.streams], dtype=np.int64)
+        longest = int(counts.max()) if counts.size else 0
+        k = np.zeros((len(snap.streams), longest, D), dtype=layout.dtype.numpy)
+        v = np.zeros_like(k)
+        # Every layout-precision block as (stream, first slot in the stream, pool row, count).
+        gathered: list[tuple[int, int, int, int]] = []
+        for s, st in enumerate(snap.streams):
+            at = 0
+            for b in range(st.num_blocks):
+                offset, start, count = int(st.offsets[b]), int(st.starts[b]), int(st.counts[b])
+                precision = Precision(int(st.precisions[b]))
+                size = snap.block_bytes if precision is Precision.LAYOUT else \
+                    snap.quantized_block_bytes
+                if offset > self.size or size > self.size - offset or \
+                        start + count > snap.block_tokens:
+                    raise OutOfRangeError(
+                        f"stream {s} blocks[{b}]: offset {offset} slots [{start}, "
+                        f"{start + count}) is outside the mapped pool or block",
+                        code=grpc.StatusCode.OUT_OF_RANGE)
+                if precision is Precision.LAYOUT and offset % row == 0:
+                    gathered.append((s, at, offset // row + start, count))
+                elif precision is Precision.LAYOUT:  # rows not aligned to the pool's start
+                    block = self._bytes[offset:offset + size]
+                    planes = block[:2 * snap.block_tokens * row].view(layout.dtype.numpy)
+                    planes = planes.reshape(2, snap.block_tokens, D)
+                    k[s, at:at + count] = planes[0, start:start + count]
+                    v[s, at:at + count] = planes[1, start:start + count]
+                else:
+                    g = QuantGeometry(precision, snap.block_tokens, D)
+                    bk, bv = dequantize_block(np.array(self._bytes[offset:offset + size]), g,
+                                              start, count, layout.dtype)
+                    k[s, at:at + count], v[s, at:at + count] = bk, bv
+                at += count
+        if gathered:
+            s_of, at_of, row_of, count_of = (np.array(c, dtype=np.int64) for c in zip(*gathered))
+            total = int(count_of.sum())
+            within = np.arange(total) - np.repeat(np.cumsum(count_of) - count_of, count_of)
+            streams = np.repeat(s_of, count_of)
+            slots = np.repeat(at_of, count_of) + within
+            k_rows = np.repeat(row_of, count_of) + within
+            rows = self._bytes[:self.size // row * row].view(layout.dtype.numpy).reshape(-1, D)
+            k[streams, slots] = rows[k_rows]
+            # A block is [K rows: B][V rows: B] (kernels/block_layout.h).
+            v[streams, slots] = rows[k_rows + snap.block_tokens]
+        self.end_read(snap)
+        return PaddedKv(snap, k, v, counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedKv:
+    """A sequence's retained K/V as SharedPool.read_all copies it: k and v
+    [streams][longest][D] (stream = layer * H + kv_head; zero past each stream's count),
+    counts [streams], and the snapshot read (its epoch)."""
+    table: TableSnapshot
+    k: np.ndarray
+    v: np.ndarray
+    counts: np.ndarray

@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <random>
 
 #include "absl/flags/flag.h"
 #include "commands/commands.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(double, temperature, 0, "0 = greedy");
 ABSL_FLAG(uint32_t, seed, 1, "sampling seed");
@@ -17,9 +19,32 @@ ABSL_FLAG(bool, prefix_cache, false,
           "mapped and not computed again) and publish its blocks as they fill; policies that "
           "do not compress the prompt only (with --prefill_chunk=16 a request that reuses a "
           "prefix gives the cold request's logits to the bit)");
+ABSL_FLAG(std::string, kept_positions, "",
+          "generate: write to this file, after the prompt and after each decode step, a JSON "
+          "line with the token fed (-1 for the prompt, whose ids it lists) and the positions "
+          "kvmemd keeps in every stream (layer-major): what the transformers cache's parity "
+          "test compares against");
 
 namespace kvmem::worker {
 namespace {
+
+// One line of --kept_positions: the sequence's retained positions per stream, as the daemon
+// has them now (GetBlockTable).
+absl::Status WriteKept(const Env& env, int32_t token, const std::vector<int32_t>* ids,
+                       std::ofstream& out) {
+  absl::StatusOr<client::BlockTable> table =
+      env.client->GetBlockTable(env.daemon->sequence_id(), /*positions=*/true);
+  if (!table.ok()) return table.status();
+  nlohmann::ordered_json line;
+  line["token"] = token;
+  if (ids != nullptr) line["ids"] = *ids;
+  nlohmann::ordered_json kept = nlohmann::ordered_json::array();
+  for (const client::StreamTable& st : table->streams) kept.push_back(st.positions);
+  line["kept"] = std::move(kept);
+  out << line.dump() << "\n";
+  out.flush();
+  return out ? absl::OkStatus() : absl::DataLossError("--kept_positions: write failed");
+}
 
 int32_t Pick(const std::vector<float>& logits, double temperature, std::mt19937& rng) {
   if (temperature <= 0) {
@@ -72,6 +97,14 @@ int RunGenerate() {
   absl::StatusOr<std::vector<float>> logits = session.Feed(
       std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(reused), ids.end()), true);
   if (!logits.ok()) return Fail("prefill", logits.status());
+  std::ofstream kept;
+  if (!absl::GetFlag(FLAGS_kept_positions).empty()) {
+    if (env.daemon == nullptr) {
+      return Fail("setup", absl::InvalidArgumentError("--kept_positions: needs --cache=kvmemd"));
+    }
+    kept.open(absl::GetFlag(FLAGS_kept_positions));
+    if (absl::Status s = WriteKept(env, -1, &ids, kept); !s.ok()) return Fail("prefill", s);
+  }
   const auto t1 = std::chrono::steady_clock::now();
   // Marks for scripts that sample the daemon while the worker decodes (eval.py speed).
   std::fprintf(stderr, "prefill done\n");
@@ -84,6 +117,9 @@ int RunGenerate() {
     std::fprintf(stderr, "\r%u/%u tokens", generated + 1, absl::GetFlag(FLAGS_max_tokens));
     logits = session.Feed({next}, false);
     if (!logits.ok()) return Fail("decode", logits.status());
+    if (kept.is_open()) {
+      if (absl::Status s = WriteKept(env, next, nullptr, kept); !s.ok()) return Fail("decode", s);
+    }
   }
   const auto t2 = std::chrono::steady_clock::now();
   std::fprintf(stderr, "\ndecode done\n");
