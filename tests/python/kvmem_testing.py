@@ -1,9 +1,10 @@
 """What the kvmem client tests share: the `kvmem` package (imported here, so that both test
 files skip, or with KVMEM_CI=1 fail, the same way when it is missing), the repository root, a
-small layout, a table comparison and the manual clock.
+small layout, a table comparison, the manual clock, and a kvmemd started on a unix socket.
 """
 import os
 import pathlib
+import subprocess
 import time
 
 import numpy as np
@@ -18,6 +19,40 @@ else:
         reason="the kvmem package is not installed: python3 -m pip install ./client/python")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+BIN = pathlib.Path(os.environ.get("KVMEM_BIN", ROOT / "build"))
+KVMEMD = BIN / "kvmemd"
+
+
+def require_daemon():
+    if not KVMEMD.exists():
+        message = f"{KVMEMD} not built (scripts/build.sh; or set KVMEM_BIN)"
+        if CI:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def start_daemon(tag, *flags):
+    require_daemon()
+    sock = pathlib.Path(f"/tmp/kvmem-py-{tag}-{os.getpid()}.sock")
+    sock.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [str(KVMEMD), f"--listen=unix:{sock}", "--metrics_listen=", "--pool_prefault=false",
+         "--page_bytes=65536", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"kvmemd did not start: {line!r}"
+    return proc, f"unix:{sock}", sock
+
+
+def stop_daemon(proc, sock):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    sock.unlink(missing_ok=True)
 
 
 def layout(dtype=kvmem.DType.F16, L=2, H=2, D=8, block_tokens=None):

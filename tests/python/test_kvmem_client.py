@@ -13,51 +13,15 @@ import dataclasses
 import gc
 import os
 import pathlib
-import subprocess
 import threading
 
 import numpy as np
 import pytest
 
 pytest.register_assert_rewrite("kvmem_testing")
-from kvmem_testing import (CI, ROOT, ManualClock, kvmem, layout, same_table,  # noqa: E402
-                           wait_until)
+from kvmem_testing import (ManualClock, kvmem, layout, require_daemon,  # noqa: E402
+                           same_table, start_daemon, stop_daemon, wait_until)
 from kvmem.v1 import kvmem_pb2 as pb  # noqa: E402
-
-BIN = pathlib.Path(os.environ.get("KVMEM_BIN", ROOT / "build"))
-KVMEMD = BIN / "kvmemd"
-
-
-def require_daemon():
-    if not KVMEMD.exists():
-        message = f"{KVMEMD} not built (scripts/build.sh; or set KVMEM_BIN)"
-        if CI:
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-def start_daemon(tag, *flags):
-    require_daemon()
-    sock = pathlib.Path(f"/tmp/kvmem-py-{tag}-{os.getpid()}.sock")
-    sock.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [str(KVMEMD), f"--listen=unix:{sock}", "--metrics_listen=", "--pool_prefault=false",
-         "--page_bytes=65536", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"kvmemd did not start: {line!r}"
-    return proc, f"unix:{sock}", sock
-
-
-def stop_daemon(proc, sock):
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    sock.unlink(missing_ok=True)
-
 
 @pytest.fixture(scope="module")
 def daemon():

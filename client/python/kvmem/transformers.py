@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ from kvmem.errors import FailedPreconditionError, InvalidArgumentError, KvmemErr
 from kvmem.layout import DType, Layout, PolicySpec, Precision
 from kvmem.messages import LogitStats, NewTokens, Prompt, StepArgs, StreamSignal
 from kvmem.sequence import Sequence
+from kvmem.shared_pool import SharedPool
 
 ATTENTION = "kvmem"
 _TOPK_ENTROPY = 256  # the token-entropy signal's top-k (the C++ worker's)
@@ -265,7 +266,8 @@ class KvmemCache(Cache):
         if model.config._attn_implementation != ATTENTION:
             model.set_attn_implementation(ATTENTION)
         self._hooks = self._install_hooks(model)
-        self._unhook = weakref.finalize(self, _remove, self._hooks)
+        # Also when the cache is dropped unclosed: the model keeps no hook of a dead cache.
+        self._unhook = weakref.finalize(self, _remove, self._hooks, self._pool)
 
     # ---- lifetime --------------------------------------------------------------------------
 
@@ -279,9 +281,7 @@ class KvmemCache(Cache):
                 seq.release()
             except KvmemError as e:
                 errors.append(e)
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._pool = None  # closed by _unhook
         self._broken = self._broken or "closed"
         if errors:
             raise errors[0]
@@ -310,7 +310,7 @@ class KvmemCache(Cache):
     # ---- the transformers Cache interface ----------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: Optional[dict[str, Any]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         f = self._forward
         if f is None or getattr(_current, "forward", None) is not f:
             raise FailedPreconditionError(
@@ -329,12 +329,32 @@ class KvmemCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
 
-    def get_mask_sizes(self, cache_position: torch.Tensor, layer_idx: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query: Union[int, torch.Tensor], layer_idx: int) -> tuple[int, int]:
         # The mask transformers builds is only the fallback's (kvmem_attention masks its own).
-        return self._seen + int(cache_position.shape[0]), 0
+        # transformers 5.2 passes the cache positions, later lines the query length.
+        return self._seen + (query if isinstance(query, int) else int(query.shape[0])), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.layout.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.layout.num_layers
 
     @property
     def is_compileable(self) -> bool:
@@ -375,7 +395,7 @@ class KvmemCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rearrange([int(i) for i in beam_idx])
 
-    def crop(self, max_length: int) -> None:
+    def crop(self, length: int) -> None:
         raise NotImplementedError(
             "KvmemCache.crop: dropping the newest tokens (assisted decoding) is not a kvmemd "
             "verb")
@@ -408,12 +428,12 @@ class KvmemCache(Cache):
 
         def begin(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             cache = me()
-            if cache is not None and kwargs.get("past_key_values") is cache:
+            if cache is not None and _passed(kwargs) is cache:
                 cache._begin(args, kwargs)
 
         def end(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             cache = me()
-            if cache is not None and kwargs.get("past_key_values") is cache:
+            if cache is not None and _passed(kwargs) is cache:
                 cache._end(output)
 
         hooks = [decoder.register_forward_pre_hook(begin, with_kwargs=True),
@@ -670,14 +690,23 @@ class KvmemCache(Cache):
             raise failed[0][1]  # the first failing row's, unchanged (its code and details)
 
 
+def _passed(kwargs: dict) -> Any:
+    """The cache a decoder pass was given: `past_key_values` up to transformers 5.2, `cache`
+    in later lines."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 def _append_kwargs(t: NewTokens) -> dict[str, Any]:
     return {"positions": t.positions, "k": t.k, "v": t.v, "token_ids": t.token_ids,
             "token_entropy": t.token_entropy, "layer_distance": t.layer_distance}
 
 
-def _remove(hooks: list[Any]) -> None:
+def _remove(hooks: list[Any], pool: Optional[SharedPool]) -> None:
     for h in hooks:
         h.remove()
+    if pool is not None:
+        pool.close()
 
 
 __all__ = ["ATTENTION", "KvmemCache", "Memory", "PrefixSharing", "kvmem_attention", "register"]
