@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
-# Python packages for the parity tests and the evaluation harness, from PyPI.
+# Python packages for the parity tests and the evaluation harness, from PyPI; with
+# --transformers only what the transformers cache needs (torch, transformers, the kvmem
+# package). torch from PyPI is its CUDA build (about 3 GB with its CUDA libraries: about two
+# minutes here); it runs on the CPU as well.
 # llama-cpp-python ships no binary wheels on PyPI, so pip builds llama.cpp from source the
 # first time (about 10 minutes on 2 cores); the built wheel is cached under ~/.cache/kvmem.
 set -euo pipefail
 # Debian's own python3 refuses system-wide pip installs (PEP 668) unless told; pyenv and
 # virtualenv Pythons ignore the variable.
 export PIP_BREAK_SYSTEM_PACKAGES=1
+export PIP_ROOT_USER_ACTION=ignore  # root on a CI machine is expected
 have() { python3 -c "import $1" 2>/dev/null; }
 cache="${KVMEM_CACHE:-$HOME/.cache/kvmem}/wheels"
 mkdir -p "$cache"
+install_kvmem() {
+  # The kvmem Python client (client/python): its gRPC stubs are generated from proto/ when
+  # it is installed, so it is installed again every run (the proto may have changed).
+  python3 -m pip install --quiet "$(dirname "$0")/../client/python"
+}
+have torch && have transformers && have gguf || python3 -m pip install --quiet torch transformers gguf
+if [ "${1:-}" = "--transformers" ]; then
+  install_kvmem
+  exit 0
+fi
 have pytest && have gguf && have matplotlib && have cbor2 && have yaml ||
   python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2 pyyaml
 if ! have llama_cpp; then
@@ -21,6 +35,4 @@ if ! have llama_cpp; then
     python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl
   fi
 fi
-# The kvmem Python client (client/python): its gRPC stubs are generated from proto/ when it
-# is installed, so it is installed again every run (the proto may have changed).
-python3 -m pip install --quiet "$(dirname "$0")/../client/python"
+install_kvmem
