@@ -19,6 +19,9 @@ Studies implemented so far:
   wire   bytes the worker sends and receives per decode step (strace), per policy.
   mass   the attention mass each step evicts (kvmemd's kvmem_evicted_attention_mass, read
          from /metrics) against the perplexity gap to the full cache, per policy and budget.
+  kvpress  kvmem's streaming_llm, snapkv, pyramidkv and h2o through the transformers cache
+         against kvpress's presses (25 % and 50 % kept): retrieval, perplexity, ms per token
+         (bench/eval/kvpress_study.py; needs torch, transformers and kvpress).
   docshare  sequences per GiB at equal answer quality: questions over one document asked at
          once, with no sharing, prefix sharing, per-request compression and one shared
          compressed document (pool bytes held, time to first token, answers against full).
@@ -1104,6 +1107,13 @@ def study_docshare(args):
     return results, same_as_shared
 
 
+def study_kvpress(args):
+    import kvpress_study  # torch, transformers and kvpress: only this study needs them
+    return kvpress_study.study_kvpress(
+        args, model_path=model_path, daemon_class=Daemon, retrieval_prompts=retrieval_prompts,
+        corpus_path=corpus_path, prompts=prompts, write_table=write_table, progress=progress)
+
+
 def study_all(args):
     """Every study in turn, each at the size its table in RESULTS.md was run at."""
     for name, tokens in (("quanterr", 2048), ("quant", 2048), ("kl", 1000), ("ppl", 4096),
@@ -1120,7 +1130,7 @@ STUDIES = {"ppl": study_ppl, "quant": study_quant, "quanterr": study_quanterr, "
            "speed": study_speed, "retrieval": study_retrieval, "refreekv": study_refreekv,
            "infokv": study_infokv, "devicestep": study_devicestep, "f16": study_f16,
            "wire": study_wire, "docshare": study_docshare, "mass": study_mass,
-           "all": study_all}
+           "kvpress": study_kvpress, "all": study_all}
 
 
 def main():
