@@ -319,8 +319,10 @@ class KvmemCache(Cache):
         f.new_k[layer_idx] = key_states
         f.new_v[layer_idx] = value_states
         if layer_idx in f.past_k:
-            keys = torch.cat([f.past_k[layer_idx].to(key_states.dtype), key_states], dim=2)
-            values = torch.cat([f.past_v[layer_idx].to(value_states.dtype), value_states], dim=2)
+            past_k = f.past_k[layer_idx].to(key_states.device, key_states.dtype)
+            past_v = f.past_v[layer_idx].to(value_states.device, value_states.dtype)
+            keys = torch.cat([past_k, key_states], dim=2)
+            values = torch.cat([past_v, value_states], dim=2)
         else:
             keys, values = key_states, value_states
         f.keys[layer_idx] = keys
