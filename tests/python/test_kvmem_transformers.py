@@ -29,7 +29,7 @@ if CI:
 else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-from kvmem.transformers import KvmemCache  # noqa: E402
+from kvmem.transformers import KvmemCache, PrefixSharing  # noqa: E402
 
 WORKER = BIN / "kvmem_worker"
 # transformers 5.2 names a model pass's cache `past_key_values`; later lines `cache`.
@@ -147,6 +147,27 @@ def test_beam_search_forks_rows(model, tokenizer, client):
         out = model.generate(**enc, max_new_tokens=6, num_beams=3, do_sample=False,
                              **{CACHE_ARG: cache})
     assert torch.equal(out, reference)
+
+
+def test_prefix_sharing_maps_a_published_prompt(model, tokenizer, client):
+    ids = long_text(tokenizer, 200)
+    reference, fed = run(model, ids, transformers.DynamicCache(config=model.config), 3)
+    sharing = PrefixSharing(cache_salt="tenant-a", model="smollm2-135m")
+    with KvmemCache(model, client, kvmem.PolicySpec("full"), prefix=sharing) as first:
+        run(model, ids, first, 0)
+        assert first.sequences[0].reused_prefix_tokens == 0
+        with KvmemCache(model, client, kvmem.PolicySpec("full"), prefix=sharing) as second:
+            logits, fed_here = run(model, ids, second, 3)
+            reused = second.sequences[0].reused_prefix_tokens
+            # Whole published blocks, never the prompt's last token.
+            assert 0 < reused < len(ids) and reused % second.sequences[0].table.block_tokens == 0
+            assert second.memory().tokens == len(ids) + 3
+        other_tenant = PrefixSharing(cache_salt="tenant-b", model="smollm2-135m")
+        with KvmemCache(model, client, kvmem.PolicySpec("full"), prefix=other_tenant) as third:
+            run(model, ids, third, 0)
+            assert third.sequences[0].reused_prefix_tokens == 0
+    assert fed_here == fed
+    assert max(float((a - b).abs().max()) for a, b in zip(logits, reference)) <= 1e-5
 
 
 def test_a_policy_evicts_and_saves_memory(model, tokenizer, client):
