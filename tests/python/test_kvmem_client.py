@@ -213,6 +213,38 @@ def test_same_host_read_dequantizes_as_the_daemon(client, precision):
             assert s.k[-16:].tobytes() == k[s.layer, s.kv_head, -16:].tobytes()
 
 
+@pytest.mark.parametrize("dtype", [kvmem.DType.F32, kvmem.DType.F16, kvmem.DType.BF16],
+                         ids=lambda d: d.name)
+def test_read_all_is_every_stream_as_read_kv_gives_it(client, dtype):
+    lay = layout(dtype=dtype, L=3, H=2, D=24, block_tokens=8)
+    k, v = random_kv(lay, 70, seed=14)
+    # h2o evicts different slots per stream (so streams differ in blocks and holes), and
+    # int8 storage of all but the 8 newest mixes quantized and layout-precision blocks.
+    policy = kvmem.PolicySpec("h2o", {"budget": 40}, quantization=kvmem.Precision.INT8,
+                              quantization_recent_tokens=8)
+    rng = np.random.default_rng(15)
+    with client.create_sequence(lay, policy) as seq, client.attach_shared_pool() as pool:
+        seq.append(range(60), k[:, :, :60], v[:, :, :60])
+        for t in range(60, 70):
+            seq.append([t], k[:, :, t:t + 1], v[:, :, t:t + 1])
+            rows = [kvmem.StreamSignal(st.layer, st.kv_head,
+                                       rng.random(st.num_slots).astype(np.float32))
+                    for st in seq.table.streams]
+            seq.step(attention=rows)
+        read = pool.read_all(seq.table)
+        assert read.table.epoch == seq.table.epoch
+        counts = sorted({int(c) for c in read.counts})
+        assert counts == [40], f"h2o keeps its budget in every stream: {counts}"
+        quantized = {p for st in seq.table.streams for p in st.precisions}
+        assert int(kvmem.Precision.INT8) in quantized and int(kvmem.Precision.LAYOUT) in quantized
+        for s in seq.read_kv():
+            i = s.layer * lay.num_kv_heads + s.kv_head
+            n = int(read.counts[i])
+            assert read.k[i, :n].tobytes() == s.k.tobytes()
+            assert read.v[i, :n].tobytes() == s.v.tobytes()
+            assert not read.k[i, n:].any() and not read.v[i, n:].any()  # padding is zero
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 def test_stale_epoch_carries_the_current_epoch(client):

@@ -298,37 +298,43 @@ class SharedPool:
         longest = int(counts.max()) if counts.size else 0
         k = np.zeros((len(snap.streams), longest, D), dtype=layout.dtype.numpy)
         v = np.zeros_like(k)
-        # Every layout-precision block as (stream, first slot in the stream, pool row, count).
-        gathered: list[tuple[int, int, int, int]] = []
+        # Layout-precision blocks whose rows align with the pool's: gathered at once below,
+        # as (stream, first slot in the stream, pool row of the first K row, count).
+        gathered: list[tuple[np.ndarray, ...]] = []
         for s, st in enumerate(snap.streams):
-            at = 0
-            for b in range(st.num_blocks):
-                offset, start, count = int(st.offsets[b]), int(st.starts[b]), int(st.counts[b])
-                precision = Precision(int(st.precisions[b]))
-                size = snap.block_bytes if precision is Precision.LAYOUT else \
-                    snap.quantized_block_bytes
-                if offset > self.size or size > self.size - offset or \
-                        start + count > snap.block_tokens:
-                    raise OutOfRangeError(
-                        f"stream {s} blocks[{b}]: offset {offset} slots [{start}, "
-                        f"{start + count}) is outside the mapped pool or block",
-                        code=grpc.StatusCode.OUT_OF_RANGE)
-                if precision is Precision.LAYOUT and offset % row == 0:
-                    gathered.append((s, at, offset // row + start, count))
-                elif precision is Precision.LAYOUT:  # rows not aligned to the pool's start
-                    block = self._bytes[offset:offset + size]
+            offsets = np.asarray(st.offsets, dtype=np.int64)
+            starts = np.asarray(st.starts, dtype=np.int64)
+            lengths = np.asarray(st.counts, dtype=np.int64)
+            plain = np.asarray(st.precisions, dtype=np.int64) == int(Precision.LAYOUT)
+            sizes = np.where(plain, snap.block_bytes, snap.quantized_block_bytes)
+            bad = (offsets < 0) | (offsets > self.size) | (sizes > self.size - offsets) | \
+                (starts < 0) | (lengths < 0) | (starts + lengths > snap.block_tokens)
+            if bad.any():
+                b = int(np.argmax(bad))
+                raise OutOfRangeError(
+                    f"stream {s} blocks[{b}]: offset {offsets[b]} slots [{starts[b]}, "
+                    f"{starts[b] + lengths[b]}) is outside the mapped pool or block",
+                    code=grpc.StatusCode.OUT_OF_RANGE)
+            at = np.cumsum(lengths) - lengths  # each block's first slot in the stream
+            fast = plain & (offsets % row == 0)
+            if fast.any():
+                gathered.append((np.full(int(fast.sum()), s), at[fast],
+                                 offsets[fast] // row + starts[fast], lengths[fast]))
+            for b in np.nonzero(~fast)[0]:
+                offset, start, count = int(offsets[b]), int(starts[b]), int(lengths[b])
+                first = int(at[b])
+                block = self._bytes[offset:offset + int(sizes[b])]
+                if plain[b]:  # rows not aligned to the pool's start
                     planes = block[:2 * snap.block_tokens * row].view(layout.dtype.numpy)
                     planes = planes.reshape(2, snap.block_tokens, D)
-                    k[s, at:at + count] = planes[0, start:start + count]
-                    v[s, at:at + count] = planes[1, start:start + count]
+                    k[s, first:first + count] = planes[0, start:start + count]
+                    v[s, first:first + count] = planes[1, start:start + count]
                 else:
-                    g = QuantGeometry(precision, snap.block_tokens, D)
-                    bk, bv = dequantize_block(np.array(self._bytes[offset:offset + size]), g,
-                                              start, count, layout.dtype)
-                    k[s, at:at + count], v[s, at:at + count] = bk, bv
-                at += count
+                    g = QuantGeometry(Precision(int(st.precisions[b])), snap.block_tokens, D)
+                    bk, bv = dequantize_block(np.array(block), g, start, count, layout.dtype)
+                    k[s, first:first + count], v[s, first:first + count] = bk, bv
         if gathered:
-            s_of, at_of, row_of, count_of = (np.array(c, dtype=np.int64) for c in zip(*gathered))
+            s_of, at_of, row_of, count_of = (np.concatenate(c) for c in zip(*gathered))
             total = int(count_of.sum())
             within = np.arange(total) - np.repeat(np.cumsum(count_of) - count_of, count_of)
             streams = np.repeat(s_of, count_of)
