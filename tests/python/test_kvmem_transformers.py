@@ -184,6 +184,50 @@ def test_a_policy_evicts_and_saves_memory(model, tokenizer, client):
         assert cache.evicted_tokens > 0
 
 
+@pytest.mark.parametrize("name,params", [("window", {"window": 48}),
+                                         ("streaming_llm", {"sinks": 4, "budget": 48})])
+def test_evicting_policy_gives_the_logits_of_a_cache_cut_the_same_way(model, tokenizer,
+                                                                     client, name, params):
+    """window and streaming_llm keep the same positions in every stream: a DynamicCache cut
+    to those positions after every pass, fed the same tokens at their positions, is the
+    oracle for every logit (a padded slot attended, or a wrong row gathered, would show)."""
+    ids = long_text(tokenizer, 120)
+    reference = transformers.DynamicCache(config=model.config)
+    with KvmemCache(model, client, kvmem.PolicySpec(name, params)) as cache, torch.no_grad():
+        fed, position = torch.tensor([ids]), 0
+        for step in range(6):
+            positions = torch.arange(position, position + fed.shape[1])[None]
+            mine = model(fed, use_cache=True, **{CACHE_ARG: cache})
+            theirs = model(fed, past_key_values=reference, use_cache=True,
+                           position_ids=positions)
+            worst = float((mine.logits[0, -1] - theirs.logits[0, -1]).abs().max())
+            assert worst <= 1e-4, f"step {step}: logits differ by {worst}"
+            position += fed.shape[1]
+            table = client.get_block_table(cache.sequences[0].id, positions=True)
+            kept = [list(st.positions) for st in table.streams]
+            assert all(k == kept[0] for k in kept) and len(kept[0]) < position
+            # The reference held positions 0..position-1 minus what it dropped before.
+            held = getattr(reference, "_kvmem_positions", list(range(position)))
+            held = held + [p for p in range(held[-1] + 1, position)] if held else held
+            index = torch.tensor([held.index(p) for p in kept[0]])
+            for layer in reference.layers:
+                layer.keys = layer.keys[:, :, index]
+                layer.values = layer.values[:, :, index]
+            reference._kvmem_positions = kept[0]
+            fed = mine.logits[0, -1].argmax()[None, None]
+
+
+@pytest.mark.parametrize("dtype", [kvmem.DType.F16, kvmem.DType.BF16], ids=lambda d: d.name)
+def test_half_layouts_round_kv_and_keep_the_answer(model, tokenizer, client, dtype):
+    ids = long_text(tokenizer, 200)
+    reference, fed = run(model, ids, transformers.DynamicCache(config=model.config), 4)
+    with KvmemCache(model, client, kvmem.PolicySpec("full"), dtype=dtype) as cache:
+        logits, fed_here = run(model, ids, cache, 4)
+        assert cache.memory().full_bytes == (len(ids) + 4) * 2 * 90 * 64 * 2
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits[1:], reference[1:]))
+    assert 0 < worst < 0.5 and fed_here == fed
+
+
 def test_quantized_blocks_are_read_dequantized(model, tokenizer, client):
     ids = long_text(tokenizer, 300)
     reference, _ = run(model, ids, transformers.DynamicCache(config=model.config), 2)
@@ -292,6 +336,60 @@ def test_a_sequence_changed_behind_the_pass_is_a_stale_epoch(model, tokenizer, d
             assert e.value.current_epoch is not None
         finally:
             handle.remove()
+
+
+def test_a_pass_interrupted_mid_layer_commits_nothing(model, tokenizer, client):
+    ids = long_text(tokenizer, 60)
+    reference, fed = run(model, ids, transformers.DynamicCache(config=model.config), 2)
+    with KvmemCache(model, client, kvmem.PolicySpec("h2o", {"budget": 32})) as cache, \
+            torch.no_grad():
+        model(torch.tensor([ids]), use_cache=True, **{CACHE_ARG: cache})
+        before = client.get_block_table(cache.sequences[0].id)
+
+        def interrupt(module, args, output):
+            raise KeyboardInterrupt
+
+        handle = model.get_decoder().layers[12].register_forward_hook(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                model(torch.tensor([[fed[0]]]), use_cache=True, **{CACHE_ARG: cache})
+        finally:
+            handle.remove()
+        after = client.get_block_table(cache.sequences[0].id)
+        assert (after.version, after.epoch) == (before.version, before.epoch)
+        assert cache.get_seq_length() == len(ids)
+        # The same pass again goes through as if the first had never started.
+        out = model(torch.tensor([[fed[0]]]), use_cache=True, **{CACHE_ARG: cache})
+        assert cache.get_seq_length() == len(ids) + 1
+        assert cache.sequences[0].table.version > before.version
+
+
+def test_a_table_changed_between_passes_is_read_again(model, tokenizer, daemon, client):
+    ids = long_text(tokenizer, 80)
+    with KvmemCache(model, client, kvmem.PolicySpec("h2o", {"budget": 64})) as cache, \
+            kvmem.Client(daemon) as other, torch.no_grad():
+        run(model, ids, cache, 1)
+        seq = cache.sequences[0]
+        epoch = other.get_block_table(seq.id).epoch
+        other.compress(seq.id, kvmem.CompressArgs(epoch=epoch, target_tokens=32))
+        assert seq.table.epoch == epoch  # the cache's table is stale now
+        model(torch.tensor([[42]]), use_cache=True, **{CACHE_ARG: cache})
+        table = client.get_block_table(seq.id, positions=True)
+        assert seq.table.epoch > epoch
+        assert all(len(st.positions) <= 33 for st in table.streams)
+
+
+def test_masks_other_than_a_padding_mask_are_refused(model, tokenizer, client):
+    ids = torch.tensor([long_text(tokenizer, 16)])
+    with KvmemCache(model, client, kvmem.PolicySpec("full")) as cache, torch.no_grad():
+        with pytest.raises(kvmem.InvalidArgumentError) as e:
+            model(ids, attention_mask=torch.ones(1, 20, dtype=torch.long), use_cache=True,
+                  **{CACHE_ARG: cache})
+        assert "attention_mask" in str(e.value)
+        assert cache.sequences == []  # nothing was created
+        model(ids, attention_mask=torch.ones(1, 16, dtype=torch.long), use_cache=True,
+              **{CACHE_ARG: cache})
+        assert len(cache.sequences) == 1
 
 
 class _Interrupt(transformers.StoppingCriteria):

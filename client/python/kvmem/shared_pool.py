@@ -294,6 +294,10 @@ class SharedPool:
         layout = snap.layout
         D, itemsize = layout.head_dim, layout.dtype.itemsize
         row = D * itemsize
+        if snap.block_bytes < 2 * snap.block_tokens * row:
+            raise OutOfRangeError(
+                f"block_bytes {snap.block_bytes}: a block of {snap.block_tokens} slots needs "
+                f"{2 * snap.block_tokens * row}", code=grpc.StatusCode.OUT_OF_RANGE)
         counts = np.array([st.num_slots for st in snap.streams], dtype=np.int64)
         longest = int(counts.max()) if counts.size else 0
         k = np.zeros((len(snap.streams), longest, D), dtype=layout.dtype.numpy)
@@ -306,6 +310,9 @@ class SharedPool:
             starts = np.asarray(st.starts, dtype=np.int64)
             lengths = np.asarray(st.counts, dtype=np.int64)
             plain = np.asarray(st.precisions, dtype=np.int64) == int(Precision.LAYOUT)
+            if not plain.all() and snap.quantized_block_bytes <= 0:
+                raise OutOfRangeError(f"stream {s}: quantized blocks of no size",
+                                      code=grpc.StatusCode.OUT_OF_RANGE)
             sizes = np.where(plain, snap.block_bytes, snap.quantized_block_bytes)
             bad = (offsets < 0) | (offsets > self.size) | (sizes > self.size - offsets) | \
                 (starts < 0) | (lengths < 0) | (starts + lengths > snap.block_tokens)

@@ -37,6 +37,7 @@ soft-capping): their logit statistics would differ.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import weakref
 from typing import Any, Optional, Union
@@ -55,6 +56,8 @@ from kvmem.messages import LogitStats, NewTokens, Prompt, StepArgs, StreamSignal
 from kvmem.sequence import Sequence
 from kvmem.shared_pool import SharedPool
 
+_log = logging.getLogger("kvmem")
+
 ATTENTION = "kvmem"
 _TOPK_ENTROPY = 256  # the token-entropy signal's top-k (the C++ worker's)
 _STALE_RETRIES = 3
@@ -70,10 +73,22 @@ def kvmem_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     anything else (another cache, no cache) gets transformers' SDPA attention unchanged."""
     forward: Optional[_Forward] = getattr(_current, "forward", None)
     layer = getattr(module, "layer_idx", None)
-    if forward is not None and layer is not None and forward.keys.get(layer) is key:
-        return forward.attend(layer, query, key, value, scaling), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, **kwargs)
+    if forward is None or layer is None or layer not in forward.keys:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    if forward.keys.pop(layer) is not key:
+        # The model changed the keys between the cache's update and its attention: the
+        # padding this function masks is no longer where it was put.
+        raise FailedPreconditionError(
+            f"KvmemCache: layer {layer}'s keys changed between the cache's update and "
+            "attention; this model's attention is not supported")
+    unsupported = [k for k in ("sliding_window", "softcap", "s_aux")
+                   if kwargs.get(k) is not None]
+    if unsupported:
+        raise FailedPreconditionError(
+            f"KvmemCache: the model's attention uses {unsupported}, which kvmem's attention "
+            "does not apply")
+    return forward.attend(layer, query, key, value, scaling), None
 
 
 def register() -> None:
@@ -87,7 +102,7 @@ class PrefixSharing:
     """Prompt ids sent at creation: the longest published prefix with the same model name,
     layout and salt is mapped in instead of appended; auto_publish publishes this one's."""
     cache_salt: str = ""
-    model: str = ""
+    model: Optional[str] = None  # None: the model's config._name_or_path
     auto_publish: bool = True
 
 
@@ -102,6 +117,18 @@ class Memory:
     @property
     def saved_fraction(self) -> float:
         return 1.0 - self.kv_bytes / self.full_bytes if self.full_bytes else 0.0
+
+
+def _check_supported(config: Any) -> None:
+    """What kvmem_attention does not apply: sliding-window layers, soft-capping."""
+    sliding = getattr(config, "sliding_window", None) and \
+        getattr(config, "use_sliding_window", True)
+    sliding = sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    capped = [k for k in ("attn_logit_softcapping", "final_logit_softcapping")
+              if getattr(config, k, None)]
+    if sliding or capped:
+        what = "sliding-window attention" if sliding else ", ".join(capped)
+        raise InvalidArgumentError(f"model: KvmemCache does not support {what} yet")
 
 
 def _prefill_window(policy: PolicySpec, observation_window: int) -> int:
@@ -149,9 +176,8 @@ class _Forward:
     """One model pass through a KvmemCache: the past read at its start, the new K/V each
     layer hands over, and the signals its attention leaves."""
 
-    def __init__(self, cache: KvmemCache, real: torch.Tensor, positions: torch.Tensor,
+    def __init__(self, real: torch.Tensor, positions: torch.Tensor,
                  token_ids: Optional[torch.Tensor]) -> None:
-        self.cache = cache
         self.real = real            # [B][q] bool: tokens that are not padding
         self.positions = positions  # [B][q] int64
         self.token_ids = token_ids  # [B][q] or None
@@ -230,6 +256,7 @@ class KvmemCache(Cache):
                  observation_window: int = 32) -> None:
         super().__init__(layers=[])
         config = model.config.get_text_config()
+        _check_supported(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.layout = Layout(config.num_hidden_layers, config.num_key_value_heads, head_dim,
@@ -243,12 +270,27 @@ class KvmemCache(Cache):
             raise InvalidArgumentError(f"policy: {e.args[0]}") from None
         self._step_signals = set(p.step_signals)
         self._append_signals = set(p.append_signals)
-        if read_path is None:
-            read_path = "shared" if info.shm_name else "grpc"
-        if read_path not in ("shared", "grpc"):
+        if read_path not in (None, "shared", "grpc"):
             raise ValueError(f"read_path: {read_path!r} is neither 'shared' nor 'grpc'")
-        self._pool = client.attach_shared_pool() if read_path == "shared" else None
+        self._pool: Optional[SharedPool] = None
+        if read_path == "shared" or (read_path is None and info.shm_name):
+            try:
+                self._pool = client.attach_shared_pool()
+            except FailedPreconditionError:
+                if read_path == "shared":
+                    raise
+                # Another host's daemon, or a CPU without ordered loads (shared_pool's
+                # docstring): ReadKv.
+        read_path = "shared" if self._pool is not None else "grpc"
         self.read_path = read_path
+        if prefix is not None and prefix.model is None:
+            name = getattr(config, "_name_or_path", "") or getattr(model.config,
+                                                                  "_name_or_path", "")
+            if not name:
+                raise InvalidArgumentError(
+                    "prefix.model: the model has no name (config._name_or_path); name it, or "
+                    "sequences of different models with this layout would share blocks")
+            prefix = dataclasses.replace(prefix, model=name)
         self._prefix = prefix
         self._lease = lease
         self._window = _prefill_window(policy, observation_window)
@@ -259,6 +301,7 @@ class KvmemCache(Cache):
         self._batch = 0
         self._last_topk: list[float] = []  # per row: the last pass's top-k entropy
         self._broken: Optional[str] = None
+        self._closed = False
         self._forward: Optional[_Forward] = None
         self.evicted_tokens = 0
         self.steps = 0
@@ -274,6 +317,10 @@ class KvmemCache(Cache):
     def close(self) -> None:
         """Releases every sequence and removes the hooks (idempotent)."""
         self._unhook()
+        self._closed = True
+        if self._forward is not None and getattr(_current, "forward", None) is self._forward:
+            _current.forward = None
+        self._forward = None
         sequences, self._sequences = self._sequences, []
         errors = []
         for seq in sequences:
@@ -289,8 +336,16 @@ class KvmemCache(Cache):
     def __enter__(self) -> KvmemCache:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                 tb: object) -> None:
+        try:
+            self.close()
+        except KvmemError as e:
+            if exc is None:
+                raise
+            # The block's own exception (a KeyboardInterrupt, say) matters more; the leases
+            # lapse where a release did not get through.
+            _log.warning("kvmem: closing a KvmemCache while unwinding failed: %s", e)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -383,9 +438,15 @@ class KvmemCache(Cache):
 
     def reset(self) -> None:
         """Releases the sequences: the next pass starts a new prompt."""
-        sequences, self._sequences = self._sequences, []
-        for seq in sequences:
-            seq.release()
+        if self._closed:
+            raise FailedPreconditionError("KvmemCache: closed")
+        try:
+            for seq in self._sequences:
+                seq.release()
+        except BaseException as e:
+            self._broken = f"a reset failed: {e}"
+            raise
+        self._sequences = []
         self._seen, self._batch, self._last_topk, self._broken = 0, 0, [], None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -413,14 +474,27 @@ class KvmemCache(Cache):
             raise InvalidArgumentError(f"rows {order}: the batch has {self._batch}")
         used: set[int] = set()
         rows: list[Sequence] = []
-        for o in order:
-            rows.append(self._sequences[o] if o not in used else self._sequences[o].fork())
-            used.add(o)
-        for b, seq in enumerate(self._sequences):
-            if b not in used:
-                seq.release()
+        forks: list[Sequence] = []
+        try:
+            for o in order:
+                if o in used:
+                    forks.append(self._sequences[o].fork(self._lease))
+                    rows.append(forks[-1])
+                else:
+                    rows.append(self._sequences[o])
+                used.add(o)
+        except BaseException:
+            for seq in forks:  # nothing changed: the forks go again
+                _release_quietly(seq)
+            raise
+        dropped = [seq for b, seq in enumerate(self._sequences) if b not in used]
         self._last_topk = [self._last_topk[o] for o in order]
         self._sequences, self._batch = rows, len(order)
+        for seq in dropped:
+            try:
+                seq.release()
+            except KvmemError as e:  # its lease will lapse; the rows are right already
+                _log.warning("kvmem: releasing dropped row %d failed: %s", seq.id, e)
 
     # ---- a pass ------------------------------------------------------------------------------
 
@@ -439,7 +513,7 @@ class KvmemCache(Cache):
                 cache._end(output)
 
         hooks = [decoder.register_forward_pre_hook(begin, with_kwargs=True),
-                 decoder.register_forward_hook(end, with_kwargs=True)]
+                 decoder.register_forward_hook(end, with_kwargs=True, always_call=True)]
         if "layer_distance" in self._append_signals:
             layers = decoder.layers
             mid, last = layers[len(layers) // 2 - 1], layers[len(layers) - 1]
@@ -473,17 +547,23 @@ class KvmemCache(Cache):
             raise InvalidArgumentError(f"KvmemCache: a pass of batch {B}, the cache holds "
                                        f"{self._batch} rows")
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        if mask is None:
+            real = torch.ones(B, q, dtype=torch.bool)
+        elif isinstance(mask, torch.Tensor) and mask.dim() == 2 and \
+                tuple(mask.shape) == (B, self._seen + q):
             real = mask[:, -q:].to(torch.bool).cpu()
         else:
-            real = torch.ones(B, q, dtype=torch.bool)
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise InvalidArgumentError(
+                f"attention_mask: KvmemCache takes a 2D padding mask of shape "
+                f"({B}, {self._seen + q}) (every column shown so far), not {shape}")
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = kwargs.get("cache_position")
         if positions is None:
             positions = torch.arange(self._seen, self._seen + q)
         positions = positions.to(torch.int64).cpu().expand(B, q)
-        f = _Forward(self, real, positions, None if input_ids is None else input_ids.cpu())
+        f = _Forward(real, positions, None if input_ids is None else input_ids.cpu())
         if self._sequences:
             self._read_past(f)
             f.want_rows = "attention_rows" in self._step_signals
@@ -540,8 +620,8 @@ class KvmemCache(Cache):
     def _end(self, output: Any) -> None:
         f, self._forward = self._forward, None
         _current.forward = None
-        if f is None:
-            return
+        if f is None or output is None:
+            return  # the pass raised (the hook runs anyway): nothing is committed
         hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
         try:
             self._commit(f, hidden)
@@ -636,9 +716,12 @@ class KvmemCache(Cache):
     def _create(self, f: _Forward, rows: list[dict[str, Any]]) -> None:
         for b, row in enumerate(rows):
             prompt = None
-            if self._prefix is not None and row.get("token_ids"):
-                prompt = Prompt(row["token_ids"], self._prefix.cache_salt, self._prefix.model,
-                                self._prefix.auto_publish)
+            # Published blocks hold positions 0, 1, ...: only a row whose prompt sits there
+            # may map them (a left-padded row given no position ids does not).
+            at_zero = row["n"] > 0 and row["positions"] == list(range(row["n"]))
+            if self._prefix is not None and row.get("token_ids") and at_zero:
+                prompt = Prompt(row["token_ids"], self._prefix.cache_salt,
+                                self._prefix.model or "", self._prefix.auto_publish)
             seq = self.client.create_sequence(self.layout, self.policy, lease=self._lease,
                                               prompt=prompt)
             self._sequences.append(seq)
@@ -690,6 +773,13 @@ class KvmemCache(Cache):
         self.steps += 1
         if failed:
             raise failed[0][1]  # the first failing row's, unchanged (its code and details)
+
+
+def _release_quietly(seq: Sequence) -> None:
+    try:
+        seq.release()
+    except KvmemError as e:
+        _log.warning("kvmem: releasing sequence %d failed: %s", seq.id, e)
 
 
 def _passed(kwargs: dict) -> Any:
