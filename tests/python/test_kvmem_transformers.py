@@ -392,6 +392,12 @@ def test_masks_other_than_a_padding_mask_are_refused(model, tokenizer, client):
         assert len(cache.sequences) == 1
 
 
+def _pool_maps():
+    """Mappings of kvmemd shared-memory segments in this process."""
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm/" in line for line in maps)
+
+
 class _Interrupt(transformers.StoppingCriteria):
     def __init__(self, after):
         self.calls, self.after = 0, after
@@ -420,7 +426,8 @@ def test_no_thread_sequence_or_hook_leaks_after_100_generations(model, tokenizer
     enc = tokenizer(["Hi"], return_tensors="pt")
     decoder = model.get_decoder()
     gc.collect()
-    threads = threading.active_count()
+    threads, maps = threading.active_count(), _pool_maps()
+    attention = model.config._attn_implementation
     with kvmem.Client(daemon) as client:
         before = client.stats()
         for i in range(100):
@@ -442,4 +449,6 @@ def test_no_thread_sequence_or_hook_leaks_after_100_generations(model, tokenizer
         assert after.sequences_active == before.sequences_active
         assert client.live_sequences == []
     assert not decoder._forward_hooks and not decoder._forward_pre_hooks
+    assert model.config._attn_implementation == attention  # given back by the last cache
+    assert _pool_maps() == maps, "a cache left the daemon's pool mapped"
     assert threading.active_count() == threads

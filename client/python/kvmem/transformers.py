@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -241,7 +241,8 @@ class KvmemCache(Cache):
     """A transformers Cache whose K/V is kept by kvmemd under `policy` (module docstring).
 
     model: the causal LM it serves (hooks are put on its decoder, and its attention is
-    switched to "kvmem", which is SDPA for every other cache). client: a kvmem.Client.
+    switched to "kvmem", which is SDPA for every other cache, until its last KvmemCache is
+    closed or collected). client: a kvmem.Client.
     dtype: the layout's element type (F32 keeps a float32 model's K/V bit for bit).
     read_path: "shared" (the pool mapped read-only; the default when the daemon exports
     one) or "grpc" (ReadKv). prefix: send prompt ids for prefix sharing. lease: seconds
@@ -306,11 +307,11 @@ class KvmemCache(Cache):
         self.evicted_tokens = 0
         self.steps = 0
         register()
-        if model.config._attn_implementation != ATTENTION:
-            model.set_attn_implementation(ATTENTION)
+        _switch(model)
         self._hooks = self._install_hooks(model)
-        # Also when the cache is dropped unclosed: the model keeps no hook of a dead cache.
-        self._unhook = weakref.finalize(self, _remove, self._hooks, self._pool)
+        # Also when the cache is dropped unclosed: the model keeps no hook of a dead cache,
+        # and gets its attention back when its last cache goes.
+        self._unhook = weakref.finalize(self, _remove, self._hooks, self._pool, self._model)
 
     # ---- lifetime --------------------------------------------------------------------------
 
@@ -794,11 +795,38 @@ def _append_kwargs(t: NewTokens) -> dict[str, Any]:
             "token_entropy": t.token_entropy, "layer_distance": t.layer_distance}
 
 
-def _remove(hooks: list[Any], pool: Optional[SharedPool]) -> None:
+# model -> [its open caches, the attention implementation it had before the first]
+_switched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_switched_lock = threading.Lock()
+
+
+def _switch(model: torch.nn.Module) -> None:
+    with _switched_lock:
+        entry = _switched.get(model)
+        if entry is None:
+            entry = _switched[model] = [0, model.config._attn_implementation]
+        entry[0] += 1
+        if model.config._attn_implementation != ATTENTION:
+            model.set_attn_implementation(ATTENTION)
+
+
+def _remove(hooks: list[Any], pool: Optional[SharedPool],
+            model_ref: Callable[[], Optional[torch.nn.Module]]) -> None:
     for h in hooks:
         h.remove()
     if pool is not None:
         pool.close()
+    model = model_ref()
+    with _switched_lock:
+        entry = _switched.get(model) if model is not None else None
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del _switched[model]
+            if entry[1] and entry[1] != ATTENTION and \
+                    model.config._attn_implementation == ATTENTION:
+                model.set_attn_implementation(entry[1])
 
 
 __all__ = ["ATTENTION", "KvmemCache", "Memory", "PrefixSharing", "kvmem_attention", "register"]
