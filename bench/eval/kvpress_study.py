@@ -47,6 +47,8 @@ FRACTIONS = (0.25, 0.5)
 
 
 def kvmem_policy(name, fraction, n):
+    if name == "full":
+        return kvmem.PolicySpec("full")
     if name in ("snapkv", "pyramidkv"):
         return kvmem.PolicySpec(name, {"ratio": fraction})
     params = {"budget": max(8, round(fraction * n))}
@@ -177,6 +179,8 @@ def study_kvpress(args, *, model_path, daemon_class, retrieval_prompts, corpus_p
             if not args.small:
                 grid = [p for p in grid if p["length"] <= 2000 and p["sample"] < 2]
             lengths = sorted({p["length"] for p in grid})
+            if args.only == "speed":
+                return _speed_only(args, runner, tokenizer, grid, write_table, start)
             all_methods = methods()
             correct = {label(m): [] for m in all_methods}
             held = {label(m): [] for m in all_methods}
@@ -203,16 +207,7 @@ def study_kvpress(args, *, model_path, daemon_class, retrieval_prompts, corpus_p
                 continuation = all_ids[:, at + ctx:at + ctx + cont]
                 for m in all_methods:
                     nll[label(m)].append(runner.nll(m, context, continuation))
-            # Speed: decode-only ms per token, interleaved, median of 3.
-            speed_prompt = max(grid, key=lambda p: p["length"])
-            speed_ids = chat_ids(tokenizer, speed_prompt)
-            steps = 8 if args.small else 32
-            timed = {"DynamicCache": ("full",), "kvmem cache, snapkv 50 %": ("kvmem", "snapkv", 0.5),
-                     "kvpress SnapKVPress 50 %": ("kvpress", "snapkv", 0.5)}
-            seconds = {k: [] for k in timed}
-            for _ in range(3):
-                for k, m in timed.items():
-                    seconds[k].append(runner.generate(m, speed_ids, steps)[2] / steps)
+            speed_ids, steps, seconds = _speed(args, runner, tokenizer, grid)
     finally:
         daemon.close()
 
@@ -233,12 +228,46 @@ def study_kvpress(args, *, model_path, daemon_class, retrieval_prompts, corpus_p
         k = label(m)
         lines.append(f"| {k} | {100 * mean(correct[k]):.0f} % | {100 * mean(held[k]):.0f} % "
                      f"| {2.718281828 ** mean(nll[k]):.2f} |")
-    lines += ["", f"Time per generated token (decode only, {speed_ids.shape[1]}-token prompt, "
-              f"{steps} tokens, median of 3 interleaved runs):", "",
-              "| cache | ms per token |", "|---|---|"]
-    for k in timed:
-        lines.append(f"| {k} | {1e3 * statistics.median(seconds[k]):.1f} |")
+    lines += [""] + _speed_lines(speed_ids, steps, seconds)
     return write_table(f"kvpress-{tag}", lines)
+
+
+TIMED = {"DynamicCache": ("full",), "kvmem cache, full": ("kvmem", "full", 1.0),
+         "kvmem cache, snapkv 50 %": ("kvmem", "snapkv", 0.5),
+         "kvpress SnapKVPress 50 %": ("kvpress", "snapkv", 0.5)}
+
+
+def _speed(args, runner, tokenizer, grid):
+    """Decode-only seconds per token of each TIMED cache, interleaved, 3 runs each."""
+    speed_ids = chat_ids(tokenizer, max(grid, key=lambda p: p["length"]))
+    steps = 8 if args.small else 32
+    seconds = {k: [] for k in TIMED}
+    for _ in range(3):
+        for k, m in TIMED.items():
+            seconds[k].append(runner.generate(m, speed_ids, steps)[2] / steps)
+    return speed_ids, steps, seconds
+
+
+def _speed_lines(speed_ids, steps, seconds):
+    lines = [f"Time per generated token (decode only, {speed_ids.shape[1]}-token prompt, "
+             f"{steps} tokens, median of 3 interleaved runs):", "",
+             "| cache | ms per token | vs DynamicCache |", "|---|---|---|"]
+    base = statistics.median(seconds["DynamicCache"])
+    for k, runs in seconds.items():
+        ms = statistics.median(runs)
+        lines.append(f"| {k} | {1e3 * ms:.1f} | {ms / base:.2f}x |")
+    return lines
+
+
+def _speed_only(args, runner, tokenizer, grid, write_table, start):
+    speed_ids, steps, seconds = _speed(args, runner, tokenizer, grid)
+    tag = "small" if args.small else "full"
+    lines = [f"### kvmem's transformers cache: time per token ({tag})",
+             f"Command: `python3 bench/eval/eval.py kvpress --only speed"
+             f"{' --small' if args.small else ''}`; SmolLM2-135M-Instruct in transformers "
+             f"{transformers.__version__} (float32), kvpress {_version('kvpress')}, CPU (2 vCPU); "
+             f"{time.strftime('%Y-%m-%d')}, this run {time.time() - start:.0f} s.", ""]
+    return write_table(f"kvpress-speed-{tag}", lines + _speed_lines(speed_ids, steps, seconds))
 
 
 def _version(package):

@@ -285,11 +285,11 @@ class SharedPool:
                         np.concatenate(parts_k) if parts_k else empty,
                         np.concatenate(parts_v) if parts_v else empty)
 
-    def read_all(self, table: Union[BlockTable, TableSnapshot]) -> PaddedKv:
+    def read_all(self, table: Union[BlockTable, TableSnapshot], room: int = 0) -> PaddedKv:
         """Every stream's retained K and V copied out at once under the full read protocol,
-        padded to the longest stream: what a forward pass over the whole sequence reads.
-        Layout-precision blocks are gathered by one index per plane; quantized blocks are
-        dequantized to the layout dtype one by one."""
+        padded to the longest stream plus `room` slots (zero: for the caller's new tokens),
+        what a forward pass over the whole sequence reads. Layout-precision blocks are
+        gathered by one index per plane; quantized blocks are dequantized one by one."""
         snap = self.begin_read(table)
         layout = snap.layout
         D, itemsize = layout.head_dim, layout.dtype.itemsize
@@ -300,7 +300,9 @@ class SharedPool:
                 f"{2 * snap.block_tokens * row}", code=grpc.StatusCode.OUT_OF_RANGE)
         counts = np.array([st.num_slots for st in snap.streams], dtype=np.int64)
         longest = int(counts.max()) if counts.size else 0
-        k = np.zeros((len(snap.streams), longest, D), dtype=layout.dtype.numpy)
+        if room < 0:
+            raise InvalidArgumentError(f"room: {room} slots")
+        k = np.zeros((len(snap.streams), longest + room, D), dtype=layout.dtype.numpy)
         v = np.zeros_like(k)
         # Layout-precision blocks whose rows align with the pool's: gathered at once below,
         # as (stream, first slot in the stream, pool row of the first K row, count).
@@ -358,8 +360,8 @@ class SharedPool:
 @dataclasses.dataclass(frozen=True)
 class PaddedKv:
     """A sequence's retained K/V as SharedPool.read_all copies it: k and v
-    [streams][longest][D] (stream = layer * H + kv_head; zero past each stream's count),
-    counts [streams], and the snapshot read (its epoch)."""
+    [streams][longest + room][D] (stream = layer * H + kv_head; zero past each stream's
+    count), counts [streams], and the snapshot read (its epoch)."""
     table: TableSnapshot
     k: np.ndarray
     v: np.ndarray

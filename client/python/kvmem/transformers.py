@@ -184,6 +184,7 @@ class _Forward:
         self.past_k: dict[int, torch.Tensor] = {}  # layer -> [B][H][P][D] (model dtype)
         self.past_v: dict[int, torch.Tensor] = {}
         self.past_valid: Optional[torch.Tensor] = None  # [L][B][H][P] bool
+        self.past_slots = 0  # P
         self.counts = np.zeros((0, 0), dtype=np.int64)  # [B][streams]
         self.epochs: list[int] = []
         self.new_k: dict[int, torch.Tensor] = {}
@@ -196,35 +197,51 @@ class _Forward:
         self.mid: Optional[torch.Tensor] = None   # hidden states after layer L/2 (distance)
         self.last: Optional[torch.Tensor] = None  # after the last layer, before the norm
 
+    def mask(self, layer: int, B: int, H: int, q: int, P: int,
+             device: torch.device) -> Optional[torch.Tensor]:
+        """[B][H][q][P + q] bool: a stream's retained slots (not its padding), then the new
+        real tokens causally (a padding query sees itself, so no row is empty). None when
+        every key is visible to the one query (one token over unpadded streams)."""
+        past_valid = self.past_valid[layer] if P > 0 and self.past_valid is not None else None
+        padded = past_valid is not None and not bool(past_valid.all())
+        if q == 1 and not padded and bool(self.real.all()):
+            return None
+        real = self.real.to(device)
+        new = torch.ones(q, q, dtype=torch.bool, device=device).tril()[None] & real[:, None, :]
+        new |= torch.eye(q, dtype=torch.bool, device=device)[None]  # [B][q][q]
+        new = new[:, None].expand(B, H, q, q)
+        if P == 0:
+            return new
+        if past_valid is None:
+            past = torch.ones(B, H, q, P, dtype=torch.bool, device=device)
+        else:
+            past = past_valid.to(device)[:, :, None, :].expand(B, H, q, P)
+        return torch.cat([past, new], dim=-1)
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: Optional[float]) -> torch.Tensor:
         B, Hq, q, D = query.shape
-        H = key.shape[1]
+        H, K = key.shape[1], key.shape[2]
         group = Hq // H
-        P = key.shape[2] - q
         scale = scaling if scaling is not None else D ** -0.5
-        real = self.real.to(query.device)
-        causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril()
-        new = causal[None, :, :] & real[:, None, :]  # [B][q][q]
-        new |= torch.eye(q, dtype=torch.bool, device=query.device)[None]  # no empty row
-        if P > 0:
-            assert self.past_valid is not None
-            past = self.past_valid[layer].to(query.device)[:, :, None, :].expand(B, H, q, P)
-            mask = torch.cat([past, new[:, None].expand(B, H, q, q)], dim=-1)
-        else:
-            mask = new[:, None].expand(B, H, q, q)
-        mask = mask.repeat_interleave(group, dim=1)
-        k = key.repeat_interleave(group, dim=1)
-        v = value.repeat_interleave(group, dim=1)
+        mask = self.mask(layer, B, H, q, K - q, query.device)
         if not self.want_rows and self.window == 0:
-            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask,
-                                                                   scale=scale)
+            # SDPA with grouped heads: K and V are never copied per query head.
+            full = None if mask is None else mask.repeat_interleave(group, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=full, scale=scale, enable_gqa=True)
             return out.transpose(1, 2).contiguous()
-        scores = torch.matmul(query.float(), k.float().transpose(2, 3)) * scale
-        scores.masked_fill_(~mask, float("-inf"))
+        # Explicit weights (the signals need them), a GQA group's queries side by side:
+        # query head h * group + g reads kv head h.
+        grouped_q = query.reshape(B, H, group * q, D).float()
+        scores = torch.matmul(grouped_q, key.float().transpose(2, 3)).view(B, H, group, q, K)
+        scores = scores * scale
+        if mask is not None:
+            scores.masked_fill_(~mask[:, :, None], float("-inf"))
         weights = torch.softmax(scores, dim=-1)
-        out = torch.matmul(weights.to(v.dtype), v)
-        grouped = weights.view(B, H, group, q, P + q).mean(dim=2)  # [B][H][q][P + q]
+        out = torch.matmul(weights.view(B, H, group * q, K).to(value.dtype), value)
+        out = out.view(B, Hq, q, D)
+        grouped = weights.mean(dim=2)  # [B][H][q][K]: the GQA-group mean
         if self.want_rows:
             last = torch.tensor([int(torch.nonzero(r)[-1]) if bool(r.any()) else q - 1
                                  for r in self.real], device=query.device)
@@ -375,10 +392,17 @@ class KvmemCache(Cache):
         f.new_k[layer_idx] = key_states
         f.new_v[layer_idx] = value_states
         if layer_idx in f.past_k:
-            past_k = f.past_k[layer_idx].to(key_states.device, key_states.dtype)
-            past_v = f.past_v[layer_idx].to(value_states.device, value_states.dtype)
-            keys = torch.cat([past_k, key_states], dim=2)
-            values = torch.cat([past_v, value_states], dim=2)
+            keys, values = f.past_k[layer_idx], f.past_v[layer_idx]  # [B][H][P + q][D]
+            P = f.past_slots
+            if keys.dtype == key_states.dtype and keys.device == key_states.device:
+                keys[:, :, P:] = key_states  # the room read_all left
+                values[:, :, P:] = value_states
+            else:
+                keys = torch.cat([keys[:, :, :P].to(key_states.device, key_states.dtype),
+                                  key_states], dim=2)
+                values = torch.cat([values[:, :, :P].to(value_states.device,
+                                                         value_states.dtype), value_states],
+                                   dim=2)
         else:
             keys, values = key_states, value_states
         f.keys[layer_idx] = keys
@@ -566,7 +590,7 @@ class KvmemCache(Cache):
         positions = positions.to(torch.int64).cpu().expand(B, q)
         f = _Forward(real, positions, None if input_ids is None else input_ids.cpu())
         if self._sequences:
-            self._read_past(f)
+            self._read_past(f, q)
             f.want_rows = "attention_rows" in self._step_signals
         elif _compresses(self.policy):
             f.want_rows = True
@@ -574,40 +598,48 @@ class KvmemCache(Cache):
         self._forward = f
         _current.forward = f
 
-    def _read_past(self, f: _Forward) -> None:
-        """Every row's retained K/V, as [B][H][P][D] per layer (P: the longest stream)."""
+    def _read_past(self, f: _Forward, q: int) -> None:
+        """Every row's retained K/V, as [B][H][P + q][D] per layer (P: the longest stream),
+        the last q slots left for the pass's new tokens (update writes them there instead
+        of concatenating: one copy of the past a pass, not two)."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        reads = [self._read_row(seq) for seq in self._sequences]
+        reads = [self._read_row(seq, q) for seq in self._sequences]
         longest = max((int(c.max()) if c.size else 0) for _, _, c, _ in reads)
         dtype = self.layout.dtype
-        k = np.zeros((len(reads), L * H, longest, D), dtype=dtype.numpy)
-        v = np.zeros_like(k)
-        for b, (rk, rv, counts, _) in enumerate(reads):
-            k[b, :, :rk.shape[1]], v[b, :, :rv.shape[1]] = rk, rv
+        if len(reads) == 1:
+            k, v = reads[0][0][None], reads[0][1][None]  # [1][streams][longest + q][D]
+        else:
+            k = np.zeros((len(reads), L * H, longest + q, D), dtype=dtype.numpy)
+            v = np.zeros_like(k)
+            for b, (rk, rv, _, _) in enumerate(reads):
+                n = rk.shape[1] - q
+                k[b, :, :n], v[b, :, :n] = rk[:, :n], rv[:, :n]
         f.counts = np.stack([c for _, _, c, _ in reads])
         f.epochs = [epoch for _, _, _, epoch in reads]
+        f.past_slots = longest
         valid = torch.arange(longest)[None, None, :] < torch.from_numpy(f.counts)[:, :, None]
         f.past_valid = valid.view(len(reads), L, H, longest).transpose(0, 1)
-        kt = _from_layout(k, dtype).view(len(reads), L, H, longest, D)
-        vt = _from_layout(v, dtype).view(len(reads), L, H, longest, D)
+        kt = _from_layout(k, dtype).view(len(reads), L, H, longest + q, D)
+        vt = _from_layout(v, dtype).view(len(reads), L, H, longest + q, D)
         for layer in range(L):
             f.past_k[layer] = kt[:, layer]
             f.past_v[layer] = vt[:, layer]
 
-    def _read_row(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(k, v [streams][n][D], counts [streams], epoch) of one sequence; a table found
-        stale (another client changed the sequence) is fetched again."""
+    def _read_row(self, seq: Sequence,
+                  room: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(k, v [streams][n + room][D], counts [streams], epoch) of one sequence; a table
+        found stale (another client changed the sequence) is fetched again."""
         for attempt in range(_STALE_RETRIES):
             try:
                 if self._pool is not None:
-                    read = self._pool.read_all(seq.table)
+                    read = self._pool.read_all(seq.table, room)
                     return read.k, read.v, read.counts, read.table.epoch
                 streams = sorted(seq.read_kv(), key=lambda s: (s.layer, s.kv_head))
                 counts = np.array([len(s.positions) if s.positions.size else s.k.shape[0]
                                    for s in streams], dtype=np.int64)
                 longest = int(counts.max()) if counts.size else 0
                 D = self.layout.head_dim
-                k = np.zeros((len(streams), longest, D), dtype=self.layout.dtype.numpy)
+                k = np.zeros((len(streams), longest + room, D), dtype=self.layout.dtype.numpy)
                 v = np.zeros_like(k)
                 for i, s in enumerate(streams):
                     k[i, :s.k.shape[0]], v[i, :s.v.shape[0]] = s.k, s.v
