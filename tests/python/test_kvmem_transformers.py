@@ -248,6 +248,9 @@ POLICIES = [
     ("h2o", {"budget": 64}),
     ("snapkv", {"budget": 64}),
     ("confkv", {"c_high": 64, "c_low": 48}),
+    # token entropy and layer distance per appended token (the model's hooks), attention rows
+    ("infokv", {"decode_interval": 8}),
+    ("refreekv", {"interval": 4}),  # attention rows at Compress, every 4 steps
 ]
 
 
@@ -275,12 +278,13 @@ def test_kept_positions_match_the_cpp_worker(model, daemon, client, tmp_path, na
             table = client.get_block_table(cache.sequences[0].id, positions=True)
             mine = [[int(p) for p in s.positions] for s in table.streams]
             assert len(mine) == len(line["kept"]) == 90
-            assert max(len(s) for s in line["kept"]) < len(ids), "nothing was evicted"
+            assert min(len(s) for s in line["kept"]) < len(ids), "nothing was evicted"
             agree.append(np.mean([a == b for a, b in zip(mine, line["kept"])]))
     # Both forward passes are float32 but not the same arithmetic (the worker decodes with
     # the quantized weights); a selection may tip only where two scores all but tie. Seen:
-    # every stream identical at every step for every policy here.
-    assert min(agree) >= 0.98, f"streams that agree per step: {agree}"
+    # every stream identical at every step for every policy here (a scrambled signal
+    # leaves no stream identical).
+    assert min(agree) >= 0.98 and np.mean(agree) >= 0.995, f"streams that agree: {agree}"
 
 
 def test_bad_policy_parameter_is_a_clear_error(model, tokenizer, client):

@@ -30,9 +30,17 @@ attention mask, left or right) are never appended; positions are the model's pos
 A row whose commit fails leaves the cache unusable (FailedPreconditionError from then on):
 that row's sequence no longer matches what the model was shown.
 
-Not supported: assisted decoding (`crop`), torch.compile of the cache, models whose logits
-are not the output embeddings applied to the decoder's last hidden state (final logit
-soft-capping): their logit statistics would differ.
+The prompt is the first pass: a prompt fed in several passes (chunked prefill) is compressed
+after its first chunk only, and its later chunks are steps (the C++ worker does not chunk a
+prompt that a policy compresses either). An F16 layout stores what a bf16 or f32 model
+computes in half precision (values past 65504 become infinities): use F32 or BF16 for such
+models. A cache dropped without close() removes its hooks and unmaps the pool when it is
+collected, but its sequences stay in kvmemd until their leases lapse (close it, or use it
+as a context manager).
+
+Not supported (refused at construction where the config says so): sliding-window
+attention, soft-capped attention or logits, attention sinks, assisted decoding (`crop`),
+torch.compile of the cache.
 """
 from __future__ import annotations
 
