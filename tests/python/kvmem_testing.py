@@ -2,6 +2,7 @@
 files skip, or with KVMEM_CI=1 fail, the same way when it is missing), the repository root, a
 small layout, a table comparison, the manual clock, and a kvmemd started on a unix socket.
 """
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -53,6 +54,16 @@ def stop_daemon(proc, sock):
         proc.kill()
         proc.wait()
     sock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def running_daemon(tag, *flags):
+    """A kvmemd for the block (its target), stopped after it."""
+    proc, target, sock = start_daemon(tag, *flags)
+    try:
+        yield target
+    finally:
+        stop_daemon(proc, sock)
 
 
 def layout(dtype=kvmem.DType.F16, L=2, H=2, D=8, block_tokens=None):

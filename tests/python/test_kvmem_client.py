@@ -20,14 +20,14 @@ import pytest
 
 pytest.register_assert_rewrite("kvmem_testing")
 from kvmem_testing import (ManualClock, kvmem, layout, require_daemon,  # noqa: E402
-                           same_table, start_daemon, stop_daemon, wait_until)
+                           running_daemon, same_table, start_daemon, stop_daemon,
+                           wait_until)
 from kvmem.v1 import kvmem_pb2 as pb  # noqa: E402
 
 @pytest.fixture(scope="module")
 def daemon():
-    proc, target, sock = start_daemon("main", "--pool_bytes=67108864")
-    yield target
-    stop_daemon(proc, sock)
+    with running_daemon("main", "--pool_bytes=67108864") as target:
+        yield target
 
 
 @pytest.fixture

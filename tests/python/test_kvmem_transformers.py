@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # before transformers loads
 os.environ.setdefault("TQDM_DISABLE", "1")
 pytest.register_assert_rewrite("kvmem_testing")
-from kvmem_testing import BIN, CI, ROOT, kvmem, start_daemon, stop_daemon  # noqa: E402
+from kvmem_testing import BIN, CI, ROOT, kvmem, running_daemon  # noqa: E402
 
 if CI:
     import torch
@@ -73,9 +73,8 @@ def tokenizer(model_and_tokenizer):
 
 @pytest.fixture(scope="module")
 def daemon():
-    proc, target, sock = start_daemon("hf", "--pool_bytes=268435456")
-    yield target
-    stop_daemon(proc, sock)
+    with running_daemon("hf", "--pool_bytes=268435456") as target:
+        yield target
 
 
 @pytest.fixture
@@ -307,16 +306,13 @@ def test_daemon_down_is_unavailable(model, tmp_path):
 
 
 def test_pool_full_is_resource_exhausted(model, tokenizer):
-    proc, target, sock = start_daemon("hf-small", "--pool_bytes=1048576")
-    try:
-        with kvmem.Client(target) as client:
-            with KvmemCache(model, client, kvmem.PolicySpec("full")) as cache:
-                with pytest.raises(kvmem.ResourceExhaustedError) as e:
-                    run(model, long_text(tokenizer, 300), cache, 1)  # 11 MiB of f32 K/V
-                assert e.value.limit in ("--pool-bytes", "--pool_bytes")
-            assert client.stats().sequences_active == 0
-    finally:
-        stop_daemon(proc, sock)
+    with running_daemon("hf-small", "--pool_bytes=1048576") as target, \
+            kvmem.Client(target) as client:
+        with KvmemCache(model, client, kvmem.PolicySpec("full")) as cache:
+            with pytest.raises(kvmem.ResourceExhaustedError) as e:
+                run(model, long_text(tokenizer, 300), cache, 1)  # 11 MiB of f32 K/V
+            assert e.value.limit in ("--pool-bytes", "--pool_bytes")
+        assert client.stats().sequences_active == 0
 
 
 def test_a_sequence_changed_behind_the_pass_is_a_stale_epoch(model, tokenizer, daemon, client):
