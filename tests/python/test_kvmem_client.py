@@ -244,6 +244,32 @@ def test_read_all_is_every_stream_as_read_kv_gives_it(client, dtype):
             assert not read.k[i, n:].any() and not read.v[i, n:].any()  # padding is zero
 
 
+@pytest.mark.parametrize("policy", [kvmem.PolicySpec("full"),
+                                    kvmem.PolicySpec("window", {"window": 20}),
+                                    kvmem.PolicySpec("full", quantization=kvmem.Precision.INT8,
+                                                     quantization_recent_tokens=8)],
+                         ids=["full", "window", "int8"])
+def test_read_all_since_the_last_read_equals_a_fresh_read(client, policy):
+    lay = layout(dtype=kvmem.DType.F32, L=2, H=2, D=16, block_tokens=8)
+    k, v = random_kv(lay, 60, seed=16)
+    with client.create_sequence(lay, policy) as seq, client.attach_shared_pool() as pool:
+        seq.append(range(5), k[:, :, :5], v[:, :, :5])
+        last = pool.read_all(seq.table, room=1)
+        partial = 0
+        for t in range(5, 60):  # one token a step: tails grow, blocks are added, and
+            seq.append([t], k[:, :, t:t + 1], v[:, :, t:t + 1])  # window/int8 rewrite
+            seq.step()
+            fresh = pool.read_all(seq.table, room=1)
+            partial += last.table.epoch == fresh.table.epoch
+            again = pool.read_all(seq.table, room=1, since=last)
+            assert np.array_equal(again.counts, fresh.counts)
+            for i, n in enumerate(fresh.counts):
+                assert again.k[i, :n].tobytes() == fresh.k[i, :n].tobytes(), (t, i)
+                assert again.v[i, :n].tobytes() == fresh.v[i, :n].tobytes(), (t, i)
+            last = again
+        assert partial > 0, "no step kept the epoch: the incremental path never ran"
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 def test_stale_epoch_carries_the_current_epoch(client):

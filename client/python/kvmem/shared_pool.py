@@ -34,7 +34,7 @@ from typing import Iterator, Optional, Union
 import grpc
 import numpy as np
 
-from kvmem.block_table import BlockTable, TableSnapshot
+from kvmem.block_table import BlockTable, StreamTable, TableSnapshot
 from kvmem.errors import (FailedPreconditionError, InvalidArgumentError, KvmemError,
                           OutOfRangeError, StaleEpochError, UnavailableError)
 from kvmem.layout import Precision
@@ -285,11 +285,19 @@ class SharedPool:
                         np.concatenate(parts_k) if parts_k else empty,
                         np.concatenate(parts_v) if parts_v else empty)
 
-    def read_all(self, table: Union[BlockTable, TableSnapshot], room: int = 0) -> PaddedKv:
+    def read_all(self, table: Union[BlockTable, TableSnapshot], room: int = 0,
+                 since: Optional[PaddedKv] = None) -> PaddedKv:
         """Every stream's retained K and V copied out at once under the full read protocol,
-        padded to the longest stream plus `room` slots (zero: for the caller's new tokens),
-        what a forward pass over the whole sequence reads. Layout-precision blocks are
-        gathered by one index per plane; quantized blocks are dequantized one by one."""
+        padded to the longest stream plus `room` slots (for the caller's new tokens): what
+        a forward pass over the whole sequence reads. Layout-precision blocks are gathered
+        by one index per plane; quantized blocks are dequantized one by one.
+
+        `since`: this sequence's previous read. Its arrays are reused (and overwritten) and,
+        when the epoch has not moved, a stream whose blocks are the previous ones with only
+        the last grown and new ones after it copies just the new rows: the daemon rewrites
+        no retained slot without moving the epoch (the seqlock), so the rows read before are
+        still the sequence's. Any other change reads the stream whole. Rows past a stream's
+        count are zero on a fresh read and unspecified with `since`."""
         snap = self.begin_read(table)
         layout = snap.layout
         D, itemsize = layout.head_dim, layout.dtype.itemsize
@@ -298,14 +306,27 @@ class SharedPool:
             raise OutOfRangeError(
                 f"block_bytes {snap.block_bytes}: a block of {snap.block_tokens} slots needs "
                 f"{2 * snap.block_tokens * row}", code=grpc.StatusCode.OUT_OF_RANGE)
-        counts = np.array([st.num_slots for st in snap.streams], dtype=np.int64)
-        longest = int(counts.max()) if counts.size else 0
         if room < 0:
             raise InvalidArgumentError(f"room: {room} slots")
-        k = np.zeros((len(snap.streams), longest + room, D), dtype=layout.dtype.numpy)
-        v = np.zeros_like(k)
-        # Layout-precision blocks whose rows align with the pool's: gathered at once below,
-        # as (stream, first slot in the stream, pool row of the first K row, count).
+        counts = np.array([st.num_slots for st in snap.streams], dtype=np.int64)
+        longest = int(counts.max()) if counts.size else 0
+        S = len(snap.streams)
+        reusable = since is not None and since.table.sequence_id == snap.sequence_id and \
+            since.table.layout == layout and since.table.block_tokens == snap.block_tokens \
+            and len(since.table.streams) == S
+        if reusable and since.store_k.shape[1] >= longest + room:
+            k_all, v_all = since.store_k, since.store_v
+        else:
+            capacity = longest + room + (longest + room) // 4 + 16  # room to grow in
+            k_all = np.zeros((S, capacity, D), dtype=layout.dtype.numpy)
+            v_all = np.zeros_like(k_all)
+            if reusable:  # the rows read before, into the larger arrays
+                kept = since.store_k.shape[1]
+                k_all[:, :kept], v_all[:, :kept] = since.store_k, since.store_v
+        same_epoch = reusable and since.table.epoch == snap.epoch
+        # Blocks (or tails of blocks) to copy, per stream: gathered at once below when they
+        # are layout precision and their rows align with the pool's, as (stream, first slot
+        # in the stream, pool row of the first K row, count).
         gathered: list[tuple[np.ndarray, ...]] = []
         for s, st in enumerate(snap.streams):
             offsets = np.asarray(st.offsets, dtype=np.int64)
@@ -325,23 +346,35 @@ class SharedPool:
                     f"{starts[b] + lengths[b]}) is outside the mapped pool or block",
                     code=grpc.StatusCode.OUT_OF_RANGE)
             at = np.cumsum(lengths) - lengths  # each block's first slot in the stream
+            grown = _grown_from(since.table.streams[s], st) if same_epoch else None
+            if grown is not None:  # copy only the rows after the ones read before
+                first, had = grown
+                starts, lengths = starts.copy(), lengths.copy()
+                starts[first] += had
+                lengths[first] -= had
+                at[first] += had
+                offsets, starts, lengths, at, plain, sizes = (
+                    x[first:] for x in (offsets, starts, lengths, at, plain, sizes))
             fast = plain & (offsets % row == 0)
             if fast.any():
                 gathered.append((np.full(int(fast.sum()), s), at[fast],
                                  offsets[fast] // row + starts[fast], lengths[fast]))
             for b in np.nonzero(~fast)[0]:
                 offset, start, count = int(offsets[b]), int(starts[b]), int(lengths[b])
-                first = int(at[b])
+                first_slot = int(at[b])
                 block = self._bytes[offset:offset + int(sizes[b])]
                 if plain[b]:  # rows not aligned to the pool's start
                     planes = block[:2 * snap.block_tokens * row].view(layout.dtype.numpy)
                     planes = planes.reshape(2, snap.block_tokens, D)
-                    k[s, first:first + count] = planes[0, start:start + count]
-                    v[s, first:first + count] = planes[1, start:start + count]
+                    k_all[s, first_slot:first_slot + count] = planes[0, start:start + count]
+                    v_all[s, first_slot:first_slot + count] = planes[1, start:start + count]
                 else:
-                    g = QuantGeometry(Precision(int(st.precisions[b])), snap.block_tokens, D)
+                    g = QuantGeometry(Precision(int(st.precisions[b + len(st.offsets) -
+                                                                  len(offsets)])),
+                                      snap.block_tokens, D)
                     bk, bv = dequantize_block(np.array(block), g, start, count, layout.dtype)
-                    k[s, first:first + count], v[s, first:first + count] = bk, bv
+                    k_all[s, first_slot:first_slot + count] = bk
+                    v_all[s, first_slot:first_slot + count] = bv
         if gathered:
             s_of, at_of, row_of, count_of = (np.concatenate(c) for c in zip(*gathered))
             total = int(count_of.sum())
@@ -350,19 +383,34 @@ class SharedPool:
             slots = np.repeat(at_of, count_of) + within
             k_rows = np.repeat(row_of, count_of) + within
             rows = self._bytes[:self.size // row * row].view(layout.dtype.numpy).reshape(-1, D)
-            k[streams, slots] = rows[k_rows]
+            k_all[streams, slots] = rows[k_rows]
             # A block is [K rows: B][V rows: B] (kernels/block_layout.h).
-            v[streams, slots] = rows[k_rows + snap.block_tokens]
+            v_all[streams, slots] = rows[k_rows + snap.block_tokens]
         self.end_read(snap)
-        return PaddedKv(snap, k, v, counts)
+        return PaddedKv(snap, k_all[:, :longest + room], v_all[:, :longest + room], counts,
+                        k_all, v_all)
+
+
+def _grown_from(old: StreamTable, new: StreamTable) -> Optional[tuple[int, int]]:
+    """When `new` is `old` with only its last block grown and blocks added after it: (that
+    block's index, the slots of it read before); else None."""
+    m = len(old.offsets)
+    if m == 0 or len(new.offsets) < m or new.offsets[:m] != old.offsets or \
+            new.starts[:m] != old.starts or new.counts[:m - 1] != old.counts[:m - 1] or \
+            new.precisions[:m] != old.precisions or new.counts[m - 1] < old.counts[m - 1]:
+        return None
+    return m - 1, old.counts[m - 1]
 
 
 @dataclasses.dataclass(frozen=True)
 class PaddedKv:
     """A sequence's retained K/V as SharedPool.read_all copies it: k and v
-    [streams][longest + room][D] (stream = layer * H + kv_head; zero past each stream's
-    count), counts [streams], and the snapshot read (its epoch)."""
+    [streams][longest + room][D] (stream = layer * H + kv_head; rows past a stream's count:
+    see read_all), counts [streams], the snapshot read (its epoch), and the arrays k and v
+    are views of (with room to grow: what a later read_all(since=...) reuses)."""
     table: TableSnapshot
     k: np.ndarray
     v: np.ndarray
     counts: np.ndarray
+    store_k: np.ndarray
+    store_v: np.ndarray

@@ -62,7 +62,7 @@ from kvmem.errors import FailedPreconditionError, InvalidArgumentError, KvmemErr
 from kvmem.layout import DType, Layout, PolicySpec, Precision
 from kvmem.messages import LogitStats, NewTokens, Prompt, StepArgs, StreamSignal
 from kvmem.sequence import Sequence
-from kvmem.shared_pool import SharedPool
+from kvmem.shared_pool import PaddedKv, SharedPool
 
 _log = logging.getLogger("kvmem")
 
@@ -326,6 +326,7 @@ class KvmemCache(Cache):
         self._seen = 0  # columns (tokens, padding included) the model has been shown
         self._batch = 0
         self._last_topk: list[float] = []  # per row: the last pass's top-k entropy
+        self._reads: list[Optional[PaddedKv]] = []  # per row: its last read of the pool
         self._broken: Optional[str] = None
         self._closed = False
         self._forward: Optional[_Forward] = None
@@ -347,7 +348,7 @@ class KvmemCache(Cache):
         if self._forward is not None and getattr(_current, "forward", None) is self._forward:
             _current.forward = None
         self._forward = None
-        sequences, self._sequences = self._sequences, []
+        sequences, self._sequences, self._reads = self._sequences, [], []
         errors = []
         for seq in sequences:
             try:
@@ -479,7 +480,7 @@ class KvmemCache(Cache):
         except BaseException as e:
             self._broken = f"a reset failed: {e}"
             raise
-        self._sequences = []
+        self._sequences, self._reads = [], []
         self._seen, self._batch, self._last_topk, self._broken = 0, 0, [], None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -522,6 +523,8 @@ class KvmemCache(Cache):
             raise
         dropped = [seq for b, seq in enumerate(self._sequences) if b not in used]
         self._last_topk = [self._last_topk[o] for o in order]
+        # A fork's first read finds another sequence's copy and reads itself whole.
+        self._reads = [self._reads[o] for o in order]
         self._sequences, self._batch = rows, len(order)
         for seq in dropped:
             try:
@@ -611,7 +614,7 @@ class KvmemCache(Cache):
         the last q slots left for the pass's new tokens (update writes them there instead
         of concatenating: one copy of the past a pass, not two)."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        reads = [self._read_row(seq, q) for seq in self._sequences]
+        reads = [self._read_row(b, q) for b in range(len(self._sequences))]
         longest = max((int(c.max()) if c.size else 0) for _, _, c, _ in reads)
         dtype = self.layout.dtype
         if len(reads) == 1:
@@ -633,14 +636,17 @@ class KvmemCache(Cache):
             f.past_k[layer] = kt[:, layer]
             f.past_v[layer] = vt[:, layer]
 
-    def _read_row(self, seq: Sequence,
-                  room: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """(k, v [streams][n + room][D], counts [streams], epoch) of one sequence; a table
-        found stale (another client changed the sequence) is fetched again."""
+    def _read_row(self, b: int, room: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(k, v [streams][n + room][D], counts [streams], epoch) of row b's sequence; a
+        table found stale (another client changed the sequence) is fetched again. Through
+        the pool, the row's last read is reused: streams that only grew copy their new rows
+        (SharedPool.read_all's `since`)."""
+        seq = self._sequences[b]
         for attempt in range(_STALE_RETRIES):
             try:
                 if self._pool is not None:
-                    read = self._pool.read_all(seq.table, room)
+                    read = self._pool.read_all(seq.table, room, since=self._reads[b])
+                    self._reads[b] = read
                     return read.k, read.v, read.counts, read.table.epoch
                 streams = sorted(seq.read_kv(), key=lambda s: (s.layer, s.kv_head))
                 counts = np.array([len(s.positions) if s.positions.size else s.k.shape[0]
@@ -766,6 +772,7 @@ class KvmemCache(Cache):
             seq = self.client.create_sequence(self.layout, self.policy, lease=self._lease,
                                               prompt=prompt)
             self._sequences.append(seq)
+            self._reads.append(None)
             if row["n"] == 0:
                 continue
             skip = seq.reused_prefix_tokens  # mapped from published blocks already
