@@ -112,8 +112,11 @@ def run(model, ids, cache, steps):
 def test_full_keeps_logits_of_dynamic_cache(model, tokenizer, client, length):
     ids = long_text(tokenizer, length)
     reference, fed = run(model, ids, transformers.DynamicCache(config=model.config), 6)
-    for read_path in ("shared", "grpc") if length == 300 else ("shared",):
-        with KvmemCache(model, client, kvmem.PolicySpec("full"), read_path=read_path) as cache:
+    paths = [("shared", True), ("shared", False), ("grpc", True)] if length == 300 else \
+        [("shared", True)]
+    for read_path, keep_reads in paths:
+        with KvmemCache(model, client, kvmem.PolicySpec("full"), read_path=read_path,
+                        keep_reads=keep_reads) as cache:
             logits, fed_here = run(model, ids, cache, 6)
             assert fed_here == fed
             worst = max(float((a - b).abs().max()) for a, b in zip(logits, reference))

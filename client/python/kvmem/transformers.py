@@ -273,13 +273,17 @@ class KvmemCache(Cache):
     one) or "grpc" (ReadKv). prefix: send prompt ids for prefix sharing. lease: seconds
     (None: the daemon's), renewed in the background while the cache is open.
     observation_window: the prompt's SnapKV window (policies other than h2o/refreekv_h2o).
+    keep_reads: keep each row's last read of the pool between passes, so that a pass copies
+    only the rows added since while the epoch stands (SharedPool.read_all's `since`). The
+    copy is about what a DynamicCache of the retained tokens holds (plus a quarter to grow
+    in); False frees it after each pass and reads every sequence whole.
     """
 
     def __init__(self, model: torch.nn.Module, client: Client,
                  policy: PolicySpec = PolicySpec(), *, dtype: DType = DType.F32,
                  read_path: Optional[str] = None, prefix: Optional[PrefixSharing] = None,
                  lease: Optional[float] = None, block_tokens: Optional[int] = None,
-                 observation_window: int = 32) -> None:
+                 observation_window: int = 32, keep_reads: bool = True) -> None:
         super().__init__(layers=[])
         config = model.config.get_text_config()
         _check_supported(config)
@@ -327,6 +331,7 @@ class KvmemCache(Cache):
         self._batch = 0
         self._last_topk: list[float] = []  # per row: the last pass's top-k entropy
         self._reads: list[Optional[PaddedKv]] = []  # per row: its last read of the pool
+        self._keep_reads = keep_reads
         self._broken: Optional[str] = None
         self._closed = False
         self._forward: Optional[_Forward] = None
@@ -646,7 +651,8 @@ class KvmemCache(Cache):
             try:
                 if self._pool is not None:
                     read = self._pool.read_all(seq.table, room, since=self._reads[b])
-                    self._reads[b] = read
+                    if self._keep_reads:
+                        self._reads[b] = read
                     return read.k, read.v, read.counts, read.table.epoch
                 streams = sorted(seq.read_kv(), key=lambda s: (s.layer, s.kv_head))
                 counts = np.array([len(s.positions) if s.positions.size else s.k.shape[0]
