@@ -29,12 +29,10 @@ if CI:
 else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+from kvmem.transformers import CACHE_ARGUMENT as CACHE_ARG  # noqa: E402
 from kvmem.transformers import KvmemCache, PrefixSharing  # noqa: E402
 
 WORKER = BIN / "kvmem_worker"
-# transformers 5.2 names a model pass's cache `past_key_values`; later lines `cache`.
-CACHE_ARG = "past_key_values" if transformers.__version__.startswith(("4.", "5.0.", "5.1.", "5.2.")) \
-    else "cache"
 
 
 def _model_path() -> pathlib.Path:

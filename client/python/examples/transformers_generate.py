@@ -22,11 +22,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import kvmem  # noqa: E402
+from kvmem.transformers import CACHE_ARGUMENT as CACHE_ARG  # noqa: E402
 from kvmem.transformers import KvmemCache  # noqa: E402
 
-# transformers 5.2 names generate's cache argument `past_key_values`, later lines `cache`.
-CACHE_ARG = "past_key_values" if transformers.__version__.startswith(("4.", "5.0.", "5.1.", "5.2.")) \
-    else "cache"
 
 
 def load(model: str) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:

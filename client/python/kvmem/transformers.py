@@ -52,6 +52,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
+import transformers
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -65,6 +66,11 @@ from kvmem.sequence import Sequence
 from kvmem.shared_pool import PaddedKv, SharedPool
 
 _log = logging.getLogger("kvmem")
+
+# The keyword a model pass and generate take the cache by: `past_key_values` up to
+# transformers 5.2, `cache` in later lines (model(..., **{CACHE_ARGUMENT: cache})).
+CACHE_ARGUMENT = "past_key_values" if transformers.__version__.startswith(
+    ("4.", "5.0.", "5.1.", "5.2.")) else "cache"
 
 ATTENTION = "kvmem"
 _TOPK_ENTROPY = 256  # the token-entropy signal's top-k (the C++ worker's)
@@ -202,6 +208,13 @@ class _Forward:
         self.windows: dict[int, torch.Tensor] = {}  # layer -> [B][H][P + q] f32
         self.want_rows = False
         self.window = 0  # > 0: the prompt's window scores over the last `window` real queries
+        q = real.shape[1]
+        self.all_real = bool(real.all())
+        # Each row's last real query (the attention row's), and the queries among its last
+        # `window` real ones (the window scores'): the same for every layer of the pass.
+        self.last_real = torch.tensor([int(torch.nonzero(r)[-1]) if bool(r.any()) else q - 1
+                                       for r in real])
+        self.in_window = torch.zeros(0)
         self.mid: Optional[torch.Tensor] = None   # hidden states after layer L/2 (distance)
         self.last: Optional[torch.Tensor] = None  # after the last layer, before the norm
 
@@ -212,7 +225,7 @@ class _Forward:
         every key is visible to the one query (one token over unpadded streams)."""
         past_valid = self.past_valid[layer] if P > 0 and self.past_valid is not None else None
         padded = past_valid is not None and not bool(past_valid.all())
-        if q == 1 and not padded and bool(self.real.all()):
+        if q == 1 and not padded and self.all_real:
             return None
         real = self.real.to(device)
         new = torch.ones(q, q, dtype=torch.bool, device=device).tril()[None] & real[:, None, :]
@@ -251,13 +264,10 @@ class _Forward:
         out = out.view(B, Hq, q, D)
         grouped = weights.mean(dim=2)  # [B][H][q][K]: the GQA-group mean
         if self.want_rows:
-            last = torch.tensor([int(torch.nonzero(r)[-1]) if bool(r.any()) else q - 1
-                                 for r in self.real], device=query.device)
+            last = self.last_real.to(query.device)
             self.rows[layer] = grouped[torch.arange(B), :, last, :].detach()
         if self.window > 0:
-            # Queries among the last `window` real ones of each row.
-            rank = self.real.flip(-1).cumsum(-1).flip(-1)  # real queries at or after t
-            inside = (self.real & (rank <= self.window)).to(query.device)
+            inside = self.in_window.to(query.device)
             self.windows[layer] = (grouped * inside[:, None, :, None]).sum(dim=2).detach()
         return out.transpose(1, 2).contiguous()
 
@@ -611,6 +621,8 @@ class KvmemCache(Cache):
         elif _compresses(self.policy):
             f.want_rows = True
             f.window = self._window
+            rank = real.flip(-1).cumsum(-1).flip(-1)  # real queries at or after each one
+            f.in_window = real & (rank <= f.window)
         self._forward = f
         _current.forward = f
 
@@ -805,7 +817,7 @@ class KvmemCache(Cache):
                              cut(row.get("token_entropy")), cut(row.get("layer_distance")))
 
         if n - skip <= chunk:
-            seq.append(**_append_kwargs(part(skip, n)))
+            self.client.append(seq.id, part(skip, n), seq.table)
         else:
             seq.append_stream(part(lo, min(n, lo + chunk)) for lo in range(skip, n, chunk))
 
@@ -843,11 +855,6 @@ def _passed(kwargs: dict) -> Any:
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def _append_kwargs(t: NewTokens) -> dict[str, Any]:
-    return {"positions": t.positions, "k": t.k, "v": t.v, "token_ids": t.token_ids,
-            "token_entropy": t.token_entropy, "layer_distance": t.layer_distance}
-
-
 # model -> [its open caches, the attention implementation it had before the first]
 _switched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _switched_lock = threading.Lock()
@@ -882,4 +889,4 @@ def _remove(hooks: list[Any], pool: Optional[SharedPool],
                 model.set_attn_implementation(entry[1])
 
 
-__all__ = ["ATTENTION", "KvmemCache", "Memory", "PrefixSharing", "kvmem_attention", "register"]
+__all__ = ["ATTENTION", "CACHE_ARGUMENT", "KvmemCache", "Memory", "PrefixSharing", "kvmem_attention", "register"]
