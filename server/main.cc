@@ -86,6 +86,13 @@ ABSL_FLAG(uint64_t, request_id_bytes, 64ull << 20, "most bytes of responses kept
 ABSL_FLAG(double, drain_seconds, 5,
           "on SIGTERM, how long calls already accepted may run before they are cancelled; new "
           "calls get UNAVAILABLE meanwhile");
+ABSL_FLAG(std::string, auth_tokens, "",
+          "a file of bearer tokens, one '<tenant> <token> [admin]' per line, read again on "
+          "SIGHUP; every call must then carry 'authorization: Bearer <token>'. Empty: one trust "
+          "domain, served only on a unix socket or loopback");
+ABSL_FLAG(bool, allow_unauthenticated_remote, false,
+          "serve a non-loopback --listen without --auth-tokens (anyone who reaches it can read "
+          "and change every sequence)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 
 namespace {
@@ -124,10 +131,13 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   kvmem::service::ServerConfig config;
   config.listen = absl::GetFlag(FLAGS_listen);
+  config.auth_tokens = absl::GetFlag(FLAGS_auth_tokens);
+  config.allow_unauthenticated_remote = absl::GetFlag(FLAGS_allow_unauthenticated_remote);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.backend = absl::GetFlag(FLAGS_backend);
   config.device_step = absl::GetFlag(FLAGS_device_step);
@@ -187,7 +197,14 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
+    const absl::Status reloaded = (*server)->ReloadTokens();
+    if (reloaded.ok()) {
+      spdlog::info("kvmemd: SIGHUP: tokens read again from {}", config.auth_tokens);
+    } else {
+      spdlog::warn("kvmemd: SIGHUP: tokens kept as they were: {}", reloaded.ToString());
+    }
+  }
   spdlog::info("kvmemd: signal {} received, draining", sig);
   (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   server->reset();

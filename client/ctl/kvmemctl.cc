@@ -12,6 +12,8 @@
 #include "kvmem/client.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address: HOST:PORT or unix:PATH");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "a file holding the bearer token of a kvmemd with --auth-tokens (first line)");
 
 namespace {
 
@@ -159,6 +161,14 @@ int main(int argc, char** argv) {
   }
   kvmem::client::ClientOptions options;
   options.deadline = absl::Seconds(5);
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = kvmem::client::ReadAuthToken(file);
+    if (!token.ok()) {
+      std::fprintf(stderr, "kvmemctl: %s\n", token.status().ToString().c_str());
+      return 2;
+    }
+    options.auth_token = *token;
+  }
   absl::StatusOr<std::unique_ptr<kvmem::client::Client>> client =
       kvmem::client::Client::Connect(absl::GetFlag(FLAGS_target), options);
   if (!client.ok()) {

@@ -351,9 +351,12 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   } else if ((*policy)->descriptor().initial_score) {
     slots = store::MakeHostScoreState(layout.num_streams());
   }
-  // Registered only now that the request is known good (a tenant stays registered).
-  absl::StatusOr<store::TenantId> tenant = tenants_.For(prompt.salt);
+  // Held only now that the request is known good; the sequence gives the hold back when
+  // it is released (ReleaseLocked).
+  absl::StatusOr<store::TenantId> tenant =
+      tenants_.Acquire(prompt.owner.empty() ? prompt.salt : prompt.owner);
   if (!tenant.ok()) return tenant.status();
+  absl::Cleanup give_back_tenant = [this, &tenant] { tenants_.Release(*tenant); };
 
   absl::StatusOr<TableVersions::Claimed> claimed = versions_.ClaimSlot();
   if (!claimed.ok()) return claimed.status();
@@ -361,8 +364,9 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   absl::Cleanup give_back_slot = [this, &claimed] { versions_.ReturnSlot(claimed->slot); };
   const uint64_t id = registry_.NewId();
   std::string name((*policy)->descriptor().name);
-  auto seq = std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy),
-                                        quant, *granted, claimed->slot, /*parent_id=*/0, *tenant);
+  auto seq =
+      std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy), quant,
+                                 *granted, claimed->slot, /*parent_id=*/0, *tenant, prompt.owner);
   uint64_t reused = 0;
   {
     kvmem::MutexLock lock(&seq->mu);
@@ -380,6 +384,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     budget_.Account(*seq);
   }
   std::move(give_back_slot).Cancel();
+  std::move(give_back_tenant).Cancel();  // the sequence's now (Register releases it on a throw)
   spdlog::debug("sequence {} created: policy {}, {} streams, {} prompt tokens reused", id,
                 seq->policy_name(), layout.num_streams(), reused);
   absl::StatusOr<CreateResult> result = Register(seq);
@@ -417,7 +422,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   const uint64_t id = registry_.NewId();
   auto child = std::make_shared<Sequence>(
       id, parent.layout(), parent.policy_name(), parent.policy_params(), *std::move(policy),
-      parent.quant(), *granted, claimed->slot, parent.id(), parent.tenant());
+      parent.quant(), *granted, claimed->slot, parent.id(), parent.tenant(), parent.owner());
   {
     kvmem::MutexLock lock(&child->mu);
     child->CopyStateFrom(parent, std::move(slots));
@@ -429,6 +434,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   }
   std::move(give_back_slot).Cancel();
   registry_.Renew(parent);
+  tenants_.AddHold(child->tenant());  // given back when the child is released
   return Register(child);
 }
 
@@ -455,6 +461,7 @@ absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& s
 }
 
 uint64_t Engine::ReleaseLocked(Sequence& seq) {
+  if (seq.released()) return 0;
   // The word odd first: no reader accepts the tables once their blocks can be reused.
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
@@ -465,11 +472,13 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   seq.Clear();
   budget_.Account(seq);
   versions_.ReturnSlot(seq.epoch_slot());
+  tenants_.Release(seq.tenant());  // after its blocks: a tenant holding none may go
   return freed;
 }
 
-std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
-  return registry_.KeepAlive(sequence_ids);
+std::vector<absl::Status> Engine::KeepAlive(absl::Span<const uint64_t> sequence_ids,
+                                            const std::string* owner) {
+  return registry_.KeepAlive(sequence_ids, owner);
 }
 
 uint32_t Engine::ExpireLeases() {

@@ -126,8 +126,16 @@ class Engine {
                       uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,
                       uint64_t piece_bytes = 0);
 
+  // SequenceRegistry::CheckOwner: NOT_FOUND, as for an unknown id, unless the sequence is
+  // `owner`'s.
+  absl::Status CheckOwner(uint64_t sequence_id, absl::string_view owner) const {
+    return registry_.CheckOwner(sequence_id, owner);
+  }
+  // Tenants holding a sequence or pool bytes now (Tenants::registered).
+  size_t tenants_registered() const { return tenants_.registered(); }
   // SequenceRegistry::KeepAlive.
-  std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids,
+                                      const std::string* owner = nullptr);
   // Releases every sequence whose lease has lapsed; returns how many.
   uint32_t ExpireLeases();
   // Runs ExpireLeases every `period` until `stop` is notified.

@@ -75,7 +75,7 @@ struct EngineConfig {
 // in the same namespace (model and layout) and salt is mapped into it at creation.
 struct PromptPrefix {
   std::string model;  // names the namespace with the layout; empty is a namespace too
-  std::string salt;   // the tenant's cache salt: only prompts with the same salt share
+  std::string salt;   // the cache salt: only prompts with the same salt share
   absl::Span<const int32_t> token_ids;
   // Publishes every full prompt block as it is appended (while unevicted and unquantized),
   // as vLLM does by default; otherwise only Publish does.
@@ -88,6 +88,10 @@ struct PromptPrefix {
   uint32_t document_tokens = 0;
   // The request's name for token_ids, in errors (CreateSequence's; Lookup's is token_ids).
   absl::string_view token_ids_field = "prompt_token_ids";
+  // The authenticated tenant the sequence belongs to (service::Principal; "" on a daemon
+  // without tokens): its quota key (else the salt's), and the owner calls are checked
+  // against (Engine::CheckOwner).
+  std::string owner;
 };
 
 struct AppendChunk {
@@ -290,6 +294,7 @@ struct StepOutcome {
 
 struct SequenceSummary {
   uint64_t sequence_id = 0;
+  std::string owner;  // Sequence::owner
   std::string policy;
   uint64_t appended_tokens = 0;
   uint32_t max_stream_tokens = 0;

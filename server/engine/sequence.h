@@ -194,7 +194,8 @@ class Sequence {
  public:
   Sequence(uint64_t id, Layout layout, std::string policy_name, policy::ParamOverrides params,
            std::unique_ptr<policy::Policy> policy, QuantConfig quant, absl::Duration lease,
-           uint32_t epoch_slot, uint64_t parent_id = 0, store::TenantId tenant = 0)
+           uint32_t epoch_slot, uint64_t parent_id = 0, store::TenantId tenant = 0,
+           std::string owner = {})
       : id_(id),
         layout_(layout),
         format_(layout, quant.type),
@@ -206,6 +207,7 @@ class Sequence {
         epoch_slot_(epoch_slot),
         parent_id_(parent_id),
         tenant_(tenant),
+        owner_(std::move(owner)),
         streams_(layout.num_streams()) {
     for (Stream& st : streams_) {
       st.set_token_signals(policy_->descriptor().append_signals != 0);
@@ -228,6 +230,8 @@ class Sequence {
   uint64_t parent_id() const { return parent_id_; }
   // Whose quota the blocks it allocates count against (its cache salt's).
   store::TenantId tenant() const { return tenant_; }
+  // The authenticated tenant that created it (PromptPrefix::owner); never changes.
+  const std::string& owner() const { return owner_; }
 
   // Read and written without `mu`. The lease deadline is read by the reaper; calls in
   // flight are those that found this sequence and have not finished, which the reaper
@@ -438,6 +442,7 @@ class Sequence {
   const uint32_t epoch_slot_;
   const uint64_t parent_id_;
   const store::TenantId tenant_;
+  const std::string owner_;
   std::atomic<int64_t> lease_deadline_ns_{0};
   std::atomic<int32_t> calls_in_flight_{0};
   std::atomic<bool> poisoned_flag_{false};

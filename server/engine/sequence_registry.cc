@@ -67,6 +67,14 @@ size_t SequenceRegistry::size() const {
   return sequences_.size();
 }
 
+absl::Status SequenceRegistry::CheckOwner(uint64_t sequence_id, absl::string_view owner) const {
+  kvmem::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  // The owner never changes (a const member): read without the sequence's lock.
+  if (it == sequences_.end() || it->second->owner() != owner) return NoSequence(sequence_id);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SequenceRef> SequenceRegistry::Find(uint64_t sequence_id) {
   kvmem::MutexLock lock(&mu_);
   auto it = sequences_.find(sequence_id);
@@ -129,7 +137,8 @@ void SequenceRegistry::Renew(Sequence& seq) const {
   seq.set_lease_deadline_ns(absl::ToUnixNanos(clock_->Now() + seq.lease()));
 }
 
-std::vector<absl::Status> SequenceRegistry::KeepAlive(absl::Span<const uint64_t> sequence_ids) {
+std::vector<absl::Status> SequenceRegistry::KeepAlive(absl::Span<const uint64_t> sequence_ids,
+                                                      const std::string* owner) {
   // Renewed under the registry lock: the reaper, which takes it too, sees either the
   // sequence gone (NOT_FOUND here) or its new deadline. Only outcomes are noted under it; the
   // messages are written after, so that a long list holds the lock for lookups only.
@@ -140,7 +149,7 @@ std::vector<absl::Status> SequenceRegistry::KeepAlive(absl::Span<const uint64_t>
     const absl::Time now = clock_->Now();
     for (size_t i = 0; i < sequence_ids.size(); ++i) {
       auto it = sequences_.find(sequence_ids[i]);
-      if (it == sequences_.end()) {
+      if (it == sequences_.end() || (owner != nullptr && it->second->owner() != *owner)) {
         renewals[i] = Renewal::kUnknown;
       } else if (it->second->poisoned_relaxed()) {
         // Not renewed: a poisoned sequence is kept only until its client releases it or its

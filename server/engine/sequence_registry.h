@@ -59,6 +59,10 @@ class SequenceRegistry {
   std::vector<std::shared_ptr<Sequence>> All() const;
   size_t size() const;
 
+  // OK when sequence `sequence_id` is there and belongs to `owner` (Sequence::owner); else
+  // the NOT_FOUND of an id never created, whichever it is: another tenant's id tells its
+  // caller nothing.
+  absl::Status CheckOwner(uint64_t sequence_id, absl::string_view owner) const;
   // Finds a sequence without locking it; NOT_FOUND if it is gone.
   absl::StatusOr<SequenceRef> Find(uint64_t sequence_id);
   // Finds and locks a sequence that may be used: NOT_FOUND if it is gone (or released),
@@ -80,7 +84,9 @@ class SequenceRegistry {
   // Renews each sequence's lease; per id, OK or why not (NOT_FOUND, DATA_LOSS). A lease
   // renewed here cannot lapse before the time it reports: the renewal and the reaper's
   // check take the same lock.
-  std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids);
+  // With `owner`, another owner's sequence is answered as an unknown one.
+  std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids,
+                                      const std::string* owner = nullptr);
   // Removes and returns every sequence whose lease has lapsed and has no call in flight.
   std::vector<std::shared_ptr<Sequence>> TakeExpired();
 

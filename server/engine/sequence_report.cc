@@ -12,6 +12,7 @@ namespace kvmem::engine {
 SequenceSummary Summarize(const Sequence& seq, absl::Time now) {
   SequenceSummary sum;
   sum.sequence_id = seq.id();
+  sum.owner = seq.owner();
   sum.policy = seq.policy_name();
   sum.appended_tokens = seq.appended();
   sum.max_stream_tokens = seq.max_stream_tokens();

@@ -3,6 +3,7 @@
 // inside a handler while turning new ones away; AppendStreamBudget bounds what the open
 // AppendStreams hold, daemon-wide (contract 3: buffers of calls in flight are bounded).
 #include <cstdint>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -40,12 +41,14 @@ class CallGate {
     ~Ticket();
     Ticket(const Ticket&) = delete;
     Ticket& operator=(const Ticket&) = delete;
+    Ticket(Ticket&& other) noexcept : gate_(std::exchange(other.gate_, nullptr)) {}
+    Ticket& operator=(Ticket&&) = delete;
     bool admitted() const { return gate_ != nullptr; }
 
    private:
     friend class CallGate;
     explicit Ticket(CallGate* gate) : gate_(gate) {}
-    CallGate* const gate_;  // nullptr when refused
+    CallGate* gate_;  // nullptr when refused (or moved from)
   };
 
   CallGate() = default;

@@ -22,10 +22,27 @@ absl::Status KvCacheService::StillWanted(grpc::ServerContext* context, absl::str
   return absl::OkStatus();
 }
 
-grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
+absl::StatusOr<KvCacheService::Admitted> KvCacheService::Admit(const grpc::ServerContext* context) {
+  CallGate::Ticket ticket = gate_.Enter();
+  if (!ticket.admitted()) return DrainingError();
+  absl::StatusOr<Principal> who = auth_->Authenticate(context);
+  if (!who.ok()) return who.status();
+  return Admitted{std::move(ticket), *std::move(who)};
+}
+
+absl::Status KvCacheService::Owns(const Principal& who, uint64_t id) const {
+  return who.admin ? absl::OkStatus() : engine_->CheckOwner(id, who.tenant);
+}
+
+std::string KvCacheService::ScopedSalt(const Principal& who, const std::string& salt) {
+  // A tenant name holds no '/' (Authenticator): "name/" begins no other tenant's salts.
+  return who.tenant.empty() ? salt : absl::StrCat("tenant:", who.tenant, "/", salt);
+}
+
+grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   DescribeDaemon(*engine_, version_, response);
   return grpc::Status::OK;
 }
@@ -33,54 +50,57 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext*, const v1::GetInfoRequ
 grpc::Status KvCacheService::CreateSequence(grpc::ServerContext* context,
                                             const v1::CreateSequenceRequest* request,
                                             v1::CreateSequenceResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
-  return RunMutation(context, "CreateSequence", 0, *request, response, [&]() -> absl::Status {
-    if (!request->has_layout()) {
-      return absl::InvalidArgumentError("layout: required");
-    }
-    const engine::EngineConfig& config = engine_->config();
-    absl::StatusOr<engine::Layout> layout =
-        FromProto(request->layout(), config.default_block_tokens);
-    if (!layout.ok()) return layout.status();
-    absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
-    if (!policy_name.ok()) return policy_name.status();
-    policy::ParamOverrides params(request->policy().params().begin(),
-                                  request->policy().params().end());
-    absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
-    if (!quant.ok()) return quant.status();
-    absl::StatusOr<absl::Duration> lease =
-        LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
-    if (!lease.ok()) return lease.status();
-    engine::PromptPrefix prompt;
-    prompt.model = request->model();
-    prompt.salt = request->cache_salt();
-    prompt.token_ids =
-        absl::MakeConstSpan(request->prompt_token_ids().data(), request->prompt_token_ids().size());
-    prompt.auto_publish = request->auto_publish();
-    prompt.document_tokens = request->document_tokens();
-    absl::StatusOr<engine::CreateResult> created =
-        engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
-    if (!created.ok()) return created.status();
-    response->set_sequence_id(created->sequence_id);
-    response->set_reused_prefix_tokens(static_cast<uint32_t>(created->reused_prefix_tokens));
-    ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
-    response->set_block_tokens(created->block_tokens);
-    response->set_epoch_slot(created->epoch_slot);
-    response->set_epoch(created->epoch);
-    response->set_table_version(created->version);
-    return absl::OkStatus();
-  });
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  return RunMutation(
+      context, call->who, "CreateSequence", 0, *request, response, [&]() -> absl::Status {
+        if (!request->has_layout()) {
+          return absl::InvalidArgumentError("layout: required");
+        }
+        const engine::EngineConfig& config = engine_->config();
+        absl::StatusOr<engine::Layout> layout =
+            FromProto(request->layout(), config.default_block_tokens);
+        if (!layout.ok()) return layout.status();
+        absl::StatusOr<std::string> policy_name = PolicyNameFromProto(request->policy());
+        if (!policy_name.ok()) return policy_name.status();
+        policy::ParamOverrides params(request->policy().params().begin(),
+                                      request->policy().params().end());
+        absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(request->policy());
+        if (!quant.ok()) return quant.status();
+        absl::StatusOr<absl::Duration> lease =
+            LeaseFromProto(request->has_lease() ? &request->lease() : nullptr, "lease", config);
+        if (!lease.ok()) return lease.status();
+        engine::PromptPrefix prompt;
+        prompt.model = request->model();
+        prompt.salt = ScopedSalt(call->who, request->cache_salt());
+        prompt.owner = call->who.tenant;
+        prompt.token_ids = absl::MakeConstSpan(request->prompt_token_ids().data(),
+                                               request->prompt_token_ids().size());
+        prompt.auto_publish = request->auto_publish();
+        prompt.document_tokens = request->document_tokens();
+        absl::StatusOr<engine::CreateResult> created =
+            engine_->CreateSequence(*layout, *policy_name, params, *quant, *lease, prompt);
+        if (!created.ok()) return created.status();
+        response->set_sequence_id(created->sequence_id);
+        response->set_reused_prefix_tokens(static_cast<uint32_t>(created->reused_prefix_tokens));
+        ToProto(absl::Seconds(created->lease_seconds), response->mutable_lease());
+        response->set_block_tokens(created->block_tokens);
+        response->set_epoch_slot(created->epoch_slot);
+        response->set_epoch(created->epoch);
+        response->set_table_version(created->version);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::AppendRequest* request,
                                     v1::AppendResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
-  return RunMutation(context, "Append", id, *request, response, held, &update,
+  return RunMutation(context, call->who, "Append", id, *request, response, held, &update,
                      [&]() -> absl::Status {
                        const engine::AppendChunk chunk = ChunkView(*request);
                        absl::StatusOr<engine::AppendResult> result =
@@ -95,8 +115,9 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           grpc::ServerReader<v1::AppendStreamRequest>* reader,
                                           v1::AppendStreamResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();  // held through the stream (a drain waits)
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  // The ticket is held through the stream (a drain waits).
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   absl::StatusOr<AppendStreamBudget::Lease> held = streams_.Open(context);
   if (!held.ok()) return ToGrpc(held.status());
   v1::AppendStreamRequest request;
@@ -106,6 +127,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                       : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
   }
   const uint64_t id = request.sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> table = HeldFromProto(request);  // the first chunk's
   std::optional<engine::TableUpdate> update;
   if (absl::Status s = StillWanted(context, "AppendStream"); !s.ok()) return ToGrpc(s, id);
@@ -165,29 +187,31 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
     }
     return whole;
   };
-  const absl::Status status =
-      requests_.RunStream("AppendStream", id, request, request.request_id(), response, run, rest);
+  const absl::Status status = requests_.RunStream("AppendStream", call->who.tenant, id, request,
+                                                  request.request_id(), response, run, rest);
   if (status.ok() && table) AnswerHeldTable(ran, id, *table, update, response);
   return ToGrpc(status, id);
 }
 
 grpc::Status KvCacheService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
                                   v1::StepResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
-  return RunMutation(context, "Step", id, *request, response, held, &update, [&]() -> absl::Status {
-    SignalStorage storage;
-    absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
-    if (!input.ok()) return input.status();
-    absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input, held);
-    if (!result.ok()) return result.status();
-    ToProto(*result, response);
-    update = std::move(result->table);
-    return absl::OkStatus();
-  });
+  return RunMutation(context, call->who, "Step", id, *request, response, held, &update,
+                     [&]() -> absl::Status {
+                       SignalStorage storage;
+                       absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
+                       if (!input.ok()) return input.status();
+                       absl::StatusOr<engine::StepResult> result = engine_->Step(id, *input, held);
+                       if (!result.ok()) return result.status();
+                       ToProto(*result, response);
+                       update = std::move(result->table);
+                       return absl::OkStatus();
+                     });
 }
 
 void KvCacheService::FillTableUpdate(uint64_t id, const engine::HeldTable& held,
@@ -202,13 +226,14 @@ void KvCacheService::FillTableUpdate(uint64_t id, const engine::HeldTable& held,
 grpc::Status KvCacheService::Compress(grpc::ServerContext* context,
                                       const v1::CompressRequest* request,
                                       v1::CompressResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
   return RunMutation(
-      context, "Compress", id, *request, response, held, &update, [&]() -> absl::Status {
+      context, call->who, "Compress", id, *request, response, held, &update, [&]() -> absl::Status {
         SignalStorage storage;
         absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -220,11 +245,14 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext* context,
       });
 }
 
-grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
+grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext* context,
                                            const v1::GetBlockTableRequest* request,
                                            v1::GetBlockTableResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  if (absl::Status s = Owns(call->who, request->sequence_id()); !s.ok()) {
+    return ToGrpc(s, request->sequence_id());
+  }
   absl::StatusOr<engine::BlockTable> table =
       engine_->GetBlockTable(request->sequence_id(), request->positions());
   if (!table.ok()) return ToGrpc(table.status(), request->sequence_id());
@@ -234,9 +262,10 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext*,
 
 grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::ReadKvRequest* request,
                                     grpc::ServerWriter<v1::ReadKvResponse>* writer) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   // The engine reads epoch 0 as "the current one" and the range [0, 0) as "every layer";
   // neither is a value a request can send (both are rejected below).
   uint64_t epoch = 0;
@@ -287,10 +316,11 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
 
 grpc::Status KvCacheService::Fork(grpc::ServerContext* context, const v1::ForkRequest* request,
                                   v1::ForkResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  return RunMutation(context, "Fork", id, *request, response, [&]() -> absl::Status {
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
+  return RunMutation(context, call->who, "Fork", id, *request, response, [&]() -> absl::Status {
     absl::StatusOr<absl::Duration> lease = LeaseFromProto(
         request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
     if (!lease.ok()) return lease.status();
@@ -305,11 +335,13 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext* context, const v1::ForkRe
   });
 }
 
-grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequest* request,
+grpc::Status KvCacheService::Publish(grpc::ServerContext* context,
+                                     const v1::PublishRequest* request,
                                      v1::PublishResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   std::optional<uint64_t> up_to;
   if (request->has_up_to_tokens()) up_to = request->up_to_tokens();
   if (up_to && request->compressed_document()) {
@@ -323,17 +355,18 @@ grpc::Status KvCacheService::Publish(grpc::ServerContext*, const v1::PublishRequ
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupRequest* request,
+grpc::Status KvCacheService::Lookup(grpc::ServerContext* context, const v1::LookupRequest* request,
                                     v1::LookupResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   if (!request->has_layout()) return ToGrpc(absl::InvalidArgumentError("layout: required"));
   absl::StatusOr<engine::Layout> layout =
       FromProto(request->layout(), engine_->config().default_block_tokens);
   if (!layout.ok()) return ToGrpc(layout.status());
   engine::PromptPrefix prompt;
   prompt.model = request->model();
-  prompt.salt = request->cache_salt();
+  prompt.salt = ScopedSalt(call->who, request->cache_salt());
+  prompt.owner = call->who.tenant;
   prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
   prompt.document_tokens = request->document_tokens();
   prompt.token_ids_field = "token_ids";
@@ -352,10 +385,11 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext*, const v1::LookupReques
 grpc::Status KvCacheService::Release(grpc::ServerContext* context,
                                      const v1::ReleaseRequest* request,
                                      v1::ReleaseResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  return RunMutation(context, "Release", id, *request, response, [&]() -> absl::Status {
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
+  return RunMutation(context, call->who, "Release", id, *request, response, [&]() -> absl::Status {
     absl::StatusOr<uint64_t> freed = engine_->Release(id);
     if (!freed.ok()) return freed.status();
     response->set_freed_blocks(*freed);
@@ -363,10 +397,11 @@ grpc::Status KvCacheService::Release(grpc::ServerContext* context,
   });
 }
 
-grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest* request,
+grpc::Status KvCacheService::KeepAlive(grpc::ServerContext* context,
+                                       const v1::KeepAliveRequest* request,
                                        v1::KeepAliveResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   if (request->sequence_ids().empty()) {
     return ToGrpc(absl::InvalidArgumentError("sequence_ids: at least one id is required"));
   }
@@ -378,7 +413,8 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
                      " (the daemon's max_sequences) per call")));
   }
   const std::vector<absl::Status> results = engine_->KeepAlive(
-      absl::MakeConstSpan(request->sequence_ids().data(), request->sequence_ids().size()));
+      absl::MakeConstSpan(request->sequence_ids().data(), request->sequence_ids().size()),
+      call->who.admin ? nullptr : &call->who.tenant);
   uint32_t renewed = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     v1::KeepAliveResult* out = response->add_results();
@@ -391,13 +427,21 @@ grpc::Status KvCacheService::KeepAlive(grpc::ServerContext*, const v1::KeepAlive
   return grpc::Status::OK;
 }
 
-grpc::Status KvCacheService::Stats(grpc::ServerContext*, const v1::StatsRequest* request,
+grpc::Status KvCacheService::Stats(grpc::ServerContext* context, const v1::StatsRequest* request,
                                    v1::StatsResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
   StatsPage page;
   if (absl::Status s = ReadStatsPage(*request, &page); !s.ok()) return ToGrpc(s);
-  FillStatsPage(engine_->Stats(request->include_sequences()), page, response);
+  engine::EngineStats stats = engine_->Stats(request->include_sequences());
+  if (!call->who.admin) {  // a tenant's own sequences only
+    std::vector<engine::SequenceSummary>& all = stats.sequences;
+    all.erase(std::remove_if(
+                  all.begin(), all.end(),
+                  [&](const engine::SequenceSummary& s) { return s.owner != call->who.tenant; }),
+              all.end());
+  }
+  FillStatsPage(std::move(stats), page, response);
   return grpc::Status::OK;
 }
 

@@ -10,6 +10,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
+#include "server/service/auth.h"
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
 #include "server/service/request_cache.h"
@@ -21,14 +22,33 @@ class KvCacheService final : public v1::KvCache::Service {
  public:
   // `rpc_telemetry` (may be null) counts the StepBatch calls that step channels answer;
   // the server's interceptor counts the gRPC calls.
+  // `auth` (may be null: every call is the anonymous admin of a daemon without tokens)
+  // tells who each call comes from.
   KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits,
-                 const engine::Clock* clock, metrics::RpcTelemetry* rpc_telemetry = nullptr)
+                 const engine::Clock* clock, metrics::RpcTelemetry* rpc_telemetry = nullptr,
+                 const Authenticator* auth = nullptr)
       : engine_(engine),
         rpc_telemetry_(rpc_telemetry),
+        auth_(auth != nullptr ? auth : &anonymous_),
         version_(std::move(version)),
         streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
         channels_(limits.max_step_channels, limits.step_channel_bytes) {}
+
+  // A call let in: its CallGate ticket, held for the handler, and who it comes from.
+  struct Admitted {
+    CallGate::Ticket ticket;
+    Principal who;
+  };
+  // Every handler's door: UNAVAILABLE while draining, then UNAUTHENTICATED for a call
+  // without a known token (Authenticator); nothing of a refused call runs.
+  absl::StatusOr<Admitted> Admit(const grpc::ServerContext* context);
+  // OK when `who` may name sequence `id` (its own, or any for an admin); else the
+  // NOT_FOUND of an unknown id.
+  absl::Status Owns(const Principal& who, uint64_t id) const;
+  // The prefix namespace of a request's cache salt: the tenant's, which the salt may
+  // subdivide and never leave (the salt as sent on a daemon without tokens).
+  static std::string ScopedSalt(const Principal& who, const std::string& salt);
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -77,32 +97,35 @@ class KvCacheService final : public v1::KvCache::Service {
   // `context`: null for a step channel's batch.
   // `channel`: the step channel the batch came through (null over gRPC), whose signal area
   // entries may name rows in.
-  grpc::Status RunStepBatch(grpc::ServerContext* context, const v1::StepBatchRequest& request,
-                            uint64_t max_update_bytes, v1::StepBatchResponse* response,
+  grpc::Status RunStepBatch(grpc::ServerContext* context, const Principal& who,
+                            const v1::StepBatchRequest& request, uint64_t max_update_bytes,
+                            v1::StepBatchResponse* response,
                             const transport::StepChannel* channel = nullptr);
   // A mutating call's frame, shared by the handlers: a call whose deadline passed is refused
   // before it runs (nothing applied); a request_id makes a retry get
   // the first answer (RequestCache); errors map to gRPC statuses naming sequence `scope`
   // (0: none). The caller holds its CallGate ticket.
+  // Request ids are the caller's tenant's: another tenant's repeat of an id is a new call.
   template <typename Request, typename Response, typename Call>
-  grpc::Status RunMutation(grpc::ServerContext* context, absl::string_view method, uint64_t scope,
-                           const Request& request, Response* response, Call&& call) {
+  grpc::Status RunMutation(grpc::ServerContext* context, const Principal& who,
+                           absl::string_view method, uint64_t scope, const Request& request,
+                           Response* response, Call&& call) {
     if (absl::Status s = StillWanted(context, method); !s.ok()) return ToGrpc(s, Scope(scope));
     const absl::Status status =
-        requests_.Run(method, scope, request, request.request_id(), response, call);
+        requests_.Run(method, who.tenant, scope, request, request.request_id(), response, call);
     return ToGrpc(status, Scope(scope));
   }
   // The same for a call that may carry the client's held table: the engine computes its
   // update under the mutation's lock (`*update`, set by `call`); it goes into the response
   // after the answer is kept for retries, so a replayed retry gets a fresh one.
   template <typename Request, typename Response, typename Call>
-  grpc::Status RunMutation(grpc::ServerContext* context, absl::string_view method, uint64_t scope,
-                           const Request& request, Response* response,
-                           const std::optional<engine::HeldTable>& held,
+  grpc::Status RunMutation(grpc::ServerContext* context, const Principal& who,
+                           absl::string_view method, uint64_t scope, const Request& request,
+                           Response* response, const std::optional<engine::HeldTable>& held,
                            std::optional<engine::TableUpdate>* update, Call&& call) {
     bool ran = false;  // else replayed
     grpc::Status status =
-        RunMutation(context, method, scope, request, response, [&]() -> absl::Status {
+        RunMutation(context, who, method, scope, request, response, [&]() -> absl::Status {
           ran = true;
           return call();
         });
@@ -138,6 +161,8 @@ class KvCacheService final : public v1::KvCache::Service {
 
   engine::Engine* const engine_;
   metrics::RpcTelemetry* const rpc_telemetry_;
+  const Authenticator anonymous_;  // auth_ when the daemon has no tokens
+  const Authenticator* const auth_;
   const std::string version_;
   CallGate gate_;
   AppendStreamBudget streams_;

@@ -48,12 +48,12 @@ class RequestCache {
   // INVALID_ARGUMENT for an id longer than kMaxRequestIdBytes, and for an id reused with a
   // request that differs from the first one's (its fingerprint, RequestFingerprint).
   template <typename Call>
-  absl::Status Run(absl::string_view method, uint64_t scope,
+  absl::Status Run(absl::string_view method, absl::string_view tenant, uint64_t scope,
                    const google::protobuf::Message& request, absl::string_view request_id,
                    google::protobuf::Message* response, Call&& call) {
     if (request_id.empty()) return call();
     if (absl::Status s = CheckId(request_id); !s.ok()) return s;
-    const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
+    const std::string key = Key(method, tenant, scope, request_id);
     std::shared_ptr<Entry> entry;
     if (absl::Status s = Claim(key, RequestFingerprint(request), response, &entry);
         !s.ok() || entry == nullptr) {
@@ -71,13 +71,13 @@ class RequestCache {
   // whole stream's StreamFingerprint. A repeat whose stream differs anywhere is
   // INVALID_ARGUMENT, not a replay.
   template <typename Call, typename Rest>
-  absl::Status RunStream(absl::string_view method, uint64_t scope,
+  absl::Status RunStream(absl::string_view method, absl::string_view tenant, uint64_t scope,
                          const google::protobuf::Message& first, absl::string_view request_id,
                          google::protobuf::Message* response, Call&& call, Rest&& rest) {
     uint64_t whole = 0;
     if (request_id.empty()) return call(&whole);
     if (absl::Status s = CheckId(request_id); !s.ok()) return s;
-    const std::string key = absl::StrCat(method, "/", scope, "/", request_id);
+    const std::string key = Key(method, tenant, scope, request_id);
     std::shared_ptr<Entry> entry;
     uint64_t replayed_stream = 0;
     if (absl::Status s = Claim(key, RequestFingerprint(first), response, &entry, &replayed_stream);
@@ -116,6 +116,12 @@ class RequestCache {
   };
 
   static absl::Status CheckId(absl::string_view request_id);
+  // A call's key: tenant names hold no '/' (service::Authenticator), so keys of different
+  // tenants never meet.
+  static std::string Key(absl::string_view method, absl::string_view tenant, uint64_t scope,
+                         absl::string_view request_id) {
+    return absl::StrCat(method, "/", tenant, "/", scope, "/", request_id);
+  }
   static absl::Status ReusedIdError();
   // The response of a finished call, and its stream's fingerprint (RunStream).
   static absl::Status Replay(const Entry& done, google::protobuf::Message* response,

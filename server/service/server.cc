@@ -51,6 +51,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                      " is more than half of --grpc-max-threads=", config.grpc_max_threads,
                      " (each open channel or stream holds a thread)"));
   }
+  if (!config.auth_tokens.empty()) {
+    absl::StatusOr<std::unique_ptr<Authenticator>> auth =
+        Authenticator::FromFile(config.auth_tokens);
+    if (!auth.ok()) return auth.status();
+    server->auth_ = *std::move(auth);
+  } else if (!IsLocalListen(config.listen)) {
+    if (!config.allow_unauthenticated_remote) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--listen: ", config.listen,
+          " is reachable from other hosts and kvmemd has no --auth-tokens: anyone who reaches "
+          "it could read and change every sequence. Give it --auth-tokens, listen on a unix "
+          "socket or loopback, or pass --allow-unauthenticated-remote"));
+    }
+    spdlog::warn(
+        "kvmemd: --allow-unauthenticated-remote: {} serves every caller that reaches "
+        "it, unauthenticated, with every sequence's K/V",
+        config.listen);
+  }
+  if (server->auth_ != nullptr && !IsLocalListen(config.listen)) {
+    spdlog::warn(
+        "kvmemd: bearer tokens travel in plaintext on {} (no TLS yet): keep it on a "
+        "network no one else can read",
+        config.listen);
+  }
   absl::StatusOr<std::unique_ptr<store::Backend>> backend =
       store::MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
   if (!backend.ok()) return backend.status();
@@ -68,8 +92,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
   server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
-  server->service_ = std::make_unique<KvCacheService>(
-      server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get());
+  server->service_ =
+      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits, clock,
+                                       server->rpc_telemetry_.get(), server->auth_.get());
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
@@ -122,6 +147,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     }
   });
   return server;
+}
+
+absl::Status Server::ReloadTokens() {
+  if (auth_ == nullptr) {
+    return absl::FailedPreconditionError("kvmemd was started without --auth-tokens");
+  }
+  return auth_->Reload();
 }
 
 void Server::PrefaultPool() {

@@ -14,6 +14,7 @@
 #include "server/metrics/exporter.h"
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
+#include "server/service/auth.h"
 
 namespace kvmem::service {
 
@@ -44,6 +45,11 @@ struct ServerConfig {
   // its first touch, a page fault in the middle of an Append (kvmemd --pool-prefault, on
   // by default; off here, so that in-process tests and benchmarks choose it).
   bool prefault_pool = false;
+  // Bearer tokens per tenant (service::Authenticator; kvmemd --auth-tokens); empty: none,
+  // one trust domain, and then `listen` must be a unix socket or loopback unless
+  // `allow_unauthenticated_remote`.
+  std::string auth_tokens;
+  bool allow_unauthenticated_remote = false;
 };
 
 class Server {
@@ -63,6 +69,8 @@ class Server {
   // the calls already inside a handler finish; after they have, or after `deadline`, gRPC
   // shuts down (cancelling what still runs) and the reaper stops. Idempotent.
   void Drain(absl::Duration deadline);
+  // Reads the token file again (SIGHUP); an error keeps the tokens as they were.
+  absl::Status ReloadTokens();
   // Bytes of the pool mapped ahead of use so far (prefault_pool); the pool's size once done.
   uint64_t prefaulted_bytes() const { return prefaulted_bytes_.load(std::memory_order_acquire); }
 
@@ -76,6 +84,7 @@ class Server {
   // Before the service and the gRPC server, so that it outlives the interceptors and the
   // step channels that record into it.
   std::unique_ptr<metrics::RpcTelemetry> rpc_telemetry_;
+  std::unique_ptr<Authenticator> auth_;  // with tokens; before the service that reads it
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::shared_ptr<metrics::Collector> collector_;

@@ -13,9 +13,9 @@ namespace kvmem::service {
 grpc::Status KvCacheService::StepBatch(grpc::ServerContext* context,
                                        const v1::StepBatchRequest* request,
                                        v1::StepBatchResponse* response) {
-  const CallGate::Ticket call = gate_.Enter();
-  if (!call.admitted()) return ToGrpc(DrainingError());
-  return RunStepBatch(context, *request, engine_->config().max_append_bytes, response);
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  return RunStepBatch(context, call->who, *request, engine_->config().max_append_bytes, response);
 }
 
 namespace {
@@ -46,7 +46,7 @@ absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
 
 }  // namespace
 
-grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
+grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Principal& who,
                                           const v1::StepBatchRequest& request_message,
                                           uint64_t max_update_bytes,
                                           v1::StepBatchResponse* response,
@@ -54,7 +54,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
   const v1::StepBatchRequest* const request = &request_message;
   std::vector<std::optional<engine::TableUpdate>> updates;  // per entry, kept out of the cache
   const grpc::Status status =
-      RunMutation(context, "StepBatch", 0, *request, response, [&]() -> absl::Status {
+      RunMutation(context, who, "StepBatch", 0, *request, response, [&]() -> absl::Status {
         const int n = request->entries_size();
         if (n == 0 || n > kMaxBatchEntries) {
           return absl::InvalidArgumentError(
@@ -68,6 +68,8 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context,
           const v1::StepBatchEntry& entry = request->entries(i);
           engine::StepCall& call = calls[i];
           call.sequence_id = entry.sequence_id();
+          // Another tenant's sequence is an unknown one, entry by entry.
+          if (absl::Status s = Owns(who, call.sequence_id); !s.ok()) call.rejected = s;
           if (entry.has_append()) {
             call.append = ChunkView(entry.append());
             call.plan_id = entry.append().plan_id();
@@ -153,9 +155,12 @@ grpc::Status KvCacheService::OpenStepChannel(
   std::optional<transport::StepChannelBudget::Lease>
       lease;  // given back after the channel is freed
   std::unique_ptr<transport::StepChannel> channel;
+  // The channel serves its opener: every batch through it runs as this call's principal.
+  Principal who;
   {
-    const CallGate::Ticket call = gate_.Enter();
-    if (!call.admitted()) return ToGrpc(DrainingError());
+    absl::StatusOr<Admitted> call = Admit(context);
+    if (!call.ok()) return ToGrpc(call.status());
+    who = call->who;
     // Lengths in the segment are 32-bit: at most 1 GiB per area.
     const uint64_t max_capacity =
         std::min<uint64_t>(engine_->config().max_append_bytes + (4ull << 20), 1ull << 30);
@@ -204,7 +209,7 @@ grpc::Status KvCacheService::OpenStepChannel(
                                                       v1::StepBatchResponse* response) {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
-    return RunStepBatch(/*context=*/nullptr, batch, max_update_bytes, response, channel.get());
+    return RunStepBatch(/*context=*/nullptr, who, batch, max_update_bytes, response, channel.get());
   };
   // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
   // client sees it.

@@ -141,14 +141,32 @@ void BlockPool::FreeLocked(BlockId id) {
   free_ids_.push_back(id);
 }
 
-absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t quota_bytes) {
+absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t quota_bytes,
+                                                   absl::string_view limit_flag) {
   kvmem::MutexLock lock(&mu_);
-  if (tenants_.size() >= kMaxTenants + 1) {  // [0] is nobody
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenants: more than ", kMaxTenants, " distinct cache salts"));
+  if (!free_tenants_.empty()) {
+    const TenantId id = free_tenants_.back();
+    free_tenants_.pop_back();
+    tenants_[id] = Tenant{std::move(name), quota_bytes, 0, true};
+    return id;
   }
-  tenants_.push_back(Tenant{std::move(name), quota_bytes, 0});
+  if (tenants_.size() >= kMaxTenants + 1) {  // [0] is nobody
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenants: ", kMaxTenants, " tenants hold pool bytes or sequences now (", limit_flag, ")"));
+  }
+  free_tenants_.reserve(tenants_.size() + 1);  // so that UnregisterTenant never allocates
+  tenants_.push_back(Tenant{std::move(name), quota_bytes, 0, true});
   return static_cast<TenantId>(tenants_.size() - 1);
+}
+
+bool BlockPool::UnregisterTenant(TenantId tenant) {
+  kvmem::MutexLock lock(&mu_);
+  if (tenant >= tenants_.size() || !tenants_[tenant].registered || tenants_[tenant].used != 0) {
+    return false;
+  }
+  tenants_[tenant] = Tenant{};
+  free_tenants_.push_back(tenant);
+  return true;
 }
 
 TenantId BlockPool::block_tenant(BlockId id) const {
@@ -199,10 +217,9 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
   if (use == Use::kGrow && charged.quota > 0 && charged.used + asked > charged.quota) {
     *deficit = charged.used + asked - charged.quota;
     *over_quota = true;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant '", charged.name.substr(0, 64), "' (cache_salt) holds ", charged.used,
-                     " bytes of the pool; ", asked, " more would pass its quota of ", charged.quota,
-                     " bytes (--tenant-quota-bytes)"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant '", charged.name.substr(0, 64), "' holds ", charged.used, " bytes of the pool; ",
+        asked, " more would pass its quota of ", charged.quota, " bytes (--tenant-quota-bytes)"));
   }
   const size_t first = out->size();
   if (out->capacity() < first + count) {  // so that no push_back below throws with blocks taken

@@ -66,8 +66,13 @@ class BlockPool {
   [[nodiscard]] absl::Status AllocateMany(uint32_t block_bytes, size_t count,
                                           std::vector<BlockId>* out, Use use = Use::kGrow,
                                           TenantId tenant = 0);
-  // A tenant named `name` with a quota of pool bytes (0: none); at most kMaxTenants.
-  absl::StatusOr<TenantId> RegisterTenant(std::string name, uint64_t quota_bytes);
+  // A tenant named `name` with a quota of pool bytes (0: none); at most kMaxTenants at once
+  // (RESOURCE_EXHAUSTED naming `limit_flag`, the setting that bounds them).
+  absl::StatusOr<TenantId> RegisterTenant(std::string name, uint64_t quota_bytes,
+                                          absl::string_view limit_flag = "tenants");
+  // Frees a tenant's id for another (RegisterTenant) once no block is charged to it; false
+  // (and nothing changes) while one is. The caller makes sure nothing allocates for it.
+  bool UnregisterTenant(TenantId tenant);
   static constexpr size_t kMaxTenants = 1 << 16;
   // Pool bytes charged to the tenant now; the tenant a block is charged to.
   uint64_t tenant_bytes(TenantId tenant) const;
@@ -132,6 +137,7 @@ class BlockPool {
     std::string name;
     uint64_t quota = 0;  // 0: none
     uint64_t used = 0;
+    bool registered = false;  // [0] and unregistered ids are not
   };
 
   // AllocateMany without reclaiming; on RESOURCE_EXHAUSTED, *deficit is about how many more
@@ -160,6 +166,7 @@ class BlockPool {
   const std::unique_ptr<std::atomic<IdState*>[]> chunks_;
   std::vector<std::unique_ptr<IdState[]>> owned_chunks_ ABSL_GUARDED_BY(mu_);
   std::vector<Tenant> tenants_ ABSL_GUARDED_BY(mu_) = {Tenant{}};  // [0]: nobody
+  std::vector<TenantId> free_tenants_ ABSL_GUARDED_BY(mu_);        // unregistered ids
   std::vector<BlockId> free_ids_ ABSL_GUARDED_BY(mu_);
   uint64_t blocks_used_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t block_bytes_used_ ABSL_GUARDED_BY(mu_) = 0;

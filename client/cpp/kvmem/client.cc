@@ -5,11 +5,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/arena.h"
@@ -50,7 +52,12 @@ struct Client::Impl {
       : options(options),
         channel(std::move(channel)),
         stub(v1::KvCache::NewStub(this->channel)),
-        step_channels(stub.get(), options.deadline, options.step_channel_reopen) {}
+        step_channels(stub.get(), options.deadline, options.step_channel_reopen,
+                      Authorization(options)) {}
+  // The metadata value that carries the token; empty without one.
+  static std::string Authorization(const ClientOptions& o) {
+    return o.auth_token.empty() ? std::string() : absl::StrCat("Bearer ", o.auth_token);
+  }
 
   const ClientOptions options;
   const std::shared_ptr<grpc::Channel> channel;
@@ -88,9 +95,23 @@ struct Client::Impl {
     context.set_deadline(std::chrono::system_clock::now() +
                          absl::ToChronoMilliseconds(options.deadline));
     context.set_wait_for_ready(options.wait_for_ready);
+    if (!options.auth_token.empty()) context.AddMetadata("authorization", Authorization(options));
     return FromGrpc(attempt(context));
   }
 };
+
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line)) {
+    return absl::NotFoundError(absl::StrCat("auth token file ", path, ": cannot read a line"));
+  }
+  const std::string token(absl::StripAsciiWhitespace(line));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth token file ", path, ": empty"));
+  }
+  return token;
+}
 
 namespace {
 

@@ -76,6 +76,9 @@ struct ClientOptions {
   // whose channel answers no batch, up to a minute; until then batches go by gRPC.
   // absl::InfiniteDuration(): never. CloseStepChannel stops it.
   absl::Duration step_channel_reopen = absl::Seconds(1);
+  // The bearer token of a kvmemd started with --auth-tokens, sent with every call
+  // (metadata 'authorization: Bearer <token>'); empty: none.
+  std::string auth_token;
 };
 
 struct ParamInfo {
@@ -353,6 +356,10 @@ struct Stats {
   uint64_t prefix_entries = 0, prefix_indexed_blocks = 0, prefix_cached_blocks = 0;
   std::vector<SequenceStats> sequences;  // in id order
 };
+
+// The token in a token file (its first line, surrounding spaces dropped): for a
+// --auth-token-file flag, which keeps the token off command lines.
+absl::StatusOr<std::string> ReadAuthToken(const std::string& path);
 
 class Client {
  public:

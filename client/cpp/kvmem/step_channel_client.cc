@@ -50,11 +50,13 @@ absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, cons
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(v1::KvCache::Stub* stub,
-                                                                           uint64_t capacity_bytes,
-                                                                           absl::Duration deadline,
-                                                                           uint64_t signal_bytes) {
+absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
+    v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline,
+    uint64_t signal_bytes, absl::string_view authorization) {
   std::unique_ptr<StepChannelClient> channel(new StepChannelClient());
+  if (!authorization.empty()) {
+    channel->context_.AddMetadata("authorization", std::string(authorization));
+  }
   v1::OpenStepChannelRequest request;
   request.set_capacity_bytes(capacity_bytes);
   request.set_signal_bytes(signal_bytes);

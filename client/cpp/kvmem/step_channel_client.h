@@ -21,11 +21,11 @@ class StepChannelClient {
  public:
   // Opens a channel through `stub` (which must outlive it) and maps its segment. Fails on
   // another host (no such segment), on a layout this client does not know, or when the
-  // daemon refuses (the status says why).
-  static absl::StatusOr<std::unique_ptr<StepChannelClient>> Open(v1::KvCache::Stub* stub,
-                                                                 uint64_t capacity_bytes,
-                                                                 absl::Duration deadline,
-                                                                 uint64_t signal_bytes = 0);
+  // daemon refuses (the status says why). `authorization`: the metadata value of a daemon
+  // that checks tokens (empty: none).
+  static absl::StatusOr<std::unique_ptr<StepChannelClient>> Open(
+      v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline,
+      uint64_t signal_bytes = 0, absl::string_view authorization = {});
   ~StepChannelClient();  // closes the channel (ends the call) and unmaps
   StepChannelClient(const StepChannelClient&) = delete;
   StepChannelClient& operator=(const StepChannelClient&) = delete;

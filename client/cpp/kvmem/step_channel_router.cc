@@ -6,15 +6,16 @@
 namespace kvmem::client::internal {
 
 StepChannelRouter::StepChannelRouter(v1::KvCache::Stub* stub, absl::Duration deadline,
-                                     absl::Duration first_reopen_wait)
+                                     absl::Duration first_reopen_wait, std::string authorization)
     : stub_(stub),
       deadline_(deadline),
+      authorization_(std::move(authorization)),
       first_reopen_wait_(std::max(first_reopen_wait, absl::Milliseconds(1))),
       reopen_wait_(first_reopen_wait_) {}
 
 absl::Status StepChannelRouter::Open(uint64_t capacity_bytes, uint64_t signal_bytes) {
   absl::StatusOr<std::unique_ptr<StepChannelClient>> opened =
-      StepChannelClient::Open(stub_, capacity_bytes, deadline_, signal_bytes);
+      StepChannelClient::Open(stub_, capacity_bytes, deadline_, signal_bytes, authorization_);
   if (!opened.ok()) return opened.status();
   std::shared_ptr<StepChannelClient> replaced;  // closed after the lock is released
   absl::MutexLock lock(&mu_);
@@ -60,7 +61,7 @@ std::shared_ptr<StepChannelClient> StepChannelRouter::ForBatch() {
   // The call's own deadline: a daemon that refuses a channel answers at once, and one that
   // does not answer would hold the batch as long over gRPC.
   absl::StatusOr<std::unique_ptr<StepChannelClient>> opened =
-      StepChannelClient::Open(stub_, capacity, deadline_, signal_bytes);
+      StepChannelClient::Open(stub_, capacity, deadline_, signal_bytes, authorization_);
   absl::MutexLock lock(&mu_);
   // Kept only while still wanted and not replaced meanwhile (Open). The wait stays doubled
   // until the new channel answers a batch (Answered): one that opens but fails every batch

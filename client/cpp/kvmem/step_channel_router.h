@@ -22,8 +22,9 @@ class StepChannelRouter {
  public:
   // `stub` must outlive the router. `deadline` bounds each attempt to open a channel;
   // `first_reopen_wait` is the wait after a channel closes (at least 1 ms; infinite: never).
+  // `authorization`: the metadata value every open sends (empty: none).
   StepChannelRouter(v1::KvCache::Stub* stub, absl::Duration deadline,
-                    absl::Duration first_reopen_wait);
+                    absl::Duration first_reopen_wait, std::string authorization = {});
   StepChannelRouter(const StepChannelRouter&) = delete;
   StepChannelRouter& operator=(const StepChannelRouter&) = delete;
 
@@ -52,6 +53,7 @@ class StepChannelRouter {
  private:
   v1::KvCache::Stub* const stub_;
   const absl::Duration deadline_;
+  const std::string authorization_;
   const absl::Duration first_reopen_wait_;
   mutable absl::Mutex mu_;
   std::shared_ptr<StepChannelClient> channel_ ABSL_GUARDED_BY(mu_);

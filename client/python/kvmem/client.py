@@ -62,6 +62,9 @@ class ClientOptions:
     wait_for_ready: bool = False
     # Sequences keep their block tables with positions (8 bytes a retained slot per update).
     table_positions: bool = False
+    # The bearer token of a kvmemd started with --auth-tokens, sent with every call
+    # (metadata 'authorization: Bearer <token>'); empty: none.
+    auth_token: str = ""
 
 
 @dataclasses.dataclass
@@ -207,8 +210,10 @@ class Client:
               wait_for_ready: Optional[bool] = None) -> _Response:
         if self._closed:
             raise UnavailableError("the client is closed", code=grpc.StatusCode.UNAVAILABLE)
+        metadata = ((("authorization", "Bearer " + self.options.auth_token),)
+                    if self.options.auth_token else None)
         try:
-            return method(request, timeout=self.options.deadline,
+            return method(request, timeout=self.options.deadline, metadata=metadata,
                           wait_for_ready=self.options.wait_for_ready if wait_for_ready is None
                           else wait_for_ready)
         except grpc.RpcError as e:

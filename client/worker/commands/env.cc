@@ -11,6 +11,8 @@
 
 ABSL_FLAG(std::string, model, "", "path to the GGUF file (scripts/fetch_model.sh prints it)");
 ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "a file holding the bearer token of a kvmemd with --auth-tokens (first line)");
 ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
 ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKv)");
 ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
@@ -109,8 +111,14 @@ KvmemKvStore::ReadPath ReadPathFromFlags() {
 }
 
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
+  client::ClientOptions options;
+  if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
+    absl::StatusOr<std::string> token = client::ReadAuthToken(file);
+    if (!token.ok()) return token.status();
+    options.auth_token = *token;
+  }
   absl::StatusOr<std::unique_ptr<client::Client>> c =
-      client::Client::Connect(absl::GetFlag(FLAGS_target));
+      client::Client::Connect(absl::GetFlag(FLAGS_target), options);
   if (!c.ok() || !absl::GetFlag(FLAGS_step_channel)) return c;
   // A signal area for the rows when they may go in place: 16 MiB holds a step's rows of
   // SmolLM2 (90 streams) at 16k tokens as f32, or a batch of shorter ones.

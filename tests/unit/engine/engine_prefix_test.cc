@@ -4,6 +4,7 @@
 #include <atomic>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "tests/unit/engine/engine_fixture.h"
 
@@ -495,8 +496,10 @@ TEST_F(PrefixTest, EachSaltHoldsAtMostItsQuotaOfThePool) {
   ASSERT_TRUE(AppendTokens(b->sequence_id, 0, 128).ok());
   auto big = CreateWith({}, "full", {}, "big");
   ASSERT_TRUE(AppendTokens(big->sequence_id, 0, 256).ok());
+  // No salt is a tenant too (the quota held nowhere before: 512 tokens went in).
   const uint64_t none = Create();
-  ASSERT_TRUE(AppendTokens(none, 0, 512).ok());
+  ASSERT_TRUE(AppendTokens(none, 0, 128).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(AppendTokens(none, 128, 16).status()));
   // Released, its bytes come back to it.
   ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
   ASSERT_TRUE(engine_->Release(a->sequence_id).ok());
@@ -511,6 +514,50 @@ TEST_F(PrefixTest, ATenantsOwnCachedBlocksGiveWayToItsQuota) {
   ASSERT_TRUE(b.ok());
   EXPECT_TRUE(AppendTokens(b->sequence_id, 0, 32).ok());  // the cache gave way
   EXPECT_GT(engine_->Stats(false).prefix.reclaimed_bytes, 0u);
+}
+
+TEST_F(PrefixTest, ATenantIsRegisteredOnlyWhileItHoldsSomething) {
+  // Before: every salt stayed registered for the daemon's life, and past 65,536 of them
+  // every new tenant was refused until a restart.
+  MakeEngine(1 << 20, [](EngineConfig& c) { c.tenant_quota_bytes = 32 * 1024; });
+  const size_t n = store::BlockPool::kMaxTenants + 16;
+  for (size_t i = 0; i < n; ++i) {
+    auto created = CreateWith({}, "full", {}, absl::StrCat("salt-", i));
+    ASSERT_TRUE(created.ok()) << i << ": " << created.status();
+    ASSERT_TRUE(engine_->Release(created->sequence_id).ok());
+  }
+  EXPECT_EQ(engine_->tenants_registered(), 0u);
+  // One holding cached blocks and no sequence stays until the blocks go; a fork holds its
+  // parent's tenant as long as it lives.
+  ASSERT_TRUE(engine_->Release(Publisher(32, "cached")).ok());
+  EXPECT_EQ(engine_->tenants_registered(), 1u);
+  auto a = CreateWith({}, "full", {}, "t");
+  auto child = engine_->Fork(a->sequence_id, absl::ZeroDuration());
+  ASSERT_TRUE(child.ok());
+  ASSERT_TRUE(engine_->Release(a->sequence_id).ok());
+  EXPECT_EQ(engine_->tenants_registered(), 2u);
+  ASSERT_TRUE(AppendTokens(child->sequence_id, 0, 128).ok());  // still the quota of 't'
+  EXPECT_TRUE(absl::IsResourceExhausted(AppendTokens(child->sequence_id, 128, 16).status()));
+  ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
+  EXPECT_EQ(engine_->tenants_registered(), 1u);
+}
+
+TEST_F(PrefixTest, TheOwnersQuotaHoldsWhateverTheSalt) {
+  // With an authenticated owner, the owner is the tenant: switching salts escapes nothing.
+  MakeEngine(1 << 20, [](EngineConfig& c) { c.tenant_quota_bytes = 32 * 1024; });
+  uint64_t appended = 0;
+  absl::Status refused;
+  for (int i = 0; i < 8 && refused.ok(); ++i) {
+    PromptPrefix p{"m", absl::StrCat("salt-", i), {}};
+    p.owner = "alice";
+    auto created = engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), p);
+    ASSERT_TRUE(created.ok()) << created.status();
+    refused = AppendTokens(created->sequence_id, 0, 64).status();
+    if (refused.ok()) appended += 64;
+  }
+  EXPECT_EQ(appended, 128u);  // 32 KiB: 128 tokens of this layout
+  EXPECT_TRUE(absl::IsResourceExhausted(refused));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
 }
 
 TEST_F(PrefixTest, BlocksADocumentSharesWithPublishedPrefixesAreStillReclaimed) {

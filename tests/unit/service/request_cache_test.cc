@@ -32,16 +32,17 @@ TEST(RequestCacheTest, AWaitingRepeatGetsTheFirstAnswerEvenIfTheCacheLetItGo) {
   };
   v1::StepResponse first_response, repeat_response;
   std::thread first([&] {
-    EXPECT_TRUE(
-        cache.Run("Step", 7, request, "id", &first_response, [&] { return call(&first_response); })
-            .ok());
+    EXPECT_TRUE(cache
+                    .Run("Step", "", 7, request, "id", &first_response,
+                         [&] { return call(&first_response); })
+                    .ok());
   });
   first_running.WaitForNotification();
   std::thread repeat([&] {
-    EXPECT_TRUE(
-        cache
-            .Run("Step", 7, request, "id", &repeat_response, [&] { return call(&repeat_response); })
-            .ok());
+    EXPECT_TRUE(cache
+                    .Run("Step", "", 7, request, "id", &repeat_response,
+                         [&] { return call(&repeat_response); })
+                    .ok());
   });
   while (cache.waiting() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   release_first.Notify();
@@ -62,7 +63,7 @@ TEST(RequestCacheTest, AnIdReusedWithOneOtherByteInTheMiddleOfKvIsRefused) {
   request.set_v(request.k());
   int runs = 0;
   auto run = [&](const v1::AppendRequest& r, v1::AppendResponse* response) {
-    return cache.Run("Append", 7, r, "id", response, [&] {
+    return cache.Run("Append", "", 7, r, "id", response, [&] {
       response->set_appended_tokens(++runs);
       return absl::OkStatus();
     });
@@ -78,6 +79,29 @@ TEST(RequestCacheTest, AnIdReusedWithOneOtherByteInTheMiddleOfKvIsRefused) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_EQ(runs, 1) << "neither the retry nor the changed request ran the call again";
   EXPECT_EQ(other.appended_tokens(), 0u) << "no replay of the first call's response";
+}
+
+TEST(RequestCacheTest, AnIdIsItsTenantsOwn) {
+  // Before, the key was (method, sequence, id): another tenant sending the same id got the
+  // first tenant's answer.
+  engine::FakeClock clock;
+  RequestCache cache(/*max_entries=*/16, /*max_bytes=*/1 << 20, absl::Minutes(1), &clock);
+  v1::AppendRequest request;
+  request.set_sequence_id(7);
+  int runs = 0;
+  auto run = [&](absl::string_view tenant, v1::AppendResponse* response) {
+    return cache.Run("Append", tenant, 7, request, "id", response, [&] {
+      response->set_appended_tokens(++runs);
+      return absl::OkStatus();
+    });
+  };
+  v1::AppendResponse alice, bob, alice_again;
+  ASSERT_TRUE(run("alice", &alice).ok());
+  ASSERT_TRUE(run("bob", &bob).ok());
+  ASSERT_TRUE(run("alice", &alice_again).ok());
+  EXPECT_EQ(runs, 2);
+  EXPECT_EQ(bob.appended_tokens(), 2u) << "bob's call ran: it is not alice's retry";
+  EXPECT_EQ(alice_again.appended_tokens(), 1u) << "alice's retry got her answer";
 }
 
 }  // namespace

@@ -1,0 +1,150 @@
+#include "server/service/auth.h"
+
+#include <openssl/evp.h>
+
+#include <array>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "server/common/mutex.h"
+
+namespace kvmem::service {
+
+namespace {
+
+std::string Sha256(absl::string_view text) {
+  std::array<unsigned char, EVP_MAX_MD_SIZE> digest{};
+  unsigned int length = 0;
+  if (EVP_Digest(text.data(), text.size(), digest.data(), &length, EVP_sha256(), nullptr) != 1) {
+    return {};  // never matches a stored digest (those are never empty)
+  }
+  return std::string(reinterpret_cast<const char*>(digest.data()), length);
+}
+
+bool ValidTenant(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ValidToken(absl::string_view token) {
+  if (token.size() < 16 || token.size() > 512) return false;
+  for (char c : token) {
+    if (c <= ' ' || c > '~') return false;
+  }
+  return true;
+}
+
+absl::Status Unauthenticated() {
+  return absl::UnauthenticatedError(absl::StrCat(
+      Authenticator::kMetadataKey,
+      ": kvmemd requires a known bearer token (metadata 'authorization: Bearer <token>')"));
+}
+
+}  // namespace
+
+absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse(
+    absl::string_view text, absl::string_view path) {
+  absl::flat_hash_map<std::string, Principal> tokens;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    if (const size_t hash = line.find('#'); hash != absl::string_view::npos) {
+      line = line.substr(0, hash);
+    }
+    std::vector<absl::string_view> words =
+        absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (words.empty()) continue;
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--auth-tokens: ", path, " line ", line_number, ": ", why));
+    };
+    if (words.size() < 2 || words.size() > 3 || (words.size() == 3 && words[2] != "admin")) {
+      return bad("expected '<tenant> <token> [admin]'");
+    }
+    if (!ValidTenant(words[0])) return bad("the tenant must be 1-64 of [A-Za-z0-9._-]");
+    if (!ValidToken(words[1])) {
+      return bad("the token must be 16-512 printable characters without spaces");
+    }
+    Principal who{std::string(words[0]), words.size() == 3};
+    if (!tokens.emplace(Sha256(words[1]), std::move(who)).second) {
+      return bad("the token is listed twice");
+    }
+  }
+  if (tokens.empty())
+    return absl::InvalidArgumentError(absl::StrCat("--auth-tokens: ", path, " lists no token"));
+  return tokens;
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string token_file) {
+  std::unique_ptr<Authenticator> auth(new Authenticator(std::move(token_file)));
+  if (absl::Status s = auth->Reload(); !s.ok()) return s;
+  return auth;
+}
+
+absl::Status Authenticator::Reload() {
+  std::ifstream in(path_);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("--auth-tokens: cannot read ", path_));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<absl::flat_hash_map<std::string, Principal>> tokens = Parse(text.str(), path_);
+  if (!tokens.ok()) return tokens.status();
+  kvmem::MutexLock lock(&mu_);
+  tokens_ = *std::move(tokens);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Principal> Authenticator::FromAuthorization(absl::string_view value) const {
+  if (!enabled()) return Principal{"", true};
+  if (!absl::StartsWith(value, kBearer)) return Unauthenticated();
+  const std::string digest = Sha256(value.substr(kBearer.size()));
+  kvmem::MutexLock lock(&mu_);
+  auto it = tokens_.find(digest);
+  if (it == tokens_.end()) return Unauthenticated();
+  return it->second;
+}
+
+absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContext* context) const {
+  if (!enabled()) return Principal{"", true};
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size()));
+  if (it == metadata.end()) return Unauthenticated();
+  // A call sending the key twice is refused: which one would count is not obvious.
+  if (metadata.count(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size())) != 1) {
+    return Unauthenticated();
+  }
+  return FromAuthorization(absl::string_view(it->second.data(), it->second.size()));
+}
+
+bool IsLocalListen(absl::string_view listen) {
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) {
+    return true;
+  }
+  absl::string_view host = listen;
+  if (absl::StartsWith(host, "[")) {
+    const size_t close = host.find(']');
+    if (close == absl::string_view::npos) return false;
+    host = host.substr(1, close - 1);
+  } else if (const size_t colon = host.rfind(':'); colon != absl::string_view::npos) {
+    host = host.substr(0, colon);
+  }
+  if (host == "localhost" || host == "::1") return true;
+  // 127.0.0.0/8.
+  std::vector<absl::string_view> octets = absl::StrSplit(host, '.');
+  uint32_t first = 0;
+  return octets.size() == 4 && absl::SimpleAtoi(octets[0], &first) && first == 127;
+}
+
+}  // namespace kvmem::service

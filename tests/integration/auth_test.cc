@@ -1,0 +1,311 @@
+// Identity from the channel: kvmemd with a token file (--auth-tokens). A call without a
+// known token is refused whatever it asks; a tenant sees only its own sequences (another
+// tenant's id answers as an unknown one), its own prefixes and its own request ids; its
+// quota holds whatever salt it sends; the step channel serves the tenant that opened it.
+#include "server/service/auth.h"
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvmem/client.h"
+#include "server/service/server.h"
+#include "tests/testing/payload.h"
+
+namespace kvmem {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kL = 2, kH = 2, kD = 64;
+constexpr char kAlice[] = "alice-token-0123456789";
+constexpr char kBob[] = "bob-token-0123456789ab";
+constexpr char kAdmin[] = "admin-token-0123456789";
+
+client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::kF16, 16, 49152}; }
+
+class AuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tokens_ = ::testing::TempDir() + "/kvmem_auth_test_tokens";
+    WriteTokens(absl::StrCat("# tenants\nalice ", kAlice, "\nbob ", kBob, "  # bob's\nops ", kAdmin,
+                             " admin\n"));
+    service::ServerConfig config;
+    config.listen = "127.0.0.1:0";
+    config.engine.pool_bytes = 16ull << 20;
+    config.engine.max_sequences = 64;
+    config.engine.tenant_quota_bytes = 64 * 1024;
+    config.reaper_period = absl::Hours(1);
+    config.auth_tokens = tokens_;
+    auto server = service::Server::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    alice_ = Connect(kAlice);
+    bob_ = Connect(kBob);
+    admin_ = Connect(kAdmin);
+  }
+  void TearDown() override { std::remove(tokens_.c_str()); }
+
+  void WriteTokens(const std::string& text) { std::ofstream(tokens_) << text; }
+
+  std::unique_ptr<client::Client> Connect(const std::string& token) {
+    client::ClientOptions options;
+    options.deadline = absl::Seconds(20);
+    options.max_attempts = 1;
+    options.auth_token = token;
+    return *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()), options);
+  }
+
+  // A sequence of `who` with n tokens appended (positions 0..n-1).
+  uint64_t Filled(client::Client& who, uint32_t n, const std::string& salt = "") {
+    client::Prompt prompt;
+    prompt.cache_salt = salt;
+    auto seq = who.CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+    EXPECT_TRUE(seq.ok()) << seq.status();
+    if (!seq.ok()) return 0;
+    const absl::Status appended = Append(who, seq->id, 0, n).status();
+    EXPECT_TRUE(appended.ok()) << appended;
+    return seq->id;
+  }
+  absl::StatusOr<client::AppendResult> Append(client::Client& who, uint64_t id, int64_t first,
+                                              uint32_t n) {
+    positions_ = testing::Range(first, n);
+    k_ = testing::Payload16(kL * kH, first, n, kD, 0);
+    v_ = testing::Payload16(kL * kH, first, n, kD, 1);
+    return who.Append(id, {positions_, {}, k_, v_, {}, {}});
+  }
+  // Everything a reader of `id` can see, read as its owner.
+  std::string Content(client::Client& owner, uint64_t id) {
+    auto streams = owner.ReadKv(id);
+    EXPECT_TRUE(streams.ok()) << streams.status();
+    std::string all;
+    if (!streams.ok()) return all;
+    for (const client::StreamKv& kv : *streams) {
+      absl::StrAppend(&all, kv.layer, "/", kv.kv_head, ":", kv.positions.size(), ":", kv.k, kv.v);
+    }
+    return all;
+  }
+
+  std::string tokens_;
+  std::unique_ptr<service::Server> server_;
+  std::unique_ptr<client::Client> alice_, bob_, admin_;
+  std::vector<int64_t> positions_;
+  std::string k_, v_;
+};
+
+TEST_F(AuthTest, ACallWithoutAKnownTokenIsRefusedAndChangesNothing) {
+  const uint64_t id = Filled(*alice_, 16);
+  for (const std::string& token : {std::string(), std::string("not-a-token-at-all-000"),
+                                   absl::StrCat(kAlice, "x"), std::string(kAlice).substr(1)}) {
+    SCOPED_TRACE(token);
+    std::unique_ptr<client::Client> stranger = Connect(token);
+    std::vector<absl::Status> answers = {
+        stranger->GetInfo().status(),
+        stranger->CreateSequence(TestLayout(), {"full", {}}).status(),
+        Append(*stranger, id, 16, 1).status(),
+        stranger->ReadKv(id).status(),
+        stranger->GetBlockTable(id).status(),
+        stranger->Fork(id).status(),
+        stranger->Publish(id).status(),
+        stranger->KeepAlive({id}).status(),
+        stranger->GetStats(true).status(),
+        stranger->Release(id).status(),
+        stranger->OpenStepChannel(),
+    };
+    for (size_t i = 0; i < answers.size(); ++i) {
+      EXPECT_TRUE(absl::IsUnauthenticated(answers[i])) << i << ": " << answers[i];
+      EXPECT_THAT(std::string(answers[i].message()), HasSubstr("bearer token")) << i;
+    }
+  }
+  auto stats = admin_->GetStats(true);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences_created, 1u);
+  ASSERT_EQ(stats->sequences.size(), 1u);
+  EXPECT_EQ(stats->sequences[0].appended_tokens, 16u);
+}
+
+TEST_F(AuthTest, AnotherTenantsSequenceAnswersAsAnUnknownOne) {
+  const uint64_t id = Filled(*alice_, 40);
+  const std::string before = Content(*alice_, id);
+  const uint64_t unknown = id + 1000;
+  // Bob's every call naming Alice's sequence, and the same call naming an id never created:
+  // the answers must be the same but for the id.
+  auto calls = [&](uint64_t target) {
+    std::vector<absl::Status> out;
+    out.push_back(Append(*bob_, target, 40, 1).status());
+    std::vector<int64_t> positions = testing::Range(40, 2);
+    std::string k = testing::Payload16(kL * kH, 40, 2, kD, 0);
+    std::string v = testing::Payload16(kL * kH, 40, 2, kD, 1);
+    client::AppendArgs chunk{positions, {}, k, v, {}, {}};
+    out.push_back(bob_->AppendStream(target, absl::MakeConstSpan(&chunk, 1)).status());
+    out.push_back(bob_->Step(target, client::StepArgs{}).status());
+    out.push_back(bob_->Compress(target, client::CompressArgs{}).status());
+    out.push_back(bob_->ReadKv(target).status());
+    out.push_back(bob_->GetBlockTable(target).status());
+    out.push_back(bob_->Fork(target).status());
+    out.push_back(bob_->Publish(target).status());
+    auto kept = bob_->KeepAlive({target});
+    out.push_back(kept.ok() ? (*kept)[0] : kept.status());
+    client::BatchEntry entry;
+    entry.sequence_id = target;
+    entry.step = client::StepArgs{};
+    auto batch = bob_->StepBatch(absl::MakeConstSpan(&entry, 1));
+    out.push_back(batch.ok() ? (*batch)[0].status : batch.status());
+    out.push_back(bob_->Release(target).status());
+    return out;
+  };
+  const std::vector<absl::Status> foreign = calls(id), never = calls(unknown);
+  ASSERT_EQ(foreign.size(), never.size());
+  for (size_t i = 0; i < foreign.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_TRUE(absl::IsNotFound(foreign[i])) << foreign[i];
+    EXPECT_EQ(foreign[i].code(), never[i].code());
+    EXPECT_EQ(absl::StrReplaceAll(foreign[i].message(), {{std::to_string(id), "N"}}),
+              absl::StrReplaceAll(never[i].message(), {{std::to_string(unknown), "N"}}));
+  }
+  // Nothing of Alice's changed, and Bob's Stats do not list it; the admin's do.
+  EXPECT_EQ(Content(*alice_, id), before);
+  auto bobs = bob_->GetStats(true);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(bobs->sequences.empty());
+  auto all = admin_->GetStats(true);
+  ASSERT_TRUE(all.ok()) << all.status();
+  ASSERT_EQ(all->sequences.size(), 1u);
+  EXPECT_EQ(all->sequences[0].sequence_id, id);
+  // The admin may name it.
+  EXPECT_TRUE(admin_->GetBlockTable(id).ok());
+}
+
+TEST_F(AuthTest, TheStepChannelServesTheTenantThatOpenedIt) {
+  const uint64_t alices = Filled(*alice_, 16);
+  const uint64_t bobs = Filled(*bob_, 16);
+  ASSERT_TRUE(bob_->OpenStepChannel().ok());
+  std::vector<client::BatchEntry> entries(2);
+  entries[0].sequence_id = bobs;
+  entries[0].step = client::StepArgs{};
+  entries[1].sequence_id = alices;
+  entries[1].step = client::StepArgs{};
+  auto results = bob_->StepBatch(entries);
+  ASSERT_TRUE(results.ok()) << results.status();
+  EXPECT_GT(bob_->step_channel_batches(), 0u);
+  EXPECT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
+  EXPECT_TRUE(absl::IsNotFound((*results)[1].status)) << (*results)[1].status;
+}
+
+TEST_F(AuthTest, PrefixesAreTheTenantsOwnWhateverTheSalt) {
+  client::Prompt prompt;
+  for (int32_t t = 0; t < 48; ++t) prompt.token_ids.push_back(1000 + t);
+  prompt.cache_salt = "shared-salt";
+  prompt.model = "m";
+  prompt.auto_publish = true;
+  auto alices = alice_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  positions_ = testing::Range(0, 48);
+  k_ = testing::Payload16(kL * kH, 0, 48, kD, 0);
+  v_ = testing::Payload16(kL * kH, 0, 48, kD, 1);
+  ASSERT_TRUE(alice_->Append(alices->id, {positions_, prompt.token_ids, k_, v_, {}, {}}).ok());
+  auto alice_sees = alice_->Lookup(TestLayout(), prompt);
+  ASSERT_TRUE(alice_sees.ok()) << alice_sees.status();
+  EXPECT_EQ(*alice_sees, 47u / 16 * 16);  // whole blocks, the last token left to the worker
+  auto bob_sees = bob_->Lookup(TestLayout(), prompt);
+  ASSERT_TRUE(bob_sees.ok()) << bob_sees.status();
+  EXPECT_EQ(*bob_sees, 0u);
+  auto bobs = bob_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_EQ(bobs->reused_prefix_tokens, 0u);
+}
+
+TEST_F(AuthTest, ATenantsQuotaHoldsWhateverSaltItSends) {
+  // 64 KiB: 64 tokens of this layout (2 x 2 streams of 64 f16 K and V rows: 1 KiB a token).
+  uint64_t appended = 0;
+  absl::Status refused;
+  for (int i = 0; i < 8 && refused.ok(); ++i) {
+    client::Prompt prompt;
+    prompt.cache_salt = absl::StrCat("salt-", i);
+    auto seq = alice_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    refused = Append(*alice_, seq->id, 0, 32).status();
+    if (refused.ok()) appended += 32;
+  }
+  EXPECT_EQ(appended, 64u);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
+  // Bob's quota is his own.
+  EXPECT_NE(Filled(*bob_, 64), 0u);
+}
+
+TEST_F(AuthTest, SighupReadsTheTokensAgainAndABrokenFileKeepsThem) {
+  WriteTokens(absl::StrCat("alice ", kAlice, "\ncarol carol-token-0123456789\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  EXPECT_TRUE(alice_->GetInfo().ok());
+  EXPECT_TRUE(absl::IsUnauthenticated(bob_->GetInfo().status()));
+  EXPECT_TRUE(Connect("carol-token-0123456789")->GetInfo().ok());
+  WriteTokens("carol short\n");  // a token under 16 characters
+  const absl::Status broken = server_->ReloadTokens();
+  EXPECT_TRUE(absl::IsInvalidArgument(broken)) << broken;
+  EXPECT_THAT(std::string(broken.message()), HasSubstr("line 1"));
+  EXPECT_TRUE(alice_->GetInfo().ok());
+  EXPECT_TRUE(Connect("carol-token-0123456789")->GetInfo().ok());
+}
+
+TEST(AuthStartTest, AnUnauthenticatedDaemonServesOnlyLoopbackOrAUnixSocket) {
+  service::ServerConfig config;
+  config.listen = "0.0.0.0:0";
+  config.engine.pool_bytes = 4ull << 20;
+  auto refused = service::Server::Start(config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status()));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("--auth-tokens"));
+  config.allow_unauthenticated_remote = true;
+  auto allowed = service::Server::Start(config);
+  EXPECT_TRUE(allowed.ok()) << allowed.status();
+}
+
+TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
+  const std::string path = ::testing::TempDir() + "/kvmem_auth_unit_tokens";
+  auto parse = [&](const std::string& text) {
+    std::ofstream(path) << text;
+    return service::Authenticator::FromFile(path);
+  };
+  for (const std::string& bad :
+       {std::string("alice\n"), std::string("al/ice token-0123456789abc\n"),
+        std::string("alice token-0123456789abc root\n"), std::string("alice short\n"),
+        std::string("alice token-0123456789abc\nbob token-0123456789abc\n"),
+        std::string("# nothing\n")}) {
+    auto a = parse(bad);
+    EXPECT_TRUE(absl::IsInvalidArgument(a.status())) << bad << ": " << a.status();
+  }
+  EXPECT_TRUE(absl::IsNotFound(service::Authenticator::FromFile(path + "-missing").status()));
+  auto a = parse("alice token-0123456789abc\nops admin-0123456789abcd admin\n");
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto alice = (*a)->FromAuthorization("Bearer token-0123456789abc");
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->tenant, "alice");
+  EXPECT_FALSE(alice->admin);
+  EXPECT_TRUE((*a)->FromAuthorization("Bearer admin-0123456789abcd")->admin);
+  for (const char* bad : {"", "token-0123456789abc", "bearer token-0123456789abc",
+                          "Bearer  token-0123456789abc", "Bearer token-0123456789ab"}) {
+    EXPECT_TRUE(absl::IsUnauthenticated((*a)->FromAuthorization(bad).status())) << bad;
+  }
+  std::remove(path.c_str());
+  // Without a file, everyone is the anonymous admin.
+  service::Authenticator none;
+  EXPECT_TRUE(none.FromAuthorization("")->admin);
+
+  for (const char* local :
+       {"unix:/run/kvmem.sock", "127.0.0.1:50551", "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
+    EXPECT_TRUE(service::IsLocalListen(local)) << local;
+  }
+  for (const char* remote : {"0.0.0.0:50551", "[::]:1", "10.0.0.7:50551", "kvmem:50551",
+                             "128.0.0.1:1", "127.0.0.1.example.com:1"}) {
+    EXPECT_FALSE(service::IsLocalListen(remote)) << remote;
+  }
+}
+
+}  // namespace
+}  // namespace kvmem

@@ -1,0 +1,105 @@
+"""kvmemd with bearer tokens (--auth-tokens), as a process, through the Python client: calls
+without a known token are refused, a tenant's sequences are invisible to another, SIGHUP
+reads the token file again, and a daemon without tokens will not listen beyond loopback.
+
+Needs what test_kvmem_client.py needs (the installed `kvmem` package and build/kvmemd).
+"""
+import os
+import signal
+import subprocess
+
+import numpy as np
+import pytest
+
+pytest.register_assert_rewrite("kvmem_testing")
+from kvmem_testing import KVMEMD, kvmem, layout, require_daemon, running_daemon  # noqa: E402
+
+ALICE = "alice-token-0123456789"
+BOB = "bob-token-0123456789ab"
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    return path
+
+
+def connect(target, token):
+    return kvmem.Client(target, kvmem.ClientOptions(auth_token=token, max_attempts=1))
+
+
+def filled(client, n=8):
+    lay = layout()
+    seq = client.create_sequence(lay)
+    k = np.ones(lay.kv_shape(n), dtype=np.float16)
+    seq.append(range(n), k, k)
+    return seq
+
+
+def test_tokens_tenants_and_sighup(tokens):
+    with running_daemon("auth", f"--auth_tokens={tokens}") as target:
+        with connect(target, ALICE) as alice, connect(target, BOB) as bob, \
+                connect(target, "") as stranger, connect(target, "wrong-token-0123456789") as wrong:
+            for who in (stranger, wrong):
+                with pytest.raises(kvmem.UnauthenticatedError, match="bearer token"):
+                    who.get_info()
+            seq = filled(alice)
+            # Bob cannot name it: the answer of an id never created.
+            with pytest.raises(kvmem.NotFoundError) as foreign:
+                bob.read_kv(seq.id)
+            with pytest.raises(kvmem.NotFoundError) as never:
+                bob.read_kv(seq.id + 1000)
+            assert str(foreign.value).replace(str(seq.id), "N") == \
+                str(never.value).replace(str(seq.id + 1000), "N")
+            assert [s.sequence_id for s in bob.stats(include_sequences=True).sequences] == []
+            assert [s.sequence_id for s in alice.stats(include_sequences=True).sequences] == \
+                [seq.id]
+            # SIGHUP: Bob's token goes, Carol's comes; the daemon keeps serving.
+            carol = "carol-token-0123456789"
+            tokens.write_text(f"alice {ALICE}\ncarol {carol}\n")
+            proc = next(p for p in _children() if f"--auth_tokens={tokens}" in p[1])
+            os.kill(proc[0], signal.SIGHUP)
+            with connect(target, carol) as c:
+                _eventually(lambda: c.get_info())
+            with pytest.raises(kvmem.UnauthenticatedError):
+                bob.get_info()
+            assert len(alice.read_kv(seq.id)) == 4
+            seq.release()
+
+
+def _children():
+    """(pid, command line) of this process's children."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != os.getpid():
+                continue
+            with open(f"/proc/{entry}/cmdline") as f:
+                out.append((int(entry), f.read().replace("\0", " ")))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _eventually(call, tries=100):
+    import time
+    for _ in range(tries - 1):
+        try:
+            return call()
+        except kvmem.UnauthenticatedError:
+            time.sleep(0.05)
+    return call()
+
+
+def test_no_tokens_means_loopback_or_a_unix_socket_only():
+    require_daemon()
+    refused = subprocess.run([str(KVMEMD), "--listen=0.0.0.0:0", "--metrics_listen=",
+                              "--pool_bytes=4194304", "--pool_prefault=false"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "--auth-tokens" in refused.stderr and "--allow-unauthenticated-remote" in refused.stderr
