@@ -12,7 +12,7 @@ packages=(
   libabsl-dev libucx-dev prometheus-cpp-dev libspdlog-dev
   libgtest-dev libgmock-dev libbenchmark-dev libtbb-dev
   clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
-  libcbor-dev libssl-dev nlohmann-json3-dev
+  libcbor-dev libssl-dev openssl nlohmann-json3-dev
   prometheus
 )
 missing=()

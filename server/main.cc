@@ -90,6 +90,11 @@ ABSL_FLAG(std::string, auth_tokens, "",
           "a file of bearer tokens, one '<tenant> <token> [admin]' per line, read again on "
           "SIGHUP; every call must then carry 'authorization: Bearer <token>'. Empty: one trust "
           "domain, served only on a unix socket or loopback");
+ABSL_FLAG(std::string, tls_cert, "", "TLS: the server's certificate chain (PEM file)");
+ABSL_FLAG(std::string, tls_key, "", "TLS: the server's private key (PEM file)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "TLS: require client certificates signed by this CA (PEM file); a certificate's "
+          "common name is its tenant");
 ABSL_FLAG(bool, allow_unauthenticated_remote, false,
           "serve a non-loopback --listen without --auth-tokens (anyone who reaches it can read "
           "and change every sequence)");
@@ -138,6 +143,9 @@ int main(int argc, char** argv) {
   config.listen = absl::GetFlag(FLAGS_listen);
   config.auth_tokens = absl::GetFlag(FLAGS_auth_tokens);
   config.allow_unauthenticated_remote = absl::GetFlag(FLAGS_allow_unauthenticated_remote);
+  config.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  config.tls_key = absl::GetFlag(FLAGS_tls_key);
+  config.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   config.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   config.backend = absl::GetFlag(FLAGS_backend);
   config.device_step = absl::GetFlag(FLAGS_device_step);

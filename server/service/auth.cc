@@ -4,6 +4,7 @@
 
 #include <array>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -27,7 +28,9 @@ std::string Sha256(absl::string_view text) {
   return std::string(reinterpret_cast<const char*>(digest.data()), length);
 }
 
-bool ValidTenant(absl::string_view name) {
+}  // namespace
+
+bool ValidTenantName(absl::string_view name) {
   if (name.empty() || name.size() > 64) return false;
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
@@ -36,6 +39,8 @@ bool ValidTenant(absl::string_view name) {
   }
   return true;
 }
+
+namespace {
 
 bool ValidToken(absl::string_view token) {
   if (token.size() < 16 || token.size() > 512) return false;
@@ -48,7 +53,8 @@ bool ValidToken(absl::string_view token) {
 absl::Status Unauthenticated() {
   return absl::UnauthenticatedError(absl::StrCat(
       Authenticator::kMetadataKey,
-      ": kvmemd requires a known bearer token (metadata 'authorization: Bearer <token>')"));
+      ": kvmemd requires a known bearer token (metadata 'authorization: Bearer <token>') or a "
+      "verified client certificate"));
 }
 
 }  // namespace
@@ -72,7 +78,7 @@ absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse
     if (words.size() < 2 || words.size() > 3 || (words.size() == 3 && words[2] != "admin")) {
       return bad("expected '<tenant> <token> [admin]'");
     }
-    if (!ValidTenant(words[0])) return bad("the tenant must be 1-64 of [A-Za-z0-9._-]");
+    if (!ValidTenantName(words[0])) return bad("the tenant must be 1-64 of [A-Za-z0-9._-]");
     if (!ValidToken(words[1])) {
       return bad("the token must be 16-512 printable characters without spaces");
     }
@@ -86,13 +92,18 @@ absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse
   return tokens;
 }
 
-absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string token_file) {
-  std::unique_ptr<Authenticator> auth(new Authenticator(std::move(token_file)));
-  if (absl::Status s = auth->Reload(); !s.ok()) return s;
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(std::string token_file,
+                                                                     bool client_certificates) {
+  std::unique_ptr<Authenticator> auth(
+      new Authenticator(std::move(token_file), client_certificates));
+  if (!auth->path_.empty()) {
+    if (absl::Status s = auth->Reload(); !s.ok()) return s;
+  }
   return auth;
 }
 
 absl::Status Authenticator::Reload() {
+  if (path_.empty()) return absl::FailedPreconditionError("kvmemd has no --auth-tokens file");
   std::ifstream in(path_);
   if (!in) {
     return absl::NotFoundError(absl::StrCat("--auth-tokens: cannot read ", path_));
@@ -106,26 +117,52 @@ absl::Status Authenticator::Reload() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Principal> Authenticator::FromAuthorization(absl::string_view value) const {
+absl::StatusOr<Principal> Authenticator::FromAuthorization(
+    absl::string_view value, absl::string_view certificate_name) const {
   if (!enabled()) return Principal{"", true};
-  if (!absl::StartsWith(value, kBearer)) return Unauthenticated();
+  std::optional<Principal> by_certificate;
+  if (certificates_ && !certificate_name.empty()) {
+    if (!ValidTenantName(certificate_name)) {
+      return absl::UnauthenticatedError(
+          "the client certificate's common name is not a tenant name (1-64 of [A-Za-z0-9._-])");
+    }
+    by_certificate = Principal{std::string(certificate_name), false};
+  }
+  if (value.empty() && by_certificate) return *by_certificate;
+  if (path_.empty() || !absl::StartsWith(value, kBearer)) return Unauthenticated();
   const std::string digest = Sha256(value.substr(kBearer.size()));
   kvmem::MutexLock lock(&mu_);
   auto it = tokens_.find(digest);
   if (it == tokens_.end()) return Unauthenticated();
+  if (by_certificate && by_certificate->tenant != it->second.tenant) {
+    return absl::UnauthenticatedError(
+        "the bearer token and the client certificate name different tenants");
+  }
   return it->second;
 }
 
 absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContext* context) const {
   if (!enabled()) return Principal{"", true};
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size()));
-  if (it == metadata.end()) return Unauthenticated();
-  // A call sending the key twice is refused: which one would count is not obvious.
-  if (metadata.count(grpc::string_ref(kMetadataKey.data(), kMetadataKey.size())) != 1) {
-    return Unauthenticated();
+  std::string certificate_name;
+  if (certificates_) {
+    // Set by gRPC only for a certificate it verified against --tls-client-ca.
+    const std::shared_ptr<const grpc::AuthContext> auth = context->auth_context();
+    if (auth != nullptr && auth->IsPeerAuthenticated()) {
+      const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
+      if (names.size() == 1) certificate_name.assign(names[0].data(), names[0].size());
+    }
   }
-  return FromAuthorization(absl::string_view(it->second.data(), it->second.size()));
+  const auto& metadata = context->client_metadata();
+  const grpc::string_ref key(kMetadataKey.data(), kMetadataKey.size());
+  // A call sending the key twice is refused: which one would count is not obvious.
+  const size_t sent = metadata.count(key);
+  if (sent > 1) return Unauthenticated();
+  absl::string_view value;
+  if (sent == 1) {
+    auto it = metadata.find(key);
+    value = absl::string_view(it->second.data(), it->second.size());
+  }
+  return FromAuthorization(value, certificate_name);
 }
 
 bool IsLocalListen(absl::string_view listen) {

@@ -7,6 +7,10 @@
 // call is the anonymous principal, which sees everything (and kvmemd then listens only on
 // loopback or a unix socket unless --allow-unauthenticated-remote says otherwise).
 //
+// With TLS and client certificates (kvmemd --tls-client-ca), a call's tenant is its
+// certificate's common name; a call carrying both a certificate and a token must name the
+// same tenant with both.
+//
 // The token file: one token per line, `<tenant> <token> [admin]`; '#' starts a comment.
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
 // spaces; a tenant may have several tokens (rotation). kvmemd reads it at start and again
@@ -33,34 +37,42 @@ class Authenticator {
  public:
   // No token file: every call is the anonymous principal (an admin).
   Authenticator() = default;
-  // Reads `token_file`; an error names the file and the line.
-  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(std::string token_file);
+  // Reads `token_file` (may be empty: no tokens); an error names the file and the line.
+  // `client_certificates`: calls authenticated by a verified client certificate.
+  static absl::StatusOr<std::unique_ptr<Authenticator>> Create(std::string token_file,
+                                                               bool client_certificates);
 
-  bool enabled() const { return !path_.empty(); }
+  bool enabled() const { return !path_.empty() || certificates_; }
   // Reads the token file again (SIGHUP); on an error the tokens stay as they were.
   absl::Status Reload();
   // The principal of a call; UNAUTHENTICATED (one message for a missing, malformed or
   // unknown token) when tokens are required and the call has none that is known.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContext* context) const;
-  // The same from the `authorization` metadata value (empty when the call sent none).
-  absl::StatusOr<Principal> FromAuthorization(absl::string_view value) const;
+  // The same from the `authorization` metadata value (empty when the call sent none) and
+  // the verified client certificate's common name (empty: none).
+  absl::StatusOr<Principal> FromAuthorization(absl::string_view value,
+                                              absl::string_view certificate_name = {}) const;
 
   // The metadata key a client sends its token under, and how the value begins.
   static constexpr absl::string_view kMetadataKey = "authorization";
   static constexpr absl::string_view kBearer = "Bearer ";
 
  private:
-  explicit Authenticator(std::string path) : path_(std::move(path)) {}
+  Authenticator(std::string path, bool certificates)
+      : path_(std::move(path)), certificates_(certificates) {}
   // The tokens of `text`, keyed by their SHA-256 (a lookup compares digests, not secrets).
   static absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Parse(absl::string_view text,
                                                                            absl::string_view path);
 
   const std::string path_;
+  const bool certificates_ = false;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Principal> tokens_ ABSL_GUARDED_BY(mu_);
 };
 
 // Whether `listen` (kvmemd --listen) is a unix socket or a loopback address only.
 bool IsLocalListen(absl::string_view listen);
+// Whether `name` may name a tenant: 1-64 of [A-Za-z0-9._-].
+bool ValidTenantName(absl::string_view name);
 
 }  // namespace kvmem::service

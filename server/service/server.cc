@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +26,50 @@
 #endif
 
 namespace kvmem::service {
+
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag) {
+  std::ifstream in(path);
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  if (!in || text.str().find("-----BEGIN") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read a PEM file from ", EchoClientText(path)));
+  }
+  return text.str();
+}
+
+// Plaintext, or TLS (with client certificates required and verified when asked).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerConfig& config) {
+  if (config.tls_cert.empty() != config.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls-cert and --tls-key: give both or neither");
+  }
+  if (config.tls_cert.empty()) {
+    if (!config.tls_client_ca.empty()) {
+      return absl::InvalidArgumentError("--tls-client-ca: needs --tls-cert and --tls-key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions options;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  absl::StatusOr<std::string> cert = ReadPem(config.tls_cert, "--tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(config.tls_key, "--tls-key");
+  if (!key.ok()) return key.status();
+  pair.cert_chain = *std::move(cert);
+  pair.private_key = *std::move(key);
+  options.pem_key_cert_pairs.push_back(std::move(pair));
+  if (!config.tls_client_ca.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(config.tls_client_ca, "--tls-client-ca");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *std::move(ca);
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config,
                                                       const engine::Clock* clock) {
@@ -51,9 +97,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                      " is more than half of --grpc-max-threads=", config.grpc_max_threads,
                      " (each open channel or stream holds a thread)"));
   }
-  if (!config.auth_tokens.empty()) {
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = Credentials(config);
+  if (!credentials.ok()) return credentials.status();
+  if (!config.auth_tokens.empty() || !config.tls_client_ca.empty()) {
     absl::StatusOr<std::unique_ptr<Authenticator>> auth =
-        Authenticator::FromFile(config.auth_tokens);
+        Authenticator::Create(config.auth_tokens, !config.tls_client_ca.empty());
     if (!auth.ok()) return auth.status();
     server->auth_ = *std::move(auth);
   } else if (!IsLocalListen(config.listen)) {
@@ -69,7 +117,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "it, unauthenticated, with every sequence's K/V",
         config.listen);
   }
-  if (server->auth_ != nullptr && !IsLocalListen(config.listen)) {
+  if (server->auth_ != nullptr && config.tls_cert.empty() && !IsLocalListen(config.listen)) {
     spdlog::warn(
         "kvmemd: bearer tokens travel in plaintext on {} (no TLS yet): keep it on a "
         "network no one else can read",
@@ -100,7 +148,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(config.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.experimental().SetInterceptorCreators(RpcInterceptors(server->rpc_telemetry_.get()));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));

@@ -50,6 +50,9 @@ struct ServerConfig {
   // `allow_unauthenticated_remote`.
   std::string auth_tokens;
   bool allow_unauthenticated_remote = false;
+  // TLS (PEM files): the server's certificate chain and key; with `tls_client_ca`, clients
+  // must present a certificate it signed, whose common name is their tenant.
+  std::string tls_cert, tls_key, tls_client_ca;
 };
 
 class Server {

@@ -5,8 +5,10 @@
 #include "server/service/auth.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -270,7 +272,7 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
   const std::string path = ::testing::TempDir() + "/kvmem_auth_unit_tokens";
   auto parse = [&](const std::string& text) {
     std::ofstream(path) << text;
-    return service::Authenticator::FromFile(path);
+    return service::Authenticator::Create(path, /*client_certificates=*/false);
   };
   for (const std::string& bad :
        {std::string("alice\n"), std::string("al/ice token-0123456789abc\n"),
@@ -280,7 +282,8 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
     auto a = parse(bad);
     EXPECT_TRUE(absl::IsInvalidArgument(a.status())) << bad << ": " << a.status();
   }
-  EXPECT_TRUE(absl::IsNotFound(service::Authenticator::FromFile(path + "-missing").status()));
+  EXPECT_TRUE(absl::IsNotFound(
+      service::Authenticator::Create(path + "-missing", /*client_certificates=*/false).status()));
   auto a = parse("alice token-0123456789abc\nops admin-0123456789abcd admin\n");
   ASSERT_TRUE(a.ok()) << a.status();
   auto alice = (*a)->FromAuthorization("Bearer token-0123456789abc");
@@ -305,6 +308,106 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
                              "128.0.0.1:1", "127.0.0.1.example.com:1"}) {
     EXPECT_FALSE(service::IsLocalListen(remote)) << remote;
   }
+}
+
+// TLS: certificates made by the openssl command for the suite (a CA, a server certificate
+// for localhost and 127.0.0.1, clients "alice" and "bob", and "alice" from another CA).
+class TlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = ::testing::TempDir() + "/kvmem_tls_test";
+    const std::string script = absl::StrCat(
+        "set -e; rm -rf ", dir_, "; mkdir -p ", dir_, "; cd ", dir_, "\n",
+        "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 "
+        "-out $1.key 2>/dev/null; }\n",
+        "ca() { key $1; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }\n",
+        "cert() { key $1; openssl req -new -key $1.key -out $1.csr -subj /CN=$2; "
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext; "
+        "openssl x509 -req -in $1.csr -CA $3.pem -CAkey $3.key -CAcreateserial -out $1.pem "
+        "-days 2 -extfile $1.ext 2>/dev/null; }\n",
+        "ca ca; ca other; cert server localhost ca; cert alice alice ca; cert bob bob ca; "
+        "cert mallory alice other\n");
+    ok_ =
+        std::system(absl::StrCat("/bin/sh -c '", absl::StrReplaceAll(script, {{"'", "'\\''"}}), "'")
+                        .c_str()) == 0;
+  }
+  void SetUp() override { ASSERT_TRUE(ok_) << "openssl could not make the test certificates"; }
+
+  static std::string Pem(const std::string& name) {
+    std::ifstream in(dir_ + "/" + name);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  void Start(const std::string& listen, const std::string& tokens = "") {
+    service::ServerConfig config;
+    config.listen = listen;
+    config.engine.pool_bytes = 16ull << 20;
+    config.reaper_period = absl::Hours(1);
+    config.tls_cert = dir_ + "/server.pem";
+    config.tls_key = dir_ + "/server.key";
+    config.tls_client_ca = dir_ + "/ca.pem";
+    config.auth_tokens = tokens;
+    auto server = service::Server::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+  std::unique_ptr<client::Client> Connect(const std::string& who, const std::string& token = "",
+                                          const std::string& ca = "ca.pem") {
+    client::ClientOptions options;
+    options.deadline = absl::Seconds(10);
+    options.max_attempts = 1;
+    options.auth_token = token;
+    options.tls_root_certs = Pem(ca);
+    if (!who.empty()) {
+      options.tls_cert_chain = Pem(who + ".pem");
+      options.tls_private_key = Pem(who + ".key");
+    }
+    options.tls_server_name = "localhost";
+    return *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()), options);
+  }
+
+  static std::string dir_;
+  static bool ok_;
+  std::unique_ptr<service::Server> server_;
+};
+std::string TlsTest::dir_;
+bool TlsTest::ok_ = false;
+
+TEST_F(TlsTest, AClientCertificateIsItsTenant) {
+  Start("127.0.0.1:0");
+  std::unique_ptr<client::Client> alice = Connect("alice"), bob = Connect("bob");
+  auto seq = alice->CreateSequence(TestLayout(), {"full", {}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  EXPECT_TRUE(alice->GetBlockTable(seq->id).ok());
+  EXPECT_TRUE(absl::IsNotFound(bob->GetBlockTable(seq->id).status()));
+  auto bobs = bob->GetStats(true);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(bobs->sequences.empty());
+  // No certificate, one from another CA, no TLS at all: no call gets through.
+  EXPECT_FALSE(Connect("")->GetInfo().ok());
+  EXPECT_FALSE(Connect("mallory")->GetInfo().ok());
+  client::ClientOptions plain;
+  plain.deadline = absl::Seconds(5);
+  plain.max_attempts = 1;
+  EXPECT_FALSE((*client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()), plain))
+                   ->GetInfo()
+                   .ok());
+}
+
+TEST_F(TlsTest, ATokenMustNameTheCertificatesTenant) {
+  const std::string tokens = dir_ + "/tokens";
+  std::ofstream(tokens) << "alice " << kAlice << "\nbob " << kBob << "\nops " << kAdmin
+                        << " admin\n";
+  // Authenticated: kvmemd may listen beyond loopback without --allow-unauthenticated-remote.
+  Start("0.0.0.0:0", tokens);
+  EXPECT_TRUE(Connect("alice", kAlice)->GetInfo().ok());
+  const absl::Status mixed = Connect("alice", kBob)->GetInfo().status();
+  EXPECT_TRUE(absl::IsUnauthenticated(mixed)) << mixed;
+  EXPECT_THAT(std::string(mixed.message()), HasSubstr("different tenants"));
+  EXPECT_TRUE(
+      absl::IsUnauthenticated(Connect("alice", "unknown-token-0123456789")->GetInfo().status()));
 }
 
 }  // namespace

@@ -103,3 +103,46 @@ def test_no_tokens_means_loopback_or_a_unix_socket_only():
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
     assert "--auth-tokens" in refused.stderr and "--allow-unauthenticated-remote" in refused.stderr
+
+
+def test_tls_client_certificates_name_the_tenant(tmp_path):
+    require_daemon()
+    script = """set -e
+key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out $1.key 2>/dev/null; }
+ca() { key $1; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }
+cert() { key $1; openssl req -new -key $1.key -out $1.csr -subj /CN=$2
+  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext
+  openssl x509 -req -in $1.csr -CA $3.pem -CAkey $3.key -CAcreateserial -out $1.pem -days 2 \
+    -extfile $1.ext 2>/dev/null; }
+ca ca; cert server localhost ca; cert alice alice ca; cert bob bob ca
+"""
+    subprocess.run(["/bin/sh", "-c", script], cwd=tmp_path, check=True, timeout=60)
+    proc = subprocess.Popen(
+        [str(KVMEMD), "--listen=127.0.0.1:0", "--metrics_listen=", "--pool_prefault=false",
+         "--pool_bytes=8388608", f"--tls_cert={tmp_path}/server.pem",
+         f"--tls_key={tmp_path}/server.key", f"--tls_client_ca={tmp_path}/ca.pem"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        port = int(line.split()[1].split("=")[1])
+
+        def client(who):
+            return kvmem.Client(f"127.0.0.1:{port}", kvmem.ClientOptions(
+                max_attempts=1, deadline=10, tls_server_name="localhost",
+                tls_root_certs=(tmp_path / "ca.pem").read_bytes(),
+                tls_cert_chain=(tmp_path / f"{who}.pem").read_bytes(),
+                tls_private_key=(tmp_path / f"{who}.key").read_bytes()))
+
+        with client("alice") as alice, client("bob") as bob:
+            seq = filled(alice)
+            with pytest.raises(kvmem.NotFoundError):
+                bob.read_kv(seq.id)
+            assert len(alice.read_kv(seq.id)) == 4
+        with kvmem.Client(f"127.0.0.1:{port}",
+                          kvmem.ClientOptions(max_attempts=1, deadline=5)) as plain:
+            with pytest.raises(kvmem.KvmemError):
+                plain.get_info()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

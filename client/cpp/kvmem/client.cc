@@ -147,8 +147,19 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   if (options.max_attempts > 1) args.SetServiceConfigJSON(ServiceConfig(options));
-  auto impl = std::make_unique<Impl>(
-      options, grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_root_certs.empty()) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = options.tls_root_certs;
+    tls.pem_cert_chain = options.tls_cert_chain;
+    tls.pem_private_key = options.tls_private_key;
+    credentials = grpc::SslCredentials(tls);
+    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  } else if (!options.tls_cert_chain.empty() || !options.tls_private_key.empty()) {
+    return absl::InvalidArgumentError(
+        "options.tls_cert_chain: a client certificate needs tls_root_certs (TLS) too");
+  }
+  auto impl = std::make_unique<Impl>(options, grpc::CreateCustomChannel(target, credentials, args));
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 

@@ -79,6 +79,10 @@ struct ClientOptions {
   // The bearer token of a kvmemd started with --auth-tokens, sent with every call
   // (metadata 'authorization: Bearer <token>'); empty: none.
   std::string auth_token;
+  // TLS (PEM text): set tls_root_certs to verify a kvmemd started with --tls-cert; the
+  // chain and key are this client's certificate (kvmemd --tls-client-ca: its common name
+  // is the tenant). tls_server_name: the name to verify instead of the target's host.
+  std::string tls_root_certs, tls_cert_chain, tls_private_key, tls_server_name;
 };
 
 struct ParamInfo {

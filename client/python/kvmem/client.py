@@ -65,6 +65,13 @@ class ClientOptions:
     # The bearer token of a kvmemd started with --auth-tokens, sent with every call
     # (metadata 'authorization: Bearer <token>'); empty: none.
     auth_token: str = ""
+    # TLS (PEM bytes): tls_root_certs verifies a kvmemd started with --tls-cert; the chain and
+    # key are this client's certificate (--tls-client-ca: its common name is the tenant);
+    # tls_server_name: the name to verify instead of the target's host.
+    tls_root_certs: bytes = b""
+    tls_cert_chain: bytes = b""
+    tls_private_key: bytes = b""
+    tls_server_name: str = ""
 
 
 @dataclasses.dataclass
@@ -146,7 +153,18 @@ class Client:
         if options.max_attempts > 1:
             channel_options += [("grpc.enable_retries", 1),
                                 ("grpc.service_config", _service_config(options))]
-        self._channel = grpc.insecure_channel(target, options=channel_options)
+        o = self.options
+        if o.tls_root_certs:
+            credentials = grpc.ssl_channel_credentials(
+                o.tls_root_certs, o.tls_private_key or None, o.tls_cert_chain or None)
+            if o.tls_server_name:
+                channel_options = [*channel_options,
+                                   ("grpc.ssl_target_name_override", o.tls_server_name)]
+            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
+        elif o.tls_cert_chain or o.tls_private_key:
+            raise ValueError("tls_cert_chain: a client certificate needs tls_root_certs (TLS) too")
+        else:
+            self._channel = grpc.insecure_channel(target, options=channel_options)
         self._stub = pb_grpc.KvCacheStub(self._channel)
         self._lock = threading.Lock()
         self._tracked: dict[int, _Tracked] = {}  # live sequences (released at close())
