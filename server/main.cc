@@ -52,8 +52,11 @@ ABSL_FLAG(double, cache_high_watermark, 0.95,
           "fraction of pool pages in use above which cached prefix blocks (published, held by "
           "no sequence) are reclaimed in the background");
 ABSL_FLAG(uint64_t, tenant_quota_bytes, 0,
-          "pool bytes the sequences of one cache salt (a tenant) may hold, published blocks "
-          "included until reclaimed; 0: no quota");
+          "pool bytes the sequences of one tenant (the authenticated tenant, else one cache "
+          "salt) may hold, published blocks included until reclaimed; 0: no quota");
+ABSL_FLAG(uint32_t, tenant_max_sequences, 0,
+          "sequences one tenant (see --tenant-quota-bytes) may hold at once; 0: no limit but "
+          "--max-sequences");
 ABSL_FLAG(double, cache_low_watermark, 0.85,
           "fraction of pool pages in use the background reclaim brings the pool down to");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
@@ -166,6 +169,7 @@ int main(int argc, char** argv) {
   config.engine.cache_high_watermark = absl::GetFlag(FLAGS_cache_high_watermark);
   config.engine.cache_low_watermark = absl::GetFlag(FLAGS_cache_low_watermark);
   config.engine.tenant_quota_bytes = absl::GetFlag(FLAGS_tenant_quota_bytes);
+  config.engine.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.max_step_channels = absl::GetFlag(FLAGS_max_step_channels);

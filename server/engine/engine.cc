@@ -90,7 +90,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       budget_(HostBudgetBytes(config), [this] { return publisher_.index().host_bytes(); }),
       versions_(std::move(board), pool_.get(), &telemetry_),
       registry_(clock, config.default_lease, config.max_lease),
-      tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas),
+      tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas,
+               config.tenant_max_sequences),
       applier_(pool_.get(), backend_.get(), &versions_, &telemetry_, config.failpoints),
       driver_(&applier_, &versions_, &budget_, &registry_, &telemetry_, config.failpoints),
       reader_(&registry_, pool_.get(), backend_.get()),
@@ -353,10 +354,10 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   }
   // Held only now that the request is known good; the sequence gives the hold back when
   // it is released (ReleaseLocked).
-  absl::StatusOr<store::TenantId> tenant =
-      tenants_.Acquire(prompt.owner.empty() ? prompt.salt : prompt.owner);
+  const std::string tenant_key = prompt.owner.empty() ? prompt.salt : prompt.owner;
+  absl::StatusOr<store::TenantId> tenant = tenants_.Acquire(tenant_key);
   if (!tenant.ok()) return tenant.status();
-  absl::Cleanup give_back_tenant = [this, &tenant] { tenants_.Release(*tenant); };
+  absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
 
   absl::StatusOr<TableVersions::Claimed> claimed = versions_.ClaimSlot();
   if (!claimed.ok()) return claimed.status();
@@ -402,6 +403,10 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
       policy::CreatePolicy(parent.policy_name(), parent.policy_params());
   if (!policy.ok()) return policy.status();
+  // The child is the parent's tenant's: one more of its sequences.
+  const std::string tenant_key = TenantKey(parent);
+  if (absl::Status s = tenants_.AddHold(tenant_key); !s.ok()) return s;
+  absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
   // The child copies the parent's host metadata and slot state: both count against the
   // host budget (beam search forks a lot).
   absl::StatusOr<HostReservation> host =
@@ -433,9 +438,13 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
     }
   }
   std::move(give_back_slot).Cancel();
+  std::move(give_back_tenant).Cancel();  // the child's now: released with it
   registry_.Renew(parent);
-  tenants_.AddHold(child->tenant());  // given back when the child is released
   return Register(child);
+}
+
+std::string Engine::TenantKey(const Sequence& seq) {
+  return seq.owner().empty() ? seq.prefix().salt : seq.owner();
 }
 
 absl::StatusOr<CreateResult> Engine::Register(const std::shared_ptr<Sequence>& seq) {
@@ -472,7 +481,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   seq.Clear();
   budget_.Account(seq);
   versions_.ReturnSlot(seq.epoch_slot());
-  tenants_.Release(seq.tenant());  // after its blocks: a tenant holding none may go
+  tenants_.Release(TenantKey(seq));  // after its blocks: a tenant holding none may go
   return freed;
 }
 

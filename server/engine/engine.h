@@ -166,6 +166,8 @@ class Engine {
   // blocks, its epoch slot) before the exception goes on.
   absl::StatusOr<CreateResult> Register(const std::shared_ptr<Sequence>& seq);
   uint64_t ReleaseLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // The key Tenants counts the sequence under (Tenants).
+  static std::string TenantKey(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   uint64_t ReclaimToWatermarkImpl();
 
   const EngineConfig config_;

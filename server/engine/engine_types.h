@@ -64,11 +64,14 @@ struct EngineConfig {
   // Fractions in (0, 1], low <= high; high 1 leaves reclaiming to the allocations.
   double cache_high_watermark = 0.95;
   double cache_low_watermark = 0.85;
-  // Pool bytes the sequences of one cache salt (a tenant) may hold: the blocks they
-  // allocate, counted until freed (published ones until reclaimed). 0: no quota.
-  // `tenant_quotas` overrides it per salt. Sequences without a salt have none.
+  // Pool bytes the sequences of one tenant may hold: the blocks they allocate, counted
+  // until freed (published ones until reclaimed). 0: no quota. `tenant_quotas` overrides
+  // it per tenant. A tenant is PromptPrefix::owner, else the cache salt ("" included).
   uint64_t tenant_quota_bytes = 0;
   std::vector<std::pair<std::string, uint64_t>> tenant_quotas;
+  // Sequences one tenant may hold at once (fork children included); 0: no limit but
+  // max_sequences.
+  uint32_t tenant_max_sequences = 0;
 };
 
 // A new sequence's prompt, for prefix sharing: the longest published prefix of these tokens

@@ -1,56 +1,76 @@
 #include "server/engine/tenants.h"
 
+#include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 
 namespace kvmem::engine {
 
-absl::StatusOr<store::TenantId> Tenants::Acquire(absl::string_view key) {
+uint64_t Tenants::QuotaOf(absl::string_view key) const {
   uint64_t quota = default_quota_;
   for (const auto& [name, bytes] : quotas_) {
     if (name == key) quota = bytes;
   }
-  if (quota == 0) return store::TenantId{0};  // nothing to count: no registry entry
+  return quota;
+}
+
+absl::Status Tenants::TooMany(absl::string_view key) const {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("tenant '", key.substr(0, 64), "' holds ", max_sequences_,
+                   " sequences, its limit (--tenant-max-sequences)"));
+}
+
+absl::StatusOr<store::TenantId> Tenants::Acquire(absl::string_view key) {
+  const uint64_t quota = QuotaOf(key);
+  if (quota == 0 && max_sequences_ == 0) return store::TenantId{0};  // nothing to count
   kvmem::MutexLock lock(&mu_);
   if (auto it = tenants_.find(key); it != tenants_.end()) {
+    if (max_sequences_ > 0 && it->second.holds >= max_sequences_) return TooMany(key);
     ++it->second.holds;
     return it->second.id;
   }
-  absl::StatusOr<store::TenantId> id =
-      pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
-  if (!id.ok() && absl::IsResourceExhausted(id.status())) {
+  store::TenantId id = 0;
+  if (quota > 0) {
+    absl::StatusOr<store::TenantId> registered =
+        pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
+    if (!registered.ok() && absl::IsResourceExhausted(registered.status())) {
+      SweepLocked();
+      registered = pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
+    }
+    if (!registered.ok()) return registered.status();
+    id = *registered;
+  } else if (tenants_.size() >= store::BlockPool::kMaxTenants) {
     SweepLocked();
-    id = pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
+    if (tenants_.size() >= store::BlockPool::kMaxTenants) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenants: ", store::BlockPool::kMaxTenants, " hold sequences now"));
+    }
   }
-  if (!id.ok()) return id.status();
-  tenants_.emplace(std::string(key), Entry{*id, 1});
-  keys_.emplace(*id, std::string(key));
-  return *id;
+  tenants_.emplace(std::string(key), Entry{id, 1});
+  return id;
 }
 
-void Tenants::AddHold(store::TenantId id) {
-  if (id == 0) return;
+absl::Status Tenants::AddHold(absl::string_view key) {
   kvmem::MutexLock lock(&mu_);
-  auto key = keys_.find(id);
-  if (key != keys_.end()) ++tenants_[key->second].holds;
+  auto it = tenants_.find(key);
+  if (it == tenants_.end()) return absl::OkStatus();  // not counted (no quota, no limit)
+  if (max_sequences_ > 0 && it->second.holds >= max_sequences_) return TooMany(key);
+  ++it->second.holds;
+  return absl::OkStatus();
 }
 
-void Tenants::Release(store::TenantId id) {
-  if (id == 0) return;
+void Tenants::Release(absl::string_view key) {
   kvmem::MutexLock lock(&mu_);
-  auto key = keys_.find(id);
-  if (key == keys_.end()) return;
-  auto it = tenants_.find(key->second);
+  auto it = tenants_.find(key);
+  if (it == tenants_.end()) return;
   if (it->second.holds > 0) --it->second.holds;
-  if (it->second.holds == 0 && pool_->UnregisterTenant(id)) {
-    tenants_.erase(it);
-    keys_.erase(key);
-  }
+  if (it->second.holds > 0) return;
+  if (it->second.id == 0 || pool_->UnregisterTenant(it->second.id)) tenants_.erase(it);
 }
 
 void Tenants::SweepLocked() {
   for (auto it = tenants_.begin(); it != tenants_.end();) {
-    if (it->second.holds == 0 && pool_->UnregisterTenant(it->second.id)) {
-      keys_.erase(it->second.id);
+    const Entry& e = it->second;
+    if (e.holds == 0 && (e.id == 0 || pool_->UnregisterTenant(e.id))) {
       tenants_.erase(it++);
     } else {
       ++it;

@@ -1,8 +1,9 @@
 #pragma once
-// Tenants: who a sequence's pool bytes are charged to, registered with its quota
-// (EngineConfig::tenant_quota_bytes, tenant_quotas) while it holds anything. The key is the
-// authenticated tenant when kvmemd checks tokens, else the cache salt ("" included); a key
-// without a quota is tenant 0 (nothing counted, nothing registered).
+// Tenants: who a sequence belongs to for its quotas. The key is the authenticated tenant
+// (PromptPrefix::owner) when kvmemd checks identities, else the cache salt ("" included).
+// A key with a byte quota (EngineConfig::tenant_quota_bytes, tenant_quotas) is registered
+// with the pool, which charges its blocks to it; with tenant_max_sequences, every key's
+// sequences are counted and one past the limit is refused.
 //
 // A tenant is held by each of its sequences (Acquire, AddHold, Release). One no sequence
 // holds stays registered while blocks are charged to it (cached prompt blocks) and is
@@ -24,33 +25,39 @@ namespace kvmem::engine {
 class Tenants {
  public:
   Tenants(store::BlockPool* pool, uint64_t default_quota,
-          std::vector<std::pair<std::string, uint64_t>> quotas)
-      : pool_(pool), default_quota_(default_quota), quotas_(std::move(quotas)) {}
+          std::vector<std::pair<std::string, uint64_t>> quotas, uint32_t max_sequences)
+      : pool_(pool),
+        default_quota_(default_quota),
+        quotas_(std::move(quotas)),
+        max_sequences_(max_sequences) {}
 
-  // The key's tenant, held once more; RESOURCE_EXHAUSTED when kMaxTenants others hold a
-  // sequence or pool bytes.
+  // The key's pool tenant (0: no byte quota), held once more for a new sequence;
+  // RESOURCE_EXHAUSTED when the key holds max_sequences already, or when kMaxTenants others
+  // hold a sequence or pool bytes.
   absl::StatusOr<store::TenantId> Acquire(absl::string_view key);
-  // One more hold of a tenant held already (a fork's).
-  void AddHold(store::TenantId id);
+  // One more hold of a key held already (a fork's); RESOURCE_EXHAUSTED past max_sequences.
+  absl::Status AddHold(absl::string_view key);
   // Gives a hold back (a released sequence's).
-  void Release(store::TenantId id);
+  void Release(absl::string_view key);
   // Tenants registered now (held, or charged pool bytes).
   size_t registered() const;
 
  private:
   struct Entry {
-    store::TenantId id = 0;
-    uint64_t holds = 0;
+    store::TenantId id = 0;  // the pool's, 0 without a byte quota
+    uint32_t holds = 0;
   };
+  uint64_t QuotaOf(absl::string_view key) const;
+  absl::Status TooMany(absl::string_view key) const;
   // Unregisters every tenant no sequence holds and no block is charged to.
   void SweepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   store::BlockPool* const pool_;
   const uint64_t default_quota_;
   const std::vector<std::pair<std::string, uint64_t>> quotas_;
+  const uint32_t max_sequences_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> tenants_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<store::TenantId, std::string> keys_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvmem::engine

@@ -560,6 +560,31 @@ TEST_F(PrefixTest, TheOwnersQuotaHoldsWhateverTheSalt) {
   EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
 }
 
+TEST_F(PrefixTest, ATenantHoldsAtMostItsSequenceLimit) {
+  // Before, one tenant could take every epoch slot (--max-sequences) from the others.
+  MakeEngine(1 << 20, [](EngineConfig& c) { c.tenant_max_sequences = 3; });
+  auto create = [&](const std::string& owner) {
+    PromptPrefix p{"m", "", {}};
+    p.owner = owner;
+    return engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), p);
+  };
+  std::vector<uint64_t> alices;
+  for (int i = 0; i < 3; ++i) alices.push_back(create("alice")->sequence_id);
+  absl::StatusOr<CreateResult> over = create("alice");
+  ASSERT_TRUE(absl::IsResourceExhausted(over.status())) << over.status();
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("tenant 'alice'"));
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("--tenant-max-sequences"));
+  // A fork is one more of the parent's tenant's.
+  EXPECT_TRUE(absl::IsResourceExhausted(engine_->Fork(alices[0], absl::ZeroDuration()).status()));
+  EXPECT_TRUE(create("bob").ok());
+  ASSERT_TRUE(engine_->Release(alices[0]).ok());
+  auto child = engine_->Fork(alices[1], absl::ZeroDuration());
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_TRUE(absl::IsResourceExhausted(create("alice").status()));
+  ASSERT_TRUE(engine_->Release(child->sequence_id).ok());
+  EXPECT_TRUE(create("alice").ok());
+}
+
 TEST_F(PrefixTest, BlocksADocumentSharesWithPublishedPrefixesAreStillReclaimed) {
   // A snapkv that keeps everything (budget > n): its document's blocks are its published
   // prefix blocks; once nobody holds them, both entries go.
