@@ -82,6 +82,10 @@ ABSL_FLAG(uint32_t, request_id_entries, 100000,
           "responses of mutating calls kept so that a retry with the same request_id gets the "
           "first answer instead of applying twice");
 ABSL_FLAG(uint32_t, request_id_seconds, 600, "how long a response is kept for retries");
+ABSL_FLAG(uint32_t, max_read_streams, 32,
+          "ReadKv streams open at once (each holds a thread while its client reads)");
+ABSL_FLAG(double, read_stream_idle_seconds, 30,
+          "a ReadKv stream whose client takes no piece for this long is cancelled");
 ABSL_FLAG(double, append_stream_idle_seconds, 60,
           "an AppendStream that sends nothing for this long is cancelled (it holds its "
           "sequence and reserved blocks while open)");
@@ -172,6 +176,8 @@ int main(int argc, char** argv) {
   config.engine.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
+  config.limits.max_read_streams = absl::GetFlag(FLAGS_max_read_streams);
+  config.limits.read_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_read_stream_idle_seconds));
   config.limits.max_step_channels = absl::GetFlag(FLAGS_max_step_channels);
   config.limits.step_channel_bytes = absl::GetFlag(FLAGS_step_channel_bytes);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

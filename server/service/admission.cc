@@ -101,12 +101,16 @@ void AppendStreamBudget::Lease::Return(uint64_t bytes) {
   bytes_ -= bytes;
 }
 
+uint32_t AppendStreamBudget::open() const {
+  kvmem::MutexLock lock(&mu_);
+  return streams_;
+}
+
 absl::StatusOr<AppendStreamBudget::Lease> AppendStreamBudget::Open(grpc::ServerContext* context) {
   kvmem::MutexLock lock(&mu_);
   if (streams_ >= max_streams_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("AppendStream: --max-append-streams=", max_streams_,
-                     " streams are open; retry later or use Append"));
+        absl::StrCat(call_, ": ", flag_, "=", max_streams_, " streams are open; ", advice_));
   }
   ++streams_;
   const uint64_t id = next_id_++;

@@ -3,6 +3,7 @@
 // inside a handler while turning new ones away; AppendStreamBudget bounds what the open
 // AppendStreams hold, daemon-wide (contract 3: buffers of calls in flight are bounded).
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -28,6 +29,10 @@ struct ServiceLimits {
   absl::Duration request_id_ttl = absl::Minutes(10);
   uint32_t max_step_channels = 16;             // step channels open at once (one thread each)
   uint64_t step_channel_bytes = 256ull << 20;  // their segments' bytes, all together
+  // ReadKv streams open at once (one thread each while a client is slow to read), and how
+  // long one may wait for its client to take the next piece before it is cancelled.
+  uint32_t max_read_streams = 32;
+  absl::Duration read_stream_idle = absl::Seconds(30);
 };
 
 // Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for
@@ -78,8 +83,9 @@ class CallGate {
 // retry, on another instance; nothing of the call was applied.
 absl::Status DrainingError();
 
-// Daemon-wide bounds on the open AppendStreams: how many there are and how many request
-// bytes they buffer together. Error messages name the kvmemd flags that set the bounds.
+// Daemon-wide bounds on the open streams of one kind (AppendStreams; ReadKv's server
+// streams): how many there are and how many request bytes they buffer together, and which
+// went idle. Error messages name the call and the kvmemd flags that set the bounds.
 class AppendStreamBudget {
  public:
   // One open stream's share; gives everything back when destroyed.
@@ -109,8 +115,14 @@ class AppendStreamBudget {
     uint64_t id_ = 0;
   };
 
-  AppendStreamBudget(uint64_t max_bytes, uint32_t max_streams)
-      : max_bytes_(max_bytes), max_streams_(max_streams) {}
+  AppendStreamBudget(uint64_t max_bytes, uint32_t max_streams, std::string call = "AppendStream",
+                     std::string flag = "--max-append-streams",
+                     std::string advice = "retry later or use Append")
+      : max_bytes_(max_bytes),
+        max_streams_(max_streams),
+        call_(std::move(call)),
+        flag_(std::move(flag)),
+        advice_(std::move(advice)) {}
   AppendStreamBudget(const AppendStreamBudget&) = delete;
   AppendStreamBudget& operator=(const AppendStreamBudget&) = delete;
 
@@ -119,10 +131,12 @@ class AppendStreamBudget {
   [[nodiscard]] absl::StatusOr<Lease> Open(grpc::ServerContext* context = nullptr);
   // Cancels the streams that have sent nothing for `idle`; returns how many.
   int CancelIdle(absl::Duration idle);
+  uint32_t open() const;
 
  private:
   const uint64_t max_bytes_;
   const uint32_t max_streams_;
+  const std::string call_, flag_, advice_;
   mutable absl::Mutex mu_;
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t streams_ ABSL_GUARDED_BY(mu_) = 0;

@@ -266,6 +266,10 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
   if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
+  // Held while the stream is open: a client that stops taking pieces is cancelled after
+  // --read-stream-idle-seconds (the server's reaper), which frees this thread.
+  absl::StatusOr<AppendStreamBudget::Lease> open = reads_.Open(context);
+  if (!open.ok()) return ToGrpc(open.status(), id);
   // The engine reads epoch 0 as "the current one" and the range [0, 0) as "every layer";
   // neither is a value a request can send (both are rejected below).
   uint64_t epoch = 0;
@@ -301,7 +305,12 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
         chunk.mutable_positions()->Add(kv.positions.begin(), kv.positions.end());
         chunk.set_k(std::move(kv.k));
         chunk.set_v(std::move(kv.v));
-        if (!writer->Write(chunk)) return absl::CancelledError("ReadKv: the stream was closed");
+        if (!writer->Write(chunk)) {
+          return absl::CancelledError(
+              "ReadKv: the stream was closed (the client left, or took no piece for "
+              "--read-stream-idle-seconds)");
+        }
+        open->Touch();
         return absl::OkStatus();
       },
       kReadPieceBytes);

@@ -32,6 +32,8 @@ class KvCacheService final : public v1::KvCache::Service {
         auth_(auth != nullptr ? auth : &anonymous_),
         version_(std::move(version)),
         streams_(limits.max_stream_buffer_bytes, limits.max_append_streams),
+        reads_(0, limits.max_read_streams, "ReadKv", "--max-read-streams",
+               "retry later or read fewer layers at a time"),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
         channels_(limits.max_step_channels, limits.step_channel_bytes) {}
 
@@ -54,6 +56,9 @@ class KvCacheService final : public v1::KvCache::Service {
   CallGate& gate() { return gate_; }
   // Watched by the server for idle streams.
   AppendStreamBudget& append_streams() { return streams_; }
+  // ReadKv's streams, watched the same way (a client that stops reading).
+  AppendStreamBudget& read_streams() { return reads_; }
+  const AppendStreamBudget& read_streams() const { return reads_; }
 
   grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
                        v1::GetInfoResponse*) override;
@@ -166,6 +171,7 @@ class KvCacheService final : public v1::KvCache::Service {
   const std::string version_;
   CallGate gate_;
   AppendStreamBudget streams_;
+  AppendStreamBudget reads_;
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
 };

@@ -178,14 +178,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (config.prefault_pool) server->prefaulter_ = std::thread([raw] { raw->PrefaultPool(); });
   const absl::Duration period = config.reaper_period;
   const absl::Duration idle = config.limits.append_stream_idle;
-  server->reaper_ = std::thread([raw, period, idle] {
-    // Leases, and AppendStreams that went quiet (they hold their sequence while open).
-    const absl::Duration tick = std::min(period, std::max(idle / 4, absl::Milliseconds(10)));
+  const absl::Duration read_idle = config.limits.read_stream_idle;
+  server->reaper_ = std::thread([raw, period, idle, read_idle] {
+    // Leases, AppendStreams that went quiet (they hold their sequence while open), and
+    // ReadKv streams whose client stopped reading (each holds a thread).
+    const absl::Duration tick =
+        std::min(period, std::max(std::min(idle, read_idle) / 4, absl::Milliseconds(10)));
     absl::Time next_reap = absl::Now();
     while (!raw->stop_reaper_.WaitForNotificationWithTimeout(tick)) {
       if (const int n = raw->service_->append_streams().CancelIdle(idle); n > 0) {
         spdlog::warn("{} AppendStream(s) idle for over {}s cancelled", n,
                      absl::ToDoubleSeconds(idle));
+      }
+      if (const int n = raw->service_->read_streams().CancelIdle(read_idle); n > 0) {
+        spdlog::warn("{} ReadKv stream(s) whose client took no piece for {}s cancelled", n,
+                     absl::ToDoubleSeconds(read_idle));
       }
       if (absl::Now() >= next_reap) {
         raw->engine_->ExpireLeases();

@@ -5,6 +5,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/service/kv_cache_service.h"
 #include "server/store/cpu_backend.h"
 #include "tests/integration/daemon_fixture.h"
 
@@ -66,6 +67,60 @@ TEST_F(DaemonTest, ALongStreamIsReadInPiecesAndJoined) {
   ASSERT_TRUE(reader->Finish().ok());
   EXPECT_EQ(next, 598u);
   EXPECT_EQ(pieces, 5u);  // 127 slots of 16 KiB (and a position) a piece
+}
+
+// Polls `condition` until it holds (true) or `timeout` passes (false).
+template <typename Condition>
+bool WaitFor(Condition condition, absl::Duration timeout = absl::Seconds(5)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (!condition()) {
+    if (absl::Now() > end) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+TEST_F(DaemonTest, AReadKvWhoseClientStopsReadingIsCancelledAndFreesItsThread) {
+  // Before, a client that opened ReadKv and never read kept a daemon thread blocked in
+  // Write for as long as it kept the connection.
+  limits_.read_stream_idle = absl::Milliseconds(300);
+  limits_.max_read_streams = 1;
+  StartDaemon(64ull << 20);
+  constexpr uint32_t kWideD = 4096;  // 16 KiB of K+V per slot, 2 MiB pieces
+  auto seq = client_->CreateSequence(client::Layout{1, 1, kWideD, client::DType::kF16, 4, 100},
+                                     {"full", {}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  for (int64_t first = 0; first < 1400; first += 175) {  // 22 MiB: past every flow window
+    const std::vector<int64_t> positions = testing::Range(first, 175);
+    const std::string k = testing::Payload16(1, first, 175, kWideD, 0);
+    const std::string v = testing::Payload16(1, first, 175, kWideD, 1);
+    ASSERT_TRUE(client_->Append(seq->id, {positions, {}, k, v, {}, {}}).ok());
+  }
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext stalled;
+  v1::ReadKvRequest q;
+  q.set_sequence_id(seq->id);
+  auto reader = stub->ReadKv(&stalled, q);
+  // Open, and the only one allowed: a second reader is refused, naming the flag.
+  ASSERT_TRUE(WaitFor([&] { return server_->service().read_streams().open() == 1; }));
+  auto refused = client_->ReadKv(seq->id);
+  EXPECT_TRUE(absl::IsResourceExhausted(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("--max-read-streams"));
+  // Not read from: cancelled by the daemon within its idle time (and a tick).
+  ASSERT_TRUE(
+      WaitFor([&] { return server_->service().read_streams().open() == 0; }, absl::Seconds(10)));
+  // What the transport held before the cancel arrives, then the end.
+  v1::ReadKvResponse piece;
+  uint64_t slots = 0;
+  while (reader->Read(&piece)) slots += static_cast<uint64_t>(piece.positions_size());
+  EXPECT_LT(slots, 1400u);
+  const grpc::Status finished = reader->Finish();
+  EXPECT_EQ(finished.error_code(), grpc::StatusCode::CANCELLED) << finished.error_message();
+  // The thread and the slot are back: a reader that reads gets everything.
+  auto streams = client_->ReadKv(seq->id);
+  ASSERT_TRUE(streams.ok()) << streams.status();
+  EXPECT_EQ((*streams)[0].positions.size(), 1400u);
 }
 
 TEST_F(DaemonTest, AppendStreamIsAtomic) {

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The engine and the daemon under AddressSanitizer (with LeakSanitizer) and
+# UndefinedBehaviorSanitizer: the block pool's, the engine's and the request cache's unit
+# tests, 20 s of the epoch-protocol stress test, the in-process daemon's integration tests
+# (gRPC on loopback, step channels, tokens and TLS) and the process tests against a kvmemd
+# built with both (signals, drain, shared segments), built into build-asan/ with
+# -fsanitize=address,undefined (a UBSan finding stops the program). Every process writes its
+# reports under build-asan/asan-logs/; any report fails the run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSANITIZE=address,undefined >/dev/null
+cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
+  request_cache_test engine_stress_test daemon_test kvmemd_process_test
+logs=$PWD/build-asan/asan-logs
+rm -rf "$logs" && mkdir -p "$logs"
+show_reports() {
+  if compgen -G "$logs/report*" >/dev/null; then
+    cat "$logs"/report*
+    echo "asan: the reports above (from the tests or a kvmemd they started)"
+    return 1
+  fi
+}
+trap 'show_reports || exit 1' EXIT
+export ASAN_OPTIONS="detect_leaks=1 halt_on_error=1 log_path=$logs/report"
+export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 log_path=$logs/report"
+export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp"
+build-asan/tests/block_pool_test --gtest_brief=1 | tail -1
+build-asan/tests/engine_test --gtest_brief=1 | tail -1
+build-asan/tests/request_cache_test --gtest_brief=1 | tail -1
+KVMEM_STRESS_SECONDS=20 build-asan/tests/engine_stress_test --gtest_brief=1 |
+  grep -E "^stress|PASSED|FAILED"
+build-asan/tests/daemon_test --gtest_brief=1 | tail -1
+build-asan/tests/kvmemd_process_test --gtest_brief=1 | tail -1
+show_reports
+trap - EXIT
+echo "asan+ubsan: block_pool_test, engine_test, request_cache_test, engine_stress_test," \
+  "daemon_test and kvmemd_process_test clean"
