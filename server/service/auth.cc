@@ -65,8 +65,12 @@ absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
-    if (const size_t hash = line.find('#'); hash != absl::string_view::npos) {
-      line = line.substr(0, hash);
+    // A comment starts with a '#' that begins a word (a token may hold '#').
+    for (size_t i = 0; i < line.size(); ++i) {
+      if (line[i] == '#' && (i == 0 || line[i - 1] == ' ' || line[i - 1] == '\t')) {
+        line = line.substr(0, i);
+        break;
+      }
     }
     std::vector<absl::string_view> words =
         absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
@@ -178,10 +182,14 @@ bool IsLocalListen(absl::string_view listen) {
     host = host.substr(0, colon);
   }
   if (host == "localhost" || host == "::1") return true;
-  // 127.0.0.0/8.
+  // 127.0.0.0/8, as four numbers (not a DNS name that begins with "127.").
   std::vector<absl::string_view> octets = absl::StrSplit(host, '.');
-  uint32_t first = 0;
-  return octets.size() == 4 && absl::SimpleAtoi(octets[0], &first) && first == 127;
+  if (octets.size() != 4) return false;
+  for (absl::string_view octet : octets) {
+    uint32_t value = 0;
+    if (octet.empty() || !absl::SimpleAtoi(octet, &value) || value > 255) return false;
+  }
+  return octets[0] == "127";
 }
 
 }  // namespace kvmem::service

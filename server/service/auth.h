@@ -11,7 +11,9 @@
 // certificate's common name; a call carrying both a certificate and a token must name the
 // same tenant with both.
 //
-// The token file: one token per line, `<tenant> <token> [admin]`; '#' starts a comment.
+// The token file: one token per line, `<tenant> <token> [admin]`; a '#' that begins a word
+// starts a comment. Write a new file and rename it over the old one before SIGHUP: a reload
+// that reads a half-written file may drop tokens.
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
 // spaces; a tenant may have several tokens (rotation). kvmemd reads it at start and again
 // on SIGHUP; a file that does not parse leaves the tokens as they were.

@@ -30,7 +30,7 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 }  // namespace
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response) {
+                    v1::GetInfoResponse* response, bool same_host) {
   const engine::EngineConfig& config = engine.config();
   const store::Backend& backend = engine.backend();
   response->set_version(std::string(version));
@@ -68,7 +68,9 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
       info->add_append_signals(s);
     }
   }
-  if (std::optional<store::PoolExport> exported = backend.pool_export()) {
+  std::optional<store::PoolExport> exported;
+  if (same_host) exported = backend.pool_export();
+  if (exported) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
       v1::SharedMemoryPool* pool = response->mutable_shared_memory();
       pool->set_name(shm->name);
@@ -88,6 +90,7 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
     info->set_description(q.description);
   }
   response->set_default_quantization_recent_tokens(engine::QuantConfig{}.recent_tokens);
+  if (!same_host) return;
   const engine::EpochBoard& board = engine.epoch_board();
   response->mutable_epoch_board()->set_name(board.name());
   response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);

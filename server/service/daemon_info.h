@@ -11,8 +11,10 @@
 
 namespace kvmem::service {
 
+// `same_host`: with the names of the shared pool, the epoch board and the table area (the
+// same-host attach, one trust domain: kvmemd with identities gives them to admins only).
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response);
+                    v1::GetInfoResponse* response, bool same_host = true);
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

@@ -43,7 +43,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
                                      v1::GetInfoResponse* response) {
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
-  DescribeDaemon(*engine_, version_, response);
+  // Mapping the pool reads every tenant's K/V: the names go to admins only.
+  DescribeDaemon(*engine_, version_, response, call->who.admin);
   return grpc::Status::OK;
 }
 
@@ -97,11 +98,11 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
   return RunMutation(context, call->who, "Append", id, *request, response, held, &update,
                      [&]() -> absl::Status {
+                       if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
                        const engine::AppendChunk chunk = ChunkView(*request);
                        absl::StatusOr<engine::AppendResult> result =
                            engine_->Append(id, absl::MakeConstSpan(&chunk, 1), held);
@@ -127,7 +128,6 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                       : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
   }
   const uint64_t id = request.sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> table = HeldFromProto(request);  // the first chunk's
   std::optional<engine::TableUpdate> update;
   if (absl::Status s = StillWanted(context, "AppendStream"); !s.ok()) return ToGrpc(s, id);
@@ -139,6 +139,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   // resend the whole stream: every chunk counts in its fingerprint.
   auto run = [&](uint64_t* whole) -> absl::Status {
     ran = true;
+    if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<engine::AppendSession>> session = engine_->BeginAppend(id);
     if (!session.ok()) return session.status();
     size_t index = 0;
@@ -198,11 +199,11 @@ grpc::Status KvCacheService::Step(grpc::ServerContext* context, const v1::StepRe
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
   return RunMutation(context, call->who, "Step", id, *request, response, held, &update,
                      [&]() -> absl::Status {
+                       if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
                        SignalStorage storage;
                        absl::StatusOr<engine::StepInput> input = StepInputView(*request, &storage);
                        if (!input.ok()) return input.status();
@@ -229,11 +230,11 @@ grpc::Status KvCacheService::Compress(grpc::ServerContext* context,
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   const std::optional<engine::HeldTable> held = HeldFromProto(*request);
   std::optional<engine::TableUpdate> update;
   return RunMutation(
       context, call->who, "Compress", id, *request, response, held, &update, [&]() -> absl::Status {
+        if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
         SignalStorage storage;
         absl::StatusOr<engine::CompressInput> input = CompressInputView(*request, &storage);
         if (!input.ok()) return input.status();
@@ -328,8 +329,8 @@ grpc::Status KvCacheService::Fork(grpc::ServerContext* context, const v1::ForkRe
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   return RunMutation(context, call->who, "Fork", id, *request, response, [&]() -> absl::Status {
+    if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
     absl::StatusOr<absl::Duration> lease = LeaseFromProto(
         request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
     if (!lease.ok()) return lease.status();
@@ -397,8 +398,8 @@ grpc::Status KvCacheService::Release(grpc::ServerContext* context,
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
-  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   return RunMutation(context, call->who, "Release", id, *request, response, [&]() -> absl::Status {
+    if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
     absl::StatusOr<uint64_t> freed = engine_->Release(id);
     if (!freed.ok()) return freed.status();
     response->set_freed_blocks(*freed);

@@ -46,7 +46,9 @@ class KvCacheService final : public v1::KvCache::Service {
   // without a known token (Authenticator); nothing of a refused call runs.
   absl::StatusOr<Admitted> Admit(const grpc::ServerContext* context);
   // OK when `who` may name sequence `id` (its own, or any for an admin); else the
-  // NOT_FOUND of an unknown id.
+  // NOT_FOUND of an unknown id. A mutation checks it inside its cached call (RunMutation),
+  // so that a retry of one that applied gets its first answer even once the sequence is
+  // gone.
   absl::Status Owns(const Principal& who, uint64_t id) const;
   // The prefix namespace of a request's cache salt: the tenant's, which the salt may
   // subdivide and never leave (the salt as sent on a daemon without tokens).

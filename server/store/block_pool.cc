@@ -146,6 +146,9 @@ absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t qu
   kvmem::MutexLock lock(&mu_);
   if (!free_tenants_.empty()) {
     const TenantId id = free_tenants_.back();
+    if (tenants_[id].used != 0) {  // never: UnregisterTenant frees only an id charged nothing
+      return absl::InternalError(absl::StrCat("tenants: id ", id, " is free but charged"));
+    }
     free_tenants_.pop_back();
     tenants_[id] = Tenant{std::move(name), quota_bytes, 0, true};
     return id;

@@ -58,8 +58,9 @@ KeepSets SlotBook::ToKeepSets(const uint8_t* flags) const {
 }
 
 std::optional<KeepSet> SlotBook::ToKeepSet(uint32_t s, const uint8_t* flags) const {
-  const uint8_t* f = flags + size_t{s} * capacity_;
   const uint32_t n = length_[s];
+  if (n == 0) return std::nullopt;  // nothing to drop (and no flags: memchr takes no null)
+  const uint8_t* f = flags + size_t{s} * capacity_;
   const void* zero = std::memchr(f, 0, n);
   if (zero == nullptr) return std::nullopt;  // every slot kept
   // Run by run of kept slots (one or two runs at the decode steady state).
@@ -347,8 +348,9 @@ class HostSlotState final : public BookedSlotState, public HostScores {
   absl::Status Compact() override {
     const size_t cap = book_.capacity();
     for (uint32_t s = 0; s < book_.num_streams(); ++s) {
-      const uint8_t* f = flags_.data() + s * cap;
       const uint32_t n = book_.length(s);
+      if (n == 0) continue;  // (no flags at all while every stream is empty)
+      const uint8_t* f = flags_.data() + s * cap;
       const void* first_dropped = std::memchr(f, 0, n);
       if (first_dropped == nullptr) continue;
       float* scores = scores_.data() + s * cap;

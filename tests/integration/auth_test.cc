@@ -14,8 +14,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/server.h"
 #include "tests/testing/payload.h"
 
@@ -183,6 +185,43 @@ TEST_F(AuthTest, AnotherTenantsSequenceAnswersAsAnUnknownOne) {
   EXPECT_TRUE(admin_->GetBlockTable(id).ok());
 }
 
+TEST_F(AuthTest, ARetryOfAReleaseThatAppliedGetsItsFirstAnswer) {
+  // Before, the ownership check ran ahead of the retry cache: the repeat found the sequence
+  // gone and answered NOT_FOUND for a call that had succeeded.
+  const uint64_t id = Filled(*alice_, 16);
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  v1::ReleaseRequest q;
+  q.set_sequence_id(id);
+  q.set_request_id("release-once");
+  std::vector<v1::ReleaseResponse> answers(2);
+  for (v1::ReleaseResponse& r : answers) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+    const grpc::Status status = stub->Release(&context, q, &r);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_EQ(answers[1].freed_blocks(), answers[0].freed_blocks());
+  EXPECT_GT(answers[0].freed_blocks(), 0u);
+  // Bob's call with the same id is his own, and the sequence is not his.
+  grpc::ClientContext bobs;
+  bobs.AddMetadata("authorization", absl::StrCat("Bearer ", kBob));
+  v1::ReleaseResponse r;
+  EXPECT_EQ(stub->Release(&bobs, q, &r).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(AuthTest, OnlyAnAdminIsToldTheSharedMemoryNames) {
+  // Mapping the pool reads every tenant's K/V.
+  auto alices = alice_->GetInfo();
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  EXPECT_TRUE(alices->shm_name.empty());
+  EXPECT_TRUE(alices->epoch_board_name.empty());
+  auto admins = admin_->GetInfo();
+  ASSERT_TRUE(admins.ok()) << admins.status();
+  EXPECT_FALSE(admins->shm_name.empty());
+  EXPECT_FALSE(admins->epoch_board_name.empty());
+}
+
 TEST_F(AuthTest, TheStepChannelServesTheTenantThatOpenedIt) {
   const uint64_t alices = Filled(*alice_, 16);
   const uint64_t bobs = Filled(*bob_, 16);
@@ -284,13 +323,18 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
   }
   EXPECT_TRUE(absl::IsNotFound(
       service::Authenticator::Create(path + "-missing", /*client_certificates=*/false).status()));
-  auto a = parse("alice token-0123456789abc\nops admin-0123456789abcd admin\n");
+  auto a = parse(
+      "alice token-0123456789abc # alice's\nops admin-0123456789abcd admin\n"
+      "carol carols#token-0123456789\n");
   ASSERT_TRUE(a.ok()) << a.status();
   auto alice = (*a)->FromAuthorization("Bearer token-0123456789abc");
   ASSERT_TRUE(alice.ok());
   EXPECT_EQ(alice->tenant, "alice");
   EXPECT_FALSE(alice->admin);
   EXPECT_TRUE((*a)->FromAuthorization("Bearer admin-0123456789abcd")->admin);
+  // A '#' inside a token is the token's (before, the line was cut there).
+  EXPECT_EQ((*a)->FromAuthorization("Bearer carols#token-0123456789")->tenant, "carol");
+  EXPECT_FALSE((*a)->FromAuthorization("Bearer carols").ok());
   for (const char* bad : {"", "token-0123456789abc", "bearer token-0123456789abc",
                           "Bearer  token-0123456789abc", "Bearer token-0123456789ab"}) {
     EXPECT_TRUE(absl::IsUnauthenticated((*a)->FromAuthorization(bad).status())) << bad;
@@ -304,8 +348,9 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
        {"unix:/run/kvmem.sock", "127.0.0.1:50551", "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
     EXPECT_TRUE(service::IsLocalListen(local)) << local;
   }
-  for (const char* remote : {"0.0.0.0:50551", "[::]:1", "10.0.0.7:50551", "kvmem:50551",
-                             "128.0.0.1:1", "127.0.0.1.example.com:1"}) {
+  for (const char* remote :
+       {"0.0.0.0:50551", "[::]:1", "10.0.0.7:50551", "kvmem:50551", "128.0.0.1:1",
+        "127.0.0.1.example.com:1", "127.foo.example.com:1", "127.0.0.256:1"}) {
     EXPECT_FALSE(service::IsLocalListen(remote)) << remote;
   }
 }
