@@ -12,16 +12,8 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
   request_cache_test engine_stress_test daemon_test kvmemd_process_test
-logs=$PWD/build-asan/asan-logs
-rm -rf "$logs" && mkdir -p "$logs"
-show_reports() {
-  if compgen -G "$logs/report*" >/dev/null; then
-    cat "$logs"/report*
-    echo "asan: the reports above (from the tests or a kvmemd they started)"
-    return 1
-  fi
-}
-trap 'show_reports || exit 1' EXIT
+source scripts/sanitizer_reports.sh
+sanitizer_reports build-asan asan
 export ASAN_OPTIONS="detect_leaks=1 halt_on_error=1 log_path=$logs/report"
 export UBSAN_OPTIONS="print_stacktrace=1 halt_on_error=1 log_path=$logs/report"
 export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: installs what it needs, builds, checks style, runs every test
 # (unit, integration, the reference-implementation kernel tests, the worker on the real
-# model, the engine under ThreadSanitizer, and the parity tests against llama.cpp), and
+# model, the engine under ThreadSanitizer, then under AddressSanitizer and
+# UndefinedBehaviorSanitizer, and the parity tests against llama.cpp), and
 # prints the summaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ export KVMEM_MODEL
     grep -v -E "^ *(Start|[0-9]+/[0-9]+ Test) "
 )
 bash scripts/tsan.sh
+bash scripts/asan.sh
 bash scripts/python_deps.sh
 # KVMEM_CI: a test that cannot find the kvmem package or kvmemd fails instead of skipping.
 KVMEM_CI=1 python3 -m pytest -q tests/python

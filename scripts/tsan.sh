@@ -13,17 +13,8 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSANITIZE=thread >/dev/null
 cmake --build build-tsan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
   engine_stress_test daemon_test kvmemd_process_test
-logs=$PWD/build-tsan/tsan-logs
-rm -rf "$logs" && mkdir -p "$logs"
-# Shown however the run ends (halt_on_error stops a test at its first report).
-show_reports() {
-  if compgen -G "$logs/report*" >/dev/null; then
-    cat "$logs"/report*
-    echo "tsan: the reports above (from the tests or a kvmemd they started)"
-    return 1
-  fi
-}
-trap 'show_reports || exit 1' EXIT
+source scripts/sanitizer_reports.sh
+sanitizer_reports build-tsan tsan
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp halt_on_error=1 ignore_noninstrumented_modules=1 log_path=$logs/report"
 build-tsan/tests/block_pool_test --gtest_brief=1 | tail -1
 build-tsan/tests/engine_test --gtest_brief=1 | tail -1
