@@ -4,6 +4,8 @@
 // quota holds whatever salt it sends; the step channel serves the tenant that opened it.
 #include "server/service/auth.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -360,7 +362,8 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
 class TlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = ::testing::TempDir() + "/kvmem_tls_test";
+    // One folder per process: ctest runs each case as a process of its own, side by side.
+    dir_ = absl::StrCat(::testing::TempDir(), "/kvmem_tls_test_", getpid());
     const std::string script = absl::StrCat(
         "set -e; rm -rf ", dir_, "; mkdir -p ", dir_, "; cd ", dir_, "\n",
         "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 "
@@ -376,6 +379,7 @@ class TlsTest : public ::testing::Test {
         std::system(absl::StrCat("/bin/sh -c '", absl::StrReplaceAll(script, {{"'", "'\\''"}}), "'")
                         .c_str()) == 0;
   }
+  static void TearDownTestSuite() { std::system(absl::StrCat("rm -rf ", dir_).c_str()); }
   void SetUp() override { ASSERT_TRUE(ok_) << "openssl could not make the test certificates"; }
 
   static std::string Pem(const std::string& name) {
