@@ -27,8 +27,8 @@ import json
 import secrets
 import threading
 import time
-from typing import (TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence as Seq,
-                    TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional,
+                    Sequence as Seq, TypeVar, Union)
 
 import grpc
 import numpy as np
@@ -228,12 +228,14 @@ class Client:
               wait_for_ready: Optional[bool] = None) -> _Response:
         if self._closed:
             raise UnavailableError("the client is closed", code=grpc.StatusCode.UNAVAILABLE)
-        metadata = ((("authorization", "Bearer " + self.options.auth_token),)
-                    if self.options.auth_token else None)
+        kwargs: Dict[str, Any] = {
+            "timeout": self.options.deadline,
+            "wait_for_ready": self.options.wait_for_ready if wait_for_ready is None
+            else wait_for_ready}
+        if self.options.auth_token:
+            kwargs["metadata"] = (("authorization", "Bearer " + self.options.auth_token),)
         try:
-            return method(request, timeout=self.options.deadline, metadata=metadata,
-                          wait_for_ready=self.options.wait_for_ready if wait_for_ready is None
-                          else wait_for_ready)
+            return method(request, **kwargs)
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 
