@@ -5,18 +5,17 @@
 
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <memory>
 #include <random>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/arena.h"
 #include "grpcpp/grpcpp.h"
 #include "kvmem/convert.h"
+#include "kvmem/credentials.h"
 #include "kvmem/policy_signals.h"
 #include "kvmem/step_channel_router.h"
 #include "kvmem/table_area.h"
@@ -50,16 +49,13 @@ constexpr size_t kArenaFirstBlock = 256 << 10;
 struct Client::Impl {
   Impl(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
       : options(options),
+        authorization(internal::Authorization(options)),
         channel(std::move(channel)),
         stub(v1::KvCache::NewStub(this->channel)),
-        step_channels(stub.get(), options.deadline, options.step_channel_reopen,
-                      Authorization(options)) {}
-  // The metadata value that carries the token; empty without one.
-  static std::string Authorization(const ClientOptions& o) {
-    return o.auth_token.empty() ? std::string() : absl::StrCat("Bearer ", o.auth_token);
-  }
+        step_channels(stub.get(), options.deadline, options.step_channel_reopen, authorization) {}
 
   const ClientOptions options;
+  const std::string authorization;  // every call's metadata value; empty without a token
   const std::shared_ptr<grpc::Channel> channel;
   const std::unique_ptr<v1::KvCache::Stub> stub;
   internal::StepChannelRouter step_channels;  // StepBatch's same-host channel
@@ -95,23 +91,10 @@ struct Client::Impl {
     context.set_deadline(std::chrono::system_clock::now() +
                          absl::ToChronoMilliseconds(options.deadline));
     context.set_wait_for_ready(options.wait_for_ready);
-    if (!options.auth_token.empty()) context.AddMetadata("authorization", Authorization(options));
+    if (!authorization.empty()) context.AddMetadata("authorization", authorization);
     return FromGrpc(attempt(context));
   }
 };
-
-absl::StatusOr<std::string> ReadAuthToken(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) {
-    return absl::NotFoundError(absl::StrCat("auth token file ", path, ": cannot read a line"));
-  }
-  const std::string token(absl::StripAsciiWhitespace(line));
-  if (token.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("auth token file ", path, ": empty"));
-  }
-  return token;
-}
 
 namespace {
 
@@ -147,19 +130,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& targe
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   if (options.max_attempts > 1) args.SetServiceConfigJSON(ServiceConfig(options));
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  if (!options.tls_root_certs.empty()) {
-    grpc::SslCredentialsOptions tls;
-    tls.pem_root_certs = options.tls_root_certs;
-    tls.pem_cert_chain = options.tls_cert_chain;
-    tls.pem_private_key = options.tls_private_key;
-    credentials = grpc::SslCredentials(tls);
-    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
-  } else if (!options.tls_cert_chain.empty() || !options.tls_private_key.empty()) {
-    return absl::InvalidArgumentError(
-        "options.tls_cert_chain: a client certificate needs tls_root_certs (TLS) too");
-  }
-  auto impl = std::make_unique<Impl>(options, grpc::CreateCustomChannel(target, credentials, args));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      internal::ChannelCredentials(options, &args);
+  if (!credentials.ok()) return credentials.status();
+  auto impl =
+      std::make_unique<Impl>(options, grpc::CreateCustomChannel(target, *credentials, args));
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
