@@ -38,7 +38,8 @@ client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::k
 class AuthTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tokens_ = ::testing::TempDir() + "/kvmem_auth_test_tokens";
+    // Per process: ctest runs the cases of this file side by side.
+    tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_auth_test_tokens.", getpid());
     WriteTokens(absl::StrCat("# tenants\nalice ", kAlice, "\nbob ", kBob, "  # bob's\nops ", kAdmin,
                              " admin\n"));
     service::ServerConfig config;
@@ -310,7 +311,7 @@ TEST(AuthStartTest, AnUnauthenticatedDaemonServesOnlyLoopbackOrAUnixSocket) {
 }
 
 TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
-  const std::string path = ::testing::TempDir() + "/kvmem_auth_unit_tokens";
+  const std::string path = absl::StrCat(::testing::TempDir(), "/kvmem_auth_unit_tokens.", getpid());
   auto parse = [&](const std::string& text) {
     std::ofstream(path) << text;
     return service::Authenticator::Create(path, /*client_certificates=*/false);
