@@ -14,6 +14,7 @@
 #include <cstring>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -112,8 +113,18 @@ inline void FloatToHalfLanes(const float* values, size_t n, void* dst) {
 }
 
 #if defined(__x86_64__)
+// By CPUID (clang 14's __builtin_cpu_supports does not know "f16c"): the CPU has AVX and
+// F16C, and the OS saves the AVX registers (OSXSAVE, then XCR0's SSE and AVX state bits).
 inline bool HasF16c() {
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    const bool osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+    if (!osxsave || !avx || !f16c) return false;
+    uint32_t xcr0_low = 0, xcr0_high = 0;
+    __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    return (xcr0_low & 6u) == 6u;
+  }();
   return has;
 }
 

@@ -2,8 +2,9 @@
 # The engine and the daemon under AddressSanitizer (with LeakSanitizer) and
 # UndefinedBehaviorSanitizer: the block pool's, the engine's and the request cache's unit
 # tests, 20 s of the epoch-protocol stress test, the in-process daemon's integration tests
-# (gRPC on loopback, step channels, tokens and TLS) and the process tests against a kvmemd
-# built with both (signals, drain, shared segments), built into build-asan/ with
+# (gRPC on loopback, step channels, tokens and TLS), the process tests against a kvmemd
+# built with both (signals, drain, shared segments) and the fuzz harnesses' corpora
+# (fuzz/corpus/), built into build-asan/ with
 # -fsanitize=address,undefined (a UBSan finding stops the program). Every process writes its
 # reports under build-asan/asan-logs/; any report fails the run.
 set -euo pipefail
@@ -11,7 +12,8 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
-  request_cache_test engine_stress_test daemon_test kvmemd_process_test
+  request_cache_test engine_stress_test daemon_test kvmemd_process_test \
+  gguf_fuzz tokenizer_fuzz step_channel_fuzz service_fuzz
 source scripts/sanitizer_reports.sh
 sanitizer_reports build-asan asan
 export ASAN_OPTIONS="detect_leaks=1 halt_on_error=1 log_path=$logs/report"
@@ -24,7 +26,10 @@ KVMEM_STRESS_SECONDS=20 build-asan/tests/engine_stress_test --gtest_brief=1 |
   grep -E "^stress|PASSED|FAILED"
 build-asan/tests/daemon_test --gtest_brief=1 | tail -1
 build-asan/tests/kvmemd_process_test --gtest_brief=1 | tail -1
+for h in gguf tokenizer step_channel service; do
+  build-asan/fuzz/${h}_fuzz "fuzz/corpus/$h" | sed "s/^/$h: /"
+done
 show_reports
 trap - EXIT
 echo "asan+ubsan: block_pool_test, engine_test, request_cache_test, engine_stress_test," \
-  "daemon_test and kvmemd_process_test clean"
+  "daemon_test, kvmemd_process_test and the fuzz corpora clean"

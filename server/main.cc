@@ -86,6 +86,10 @@ ABSL_FLAG(uint32_t, max_read_streams, 32,
           "ReadKv streams open at once (each holds a thread while its client reads)");
 ABSL_FLAG(double, read_stream_idle_seconds, 30,
           "a ReadKv stream whose client takes no piece for this long is cancelled");
+ABSL_FLAG(uint32_t, tenant_max_calls, 0,
+          "calls one tenant may have inside kvmemd at once (an open step channel, AppendStream "
+          "or ReadKv counts for its life), past which a call is RESOURCE_EXHAUSTED; below "
+          "--grpc-max-threads, no tenant can hold every thread; 0: no limit");
 ABSL_FLAG(double, append_stream_idle_seconds, 60,
           "an AppendStream that sends nothing for this long is cancelled (it holds its "
           "sequence and reserved blocks while open)");
@@ -178,6 +182,7 @@ int main(int argc, char** argv) {
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.max_read_streams = absl::GetFlag(FLAGS_max_read_streams);
   config.limits.read_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_read_stream_idle_seconds));
+  config.limits.tenant_max_calls = absl::GetFlag(FLAGS_tenant_max_calls);
   config.limits.max_step_channels = absl::GetFlag(FLAGS_max_step_channels);
   config.limits.step_channel_bytes = absl::GetFlag(FLAGS_step_channel_bytes);
   config.limits.request_id_entries = absl::GetFlag(FLAGS_request_id_entries);

@@ -47,6 +47,33 @@ int64_t CallGate::in_flight() const {
   return in_flight_;
 }
 
+TenantCalls::Ticket::~Ticket() {
+  if (calls_ == nullptr) return;
+  kvmem::MutexLock lock(&calls_->mu_);
+  auto it = calls_->calls_.find(tenant_);
+  if (--it->second == 0) calls_->calls_.erase(it);
+}
+
+absl::StatusOr<TenantCalls::Ticket> TenantCalls::Enter(const std::string& tenant) {
+  if (max_calls_ == 0) return Ticket();
+  kvmem::MutexLock lock(&mu_);
+  uint32_t& calls = calls_[tenant];
+  if (calls >= max_calls_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        tenant.empty() ? std::string("the anonymous tenant")
+                       : absl::StrCat("tenant '", tenant, "'"),
+        " has ", calls, " calls in flight, its limit (--tenant-max-calls); retry when one ends"));
+  }
+  ++calls;
+  return Ticket(this, tenant);
+}
+
+uint32_t TenantCalls::in_flight(const std::string& tenant) const {
+  kvmem::MutexLock lock(&mu_);
+  auto it = calls_.find(tenant);
+  return it == calls_.end() ? 0 : it->second;
+}
+
 absl::Status DrainingError() {
   return absl::UnavailableError(
       "kvmemd is draining (shutting down); nothing was applied; retry on another instance");

@@ -33,6 +33,9 @@ struct ServiceLimits {
   // long one may wait for its client to take the next piece before it is cancelled.
   uint32_t max_read_streams = 32;
   absl::Duration read_stream_idle = absl::Seconds(30);
+  // Calls of one tenant inside handlers at once (an open step channel or stream counts
+  // for its life); 0: no limit.
+  uint32_t tenant_max_calls = 0;
 };
 
 // Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for
@@ -77,6 +80,45 @@ class CallGate {
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Calls in flight per tenant (--tenant-max-calls), so that one tenant's many or slow calls
+// cannot hold every handler thread the others need. The count of a tenant goes when its
+// last call ends: the table holds only tenants with calls in flight.
+class TenantCalls {
+ public:
+  // One call's place, held for the length of its handler; empty without a limit.
+  class Ticket {
+   public:
+    Ticket() = default;
+    ~Ticket();
+    Ticket(Ticket&& other) noexcept
+        : calls_(std::exchange(other.calls_, nullptr)), tenant_(std::move(other.tenant_)) {}
+    // Swaps: what this held goes with `other`.
+    Ticket& operator=(Ticket&& other) noexcept {
+      std::swap(calls_, other.calls_);
+      std::swap(tenant_, other.tenant_);
+      return *this;
+    }
+    Ticket(const Ticket&) = delete;
+
+   private:
+    friend class TenantCalls;
+    Ticket(TenantCalls* calls, std::string tenant) : calls_(calls), tenant_(std::move(tenant)) {}
+    TenantCalls* calls_ = nullptr;
+    std::string tenant_;
+  };
+
+  explicit TenantCalls(uint32_t max_calls) : max_calls_(max_calls) {}
+  // RESOURCE_EXHAUSTED naming the tenant and --tenant-max-calls when `tenant` has its
+  // limit of calls in flight.
+  absl::StatusOr<Ticket> Enter(const std::string& tenant);
+  uint32_t in_flight(const std::string& tenant) const;
+
+ private:
+  const uint32_t max_calls_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, uint32_t> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 // The status of a call refused because the daemon is draining: UNAVAILABLE, which clients

@@ -27,7 +27,9 @@ absl::StatusOr<KvCacheService::Admitted> KvCacheService::Admit(const grpc::Serve
   if (!ticket.admitted()) return DrainingError();
   absl::StatusOr<Principal> who = auth_->Authenticate(context);
   if (!who.ok()) return who.status();
-  return Admitted{std::move(ticket), *std::move(who)};
+  absl::StatusOr<TenantCalls::Ticket> place = tenant_calls_.Enter(who->tenant);
+  if (!place.ok()) return place.status();
+  return Admitted{std::move(ticket), *std::move(place), *std::move(who)};
 }
 
 absl::Status KvCacheService::Owns(const Principal& who, uint64_t id) const {

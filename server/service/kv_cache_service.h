@@ -35,15 +35,19 @@ class KvCacheService final : public v1::KvCache::Service {
         reads_(0, limits.max_read_streams, "ReadKv", "--max-read-streams",
                "retry later or read fewer layers at a time"),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
-        channels_(limits.max_step_channels, limits.step_channel_bytes) {}
+        channels_(limits.max_step_channels, limits.step_channel_bytes),
+        tenant_calls_(limits.tenant_max_calls) {}
 
-  // A call let in: its CallGate ticket, held for the handler, and who it comes from.
+  // A call let in: its CallGate ticket and its place among its tenant's calls, held for
+  // the handler, and who it comes from.
   struct Admitted {
     CallGate::Ticket ticket;
+    TenantCalls::Ticket tenant_ticket;
     Principal who;
   };
   // Every handler's door: UNAVAILABLE while draining, then UNAUTHENTICATED for a call
-  // without a known token (Authenticator); nothing of a refused call runs.
+  // without a known token (Authenticator), then RESOURCE_EXHAUSTED for a tenant with its
+  // --tenant-max-calls in flight; nothing of a refused call runs.
   absl::StatusOr<Admitted> Admit(const grpc::ServerContext* context);
   // OK when `who` may name sequence `id` (its own, or any for an admin); else the
   // NOT_FOUND of an unknown id. A mutation checks it inside its cached call (RunMutation),
@@ -176,6 +180,7 @@ class KvCacheService final : public v1::KvCache::Service {
   AppendStreamBudget reads_;
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
+  TenantCalls tenant_calls_;
 };
 
 }  // namespace kvmem::service

@@ -155,12 +155,16 @@ grpc::Status KvCacheService::OpenStepChannel(
   std::optional<transport::StepChannelBudget::Lease>
       lease;  // given back after the channel is freed
   std::unique_ptr<transport::StepChannel> channel;
-  // The channel serves its opener: every batch through it runs as this call's principal.
+  // The channel serves its opener: every batch through it runs as this call's principal,
+  // and counts among the opener's calls in flight for the channel's life (a drain does not
+  // wait for it: the gate's ticket goes when the channel is set up).
   Principal who;
+  TenantCalls::Ticket place;
   {
     absl::StatusOr<Admitted> call = Admit(context);
     if (!call.ok()) return ToGrpc(call.status());
     who = call->who;
+    place = std::move(call->tenant_ticket);
     // Lengths in the segment are 32-bit: at most 1 GiB per area.
     const uint64_t max_capacity =
         std::min<uint64_t>(engine_->config().max_append_bytes + (4ull << 20), 1ull << 30);

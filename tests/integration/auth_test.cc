@@ -49,6 +49,7 @@ class AuthTest : public ::testing::Test {
     config.engine.tenant_quota_bytes = 64 * 1024;
     config.reaper_period = absl::Hours(1);
     config.auth_tokens = tokens_;
+    config.limits.tenant_max_calls = tenant_max_calls_;
     auto server = service::Server::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -98,6 +99,7 @@ class AuthTest : public ::testing::Test {
     return all;
   }
 
+  uint32_t tenant_max_calls_ = 0;
   std::string tokens_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> alice_, bob_, admin_;
@@ -239,6 +241,36 @@ TEST_F(AuthTest, TheStepChannelServesTheTenantThatOpenedIt) {
   EXPECT_GT(bob_->step_channel_batches(), 0u);
   EXPECT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
   EXPECT_TRUE(absl::IsNotFound((*results)[1].status)) << (*results)[1].status;
+}
+
+class TenantCallsTest : public AuthTest {
+ protected:
+  void SetUp() override {
+    tenant_max_calls_ = 2;
+    AuthTest::SetUp();
+  }
+};
+
+// An open step channel holds its call for its life: two of alice's fill her limit, and her
+// next call is refused, naming her and the flag, while bob's go on; closing one lets her in.
+TEST_F(TenantCallsTest, ATenantsCallsInFlightAreBoundedAndOthersGoOn) {
+  std::unique_ptr<client::Client> alice2 = Connect(kAlice);
+  ASSERT_TRUE(alice_->OpenStepChannel().ok());
+  EXPECT_TRUE(alice2->GetInfo().ok());  // two in flight for the call's length
+  ASSERT_TRUE(alice2->OpenStepChannel().ok());
+  const absl::Status refused = Connect(kAlice)->GetInfo().status();
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice' has 2 calls in flight"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("--tenant-max-calls"));
+  EXPECT_TRUE(bob_->GetInfo().ok());
+  EXPECT_TRUE(admin_->GetInfo().ok());
+  alice2->CloseStepChannel();
+  absl::Status again = absl::UnknownError("not tried");
+  for (int i = 0; i < 100 && !again.ok(); ++i) {  // the channel's call ends after its client
+    again = Connect(kAlice)->GetInfo().status();
+    if (!again.ok()) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(again.ok()) << again;
 }
 
 TEST_F(AuthTest, PrefixesAreTheTenantsOwnWhateverTheSalt) {

@@ -1,0 +1,217 @@
+// Every unary handler of kvmem.v1.KvCache, in process, on arbitrary calls. An input is a
+// series of calls, each a method byte, a length and that many bytes parsed as the method's
+// request (an input that does not parse is skipped). Sequence ids in a request are mapped
+// onto the sequences this input created (an id of k > 0 names the ((k - 1) mod (n + 1))-th
+// of n, the last value keeping the id as sent), so that the fuzzer reaches past "unknown
+// sequence". Checked on every input:
+//   - no call answers INTERNAL or UNKNOWN (those are kvmemd's own bugs);
+//   - a failed Append, Step or Compress leaves its sequence exactly as it was (the state
+//     fingerprint: per-slot metadata, scores, block list and K/V);
+//   - once every sequence is released and the prefix cache reclaimed, the pool holds no
+//     block and no page, no reference went wrong, and no host metadata is left counted.
+// The streaming methods (AppendStream, ReadKv, OpenStepChannel) need a live call and are
+// not reached here; the step channel has a harness of its own.
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "fuzz/fuzz_input.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/stubs/logging.h"
+#include "grpcpp/grpcpp.h"
+#include "server/engine/engine.h"
+#include "server/service/kv_cache_service.h"
+#include "server/store/backend_factory.h"
+
+namespace kvmem::fuzz {
+namespace {
+
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+using service::KvCacheService;
+
+struct Daemon {
+  engine::RealClock clock;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<KvCacheService> service;
+};
+Daemon* daemon = nullptr;
+// KVMEM_FUZZ_VERBOSE=1: each call's method and answer on stderr (to read a finding).
+const bool verbose = std::getenv("KVMEM_FUZZ_VERBOSE") != nullptr;
+
+uint64_t MapId(uint64_t sent, const std::vector<uint64_t>& ids) {
+  if (sent == 0) return 0;
+  const uint64_t k = (sent - 1) % (ids.size() + 1);
+  return k < ids.size() ? ids[k] : sent;
+}
+
+// Every uint64 field called sequence_id or sequence_ids, at any depth.
+void MapIds(Message* m, const std::vector<uint64_t>& ids) {
+  const Reflection* r = m->GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  r->ListFields(*m, &fields);
+  for (const FieldDescriptor* f : fields) {
+    if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(*m, f); ++i)
+          MapIds(r->MutableRepeatedMessage(m, f, i), ids);
+      } else {
+        MapIds(r->MutableMessage(m, f), ids);
+      }
+    } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_UINT64 &&
+               (f->name() == "sequence_id" || f->name() == "sequence_ids")) {
+      if (f->is_repeated()) {
+        for (int i = 0; i < r->FieldSize(*m, f); ++i) {
+          r->SetRepeatedUInt64(m, f, i, MapId(r->GetRepeatedUInt64(*m, f, i), ids));
+        }
+      } else {
+        r->SetUInt64(m, f, MapId(r->GetUInt64(*m, f), ids));
+      }
+    }
+  }
+}
+
+std::string FingerprintOf(uint64_t id) {
+  absl::StatusOr<std::string> f = daemon->engine->Fingerprint(id);
+  return f.ok() ? *f : absl::StrCat("(", f.status().ToString(), ")");
+}
+
+template <typename Request, typename Response>
+void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*, Response*),
+          const std::string& bytes, std::vector<uint64_t>* ids, bool unchanged_on_error = false) {
+  Request request;
+  if (!request.ParseFromString(bytes)) return;
+  MapIds(&request, *ids);
+  uint64_t target = 0;
+  std::string before;
+  if constexpr (std::is_same_v<Request, v1::AppendRequest> ||
+                std::is_same_v<Request, v1::StepRequest> ||
+                std::is_same_v<Request, v1::CompressRequest>) {
+    target = request.sequence_id();
+    if (unchanged_on_error) before = FingerprintOf(target);
+  }
+  grpc::ServerContext context;
+  Response response;
+  const grpc::Status status = (daemon->service.get()->*handler)(&context, &request, &response);
+  if (verbose) {
+    std::fprintf(stderr, "%s -> %d %s\n", Request::descriptor()->name().c_str(),
+                 status.error_code(), status.error_message().c_str());
+  }
+  FUZZ_CHECK(status.error_code() != grpc::StatusCode::INTERNAL &&
+                 status.error_code() != grpc::StatusCode::UNKNOWN,
+             "%s answered %d: %s", Request::descriptor()->name().c_str(), status.error_code(),
+             status.error_message().c_str());
+  if (!status.ok() && unchanged_on_error) {
+    FUZZ_CHECK(FingerprintOf(target) == before, "a failed %s (%d: %s) changed sequence %llu",
+               Request::descriptor()->name().c_str(), status.error_code(),
+               status.error_message().c_str(), static_cast<unsigned long long>(target));
+  }
+  if constexpr (std::is_same_v<Response, v1::CreateSequenceResponse> ||
+                std::is_same_v<Response, v1::ForkResponse>) {
+    if (status.ok()) ids->push_back(response.sequence_id());
+  }
+}
+
+}  // namespace
+}  // namespace kvmem::fuzz
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  using namespace kvmem;
+  auto* d = new fuzz::Daemon();
+  // Requests with invalid UTF-8 in a string field fail to parse, which is the point; not a log line
+  // each.
+  google::protobuf::SetLogHandler(nullptr);
+  engine::EngineConfig config;
+  config.pool_bytes = 8ull << 20;
+  config.max_sequences = 32;
+  config.max_append_bytes = 1ull << 20;
+  config.host_metadata_bytes = 32ull << 20;
+  config.in_place_writes = true;
+  config.table_area_bytes = 1ull << 20;
+  config.parallel_batches = false;  // one input, one order: a finding replays
+  // Reclaim gives back every cached prefix block (the end-of-input check needs them back).
+  config.cache_high_watermark = config.cache_low_watermark = 1e-9;
+  auto backend = store::MakeBackend("cpu", config.pool_bytes);
+  FUZZ_CHECK(backend.ok(), "%s", backend.status().ToString().c_str());
+  auto engine = engine::Engine::Create(config, *std::move(backend), &d->clock);
+  FUZZ_CHECK(engine.ok(), "%s", engine.status().ToString().c_str());
+  d->engine = *std::move(engine);
+  d->service = std::make_unique<service::KvCacheService>(d->engine.get(), "fuzz",
+                                                         service::ServiceLimits{}, &d->clock);
+  fuzz::daemon = d;
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace kvmem;
+  using S = service::KvCacheService;
+  fuzz::FuzzInput in(data, size);
+  std::vector<uint64_t> ids;
+  for (int calls = 0; calls < 32 && in.remaining() > 0; ++calls) {
+    const uint8_t method = in.Take<uint8_t>();
+    const std::string bytes = in.Bytes(in.Take<uint16_t>());
+    switch (method % 13) {
+      case 0:
+        fuzz::Call(&S::GetInfo, bytes, &ids);
+        break;
+      case 1:
+        fuzz::Call(&S::CreateSequence, bytes, &ids);
+        break;
+      case 2:
+        fuzz::Call(&S::Append, bytes, &ids, /*unchanged_on_error=*/true);
+        break;
+      case 3:
+        fuzz::Call(&S::Step, bytes, &ids, /*unchanged_on_error=*/true);
+        break;
+      case 4:
+        fuzz::Call(&S::StepBatch, bytes, &ids);
+        break;
+      case 5:
+        fuzz::Call(&S::Compress, bytes, &ids, /*unchanged_on_error=*/true);
+        break;
+      case 6:
+        fuzz::Call(&S::GetBlockTable, bytes, &ids);
+        break;
+      case 7:
+        fuzz::Call(&S::Fork, bytes, &ids);
+        break;
+      case 8:
+        fuzz::Call(&S::Publish, bytes, &ids);
+        break;
+      case 9:
+        fuzz::Call(&S::Lookup, bytes, &ids);
+        break;
+      case 10:
+        fuzz::Call(&S::Release, bytes, &ids);
+        break;
+      case 11:
+        fuzz::Call(&S::KeepAlive, bytes, &ids);
+        break;
+      case 12:
+        fuzz::Call(&S::Stats, bytes, &ids);
+        break;
+    }
+  }
+  // Back to empty: every sequence released, every cached block reclaimed.
+  engine::Engine& engine = *fuzz::daemon->engine;
+  for (const engine::SequenceSummary& s : engine.Stats(/*include_sequences=*/true).sequences) {
+    engine.Release(s.sequence_id).IgnoreError();
+  }
+  engine.ReclaimToWatermark();
+  const engine::EngineStats stats = engine.Stats(/*include_sequences=*/false);
+  FUZZ_CHECK(
+      stats.pool.blocks_used == 0 && stats.pool.pages_used == 0 && stats.pool.bad_unrefs == 0,
+      "after everything was released: %llu blocks, %llu pages in use, %llu bad unrefs",
+      static_cast<unsigned long long>(stats.pool.blocks_used),
+      static_cast<unsigned long long>(stats.pool.pages_used),
+      static_cast<unsigned long long>(stats.pool.bad_unrefs));
+  FUZZ_CHECK(stats.host_metadata_bytes == 0 && stats.sequences_active == 0,
+             "after everything was released: %llu bytes of host metadata, %u sequences",
+             static_cast<unsigned long long>(stats.host_metadata_bytes), stats.sequences_active);
+  return 0;
+}
