@@ -1,9 +1,11 @@
 // kvmemd: the kvmem daemon. Serves kvmem.v1.KvCache, grpc.health.v1 and reflection.
 // SIGTERM or SIGINT drains: health turns NOT_SERVING, in-flight calls finish, exit code 0.
 #include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -11,6 +13,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "server/service/server.h"
 #include "server/transport/shared_segment.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -195,16 +198,51 @@ int main(int argc, char** argv) {
   // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
   // prefixes are those of store/cpu_backend.cc, engine/epoch_board.cc, engine/table_board.cc
   // and transport/step_channel.cc.
-  for (const std::string& name : kvmem::transport::RemoveStaleSegments(
-           {"kvmem-pool", "kvmem-epochs", "kvmem-chan", "kvmem-sig", "kvmem-tables"})) {
+  const std::vector<std::string> segment_prefixes = {"kvmem-pool", "kvmem-epochs", "kvmem-chan",
+                                                     "kvmem-sig", "kvmem-tables"};
+  for (const std::string& name : kvmem::transport::RemoveStaleSegments(segment_prefixes)) {
     spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
   }
 
+  // One thread takes the signals, from before the pool is allocated (seconds for a large
+  // one): SIGTERM or SIGINT while kvmemd starts ends it there, its segments' names removed;
+  // once it serves, they drain it (main, below) and SIGHUP reloads the tokens.
+  std::atomic<kvmem::service::Server*> serving{nullptr};
+  absl::Notification stop;
+  std::atomic<int> stop_signal{0};
+  std::thread signal_thread([&] {
+    int sig = 0;
+    while (sigwait(&signals, &sig) == 0) {
+      kvmem::service::Server* server = serving.load();
+      if (sig == SIGHUP && server == nullptr) {
+        spdlog::info(
+            "kvmemd: SIGHUP while starting: ignored (the tokens are read as kvmemd starts)");
+      } else if (sig == SIGHUP) {
+        const absl::Status reloaded = server->ReloadTokens();
+        if (reloaded.ok()) {
+          spdlog::info("kvmemd: SIGHUP: tokens read again from {}", config.auth_tokens);
+        } else {
+          spdlog::warn("kvmemd: SIGHUP: tokens kept as they were: {}", reloaded.ToString());
+        }
+      } else if (server == nullptr) {
+        kvmem::transport::RemoveOwnSegments(segment_prefixes);
+        spdlog::info("kvmemd: signal {} received while starting: stopped before serving", sig);
+        spdlog::shutdown();
+        std::_Exit(0);
+      } else {
+        stop_signal = sig;
+        stop.Notify();
+        return;
+      }
+    }
+  });
+  spdlog::info("kvmemd: starting (pool of {} bytes)", config.engine.pool_bytes);
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);
   if (!server.ok()) {
     spdlog::error("kvmemd: {}", server.status().ToString());
-    return 2;
+    spdlog::shutdown();
+    std::_Exit(2);  // the signal thread still waits
   }
   const auto& info = (*server)->engine();
   spdlog::info("kvmemd listening on {} (port {}), backend {} ({}), pool {} bytes", config.listen,
@@ -219,16 +257,10 @@ int main(int argc, char** argv) {
               (*server)->metrics_port(), config.listen.c_str());
   std::fflush(stdout);
 
-  int sig = 0;
-  while (sigwait(&signals, &sig) == 0 && sig == SIGHUP) {
-    const absl::Status reloaded = (*server)->ReloadTokens();
-    if (reloaded.ok()) {
-      spdlog::info("kvmemd: SIGHUP: tokens read again from {}", config.auth_tokens);
-    } else {
-      spdlog::warn("kvmemd: SIGHUP: tokens kept as they were: {}", reloaded.ToString());
-    }
-  }
-  spdlog::info("kvmemd: signal {} received, draining", sig);
+  serving = server->get();
+  stop.WaitForNotification();
+  signal_thread.join();
+  spdlog::info("kvmemd: signal {} received, draining", stop_signal.load());
   (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   server->reset();
   spdlog::info("kvmemd: drained, exiting");

@@ -167,4 +167,23 @@ std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& pre
   return removed;
 }
 
+std::vector<std::string> RemoveOwnSegments(const std::vector<std::string>& prefixes,
+                                           const std::string& dir) {
+  std::vector<std::string> removed;
+  DIR* listing = opendir(dir.c_str());
+  if (listing == nullptr) return removed;
+  const pid_t self = getpid();
+  while (const dirent* entry = readdir(listing)) {
+    const std::string name = entry->d_name;
+    for (const std::string& prefix : prefixes) {
+      if (OwnerPid(name, prefix) == self && unlink(absl::StrCat(dir, "/", name).c_str()) == 0) {
+        removed.push_back(name);
+        break;
+      }
+    }
+  }
+  closedir(listing);
+  return removed;
+}
+
 }  // namespace kvmem::transport

@@ -214,6 +214,32 @@ TEST(KvmemdProcessTest, RefusesAPoolThatDevShmCannotHold) {
   EXPECT_THAT(out, HasSubstr("/dev/shm has"));
 }
 
+// SIGTERM while kvmemd allocates a large pool (seconds) stops it once the allocation call
+// returns, before it serves, with no segment left in /dev/shm; before, the signal waited
+// until kvmemd had started serving, then drained it.
+TEST(KvmemdProcessTest, SigtermWhileStartingStopsItBeforeItServes) {
+  struct statvfs fs {};
+  ASSERT_EQ(statvfs("/dev/shm", &fs), 0);
+  const uint64_t pool = 6ull << 30;
+  if (uint64_t{fs.f_bavail} * fs.f_frsize < 2 * pool) {
+    GTEST_SKIP() << "/dev/shm has less than 12 GiB free";
+  }
+  const std::string dir = ::testing::TempDir() + "/kvmemd_stop_" + std::to_string(getpid());
+  const std::string out = RunShell(
+      "mkdir -p " + dir + " && cd " + dir + " || exit 1; " + std::string(KVMEMD_PATH) +
+      " --listen=127.0.0.1:0 --metrics-listen= --pool-prefault=false --pool-bytes=" +
+      std::to_string(pool) +
+      " >stdout 2>stderr & pid=$!; "
+      "for i in $(seq 500); do grep -q 'kvmemd: starting' stderr && break; sleep 0.01; done; "
+      "kill -TERM $pid; wait $pid; echo rc=$?; echo pid=$pid; cat stdout stderr; "
+      "ls /dev/shm | grep -c -- \"-$pid-\"; rm -rf " +
+      dir);
+  EXPECT_THAT(out, HasSubstr("rc=0"));
+  EXPECT_THAT(out, HasSubstr("stopped before serving"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("READY")));
+  EXPECT_THAT(out, ::testing::EndsWith("\n0\n"));  // no segment of its pid left
+}
+
 // ---- raw-stub helpers: no client-side retries, so every status is the daemon's own ----
 
 // Layout of the sequences below: 2 layers x 1 head x head_dim 8, f32 (64 bytes per token
