@@ -19,6 +19,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                    t.data - data <= static_cast<ptrdiff_t>(size - t.bytes),
                "tensor %s: %llu bytes at offset %td of a %zu-byte image", t.name.c_str(),
                static_cast<unsigned long long>(t.bytes), t.data - data, size);
+    // The size again, from the dims and the type's block size here, not the reader's.
+    unsigned __int128 elements = 1;
+    for (uint64_t d : t.dims) elements *= d;
+    unsigned __int128 expected = 0;
+    switch (t.type) {
+      case 0:
+        expected = elements * 4;
+        break;  // f32
+      case 1:
+        expected = elements * 2;
+        break;  // f16
+      case 2:
+        expected = elements / 32 * 18;
+        break;  // q4_0: 32 values in 2 + 16 bytes
+      case 3:
+        expected = elements / 32 * 20;
+        break;  // q4_1: 32 values in 4 + 16 bytes
+      case 8:
+        expected = elements / 32 * 34;
+        break;  // q8_0: 32 values in 2 + 32 bytes
+      default:
+        expected = t.bytes;
+        break;  // a type the reader does not convert
+    }
+    FUZZ_CHECK(expected == t.bytes && elements == t.elements,
+               "tensor %s of type %u: %llu bytes and %llu elements declared for its dims",
+               t.name.c_str(), t.type, static_cast<unsigned long long>(t.bytes),
+               static_cast<unsigned long long>(t.elements));
     // Touch the first and last byte: an address outside the image faults under ASan.
     if (t.bytes > 0) {
       volatile uint8_t first = t.data[0], last = t.data[t.bytes - 1];

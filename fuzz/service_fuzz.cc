@@ -1,12 +1,15 @@
 // Every unary handler of kvmem.v1.KvCache, in process, on arbitrary calls. An input is a
 // series of calls, each a method byte, a length and that many bytes parsed as the method's
-// request (an input that does not parse is skipped). Sequence ids in a request are mapped
-// onto the sequences this input created (an id of k > 0 names the ((k - 1) mod (n + 1))-th
-// of n, the last value keeping the id as sent), so that the fuzzer reaches past "unknown
-// sequence". Checked on every input:
-//   - no call answers INTERNAL or UNKNOWN (those are kvmemd's own bugs);
+// request (an input that does not parse is skipped), against an engine and service of its
+// own (created for the input, so that a finding replays alone: ids, epochs and request ids
+// start afresh). Sequence ids in a request are mapped onto the sequences this input
+// created (an id of k > 0 names the ((k - 1) mod (n + 1))-th of n, the last value keeping
+// the id as sent), so that the fuzzer reaches past "unknown sequence". Checked on every
+// input:
+//   - no call and no StepBatch entry answers INTERNAL or UNKNOWN (kvmemd's own bugs);
 //   - a failed Append, Step or Compress leaves its sequence exactly as it was (the state
-//     fingerprint: per-slot metadata, scores, block list and K/V);
+//     fingerprint: per-slot metadata, scores, block list and K/V; a sequence poisoned by
+//     it counts as changed: on the CPU backend no backend call fails);
 //   - once every sequence is released and the prefix cache reclaimed, the pool holds no
 //     block and no page, no reference went wrong, and no host metadata is left counted.
 // The streaming methods (AppendStream, ReadKv, OpenStepChannel) need a live call and are
@@ -17,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "fuzz/fuzz_input.h"
 #include "google/protobuf/descriptor.h"
@@ -35,12 +39,12 @@ using google::protobuf::Message;
 using google::protobuf::Reflection;
 using service::KvCacheService;
 
-struct Daemon {
-  engine::RealClock clock;
+struct Kvmemd {
+  engine::FakeClock clock;  // leases and retried request ids never lapse within an input
   std::unique_ptr<engine::Engine> engine;
   std::unique_ptr<KvCacheService> service;
 };
-Daemon* daemon = nullptr;
+Kvmemd* kvmemd = nullptr;  // the input's
 // KVMEM_FUZZ_VERBOSE=1: each call's method and answer on stderr (to read a finding).
 const bool verbose = std::getenv("KVMEM_FUZZ_VERBOSE") != nullptr;
 
@@ -77,8 +81,16 @@ void MapIds(Message* m, const std::vector<uint64_t>& ids) {
 }
 
 std::string FingerprintOf(uint64_t id) {
-  absl::StatusOr<std::string> f = daemon->engine->Fingerprint(id);
+  absl::StatusOr<std::string> f = kvmemd->engine->Fingerprint(id);
+  FUZZ_CHECK(f.ok() || absl::IsNotFound(f.status()) || absl::IsDataLoss(f.status()),
+             "the fingerprint of sequence %llu: %s", static_cast<unsigned long long>(id),
+             f.status().ToString().c_str());
   return f.ok() ? *f : absl::StrCat("(", f.status().ToString(), ")");
+}
+
+void CheckCode(int code, const char* what, const std::string& message) {
+  FUZZ_CHECK(code != grpc::StatusCode::INTERNAL && code != grpc::StatusCode::UNKNOWN,
+             "%s answered %d: %s", what, code, message.c_str());
 }
 
 template <typename Request, typename Response>
@@ -97,15 +109,17 @@ void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Re
   }
   grpc::ServerContext context;
   Response response;
-  const grpc::Status status = (daemon->service.get()->*handler)(&context, &request, &response);
+  const grpc::Status status = (kvmemd->service.get()->*handler)(&context, &request, &response);
   if (verbose) {
     std::fprintf(stderr, "%s -> %d %s\n", Request::descriptor()->name().c_str(),
                  status.error_code(), status.error_message().c_str());
   }
-  FUZZ_CHECK(status.error_code() != grpc::StatusCode::INTERNAL &&
-                 status.error_code() != grpc::StatusCode::UNKNOWN,
-             "%s answered %d: %s", Request::descriptor()->name().c_str(), status.error_code(),
-             status.error_message().c_str());
+  CheckCode(status.error_code(), Request::descriptor()->name().c_str(), status.error_message());
+  if constexpr (std::is_same_v<Response, v1::StepBatchResponse>) {
+    for (const v1::StepBatchResult& result : response.results()) {
+      CheckCode(result.status().code(), "a StepBatch entry", result.status().message());
+    }
+  }
   if (!status.ok() && unchanged_on_error) {
     FUZZ_CHECK(FingerprintOf(target) == before, "a failed %s (%d: %s) changed sequence %llu",
                Request::descriptor()->name().c_str(), status.error_code(),
@@ -120,12 +134,11 @@ void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Re
 }  // namespace
 }  // namespace kvmem::fuzz
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  using namespace kvmem;
-  auto* d = new fuzz::Daemon();
-  // Requests with invalid UTF-8 in a string field fail to parse, which is the point; not a log line
-  // each.
-  google::protobuf::SetLogHandler(nullptr);
+namespace kvmem::fuzz {
+namespace {
+
+std::unique_ptr<Kvmemd> Start() {
+  auto d = std::make_unique<Kvmemd>();
   engine::EngineConfig config;
   config.pool_bytes = 8ull << 20;
   config.max_sequences = 32;
@@ -133,7 +146,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   config.host_metadata_bytes = 32ull << 20;
   config.in_place_writes = true;
   config.table_area_bytes = 1ull << 20;
-  config.parallel_batches = false;  // one input, one order: a finding replays
+  config.parallel_batches = false;  // one input, one order
   // Reclaim gives back every cached prefix block (the end-of-input check needs them back).
   config.cache_high_watermark = config.cache_low_watermark = 1e-9;
   auto backend = store::MakeBackend("cpu", config.pool_bytes);
@@ -141,15 +154,26 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   auto engine = engine::Engine::Create(config, *std::move(backend), &d->clock);
   FUZZ_CHECK(engine.ok(), "%s", engine.status().ToString().c_str());
   d->engine = *std::move(engine);
-  d->service = std::make_unique<service::KvCacheService>(d->engine.get(), "fuzz",
-                                                         service::ServiceLimits{}, &d->clock);
-  fuzz::daemon = d;
+  d->service = std::make_unique<KvCacheService>(d->engine.get(), "fuzz", service::ServiceLimits{},
+                                                &d->clock);
+  return d;
+}
+
+}  // namespace
+}  // namespace kvmem::fuzz
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  // Requests with invalid UTF-8 in a string field fail to parse, which is the point; not a
+  // log line each.
+  google::protobuf::SetLogHandler(nullptr);
   return 0;
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvmem;
   using S = service::KvCacheService;
+  std::unique_ptr<fuzz::Kvmemd> d = fuzz::Start();
+  fuzz::kvmemd = d.get();
   fuzz::FuzzInput in(data, size);
   std::vector<uint64_t> ids;
   for (int calls = 0; calls < 32 && in.remaining() > 0; ++calls) {
@@ -198,7 +222,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   // Back to empty: every sequence released, every cached block reclaimed.
-  engine::Engine& engine = *fuzz::daemon->engine;
+  engine::Engine& engine = *d->engine;
   for (const engine::SequenceSummary& s : engine.Stats(/*include_sequences=*/true).sequences) {
     engine.Release(s.sequence_id).IgnoreError();
   }
@@ -213,5 +237,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FUZZ_CHECK(stats.host_metadata_bytes == 0 && stats.sequences_active == 0,
              "after everything was released: %llu bytes of host metadata, %u sequences",
              static_cast<unsigned long long>(stats.host_metadata_bytes), stats.sequences_active);
-  return 0;
+  fuzz::kvmemd = nullptr;
+  return 0;  // `d` goes, its shared-memory segments with it
 }

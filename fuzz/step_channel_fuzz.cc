@@ -1,7 +1,8 @@
 // A step channel's daemon side (StepChannel::ServeOne, with the signal area's reader) on
-// whatever a hostile same-host client can write: the request's kind, claimed length and
-// bytes, any bytes in the signal area, and attention offsets into it. The handler reads
-// each entry's rows from the area as the service does (SignalsFromArea) and answers with
+// what a hostile same-host client writes between its calls: the request's kind, claimed
+// length and bytes, any bytes in the signal area, and attention offsets into it. (Writes
+// racing the daemon's copy, and a segment shrunk under it, are step_channel_test's.) The handler
+// reads each entry's rows from the area as the service does (SignalsFromArea) and answers with
 // table updates sized by the entry, so that answers also pass the area's capacity and come
 // back in chunks. Checked on every input: the answer is whole and well-formed — a failed
 // call's code and google.rpc.Status, or, over all of its chunks, a StepBatchResponse with
@@ -174,8 +175,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                "a chunk of %u bytes", chunk);
     answer.append(reinterpret_cast<const char*>(c.segment + h->response_offset), chunk);
   }
-  if (!fuzz::handler_ran)
-    return 0;  // kMore with nothing pending answers an empty OK? checked below
+  FUZZ_CHECK(fuzz::handler_ran, "an OK answer without a batch run (kind %u)", kind);
   v1::StepBatchResponse response;
   FUZZ_CHECK(response.ParseFromString(answer), "the answer's %zu bytes do not parse",
              answer.size());

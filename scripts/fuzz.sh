@@ -33,7 +33,11 @@ for h in $harnesses; do
   fi
   grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb|^#[0-9]+ *DONE" "$log" || true
   before=$(ls "fuzz/corpus/$h" | wc -l)
-  build-fuzz/fuzz/${h}_fuzz -merge=1 "fuzz/corpus/$h" "$found" >>"$log" 2>&1
+  if ! build-fuzz/fuzz/${h}_fuzz -merge=1 "fuzz/corpus/$h" "$found" >>"$log" 2>&1; then
+    echo "fuzz: $h: merging into fuzz/corpus/$h failed (see $log)"
+    failed=1
+    continue
+  fi
   echo "fuzz: $h corpus $before -> $(ls "fuzz/corpus/$h" | wc -l) inputs"
 done
 exit $failed

@@ -205,8 +205,10 @@ int main(int argc, char** argv) {
   }
 
   // One thread takes the signals, from before the pool is allocated (seconds for a large
-  // one): SIGTERM or SIGINT while kvmemd starts ends it there, its segments' names removed;
-  // once it serves, they drain it (main, below) and SIGHUP reloads the tokens.
+  // one): SIGTERM or SIGINT while kvmemd starts ends it there, before it serves, with the
+  // names of the segments it made removed (the pool's unlink waits for its allocation call;
+  // a segment made after the removal is left to the next start); once Start has returned,
+  // they drain it (main, below) and SIGHUP reloads the tokens.
   std::atomic<kvmem::service::Server*> serving{nullptr};
   absl::Notification stop;
   std::atomic<int> stop_signal{0};
@@ -227,7 +229,7 @@ int main(int argc, char** argv) {
       } else if (server == nullptr) {
         kvmem::transport::RemoveOwnSegments(segment_prefixes);
         spdlog::info("kvmemd: signal {} received while starting: stopped before serving", sig);
-        spdlog::shutdown();
+        spdlog::default_logger()->flush();
         std::_Exit(0);
       } else {
         stop_signal = sig;
@@ -241,9 +243,10 @@ int main(int argc, char** argv) {
       kvmem::service::Server::Start(config);
   if (!server.ok()) {
     spdlog::error("kvmemd: {}", server.status().ToString());
-    spdlog::shutdown();
+    spdlog::default_logger()->flush();
     std::_Exit(2);  // the signal thread still waits
   }
+  serving = server->get();  // it serves from here: a SIGTERM drains it
   const auto& info = (*server)->engine();
   spdlog::info("kvmemd listening on {} (port {}), backend {} ({}), pool {} bytes", config.listen,
                (*server)->port(), std::string(info.backend().kind()), info.backend().device_name(),
@@ -257,7 +260,6 @@ int main(int argc, char** argv) {
               (*server)->metrics_port(), config.listen.c_str());
   std::fflush(stdout);
 
-  serving = server->get();
   stop.WaitForNotification();
   signal_thread.join();
   spdlog::info("kvmemd: signal {} received, draining", stop_signal.load());

@@ -1,7 +1,8 @@
 #pragma once
 // Which KvCache calls the service takes on: CallGate lets a drain finish the calls already
-// inside a handler while turning new ones away; AppendStreamBudget bounds what the open
-// AppendStreams hold, daemon-wide (contract 3: buffers of calls in flight are bounded).
+// inside a handler while turning new ones away; TenantCalls bounds each tenant's calls in
+// flight; AppendStreamBudget bounds what the open AppendStreams hold, daemon-wide
+// (contract 3: buffers of calls in flight are bounded).
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -83,7 +84,8 @@ class CallGate {
 };
 
 // Calls in flight per tenant (--tenant-max-calls), so that one tenant's many or slow calls
-// cannot hold every handler thread the others need. The count of a tenant goes when its
+// cannot hold every handler thread the others need (without identities every call is the
+// anonymous tenant's: the limit is then daemon-wide). The count of a tenant goes when its
 // last call ends: the table holds only tenants with calls in flight.
 class TenantCalls {
  public:
@@ -94,10 +96,12 @@ class TenantCalls {
     ~Ticket();
     Ticket(Ticket&& other) noexcept
         : calls_(std::exchange(other.calls_, nullptr)), tenant_(std::move(other.tenant_)) {}
-    // Swaps: what this held goes with `other`.
     Ticket& operator=(Ticket&& other) noexcept {
-      std::swap(calls_, other.calls_);
-      std::swap(tenant_, other.tenant_);
+      if (this != &other) {
+        Ticket gone(std::move(*this));  // what this held is given back now
+        calls_ = std::exchange(other.calls_, nullptr);
+        tenant_ = std::move(other.tenant_);
+      }
       return *this;
     }
     Ticket(const Ticket&) = delete;

@@ -5,8 +5,9 @@
 // also killed when the thread that started it ends, so a test that returns early or
 // crashes leaves no daemon behind (an orphan holds the test's output pipe open, and whoever
 // reads that pipe — ctest, a `| tee` — waits for it forever; seen on the first GPU run).
-// SIGKILL, not SIGTERM: a daemon still starting ignores SIGTERM; the next daemon removes
-// the shared-memory segments of a killed one.
+// SIGKILL, not SIGTERM: the daemon must end at once whatever it is doing (SIGTERM drains,
+// for up to --drain-seconds); the next daemon removes the shared-memory segments of a
+// killed one.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
