@@ -513,9 +513,41 @@ absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
   return ReleaseLocked(**seq);
 }
 
-EngineStats Engine::Stats(bool include_sequences) {
+EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
   EngineStats stats;
   stats.pool = pool_->usage();
+  if (owner != nullptr) {
+    EngineStats own;
+    own.pool.pool_bytes = stats.pool.pool_bytes;
+    own.pool.page_bytes = stats.pool.page_bytes;
+    own.pool.pages_total = stats.pool.pages_total;
+    absl::flat_hash_map<std::string, uint64_t> by_precision;
+    const absl::Time now = registry_.Now();
+    for (const auto& seq : registry_.All()) {
+      kvmem::MutexLock lock(&seq->mu);
+      if (seq->released() || seq->owner() != *owner) continue;
+      SequenceSummary summary = Summarize(*seq, now);
+      ++own.sequences_active;
+      own.tokens_appended += summary.appended_tokens;
+      own.steps += summary.steps;
+      own.kv_bytes += summary.kv_bytes;
+      own.full_cache_bytes += seq->appended() * 2 * seq->layout().payload_bytes(1);
+      own.slot_state_bytes += summary.slot_state_bytes;
+      own.pool.blocks_used += summary.blocks;
+      own.pool.block_bytes_used += summary.pool_bytes_held;
+      AddBlockBytes(*seq, &by_precision);
+      if (include_sequences) own.sequences.push_back(std::move(summary));
+    }
+    std::sort(own.sequences.begin(), own.sequences.end(),
+              [](const SequenceSummary& a, const SequenceSummary& b) {
+                return a.sequence_id < b.sequence_id;
+              });
+    for (const char* name : {"f32", "f16", "bf16", "int8", "int4", "nf4"}) {
+      auto it = by_precision.find(name);
+      own.block_bytes_by_precision.emplace_back(name, it == by_precision.end() ? 0 : it->second);
+    }
+    return own;
+  }
   stats.pool_free_bytes = pool_->free_bytes();
   stats.tokens_appended = telemetry_.tokens_appended;
   stats.stream_slots_evicted = telemetry_.stream_slots_evicted;

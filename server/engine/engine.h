@@ -146,8 +146,11 @@ class Engine {
   uint64_t ReclaimToWatermark();
 
   // Locks each sequence in turn (the memory totals are kept per stream): for Stats and
-  // /metrics.
-  EngineStats Stats(bool include_sequences);
+  // /metrics. With `owner`, a tenant's view: the pool's size, and that owner's sequences
+  // and what they hold (pool bytes as the blocks they name, shared ones counted by each);
+  // nothing summed over other tenants (usage, counters since the start, prefix hits, the
+  // table area) is in it.
+  EngineStats Stats(bool include_sequences, const std::string* owner = nullptr);
   // Everything a sequence holds, as text (per-slot metadata and scores, block list, K/V),
   // without the epoch: equal before and after a call exactly when the call changed nothing
   // a later call could see. For tests (state fingerprints around failures).

@@ -445,15 +445,12 @@ grpc::Status KvCacheService::Stats(grpc::ServerContext* context, const v1::Stats
   if (!call.ok()) return ToGrpc(call.status());
   StatsPage page;
   if (absl::Status s = ReadStatsPage(*request, &page); !s.ok()) return ToGrpc(s);
-  engine::EngineStats stats = engine_->Stats(request->include_sequences());
-  if (!call->who.admin) {  // a tenant's own sequences only
-    std::vector<engine::SequenceSummary>& all = stats.sequences;
-    all.erase(std::remove_if(
-                  all.begin(), all.end(),
-                  [&](const engine::SequenceSummary& s) { return s.owner != call->who.tenant; }),
-              all.end());
-  }
+  // A tenant sees its own sequences and what they hold; an admin, the daemon's.
+  const std::string* owner = call->who.admin ? nullptr : &call->who.tenant;
+  engine::EngineStats stats = engine_->Stats(request->include_sequences(), owner);
+  const uint64_t own_bytes = stats.pool.block_bytes_used;
   FillStatsPage(std::move(stats), page, response);
+  if (owner != nullptr) response->set_pool_used_bytes(own_bytes);
   return grpc::Status::OK;
 }
 

@@ -273,6 +273,31 @@ TEST_F(TenantCallsTest, ATenantsCallsInFlightAreBoundedAndOthersGoOn) {
   EXPECT_TRUE(again.ok()) << again;
 }
 
+// A tenant's Stats are its own: its sequences and their totals; nothing summed over other
+// tenants or kept since the start (before, every tenant saw the daemon's totals).
+TEST_F(AuthTest, StatsShowATenantOnlyItsOwn) {
+  Filled(*alice_, 16);
+  Filled(*alice_, 32);
+  Filled(*bob_, 48);
+  auto alices = alice_->GetStats(true);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  EXPECT_EQ(alices->sequences.size(), 2u);
+  EXPECT_EQ(alices->sequences_active, 2u);
+  EXPECT_EQ(alices->tokens_appended, 48u);
+  EXPECT_EQ(alices->full_cache_bytes, 48u * 2 * kL * kH * kD * 2);
+  EXPECT_GT(alices->pool_used_bytes, 0u);
+  EXPECT_GT(alices->pool_bytes, alices->pool_used_bytes);
+  EXPECT_EQ(alices->sequences_created, 0u);
+  EXPECT_EQ(alices->pages_used, 0u);
+  EXPECT_EQ(alices->host_metadata_bytes, 0u);
+  EXPECT_EQ(alices->prefix_queries, 0u);
+  auto all = admin_->GetStats(true);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->sequences_active, 3u);
+  EXPECT_EQ(all->tokens_appended, 96u);
+  EXPECT_EQ(all->sequences_created, 3u);
+}
+
 TEST_F(AuthTest, PrefixesAreTheTenantsOwnWhateverTheSalt) {
   client::Prompt prompt;
   for (int32_t t = 0; t < 48; ++t) prompt.token_ids.push_back(1000 + t);
