@@ -281,14 +281,39 @@ absl::StatusOr<uint64_t> Engine::TableVersion(uint64_t sequence_id) {
   return seq.version();
 }
 
-absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions) {
+absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool positions,
+                                                 uint32_t layer_begin, uint32_t layer_end,
+                                                 uint64_t max_bytes) {
   return GuardHostMemory("GetBlockTable", [&]() -> absl::StatusOr<BlockTable> {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
     Sequence& seq = **ref;
     seq.mu.AssertHeld();
+    const uint32_t layers = seq.layout().num_layers;
+    if (layer_begin == 0 && layer_end == 0) layer_end = layers;
+    if (layer_end > layers || layer_begin >= layer_end) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ", layer_end,
+                       ") is not a non-empty range within [0, ", layers, ")"));
+    }
     registry_.Renew(seq);
-    return versions_.Table(seq, positions);
+    if (max_bytes > 0) {
+      // As packed: a block entry's id, offset, precision, start and count take at most
+      // 5 + 10 + 1 + 3 + 3 bytes, a position at most 10; each stream 32 more.
+      const size_t heads = seq.layout().num_kv_heads;
+      uint64_t bytes = 0;
+      for (size_t s = layer_begin * heads; s < layer_end * heads; ++s) {
+        const Stream& st = seq.streams()[s];
+        bytes += 32 + 22 * st.blocks().size() + (positions ? 10 * st.size() : 0);
+      }
+      if (bytes > max_bytes) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("layer_begin/layer_end: the table of layers [", layer_begin, ", ",
+                         layer_end, ") takes up to ", bytes, " bytes, past the message limit of ",
+                         max_bytes, " (--max-message-bytes); ask for fewer layers at a time"));
+      }
+    }
+    return versions_.Table(seq, positions, layer_begin, layer_end);
   });
 }
 

@@ -120,7 +120,12 @@ class Engine {
                                              bool positions, uint64_t version_before = kNoCall);
   // The sequence's table version now.
   absl::StatusOr<uint64_t> TableVersion(uint64_t sequence_id);
-  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true);
+  // Layers [layer_begin, layer_end) (both 0: every layer). With `max_bytes`, a table whose
+  // answer would take more (its block entries and positions, as packed in a message) is
+  // RESOURCE_EXHAUSTED: a huge sequence's table is asked for in pieces.
+  absl::StatusOr<BlockTable> GetBlockTable(uint64_t sequence_id, bool positions = true,
+                                           uint32_t layer_begin = 0, uint32_t layer_end = 0,
+                                           uint64_t max_bytes = 0);
   // KvReader::Read.
   absl::Status ReadKV(uint64_t sequence_id, uint64_t epoch, uint32_t layer_begin,
                       uint32_t layer_end, const std::function<absl::Status(StreamKV&&)>& sink,

@@ -73,7 +73,8 @@ absl::Status TableVersions::StaleEpoch(const Sequence& seq, absl::string_view me
   return status;
 }
 
-BlockTable TableVersions::Table(const Sequence& seq, bool positions) const {
+BlockTable TableVersions::Table(const Sequence& seq, bool positions, uint32_t layer_begin,
+                                uint32_t layer_end) const {
   BlockTable table;
   table.sequence_id = seq.id();
   table.epoch = seq.epoch();
@@ -84,10 +85,13 @@ BlockTable TableVersions::Table(const Sequence& seq, bool positions) const {
   table.quantization = seq.format().quant_precision();
   table.quantized_block_bytes =
       seq.quant().type ? seq.format().block_bytes(seq.format().quant_precision()) : 0;
-  table.streams.resize(seq.streams().size());
-  for (size_t s = 0; s < seq.streams().size(); ++s) {
+  const size_t heads = seq.layout().num_kv_heads;
+  const size_t first = layer_begin * heads;
+  const size_t last = layer_end == 0 ? seq.streams().size() : layer_end * heads;
+  table.streams.resize(last - first);
+  for (size_t s = first; s < last; ++s) {
     const Stream& st = seq.streams()[s];
-    StreamTable& out = table.streams[s];
+    StreamTable& out = table.streams[s - first];
     out.layer = static_cast<uint32_t>(s / seq.layout().num_kv_heads);
     out.kv_head = static_cast<uint32_t>(s % seq.layout().num_kv_heads);
     out.blocks.reserve(st.blocks().size());

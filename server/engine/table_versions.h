@@ -79,8 +79,10 @@ class TableVersions {
     bool committed_ = false;
   };
 
-  // The whole table (notes its version as answered: the client may hold it).
-  BlockTable Table(const Sequence& seq, bool positions) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // The whole table, or its streams of layers [layer_begin, layer_end) (end 0: through the
+  // last); notes its version as answered: the client may hold it.
+  BlockTable Table(const Sequence& seq, bool positions, uint32_t layer_begin = 0,
+                   uint32_t layer_end = 0) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // What changed since `known_version`: a delta when that version is one of the last two
   // the sequence published, else the whole table (also for a version of another sequence,
   // or 0 = none held). `version_before`: the table's version before the call that changed

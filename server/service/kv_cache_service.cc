@@ -12,6 +12,18 @@
 
 namespace kvmem::service {
 
+namespace {
+
+// The engine names a layer range by its own parameters; a request's field is `layers`.
+absl::Status LayersField(absl::Status status) {
+  constexpr absl::string_view kEngineRange = "layer_begin/layer_end: ";
+  if (!absl::StartsWith(status.message(), kEngineRange)) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat("layers: ", status.message().substr(kEngineRange.size())));
+}
+
+}  // namespace
+
 absl::Status KvCacheService::StillWanted(grpc::ServerContext* context, absl::string_view method) {
   // The deadline only: IsCancelled() polls the call's completion queue on the sync server,
   // work on every decode step; a cancelled call's answer is dropped by gRPC anyway.
@@ -256,9 +268,19 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext* context,
   if (absl::Status s = Owns(call->who, request->sequence_id()); !s.ok()) {
     return ToGrpc(s, request->sequence_id());
   }
+  uint32_t layer_begin = 0, layer_end = 0;
+  if (request->has_layers()) {
+    layer_begin = request->layers().begin();
+    layer_end = request->layers().end();
+    if (layer_end == 0) {  // [0, 0) would mean every layer to the engine
+      return ToGrpc(absl::InvalidArgumentError("layers: end 0 is not past begin"),
+                    request->sequence_id());
+    }
+  }
   absl::StatusOr<engine::BlockTable> table =
-      engine_->GetBlockTable(request->sequence_id(), request->positions());
-  if (!table.ok()) return ToGrpc(table.status(), request->sequence_id());
+      engine_->GetBlockTable(request->sequence_id(), request->positions(), layer_begin, layer_end,
+                             engine_->config().max_append_bytes);
+  if (!table.ok()) return ToGrpc(LayersField(table.status()), request->sequence_id());
   ToProto(*table, table->layout.block_bytes(), response->mutable_table());
   return grpc::Status::OK;
 }
@@ -317,13 +339,7 @@ grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::Read
         return absl::OkStatus();
       },
       kReadPieceBytes);
-  // The engine names the range by its own parameters; the request's field is `layers`.
-  constexpr absl::string_view kEngineRange = "layer_begin/layer_end: ";
-  if (absl::IsInvalidArgument(status) && absl::StartsWith(status.message(), kEngineRange)) {
-    status = absl::InvalidArgumentError(
-        absl::StrCat("layers: ", status.message().substr(kEngineRange.size())));
-  }
-  return ToGrpc(status, id);
+  return ToGrpc(LayersField(status), id);
 }
 
 grpc::Status KvCacheService::Fork(grpc::ServerContext* context, const v1::ForkRequest* request,

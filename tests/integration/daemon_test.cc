@@ -315,6 +315,55 @@ TEST_F(DaemonTest, ACompressedDocumentIsSharedOverGrpc) {
   EXPECT_EQ(client_->PublishDocument(a->id).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// A huge sequence's table comes in pieces: asked for whole past --max-message-bytes it is
+// RESOURCE_EXHAUSTED naming `layers` (before, the daemon built and sent it whole however
+// large); a layer range answers those layers only; the client joins the pieces.
+TEST_F(DaemonTest, AHugeTableComesInPieces) {
+  StartDaemon(64ull << 20, /*max_message_bytes=*/256 << 10);
+  const uint64_t id = Create();
+  constexpr int64_t kTokens = 4000;  // 8 streams x 4000 positions x up to 10 bytes > 256 KiB
+  for (int64_t first = 0; first < kTokens; first += 125) {
+    ASSERT_TRUE(AppendRange(id, first, 125).ok());
+  }
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  v1::GetBlockTableRequest q;
+  q.set_sequence_id(id);
+  q.set_positions(true);
+  v1::GetBlockTableResponse whole;
+  grpc::ClientContext context;
+  const grpc::Status refused = stub->GetBlockTable(&context, q, &whole);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("layers: the table of layers [0, 4)"));
+  EXPECT_THAT(refused.error_message(), HasSubstr("--max-message-bytes"));
+  q.mutable_layers()->set_begin(1);
+  q.mutable_layers()->set_end(2);
+  v1::GetBlockTableResponse piece;
+  grpc::ClientContext piece_context;
+  ASSERT_TRUE(stub->GetBlockTable(&piece_context, q, &piece).ok());
+  ASSERT_EQ(piece.table().streams_size(), static_cast<int>(kH));
+  EXPECT_EQ(piece.table().streams(0).layer(), 1u);
+  EXPECT_EQ(piece.table().streams(0).positions_size(), kTokens);
+  q.mutable_layers()->set_end(5);
+  v1::GetBlockTableResponse past;
+  grpc::ClientContext past_context;
+  const grpc::Status bad = stub->GetBlockTable(&past_context, q, &past);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), HasSubstr("layers: [1, 5)"));
+  // The client asks in pieces and joins them; without positions one message holds it.
+  auto table = client_->GetBlockTable(id, /*positions=*/true);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->streams.size(), kL * kH);
+  for (uint32_t s = 0; s < kL * kH; ++s) {
+    EXPECT_EQ(table->streams[s].layer * kH + table->streams[s].kv_head, s);
+    EXPECT_EQ(table->streams[s].positions, testing::Range(0, kTokens)) << "stream " << s;
+  }
+  auto blocks = client_->GetBlockTable(id, /*positions=*/false);
+  ASSERT_TRUE(blocks.ok()) << blocks.status();
+  EXPECT_EQ(blocks->streams.size(), kL * kH);
+  EXPECT_EQ(blocks->version, table->version);
+}
+
 TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
   auto info = client_->GetInfo();
   ASSERT_TRUE(info.ok());

@@ -556,3 +556,24 @@ def test_table_area_is_not_used_and_its_answers_refetch_the_table():
                     expect_stream(s, k, v, np.arange(40))
     finally:
         stop_daemon(proc, sock)
+
+
+def test_a_table_too_large_for_one_message_comes_in_pieces():
+    # 4 layers x 2 heads x 3000 positions (up to 10 bytes each) pass a 128 KiB message
+    # limit: the daemon refuses the whole table, and the client joins it from layer pieces.
+    with running_daemon("pieces", "--pool_bytes=67108864", "--max_message_bytes=131072") as target:
+        with kvmem.Client(target) as c:
+            lay = layout(L=4, H=2, D=8)
+            with c.create_sequence(lay) as seq:
+                for first in range(0, 3000, 500):
+                    k, v = random_kv(lay, 500, first)
+                    seq.append(range(first, first + 500), k, v)
+                whole = pb.GetBlockTableRequest(sequence_id=seq.id, positions=True)
+                with pytest.raises(kvmem.ResourceExhaustedError, match="layers: the table of layers"):
+                    c._call(c._stub.GetBlockTable, whole)
+                table = c.get_block_table(seq.id)
+                assert [(s.layer, s.kv_head) for s in table.streams] == [
+                    (layer, h) for layer in range(4) for h in range(2)]
+                for s in table.streams:
+                    assert list(s.positions) == list(range(3000))
+                same_table(table, c.get_block_table(seq.id))

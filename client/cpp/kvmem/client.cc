@@ -5,11 +5,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <random>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/arena.h"
@@ -97,6 +99,16 @@ struct Client::Impl {
 };
 
 namespace {
+
+// `low` then `high`, two pieces of one table (layers in order); ABORTED when they are of
+// different table versions.
+absl::StatusOr<BlockTable> JoinTables(BlockTable low, BlockTable high) {
+  if (low.version != high.version || low.epoch != high.epoch) {
+    return absl::AbortedError("GetBlockTable: the table changed between its pieces");
+  }
+  for (StreamTable& s : high.streams) low.streams.push_back(std::move(s));
+  return low;
+}
 
 // 128 random bits, hex: one per mutating call, repeated by its retries.
 std::string NewRequestId() {
@@ -415,14 +427,44 @@ uint64_t Client::table_refetches() const {
 }
 
 absl::StatusOr<BlockTable> Client::Impl::FetchTable(uint64_t sequence_id, bool positions) {
-  v1::GetBlockTableRequest q;
-  q.set_sequence_id(sequence_id);
-  q.set_positions(positions);
-  v1::GetBlockTableResponse response;
-  absl::Status s =
-      Call([&](grpc::ClientContext& c) { return stub->GetBlockTable(&c, q, &response); });
-  if (!s.ok()) return s;
-  return FromProto(response.table());
+  // Layers [begin, end) (end 0: all); a piece too large for one message is asked for in
+  // halves.
+  std::function<absl::StatusOr<BlockTable>(uint32_t, uint32_t)> fetch =
+      [&](uint32_t begin, uint32_t end) -> absl::StatusOr<BlockTable> {
+    v1::GetBlockTableRequest q;
+    q.set_sequence_id(sequence_id);
+    q.set_positions(positions);
+    if (end != 0) {
+      q.mutable_layers()->set_begin(begin);
+      q.mutable_layers()->set_end(end);
+    }
+    v1::GetBlockTableResponse response;
+    absl::Status s =
+        Call([&](grpc::ClientContext& c) { return stub->GetBlockTable(&c, q, &response); });
+    if (s.ok()) return FromProto(response.table());
+    if (!absl::IsResourceExhausted(s) || !absl::StartsWith(s.message(), "layers:")) return s;
+    if (end == 0) {  // the whole table: its first layer tells how many there are
+      absl::StatusOr<BlockTable> first = fetch(0, 1);
+      if (!first.ok()) return first.status();
+      end = first->layout.num_layers;
+      if (end == 1) return first;
+      absl::StatusOr<BlockTable> rest = fetch(1, end);
+      if (!rest.ok()) return rest.status();
+      return JoinTables(*std::move(first), *std::move(rest));
+    }
+    if (end - begin < 2) return s;  // one layer past the limit: nothing smaller to ask
+    const uint32_t middle = begin + (end - begin) / 2;
+    absl::StatusOr<BlockTable> low = fetch(begin, middle);
+    if (!low.ok()) return low.status();
+    absl::StatusOr<BlockTable> high = fetch(middle, end);
+    if (!high.ok()) return high.status();
+    return JoinTables(*std::move(low), *std::move(high));
+  };
+  // Pieces of different versions (the sequence changed between them) are fetched again.
+  for (int attempt = 0;; ++attempt) {
+    absl::StatusOr<BlockTable> table = fetch(0, 0);
+    if (table.ok() || !absl::IsAborted(table.status()) || attempt == 2) return table;
+  }
 }
 
 absl::Status Client::Impl::Sync(uint64_t sequence_id, const v1::TableUpdate& update,

@@ -35,8 +35,8 @@ import numpy as np
 
 from kvmem import convert
 from kvmem.block_table import BlockTable, apply_table_update, empty_table, table_from_proto
-from kvmem.errors import (DeadlineExceededError, KvmemError, NotFoundError, UnavailableError,
-                          from_grpc, from_rpc_status)
+from kvmem.errors import (AbortedError, DeadlineExceededError, KvmemError, NotFoundError,
+                          ResourceExhaustedError, UnavailableError, from_grpc, from_rpc_status)
 from kvmem.layout import Layout, PolicySpec
 from kvmem.lease_renewer import Clock, LeaseRenewer
 from kvmem.messages import (AppendResult, CompressArgs, CompressResult, Info, NewTokens, Prompt,
@@ -49,6 +49,15 @@ if TYPE_CHECKING:
     from kvmem.shared_pool import SharedPool
 
 _Response = TypeVar("_Response")
+
+
+def _joined(low: Optional[pb.BlockTable],
+            high: Optional[pb.BlockTable]) -> Optional[pb.BlockTable]:
+    """Two pieces of one table, layers in order; None unless both are of one version."""
+    if low is None or high is None or low.version != high.version or low.epoch != high.epoch:
+        return None
+    low.streams.extend(high.streams)
+    return low
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,10 +476,40 @@ class Client:
         return convert.compress_result_of(r)
 
     def get_block_table(self, sequence_id: int, positions: bool = True) -> BlockTable:
-        """The whole table: to attach to a sequence, or to recover."""
-        r = self._call(self._stub.GetBlockTable,
-                       pb.GetBlockTableRequest(sequence_id=sequence_id, positions=positions))
-        return table_from_proto(r.table)
+        """The whole table: to attach to a sequence, or to recover. A table too large for one
+        message (kvmemd's --max-message-bytes) is asked for in pieces of layers and joined
+        here; pieces of different versions (the sequence changed meanwhile) are asked again."""
+        for attempt in range(3):
+            table = self._table_piece(sequence_id, positions, None)
+            if table is not None:
+                return table_from_proto(table)
+        raise AbortedError("GetBlockTable: the table changed between its pieces",
+                           code=grpc.StatusCode.ABORTED)
+
+    def _table_piece(self, sequence_id: int, positions: bool,
+                     layers: Optional[tuple[int, int]]) -> Optional[pb.BlockTable]:
+        """Layers [begin, end) of the table (None: all), in halves while a piece is too large;
+        None when two pieces are of different versions."""
+        q = pb.GetBlockTableRequest(sequence_id=sequence_id, positions=positions)
+        if layers is not None:
+            q.layers.begin, q.layers.end = layers
+        try:
+            return self._call(self._stub.GetBlockTable, q).table
+        except ResourceExhaustedError as e:
+            if not str(e.message).startswith("layers:") or (
+                    layers is not None and layers[1] - layers[0] < 2):
+                raise
+        if layers is None:  # the first layer tells how many there are
+            first = self._table_piece(sequence_id, positions, (0, 1))
+            num_layers = first.layout.num_layers if first is not None else 0
+            if first is None or num_layers == 1:
+                return first
+            return _joined(first, self._table_piece(sequence_id, positions, (1, num_layers)))
+        middle = (layers[0] + layers[1]) // 2
+        low = self._table_piece(sequence_id, positions, (layers[0], middle))
+        if low is None:
+            return None
+        return _joined(low, self._table_piece(sequence_id, positions, (middle, layers[1])))
 
     def read_kv(self, sequence_id: int, epoch: Optional[int] = None,
                 layers: Optional[tuple[int, int]] = None) -> list[StreamKv]:
