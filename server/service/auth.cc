@@ -118,6 +118,21 @@ absl::Status Authenticator::Reload() {
   if (!tokens.ok()) return tokens.status();
   kvmem::MutexLock lock(&mu_);
   tokens_ = *std::move(tokens);
+  generation_.fetch_add(1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status Authenticator::StillValid(const grpc::ServerContext* context, const Principal& who,
+                                       uint64_t* seen) const {
+  const uint64_t now = generation();
+  if (now == *seen) return absl::OkStatus();
+  absl::StatusOr<Principal> again = Authenticate(context);
+  if (!again.ok() || again->tenant != who.tenant || again->admin != who.admin) {
+    return absl::UnauthenticatedError(
+        "the token this call was authenticated with is no longer valid (the token file was "
+        "reloaded); nothing of this request was applied");
+  }
+  *seen = now;
   return absl::OkStatus();
 }
 

@@ -17,6 +17,7 @@
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
 // spaces; a tenant may have several tokens (rotation). kvmemd reads it at start and again
 // on SIGHUP; a file that does not parse leaves the tokens as they were.
+#include <atomic>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -47,6 +48,14 @@ class Authenticator {
   bool enabled() const { return !path_.empty() || certificates_; }
   // Reads the token file again (SIGHUP); on an error the tokens stay as they were.
   absl::Status Reload();
+  // Counts the reloads that changed the tokens: a long call (a step channel, an
+  // AppendStream) checks its principal again when it has moved (StillValid).
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+  // OK when the call behind `context` still authenticates as `who` (its token was not
+  // revoked or moved to another tenant by a reload since `*seen`, which it updates);
+  // UNAUTHENTICATED otherwise.
+  absl::Status StillValid(const grpc::ServerContext* context, const Principal& who,
+                          uint64_t* seen) const;
   // The principal of a call; UNAUTHENTICATED (one message for a missing, malformed or
   // unknown token) when tokens are required and the call has none that is known.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContext* context) const;
@@ -68,6 +77,7 @@ class Authenticator {
 
   const std::string path_;
   const bool certificates_ = false;
+  std::atomic<uint64_t> generation_{0};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Principal> tokens_ ABSL_GUARDED_BY(mu_);
 };

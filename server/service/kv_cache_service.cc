@@ -130,6 +130,8 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
                                           grpc::ServerReader<v1::AppendStreamRequest>* reader,
                                           v1::AppendStreamResponse* response) {
+  // Before the call is authenticated: a reload after it is seen at the commit.
+  const uint64_t opened_generation = auth_->generation();
   // The ticket is held through the stream (a drain waits).
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
@@ -180,6 +182,9 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
           "AppendStream: the stream was cancelled or broken before its end; nothing was "
           "appended");
     }
+    // A reload that revoked the token meanwhile: the stream applies nothing.
+    uint64_t seen = opened_generation;
+    if (absl::Status s = auth_->StillValid(context, call->who, &seen); !s.ok()) return s;
     absl::StatusOr<engine::AppendResult> result = (*session)->Commit(table);
     if (!result.ok()) return result.status();
     FillAppendResponse(id, *result, response);

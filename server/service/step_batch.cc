@@ -155,6 +155,7 @@ grpc::Status KvCacheService::OpenStepChannel(
   std::optional<transport::StepChannelBudget::Lease>
       lease;  // given back after the channel is freed
   std::unique_ptr<transport::StepChannel> channel;
+  uint64_t auth_seen = auth_->generation();  // before the call is authenticated
   // The channel serves its opener: every batch through it runs as this call's principal,
   // and counts among the opener's calls in flight for the channel's life (a drain does not
   // wait for it: the gate's ticket goes when the channel is set up).
@@ -209,10 +210,14 @@ grpc::Status KvCacheService::OpenStepChannel(
   // for an idle channel; the loop notices the drain, or the client leaving, within a tick.
   const uint64_t max_update_bytes =
       std::min(engine_->config().max_append_bytes, channel->capacity() / 2);
+  // A reload that revokes the opener's token ends the channel: its next batch runs nothing.
+  absl::Status revoked = absl::OkStatus();
   const transport::StepChannel::Handler handler = [&](const v1::StepBatchRequest& batch,
                                                       v1::StepBatchResponse* response) {
     const CallGate::Ticket call = gate_.Enter();
     if (!call.admitted()) return ToGrpc(DrainingError());
+    revoked = auth_->StillValid(context, who, &auth_seen);
+    if (!revoked.ok()) return ToGrpc(revoked);
     return RunStepBatch(/*context=*/nullptr, who, batch, max_update_bytes, response, channel.get());
   };
   // Each answer is counted as StepBatch's over gRPC are (the interceptor), before its
@@ -227,6 +232,7 @@ grpc::Status KvCacheService::OpenStepChannel(
     // A drain ends the channel, but not in the middle of an answer sent in chunks: the
     // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
     if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
+    if (!revoked.ok() && !channel->chunks_pending()) return ToGrpc(revoked);
     const transport::StepChannel::Served served =
         channel->ServeOne(absl::Milliseconds(50), handler, record);
     if (served == transport::StepChannel::Served::kBroken) {

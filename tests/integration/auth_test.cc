@@ -298,6 +298,62 @@ TEST_F(AuthTest, StatsShowATenantOnlyItsOwn) {
   EXPECT_EQ(all->sequences_created, 3u);
 }
 
+// A reload that revokes a token ends what it opened: the step channel's next batch applies
+// nothing (before, the channel kept serving the revoked tenant), and the client's repeat
+// over gRPC is refused as well.
+TEST_F(AuthTest, ARevokedTokenEndsTheStepChannelItOpened) {
+  const uint64_t id = Filled(*alice_, 16);
+  ASSERT_TRUE(alice_->OpenStepChannel().ok());
+  auto append_one = [&](int64_t position) {
+    positions_ = testing::Range(position, 1);
+    k_ = testing::Payload16(kL * kH, position, 1, kD, 0);
+    v_ = testing::Payload16(kL * kH, position, 1, kD, 1);
+    std::vector<client::BatchEntry> entries(1);
+    entries[0].sequence_id = id;
+    entries[0].append = client::AppendArgs{positions_, {}, k_, v_, {}, {}};
+    return alice_->StepBatch(entries);
+  };
+  auto served = append_one(16);
+  ASSERT_TRUE(served.ok()) << served.status();
+  ASSERT_TRUE((*served)[0].status.ok()) << (*served)[0].status;
+  EXPECT_EQ(alice_->step_channel_batches(), 1u);
+  WriteTokens(absl::StrCat("bob ", kBob, "\nops ", kAdmin, " admin\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  auto refused = append_one(17);
+  EXPECT_TRUE(absl::IsUnauthenticated(refused.status())) << refused.status();
+  auto stats = admin_->GetStats(true);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->sequences.size(), 1u);
+  EXPECT_EQ(stats->sequences[0].appended_tokens, 17u);  // 16, then the one the channel served
+}
+
+// The same for an AppendStream: a token revoked while the stream is open commits nothing.
+TEST_F(AuthTest, ARevokedTokenCommitsNoAppendStream) {
+  const uint64_t id = Filled(*alice_, 16);
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+  v1::AppendStreamResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendStreamRequest>> writer =
+      stub->AppendStream(&context, &response);
+  v1::AppendStreamRequest chunk;
+  chunk.set_sequence_id(id);
+  chunk.add_positions(16);
+  chunk.set_k(testing::Payload16(kL * kH, 16, 1, kD, 0));
+  chunk.set_v(testing::Payload16(kL * kH, 16, 1, kD, 1));
+  ASSERT_TRUE(writer->Write(chunk));
+  WriteTokens(absl::StrCat("bob ", kBob, "\nops ", kAdmin, " admin\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+  auto stats = admin_->GetStats(true);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  ASSERT_EQ(stats->sequences.size(), 1u);
+  EXPECT_EQ(stats->sequences[0].appended_tokens, 16u);
+}
+
 TEST_F(AuthTest, PrefixesAreTheTenantsOwnWhateverTheSalt) {
   client::Prompt prompt;
   for (int32_t t = 0; t < 48; ++t) prompt.token_ids.push_back(1000 + t);
