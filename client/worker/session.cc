@@ -88,6 +88,35 @@ absl::StatusOr<std::vector<float>> Session::Feed(const std::vector<int32_t>& tok
   return Commit(tokens, *r, prefill);
 }
 
+absl::StatusOr<std::vector<float>> FallbackSession::Feed(const std::vector<int32_t>& tokens,
+                                                         bool prefill) {
+  if (local_session_ == nullptr) {
+    absl::StatusOr<std::vector<float>> logits = primary_->Feed(tokens, prefill);
+    const absl::StatusCode code = logits.status().code();
+    if (logits.ok() ||
+        (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded &&
+         code != absl::StatusCode::kNotFound && code != absl::StatusCode::kDataLoss)) {
+      if (logits.ok()) fed_.emplace_back(tokens, prefill);
+      return logits;
+    }
+    fell_back_ = logits.status();
+    local_ = std::make_unique<LocalKvStore>(model_.config());
+    local_session_ = std::make_unique<Session>(model_, *local_, nullptr, options_);
+    if (!mapped_.empty()) {
+      if (fed_.empty()) fed_.emplace_back(std::vector<int32_t>(), true);
+      fed_.front().first.insert(fed_.front().first.begin(), mapped_.begin(), mapped_.end());
+    }
+    for (const auto& [past, past_prefill] : fed_) {
+      if (past.empty()) continue;
+      absl::StatusOr<std::vector<float>> again = local_session_->Feed(past, past_prefill);
+      if (!again.ok()) return again.status();
+    }
+  }
+  absl::StatusOr<std::vector<float>> logits = local_session_->Feed(tokens, prefill);
+  if (logits.ok()) fed_.emplace_back(tokens, prefill);
+  return logits;
+}
+
 absl::StatusOr<std::vector<float>> Session::FeedUncompressed(const std::vector<int32_t>& tokens) {
   compress_prompt_ = false;
   absl::StatusOr<std::vector<float>> logits = Feed(tokens, true);

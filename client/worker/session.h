@@ -11,6 +11,8 @@
 // none; confkv reads logit statistics and attention rows on Step).
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -120,6 +122,37 @@ class Session {
   double daemon_seconds_ = 0;
   double read_seconds_counted_ = 0;  // the store's read time counted (in a step, or a prompt's)
   std::vector<double> daemon_ms_by_step_;
+};
+
+// A generation that keeps serving when kvmemd does not: every Feed goes to `primary` (a
+// session whose cache is in kvmemd) until one fails because kvmemd is gone (UNAVAILABLE or
+// DEADLINE_EXCEEDED: down or not answering; NOT_FOUND or DATA_LOSS: a restarted kvmemd, or
+// one that lost the sequence). Then the cache is rebuilt in process — the same prompt pass
+// and the same steps again, so that under `full` the logits are the ones kvmemd's cache
+// gave — and this Feed and every later one runs there. A request is never stuck on the
+// cache longer than the client's deadline. The next request may use kvmemd again.
+class FallbackSession {
+ public:
+  // `mapped`: the prompt tokens `primary` had mapped from a published prefix (SkipMapped),
+  // which the first Feed did not carry; rebuilt with it.
+  FallbackSession(const LlamaModel& model, Session* primary, SessionOptions options,
+                  std::vector<int32_t> mapped = {})
+      : model_(model), primary_(primary), options_(options), mapped_(std::move(mapped)) {}
+
+  absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill);
+  // Why it left kvmemd (OK while it has not).
+  const absl::Status& fell_back() const { return fell_back_; }
+  Session& session() { return local_session_ ? *local_session_ : *primary_; }
+
+ private:
+  const LlamaModel& model_;
+  Session* const primary_;
+  const SessionOptions options_;
+  std::vector<int32_t> mapped_;
+  std::vector<std::pair<std::vector<int32_t>, bool>> fed_;  // every Feed that succeeded
+  absl::Status fell_back_;
+  std::unique_ptr<LocalKvStore> local_;
+  std::unique_ptr<Session> local_session_;
 };
 
 // Feeds tokens[i] to sessions[i] (one token each), then commits every session's step in one

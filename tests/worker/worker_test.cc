@@ -174,6 +174,35 @@ TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
   }
 }
 
+// kvmemd going away in the middle of a generation does not stop it: the rest runs on an
+// in-process cache rebuilt from the same passes, and under `full` every logit is the one
+// the in-process cache alone gives (kvmemd's were the same bits before it went).
+TEST_F(WorkerTest, AGenerationOutlivesItsDaemon) {
+  const std::vector<int32_t> ids =
+      tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
+  const std::vector<int32_t> more = {9546, 30, 1743, 28, 3737};
+  const auto want = RunLocal(ids, more);
+  auto daemon = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+  ASSERT_NE(daemon, nullptr);
+  Session session(*model_, *daemon, daemon.get());
+  FallbackSession feeder(*model_, &session, {});
+  std::vector<std::vector<float>> got;
+  auto logits = feeder.Feed(ids, true);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  got.push_back(*logits);
+  for (size_t i = 0; i < more.size(); ++i) {
+    if (i == 2) server_.reset();  // kvmemd is gone: its sequence with it
+    logits = feeder.Feed({more[i]}, false);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    got.push_back(*logits);
+  }
+  EXPECT_TRUE(absl::IsUnavailable(feeder.fell_back()) ||
+              absl::IsDeadlineExceeded(feeder.fell_back()))
+      << feeder.fell_back();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "call " << i;
+}
+
 // Several sequences stepped by one StepBatch per token decode exactly as each alone: full
 // (the in-process cache's logits), window (evicting every step) and h2o with f16 attention
 // rows; every kept table is the daemon's.

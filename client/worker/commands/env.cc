@@ -14,6 +14,9 @@ ABSL_FLAG(std::string, target, "127.0.0.1:50551", "kvmemd address");
 ABSL_FLAG(std::string, auth_token_file, "",
           "a file holding the bearer token of a kvmemd with --auth-tokens (first line)");
 ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
+ABSL_FLAG(double, daemon_deadline_seconds, 30,
+          "generate: a kvmemd call that takes longer (retries included) fails, and the answer "
+          "is finished with an in-process cache");
 ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKv)");
 ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
 ABSL_FLAG(std::vector<std::string>, param, {},
@@ -112,6 +115,7 @@ KvmemKvStore::ReadPath ReadPathFromFlags() {
 
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
   client::ClientOptions options;
+  options.deadline = absl::Seconds(absl::GetFlag(FLAGS_daemon_deadline_seconds));
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
     absl::StatusOr<std::string> token = client::ReadAuthToken(file);
     if (!token.ok()) return token.status();

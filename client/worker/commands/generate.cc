@@ -94,7 +94,11 @@ int RunGenerate() {
   Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
   std::mt19937 rng(absl::GetFlag(FLAGS_seed));
   session.SkipMapped(static_cast<int64_t>(reused));
-  absl::StatusOr<std::vector<float>> logits = session.Feed(
+  // Keeps answering when kvmemd goes away mid-request (FallbackSession).
+  FallbackSession feeder(
+      *env.model, &session, SessionOptionsFromFlags(),
+      std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<ptrdiff_t>(reused)));
+  absl::StatusOr<std::vector<float>> logits = feeder.Feed(
       std::vector<int32_t>(ids.begin() + static_cast<ptrdiff_t>(reused), ids.end()), true);
   if (!logits.ok()) return Fail("prefill", logits.status());
   std::ofstream kept;
@@ -115,9 +119,9 @@ int RunGenerate() {
     if (next == env.tokenizer->eos() || next == env.tokenizer->im_end()) break;
     answer += env.tokenizer->Decode(next);
     std::fprintf(stderr, "\r%u/%u tokens", generated + 1, absl::GetFlag(FLAGS_max_tokens));
-    logits = session.Feed({next}, false);
+    logits = feeder.Feed({next}, false);
     if (!logits.ok()) return Fail("decode", logits.status());
-    if (kept.is_open()) {
+    if (kept.is_open() && feeder.fell_back().ok()) {
       if (absl::Status s = WriteKept(env, next, nullptr, kept); !s.ok()) return Fail("decode", s);
     }
   }
@@ -126,6 +130,10 @@ int RunGenerate() {
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   std::printf("%s\n", answer.c_str());
+  if (!feeder.fell_back().ok()) {
+    std::printf("kvmemd: %s; the answer was finished with an in-process cache\n",
+                feeder.fell_back().ToString().c_str());
+  }
   std::printf("---\nprompt %zu tokens, %.1f tokens/s prefill; %u generated, %.1f tokens/s decode\n",
               ids.size(), ids.size() / prefill_s, generated,
               generated > 0 ? generated / decode_s : 0.0);
