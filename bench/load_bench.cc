@@ -5,11 +5,11 @@
 // back and checks every retained byte, forks one now and then and reads the child, and
 // releases everything; over and over until the time is up. Printed: calls and p50 / p99 /
 // max latency per RPC, unexpected errors and wrong reads (both must be 0), the daemon's
-// anonymous RSS early and at the end, and the pool, sequences and host metadata once every
-// client has released all (back to zero). Exit 1 on any error, wrong read or leftover.
+// anonymous RSS a tenth of the way in, half way and at the end, and the pool, sequences and host
+// metadata once every client has released all (back to zero). Exit 1 on any error, wrong read or
+// leftover.
 //
 //   ./build/bench/load_bench --clients=64 --tenants=4 --seconds=300
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,7 +19,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -36,6 +35,8 @@ ABSL_FLAG(int, clients, 64, "client threads, each with its own connection");
 ABSL_FLAG(int, tenants, 4, "tenants (bearer tokens); client i is tenant i mod tenants");
 ABSL_FLAG(double, seconds, 300, "how long the load runs");
 ABSL_FLAG(std::string, kvmemd, KVMEMD_PATH, "the kvmemd binary to start");
+ABSL_FLAG(std::vector<std::string>, kvmemd_flags, {},
+          "more kvmemd flags, comma-separated (--request-id-entries=1000,...)");
 
 namespace kvmem {
 namespace {
@@ -230,9 +231,10 @@ int Main() {
       file << "tenant" << t << " load-token-tenant-" << t << "-0123456789\n";
     file << "ops load-token-admin-0123456789 admin\n";
   }
-  testing::KvmemdProcess d = testing::StartKvmemd(
-      absl::GetFlag(FLAGS_kvmemd).c_str(), {"--listen=127.0.0.1:0", "--pool-bytes=536870912",
-                                            "--auth-tokens=" + tokens, "--lease-seconds=600"});
+  std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--pool-bytes=536870912",
+                                    "--auth-tokens=" + tokens, "--lease-seconds=600"};
+  for (const std::string& f : absl::GetFlag(FLAGS_kvmemd_flags)) flags.push_back(f);
+  testing::KvmemdProcess d = testing::StartKvmemd(absl::GetFlag(FLAGS_kvmemd).c_str(), flags);
   if (d.port == 0) {
     std::fprintf(stderr, "load: kvmemd did not start\n");
     return 1;

@@ -95,19 +95,18 @@ absl::StatusOr<std::vector<float>> FallbackSession::Feed(const std::vector<int32
     const absl::StatusCode code = logits.status().code();
     if (logits.ok() ||
         (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded &&
-         code != absl::StatusCode::kNotFound && code != absl::StatusCode::kDataLoss)) {
+         code != absl::StatusCode::kCancelled && code != absl::StatusCode::kNotFound &&
+         code != absl::StatusCode::kDataLoss)) {
       if (logits.ok()) fed_.emplace_back(tokens, prefill);
       return logits;
     }
     fell_back_ = logits.status();
     local_ = std::make_unique<LocalKvStore>(model_.config());
     local_session_ = std::make_unique<Session>(model_, *local_, nullptr, options_);
-    if (!mapped_.empty()) {
-      if (fed_.empty()) fed_.emplace_back(std::vector<int32_t>(), true);
-      fed_.front().first.insert(fed_.front().first.begin(), mapped_.begin(), mapped_.end());
-    }
+    // The mapped prefix as a pass of its own (as the request that published it computed
+    // it, chunked alike under --prefill_chunk), then every pass as it ran.
+    if (!mapped_.empty()) fed_.insert(fed_.begin(), {mapped_, true});
     for (const auto& [past, past_prefill] : fed_) {
-      if (past.empty()) continue;
       absl::StatusOr<std::vector<float>> again = local_session_->Feed(past, past_prefill);
       if (!again.ok()) return again.status();
     }

@@ -125,12 +125,13 @@ class Session {
 };
 
 // A generation that keeps serving when kvmemd does not: every Feed goes to `primary` (a
-// session whose cache is in kvmemd) until one fails because kvmemd is gone (UNAVAILABLE or
-// DEADLINE_EXCEEDED: down or not answering; NOT_FOUND or DATA_LOSS: a restarted kvmemd, or
-// one that lost the sequence). Then the cache is rebuilt in process — the same prompt pass
-// and the same steps again, so that under `full` the logits are the ones kvmemd's cache
-// gave — and this Feed and every later one runs there. A request is never stuck on the
-// cache longer than the client's deadline. The next request may use kvmemd again.
+// session whose cache is in kvmemd) until one fails because kvmemd or the sequence is gone
+// (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED: down, draining or not answering; NOT_FOUND:
+// a restarted kvmemd, or a lapsed lease; DATA_LOSS: the sequence was poisoned). Then the
+// cache is rebuilt in process — the same passes again, so that under `full` without a
+// mapped prefix the logits are the ones kvmemd's cache gave (with one, as a chunked
+// prefill gives them) — and this Feed and every later one runs there. A request is never
+// stuck on the cache longer than the client's deadline; the next may use kvmemd again.
 class FallbackSession {
  public:
   // `mapped`: the prompt tokens `primary` had mapped from a published prefix (SkipMapped),
@@ -142,7 +143,6 @@ class FallbackSession {
   absl::StatusOr<std::vector<float>> Feed(const std::vector<int32_t>& tokens, bool prefill);
   // Why it left kvmemd (OK while it has not).
   const absl::Status& fell_back() const { return fell_back_; }
-  Session& session() { return local_session_ ? *local_session_ : *primary_; }
 
  private:
   const LlamaModel& model_;

@@ -66,6 +66,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
 
 namespace {
 
+// Bytes of `v` as a protobuf varint.
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
+}
+
 uint64_t HostBudgetBytes(const EngineConfig& config) {
   return config.host_metadata_bytes > 0 ? config.host_metadata_bytes
                                         : config.pool_bytes / 2 + (64ull << 20);
@@ -296,15 +303,19 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool posi
           absl::StrCat("layer_begin/layer_end: [", layer_begin, ", ", layer_end,
                        ") is not a non-empty range within [0, ", layers, ")"));
     }
-    registry_.Renew(seq);
     if (max_bytes > 0) {
-      // As packed: a block entry's id, offset, precision, start and count take at most
-      // 5 + 10 + 1 + 3 + 3 bytes, a position at most 10; each stream 32 more.
+      // As packed, at most: per block entry its id (5 bytes), offset (as the pool's size),
+      // precision (1), start and count (3 each); per position the last one's size (they
+      // increase); per stream 32 more, and 256 for the table's own fields.
+      const uint64_t per_block = 5 + VarintBytes(pool_->usage().pool_bytes) + 1 + 3 + 3;
       const size_t heads = seq.layout().num_kv_heads;
-      uint64_t bytes = 0;
+      uint64_t bytes = 256;
       for (size_t s = layer_begin * heads; s < layer_end * heads; ++s) {
         const Stream& st = seq.streams()[s];
-        bytes += 32 + 22 * st.blocks().size() + (positions ? 10 * st.size() : 0);
+        bytes += 32 + per_block * st.blocks().size();
+        if (positions && st.size() > 0) {
+          bytes += VarintBytes(static_cast<uint64_t>(st.positions().back())) * st.size();
+        }
       }
       if (bytes > max_bytes) {
         return absl::ResourceExhaustedError(
@@ -313,6 +324,7 @@ absl::StatusOr<BlockTable> Engine::GetBlockTable(uint64_t sequence_id, bool posi
                          max_bytes, " (--max-message-bytes); ask for fewer layers at a time"));
       }
     }
+    registry_.Renew(seq);
     return versions_.Table(seq, positions, layer_begin, layer_end);
   });
 }

@@ -1,5 +1,7 @@
 #include "server/engine/sequence_registry.h"
 
+#include <random>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvmem::engine {
@@ -21,6 +23,14 @@ SequenceRef::~SequenceRef() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (seq_ == nullptr) return;
   if (locked_) kvmem::Unlock(&seq_->mu);
   seq_->LeaveCall();
+}
+
+uint64_t SequenceRegistry::FirstId() {
+  // 1 + 4096 k for a random k below 2^40: ids stay below 2^53 (exact in a double, for
+  // JSON) for 2^40 sequences, and two daemons' first ids coincide once in 2^40.
+  std::random_device random;
+  const uint64_t k = ((uint64_t{random()} << 32) | random()) & ((uint64_t{1} << 40) - 1);
+  return 1 + 4096 * k;
 }
 
 uint64_t SequenceRegistry::NewId() {

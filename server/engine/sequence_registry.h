@@ -96,7 +96,11 @@ class SequenceRegistry {
   const absl::Duration max_lease_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // From a random start per daemon (FirstId): a kvmemd restarted under its clients gives
+  // no id they held to another sequence, so that a call naming one finds NOT_FOUND instead
+  // of another request's cache.
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = FirstId();
+  static uint64_t FirstId();
 };
 
 }  // namespace kvmem::engine

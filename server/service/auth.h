@@ -48,8 +48,8 @@ class Authenticator {
   bool enabled() const { return !path_.empty() || certificates_; }
   // Reads the token file again (SIGHUP); on an error the tokens stay as they were.
   absl::Status Reload();
-  // Counts the reloads that changed the tokens: a long call (a step channel, an
-  // AppendStream) checks its principal again when it has moved (StillValid).
+  // Counts the reloads that succeeded: a long call (a step channel, an AppendStream) checks
+  // its principal again when it has moved (StillValid).
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
   // OK when the call behind `context` still authenticates as `who` (its token was not
   // revoked or moved to another tenant by a reload since `*seen`, which it updates);

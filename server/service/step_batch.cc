@@ -232,6 +232,10 @@ grpc::Status KvCacheService::OpenStepChannel(
     // A drain ends the channel, but not in the middle of an answer sent in chunks: the
     // batch ran, and its client gets the rest (or the drain's deadline cancels the call).
     if (gate_.closed() && !channel->chunks_pending()) return ToGrpc(DrainingError());
+    // A reload that revoked the opener's token ends an idle channel too.
+    if (revoked.ok() && auth_->generation() != auth_seen) {
+      revoked = auth_->StillValid(context, who, &auth_seen);
+    }
     if (!revoked.ok() && !channel->chunks_pending()) return ToGrpc(revoked);
     const transport::StepChannel::Served served =
         channel->ServeOne(absl::Milliseconds(50), handler, record);

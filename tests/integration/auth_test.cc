@@ -285,7 +285,14 @@ TEST_F(AuthTest, StatsShowATenantOnlyItsOwn) {
   EXPECT_EQ(alices->sequences_active, 2u);
   EXPECT_EQ(alices->tokens_appended, 48u);
   EXPECT_EQ(alices->full_cache_bytes, 48u * 2 * kL * kH * kD * 2);
-  EXPECT_GT(alices->pool_used_bytes, 0u);
+  uint64_t held = 0, blocks = 0;
+  for (const client::SequenceStats& seq : alices->sequences) {
+    held += seq.pool_bytes_held;
+    blocks += seq.blocks;
+  }
+  EXPECT_GT(held, 0u);
+  EXPECT_EQ(alices->pool_used_bytes, held);  // hers alone: bob's 48 tokens are not in it
+  EXPECT_EQ(alices->blocks_used, blocks);
   EXPECT_GT(alices->pool_bytes, alices->pool_used_bytes);
   EXPECT_EQ(alices->sequences_created, 0u);
   EXPECT_EQ(alices->pages_used, 0u);
@@ -317,14 +324,21 @@ TEST_F(AuthTest, ARevokedTokenEndsTheStepChannelItOpened) {
   ASSERT_TRUE(served.ok()) << served.status();
   ASSERT_TRUE((*served)[0].status.ok()) << (*served)[0].status;
   EXPECT_EQ(alice_->step_channel_batches(), 1u);
+  // A reload that keeps alice's token keeps her channel.
+  WriteTokens(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\nops ", kAdmin, " admin\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  auto kept = append_one(17);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  ASSERT_TRUE((*kept)[0].status.ok()) << (*kept)[0].status;
+  EXPECT_EQ(alice_->step_channel_batches(), 2u);
   WriteTokens(absl::StrCat("bob ", kBob, "\nops ", kAdmin, " admin\n"));
   ASSERT_TRUE(server_->ReloadTokens().ok());
-  auto refused = append_one(17);
+  auto refused = append_one(18);
   EXPECT_TRUE(absl::IsUnauthenticated(refused.status())) << refused.status();
   auto stats = admin_->GetStats(true);
   ASSERT_TRUE(stats.ok()) << stats.status();
   ASSERT_EQ(stats->sequences.size(), 1u);
-  EXPECT_EQ(stats->sequences[0].appended_tokens, 17u);  // 16, then the one the channel served
+  EXPECT_EQ(stats->sequences[0].appended_tokens, 18u);  // 16, then the two the channel served
 }
 
 // The same for an AppendStream: a token revoked while the stream is open commits nothing.

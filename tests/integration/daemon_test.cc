@@ -319,11 +319,12 @@ TEST_F(DaemonTest, ACompressedDocumentIsSharedOverGrpc) {
 // RESOURCE_EXHAUSTED naming `layers` (before, the daemon built and sent it whole however
 // large); a layer range answers those layers only; the client joins the pieces.
 TEST_F(DaemonTest, AHugeTableComesInPieces) {
-  StartDaemon(64ull << 20, /*max_message_bytes=*/256 << 10);
+  StartDaemon(64ull << 20, /*max_message_bytes=*/64 << 10);
   const uint64_t id = Create();
-  constexpr int64_t kTokens = 4000;  // 8 streams x 4000 positions x up to 10 bytes > 256 KiB
-  for (int64_t first = 0; first < kTokens; first += 125) {
-    ASSERT_TRUE(AppendRange(id, first, 125).ok());
+  // 8 streams x (4000 positions of 2 bytes + 250 block entries of 16) > 64 KiB
+  constexpr int64_t kTokens = 4000;
+  for (int64_t first = 0; first < kTokens; first += 25) {
+    ASSERT_TRUE(AppendRange(id, first, 25).ok());
   }
   auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
       "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));

@@ -559,15 +559,15 @@ def test_table_area_is_not_used_and_its_answers_refetch_the_table():
 
 
 def test_a_table_too_large_for_one_message_comes_in_pieces():
-    # 4 layers x 2 heads x 3000 positions (up to 10 bytes each) pass a 128 KiB message
-    # limit: the daemon refuses the whole table, and the client joins it from layer pieces.
-    with running_daemon("pieces", "--pool_bytes=67108864", "--max_message_bytes=131072") as target:
+    # 4 layers x 2 heads x (3000 positions of 2 bytes + 188 block entries) pass a 32 KiB
+    # message limit: the daemon refuses the whole table; the client joins it from pieces.
+    with running_daemon("pieces", "--pool_bytes=67108864", "--max_message_bytes=32768") as target:
         with kvmem.Client(target) as c:
             lay = layout(L=4, H=2, D=8)
             with c.create_sequence(lay) as seq:
-                for first in range(0, 3000, 500):
-                    k, v = random_kv(lay, 500, first)
-                    seq.append(range(first, first + 500), k, v)
+                for first in range(0, 3000, 100):
+                    k, v = random_kv(lay, 100, first)
+                    seq.append(range(first, first + 100), k, v)
                 whole = pb.GetBlockTableRequest(sequence_id=seq.id, positions=True)
                 with pytest.raises(kvmem.ResourceExhaustedError, match="layers: the table of layers"):
                     c._call(c._stub.GetBlockTable, whole)

@@ -203,6 +203,43 @@ TEST_F(WorkerTest, AGenerationOutlivesItsDaemon) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "call " << i;
 }
 
+// The same when kvmemd restarts under the worker: the new daemon does not know the
+// sequence (NOT_FOUND: its ids start elsewhere; before, its first sequence, another
+// request's, took the worker's id and the worker's next step went to it).
+TEST_F(WorkerTest, AGenerationOutlivesARestartOfItsDaemon) {
+  config_.listen = "unix:" + ::testing::TempDir() + "/kvmem_worker_restart_" +
+                   std::to_string(getpid()) + ".sock";
+  Restart();
+  client_ = *client::Client::Connect(config_.listen);
+  const std::vector<int32_t> ids =
+      tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
+  const std::vector<int32_t> more = {9546, 30, 1743};
+  const auto want = RunLocal(ids, more);
+  auto daemon = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+  ASSERT_NE(daemon, nullptr);
+  Session session(*model_, *daemon, daemon.get());
+  FallbackSession feeder(*model_, &session, {});
+  std::unique_ptr<KvmemKvStore> other;  // the new daemon's first sequence
+  std::vector<std::vector<float>> got;
+  auto logits = feeder.Feed(ids, true);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  got.push_back(*logits);
+  for (size_t i = 0; i < more.size(); ++i) {
+    if (i == 1) {  // a new kvmemd on the same socket, where another request starts
+      server_.reset();
+      server_ = *service::Server::Start(config_);
+      other = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+      ASSERT_NE(other, nullptr);
+    }
+    logits = feeder.Feed({more[i]}, false);
+    ASSERT_TRUE(logits.ok()) << logits.status();
+    got.push_back(*logits);
+  }
+  EXPECT_TRUE(absl::IsNotFound(feeder.fell_back())) << feeder.fell_back();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], want[i]) << "call " << i;
+}
+
 // Several sequences stepped by one StepBatch per token decode exactly as each alone: full
 // (the in-process cache's logits), window (evicting every step) and h2o with f16 attention
 // rows; every kept table is the daemon's.

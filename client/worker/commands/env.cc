@@ -115,7 +115,12 @@ KvmemKvStore::ReadPath ReadPathFromFlags() {
 
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
   client::ClientOptions options;
-  options.deadline = absl::Seconds(absl::GetFlag(FLAGS_daemon_deadline_seconds));
+  const double deadline = absl::GetFlag(FLAGS_daemon_deadline_seconds);
+  if (!(deadline > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--daemon_deadline_seconds: ", deadline, " is not a positive time"));
+  }
+  options.deadline = absl::Seconds(deadline);
   if (const std::string file = absl::GetFlag(FLAGS_auth_token_file); !file.empty()) {
     absl::StatusOr<std::string> token = client::ReadAuthToken(file);
     if (!token.ok()) return token.status();

@@ -141,7 +141,7 @@ int RunGenerate() {
     std::printf("prefix cache: %llu of %zu prompt tokens reused; first token after %.1f ms\n",
                 static_cast<unsigned long long>(reused), ids.size(), 1000 * prefill_s);
   }
-  if (env.daemon != nullptr) {
+  if (env.daemon != nullptr && feeder.fell_back().ok()) {
     const uint64_t full = FullCacheBytes(env.model->config(), session.tokens(), 4);
     std::printf(
         "kvmemd (%s): %llu KV bytes held for %lld tokens; full cache %llu (%.1f%% saved); "

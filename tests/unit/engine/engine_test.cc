@@ -6,6 +6,18 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// A restarted daemon gives no id its clients held to another sequence: each engine's ids
+// start at a random place, so an old id is NOT_FOUND in the new one (before, both began
+// at 1, and a client's next call after a restart reached another request's sequence).
+TEST_F(EngineTest, IdsOfARestartedDaemonAreNewOnes) {
+  const uint64_t before = Create();
+  MakeEngine(64 * 4096);  // the daemon again, fresh
+  const uint64_t after = Create();
+  EXPECT_NE(after, before);
+  EXPECT_TRUE(absl::IsNotFound(engine_->GetBlockTable(before).status()));
+  EXPECT_EQ(Create(), after + 1);  // within one daemon, in order
+}
+
 TEST_F(EngineTest, AppendThenReadIsBitExact) {
   const uint64_t id = Create();
   ASSERT_TRUE(AppendRange(id, 0, 37).ok());
