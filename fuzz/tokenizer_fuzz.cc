@@ -14,6 +14,7 @@
 #include "client/worker/gguf.h"
 #include "client/worker/tokenizer.h"
 #include "fuzz/fuzz_input.h"
+#include "tests/testing/gguf_writer.h"
 
 namespace kvmem::fuzz {
 namespace {
@@ -37,26 +38,6 @@ std::string Symbol(int byte) {
   return "";
 }
 
-class Writer {
- public:
-  template <typename T>
-  void Put(T v) {
-    bytes_.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-  void Str(const std::string& s) {
-    Put<uint64_t>(s.size());
-    bytes_ += s;
-  }
-  void Strings(const std::string& key, const std::vector<std::string>& values) {
-    Str(key);
-    Put<uint32_t>(9);  // array
-    Put<uint32_t>(8);  // of strings
-    Put<uint64_t>(values.size());
-    for (const std::string& v : values) Str(v);
-  }
-  std::string bytes_;
-};
-
 std::string VocabularyFile() {
   std::vector<std::string> tokens, merges;
   std::vector<int32_t> types;
@@ -79,7 +60,7 @@ std::string VocabularyFile() {
     tokens.push_back(special);
     types.push_back(3);
   }
-  Writer w;
+  testing::GgufWriter w;
   w.Put<uint32_t>(0x46554747);  // "GGUF"
   w.Put<uint32_t>(3);
   w.Put<uint64_t>(0);  // tensors
@@ -94,7 +75,7 @@ std::string VocabularyFile() {
   w.Put<uint32_t>(5);  // int32
   w.Put<uint64_t>(types.size());
   for (int32_t t : types) w.Put<int32_t>(t);
-  return w.bytes_;
+  return w.bytes();
 }
 
 const worker::Tokenizer* tokenizer = nullptr;

@@ -553,80 +553,63 @@ absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
 EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
   EngineStats stats;
   stats.pool = pool_->usage();
-  if (owner != nullptr) {
-    EngineStats own;
-    own.pool.pool_bytes = stats.pool.pool_bytes;
-    own.pool.page_bytes = stats.pool.page_bytes;
-    own.pool.pages_total = stats.pool.pages_total;
-    absl::flat_hash_map<std::string, uint64_t> by_precision;
-    const absl::Time now = registry_.Now();
-    for (const auto& seq : registry_.All()) {
-      kvmem::MutexLock lock(&seq->mu);
-      if (seq->released() || seq->owner() != *owner) continue;
-      SequenceSummary summary = Summarize(*seq, now);
-      ++own.sequences_active;
-      own.tokens_appended += summary.appended_tokens;
-      own.steps += summary.steps;
-      own.kv_bytes += summary.kv_bytes;
-      own.full_cache_bytes += seq->appended() * 2 * seq->layout().payload_bytes(1);
-      own.slot_state_bytes += summary.slot_state_bytes;
-      own.pool.blocks_used += summary.blocks;
-      own.pool.block_bytes_used += summary.pool_bytes_held;
-      AddBlockBytes(*seq, &by_precision);
-      if (include_sequences) own.sequences.push_back(std::move(summary));
+  if (owner != nullptr) {  // the pool's size and the owner's sequences (below), nothing more
+    stats.pool =
+        store::PoolUsage{stats.pool.pool_bytes, stats.pool.page_bytes, stats.pool.pages_total};
+  } else {
+    stats.pool_free_bytes = pool_->free_bytes();
+    stats.tokens_appended = telemetry_.tokens_appended;
+    stats.stream_slots_evicted = telemetry_.stream_slots_evicted;
+    stats.stream_slots_quantized = telemetry_.stream_slots_quantized;
+    stats.bytes_moved = telemetry_.bytes_moved;
+    stats.slot_state_bytes = budget_.slot_state_bytes();
+    stats.host_metadata_bytes = budget_.host_bytes();
+    stats.host_metadata_budget_bytes = budget_.budget();
+    if (const TableBoard* tables = versions_.tables()) {
+      stats.table_area_heap_bytes = tables->heap_bytes();
+      stats.table_area_used_bytes = tables->heap_bytes_in_use();
+      stats.table_area_misses = tables->misses();
     }
-    std::sort(own.sequences.begin(), own.sequences.end(),
-              [](const SequenceSummary& a, const SequenceSummary& b) {
-                return a.sequence_id < b.sequence_id;
-              });
-    for (const char* name : {"f32", "f16", "bf16", "int8", "int4", "nf4"}) {
-      auto it = by_precision.find(name);
-      own.block_bytes_by_precision.emplace_back(name, it == by_precision.end() ? 0 : it->second);
+    stats.steps = telemetry_.steps;
+    stats.leases_expired = telemetry_.leases_expired;
+    stats.prefix = publisher_.index().stats();
+    stats.sequences_poisoned = telemetry_.sequences_poisoned;
+    stats.sequences_created = telemetry_.sequences_created;
+    for (const auto& t : telemetry_.policies()) {
+      PolicyCounts c;
+      c.policy = t->policy;
+      c.tokens_appended = t->tokens_appended;
+      c.tokens_evicted = t->tokens_evicted.Read();
+      c.stream_slots_evicted = t->stream_slots_evicted;
+      c.tokens_quantized = t->tokens_quantized.Read();
+      c.stream_slots_quantized = t->stream_slots_quantized;
+      c.steps = t->step_seconds[0].Read().count + t->step_seconds[1].Read().count;
+      stats.policies.push_back(std::move(c));
     }
-    return own;
-  }
-  stats.pool_free_bytes = pool_->free_bytes();
-  stats.tokens_appended = telemetry_.tokens_appended;
-  stats.stream_slots_evicted = telemetry_.stream_slots_evicted;
-  stats.stream_slots_quantized = telemetry_.stream_slots_quantized;
-  stats.bytes_moved = telemetry_.bytes_moved;
-  stats.slot_state_bytes = budget_.slot_state_bytes();
-  stats.host_metadata_bytes = budget_.host_bytes();
-  stats.host_metadata_budget_bytes = budget_.budget();
-  if (const TableBoard* tables = versions_.tables()) {
-    stats.table_area_heap_bytes = tables->heap_bytes();
-    stats.table_area_used_bytes = tables->heap_bytes_in_use();
-    stats.table_area_misses = tables->misses();
-  }
-  stats.steps = telemetry_.steps;
-  stats.leases_expired = telemetry_.leases_expired;
-  stats.prefix = publisher_.index().stats();
-  stats.sequences_poisoned = telemetry_.sequences_poisoned;
-  stats.sequences_created = telemetry_.sequences_created;
-  for (const auto& t : telemetry_.policies()) {
-    PolicyCounts c;
-    c.policy = t->policy;
-    c.tokens_appended = t->tokens_appended;
-    c.tokens_evicted = t->tokens_evicted.Read();
-    c.stream_slots_evicted = t->stream_slots_evicted;
-    c.tokens_quantized = t->tokens_quantized.Read();
-    c.stream_slots_quantized = t->stream_slots_quantized;
-    c.steps = t->step_seconds[0].Read().count + t->step_seconds[1].Read().count;
-    stats.policies.push_back(std::move(c));
   }
   const std::vector<std::shared_ptr<Sequence>> all = registry_.All();
-  stats.sequences_active = static_cast<uint32_t>(all.size());
+  if (owner == nullptr) stats.sequences_active = static_cast<uint32_t>(all.size());
   // Table bytes by precision: the layout's dtype, then the quantized formats.
   absl::flat_hash_map<std::string, uint64_t> by_precision;
   const absl::Time now = registry_.Now();
   for (const auto& seq : all) {
     kvmem::MutexLock lock(&seq->mu);
-    if (seq->released()) continue;
+    if (seq->released() || (owner != nullptr && seq->owner() != *owner)) continue;
     // O(streams) per sequence: every figure here is kept per stream.
     stats.kv_bytes += seq->kv_bytes();
     stats.full_cache_bytes += seq->appended() * 2 * seq->layout().payload_bytes(1);
     AddBlockBytes(*seq, &by_precision);
-    if (include_sequences) stats.sequences.push_back(Summarize(*seq, now));
+    if (owner == nullptr && !include_sequences) continue;
+    SequenceSummary summary = Summarize(*seq, now);
+    if (owner != nullptr) {  // the totals of a tenant's view are its sequences'
+      ++stats.sequences_active;
+      stats.tokens_appended += summary.appended_tokens;
+      stats.steps += summary.steps;
+      stats.slot_state_bytes += summary.slot_state_bytes;
+      stats.pool.blocks_used += summary.blocks;
+      stats.pool.block_bytes_used += summary.pool_bytes_held;
+    }
+    if (include_sequences) stats.sequences.push_back(std::move(summary));
   }
   std::sort(stats.sequences.begin(), stats.sequences.end(),
             [](const SequenceSummary& a, const SequenceSummary& b) {

@@ -8,30 +8,14 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "tests/testing/gguf_writer.h"
 
 namespace kvmem::worker {
 namespace {
 
 using ::testing::HasSubstr;
 
-class GgufWriter {
- public:
-  template <typename T>
-  void Put(T v) {
-    bytes_.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-  void Str(const std::string& s) {
-    Put<uint64_t>(s.size());
-    bytes_ += s;
-  }
-  void Align(size_t a) {
-    while (bytes_.size() % a != 0) bytes_.push_back('\0');
-  }
-  std::string& bytes() { return bytes_; }
-
- private:
-  std::string bytes_;
-};
+using testing::GgufWriter;
 
 // A file with three metadata entries and two tensors: an f32 [4] and a Q8_0 [32].
 std::string ValidFile() {
