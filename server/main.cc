@@ -2,6 +2,7 @@
 // SIGTERM or SIGINT drains: health turns NOT_SERVING, in-flight calls finish, exit code 0.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <string>
@@ -212,6 +213,7 @@ int main(int argc, char** argv) {
   std::atomic<kvmem::service::Server*> serving{nullptr};
   absl::Notification stop;
   std::atomic<int> stop_signal{0};
+  std::atomic<bool> stopping{false};
   std::thread signal_thread([&] {
     int sig = 0;
     while (sigwait(&signals, &sig) == 0) {
@@ -227,6 +229,7 @@ int main(int argc, char** argv) {
           spdlog::warn("kvmemd: SIGHUP: tokens kept as they were: {}", reloaded.ToString());
         }
       } else if (server == nullptr) {
+        stopping = true;  // main, if Start fails for it, leaves the exit to this thread
         kvmem::transport::RemoveOwnSegments(segment_prefixes);
         spdlog::info("kvmemd: signal {} received while starting: stopped before serving", sig);
         spdlog::default_logger()->flush();
@@ -242,6 +245,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);
   if (!server.ok()) {
+    // A stop while starting makes segments refused: that thread ends kvmemd, and says why.
+    while (stopping) std::this_thread::sleep_for(std::chrono::seconds(1));
     spdlog::error("kvmemd: {}", server.status().ToString());
     spdlog::default_logger()->flush();
     std::_Exit(2);  // the signal thread still waits

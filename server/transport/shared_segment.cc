@@ -20,6 +20,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "server/common/mutex.h"
 
 namespace kvmem::transport {
 namespace {
@@ -66,6 +68,15 @@ pid_t OwnerPid(absl::string_view name, absl::string_view prefix) {
 
 }  // namespace
 
+namespace {
+
+// Whether this process may still create segments (RemoveOwnSegments stops it): checked and
+// the name created under the lock, so that a removal that holds it next sees every name.
+absl::Mutex creation_mu(absl::kConstInit);
+bool creation_stopped ABSL_GUARDED_BY(creation_mu) = false;
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::string& prefix,
                                                                      uint64_t bytes) {
   if (bytes == 0 || bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
@@ -79,7 +90,15 @@ absl::StatusOr<std::unique_ptr<SharedSegment>> SharedSegment::Create(const std::
   thread_local absl::BitGen random;
   const std::string name = absl::StrCat("/", prefix, "-", getpid(), "-", counter++,
                                         absl::StrFormat("%020u", absl::Uniform<uint64_t>(random)));
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  int fd = -1;
+  {
+    kvmem::MutexLock lock(&creation_mu);
+    if (creation_stopped) {
+      return absl::UnavailableError(
+          absl::StrCat("shared memory ", prefix, ": kvmemd is stopping; no new segment"));
+    }
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  }
   if (fd < 0) {
     return absl::InternalError(absl::StrCat("shm_open(", name, "): ", std::strerror(errno)));
   }
@@ -169,6 +188,10 @@ std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& pre
 
 std::vector<std::string> RemoveOwnSegments(const std::vector<std::string>& prefixes,
                                            const std::string& dir) {
+  {
+    kvmem::MutexLock lock(&creation_mu);
+    creation_stopped = true;  // from here, every name this process made is in `dir`
+  }
   std::vector<std::string> removed;
   DIR* listing = opendir(dir.c_str());
   if (listing == nullptr) return removed;

@@ -53,9 +53,10 @@ class SharedSegment {
 // a daemon in another pid namespace that shares /dev/shm). Returns the names removed.
 std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& prefixes,
                                              const std::string& dir = "/dev/shm");
-// Removes the names of this process's own segments (for one of `prefixes`), for a daemon
-// that ends without destroying them (a stop while it starts): their memory goes with the
-// process's last mapping. Returns the names removed.
+// Stops this process from creating segments (Create is UNAVAILABLE from then on), then
+// removes the names of its own (for one of `prefixes`), for a daemon that ends without
+// destroying them (a stop while it starts): their memory goes with the process's last
+// mapping. Returns the names removed.
 std::vector<std::string> RemoveOwnSegments(const std::vector<std::string>& prefixes,
                                            const std::string& dir = "/dev/shm");
 
