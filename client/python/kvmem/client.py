@@ -479,7 +479,7 @@ class Client:
         """The whole table: to attach to a sequence, or to recover. A table too large for one
         message (kvmemd's --max-message-bytes) is asked for in pieces of layers and joined
         here; pieces of different versions (the sequence changed meanwhile) are asked again."""
-        for attempt in range(3):
+        for _ in range(3):
             table = self._table_piece(sequence_id, positions, None)
             if table is not None:
                 return table_from_proto(table)
