@@ -198,8 +198,7 @@ Fixture& Shared() {
   return *g_fixture;
 }
 
-// The daemons' pools are /dev/shm segments: a run that never destroyed its servers would
-// leave 4 GiB of shared memory behind.
+// The daemons and their clients end before the process does (4 GiB of pools).
 void StopShared() {
   if (g_fixture == nullptr) return;
   for (auto& d : g_fixture->daemons) {

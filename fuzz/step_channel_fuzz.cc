@@ -34,8 +34,8 @@ namespace layout = v1::step_channel;
 constexpr uint64_t kCapacity = transport::StepChannel::kMinCapacity;
 constexpr uint64_t kSignalBytes = 64 << 10;
 
-// The client's side: the channel's two segments, mapped writable by name as a client maps
-// them (before the first request, which unlinks the names).
+// The client's side: the channel's two segments, mapped writable as a client maps the
+// descriptors it receives.
 struct Client {
   std::unique_ptr<transport::StepChannel> channel;
   uint8_t* segment = nullptr;
@@ -45,12 +45,9 @@ struct Client {
 };
 Client* client = nullptr;
 
-uint8_t* MapByName(const std::string& name, uint64_t bytes) {
-  const int fd = shm_open(name.c_str(), O_RDWR, 0);
-  FUZZ_CHECK(fd >= 0, "shm_open %s", name.c_str());
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  FUZZ_CHECK(p != MAP_FAILED, "mmap %s", name.c_str());
+uint8_t* MapWritable(const transport::SharedSegment& segment) {
+  void* p = mmap(nullptr, segment.bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, segment.fd(), 0);
+  FUZZ_CHECK(p != MAP_FAILED, "mmap %s", segment.label().c_str());
   return static_cast<uint8_t*>(p);
 }
 
@@ -112,8 +109,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       fuzz::kSignalBytes);
   FUZZ_CHECK(channel.ok(), "%s", channel.status().ToString().c_str());
   c->channel = *std::move(channel);
-  c->segment = fuzz::MapByName(c->channel->name(), c->channel->segment_bytes());
-  c->signals = fuzz::MapByName(c->channel->signal_name(), fuzz::kSignalBytes);
+  c->segment = fuzz::MapWritable(*c->channel->segment().lock());
+  c->signals = fuzz::MapWritable(*c->channel->signal_segment().lock());
   fuzz::client = c;
   return 0;
 }

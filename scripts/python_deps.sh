@@ -18,7 +18,9 @@ install_kvmem() {
   # it is installed, so it is installed again every run (the proto may have changed).
   python3 -m pip install --quiet "$(dirname "$0")/../client/python"
 }
-have torch && have transformers && have gguf || python3 -m pip install --quiet torch transformers gguf
+# accelerate: transformers (5.x) loads a GGUF checkpoint only with it installed.
+have torch && have transformers && have gguf && have accelerate ||
+  python3 -m pip install --quiet torch transformers gguf accelerate
 if [ "${1:-}" = "--transformers" ]; then
   install_kvmem
   exit 0

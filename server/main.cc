@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -13,10 +14,12 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/service/server.h"
-#include "server/transport/shared_segment.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -113,6 +116,11 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(bool, allow_unauthenticated_remote, false,
           "serve a non-loopback --listen without --auth-tokens (anyone who reaches it can read "
           "and change every sequence)");
+ABSL_FLAG(std::string, attach_socket, "",
+          "where same-host clients receive the shared-memory segments' descriptors: @name "
+          "(abstract unix socket) or a path; empty: an abstract name of its own");
+ABSL_FLAG(std::string, attach_uids, "",
+          "comma-separated uids whose processes may attach (SO_PEERCRED); empty: kvmemd's own");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 
 namespace {
@@ -195,20 +203,20 @@ int main(int argc, char** argv) {
   config.limits.append_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_append_stream_idle_seconds));
   config.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
-
-  // Segments of daemons killed outright (kill -9, OOM) hold /dev/shm until removed. The
-  // prefixes are those of store/cpu_backend.cc, engine/epoch_board.cc, engine/table_board.cc
-  // and transport/step_channel.cc.
-  const std::vector<std::string> segment_prefixes = {"kvmem-pool", "kvmem-epochs", "kvmem-chan",
-                                                     "kvmem-sig", "kvmem-tables"};
-  for (const std::string& name : kvmem::transport::RemoveStaleSegments(segment_prefixes)) {
-    spdlog::info("kvmemd: removed /dev/shm/{}, left by a daemon that no longer runs", name);
+  config.attach_socket = absl::GetFlag(FLAGS_attach_socket);
+  for (absl::string_view uid :
+       absl::StrSplit(absl::GetFlag(FLAGS_attach_uids), ',', absl::SkipEmpty())) {
+    uint32_t value = 0;
+    if (!absl::SimpleAtoi(uid, &value)) {
+      spdlog::error("kvmemd: --attach-uids: \"{}\" is not a uid", std::string(uid));
+      return 2;
+    }
+    config.attach_uids.push_back(value);
   }
 
   // One thread takes the signals, from before the pool is allocated (seconds for a large
-  // one): SIGTERM or SIGINT while kvmemd starts ends it there, before it serves, with the
-  // names of the segments it made removed (the pool's unlink waits for its allocation call;
-  // a segment made after the removal is left to the next start); once Start has returned,
+  // one): SIGTERM or SIGINT while kvmemd starts ends it there, before it serves (its
+  // segments have no names: their memory goes with the process); once Start has returned,
   // they drain it (main, below) and SIGHUP reloads the tokens.
   std::atomic<kvmem::service::Server*> serving{nullptr};
   absl::Notification stop;
@@ -230,7 +238,6 @@ int main(int argc, char** argv) {
         }
       } else if (server == nullptr) {
         stopping = true;  // main, if Start fails for it, leaves the exit to this thread
-        kvmem::transport::RemoveOwnSegments(segment_prefixes);
         spdlog::info("kvmemd: signal {} received while starting: stopped before serving", sig);
         spdlog::default_logger()->flush();
         std::_Exit(0);
@@ -245,7 +252,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);
   if (!server.ok()) {
-    // A stop while starting makes segments refused: that thread ends kvmemd, and says why.
+    // A stop while starting: that thread ends kvmemd, and says why.
     while (stopping) std::this_thread::sleep_for(std::chrono::seconds(1));
     spdlog::error("kvmemd: {}", server.status().ToString());
     spdlog::default_logger()->flush();

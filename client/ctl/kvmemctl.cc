@@ -52,9 +52,11 @@ int Info(kvmem::client::Client& client) {
   std::printf("policy steps     %s\n", info->device_step
                                            ? "in the backend (scores in device memory)"
                                            : "in host policy code");
-  std::printf("same-host attach %s\n", !info->shm_name.empty() ? ("shm " + info->shm_name).c_str()
-                                       : !info->cuda_ipc_handle.empty() ? "CUDA IPC"
-                                                                        : "none");
+  std::printf("same-host attach %s\n",
+              !info->cuda_ipc_handle.empty() ? "CUDA IPC"
+              : info->attach.ticket.empty()
+                  ? "none"
+                  : ("shared memory by descriptor at " + info->attach.socket).c_str());
   std::printf("policies:\n");
   for (const auto& p : info->policies) {
     std::printf("  %-14s %s\n", p.name.c_str(), p.description.c_str());

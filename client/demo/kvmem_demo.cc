@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
   }
 
   // Same-host zero-copy read of that stream, checked against what was appended.
-  if (!info->shm_name.empty()) {
+  if (info->shm_bytes != 0) {
     auto pool = kvmem::client::SharedPool::Attach(*info);
     if (!pool.ok()) return Fail("attach", pool.status());
     std::string k0, v0;

@@ -8,13 +8,13 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "epoch words are shared across processes and must be lock-free");
 
 absl::StatusOr<std::unique_ptr<EpochBoard>> EpochBoard::Create(uint32_t slots) {
-  absl::StatusOr<std::unique_ptr<transport::SharedSegment>> segment =
+  absl::StatusOr<std::shared_ptr<transport::SharedSegment>> segment =
       transport::SharedSegment::Create("kvmem-epochs", uint64_t{slots} * kStride);
   if (!segment.ok()) return segment.status();
   return std::unique_ptr<EpochBoard>(new EpochBoard(*std::move(segment), slots));
 }
 
-EpochBoard::EpochBoard(std::unique_ptr<transport::SharedSegment> segment, uint32_t slots)
+EpochBoard::EpochBoard(std::shared_ptr<transport::SharedSegment> segment, uint32_t slots)
     : segment_(std::move(segment)), slots_(slots) {
   for (uint32_t s = slots; s-- > 0;) {
     new (segment_->data() + uint64_t{s} * kStride) std::atomic<uint64_t>(0);

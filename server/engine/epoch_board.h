@@ -33,14 +33,14 @@ class EpochBoard {
   void EndWrite(uint32_t slot, uint64_t epoch);    // word = 2*epoch
   uint64_t Load(uint32_t slot) const;
 
-  const std::string& name() const { return segment_->name(); }
+  std::weak_ptr<const transport::SharedSegment> segment() const { return segment_; }
   uint32_t slots() const { return slots_; }
 
  private:
-  EpochBoard(std::unique_ptr<transport::SharedSegment> segment, uint32_t slots);
+  EpochBoard(std::shared_ptr<transport::SharedSegment> segment, uint32_t slots);
   std::atomic<uint64_t>* word(uint32_t slot) const;
 
-  std::unique_ptr<transport::SharedSegment> segment_;
+  std::shared_ptr<transport::SharedSegment> segment_;
   const uint32_t slots_;
   absl::Mutex mu_;
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);

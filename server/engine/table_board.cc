@@ -18,13 +18,13 @@ absl::StatusOr<std::unique_ptr<TableBoard>> TableBoard::Create(uint32_t slots, u
         absl::StrCat("table_area_bytes: ", bytes, " bytes hold no heap; ", slots,
                      " sequence slots need at least ", heap_offset + 4096));
   }
-  absl::StatusOr<std::unique_ptr<transport::SharedSegment>> segment =
+  absl::StatusOr<std::shared_ptr<transport::SharedSegment>> segment =
       transport::SharedSegment::Create("kvmem-tables", bytes);
   if (!segment.ok()) return segment.status();
   return std::unique_ptr<TableBoard>(new TableBoard(*std::move(segment), slots));
 }
 
-TableBoard::TableBoard(std::unique_ptr<transport::SharedSegment> segment, uint32_t slots)
+TableBoard::TableBoard(std::shared_ptr<transport::SharedSegment> segment, uint32_t slots)
     : segment_(std::move(segment)), slots_(slots), records_(slots) {
   uint8_t* base = segment_->data();
   const uint64_t heap_offset =

@@ -41,7 +41,7 @@ class TableBoard {
   // Whether slot `slot` holds sequence `id`'s table at `version`.
   bool Holds(uint32_t slot, uint64_t id, uint64_t version) const;
 
-  const std::string& name() const { return segment_->name(); }
+  std::weak_ptr<const transport::SharedSegment> segment() const { return segment_; }
   uint64_t bytes() const { return segment_->bytes(); }
   uint32_t slots() const { return slots_; }
   uint64_t heap_bytes_in_use() const;
@@ -53,7 +53,7 @@ class TableBoard {
   static constexpr uint64_t kGrain = 64;
 
  private:
-  TableBoard(std::unique_ptr<transport::SharedSegment> segment, uint32_t slots);
+  TableBoard(std::shared_ptr<transport::SharedSegment> segment, uint32_t slots);
   v1::table_area::Slot& slot(uint32_t i) const;
   // A heap range of at least `bytes`, or 0 when none is free (offsets are never 0: the
   // header comes first).
@@ -71,7 +71,7 @@ class TableBoard {
   static void WriteEntries(const Stream& st, const store::BlockPool& pool, size_t from, size_t to,
                            v1::table_area::Entry* out);
 
-  const std::unique_ptr<transport::SharedSegment> segment_;
+  const std::shared_ptr<transport::SharedSegment> segment_;
   const uint32_t slots_;
   uint64_t heap_bytes_ = 0;
   std::atomic<uint64_t> misses_{0};

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "kernels/quantize.h"
+#include "kvmem/v1/attach.h"
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
 
@@ -30,7 +31,9 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 }  // namespace
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response, bool same_host) {
+                    v1::GetInfoResponse* response, transport::AttachSocket* attach) {
+  const bool same_host = attach != nullptr;
+  std::vector<transport::AttachSocket::Grant> grants;
   const engine::EngineConfig& config = engine.config();
   const store::Backend& backend = engine.backend();
   response->set_version(std::string(version));
@@ -72,9 +75,8 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   if (same_host) exported = backend.pool_export();
   if (exported) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
-      v1::SharedMemoryPool* pool = response->mutable_shared_memory();
-      pool->set_name(shm->name);
-      pool->set_segment_bytes(shm->bytes);
+      response->mutable_shared_memory()->set_segment_bytes(shm->bytes);
+      grants.push_back({v1::attach::kPool, shm->segment, config.in_place_writes});
     } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
       v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
       ipc->set_handle(cuda->handle);
@@ -92,14 +94,18 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   response->set_default_quantization_recent_tokens(engine::QuantConfig{}.recent_tokens);
   if (!same_host) return;
   const engine::EpochBoard& board = engine.epoch_board();
-  response->mutable_epoch_board()->set_name(board.name());
+  grants.push_back({v1::attach::kEpochBoard, board.segment(), false});
   response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
   response->mutable_epoch_board()->set_slots(board.slots());
   if (const engine::TableBoard* tables = engine.table_board()) {
-    response->mutable_table_area()->set_name(tables->name());
+    grants.push_back({v1::attach::kTableArea, tables->segment(), false});
     response->mutable_table_area()->set_bytes(tables->bytes());
     response->mutable_table_area()->set_slots(tables->slots());
   }
+  v1::AttachTicket* ticket = response->mutable_attach();
+  ticket->set_socket(attach->address());
+  ticket->set_ticket(attach->Issue(std::move(grants)));
+  ToProto(attach->ticket_life(), ticket->mutable_valid_for());
 }
 
 absl::Status ReadStatsPage(const v1::StatsRequest& request, StatsPage* page) {

@@ -8,13 +8,15 @@
 #include "absl/strings/string_view.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "server/engine/engine.h"
+#include "server/transport/attach_socket.h"
 
 namespace kvmem::service {
 
-// `same_host`: with the names of the shared pool, the epoch board and the table area (the
-// same-host attach, one trust domain: kvmemd with identities gives them to admins only).
+// With `attach` (the same-host attach, one trust domain: kvmemd with identities offers it to
+// admins only): the shared pool, the epoch board and the table area, and a ticket for their
+// descriptors (the pool read-write with in-place writes, the rest read-only).
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response, bool same_host = true);
+                    v1::GetInfoResponse* response, transport::AttachSocket* attach);
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

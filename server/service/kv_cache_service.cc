@@ -57,8 +57,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
                                      v1::GetInfoResponse* response) {
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
-  // Mapping the pool reads every tenant's K/V: the names go to admins only.
-  DescribeDaemon(*engine_, version_, response, call->who.admin);
+  // Mapping the pool reads every tenant's K/V: its ticket goes to admins only.
+  DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr);
   return grpc::Status::OK;
 }
 

@@ -14,6 +14,7 @@
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
 #include "server/service/request_cache.h"
+#include "server/transport/attach_socket.h"
 #include "server/transport/step_channel.h"
 
 namespace kvmem::service {
@@ -26,8 +27,9 @@ class KvCacheService final : public v1::KvCache::Service {
   // tells who each call comes from.
   KvCacheService(engine::Engine* engine, std::string version, const ServiceLimits& limits,
                  const engine::Clock* clock, metrics::RpcTelemetry* rpc_telemetry = nullptr,
-                 const Authenticator* auth = nullptr)
+                 const Authenticator* auth = nullptr, transport::AttachSocket* attach = nullptr)
       : engine_(engine),
+        attach_(attach),
         rpc_telemetry_(rpc_telemetry),
         auth_(auth != nullptr ? auth : &anonymous_),
         version_(std::move(version)),
@@ -171,6 +173,8 @@ class KvCacheService final : public v1::KvCache::Service {
                        v1::TableUpdate* out);
 
   engine::Engine* const engine_;
+  // Hands out tickets for the shared-memory segments' descriptors; null: no same-host attach.
+  transport::AttachSocket* const attach_;
   metrics::RpcTelemetry* const rpc_telemetry_;
   const Authenticator anonymous_;  // auth_ when the daemon has no tokens
   const Authenticator* const auth_;

@@ -1,6 +1,7 @@
 #include "server/service/server.h"
 
 #include <pthread.h>
+#include <sys/un.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/resource_quota.h"
@@ -67,6 +69,18 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
+}
+
+// The attach socket's address: the configured one; else, for a unix-socket --listen, a
+// socket file next to it (reachable wherever the gRPC socket is: across containers sharing
+// its volume, which an abstract name is not); else an abstract name of its own.
+std::string DefaultAttachSocket(const ServerConfig& config) {
+  if (!config.attach_socket.empty()) return config.attach_socket;
+  absl::string_view path = config.listen;
+  if (!absl::ConsumePrefix(&path, "unix:")) return "";
+  if (absl::StartsWith(path, "///")) path.remove_prefix(2);
+  std::string beside = absl::StrCat(path, ".attach");
+  return beside.size() < sizeof(sockaddr_un::sun_path) ? beside : "";
 }
 
 }  // namespace
@@ -139,10 +153,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
+  absl::StatusOr<std::unique_ptr<transport::AttachSocket>> attach =
+      transport::AttachSocket::Start({DefaultAttachSocket(config), config.attach_uids});
+  if (!attach.ok()) return attach.status();
+  server->attach_ = *std::move(attach);
   server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
-  server->service_ =
-      std::make_unique<KvCacheService>(server->engine_.get(), KVMEM_VERSION, config.limits, clock,
-                                       server->rpc_telemetry_.get(), server->auth_.get());
+  server->service_ = std::make_unique<KvCacheService>(
+      server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get(),
+      server->auth_.get(), server->attach_.get());
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);

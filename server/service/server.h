@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
@@ -15,6 +16,7 @@
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 #include "server/service/auth.h"
+#include "server/transport/attach_socket.h"
 
 namespace kvmem::service {
 
@@ -53,6 +55,11 @@ struct ServerConfig {
   // TLS (PEM files): the server's certificate chain and key; with `tls_client_ca`, clients
   // must present a certificate it signed, whose common name is their tenant.
   std::string tls_cert, tls_key, tls_client_ca;
+  // The attach socket, where same-host clients receive the shared-memory segments'
+  // descriptors (transport/attach_socket.h): "@name" abstract, else a path; empty: an
+  // abstract name of its own. `attach_uids`: the peer uids it serves (empty: kvmemd's own).
+  std::string attach_socket;
+  std::vector<uid_t> attach_uids;
 };
 
 class Server {
@@ -62,7 +69,9 @@ class Server {
                                                        const engine::Clock* clock = nullptr);
   ~Server();
 
-  int port() const { return port_; }                                      // 0 for unix sockets
+  int port() const { return port_; }  // 0 for unix sockets
+  // The attach socket's address (GetInfoResponse.attach.socket).
+  const std::string& attach_address() const { return attach_->address(); }
   int metrics_port() const { return exporter_ ? exporter_->port() : 0; }  // 0: not served
   engine::Engine& engine() { return *engine_; }
   const KvCacheService& service() const { return *service_; }
@@ -88,6 +97,8 @@ class Server {
   // step channels that record into it.
   std::unique_ptr<metrics::RpcTelemetry> rpc_telemetry_;
   std::unique_ptr<Authenticator> auth_;  // with tokens; before the service that reads it
+  // After the engine (its segments), before the service (which issues its tickets).
+  std::unique_ptr<transport::AttachSocket> attach_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::shared_ptr<metrics::Collector> collector_;

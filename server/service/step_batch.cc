@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/service/convert.h"
 #include "server/service/kv_cache_service.h"
@@ -193,14 +194,20 @@ grpc::Status KvCacheService::OpenStepChannel(
     if (!created.ok()) return ToGrpc(created.status());
     channel = *std::move(created);
     v1::OpenStepChannelResponse response;
-    response.set_name(channel->name());
     response.set_segment_bytes(channel->segment_bytes());
     response.set_capacity_bytes(channel->capacity());
     response.set_layout_version(v1::step_channel::kLayoutVersion);
     response.set_nonce(channel->nonce());
-    if (signal_bytes > 0) {
-      response.set_signal_name(channel->signal_name());
-      response.set_signal_bytes(channel->signal_bytes());
+    response.set_signal_bytes(channel->signal_bytes());
+    if (attach_ != nullptr) {
+      std::vector<transport::AttachSocket::Grant> grants = {
+          {v1::attach::kChannel, channel->segment(), true}};
+      if (signal_bytes > 0)
+        grants.push_back({v1::attach::kSignalArea, channel->signal_segment(), true});
+      v1::AttachTicket* ticket = response.mutable_attach();
+      ticket->set_socket(attach_->address());
+      ticket->set_ticket(attach_->Issue(std::move(grants)));
+      ToProto(attach_->ticket_life(), ticket->mutable_valid_for());
     }
     if (!writer->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client left before the channel opened");

@@ -18,6 +18,10 @@
 #include "kernels/quantize.h"
 #include "server/store/slot_state.h"
 
+namespace kvmem::transport {
+class SharedSegment;
+}
+
 namespace kvmem::store {
 
 // Host -> pool: `bytes` from `src` to pool offset `dst`.
@@ -65,7 +69,8 @@ struct DequantizeOp {
 // shared-memory segment (CPU backend) or a CUDA IPC handle of the device allocation (CUDA
 // backend). In both, block offsets index into `bytes` of mapping.
 struct SharedMemoryExport {
-  std::string name;  // shm_open name
+  // The pool's segment (a same-host client receives its descriptor: transport/attach_socket.h).
+  std::weak_ptr<const transport::SharedSegment> segment;
   uint64_t bytes = 0;
 };
 struct CudaIpcExport {

@@ -10,13 +10,12 @@
 namespace kvmem::store {
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(uint64_t pool_bytes) {
-  absl::StatusOr<std::unique_ptr<transport::SharedSegment>> segment =
+  absl::StatusOr<std::shared_ptr<transport::SharedSegment>> segment =
       transport::SharedSegment::Create("kvmem-pool", pool_bytes);
   if (absl::IsResourceExhausted(segment.status())) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "--pool-bytes=", pool_bytes, ": ", segment.status().message(),
-        "; lower --pool-bytes or give /dev/shm more room (docker run --shm-size, a Kubernetes "
-        "emptyDir with medium: Memory)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("--pool-bytes=", pool_bytes, ": ", segment.status().message(),
+                     "; lower --pool-bytes or give kvmemd more memory"));
   }
   if (!segment.ok()) return segment.status();
   return std::unique_ptr<CpuBackend>(new CpuBackend(*std::move(segment)));
@@ -109,7 +108,7 @@ absl::Status CpuBackend::Dequantize(const kernels::QuantGeometry& geometry, kern
 }
 
 std::optional<PoolExport> CpuBackend::pool_export() const {
-  return SharedMemoryExport{segment_->name(), segment_->bytes()};
+  return SharedMemoryExport{segment_, segment_->bytes()};
 }
 
 }  // namespace kvmem::store

@@ -34,10 +34,10 @@ class CpuBackend final : public Backend {
   std::optional<PoolExport> pool_export() const override;
 
  private:
-  explicit CpuBackend(std::unique_ptr<transport::SharedSegment> segment)
+  explicit CpuBackend(std::shared_ptr<transport::SharedSegment> segment)
       : segment_(std::move(segment)) {}
   absl::Status CheckRange(uint64_t offset, uint64_t bytes, const char* what) const;
-  std::unique_ptr<transport::SharedSegment> segment_;
+  std::shared_ptr<transport::SharedSegment> segment_;
 };
 
 }  // namespace kvmem::store

@@ -1,13 +1,13 @@
 #pragma once
-// SharedSegment: a named POSIX shared-memory mapping (shm_open + mmap) owned by the daemon.
-// The daemon maps it read-write; same-host clients map it read-only by name. The name is
-// unlinked when the owner is destroyed, so a crashed client never keeps it alive; a
-// daemon killed outright leaves it behind, and RemoveStaleSegments clears it at the next
-// start.
+// SharedSegment: an anonymous shared-memory mapping (memfd) owned by the daemon. It has no
+// name anywhere (nothing under /dev/shm for another process to open or list); a same-host
+// client receives its descriptor over the attach socket (attach_socket.h) after an
+// authenticated call handed it a ticket. Its size is sealed: no holder of the descriptor can
+// shrink it (which would fault the daemon's reads) or grow it. Its memory goes with the
+// last descriptor and mapping, however the daemon ends: nothing is left behind to clean.
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -15,21 +15,21 @@ namespace kvmem::transport {
 
 class SharedSegment {
  public:
-  // Creates a fresh segment of `bytes` (zero-filled) named "/<prefix>-<pid>-<counter>".
-  // Its memory is allocated here, not on first touch: when /dev/shm cannot hold it the
-  // result is RESOURCE_EXHAUSTED naming the size and what /dev/shm has free (a mapping
-  // sized by ftruncate alone would kill the daemon with SIGBUS later instead).
-  static absl::StatusOr<std::unique_ptr<SharedSegment>> Create(const std::string& prefix,
+  // Creates a fresh segment of `bytes` (zero-filled) labelled `label` (memfd's name: it shows
+  // in /proc/<pid>/maps, it opens nothing). Its memory is allocated here, not on first touch:
+  // when shared memory cannot hold it the result is RESOURCE_EXHAUSTED naming the size (a
+  // mapping sized by ftruncate alone would kill the daemon with SIGBUS later instead).
+  static absl::StatusOr<std::shared_ptr<SharedSegment>> Create(const std::string& label,
                                                                uint64_t bytes);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
 
-  const std::string& name() const { return name_; }
+  const std::string& label() const { return label_; }
   uint64_t bytes() const { return bytes_; }
   uint8_t* data() const { return data_; }
-  // Removes the name now (a segment whose one client has mapped it); the mapping stays.
-  void Unlink();
+  // The read-write descriptor; it stays open (and valid) while the segment lives.
+  int fd() const { return fd_; }
   // Maps [offset, offset + bytes) writable now (madvise MADV_POPULATE_WRITE), so that the
   // first writes there do not fault one page at a time: the memory is already allocated
   // (Create), but the kernel zero-fills and maps each page at its first touch. Changes no
@@ -38,26 +38,12 @@ class SharedSegment {
   absl::Status Populate(uint64_t offset, uint64_t bytes) const;
 
  private:
-  SharedSegment(std::string name, int fd, uint8_t* data, uint64_t bytes)
-      : name_(std::move(name)), fd_(fd), data_(data), bytes_(bytes) {}
-  std::string name_;
-  int fd_;  // kept open for its shared flock: the mark of a live owner (RemoveStaleSegments)
+  SharedSegment(std::string label, int fd, uint8_t* data, uint64_t bytes)
+      : label_(std::move(label)), fd_(fd), data_(data), bytes_(bytes) {}
+  std::string label_;
+  int fd_;
   uint8_t* data_;
   uint64_t bytes_;
-  bool linked_ = true;
 };
-
-// Removes the segments that daemons which no longer run left in `dir` (where shm_open
-// names live): names "<prefix>-<pid>-<n>" for one of `prefixes` whose pid is no live
-// process here and whose owner's lock is not held (the lock also protects the segments of
-// a daemon in another pid namespace that shares /dev/shm). Returns the names removed.
-std::vector<std::string> RemoveStaleSegments(const std::vector<std::string>& prefixes,
-                                             const std::string& dir = "/dev/shm");
-// Stops this process from creating segments (Create is UNAVAILABLE from then on), then
-// removes the names of its own (for one of `prefixes`), for a daemon that ends without
-// destroying them (a stop while it starts): their memory goes with the process's last
-// mapping. Returns the names removed.
-std::vector<std::string> RemoveOwnSegments(const std::vector<std::string>& prefixes,
-                                           const std::string& dir = "/dev/shm");
 
 }  // namespace kvmem::transport

@@ -96,12 +96,12 @@ size_t StepChannel::FitAnswer(v1::StepBatchResponse* response, uint64_t limit) {
 absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capacity,
                                                                  ErrorMapper to_grpc,
                                                                  uint64_t signal_bytes) {
-  absl::StatusOr<std::unique_ptr<SharedSegment>> segment =
+  absl::StatusOr<std::shared_ptr<SharedSegment>> segment =
       SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
   if (!segment.ok()) return segment.status();
-  std::unique_ptr<SharedSegment> signals;
+  std::shared_ptr<SharedSegment> signals;
   if (signal_bytes > 0) {
-    absl::StatusOr<std::unique_ptr<SharedSegment>> created =
+    absl::StatusOr<std::shared_ptr<SharedSegment>> created =
         SharedSegment::Create("kvmem-sig", signal_bytes);
     if (!created.ok()) return created.status();
     signals = *std::move(created);
@@ -118,11 +118,6 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
   std::memcpy(header->nonce, nonce.data(), layout::kNonceBytes);
   return std::unique_ptr<StepChannel>(new StepChannel(
       *std::move(segment), std::move(signals), capacity, std::move(nonce), std::move(to_grpc)));
-}
-
-const std::string& StepChannel::signal_name() const {
-  static const std::string* const kNone = new std::string();
-  return signals_ ? signals_->name() : *kNone;
 }
 
 absl::Status StepChannel::CopySignals(uint64_t offset, uint64_t bytes, void* out,
@@ -250,11 +245,6 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   if (kind == layout::kBatch) {
     std::string().swap(pending_);  // a new batch: the client gave up the rest of the last
     pending_sent_ = 0;
-  }
-  if (!unlinked_) {  // its client has it mapped: no one else needs the name
-    segment_->Unlink();
-    if (signals_) signals_->Unlink();  // mapped before the first request, as the channel
-    unlinked_ = true;
   }
   if (status.ok() && request.request_id().empty()) {
     status = to_grpc_(absl::InvalidArgumentError(

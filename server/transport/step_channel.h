@@ -99,12 +99,14 @@ class StepChannel {
                                                              uint64_t signal_bytes = 0);
   static constexpr uint64_t kMaxSignalBytes = 1ull << 30;
 
-  const std::string& name() const { return segment_->name(); }
   const std::string& nonce() const { return nonce_; }
   uint64_t segment_bytes() const { return segment_->bytes(); }
   uint64_t capacity() const { return capacity_; }
-  // The signal area (step_channel.h's signal_area layout): its name ("" when none) and size.
-  const std::string& signal_name() const;
+  // The segments, for the attach socket's grants: the channel's and its signal area (null
+  // when none).
+  std::weak_ptr<const SharedSegment> segment() const { return segment_; }
+  std::weak_ptr<const SharedSegment> signal_segment() const { return signals_; }
+  // The signal area's size (step_channel.h's signal_area layout; 0: none).
   uint64_t signal_bytes() const { return signals_ ? signals_->bytes() : 0; }
   // Copies [offset, offset + bytes) of the signal area to `out`, inside a SegmentGuard.
   // INVALID_ARGUMENT naming `field` for a range outside the area or no area;
@@ -132,7 +134,7 @@ class StepChannel {
   Served ServeOne(absl::Duration wait, const Handler& handler, const Recorder& record = nullptr);
 
  private:
-  StepChannel(std::unique_ptr<SharedSegment> segment, std::unique_ptr<SharedSegment> signals,
+  StepChannel(std::shared_ptr<SharedSegment> segment, std::shared_ptr<SharedSegment> signals,
               uint64_t capacity, std::string nonce, ErrorMapper to_grpc)
       : to_grpc_(std::move(to_grpc)),
         segment_(std::move(segment)),
@@ -148,8 +150,8 @@ class StepChannel {
   void Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total, Exchange& exchange,
               const Recorder& record);
   const ErrorMapper to_grpc_;
-  std::unique_ptr<SharedSegment> segment_;
-  std::unique_ptr<SharedSegment> signals_;  // null: no signal area
+  std::shared_ptr<SharedSegment> segment_;
+  std::shared_ptr<SharedSegment> signals_;  // null: no signal area
   mutable std::atomic<bool> signals_broken_{false};
   const uint64_t capacity_;  // the daemon's own copy: the header's may be overwritten
   const std::string nonce_;
@@ -159,7 +161,6 @@ class StepChannel {
   // allocates nothing (no malloc of the K/V bytes, no heap growth and trim per step).
   std::unique_ptr<char[]> arena_block_;
   uint32_t served_seq_ = 0;
-  bool unlinked_ = false;
   // The rest of an answer larger than the area, sent chunk by chunk (kMore); dropped when
   // the next batch comes.
   std::string pending_;

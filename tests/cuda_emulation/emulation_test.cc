@@ -20,9 +20,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvmem/cuda_pool.h"
+#include "kvmem/v1/attach.h"
 #include "server/engine/engine.h"
 #include "server/store/cuda_backend.h"
 #include "server/store/slot_state.h"
+#include "server/transport/attach_socket.h"
+#include "server/transport/shared_segment.h"
 #include "tests/testing/engine_twins.h"
 
 namespace kvmem::engine {
@@ -460,16 +463,14 @@ TEST(CudaEmulationTest, ADecodeTokenWaitsForTheDeviceAFewTimes) {
 // record is cleared too (the worker's next launch check would report it as its own); when
 // it works, the pool's GPU is the current one.
 TEST(CudaEmulationTest, AFailedAttachLeavesNoErrorRecord) {
-  const std::string board = "/kvmem-emulated-board-" + std::to_string(getpid());
-  const int fd = shm_open(board.c_str(), O_CREAT | O_RDWR, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(ftruncate(fd, 4096), 0);
-  close(fd);
+  std::shared_ptr<transport::SharedSegment> board =
+      *transport::SharedSegment::Create("board", 4096);
+  std::unique_ptr<transport::AttachSocket> attach = *transport::AttachSocket::Start({});
   cudaDeviceProp prop{};
   ASSERT_EQ(cudaGetDeviceProperties(&prop, 1), cudaSuccess);
   client::Info info;
   info.backend = "cuda";
-  info.epoch_board_name = board;
+  info.attach = {attach->address(), attach->Issue({{v1::attach::kEpochBoard, board, false}})};
   info.epoch_stride = 64;
   info.epoch_slots = 64;
   for (char c : prop.uuid.bytes) {
@@ -498,7 +499,6 @@ TEST(CudaEmulationTest, AFailedAttachLeavesNoErrorRecord) {
   EXPECT_EQ(current, 1);
   attached->reset();
   EXPECT_EQ(cudaFree(pool), cudaSuccess);
-  shm_unlink(board.c_str());
 }
 
 }  // namespace

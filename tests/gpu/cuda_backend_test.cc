@@ -14,9 +14,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvmem/cuda_pool.h"
+#include "kvmem/v1/attach.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
 #include "server/store/cuda_internal.h"
+#include "server/transport/attach_socket.h"
 #include "tests/testing/engine_twins.h"
 #include "tests/testing/slot_state_script.h"
 
@@ -253,7 +255,9 @@ TEST(CudaInPlaceTest, KvWrittenThroughTheIpcMappingDecodesAsBytes) {
   info.cuda_ipc_handle = exported.handle;
   info.cuda_device_uuid = exported.device_uuid;
   info.cuda_pool_bytes = exported.bytes;
-  info.epoch_board_name = gpu->epoch_board().name();
+  std::unique_ptr<transport::AttachSocket> attach = *transport::AttachSocket::Start({});
+  info.attach = {attach->address(),
+                 attach->Issue({{v1::attach::kEpochBoard, gpu->epoch_board().segment(), false}})};
   info.epoch_stride = engine::EpochBoard::kStride;
   info.epoch_slots = gpu->epoch_board().slots();
   absl::StatusOr<std::unique_ptr<client::CudaPool>> pool = client::CudaPool::Attach(info, true);

@@ -4,6 +4,7 @@
 // quota holds whatever salt it sends; the step channel serves the tenant that opened it.
 #include "server/service/auth.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -18,8 +19,11 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kvmem/attach.h"
 #include "kvmem/client.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "kvmem/v1/step_channel.h"
 #include "server/service/server.h"
 #include "tests/testing/payload.h"
 
@@ -219,12 +223,76 @@ TEST_F(AuthTest, OnlyAnAdminIsToldTheSharedMemoryNames) {
   // Mapping the pool reads every tenant's K/V.
   auto alices = alice_->GetInfo();
   ASSERT_TRUE(alices.ok()) << alices.status();
-  EXPECT_TRUE(alices->shm_name.empty());
-  EXPECT_TRUE(alices->epoch_board_name.empty());
+  EXPECT_EQ(alices->shm_bytes, 0u);
+  EXPECT_EQ(alices->epoch_slots, 0u);
+  EXPECT_TRUE(alices->attach.ticket.empty());
   auto admins = admin_->GetInfo();
   ASSERT_TRUE(admins.ok()) << admins.status();
-  EXPECT_FALSE(admins->shm_name.empty());
-  EXPECT_FALSE(admins->epoch_board_name.empty());
+  EXPECT_NE(admins->shm_bytes, 0u);
+  EXPECT_NE(admins->epoch_slots, 0u);
+  EXPECT_FALSE(admins->attach.ticket.empty());
+}
+
+// A second tenant cannot obtain the first's attach descriptors: a step channel's ticket goes
+// to its opener alone and maps that channel only; the pool's goes to an admin; a call without
+// a known token gets no ticket; a ticket that is not one gets nothing.
+TEST_F(AuthTest, ASecondTenantCannotObtainTheFirstsAttachDescriptors) {
+  auto stub = v1::KvCache::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials()));
+  struct Opened {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::OpenStepChannelResponse>> reader;
+    v1::OpenStepChannelResponse response;
+    bool ok = false;
+  };
+  auto open = [&](const std::string& token, Opened* o) {
+    if (!token.empty()) o->context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    v1::OpenStepChannelRequest q;
+    q.set_capacity_bytes(1ull << 20);
+    o->reader = stub->OpenStepChannel(&o->context, q);
+    o->ok = o->reader->Read(&o->response);
+  };
+  // The nonce in the channel segment a ticket maps.
+  auto nonce_of = [](const v1::AttachTicket& t, uint64_t bytes) -> std::string {
+    auto mapped =
+        client::MapSegment({t.socket(), t.ticket()}, v1::attach::kChannel, bytes, true, "channel");
+    if (!mapped.ok()) return mapped.status().ToString();
+    const auto* header = reinterpret_cast<const v1::step_channel::Header*>(*mapped);
+    std::string nonce(reinterpret_cast<const char*>(header->nonce), v1::step_channel::kNonceBytes);
+    munmap(*mapped, bytes);
+    return nonce;
+  };
+  Opened alices, bobs, strangers;
+  open(kAlice, &alices);
+  open(kBob, &bobs);
+  open("", &strangers);
+  ASSERT_TRUE(alices.ok && bobs.ok);
+  EXPECT_FALSE(strangers.ok);
+  EXPECT_EQ(strangers.reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(nonce_of(alices.response.attach(), alices.response.segment_bytes()),
+            alices.response.nonce());
+  EXPECT_EQ(nonce_of(bobs.response.attach(), bobs.response.segment_bytes()), bobs.response.nonce());
+  EXPECT_NE(alices.response.nonce(), bobs.response.nonce());
+  // Bob learns no pool ticket; a ticket of his own bytes, or Alice's with a bit flipped, is
+  // refused.
+  auto bobs_info = bob_->GetInfo();
+  ASSERT_TRUE(bobs_info.ok());
+  EXPECT_TRUE(bobs_info->attach.ticket.empty());
+  std::string forged = alices.response.attach().ticket();
+  forged.back() = static_cast<char>(forged.back() ^ 1);
+  EXPECT_EQ(client::ReceiveSegments({alices.response.attach().socket(), forged}, "forged")
+                .status()
+                .code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(
+      client::ReceiveSegments({alices.response.attach().socket(), std::string(32, '\0')}, "zeros")
+          .status()
+          .code(),
+      absl::StatusCode::kUnauthenticated);
+  alices.context.TryCancel();
+  bobs.context.TryCancel();
+  alices.reader->Finish();
+  bobs.reader->Finish();
 }
 
 TEST_F(AuthTest, TheStepChannelServesTheTenantThatOpenedIt) {

@@ -373,8 +373,9 @@ TEST_F(DaemonTest, InfoListsPoliciesAndTheSharedPool) {
   ASSERT_GE(info->policies.size(), 2u);
   EXPECT_EQ(info->policies[1].name, "window");
   EXPECT_EQ(info->policies[1].params[0].default_value, 512);
-  EXPECT_FALSE(info->shm_name.empty());
-  EXPECT_FALSE(info->epoch_board_name.empty());
+  EXPECT_NE(info->shm_bytes, 0u);
+  EXPECT_NE(info->epoch_slots, 0u);
+  EXPECT_FALSE(info->attach.ticket.empty());
   EXPECT_FALSE(info->device_step);  // --device_step=auto on the CPU backend: host policy code
 }
 

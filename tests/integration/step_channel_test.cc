@@ -1,6 +1,7 @@
 // The same-host step channel: StepBatch through shared memory gives exactly what gRPC's
 // StepBatch gives; the daemon reads the segment as untrusted input (garbage, lengths past
-// the area, a segment shrunk under it); channels are bounded and end with their client.
+// the area; its size sealed against shrinking); channels are bounded, end with their client,
+// and their descriptors go only to their opener.
 // (The client against a fake daemon and the channel alone: step_channel_unit_test.cc.)
 #include "kvmem/v1/step_channel.h"
 
@@ -15,6 +16,8 @@
 #include "gmock/gmock.h"
 #include "google/rpc/error_details.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kvmem/attach.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/error_details.h"
 #include "server/service/kv_cache_service.h"
@@ -117,8 +120,19 @@ class StepChannelTest : public DaemonTest {
       if (status != nullptr) *status = s;
       return false;
     }
-    ch->fd = shm_open(ch->opened.name().c_str(), O_RDWR, 0);
-    EXPECT_GE(ch->fd, 0) << ch->opened.name();
+    // The segment by descriptor, as the client library receives it.
+    auto received = client::ReceiveSegments(
+        {ch->opened.attach().socket(), ch->opened.attach().ticket()}, "channel");
+    EXPECT_TRUE(received.ok()) << received.status();
+    if (!received.ok()) return false;
+    for (const client::ReceivedSegment& r : *received) {
+      if (r.kind == v1::attach::kChannel) {
+        ch->fd = r.fd;
+      } else {
+        close(r.fd);
+      }
+    }
+    EXPECT_GE(ch->fd, 0);
     void* m =
         mmap(nullptr, ch->opened.segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, ch->fd, 0);
     EXPECT_NE(m, MAP_FAILED);
@@ -332,33 +346,49 @@ TEST_F(StepChannelTest, GarbageLengthsAndMissingIdsGetErrorsAndTheChannelServesO
   std::tie(code, body) = ch.Answer();
   EXPECT_EQ(code, 0u);
   EXPECT_EQ(Appended(id), 2u);
-  // The name is gone once the channel served: no other process can open it now.
-  EXPECT_LT(shm_open(ch.opened.name().c_str(), O_RDWR, 0), 0);
   EXPECT_EQ(ch.Close().error_code(), grpc::StatusCode::CANCELLED);
 }
 
-TEST_F(StepChannelTest, ASegmentShrunkUnderTheDaemonClosesTheChannelAndAppliesNothing) {
+// A client cannot shrink its channel's segment under the daemon's reads (its size is
+// sealed), so a batch it posts after trying runs as any other.
+TEST_F(StepChannelTest, AClientCannotShrinkItsSegment) {
   const uint64_t id = Create("full");
   auto stub = Stub();
   RawChannel ch;
   ASSERT_TRUE(OpenRaw(stub.get(), &ch, std::nullopt));
+  EXPECT_NE(ftruncate(ch.fd, layout::kHeaderBytes), 0);
+  EXPECT_EQ(errno, EPERM);
   v1::StepBatchRequest q = AppendOnly(id, 64);
-  q.set_request_id("shrunk");
-  const std::string bytes = q.SerializeAsString();
-  std::memcpy(ch.data + layout::kHeaderBytes, bytes.data(), bytes.size());
-  ch.header()->request_bytes = static_cast<uint32_t>(bytes.size());
-  // The header page stays; the request and response areas go.
-  ASSERT_EQ(ftruncate(ch.fd, layout::kHeaderBytes), 0);
-  ch.header()->request_seq.store(1, std::memory_order_release);
-  layout::FutexWakeAll(&ch.header()->request_seq);
-  v1::OpenStepChannelResponse more;
-  EXPECT_FALSE(ch.reader->Read(&more));
-  const grpc::Status ended = ch.reader->Finish();
-  EXPECT_EQ(ended.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << ended.error_message();
-  EXPECT_THAT(ended.error_message(), HasSubstr("not applied"));
-  EXPECT_EQ(Appended(id), 0u);
-  EXPECT_EQ(server_->service().step_channels_open(), 0u);
-  ExpectContentMatchesPositions(id);  // and the daemon serves on
+  q.set_request_id("not-shrunk");
+  ch.Post(q.SerializeAsString());
+  auto [code, body] = ch.Answer();
+  EXPECT_EQ(code, 0u);
+  EXPECT_EQ(Appended(id), 64u);
+  ExpectContentMatchesPositions(id);
+}
+
+// A channel's descriptors go to its opener only: a ticket is bound to the channel it was
+// issued for (another ticket, a forged one, or one whose channel closed gets nothing).
+TEST_F(StepChannelTest, AChannelsDescriptorsGoOnlyWithItsOwnTicket) {
+  auto stub = Stub();
+  RawChannel a, b;
+  ASSERT_TRUE(OpenRaw(stub.get(), &a, 1ull << 20));
+  ASSERT_TRUE(OpenRaw(stub.get(), &b, 1ull << 20));
+  EXPECT_NE(a.opened.attach().ticket(), b.opened.attach().ticket());
+  // b's ticket maps b's segment, never a's: the nonces differ.
+  EXPECT_NE(std::memcmp(a.header()->nonce, b.header()->nonce, layout::kNonceBytes), 0);
+  std::string forged = a.opened.attach().ticket();
+  forged[0] = static_cast<char>(forged[0] ^ 1);
+  auto refused = client::ReceiveSegments({a.opened.attach().socket(), forged}, "forged");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+  const client::SegmentTicket closed{a.opened.attach().socket(), a.opened.attach().ticket()};
+  a.Close();
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  while (server_->service().step_channels_open() != 1 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  auto gone = client::ReceiveSegments(closed, "closed");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kFailedPrecondition) << gone.status();
 }
 
 TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
@@ -387,16 +417,13 @@ TEST_F(StepChannelTest, ChannelsAreBoundedAndEndWithTheirClient) {
   EXPECT_THAT(status.error_message(), HasSubstr("--max-step-channels"));
   EXPECT_EQ(server_->service().step_channels_open(), 2u);
 
-  // A client that goes away (its call cancelled, as when a worker dies) frees its channel
-  // and the segment's name.
-  const std::string name = a.opened.name();
+  // A client that goes away (its call cancelled, as when a worker dies) frees its channel.
   a.Close();
   const absl::Time end = absl::Now() + absl::Seconds(10);
   while (server_->service().step_channels_open() != 1 && absl::Now() < end) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(server_->service().step_channels_open(), 1u);
-  EXPECT_LT(shm_open(name.c_str(), O_RDONLY, 0), 0);
   // The C++ client's channel too.
   client_->CloseStepChannel();
   ASSERT_TRUE(client_->OpenStepChannel(1ull << 20).ok());

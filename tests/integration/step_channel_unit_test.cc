@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -15,9 +17,11 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/half_arrays.h"
 #include "kvmem/client.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/service/error_details.h"
+#include "server/transport/attach_socket.h"
 #include "server/transport/step_channel.h"
 
 namespace kvmem {
@@ -41,6 +45,8 @@ class FakeChannelService final : public v1::KvCache::Service {
   int end_first_channel_after = -1;
   std::atomic<bool> end_channels{false};  // set: every open channel ends
   std::atomic<int> channels_opened{0};
+  // Hands the channels' descriptors to the client, as kvmemd's own does.
+  std::unique_ptr<transport::AttachSocket> attach = *transport::AttachSocket::Start({});
   std::atomic<int> grpc_batches{0};
   grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest* q,
                          v1::StepBatchResponse* r) override {
@@ -54,11 +60,14 @@ class FakeChannelService final : public v1::KvCache::Service {
         transport::StepChannel::Create(q->capacity_bytes(), ToGrpcStatus, q->signal_bytes());
     if (!channel.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, "create");
     v1::OpenStepChannelResponse r;
-    r.set_name((*channel)->name());
+    std::vector<transport::AttachSocket::Grant> grants = {
+        {v1::attach::kChannel, (*channel)->segment(), true}};
     if ((*channel)->signal_bytes() > 0) {
-      r.set_signal_name((*channel)->signal_name());
       r.set_signal_bytes((*channel)->signal_bytes());
+      grants.push_back({v1::attach::kSignalArea, (*channel)->signal_segment(), true});
     }
+    r.mutable_attach()->set_socket(attach->address());
+    r.mutable_attach()->set_ticket(attach->Issue(std::move(grants)));
     r.set_segment_bytes((*channel)->segment_bytes());
     r.set_capacity_bytes((*channel)->capacity());
     r.set_layout_version(layout::kLayoutVersion);
@@ -354,11 +363,7 @@ TEST(StepChannelUnitTest, TheClientRefusesASegmentWhoseNonceDiffers) {
 TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
   auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus);
   ASSERT_TRUE(channel.ok()) << channel.status();
-  const int fd = shm_open((*channel)->name().c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0);
-  auto* data = static_cast<uint8_t*>(
-      mmap(nullptr, (*channel)->segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-  close(fd);
+  uint8_t* data = (*channel)->segment().lock()->data();
   auto* header = reinterpret_cast<layout::Header*>(data);
   EXPECT_EQ(std::string(reinterpret_cast<char*>(header->nonce), layout::kNonceBytes),
             (*channel)->nonce());
@@ -378,28 +383,32 @@ TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
   EXPECT_EQ(header->response_code.load(),
             static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   EXPECT_EQ(calls, 0);
-  munmap(data, (*channel)->segment_bytes());
 }
 
-TEST(StepChannelUnitTest, AShrunkSegmentRunsNothing) {
-  auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus);
+// The segments' sizes are sealed: a client holding their descriptors cannot shrink them
+// under the daemon's reads (nor grow them), so the channel serves on.
+TEST(StepChannelUnitTest, NoHolderCanResizeTheSegments) {
+  auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus,
+                                                /*signal_bytes=*/4096);
   ASSERT_TRUE(channel.ok()) << channel.status();
-  const int fd = shm_open((*channel)->name().c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0);
-  auto* header = static_cast<layout::Header*>(
-      mmap(nullptr, layout::kHeaderBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-  header->request_bytes = 1000;
-  ASSERT_EQ(ftruncate(fd, layout::kHeaderBytes), 0);
-  close(fd);
+  for (const auto& segment : {(*channel)->segment().lock(), (*channel)->signal_segment().lock()}) {
+    const int fd = open(("/proc/self/fd/" + std::to_string(segment->fd())).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    EXPECT_NE(ftruncate(fd, 0), 0);
+    EXPECT_EQ(errno, EPERM);
+    EXPECT_NE(ftruncate(fd, segment->bytes() * 2), 0);
+    close(fd);
+  }
+  auto* header = reinterpret_cast<layout::Header*>((*channel)->segment().lock()->data());
+  header->request_kind = layout::kBatch;
+  header->request_bytes = 0;
   header->request_seq.store(1);
   int calls = 0;
   auto count = [&](const v1::StepBatchRequest&, v1::StepBatchResponse*) {
     ++calls;
     return grpc::Status::OK;
   };
-  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kBroken);
-  EXPECT_EQ(calls, 0);
-  munmap(header, layout::kHeaderBytes);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kServed);
 }
 
 }  // namespace

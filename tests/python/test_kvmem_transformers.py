@@ -394,9 +394,10 @@ def test_masks_other_than_a_padding_mask_are_refused(model, tokenizer, client):
 
 
 def _pool_maps():
-    """Mappings of kvmemd shared-memory segments in this process."""
+    """Mappings of kvmemd shared-memory segments (memfds received by descriptor) in this
+    process."""
     with open("/proc/self/maps") as maps:
-        return sum("/dev/shm/" in line for line in maps)
+        return sum("/memfd:kvmem-" in line for line in maps)
 
 
 class _Interrupt(transformers.StoppingCriteria):

@@ -369,10 +369,9 @@ TEST(EngineStressTest, ReadersNeverAcceptWrongKv) {
   auto backend = *store::CpuBackend::Create(config.pool_bytes);
   const auto exported = std::get<store::SharedMemoryExport>(*backend->pool_export());
   std::unique_ptr<Engine> engine = *Engine::Create(config, std::move(backend), &clock);
-  const int fd = shm_open(exported.name.c_str(), O_RDONLY, 0);
-  ASSERT_GE(fd, 0);
-  void* mapped = mmap(nullptr, exported.bytes, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
+  // A mapping of its own, as a same-host reader's (the descriptor it would receive).
+  void* mapped =
+      mmap(nullptr, exported.bytes, PROT_READ, MAP_SHARED, exported.segment.lock()->fd(), 0);
   ASSERT_NE(mapped, MAP_FAILED);
 
   Model model;

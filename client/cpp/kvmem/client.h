@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvmem/attach.h"
 
 namespace kvmem::client {
 
@@ -117,19 +118,21 @@ struct Info {
   std::vector<QuantizerInfo> quantizers;
   uint32_t default_quantization_recent_tokens = 0;
   // The pool's export, at most one of the two: the CPU backend's shared-memory segment
-  // (kvmem/shared_pool.h maps it) or the CUDA backend's IPC handle.
-  std::string shm_name;  // empty when the pool is not a shared-memory segment
+  // (kvmem/shared_pool.h maps it; 0 bytes: the pool is not one) or the CUDA backend's IPC
+  // handle.
   uint64_t shm_bytes = 0;
   // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID,
   // the mapped size (kvmem/cuda_pool.h opens it).
   std::string cuda_ipc_handle, cuda_device_uuid;
   uint64_t cuda_pool_bytes = 0;
-  std::string epoch_board_name;
-  uint32_t epoch_stride = 0, epoch_slots = 0;
-  // The table area (kvmem/table_area.h); empty name: the daemon keeps none.
-  std::string table_area_name;
+  uint32_t epoch_stride = 0, epoch_slots = 0;  // 0 slots: no epoch board offered
+  // The table area (kvmem/table_area.h); 0 bytes: the daemon keeps none.
   uint64_t table_area_bytes = 0;
   uint32_t table_area_slots = 0;
+  // The key to the pool's segment, the epoch board and the table area (kvmem/attach.h);
+  // empty when same-host attach is not offered to this caller. Valid for a minute or so:
+  // attach soon after GetInfo.
+  SegmentTicket attach;
 };
 
 struct Sequence {

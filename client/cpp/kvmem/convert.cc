@@ -153,7 +153,6 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.default_quantization_recent_tokens = r.default_quantization_recent_tokens();
   switch (r.pool_export_case()) {
     case v1::GetInfoResponse::kSharedMemory:
-      info.shm_name = r.shared_memory().name();
       info.shm_bytes = r.shared_memory().segment_bytes();
       break;
     case v1::GetInfoResponse::kCudaIpc:
@@ -164,12 +163,11 @@ Info InfoOf(const v1::GetInfoResponse& r) {
     case v1::GetInfoResponse::POOL_EXPORT_NOT_SET:
       break;
   }
-  info.epoch_board_name = r.epoch_board().name();
   info.epoch_stride = r.epoch_board().stride();
   info.epoch_slots = r.epoch_board().slots();
-  info.table_area_name = r.table_area().name();
   info.table_area_bytes = r.table_area().bytes();
   info.table_area_slots = r.table_area().slots();
+  info.attach = {r.attach().socket(), r.attach().ticket()};
   return info;
 }
 

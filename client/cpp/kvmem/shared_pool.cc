@@ -2,62 +2,34 @@
 
 // TableReader (kvmem/table_area.h) is here too: it maps its segment as the pool's.
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstddef>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/block_layout.h"
 #include "kernels/quantize.h"
+#include "kvmem/attach.h"
 #include "kvmem/table_area.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/table_area.h"
 
 namespace kvmem::client {
-namespace {
-
-absl::StatusOr<const uint8_t*> MapReadOnly(const std::string& name, uint64_t bytes,
-                                           bool writable = false) {
-  const int fd = shm_open(name.c_str(), writable ? O_RDWR : O_RDONLY, 0);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("shared memory ", name, ": ", std::strerror(errno),
-                                               " (is the daemon on this host?)"));
-  }
-  // A segment shorter than announced would fault (SIGBUS) where the mapping passes its end.
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
-    close(fd);
-    return absl::FailedPreconditionError(
-        absl::StrCat("shared memory ", name, ": smaller than the ", bytes, " bytes announced"));
-  }
-  void* data =
-      mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (data == MAP_FAILED) {
-    return absl::UnavailableError(
-        absl::StrCat("shared memory ", name, ": mmap: ", std::strerror(err)));
-  }
-  return static_cast<const uint8_t*>(data);
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<EpochReader>> EpochReader::Attach(const Info& info) {
   std::unique_ptr<EpochReader> reader(new EpochReader());
   reader->stride_ = info.epoch_stride;
   reader->slots_ = info.epoch_slots;
   reader->board_bytes_ = uint64_t{info.epoch_stride} * info.epoch_slots;
-  if (info.epoch_board_name.empty() || reader->board_bytes_ == 0) {
+  if (reader->board_bytes_ == 0) {
     return absl::FailedPreconditionError("epoch_board: the daemon advertises none");
   }
-  absl::StatusOr<const uint8_t*> board = MapReadOnly(info.epoch_board_name, reader->board_bytes_);
+  absl::StatusOr<uint8_t*> board =
+      MapSegment(info.attach, v1::attach::kEpochBoard, reader->board_bytes_, false, "epoch_board");
   if (!board.ok()) return board.status();
   reader->board_ = *board;
   return reader;
@@ -98,7 +70,7 @@ absl::Status EpochReader::EndRead(const BlockTable& table) const {
 }
 
 absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info, bool writable) {
-  if (info.shm_name.empty()) {
+  if (info.shm_bytes == 0) {
     return absl::FailedPreconditionError(absl::StrCat("shared_memory: the daemon's ", info.backend,
                                                       " backend does not export its pool"));
   }
@@ -106,11 +78,12 @@ absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info,
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   pool->epochs_ = *std::move(epochs);
-  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.shm_name, info.shm_bytes, writable);
+  absl::StatusOr<uint8_t*> data =
+      MapSegment(info.attach, v1::attach::kPool, info.shm_bytes, writable, "shared_memory");
   if (!data.ok()) return data.status();
   pool->base_ = *data;
   pool->bytes_ = info.shm_bytes;
-  if (writable) pool->writable_ = const_cast<uint8_t*>(*data);
+  if (writable) pool->writable_ = *data;
   return pool;
 }
 
@@ -263,7 +236,7 @@ absl::Status MappedPool::ReadStream(const BlockTable& table, uint32_t layer, uin
 namespace area = v1::table_area;
 
 absl::StatusOr<std::unique_ptr<TableReader>> TableReader::Attach(const Info& info) {
-  if (info.table_area_name.empty()) {
+  if (info.table_area_bytes == 0) {
     return absl::FailedPreconditionError("table_area: the daemon keeps none (--table_area_bytes)");
   }
   const uint64_t least = sizeof(area::Header) + uint64_t{info.table_area_slots} * area::kSlotBytes;
@@ -276,16 +249,16 @@ absl::StatusOr<std::unique_ptr<TableReader>> TableReader::Attach(const Info& inf
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   reader->epochs_ = *std::move(epochs);
-  absl::StatusOr<const uint8_t*> data = MapReadOnly(info.table_area_name, info.table_area_bytes);
+  absl::StatusOr<uint8_t*> data =
+      MapSegment(info.attach, v1::attach::kTableArea, info.table_area_bytes, false, "table_area");
   if (!data.ok()) return data.status();
   reader->base_ = *data;
   reader->bytes_ = info.table_area_bytes;
   reader->slots_ = info.table_area_slots;
   const auto* header = reinterpret_cast<const area::Header*>(reader->base_);
   if (header->magic != area::kMagic || header->slots != reader->slots_) {
-    return absl::FailedPreconditionError(absl::StrCat("table_area: ", info.table_area_name,
-                                                      " holds no table area of ", reader->slots_,
-                                                      " slots"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("table_area: the segment holds no table area of ", reader->slots_, " slots"));
   }
   return reader;
 }

@@ -1,54 +1,22 @@
 #include "kvmem/step_channel_client.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "google/rpc/status.pb.h"
+#include "kvmem/attach.h"
 #include "kvmem/convert.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/step_channel.h"
 
 namespace kvmem::client::internal {
 
 namespace layout = v1::step_channel;
-
-namespace {
-
-// Maps a daemon's segment (`what`: the channel's, or its signal area) of at least `bytes`
-// read-write.
-absl::StatusOr<uint8_t*> MapShared(const std::string& name, uint64_t bytes, const char* what) {
-  const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    const int err = errno;
-    return absl::UnavailableError(absl::StrCat(
-        "OpenStepChannel: shm_open(", name, ") of the ", what, ": ", std::strerror(err),
-        err == EACCES ? " (the daemon runs as another user)"
-                      : " (is the daemon on another host, or without this /dev/shm?)"));
-  }
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
-    close(fd);
-    return absl::FailedPreconditionError(
-        absl::StrCat("OpenStepChannel: the ", what, " ", name, " is smaller than announced"));
-  }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (data == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("OpenStepChannel: mmap(", name, "): ", std::strerror(err)));
-  }
-  return static_cast<uint8_t*>(data);
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
     v1::KvCache::Stub* stub, uint64_t capacity_bytes, absl::Duration deadline,
@@ -83,27 +51,23 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
   }
   const uint64_t bytes = opened.segment_bytes();
   if (bytes < layout::kHeaderBytes + 2 * opened.capacity_bytes()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("OpenStepChannel: the segment ", opened.name(), " is smaller than announced"));
+    return absl::FailedPreconditionError("OpenStepChannel: the segment is smaller than announced");
   }
-  absl::StatusOr<uint8_t*> data = MapShared(opened.name(), bytes, "segment");
+  const SegmentTicket ticket{opened.attach().socket(), opened.attach().ticket()};
+  absl::StatusOr<uint8_t*> data =
+      MapSegment(ticket, v1::attach::kChannel, bytes, true, "OpenStepChannel: the segment");
   if (!data.ok()) return data.status();
   channel->data_ = *data;
   channel->bytes_ = bytes;
   channel->capacity_ = opened.capacity_bytes();
   const auto* header = reinterpret_cast<const layout::Header*>(channel->data_);
   if (header->magic != layout::kMagic || header->capacity_bytes != channel->capacity_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("OpenStepChannel: segment ", opened.name(), " has no channel header"));
+    return absl::FailedPreconditionError("OpenStepChannel: the segment has no channel header");
   }
-  // The same name can belong to another daemon's channel where daemons of several pid
-  // namespaces (or hosts' containers) share /dev/shm: the nonce tells.
   if (opened.nonce().size() != layout::kNonceBytes ||
       std::memcmp(header->nonce, opened.nonce().data(), layout::kNonceBytes) != 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("OpenStepChannel: segment ", opened.name(),
-                     " is not the channel the daemon opened (another daemon's of the same "
-                     "name: it runs elsewhere)"));
+        "OpenStepChannel: the segment received is not the channel the daemon opened");
   }
   if (signal_bytes > 0) {
     if (opened.signal_bytes() < signal_bytes) {
@@ -111,7 +75,8 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
           "OpenStepChannel: the daemon opened no signal area (an older kvmemd?)");
     }
     absl::StatusOr<uint8_t*> area =
-        MapShared(opened.signal_name(), opened.signal_bytes(), "signal area");
+        MapSegment(ticket, v1::attach::kSignalArea, opened.signal_bytes(), true,
+                   "OpenStepChannel: the signal area");
     if (!area.ok()) return area.status();
     channel->signal_data_ = *area;
     channel->signal_bytes_ = opened.signal_bytes();

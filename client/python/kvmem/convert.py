@@ -144,9 +144,9 @@ def info_of(r: pb.GetInfoResponse) -> Info:
                 r.page_bytes, r.default_block_tokens, r.max_sequences,
                 seconds_of(r.default_lease), seconds_of(r.max_lease), r.max_message_bytes,
                 r.device_step, r.in_place_writes, policies, quantizers,
-                r.default_quantization_recent_tokens, shm.name, shm.segment_bytes,
-                cuda.handle, cuda.device_uuid, cuda.pool_bytes, r.epoch_board.name,
-                r.epoch_board.stride, r.epoch_board.slots)
+                r.default_quantization_recent_tokens, shm.segment_bytes,
+                cuda.handle, cuda.device_uuid, cuda.pool_bytes,
+                r.epoch_board.stride, r.epoch_board.slots, r.attach.socket, r.attach.ticket)
 
 
 def sequence_stats_of(s: pb.SequenceStats) -> SequenceStats:

@@ -56,14 +56,16 @@ class Info:
     policies: list[PolicyInfo]
     quantizers: list[QuantizerInfo]
     default_quantization_recent_tokens: int
-    shm_name: str  # empty when the pool is not a shared-memory segment
-    shm_bytes: int
+    shm_bytes: int  # 0 when the pool is not a shared-memory segment
     cuda_ipc_handle: bytes
     cuda_device_uuid: str
     cuda_pool_bytes: int
-    epoch_board_name: str
     epoch_stride: int
-    epoch_slots: int
+    epoch_slots: int  # 0: no epoch board offered
+    # The key to the pool's segment and the epoch board (kvmem.shared_pool): empty when
+    # same-host attach is not offered to this caller.
+    attach_socket: str
+    attach_ticket: bytes
 
     def policy(self, name: str) -> PolicyInfo:
         for p in self.policies:

@@ -1,6 +1,7 @@
 """Same-host, zero-copy reads of a CPU-backend daemon's pool, as client/cpp/kvmem/shared_pool.h.
 
-The pool segment and the epoch board are mapped read-only. Blocks named by a BlockTable are
+The pool segment and the epoch board are mapped read-only; they have no names: GetInfo's
+attach ticket is redeemed at kvmemd's attach socket for their descriptors. Blocks named by a BlockTable are
 numpy views into the mapping; what a view shows is trustworthy only if the sequence's epoch
 word equals 2 * epoch both before and after the read (a seqlock: the daemon holds the word
 odd while it rewrites the sequence's blocks, and frees no block while a table naming it can
@@ -29,6 +30,8 @@ import dataclasses
 import mmap
 import os
 import platform
+import socket
+import struct
 from typing import Iterator, Optional, Union
 
 import grpc
@@ -36,7 +39,7 @@ import numpy as np
 
 from kvmem.block_table import BlockTable, StreamTable, TableSnapshot
 from kvmem.errors import (FailedPreconditionError, InvalidArgumentError, KvmemError,
-                          OutOfRangeError, StaleEpochError, UnavailableError)
+                          OutOfRangeError, StaleEpochError, UnavailableError, error_of)
 from kvmem.layout import Precision
 from kvmem.messages import Info, StreamKv
 from kvmem.quantize import QuantGeometry, dequantize_block
@@ -54,34 +57,84 @@ def _require_ordered_loads() -> None:
             "check on data the daemon was rewriting: use Client.read_kv")
 
 
-def _map_read_only(name: str, size: int) -> mmap.mmap:
-    """shm_open(name, O_RDONLY) + mmap(PROT_READ, MAP_SHARED): on Linux a POSIX shared-memory
-    name is a file under /dev/shm."""
-    path = os.path.join("/dev/shm", name.lstrip("/"))
+# kvmemd's attach socket (proto/kvmem/v1/attach.h): a ticket from GetInfo redeemed for the
+# segments' descriptors.
+_ATTACH_MAGIC = 0x4B564154
+_ATTACH_VERSION = 1
+_ATTACH_REQUEST = struct.Struct("<II32s")
+_ATTACH_REPLY = struct.Struct("<IIII" + "IIQ" * 4 + "256s")
+_SEGMENT_POOL, _SEGMENT_EPOCH_BOARD = 1, 2
+
+
+def _map_read_only(info: Info, kind: int, size: int, what: str) -> mmap.mmap:
+    """Redeems info's attach ticket at the daemon's attach socket and maps the segment of
+    `kind` (at least `size` bytes) read-only (mmap(PROT_READ, MAP_SHARED))."""
+    if len(info.attach_ticket) != 32 or len(info.attach_socket) < 2:
+        raise FailedPreconditionError(f"{what}: the daemon gave no attach ticket (same-host "
+                                      "attach is not offered to this caller)")
+    address = info.attach_socket
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    fds: list[int] = []
     try:
-        fd = os.open(path, os.O_RDONLY)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(5)
+            s.connect(address)
+            s.send(_ATTACH_REQUEST.pack(_ATTACH_MAGIC, _ATTACH_VERSION, info.attach_ticket))
+            data, fds, _, _ = socket.recv_fds(s, _ATTACH_REPLY.size, 4)
     except OSError as e:
-        raise UnavailableError(f"shared memory {name}: {e.strerror} (is the daemon on this host?)",
+        raise UnavailableError(f"{what}: the daemon's attach socket {info.attach_socket}: {e} "
+                               "(is the daemon on this host?)",
                                code=grpc.StatusCode.UNAVAILABLE) from None
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    except (OSError, ValueError) as e:
-        raise UnavailableError(f"shared memory {name}: mmap: {e}",
-                               code=grpc.StatusCode.UNAVAILABLE) from None
+        if len(data) != _ATTACH_REPLY.size:
+            raise UnavailableError(f"{what}: no answer from the daemon's attach socket",
+                                   code=grpc.StatusCode.UNAVAILABLE)
+        fields = _ATTACH_REPLY.unpack(data)
+        magic, version, code, count = fields[:4]
+        if magic != _ATTACH_MAGIC or version != _ATTACH_VERSION:
+            raise UnavailableError(f"{what}: no answer from the daemon's attach socket",
+                                   code=grpc.StatusCode.UNAVAILABLE)
+        if code != 0:
+            message = fields[-1].split(b"\0", 1)[0].decode(errors="replace")
+            raise error_of(grpc.StatusCode(_STATUS_CODES[code]) if code in _STATUS_CODES
+                           else grpc.StatusCode.UNKNOWN,
+                           f"{what}: kvmemd refused the attach: {message}")
+        if count != len(fds):
+            raise UnavailableError(f"{what}: the daemon's descriptors did not arrive",
+                                   code=grpc.StatusCode.UNAVAILABLE)
+        for i in range(count):
+            granted_kind, _, granted_bytes = fields[4 + 3 * i:7 + 3 * i]
+            if granted_kind != kind:
+                continue
+            if granted_bytes < size or os.fstat(fds[i]).st_size < size:
+                raise FailedPreconditionError(f"{what}: smaller than the {size} bytes announced")
+            try:
+                return mmap.mmap(fds[i], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError) as e:
+                raise UnavailableError(f"{what}: mmap: {e}",
+                                       code=grpc.StatusCode.UNAVAILABLE) from None
+        raise FailedPreconditionError(f"{what}: the ticket grants no such segment")
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
+
+
+# google.rpc.Code -> grpc.StatusCode
+_STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class EpochReader:
     """The daemon's per-sequence epoch words, mapped read-only."""
 
     def __init__(self, info: Info) -> None:
-        if not info.epoch_board_name or info.epoch_stride == 0 or info.epoch_slots == 0:
+        if info.epoch_stride == 0 or info.epoch_slots == 0:
             raise FailedPreconditionError("epoch_board: the daemon advertises none")
         if info.epoch_stride % 8:
             raise FailedPreconditionError(
                 f"epoch_board.stride: {info.epoch_stride} is not a multiple of 8")
-        self._map = _map_read_only(info.epoch_board_name, info.epoch_stride * info.epoch_slots)
+        self._map = _map_read_only(info, _SEGMENT_EPOCH_BOARD,
+                                   info.epoch_stride * info.epoch_slots, "epoch_board")
         self._words = np.frombuffer(self._map, dtype="<u8")
         self._step = info.epoch_stride // 8
         self.slots = info.epoch_slots
@@ -185,12 +238,12 @@ class SharedPool:
         """FailedPreconditionError off x86-64 (see the module's docstring on memory
         ordering) or when the daemon exports no pool."""
         _require_ordered_loads()
-        if not info.shm_name:
+        if not info.shm_bytes:
             raise FailedPreconditionError(
                 f"shared_memory: the daemon's {info.backend} backend does not export its pool")
         epochs = EpochReader(info)
         try:
-            pool = _map_read_only(info.shm_name, info.shm_bytes)
+            pool = _map_read_only(info, _SEGMENT_POOL, info.shm_bytes, "shared_memory")
         except KvmemError:
             epochs.close()
             raise

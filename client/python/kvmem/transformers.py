@@ -313,7 +313,7 @@ class KvmemCache(Cache):
         if read_path not in (None, "shared", "grpc"):
             raise ValueError(f"read_path: {read_path!r} is neither 'shared' nor 'grpc'")
         self._pool: Optional[SharedPool] = None
-        if read_path == "shared" or (read_path is None and info.shm_name):
+        if read_path == "shared" or (read_path is None and info.shm_bytes):
             try:
                 self._pool = client.attach_shared_pool()
             except FailedPreconditionError:

@@ -137,7 +137,7 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
     if (info.ok() && info->in_place_writes) signal_bytes = 16ull << 20;
     // The tables too, where the daemon keeps them in shared memory: a step's answer then
     // names the version instead of carrying the update.
-    if (info.ok() && !info->table_area_name.empty()) {
+    if (info.ok() && info->table_area_bytes != 0) {
       if (absl::Status s = (*c)->AttachTableArea(); !s.ok()) {
         std::fprintf(stderr, "table area not attached (updates come in answers): %s\n",
                      s.ToString().c_str());

@@ -16,9 +16,9 @@
 // request bytes), each answered with the next chunk, until it holds response_total bytes.
 // Any other code: the call failed as a whole and the area holds a google.rpc.Status.
 //
-// The client checks `nonce` against OpenStepChannelResponse.nonce: a name alone does not
-// tell two daemons' segments apart where several share /dev/shm. Futexes are the shared
-// (not private) kind: the two sides are separate processes.
+// The client checks `nonce` against OpenStepChannelResponse.nonce: the segment it received
+// (by descriptor, kvmem/v1/attach.h) is the channel it opened. Futexes are the shared (not
+// private) kind: the two sides are separate processes.
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
+#include "server/transport/shared_segment.h"
 
 namespace kvmem::store {
 namespace {
@@ -38,7 +39,8 @@ TEST(CpuBackendTest, ExportsItsPoolByName) {
   ASSERT_TRUE(backend->pool_export().has_value());
   const SharedMemoryExport shm = std::get<SharedMemoryExport>(*backend->pool_export());
   EXPECT_EQ(shm.bytes, 4096u);
-  EXPECT_EQ(shm.name.rfind("/kvmem-pool-", 0), 0u);
+  ASSERT_NE(shm.segment.lock(), nullptr);
+  EXPECT_EQ(shm.segment.lock()->label(), "kvmem-pool");
 }
 
 // Page faults this thread has taken so far.

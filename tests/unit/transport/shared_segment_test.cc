@@ -1,17 +1,30 @@
-// SharedSegment: page population stays inside the segment, and names nobody can guess.
+// SharedSegment: page population stays inside the segment; a segment has no name and its
+// size is sealed. AttachSocket: descriptors go only with a valid ticket, to a served uid,
+// read-only where granted so.
 #include "server/transport/shared_segment.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvmem/attach.h"
+#include "kvmem/v1/attach.h"
+#include "server/transport/attach_socket.h"
 
 namespace kvmem::transport {
 namespace {
+
+namespace wire = v1::attach;
 
 uint64_t PageBytes() { return static_cast<uint64_t>(sysconf(_SC_PAGESIZE)); }
 
@@ -28,28 +41,161 @@ TEST(SharedSegmentTest, PopulateTakesRangesInsideTheSegmentOnly) {
   EXPECT_EQ(segment->Populate(~uint64_t{0}, 2).code(), absl::StatusCode::kInvalidArgument);
 }
 
-// A segment's name cannot be guessed: names another process created first, following the
-// daemon's own, do not keep it from making its next segment (O_EXCL refused it before).
-TEST(SharedSegmentTest, NamesTakenAheadDoNotBlockTheNextSegment) {
-  auto first = SharedSegment::Create("kvmem-test", 4096);
-  ASSERT_TRUE(first.ok()) << first.status();
-  // "/kvmem-test-<pid>-<n>...": the counted names that would follow it.
-  const std::string& name = (*first)->name();
-  const std::string stem = name.substr(0, name.rfind('-') + 1);
-  std::string count = name.substr(stem.size());
-  if (count.size() > 20) count.resize(count.size() - 20);  // the random digits after it
-  const uint64_t n = std::stoull(count);
-  std::vector<std::string> taken;
-  for (uint64_t next = n + 1; next < n + 10; ++next) {
-    taken.push_back(stem + std::to_string(next));
-    const int fd = shm_open(taken.back().c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    ASSERT_GE(fd, 0) << taken.back();
-    close(fd);
+std::set<std::string> ShmNames() {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    names.insert(entry.path().filename());
   }
-  auto second = SharedSegment::Create("kvmem-test", 4096);
-  for (const std::string& t : taken) shm_unlink(t.c_str());
-  ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_NE((*second)->name(), (*first)->name());
+  return names;
+}
+
+TEST(SharedSegmentTest, HasNoNameAndASealedSize) {
+  const std::set<std::string> before = ShmNames();
+  auto segment = *SharedSegment::Create("kvmem-test", 2 * PageBytes());
+  EXPECT_EQ(ShmNames(), before);
+  EXPECT_NE(ftruncate(segment->fd(), PageBytes()), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(ftruncate(segment->fd(), 4 * PageBytes()), 0);
+  EXPECT_NE(fallocate(segment->fd(), 0, 0, 8 * PageBytes()), 0);
+  segment->data()[0] = 7;
+  EXPECT_EQ(segment->data()[0], 7);
+}
+
+class AttachSocketTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    segment_ = *SharedSegment::Create("kvmem-test", 2 * PageBytes());
+    std::memcpy(segment_->data(), "daemon's bytes", 15);
+  }
+  std::unique_ptr<AttachSocket> Start(AttachSocket::Options options = {}) {
+    auto socket = AttachSocket::Start(std::move(options));
+    EXPECT_TRUE(socket.ok()) << socket.status();
+    return socket.ok() ? *std::move(socket) : nullptr;
+  }
+  client::SegmentTicket Ticket(AttachSocket& socket, bool writable) {
+    return {socket.address(), socket.Issue({{wire::kPool, segment_, writable}})};
+  }
+  std::shared_ptr<SharedSegment> segment_;
+};
+
+TEST_F(AttachSocketTest, AReadOnlyGrantCannotBeMappedWritable) {
+  auto socket = Start();
+  auto received = client::ReceiveSegments(Ticket(*socket, false), "pool");
+  ASSERT_TRUE(received.ok()) << received.status();
+  ASSERT_EQ(received->size(), 1u);
+  const client::ReceivedSegment& r = (*received)[0];
+  EXPECT_EQ(r.kind, wire::kPool);
+  EXPECT_FALSE(r.writable);
+  EXPECT_EQ(r.bytes, segment_->bytes());
+  EXPECT_EQ(mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EACCES);
+  void* read = mmap(nullptr, r.bytes, PROT_READ, MAP_SHARED, r.fd, 0);
+  ASSERT_NE(read, MAP_FAILED);
+  EXPECT_STREQ(static_cast<const char*>(read), "daemon's bytes");
+  munmap(read, r.bytes);
+  EXPECT_NE(ftruncate(r.fd, 0), 0);
+  close(r.fd);
+  // MapSegment says so too.
+  auto writable = client::MapSegment(Ticket(*socket, false), wire::kPool, r.bytes, true, "pool");
+  EXPECT_EQ(writable.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(AttachSocketTest, AWritableGrantWritesTheDaemonsMemoryAndATicketServesTwice) {
+  auto socket = Start();
+  const client::SegmentTicket ticket = Ticket(*socket, true);
+  auto mapped = client::MapSegment(ticket, wire::kPool, segment_->bytes(), true, "pool");
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  std::memcpy(*mapped, "client's bytes", 15);
+  EXPECT_STREQ(reinterpret_cast<const char*>(segment_->data()), "client's bytes");
+  munmap(*mapped, segment_->bytes());
+  auto again = client::MapSegment(ticket, wire::kPool, segment_->bytes(), false, "pool");
+  ASSERT_TRUE(again.ok()) << again.status();
+  munmap(*again, segment_->bytes());
+  // A kind the ticket does not grant; a size past the segment's.
+  EXPECT_EQ(client::MapSegment(ticket, wire::kTableArea, 1, false, "area").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      client::MapSegment(ticket, wire::kPool, segment_->bytes() + 1, false, "pool").status().code(),
+      absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(AttachSocketTest, ForgedExpiredPushedOutAndOrphanedTicketsGetNothing) {
+  AttachSocket::Options options;
+  options.max_tickets = 2;
+  auto socket = Start(options);
+  client::SegmentTicket forged = Ticket(*socket, false);
+  forged.ticket[5] = static_cast<char>(forged.ticket[5] ^ 0x20);
+  EXPECT_EQ(client::ReceiveSegments(forged, "pool").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // The oldest of three goes when two may be outstanding.
+  const client::SegmentTicket first = Ticket(*socket, false);
+  const client::SegmentTicket second = Ticket(*socket, false);
+  const client::SegmentTicket third = Ticket(*socket, false);
+  EXPECT_EQ(socket->outstanding(), 2u);
+  EXPECT_EQ(client::ReceiveSegments(first, "pool").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  auto kept = client::ReceiveSegments(third, "pool");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  for (const client::ReceivedSegment& r : *kept) close(r.fd);
+  // A segment gone before its ticket was redeemed (a step channel that closed).
+  auto channel = *SharedSegment::Create("kvmem-test", PageBytes());
+  const client::SegmentTicket orphan{socket->address(),
+                                     socket->Issue({{wire::kChannel, channel, true}})};
+  channel.reset();
+  EXPECT_EQ(client::ReceiveSegments(orphan, "channel").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Expired.
+  AttachSocket::Options brief;
+  brief.ticket_life = absl::Milliseconds(1);
+  auto short_lived = Start(brief);
+  const client::SegmentTicket expired = Ticket(*short_lived, false);
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(client::ReceiveSegments(expired, "pool").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(short_lived->outstanding(), 0u);
+}
+
+TEST_F(AttachSocketTest, APeerOfAnotherUidGetsNothing) {
+  AttachSocket::Options options;
+  options.uids = {getuid() + 1};
+  auto socket = Start(options);
+  auto refused = client::ReceiveSegments(Ticket(*socket, false), "pool");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("--attach-uids"), absl::string_view::npos);
+}
+
+// Garbage on the socket (a short message, a wrong magic, a silent peer) gets a refusal or
+// a timeout, and the socket serves the next client.
+TEST_F(AttachSocketTest, MalformedRequestsAreRefusedAndTheSocketServesOn) {
+  auto socket = Start();
+  auto raw = [&](const std::string& bytes) {
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, socket->address().data(), socket->address().size());
+    address.sun_path[0] = '\0';
+    EXPECT_EQ(
+        connect(fd, reinterpret_cast<const sockaddr*>(&address),
+                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket->address().size())),
+        0);
+    if (!bytes.empty()) send(fd, bytes.data(), bytes.size(), 0);
+    wire::Reply reply{};
+    const ssize_t got = recv(fd, &reply, sizeof reply, 0);
+    close(fd);
+    return got == static_cast<ssize_t>(sizeof reply) ? reply.code : 0xFFFFFFFFu;
+  };
+  EXPECT_EQ(raw("short"), 3u);  // INVALID_ARGUMENT
+  wire::Request wrong{};
+  wrong.magic = 1;
+  EXPECT_EQ(raw(std::string(reinterpret_cast<const char*>(&wrong), sizeof wrong)), 3u);
+  wire::Request zero{};
+  zero.magic = wire::kMagic;
+  zero.version = wire::kVersion;
+  EXPECT_EQ(raw(std::string(reinterpret_cast<const char*>(&zero), sizeof zero)), 16u);
+  EXPECT_EQ(raw(""), 3u);  // said nothing: timed out, refused
+  auto received = client::ReceiveSegments(Ticket(*socket, true), "pool");
+  ASSERT_TRUE(received.ok()) << received.status();
+  for (const client::ReceivedSegment& r : *received) close(r.fd);
 }
 
 }  // namespace

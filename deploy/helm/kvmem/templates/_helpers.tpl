@@ -101,8 +101,6 @@ info, 5 s deadline): they fail while kvmemd starts, drains or hangs. */}}
   volumeMounts:
     - name: kvmem-socket
       mountPath: {{ .Values.socketDir }}
-    - name: dshm
-      mountPath: /dev/shm
     - name: kvmemd-flags
       mountPath: /etc/kvmem
       readOnly: true

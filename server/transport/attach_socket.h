@@ -1,0 +1,79 @@
+#pragma once
+// AttachSocket: kvmemd's attach socket (the protocol: proto/kvmem/v1/attach.h). An
+// authenticated gRPC call issues a ticket for the segments its caller may map; the client
+// redeems the ticket here and receives their descriptors (SCM_RIGHTS), read-only where
+// reading is all it may do. A peer whose uid is not served gets no descriptor whatever it
+// sends; a ticket expires after `ticket_life`, and at most `max_tickets` are outstanding (the
+// oldest goes first), so tickets of callers that never redeem them hold no memory for long.
+// A ticket holds its segments weakly: a step channel closed before its ticket is redeemed
+// is gone, not kept alive.
+#include <sys/types.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/transport/shared_segment.h"
+
+namespace kvmem::transport {
+
+class AttachSocket {
+ public:
+  struct Grant {
+    uint32_t kind;  // a v1::attach::Segment
+    std::weak_ptr<const SharedSegment> segment;
+    bool writable = false;
+  };
+  struct Options {
+    // "@name": a name in the abstract namespace (nothing on disk to clean up); anything
+    // else: a socket file at that path. Empty: an abstract name of its own, with 64 random
+    // bits in it.
+    std::string address;
+    // The peer uids served; empty: this process's own.
+    std::vector<uid_t> uids;
+    absl::Duration ticket_life = absl::Seconds(60);
+    size_t max_tickets = 1024;
+  };
+
+  static absl::StatusOr<std::unique_ptr<AttachSocket>> Start(Options options);
+  // Stops serving (a redemption in progress finishes) and removes a socket file.
+  ~AttachSocket();
+  AttachSocket(const AttachSocket&) = delete;
+  AttachSocket& operator=(const AttachSocket&) = delete;
+
+  const std::string& address() const { return options_.address; }
+  absl::Duration ticket_life() const { return options_.ticket_life; }
+  // A new ticket (v1::attach::kTicketBytes random bytes) for `grants`.
+  std::string Issue(std::vector<Grant> grants);
+  // Tickets now outstanding (not yet expired or pushed out).
+  size_t outstanding() const;
+
+ private:
+  struct Ticket {
+    std::vector<Grant> grants;
+    absl::Time expires;
+  };
+  explicit AttachSocket(Options options) : options_(std::move(options)) {}
+  void Serve();
+  void Answer(int connection);
+  // The grants of `ticket` while it is valid; NotFound otherwise.
+  absl::StatusOr<std::vector<Grant>> Redeem(const std::string& ticket);
+  void DropExpired(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Options options_;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;  // an eventfd the destructor signals
+  std::thread server_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);  // issue order (= expiry order)
+};
+
+}  // namespace kvmem::transport
