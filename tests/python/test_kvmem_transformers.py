@@ -439,6 +439,8 @@ def test_no_thread_sequence_or_hook_leaks_after_100_generations(model, tokenizer
                 with KvmemCache(model, client, policy) as cache:
                     model.generate(**enc, max_new_tokens=2, do_sample=False,
                                    **{CACHE_ARG: cache})
+                    if i == 1:  # the count sees a cache's mapping of the pool
+                        assert _pool_maps() > maps
             else:  # dropped without close: the finalizer removes its hooks
                 cache = KvmemCache(model, client, policy)
                 model.generate(**enc, max_new_tokens=2, do_sample=False, **{CACHE_ARG: cache})
