@@ -64,6 +64,9 @@ ABSL_FLAG(uint64_t, tenant_quota_bytes, 0,
 ABSL_FLAG(uint32_t, tenant_max_sequences, 0,
           "sequences one tenant (see --tenant-quota-bytes) may hold at once; 0: no limit but "
           "--max-sequences");
+ABSL_FLAG(uint64_t, tenant_host_metadata_bytes, 0,
+          "host metadata (per-slot vectors, slot states) one tenant's sequences and calls in "
+          "flight may hold, within --host-metadata-bytes; 0: no limit apart");
 ABSL_FLAG(double, cache_low_watermark, 0.85,
           "fraction of pool pages in use the background reclaim brings the pool down to");
 ABSL_FLAG(int64_t, reclaim_reserve_pages, -1,
@@ -190,6 +193,7 @@ int main(int argc, char** argv) {
   config.engine.cache_low_watermark = absl::GetFlag(FLAGS_cache_low_watermark);
   config.engine.tenant_quota_bytes = absl::GetFlag(FLAGS_tenant_quota_bytes);
   config.engine.tenant_max_sequences = absl::GetFlag(FLAGS_tenant_max_sequences);
+  config.engine.tenant_host_metadata_bytes = absl::GetFlag(FLAGS_tenant_host_metadata_bytes);
   config.limits.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_bytes);
   config.limits.max_append_streams = absl::GetFlag(FLAGS_max_append_streams);
   config.limits.max_read_streams = absl::GetFlag(FLAGS_max_read_streams);

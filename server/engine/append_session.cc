@@ -33,7 +33,7 @@ AppendSession::AppendSession(const AppendRooms& rooms, SequenceRef seq, bool hol
                              bool publish)
     : rooms_(rooms),
       started_(std::chrono::steady_clock::now()),
-      staged_reservation_(rooms.budget->Empty()),
+      staged_reservation_(rooms.budget->Empty(seq->shared_host_share())),
       seq_(std::move(seq)),
       hold_lock_(hold_lock),
       publish_(publish) {}
@@ -308,7 +308,8 @@ absl::Status AppendSession::PrepareLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     growth += seq.streams()[s].BlockListGrowth(tail_from_[s], new_blocks_[s].size(),
                                                new_blocks_[s].capacity());
   }
-  absl::StatusOr<HostReservation> host = rooms_.budget->Reserve(growth, "Append");
+  absl::StatusOr<HostReservation> host =
+      rooms_.budget->Reserve(growth, "Append", seq.shared_host_share());
   if (!host.ok()) return host.status();
   commit_reservation_.emplace(*std::move(host));
   // Room for the new slots in every per-slot vector, before anything changes: the commit

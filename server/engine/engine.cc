@@ -94,7 +94,9 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       pool_(std::move(pool)),
       telemetry_(PolicyNames()),
       publisher_(pool_.get(), prefix_root),
-      budget_(HostBudgetBytes(config), [this] { return publisher_.index().host_bytes(); }),
+      budget_(
+          HostBudgetBytes(config), [this] { return publisher_.index().host_bytes(); },
+          config.tenant_host_metadata_bytes),
       versions_(std::move(board), pool_.get(), &telemetry_),
       registry_(clock, config.default_lease, config.max_lease),
       tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas,
@@ -376,8 +378,11 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   absl::StatusOr<PrefixPublisher::MapPlan> plan =
       publisher_.Plan(layout, prompt, **policy, params, quant, device_step);
   if (!plan.ok()) return plan.status();
-  absl::StatusOr<HostReservation> host = budget_.Reserve(
-      sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence");
+  const std::string tenant_key = prompt.owner.empty() ? prompt.salt : prompt.owner;
+  std::shared_ptr<HostShare> share = budget_.ShareOf(tenant_key);
+  absl::StatusOr<HostReservation> host =
+      budget_.Reserve(sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream),
+                      "CreateSequence", share);
   if (!host.ok()) return host.status();
   // The scores' one home (Sequence::slots): where the policy steps.
   std::unique_ptr<store::SlotState> slots;
@@ -391,7 +396,6 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   }
   // Held only now that the request is known good; the sequence gives the hold back when
   // it is released (ReleaseLocked).
-  const std::string tenant_key = prompt.owner.empty() ? prompt.salt : prompt.owner;
   absl::StatusOr<store::TenantId> tenant = tenants_.Acquire(tenant_key);
   if (!tenant.ok()) return tenant.status();
   absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
@@ -405,6 +409,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   auto seq =
       std::make_shared<Sequence>(id, layout, std::move(name), params, *std::move(policy), quant,
                                  *granted, claimed->slot, /*parent_id=*/0, *tenant, prompt.owner);
+  seq->set_host_share(std::move(share));
   uint64_t reused = 0;
   {
     kvmem::MutexLock lock(&seq->mu);
@@ -446,8 +451,8 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
   // The child copies the parent's host metadata and slot state: both count against the
   // host budget (beam search forks a lot).
-  absl::StatusOr<HostReservation> host =
-      budget_.Reserve(parent.host_bytes() + parent.slot_bytes_accounted(), "Fork");
+  absl::StatusOr<HostReservation> host = budget_.Reserve(
+      parent.host_bytes() + parent.slot_bytes_accounted(), "Fork", parent.shared_host_share());
   if (!host.ok()) return host.status();
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots()) {
@@ -465,6 +470,7 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   auto child = std::make_shared<Sequence>(
       id, parent.layout(), parent.policy_name(), parent.policy_params(), *std::move(policy),
       parent.quant(), *granted, claimed->slot, parent.id(), parent.tenant(), parent.owner());
+  child->set_host_share(parent.shared_host_share());
   {
     kvmem::MutexLock lock(&child->mu);
     child->CopyStateFrom(parent, std::move(slots));

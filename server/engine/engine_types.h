@@ -72,6 +72,9 @@ struct EngineConfig {
   // Sequences one tenant may hold at once (fork children included); 0: no limit but
   // max_sequences.
   uint32_t tenant_max_sequences = 0;
+  // Host metadata the sequences of one tenant may hold, with what its calls in flight were
+  // promised (HostShare), within host_metadata_bytes; 0: no limit apart.
+  uint64_t tenant_host_metadata_bytes = 0;
 };
 
 // A new sequence's prompt, for prefix sharing: the longest published prefix of these tokens

@@ -27,6 +27,8 @@
 
 namespace kvmem::engine {
 
+struct HostShare;  // host_budget.h
+
 // One stream's retained slots. Its per-slot vectors stay aligned by construction: they are
 // changed only through the methods below, each of which changes all of them.
 class Stream {
@@ -232,6 +234,10 @@ class Sequence {
   store::TenantId tenant() const { return tenant_; }
   // The authenticated tenant that created it (PromptPrefix::owner); never changes.
   const std::string& owner() const { return owner_; }
+  // Its tenant's share of the host budget (set once, before the sequence is published).
+  HostShare* host_share() const { return host_share_.get(); }
+  const std::shared_ptr<HostShare>& shared_host_share() const { return host_share_; }
+  void set_host_share(std::shared_ptr<HostShare> share) { host_share_ = std::move(share); }
 
   // Read and written without `mu`. The lease deadline is read by the reaper; calls in
   // flight are those that found this sequence and have not finished, which the reaper
@@ -443,6 +449,7 @@ class Sequence {
   const uint64_t parent_id_;
   const store::TenantId tenant_;
   const std::string owner_;
+  std::shared_ptr<HostShare> host_share_;
   std::atomic<int64_t> lease_deadline_ns_{0};
   std::atomic<int32_t> calls_in_flight_{0};
   std::atomic<bool> poisoned_flag_{false};

@@ -560,6 +560,51 @@ TEST_F(PrefixTest, TheOwnersQuotaHoldsWhateverTheSalt) {
   EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
 }
 
+TEST_F(PrefixTest, OneTenantCannotTakeTheWholeHostBudget) {
+  // Before, one tenant's sequences could hold all of --host-metadata-bytes and refuse every
+  // other tenant's calls; now each holds at most its share, whatever its salts or forks.
+  constexpr uint64_t kShare = 48 << 10;
+  MakeEngine(1 << 20, [](EngineConfig& c) {
+    c.host_metadata_bytes = 256 << 10;
+    c.tenant_host_metadata_bytes = kShare;
+  });
+  auto create = [&](const std::string& owner, int salt) {
+    PromptPrefix p{"m", absl::StrCat("salt-", salt), {}};
+    p.owner = owner;
+    return engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), p);
+  };
+  std::vector<uint64_t> alices;
+  absl::Status refused;
+  for (int i = 0; i < 200 && refused.ok(); ++i) {
+    absl::StatusOr<CreateResult> created = create("alice", i);
+    if (!created.ok()) {
+      refused = created.status();
+      break;
+    }
+    alices.push_back(created->sequence_id);
+    refused = AppendTokens(created->sequence_id, 0, 64).status();
+    if (refused.ok() && i % 3 == 0) {
+      absl::StatusOr<CreateResult> child = engine_->Fork(created->sequence_id, absl::ZeroDuration());
+      if (child.ok()) alices.push_back(child->sequence_id);
+      refused = child.status();
+    }
+  }
+  ASSERT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("--tenant-host-metadata-bytes"));
+  const EngineStats full = engine_->Stats(false);
+  EXPECT_LE(full.host_metadata_bytes + full.slot_state_bytes, kShare);
+  // Bob is served as if Alice were not there.
+  absl::StatusOr<CreateResult> bobs = create("bob", 0);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  ASSERT_TRUE(AppendTokens(bobs->sequence_id, 0, 64).ok());
+  // What Alice releases is hers again.
+  for (uint64_t id : alices) ASSERT_TRUE(engine_->Release(id).ok());
+  absl::StatusOr<CreateResult> again = create("alice", 0);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(AppendTokens(again->sequence_id, 0, 64).ok());
+}
+
 TEST_F(PrefixTest, ATenantHoldsAtMostItsSequenceLimit) {
   // Before, one tenant could take every epoch slot (--max-sequences) from the others.
   MakeEngine(1 << 20, [](EngineConfig& c) { c.tenant_max_sequences = 3; });
