@@ -10,7 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   golang-github-gogo-googleapis-dev
   libabsl-dev libucx-dev prometheus-cpp-dev libspdlog-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libtbb-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
   libcbor-dev libssl-dev openssl nlohmann-json3-dev
   prometheus

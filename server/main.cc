@@ -1,5 +1,7 @@
 // kvmemd: the kvmem daemon. Serves kvmem.v1.KvCache, grpc.health.v1 and reflection.
 // SIGTERM or SIGINT drains: health turns NOT_SERVING, in-flight calls finish, exit code 0.
+#include <sys/prctl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -147,6 +149,9 @@ std::vector<char*> DashesToUnderscores(int argc, char** argv, std::vector<std::s
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("kvmemd: KV-cache memory service for LLM inference");
+  // No other process of kvmemd's user may read its memory or open its descriptors through
+  // /proc (ptrace, /proc/<pid>/fd, mem): the segments go only to callers with a ticket.
+  prctl(PR_SET_DUMPABLE, 0);
   std::vector<std::string> storage;
   std::vector<char*> args = DashesToUnderscores(argc, argv, &storage);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

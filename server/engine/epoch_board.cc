@@ -11,6 +11,8 @@ absl::StatusOr<std::unique_ptr<EpochBoard>> EpochBoard::Create(uint32_t slots) {
   absl::StatusOr<std::shared_ptr<transport::SharedSegment>> segment =
       transport::SharedSegment::Create("kvmem-epochs", uint64_t{slots} * kStride);
   if (!segment.ok()) return segment.status();
+  // Readers only: a client's descriptor maps it read-only, however it reopens it.
+  if (absl::Status s = (*segment)->Seal(/*writers_too=*/true); !s.ok()) return s;
   return std::unique_ptr<EpochBoard>(new EpochBoard(*std::move(segment), slots));
 }
 

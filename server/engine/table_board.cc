@@ -21,6 +21,7 @@ absl::StatusOr<std::unique_ptr<TableBoard>> TableBoard::Create(uint32_t slots, u
   absl::StatusOr<std::shared_ptr<transport::SharedSegment>> segment =
       transport::SharedSegment::Create("kvmem-tables", bytes);
   if (!segment.ok()) return segment.status();
+  if (absl::Status s = (*segment)->Seal(/*writers_too=*/true); !s.ok()) return s;
   return std::unique_ptr<TableBoard>(new TableBoard(*std::move(segment), slots));
 }
 

@@ -31,7 +31,8 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 }  // namespace
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response, transport::AttachSocket* attach) {
+                    v1::GetInfoResponse* response, transport::AttachSocket* attach,
+                    const std::string& issuer) {
   const bool same_host = attach != nullptr;
   std::vector<transport::AttachSocket::Grant> grants;
   const engine::EngineConfig& config = engine.config();
@@ -104,7 +105,7 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   }
   v1::AttachTicket* ticket = response->mutable_attach();
   ticket->set_socket(attach->address());
-  ticket->set_ticket(attach->Issue(std::move(grants)));
+  ticket->set_ticket(attach->Issue(std::move(grants), issuer));
   ToProto(attach->ticket_life(), ticket->mutable_valid_for());
 }
 

@@ -3,6 +3,7 @@
 // with their parameters and signals, quantizers, same-host exports, the epoch board), and a
 // page of Stats' sequences.
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -14,9 +15,11 @@ namespace kvmem::service {
 
 // With `attach` (the same-host attach, one trust domain: kvmemd with identities offers it to
 // admins only): the shared pool, the epoch board and the table area, and a ticket for their
-// descriptors (the pool read-write with in-place writes, the rest read-only).
+// descriptors (the pool read-write with in-place writes, the rest read-only), counted as
+// `issuer`'s (the caller's tenant).
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
-                    v1::GetInfoResponse* response, transport::AttachSocket* attach);
+                    v1::GetInfoResponse* response, transport::AttachSocket* attach,
+                    const std::string& issuer = "");
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

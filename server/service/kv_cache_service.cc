@@ -58,7 +58,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only.
-  DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr);
+  DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr,
+                 call->who.tenant);
   return grpc::Status::OK;
 }
 

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <sstream>
+#include <variant>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -21,6 +23,7 @@
 #include "server/service/rpc_interceptor.h"
 #include "server/store/backend_factory.h"
 #include "server/transport/segment_guard.h"
+#include "server/transport/shared_segment.h"
 #include "spdlog/spdlog.h"
 
 #ifndef KVMEM_VERSION
@@ -153,6 +156,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
+  // The CPU pool's segment: clients write into it only with in-place writes.
+  if (std::optional<store::PoolExport> exported = server->engine_->backend().pool_export()) {
+    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
+      if (auto segment = shm->segment.lock()) {
+        const absl::Status sealed = segment->Seal(/*writers_too=*/!engine_config.in_place_writes);
+        if (!sealed.ok()) return sealed;
+      }
+    }
+  }
   absl::StatusOr<std::unique_ptr<transport::AttachSocket>> attach =
       transport::AttachSocket::Start({DefaultAttachSocket(config), config.attach_uids});
   if (!attach.ok()) return attach.status();

@@ -11,7 +11,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <deque>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -27,8 +30,9 @@ namespace {
 constexpr uint32_t kInvalidArgument = 3, kPermissionDenied = 7, kFailedPrecondition = 9,
                    kInternal = 13, kUnauthenticated = 16;
 
-// How long one peer may take to send its request or take its reply.
-constexpr timeval kPeerTimeout = {0, 500 * 1000};
+// How long one peer may take to take its reply (a few hundred bytes: its socket buffer
+// holds them, so a send waits only on a peer that stopped reading mid-way).
+constexpr timeval kPeerTimeout = {0, 100 * 1000};
 
 std::string RandomBytes(size_t n) {
   std::string bytes(n, '\0');
@@ -73,26 +77,39 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
                                                    sizeof(sockaddr_un::sun_path) - 1,
                                                    " characters"));
   }
-  if (options.uids.empty()) options.uids.push_back(getuid());
+  options.uids.push_back(getuid());  // kvmemd's own user always
   std::unique_ptr<AttachSocket> socket(new AttachSocket(std::move(options)));
   const std::string& address = socket->options_.address;
   const bool abstract = address[0] == '@';
-  socket->listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  socket->listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (socket->listen_fd_ < 0) {
     return absl::InternalError(absl::StrCat("attach socket: socket: ", std::strerror(errno)));
   }
-  if (!abstract) {
-    // A socket file a daemon before this one left (never another kind of file).
-    struct stat st {};
-    if (lstat(address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(address.c_str());
-  }
   sockaddr_un addr;
   const socklen_t length = Address(address, &addr);
+  struct stat st {};
+  if (!abstract && lstat(address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    // A socket file: another daemon's while one answers there, else left by one that died.
+    const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const bool live =
+        probe >= 0 && connect(probe, reinterpret_cast<const sockaddr*>(&addr), length) == 0;
+    if (probe >= 0) close(probe);
+    if (live) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "attach socket \"", address, "\": another kvmemd serves it (--attach-socket)"));
+    }
+    unlink(address.c_str());
+  }
   if (bind(socket->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("attach socket \"", address, "\": bind: ", std::strerror(errno)));
   }
   if (!abstract) {
+    if (lstat(address.c_str(), &st) == 0) {
+      socket->made_file_ = true;
+      socket->file_dev_ = st.st_dev;
+      socket->file_ino_ = st.st_ino;
+    }
     // Only the daemon's user connects unless other uids are served (SO_PEERCRED still
     // decides who gets anything).
     const bool others = std::any_of(socket->options_.uids.begin(), socket->options_.uids.end(),
@@ -119,42 +136,44 @@ AttachSocket::~AttachSocket() {
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   if (stop_fd_ >= 0) close(stop_fd_);
-  if (!options_.address.empty() && options_.address[0] != '@') unlink(options_.address.c_str());
+  struct stat st {};
+  if (made_file_ && lstat(options_.address.c_str(), &st) == 0 && st.st_dev == file_dev_ &&
+      st.st_ino == file_ino_) {
+    unlink(options_.address.c_str());
+  }
 }
 
-std::string AttachSocket::Issue(std::vector<Grant> grants) {
+std::string AttachSocket::Issue(std::vector<Grant> grants, const std::string& issuer) {
   std::string ticket = RandomBytes(wire::kTicketBytes);
   const absl::Time now = absl::Now();
   kvmem::MutexLock lock(&mu_);
-  DropExpired(now);
-  while (order_.size() >= options_.max_tickets) {
-    tickets_.erase(order_.front());
-    order_.pop_front();
-  }
+  std::deque<std::string>& order = issued_[issuer];
+  Trim(order, options_.tickets_per_issuer, now);
   tickets_[ticket] = Ticket{std::move(grants), now + options_.ticket_life};
-  order_.push_back(ticket);
+  order.push_back(ticket);
   return ticket;
 }
 
 size_t AttachSocket::outstanding() const {
   kvmem::MutexLock lock(&mu_);
-  return tickets_.size();
+  size_t n = 0;
+  for (const auto& [ticket, t] : tickets_) n += t.expires > absl::Now() ? 1 : 0;
+  return n;
 }
 
-void AttachSocket::DropExpired(absl::Time now) {
-  while (!order_.empty()) {
-    auto it = tickets_.find(order_.front());
-    if (it != tickets_.end() && it->second.expires > now) break;
+void AttachSocket::Trim(std::deque<std::string>& order, size_t keep, absl::Time now) {
+  while (!order.empty()) {
+    auto it = tickets_.find(order.front());
+    if (it != tickets_.end() && it->second.expires > now && order.size() < keep) break;
     if (it != tickets_.end()) tickets_.erase(it);
-    order_.pop_front();
+    order.pop_front();
   }
 }
 
 absl::StatusOr<std::vector<AttachSocket::Grant>> AttachSocket::Redeem(const std::string& ticket) {
   kvmem::MutexLock lock(&mu_);
-  DropExpired(absl::Now());
   auto it = tickets_.find(ticket);
-  if (it == tickets_.end()) {
+  if (it == tickets_.end() || it->second.expires <= absl::Now()) {
     return absl::NotFoundError(
         "the ticket is unknown or expired: ask for a new one (GetInfo or OpenStepChannel)");
   }
@@ -162,29 +181,71 @@ absl::StatusOr<std::vector<AttachSocket::Grant>> AttachSocket::Redeem(const std:
 }
 
 void AttachSocket::Serve() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+  struct Pending {
+    int fd;
+    absl::Time deadline;
+  };
+  std::deque<Pending> pending;  // in accept (= deadline) order
+  std::vector<pollfd> fds;
+  auto refuse_and_close = [](int fd) {
+    Refuse(fd, kInvalidArgument, "no request in time");
+    close(fd);
+  };
   while (true) {
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    fds.clear();
+    fds.push_back({stop_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (const Pending& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    int timeout_ms = -1;
+    if (!pending.empty()) {
+      timeout_ms = static_cast<int>(std::max<int64_t>(
+          0, absl::ToInt64Milliseconds(pending.front().deadline - absl::Now()) + 1));
     }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (connection < 0) continue;
-    Answer(connection);
-    close(connection);
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) return;
+    if (fds[0].revents != 0) break;
+    // Requests that came, answered in arrival order; the rest past their deadline refused.
+    const absl::Time now = absl::Now();
+    std::deque<Pending> waiting;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (fds[2 + i].revents != 0) {
+        Answer(pending[i].fd);
+        close(pending[i].fd);
+      } else if (pending[i].deadline <= now) {
+        refuse_and_close(pending[i].fd);
+      } else {
+        waiting.push_back(pending[i]);
+      }
+    }
+    pending.swap(waiting);
+    if ((fds[1].revents & POLLIN) != 0) {
+      while (true) {
+        const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (connection < 0) {
+          // Out of descriptors: try again shortly rather than spin on a ready socket.
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          break;
+        }
+        setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &kPeerTimeout, sizeof kPeerTimeout);
+        if (pending.size() >= options_.max_pending) {
+          refuse_and_close(pending.front().fd);
+          pending.pop_front();
+        }
+        pending.push_back({connection, now + options_.request_deadline});
+      }
+    }
   }
+  for (const Pending& p : pending) close(p.fd);
 }
 
 void AttachSocket::Answer(int connection) {
-  setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &kPeerTimeout, sizeof kPeerTimeout);
-  setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &kPeerTimeout, sizeof kPeerTimeout);
   wire::Request request{};
   // One larger than a request: a longer message is truncated to it and refused. Read before
-  // any refusal, so that the peer gets the refusal rather than a reset connection.
+  // any refusal, so that the peer gets the refusal rather than a reset connection. The
+  // connection is ready (poll): this does not wait.
   char buffer[sizeof request + 1];
-  const ssize_t got = recv(connection, buffer, sizeof buffer, 0);
+  const ssize_t got = recv(connection, buffer, sizeof buffer, MSG_DONTWAIT);
   ucred peer{};
   socklen_t peer_length = sizeof peer;
   if (getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0) {

@@ -69,7 +69,7 @@ absl::StatusOr<std::shared_ptr<SharedSegment>> SharedSegment::Create(const std::
     return absl::ResourceExhaustedError(absl::StrCat("shared memory ", label, ": cannot allocate ",
                                                      bytes, " bytes: ", std::strerror(err)));
   }
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return fail(absl::StatusCode::kInternal, "sealing its size", errno);
   }
   void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -84,6 +84,16 @@ absl::StatusOr<std::shared_ptr<SharedSegment>> SharedSegment::Create(const std::
 SharedSegment::~SharedSegment() {
   munmap(data_, bytes_);
   close(fd_);
+}
+
+absl::Status SharedSegment::Seal(bool writers_too) const {
+  const int seals = F_SEAL_SEAL | (writers_too ? F_SEAL_FUTURE_WRITE : 0);
+  if (fcntl(fd_, F_ADD_SEALS, seals) != 0) {
+    return absl::InternalError(absl::StrCat("shared memory ", label_, ": sealing",
+                                            writers_too ? " against writers" : "", ": ",
+                                            std::strerror(errno), " (Linux 5.1 or later)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SharedSegment::Populate(uint64_t offset, uint64_t bytes) const {

@@ -3,7 +3,8 @@
 // name anywhere (nothing under /dev/shm for another process to open or list); a same-host
 // client receives its descriptor over the attach socket (attach_socket.h) after an
 // authenticated call handed it a ticket. Its size is sealed: no holder of the descriptor can
-// shrink it (which would fault the daemon's reads) or grow it. Its memory goes with the
+// shrink it (which would fault the daemon's reads) or grow it; Seal() closes the seals,
+// against new writable mappings too for a segment no client may write. Its memory goes with the
 // last descriptor and mapping, however the daemon ends: nothing is left behind to clean.
 #include <cstdint>
 #include <memory>
@@ -30,6 +31,10 @@ class SharedSegment {
   uint8_t* data() const { return data_; }
   // The read-write descriptor; it stays open (and valid) while the segment lives.
   int fd() const { return fd_; }
+  // Adds the last seals: with `writers_too`, no new writable mapping or write(2) (the
+  // daemon's own mapping stays writable): a client given the descriptor, read-only or
+  // reopened through /proc, can only read. Then no seal can be added or removed. Once.
+  absl::Status Seal(bool writers_too) const;
   // Maps [offset, offset + bytes) writable now (madvise MADV_POPULATE_WRITE), so that the
   // first writes there do not fault one page at a time: the memory is already allocated
   // (Create), but the kernel zero-fills and maps each page at its first touch. Changes no

@@ -99,11 +99,14 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
   absl::StatusOr<std::shared_ptr<SharedSegment>> segment =
       SharedSegment::Create("kvmem-chan", SegmentBytes(capacity));
   if (!segment.ok()) return segment.status();
+  // Its client writes requests into it: sizes sealed, writers not.
+  if (absl::Status s = (*segment)->Seal(/*writers_too=*/false); !s.ok()) return s;
   std::shared_ptr<SharedSegment> signals;
   if (signal_bytes > 0) {
     absl::StatusOr<std::shared_ptr<SharedSegment>> created =
         SharedSegment::Create("kvmem-sig", signal_bytes);
     if (!created.ok()) return created.status();
+    if (absl::Status s = (*created)->Seal(/*writers_too=*/false); !s.ok()) return s;
     signals = *std::move(created);
   }
   std::string nonce(layout::kNonceBytes, '\0');

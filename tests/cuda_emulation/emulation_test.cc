@@ -470,7 +470,7 @@ TEST(CudaEmulationTest, AFailedAttachLeavesNoErrorRecord) {
   ASSERT_EQ(cudaGetDeviceProperties(&prop, 1), cudaSuccess);
   client::Info info;
   info.backend = "cuda";
-  info.attach = {attach->address(), attach->Issue({{v1::attach::kEpochBoard, board, false}})};
+  info.attach = {attach->address(), attach->Issue({{v1::attach::kEpochBoard, board, false}}, "")};
   info.epoch_stride = 64;
   info.epoch_slots = 64;
   for (char c : prop.uuid.bytes) {

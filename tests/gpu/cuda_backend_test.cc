@@ -256,8 +256,9 @@ TEST(CudaInPlaceTest, KvWrittenThroughTheIpcMappingDecodesAsBytes) {
   info.cuda_device_uuid = exported.device_uuid;
   info.cuda_pool_bytes = exported.bytes;
   std::unique_ptr<transport::AttachSocket> attach = *transport::AttachSocket::Start({});
-  info.attach = {attach->address(),
-                 attach->Issue({{v1::attach::kEpochBoard, gpu->epoch_board().segment(), false}})};
+  info.attach = {
+      attach->address(),
+      attach->Issue({{v1::attach::kEpochBoard, gpu->epoch_board().segment(), false}}, "")};
   info.epoch_stride = engine::EpochBoard::kStride;
   info.epoch_slots = gpu->epoch_board().slots();
   absl::StatusOr<std::unique_ptr<client::CudaPool>> pool = client::CudaPool::Attach(info, true);

@@ -67,7 +67,7 @@ class FakeChannelService final : public v1::KvCache::Service {
       grants.push_back({v1::attach::kSignalArea, (*channel)->signal_segment(), true});
     }
     r.mutable_attach()->set_socket(attach->address());
-    r.mutable_attach()->set_ticket(attach->Issue(std::move(grants)));
+    r.mutable_attach()->set_ticket(attach->Issue(std::move(grants), ""));
     r.set_segment_bytes((*channel)->segment_bytes());
     r.set_capacity_bytes((*channel)->capacity());
     r.set_layout_version(layout::kLayoutVersion);

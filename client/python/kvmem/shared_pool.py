@@ -81,7 +81,8 @@ def _map_read_only(info: Info, kind: int, size: int, what: str) -> mmap.mmap:
             s.settimeout(5)
             s.connect(address)
             s.send(_ATTACH_REQUEST.pack(_ATTACH_MAGIC, _ATTACH_VERSION, info.attach_ticket))
-            data, fds, _, _ = socket.recv_fds(s, _ATTACH_REPLY.size, 4)
+            # Close-on-exec from the start: a fork in another thread inherits none.
+            data, fds, _, _ = socket.recv_fds(s, _ATTACH_REPLY.size, 4, socket.MSG_CMSG_CLOEXEC)
     except OSError as e:
         raise UnavailableError(f"{what}: the daemon's attach socket {info.attach_socket}: {e} "
                                "(is the daemon on this host?)",

@@ -14,9 +14,11 @@
 //           google.rpc.Code), no descriptor and a message.
 //
 // A ticket may be redeemed more than once until it expires (a client that maps the pool and
-// then its table area from one GetInfo). A read-only grant's descriptor cannot be mapped
-// writable. Everything the client reads here is the daemon's; everything the daemon reads is
-// untrusted (one fixed-size message, checked whole).
+// then its table area from one GetInfo). A read-only grant's segment is sealed against new
+// writable mappings: its descriptor maps read-only, however it is reopened. Everything the client
+// reads here is the daemon's; everything the daemon reads is untrusted (one fixed-size message,
+// checked whole).
+#include <cstddef>
 #include <cstdint>
 
 namespace kvmem::v1::attach {
@@ -55,5 +57,10 @@ struct Reply {
   Granted segments[kMaxSegments];
   char message[kMessageBytes];  // NUL-terminated
 };
+
+// The layout other languages pack by hand (client/python/kvmem/shared_pool.py).
+static_assert(sizeof(Request) == 40);
+static_assert(sizeof(Granted) == 16);
+static_assert(offsetof(Reply, segments) == 16 && sizeof(Reply) == 336);
 
 }  // namespace kvmem::v1::attach

@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "oneapi/tbb/global_control.h"
-#include "oneapi/tbb/task_arena.h"
 
 namespace kvmem {
 namespace {
@@ -43,31 +41,57 @@ TEST(ParallelForTest, AnExceptionReachesTheCaller) {
 }
 
 // A caller waiting for its chunks runs only those. Otherwise a thread inside an outer
-// task (a StepBatch entry, holding that sequence's lock) could, while its nested loop waits,
-// start another outer task whose lock is held by a thread doing the same: a deadlock. The
-// test counts outer tasks started inside another on the same thread.
+// chunk (a StepBatch entry, holding that sequence's lock) could, while its nested loop waits,
+// start another outer chunk whose lock is held by a thread doing the same: a deadlock. The
+// test counts outer chunks started inside another on the same thread, with eight callers
+// at once (whatever the cores: work to take is what makes the hazard).
 TEST(ParallelForTest, AWaitingCallerRunsOnlyItsOwnChunks) {
-#if defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "ParallelFor runs serially under ThreadSanitizer";
-#endif
-  // Eight threads however many cores there are: work to steal is what makes the hazard.
-  oneapi::tbb::global_control threads(oneapi::tbb::global_control::max_allowed_parallelism, 8);
-  oneapi::tbb::task_arena arena(8);
   thread_local int depth = 0;
-  std::atomic<int> nested{0};
-  arena.execute([&] {
-    oneapi::tbb::parallel_for(
-        size_t{0}, size_t{64},
-        [&](size_t) {
-          if (++depth > 1) nested.fetch_add(1);
-          ParallelFor(8, 1, [](size_t, size_t) {
-            std::this_thread::sleep_for(std::chrono::microseconds(100));
-          });
-          --depth;
-        },
-        oneapi::tbb::simple_partitioner());
-  });
+  std::atomic<int> nested{0}, outer{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 8; ++t) {
+    callers.emplace_back([&] {
+      ParallelFor(16, 1, [&](size_t, size_t) {
+        outer.fetch_add(1);
+        if (++depth > 1) nested.fetch_add(1);
+        ParallelFor(8, 1, [](size_t, size_t) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        });
+        --depth;
+      });
+    });
+  }
+  for (std::thread& c : callers) c.join();
+  EXPECT_EQ(outer.load(), 8 * 16);
   EXPECT_EQ(nested.load(), 0);
+}
+
+// Many loops at once from threads that come and go (as gRPC's do), each completes whole;
+// and a chunk that throws fails its own loop only.
+TEST(ParallelForTest, ConcurrentLoopsFromThreadsThatComeAndGo) {
+  std::atomic<size_t> sum{0};
+  std::atomic<int> thrown{0};
+  for (int round = 0; round < 20; ++round) {
+    std::vector<std::thread> callers;
+    for (int t = 0; t < 6; ++t) {
+      callers.emplace_back([&, t] {
+        std::vector<int> seen(100);
+        try {
+          ParallelFor(100, 3, [&](size_t begin, size_t end) {
+            if (t == 5 && begin == 51) throw std::runtime_error("chunk 51");
+            for (size_t i = begin; i < end; ++i) seen[i] += 1;
+          });
+        } catch (const std::runtime_error&) {
+          thrown.fetch_add(1);
+          return;
+        }
+        for (int s : seen) sum.fetch_add(static_cast<size_t>(s));
+      });
+    }
+    for (std::thread& c : callers) c.join();
+  }
+  EXPECT_EQ(sum.load(), 20u * 5 * 100);
+  EXPECT_EQ(thrown.load(), 20);
 }
 
 TEST(StreamGrainTest, TasksOfUpTo32kSlots) {

@@ -573,22 +573,24 @@ TEST_F(PrefixTest, OneTenantCannotTakeTheWholeHostBudget) {
     p.owner = owner;
     return engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), p);
   };
+  // Alice's sequences (one in three forked) until her share refuses; how many it held.
+  auto fill = [&](std::vector<uint64_t>* ids) -> absl::Status {
+    for (int i = 0; i < 200; ++i) {
+      absl::StatusOr<CreateResult> created = create("alice", i);
+      if (!created.ok()) return created.status();
+      ids->push_back(created->sequence_id);
+      if (absl::Status s = AppendTokens(created->sequence_id, 0, 64).status(); !s.ok()) return s;
+      if (i % 3 == 0) {
+        absl::StatusOr<CreateResult> child =
+            engine_->Fork(created->sequence_id, absl::ZeroDuration());
+        if (!child.ok()) return child.status();
+        ids->push_back(child->sequence_id);
+      }
+    }
+    return absl::OkStatus();
+  };
   std::vector<uint64_t> alices;
-  absl::Status refused;
-  for (int i = 0; i < 200 && refused.ok(); ++i) {
-    absl::StatusOr<CreateResult> created = create("alice", i);
-    if (!created.ok()) {
-      refused = created.status();
-      break;
-    }
-    alices.push_back(created->sequence_id);
-    refused = AppendTokens(created->sequence_id, 0, 64).status();
-    if (refused.ok() && i % 3 == 0) {
-      absl::StatusOr<CreateResult> child = engine_->Fork(created->sequence_id, absl::ZeroDuration());
-      if (child.ok()) alices.push_back(child->sequence_id);
-      refused = child.status();
-    }
-  }
+  const absl::Status refused = fill(&alices);
   ASSERT_TRUE(absl::IsResourceExhausted(refused)) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("tenant 'alice'"));
   EXPECT_THAT(std::string(refused.message()), HasSubstr("--tenant-host-metadata-bytes"));
@@ -598,11 +600,11 @@ TEST_F(PrefixTest, OneTenantCannotTakeTheWholeHostBudget) {
   absl::StatusOr<CreateResult> bobs = create("bob", 0);
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   ASSERT_TRUE(AppendTokens(bobs->sequence_id, 0, 64).ok());
-  // What Alice releases is hers again.
+  // What Alice releases is hers again, all of it: the same fill holds as many.
   for (uint64_t id : alices) ASSERT_TRUE(engine_->Release(id).ok());
-  absl::StatusOr<CreateResult> again = create("alice", 0);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_TRUE(AppendTokens(again->sequence_id, 0, 64).ok());
+  std::vector<uint64_t> again;
+  EXPECT_TRUE(absl::IsResourceExhausted(fill(&again)));
+  EXPECT_EQ(again.size(), alices.size());
 }
 
 TEST_F(PrefixTest, ATenantHoldsAtMostItsSequenceLimit) {

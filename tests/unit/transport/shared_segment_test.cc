@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -57,8 +58,15 @@ TEST(SharedSegmentTest, HasNoNameAndASealedSize) {
   EXPECT_EQ(errno, EPERM);
   EXPECT_NE(ftruncate(segment->fd(), 4 * PageBytes()), 0);
   EXPECT_NE(fallocate(segment->fd(), 0, 0, 8 * PageBytes()), 0);
+  // Sealed against writers: the daemon's own mapping still writes (and populates).
+  ASSERT_TRUE(segment->Seal(/*writers_too=*/true).ok());
   segment->data()[0] = 7;
   EXPECT_EQ(segment->data()[0], 7);
+  const absl::Status populated = segment->Populate(0, segment->bytes());
+  EXPECT_TRUE(populated.ok() || populated.code() == absl::StatusCode::kUnimplemented) << populated;
+  EXPECT_EQ(mmap(nullptr, PageBytes(), PROT_READ | PROT_WRITE, MAP_SHARED, segment->fd(), 0),
+            MAP_FAILED);
+  EXPECT_FALSE(segment->Seal(false).ok());  // no seal after the last
 }
 
 class AttachSocketTest : public ::testing::Test {
@@ -72,13 +80,15 @@ class AttachSocketTest : public ::testing::Test {
     EXPECT_TRUE(socket.ok()) << socket.status();
     return socket.ok() ? *std::move(socket) : nullptr;
   }
-  client::SegmentTicket Ticket(AttachSocket& socket, bool writable) {
-    return {socket.address(), socket.Issue({{wire::kPool, segment_, writable}})};
+  client::SegmentTicket Ticket(AttachSocket& socket, bool writable,
+                               const std::string& issuer = "") {
+    return {socket.address(), socket.Issue({{wire::kPool, segment_, writable}}, issuer)};
   }
   std::shared_ptr<SharedSegment> segment_;
 };
 
 TEST_F(AttachSocketTest, AReadOnlyGrantCannotBeMappedWritable) {
+  ASSERT_TRUE(segment_->Seal(/*writers_too=*/true).ok());  // as kvmemd seals read-only ones
   auto socket = Start();
   auto received = client::ReceiveSegments(Ticket(*socket, false), "pool");
   ASSERT_TRUE(received.ok()) << received.status();
@@ -94,6 +104,13 @@ TEST_F(AttachSocketTest, AReadOnlyGrantCannotBeMappedWritable) {
   EXPECT_STREQ(static_cast<const char*>(read), "daemon's bytes");
   munmap(read, r.bytes);
   EXPECT_NE(ftruncate(r.fd, 0), 0);
+  // Nor reopened writable through /proc (same uid: the mode does not stop it, the seal does).
+  const int reopened = open(("/proc/self/fd/" + std::to_string(r.fd)).c_str(), O_RDWR);
+  if (reopened >= 0) {
+    EXPECT_EQ(mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, reopened, 0), MAP_FAILED);
+    EXPECT_EQ(write(reopened, "x", 1), -1);
+    close(reopened);
+  }
   close(r.fd);
   // MapSegment says so too.
   auto writable = client::MapSegment(Ticket(*socket, false), wire::kPool, r.bytes, true, "pool");
@@ -101,6 +118,7 @@ TEST_F(AttachSocketTest, AReadOnlyGrantCannotBeMappedWritable) {
 }
 
 TEST_F(AttachSocketTest, AWritableGrantWritesTheDaemonsMemoryAndATicketServesTwice) {
+  ASSERT_TRUE(segment_->Seal(/*writers_too=*/false).ok());
   auto socket = Start();
   const client::SegmentTicket ticket = Ticket(*socket, true);
   auto mapped = client::MapSegment(ticket, wire::kPool, segment_->bytes(), true, "pool");
@@ -121,26 +139,30 @@ TEST_F(AttachSocketTest, AWritableGrantWritesTheDaemonsMemoryAndATicketServesTwi
 
 TEST_F(AttachSocketTest, ForgedExpiredPushedOutAndOrphanedTicketsGetNothing) {
   AttachSocket::Options options;
-  options.max_tickets = 2;
+  options.tickets_per_issuer = 2;
   auto socket = Start(options);
+  const client::SegmentTicket others = Ticket(*socket, false, "another tenant");
   client::SegmentTicket forged = Ticket(*socket, false);
   forged.ticket[5] = static_cast<char>(forged.ticket[5] ^ 0x20);
   EXPECT_EQ(client::ReceiveSegments(forged, "pool").status().code(),
             absl::StatusCode::kUnauthenticated);
-  // The oldest of three goes when two may be outstanding.
+  // The issuer's oldest of three goes when it may have two outstanding; another issuer's
+  // ticket stays.
   const client::SegmentTicket first = Ticket(*socket, false);
   const client::SegmentTicket second = Ticket(*socket, false);
   const client::SegmentTicket third = Ticket(*socket, false);
-  EXPECT_EQ(socket->outstanding(), 2u);
+  EXPECT_EQ(socket->outstanding(), 3u);
   EXPECT_EQ(client::ReceiveSegments(first, "pool").status().code(),
             absl::StatusCode::kUnauthenticated);
-  auto kept = client::ReceiveSegments(third, "pool");
-  ASSERT_TRUE(kept.ok()) << kept.status();
-  for (const client::ReceivedSegment& r : *kept) close(r.fd);
+  for (const client::SegmentTicket& t : {second, third, others}) {
+    auto kept = client::ReceiveSegments(t, "pool");
+    ASSERT_TRUE(kept.ok()) << kept.status();
+    for (const client::ReceivedSegment& r : *kept) close(r.fd);
+  }
   // A segment gone before its ticket was redeemed (a step channel that closed).
   auto channel = *SharedSegment::Create("kvmem-test", PageBytes());
   const client::SegmentTicket orphan{socket->address(),
-                                     socket->Issue({{wire::kChannel, channel, true}})};
+                                     socket->Issue({{wire::kChannel, channel, true}}, "")};
   channel.reset();
   EXPECT_EQ(client::ReceiveSegments(orphan, "channel").status().code(),
             absl::StatusCode::kFailedPrecondition);
@@ -159,9 +181,51 @@ TEST_F(AttachSocketTest, APeerOfAnotherUidGetsNothing) {
   AttachSocket::Options options;
   options.uids = {getuid() + 1};
   auto socket = Start(options);
-  auto refused = client::ReceiveSegments(Ticket(*socket, false), "pool");
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
-  EXPECT_NE(refused.status().message().find("--attach-uids"), absl::string_view::npos);
+  // kvmemd's own uid is served whatever the list says.
+  auto own = client::ReceiveSegments(Ticket(*socket, false), "pool");
+  ASSERT_TRUE(own.ok()) << own.status();
+  for (const client::ReceivedSegment& r : *own) close(r.fd);
+  // A peer of another uid: a child that drops to it (as root only).
+  if (getuid() != 0) GTEST_SKIP() << "needs root to run a peer of another uid";
+  const client::SegmentTicket ticket = Ticket(*socket, false);
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setuid(getuid() + 2) != 0) _exit(90);
+    auto refused = client::ReceiveSegments(ticket, "pool");
+    const bool ok = refused.status().code() == absl::StatusCode::kPermissionDenied &&
+                    refused.status().message().find("--attach-uids") != absl::string_view::npos;
+    _exit(ok ? 0 : 91);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// Peers that connect and say nothing are refused at their deadline, side by side: a client
+// behind many of them is served at once (one thread served them one at a time before, half
+// a second each).
+TEST_F(AttachSocketTest, SilentPeersDoNotDelayAClient) {
+  auto socket = Start();
+  std::vector<int> silent;
+  for (int i = 0; i < 20; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, socket->address().data(), socket->address().size());
+    address.sun_path[0] = '\0';
+    ASSERT_EQ(
+        connect(fd, reinterpret_cast<const sockaddr*>(&address),
+                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket->address().size())),
+        0);
+    silent.push_back(fd);
+  }
+  const absl::Time start = absl::Now();
+  auto received = client::ReceiveSegments(Ticket(*socket, false), "pool");
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(received.ok()) << received.status();
+  for (const client::ReceivedSegment& r : *received) close(r.fd);
+  EXPECT_LT(took, absl::Seconds(1));
+  for (int fd : silent) close(fd);
 }
 
 // Garbage on the socket (a short message, a wrong magic, a silent peer) gets a refusal or
