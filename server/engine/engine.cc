@@ -380,9 +380,8 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
   if (!plan.ok()) return plan.status();
   const std::string tenant_key = prompt.owner.empty() ? prompt.salt : prompt.owner;
   std::shared_ptr<HostShare> share = budget_.ShareOf(tenant_key);
-  absl::StatusOr<HostReservation> host =
-      budget_.Reserve(sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream),
-                      "CreateSequence", share);
+  absl::StatusOr<HostReservation> host = budget_.Reserve(
+      sizeof(Sequence) + uint64_t{layout.num_streams()} * sizeof(Stream), "CreateSequence", share);
   if (!host.ok()) return host.status();
   // The scores' one home (Sequence::slots): where the policy steps.
   std::unique_ptr<store::SlotState> slots;

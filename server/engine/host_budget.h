@@ -30,7 +30,7 @@ class HostBudget;
 
 struct HostShare {
   explicit HostShare(std::string k) : key(std::move(k)) {}
-  const std::string key;  // the tenant's (Engine::TenantKey)
+  const std::string key;              // the tenant's (Engine::TenantKey)
   std::atomic<uint64_t> used{0};      // what its sequences hold (Account)
   std::atomic<uint64_t> reserved{0};  // promised to its calls in flight
 };
