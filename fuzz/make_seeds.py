@@ -162,7 +162,19 @@ def tokenizer_seeds():
               else text.encode("latin-1"))
 
 
+def attach_seeds():
+    # A mode byte per connection (attach_fuzz.cc): 3/7 the real read-only / writable ticket,
+    # 1 a made-up ticket, 2 a real one with a byte flipped, 0 raw bytes of a given length.
+    magic = struct.pack("<II", 0x4B564154, 1)
+    write("attach", "real", bytes([3, 7]))
+    write("attach", "made-up", bytes([1]) + bytes(32) + bytes([1]) + b"\xff" * 32)
+    write("attach", "flipped", bytes([2, 1, 5, 0x40, 2, 0, 31, 1]))
+    write("attach", "raw", bytes([0, 40]) + magic + b"\x11" * 32 + bytes([0, 0]) +
+          bytes([0, 3]) + b"abc" + bytes([0, 200]) + magic * 25)
+
+
 if __name__ == "__main__":
+    attach_seeds()
     service_seeds()
     step_channel_seeds()
     gguf_seeds()

@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
-  request_cache_test engine_stress_test daemon_test kvmemd_process_test \
-  gguf_fuzz tokenizer_fuzz step_channel_fuzz service_fuzz
+  request_cache_test engine_stress_test daemon_test kvmemd_process_test transport_test \
+  common_test gguf_fuzz tokenizer_fuzz step_channel_fuzz service_fuzz attach_fuzz
 source scripts/sanitizer_reports.sh
 sanitizer_reports build-asan asan
 export ASAN_OPTIONS="detect_leaks=1 halt_on_error=1 log_path=$logs/report"
@@ -22,14 +22,16 @@ export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp"
 build-asan/tests/block_pool_test --gtest_brief=1 | tail -1
 build-asan/tests/engine_test --gtest_brief=1 | tail -1
 build-asan/tests/request_cache_test --gtest_brief=1 | tail -1
+build-asan/tests/transport_test --gtest_brief=1 | tail -1
+build-asan/tests/common_test --gtest_brief=1 | tail -1
 KVMEM_STRESS_SECONDS=20 build-asan/tests/engine_stress_test --gtest_brief=1 |
   grep -E "^stress|PASSED|FAILED"
 build-asan/tests/daemon_test --gtest_brief=1 | tail -1
 build-asan/tests/kvmemd_process_test --gtest_brief=1 | tail -1
-for h in gguf tokenizer step_channel service; do
+for h in gguf tokenizer step_channel service attach; do
   build-asan/fuzz/${h}_fuzz "fuzz/corpus/$h" | sed "s/^/$h: /"
 done
 show_reports
 trap - EXIT
-echo "asan+ubsan: block_pool_test, engine_test, request_cache_test, engine_stress_test," \
-  "daemon_test, kvmemd_process_test and the fuzz corpora clean"
+echo "asan+ubsan: block_pool_test, engine_test, request_cache_test, transport_test," \
+  "common_test, engine_stress_test, daemon_test, kvmemd_process_test and the fuzz corpora clean"

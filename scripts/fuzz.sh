@@ -7,7 +7,7 @@
 # that harness and fails the run. FUZZ_HARNESSES picks harnesses (default: all).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-harnesses=${FUZZ_HARNESSES:-gguf tokenizer step_channel service}
+harnesses=${FUZZ_HARNESSES:-gguf tokenizer step_channel service attach}
 CC=clang-14 CXX=clang++-14 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DFUZZ=ON -DSANITIZE=address,undefined -DWITH_CUDA=OFF -DBUILD_TESTS=OFF -DBUILD_BENCH=OFF \
   ${KVMEM_CMAKE_ARGS:-} >/dev/null
