@@ -124,34 +124,31 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::vector<int> fds;
     switch (mode % 4) {
       case 0:  // raw bytes: any length, any content (a real ticket inside them is a request)
-        {
-          const std::string bytes = in.Bytes(in.Take<uint8_t>());
-          const bool real =
-              bytes.size() == sizeof(v1::attach::Request) &&
-              (bytes == fuzz::Request(s.ro_ticket) || bytes == fuzz::Request(s.rw_ticket));
-          const std::string* ticket = nullptr;
-          if (real) ticket = bytes == fuzz::Request(s.ro_ticket) ? &s.ro_ticket : &s.rw_ticket;
-          fds = fuzz::Exchange(bytes, ticket);
-        }
-        break;
+      {
+        const std::string bytes = in.Bytes(in.Take<uint8_t>());
+        const bool real =
+            bytes.size() == sizeof(v1::attach::Request) &&
+            (bytes == fuzz::Request(s.ro_ticket) || bytes == fuzz::Request(s.rw_ticket));
+        const std::string* ticket = nullptr;
+        if (real) ticket = bytes == fuzz::Request(s.ro_ticket) ? &s.ro_ticket : &s.rw_ticket;
+        fds = fuzz::Exchange(bytes, ticket);
+      } break;
       case 1:  // a well-formed request with a ticket made of the input's bytes
-        {
-          const std::string made = in.Bytes(v1::attach::kTicketBytes);
-          const std::string* ticket = nullptr;
-          if (made == s.ro_ticket) ticket = &s.ro_ticket;
-          if (made == s.rw_ticket) ticket = &s.rw_ticket;
-          fds = fuzz::Exchange(fuzz::Request(made), ticket);
-        }
-        break;
+      {
+        const std::string made = in.Bytes(v1::attach::kTicketBytes);
+        const std::string* ticket = nullptr;
+        if (made == s.ro_ticket) ticket = &s.ro_ticket;
+        if (made == s.rw_ticket) ticket = &s.rw_ticket;
+        fds = fuzz::Exchange(fuzz::Request(made), ticket);
+      } break;
       case 2:  // a real ticket with one byte changed (the input says which and how)
-        {
-          std::string forged = (in.Take<uint8_t>() & 1) ? s.rw_ticket : s.ro_ticket;
-          const uint8_t at = in.Take<uint8_t>() % v1::attach::kTicketBytes;
-          const uint8_t flip = in.Take<uint8_t>() | 1;
-          forged[at] = static_cast<char>(forged[at] ^ flip);
-          fds = fuzz::Exchange(fuzz::Request(forged), nullptr);
-        }
-        break;
+      {
+        std::string forged = (in.Take<uint8_t>() & 1) ? s.rw_ticket : s.ro_ticket;
+        const uint8_t at = in.Take<uint8_t>() % v1::attach::kTicketBytes;
+        const uint8_t flip = in.Take<uint8_t>() | 1;
+        forged[at] = static_cast<char>(forged[at] ^ flip);
+        fds = fuzz::Exchange(fuzz::Request(forged), nullptr);
+      } break;
       default:  // the real ones
         fds = fuzz::Exchange(fuzz::Request((mode & 4) ? s.rw_ticket : s.ro_ticket),
                              (mode & 4) ? &s.rw_ticket : &s.ro_ticket);

@@ -1,13 +1,13 @@
 #pragma once
-// MutexLock: kvmem::MutexLock that ThreadSanitizer can see through.
+// MutexLock: absl::MutexLock that ThreadSanitizer can see through.
 //
 // Debian's abseil is not built with -fsanitize=thread, so TSan cannot see how absl::Mutex
 // orders threads and would report every guarded access as a race. Under TSan, MutexLock
 // adds the happens-before edges itself (acquire after locking, release before unlocking);
-// elsewhere it is kvmem::MutexLock. Use it (and Lock/Unlock below) for every absl::Mutex.
+// elsewhere it is absl::MutexLock. Use it (and Lock/Unlock/Await below) for every
+// absl::Mutex.
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "server/common/mutex.h"
 
 #if defined(__SANITIZE_THREAD__)
 extern "C" void __tsan_acquire(void* addr);

@@ -1,7 +1,10 @@
 #include "server/common/parallel.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -15,8 +18,19 @@ namespace {
 class Pool {
  public:
   Pool() {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned i = 1; i < cores; ++i) std::thread([this] { Help(); }).detach();
+    // The cores this process may run on (its affinity mask, as taskset or a cpuset sets it).
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cores = sched_getaffinity(0, sizeof set, &set) == 0
+                          ? CPU_COUNT(&set)
+                          : static_cast<int>(std::thread::hardware_concurrency());
+    for (int i = 1; i < cores; ++i) {
+      try {
+        std::thread([this] { Help(); }).detach();
+      } catch (const std::system_error&) {
+        break;  // no more threads to be had (a pids limit): the callers do the rest
+      }
+    }
   }
 
   void Run(ParallelJob& job) {
@@ -32,8 +46,8 @@ class Pool {
     // The job's state is guarded by the pool's lock, never by one in the job: the helper
     // that finishes the last chunk may still be unlocking when this caller returns.
     kvmem::MutexLock lock(&done_mu_);
-    done_mu_.Await(absl::Condition(
-        +[](ParallelJob* j) { return j->done == j->chunks; }, &job));
+    kvmem::Await(&done_mu_, absl::Condition(
+                                +[](ParallelJob* j) { return j->done == j->chunks; }, &job));
     if (job.error) std::rethrow_exception(job.error);
   }
 
@@ -46,8 +60,8 @@ class Pool {
         // Taken from the queue's head under the lock: a job found there has a chunk left,
         // and stays alive until that chunk is counted done (its caller waits for it).
         kvmem::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](ParallelJob** head) { return *head != nullptr; }, &head_));
+        kvmem::Await(&mu_, absl::Condition(
+                               +[](ParallelJob** head) { return *head != nullptr; }, &head_));
         job = head_;
         chunk = job->claimed++;
         if (job->claimed == job->chunks) Dequeue(*job);

@@ -16,10 +16,9 @@ namespace kvmem::engine {
 namespace {
 
 // Calls run(i) once for every i < ran.size(): across cores when `parallel` (one index per
-// task, the caller's thread included, isolated from other loops: ParallelFor; in order
-// under ThreadSanitizer, which cannot see oneTBB), else in order. If the scheduler itself
-// fails, the indices it did not reach run here. `ran` is the caller's (all 0): so that
-// a batch past its first commit allocates nothing here.
+// task, the caller's thread included, isolated from other loops: ParallelFor), else in
+// order. If a chunk throws, the indices not reached run here. `ran` is the caller's (all 0): so
+// that a batch past its first commit allocates nothing here.
 template <typename Run>
 void EachIndex(bool parallel, std::vector<char>& ran, const Run& run) {
   const size_t n = ran.size();

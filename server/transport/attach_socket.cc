@@ -89,14 +89,17 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
   const socklen_t length = Address(address, &addr);
   struct stat st {};
   if (!abstract && lstat(address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-    // A socket file: another daemon's while one answers there, else left by one that died.
-    const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    const bool live =
-        probe >= 0 && connect(probe, reinterpret_cast<const sockaddr*>(&addr), length) == 0;
+    // A socket file: removed only when it is this user's and nothing answers there (left by
+    // a daemon that died); a live one, or another user's, is not ours to take.
+    const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    const bool refused = probe >= 0 &&
+                         connect(probe, reinterpret_cast<const sockaddr*>(&addr), length) != 0 &&
+                         errno == ECONNREFUSED;
     if (probe >= 0) close(probe);
-    if (live) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "attach socket \"", address, "\": another kvmemd serves it (--attach-socket)"));
+    if (!refused || st.st_uid != geteuid()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("attach socket \"", address, "\": in use (another kvmemd, or uid ",
+                       st.st_uid, "'s): pick another --attach-socket"));
     }
     unlink(address.c_str());
   }
@@ -114,7 +117,8 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
     // decides who gets anything).
     const bool others = std::any_of(socket->options_.uids.begin(), socket->options_.uids.end(),
                                     [](uid_t uid) { return uid != getuid(); });
-    chmod(address.c_str(), others ? 0666 : 0600);
+    // Not through a symlink put there since the bind.
+    fchmodat(AT_FDCWD, address.c_str(), others ? 0666 : 0600, AT_SYMLINK_NOFOLLOW);
   }
   if (listen(socket->listen_fd_, 64) != 0) {
     return absl::InternalError(
@@ -184,7 +188,11 @@ void AttachSocket::Serve() {
   struct Pending {
     int fd;
     absl::Time deadline;
+    bool served;  // its uid is served: the other kind cannot push it out
   };
+  // Peers of uids not served are answered (a refusal) but never hold more than a few
+  // places, so that a flood of them delays no served client.
+  constexpr size_t kMaxUnserved = 8;
   std::deque<Pending> pending;  // in accept (= deadline) order
   std::vector<pollfd> fds;
   auto refuse_and_close = [](int fd) {
@@ -201,7 +209,11 @@ void AttachSocket::Serve() {
       timeout_ms = static_cast<int>(std::max<int64_t>(
           0, absl::ToInt64Milliseconds(pending.front().deadline - absl::Now()) + 1));
     }
-    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) return;
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
+      if (errno == EINTR) continue;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // ENOMEM: try again
+      continue;
+    }
     if (fds[0].revents != 0) break;
     // Requests that came, answered in arrival order; the rest past their deadline refused.
     const absl::Time now = absl::Now();
@@ -218,7 +230,8 @@ void AttachSocket::Serve() {
     }
     pending.swap(waiting);
     if ((fds[1].revents & POLLIN) != 0) {
-      while (true) {
+      // At most a pending list's worth per round: the requests that came are read first.
+      for (size_t accepted = 0; accepted < options_.max_pending; ++accepted) {
         const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
         if (connection < 0) {
           // Out of descriptors: try again shortly rather than spin on a ready socket.
@@ -228,11 +241,21 @@ void AttachSocket::Serve() {
           break;
         }
         setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &kPeerTimeout, sizeof kPeerTimeout);
-        if (pending.size() >= options_.max_pending) {
-          refuse_and_close(pending.front().fd);
-          pending.pop_front();
+        ucred peer{};
+        socklen_t peer_length = sizeof peer;
+        const bool served =
+            getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) == 0 &&
+            std::find(options_.uids.begin(), options_.uids.end(), peer.uid) != options_.uids.end();
+        // Past its kind's places, the oldest of that kind goes.
+        size_t of_kind = 0;
+        for (const Pending& p : pending) of_kind += p.served == served ? 1 : 0;
+        if (of_kind >= (served ? options_.max_pending : kMaxUnserved)) {
+          auto oldest = std::find_if(pending.begin(), pending.end(),
+                                     [served](const Pending& p) { return p.served == served; });
+          refuse_and_close(oldest->fd);
+          pending.erase(oldest);
         }
-        pending.push_back({connection, now + options_.request_deadline});
+        pending.push_back({connection, now + options_.request_deadline, served});
       }
     }
   }

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -199,6 +200,43 @@ TEST_F(AttachSocketTest, APeerOfAnotherUidGetsNothing) {
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+// A socket file path: a live daemon's is never taken, a dead one's (this user's) is, another
+// kind of file is never removed, and each daemon removes only its own file.
+TEST_F(AttachSocketTest, APathIsTakenOnlyFromADeadDaemon) {
+  const std::string path = ::testing::TempDir() + "/kvmem_attach_" + std::to_string(getpid());
+  unlink(path.c_str());
+  AttachSocket::Options at_path;
+  at_path.address = path;
+  {
+    auto first = Start(at_path);
+    ASSERT_NE(first, nullptr);
+    auto second = AttachSocket::Start(at_path);
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition) << second.status();
+    auto received = client::ReceiveSegments(Ticket(*first, false), "pool");  // still serving
+    ASSERT_TRUE(received.ok()) << received.status();
+    for (const client::ReceivedSegment& r : *received) close(r.fd);
+  }
+  EXPECT_NE(access(path.c_str(), F_OK), 0);  // removed with its daemon
+  {
+    // A socket file left by a daemon that died (bound, never unlinked).
+    const int dead = ::socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, path.data(), path.size());
+    ASSERT_EQ(bind(dead, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+    close(dead);
+    auto taken = Start(at_path);
+    ASSERT_NE(taken, nullptr);
+  }
+  {
+    std::ofstream(path) << "not a socket";
+    auto refused = AttachSocket::Start(at_path);
+    EXPECT_FALSE(refused.ok());
+    EXPECT_EQ(access(path.c_str(), F_OK), 0);  // left alone
+    unlink(path.c_str());
+  }
 }
 
 // Peers that connect and say nothing are refused at their deadline, side by side: a client
