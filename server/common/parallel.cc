@@ -39,15 +39,22 @@ class Pool {
       job.queued = true;
       *tail_ = &job;
       tail_ = &job.next;
+      work_cv_.SignalAll();
     }
     // The caller claims chunks until none is left; then no helper can claim one either
     // (claims and dequeuing share the lock), so waiting for `done` is all that is left.
     while (std::optional<size_t> chunk = Claim(job)) Execute(job, *chunk);
     // The job's state is guarded by the pool's lock, never by one in the job: the helper
     // that finishes the last chunk may still be unlocking when this caller returns.
+    // Waits on a CondVar, its own thread testing `done`: abseil evaluates an
+    // absl::Condition in the thread that unlocks, which ThreadSanitizer (abseil is not
+    // instrumented) sees as a read of this thread's stack after it moved on.
     kvmem::MutexLock lock(&done_mu_);
-    kvmem::Await(&done_mu_, absl::Condition(
-                                +[](ParallelJob* j) { return j->done == j->chunks; }, &job));
+    while (job.done != job.chunks) {
+      kvmem::TsanRelease(&done_mu_);
+      done_cv_.Wait(&done_mu_);
+      kvmem::TsanAcquire(&done_mu_);
+    }
     if (job.error) std::rethrow_exception(job.error);
   }
 
@@ -60,8 +67,11 @@ class Pool {
         // Taken from the queue's head under the lock: a job found there has a chunk left,
         // and stays alive until that chunk is counted done (its caller waits for it).
         kvmem::MutexLock lock(&mu_);
-        kvmem::Await(&mu_, absl::Condition(
-                               +[](ParallelJob** head) { return *head != nullptr; }, &head_));
+        while (head_ == nullptr) {  // (a CondVar, not an absl::Condition: see Run)
+          kvmem::TsanRelease(&mu_);
+          work_cv_.Wait(&mu_);
+          kvmem::TsanAcquire(&mu_);
+        }
         job = head_;
         chunk = job->claimed++;
         if (job->claimed == job->chunks) Dequeue(*job);
@@ -99,7 +109,8 @@ class Pool {
     }
     kvmem::MutexLock lock(&done_mu_);
     if (error && !job.error) job.error = std::move(error);
-    ++job.done;  // the last touch of the job: its caller may return from here on
+    // The last touch of the job: its caller may return from here on.
+    if (++job.done == job.chunks) done_cv_.SignalAll();
   }
 
   void Dequeue(ParallelJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -115,10 +126,12 @@ class Pool {
     job.next = nullptr;
   }
 
-  absl::Mutex mu_;       // the queue, and every job's `claimed`, `next` and `queued`
-  absl::Mutex done_mu_;  // every job's `done` and `error`
+  absl::Mutex mu_;         // the queue, and every job's `claimed`, `next` and `queued`
+  absl::Mutex done_mu_;    // every job's `done` and `error`
+  absl::CondVar done_cv_;  // a job's last chunk counted
   ParallelJob* head_ ABSL_GUARDED_BY(mu_) = nullptr;
   ParallelJob** tail_ ABSL_GUARDED_BY(mu_) = &head_;
+  absl::CondVar work_cv_;  // a job queued
 };
 
 }  // namespace
