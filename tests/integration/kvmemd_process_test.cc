@@ -28,6 +28,7 @@
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "tests/testing/unix_sockets.h"
 
 namespace {
 
@@ -117,20 +118,11 @@ TEST(KvmemdProcessTest, RefusesBadFlagsWithAClearError) {
   EXPECT_THAT(cuda, HasSubstr("rc=2"));
 }
 
-// The names in /dev/shm (where POSIX shared memory lives).
-std::set<std::string> ShmNames() {
-  std::set<std::string> names;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    names.insert(entry.path().filename());
-  }
-  return names;
-}
-
 // No segment of kvmemd has a name another process could open or list (the pool, epoch board,
 // table area and a step channel with its signal area are memfds handed out by descriptor),
 // and a daemon killed outright leaves nothing behind.
 TEST(KvmemdProcessTest, NoSegmentHasANameAndAKilledDaemonLeavesNone) {
-  const std::set<std::string> before = ShmNames();
+  const std::set<std::string> before = kvmem::testing::ShmNames();
   kvmem::testing::KvmemdProcess d =
       kvmem::testing::StartKvmemd(KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432",
                                                 "--table-area-bytes=1048576", "--log-level=warn"});
@@ -140,11 +132,11 @@ TEST(KvmemdProcessTest, NoSegmentHasANameAndAKilledDaemonLeavesNone) {
   ASSERT_TRUE(info.ok()) << info.status();
   ASSERT_TRUE(kvmem::client::SharedPool::Attach(*info).ok());
   ASSERT_TRUE(client->OpenStepChannel(1ull << 20, 1ull << 20).ok());
-  EXPECT_EQ(ShmNames(), before);
+  EXPECT_EQ(kvmem::testing::ShmNames(), before);
   kill(d.pid, SIGKILL);
   kvmem::testing::WaitExit(d.pid);
   d.pid = 0;
-  EXPECT_EQ(ShmNames(), before);
+  EXPECT_EQ(kvmem::testing::ShmNames(), before);
   if (d.out != nullptr) fclose(d.out);
 }
 

@@ -22,6 +22,7 @@
 #include "kvmem/attach.h"
 #include "kvmem/v1/attach.h"
 #include "server/transport/attach_socket.h"
+#include "tests/testing/unix_sockets.h"
 
 namespace kvmem::transport {
 namespace {
@@ -43,18 +44,10 @@ TEST(SharedSegmentTest, PopulateTakesRangesInsideTheSegmentOnly) {
   EXPECT_EQ(segment->Populate(~uint64_t{0}, 2).code(), absl::StatusCode::kInvalidArgument);
 }
 
-std::set<std::string> ShmNames() {
-  std::set<std::string> names;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    names.insert(entry.path().filename());
-  }
-  return names;
-}
-
 TEST(SharedSegmentTest, HasNoNameAndASealedSize) {
-  const std::set<std::string> before = ShmNames();
+  const std::set<std::string> before = testing::ShmNames();
   auto segment = *SharedSegment::Create("kvmem-test", 2 * PageBytes());
-  EXPECT_EQ(ShmNames(), before);
+  EXPECT_EQ(testing::ShmNames(), before);
   EXPECT_NE(ftruncate(segment->fd(), PageBytes()), 0);
   EXPECT_EQ(errno, EPERM);
   EXPECT_NE(ftruncate(segment->fd(), 4 * PageBytes()), 0);
@@ -246,15 +239,8 @@ TEST_F(AttachSocketTest, SilentPeersDoNotDelayAClient) {
   auto socket = Start();
   std::vector<int> silent;
   for (int i = 0; i < 20; ++i) {
-    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::memcpy(address.sun_path, socket->address().data(), socket->address().size());
-    address.sun_path[0] = '\0';
-    ASSERT_EQ(
-        connect(fd, reinterpret_cast<const sockaddr*>(&address),
-                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket->address().size())),
-        0);
+    const int fd = testing::ConnectUnix(socket->address());
+    ASSERT_GE(fd, 0);
     silent.push_back(fd);
   }
   const absl::Time start = absl::Now();
@@ -271,15 +257,8 @@ TEST_F(AttachSocketTest, SilentPeersDoNotDelayAClient) {
 TEST_F(AttachSocketTest, MalformedRequestsAreRefusedAndTheSocketServesOn) {
   auto socket = Start();
   auto raw = [&](const std::string& bytes) {
-    const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un address{};
-    address.sun_family = AF_UNIX;
-    std::memcpy(address.sun_path, socket->address().data(), socket->address().size());
-    address.sun_path[0] = '\0';
-    EXPECT_EQ(
-        connect(fd, reinterpret_cast<const sockaddr*>(&address),
-                static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + socket->address().size())),
-        0);
+    const int fd = testing::ConnectUnix(socket->address());
+    EXPECT_GE(fd, 0);
     if (!bytes.empty()) send(fd, bytes.data(), bytes.size(), 0);
     wire::Reply reply{};
     const ssize_t got = recv(fd, &reply, sizeof reply, 0);

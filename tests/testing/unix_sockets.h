@@ -1,0 +1,41 @@
+#pragma once
+// What the attach tests share: a raw connection to a unix socket address as kvmemd names it
+// ("@name" abstract, else a path), and the names POSIX shared memory has in /dev/shm.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <string>
+
+namespace kvmem::testing {
+
+// A SOCK_SEQPACKET connection to `address`, or -1.
+inline int ConnectUnix(const std::string& address) {
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, address.data(), std::min(address.size(), sizeof addr.sun_path - 1));
+  if (!address.empty() && address[0] == '@') addr.sun_path[0] = '\0';
+  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+  if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The names in /dev/shm (where POSIX shared memory lives).
+inline std::set<std::string> ShmNames() {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    names.insert(entry.path().filename());
+  }
+  return names;
+}
+
+}  // namespace kvmem::testing
