@@ -105,6 +105,7 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   }
   v1::AttachTicket* ticket = response->mutable_attach();
   ticket->set_socket(attach->address());
+  ticket->set_daemon_uid(geteuid());
   ticket->set_ticket(attach->Issue(std::move(grants), issuer));
   ToProto(attach->ticket_life(), ticket->mutable_valid_for());
 }

@@ -206,6 +206,7 @@ grpc::Status KvCacheService::OpenStepChannel(
         grants.push_back({v1::attach::kSignalArea, channel->signal_segment(), true});
       v1::AttachTicket* ticket = response.mutable_attach();
       ticket->set_socket(attach_->address());
+      ticket->set_daemon_uid(geteuid());
       ticket->set_ticket(attach_->Issue(std::move(grants), who.tenant));
       ToProto(attach_->ticket_life(), ticket->mutable_valid_for());
     }

@@ -51,6 +51,16 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
                                                ": ", std::strerror(errno),
                                                " (is the daemon on this host?)"));
   }
+  if (ticket.daemon_uid) {
+    ucred peer{};
+    socklen_t peer_length = sizeof peer;
+    if (getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0 ||
+        peer.uid != *ticket.daemon_uid) {
+      return absl::UnavailableError(
+          absl::StrCat(what, ": the attach socket ", ticket.socket, " is held by uid ", peer.uid,
+                       ", not the daemon's ", *ticket.daemon_uid, " (the daemon is gone?)"));
+    }
+  }
   wire::Request request{};
   request.magic = wire::kMagic;
   request.version = wire::kVersion;

@@ -3,6 +3,7 @@
 // an authenticated call handed it (Info.attach, a step channel's) at kvmemd's attach socket
 // and receives their descriptors (kvmem/v1/attach.h).
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,9 @@ namespace kvmem::client {
 struct SegmentTicket {
   std::string socket;  // "@name": abstract unix socket; else a path
   std::string ticket;  // v1::attach::kTicketBytes bytes; empty: none was given
+  // The daemon's uid: the socket's peer must run as it (a process of another user holding
+  // the name gets no hearing); unset: not checked.
+  std::optional<uint32_t> daemon_uid;
 };
 
 // A descriptor the daemon sent, and what it is.

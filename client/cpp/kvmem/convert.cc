@@ -167,7 +167,8 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.epoch_slots = r.epoch_board().slots();
   info.table_area_bytes = r.table_area().bytes();
   info.table_area_slots = r.table_area().slots();
-  info.attach = {r.attach().socket(), r.attach().ticket()};
+  info.attach = {r.attach().socket(), r.attach().ticket(), std::nullopt};
+  if (r.has_attach()) info.attach.daemon_uid = r.attach().daemon_uid();
   return info;
 }
 

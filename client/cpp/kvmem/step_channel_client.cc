@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<StepChannelClient>> StepChannelClient::Open(
   if (bytes < layout::kHeaderBytes + 2 * opened.capacity_bytes()) {
     return absl::FailedPreconditionError("OpenStepChannel: the segment is smaller than announced");
   }
-  const SegmentTicket ticket{opened.attach().socket(), opened.attach().ticket()};
+  const SegmentTicket ticket{opened.attach().socket(), opened.attach().ticket(),
+                             opened.attach().daemon_uid()};
   absl::StatusOr<uint8_t*> data =
       MapSegment(ticket, v1::attach::kChannel, bytes, true, "OpenStepChannel: the segment");
   if (!data.ok()) return data.status();

@@ -146,7 +146,8 @@ def info_of(r: pb.GetInfoResponse) -> Info:
                 r.device_step, r.in_place_writes, policies, quantizers,
                 r.default_quantization_recent_tokens, shm.segment_bytes,
                 cuda.handle, cuda.device_uuid, cuda.pool_bytes,
-                r.epoch_board.stride, r.epoch_board.slots, r.attach.socket, r.attach.ticket)
+                r.epoch_board.stride, r.epoch_board.slots, r.attach.socket, r.attach.ticket,
+                r.attach.daemon_uid if r.HasField("attach") else None)
 
 
 def sequence_stats_of(s: pb.SequenceStats) -> SequenceStats:

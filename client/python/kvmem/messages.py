@@ -66,6 +66,7 @@ class Info:
     # same-host attach is not offered to this caller.
     attach_socket: str
     attach_ticket: bytes
+    attach_daemon_uid: Optional[int]  # the socket's peer must run as it (None: unchecked)
 
     def policy(self, name: str) -> PolicyInfo:
         for p in self.policies:

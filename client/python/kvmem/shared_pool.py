@@ -80,6 +80,14 @@ def _map_read_only(info: Info, kind: int, size: int, what: str) -> mmap.mmap:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.settimeout(5)
             s.connect(address)
+            if info.attach_daemon_uid is not None:
+                _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+                if uid != info.attach_daemon_uid:
+                    raise UnavailableError(
+                        f"{what}: the attach socket {info.attach_socket} is held by uid {uid}, "
+                        f"not the daemon's {info.attach_daemon_uid} (the daemon is gone?)",
+                        code=grpc.StatusCode.UNAVAILABLE)
             s.send(_ATTACH_REQUEST.pack(_ATTACH_MAGIC, _ATTACH_VERSION, info.attach_ticket))
             # Close-on-exec from the start: a fork in another thread inherits none.
             data, fds, _, _ = socket.recv_fds(s, _ATTACH_REPLY.size, 4, socket.MSG_CMSG_CLOEXEC)

@@ -123,6 +123,16 @@ TEST_F(AttachSocketTest, AWritableGrantWritesTheDaemonsMemoryAndATicketServesTwi
   auto again = client::MapSegment(ticket, wire::kPool, segment_->bytes(), false, "pool");
   ASSERT_TRUE(again.ok()) << again.status();
   munmap(*again, segment_->bytes());
+  // The client checks who holds the socket: the daemon's uid, or no hearing.
+  client::SegmentTicket checked = ticket;
+  checked.daemon_uid = geteuid();
+  auto checked_ok = client::MapSegment(checked, wire::kPool, segment_->bytes(), false, "pool");
+  ASSERT_TRUE(checked_ok.ok()) << checked_ok.status();
+  munmap(*checked_ok, segment_->bytes());
+  checked.daemon_uid = geteuid() + 1;
+  auto impostor = client::MapSegment(checked, wire::kPool, segment_->bytes(), false, "pool");
+  EXPECT_EQ(impostor.status().code(), absl::StatusCode::kUnavailable) << impostor.status();
+  EXPECT_NE(impostor.status().message().find("held by uid"), absl::string_view::npos);
   // A kind the ticket does not grant; a size past the segment's.
   EXPECT_EQ(client::MapSegment(ticket, wire::kTableArea, 1, false, "area").status().code(),
             absl::StatusCode::kFailedPrecondition);
