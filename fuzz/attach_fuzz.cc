@@ -34,12 +34,8 @@ State* state = nullptr;
 int Connect() {
   const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   FUZZ_CHECK(fd >= 0, "socket");
-  const std::string& name = state->socket->address();
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, name.data(), name.size());
-  address.sun_path[0] = '\0';
-  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size());
+  sockaddr_un address;
+  const socklen_t length = wire::SocketAddress(state->socket->address(), &address);
   FUZZ_CHECK(connect(fd, reinterpret_cast<const sockaddr*>(&address), length) == 0, "connect");
   return fd;
 }

@@ -103,11 +103,16 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
     response->mutable_table_area()->set_bytes(tables->bytes());
     response->mutable_table_area()->set_slots(tables->slots());
   }
-  v1::AttachTicket* ticket = response->mutable_attach();
-  ticket->set_socket(attach->address());
+  FillAttachTicket(*attach, std::move(grants), issuer, response->mutable_attach());
+}
+
+void FillAttachTicket(transport::AttachSocket& attach,
+                      std::vector<transport::AttachSocket::Grant> grants, const std::string& issuer,
+                      v1::AttachTicket* ticket) {
+  ticket->set_socket(attach.address());
   ticket->set_daemon_uid(geteuid());
-  ticket->set_ticket(attach->Issue(std::move(grants), issuer));
-  ToProto(attach->ticket_life(), ticket->mutable_valid_for());
+  ticket->set_ticket(attach.Issue(std::move(grants), issuer));
+  ToProto(attach.ticket_life(), ticket->mutable_valid_for());
 }
 
 absl::Status ReadStatsPage(const v1::StatsRequest& request, StatsPage* page) {

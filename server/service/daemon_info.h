@@ -4,6 +4,7 @@
 // page of Stats' sequences.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -20,6 +21,12 @@ namespace kvmem::service {
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
                     const std::string& issuer = "");
+
+// A new ticket of `attach` for `grants`, counted as `issuer`'s, with what a client needs to
+// redeem it (the socket, the daemon's uid, how long it holds).
+void FillAttachTicket(transport::AttachSocket& attach,
+                      std::vector<transport::AttachSocket::Grant> grants, const std::string& issuer,
+                      v1::AttachTicket* ticket);
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

@@ -7,6 +7,7 @@
 #include "kvmem/v1/attach.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/service/convert.h"
+#include "server/service/daemon_info.h"
 #include "server/service/kv_cache_service.h"
 
 namespace kvmem::service {
@@ -204,11 +205,7 @@ grpc::Status KvCacheService::OpenStepChannel(
           {v1::attach::kChannel, channel->segment(), true}};
       if (signal_bytes > 0)
         grants.push_back({v1::attach::kSignalArea, channel->signal_segment(), true});
-      v1::AttachTicket* ticket = response.mutable_attach();
-      ticket->set_socket(attach_->address());
-      ticket->set_daemon_uid(geteuid());
-      ticket->set_ticket(attach_->Issue(std::move(grants), who.tenant));
-      ToProto(attach_->ticket_life(), ticket->mutable_valid_for());
+      FillAttachTicket(*attach_, std::move(grants), who.tenant, response.mutable_attach());
     }
     if (!writer->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client left before the channel opened");

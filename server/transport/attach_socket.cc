@@ -46,15 +46,6 @@ std::string RandomBytes(size_t n) {
   return bytes;
 }
 
-// The sockaddr of `address` and its length ("@name": abstract).
-socklen_t Address(const std::string& address, sockaddr_un* out) {
-  *out = {};
-  out->sun_family = AF_UNIX;
-  std::memcpy(out->sun_path, address.data(), address.size());
-  if (address[0] == '@') out->sun_path[0] = '\0';
-  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
-}
-
 void Refuse(int connection, uint32_t code, const std::string& message) {
   wire::Reply reply{};
   reply.magic = wire::kMagic;
@@ -86,7 +77,7 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
     return absl::InternalError(absl::StrCat("attach socket: socket: ", std::strerror(errno)));
   }
   sockaddr_un addr;
-  const socklen_t length = Address(address, &addr);
+  const socklen_t length = wire::SocketAddress(address, &addr);
   struct stat st {};
   if (!abstract && lstat(address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
     // A socket file: removed only when it is this user's and nothing answers there (left by

@@ -12,16 +12,15 @@
 #include <set>
 #include <string>
 
+#include "kvmem/v1/attach.h"
+
 namespace kvmem::testing {
 
 // A SOCK_SEQPACKET connection to `address`, or -1.
 inline int ConnectUnix(const std::string& address) {
   const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, address.data(), std::min(address.size(), sizeof addr.sun_path - 1));
-  if (!address.empty() && address[0] == '@') addr.sun_path[0] = '\0';
-  const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+  sockaddr_un addr;
+  const socklen_t length = v1::attach::SocketAddress(address, &addr);
   if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
     close(fd);
     return -1;

@@ -40,12 +40,8 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
   absl::Cleanup close_connection = [connection] { close(connection); };
   setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &kTimeout, sizeof kTimeout);
   setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &kTimeout, sizeof kTimeout);
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::memcpy(address.sun_path, ticket.socket.data(), ticket.socket.size());
-  if (ticket.socket[0] == '@') address.sun_path[0] = '\0';
-  const auto length =
-      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + ticket.socket.size());
+  sockaddr_un address;
+  const socklen_t length = wire::SocketAddress(ticket.socket, &address);
   if (connect(connection, reinterpret_cast<const sockaddr*>(&address), length) != 0) {
     return absl::UnavailableError(absl::StrCat(what, ": the daemon's attach socket ", ticket.socket,
                                                ": ", std::strerror(errno),

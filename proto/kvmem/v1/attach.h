@@ -18,8 +18,13 @@
 // writable mappings: its descriptor maps read-only, however it is reopened. Everything the client
 // reads here is the daemon's; everything the daemon reads is untrusted (one fixed-size message,
 // checked whole).
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <string_view>
 
 namespace kvmem::v1::attach {
 
@@ -57,6 +62,16 @@ struct Reply {
   Granted segments[kMaxSegments];
   char message[kMessageBytes];  // NUL-terminated
 };
+
+// The sockaddr of an attach socket's address ("@name": abstract, else a path; at most
+// sizeof(sun_path) - 1 characters, which the caller has checked) and its length.
+inline socklen_t SocketAddress(std::string_view address, sockaddr_un* out) {
+  *out = {};
+  out->sun_family = AF_UNIX;
+  std::memcpy(out->sun_path, address.data(), address.size());
+  if (!address.empty() && address[0] == '@') out->sun_path[0] = '\0';
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + address.size());
+}
 
 // The layout other languages pack by hand (client/python/kvmem/shared_pool.py).
 static_assert(sizeof(Request) == 40);
