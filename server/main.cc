@@ -111,8 +111,10 @@ ABSL_FLAG(double, drain_seconds, 5,
           "calls get UNAVAILABLE meanwhile");
 ABSL_FLAG(std::string, auth_tokens, "",
           "a file of bearer tokens, one '<tenant> <token> [admin]' per line, read again on "
-          "SIGHUP; every call must then carry 'authorization: Bearer <token>'. Empty: one trust "
-          "domain, served only on a unix socket or loopback");
+          "SIGHUP; every call must then carry 'authorization: Bearer <token>'. On a unix "
+          "--listen, a line '<tenant> uid:<n> [admin]' makes the peers of that uid (SO_PEERCRED) "
+          "that tenant without a token. Empty: one trust domain, served only on a unix socket "
+          "or loopback");
 ABSL_FLAG(std::string, tls_cert, "", "TLS: the server's certificate chain (PEM file)");
 ABSL_FLAG(std::string, tls_key, "", "TLS: the server's private key (PEM file)");
 ABSL_FLAG(std::string, tls_client_ca, "",

@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <optional>
@@ -42,8 +43,10 @@ bool ValidTenantName(absl::string_view name) {
 
 namespace {
 
+constexpr absl::string_view kUidPrefix = "uid:";
+
 bool ValidToken(absl::string_view token) {
-  if (token.size() < 16 || token.size() > 512) return false;
+  if (token.size() < 16 || token.size() > 512 || absl::StartsWith(token, kUidPrefix)) return false;
   for (char c : token) {
     if (c <= ' ' || c > '~') return false;
   }
@@ -53,15 +56,15 @@ bool ValidToken(absl::string_view token) {
 absl::Status Unauthenticated() {
   return absl::UnauthenticatedError(absl::StrCat(
       Authenticator::kMetadataKey,
-      ": kvmemd requires a known bearer token (metadata 'authorization: Bearer <token>') or a "
-      "verified client certificate"));
+      ": kvmemd requires a known bearer token (metadata 'authorization: Bearer <token>'), a "
+      "verified client certificate, or a unix-socket peer whose uid the token file maps"));
 }
 
 }  // namespace
 
-absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse(
-    absl::string_view text, absl::string_view path) {
-  absl::flat_hash_map<std::string, Principal> tokens;
+absl::StatusOr<Authenticator::Credentials> Authenticator::Parse(absl::string_view text,
+                                                               absl::string_view path) {
+  Credentials credentials;
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
@@ -80,20 +83,36 @@ absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Authenticator::Parse
           absl::StrCat("--auth-tokens: ", path, " line ", line_number, ": ", why));
     };
     if (words.size() < 2 || words.size() > 3 || (words.size() == 3 && words[2] != "admin")) {
-      return bad("expected '<tenant> <token> [admin]'");
+      return bad("expected '<tenant> <token> [admin]' or '<tenant> uid:<n> [admin]'");
     }
     if (!ValidTenantName(words[0])) return bad("the tenant must be 1-64 of [A-Za-z0-9._-]");
-    if (!ValidToken(words[1])) {
-      return bad("the token must be 16-512 printable characters without spaces");
-    }
     Principal who{std::string(words[0]), words.size() == 3};
-    if (!tokens.emplace(Sha256(words[1]), std::move(who)).second) {
+    if (absl::string_view uid_text = words[1]; absl::ConsumePrefix(&uid_text, kUidPrefix)) {
+      uint32_t uid = 0;
+      if (uid_text.empty() || uid_text.size() > 10 ||
+          !std::all_of(uid_text.begin(), uid_text.end(), absl::ascii_isdigit) ||
+          !absl::SimpleAtoi(uid_text, &uid) || uid == static_cast<uint32_t>(-1)) {
+        return bad("a uid must be uid:<n>, n a decimal number below 4294967295");
+      }
+      if (!credentials.uids.emplace(static_cast<uid_t>(uid), std::move(who)).second) {
+        return bad("the uid is listed twice");
+      }
+      continue;
+    }
+    if (!ValidToken(words[1])) {
+      return bad(
+          "the token must be 16-512 printable characters without spaces, not beginning with "
+          "\"uid:\"");
+    }
+    if (!credentials.tokens.emplace(Sha256(words[1]), std::move(who)).second) {
       return bad("the token is listed twice");
     }
   }
-  if (tokens.empty())
-    return absl::InvalidArgumentError(absl::StrCat("--auth-tokens: ", path, " lists no token"));
-  return tokens;
+  if (credentials.tokens.empty() && credentials.uids.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-tokens: ", path, " lists no token and no uid"));
+  }
+  return credentials;
 }
 
 absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::Create(std::string token_file,
@@ -114,10 +133,10 @@ absl::Status Authenticator::Reload() {
   }
   std::stringstream text;
   text << in.rdbuf();
-  absl::StatusOr<absl::flat_hash_map<std::string, Principal>> tokens = Parse(text.str(), path_);
-  if (!tokens.ok()) return tokens.status();
+  absl::StatusOr<Credentials> credentials = Parse(text.str(), path_);
+  if (!credentials.ok()) return credentials.status();
   kvmem::MutexLock lock(&mu_);
-  tokens_ = *std::move(tokens);
+  credentials_ = *std::move(credentials);
   generation_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
@@ -136,26 +155,39 @@ absl::Status Authenticator::StillValid(const grpc::ServerContext* context, const
   return absl::OkStatus();
 }
 
-absl::StatusOr<Principal> Authenticator::FromAuthorization(
-    absl::string_view value, absl::string_view certificate_name) const {
+absl::StatusOr<Principal> Authenticator::FromAuthorization(absl::string_view value,
+                                                           absl::string_view certificate_name,
+                                                           std::optional<uid_t> peer_uid) const {
   if (!enabled()) return Principal{"", true};
-  std::optional<Principal> by_certificate;
+  // What the channel says, by certificate or by the peer's uid (never both: a unix socket
+  // carries no certificate).
+  std::optional<Principal> by_channel;
+  absl::string_view channel_kind;
   if (certificates_ && !certificate_name.empty()) {
     if (!ValidTenantName(certificate_name)) {
       return absl::UnauthenticatedError(
           "the client certificate's common name is not a tenant name (1-64 of [A-Za-z0-9._-])");
     }
-    by_certificate = Principal{std::string(certificate_name), false};
+    by_channel = Principal{std::string(certificate_name), false};
+    channel_kind = "client certificate";
   }
-  if (value.empty() && by_certificate) return *by_certificate;
-  if (path_.empty() || !absl::StartsWith(value, kBearer)) return Unauthenticated();
-  const std::string digest = Sha256(value.substr(kBearer.size()));
+  const std::string digest =
+      absl::StartsWith(value, kBearer) ? Sha256(value.substr(kBearer.size())) : std::string();
   kvmem::MutexLock lock(&mu_);
-  auto it = tokens_.find(digest);
-  if (it == tokens_.end()) return Unauthenticated();
-  if (by_certificate && by_certificate->tenant != it->second.tenant) {
+  if (!by_channel && peer_uid) {
+    auto it = credentials_.uids.find(*peer_uid);
+    if (it != credentials_.uids.end()) {
+      by_channel = it->second;
+      channel_kind = "unix-socket peer's uid";
+    }
+  }
+  if (value.empty() && by_channel) return *by_channel;
+  if (digest.empty()) return Unauthenticated();
+  auto it = credentials_.tokens.find(digest);
+  if (it == credentials_.tokens.end()) return Unauthenticated();
+  if (by_channel && by_channel->tenant != it->second.tenant) {
     return absl::UnauthenticatedError(
-        "the bearer token and the client certificate name different tenants");
+        absl::StrCat("the bearer token and the ", channel_kind, " name different tenants"));
   }
   return it->second;
 }
@@ -181,7 +213,11 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContext*
     auto it = metadata.find(key);
     value = absl::string_view(it->second.data(), it->second.size());
   }
-  return FromAuthorization(value, certificate_name);
+  std::optional<uid_t> peer_uid;
+  if (peers_ != nullptr) {
+    if (std::optional<ucred> peer = peers_->PeerOf(context->peer())) peer_uid = peer->uid;
+  }
+  return FromAuthorization(value, certificate_name, peer_uid);
 }
 
 bool IsLocalListen(absl::string_view listen) {

@@ -11,13 +11,21 @@
 // certificate's common name; a call carrying both a certificate and a token must name the
 // same tenant with both.
 //
+// On a unix socket (kvmemd --listen unix:...), the token file may also map a peer's uid to
+// its tenant: a line `<tenant> uid:<n> [admin]`. kvmemd accepts those connections itself and
+// takes each peer's uid from the kernel (SO_PEERCRED, transport::UnixPeers); a call from a
+// mapped uid needs no token, and one that carries a token must name the uid's tenant.
+//
 // The token file: one token per line, `<tenant> <token> [admin]`; a '#' that begins a word
 // starts a comment. Write a new file and rename it over the old one before SIGHUP: a reload
 // that reads a half-written file may drop tokens.
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
-// spaces; a tenant may have several tokens (rotation). kvmemd reads it at start and again
+// spaces and not beginning with "uid:"; a tenant may have several tokens (rotation). kvmemd reads it at start and again
 // on SIGHUP; a file that does not parse leaves the tokens as they were.
+#include <sys/types.h>
+
 #include <atomic>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -26,6 +34,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/server_context.h"
+#include "server/transport/unix_peers.h"
 
 namespace kvmem::service {
 
@@ -46,6 +55,8 @@ class Authenticator {
                                                                bool client_certificates);
 
   bool enabled() const { return !path_.empty() || certificates_; }
+  // Where a call's peer uid is looked up (calls on kvmemd's unix socket); must outlive this.
+  void set_peers(const transport::UnixPeers* peers) { peers_ = peers; }
   // Reads the token file again (SIGHUP); on an error the tokens stay as they were.
   absl::Status Reload();
   // Counts the reloads that succeeded: a long call (a step channel, an AppendStream) checks
@@ -59,10 +70,12 @@ class Authenticator {
   // The principal of a call; UNAUTHENTICATED (one message for a missing, malformed or
   // unknown token) when tokens are required and the call has none that is known.
   absl::StatusOr<Principal> Authenticate(const grpc::ServerContext* context) const;
-  // The same from the `authorization` metadata value (empty when the call sent none) and
-  // the verified client certificate's common name (empty: none).
+  // The same from the `authorization` metadata value (empty when the call sent none), the
+  // verified client certificate's common name (empty: none) and the unix-socket peer's uid
+  // (nullopt: not a unix-socket peer).
   absl::StatusOr<Principal> FromAuthorization(absl::string_view value,
-                                              absl::string_view certificate_name = {}) const;
+                                              absl::string_view certificate_name = {},
+                                              std::optional<uid_t> peer_uid = std::nullopt) const;
 
   // The metadata key a client sends its token under, and how the value begins.
   static constexpr absl::string_view kMetadataKey = "authorization";
@@ -71,15 +84,19 @@ class Authenticator {
  private:
   Authenticator(std::string path, bool certificates)
       : path_(std::move(path)), certificates_(certificates) {}
-  // The tokens of `text`, keyed by their SHA-256 (a lookup compares digests, not secrets).
-  static absl::StatusOr<absl::flat_hash_map<std::string, Principal>> Parse(absl::string_view text,
-                                                                           absl::string_view path);
+  struct Credentials {
+    // By the token's SHA-256 (a lookup compares digests, not secrets).
+    absl::flat_hash_map<std::string, Principal> tokens;
+    absl::flat_hash_map<uid_t, Principal> uids;
+  };
+  static absl::StatusOr<Credentials> Parse(absl::string_view text, absl::string_view path);
 
   const std::string path_;
   const bool certificates_ = false;
   std::atomic<uint64_t> generation_{0};
+  const transport::UnixPeers* peers_ = nullptr;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<std::string, Principal> tokens_ ABSL_GUARDED_BY(mu_);
+  Credentials credentials_ ABSL_GUARDED_BY(mu_);
 };
 
 // Whether `listen` (kvmemd --listen) is a unix socket or a loopback address only.

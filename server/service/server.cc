@@ -18,6 +18,7 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/server_posix.h"
 #include "server/common/client_text.h"
 #include "server/service/kv_cache_service.h"
 #include "server/service/rpc_interceptor.h"
@@ -74,14 +75,22 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
   return grpc::SslServerCredentials(options);
 }
 
-// The attach socket's address: the configured one; else, for a unix-socket --listen, a
-// socket file next to it (reachable wherever the gRPC socket is: across containers sharing
-// its volume, which an abstract name is not); else an abstract name of its own.
+// A unix-socket --listen address as kvmemd's sockets name one ("@name" abstract, else a
+// path); empty for any other --listen.
+std::string UnixAddress(absl::string_view listen) {
+  if (absl::ConsumePrefix(&listen, "unix-abstract:")) return absl::StrCat("@", listen);
+  if (!absl::ConsumePrefix(&listen, "unix:")) return "";
+  if (absl::StartsWith(listen, "///")) listen.remove_prefix(2);
+  return std::string(listen);
+}
+
+// The attach socket's address: the configured one; else, for a unix-socket --listen at a
+// path, a socket file next to it (reachable wherever the gRPC socket is: across containers
+// sharing its volume, which an abstract name is not); else an abstract name of its own.
 std::string DefaultAttachSocket(const ServerConfig& config) {
   if (!config.attach_socket.empty()) return config.attach_socket;
-  absl::string_view path = config.listen;
-  if (!absl::ConsumePrefix(&path, "unix:")) return "";
-  if (absl::StartsWith(path, "///")) path.remove_prefix(2);
+  const std::string path = UnixAddress(config.listen);
+  if (path.empty() || path[0] == '@') return "";
   std::string beside = absl::StrCat(path, ".attach");
   return beside.size() < sizeof(sockaddr_un::sun_path) ? beside : "";
 }
@@ -178,7 +187,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, *credentials, &server->port_);
+  // On a unix socket with authentication (and no TLS), kvmemd accepts the connections
+  // itself, so that a call's tenant can come from its peer's uid (UnixPeers, Authenticator).
+  const std::string unix_address = UnixAddress(config.listen);
+  const bool own_accept = server->auth_ != nullptr && config.tls_cert.empty() &&
+                          !unix_address.empty();
+  if (!own_accept) builder.AddListeningPort(config.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.experimental().SetInterceptorCreators(RpcInterceptors(server->rpc_telemetry_.get()));
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
@@ -190,6 +204,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", config.listen));
+  }
+  if (own_accept) {
+    grpc::Server* grpc_server = server->grpc_server_.get();
+    absl::StatusOr<std::unique_ptr<transport::UnixPeers>> peers = transport::UnixPeers::Start(
+        unix_address, [grpc_server](int fd) { grpc::AddInsecureChannelFromFd(grpc_server, fd); });
+    if (!peers.ok()) return peers.status();
+    server->unix_peers_ = *std::move(peers);
+    server->auth_->set_peers(server->unix_peers_.get());
   }
   server->collector_ = std::make_shared<metrics::Collector>(
       server->engine_.get(), server->rpc_telemetry_.get(),
@@ -284,6 +306,8 @@ void Server::Drain(absl::Duration deadline) {
   }
   // Nothing admitted runs any more (or time is up): what gRPC cancels now is a call that
   // never reached a handler or one that overran the drain.
+  // No connection is handed to gRPC once it shuts down.
+  if (unix_peers_ != nullptr) unix_peers_->Stop();
   grpc_server_->Shutdown(absl::ToChronoTime(std::max(end, absl::Now())));
   grpc_server_->Wait();
   stop_reaper_.Notify();

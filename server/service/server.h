@@ -17,6 +17,7 @@
 #include "server/service/admission.h"
 #include "server/service/auth.h"
 #include "server/transport/attach_socket.h"
+#include "server/transport/unix_peers.h"
 
 namespace kvmem::service {
 
@@ -101,6 +102,9 @@ class Server {
   std::unique_ptr<transport::AttachSocket> attach_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  // kvmemd's own accept on a unix --listen with authentication (peers' uids); stopped
+  // before gRPC shuts down. After auth_, which looks peers up in it.
+  std::unique_ptr<transport::UnixPeers> unix_peers_;
   std::shared_ptr<metrics::Collector> collector_;
   std::unique_ptr<metrics::Exporter> exporter_;
   int port_ = 0;

@@ -63,58 +63,16 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
     options.address =
         absl::StrCat("@kvmemd-", getpid(), "-", absl::BytesToHexString(RandomBytes(8)));
   }
-  if (options.address.size() < 2 || options.address.size() >= sizeof(sockaddr_un::sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("attach socket \"", options.address, "\": 2 to ",
-                                                   sizeof(sockaddr_un::sun_path) - 1,
-                                                   " characters"));
-  }
+  // Only the daemon's user connects unless other uids are served (SO_PEERCRED still decides
+  // who gets anything).
+  const bool others = std::any_of(options.uids.begin(), options.uids.end(),
+                                  [](uid_t uid) { return uid != getuid(); });
   options.uids.push_back(getuid());  // kvmemd's own user always
+  absl::StatusOr<UnixListener> listener =
+      UnixListener::Listen(options.address, SOCK_SEQPACKET, others ? 0666 : 0600, "--attach-socket");
+  if (!listener.ok()) return listener.status();
   std::unique_ptr<AttachSocket> socket(new AttachSocket(std::move(options)));
-  const std::string& address = socket->options_.address;
-  const bool abstract = address[0] == '@';
-  socket->listen_fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (socket->listen_fd_ < 0) {
-    return absl::InternalError(absl::StrCat("attach socket: socket: ", std::strerror(errno)));
-  }
-  sockaddr_un addr;
-  const socklen_t length = wire::SocketAddress(address, &addr);
-  struct stat st {};
-  if (!abstract && lstat(address.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-    // A socket file: removed only when it is this user's and nothing answers there (left by
-    // a daemon that died); a live one, or another user's, is not ours to take.
-    const int probe = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    const bool refused = probe >= 0 &&
-                         connect(probe, reinterpret_cast<const sockaddr*>(&addr), length) != 0 &&
-                         errno == ECONNREFUSED;
-    if (probe >= 0) close(probe);
-    if (!refused || st.st_uid != geteuid()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("attach socket \"", address, "\": in use (another kvmemd, or uid ",
-                       st.st_uid, "'s): pick another --attach-socket"));
-    }
-    unlink(address.c_str());
-  }
-  if (bind(socket->listen_fd_, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("attach socket \"", address, "\": bind: ", std::strerror(errno)));
-  }
-  if (!abstract) {
-    if (lstat(address.c_str(), &st) == 0) {
-      socket->made_file_ = true;
-      socket->file_dev_ = st.st_dev;
-      socket->file_ino_ = st.st_ino;
-    }
-    // Only the daemon's user connects unless other uids are served (SO_PEERCRED still
-    // decides who gets anything).
-    const bool others = std::any_of(socket->options_.uids.begin(), socket->options_.uids.end(),
-                                    [](uid_t uid) { return uid != getuid(); });
-    // Not through a symlink put there since the bind.
-    fchmodat(AT_FDCWD, address.c_str(), others ? 0666 : 0600, AT_SYMLINK_NOFOLLOW);
-  }
-  if (listen(socket->listen_fd_, 64) != 0) {
-    return absl::InternalError(
-        absl::StrCat("attach socket \"", address, "\": listen: ", std::strerror(errno)));
-  }
+  socket->listener_ = *std::move(listener);
   socket->stop_fd_ = eventfd(0, EFD_CLOEXEC);
   if (socket->stop_fd_ < 0) {
     return absl::InternalError(absl::StrCat("attach socket: eventfd: ", std::strerror(errno)));
@@ -129,13 +87,7 @@ AttachSocket::~AttachSocket() {
     (void)write(stop_fd_, &one, sizeof one);
     server_.join();
   }
-  if (listen_fd_ >= 0) close(listen_fd_);
   if (stop_fd_ >= 0) close(stop_fd_);
-  struct stat st {};
-  if (made_file_ && lstat(options_.address.c_str(), &st) == 0 && st.st_dev == file_dev_ &&
-      st.st_ino == file_ino_) {
-    unlink(options_.address.c_str());
-  }
 }
 
 std::string AttachSocket::Issue(std::vector<Grant> grants, const std::string& issuer) {
@@ -193,7 +145,7 @@ void AttachSocket::Serve() {
   while (true) {
     fds.clear();
     fds.push_back({stop_fd_, POLLIN, 0});
-    fds.push_back({listen_fd_, POLLIN, 0});
+    fds.push_back({listener_->fd(), POLLIN, 0});
     for (const Pending& p : pending) fds.push_back({p.fd, POLLIN, 0});
     int timeout_ms = -1;
     if (!pending.empty()) {
@@ -223,7 +175,7 @@ void AttachSocket::Serve() {
     if ((fds[1].revents & POLLIN) != 0) {
       // At most a pending list's worth per round: the requests that came are read first.
       for (size_t accepted = 0; accepted < options_.max_pending; ++accepted) {
-        const int connection = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        const int connection = accept4(listener_->fd(), nullptr, nullptr, SOCK_CLOEXEC);
         if (connection < 0) {
           // Out of descriptors: try again shortly rather than spin on a ready socket.
           if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/transport/shared_segment.h"
+#include "server/transport/unix_listener.h"
 
 namespace kvmem::transport {
 
@@ -80,12 +82,8 @@ class AttachSocket {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Options options_;
-  int listen_fd_ = -1;
+  std::optional<UnixListener> listener_;
   int stop_fd_ = -1;  // an eventfd the destructor signals
-  // The socket file this made (device and inode), removed at the end only if still it.
-  bool made_file_ = false;
-  dev_t file_dev_ = 0;
-  ino_t file_ino_ = 0;
   std::thread server_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Ticket> tickets_ ABSL_GUARDED_BY(mu_);

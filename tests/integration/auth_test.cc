@@ -45,9 +45,9 @@ class AuthTest : public ::testing::Test {
     // Per process: ctest runs the cases of this file side by side.
     tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_auth_test_tokens.", getpid());
     WriteTokens(absl::StrCat("# tenants\nalice ", kAlice, "\nbob ", kBob, "  # bob's\nops ", kAdmin,
-                             " admin\n"));
+                             " admin\n", extra_tokens_));
     service::ServerConfig config;
-    config.listen = "127.0.0.1:0";
+    config.listen = unix_path_.empty() ? "127.0.0.1:0" : "unix:" + unix_path_;
     config.engine.pool_bytes = 16ull << 20;
     config.engine.max_sequences = 64;
     config.engine.tenant_quota_bytes = 64 * 1024;
@@ -70,7 +70,9 @@ class AuthTest : public ::testing::Test {
     options.deadline = absl::Seconds(20);
     options.max_attempts = 1;
     options.auth_token = token;
-    return *client::Client::Connect("127.0.0.1:" + std::to_string(server_->port()), options);
+    return *client::Client::Connect(
+        unix_path_.empty() ? "127.0.0.1:" + std::to_string(server_->port()) : "unix:" + unix_path_,
+        options);
   }
 
   // A sequence of `who` with n tokens appended (positions 0..n-1).
@@ -104,6 +106,8 @@ class AuthTest : public ::testing::Test {
   }
 
   uint32_t tenant_max_calls_ = 0;
+  std::string unix_path_;     // listen there instead of on loopback
+  std::string extra_tokens_;  // lines added to the token file
   std::string tokens_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> alice_, bob_, admin_;
@@ -492,6 +496,60 @@ TEST_F(AuthTest, SighupReadsTheTokensAgainAndABrokenFileKeepsThem) {
   EXPECT_TRUE(Connect("carol-token-0123456789")->GetInfo().ok());
 }
 
+// On a unix socket the token file may name a tenant by its peers' uid (`<tenant> uid:<n>`):
+// kvmemd accepts the connections itself and takes each peer's uid from the kernel
+// (SO_PEERCRED). A mapped process needs no token and cannot claim another tenant with one;
+// a reload that moves the uid takes the tenant away from the next call.
+class UnixPeerAuthTest : public AuthTest {
+ protected:
+  void SetUp() override {
+    unix_path_ = absl::StrCat(::testing::TempDir(), "/kvmem_auth_unix.", getpid());
+    extra_tokens_ = absl::StrCat("alice uid:", getuid(), "\n");
+    AuthTest::SetUp();
+  }
+};
+
+TEST_F(UnixPeerAuthTest, AMappedUidIsItsTenantWithoutATokenAndCannotClaimAnother) {
+  std::unique_ptr<client::Client> tokenless = Connect("");
+  const uint64_t id = Filled(*tokenless, 16);
+  ASSERT_NE(id, 0u);
+  // The same tenant as alice's token: hers to read, in her Stats.
+  const std::string content = Content(*alice_, id);
+  EXPECT_FALSE(content.empty());
+  auto stats = alice_->GetStats(true);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->sequences.size(), 1u);
+  // The step channel (and its attach) serves the uid's tenant too.
+  ASSERT_TRUE(tokenless->OpenStepChannel().ok());
+  positions_ = testing::Range(16, 1);
+  k_ = testing::Payload16(kL * kH, 16, 1, kD, 0);
+  v_ = testing::Payload16(kL * kH, 16, 1, kD, 1);
+  std::vector<client::BatchEntry> entries(1);
+  entries[0].sequence_id = id;
+  entries[0].append = client::AppendArgs{positions_, {}, k_, v_, {}, {}};
+  auto stepped = tokenless->StepBatch(entries);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_TRUE((*stepped)[0].status.ok()) << (*stepped)[0].status;
+  EXPECT_EQ(tokenless->step_channel_batches(), 1u);
+  // Another tenant's token from this uid is refused, whatever it asks.
+  for (client::Client* other : {bob_.get(), admin_.get()}) {
+    const absl::Status refused = other->GetInfo().status();
+    EXPECT_TRUE(absl::IsUnauthenticated(refused)) << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("unix-socket peer's uid"));
+    EXPECT_TRUE(absl::IsUnauthenticated(other->ReadKv(id).status()));
+  }
+  // The uid moves to another tenant's line: this process is nobody's without a token, and
+  // bob's token now works here and sees alice's sequence as an unknown one.
+  WriteTokens(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\ncarol uid:", getuid() + 1, "\n"));
+  ASSERT_TRUE(server_->ReloadTokens().ok());
+  const absl::Status nobody = tokenless->GetInfo().status();
+  EXPECT_TRUE(absl::IsUnauthenticated(nobody)) << nobody;
+  EXPECT_THAT(std::string(nobody.message()), HasSubstr("uid the token file maps"));
+  ASSERT_TRUE(bob_->GetInfo().ok());
+  EXPECT_TRUE(absl::IsNotFound(bob_->ReadKv(id).status()));
+  EXPECT_GT(Content(*alice_, id).size(), content.size());  // the stepped token is hers
+}
+
 TEST(AuthStartTest, AnUnauthenticatedDaemonServesOnlyLoopbackOrAUnixSocket) {
   service::ServerConfig config;
   config.listen = "0.0.0.0:0";
@@ -537,13 +595,34 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
                           "Bearer  token-0123456789abc", "Bearer token-0123456789ab"}) {
     EXPECT_TRUE(absl::IsUnauthenticated((*a)->FromAuthorization(bad).status())) << bad;
   }
+  // uid lines: a unix-socket peer's uid names its tenant; a token must agree with it.
+  for (const std::string& bad :
+       {std::string("alice uid:\n"), std::string("alice uid:-1\n"), std::string("alice uid:12a\n"),
+        std::string("alice uid:4294967295\n"), std::string("alice uid:99999999999\n"),
+        std::string("alice uid:7\nbob uid:7\n"), std::string("alice uid:7 root\n"),
+        std::string("alice uid:0123456789abcdef0\n")}) {
+    auto u = parse(bad);
+    EXPECT_TRUE(absl::IsInvalidArgument(u.status())) << bad << ": " << u.status();
+  }
+  auto u = parse("alice uid:1000\nops uid:0 admin\nbob token-0123456789abc\n");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ((*u)->FromAuthorization("", "", 1000u)->tenant, "alice");
+  EXPECT_TRUE((*u)->FromAuthorization("", "", 0u)->admin);
+  EXPECT_TRUE(absl::IsUnauthenticated((*u)->FromAuthorization("", "", 1001u).status()));
+  EXPECT_TRUE(absl::IsUnauthenticated((*u)->FromAuthorization("").status()));
+  EXPECT_EQ((*u)->FromAuthorization("Bearer token-0123456789abc", "", 1001u)->tenant, "bob");
+  EXPECT_TRUE(absl::IsUnauthenticated(
+      (*u)->FromAuthorization("Bearer token-0123456789abc", "", 1000u).status()));
+  EXPECT_TRUE(
+      absl::IsUnauthenticated((*u)->FromAuthorization("Bearer wrong-0123456789abc", "", 1000u)
+                                  .status()));  // a wrong token is not rescued by the uid
   std::remove(path.c_str());
   // Without a file, everyone is the anonymous admin.
   service::Authenticator none;
   EXPECT_TRUE(none.FromAuthorization("")->admin);
 
   for (const char* local :
-       {"unix:/run/kvmem.sock", "127.0.0.1:50551", "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
+       {"unix:/run/kvmem.sock", "unix-abstract:kvmem", "127.0.0.1:50551", "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
     EXPECT_TRUE(service::IsLocalListen(local)) << local;
   }
   for (const char* remote :

@@ -68,6 +68,22 @@ def test_tokens_tenants_and_sighup(tokens):
             seq.release()
 
 
+def test_a_unix_peers_uid_is_its_tenant(tmp_path):
+    """A token file line `<tenant> uid:<n>`: this process's uid (taken by kvmemd from the
+    socket, SO_PEERCRED) is alice without a token, and another tenant's token from it is
+    refused."""
+    path = tmp_path / "tokens"
+    path.write_text(f"alice uid:{os.getuid()}\nbob {BOB}\n")
+    with running_daemon("auth-uid", f"--auth_tokens={path}") as target:
+        with connect(target, "") as me, connect(target, BOB) as bob:
+            seq = filled(me)
+            assert [s.sequence_id for s in me.stats(include_sequences=True).sequences] == \
+                [seq.id]
+            with pytest.raises(kvmem.UnauthenticatedError, match="unix-socket peer's uid"):
+                bob.get_info()
+            seq.release()
+
+
 def _children():
     """(pid, command line) of this process's children."""
     out = []

@@ -76,7 +76,7 @@ class AttachSocketTest : public ::testing::Test {
   }
   client::SegmentTicket Ticket(AttachSocket& socket, bool writable,
                                const std::string& issuer = "") {
-    return {socket.address(), socket.Issue({{wire::kPool, segment_, writable}}, issuer)};
+    return {socket.address(), socket.Issue({{wire::kPool, segment_, writable}}, issuer), getuid()};
   }
   std::shared_ptr<SharedSegment> segment_;
 };
@@ -165,8 +165,8 @@ TEST_F(AttachSocketTest, ForgedExpiredPushedOutAndOrphanedTicketsGetNothing) {
   }
   // A segment gone before its ticket was redeemed (a step channel that closed).
   auto channel = *SharedSegment::Create("kvmem-test", PageBytes());
-  const client::SegmentTicket orphan{socket->address(),
-                                     socket->Issue({{wire::kChannel, channel, true}}, "")};
+  const client::SegmentTicket orphan{
+      socket->address(), socket->Issue({{wire::kChannel, channel, true}}, ""), getuid()};
   channel.reset();
   EXPECT_EQ(client::ReceiveSegments(orphan, "channel").status().code(),
             absl::StatusCode::kFailedPrecondition);

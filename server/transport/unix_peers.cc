@@ -1,0 +1,109 @@
+#include "server/transport/unix_peers.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/strip.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/common/mutex.h"
+#include "spdlog/spdlog.h"
+
+namespace kvmem::transport {
+
+absl::StatusOr<std::unique_ptr<UnixPeers>> UnixPeers::Start(const std::string& address,
+                                                            std::function<void(int)> serve) {
+  // The socket file keeps the umask's permissions, as gRPC's own listener would: who may
+  // call is decided per call (a token, or a uid the token file maps).
+  absl::StatusOr<UnixListener> listener =
+      UnixListener::Listen(address, SOCK_STREAM, /*mode=*/0, "--listen");
+  if (!listener.ok()) return listener.status();
+  std::unique_ptr<UnixPeers> peers(new UnixPeers());
+  peers->listener_ = *std::move(listener);
+  peers->serve_ = std::move(serve);
+  peers->stop_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (peers->stop_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("--listen: eventfd: ", std::strerror(errno)));
+  }
+  peers->acceptor_ = std::thread([p = peers.get()] { p->Accept(); });
+  return peers;
+}
+
+void UnixPeers::Stop() {
+  if (acceptor_.joinable()) {
+    const uint64_t one = 1;
+    (void)write(stop_fd_, &one, sizeof one);
+    acceptor_.join();
+  }
+  listener_.reset();  // refuses new connections, removes the socket file
+}
+
+UnixPeers::~UnixPeers() {
+  Stop();
+  if (stop_fd_ >= 0) close(stop_fd_);
+}
+
+uint64_t UnixPeers::accepted() const {
+  kvmem::MutexLock lock(&mu_);
+  return accepted_;
+}
+
+void UnixPeers::Accept() {
+  pthread_setname_np(pthread_self(), "kvmem_accept");
+  pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {listener_->fd(), POLLIN, 0}};
+  while (true) {
+    fds[0].revents = fds[1].revents = 0;
+    if (poll(fds, 2, -1) < 0 && errno != EINTR) {
+      spdlog::error("--listen {}: poll: {}; no longer accepting", address(), std::strerror(errno));
+      return;
+    }
+    if (fds[0].revents != 0) return;
+    if (fds[1].revents == 0) continue;
+    const int connection = accept4(listener_->fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (connection < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        spdlog::warn("--listen {}: accept: {}; retrying in 100 ms", address(), std::strerror(errno));
+        poll(fds, 1, 100);  // returns early on Stop
+      }
+      continue;  // EAGAIN, ECONNABORTED, EINTR: the next one
+    }
+    Peer peer{};
+    socklen_t length = sizeof peer.credentials;
+    struct stat st {};
+    if (getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer.credentials, &length) != 0 ||
+        fstat(connection, &st) != 0) {
+      close(connection);
+      continue;
+    }
+    peer.dev = st.st_dev;
+    peer.ino = st.st_ino;
+    {
+      kvmem::MutexLock lock(&mu_);
+      peers_[connection] = peer;  // before the first call on it can ask
+      ++accepted_;
+    }
+    serve_(connection);
+  }
+}
+
+std::optional<ucred> UnixPeers::PeerOf(absl::string_view peer) const {
+  int fd = -1;
+  if (!absl::ConsumePrefix(&peer, "fd:") || !absl::SimpleAtoi(peer, &fd) || fd < 0) {
+    return std::nullopt;
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return std::nullopt;
+  kvmem::MutexLock lock(&mu_);
+  auto it = peers_.find(fd);
+  if (it == peers_.end() || it->second.dev != st.st_dev || it->second.ino != st.st_ino) {
+    return std::nullopt;
+  }
+  return it->second.credentials;
+}
+
+}  // namespace kvmem::transport
