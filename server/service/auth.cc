@@ -63,7 +63,7 @@ absl::Status Unauthenticated() {
 }  // namespace
 
 absl::StatusOr<Authenticator::Credentials> Authenticator::Parse(absl::string_view text,
-                                                               absl::string_view path) {
+                                                                absl::string_view path) {
   Credentials credentials;
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {

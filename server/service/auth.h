@@ -20,8 +20,8 @@
 // starts a comment. Write a new file and rename it over the old one before SIGHUP: a reload
 // that reads a half-written file may drop tokens.
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
-// spaces and not beginning with "uid:"; a tenant may have several tokens (rotation). kvmemd reads it at start and again
-// on SIGHUP; a file that does not parse leaves the tokens as they were.
+// spaces and not beginning with "uid:"; a tenant may have several tokens (rotation). kvmemd reads
+// it at start and again on SIGHUP; a file that does not parse leaves the tokens as they were.
 #include <sys/types.h>
 
 #include <atomic>

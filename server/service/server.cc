@@ -190,8 +190,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   // On a unix socket with authentication (and no TLS), kvmemd accepts the connections
   // itself, so that a call's tenant can come from its peer's uid (UnixPeers, Authenticator).
   const std::string unix_address = UnixAddress(config.listen);
-  const bool own_accept = server->auth_ != nullptr && config.tls_cert.empty() &&
-                          !unix_address.empty();
+  const bool own_accept =
+      server->auth_ != nullptr && config.tls_cert.empty() && !unix_address.empty();
   if (!own_accept) builder.AddListeningPort(config.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.experimental().SetInterceptorCreators(RpcInterceptors(server->rpc_telemetry_.get()));

@@ -68,8 +68,8 @@ absl::StatusOr<std::unique_ptr<AttachSocket>> AttachSocket::Start(Options option
   const bool others = std::any_of(options.uids.begin(), options.uids.end(),
                                   [](uid_t uid) { return uid != getuid(); });
   options.uids.push_back(getuid());  // kvmemd's own user always
-  absl::StatusOr<UnixListener> listener =
-      UnixListener::Listen(options.address, SOCK_SEQPACKET, others ? 0666 : 0600, "--attach-socket");
+  absl::StatusOr<UnixListener> listener = UnixListener::Listen(
+      options.address, SOCK_SEQPACKET, others ? 0666 : 0600, "--attach-socket");
   if (!listener.ok()) return listener.status();
   std::unique_ptr<AttachSocket> socket(new AttachSocket(std::move(options)));
   socket->listener_ = *std::move(listener);

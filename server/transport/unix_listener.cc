@@ -14,8 +14,8 @@
 
 namespace kvmem::transport {
 
-absl::StatusOr<UnixListener> UnixListener::Listen(const std::string& address, int type,
-                                                  mode_t mode, absl::string_view what) {
+absl::StatusOr<UnixListener> UnixListener::Listen(const std::string& address, int type, mode_t mode,
+                                                  absl::string_view what) {
   auto named = [&](absl::string_view why) {
     return absl::StrCat(what, " \"", address, "\": ", why);
   };
@@ -42,8 +42,8 @@ absl::StatusOr<UnixListener> UnixListener::Listen(const std::string& address, in
                          errno == ECONNREFUSED;
     if (probe >= 0) close(probe);
     if (!refused || st.st_uid != geteuid()) {
-      return absl::FailedPreconditionError(named(absl::StrCat(
-          "in use (another kvmemd, or uid ", st.st_uid, "'s): pick another address")));
+      return absl::FailedPreconditionError(named(
+          absl::StrCat("in use (another kvmemd, or uid ", st.st_uid, "'s): pick another address")));
     }
     unlink(address.c_str());
   }

@@ -8,9 +8,9 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/strip.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "server/common/mutex.h"
 #include "spdlog/spdlog.h"
 
@@ -67,7 +67,8 @@ void UnixPeers::Accept() {
     const int connection = accept4(listener_->fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (connection < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-        spdlog::warn("--listen {}: accept: {}; retrying in 100 ms", address(), std::strerror(errno));
+        spdlog::warn("--listen {}: accept: {}; retrying in 100 ms", address(),
+                     std::strerror(errno));
         poll(fds, 1, 100);  // returns early on Stop
       }
       continue;  // EAGAIN, ECONNABORTED, EINTR: the next one

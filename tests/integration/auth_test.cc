@@ -621,8 +621,8 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
   service::Authenticator none;
   EXPECT_TRUE(none.FromAuthorization("")->admin);
 
-  for (const char* local :
-       {"unix:/run/kvmem.sock", "unix-abstract:kvmem", "127.0.0.1:50551", "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
+  for (const char* local : {"unix:/run/kvmem.sock", "unix-abstract:kvmem", "127.0.0.1:50551",
+                            "127.1.2.3:0", "localhost:9", "[::1]:50551"}) {
     EXPECT_TRUE(service::IsLocalListen(local)) << local;
   }
   for (const char* remote :

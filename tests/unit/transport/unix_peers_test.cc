@@ -76,9 +76,9 @@ TEST_F(UnixPeersTest, APeersCredentialsAreTheKernelsAndAnswerOnlyForItsSocket) {
   EXPECT_EQ(peer->uid, getuid());
   EXPECT_EQ(peer->pid, getpid());
   EXPECT_EQ(peers_->accepted(), 1u);
-  for (const std::string& name : {std::string("fd:"), std::string("fd:-1"), std::string("fd:x"),
-                                  absl::StrCat("unix:", address_), absl::StrCat(" fd:", fd),
-                                  absl::StrCat("fd:", client)}) {
+  for (const std::string& name :
+       {std::string("fd:"), std::string("fd:-1"), std::string("fd:x"),
+        absl::StrCat("unix:", address_), absl::StrCat(" fd:", fd), absl::StrCat("fd:", client)}) {
     EXPECT_FALSE(peers_->PeerOf(name).has_value()) << name;
   }
   // The connection goes and its number is taken by a file: the name no longer answers.
