@@ -2,7 +2,8 @@
 // step's batch on SmolLM2's shape: per sequence 90 streams, one token's f32 K/V and, for
 // confkv, an f16 attention row of 257 slots per stream; 1 and 64 sequences. "cold":
 // 64 MiB read before each call (timing paused), about what the model's forward pass reads
-// between two steps, so the message is out of the cores' caches as kvmemd finds it.
+// between two steps, so the message is out of the cores' caches as kvmemd finds it. Also the
+// parse's count before it is parsed (ParseCost) next to the parse.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "benchmark/benchmark.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "server/service/request_cache.h"
+#include "server/transport/parse_cost.h"
 
 namespace {
 
@@ -72,6 +74,28 @@ BENCHMARK(BM_Fingerprint)
     ->Args({64, 1})
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
+
+// What counting a request's parse before it is parsed costs (transport::ParseCost over its
+// wire form) next to the parse itself, on the same batch.
+void BM_ParseCost(benchmark::State& state) {
+  const std::string wire = ConfkvBatch(static_cast<int>(state.range(0))).SerializeAsString();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(
+        kvmem::transport::ParseCost(kvmem::v1::StepBatchRequest::descriptor(), wire));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * wire.size()));
+}
+BENCHMARK(BM_ParseCost)->ArgName("sequences")->Arg(1)->Arg(64)->Unit(benchmark::kMicrosecond);
+
+void BM_Parse(benchmark::State& state) {
+  const std::string wire = ConfkvBatch(static_cast<int>(state.range(0))).SerializeAsString();
+  for (auto _ : state) {
+    kvmem::v1::StepBatchRequest parsed;
+    benchmark::DoNotOptimize(parsed.ParseFromString(wire));
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * wire.size()));
+}
+BENCHMARK(BM_Parse)->ArgName("sequences")->Arg(1)->Arg(64)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

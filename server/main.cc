@@ -88,6 +88,10 @@ ABSL_FLAG(uint64_t, step_channel_bytes, 256ull << 20,
           "capacity in all)");
 ABSL_FLAG(uint64_t, grpc_memory_bytes, 1ull << 30,
           "memory gRPC's transports may hold (its ResourceQuota)");
+ABSL_FLAG(uint64_t, parse_memory_bytes, 1ull << 30,
+          "most bytes that requests being served may take once parsed: each request's parse is "
+          "bounded from its wire form and reserved before it is parsed (a request of tiny "
+          "records parses into many times its size); past it, RESOURCE_EXHAUSTED");
 ABSL_FLAG(int32_t, grpc_max_threads, 256,
           "threads that run calls (gRPC ResourceQuota); calls past it get RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, request_id_entries, 100000,
@@ -214,6 +218,7 @@ int main(int argc, char** argv) {
   config.limits.append_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_append_stream_idle_seconds));
   config.grpc_memory_bytes = absl::GetFlag(FLAGS_grpc_memory_bytes);
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
+  config.parse_memory_bytes = absl::GetFlag(FLAGS_parse_memory_bytes);
   config.attach_socket = absl::GetFlag(FLAGS_attach_socket);
   for (absl::string_view uid :
        absl::StrSplit(absl::GetFlag(FLAGS_attach_uids), ',', absl::SkipEmpty())) {

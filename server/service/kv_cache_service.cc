@@ -5,6 +5,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/impl/rpc_service_method.h"
+#include "grpcpp/support/method_handler.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
@@ -128,8 +130,71 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
                      });
 }
 
+template <typename Request, typename Response>
+void KvCacheService::AddUnary(const char* name,
+                              grpc::Status (KvCacheService::*handler)(grpc::ServerContext*,
+                                                                      const Request*, Response*)) {
+  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      method_names_.back().c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+      new grpc::internal::RpcMethodHandler<KvCacheService, Parsed<Request>, Response,
+                                           Parsed<Request>, google::protobuf::MessageLite>(
+          [handler](KvCacheService* service, grpc::ServerContext* context,
+                    const Parsed<Request>* request, Response* response) {
+            return (service->*handler)(context, &request->message, response);
+          },
+          this)));
+}
+
+template <typename Request, typename Response>
+void KvCacheService::AddServerStreaming(
+    const char* name, grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
+                                                              grpc::ServerWriter<Response>*)) {
+  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      method_names_.back().c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
+      new grpc::internal::ServerStreamingHandler<KvCacheService, Parsed<Request>, Response>(
+          [handler](KvCacheService* service, grpc::ServerContext* context,
+                    const Parsed<Request>* request, grpc::ServerWriter<Response>* writer) {
+            return (service->*handler)(context, &request->message, writer);
+          },
+          this)));
+}
+
+void KvCacheService::RegisterMethods() {
+  // The names stay where they are (RpcServiceMethod keeps the pointer).
+  method_names_.reserve(16);
+  AddUnary("GetInfo", &KvCacheService::GetInfo);
+  AddUnary("CreateSequence", &KvCacheService::CreateSequence);
+  AddUnary("Append", &KvCacheService::Append);
+  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/AppendStream"));
+  AddMethod(new grpc::internal::RpcServiceMethod(
+      method_names_.back().c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING,
+      new grpc::internal::ClientStreamingHandler<KvCacheService, Parsed<v1::AppendStreamRequest>,
+                                                 v1::AppendStreamResponse>(
+          [](KvCacheService* service, grpc::ServerContext* context,
+             grpc::ServerReader<Parsed<v1::AppendStreamRequest>>* reader,
+             v1::AppendStreamResponse* response) {
+            ParsedReader<v1::AppendStreamRequest> parsed(reader);
+            return service->AppendStream(context, &parsed, response);
+          },
+          this)));
+  AddUnary("Step", &KvCacheService::Step);
+  AddUnary("StepBatch", &KvCacheService::StepBatch);
+  AddServerStreaming("OpenStepChannel", &KvCacheService::OpenStepChannel);
+  AddUnary("Compress", &KvCacheService::Compress);
+  AddUnary("GetBlockTable", &KvCacheService::GetBlockTable);
+  AddServerStreaming("ReadKv", &KvCacheService::ReadKv);
+  AddUnary("Fork", &KvCacheService::Fork);
+  AddUnary("Publish", &KvCacheService::Publish);
+  AddUnary("Lookup", &KvCacheService::Lookup);
+  AddUnary("Release", &KvCacheService::Release);
+  AddUnary("KeepAlive", &KvCacheService::KeepAlive);
+  AddUnary("Stats", &KvCacheService::Stats);
+}
+
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
-                                          grpc::ServerReader<v1::AppendStreamRequest>* reader,
+                                          ParsedReader<v1::AppendStreamRequest>* reader,
                                           v1::AppendStreamResponse* response) {
   // Before the call is authenticated: a reload after it is seen at the commit.
   const uint64_t opened_generation = auth_->generation();
@@ -140,6 +205,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
   if (!held.ok()) return ToGrpc(held.status());
   v1::AppendStreamRequest request;
   if (!reader->Read(&request)) {
+    if (!reader->refused().ok()) return ToGrpc(reader->refused());
     return ToGrpc(context->IsCancelled()
                       ? absl::CancelledError("AppendStream: cancelled before its first chunk")
                       : absl::InvalidArgumentError("AppendStream: no chunk was sent"));
@@ -176,6 +242,13 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
       ++index;
       request.Clear();
     } while (reader->Read(&request));
+    // A chunk refused (it does not parse, or its parse is past the budget) ends Read() too:
+    // the stream applies nothing.
+    if (!reader->refused().ok()) {
+      return absl::Status(reader->refused().code(),
+                          absl::StrCat("chunk ", index, ": ", reader->refused().message(),
+                                       "; nothing of the stream was appended"));
+    }
     // Read() also ends when the client cancels or its connection breaks: only a stream that
     // the client closed is applied.
     if (context->IsCancelled()) {
@@ -203,6 +276,7 @@ grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
       held->Touch();
       request.Clear();
     } while (reader->Read(&request));
+    if (!reader->refused().ok()) return reader->refused();
     if (context->IsCancelled()) {
       return absl::CancelledError("AppendStream: the repeated stream was cancelled or broken");
     }

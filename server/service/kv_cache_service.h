@@ -3,8 +3,11 @@
 // the request can tell, translates to engine types, calls the engine and translates back.
 // No cache logic lives here. Every handler first takes a CallGate ticket, so that a drain
 // refuses new calls (UNAVAILABLE, nothing applied) and lets admitted ones finish.
+// Requests arrive through Parsed<T> (parsed.h): what parsing one allocates is counted and
+// reserved before it is parsed; the handlers see the plain messages.
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
@@ -13,13 +16,14 @@
 #include "server/service/auth.h"
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
+#include "server/service/parsed.h"
 #include "server/service/request_cache.h"
 #include "server/transport/attach_socket.h"
 #include "server/transport/step_channel.h"
 
 namespace kvmem::service {
 
-class KvCacheService final : public v1::KvCache::Service {
+class KvCacheService final : public grpc::Service {
  public:
   // `rpc_telemetry` (may be null) counts the StepBatch calls that step channels answer;
   // the server's interceptor counts the gRPC calls.
@@ -38,7 +42,11 @@ class KvCacheService final : public v1::KvCache::Service {
                "retry later or read fewer layers at a time"),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
         channels_(limits.max_step_channels, limits.step_channel_bytes),
-        tenant_calls_(limits.tenant_max_calls) {}
+        tenant_calls_(limits.tenant_max_calls) {
+    RegisterMethods();
+  }
+  // The full names of the methods registered ("/kvmem.v1.KvCache/GetInfo", ...).
+  const std::vector<std::string>& method_names() const { return method_names_; }
 
   // A call let in: its CallGate ticket and its place among its tenant's calls, held for
   // the handler, and who it comes from.
@@ -68,18 +76,16 @@ class KvCacheService final : public v1::KvCache::Service {
   AppendStreamBudget& read_streams() { return reads_; }
   const AppendStreamBudget& read_streams() const { return reads_; }
 
-  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*,
-                       v1::GetInfoResponse*) override;
+  grpc::Status GetInfo(grpc::ServerContext*, const v1::GetInfoRequest*, v1::GetInfoResponse*);
   grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
-                              v1::CreateSequenceResponse*) override;
-  grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*, v1::AppendResponse*) override;
-  grpc::Status AppendStream(grpc::ServerContext*, grpc::ServerReader<v1::AppendStreamRequest>*,
-                            v1::AppendStreamResponse*) override;
-  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*) override;
-  grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest*,
-                         v1::StepBatchResponse*) override;
+                              v1::CreateSequenceResponse*);
+  grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*, v1::AppendResponse*);
+  grpc::Status AppendStream(grpc::ServerContext*, ParsedReader<v1::AppendStreamRequest>*,
+                            v1::AppendStreamResponse*);
+  grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*);
+  grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest*, v1::StepBatchResponse*);
   grpc::Status OpenStepChannel(grpc::ServerContext*, const v1::OpenStepChannelRequest*,
-                               grpc::ServerWriter<v1::OpenStepChannelResponse>*) override;
+                               grpc::ServerWriter<v1::OpenStepChannelResponse>*);
   // Step channels open now.
   uint32_t step_channels_open() const { return channels_.open(); }
   // Most entries one StepBatch may carry.
@@ -88,23 +94,30 @@ class KvCacheService final : public v1::KvCache::Service {
   // read holds one piece of a stream at a time, whatever the stream's length, and a piece
   // passes any gRPC client's default receive limit (4 MiB).
   static constexpr uint64_t kReadPieceBytes = 2 << 20;
-  grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*,
-                        v1::CompressResponse*) override;
+  grpc::Status Compress(grpc::ServerContext*, const v1::CompressRequest*, v1::CompressResponse*);
   grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,
-                             v1::GetBlockTableResponse*) override;
+                             v1::GetBlockTableResponse*);
   grpc::Status ReadKv(grpc::ServerContext*, const v1::ReadKvRequest*,
-                      grpc::ServerWriter<v1::ReadKvResponse>*) override;
-  grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*) override;
-  grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*,
-                       v1::PublishResponse*) override;
-  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
-  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*,
-                       v1::ReleaseResponse*) override;
-  grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*,
-                         v1::KeepAliveResponse*) override;
-  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
+                      grpc::ServerWriter<v1::ReadKvResponse>*);
+  grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*);
+  grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*, v1::PublishResponse*);
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*);
+  grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*);
+  grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*, v1::KeepAliveResponse*);
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*);
 
  private:
+  // Registers every method of kvmem.v1.KvCache with Parsed<T> requests.
+  void RegisterMethods();
+  template <typename Request, typename Response>
+  void AddUnary(const char* name,
+                grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
+                                                        Response*));
+  template <typename Request, typename Response>
+  void AddServerStreaming(const char* name,
+                          grpc::Status (KvCacheService::*handler)(grpc::ServerContext*,
+                                                                  const Request*,
+                                                                  grpc::ServerWriter<Response>*));
   // StepBatch's work, for gRPC and for step channels: table updates go in up to
   // `max_update_bytes` in all.
   // `context`: null for a step channel's batch.
@@ -185,6 +198,7 @@ class KvCacheService final : public v1::KvCache::Service {
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
   TenantCalls tenant_calls_;
+  std::vector<std::string> method_names_;
 };
 
 }  // namespace kvmem::service

@@ -2,9 +2,12 @@
 
 #include <chrono>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/service/parsed.h"
 
 namespace kvmem::service {
 namespace {
@@ -17,14 +20,19 @@ class RpcInterceptor final : public grpc::experimental::Interceptor {
       : telemetry_(telemetry),
         method_(telemetry->For(info->method())),
         counts_bytes_(&method_ != &*telemetry->methods().back()),
+        parsed_(absl::StartsWith(info->method(),
+                                 absl::StrCat("/", v1::KvCache::service_full_name(), "/"))),
         started_(std::chrono::steady_clock::now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (counts_bytes_) {
       if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
         if (const void* m = methods->GetRecvMessage()) {
+          // KvCache's requests arrive as Parsed<T> (ParsedBase at its start), the other
+          // services' as their messages.
           telemetry_->bytes_in.fetch_add(
-              static_cast<const google::protobuf::Message*>(m)->ByteSizeLong(),
+              parsed_ ? static_cast<const ParsedBase*>(m)->wire_bytes()
+                      : static_cast<const google::protobuf::Message*>(m)->ByteSizeLong(),
               std::memory_order_relaxed);
         }
       }
@@ -51,6 +59,7 @@ class RpcInterceptor final : public grpc::experimental::Interceptor {
   metrics::RpcTelemetry* const telemetry_;
   metrics::RpcTelemetry::Method& method_;
   const bool counts_bytes_;  // KvCache's (and the other known services') protobuf messages
+  const bool parsed_;        // a KvCache method: its requests are Parsed<T>
   const std::chrono::steady_clock::time_point started_;
 };
 

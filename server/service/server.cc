@@ -109,6 +109,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "--grpc-memory-bytes: ", config.grpc_memory_bytes, " cannot hold one message of ",
         max_message, " bytes (--max-message-bytes plus 4 MiB)"));
   }
+  // The largest Append's parse is about its size (its K/V bytes): two fit.
+  if (config.parse_memory_bytes < 2 * max_message) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--parse-memory-bytes: ", config.parse_memory_bytes, " cannot hold two messages of ",
+        max_message, " bytes (--max-message-bytes plus 4 MiB) once parsed"));
+  }
+  transport::ParseBudget::Process().SetCapacity(config.parse_memory_bytes);
   if (config.grpc_max_threads < 4) {
     return absl::InvalidArgumentError(absl::StrCat("--grpc-max-threads: ", config.grpc_max_threads,
                                                    " is below 4, too few to serve"));

@@ -40,6 +40,9 @@ struct ServerConfig {
   // refused with RESOURCE_EXHAUSTED instead of queueing without bound.
   uint64_t grpc_memory_bytes = 1ull << 30;
   int grpc_max_threads = 256;
+  // What the requests being served may take once parsed, reserved before each is parsed
+  // (transport::ParseBudget, one per process: the last server started sets it).
+  uint64_t parse_memory_bytes = 1ull << 30;
   absl::Duration reaper_period = absl::Seconds(1);
   // Where /metrics is served ("host:port", port 0 picks one); empty: not served.
   std::string metrics_listen;

@@ -13,6 +13,7 @@
 #include "kvmem/v1/step_channel.h"
 #include "server/common/client_text.h"
 #include "server/common/mutex.h"
+#include "server/transport/parse_cost.h"
 #include "server/transport/segment_guard.h"
 
 namespace kvmem::transport {
@@ -183,6 +184,9 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   Exchange ex;
   uint8_t* const data = segment_->data();
   auto* header = reinterpret_cast<layout::Header*>(data);
+  // What the parse allocates beyond the arena's own block (reserved before it parses);
+  // released after the arena (declared first).
+  ParseBudget::Reservation parse_held;
   google::protobuf::ArenaOptions options;
   options.initial_block = arena_block_.get();
   options.initial_block_size = ArenaBlockBytes(capacity_);
@@ -237,9 +241,24 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
         pending_sent_ = 0;
         return Served::kIdle;
       }
-      if (!request.ParseFromArray(request_copy_.get(), static_cast<int>(bytes))) {
-        status = to_grpc_(absl::InvalidArgumentError(
-            "request: the request area does not hold a StepBatchRequest"));
+      const absl::string_view copy(request_copy_.get(), bytes);
+      absl::StatusOr<uint64_t> cost = ParseCost(v1::StepBatchRequest::descriptor(), copy);
+      const uint64_t block = ArenaBlockBytes(capacity_);
+      absl::StatusOr<ParseBudget::Reservation> held =
+          cost.ok() ? ParseBudget::Process().Reserve(*cost > block ? *cost - block : 0,
+                                                     "the step channel's StepBatchRequest")
+                    : cost.status();
+      if (!held.ok()) {
+        status = to_grpc_(absl::IsInvalidArgument(held.status())
+                              ? absl::InvalidArgumentError(
+                                    "request: the request area does not hold a StepBatchRequest")
+                              : held.status());
+      } else {
+        parse_held = *std::move(held);
+        if (!request.ParseFromArray(copy.data(), static_cast<int>(bytes))) {
+          status = to_grpc_(absl::InvalidArgumentError(
+              "request: the request area does not hold a StepBatchRequest"));
+        }
       }
     }
     if (guard.faulted()) return Served::kBroken;

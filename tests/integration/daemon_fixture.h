@@ -34,6 +34,7 @@ class DaemonTest : public ::testing::Test {
     config.metrics_listen = metrics_listen_;
     config.engine.in_place_writes = in_place_writes_;
     config.engine.table_area_bytes = table_area_bytes_;
+    if (parse_memory_bytes_ != 0) config.parse_memory_bytes = parse_memory_bytes_;
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -75,7 +76,8 @@ class DaemonTest : public ::testing::Test {
   service::ServiceLimits limits_;
   std::string metrics_listen_;  // empty: no /metrics endpoint
   bool in_place_writes_ = false;
-  uint64_t table_area_bytes_ = 0;  // kvmemd --table_area_bytes
+  uint64_t table_area_bytes_ = 0;    // kvmemd --table_area_bytes
+  uint64_t parse_memory_bytes_ = 0;  // kvmemd --parse-memory-bytes (0: the default)
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "kvmem/v1/step_channel.h"
 #include "server/service/error_details.h"
 #include "server/transport/attach_socket.h"
+#include "server/transport/parse_cost.h"
 #include "server/transport/step_channel.h"
 
 namespace kvmem {
@@ -383,6 +385,44 @@ TEST(StepChannelUnitTest, KindsAndRewrittenRequests) {
   EXPECT_EQ(header->response_code.load(),
             static_cast<uint32_t>(grpc::StatusCode::INVALID_ARGUMENT));
   EXPECT_EQ(calls, 0);
+}
+
+// A request of tiny records whose parse would take more than the process's parse budget
+// beyond the channel's own arena is refused before it is parsed, and holds nothing after.
+TEST(StepChannelUnitTest, TinyRecordsPastTheParseBudgetAreRefusedUnparsed) {
+  auto channel = transport::StepChannel::Create(transport::StepChannel::kMinCapacity, ToGrpcStatus);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  uint8_t* data = (*channel)->segment().lock()->data();
+  auto* header = reinterpret_cast<layout::Header*>(data);
+  v1::StepBatchRequest batch;
+  batch.set_request_id("tiny");
+  for (int i = 0; i < 500000; ++i) batch.add_entries();  // 1 MB, about 100 MB once parsed
+  const std::string bytes = batch.SerializeAsString();
+  ASSERT_LE(bytes.size(), transport::StepChannel::kMinCapacity);
+  std::memcpy(data + layout::kHeaderBytes, bytes.data(), bytes.size());
+  header->request_bytes = static_cast<uint32_t>(bytes.size());
+  header->request_kind = layout::kBatch;
+  transport::ParseBudget& budget = transport::ParseBudget::Process();
+  const uint64_t capacity = budget.capacity();
+  budget.SetCapacity(16ull << 20);
+  int calls = 0;
+  auto count = [&](const v1::StepBatchRequest&, v1::StepBatchResponse*) {
+    ++calls;
+    return grpc::Status::OK;
+  };
+  header->request_seq.store(1);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kServed);
+  EXPECT_EQ(header->response_code.load(),
+            static_cast<uint32_t>(grpc::StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(budget.reserved(), 0u);
+  // Within the budget, the same request is parsed and served.
+  budget.SetCapacity(1ull << 30);
+  header->request_seq.store(2);
+  EXPECT_EQ((*channel)->ServeOne(absl::Seconds(1), count), transport::StepChannel::Served::kServed);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(budget.reserved(), 0u);
+  budget.SetCapacity(capacity);
 }
 
 // The segments' sizes are sealed: a client holding their descriptors cannot shrink them

@@ -1,0 +1,194 @@
+#include "server/transport/parse_cost.h"
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/wire_format_lite.h"
+#include "server/common/mutex.h"
+
+namespace kvmem::transport {
+namespace {
+
+namespace pb = google::protobuf;
+using Wire = pb::internal::WireFormatLite;
+
+// protobuf's own default nesting limit.
+constexpr int kMaxDepth = 100;
+// What a string or bytes field holds besides its bytes (the std::string and its heap block's
+// rounding), a repeated field's header, an unknown field's record, a map entry's node.
+constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 48, kMapNodeBytes = 64;
+
+// An empty `type`'s object, measured once per type.
+uint64_t ObjectBytes(const pb::Descriptor* type) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* sizes = new absl::flat_hash_map<const pb::Descriptor*, uint64_t>();
+  kvmem::MutexLock lock(&mu);
+  auto [it, inserted] = sizes->try_emplace(type, 0);
+  if (inserted) {
+    const pb::Message* prototype = pb::MessageFactory::generated_factory()->GetPrototype(type);
+    it->second = prototype != nullptr ? prototype->SpaceUsedLong() : 1024;
+  }
+  return it->second;
+}
+
+// The bytes one element of a repeated scalar `field` takes in its array.
+uint64_t ElementBytes(const pb::FieldDescriptor* field) {
+  switch (field->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_BOOL:
+      return 1;
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+    case pb::FieldDescriptor::CPPTYPE_UINT32:
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+    case pb::FieldDescriptor::CPPTYPE_ENUM:
+      return 4;
+    default:
+      return 8;
+  }
+}
+
+// The wire type of one element of a scalar `field` (not packed).
+Wire::WireType ElementWireType(const pb::FieldDescriptor* field) {
+  return Wire::WireTypeForFieldType(static_cast<Wire::FieldType>(field->type()));
+}
+
+class Walker {
+ public:
+  explicit Walker(pb::io::CodedInputStream* in) : in_(in) {}
+
+  // Walks fields of `type` up to the current limit (or the end), adding to cost_.
+  bool Message(const pb::Descriptor* type, int depth) {
+    while (true) {
+      const uint32_t tag = in_->ReadTag();
+      if (tag == 0) return in_->ConsumedEntireMessage();
+      const pb::FieldDescriptor* field = type->FindFieldByNumber(Wire::GetTagFieldNumber(tag));
+      const Wire::WireType wire = Wire::GetTagWireType(tag);
+      if (field == nullptr || (wire != Wire::WIRETYPE_LENGTH_DELIMITED &&
+                               (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE ||
+                                wire != ElementWireType(field)))) {
+        if (!Unknown(tag)) return false;
+        continue;
+      }
+      const uint64_t repeated = field->is_repeated() ? 2 : 1;  // arrays grow by doubling
+      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {           // one scalar element
+        cost_ += field->is_repeated() ? repeated * ElementBytes(field) : 0;
+        if (!Wire::SkipField(in_, tag)) return false;
+        continue;
+      }
+      uint32_t length = 0;
+      if (!in_->ReadVarint32(&length)) return false;
+      switch (field->cpp_type()) {
+        case pb::FieldDescriptor::CPPTYPE_MESSAGE: {
+          if (depth + 1 >= kMaxDepth) return false;
+          cost_ += CachedObjectBytes(field->message_type()) + (field->is_repeated() ? 16 : 0) +
+                   (field->is_map() ? kMapNodeBytes : 0);
+          const pb::io::CodedInputStream::Limit limit = in_->PushLimit(static_cast<int>(length));
+          if (!Message(field->message_type(), depth + 1)) return false;
+          in_->PopLimit(limit);
+          break;
+        }
+        case pb::FieldDescriptor::CPPTYPE_STRING:
+          cost_ += length + kStringBytes + (field->is_repeated() ? 16 : 0);
+          if (!in_->Skip(static_cast<int>(length))) return false;
+          break;
+        default: {
+          if (!field->is_repeated()) {  // a length-delimited record for a singular scalar
+            if (!Unknown(tag, length)) return false;
+            break;
+          }
+          // Packed: at most one element per byte for varints, exactly one per 4 or 8 bytes
+          // for fixed widths.
+          const Wire::WireType element = ElementWireType(field);
+          const uint64_t count = element == Wire::WIRETYPE_FIXED32   ? length / 4
+                                 : element == Wire::WIRETYPE_FIXED64 ? length / 8
+                                                                     : length;
+          cost_ += kRepeatedBytes + repeated * count * ElementBytes(field);
+          if (!in_->Skip(static_cast<int>(length))) return false;
+          break;
+        }
+      }
+    }
+  }
+
+  uint64_t cost() const { return cost_; }
+
+ private:
+  // A field parsing keeps among the unknown ones: its bytes and a record. `length`: the
+  // length of a length-delimited field whose tag and length were read already.
+  bool Unknown(uint32_t tag, std::optional<uint32_t> length = std::nullopt) {
+    const int before = in_->CurrentPosition();
+    if (length ? !in_->Skip(static_cast<int>(*length)) : !Wire::SkipField(in_, tag)) return false;
+    cost_ += static_cast<uint64_t>(in_->CurrentPosition() - before) + kUnknownBytes;
+    return true;
+  }
+
+  // ObjectBytes without its lock: a request names a handful of types, met many times.
+  uint64_t CachedObjectBytes(const pb::Descriptor* type) {
+    for (const auto& [known, bytes] : sizes_) {
+      if (known == type) return bytes;
+    }
+    sizes_.emplace_back(type, ObjectBytes(type));
+    return sizes_.back().second;
+  }
+
+  pb::io::CodedInputStream* in_;
+  uint64_t cost_ = 0;
+  std::vector<std::pair<const pb::Descriptor*, uint64_t>> sizes_;
+};
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, pb::io::ZeroCopyInputStream* wire) {
+  pb::io::CodedInputStream in(wire);
+  in.SetTotalBytesLimit(INT32_MAX);
+  Walker walker(&in);
+  if (!walker.Message(type, 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request does not parse as a ", type->full_name()));
+  }
+  return walker.cost() + ObjectBytes(type);
+}
+
+absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, absl::string_view wire) {
+  pb::io::ArrayInputStream stream(wire.data(), static_cast<int>(wire.size()));
+  return ParseCost(type, &stream);
+}
+
+ParseBudget& ParseBudget::Process() {
+  static ParseBudget* budget = new ParseBudget(1ull << 30);
+  return *budget;
+}
+
+absl::StatusOr<ParseBudget::Reservation> ParseBudget::Reserve(uint64_t bytes,
+                                                              absl::string_view what) {
+  uint64_t held = reserved_.load(std::memory_order_relaxed);
+  const uint64_t limit = capacity();
+  do {
+    if (bytes > limit || held > limit - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": parsing it may take up to ", bytes, " bytes; requests being served hold ", held,
+          " of --parse-memory-bytes=", limit,
+          bytes > limit ? " (send it in smaller parts)" : " (retry shortly)"));
+    }
+  } while (!reserved_.compare_exchange_weak(held, held + bytes, std::memory_order_relaxed));
+  Reservation reservation;
+  reservation.budget_ = this;
+  reservation.bytes_ = bytes;
+  return reservation;
+}
+
+void ParseBudget::Reservation::Release() {
+  if (budget_ != nullptr) {
+    budget_->reserved_.fetch_sub(bytes_, std::memory_order_relaxed);
+    budget_ = nullptr;
+    bytes_ = 0;
+  }
+}
+
+}  // namespace kvmem::transport
