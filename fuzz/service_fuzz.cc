@@ -6,6 +6,8 @@
 // created (an id of k > 0 names the ((k - 1) mod (n + 1))-th of n, the last value keeping
 // the id as sent), so that the fuzzer reaches past "unknown sequence". Checked on every
 // input:
+//   - what kvmemd counts before parsing a request (transport::ParseCost) refuses only what
+//     protobuf refuses and is at least what the parsed request holds;
 //   - no call and no StepBatch entry answers INTERNAL or UNKNOWN (kvmemd's own bugs);
 //   - a failed Append, Step or Compress leaves its sequence exactly as it was (the state
 //     fingerprint: per-slot metadata, scores, block list and K/V; a sequence poisoned by
@@ -30,6 +32,7 @@
 #include "server/engine/engine.h"
 #include "server/service/kv_cache_service.h"
 #include "server/store/backend_factory.h"
+#include "server/transport/parse_cost.h"
 
 namespace kvmem::fuzz {
 namespace {
@@ -97,7 +100,16 @@ template <typename Request, typename Response>
 void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*, Response*),
           const std::string& bytes, std::vector<uint64_t>* ids, bool unchanged_on_error = false) {
   Request request;
-  if (!request.ParseFromString(bytes)) return;
+  const bool parsed = request.ParseFromString(bytes);
+  // What kvmemd counts before it parses (transport::ParseCost) refuses only what protobuf
+  // refuses, and bounds what the parse holds.
+  const absl::StatusOr<uint64_t> cost = transport::ParseCost(Request::descriptor(), bytes);
+  FUZZ_CHECK(cost.ok() || !parsed, "ParseCost refused a %s that parses: %s",
+             Request::descriptor()->name().c_str(), cost.status().ToString().c_str());
+  if (!parsed) return;
+  FUZZ_CHECK(*cost >= request.SpaceUsedLong(), "ParseCost %llu below the %s's %llu bytes",
+             static_cast<unsigned long long>(*cost), Request::descriptor()->name().c_str(),
+             static_cast<unsigned long long>(request.SpaceUsedLong()));
   MapIds(&request, *ids);
   uint64_t target = 0;
   std::string before;

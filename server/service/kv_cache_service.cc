@@ -162,8 +162,6 @@ void KvCacheService::AddServerStreaming(
 }
 
 void KvCacheService::RegisterMethods() {
-  // The names stay where they are (RpcServiceMethod keeps the pointer).
-  method_names_.reserve(16);
   AddUnary("GetInfo", &KvCacheService::GetInfo);
   AddUnary("CreateSequence", &KvCacheService::CreateSequence);
   AddUnary("Append", &KvCacheService::Append);

@@ -5,6 +5,7 @@
 // refuses new calls (UNAVAILABLE, nothing applied) and lets admitted ones finish.
 // Requests arrive through Parsed<T> (parsed.h): what parsing one allocates is counted and
 // reserved before it is parsed; the handlers see the plain messages.
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -46,7 +47,7 @@ class KvCacheService final : public grpc::Service {
     RegisterMethods();
   }
   // The full names of the methods registered ("/kvmem.v1.KvCache/GetInfo", ...).
-  const std::vector<std::string>& method_names() const { return method_names_; }
+  const std::deque<std::string>& method_names() const { return method_names_; }
 
   // A call let in: its CallGate ticket and its place among its tenant's calls, held for
   // the handler, and who it comes from.
@@ -198,7 +199,8 @@ class KvCacheService final : public grpc::Service {
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
   TenantCalls tenant_calls_;
-  std::vector<std::string> method_names_;
+  // A deque: gRPC keeps pointers to the names, which appending must not move.
+  std::deque<std::string> method_names_;
 };
 
 }  // namespace kvmem::service

@@ -23,7 +23,7 @@ using Wire = pb::internal::WireFormatLite;
 constexpr int kMaxDepth = 100;
 // What a string or bytes field holds besides its bytes (the std::string and its heap block's
 // rounding), a repeated field's header, an unknown field's record, a map entry's node.
-constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 48, kMapNodeBytes = 64;
+constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 96, kMapNodeBytes = 64;
 
 // An empty `type`'s object, measured once per type.
 uint64_t ObjectBytes(const pb::Descriptor* type) {
@@ -119,13 +119,38 @@ class Walker {
   uint64_t cost() const { return cost_; }
 
  private:
-  // A field parsing keeps among the unknown ones: its bytes and a record. `length`: the
-  // length of a length-delimited field whose tag and length were read already.
-  bool Unknown(uint32_t tag, std::optional<uint32_t> length = std::nullopt) {
-    const int before = in_->CurrentPosition();
-    if (length ? !in_->Skip(static_cast<int>(*length)) : !Wire::SkipField(in_, tag)) return false;
-    cost_ += static_cast<uint64_t>(in_->CurrentPosition() - before) + kUnknownBytes;
-    return true;
+  // A field parsing keeps among the unknown ones: its record (a slot of the unknown field
+  // set, which grows by doubling, and the set itself at the first), its bytes and, for a
+  // group, each field inside it in a set of its own. `length`: the length of a
+  // length-delimited field whose tag and length were read already.
+  bool Unknown(uint32_t tag, std::optional<uint32_t> length = std::nullopt, int depth = 0) {
+    cost_ += kUnknownBytes;
+    if (length) {
+      cost_ += *length + kStringBytes;
+      return in_->Skip(static_cast<int>(*length));
+    }
+    switch (Wire::GetTagWireType(tag)) {
+      case Wire::WIRETYPE_LENGTH_DELIMITED: {
+        uint32_t n = 0;
+        return in_->ReadVarint32(&n) && Unknown(tag, n, depth);
+      }
+      case Wire::WIRETYPE_START_GROUP: {
+        if (depth + 1 >= kMaxDepth) return false;
+        cost_ += kUnknownBytes;  // the group's own set
+        while (true) {
+          const uint32_t inner = in_->ReadTag();
+          if (inner == 0) return false;  // the group never ends
+          if (Wire::GetTagWireType(inner) == Wire::WIRETYPE_END_GROUP) {
+            return Wire::GetTagFieldNumber(inner) == Wire::GetTagFieldNumber(tag);
+          }
+          if (!Unknown(inner, std::nullopt, depth + 1)) return false;
+        }
+      }
+      case Wire::WIRETYPE_END_GROUP:
+        return false;  // outside a group
+      default:
+        return Wire::SkipField(in_, tag);
+    }
   }
 
   // ObjectBytes without its lock: a request names a handful of types, met many times.
