@@ -457,6 +457,15 @@ def test_k8s_workload(name):
     # The segments have no names (memfds handed out by descriptor): nothing mounts /dev/shm.
     for c in containers:
         assert all(m["mountPath"] != "/dev/shm" for m in c.get("volumeMounts", [])), c["name"]
+    # kvmemd's memory limit holds every bound its flags set: the pool (host memory on the
+    # CPU backend), host metadata, gRPC's buffers and the requests being served once parsed.
+    pool = int(values["pool_bytes"])
+    bounds = (int(values.get("host_metadata_bytes", pool // 2 + (64 << 20)))
+              + int(values.get("grpc_memory_bytes", 1 << 30))
+              + int(values.get("parse_memory_bytes", 1 << 30)))
+    if values["backend"] == "cpu":
+        bounds += pool
+    assert quantity(kvmemd["resources"]["limits"]["memory"]) >= bounds, (name, bounds)
     probe = kvmemd["readinessProbe"]["exec"]["command"]
     assert f"--target={values['listen']}" in probe
     if name == "sidecar.yaml":
