@@ -1,6 +1,7 @@
 #include "server/service/auth.h"
 
 #include <openssl/evp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -44,6 +45,8 @@ bool ValidTenantName(absl::string_view name) {
 namespace {
 
 constexpr absl::string_view kUidPrefix = "uid:";
+// What SO_PEERCRED reports for a uid outside kvmemd's user namespace.
+constexpr uint32_t kOverflowUid = 65534;
 
 bool ValidToken(absl::string_view token) {
   if (token.size() < 16 || token.size() > 512 || absl::StartsWith(token, kUidPrefix)) return false;
@@ -94,6 +97,11 @@ absl::StatusOr<Authenticator::Credentials> Authenticator::Parse(absl::string_vie
           !absl::SimpleAtoi(uid_text, &uid) || uid == static_cast<uint32_t>(-1)) {
         return bad("a uid must be uid:<n>, n a decimal number below 4294967295");
       }
+      if (uid == kOverflowUid) {
+        return bad(
+            "uid:65534 is the kernel's overflow uid: every peer whose uid kvmemd's user "
+            "namespace cannot map shows as it");
+      }
       if (!credentials.uids.emplace(static_cast<uid_t>(uid), std::move(who)).second) {
         return bad("the uid is listed twice");
       }
@@ -135,6 +143,14 @@ absl::Status Authenticator::Reload() {
   text << in.rdbuf();
   absl::StatusOr<Credentials> credentials = Parse(text.str(), path_);
   if (!credentials.ok()) return credentials.status();
+  // The first read (Create) comes before kvmemd's unix socket exists: Server::Start checks
+  // that one.
+  if (!credentials->uids.empty() && peers_.load(std::memory_order_acquire) == nullptr &&
+      generation() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--auth-tokens: ", path_,
+        " maps uids, which only a unix --listen without TLS can tell (kvmemd's peers)"));
+  }
   kvmem::MutexLock lock(&mu_);
   credentials_ = *std::move(credentials);
   generation_.fetch_add(1, std::memory_order_release);
@@ -214,10 +230,18 @@ absl::StatusOr<Principal> Authenticator::Authenticate(const grpc::ServerContext*
     value = absl::string_view(it->second.data(), it->second.size());
   }
   std::optional<uid_t> peer_uid;
-  if (peers_ != nullptr) {
-    if (std::optional<ucred> peer = peers_->PeerOf(context->peer())) peer_uid = peer->uid;
+  if (const transport::UnixPeers* peers = peers_.load(std::memory_order_acquire)) {
+    if (std::optional<ucred> peer = peers->PeerOf(context->peer())) peer_uid = peer->uid;
   }
   return FromAuthorization(value, certificate_name, peer_uid);
+}
+
+bool Authenticator::maps_uids(bool others) const {
+  kvmem::MutexLock lock(&mu_);
+  for (const auto& [uid, who] : credentials_.uids) {
+    if (!others || uid != geteuid()) return true;
+  }
+  return false;
 }
 
 bool IsLocalListen(absl::string_view listen) {

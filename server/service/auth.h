@@ -56,7 +56,12 @@ class Authenticator {
 
   bool enabled() const { return !path_.empty() || certificates_; }
   // Where a call's peer uid is looked up (calls on kvmemd's unix socket); must outlive this.
-  void set_peers(const transport::UnixPeers* peers) { peers_ = peers; }
+  // Without it (a TCP --listen, or TLS), a token file with uid lines is refused (Reload).
+  void set_peers(const transport::UnixPeers* peers) {
+    peers_.store(peers, std::memory_order_release);
+  }
+  // Whether the token file maps a uid (other than kvmemd's own: `others`).
+  bool maps_uids(bool others = false) const;
   // Reads the token file again (SIGHUP); on an error the tokens stay as they were.
   absl::Status Reload();
   // Counts the reloads that succeeded: a long call (a step channel, an AppendStream) checks
@@ -94,7 +99,7 @@ class Authenticator {
   const std::string path_;
   const bool certificates_ = false;
   std::atomic<uint64_t> generation_{0};
-  const transport::UnixPeers* peers_ = nullptr;
+  std::atomic<const transport::UnixPeers*> peers_{nullptr};
   mutable absl::Mutex mu_;
   Credentials credentials_ ABSL_GUARDED_BY(mu_);
 };

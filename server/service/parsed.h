@@ -68,6 +68,9 @@ class ParsedReader {
       return false;
     }
     message->Swap(&current_.message);
+    // What the caller's last message held (cleared, its capacity kept) goes now: the next
+    // parse fills fresh buffers, all of them counted.
+    current_.message = T();
     return true;
   }
   const absl::Status& refused() const { return refused_; }

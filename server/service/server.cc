@@ -19,6 +19,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/server_posix.h"
+#include "grpcpp/version_info.h"
 #include "server/common/client_text.h"
 #include "server/service/kv_cache_service.h"
 #include "server/service/rpc_interceptor.h"
@@ -109,11 +110,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "--grpc-memory-bytes: ", config.grpc_memory_bytes, " cannot hold one message of ",
         max_message, " bytes (--max-message-bytes plus 4 MiB)"));
   }
-  // The largest Append's parse is about its size (its K/V bytes): two fit.
-  if (config.parse_memory_bytes < 2 * max_message) {
+  // The largest Append's parse is about its size (its K/V bytes: StringParseBytes): two fit.
+  if (config.parse_memory_bytes < 2 * transport::StringParseBytes(max_message)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--parse-memory-bytes: ", config.parse_memory_bytes, " cannot hold two messages of ",
-        max_message, " bytes (--max-message-bytes plus 4 MiB) once parsed"));
+        max_message, " bytes (--max-message-bytes plus 4 MiB) once parsed (",
+        transport::StringParseBytes(max_message), " bytes each)"));
   }
   transport::ParseBudget::Process().SetCapacity(config.parse_memory_bytes);
   if (config.grpc_max_threads < 4) {
@@ -149,6 +151,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "kvmemd: --allow-unauthenticated-remote: {} serves every caller that reaches "
         "it, unauthenticated, with every sequence's K/V",
         config.listen);
+  }
+  // On a unix socket with authentication (and no TLS), kvmemd accepts the connections
+  // itself, so that a call's tenant can come from its peer's uid (UnixPeers, Authenticator).
+  // gRPC names such a connection's calls by its descriptor's number, which must not go to
+  // another connection while a call on it runs: gRPC 1.51 keeps the descriptor open until
+  // its transport's last call is gone (the streams hold the transport, the transport the
+  // endpoint); later versions close it with the transport, so there kvmemd leaves its unix
+  // socket to gRPC and the token file may not map uids.
+  const std::string unix_address = UnixAddress(config.listen);
+  constexpr bool kDescriptorOutlivesCalls =
+      GRPC_CPP_VERSION_MAJOR == 1 && GRPC_CPP_VERSION_MINOR <= 51;
+  const bool own_accept = kDescriptorOutlivesCalls && server->auth_ != nullptr &&
+                          config.tls_cert.empty() && !unix_address.empty();
+  if (server->auth_ != nullptr && !own_accept && server->auth_->maps_uids()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--auth-tokens: ", config.auth_tokens, " maps uids, which kvmemd tells only on a unix ",
+        "--listen without TLS", kDescriptorOutlivesCalls ? "" : " (and with gRPC 1.51)"));
   }
   if (server->auth_ != nullptr && config.tls_cert.empty() && !IsLocalListen(config.listen)) {
     spdlog::warn(
@@ -194,11 +213,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  // On a unix socket with authentication (and no TLS), kvmemd accepts the connections
-  // itself, so that a call's tenant can come from its peer's uid (UnixPeers, Authenticator).
-  const std::string unix_address = UnixAddress(config.listen);
-  const bool own_accept =
-      server->auth_ != nullptr && config.tls_cert.empty() && !unix_address.empty();
   if (!own_accept) builder.AddListeningPort(config.listen, *credentials, &server->port_);
   builder.RegisterService(server->service_.get());
   builder.experimental().SetInterceptorCreators(RpcInterceptors(server->rpc_telemetry_.get()));
@@ -214,11 +228,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   }
   if (own_accept) {
     grpc::Server* grpc_server = server->grpc_server_.get();
-    absl::StatusOr<std::unique_ptr<transport::UnixPeers>> peers = transport::UnixPeers::Start(
-        unix_address, [grpc_server](int fd) { grpc::AddInsecureChannelFromFd(grpc_server, fd); });
+    absl::StatusOr<std::unique_ptr<transport::UnixPeers>> peers =
+        transport::UnixPeers::Listen(unix_address);
     if (!peers.ok()) return peers.status();
     server->unix_peers_ = *std::move(peers);
+    // Before the first connection is accepted: its first call finds its peer.
     server->auth_->set_peers(server->unix_peers_.get());
+    if (server->auth_->maps_uids(/*others=*/true)) server->unix_peers_->OpenToOtherUsers();
+    server->unix_peers_->Serve(
+        [grpc_server](int fd) { grpc::AddInsecureChannelFromFd(grpc_server, fd); });
   }
   server->collector_ = std::make_shared<metrics::Collector>(
       server->engine_.get(), server->rpc_telemetry_.get(),
@@ -267,7 +285,11 @@ absl::Status Server::ReloadTokens() {
   if (auth_ == nullptr) {
     return absl::FailedPreconditionError("kvmemd was started without --auth-tokens");
   }
-  return auth_->Reload();
+  absl::Status reloaded = auth_->Reload();
+  if (reloaded.ok() && unix_peers_ != nullptr && auth_->maps_uids(/*others=*/true)) {
+    unix_peers_->OpenToOtherUsers();
+  }
+  return reloaded;
 }
 
 void Server::PrefaultPool() {

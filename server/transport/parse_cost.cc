@@ -22,8 +22,18 @@ using Wire = pb::internal::WireFormatLite;
 // protobuf's own default nesting limit.
 constexpr int kMaxDepth = 100;
 // What a string or bytes field holds besides its bytes (the std::string and its heap block's
-// rounding), a repeated field's header, an unknown field's record, a map entry's node.
-constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 96, kMapNodeBytes = 64;
+// rounding), a repeated field's header, an unknown field's record, a map entry's node, and
+// what the allocator takes per heap block besides what was asked.
+constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 96, kMapNodeBytes = 64,
+                   kHeapBlockBytes = 16;
+// A string longer than this arriving in pieces is reserved at this size, then grown by
+// doubling: it may hold up to twice its length, and three times while it grows
+// (protobuf's kSafeStringSize).
+constexpr uint64_t kSafeStringBytes = 50000000;
+
+uint64_t StringBytes(uint64_t length) {
+  return (length > kSafeStringBytes ? 3 * length : length) + kStringBytes + kHeapBlockBytes;
+}
 
 // An empty `type`'s object, measured once per type.
 uint64_t ObjectBytes(const pb::Descriptor* type) {
@@ -60,7 +70,9 @@ Wire::WireType ElementWireType(const pb::FieldDescriptor* field) {
 
 class Walker {
  public:
-  explicit Walker(pb::io::CodedInputStream* in) : in_(in) {}
+  // `on_arena`: repeated fields' old arrays stay until the arena goes (4 times the
+  // elements, not 2).
+  Walker(pb::io::CodedInputStream* in, bool on_arena) : in_(in), growth_(on_arena ? 4 : 2) {}
 
   // Walks fields of `type` up to the current limit (or the end), adding to cost_.
   bool Message(const pb::Descriptor* type, int depth) {
@@ -75,8 +87,8 @@ class Walker {
         if (!Unknown(tag)) return false;
         continue;
       }
-      const uint64_t repeated = field->is_repeated() ? 2 : 1;  // arrays grow by doubling
-      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {           // one scalar element
+      const uint64_t repeated = field->is_repeated() ? growth_ : 1;  // arrays grow by doubling
+      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {                 // one scalar element
         cost_ += field->is_repeated() ? repeated * ElementBytes(field) : 0;
         if (!Wire::SkipField(in_, tag)) return false;
         continue;
@@ -86,7 +98,8 @@ class Walker {
       switch (field->cpp_type()) {
         case pb::FieldDescriptor::CPPTYPE_MESSAGE: {
           if (depth + 1 >= kMaxDepth) return false;
-          cost_ += CachedObjectBytes(field->message_type()) + (field->is_repeated() ? 16 : 0) +
+          cost_ += CachedObjectBytes(field->message_type()) + kHeapBlockBytes +
+                   (field->is_repeated() ? growth_ * sizeof(void*) : 0) +
                    (field->is_map() ? kMapNodeBytes : 0);
           const pb::io::CodedInputStream::Limit limit = in_->PushLimit(static_cast<int>(length));
           if (!Message(field->message_type(), depth + 1)) return false;
@@ -94,7 +107,7 @@ class Walker {
           break;
         }
         case pb::FieldDescriptor::CPPTYPE_STRING:
-          cost_ += length + kStringBytes + (field->is_repeated() ? 16 : 0);
+          cost_ += StringBytes(length) + (field->is_repeated() ? growth_ * sizeof(void*) : 0);
           if (!in_->Skip(static_cast<int>(length))) return false;
           break;
         default: {
@@ -108,7 +121,7 @@ class Walker {
           const uint64_t count = element == Wire::WIRETYPE_FIXED32   ? length / 4
                                  : element == Wire::WIRETYPE_FIXED64 ? length / 8
                                                                      : length;
-          cost_ += kRepeatedBytes + repeated * count * ElementBytes(field);
+          cost_ += kRepeatedBytes + kHeapBlockBytes + repeated * count * ElementBytes(field);
           if (!in_->Skip(static_cast<int>(length))) return false;
           break;
         }
@@ -126,7 +139,7 @@ class Walker {
   bool Unknown(uint32_t tag, std::optional<uint32_t> length = std::nullopt, int depth = 0) {
     cost_ += kUnknownBytes;
     if (length) {
-      cost_ += *length + kStringBytes;
+      cost_ += StringBytes(*length);
       return in_->Skip(static_cast<int>(*length));
     }
     switch (Wire::GetTagWireType(tag)) {
@@ -163,27 +176,32 @@ class Walker {
   }
 
   pb::io::CodedInputStream* in_;
+  const uint64_t growth_;
   uint64_t cost_ = 0;
   std::vector<std::pair<const pb::Descriptor*, uint64_t>> sizes_;
 };
 
 }  // namespace
 
-absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, pb::io::ZeroCopyInputStream* wire) {
+absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, pb::io::ZeroCopyInputStream* wire,
+                                   bool on_arena) {
   pb::io::CodedInputStream in(wire);
   in.SetTotalBytesLimit(INT32_MAX);
-  Walker walker(&in);
+  Walker walker(&in, on_arena);
   if (!walker.Message(type, 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the request does not parse as a ", type->full_name()));
   }
-  return walker.cost() + ObjectBytes(type);
+  return walker.cost() + ObjectBytes(type) + kHeapBlockBytes;
 }
 
-absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, absl::string_view wire) {
+absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, absl::string_view wire,
+                                   bool on_arena) {
   pb::io::ArrayInputStream stream(wire.data(), static_cast<int>(wire.size()));
-  return ParseCost(type, &stream);
+  return ParseCost(type, &stream, on_arena);
 }
+
+uint64_t StringParseBytes(uint64_t length) { return StringBytes(length); }
 
 ParseBudget& ParseBudget::Process() {
   static ParseBudget* budget = new ParseBudget(1ull << 30);

@@ -18,12 +18,19 @@
 namespace kvmem::transport {
 
 // At least the bytes that parsing `wire` as a `type` allocates (objects, strings, repeated
-// fields' storage at twice their count, unknown fields); InvalidArgument when `wire` is not
+// fields' storage at twice their count, or four times on an arena, where old arrays stay;
+// unknown fields; the allocator's own bytes per block); InvalidArgument when `wire` is not
 // a `type` (protobuf would not parse it either) or nests deeper than protobuf's limit.
+// On an arena (`on_arena`), strings' bytes still go to the heap: count the whole cost
+// against anything but the arena's own blocks.
 absl::StatusOr<uint64_t> ParseCost(const google::protobuf::Descriptor* type,
-                                   google::protobuf::io::ZeroCopyInputStream* wire);
-absl::StatusOr<uint64_t> ParseCost(const google::protobuf::Descriptor* type,
-                                   absl::string_view wire);
+                                   google::protobuf::io::ZeroCopyInputStream* wire,
+                                   bool on_arena = false);
+absl::StatusOr<uint64_t> ParseCost(const google::protobuf::Descriptor* type, absl::string_view wire,
+                                   bool on_arena = false);
+// What ParseCost counts for a string or bytes field of `length` bytes (three times the
+// length past protobuf's safe string size: it grows by doubling).
+uint64_t StringParseBytes(uint64_t length);
 
 // Bytes of parsed requests held at once, in the whole process (kvmemd serves one Server).
 class ParseBudget {

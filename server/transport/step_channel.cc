@@ -184,8 +184,8 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
   Exchange ex;
   uint8_t* const data = segment_->data();
   auto* header = reinterpret_cast<layout::Header*>(data);
-  // What the parse allocates beyond the arena's own block (reserved before it parses);
-  // released after the arena (declared first).
+  // What the parse may allocate (reserved before it parses); released after the arena
+  // (declared first).
   ParseBudget::Reservation parse_held;
   google::protobuf::ArenaOptions options;
   options.initial_block = arena_block_.get();
@@ -242,11 +242,12 @@ StepChannel::Served StepChannel::ServeOne(absl::Duration wait, const Handler& ha
         return Served::kIdle;
       }
       const absl::string_view copy(request_copy_.get(), bytes);
-      absl::StatusOr<uint64_t> cost = ParseCost(v1::StepBatchRequest::descriptor(), copy);
-      const uint64_t block = ArenaBlockBytes(capacity_);
+      // All of it: the arena's own block holds the objects, but strings' bytes (K/V) and
+      // unknown fields go to the heap beside it.
+      absl::StatusOr<uint64_t> cost =
+          ParseCost(v1::StepBatchRequest::descriptor(), copy, /*on_arena=*/true);
       absl::StatusOr<ParseBudget::Reservation> held =
-          cost.ok() ? ParseBudget::Process().Reserve(*cost > block ? *cost - block : 0,
-                                                     "the step channel's StepBatchRequest")
+          cost.ok() ? ParseBudget::Process().Reserve(*cost, "the step channel's StepBatchRequest")
                     : cost.status();
       if (!held.ok()) {
         status = to_grpc_(absl::IsInvalidArgument(held.status())

@@ -77,6 +77,15 @@ UnixListener& UnixListener::operator=(UnixListener&& other) noexcept {
   return *this;
 }
 
+void UnixListener::set_mode(mode_t mode) const {
+  struct stat st {};
+  // Only the file this made, and not through a symlink put there since.
+  if (made_file_ && lstat(address_.c_str(), &st) == 0 && st.st_dev == file_dev_ &&
+      st.st_ino == file_ino_) {
+    fchmodat(AT_FDCWD, address_.c_str(), mode, AT_SYMLINK_NOFOLLOW);
+  }
+}
+
 void UnixListener::Close() {
   if (fd_ >= 0) close(std::exchange(fd_, -1));
   struct stat st {};

@@ -29,6 +29,8 @@ class UnixListener {
   ~UnixListener() { Close(); }
 
   int fd() const { return fd_; }
+  // Sets the socket file's permissions (nothing for an abstract name).
+  void set_mode(mode_t mode) const;
   const std::string& address() const { return address_; }
 
  private:

@@ -16,22 +16,28 @@
 
 namespace kvmem::transport {
 
-absl::StatusOr<std::unique_ptr<UnixPeers>> UnixPeers::Start(const std::string& address,
-                                                            std::function<void(int)> serve) {
+absl::StatusOr<std::unique_ptr<UnixPeers>> UnixPeers::Listen(const std::string& address,
+                                                             Caps caps) {
   // The socket file keeps the umask's permissions, as gRPC's own listener would: who may
   // call is decided per call (a token, or a uid the token file maps).
   absl::StatusOr<UnixListener> listener =
       UnixListener::Listen(address, SOCK_STREAM, /*mode=*/0, "--listen");
   if (!listener.ok()) return listener.status();
   std::unique_ptr<UnixPeers> peers(new UnixPeers());
+  peers->address_ = address;
+  peers->caps_ = caps;
   peers->listener_ = *std::move(listener);
-  peers->serve_ = std::move(serve);
   peers->stop_fd_ = eventfd(0, EFD_CLOEXEC);
   if (peers->stop_fd_ < 0) {
     return absl::InternalError(absl::StrCat("--listen: eventfd: ", std::strerror(errno)));
   }
-  peers->acceptor_ = std::thread([p = peers.get()] { p->Accept(); });
   return peers;
+}
+
+void UnixPeers::Serve(std::function<void(int)> serve) {
+  if (acceptor_.joinable() || !listener_) return;
+  serve_ = std::move(serve);
+  acceptor_ = std::thread([this] { Accept(); });
 }
 
 void UnixPeers::Stop() {
@@ -51,6 +57,30 @@ UnixPeers::~UnixPeers() {
 uint64_t UnixPeers::accepted() const {
   kvmem::MutexLock lock(&mu_);
   return accepted_;
+}
+
+uint64_t UnixPeers::refused() const {
+  kvmem::MutexLock lock(&mu_);
+  return refused_;
+}
+
+bool UnixPeers::Admits(uid_t uid) {
+  auto count = [&] {
+    size_t same = 0;
+    for (const auto& [fd, peer] : peers_) same += peer.credentials.uid == uid ? 1 : 0;
+    return same;
+  };
+  // Sweeping costs a stat per entry: only near a cap.
+  if (peers_.size() < caps_.connections &&
+      (peers_.size() < caps_.per_uid || count() < caps_.per_uid)) {
+    return true;
+  }
+  absl::erase_if(peers_, [](const auto& entry) {
+    struct stat st {};
+    return fstat(entry.first, &st) != 0 || st.st_dev != entry.second.dev ||
+           st.st_ino != entry.second.ino;
+  });
+  return peers_.size() < caps_.connections && count() < caps_.per_uid;
 }
 
 void UnixPeers::Accept() {
@@ -85,6 +115,13 @@ void UnixPeers::Accept() {
     peer.ino = st.st_ino;
     {
       kvmem::MutexLock lock(&mu_);
+      // A number that a connection of ours had before is a new connection now.
+      peers_.erase(connection);
+      if (!Admits(peer.credentials.uid)) {
+        ++refused_;
+        close(connection);
+        continue;
+      }
       peers_[connection] = peer;  // before the first call on it can ask
       ++accepted_;
     }

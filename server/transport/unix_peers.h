@@ -26,10 +26,22 @@ namespace kvmem::transport {
 
 class UnixPeers {
  public:
-  // `address`: "@name" (abstract) or a path (UnixListener); `serve` takes each accepted
-  // connection's descriptor (non-blocking, close-on-exec) and owns it from then on.
-  static absl::StatusOr<std::unique_ptr<UnixPeers>> Start(const std::string& address,
-                                                          std::function<void(int)> serve);
+  // Listens at `address`: "@name" (abstract) or a path (UnixListener). Connections wait
+  // in the socket's backlog until Serve.
+  // Connections open at once: in all, and per peer uid (gRPC's own listener drops a
+  // connection that does not finish its handshake; one handed over by descriptor has none,
+  // so these caps keep a local process from holding every descriptor kvmemd has).
+  struct Caps {
+    size_t connections = 4096;
+    size_t per_uid = 1024;
+  };
+  static absl::StatusOr<std::unique_ptr<UnixPeers>> Listen(const std::string& address, Caps caps);
+  static absl::StatusOr<std::unique_ptr<UnixPeers>> Listen(const std::string& address) {
+    return Listen(address, Caps{});
+  }
+  // Accepts connections on a thread of its own: `serve` takes each accepted connection's
+  // descriptor (non-blocking, close-on-exec) and owns it from then on. Once.
+  void Serve(std::function<void(int)> serve);
   // Stops accepting; the connections handed over stay served (and answered for).
   void Stop();
   ~UnixPeers();
@@ -39,9 +51,15 @@ class UnixPeers {
   // The credentials of the peer behind a call whose peer name (grpc::ServerContext::peer)
   // is `peer`; nullopt for a name this did not hand out or a connection no longer open.
   std::optional<ucred> PeerOf(absl::string_view peer) const;
-  const std::string& address() const { return listener_->address(); }
-  // Connections accepted so far.
+  const std::string& address() const { return address_; }
+  // Lets peers of every uid connect (the socket file's mode 0666; each call still proves
+  // who it is), for a token file that maps uids other than kvmemd's.
+  void OpenToOtherUsers() const {
+    if (listener_) listener_->set_mode(0666);
+  }
+  // Connections accepted so far, and refused for the caps.
   uint64_t accepted() const;
+  uint64_t refused() const;
 
  private:
   struct Peer {
@@ -51,7 +69,12 @@ class UnixPeers {
   };
   UnixPeers() = default;
   void Accept();
+  // Whether `uid` may have one more connection, after dropping the entries of connections
+  // that are gone (their number closed or taken by something else).
+  bool Admits(uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  std::string address_;
+  Caps caps_;
   std::optional<UnixListener> listener_;
   std::function<void(int)> serve_;
   int stop_fd_ = -1;  // an eventfd Stop signals
@@ -60,6 +83,7 @@ class UnixPeers {
   // By descriptor number: the latest connection accepted under each.
   absl::flat_hash_map<int, Peer> peers_ ABSL_GUARDED_BY(mu_);
   uint64_t accepted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvmem::transport

@@ -5,6 +5,7 @@
 #include "server/service/auth.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -540,14 +541,37 @@ TEST_F(UnixPeerAuthTest, AMappedUidIsItsTenantWithoutATokenAndCannotClaimAnother
   }
   // The uid moves to another tenant's line: this process is nobody's without a token, and
   // bob's token now works here and sees alice's sequence as an unknown one.
+  struct stat socket_file {};
+  ASSERT_EQ(stat(unix_path_.c_str(), &socket_file), 0);
+  EXPECT_NE(socket_file.st_mode & 0777, 0666u);  // kvmemd's own uid only: the umask's mode
   WriteTokens(absl::StrCat("alice ", kAlice, "\nbob ", kBob, "\ncarol uid:", getuid() + 1, "\n"));
   ASSERT_TRUE(server_->ReloadTokens().ok());
+  // Another uid is mapped: its peers may connect now.
+  ASSERT_EQ(stat(unix_path_.c_str(), &socket_file), 0);
+  EXPECT_EQ(socket_file.st_mode & 0777, 0666u);
   const absl::Status nobody = tokenless->GetInfo().status();
   EXPECT_TRUE(absl::IsUnauthenticated(nobody)) << nobody;
   EXPECT_THAT(std::string(nobody.message()), HasSubstr("uid the token file maps"));
   ASSERT_TRUE(bob_->GetInfo().ok());
   EXPECT_TRUE(absl::IsNotFound(bob_->ReadKv(id).status()));
   EXPECT_GT(Content(*alice_, id).size(), content.size());  // the stepped token is hers
+}
+
+// uid lines only mean something where kvmemd tells its peers' uids (a unix --listen without
+// TLS): elsewhere the file is refused at start and at a reload, the old tokens kept.
+TEST_F(AuthTest, UidLinesAreRefusedWhereNoPeerHasAUid) {
+  WriteTokens(absl::StrCat("alice ", kAlice, "\nbob uid:", getuid(), "\n"));
+  const absl::Status reloaded = server_->ReloadTokens();
+  EXPECT_TRUE(absl::IsInvalidArgument(reloaded)) << reloaded;
+  EXPECT_THAT(std::string(reloaded.message()), HasSubstr("unix --listen"));
+  EXPECT_TRUE(bob_->GetInfo().ok());  // the tokens as they were
+  service::ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.engine.pool_bytes = 4ull << 20;
+  config.auth_tokens = tokens_;
+  auto refused = service::Server::Start(config);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("maps uids"));
 }
 
 TEST(AuthStartTest, AnUnauthenticatedDaemonServesOnlyLoopbackOrAUnixSocket) {
@@ -600,7 +624,7 @@ TEST(AuthUnitTest, TokenFilesAndListenAddresses) {
        {std::string("alice uid:\n"), std::string("alice uid:-1\n"), std::string("alice uid:12a\n"),
         std::string("alice uid:4294967295\n"), std::string("alice uid:99999999999\n"),
         std::string("alice uid:7\nbob uid:7\n"), std::string("alice uid:7 root\n"),
-        std::string("alice uid:0123456789abcdef0\n")}) {
+        std::string("alice uid:0123456789abcdef0\n"), std::string("alice uid:65534\n")}) {
     auto u = parse(bad);
     EXPECT_TRUE(absl::IsInvalidArgument(u.status())) << bad << ": " << u.status();
   }

@@ -36,12 +36,13 @@ class UnixPeersTest : public ::testing::Test {
  protected:
   void SetUp() override {
     address_ = absl::StrCat(::testing::TempDir(), "/kvmem_peers_", getpid());
-    auto peers = UnixPeers::Start(address_, [this](int fd) {
+    auto peers = UnixPeers::Listen(address_, caps_);
+    ASSERT_TRUE(peers.ok()) << peers.status();
+    peers_ = *std::move(peers);
+    peers_->Serve([this](int fd) {
       absl::MutexLock lock(&mu_);
       served_.push_back(fd);
     });
-    ASSERT_TRUE(peers.ok()) << peers.status();
-    peers_ = *std::move(peers);
   }
   void TearDown() override {
     peers_.reset();
@@ -61,6 +62,7 @@ class UnixPeersTest : public ::testing::Test {
   }
 
   std::string address_;
+  UnixPeers::Caps caps_;
   std::unique_ptr<UnixPeers> peers_;
   absl::Mutex mu_;
   std::vector<int> served_ ABSL_GUARDED_BY(mu_);
@@ -100,6 +102,42 @@ TEST_F(UnixPeersTest, APeersCredentialsAreTheKernelsAndAnswerOnlyForItsSocket) {
   const int fd2 = Served(0);
   EXPECT_TRUE(peers_->PeerOf(absl::StrCat("fd:", fd2)).has_value());
   close(again);
+}
+
+class CappedUnixPeersTest : public UnixPeersTest {
+ protected:
+  void SetUp() override {
+    caps_.per_uid = 3;
+    UnixPeersTest::SetUp();
+  }
+};
+
+// A uid holds at most its cap of connections; one that goes makes room.
+TEST_F(CappedUnixPeersTest, AUidHoldsAtMostItsCapOfConnections) {
+  std::vector<int> clients;
+  for (int i = 0; i < 3; ++i) {
+    clients.push_back(ConnectStream(address_));
+    ASSERT_GE(Served(i), 0);
+  }
+  const int fourth = ConnectStream(address_);
+  ASSERT_GE(fourth, 0);  // the kernel accepts it into the backlog; kvmemd closes it
+  char byte = 0;
+  EXPECT_EQ(read(fourth, &byte, 1), 0);  // closed: end of file
+  EXPECT_EQ(peers_->refused(), 1u);
+  EXPECT_EQ(peers_->accepted(), 3u);
+  close(fourth);
+  // One goes (kvmemd's side closes it, as gRPC would): the next is served.
+  {
+    absl::MutexLock lock(&mu_);
+    close(served_[0]);
+    served_.erase(served_.begin());
+  }
+  close(clients[0]);
+  clients.erase(clients.begin());
+  clients.push_back(ConnectStream(address_));
+  ASSERT_GE(Served(2), 0);
+  EXPECT_EQ(peers_->accepted(), 4u);
+  for (int fd : clients) close(fd);
 }
 
 TEST_F(UnixPeersTest, StopRefusesNewConnectionsAndRemovesTheFile) {
