@@ -42,7 +42,13 @@ def call(method, msg):
 
 # Service methods, in service_fuzz.cc's switch order.
 (GET_INFO, CREATE, APPEND, STEP, STEP_BATCH, COMPRESS, TABLE, FORK, PUBLISH, LOOKUP, RELEASE,
- KEEP_ALIVE, STATS) = range(13)
+ KEEP_ALIVE, STATS, APPEND_STREAM, READ_KV) = range(15)
+
+
+def stream_call(chunks):
+    """An AppendStream: its chunks, each a 16-bit length and the chunk."""
+    body = b"".join(struct.pack("<H", len(c)) + c for c in (m.SerializeToString() for m in chunks))
+    return struct.pack("<BH", APPEND_STREAM, len(body)) + body
 
 
 def service_seeds():
@@ -83,6 +89,10 @@ def service_seeds():
                                                                               p2=0.05)),
             client_table=pb.ClientTable(version=0, positions=True), plan_tokens=1)])
         calls.append(call(STEP_BATCH, batch))
+        calls.append(stream_call([
+            pb.AppendStreamRequest(sequence_id=1, positions=[13 + i], token_ids=[7], k=kv(1, 5 + i),
+                                   v=kv(1, 6 + i)) for i in range(2)]))
+        calls.append(call(READ_KV, pb.ReadKvRequest(sequence_id=1)))
         calls.append(call(TABLE, pb.GetBlockTableRequest(sequence_id=1, positions=True)))
         calls.append(call(FORK, pb.ForkRequest(sequence_id=1)))
         calls.append(call(PUBLISH, pb.PublishRequest(sequence_id=1)))
@@ -95,6 +105,14 @@ def service_seeds():
         calls.append(call(RELEASE, pb.ReleaseRequest(sequence_id=2)))
         calls.append(call(GET_INFO, pb.GetInfoRequest()))
         write("service", name, b"".join(calls))
+    # An AppendStream whose second chunk does not parse: it must append nothing.
+    good = pb.AppendStreamRequest(sequence_id=1, positions=range(4), k=kv(4, 1),
+                                  v=kv(4, 2)).SerializeToString()
+    bad = b"\xff\xff\xff"
+    body = struct.pack("<H", len(good)) + good + struct.pack("<H", len(bad)) + bad
+    write("service", "refused-chunk", b"".join([
+        call(CREATE, pb.CreateSequenceRequest(layout=layout(), policy=policies["full"])),
+        struct.pack("<BH", APPEND_STREAM, len(body)) + body]))
 
 
 def step_channel_seeds():

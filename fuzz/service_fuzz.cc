@@ -14,8 +14,10 @@
 //     it counts as changed: on the CPU backend no backend call fails);
 //   - once every sequence is released and the prefix cache reclaimed, the pool holds no
 //     block and no page, no reference went wrong, and no host metadata is left counted.
-// The streaming methods (AppendStream, ReadKv, OpenStepChannel) need a live call and are
-// not reached here; the step channel has a harness of its own.
+// AppendStream runs on chunks from the input (a chunk that does not parse is refused as the
+// gRPC reader refuses it; a failed stream leaves its sequence unchanged), ReadKv into a
+// writer that checks each piece's shape; OpenStepChannel lives as long as its client and has
+// a harness of its own (step_channel_fuzz).
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -143,6 +145,88 @@ void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Re
   }
 }
 
+// An AppendStream's chunks from `bytes` (each a 16-bit length and that many bytes); a chunk
+// that does not parse is refused as the gRPC reader refuses it. Its sequence (the first
+// chunk's, mapped) is unchanged when the stream fails.
+class ChunkReader final : public service::MessageReader<v1::AppendStreamRequest> {
+ public:
+  ChunkReader(const std::string& bytes, const std::vector<uint64_t>& ids)
+      : in_(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), ids_(ids) {}
+  bool Read(v1::AppendStreamRequest* message) override {
+    if (in_.remaining() == 0 || chunks_ == 8) return false;
+    ++chunks_;
+    if (!message->ParseFromString(in_.Bytes(in_.Take<uint16_t>()))) {
+      refused_ = absl::InvalidArgumentError("the chunk does not parse");
+      return false;
+    }
+    MapIds(message, ids_);
+    return true;
+  }
+  const absl::Status& refused() const override { return refused_; }
+
+ private:
+  FuzzInput in_;
+  const std::vector<uint64_t>& ids_;
+  int chunks_ = 0;
+  absl::Status refused_;
+};
+
+void AppendStream(const std::string& bytes, const std::vector<uint64_t>& ids) {
+  // The first chunk's sequence, read ahead to fingerprint it before the stream.
+  uint64_t target = 0;
+  {
+    ChunkReader peek(bytes, ids);
+    v1::AppendStreamRequest first;
+    if (peek.Read(&first)) target = first.sequence_id();
+  }
+  const std::string before = FingerprintOf(target);
+  ChunkReader reader(bytes, ids);
+  grpc::ServerContext context;
+  v1::AppendStreamResponse response;
+  const grpc::Status status = kvmemd->service->AppendStream(&context, &reader, &response);
+  if (verbose) {
+    std::fprintf(stderr, "AppendStream -> %d %s\n", status.error_code(),
+                 status.error_message().c_str());
+  }
+  CheckCode(status.error_code(), "AppendStream", status.error_message());
+  FUZZ_CHECK(reader.refused().ok() || !status.ok(),
+             "an AppendStream whose chunk was refused answered OK");
+  if (!status.ok()) {
+    FUZZ_CHECK(FingerprintOf(target) == before,
+               "a failed AppendStream (%d: %s) changed sequence %llu", status.error_code(),
+               status.error_message().c_str(), static_cast<unsigned long long>(target));
+  }
+}
+
+// ReadKv's pieces, kept for the check: each a stream's K and V for its positions.
+class PieceWriter final : public grpc::ServerWriterInterface<v1::ReadKvResponse> {
+ public:
+  void SendInitialMetadata() override {}
+  bool Write(const v1::ReadKvResponse& piece, grpc::WriteOptions /*options*/) override {
+    FUZZ_CHECK(piece.k().size() == piece.v().size() &&
+                   (piece.positions_size() == 0 ||
+                    piece.k().size() % static_cast<size_t>(piece.positions_size()) == 0),
+               "a ReadKv piece of %zu K bytes, %zu V bytes for %d positions", piece.k().size(),
+               piece.v().size(), piece.positions_size());
+    FUZZ_CHECK(piece.ByteSizeLong() <= 2 * KvCacheService::kReadPieceBytes + 4096,
+               "a ReadKv piece of %zu bytes", piece.ByteSizeLong());
+    return true;
+  }
+};
+
+void ReadKv(const std::string& bytes, const std::vector<uint64_t>& ids) {
+  v1::ReadKvRequest request;
+  if (!request.ParseFromString(bytes)) return;
+  MapIds(&request, ids);
+  grpc::ServerContext context;
+  PieceWriter writer;
+  const grpc::Status status = kvmemd->service->ReadKv(&context, &request, &writer);
+  if (verbose) {
+    std::fprintf(stderr, "ReadKv -> %d %s\n", status.error_code(), status.error_message().c_str());
+  }
+  CheckCode(status.error_code(), "ReadKv", status.error_message());
+}
+
 }  // namespace
 }  // namespace kvmem::fuzz
 
@@ -191,7 +275,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int calls = 0; calls < 32 && in.remaining() > 0; ++calls) {
     const uint8_t method = in.Take<uint8_t>();
     const std::string bytes = in.Bytes(in.Take<uint16_t>());
-    switch (method % 13) {
+    switch (method % 15) {
       case 0:
         fuzz::Call(&S::GetInfo, bytes, &ids);
         break;
@@ -230,6 +314,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       case 12:
         fuzz::Call(&S::Stats, bytes, &ids);
+        break;
+      case 13:
+        fuzz::AppendStream(bytes, ids);
+        break;
+      case 14:
+        fuzz::ReadKv(bytes, ids);
         break;
     }
   }

@@ -146,10 +146,10 @@ void KvCacheService::AddUnary(const char* name,
           this)));
 }
 
-template <typename Request, typename Response>
+template <typename Request, typename Response, template <class> class Writer>
 void KvCacheService::AddServerStreaming(
     const char* name, grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
-                                                              grpc::ServerWriter<Response>*)) {
+                                                              Writer<Response>*)) {
   method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
   AddMethod(new grpc::internal::RpcServiceMethod(
       method_names_.back().c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
@@ -192,7 +192,7 @@ void KvCacheService::RegisterMethods() {
 }
 
 grpc::Status KvCacheService::AppendStream(grpc::ServerContext* context,
-                                          ParsedReader<v1::AppendStreamRequest>* reader,
+                                          MessageReader<v1::AppendStreamRequest>* reader,
                                           v1::AppendStreamResponse* response) {
   // Before the call is authenticated: a reload after it is seen at the commit.
   const uint64_t opened_generation = auth_->generation();
@@ -364,7 +364,7 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext* context,
 }
 
 grpc::Status KvCacheService::ReadKv(grpc::ServerContext* context, const v1::ReadKvRequest* request,
-                                    grpc::ServerWriter<v1::ReadKvResponse>* writer) {
+                                    grpc::ServerWriterInterface<v1::ReadKvResponse>* writer) {
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();

@@ -81,7 +81,7 @@ class KvCacheService final : public grpc::Service {
   grpc::Status CreateSequence(grpc::ServerContext*, const v1::CreateSequenceRequest*,
                               v1::CreateSequenceResponse*);
   grpc::Status Append(grpc::ServerContext*, const v1::AppendRequest*, v1::AppendResponse*);
-  grpc::Status AppendStream(grpc::ServerContext*, ParsedReader<v1::AppendStreamRequest>*,
+  grpc::Status AppendStream(grpc::ServerContext*, MessageReader<v1::AppendStreamRequest>*,
                             v1::AppendStreamResponse*);
   grpc::Status Step(grpc::ServerContext*, const v1::StepRequest*, v1::StepResponse*);
   grpc::Status StepBatch(grpc::ServerContext*, const v1::StepBatchRequest*, v1::StepBatchResponse*);
@@ -99,7 +99,7 @@ class KvCacheService final : public grpc::Service {
   grpc::Status GetBlockTable(grpc::ServerContext*, const v1::GetBlockTableRequest*,
                              v1::GetBlockTableResponse*);
   grpc::Status ReadKv(grpc::ServerContext*, const v1::ReadKvRequest*,
-                      grpc::ServerWriter<v1::ReadKvResponse>*);
+                      grpc::ServerWriterInterface<v1::ReadKvResponse>*);
   grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*);
   grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*, v1::PublishResponse*);
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*);
@@ -114,11 +114,12 @@ class KvCacheService final : public grpc::Service {
   void AddUnary(const char* name,
                 grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
                                                         Response*));
-  template <typename Request, typename Response>
+  // `Writer`: grpc::ServerWriter, or the interface it implements.
+  template <typename Request, typename Response, template <class> class Writer>
   void AddServerStreaming(const char* name,
                           grpc::Status (KvCacheService::*handler)(grpc::ServerContext*,
                                                                   const Request*,
-                                                                  grpc::ServerWriter<Response>*));
+                                                                  Writer<Response>*));
   // StepBatch's work, for gRPC and for step channels: table updates go in up to
   // `max_update_bytes` in all.
   // `context`: null for a step channel's batch.

@@ -54,15 +54,24 @@ class Parsed final : public ParsedBase {
   T message;
 };
 
-// A client stream's messages, each through Parsed<T>; the one last read keeps its
-// reservation until the next Read. Read is false at the stream's end, when the client
-// cancels, and when a message was refused: then refused() says why, and the stream must not
-// be applied (a message that fails to parse is not the stream's end).
+// A client stream's messages as a handler reads them. Read is false at the stream's end,
+// when the client cancels, and when a message was refused: then refused() says why, and the
+// stream must not be applied (a message that fails to parse is not the stream's end).
 template <class T>
-class ParsedReader {
+class MessageReader {
+ public:
+  virtual ~MessageReader() = default;
+  virtual bool Read(T* message) = 0;
+  virtual const absl::Status& refused() const = 0;
+};
+
+// A gRPC client stream's messages, each through Parsed<T>; the one last read keeps its
+// reservation until the next Read.
+template <class T>
+class ParsedReader final : public MessageReader<T> {
  public:
   explicit ParsedReader(grpc::ServerReader<Parsed<T>>* reader) : reader_(reader) {}
-  bool Read(T* message) {
+  bool Read(T* message) override {
     if (!reader_->Read(&current_)) {
       if (!current_.status().ok()) refused_ = current_.status();
       return false;
@@ -73,7 +82,7 @@ class ParsedReader {
     current_.message = T();
     return true;
   }
-  const absl::Status& refused() const { return refused_; }
+  const absl::Status& refused() const override { return refused_; }
 
  private:
   grpc::ServerReader<Parsed<T>>* reader_;
