@@ -1,5 +1,7 @@
 #include "server/transport/parse_cost.h"
 
+#include <algorithm>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -35,19 +37,6 @@ uint64_t StringBytes(uint64_t length) {
   return (length > kSafeStringBytes ? 3 * length : length) + kStringBytes + kHeapBlockBytes;
 }
 
-// An empty `type`'s object, measured once per type.
-uint64_t ObjectBytes(const pb::Descriptor* type) {
-  static absl::Mutex mu(absl::kConstInit);
-  static auto* sizes = new absl::flat_hash_map<const pb::Descriptor*, uint64_t>();
-  kvmem::MutexLock lock(&mu);
-  auto [it, inserted] = sizes->try_emplace(type, 0);
-  if (inserted) {
-    const pb::Message* prototype = pb::MessageFactory::generated_factory()->GetPrototype(type);
-    it->second = prototype != nullptr ? prototype->SpaceUsedLong() : 1024;
-  }
-  return it->second;
-}
-
 // The bytes one element of a repeated scalar `field` takes in its array.
 uint64_t ElementBytes(const pb::FieldDescriptor* field) {
   switch (field->cpp_type()) {
@@ -63,9 +52,97 @@ uint64_t ElementBytes(const pb::FieldDescriptor* field) {
   }
 }
 
-// The wire type of one element of a scalar `field` (not packed).
-Wire::WireType ElementWireType(const pb::FieldDescriptor* field) {
-  return Wire::WireTypeForFieldType(static_cast<Wire::FieldType>(field->type()));
+// What the walk needs of a message type, read from its descriptor once (the descriptor's
+// own lookups cost more than the walk itself).
+struct TypeInfo {
+  struct Field {
+    enum Kind : uint8_t { kNone, kMessage, kString, kScalar } kind = kNone;
+    bool repeated = false;
+    bool map = false;
+    uint8_t element_bytes = 0;        // kScalar
+    Wire::WireType element_wire{};    // kScalar: one element's wire type
+    const TypeInfo* child = nullptr;  // kMessage
+  };
+  const pb::Descriptor* descriptor = nullptr;
+  uint64_t object_bytes = 0;  // an empty object of the type
+  // By field number, for numbers up to kDense; others through the descriptor.
+  static constexpr int kDense = 256;
+  std::vector<Field> dense;
+
+  Field Find(int number) const;
+};
+
+class TypeInfos {
+ public:
+  static const TypeInfo* For(const pb::Descriptor* type) {
+    static absl::Mutex mu(absl::kConstInit);
+    static auto* infos =
+        new absl::flat_hash_map<const pb::Descriptor*, std::unique_ptr<TypeInfo>>();
+    kvmem::MutexLock lock(&mu);
+    return Build(type, *infos);
+  }
+  static TypeInfo::Field Describe(
+      const pb::FieldDescriptor* field,
+      absl::flat_hash_map<const pb::Descriptor*, std::unique_ptr<TypeInfo>>* infos) {
+    TypeInfo::Field f;
+    f.repeated = field->is_repeated();
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        f.kind = TypeInfo::Field::kMessage;
+        f.map = field->is_map();
+        f.child = infos != nullptr ? Build(field->message_type(), *infos) : nullptr;
+        break;
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        f.kind = TypeInfo::Field::kString;
+        break;
+      default:
+        f.kind = TypeInfo::Field::kScalar;
+        f.element_bytes = static_cast<uint8_t>(ElementBytes(field));
+        f.element_wire = Wire::WireTypeForFieldType(static_cast<Wire::FieldType>(field->type()));
+        break;
+    }
+    return f;
+  }
+
+ private:
+  // Made once per type; a type that contains itself finds its own (already in the map).
+  static const TypeInfo* Build(
+      const pb::Descriptor* type,
+      absl::flat_hash_map<const pb::Descriptor*, std::unique_ptr<TypeInfo>>& infos) {
+    auto [it, inserted] = infos.try_emplace(type, nullptr);
+    if (!inserted) return it->second.get();
+    it->second = std::make_unique<TypeInfo>();
+    TypeInfo* info = it->second.get();  // stays where it is (the map holds a pointer)
+    info->descriptor = type;
+    const pb::Message* prototype = pb::MessageFactory::generated_factory()->GetPrototype(type);
+    info->object_bytes = prototype != nullptr ? prototype->SpaceUsedLong() : 1024;
+    int top = 0;
+    for (int i = 0; i < type->field_count(); ++i) {
+      if (type->field(i)->number() < TypeInfo::kDense) {
+        top = std::max(top, type->field(i)->number());
+      }
+    }
+    info->dense.resize(top + 1);
+    for (int i = 0; i < type->field_count(); ++i) {
+      const pb::FieldDescriptor* field = type->field(i);
+      if (field->number() < TypeInfo::kDense) {
+        info->dense[field->number()] = Describe(field, &infos);
+      } else if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+        Build(field->message_type(), infos);  // Find's answer for it, made ahead
+      }
+    }
+    return info;
+  }
+};
+
+TypeInfo::Field TypeInfo::Find(int number) const {
+  if (number < static_cast<int>(dense.size())) return dense[number];
+  if (number < kDense) return Field{};
+  const pb::FieldDescriptor* field = descriptor->FindFieldByNumber(number);
+  if (field == nullptr) return Field{};
+  Field f = TypeInfos::Describe(field, nullptr);
+  if (f.kind == Field::kMessage) f.child = TypeInfos::For(field->message_type());
+  return f;
 }
 
 class Walker {
@@ -75,53 +152,51 @@ class Walker {
   Walker(pb::io::CodedInputStream* in, bool on_arena) : in_(in), growth_(on_arena ? 4 : 2) {}
 
   // Walks fields of `type` up to the current limit (or the end), adding to cost_.
-  bool Message(const pb::Descriptor* type, int depth) {
+  bool Message(const TypeInfo& type, int depth) {
     while (true) {
       const uint32_t tag = in_->ReadTag();
       if (tag == 0) return in_->ConsumedEntireMessage();
-      const pb::FieldDescriptor* field = type->FindFieldByNumber(Wire::GetTagFieldNumber(tag));
+      const TypeInfo::Field field = type.Find(Wire::GetTagFieldNumber(tag));
       const Wire::WireType wire = Wire::GetTagWireType(tag);
-      if (field == nullptr || (wire != Wire::WIRETYPE_LENGTH_DELIMITED &&
-                               (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE ||
-                                wire != ElementWireType(field)))) {
+      if (field.kind == TypeInfo::Field::kNone ||
+          (wire != Wire::WIRETYPE_LENGTH_DELIMITED &&
+           (field.kind != TypeInfo::Field::kScalar || wire != field.element_wire))) {
         if (!Unknown(tag)) return false;
         continue;
       }
-      const uint64_t repeated = field->is_repeated() ? growth_ : 1;  // arrays grow by doubling
-      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {                 // one scalar element
-        cost_ += field->is_repeated() ? repeated * ElementBytes(field) : 0;
+      const uint64_t repeated = field.repeated ? growth_ : 1;  // arrays grow by doubling
+      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {           // one scalar element
+        cost_ += field.repeated ? repeated * field.element_bytes : 0;
         if (!Wire::SkipField(in_, tag)) return false;
         continue;
       }
       uint32_t length = 0;
       if (!in_->ReadVarint32(&length)) return false;
-      switch (field->cpp_type()) {
-        case pb::FieldDescriptor::CPPTYPE_MESSAGE: {
+      switch (field.kind) {
+        case TypeInfo::Field::kMessage: {
           if (depth + 1 >= kMaxDepth) return false;
-          cost_ += CachedObjectBytes(field->message_type()) + kHeapBlockBytes +
-                   (field->is_repeated() ? growth_ * sizeof(void*) : 0) +
-                   (field->is_map() ? kMapNodeBytes : 0);
+          cost_ += field.child->object_bytes + kHeapBlockBytes +
+                   (field.repeated ? growth_ * sizeof(void*) : 0) + (field.map ? kMapNodeBytes : 0);
           const pb::io::CodedInputStream::Limit limit = in_->PushLimit(static_cast<int>(length));
-          if (!Message(field->message_type(), depth + 1)) return false;
+          if (!Message(*field.child, depth + 1)) return false;
           in_->PopLimit(limit);
           break;
         }
-        case pb::FieldDescriptor::CPPTYPE_STRING:
-          cost_ += StringBytes(length) + (field->is_repeated() ? growth_ * sizeof(void*) : 0);
+        case TypeInfo::Field::kString:
+          cost_ += StringBytes(length) + (field.repeated ? growth_ * sizeof(void*) : 0);
           if (!in_->Skip(static_cast<int>(length))) return false;
           break;
         default: {
-          if (!field->is_repeated()) {  // a length-delimited record for a singular scalar
+          if (!field.repeated) {  // a length-delimited record for a singular scalar
             if (!Unknown(tag, length)) return false;
             break;
           }
           // Packed: at most one element per byte for varints, exactly one per 4 or 8 bytes
           // for fixed widths.
-          const Wire::WireType element = ElementWireType(field);
-          const uint64_t count = element == Wire::WIRETYPE_FIXED32   ? length / 4
-                                 : element == Wire::WIRETYPE_FIXED64 ? length / 8
-                                                                     : length;
-          cost_ += kRepeatedBytes + kHeapBlockBytes + repeated * count * ElementBytes(field);
+          const uint64_t count = field.element_wire == Wire::WIRETYPE_FIXED32   ? length / 4
+                                 : field.element_wire == Wire::WIRETYPE_FIXED64 ? length / 8
+                                                                                : length;
+          cost_ += kRepeatedBytes + kHeapBlockBytes + repeated * count * field.element_bytes;
           if (!in_->Skip(static_cast<int>(length))) return false;
           break;
         }
@@ -166,19 +241,9 @@ class Walker {
     }
   }
 
-  // ObjectBytes without its lock: a request names a handful of types, met many times.
-  uint64_t CachedObjectBytes(const pb::Descriptor* type) {
-    for (const auto& [known, bytes] : sizes_) {
-      if (known == type) return bytes;
-    }
-    sizes_.emplace_back(type, ObjectBytes(type));
-    return sizes_.back().second;
-  }
-
   pb::io::CodedInputStream* in_;
   const uint64_t growth_;
   uint64_t cost_ = 0;
-  std::vector<std::pair<const pb::Descriptor*, uint64_t>> sizes_;
 };
 
 }  // namespace
@@ -188,11 +253,12 @@ absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, pb::io::ZeroCopyI
   pb::io::CodedInputStream in(wire);
   in.SetTotalBytesLimit(INT32_MAX);
   Walker walker(&in, on_arena);
-  if (!walker.Message(type, 0)) {
+  const TypeInfo* info = TypeInfos::For(type);
+  if (!walker.Message(*info, 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("the request does not parse as a ", type->full_name()));
   }
-  return walker.cost() + ObjectBytes(type) + kHeapBlockBytes;
+  return walker.cost() + info->object_bytes + kHeapBlockBytes;
 }
 
 absl::StatusOr<uint64_t> ParseCost(const pb::Descriptor* type, absl::string_view wire,
