@@ -16,9 +16,10 @@
 
 namespace kvmem::testing {
 
-// A SOCK_SEQPACKET connection to `address`, or -1.
-inline int ConnectUnix(const std::string& address) {
-  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+// A connection to `address` (SOCK_SEQPACKET: the attach socket's kind; SOCK_STREAM: gRPC's),
+// or -1.
+inline int ConnectUnix(const std::string& address, int type = SOCK_SEQPACKET) {
+  const int fd = ::socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
   sockaddr_un addr;
   const socklen_t length = v1::attach::SocketAddress(address, &addr);
   if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {

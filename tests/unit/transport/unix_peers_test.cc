@@ -16,21 +16,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "kvmem/v1/attach.h"
+#include "tests/testing/unix_sockets.h"
 
 namespace kvmem::transport {
 namespace {
 
-int ConnectStream(const std::string& address) {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr;
-  const socklen_t length = v1::attach::SocketAddress(address, &addr);
-  if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&addr), length) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
+int ConnectStream(const std::string& address) { return testing::ConnectUnix(address, SOCK_STREAM); }
 
 class UnixPeersTest : public ::testing::Test {
  protected:
