@@ -98,20 +98,26 @@ void CheckCode(int code, const char* what, const std::string& message) {
              "%s answered %d: %s", what, code, message.c_str());
 }
 
+// Parses `bytes` into `message`, checking on the way that what kvmemd counts before it
+// parses (transport::ParseCost) refuses only what protobuf refuses and bounds what the
+// parse holds.
+bool Parse(const std::string& bytes, Message* message) {
+  const bool parsed = message->ParseFromString(bytes);
+  const absl::StatusOr<uint64_t> cost = transport::ParseCost(message->GetDescriptor(), bytes);
+  FUZZ_CHECK(cost.ok() || !parsed, "ParseCost refused a %s that parses: %s",
+             message->GetDescriptor()->name().c_str(), cost.status().ToString().c_str());
+  if (!parsed) return false;
+  FUZZ_CHECK(*cost >= message->SpaceUsedLong(), "ParseCost %llu below the %s's %llu bytes",
+             static_cast<unsigned long long>(*cost), message->GetDescriptor()->name().c_str(),
+             static_cast<unsigned long long>(message->SpaceUsedLong()));
+  return true;
+}
+
 template <typename Request, typename Response>
 void Call(grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*, Response*),
           const std::string& bytes, std::vector<uint64_t>* ids, bool unchanged_on_error = false) {
   Request request;
-  const bool parsed = request.ParseFromString(bytes);
-  // What kvmemd counts before it parses (transport::ParseCost) refuses only what protobuf
-  // refuses, and bounds what the parse holds.
-  const absl::StatusOr<uint64_t> cost = transport::ParseCost(Request::descriptor(), bytes);
-  FUZZ_CHECK(cost.ok() || !parsed, "ParseCost refused a %s that parses: %s",
-             Request::descriptor()->name().c_str(), cost.status().ToString().c_str());
-  if (!parsed) return;
-  FUZZ_CHECK(*cost >= request.SpaceUsedLong(), "ParseCost %llu below the %s's %llu bytes",
-             static_cast<unsigned long long>(*cost), Request::descriptor()->name().c_str(),
-             static_cast<unsigned long long>(request.SpaceUsedLong()));
+  if (!Parse(bytes, &request)) return;
   MapIds(&request, *ids);
   uint64_t target = 0;
   std::string before;
@@ -155,7 +161,7 @@ class ChunkReader final : public service::MessageReader<v1::AppendStreamRequest>
   bool Read(v1::AppendStreamRequest* message) override {
     if (in_.remaining() == 0 || chunks_ == 8) return false;
     ++chunks_;
-    if (!message->ParseFromString(in_.Bytes(in_.Take<uint16_t>()))) {
+    if (!Parse(in_.Bytes(in_.Take<uint16_t>()), message)) {
       refused_ = absl::InvalidArgumentError("the chunk does not parse");
       return false;
     }
@@ -203,13 +209,19 @@ class PieceWriter final : public grpc::ServerWriterInterface<v1::ReadKvResponse>
  public:
   void SendInitialMetadata() override {}
   bool Write(const v1::ReadKvResponse& piece, grpc::WriteOptions /*options*/) override {
-    FUZZ_CHECK(piece.k().size() == piece.v().size() &&
-                   (piece.positions_size() == 0 ||
-                    piece.k().size() % static_cast<size_t>(piece.positions_size()) == 0),
-               "a ReadKv piece of %zu K bytes, %zu V bytes for %d positions", piece.k().size(),
-               piece.v().size(), piece.positions_size());
-    FUZZ_CHECK(piece.ByteSizeLong() <= 2 * KvCacheService::kReadPieceBytes + 4096,
-               "a ReadKv piece of %zu bytes", piece.ByteSizeLong());
+    const size_t n = static_cast<size_t>(piece.positions_size());
+    FUZZ_CHECK(piece.k().size() == piece.v().size() && n > 0 && piece.k().size() % n == 0,
+               "a ReadKv piece of %zu K bytes, %zu V bytes for %zu positions", piece.k().size(),
+               piece.v().size(), n);
+    for (size_t i = 1; i < n; ++i) {
+      FUZZ_CHECK(piece.positions(i) > piece.positions(i - 1),
+                 "a ReadKv piece's positions do not increase at %zu", i);
+    }
+    // At most a piece's bytes, or one slot's when that is more.
+    const size_t row = piece.k().size() / n;
+    FUZZ_CHECK(2 * piece.k().size() + 8 * n <=
+                   std::max<size_t>(KvCacheService::kReadPieceBytes, 2 * row + 8),
+               "a ReadKv piece of %zu positions, %zu bytes a row", n, row);
     return true;
   }
 };

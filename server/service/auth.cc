@@ -45,8 +45,14 @@ bool ValidTenantName(absl::string_view name) {
 namespace {
 
 constexpr absl::string_view kUidPrefix = "uid:";
-// What SO_PEERCRED reports for a uid outside kvmemd's user namespace.
-constexpr uint32_t kOverflowUid = 65534;
+// What SO_PEERCRED reports for a uid outside kvmemd's user namespace (the kernel's
+// overflowuid, 65534 unless set otherwise).
+uint32_t OverflowUid() {
+  uint32_t uid = 65534;
+  std::ifstream in("/proc/sys/kernel/overflowuid");
+  if (in) in >> uid;
+  return uid;
+}
 
 bool ValidToken(absl::string_view token) {
   if (token.size() < 16 || token.size() > 512 || absl::StartsWith(token, kUidPrefix)) return false;
@@ -97,10 +103,11 @@ absl::StatusOr<Authenticator::Credentials> Authenticator::Parse(absl::string_vie
           !absl::SimpleAtoi(uid_text, &uid) || uid == static_cast<uint32_t>(-1)) {
         return bad("a uid must be uid:<n>, n a decimal number below 4294967295");
       }
-      if (uid == kOverflowUid) {
-        return bad(
-            "uid:65534 is the kernel's overflow uid: every peer whose uid kvmemd's user "
-            "namespace cannot map shows as it");
+      if (uid == OverflowUid()) {
+        return bad(absl::StrCat(
+            "uid:", uid,
+            " is the kernel's overflow uid: every peer whose uid kvmemd's user namespace cannot "
+            "map shows as it"));
       }
       if (!credentials.uids.emplace(static_cast<uid_t>(uid), std::move(who)).second) {
         return bad("the uid is listed twice");

@@ -72,14 +72,14 @@ class ParsedReader final : public MessageReader<T> {
  public:
   explicit ParsedReader(grpc::ServerReader<Parsed<T>>* reader) : reader_(reader) {}
   bool Read(T* message) override {
+    // What the caller's last message holds (cleared, its capacity kept) goes before the
+    // next parse: only counted buffers are held.
+    T().Swap(message);
     if (!reader_->Read(&current_)) {
       if (!current_.status().ok()) refused_ = current_.status();
       return false;
     }
     message->Swap(&current_.message);
-    // What the caller's last message held (cleared, its capacity kept) goes now: the next
-    // parse fills fresh buffers, all of them counted.
-    current_.message = T();
     return true;
   }
   const absl::Status& refused() const override { return refused_; }

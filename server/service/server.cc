@@ -110,12 +110,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "--grpc-memory-bytes: ", config.grpc_memory_bytes, " cannot hold one message of ",
         max_message, " bytes (--max-message-bytes plus 4 MiB)"));
   }
-  // The largest Append's parse is about its size (its K/V bytes: StringParseBytes): two fit.
-  if (config.parse_memory_bytes < 2 * transport::StringParseBytes(max_message)) {
+  // The largest Append's parse is about its size (its K and V: StringParseBytes, and 4 MiB
+  // for the rest): two fit.
+  const uint64_t largest_append =
+      2 * transport::StringParseBytes(config.engine.max_append_bytes / 2) + (4u << 20);
+  if (config.parse_memory_bytes < 2 * largest_append) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--parse-memory-bytes: ", config.parse_memory_bytes, " cannot hold two messages of ",
-        max_message, " bytes (--max-message-bytes plus 4 MiB) once parsed (",
-        transport::StringParseBytes(max_message), " bytes each)"));
+        "--parse-memory-bytes: ", config.parse_memory_bytes,
+        " cannot hold two of the largest Appends (--max-message-bytes=",
+        config.engine.max_append_bytes, ") once parsed (", largest_append, " bytes each)"));
   }
   transport::ParseBudget::Process().SetCapacity(config.parse_memory_bytes);
   if (config.grpc_max_threads < 4) {
@@ -161,7 +164,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   // socket to gRPC and the token file may not map uids.
   const std::string unix_address = UnixAddress(config.listen);
   constexpr bool kDescriptorOutlivesCalls =
-      GRPC_CPP_VERSION_MAJOR == 1 && GRPC_CPP_VERSION_MINOR <= 51;
+      GRPC_CPP_VERSION_MAJOR == 1 && GRPC_CPP_VERSION_MINOR == 51;
   const bool own_accept = kDescriptorOutlivesCalls && server->auth_ != nullptr &&
                           config.tls_cert.empty() && !unix_address.empty();
   if (server->auth_ != nullptr && !own_accept && server->auth_->maps_uids()) {

@@ -33,8 +33,12 @@ constexpr uint64_t kStringBytes = 48, kRepeatedBytes = 32, kUnknownBytes = 96, k
 // (protobuf's kSafeStringSize).
 constexpr uint64_t kSafeStringBytes = 50000000;
 
+// Past this, the allocator maps pages of their own for a block and rounds it up to a page.
+constexpr uint64_t kMappedBlockBytes = 128 << 10, kPageRoundingBytes = 8 << 10;
+
 uint64_t StringBytes(uint64_t length) {
-  return (length > kSafeStringBytes ? 3 * length : length) + kStringBytes + kHeapBlockBytes;
+  return (length > kSafeStringBytes ? 3 * length : length) + kStringBytes + kHeapBlockBytes +
+         (length >= kMappedBlockBytes ? kPageRoundingBytes : 0);
 }
 
 // The bytes one element of a repeated scalar `field` takes in its array.
@@ -147,9 +151,10 @@ TypeInfo::Field TypeInfo::Find(int number) const {
 
 class Walker {
  public:
-  // `on_arena`: repeated fields' old arrays stay until the arena goes (4 times the
-  // elements, not 2).
-  Walker(pb::io::CodedInputStream* in, bool on_arena) : in_(in), growth_(on_arena ? 4 : 2) {}
+  // Repeated fields grow by doubling: while an array grows, the old one and the new one of
+  // twice its size are both held (3 times the elements); on an arena the old arrays stay
+  // until the arena goes (4 times).
+  Walker(pb::io::CodedInputStream* in, bool on_arena) : in_(in), growth_(on_arena ? 4 : 3) {}
 
   // Walks fields of `type` up to the current limit (or the end), adding to cost_.
   bool Message(const TypeInfo& type, int depth) {
@@ -164,8 +169,8 @@ class Walker {
         if (!Unknown(tag)) return false;
         continue;
       }
-      const uint64_t repeated = field.repeated ? growth_ : 1;  // arrays grow by doubling
-      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {           // one scalar element
+      const uint64_t repeated = field.repeated ? growth_ : 1;
+      if (wire != Wire::WIRETYPE_LENGTH_DELIMITED) {  // one scalar element
         cost_ += field.repeated ? repeated * field.element_bytes : 0;
         if (!Wire::SkipField(in_, tag)) return false;
         continue;

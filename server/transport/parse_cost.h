@@ -17,8 +17,9 @@
 
 namespace kvmem::transport {
 
-// At least the bytes that parsing `wire` as a `type` allocates (objects, strings, repeated
-// fields' storage at twice their count, or four times on an arena, where old arrays stay;
+// At least the bytes that parsing `wire` as a `type` holds at its peak (objects, strings,
+// repeated fields' storage at three times their count — the old array and the new while
+// one grows — or four times on an arena, where old arrays stay;
 // unknown fields; the allocator's own bytes per block); InvalidArgument when `wire` is not
 // a `type` (protobuf would not parse it either) or nests deeper than protobuf's limit.
 // On an arena (`on_arena`), strings' bytes still go to the heap: count the whole cost

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvmem/v1/attach.h"
+#include "spdlog/spdlog.h"
 
 namespace kvmem::transport {
 
@@ -82,7 +83,9 @@ void UnixListener::set_mode(mode_t mode) const {
   // Only the file this made, and not through a symlink put there since.
   if (made_file_ && lstat(address_.c_str(), &st) == 0 && st.st_dev == file_dev_ &&
       st.st_ino == file_ino_) {
-    fchmodat(AT_FDCWD, address_.c_str(), mode, AT_SYMLINK_NOFOLLOW);
+    if (fchmodat(AT_FDCWD, address_.c_str(), mode, AT_SYMLINK_NOFOLLOW) != 0) {
+      spdlog::warn("{}: chmod {:o}: {}", address_, mode, std::strerror(errno));
+    }
   }
 }
 

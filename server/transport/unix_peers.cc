@@ -7,6 +7,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -64,23 +66,29 @@ uint64_t UnixPeers::refused() const {
   return refused_;
 }
 
-bool UnixPeers::Admits(uid_t uid) {
-  auto count = [&] {
-    size_t same = 0;
-    for (const auto& [fd, peer] : peers_) same += peer.credentials.uid == uid ? 1 : 0;
-    return same;
-  };
-  // Sweeping costs a stat per entry: only near a cap.
-  if (peers_.size() < caps_.connections &&
-      (peers_.size() < caps_.per_uid || count() < caps_.per_uid)) {
-    return true;
+bool UnixPeers::UnderCaps(uid_t uid) const {
+  if (peers_.size() >= caps_.connections) return false;
+  if (peers_.size() < caps_.per_uid) return true;
+  size_t same = 0;
+  for (const auto& [fd, peer] : peers_) same += peer.credentials.uid == uid ? 1 : 0;
+  return same < caps_.per_uid;
+}
+
+void UnixPeers::Sweep() {
+  // Only this thread (the acceptor) changes the table: the stats run without the lock, so
+  // that the calls looking peers up never wait on them.
+  std::vector<std::pair<int, Peer>> entries;
+  {
+    kvmem::MutexLock lock(&mu_);
+    entries.assign(peers_.begin(), peers_.end());
   }
-  absl::erase_if(peers_, [](const auto& entry) {
+  std::vector<int> gone;
+  for (const auto& [fd, peer] : entries) {
     struct stat st {};
-    return fstat(entry.first, &st) != 0 || st.st_dev != entry.second.dev ||
-           st.st_ino != entry.second.ino;
-  });
-  return peers_.size() < caps_.connections && count() < caps_.per_uid;
+    if (fstat(fd, &st) != 0 || st.st_dev != peer.dev || st.st_ino != peer.ino) gone.push_back(fd);
+  }
+  kvmem::MutexLock lock(&mu_);
+  for (int fd : gone) peers_.erase(fd);
 }
 
 void UnixPeers::Accept() {
@@ -113,17 +121,33 @@ void UnixPeers::Accept() {
     }
     peer.dev = st.st_dev;
     peer.ino = st.st_ino;
+    bool admitted;
     {
       kvmem::MutexLock lock(&mu_);
       // A number that a connection of ours had before is a new connection now.
       peers_.erase(connection);
-      if (!Admits(peer.credentials.uid)) {
+      admitted = UnderCaps(peer.credentials.uid);
+    }
+    // At a cap: the entries of connections gone are dropped (a stat each, at most every
+    // kSweepEvery), then it is asked again.
+    if (!admitted && absl::Now() - last_sweep_ >= kSweepEvery) {
+      Sweep();
+      last_sweep_ = absl::Now();
+      kvmem::MutexLock lock(&mu_);
+      admitted = UnderCaps(peer.credentials.uid);
+    }
+    {
+      kvmem::MutexLock lock(&mu_);
+      if (!admitted) {
         ++refused_;
-        close(connection);
-        continue;
+      } else {
+        peers_[connection] = peer;  // before the first call on it can ask
+        ++accepted_;
       }
-      peers_[connection] = peer;  // before the first call on it can ask
-      ++accepted_;
+    }
+    if (!admitted) {
+      close(connection);
+      continue;
     }
     serve_(connection);
   }

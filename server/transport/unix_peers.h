@@ -20,6 +20,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/transport/unix_listener.h"
 
 namespace kvmem::transport {
@@ -69,9 +71,13 @@ class UnixPeers {
   };
   UnixPeers() = default;
   void Accept();
-  // Whether `uid` may have one more connection, after dropping the entries of connections
-  // that are gone (their number closed or taken by something else).
-  bool Admits(uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `uid` may have one more connection, by the table as it is.
+  bool UnderCaps(uid_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the entries of connections that are gone (their number closed or taken by
+  // something else). On the acceptor's thread only.
+  void Sweep();
+  static constexpr absl::Duration kSweepEvery = absl::Milliseconds(100);
+  absl::Time last_sweep_ = absl::InfinitePast();  // the acceptor's
 
   std::string address_;
   Caps caps_;

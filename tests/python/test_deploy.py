@@ -429,6 +429,37 @@ def workload(path):
     return pod, flagfiles
 
 
+def cpu_flag_sets():
+    """The kvmemd flag sets of the CPU deployments: compose's command and the sidecar's file."""
+    for source, program, tokens in compose_invocations():
+        if program == "kvmemd":
+            yield source, [t for t in tokens[1:] if t.startswith("--")]
+    pod, flagfiles = workload(K8S / "sidecar.yaml")
+    for files in flagfiles.values():
+        for name, text in files.items():
+            yield f"deploy/k8s/sidecar.yaml:{name}", text.split()
+
+
+@pytest.mark.parametrize("source,tokens", list(cpu_flag_sets()), ids=lambda v: str(v)[:40])
+def test_kvmemd_starts_with_the_deploy_flags(source, tokens, tmp_path):
+    """Each CPU deployment's flags start kvmemd (its own bounds agree with each other: a limit
+    one flag sets may not be below what another needs), on a socket of the test's own."""
+    binary = BIN / "kvmemd"
+    if not binary.exists():
+        pytest.skip(f"{binary} not built (set KVMEM_BIN to the build folder)")
+    kept = [t for t in tokens if not t.startswith(("--listen=", "--metrics_listen="))]
+    proc = subprocess.Popen(
+        [str(binary), *kept, f"--listen=unix:{tmp_path}/kvmemd.sock", "--metrics_listen=",
+         "--pool_prefault=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), f"{source}: kvmemd did not start: {proc.stderr.read()}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml"])
 def test_k8s_workload(name):
     pod, flagfiles = workload(K8S / name)
