@@ -47,6 +47,10 @@ ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
           "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
           "+ 64 MiB");
 ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core");
+ABSL_FLAG(bool, ucx, false,
+          "run a UCX worker and register the pool and the epoch board for remote reads (RMA "
+          "get; transports from UCX_TLS as usual), offered in GetInfo to callers that may read "
+          "the pool (CPU backend)");
 ABSL_FLAG(bool, in_place_writes, false,
           "StepBatch hands out write plans and commits K/V that same-host clients write into "
           "the pool themselves (the pool mapped writable): serve one trust domain only");
@@ -196,6 +200,7 @@ int main(int argc, char** argv) {
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
   config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
+  config.ucx = absl::GetFlag(FLAGS_ucx);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

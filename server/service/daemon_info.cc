@@ -12,6 +12,9 @@
 #include "absl/strings/strip.h"
 #include "kernels/quantize.h"
 #include "kvmem/v1/attach.h"
+#if KVMEM_WITH_UCX
+#include "server/transport/ucx_plane.h"
+#endif
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
 
@@ -104,6 +107,20 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
     response->mutable_table_area()->set_slots(tables->slots());
   }
   FillAttachTicket(*attach, std::move(grants), issuer, response->mutable_attach());
+}
+
+void DescribeUcx(const transport::UcxPlane& ucx, v1::UcxExport* out) {
+#if KVMEM_WITH_UCX
+  out->set_worker_address(ucx.worker_address());
+  out->set_pool_rkey(ucx.region(0).rkey);
+  out->set_pool_address(ucx.region(0).address);
+  out->set_pool_bytes(ucx.region(0).bytes);
+  out->set_epoch_board_rkey(ucx.region(1).rkey);
+  out->set_epoch_board_address(ucx.region(1).address);
+#else
+  (void)ucx;
+  (void)out;
+#endif
 }
 
 void FillAttachTicket(transport::AttachSocket& attach,

@@ -12,6 +12,10 @@
 #include "server/engine/engine.h"
 #include "server/transport/attach_socket.h"
 
+namespace kvmem::transport {
+class UcxPlane;
+}  // namespace kvmem::transport
+
 namespace kvmem::service {
 
 // With `attach` (the same-host attach, one trust domain: kvmemd with identities offers it to
@@ -27,6 +31,9 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
 void FillAttachTicket(transport::AttachSocket& attach,
                       std::vector<transport::AttachSocket::Grant> grants, const std::string& issuer,
                       v1::AttachTicket* ticket);
+
+// kvmemd's UCX worker as a remote reader needs it (regions: the pool, then the epoch board).
+void DescribeUcx(const transport::UcxPlane& ucx, v1::UcxExport* out);
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

@@ -62,6 +62,8 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only.
   DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr,
                  call->who.tenant);
+  // So does the pool's remote key.
+  if (call->who.admin && ucx_ != nullptr) DescribeUcx(*ucx_, response->mutable_ucx());
   return grpc::Status::OK;
 }
 

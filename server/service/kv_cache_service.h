@@ -22,6 +22,10 @@
 #include "server/transport/attach_socket.h"
 #include "server/transport/step_channel.h"
 
+namespace kvmem::transport {
+class UcxPlane;
+}  // namespace kvmem::transport
+
 namespace kvmem::service {
 
 class KvCacheService final : public grpc::Service {
@@ -68,6 +72,10 @@ class KvCacheService final : public grpc::Service {
   // The prefix namespace of a request's cache salt: the tenant's, which the salt may
   // subdivide and never leave (the salt as sent on a daemon without tokens).
   static std::string ScopedSalt(const Principal& who, const std::string& salt);
+
+  // kvmemd's UCX worker, offered in GetInfo to callers that may read the pool (null: none).
+  // Set before serving.
+  void set_ucx(const transport::UcxPlane* ucx) { ucx_ = ucx; }
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -202,6 +210,7 @@ class KvCacheService final : public grpc::Service {
   TenantCalls tenant_calls_;
   // A deque: gRPC keeps pointers to the names, which appending must not move.
   std::deque<std::string> method_names_;
+  const transport::UcxPlane* ucx_ = nullptr;
 };
 
 }  // namespace kvmem::service

@@ -207,10 +207,33 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       transport::AttachSocket::Start({DefaultAttachSocket(config), config.attach_uids});
   if (!attach.ok()) return attach.status();
   server->attach_ = *std::move(attach);
+  const transport::UcxPlane* ucx = nullptr;
+  if (config.ucx) {
+#if KVMEM_WITH_UCX
+    std::optional<store::PoolExport> pool = server->engine_->backend().pool_export();
+    const auto* shm = pool ? std::get_if<store::SharedMemoryExport>(&*pool) : nullptr;
+    std::shared_ptr<const transport::SharedSegment> pool_segment =
+        shm != nullptr ? shm->segment.lock() : nullptr;
+    std::shared_ptr<const transport::SharedSegment> board =
+        server->engine_->epoch_board().segment().lock();
+    if (pool_segment == nullptr || board == nullptr) {
+      return absl::InvalidArgumentError(
+          "--ucx: only the CPU backend's pool is registered for remote reads so far");
+    }
+    absl::StatusOr<std::unique_ptr<transport::UcxPlane>> plane = transport::UcxPlane::Start(
+        {{pool_segment->data(), pool_segment->bytes()}, {board->data(), board->bytes()}});
+    if (!plane.ok()) return plane.status();
+    server->ucx_ = *std::move(plane);
+    ucx = server->ucx_.get();
+#else
+    return absl::InvalidArgumentError("--ucx: this kvmemd was built without UCX (WITH_UCX)");
+#endif
+  }
   server->rpc_telemetry_ = std::make_unique<metrics::RpcTelemetry>(ServedMethods());
   server->service_ = std::make_unique<KvCacheService>(
       server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get(),
       server->auth_.get(), server->attach_.get());
+  server->service_->set_ucx(ucx);
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);

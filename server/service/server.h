@@ -17,6 +17,9 @@
 #include "server/service/admission.h"
 #include "server/service/auth.h"
 #include "server/transport/attach_socket.h"
+#if KVMEM_WITH_UCX
+#include "server/transport/ucx_plane.h"
+#endif
 #include "server/transport/unix_peers.h"
 
 namespace kvmem::service {
@@ -64,6 +67,9 @@ struct ServerConfig {
   // abstract name of its own. `attach_uids`: the peer uids it serves (empty: kvmemd's own).
   std::string attach_socket;
   std::vector<uid_t> attach_uids;
+  // kvmemd's UCX worker (transport::UcxPlane): the pool and the epoch board registered for
+  // remote reads, offered in GetInfo's `ucx` to callers that may read the pool. CPU backend.
+  bool ucx = false;
 };
 
 class Server {
@@ -103,6 +109,9 @@ class Server {
   std::unique_ptr<Authenticator> auth_;  // with tokens; before the service that reads it
   // After the engine (its segments), before the service (which issues its tickets).
   std::unique_ptr<transport::AttachSocket> attach_;
+#if KVMEM_WITH_UCX
+  std::unique_ptr<transport::UcxPlane> ucx_;  // after the engine (its regions), before service_
+#endif
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   // kvmemd's own accept on a unix --listen with authentication (peers' uids); stopped

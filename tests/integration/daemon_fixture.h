@@ -35,6 +35,7 @@ class DaemonTest : public ::testing::Test {
     config.engine.in_place_writes = in_place_writes_;
     config.engine.table_area_bytes = table_area_bytes_;
     if (parse_memory_bytes_ != 0) config.parse_memory_bytes = parse_memory_bytes_;
+    config.ucx = ucx_;
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -78,6 +79,7 @@ class DaemonTest : public ::testing::Test {
   bool in_place_writes_ = false;
   uint64_t table_area_bytes_ = 0;    // kvmemd --table_area_bytes
   uint64_t parse_memory_bytes_ = 0;  // kvmemd --parse-memory-bytes (0: the default)
+  bool ucx_ = false;                 // kvmemd --ucx
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

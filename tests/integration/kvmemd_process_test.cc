@@ -27,7 +27,11 @@
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
+#if KVMEM_WITH_UCX
+#include "kvmem/ucx_pool.h"
+#endif
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "tests/testing/payload.h"
 #include "tests/testing/unix_sockets.h"
 
 namespace {
@@ -139,6 +143,52 @@ TEST(KvmemdProcessTest, NoSegmentHasANameAndAKilledDaemonLeavesNone) {
   EXPECT_EQ(kvmem::testing::ShmNames(), before);
   if (d.out != nullptr) fclose(d.out);
 }
+
+#if KVMEM_WITH_UCX
+// A reader in another process reads a kvmemd's pool by UCX RMA (kvmemd --ucx), over TCP and
+// over shared memory, bit-exact against ReadKv; a kvmemd killed under it fails its next read
+// within the pool's deadline.
+TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
+  for (const char* tls : {"tcp", "sm,self"}) {
+    SCOPED_TRACE(tls);
+    setenv("UCX_TLS", tls, 1);
+    kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+        KVMEMD_PATH,
+        {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx", "--log-level=warn"});
+    ASSERT_GT(d.port, 0);
+    auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
+    kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};
+    auto seq = client->CreateSequence(layout, {"full", {}});
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    const std::vector<int64_t> positions = kvmem::testing::Range(0, 40);
+    const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
+    const std::string v = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 1);
+    const absl::Status appended = client->Append(seq->id, {positions, {}, k, v, {}, {}}).status();
+    ASSERT_TRUE(appended.ok()) << appended;
+    auto info = client->GetInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    auto pool = kvmem::client::UcxPool::Connect(*info, absl::Seconds(3));
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    auto table = *client->GetBlockTable(seq->id);
+    auto streams = *client->ReadKv(seq->id);
+    for (const kvmem::client::StreamKv& kv : streams) {
+      std::string rk, rv;
+      const absl::Status read = (*pool)->ReadStream(table, kv.layer, kv.kv_head, &rk, &rv);
+      ASSERT_TRUE(read.ok()) << read;
+      EXPECT_EQ(rk, kv.k);
+      EXPECT_EQ(rv, kv.v);
+    }
+    kill(d.pid, SIGKILL);
+    kvmem::testing::WaitExit(d.pid);
+    if (d.out != nullptr) fclose(d.out);
+    std::string rk, rv;
+    const auto started = std::chrono::steady_clock::now();
+    EXPECT_FALSE((*pool)->ReadStream(table, 0, 0, &rk, &rv).ok());
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
+  }
+  unsetenv("UCX_TLS");
+}
+#endif
 
 // A worker's step channel when its daemon dies outright: the batch in flight fails with
 // UNAVAILABLE within the client's deadline instead of waiting on a futex no one will wake,

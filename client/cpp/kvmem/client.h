@@ -133,6 +133,12 @@ struct Info {
   // empty when same-host attach is not offered to this caller. Valid for a minute or so:
   // attach soon after GetInfo.
   SegmentTicket attach;
+  // kvmemd's UCX worker and the remote keys of its pool and epoch board (kvmem/ucx_pool.h
+  // reads by RMA); empty worker_address when not offered to this caller.
+  struct Ucx {
+    std::string worker_address, pool_rkey, epoch_board_rkey;
+    uint64_t pool_address = 0, pool_bytes = 0, epoch_board_address = 0;
+  } ucx;
 };
 
 struct Sequence {

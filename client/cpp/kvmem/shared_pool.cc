@@ -45,12 +45,11 @@ uint64_t EpochReader::EpochWord(uint32_t slot) const {
   return word->load(std::memory_order_acquire);
 }
 
-absl::Status EpochReader::BeginRead(const BlockTable& table) const {
-  if (table.epoch_slot >= slots_) {
+absl::Status EpochReader::CheckBefore(const BlockTable& table, uint32_t slots, uint64_t word) {
+  if (table.epoch_slot >= slots) {
     return absl::InvalidArgumentError(
-        absl::StrCat("table.epoch_slot: ", table.epoch_slot, " is outside [0, ", slots_, ")"));
+        absl::StrCat("table.epoch_slot: ", table.epoch_slot, " is outside [0, ", slots, ")"));
   }
-  const uint64_t word = EpochWord(table.epoch_slot);
   if (word != 2 * table.epoch) {
     return absl::FailedPreconditionError(
         absl::StrCat("epoch: the table is at epoch ", table.epoch, " but the sequence is ",
@@ -60,13 +59,22 @@ absl::Status EpochReader::BeginRead(const BlockTable& table) const {
   return absl::OkStatus();
 }
 
-absl::Status EpochReader::EndRead(const BlockTable& table) const {
-  std::atomic_thread_fence(std::memory_order_acquire);
-  if (EpochWord(table.epoch_slot) != 2 * table.epoch) {
+absl::Status EpochReader::CheckAfter(const BlockTable& table, uint64_t word) {
+  if (word != 2 * table.epoch) {
     return absl::FailedPreconditionError(absl::StrCat("epoch: the sequence left epoch ",
                                                       table.epoch, " during the read; discard it"));
   }
   return absl::OkStatus();
+}
+
+absl::Status EpochReader::BeginRead(const BlockTable& table) const {
+  if (table.epoch_slot >= slots_) return CheckBefore(table, slots_, 0);
+  return CheckBefore(table, slots_, EpochWord(table.epoch_slot));
+}
+
+absl::Status EpochReader::EndRead(const BlockTable& table) const {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return CheckAfter(table, EpochWord(table.epoch_slot));
 }
 
 absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info, bool writable) {

@@ -51,6 +51,10 @@ class EpochReader {
   bool Stable(uint32_t slot, uint64_t epoch) const {
     return slot < slots_ && EpochWord(slot) == 2 * epoch;
   }
+  // The two checks on an epoch word however it was read (here, or remotely: ucx_pool.h):
+  // before a read, `word` of a board of `slots`; after it.
+  static absl::Status CheckBefore(const BlockTable& table, uint32_t slots, uint64_t word);
+  static absl::Status CheckAfter(const BlockTable& table, uint64_t word);
 
  private:
   EpochReader() = default;
@@ -69,8 +73,12 @@ class MappedPool {
   MappedPool(const MappedPool&) = delete;
   MappedPool& operator=(const MappedPool&) = delete;
 
-  absl::Status BeginRead(const BlockTable& table) const { return epochs_->BeginRead(table); }
-  absl::Status EndRead(const BlockTable& table) const { return epochs_->EndRead(table); }
+  // The read protocol's two checks (FAILED_PRECONDITION: the table is stale, or the
+  // sequence moved during the read).
+  virtual absl::Status BeginRead(const BlockTable& table) const {
+    return epochs_->BeginRead(table);
+  }
+  virtual absl::Status EndRead(const BlockTable& table) const { return epochs_->EndRead(table); }
   // Addresses in the mapping for one stream's blocks, in order; OUT_OF_RANGE for a block
   // outside it.
   absl::StatusOr<std::vector<BlockView>> StreamBlocks(const BlockTable& table, uint32_t layer,

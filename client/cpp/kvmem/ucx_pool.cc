@@ -1,0 +1,186 @@
+#include "kvmem/ucx_pool.h"
+
+#include <ucp/api/ucp.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace kvmem::client {
+
+struct UcxPool::Handles {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  ucp_ep_h ep = nullptr;
+  ucp_rkey_h pool = nullptr;
+  ucp_rkey_h board = nullptr;
+};
+
+namespace {
+
+absl::Status Failed(absl::string_view what, ucs_status_t status) {
+  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
+}
+
+// Waits for `request` (a ucp request, or an immediate status) within `deadline`. A request
+// still in flight then is left as it is (UCS_ERR_TIMED_OUT): the worker is progressed only
+// by this pool's calls, so nothing lands in its buffer once the pool stops progressing it.
+ucs_status_t Wait(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time deadline) {
+  if (request == nullptr) return UCS_OK;
+  if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
+  ucs_status_t status;
+  while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
+    if (ucp_worker_progress(worker) == 0 && absl::Now() > deadline) return UCS_ERR_TIMED_OUT;
+  }
+  ucp_request_free(request);
+  return status;
+}
+
+}  // namespace
+
+UcxPool::UcxPool() : ucx_(std::make_unique<Handles>()) {}
+
+absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
+                                                          absl::Duration deadline) {
+  if (info.ucx.worker_address.empty()) {
+    return absl::FailedPreconditionError(
+        "ucx: the daemon offers no UCX worker to this caller (kvmemd --ucx, and a caller that "
+        "may read the pool)");
+  }
+  if (info.epoch_slots == 0 || info.epoch_stride < sizeof(uint64_t)) {
+    return absl::FailedPreconditionError("ucx: the daemon describes no epoch board");
+  }
+  std::unique_ptr<UcxPool> pool(new UcxPool());
+  pool->deadline_ = deadline;
+  Handles& h = *pool->ucx_;
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
+    return Failed("ucp_config_read", s);
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA;
+  const ucs_status_t init = ucp_init(&params, config, &h.context);
+  ucp_config_release(config);
+  if (init != UCS_OK) return Failed("ucp_init", init);
+  ucp_worker_params_t worker_params{};
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // under mu_
+  if (ucs_status_t s = ucp_worker_create(h.context, &worker_params, &h.worker); s != UCS_OK) {
+    return Failed("ucp_worker_create", s);
+  }
+  ucp_ep_params_t ep_params{};
+  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  ep_params.address = reinterpret_cast<const ucp_address_t*>(info.ucx.worker_address.data());
+  // A peer that goes away fails the requests in flight instead of hanging them, where the
+  // transports can tell (TCP); shared memory cannot, and there a read that outlasts the
+  // deadline ends the pool instead.
+  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ucs_status_t created = ucp_ep_create(h.worker, &ep_params, &h.ep);
+  if (created == UCS_ERR_UNREACHABLE) {
+    ep_params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    created = ucp_ep_create(h.worker, &ep_params, &h.ep);
+  }
+  if (created != UCS_OK) return Failed("ucp_ep_create", created);
+  if (ucs_status_t s = ucp_ep_rkey_unpack(h.ep, info.ucx.pool_rkey.data(), &h.pool); s != UCS_OK) {
+    return Failed("the pool's rkey", s);
+  }
+  if (ucs_status_t s = ucp_ep_rkey_unpack(h.ep, info.ucx.epoch_board_rkey.data(), &h.board);
+      s != UCS_OK) {
+    return Failed("the epoch board's rkey", s);
+  }
+  // The daemon's addresses stand for the mapping's: StreamBlocks computes offsets from
+  // base_, CopyOut turns them back into the daemon's addresses.
+  pool->base_ = reinterpret_cast<const uint8_t*>(info.ucx.pool_address);
+  pool->bytes_ = info.ucx.pool_bytes;
+  pool->board_address_ = info.ucx.epoch_board_address;
+  pool->stride_ = info.epoch_stride;
+  pool->slots_ = info.epoch_slots;
+  return pool;
+}
+
+UcxPool::~UcxPool() {
+  Handles& h = *ucx_;
+  if (h.pool != nullptr) ucp_rkey_destroy(h.pool);
+  if (h.board != nullptr) ucp_rkey_destroy(h.board);
+  if (h.ep != nullptr && !broken_) {
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    Wait(h.worker, ucp_ep_close_nbx(h.ep, &close), absl::Now() + absl::Seconds(1));
+  }
+  if (h.worker != nullptr) ucp_worker_destroy(h.worker);
+  if (h.context != nullptr) ucp_cleanup(h.context);
+}
+
+absl::Status UcxPool::Get(void* dst, uint64_t address, uint64_t bytes, void* rkey) const {
+  if (broken_) {
+    return absl::UnavailableError(
+        "ucx: an earlier read outlasted its deadline; connect a new pool");
+  }
+  ucp_request_param_t param{};
+  const ucs_status_t status =
+      Wait(ucx_->worker,
+           ucp_get_nbx(ucx_->ep, dst, bytes, address, static_cast<ucp_rkey_h>(rkey), &param),
+           absl::Now() + deadline_);
+  // A failed endpoint (the peer went away) and a read left in flight both end the pool: its
+  // worker is never progressed again.
+  if (status != UCS_OK) broken_ = true;
+  if (status != UCS_OK) {
+    return absl::UnavailableError(absl::StrCat("ucx: a get of ", bytes, " bytes failed (",
+                                               ucs_status_string(status),
+                                               "); nothing read may be used"));
+  }
+  bytes_read_ += bytes;
+  ++gets_;
+  return absl::OkStatus();
+}
+
+absl::Status UcxPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {
+  const uint64_t offset = static_cast<uint64_t>(src - base_);
+  if (offset > bytes_ || bytes > bytes_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat("ucx: bytes [", offset, ", ", offset + bytes,
+                                              ") are outside the pool of ", bytes_));
+  }
+  absl::MutexLock lock(&mu_);
+  return Get(dst, reinterpret_cast<uint64_t>(src), bytes, ucx_->pool);
+}
+
+absl::StatusOr<uint64_t> UcxPool::EpochWord(uint32_t slot) const {
+  uint64_t word = 0;
+  if (absl::Status s =
+          Get(&word, board_address_ + uint64_t{slot} * stride_, sizeof word, ucx_->board);
+      !s.ok()) {
+    return s;
+  }
+  return word;  // the daemon and this host share byte order (UCX moves bytes as they are)
+}
+
+absl::Status UcxPool::BeginRead(const BlockTable& table) const {
+  if (table.epoch_slot >= slots_) return EpochReader::CheckBefore(table, slots_, 0);
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<uint64_t> word = EpochWord(table.epoch_slot);
+  if (!word.ok()) return word.status();
+  return EpochReader::CheckBefore(table, slots_, *word);
+}
+
+absl::Status UcxPool::EndRead(const BlockTable& table) const {
+  absl::MutexLock lock(&mu_);
+  // Every get of the blocks completed before this one was posted (each is waited for).
+  absl::StatusOr<uint64_t> word = EpochWord(table.epoch_slot);
+  if (!word.ok()) return word.status();
+  return EpochReader::CheckAfter(table, *word);
+}
+
+uint64_t UcxPool::bytes_read() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_read_;
+}
+
+uint64_t UcxPool::gets() const {
+  absl::MutexLock lock(&mu_);
+  return gets_;
+}
+
+}  // namespace kvmem::client

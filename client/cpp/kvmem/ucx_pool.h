@@ -1,0 +1,53 @@
+#pragma once
+// UcxPool: a daemon's pool read from another process — on another host, or here — by UCX
+// RMA get (kvmemd --ucx; GetInfo's `ucx`, offered to callers that may read the pool), under
+// the same epoch protocol as a mapping (shared_pool.h): the sequence's epoch word is read
+// remotely before and after the blocks, and a read across an epoch change is refused, never
+// used. Transports come from UCX's environment (UCX_TLS: tcp, shared memory, CMA, ...).
+// Reads only: the daemon registers nothing for remote writes. One read at a time per pool
+// (its worker is single-threaded); a peer that goes away fails a read within `deadline`,
+// and the pool with it (connect a new one).
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvmem/client.h"
+#include "kvmem/shared_pool.h"
+
+namespace kvmem::client {
+
+class UcxPool final : public MappedPool {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxPool>> Connect(
+      const Info& info, absl::Duration deadline = absl::Seconds(10));
+  ~UcxPool() override;
+
+  absl::Status BeginRead(const BlockTable& table) const override;
+  absl::Status EndRead(const BlockTable& table) const override;
+  // Bytes read from the daemon so far, and the gets that read them.
+  uint64_t bytes_read() const;
+  uint64_t gets() const;
+
+ private:
+  struct Handles;
+  UcxPool();
+  absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const override;
+  // One get of `bytes` at the daemon's `address` in the region of `rkey` (a ucp_rkey_h),
+  // waited for.
+  absl::Status Get(void* dst, uint64_t address, uint64_t bytes, void* rkey) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<uint64_t> EpochWord(uint32_t slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  std::unique_ptr<Handles> ucx_;
+  absl::Duration deadline_;
+  uint64_t board_address_ = 0;
+  uint32_t stride_ = 0, slots_ = 0;
+  mutable absl::Mutex mu_;
+  mutable uint64_t bytes_read_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable uint64_t gets_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable bool broken_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvmem::client
