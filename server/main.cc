@@ -51,6 +51,10 @@ ABSL_FLAG(bool, ucx, false,
           "run a UCX worker and register the pool and the epoch board for remote reads (RMA "
           "get; transports from UCX_TLS as usual), offered in GetInfo to callers that may read "
           "the pool (CPU backend)");
+ABSL_FLAG(bool, ucx_trusted_network, false,
+          "with --ucx: acknowledges that over TCP and shared memory (RMA emulated in software) "
+          "every process that reaches the UCX worker can read and write kvmemd's memory; "
+          "--ucx is refused without it");
 ABSL_FLAG(bool, in_place_writes, false,
           "StepBatch hands out write plans and commits K/V that same-host clients write into "
           "the pool themselves (the pool mapped writable): serve one trust domain only");
@@ -201,6 +205,7 @@ int main(int argc, char** argv) {
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
   config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
   config.ucx = absl::GetFlag(FLAGS_ucx);
+  config.ucx_trusted_network = absl::GetFlag(FLAGS_ucx_trusted_network);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -208,7 +209,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (!attach.ok()) return attach.status();
   server->attach_ = *std::move(attach);
   const transport::UcxPlane* ucx = nullptr;
+  if (config.ucx && !config.ucx_trusted_network) {
+    return absl::InvalidArgumentError(
+        "--ucx: over TCP and shared memory UCX emulates remote reads with messages its "
+        "handlers serve without checking a key or a region: any process that reaches kvmemd's "
+        "UCX worker could read and write all of kvmemd's memory. Pass --ucx_trusted_network "
+        "only where every such peer is trusted");
+  }
   if (config.ucx) {
+    spdlog::warn(
+        "kvmemd: --ucx with --ucx_trusted_network: every process that reaches the UCX worker "
+        "can read and write kvmemd's memory (UCX_TLS={}, UCX_NET_DEVICES={})",
+        std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "(all)",
+        std::getenv("UCX_NET_DEVICES") != nullptr ? std::getenv("UCX_NET_DEVICES") : "(all)");
 #if KVMEM_WITH_UCX
     std::optional<store::PoolExport> pool = server->engine_->backend().pool_export();
     const auto* shm = pool ? std::get_if<store::SharedMemoryExport>(&*pool) : nullptr;

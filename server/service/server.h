@@ -70,6 +70,10 @@ struct ServerConfig {
   // kvmemd's UCX worker (transport::UcxPlane): the pool and the epoch board registered for
   // remote reads, offered in GetInfo's `ucx` to callers that may read the pool. CPU backend.
   bool ucx = false;
+  // Acknowledges that over TCP and shared memory (RMA emulated in software, keys unchecked)
+  // every peer that reaches the UCX worker can read and write kvmemd's memory: --ucx is
+  // refused without it.
+  bool ucx_trusted_network = false;
 };
 
 class Server {

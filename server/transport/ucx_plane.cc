@@ -43,11 +43,9 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start(const std::vector<Regi
   ucp_config_release(config);
   if (init != UCS_OK) return Failed("ucp_init", init);
   ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
+  // Woken by every event (software RMA over TCP and shared memory arrives as messages).
+  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // the progress thread alone, once started
-  // Woken for what a remote read needs of this side (over TCP; over shared memory the
-  // reader's get needs nothing of it).
-  worker_params.events = UCP_WAKEUP_RMA;
   if (ucs_status_t s = ucp_worker_create(h.context, &worker_params, &h.worker); s != UCS_OK) {
     return Failed("ucp_worker_create", s);
   }
@@ -107,7 +105,10 @@ void UcxPlane::Progress() {
     pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {efd, POLLIN, 0}};
     // Armed: the descriptor wakes this on the next event. A timeout anyway, in case a
     // transport misses one.
-    if (poll(fds, 2, 100) < 0 && errno != EINTR) return;
+    if (poll(fds, 2, 100) < 0 && errno != EINTR) {
+      spdlog::error("--ucx: poll: {}; remote reads over TCP stop", std::strerror(errno));
+      return;
+    }
     if (fds[0].revents != 0) return;
   }
 }

@@ -5,6 +5,12 @@
 // the target's worker to progress (shared memory and CMA do not). The keys are handed out
 // only as GetInfo's `ucx`, to callers that may read the pool (as the attach ticket). A key
 // covers its whole region: like a mapping of the pool, it reads every tenant's blocks.
+//
+// Keys protect only where the network enforces them (RDMA hardware). Over TCP and shared
+// memory UCX emulates RMA with messages that its own handlers serve without checking a key,
+// a region or its protection: any process that reaches the worker can read and write any of
+// kvmemd's memory. So kvmemd starts it only when told the network is trusted
+// (--ucx_trusted_network), until reads are served by a protocol of kvmemd's own.
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -36,6 +36,7 @@ class DaemonTest : public ::testing::Test {
     config.engine.table_area_bytes = table_area_bytes_;
     if (parse_memory_bytes_ != 0) config.parse_memory_bytes = parse_memory_bytes_;
     config.ucx = ucx_;
+    config.ucx_trusted_network = ucx_;
     auto server = service::Server::Start(config, &clock_);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);

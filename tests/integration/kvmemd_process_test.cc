@@ -153,8 +153,8 @@ TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
     SCOPED_TRACE(tls);
     setenv("UCX_TLS", tls, 1);
     kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
-        KVMEMD_PATH,
-        {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx", "--log-level=warn"});
+        KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
+                      "--ucx_trusted_network", "--log-level=warn"});
     ASSERT_GT(d.port, 0);
     auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
     kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};

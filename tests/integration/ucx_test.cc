@@ -107,6 +107,12 @@ TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
   config.engine.pool_bytes = 8ull << 20;
   config.auth_tokens = tokens;
   config.ucx = true;
+  // Refused unless the network is said to be trusted (software RMA checks no key).
+  auto refused = service::Server::Start(config);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("--ucx_trusted_network"));
+  config.ucx_trusted_network = true;
   auto server = service::Server::Start(config);
   ASSERT_TRUE(server.ok()) << server.status();
   auto info_of = [&](const std::string& token) {

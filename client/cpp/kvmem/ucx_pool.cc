@@ -15,6 +15,7 @@ struct UcxPool::Handles {
   ucp_ep_h ep = nullptr;
   ucp_rkey_h pool = nullptr;
   ucp_rkey_h board = nullptr;
+  bool abandoned = false;  // a request left in flight: the worker is never progressed again
 };
 
 namespace {
@@ -23,15 +24,21 @@ absl::Status Failed(absl::string_view what, ucs_status_t status) {
   return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
 }
 
-// Waits for `request` (a ucp request, or an immediate status) within `deadline`. A request
-// still in flight then is left as it is (UCS_ERR_TIMED_OUT): the worker is progressed only
-// by this pool's calls, so nothing lands in its buffer once the pool stops progressing it.
-ucs_status_t Wait(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time deadline) {
+// Waits for `request` (a ucp request, or an immediate status) within `deadline`; past it,
+// returns UCS_ERR_TIMED_OUT with the request still in flight in `*pending` (the caller ends
+// it: a transport may still write into its buffer).
+ucs_status_t Wait(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time deadline,
+                  ucs_status_ptr_t* pending) {
+  *pending = nullptr;
   if (request == nullptr) return UCS_OK;
   if (UCS_PTR_IS_ERR(request)) return UCS_PTR_STATUS(request);
   ucs_status_t status;
   while ((status = ucp_request_check_status(request)) == UCS_INPROGRESS) {
-    if (ucp_worker_progress(worker) == 0 && absl::Now() > deadline) return UCS_ERR_TIMED_OUT;
+    ucp_worker_progress(worker);
+    if (absl::Now() > deadline) {
+      *pending = request;
+      return UCS_ERR_TIMED_OUT;
+    }
   }
   ucp_request_free(request);
   return status;
@@ -83,6 +90,10 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
     created = ucp_ep_create(h.worker, &ep_params, &h.ep);
   }
   if (created != UCS_OK) return Failed("ucp_ep_create", created);
+  if (info.ucx.pool_rkey.empty() || info.ucx.epoch_board_rkey.empty() ||
+      info.ucx.pool_address == 0 || info.ucx.epoch_board_address == 0) {
+    return absl::FailedPreconditionError("ucx: the daemon's description lacks a key or address");
+  }
   if (ucs_status_t s = ucp_ep_rkey_unpack(h.ep, info.ucx.pool_rkey.data(), &h.pool); s != UCS_OK) {
     return Failed("the pool's rkey", s);
   }
@@ -104,12 +115,17 @@ UcxPool::~UcxPool() {
   Handles& h = *ucx_;
   if (h.pool != nullptr) ucp_rkey_destroy(h.pool);
   if (h.board != nullptr) ucp_rkey_destroy(h.board);
-  if (h.ep != nullptr && !broken_) {
+  if (h.ep != nullptr) {
     ucp_request_param_t close{};
     close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     close.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    Wait(h.worker, ucp_ep_close_nbx(h.ep, &close), absl::Now() + absl::Seconds(1));
+    ucs_status_ptr_t closing = nullptr;
+    Wait(h.worker, ucp_ep_close_nbx(h.ep, &close), absl::Now() + absl::Seconds(1), &closing);
+    h.abandoned |= closing != nullptr;
   }
+  // With a request abandoned in flight the worker and context are left as they are (a small
+  // leak) rather than progressed or destroyed under it.
+  if (h.abandoned) return;
   if (h.worker != nullptr) ucp_worker_destroy(h.worker);
   if (h.context != nullptr) ucp_cleanup(h.context);
 }
@@ -120,12 +136,29 @@ absl::Status UcxPool::Get(void* dst, uint64_t address, uint64_t bytes, void* rke
         "ucx: an earlier read outlasted its deadline; connect a new pool");
   }
   ucp_request_param_t param{};
+  ucs_status_ptr_t pending = nullptr;
   const ucs_status_t status =
       Wait(ucx_->worker,
            ucp_get_nbx(ucx_->ep, dst, bytes, address, static_cast<ucp_rkey_h>(rkey), &param),
-           absl::Now() + deadline_);
-  // A failed endpoint (the peer went away) and a read left in flight both end the pool: its
-  // worker is never progressed again.
+           absl::Now() + deadline_, &pending);
+  if (pending != nullptr) {
+    // Past the deadline: the endpoint is closed by force, which flushes what is in flight
+    // on it (a hardware transport's write into `dst` completes or is cancelled) before
+    // `dst` is handed back. A software transport writes only while this worker progresses:
+    // a request still pending after a second is left unfreed and the worker is never
+    // progressed again (the pool is broken from here on).
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    const absl::Time end = absl::Now() + absl::Seconds(1);
+    ucs_status_ptr_t closing = nullptr;
+    Wait(ucx_->worker, ucp_ep_close_nbx(ucx_->ep, &close), end, &closing);
+    ucx_->ep = nullptr;
+    ucs_status_ptr_t still = nullptr;
+    Wait(ucx_->worker, pending, end, &still);
+    ucx_->abandoned = still != nullptr || closing != nullptr;
+  }
+  // A failed endpoint (the peer went away) and a read past its deadline both end the pool.
   if (status != UCS_OK) broken_ = true;
   if (status != UCS_OK) {
     return absl::UnavailableError(absl::StrCat("ucx: a get of ", bytes, " bytes failed (",
@@ -166,6 +199,7 @@ absl::Status UcxPool::BeginRead(const BlockTable& table) const {
 }
 
 absl::Status UcxPool::EndRead(const BlockTable& table) const {
+  if (table.epoch_slot >= slots_) return EpochReader::CheckBefore(table, slots_, 0);
   absl::MutexLock lock(&mu_);
   // Every get of the blocks completed before this one was posted (each is waited for).
   absl::StatusOr<uint64_t> word = EpochWord(table.epoch_slot);

@@ -18,12 +18,16 @@
 
 namespace kvmem::client {
 
-class UcxPool final : public MappedPool {
+// Privately a MappedPool: its block views would hold the daemon's addresses, which are not
+// this process's to dereference; ReadStream copies the bytes out.
+class UcxPool final : private MappedPool {
  public:
+  using MappedPool::ReadStream;
   static absl::StatusOr<std::unique_ptr<UcxPool>> Connect(
       const Info& info, absl::Duration deadline = absl::Seconds(10));
   ~UcxPool() override;
 
+  // The epoch checks, read remotely (shared_pool.h's protocol).
   absl::Status BeginRead(const BlockTable& table) const override;
   absl::Status EndRead(const BlockTable& table) const override;
   // Bytes read from the daemon so far, and the gets that read them.
