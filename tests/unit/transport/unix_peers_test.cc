@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "server/common/mutex.h"
 #include "tests/testing/unix_sockets.h"
 
 namespace kvmem::transport {
@@ -31,7 +32,7 @@ class UnixPeersTest : public ::testing::Test {
     ASSERT_TRUE(peers.ok()) << peers.status();
     peers_ = *std::move(peers);
     peers_->Serve([this](int fd) {
-      absl::MutexLock lock(&mu_);
+      kvmem::MutexLock lock(&mu_);
       served_.push_back(fd);
     });
   }
@@ -44,7 +45,7 @@ class UnixPeersTest : public ::testing::Test {
     const absl::Time end = absl::Now() + absl::Seconds(10);
     while (absl::Now() < end) {
       {
-        absl::MutexLock lock(&mu_);
+        kvmem::MutexLock lock(&mu_);
         if (n < served_.size()) return served_[n];
       }
       absl::SleepFor(absl::Milliseconds(1));
@@ -77,7 +78,7 @@ TEST_F(UnixPeersTest, APeersCredentialsAreTheKernelsAndAnswerOnlyForItsSocket) {
   // The connection goes and its number is taken by a file: the name no longer answers.
   close(client);
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     close(fd);
     served_.clear();
   }
@@ -119,7 +120,7 @@ TEST_F(CappedUnixPeersTest, AUidHoldsAtMostItsCapOfConnections) {
   close(fourth);
   // One goes (kvmemd's side closes it, as gRPC would): the next is served.
   {
-    absl::MutexLock lock(&mu_);
+    kvmem::MutexLock lock(&mu_);
     close(served_[0]);
     served_.erase(served_.begin());
   }
