@@ -31,7 +31,10 @@ uint64_t CheckedCost(const std::string& wire) {
   T parsed;
   EXPECT_TRUE(parsed.ParseFromString(wire));
   const size_t heap = mallinfo2().uordblks - before;
+  // (protobuf's own measure of a map field reads through a null pointer under TSan)
+#if !defined(__SANITIZE_THREAD__)
   EXPECT_GE(*cost, parsed.SpaceUsedLong()) << T::descriptor()->full_name();
+#endif
   EXPECT_GE(*cost, heap) << T::descriptor()->full_name();
   return cost.value_or(0);
 }
