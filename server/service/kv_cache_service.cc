@@ -132,13 +132,17 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
                      });
 }
 
+const char* KvCacheService::MethodName(absl::string_view name) {
+  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
+  return method_names_.back().c_str();
+}
+
 template <typename Request, typename Response>
 void KvCacheService::AddUnary(const char* name,
                               grpc::Status (KvCacheService::*handler)(grpc::ServerContext*,
                                                                       const Request*, Response*)) {
-  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
   AddMethod(new grpc::internal::RpcServiceMethod(
-      method_names_.back().c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+      MethodName(name), grpc::internal::RpcMethod::NORMAL_RPC,
       new grpc::internal::RpcMethodHandler<KvCacheService, Parsed<Request>, Response,
                                            Parsed<Request>, google::protobuf::MessageLite>(
           [handler](KvCacheService* service, grpc::ServerContext* context,
@@ -152,9 +156,8 @@ template <typename Request, typename Response, template <class> class Writer>
 void KvCacheService::AddServerStreaming(
     const char* name, grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
                                                               Writer<Response>*)) {
-  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/", name));
   AddMethod(new grpc::internal::RpcServiceMethod(
-      method_names_.back().c_str(), grpc::internal::RpcMethod::SERVER_STREAMING,
+      MethodName(name), grpc::internal::RpcMethod::SERVER_STREAMING,
       new grpc::internal::ServerStreamingHandler<KvCacheService, Parsed<Request>, Response>(
           [handler](KvCacheService* service, grpc::ServerContext* context,
                     const Parsed<Request>* request, grpc::ServerWriter<Response>* writer) {
@@ -167,9 +170,8 @@ void KvCacheService::RegisterMethods() {
   AddUnary("GetInfo", &KvCacheService::GetInfo);
   AddUnary("CreateSequence", &KvCacheService::CreateSequence);
   AddUnary("Append", &KvCacheService::Append);
-  method_names_.push_back(absl::StrCat("/", v1::KvCache::service_full_name(), "/AppendStream"));
   AddMethod(new grpc::internal::RpcServiceMethod(
-      method_names_.back().c_str(), grpc::internal::RpcMethod::CLIENT_STREAMING,
+      MethodName("AppendStream"), grpc::internal::RpcMethod::CLIENT_STREAMING,
       new grpc::internal::ClientStreamingHandler<KvCacheService, Parsed<v1::AppendStreamRequest>,
                                                  v1::AppendStreamResponse>(
           [](KvCacheService* service, grpc::ServerContext* context,

@@ -118,6 +118,8 @@ class KvCacheService final : public grpc::Service {
  private:
   // Registers every method of kvmem.v1.KvCache with Parsed<T> requests.
   void RegisterMethods();
+  // "/kvmem.v1.KvCache/<name>", kept in method_names_ (gRPC keeps the pointer).
+  const char* MethodName(absl::string_view name);
   template <typename Request, typename Response>
   void AddUnary(const char* name,
                 grpc::Status (KvCacheService::*handler)(grpc::ServerContext*, const Request*,
