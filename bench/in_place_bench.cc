@@ -33,6 +33,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/half_arrays.h"
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
 #if KVMEM_WITH_CUDA
@@ -41,6 +42,7 @@
 #include "kvmem/cuda_pool.h"
 #endif
 #include "kvmem/table_area.h"
+#include "kvmem/v1/step_channel.h"
 #include "server/service/server.h"
 
 ABSL_FLAG(uint32_t, sequences, 64, "sequences in each batch");
@@ -100,6 +102,12 @@ struct Seq {
   int64_t next = kPrompt;
 };
 
+// One batched step's wall time and its parts, µs: the worker's own work before the call
+// (K/V and rows written), the StepBatch call, and the table reads after it.
+struct Timing {
+  double total, before, call, after;
+};
+
 struct Run {
   Daemon daemon;
   std::vector<Seq> seqs;
@@ -113,6 +121,47 @@ void Check(const absl::Status& s, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
     std::exit(1);
   }
+}
+
+// Writes sequence `s`'s attention rows for this step (halves: each stream's retained slots
+// and the new token) into the signal area at `offset`, in the area's layout, as the model's
+// attention kernel would; returns the bytes written.
+uint64_t WriteRows(absl::Span<uint8_t> area, uint64_t offset, const Seq& s,
+                   const kvmem::client::Layout& layout, bool from_area,
+                   const std::string& row_halves) {
+  namespace rows = kvmem::v1::signal_area;
+  const uint32_t streams = layout.num_layers * layout.num_kv_heads;
+  std::vector<uint32_t> lengths(streams);
+  uint64_t values = 0;
+  for (uint32_t st = 0; st < streams; ++st) {
+    uint32_t live = 0;
+    if (from_area) {
+      live = s.lengths[st];
+    } else {
+      for (const kvmem::client::TableBlock& b : s.table.streams[st].blocks) live += b.count;
+    }
+    lengths[st] = live + 1;
+    values += lengths[st];
+  }
+  const uint64_t bytes = sizeof(rows::RowsHeader) + streams * sizeof(rows::RowEntry) + 2 * values;
+  if (offset > area.size() || bytes > area.size() - offset) {
+    std::fprintf(stderr, "the signal area is too small for a step's rows\n");
+    std::exit(1);
+  }
+  uint8_t* at = area.data() + offset;
+  const rows::RowsHeader header{streams, rows::kF16};
+  std::memcpy(at, &header, sizeof header);
+  at += sizeof header;
+  for (uint32_t st = 0; st < streams; ++st) {
+    const rows::RowEntry entry{st / layout.num_kv_heads, st % layout.num_kv_heads, lengths[st], 0};
+    std::memcpy(at, &entry, sizeof entry);
+    at += sizeof entry;
+  }
+  for (uint32_t st = 0; st < streams; ++st) {
+    std::memcpy(at, row_halves.data(), 2 * lengths[st]);
+    at += 2 * lengths[st];
+  }
+  return bytes;
 }
 
 }  // namespace
@@ -155,6 +204,10 @@ int main(int argc, char** argv) {
   std::uniform_real_distribution<float> weight(0.001f, 0.01f);
   std::vector<float> row_values(kPrompt + 1);
   for (float& w : row_values) w = weight(rng);
+  // The same values as halves, as the model's attention kernel would leave them: the in-place
+  // paths copy a row's prefix into the signal area (no float vectors made per step).
+  std::string row_halves(row_values.size() * 2, '\0');
+  kvmem::kernels::FloatToHalf(row_values.data(), row_values.size(), row_halves.data());
 
   const bool cuda = absl::GetFlag(FLAGS_backend) == "cuda";
 #if KVMEM_WITH_CUDA
@@ -244,7 +297,7 @@ int main(int argc, char** argv) {
     }
   }
 
-  // One decode step of every sequence; returns its wall time in µs.
+  // One decode step of every sequence; returns its wall times.
   std::vector<BatchEntry> entries(n);
   std::vector<std::vector<int64_t>> positions(n);
   auto step = [&](Run& run) {
@@ -263,7 +316,7 @@ int main(int argc, char** argv) {
       args.epoch = run.area ? s.epoch : s.table.epoch;
       args.logit_stats = kvmem::client::LogitStats{2.0f, 0.5f, 0.2f, {}};
       args.attention_f16 = true;
-      if (rows_needed) {
+      if (rows_needed && !run.in_place) {
         args.attention.resize(streams);
         for (uint32_t st = 0; st < streams; ++st) {
           size_t len = 1;  // the retained slots and the new token
@@ -292,20 +345,18 @@ int main(int argc, char** argv) {
         e.written_plan = s.plan.plan_id;
         e.plan_tokens = 1;
         if (rows_needed) {
-          absl::StatusOr<uint64_t> written =
-              kvmem::client::WriteAttentionRows(area.bytes, offset, args.attention, true);
-          Check(written.status(), "WriteAttentionRows");
-          args.attention.clear();
           args.attention_offset = offset;
-          offset += (*written + 7) / 8 * 8;
+          offset += (WriteRows(area.bytes, offset, s, layout, run.area, row_halves) + 7) / 8 * 8;
         }
       } else {
         e.append = kvmem::client::AppendArgs{positions[i], {}, token_k, token_v, {}, {}};
       }
       e.step = std::move(args);
     }
+    const auto called = std::chrono::steady_clock::now();
     absl::StatusOr<std::vector<kvmem::client::BatchResult>> out = c.StepBatch(entries);
     Check(out.status(), "StepBatch");
+    const auto answered = std::chrono::steady_clock::now();
     for (uint32_t i = 0; i < n; ++i) {
       Check((*out)[i].status, "entry");
       if (run.in_place) {
@@ -334,10 +385,11 @@ int main(int argc, char** argv) {
         }
       }
     }
-    const double us =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - started)
-            .count();
-    return us;
+    const auto done = std::chrono::steady_clock::now();
+    auto us = [](auto from, auto to) {
+      return std::chrono::duration<double, std::micro>(to - from).count();
+    };
+    return Timing{us(started, done), us(started, called), us(called, answered), us(answered, done)};
   };
 
   const uint32_t steps = absl::GetFlag(FLAGS_steps);
@@ -346,18 +398,27 @@ int main(int argc, char** argv) {
       "steps per round; median and 10th percentile per batched step\n",
       cuda ? "CUDA" : "CPU", llama ? "Llama-8B" : "SmolLM2", layout.num_layers, layout.num_kv_heads,
       layout.head_dim, policy.c_str(), n, kPrompt, steps);
-  std::printf("| round | path | µs per batched step (median) | p10 | µs per sequence-step |\n");
-  std::printf("|---|---|---|---|---|\n");
+  std::printf(
+      "| round | path | µs per batched step (median) | p10 | µs per sequence-step | of which: "
+      "writes / call / table reads (medians) |\n");
+  std::printf("|---|---|---|---|---|---|\n");
   for (uint32_t round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (Run& run : runs) {
       for (int w = 0; w < 10; ++w) step(run);
-      std::vector<double> us;
-      for (uint32_t t = 0; t < steps; ++t) us.push_back(step(run));
-      std::sort(us.begin(), us.end());
-      const double median = us[us.size() / 2];
+      std::vector<double> total, before, call, after;
+      for (uint32_t t = 0; t < steps; ++t) {
+        const Timing timing = step(run);
+        total.push_back(timing.total);
+        before.push_back(timing.before);
+        call.push_back(timing.call);
+        after.push_back(timing.after);
+      }
+      for (std::vector<double>* v : {&total, &before, &call, &after}) std::sort(v->begin(), v->end());
+      auto median = [](const std::vector<double>& v) { return v[v.size() / 2]; };
       const char* path = run.area ? "in place + table area" : run.in_place ? "in place" : "bytes";
-      std::printf("| %u | %s | %.0f | %.0f | %.1f |\n", round + 1, path, median, us[us.size() / 10],
-                  median / n);
+      std::printf("| %u | %s | %.0f | %.0f | %.1f | %.0f / %.0f / %.0f |\n", round + 1, path,
+                  median(total), total[total.size() / 10], median(total) / n, median(before),
+                  median(call), median(after));
       std::fflush(stdout);
     }
   }

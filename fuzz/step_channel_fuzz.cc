@@ -63,11 +63,18 @@ grpc::Status Handle(const v1::StepBatchRequest& request, v1::StepBatchResponse* 
     absl::Status status = absl::OkStatus();
     if (entry.step().has_attention_offset()) {
       service::SignalStorage storage;
+      service::AreaValues values;
       absl::StatusOr<std::vector<engine::StreamSignal>> rows = service::SignalsFromArea(
           [](uint64_t offset, uint64_t bytes, void* out) {
             return client->channel->CopySignals(offset, bytes, out, "attention_offset");
           },
-          entry.step().attention_offset(), "attention_offset", &budget, &storage);
+          entry.step().attention_offset(), "attention_offset", &budget, &storage, &values);
+      if (rows.ok()) {
+        absl::Status read = client->channel->ReadSignalValues(values.offset, values.count,
+                                                              values.f16, values.out,
+                                                              "attention_offset");
+        if (!read.ok()) rows = read;
+      }
       if (rows.ok()) {
         for (const engine::StreamSignal& row : *rows) {
           // Every value the views name was copied out of the area: reading it is safe.

@@ -116,6 +116,9 @@ class ConfKvPolicy final : public Policy {
     // Streams are independent: each chunk writes only its streams' scores and keep-sets.
     ParallelFor(streams.size(), StreamGrain(longest), [&](size_t begin, size_t end) {
       for (size_t s = begin; s < end; ++s) {
+        // The loop waits on memory, not arithmetic: the selection's loads of the positions
+        // start before the update.
+        PrefetchPositions(streams[s]);
         const float max_ema = UpdateEma(streams[s]);
         const uint32_t budget = BudgetFor(base, streams[s].layer, ctx.num_layers);
         if (evict && streams[s].positions.size() > budget) {
@@ -177,15 +180,28 @@ class ConfKvPolicy final : public Policy {
   uint32_t BudgetFor(uint32_t base, uint32_t layer, uint32_t num_layers) const {
     return p_.per_layer ? ConfKvLayerBudget(base, layer, num_layers, p_.layer_floor) : base;
   }
+  // Asks for the cache lines of a stream's positions.
+  static void PrefetchPositions(const StreamState& st) {
+    const char* p = reinterpret_cast<const char*>(st.positions.data());
+    for (size_t at = 0; at < st.positions.size() * sizeof(int64_t); at += 64) {
+      __builtin_prefetch(p + at);
+    }
+  }
   // e <- lambda e + (1 - lambda) a; a slot's first row sets e = a. Returns max e (the
   // stream's normalizer), or NaN when some slot was left unscored.
-  // The update is the kernels' (kernels/select.h, ScoreRule::kEma) on a copy of the scores.
+  // The update is the kernels' (kernels/select.h, ScoreRule::kEma), read from the scores and
+  // written to next_scores in one pass; slots past the row keep their scores.
   float UpdateEma(StreamState& st) const {
-    std::copy(st.scores.begin(), st.scores.end(), st.next_scores.begin());
-    const kernels::StreamSlice slice{0, static_cast<uint32_t>(st.attention.size()), 0, 0};
+    const size_t rows = st.attention.size();
+    if (st.scores.data() != st.next_scores.data()) {  // (the spans may alias: policy.h)
+      std::copy(st.scores.begin() + static_cast<ptrdiff_t>(rows), st.scores.end(),
+                st.next_scores.begin() + static_cast<ptrdiff_t>(rows));
+    }
+    const kernels::StreamSlice slice{0, static_cast<uint32_t>(rows), 0, 0};
     float max_ema = 0;
     kernels::UpdateScoresRef(kernels::ScoreRule::kEma, static_cast<float>(p_.lambda), &slice, 1,
-                             st.attention.data(), st.next_scores.data(), &max_ema);
+                             st.attention.data(), st.scores.data(), st.next_scores.data(),
+                             &max_ema);
     return st.attention.size() == st.scores.size() ? max_ema : std::nanf("");
   }
   const ConfKvParams p_;

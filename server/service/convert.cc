@@ -204,7 +204,8 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalViews(
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
                                                                   uint64_t* budget,
-                                                                  SignalStorage* storage) {
+                                                                  SignalStorage* storage,
+                                                                  AreaValues* area_values) {
   namespace area = v1::signal_area;
   // What the batch's entries copy out of the area, in all, is at most the area's size: a
   // batch that names the same bytes from many entries is refused, not copied many times.
@@ -244,13 +245,7 @@ absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader rea
   if (absl::Status s = read(values_at + values * width, 0, nullptr); !s.ok()) return s;
   if (absl::Status s = take(values * width); !s.ok()) return s;
   std::unique_ptr<float[]> rows(new float[std::max<uint64_t>(values, 1)]);
-  if (header.dtype == area::kF32) {
-    if (absl::Status s = read(values_at, values * width, rows.get()); !s.ok()) return s;
-  } else {
-    std::unique_ptr<uint16_t[]> halves(new uint16_t[std::max<uint64_t>(values, 1)]);
-    if (absl::Status s = read(values_at, values * width, halves.get()); !s.ok()) return s;
-    kernels::HalfToFloat(halves.get(), values, rows.get());
-  }
+  *area_values = {values_at, values, header.dtype == area::kF16, rows.get()};
   std::vector<engine::StreamSignal> out(header.rows);
   const float* at = rows.get();
   for (size_t i = 0; i < entries.size(); ++i) {

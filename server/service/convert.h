@@ -79,15 +79,25 @@ std::vector<engine::StreamSignal> SignalViews(
     const google::protobuf::RepeatedPtrField<v1::WindowScores>& scores);
 
 // Attention rows an entry names in a step channel's signal area (step_channel.h's
-// signal_area layout) at `offset`, copied out by `read` (bounded by the area) into
-// `storage`; errors name `field`. `budget`: the area's bytes the batch may still copy
-// (its size, at the batch's start), less what this entry's header, entries and rows take:
-// a batch holds at most three times the area in copies (f16 rows widened, their views).
+// signal_area layout) at `offset`: the header and row entries read by `read` (bounded by
+// the area), the rows' values left for the caller to read into `*values` (so that a batch
+// reads its entries' values across cores: transport::StepChannel::ReadSignalValues),
+// which the views point into (arrays in `storage`, unwritten until then). Errors name
+// `field`. `budget`: the area's bytes the batch may still copy (its size, at the batch's
+// start), less what this entry's header, entries and rows take: a batch holds at most
+// three times the area in copies (f16 rows widened, their views).
 using AreaReader = absl::FunctionRef<absl::Status(uint64_t offset, uint64_t bytes, void* out)>;
+struct AreaValues {
+  uint64_t offset = 0;  // in the area
+  uint64_t count = 0;
+  bool f16 = false;     // halves, widened as they are read; else floats
+  float* out = nullptr;
+};
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,
                                                                   absl::string_view field,
                                                                   uint64_t* budget,
-                                                                  SignalStorage* storage);
+                                                                  SignalStorage* storage,
+                                                                  AreaValues* values);
 void ToProto(const engine::PlanView& plan, v1::WritePlan* out);
 
 // The engine's input of a Step, as views into `request` and `storage` (which must outlive it).

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvmem/v1/attach.h"
 #include "kvmem/v1/step_channel.h"
+#include "server/common/parallel.h"
 #include "server/service/convert.h"
 #include "server/service/daemon_info.h"
 #include "server/service/kv_cache_service.h"
@@ -26,7 +27,7 @@ namespace {
 absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
                                                     const transport::StepChannel* channel,
                                                     engine::StepInput input, uint64_t* budget,
-                                                    SignalStorage* storage) {
+                                                    SignalStorage* storage, AreaValues* values) {
   if (channel == nullptr) {
     return absl::InvalidArgumentError(
         "attention_offset: rows in a signal area come only through a step channel opened with "
@@ -40,7 +41,7 @@ absl::StatusOr<engine::StepInput> AttentionFromArea(const v1::StepSignals& step,
       [channel](uint64_t offset, uint64_t bytes, void* out) {
         return channel->CopySignals(offset, bytes, out, "attention_offset");
       },
-      step.attention_offset(), "attention_offset", budget, storage);
+      step.attention_offset(), "attention_offset", budget, storage, values);
   if (!rows.ok()) return rows.status();
   input.attention = *std::move(rows);
   return input;
@@ -64,6 +65,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
         }
         std::vector<engine::StepCall> calls(n);
         std::vector<SignalStorage> storage(n);
+        std::vector<AreaValues> area_values(n);  // rows' values still to read from the area
         // The signal area's bytes the batch's entries may copy, in all (SignalsFromArea).
         uint64_t area_budget = channel != nullptr ? channel->signal_bytes() : 0;
         for (int i = 0; i < n; ++i) {
@@ -81,7 +83,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
             absl::StatusOr<engine::StepInput> input = StepInputView(entry.step(), &storage[i]);
             if (input.ok() && entry.step().has_attention_offset()) {
               input = AttentionFromArea(entry.step(), channel, *std::move(input), &area_budget,
-                                        &storage[i]);
+                                        &storage[i], &area_values[i]);
             }
             if (input.ok()) {
               call.step = *std::move(input);
@@ -92,6 +94,24 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
           }
           call.held = HeldFromProto(entry);
           if (call.held) call.held->from_area = entry.client_table().from_area();
+        }
+        // The rows' values (most of a batch's bytes), read and widened across cores.
+        auto read_values = [&](size_t i) {
+          const AreaValues& v = area_values[i];
+          if (v.out == nullptr || !calls[i].rejected.ok()) return;
+          absl::Status read =
+              channel->ReadSignalValues(v.offset, v.count, v.f16, v.out, "attention_offset");
+          if (!read.ok()) {
+            calls[i].rejected =
+                absl::Status(read.code(), absl::StrCat("step.", read.message()));
+          }
+        };
+        if (engine_->config().parallel_batches) {
+          ParallelFor(calls.size(), 1, [&](size_t begin, size_t end) {
+            for (size_t i = begin; i < end; ++i) read_values(i);
+          });
+        } else {
+          for (size_t i = 0; i < calls.size(); ++i) read_values(i);
         }
         absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
         if (!outcomes.ok()) return outcomes.status();

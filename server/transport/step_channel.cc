@@ -10,6 +10,7 @@
 #include "google/protobuf/arena.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/rpc/status.pb.h"
+#include "kernels/half_arrays.h"
 #include "kvmem/v1/step_channel.h"
 #include "server/common/client_text.h"
 #include "server/common/mutex.h"
@@ -124,8 +125,9 @@ absl::StatusOr<std::unique_ptr<StepChannel>> StepChannel::Create(uint64_t capaci
       *std::move(segment), std::move(signals), capacity, std::move(nonce), std::move(to_grpc)));
 }
 
-absl::Status StepChannel::CopySignals(uint64_t offset, uint64_t bytes, void* out,
-                                      absl::string_view field) const {
+template <typename Read>
+absl::Status StepChannel::ReadSignals(uint64_t offset, uint64_t bytes, absl::string_view field,
+                                      const Read& read) const {
   if (!signals_) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": this step channel has no signal area (open it with signal_bytes)"));
@@ -143,12 +145,33 @@ absl::Status StepChannel::CopySignals(uint64_t offset, uint64_t bytes, void* out
   if (signals_broken_.load(std::memory_order_relaxed)) return broken();
   if (bytes == 0) return absl::OkStatus();
   SegmentGuard guard(signals_->data(), size);
-  std::memcpy(out, signals_->data() + offset, bytes);
+  read(signals_->data() + offset);
   if (guard.faulted()) {
     signals_broken_.store(true, std::memory_order_relaxed);
     return broken();
   }
   return absl::OkStatus();
+}
+
+absl::Status StepChannel::CopySignals(uint64_t offset, uint64_t bytes, void* out,
+                                      absl::string_view field) const {
+  return ReadSignals(offset, bytes, field,
+                     [&](const uint8_t* from) { std::memcpy(out, from, bytes); });
+}
+
+absl::Status StepChannel::ReadSignalValues(uint64_t offset, uint64_t count, bool f16, float* out,
+                                           absl::string_view field) const {
+  const uint64_t width = f16 ? 2 : 4;
+  if (count > UINT64_MAX / width) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", count, " values"));
+  }
+  return ReadSignals(offset, count * width, field, [&](const uint8_t* from) {
+    if (f16) {
+      kernels::HalfToFloat(from, count, out);
+    } else {
+      std::memcpy(out, from, count * width);
+    }
+  });
 }
 
 void StepChannel::Answer(uint32_t seq, uint32_t code, uint64_t bytes, uint64_t total,

@@ -114,6 +114,10 @@ class StepChannel {
   // read fails too). Safe from any thread that holds no other SegmentGuard.
   absl::Status CopySignals(uint64_t offset, uint64_t bytes, void* out,
                            absl::string_view field) const;
+  // The same for `count` values at `offset`, halves (f16) widened to floats as they are read
+  // (one pass, nothing staged) or floats copied.
+  absl::Status ReadSignalValues(uint64_t offset, uint64_t count, bool f16, float* out,
+                                absl::string_view field) const;
   // An answer larger than the area (up to MaxAnswerBytes) is partly sent: its client will
   // ask for the rest.
   bool chunks_pending() const { return !pending_.empty(); }
@@ -134,6 +138,11 @@ class StepChannel {
   Served ServeOne(absl::Duration wait, const Handler& handler, const Recorder& record = nullptr);
 
  private:
+  // Bounds-checks [offset, offset + bytes) and runs read(address) on it inside a
+  // SegmentGuard (CopySignals' contract).
+  template <typename Read>
+  absl::Status ReadSignals(uint64_t offset, uint64_t bytes, absl::string_view field,
+                           const Read& read) const;
   StepChannel(std::shared_ptr<SharedSegment> segment, std::shared_ptr<SharedSegment> signals,
               uint64_t capacity, std::string nonce, ErrorMapper to_grpc)
       : to_grpc_(std::move(to_grpc)),
