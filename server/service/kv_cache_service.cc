@@ -147,6 +147,7 @@ void KvCacheService::AddUnary(const char* name,
                                            Parsed<Request>, google::protobuf::MessageLite>(
           [handler](KvCacheService* service, grpc::ServerContext* context,
                     const Parsed<Request>* request, Response* response) {
+            if (grpc::Status s = service->ParseFor(context, *request); !s.ok()) return s;
             return (service->*handler)(context, &request->message, response);
           },
           this)));
@@ -161,9 +162,18 @@ void KvCacheService::AddServerStreaming(
       new grpc::internal::ServerStreamingHandler<KvCacheService, Parsed<Request>, Response>(
           [handler](KvCacheService* service, grpc::ServerContext* context,
                     const Parsed<Request>* request, grpc::ServerWriter<Response>* writer) {
+            if (grpc::Status s = service->ParseFor(context, *request); !s.ok()) return s;
             return (service->*handler)(context, &request->message, writer);
           },
           this)));
+}
+
+grpc::Status KvCacheService::ParseFor(const grpc::ServerContext* context,
+                                      const ParsedBase& request) {
+  if (absl::Status who = auth_->Authenticate(context).status(); !who.ok()) return ToGrpc(who);
+  // gRPC hands the request it made (and owns) as const; its bytes are parsed in place.
+  const absl::Status parsed = const_cast<ParsedBase&>(request).Parse();
+  return parsed.ok() ? grpc::Status::OK : ToGrpc(parsed);
 }
 
 void KvCacheService::RegisterMethods() {

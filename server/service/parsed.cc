@@ -7,12 +7,24 @@
 
 namespace kvmem::service {
 
-absl::Status ParsedBase::Parse(grpc::ByteBuffer* buffer) {
+void ParsedBase::Hold(grpc::ByteBuffer* buffer) {
   message_->Clear();
   reservation_.Release();
-  wire_bytes_ = buffer->Length();
+  status_ = absl::OkStatus();
+  held_.Clear();
+  held_.Swap(buffer);
+  wire_bytes_ = held_.Length();
+}
+
+absl::Status ParsedBase::Parse() {
+  message_->Clear();
+  reservation_.Release();
+  grpc::ByteBuffer bytes;
+  bytes.Swap(&held_);  // let go of when the parse is done
+  grpc::ByteBuffer* const buffer = &bytes;
   const google::protobuf::Descriptor* type = message_->GetDescriptor();
   status_ = [&]() -> absl::Status {
+    if (!buffer->Valid()) return absl::OkStatus();  // nothing held: the empty message
     grpc::ProtoBufferReader counting(buffer);
     absl::StatusOr<uint64_t> cost = transport::ParseCost(type, &counting);
     if (!cost.ok()) return cost.status();

@@ -1,11 +1,14 @@
 #pragma once
-// Parsed<T>: a KvCache request as its handler receives it, parsed only after what the parse
-// may allocate was counted (transport::ParseCost) and reserved from the process's
-// ParseBudget; the reservation is held while the request lives. gRPC parses a request
-// through SerializationTraits before any handler runs, so KvCacheService registers its
-// methods with Parsed<T> as the request type (KvCacheService::RegisterMethods) and these
-// traits do the counting. A request that does not parse is INVALID_ARGUMENT naming its
-// type; one past the budget is RESOURCE_EXHAUSTED naming --parse-memory-bytes.
+// Parsed<T>: a KvCache request as its handler receives it, parsed only for a caller that
+// authenticates and only after what the parse may allocate was counted
+// (transport::ParseCost) and reserved from the process's ParseBudget; the reservation is
+// held while the request lives. gRPC hands a request over through SerializationTraits
+// before any handler runs: these traits only keep its bytes (Hold), and KvCacheService,
+// which registers its methods with Parsed<T> as the request type (RegisterMethods), parses
+// them once the call has authenticated (so that a caller without a token can neither make
+// kvmemd parse nor take from the budget). A request that does not parse is
+// INVALID_ARGUMENT naming its type; one past the budget is RESOURCE_EXHAUSTED naming
+// --parse-memory-bytes.
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -26,10 +29,13 @@ class ParsedBase {
   ParsedBase(const ParsedBase&) = delete;
   ParsedBase& operator=(const ParsedBase&) = delete;
 
-  // Counts, reserves and parses `buffer` into the message (the buffer is left as it was).
-  // On a refusal the message is empty and status() says why.
-  absl::Status Parse(grpc::ByteBuffer* buffer);
-  // The request's size on the wire (0 before a parse).
+  // Takes `buffer`'s bytes (their slices, not a copy), dropping any held before and the
+  // message parsed from them; nothing is parsed or reserved.
+  void Hold(grpc::ByteBuffer* buffer);
+  // Counts, reserves and parses the held bytes into the message, then lets them go. On a
+  // refusal the message is empty and status() says why. Nothing held: an empty message.
+  absl::Status Parse();
+  // The request's size on the wire (0 before Hold).
   uint64_t wire_bytes() const { return wire_bytes_; }
   // Why the last Parse refused (OK when it did not, or none ran).
   const absl::Status& status() const { return status_; }
@@ -42,6 +48,7 @@ class ParsedBase {
 
  private:
   google::protobuf::Message* const message_;
+  grpc::ByteBuffer held_;
   transport::ParseBudget::Reservation reservation_;
   uint64_t wire_bytes_ = 0;
   absl::Status status_;
@@ -75,8 +82,9 @@ class ParsedReader final : public MessageReader<T> {
     // What the caller's last message holds (cleared, its capacity kept) goes before the
     // next parse: only counted buffers are held.
     T().Swap(message);
-    if (!reader_->Read(&current_)) {
-      if (!current_.status().ok()) refused_ = current_.status();
+    if (!reader_->Read(&current_)) return false;
+    if (absl::Status parsed = current_.Parse(); !parsed.ok()) {
+      refused_ = parsed;
       return false;
     }
     message->Swap(&current_.message);
@@ -102,9 +110,8 @@ class SerializationTraits<kvmem::service::Parsed<T>, void> {
     return Status(StatusCode::INTERNAL, "a Parsed request is never sent");
   }
   static Status Deserialize(ByteBuffer* buffer, kvmem::service::Parsed<T>* parsed) {
-    const absl::Status status = parsed->Parse(buffer);
-    buffer->Clear();
-    return status.ok() ? Status::OK : kvmem::service::ToGrpc(status);
+    parsed->Hold(buffer);
+    return Status::OK;
   }
 };
 

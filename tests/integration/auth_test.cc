@@ -19,6 +19,9 @@
 #include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
 #include "kvmem/attach.h"
 #include "kvmem/client.h"
@@ -55,6 +58,10 @@ class AuthTest : public ::testing::Test {
     config.reaper_period = absl::Hours(1);
     config.auth_tokens = tokens_;
     config.limits.tenant_max_calls = tenant_max_calls_;
+    if (parse_memory_bytes_ != 0) {
+      config.parse_memory_bytes = parse_memory_bytes_;
+      config.engine.max_append_bytes = 8ull << 20;  // so that two Appends fit the budget
+    }
     auto server = service::Server::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -107,6 +114,7 @@ class AuthTest : public ::testing::Test {
   }
 
   uint32_t tenant_max_calls_ = 0;
+  uint64_t parse_memory_bytes_ = 0;  // kvmemd --parse-memory-bytes (0: the default)
   std::string unix_path_;     // listen there instead of on loopback
   std::string extra_tokens_;  // lines added to the token file
   std::string tokens_;
@@ -314,6 +322,68 @@ TEST_F(AuthTest, TheStepChannelServesTheTenantThatOpenedIt) {
   EXPECT_GT(bob_->step_channel_batches(), 0u);
   EXPECT_TRUE((*results)[0].status.ok()) << (*results)[0].status;
   EXPECT_TRUE(absl::IsNotFound((*results)[1].status)) << (*results)[1].status;
+}
+
+class ParseAfterAuthTest : public AuthTest {
+ protected:
+  void SetUp() override {
+    parse_memory_bytes_ = 32ull << 20;  // two 12 MiB messages and a little
+    AuthTest::SetUp();
+  }
+  // A call of `method` with `bytes` as its request, whatever they hold, with `token` (none
+  // when empty).
+  grpc::Status Raw(const std::string& method, grpc::internal::RpcMethod::RpcType type,
+                   const std::string& bytes, const std::string& token) {
+    grpc::ChannelArguments args;
+    args.SetMaxSendMessageSize(-1);
+    auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                             grpc::InsecureChannelCredentials(), args);
+    grpc::ClientContext context;
+    if (!token.empty()) context.AddMetadata("authorization", absl::StrCat("Bearer ", token));
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    const grpc::internal::RpcMethod rpc(method.c_str(), type);
+    if (type == grpc::internal::RpcMethod::NORMAL_RPC) {
+      return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+          channel.get(), rpc, &context, request, &response);
+    }
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), rpc,
+                                                                      &context, request));
+    while (reader->Read(&response)) {
+    }
+    return reader->Finish();
+  }
+};
+
+// kvmemd parses a request only once its caller authenticates: before, gRPC's parse ran first,
+// so a caller without a token could make kvmemd parse anything the message limit lets through
+// and take the whole parse budget from the tenants (a batch of tiny records came back
+// RESOURCE_EXHAUSTED, garbage INVALID_ARGUMENT, where both are UNAUTHENTICATED now).
+TEST_F(ParseAfterAuthTest, ACallerWithoutATokenCostsNoParse) {
+  v1::StepBatchRequest batch;  // 4 MiB on the wire, about 100 times that once parsed
+  for (int i = 0; i < (2 << 20); ++i) batch.add_entries();
+  const std::string tiny = batch.SerializeAsString();
+  const std::string garbage("\xff\xff\xff", 3);
+  using Type = grpc::internal::RpcMethod::RpcType;
+  for (const std::string& token : {std::string(), std::string("not-a-token-at-all-000")}) {
+    SCOPED_TRACE(token);
+    for (const grpc::Status& status :
+         {Raw("/kvmem.v1.KvCache/StepBatch", Type::NORMAL_RPC, tiny, token),
+          Raw("/kvmem.v1.KvCache/Append", Type::NORMAL_RPC, garbage, token),
+          Raw("/kvmem.v1.KvCache/ReadKv", Type::SERVER_STREAMING, garbage, token),
+          Raw("/kvmem.v1.KvCache/OpenStepChannel", Type::SERVER_STREAMING, tiny, token)}) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << status.error_message();
+    }
+  }
+  // A tenant's requests are counted and parsed as before.
+  const grpc::Status counted = Raw("/kvmem.v1.KvCache/StepBatch", Type::NORMAL_RPC, tiny, kAlice);
+  EXPECT_EQ(counted.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << counted.error_message();
+  EXPECT_THAT(counted.error_message(), HasSubstr("--parse-memory-bytes"));
+  const grpc::Status garbled = Raw("/kvmem.v1.KvCache/ReadKv", Type::SERVER_STREAMING, garbage, kBob);
+  EXPECT_EQ(garbled.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << garbled.error_message();
+  EXPECT_THAT(garbled.error_message(), HasSubstr("does not parse as a kvmem.v1.ReadKvRequest"));
+  EXPECT_TRUE(alice_->GetInfo().ok());
 }
 
 class TenantCallsTest : public AuthTest {
