@@ -413,7 +413,8 @@ int main(int argc, char** argv) {
         call.push_back(timing.call);
         after.push_back(timing.after);
       }
-      for (std::vector<double>* v : {&total, &before, &call, &after}) std::sort(v->begin(), v->end());
+      for (std::vector<double>* v : {&total, &before, &call, &after})
+        std::sort(v->begin(), v->end());
       auto median = [](const std::vector<double>& v) { return v[v.size() / 2]; };
       const char* path = run.area ? "in place + table area" : run.in_place ? "in place" : "bytes";
       std::printf("| %u | %s | %.0f | %.0f | %.1f | %.0f / %.0f / %.0f |\n", round + 1, path,

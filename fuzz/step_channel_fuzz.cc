@@ -70,9 +70,8 @@ grpc::Status Handle(const v1::StepBatchRequest& request, v1::StepBatchResponse* 
           },
           entry.step().attention_offset(), "attention_offset", &budget, &storage, &values);
       if (rows.ok()) {
-        absl::Status read = client->channel->ReadSignalValues(values.offset, values.count,
-                                                              values.f16, values.out,
-                                                              "attention_offset");
+        absl::Status read = client->channel->ReadSignalValues(
+            values.offset, values.count, values.f16, values.out, "attention_offset");
         if (!read.ok()) rows = read;
       }
       if (rows.ok()) {

@@ -90,7 +90,7 @@ using AreaReader = absl::FunctionRef<absl::Status(uint64_t offset, uint64_t byte
 struct AreaValues {
   uint64_t offset = 0;  // in the area
   uint64_t count = 0;
-  bool f16 = false;     // halves, widened as they are read; else floats
+  bool f16 = false;  // halves, widened as they are read; else floats
   float* out = nullptr;
 };
 absl::StatusOr<std::vector<engine::StreamSignal>> SignalsFromArea(AreaReader read, uint64_t offset,

@@ -102,8 +102,7 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
           absl::Status read =
               channel->ReadSignalValues(v.offset, v.count, v.f16, v.out, "attention_offset");
           if (!read.ok()) {
-            calls[i].rejected =
-                absl::Status(read.code(), absl::StrCat("step.", read.message()));
+            calls[i].rejected = absl::Status(read.code(), absl::StrCat("step.", read.message()));
           }
         };
         if (engine_->config().parallel_batches) {

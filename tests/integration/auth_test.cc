@@ -115,8 +115,8 @@ class AuthTest : public ::testing::Test {
 
   uint32_t tenant_max_calls_ = 0;
   uint64_t parse_memory_bytes_ = 0;  // kvmemd --parse-memory-bytes (0: the default)
-  std::string unix_path_;     // listen there instead of on loopback
-  std::string extra_tokens_;  // lines added to the token file
+  std::string unix_path_;            // listen there instead of on loopback
+  std::string extra_tokens_;         // lines added to the token file
   std::string tokens_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> alice_, bob_, admin_;
@@ -348,8 +348,8 @@ class ParseAfterAuthTest : public AuthTest {
           channel.get(), rpc, &context, request, &response);
     }
     std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), rpc,
-                                                                      &context, request));
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), rpc, &context,
+                                                                      request));
     while (reader->Read(&response)) {
     }
     return reader->Finish();
@@ -380,7 +380,8 @@ TEST_F(ParseAfterAuthTest, ACallerWithoutATokenCostsNoParse) {
   const grpc::Status counted = Raw("/kvmem.v1.KvCache/StepBatch", Type::NORMAL_RPC, tiny, kAlice);
   EXPECT_EQ(counted.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << counted.error_message();
   EXPECT_THAT(counted.error_message(), HasSubstr("--parse-memory-bytes"));
-  const grpc::Status garbled = Raw("/kvmem.v1.KvCache/ReadKv", Type::SERVER_STREAMING, garbage, kBob);
+  const grpc::Status garbled =
+      Raw("/kvmem.v1.KvCache/ReadKv", Type::SERVER_STREAMING, garbage, kBob);
   EXPECT_EQ(garbled.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << garbled.error_message();
   EXPECT_THAT(garbled.error_message(), HasSubstr("does not parse as a kvmem.v1.ReadKvRequest"));
   EXPECT_TRUE(alice_->GetInfo().ok());
