@@ -26,7 +26,7 @@ if [ "${1:-}" = "--transformers" ]; then
   exit 0
 fi
 have pytest && have gguf && have matplotlib && have cbor2 && have yaml ||
-  python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2 pyyaml
+  python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2 pyyaml pyzmq msgpack
 if ! have llama_cpp; then
   if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     python3 -m pip install --quiet "$cache"/llama_cpp_python-*.whl

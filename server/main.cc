@@ -51,6 +51,17 @@ ABSL_FLAG(bool, ucx, false,
           "run a UCX worker and register the pool and the epoch board for remote reads (RMA "
           "get; transports from UCX_TLS as usual), offered in GetInfo to callers that may read "
           "the pool (CPU backend)");
+ABSL_FLAG(std::string, kv_events_endpoint, "",
+          "publish the prefix index's blocks as vLLM-compatible KV events on this ZMQ PUB "
+          "endpoint (tcp://127.0.0.1:5557, ipc:///path; empty: none)");
+ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
+          "with --kv-events-endpoint: a ZMQ ROUTER endpoint answering replay requests (empty: "
+          "none)");
+ABSL_FLAG(std::string, kv_events_topic, "", "with --kv-events-endpoint: the messages' topic");
+ABSL_FLAG(std::string, kv_events_format, "array",
+          "with --kv-events-endpoint: array (vLLM's positional array_like structs) or map");
+ABSL_FLAG(bool, kv_events_trusted_network, false,
+          "allow KV events endpoints beyond loopback (events carry every tenant's token ids)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
           "with --ucx: acknowledges that over TCP and shared memory (RMA emulated in software) "
           "every process that reaches the UCX worker can read and write kvmemd's memory; "
@@ -206,6 +217,11 @@ int main(int argc, char** argv) {
   config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
   config.ucx = absl::GetFlag(FLAGS_ucx);
   config.ucx_trusted_network = absl::GetFlag(FLAGS_ucx_trusted_network);
+  config.kv_events.endpoint = absl::GetFlag(FLAGS_kv_events_endpoint);
+  config.kv_events.replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
+  config.kv_events.topic = absl::GetFlag(FLAGS_kv_events_topic);
+  config.kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
+  config.kv_events.trusted_network = absl::GetFlag(FLAGS_kv_events_trusted_network);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

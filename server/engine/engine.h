@@ -68,6 +68,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
   ~Engine();
 
+  // Who hears of the prefix index's entries (PrefixIndex::set_events); set before serving.
+  void set_index_events(prefix::IndexEvents* events) { publisher_.index().set_events(events); }
   const EngineConfig& config() const { return config_; }
   const store::Backend& backend() const { return *backend_; }
   const EpochBoard& epoch_board() const { return versions_.board(); }

@@ -403,7 +403,9 @@ absl::StatusOr<uint64_t> PrefixPublisher::Publish(Sequence& seq, uint64_t up_to_
     std::vector<store::BlockId> ids(seq.num_streams());
     for (size_t i = from; i < whole; ++i) {
       for (size_t s = 0; s < ids.size(); ++s) ids[s] = seq.streams()[s].blocks()[i].id;
-      index_->Publish(state.ns, i == 0 ? nullptr : &state.hashes[i - 1], state.hashes[i], ids);
+      index_->Publish(state.ns, i == 0 ? nullptr : &state.hashes[i - 1], state.hashes[i], ids,
+                      tokens.subspan(i * B, B),
+                      i == 0 && !state.salt.empty() ? &state.salt : nullptr);
       state.published_blocks = std::max(state.published_blocks, i + 1);
     }
     budget_->Account(seq);  // the hashes it keeps

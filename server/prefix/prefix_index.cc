@@ -1,5 +1,7 @@
 #include "server/prefix/prefix_index.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 
@@ -116,7 +118,8 @@ std::vector<std::vector<store::BlockId>> PrefixIndex::Map(absl::string_view ns,
 }
 
 bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
-                          absl::Span<const store::BlockId> blocks) {
+                          absl::Span<const store::BlockId> blocks, absl::Span<const int32_t> tokens,
+                          const std::string* salt) {
   std::string key = Key(ns, hash);
   std::string parent_key = parent == nullptr ? std::string() : Key(ns, *parent);
   std::vector<store::BlockId> ids(blocks.begin(), blocks.end());
@@ -147,6 +150,8 @@ bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const B
   pool_->Ref(e.blocks);
   indexed_blocks_ += e.blocks.size();
   host_bytes_ += EntryHostBytes(ns.size(), e.blocks.size());
+  // Under the lock: listeners hear of changes in the order they happen.
+  if (events_ != nullptr && !tokens.empty()) events_->Stored({parent, &hash, tokens, salt});
   return added;
 }
 
@@ -240,6 +245,11 @@ uint64_t PrefixIndex::Reclaim(uint64_t bytes, store::TenantId tenant) {
     for (store::BlockId id : ids) {
       auto r = index_refs_.find(id);
       if (--r->second == 0) index_refs_.erase(r);
+    }
+    if (events_ != nullptr && e->payload == nullptr) {
+      BlockHash hash;
+      std::memcpy(hash.data(), self->first.data() + ns_bytes, hash.size());
+      events_->Removed(hash);
     }
     entries_.erase(self);
     for (store::BlockId id : ids) dropped += pool_->block_bytes(id);

@@ -28,6 +28,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "server/prefix/index_events.h"
 #include "server/prefix/prefix_hash.h"
 #include "server/store/block_pool.h"
 
@@ -78,8 +79,13 @@ class PrefixIndex {
   // the given blocks (one per stream), taking a reference on each; an entry already
   // published under that hash is kept as it is (it holds the same tokens) and only touched.
   // Returns whether it was added.
+  // With `tokens` (the block's), a new entry is announced to the events listener.
   bool Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
-               absl::Span<const store::BlockId> blocks);
+               absl::Span<const store::BlockId> blocks, absl::Span<const int32_t> tokens = {},
+               const std::string* salt = nullptr);
+  // Who hears of entries published and reclaimed (null: nobody); set before the index is
+  // shared.
+  void set_events(IndexEvents* events) { events_ = events; }
 
   // A shared compressed document: every block its streams hold (`blocks`, each once per
   // reference the payload's tables make) and the payload that describes them, under `key`
@@ -134,6 +140,7 @@ class PrefixIndex {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   store::BlockPool* const pool_;
+  IndexEvents* events_ = nullptr;
   mutable absl::Mutex mu_;
   absl::node_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);  // key: ns + hash
   // References the index holds per block (entries may share blocks: a document and the

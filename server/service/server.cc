@@ -195,6 +195,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       engine::Engine::Create(engine_config, *std::move(backend), clock);
   if (!engine.ok()) return engine.status();
   server->engine_ = *std::move(engine);
+  if (!config.kv_events.endpoint.empty()) {
+    KvEventsConfig events = config.kv_events;
+    if (config.kv_events_format != "array" && config.kv_events_format != "map") {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-events-format: \"",
+                                                     EchoClientText(config.kv_events_format),
+                                                     "\" is neither array nor map"));
+    }
+    events.map_form = config.kv_events_format == "map";
+    events.medium = config.backend == "cuda" ? "GPU" : "CPU";
+    absl::StatusOr<std::unique_ptr<KvEventPublisher>> publisher =
+        KvEventPublisher::Start(std::move(events));
+    if (!publisher.ok()) return publisher.status();
+    server->kv_events_ = *std::move(publisher);
+    server->engine_->set_index_events(server->kv_events_.get());
+  }
   // The CPU pool's segment: clients write into it only with in-place writes.
   if (std::optional<store::PoolExport> exported = server->engine_->backend().pool_export()) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {

@@ -18,6 +18,7 @@
 #include "server/service/auth.h"
 #include "server/transport/attach_socket.h"
 #if KVMEM_WITH_UCX
+#include "server/service/kv_events.h"
 #include "server/transport/ucx_plane.h"
 #endif
 #include "server/transport/unix_peers.h"
@@ -74,6 +75,11 @@ struct ServerConfig {
   // every peer that reaches the UCX worker can read and write kvmemd's memory: --ucx is
   // refused without it.
   bool ucx_trusted_network = false;
+  // The prefix index's blocks as vLLM-compatible KV events (kv_events.h); an empty
+  // endpoint: none. `kv_events_format`: "array" or "map" (sets kv_events.map_form); the
+  // medium follows the backend.
+  KvEventsConfig kv_events;
+  std::string kv_events_format = "array";
 };
 
 class Server {
@@ -106,6 +112,8 @@ class Server {
   void PrefaultPool();
   void StopPrefault();
   engine::RealClock real_clock_;
+  // Before the engine, whose prefix index queues into it until it is gone.
+  std::unique_ptr<KvEventPublisher> kv_events_;
   std::unique_ptr<engine::Engine> engine_;
   // Before the service and the gRPC server, so that it outlives the interceptors and the
   // step channels that record into it.
