@@ -102,6 +102,17 @@ std::vector<MetricFamily> Collector::Collect() const {
   for (const auto& [name, value] : s.block_bytes_by_precision) {
     Families::Sample(precision, static_cast<double>(value), {{"precision", name}});
   }
+  // KV events for routers (0 without --kv-events-endpoint).
+  const KvEventTotals events = kv_events_ ? kv_events_() : KvEventTotals{};
+  f.Counter("kvmem_kv_events_total", "KV events published (BlockStored, BlockRemoved, cleared)",
+            static_cast<double>(events.events));
+  f.Counter("kvmem_kv_event_batches_total", "KV event batches sent on the PUB socket",
+            static_cast<double>(events.batches));
+  f.Counter("kvmem_kv_events_dropped_total",
+            "KV events dropped for a full queue (an AllBlocksCleared follows)",
+            static_cast<double>(events.dropped));
+  f.Counter("kvmem_kv_event_replays_total", "replay requests answered",
+            static_cast<double>(events.replay_requests));
   f.Counter("kvmem_pool_moved_bytes_total",
             "pool bytes moved by compaction, merges and copy-on-write",
             static_cast<double>(s.bytes_moved));

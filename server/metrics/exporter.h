@@ -4,6 +4,7 @@
 // never disagree. Names follow Prometheus's conventions: kvmem_ prefix, base units,
 // _total on counters, counters instead of ratios; labels are bounded (policies, methods,
 // codes, precisions, states; never sequence ids).
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,16 +28,25 @@ struct BuildInfo {
 };
 
 // The families, built from the sources at each call.
+// What kvmemd's KV events publisher (service/kv_events.h) has done, when one runs.
+struct KvEventTotals {
+  uint64_t batches = 0, events = 0, dropped = 0, replay_requests = 0;
+};
+
 class Collector final : public prometheus::Collectable {
  public:
   Collector(engine::Engine* engine, const RpcTelemetry* rpc, BuildInfo build)
       : engine_(engine), rpc_(rpc), build_(std::move(build)) {}
   std::vector<prometheus::MetricFamily> Collect() const override;
+  // Where the KV events' counters are read at each scrape (unset: all 0). Set before the
+  // collector is shared.
+  void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
 
  private:
   engine::Engine* const engine_;
   const RpcTelemetry* const rpc_;
   const BuildInfo build_;
+  std::function<KvEventTotals()> kv_events_;
 };
 
 // The text a scrape returns (for tests and kvmemctl-free checks).

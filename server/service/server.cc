@@ -296,6 +296,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       server->engine_.get(), server->rpc_telemetry_.get(),
       metrics::BuildInfo{KVMEM_VERSION, std::string(server->engine_->backend().kind()),
                          server->engine_->backend().device_name()});
+  if (server->kv_events_) {
+    server->collector_->set_kv_events([events = server->kv_events_.get()] {
+      const KvEventCounters c = events->counters();
+      return metrics::KvEventTotals{c.batches, c.events, c.dropped, c.replay_requests};
+    });
+  }
   if (!config.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<metrics::Exporter>> exporter =
         metrics::Exporter::Start(config.metrics_listen, server->collector_);
