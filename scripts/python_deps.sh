@@ -25,7 +25,7 @@ if [ "${1:-}" = "--transformers" ]; then
   install_kvmem
   exit 0
 fi
-have pytest && have gguf && have matplotlib && have cbor2 && have yaml ||
+have pytest && have gguf && have matplotlib && have cbor2 && have yaml && have zmq && have msgpack ||
   python3 -m pip install --quiet pytest numpy gguf matplotlib cbor2 pyyaml pyzmq msgpack
 if ! have llama_cpp; then
   if ls "$cache"/llama_cpp_python-*.whl >/dev/null 2>&1; then

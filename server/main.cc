@@ -60,6 +60,9 @@ ABSL_FLAG(std::string, kv_events_replay_endpoint, "",
 ABSL_FLAG(std::string, kv_events_topic, "", "with --kv-events-endpoint: the messages' topic");
 ABSL_FLAG(std::string, kv_events_format, "array",
           "with --kv-events-endpoint: array (vLLM's positional array_like structs) or map");
+ABSL_FLAG(std::string, kv_events_hash, "int",
+          "with --kv-events-endpoint: int (a hash's last 8 bytes as a u64, vLLM's default) or "
+          "bytes (the 32-byte sha256)");
 ABSL_FLAG(bool, kv_events_trusted_network, false,
           "allow KV events endpoints beyond loopback (events carry every tenant's token ids)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
@@ -221,6 +224,7 @@ int main(int argc, char** argv) {
   config.kv_events.replay_endpoint = absl::GetFlag(FLAGS_kv_events_replay_endpoint);
   config.kv_events.topic = absl::GetFlag(FLAGS_kv_events_topic);
   config.kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
+  config.kv_events_hash = absl::GetFlag(FLAGS_kv_events_hash);
   config.kv_events.trusted_network = absl::GetFlag(FLAGS_kv_events_trusted_network);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);

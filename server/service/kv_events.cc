@@ -1,5 +1,9 @@
 #include "server/service/kv_events.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -25,7 +29,21 @@ bool LoopbackTcp(const std::string& endpoint) {
   return host == "localhost" || host == "[::1]" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
-absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool trusted) {
+absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool trusted,
+                           bool tenants) {
+  if (absl::StartsWith(endpoint, "ipc://@")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": \"", endpoint,
+                     "\" is an abstract socket, which any local process can reach: give a path"));
+  }
+  if (tenants && !trusted) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag,
+        ": kvmemd serves tenants (--auth-tokens) and events carry every tenant's token ids to "
+        "whoever subscribes (ZMQ authenticates nobody): pass --kv-events-trusted-network where "
+        "every process that reaches \"",
+        endpoint, "\" is trusted"));
+  }
   if (absl::StartsWith(endpoint, "ipc://")) return absl::OkStatus();
   if (!absl::StartsWith(endpoint, "tcp://")) {
     return absl::InvalidArgumentError(
@@ -37,6 +55,17 @@ absl::Status CheckEndpoint(const std::string& endpoint, const char* flag, bool t
         "\" is reachable beyond this host; events carry every tenant's token ids and ZMQ "
         "authenticates no subscriber: bind to loopback or an ipc:// path, or pass "
         "--kv-events-trusted-network where every peer that reaches it is trusted"));
+  }
+  return absl::OkStatus();
+}
+
+// An ipc:// socket's file: readable and writable by kvmemd's user only.
+absl::Status OwnerOnly(const std::string& bound, const char* flag) {
+  if (!absl::StartsWith(bound, "ipc://")) return absl::OkStatus();
+  const std::string path = bound.substr(6);
+  if (chmod(path.c_str(), 0600) != 0) {
+    return absl::InternalError(
+        absl::StrCat(flag, ": chmod 0600 \"", path, "\": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }
@@ -57,13 +86,19 @@ void PackString(Packer& pk, const std::string& s) {
   pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
 }
 
-void PackHash(Packer& pk, const prefix::BlockHash& hash) {
+void PackHash(Packer& pk, const prefix::BlockHash& hash, bool as_int) {
+  if (as_int) {  // vLLM: int.from_bytes(digest, "big") & (2**64 - 1)
+    uint64_t v = 0;
+    for (size_t i = hash.size() - 8; i < hash.size(); ++i) v = (v << 8) | hash[i];
+    pk.pack_uint64(v);
+    return;
+  }
   pk.pack_bin(static_cast<uint32_t>(hash.size()));
   pk.pack_bin_body(reinterpret_cast<const char*>(hash.data()), static_cast<uint32_t>(hash.size()));
 }
 
 // One event, as an array (its tag first) or a map (its tag under "type").
-void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form,
+void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form, bool int_hashes,
                const std::string& medium) {
   using Kind = KvEventPublisher::Event::Kind;
   // Field names and values in the struct's order (vLLM's BlockStored, BlockRemoved).
@@ -90,7 +125,7 @@ void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form,
       PackString(pk, "BlockRemoved");
       field("block_hashes");
       pk.pack_array(1);
-      PackHash(pk, e.hash);
+      PackHash(pk, e.hash, int_hashes);
       field("medium");
       PackString(pk, medium);
       return;
@@ -107,10 +142,10 @@ void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form,
       PackString(pk, "BlockStored");
       field("block_hashes");
       pk.pack_array(1);
-      PackHash(pk, e.hash);
+      PackHash(pk, e.hash, int_hashes);
       field("parent_block_hash");
       if (e.parent) {
-        PackHash(pk, *e.parent);
+        PackHash(pk, *e.parent, int_hashes);
       } else {
         pk.pack_nil();
       }
@@ -145,14 +180,14 @@ struct KvEventPublisher::Sockets {
 };
 
 absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEventsConfig config) {
-  if (absl::Status s =
-          CheckEndpoint(config.endpoint, "--kv-events-endpoint", config.trusted_network);
+  if (absl::Status s = CheckEndpoint(config.endpoint, "--kv-events-endpoint",
+                                     config.trusted_network, config.tenants);
       !s.ok()) {
     return s;
   }
   if (!config.replay_endpoint.empty()) {
     if (absl::Status s = CheckEndpoint(config.replay_endpoint, "--kv-events-replay-endpoint",
-                                       config.trusted_network);
+                                       config.trusted_network, config.tenants);
         !s.ok()) {
       return s;
     }
@@ -161,7 +196,8 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEven
   std::string bound, bound_replay;
   try {
     sockets->pub.set(zmq::sockopt::linger, 0);
-    sockets->pub.set(zmq::sockopt::sndhwm, 100000);
+    sockets->pub.set(zmq::sockopt::sndhwm, 64);                 // batches a subscriber may owe
+    sockets->pub.set(zmq::sockopt::maxmsgsize, int64_t{4096});  // its subscriptions
     sockets->pub.bind(config.endpoint);
     bound = sockets->pub.get(zmq::sockopt::last_endpoint);
   } catch (const zmq::error_t& e) {
@@ -172,12 +208,20 @@ absl::StatusOr<std::unique_ptr<KvEventPublisher>> KvEventPublisher::Start(KvEven
     try {
       sockets->replay.emplace(sockets->context, zmq::socket_type::router);
       sockets->replay->set(zmq::sockopt::linger, 0);
+      sockets->replay->set(zmq::sockopt::maxmsgsize, int64_t{64});  // a request: 8 bytes
+      // Room for a whole answer (4 frames a batch), so that none is cut short.
+      sockets->replay->set(zmq::sockopt::sndhwm, static_cast<int>(std::min<size_t>(
+                                                     4 * (config.replay_batches + 1), INT32_MAX)));
       sockets->replay->bind(config.replay_endpoint);
       bound_replay = sockets->replay->get(zmq::sockopt::last_endpoint);
     } catch (const zmq::error_t& e) {
       return absl::InvalidArgumentError(absl::StrCat("--kv-events-replay-endpoint: cannot bind \"",
                                                      config.replay_endpoint, "\": ", e.what()));
     }
+  }
+  for (const auto& [address, flag] : {std::pair{bound, "--kv-events-endpoint"},
+                                      std::pair{bound_replay, "--kv-events-replay-endpoint"}}) {
+    if (absl::Status s = OwnerOnly(address, flag); !s.ok()) return s;
   }
   std::unique_ptr<KvEventPublisher> publisher(
       new KvEventPublisher(std::move(config), std::move(sockets)));
@@ -206,18 +250,22 @@ KvEventPublisher::~KvEventPublisher() {
 void KvEventPublisher::Lose(uint64_t events) noexcept {
   counters_.dropped += queue_.size() + events;
   queue_.clear();
+  queued_bytes_ = 0;
   lost_ = true;
 }
 
 void KvEventPublisher::Enqueue(Event event) {
+  const uint64_t bytes = EventBytes(event);
   kvmem::MutexLock lock(&mu_);
-  if (queue_.size() >= config_.max_queued_events) {
+  if (queue_.size() >= config_.max_queued_events ||
+      queued_bytes_ + bytes > config_.max_queued_bytes) {
     // The router is told to forget everything rather than miss a removal.
     Lose(1);
     return;
   }
   try {
     queue_.push_back(std::move(event));
+    queued_bytes_ += bytes;
   } catch (const std::bad_alloc&) {
     Lose(1);
   }
@@ -255,8 +303,8 @@ KvEventCounters KvEventPublisher::counters() const {
   return counters_;
 }
 
-std::string KvEventPublisher::Encode(double timestamp, const std::vector<Event>& events,
-                                     bool map_form, const std::string& medium) {
+std::string KvEventPublisher::Encode(double timestamp, absl::Span<const Event> events,
+                                     bool map_form, bool int_hashes, const std::string& medium) {
   msgpack::sbuffer buffer;
   Packer pk(&buffer);
   if (map_form) {
@@ -269,14 +317,14 @@ std::string KvEventPublisher::Encode(double timestamp, const std::vector<Event>&
     pk.pack_double(timestamp);
   }
   pk.pack_array(static_cast<uint32_t>(events.size()));
-  for (const Event& e : events) PackEvent(pk, e, map_form, medium);
+  for (const Event& e : events) PackEvent(pk, e, map_form, int_hashes, medium);
   if (!map_form) pk.pack_nil();  // the data-parallel rank: none
   return std::string(buffer.data(), buffer.size());
 }
 
-void KvEventPublisher::Send(std::vector<Event> events) {
+void KvEventPublisher::Send(absl::Span<const Event> events) {
   const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
-  std::string payload = Encode(now, events, config_.map_form, config_.medium);
+  std::string payload = Encode(now, events, config_.map_form, config_.int_hashes, config_.medium);
   const uint64_t seq = next_seq_++;
   try {
     sockets_->pub.send(zmq::buffer(config_.topic), zmq::send_flags::sndmore);
@@ -302,7 +350,7 @@ void KvEventPublisher::Send(std::vector<Event> events) {
 void KvEventPublisher::ServeReplay() {
   if (!sockets_->replay) return;
   zmq::socket_t& router = *sockets_->replay;
-  for (;;) {
+  {  // one request per call: a flood of them cannot hold the batches back
     std::vector<zmq::message_t> frames;
     try {
       zmq::message_t frame;
@@ -326,7 +374,7 @@ void KvEventPublisher::ServeReplay() {
       ++counters_.replay_requests;
     }
     // [identity, "", start (8 bytes)] from a REQ socket; anything else is ignored.
-    if (frames.size() != 3 || frames[1].size() != 0 || frames[2].size() != 8) continue;
+    if (frames.size() != 3 || frames[1].size() != 0 || frames[2].size() != 8) return;
     uint64_t start = 0;
     const auto* bytes = static_cast<const uint8_t*>(frames[2].data());
     for (int i = 0; i < 8; ++i) start = (start << 8) | bytes[i];
@@ -344,6 +392,8 @@ void KvEventPublisher::ServeReplay() {
       reply(BigEndian64(~uint64_t{0}), std::string());  // -1: the end
     } catch (const zmq::error_t& e) {
       spdlog::warn("kvmemd: KV events replay: {}", e.what());
+    } catch (const std::bad_alloc&) {
+      spdlog::warn("kvmemd: KV events replay: out of memory; the request was not answered");
     }
   }
 }
@@ -362,6 +412,7 @@ void KvEventPublisher::Run() {
         kvmem::TsanAcquire(&mu_);
       }
       events.swap(queue_);
+      queued_bytes_ = 0;
       if (lost_) {
         try {
           events.insert(events.begin(), Event{});  // AllBlocksCleared first
@@ -375,7 +426,10 @@ void KvEventPublisher::Run() {
     }
     if (!events.empty()) {
       try {
-        Send(std::move(events));
+        const absl::Span<const Event> all(events);
+        for (size_t at = 0; at < all.size(); at += config_.batch_events) {
+          Send(all.subspan(at, config_.batch_events));
+        }
       } catch (const std::bad_alloc&) {
         kvmem::MutexLock lock(&mu_);
         Lose(0);  // the batch was not sent: the router forgets what it held

@@ -22,8 +22,15 @@
 // by AllBlocksCleared, so that a router forgets rather than believes blocks that are gone.
 //
 // Who may subscribe: events carry every tenant's token ids, so the endpoint is for the
-// fleet's router, one trust domain; a TCP endpoint beyond loopback is refused unless
-// --kv-events-trusted-network says so (ZMQ PUB authenticates nobody).
+// fleet's router, one trust domain; a TCP endpoint beyond loopback, and with tenants
+// (--auth-tokens) any endpoint, is refused unless --kv-events-trusted-network says so (ZMQ
+// authenticates nobody); an ipc:// socket is made 0600 (kvmemd's user), an abstract one
+// (ipc://@) refused. The events cover every namespace (model, layout) of the index: a
+// kvmemd that serves several models announces blocks of each under the same topic.
+// Memory: the queue holds at most max_queued_events and max_queued_bytes, a batch at most
+// batch_events; the PUB socket keeps at most 64 batches a slow subscriber has not taken
+// (it then misses batches: the sequence numbers show the gap, replay fills it), the replay
+// store max replay_batches / replay_bytes, one replay request is served per 10 ms.
 #include <sys/types.h>
 
 #include <atomic>
@@ -39,18 +46,27 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "server/prefix/index_events.h"
 
 namespace kvmem::service {
 
 struct KvEventsConfig {
-  std::string endpoint;          // bound; tcp://host:port or ipc://path
-  std::string replay_endpoint;   // empty: no replay socket
-  std::string topic;             // the first frame of every message
-  bool map_form = false;         // else the positional-array form
+  std::string endpoint;         // bound; tcp://host:port or ipc://path
+  std::string replay_endpoint;  // empty: no replay socket
+  std::string topic;            // the first frame of every message
+  bool map_form = false;        // else the positional-array form
+  // Hashes as vLLM sends them by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES): the
+  // digest's last 8 bytes as a big-endian u64; else the 32-byte digest (msgpack bin).
+  bool int_hashes = true;
+  // kvmemd serves tenants (--auth-tokens): every endpoint, loopback and ipc:// included,
+  // then needs trusted_network (a local process could read every tenant's prompts).
+  bool tenants = false;
   std::string medium = "CPU";    // where the blocks live: "CPU", or "GPU" (CUDA backend)
   bool trusted_network = false;  // a TCP endpoint beyond loopback is allowed
   size_t max_queued_events = 100000;
+  uint64_t max_queued_bytes = 64ull << 20;  // and their token ids and salts, in bytes
+  size_t batch_events = 1000;               // at most this many events a batch
   // Batches kept for replay, at most this many and this many bytes.
   size_t replay_batches = 10000;
   uint64_t replay_bytes = 64ull << 20;
@@ -89,8 +105,12 @@ class KvEventPublisher final : public prefix::IndexEvents {
     std::optional<std::string> salt;
   };
   // A batch's msgpack bytes.
-  static std::string Encode(double timestamp, const std::vector<Event>& events, bool map_form,
-                            const std::string& medium);
+  static std::string Encode(double timestamp, absl::Span<const Event> events, bool map_form,
+                            bool int_hashes, const std::string& medium);
+  // What a queued event holds, in bytes (the queue's bound).
+  static uint64_t EventBytes(const Event& e) {
+    return sizeof(Event) + e.tokens.size() * sizeof(int32_t) + (e.salt ? e.salt->size() : 0);
+  }
 
  private:
   struct Sockets;
@@ -100,7 +120,7 @@ class KvEventPublisher final : public prefix::IndexEvents {
   // batch begins with AllBlocksCleared.
   void Lose(uint64_t events) noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Run();
-  void Send(std::vector<Event> events);
+  void Send(absl::Span<const Event> events);
   void ServeReplay();
 
   const KvEventsConfig config_;
@@ -108,6 +128,7 @@ class KvEventPublisher final : public prefix::IndexEvents {
   std::string bound_endpoint_, bound_replay_endpoint_;
   mutable absl::Mutex mu_;
   std::vector<Event> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool lost_ ABSL_GUARDED_BY(mu_) = false;  // the next batch begins with AllBlocksCleared
   absl::CondVar wake_;                      // the stop

@@ -203,6 +203,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                                                      "\" is neither array nor map"));
     }
     events.map_form = config.kv_events_format == "map";
+    if (config.kv_events_hash != "int" && config.kv_events_hash != "bytes") {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-events-hash: \"",
+                                                     EchoClientText(config.kv_events_hash),
+                                                     "\" is neither int nor bytes"));
+    }
+    events.int_hashes = config.kv_events_hash == "int";
+    events.tenants = !config.auth_tokens.empty() || !config.tls_client_ca.empty();
     events.medium = config.backend == "cuda" ? "GPU" : "CPU";
     absl::StatusOr<std::unique_ptr<KvEventPublisher>> publisher =
         KvEventPublisher::Start(std::move(events));

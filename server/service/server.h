@@ -16,9 +16,9 @@
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 #include "server/service/auth.h"
+#include "server/service/kv_events.h"
 #include "server/transport/attach_socket.h"
 #if KVMEM_WITH_UCX
-#include "server/service/kv_events.h"
 #include "server/transport/ucx_plane.h"
 #endif
 #include "server/transport/unix_peers.h"
@@ -80,6 +80,8 @@ struct ServerConfig {
   // medium follows the backend.
   KvEventsConfig kv_events;
   std::string kv_events_format = "array";
+  // "int" (a digest's last 8 bytes, big-endian: vLLM's default) or "bytes" (all 32).
+  std::string kv_events_hash = "int";
 };
 
 class Server {

@@ -105,12 +105,24 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
             calls[i].rejected = absl::Status(read.code(), absl::StrCat("step.", read.message()));
           }
         };
-        if (engine_->config().parallel_batches) {
+        const bool any = std::any_of(area_values.begin(), area_values.end(),
+                                     [](const AreaValues& v) { return v.out != nullptr; });
+        if (any && engine_->config().parallel_batches) {
           ParallelFor(calls.size(), 1, [&](size_t begin, size_t end) {
             for (size_t i = begin; i < end; ++i) read_values(i);
           });
-        } else {
+        } else if (any) {
           for (size_t i = 0; i < calls.size(); ++i) read_values(i);
+        }
+        // A fault in one read zeroes the area under the others, which may not fault
+        // themselves: then nothing any of them read is used.
+        if (any && channel->signals_broken()) {
+          for (size_t i = 0; i < calls.size(); ++i) {
+            if (area_values[i].out == nullptr || !calls[i].rejected.ok()) continue;
+            calls[i].rejected = absl::FailedPreconditionError(
+                "step.signal area: shrunk by the client; nothing read from it was used; open a "
+                "new channel");
+          }
         }
         absl::StatusOr<std::vector<engine::StepOutcome>> outcomes = engine_->StepBatch(calls);
         if (!outcomes.ok()) return outcomes.status();

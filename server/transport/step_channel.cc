@@ -147,7 +147,7 @@ absl::Status StepChannel::ReadSignals(uint64_t offset, uint64_t bytes, absl::str
   SegmentGuard guard(signals_->data(), size);
   read(signals_->data() + offset);
   if (guard.faulted()) {
-    signals_broken_.store(true, std::memory_order_relaxed);
+    signals_broken_.store(true, std::memory_order_release);
     return broken();
   }
   return absl::OkStatus();

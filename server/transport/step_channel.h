@@ -118,6 +118,10 @@ class StepChannel {
   // (one pass, nothing staged) or floats copied.
   absl::Status ReadSignalValues(uint64_t offset, uint64_t count, bool f16, float* out,
                                 absl::string_view field) const;
+  // Whether a read has found the area shrunk. Reads on several threads at once: a fault in
+  // one replaces the whole mapping with zeros under the others, whose own sections may not
+  // fault, so after them the caller asks this (everything they read is void when true).
+  bool signals_broken() const { return signals_broken_.load(std::memory_order_acquire); }
   // An answer larger than the area (up to MaxAnswerBytes) is partly sent: its client will
   // ask for the rest.
   bool chunks_pending() const { return !pending_.empty(); }
