@@ -105,24 +105,22 @@ void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form, bool
   auto field = [&](const char* name) {
     if (map_form) PackString(pk, name);
   };
+  // The event's fields, its tag counted, and the tag.
+  auto begin = [&](uint32_t fields, const char* tag) {
+    if (map_form) {
+      pk.pack_map(fields);
+    } else {
+      pk.pack_array(fields);
+    }
+    field("type");
+    PackString(pk, tag);
+  };
   switch (e.kind) {
     case Kind::kCleared:
-      if (map_form) {
-        pk.pack_map(1);
-        field("type");
-      } else {
-        pk.pack_array(1);
-      }
-      PackString(pk, "AllBlocksCleared");
+      begin(1, "AllBlocksCleared");
       return;
     case Kind::kRemoved:
-      if (map_form) {
-        pk.pack_map(3);
-        field("type");
-      } else {
-        pk.pack_array(3);
-      }
-      PackString(pk, "BlockRemoved");
+      begin(3, "BlockRemoved");
       field("block_hashes");
       pk.pack_array(1);
       PackHash(pk, e.hash, int_hashes);
@@ -132,14 +130,7 @@ void PackEvent(Packer& pk, const KvEventPublisher::Event& e, bool map_form, bool
     case Kind::kStored: {
       // extra_keys (one entry per hash) only when the hash covered any: vLLM omits it
       // (its default) otherwise.
-      const uint32_t fields = e.salt ? 9 : 8;
-      if (map_form) {
-        pk.pack_map(fields);
-        field("type");
-      } else {
-        pk.pack_array(fields);
-      }
-      PackString(pk, "BlockStored");
+      begin(e.salt ? 9 : 8, "BlockStored");
       field("block_hashes");
       pk.pack_array(1);
       PackHash(pk, e.hash, int_hashes);
