@@ -170,7 +170,13 @@ void KvCacheService::AddServerStreaming(
 
 grpc::Status KvCacheService::ParseFor(const grpc::ServerContext* context,
                                       const ParsedBase& request) {
-  if (absl::Status who = auth_->Authenticate(context).status(); !who.ok()) return ToGrpc(who);
+  absl::StatusOr<Principal> who = auth_->Authenticate(context);
+  if (!who.ok()) return ToGrpc(who.status());
+  // The parse holds one of the tenant's calls in flight (--tenant-max-calls), so that one
+  // tenant's concurrent requests cannot all be parsing at once; the handler's Admit takes
+  // its own place after it.
+  absl::StatusOr<TenantCalls::Ticket> place = tenant_calls_.Enter(who->tenant);
+  if (!place.ok()) return ToGrpc(place.status());
   // gRPC hands the request it made (and owns) as const; its bytes are parsed in place.
   const absl::Status parsed = const_cast<ParsedBase&>(request).Parse();
   return parsed.ok() ? grpc::Status::OK : ToGrpc(parsed);

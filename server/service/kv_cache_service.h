@@ -121,8 +121,9 @@ class KvCacheService final : public grpc::Service {
   // "/kvmem.v1.KvCache/<name>", kept in method_names_ (gRPC keeps the pointer).
   const char* MethodName(absl::string_view name);
   // Parses a unary or server-streaming call's request (ParsedBase::Parse) once the call
-  // authenticates: a caller without a known token or peer gets UNAUTHENTICATED and costs
-  // no parse. The handler then admits the call as usual (Admit).
+  // authenticates, holding a place among its tenant's calls in flight meanwhile: a caller
+  // without a known token or peer gets UNAUTHENTICATED and costs no parse, a tenant at its
+  // limit RESOURCE_EXHAUSTED. The handler then admits the call as usual (Admit).
   grpc::Status ParseFor(const grpc::ServerContext* context, const ParsedBase& request);
   template <typename Request, typename Response>
   void AddUnary(const char* name,

@@ -328,6 +328,7 @@ class ParseAfterAuthTest : public AuthTest {
  protected:
   void SetUp() override {
     parse_memory_bytes_ = 32ull << 20;  // two 12 MiB messages and a little
+    tenant_max_calls_ = 2;
     AuthTest::SetUp();
   }
   // A call of `method` with `bytes` as its request, whatever they hold, with `token` (none
@@ -385,6 +386,22 @@ TEST_F(ParseAfterAuthTest, ACallerWithoutATokenCostsNoParse) {
   EXPECT_EQ(garbled.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << garbled.error_message();
   EXPECT_THAT(garbled.error_message(), HasSubstr("does not parse as a kvmem.v1.ReadKvRequest"));
   EXPECT_TRUE(alice_->GetInfo().ok());
+}
+
+// A tenant at its limit of calls in flight has no request parsed either: the parse holds a
+// place among its calls (before, its requests were parsed first, however many it had open).
+TEST_F(ParseAfterAuthTest, ATenantAtItsCallLimitCostsNoParse) {
+  std::unique_ptr<client::Client> alice2 = Connect(kAlice);
+  ASSERT_TRUE(alice_->OpenStepChannel().ok());
+  ASSERT_TRUE(alice2->OpenStepChannel().ok());  // both of her places, for the channels' life
+  v1::StepBatchRequest batch;
+  for (int i = 0; i < (2 << 20); ++i) batch.add_entries();
+  const grpc::Status refused =
+      Raw("/kvmem.v1.KvCache/StepBatch", grpc::internal::RpcMethod::NORMAL_RPC,
+          batch.SerializeAsString(), kAlice);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("--tenant-max-calls"));
+  EXPECT_TRUE(bob_->GetInfo().ok());
 }
 
 class TenantCallsTest : public AuthTest {
