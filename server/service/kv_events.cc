@@ -70,6 +70,13 @@ absl::Status OwnerOnly(const std::string& bound, const char* flag) {
   return absl::OkStatus();
 }
 
+// The u64 in 8 big-endian bytes at `bytes`.
+uint64_t LoadBigEndian64(const uint8_t* bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | bytes[i];
+  return v;
+}
+
 std::string BigEndian64(uint64_t v) {
   std::string out(8, '\0');
   for (int i = 7; i >= 0; --i) {
@@ -88,9 +95,7 @@ void PackString(Packer& pk, const std::string& s) {
 
 void PackHash(Packer& pk, const prefix::BlockHash& hash, bool as_int) {
   if (as_int) {  // vLLM: int.from_bytes(digest, "big") & (2**64 - 1)
-    uint64_t v = 0;
-    for (size_t i = hash.size() - 8; i < hash.size(); ++i) v = (v << 8) | hash[i];
-    pk.pack_uint64(v);
+    pk.pack_uint64(LoadBigEndian64(hash.data() + hash.size() - 8));
     return;
   }
   pk.pack_bin(static_cast<uint32_t>(hash.size()));
@@ -278,15 +283,10 @@ void KvEventPublisher::Stored(const prefix::StoredBlock& block) noexcept {
 }
 
 void KvEventPublisher::Removed(const prefix::BlockHash& hash) noexcept {
-  Event e;
+  Event e;  // allocates nothing; Enqueue loses it, not throws, when memory runs out
   e.kind = Event::Kind::kRemoved;
   e.hash = hash;
-  try {
-    Enqueue(std::move(e));
-  } catch (const std::bad_alloc&) {
-    kvmem::MutexLock lock(&mu_);
-    Lose(1);
-  }
+  Enqueue(std::move(e));
 }
 
 KvEventCounters KvEventPublisher::counters() const {
@@ -314,8 +314,8 @@ std::string KvEventPublisher::Encode(double timestamp, absl::Span<const Event> e
 }
 
 void KvEventPublisher::Send(absl::Span<const Event> events) {
-  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
-  std::string payload = Encode(now, events, config_.map_form, config_.int_hashes, config_.medium);
+  std::string payload = Encode(absl::ToUnixMicros(absl::Now()) * 1e-6, events, config_.map_form,
+                               config_.int_hashes, config_.medium);
   const uint64_t seq = next_seq_++;
   try {
     sockets_->pub.send(zmq::buffer(config_.topic), zmq::send_flags::sndmore);
@@ -341,51 +341,48 @@ void KvEventPublisher::Send(absl::Span<const Event> events) {
 void KvEventPublisher::ServeReplay() {
   if (!sockets_->replay) return;
   zmq::socket_t& router = *sockets_->replay;
-  {  // one request per call: a flood of them cannot hold the batches back
-    std::vector<zmq::message_t> frames;
-    try {
-      zmq::message_t frame;
-      if (!router.recv(frame, zmq::recv_flags::dontwait)) return;
-      frames.push_back(std::move(frame));
-      while (frames.back().more() && frames.size() < 8) {
-        zmq::message_t next;
-        if (!router.recv(next, zmq::recv_flags::none)) break;
-        frames.push_back(std::move(next));
-      }
-      while (frames.back().more()) {  // past 8 frames: not a request of ours; drained
-        zmq::message_t rest;
-        if (!router.recv(rest, zmq::recv_flags::none)) break;
-      }
-    } catch (const zmq::error_t& e) {
-      spdlog::warn("kvmemd: KV events replay: {}", e.what());
-      return;
+  // One request per call: a flood of them cannot hold the batches back.
+  std::vector<zmq::message_t> frames;
+  try {
+    zmq::message_t frame;
+    if (!router.recv(frame, zmq::recv_flags::dontwait)) return;
+    frames.push_back(std::move(frame));
+    while (frames.back().more() && frames.size() < 8) {
+      zmq::message_t next;
+      if (!router.recv(next, zmq::recv_flags::none)) break;
+      frames.push_back(std::move(next));
     }
-    {
-      kvmem::MutexLock lock(&mu_);
-      ++counters_.replay_requests;
+    while (frames.back().more()) {  // past 8 frames: not a request of ours; drained
+      zmq::message_t rest;
+      if (!router.recv(rest, zmq::recv_flags::none)) break;
     }
-    // [identity, "", start (8 bytes)] from a REQ socket; anything else is ignored.
-    if (frames.size() != 3 || frames[1].size() != 0 || frames[2].size() != 8) return;
-    uint64_t start = 0;
-    const auto* bytes = static_cast<const uint8_t*>(frames[2].data());
-    for (int i = 0; i < 8; ++i) start = (start << 8) | bytes[i];
+  } catch (const zmq::error_t& e) {
+    spdlog::warn("kvmemd: KV events replay: {}", e.what());
+    return;
+  }
+  {
+    kvmem::MutexLock lock(&mu_);
+    ++counters_.replay_requests;
+  }
+  // [identity, "", start (8 bytes)] from a REQ socket; anything else is ignored.
+  if (frames.size() != 3 || frames[1].size() != 0 || frames[2].size() != 8) return;
+  const uint64_t start = LoadBigEndian64(static_cast<const uint8_t*>(frames[2].data()));
+  try {
     const std::string identity = frames[0].to_string();
-    try {
-      auto reply = [&](const std::string& seq, const std::string& payload) {
-        router.send(zmq::buffer(identity), zmq::send_flags::sndmore);
-        router.send(zmq::buffer(std::string()), zmq::send_flags::sndmore);
-        router.send(zmq::buffer(seq), zmq::send_flags::sndmore);
-        router.send(zmq::buffer(payload), zmq::send_flags::none);
-      };
-      for (const auto& [seq, payload] : kept_) {
-        if (seq >= start) reply(BigEndian64(seq), payload);
-      }
-      reply(BigEndian64(~uint64_t{0}), std::string());  // -1: the end
-    } catch (const zmq::error_t& e) {
-      spdlog::warn("kvmemd: KV events replay: {}", e.what());
-    } catch (const std::bad_alloc&) {
-      spdlog::warn("kvmemd: KV events replay: out of memory; the request was not answered");
+    auto reply = [&](const std::string& seq, const std::string& payload) {
+      router.send(zmq::buffer(identity), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(std::string()), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(seq), zmq::send_flags::sndmore);
+      router.send(zmq::buffer(payload), zmq::send_flags::none);
+    };
+    for (const auto& [seq, payload] : kept_) {
+      if (seq >= start) reply(BigEndian64(seq), payload);
     }
+    reply(BigEndian64(~uint64_t{0}), std::string());  // -1: the end
+  } catch (const zmq::error_t& e) {
+    spdlog::warn("kvmemd: KV events replay: {}", e.what());
+  } catch (const std::bad_alloc&) {
+    spdlog::warn("kvmemd: KV events replay: out of memory; the request was not answered");
   }
 }
 

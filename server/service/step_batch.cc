@@ -107,12 +107,11 @@ grpc::Status KvCacheService::RunStepBatch(grpc::ServerContext* context, const Pr
         };
         const bool any = std::any_of(area_values.begin(), area_values.end(),
                                      [](const AreaValues& v) { return v.out != nullptr; });
-        if (any && engine_->config().parallel_batches) {
-          ParallelFor(calls.size(), 1, [&](size_t begin, size_t end) {
-            for (size_t i = begin; i < end; ++i) read_values(i);
-          });
-        } else if (any) {
-          for (size_t i = 0; i < calls.size(); ++i) read_values(i);
+        if (any) {  // an entry per core, or all on this thread (a grain of the whole batch)
+          ParallelFor(calls.size(), engine_->config().parallel_batches ? 1 : calls.size(),
+                      [&](size_t begin, size_t end) {
+                        for (size_t i = begin; i < end; ++i) read_values(i);
+                      });
         }
         // A fault in one read zeroes the area under the others, which may not fault
         // themselves: then nothing any of them read is used.
