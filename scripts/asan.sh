@@ -15,7 +15,7 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSANITIZE=address,undefined -DWITH_UCX=OFF >/dev/null
 cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
   request_cache_test engine_stress_test daemon_test kvmemd_process_test transport_test \
-  common_test gguf_fuzz tokenizer_fuzz step_channel_fuzz service_fuzz attach_fuzz
+  common_test cluster_index_test gguf_fuzz tokenizer_fuzz step_channel_fuzz service_fuzz attach_fuzz
 source scripts/sanitizer_reports.sh
 sanitizer_reports build-asan asan
 export ASAN_OPTIONS="detect_leaks=1 halt_on_error=1 log_path=$logs/report"
@@ -26,6 +26,7 @@ build-asan/tests/engine_test --gtest_brief=1 | tail -1
 build-asan/tests/request_cache_test --gtest_brief=1 | tail -1
 build-asan/tests/transport_test --gtest_brief=1 | tail -1
 build-asan/tests/common_test --gtest_brief=1 | tail -1
+build-asan/tests/cluster_index_test --gtest_brief=1 | tail -1
 KVMEM_STRESS_SECONDS=20 build-asan/tests/engine_stress_test --gtest_brief=1 |
   grep -E "^stress|PASSED|FAILED"
 build-asan/tests/daemon_test --gtest_brief=1 | tail -1
@@ -36,4 +37,4 @@ done
 show_reports
 trap - EXIT
 echo "asan+ubsan: block_pool_test, engine_test, request_cache_test, transport_test," \
-  "common_test, engine_stress_test, daemon_test, kvmemd_process_test and the fuzz corpora clean"
+  "common_test, cluster_index_test, engine_stress_test, daemon_test, kvmemd_process_test and the fuzz corpora clean"

@@ -13,7 +13,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-format clang-tidy python3 python3-pip libopenblas-dev libicu-dev unzip
   libcbor-dev libssl-dev openssl nlohmann-json3-dev
-  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev libhiredis-dev redis-server
   prometheus
 )
 missing=()

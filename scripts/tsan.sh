@@ -14,18 +14,19 @@ cd "$(dirname "$0")/.."
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSANITIZE=thread \
   -DWITH_UCX=OFF >/dev/null
 cmake --build build-tsan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
-  engine_stress_test daemon_test kvmemd_process_test transport_test common_test
+  engine_stress_test daemon_test kvmemd_process_test transport_test common_test cluster_index_test
 source scripts/sanitizer_reports.sh
 sanitizer_reports build-tsan tsan
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp halt_on_error=1 ignore_noninstrumented_modules=1 log_path=$logs/report"
 build-tsan/tests/block_pool_test --gtest_brief=1 | tail -1
 build-tsan/tests/common_test --gtest_brief=1 | tail -1
 build-tsan/tests/transport_test --gtest_brief=1 | tail -1
+build-tsan/tests/cluster_index_test --gtest_brief=1 | tail -1
 build-tsan/tests/engine_test --gtest_brief=1 | tail -1
 build-tsan/tests/engine_stress_test --gtest_brief=1 | grep -E "^stress|PASSED|FAILED"
 build-tsan/tests/daemon_test --gtest_brief=1 | tail -1
 build-tsan/tests/kvmemd_process_test --gtest_brief=1 | tail -1
 show_reports
 trap - EXIT
-echo "tsan: block_pool_test, common_test, transport_test, engine_test, engine_stress_test," \
-  "daemon_test and kvmemd_process_test clean"
+echo "tsan: block_pool_test, common_test, transport_test, cluster_index_test, engine_test," \
+  "engine_stress_test, daemon_test and kvmemd_process_test clean"

@@ -65,6 +65,21 @@ ABSL_FLAG(std::string, kv_events_hash, "int",
           "bytes (the 32-byte sha256)");
 ABSL_FLAG(bool, kv_events_trusted_network, false,
           "allow KV events endpoints beyond loopback (events carry every tenant's token ids)");
+ABSL_FLAG(std::string, cluster_index, "",
+          "share the prefix index's blocks with a fleet through this Redis/Valkey server "
+          "(redis://[:password@]host[:port][/db] or unix:///path; empty: none), so that "
+          "Lookup with `fleet` names the nodes that hold a prompt's longest prefix");
+ABSL_FLAG(std::string, cluster_node_address, "",
+          "with --cluster-index: the address routers and peers reach this kvmemd at "
+          "(host:port), as the index names this node");
+ABSL_FLAG(int64_t, cluster_index_ttl_seconds, 30,
+          "with --cluster-index: a claim lapses this long after its last renewal (renewed "
+          "every third of it); a node that dies leaves claims that lapse so");
+ABSL_FLAG(int64_t, cluster_index_timeout_ms, 50,
+          "with --cluster-index: how long a Lookup waits for the index before it answers "
+          "without the fleet");
+ABSL_FLAG(uint32_t, cluster_index_connections, 4,
+          "with --cluster-index: connections kept for lookups (each serves one at a time)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
           "with --ucx: acknowledges that over TCP and shared memory (RMA emulated in software) "
           "every process that reaches the UCX worker can read and write kvmemd's memory; "
@@ -226,6 +241,11 @@ int main(int argc, char** argv) {
   config.kv_events_format = absl::GetFlag(FLAGS_kv_events_format);
   config.kv_events_hash = absl::GetFlag(FLAGS_kv_events_hash);
   config.kv_events.trusted_network = absl::GetFlag(FLAGS_kv_events_trusted_network);
+  config.cluster_index.url = absl::GetFlag(FLAGS_cluster_index);
+  config.cluster_index.node = absl::GetFlag(FLAGS_cluster_node_address);
+  config.cluster_index.ttl = absl::Seconds(absl::GetFlag(FLAGS_cluster_index_ttl_seconds));
+  config.cluster_index.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_cluster_index_timeout_ms));
+  config.cluster_index.lookup_connections = absl::GetFlag(FLAGS_cluster_index_connections);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

@@ -204,6 +204,15 @@ absl::StatusOr<uint64_t> Engine::Lookup(Layout layout, const PromptPrefix& promp
   });
 }
 
+absl::StatusOr<PrefixPublisher::Chain> Engine::FleetChain(Layout layout, const PromptPrefix& prompt,
+                                                          size_t max_blocks) {
+  return GuardHostMemory("Lookup", [&]() -> absl::StatusOr<PrefixPublisher::Chain> {
+    if (layout.block_tokens == 0) layout.block_tokens = config_.default_block_tokens;
+    if (absl::Status s = ValidateLayout(layout, pool_->page_bytes()); !s.ok()) return s;
+    return publisher_.FleetChain(layout, prompt, max_blocks);
+  });
+}
+
 absl::StatusOr<AppendResult> Engine::Append(uint64_t sequence_id,
                                             absl::Span<const AppendChunk> chunks,
                                             const std::optional<HeldTable>& held) {

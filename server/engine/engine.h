@@ -101,6 +101,10 @@ class Engine {
                                   const policy::ParamOverrides& params = {},
                                   QuantConfig quant = {});
 
+  // PrefixPublisher::FleetChain, after Lookup's checks of the layout.
+  absl::StatusOr<PrefixPublisher::Chain> FleetChain(Layout layout, const PromptPrefix& prompt,
+                                                    size_t max_blocks);
+
   // Appends the chunks in order, atomically: all are validated and their blocks allocated
   // before any byte is written.
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, absl::Span<const AppendChunk> chunks,

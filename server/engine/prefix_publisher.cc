@@ -108,6 +108,20 @@ absl::StatusOr<uint64_t> PrefixPublisher::Map(Sequence& seq, const PromptPrefix&
   return tokens;
 }
 
+absl::StatusOr<PrefixPublisher::Chain> PrefixPublisher::FleetChain(const Layout& layout,
+                                                                   const PromptPrefix& prompt,
+                                                                   size_t max_blocks) const {
+  if (absl::Status s = CheckPrompt(layout, prompt); !s.ok()) return s;
+  Chain chain;
+  chain.ns = Namespace(layout, prompt.model);
+  if (max_blocks == 0) return chain;
+  absl::StatusOr<std::vector<prefix::BlockHash>> hashes =
+      PublishedPrefix(layout, prompt, max_blocks);
+  if (!hashes.ok()) return hashes.status();
+  chain.hashes = *std::move(hashes);
+  return chain;
+}
+
 absl::StatusOr<uint64_t> PrefixPublisher::Lookup(const Layout& layout, const PromptPrefix& prompt,
                                                  const policy::Policy* policy,
                                                  const policy::ParamOverrides& params,
@@ -278,7 +292,7 @@ absl::Status PrefixPublisher::CheckPrompt(const Layout& layout, const PromptPref
 }
 
 absl::StatusOr<std::vector<prefix::BlockHash>> PrefixPublisher::PublishedPrefix(
-    const Layout& layout, const PromptPrefix& prompt) const {
+    const Layout& layout, const PromptPrefix& prompt, size_t all_of_first) const {
   // The last token is never reused: the worker computes it, for the logits it samples from.
   // A prompt that starts with a document maps its compressed document or nothing: without
   // it the client computes the whole document and compresses it (a compression sees every
@@ -289,13 +303,14 @@ absl::StatusOr<std::vector<prefix::BlockHash>> PrefixPublisher::PublishedPrefix(
   const std::string ns = Namespace(layout, prompt.model);
   const uint32_t B = layout.block_tokens;
   const size_t blocks = (prompt.token_ids.size() - 1) / B;
-  for (size_t i = 0; i < blocks; ++i) {
+  const bool held_only = all_of_first == 0;
+  for (size_t i = 0; i < (held_only ? blocks : std::min(blocks, all_of_first)); ++i) {
     std::optional<std::vector<std::string>> extra;
     if (i == 0 && !prompt.salt.empty()) extra = std::vector<std::string>{prompt.salt};
     absl::StatusOr<prefix::BlockHash> h = prefix::ChainHash(
         i == 0 ? root_ : hashes.back(), prompt.token_ids.subspan(i * B, B), extra);
     if (!h.ok()) return h.status();
-    if (!index_->Contains(ns, *h)) break;
+    if (held_only && !index_->Contains(ns, *h)) break;
     hashes.push_back(*h);
   }
   return hashes;

@@ -56,6 +56,15 @@ class PrefixPublisher {
   absl::StatusOr<uint64_t> Map(Sequence& seq, const PromptPrefix& prompt, const MapPlan& plan,
                                HostReservation* host, uint64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // The prompt's chain as a fleet's shared index names it (service/cluster_index.h): the
+  // namespace and the hashes of the blocks Lookup counts (at most max_blocks), held here or
+  // not. None for a prompt that starts with a document (documents are this node's own).
+  struct Chain {
+    std::string ns;
+    std::vector<prefix::BlockHash> hashes;
+  };
+  absl::StatusOr<Chain> FleetChain(const Layout& layout, const PromptPrefix& prompt,
+                                   size_t max_blocks) const;
   // How many tokens of the prompt a new sequence would reuse now. Pins nothing. `policy`
   // (the sequence's, for its document's representation) is needed with document_tokens.
   absl::StatusOr<uint64_t> Lookup(const Layout& layout, const PromptPrefix& prompt,
@@ -79,8 +88,11 @@ class PrefixPublisher {
   absl::StatusOr<prefix::BlockHash> DocumentKey(absl::Span<const int32_t> tokens,
                                                 absl::string_view representation,
                                                 absl::string_view salt) const;
+  // The hashes of the prompt's blocks that Lookup counts: as far as the index holds them
+  // (all_of_first 0), else the first all_of_first of them, held or not.
   absl::StatusOr<std::vector<prefix::BlockHash>> PublishedPrefix(const Layout& layout,
-                                                                 const PromptPrefix& prompt) const;
+                                                                 const PromptPrefix& prompt,
+                                                                 size_t all_of_first = 0) const;
   absl::Status MapPrefix(Sequence& seq, const std::vector<std::vector<store::BlockId>>& mapped,
                          absl::Span<const int32_t> token_ids, uint64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);

@@ -113,6 +113,37 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(events.dropped));
   f.Counter("kvmem_kv_event_replays_total", "replay requests answered",
             static_cast<double>(events.replay_requests));
+  if (cluster_index_) {
+    const ClusterIndexTotals c = cluster_index_();
+    MetricFamily& ops =
+        f.Family("kvmem_cluster_index_updates_total",
+                 "this node's claims in the fleet's prefix index, by outcome", MetricType::Counter);
+    const std::pair<const char*, uint64_t> outcomes[] = {
+        {"added", c.added}, {"removed", c.removed}, {"renewed", c.renewed}, {"dropped", c.dropped}};
+    for (const auto& [outcome, n] : outcomes) {
+      Families::Sample(ops, static_cast<double>(n), {{"outcome", outcome}});
+    }
+    f.Counter("kvmem_cluster_index_errors_total",
+              "cluster index connections lost or refused, and error replies",
+              static_cast<double>(c.errors));
+    MetricFamily& lookups =
+        f.Family("kvmem_cluster_index_lookups_total",
+                 "fleet lookups, by whether the index answered in time", MetricType::Counter);
+    Families::Sample(lookups, static_cast<double>(c.lookups - c.lookups_unavailable),
+                     {{"result", "answered"}});
+    Families::Sample(lookups, static_cast<double>(c.lookups_unavailable),
+                     {{"result", "unavailable"}});
+    f.Gauge("kvmem_cluster_index_entries", "prefix blocks this node claims in the fleet's index",
+            static_cast<double>(c.entries));
+    f.Gauge("kvmem_cluster_index_connected", "1 while the index's writer is connected",
+            c.connected ? 1.0 : 0.0);
+    MetricFamily& seconds = f.Family(
+        "kvmem_cluster_index_seconds",
+        "cluster index round trips: a pipeline of updates (write), a fleet lookup (lookup)",
+        MetricType::Histogram);
+    Families::Sample(seconds, c.write_seconds, {{"op", "write"}});
+    Families::Sample(seconds, c.lookup_seconds, {{"op", "lookup"}});
+  }
   f.Counter("kvmem_pool_moved_bytes_total",
             "pool bytes moved by compaction, merges and copy-on-write",
             static_cast<double>(s.bytes_moved));

@@ -33,6 +33,21 @@ struct KvEventTotals {
   uint64_t batches = 0, events = 0, dropped = 0, replay_requests = 0;
 };
 
+// What kvmemd's share of the fleet's prefix index (service/cluster_index.h) has done.
+struct ClusterIndexTotals {
+  uint64_t added = 0;    // claims written (new blocks)
+  uint64_t removed = 0;  // claims withdrawn
+  uint64_t renewed = 0;  // claims renewed
+  uint64_t dropped = 0;  // updates not written: Redis unreachable, a full queue, the bound
+  uint64_t errors = 0;   // Redis connections lost or refused, error replies
+  uint64_t lookups = 0;
+  uint64_t lookups_unavailable = 0;
+  uint64_t entries = 0;  // blocks this node announces now
+  bool connected = false;
+  engine::Histogram::Snapshot write_seconds;   // a pipeline of updates, sent and answered
+  engine::Histogram::Snapshot lookup_seconds;  // a fleet lookup, answered or not
+};
+
 class Collector final : public prometheus::Collectable {
  public:
   Collector(engine::Engine* engine, const RpcTelemetry* rpc, BuildInfo build)
@@ -41,12 +56,17 @@ class Collector final : public prometheus::Collectable {
   // Where the KV events' counters are read at each scrape (unset: all 0). Set before the
   // collector is shared.
   void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
+  // The same for the cluster index (unset: its families are not exported).
+  void set_cluster_index(std::function<ClusterIndexTotals()> read) {
+    cluster_index_ = std::move(read);
+  }
 
  private:
   engine::Engine* const engine_;
   const RpcTelemetry* const rpc_;
   const BuildInfo build_;
   std::function<KvEventTotals()> kv_events_;
+  std::function<ClusterIndexTotals()> cluster_index_;
 };
 
 // The text a scrape returns (for tests and kvmemctl-free checks).

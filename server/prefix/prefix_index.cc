@@ -151,7 +151,7 @@ bool PrefixIndex::Publish(absl::string_view ns, const BlockHash* parent, const B
   indexed_blocks_ += e.blocks.size();
   host_bytes_ += EntryHostBytes(ns.size(), e.blocks.size());
   // Under the lock: listeners hear of changes in the order they happen.
-  if (events_ != nullptr && !tokens.empty()) events_->Stored({parent, &hash, tokens, salt});
+  if (events_ != nullptr && !tokens.empty()) events_->Stored({ns, parent, &hash, tokens, salt});
   return added;
 }
 
@@ -249,7 +249,7 @@ uint64_t PrefixIndex::Reclaim(uint64_t bytes, store::TenantId tenant) {
     if (events_ != nullptr && e->payload == nullptr) {
       BlockHash hash;
       std::memcpy(hash.data(), self->first.data() + ns_bytes, hash.size());
-      events_->Removed(hash);
+      events_->Removed(absl::string_view(self->first).substr(0, ns_bytes), hash);
     }
     entries_.erase(self);
     for (store::BlockId id : ids) dropped += pool_->block_bytes(id);

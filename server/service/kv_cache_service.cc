@@ -505,6 +505,24 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext* context, const v1::Look
   absl::StatusOr<uint64_t> matched = engine_->Lookup(*layout, prompt, *policy_name, params, *quant);
   if (!matched.ok()) return ToGrpc(matched.status());
   response->set_matched_tokens(*matched);
+  if (!request->fleet()) return grpc::Status::OK;
+  if (cluster_index_ == nullptr) {
+    return ToGrpc(
+        absl::FailedPreconditionError("fleet: this kvmemd has no cluster index (--cluster-index)"));
+  }
+  absl::StatusOr<engine::PrefixPublisher::Chain> chain =
+      engine_->FleetChain(*layout, prompt, ClusterIndex::kMaxLookupBlocks);
+  if (!chain.ok()) return ToGrpc(chain.status());
+  const FleetAnswer fleet = cluster_index_->Lookup(chain->ns, chain->hashes);
+  v1::FleetAnswer* out = response->mutable_fleet();
+  out->set_available(fleet.available);
+  out->set_unavailable(fleet.unavailable);
+  const uint64_t B = layout->block_tokens;  // FromProto gave it the default if unset
+  for (const FleetHolder& h : fleet.holders) {
+    v1::FleetHolder* holder = out->add_holders();
+    holder->set_node(h.node);
+    holder->set_matched_tokens(h.blocks * B);
+  }
   return grpc::Status::OK;
 }
 

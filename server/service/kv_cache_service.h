@@ -15,6 +15,7 @@
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 #include "server/service/auth.h"
+#include "server/service/cluster_index.h"
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
 #include "server/service/parsed.h"
@@ -76,6 +77,9 @@ class KvCacheService final : public grpc::Service {
   // kvmemd's UCX worker, offered in GetInfo to callers that may read the pool (null: none).
   // Set before serving.
   void set_ucx(const transport::UcxPlane* ucx) { ucx_ = ucx; }
+  // The fleet's shared prefix index, asked by Lookup's `fleet` (null: none). Set before
+  // serving.
+  void set_cluster_index(ClusterIndex* index) { cluster_index_ = index; }
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -218,6 +222,7 @@ class KvCacheService final : public grpc::Service {
   // A deque: gRPC keeps pointers to the names, which appending must not move.
   std::deque<std::string> method_names_;
   const transport::UcxPlane* ucx_ = nullptr;
+  ClusterIndex* cluster_index_ = nullptr;
 };
 
 }  // namespace kvmem::service

@@ -282,7 +282,7 @@ void KvEventPublisher::Stored(const prefix::StoredBlock& block) noexcept {
   }
 }
 
-void KvEventPublisher::Removed(const prefix::BlockHash& hash) noexcept {
+void KvEventPublisher::Removed(absl::string_view /*ns*/, const prefix::BlockHash& hash) noexcept {
   Event e;  // allocates nothing; Enqueue loses it, not throws, when memory runs out
   e.kind = Event::Kind::kRemoved;
   e.hash = hash;

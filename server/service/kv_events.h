@@ -89,7 +89,7 @@ class KvEventPublisher final : public prefix::IndexEvents {
   KvEventPublisher& operator=(const KvEventPublisher&) = delete;
 
   void Stored(const prefix::StoredBlock& block) noexcept override;
-  void Removed(const prefix::BlockHash& hash) noexcept override;
+  void Removed(absl::string_view ns, const prefix::BlockHash& hash) noexcept override;
 
   KvEventCounters counters() const;
   // The replay endpoint as bound (a tcp port 0 resolved), for tests.

@@ -215,8 +215,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         KvEventPublisher::Start(std::move(events));
     if (!publisher.ok()) return publisher.status();
     server->kv_events_ = *std::move(publisher);
-    server->engine_->set_index_events(server->kv_events_.get());
+    server->index_events_.Add(server->kv_events_.get());
   }
+  if (!config.cluster_index.url.empty()) {
+    absl::StatusOr<std::unique_ptr<ClusterIndex>> index = ClusterIndex::Start(config.cluster_index);
+    if (!index.ok()) return index.status();
+    server->cluster_index_ = *std::move(index);
+    server->index_events_.Add(server->cluster_index_.get());
+  }
+  if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.
   if (std::optional<store::PoolExport> exported = server->engine_->backend().pool_export()) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
@@ -269,6 +276,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       server->engine_.get(), KVMEM_VERSION, config.limits, clock, server->rpc_telemetry_.get(),
       server->auth_.get(), server->attach_.get());
   server->service_->set_ucx(ucx);
+  server->service_->set_cluster_index(server->cluster_index_.get());
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
@@ -308,6 +316,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       const KvEventCounters c = events->counters();
       return metrics::KvEventTotals{c.batches, c.events, c.dropped, c.replay_requests};
     });
+  }
+  if (server->cluster_index_) {
+    server->collector_->set_cluster_index(
+        [index = server->cluster_index_.get()] { return index->counters(); });
   }
   if (!config.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<metrics::Exporter>> exporter =

@@ -16,6 +16,7 @@
 #include "server/metrics/rpc_telemetry.h"
 #include "server/service/admission.h"
 #include "server/service/auth.h"
+#include "server/service/cluster_index.h"
 #include "server/service/kv_events.h"
 #include "server/transport/attach_socket.h"
 #if KVMEM_WITH_UCX
@@ -82,6 +83,8 @@ struct ServerConfig {
   std::string kv_events_format = "array";
   // "int" (a digest's last 8 bytes, big-endian: vLLM's default) or "bytes" (all 32).
   std::string kv_events_hash = "int";
+  // The fleet's shared prefix index on Redis/Valkey (cluster_index.h); an empty url: none.
+  ClusterIndexConfig cluster_index;
 };
 
 class Server {
@@ -114,8 +117,10 @@ class Server {
   void PrefaultPool();
   void StopPrefault();
   engine::RealClock real_clock_;
-  // Before the engine, whose prefix index queues into it until it is gone.
+  // Before the engine, whose prefix index queues into them until it is gone.
   std::unique_ptr<KvEventPublisher> kv_events_;
+  std::unique_ptr<ClusterIndex> cluster_index_;
+  prefix::IndexEventsFanout index_events_;
   std::unique_ptr<engine::Engine> engine_;
   // Before the service and the gRPC server, so that it outlives the interceptors and the
   // step channels that record into it.

@@ -18,7 +18,7 @@ except ImportError as e:  # a source checkout that was never built
                       "source tree") from e
 
 from kvmem.block_table import BlockTable, StreamTable, TableSnapshot
-from kvmem.client import BatchEntry, BatchResult, Client, ClientOptions
+from kvmem.client import BatchEntry, BatchResult, Client, ClientOptions, FleetLookup
 from kvmem.errors import (AbortedError, DataLossError, DeadlineExceededError,
                           FailedPreconditionError, InvalidArgumentError, KvmemError,
                           NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -33,7 +33,8 @@ from kvmem.sequence import Sequence
 __all__ = [
     "AbortedError", "AppendResult", "BatchEntry", "BatchResult", "BlockTable", "Client",
     "ClientOptions", "CompressArgs", "CompressResult", "DType", "DataLossError",
-    "DeadlineExceededError", "FailedPreconditionError", "Info", "InvalidArgumentError",
+    "DeadlineExceededError", "FailedPreconditionError", "FleetLookup", "Info",
+    "InvalidArgumentError",
     "KvmemError", "Layout", "LogitStats", "NewTokens", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "PolicySpec", "Precision", "Prompt", "ResourceExhaustedError",
     "Sequence", "StaleEpochError", "StepArgs", "StepResult", "Stats", "StreamKv",

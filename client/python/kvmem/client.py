@@ -27,8 +27,8 @@ import json
 import secrets
 import threading
 import time
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional,
-                    Sequence as Seq, TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional,
+                    Sequence as Seq, Tuple, TypeVar, Union)
 
 import grpc
 import numpy as np
@@ -92,6 +92,17 @@ class BatchEntry:
     step: Optional[StepArgs] = None
     table: Optional[BlockTable] = None
     plan_tokens: int = 0  # ask for a write plan for this many next tokens (--in_place_writes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetLookup:
+    """Client.fleet_lookup's answer: this node's reusable tokens (as Client.lookup), and the
+    nodes of the fleet's shared index holding a prefix of the prompt, longest first, as
+    (node address, tokens) — this node included when it announced one."""
+    matched_tokens: int
+    available: bool
+    unavailable: str
+    holders: List[Tuple[str, int]]
 
 
 @dataclasses.dataclass
@@ -658,6 +669,21 @@ class Client:
         convert.fill_policy(policy, q.policy)
         q.token_ids.extend(int(t) for t in prompt.token_ids)
         return self._call(self._stub.Lookup, q).matched_tokens
+
+    def fleet_lookup(self, layout: Layout, prompt: Prompt,
+                     policy: PolicySpec = PolicySpec()) -> "FleetLookup":
+        """Lookup, and which nodes of the fleet hold the prompt's longest prefix, from the
+        shared index (kvmemd --cluster-index; FailedPreconditionError without one). The
+        fleet's part is `available` False, with the reason, when the index could not answer
+        in time; the local part never waits for it."""
+        q = pb.LookupRequest(cache_salt=prompt.cache_salt, model=prompt.model,
+                             document_tokens=prompt.document_tokens, fleet=True)
+        convert.fill_layout(layout, q.layout)
+        convert.fill_policy(policy, q.policy)
+        q.token_ids.extend(int(t) for t in prompt.token_ids)
+        r = self._call(self._stub.Lookup, q)
+        return FleetLookup(r.matched_tokens, r.fleet.available, r.fleet.unavailable,
+                           [(h.node, h.matched_tokens) for h in r.fleet.holders])
 
     def attach_shared_pool(self) -> SharedPool:
         """The daemon's pool mapped read-only, for same-host reads (kvmem.shared_pool);

@@ -1,0 +1,282 @@
+"""The fleet's shared prefix index (kvmemd --cluster-index) on a real redis-server: two
+kvmemd share it; a prompt one node published is found by the other's Lookup (which node,
+how many tokens), under the announced keys the token ids hash to; tenants' chains stay
+apart; a node stopped withdraws its claims, a node killed leaves claims that lapse within
+the TTL; Redis killed mid-workload never blocks a request and, restarted empty, gets every
+claim back by the next renewal; the metrics count what happened."""
+import hashlib
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvmem_testing import CI, kvmem, layout, start_daemon, stop_daemon, wait_until
+
+if CI:  # scripts/python_deps.sh and scripts/deps.sh install them: missing, the run fails
+    import cbor2
+else:
+    cbor2 = pytest.importorskip("cbor2")
+
+REDIS = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+if not (REDIS and REDIS_CLI):
+    if CI:
+        raise RuntimeError("redis-server or redis-cli missing (scripts/deps.sh installs them)")
+    pytest.skip("redis-server is not installed", allow_module_level=True)
+
+TTL = 3  # seconds: claims renewed every second, a dead node's gone within 3
+
+
+def sha256_cbor(value):
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def chain(tokens, salt, block_tokens):
+    """A prompt's block hashes (vLLM's hash_block_tokens, kvmemd's default seed), for the
+    blocks a Lookup counts: never the one holding the last token."""
+    parent, out = sha256_cbor("0"), []
+    for i in range((len(tokens) - 1) // block_tokens):
+        extra = (salt,) if i == 0 and salt else None
+        parent = sha256_cbor((parent, tuple(tokens[i * block_tokens:(i + 1) * block_tokens]),
+                              extra))
+        out.append(parent)
+    return out
+
+
+class Redis:
+    """A redis-server on a unix socket of its own, without persistence."""
+
+    def __init__(self, directory):
+        self.socket = pathlib.Path(directory) / "redis.sock"
+        self.proc = None
+
+    def start(self):
+        self.socket.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            [REDIS, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_until(lambda: self.socket.exists() and self.cli("PING") == "PONG", 10)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def cli(self, *args):
+        done = subprocess.run([REDIS_CLI, "-s", str(self.socket), *args], capture_output=True,
+                              text=True, timeout=10)
+        return done.stdout.strip()
+
+    def url(self):
+        return f"unix://{self.socket}"
+
+
+@pytest.fixture
+def redis(tmp_path):
+    r = Redis(tmp_path)
+    r.start()
+    yield r
+    if r.proc.poll() is None:
+        r.kill()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    def __init__(self, tag, redis, *flags):
+        self.name = f"{tag}.fleet:7000"
+        self.metrics_port = free_port()
+        self.proc, self.target, self.sock = start_daemon(
+            f"fleet{tag}", f"--cluster_index={redis.url()}",
+            f"--cluster_node_address={self.name}", f"--cluster_index_ttl_seconds={TTL}",
+            f"--metrics_listen=127.0.0.1:{self.metrics_port}", "--pool_bytes=4194304", *flags)
+        self.client = kvmem.Client(self.target)
+
+    def stop(self):
+        self.client.close()
+        stop_daemon(self.proc, self.sock)
+
+    def metrics(self):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("kvmem_cluster_index") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+
+LAY = layout(block_tokens=8)
+
+
+def publish(node, tokens, salt=""):
+    prompt = kvmem.Prompt(tokens, cache_salt=salt, model="m")
+    k = np.random.default_rng(len(tokens)).standard_normal(LAY.kv_shape(len(tokens)))
+    k = k.astype(np.float16)
+    seq = node.client.create_sequence(LAY, prompt=prompt)
+    seq.append(range(len(tokens)), k, k, token_ids=tokens)
+    assert seq.publish() == len(tokens)
+    return seq
+
+
+def holders(node, tokens, salt=""):
+    answer = node.client.fleet_lookup(LAY, kvmem.Prompt(tokens, cache_salt=salt, model="m"))
+    assert answer.available, answer.unavailable
+    return answer.holders
+
+
+def prompt(seed, n=64):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 1000, size=n)]
+
+
+def test_a_prompt_one_node_published_is_found_from_the_other(redis):
+    a, b = Node("a", redis), Node("b", redis)
+    try:
+        tokens = prompt(1)
+        seq = publish(a, tokens)
+        # 64 tokens of 8: the 7 blocks before the last token's.
+        assert wait_until(lambda: holders(b, tokens) == [(a.name, 56)], 5)
+        assert b.client.lookup(LAY, kvmem.Prompt(tokens, model="m")) == 0  # B holds none
+        # A longer prompt with the same start: A published all 8 blocks of its 64 tokens.
+        assert holders(b, tokens + prompt(2, 40)) == [(a.name, 64)]
+        # The keys are the blocks' sha256_cbor chain, as a router computes it.
+        keys = redis.cli("--scan", "--pattern", "kvmem:*").split()
+        hexes = {k.rsplit(":", 1)[1] for k in keys}
+        assert hexes == {h.hex() for h in chain(tokens + [0], "", 8)}
+        assert all(redis.cli("ZRANGE", k, "0", "-1") == a.name for k in keys)
+        # Another prompt: nobody; another salt (another tenant's chain): nobody.
+        assert holders(b, prompt(3)) == []
+        assert holders(b, tokens, salt="s1") == []
+        salted = publish(a, prompt(4), salt="s1")
+        assert wait_until(lambda: holders(b, prompt(4), salt="s1") == [(a.name, 56)], 5)
+        assert holders(b, prompt(4)) == []
+        # Both nodes hold it: both named, longest first.
+        mine = publish(b, tokens[:40] + [5] * 24)
+        assert wait_until(lambda: holders(a, tokens) == [(a.name, 56), (b.name, 40)], 5)
+        m = a.metrics()
+        assert m['kvmem_cluster_index_updates_total{outcome="added"}'] == 16
+        assert m["kvmem_cluster_index_entries"] == 16
+        assert m["kvmem_cluster_index_connected"] == 1
+        assert m['kvmem_cluster_index_lookups_total{result="answered"}'] >= 1
+        assert m['kvmem_cluster_index_seconds_count{op="write"}'] >= 1
+        for s in (seq, salted, mine):
+            s.release()
+        # The pool under pressure: A's index gives cached blocks back, and its claims go
+        # with them (what Redis names of A is what A's index holds).
+        fillers = []
+        big = np.zeros(LAY.kv_shape(2048), np.float16)
+        for _ in range(64):
+            f = a.client.create_sequence(LAY)
+            try:
+                f.append(range(2048), big, big)
+            except kvmem.KvmemError:
+                f.release()
+                break
+            fillers.append(f)
+        entries = a.client.stats().prefix_entries
+        assert entries < 16, "nothing was reclaimed: the pool was not under pressure"
+
+        def claims_of_a():
+            keys = redis.cli("--scan", "--pattern", "kvmem:*").split()
+            return sum(a.name in redis.cli("ZRANGE", k, "0", "-1").split() for k in keys)
+
+        assert wait_until(lambda: claims_of_a() == entries, 5)
+        assert a.metrics()['kvmem_cluster_index_updates_total{outcome="removed"}'] == 16 - entries
+        for f in fillers:
+            f.release()
+        # A stopped node withdraws its claims at once.
+        a.stop()
+        assert holders(b, tokens) == [(b.name, 40)]
+        assert claims_of_a() == 0
+        a = None
+    finally:
+        if a is not None:
+            a.stop()
+        b.stop()
+
+
+def test_without_an_index_a_fleet_lookup_is_refused(redis):
+    proc, target, sock = start_daemon("nofleet")
+    try:
+        with kvmem.Client(target) as c:
+            with pytest.raises(kvmem.FailedPreconditionError, match="--cluster-index"):
+                c.fleet_lookup(LAY, kvmem.Prompt(prompt(1), model="m"))
+    finally:
+        stop_daemon(proc, sock)
+
+
+def test_a_killed_node_lapses_and_redis_down_blocks_nothing(redis):
+    a, b = Node("ka", redis), Node("kb", redis)
+    try:
+        tokens = prompt(7)
+        publish(a, tokens)
+        assert wait_until(lambda: holders(b, tokens) == [(a.name, 56)], 5)
+        # Killed: its claims stay until they lapse, within the TTL (and a renewal's slack).
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        a.client.close()
+        a = None
+        assert wait_until(lambda: holders(b, tokens) == [], TTL + 2)
+
+        # Redis killed: requests go on, quickly; a fleet lookup answers "unavailable".
+        redis.kill()
+        start = time.monotonic()
+        seq = publish(b, prompt(8))
+        local = b.client.fleet_lookup(LAY, kvmem.Prompt(prompt(8), model="m"))
+        assert time.monotonic() - start < 2
+        assert local.matched_tokens == 56
+        assert not local.available and local.unavailable
+        # Restarted empty: the next renewal gives the index every claim back, this one
+        # made while it was down included.
+        redis.start()
+        assert wait_until(lambda: b.client.fleet_lookup(
+            LAY, kvmem.Prompt(prompt(8), model="m")).holders == [(b.name, 56)], TTL + 3)
+        m = b.metrics()
+        assert m['kvmem_cluster_index_updates_total{outcome="dropped"}'] >= 7
+        assert m["kvmem_cluster_index_errors_total"] >= 1
+        assert m['kvmem_cluster_index_lookups_total{result="unavailable"}'] >= 1
+        seq.release()
+    finally:
+        if a is not None:
+            a.stop()
+        b.stop()
+
+
+def test_bad_flags_are_refused(tmp_path):
+    from kvmem_testing import KVMEMD, require_daemon
+    require_daemon()
+
+    def refusal(*flags):
+        done = subprocess.run([str(KVMEMD), "--listen=127.0.0.1:0", "--metrics_listen=",
+                               "--pool_prefault=false", *flags],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode != 0, "kvmemd started"
+        return done.stderr
+
+    assert "cluster_node_address" in refusal("--cluster_index=redis://127.0.0.1:1")
+    assert "neither redis://" in refusal("--cluster_index=http://x", "--cluster_node_address=n:1")
+    assert "port" in refusal("--cluster_index=redis://h:99999", "--cluster_node_address=n:1")
+    assert "ttl" in refusal("--cluster_index=redis://h", "--cluster_node_address=n:1",
+                            "--cluster_index_ttl_seconds=0")
+    # Redis need not be up when kvmemd starts: it connects later.
+    proc, target, sock = start_daemon("fleetlate", f"--cluster_index=unix://{tmp_path}/none",
+                                      "--cluster_node_address=late:1")
+    try:
+        with kvmem.Client(target) as c:
+            answer = c.fleet_lookup(LAY, kvmem.Prompt(prompt(1), model="m"))
+            assert not answer.available and "cluster index" in answer.unavailable
+    finally:
+        stop_daemon(proc, sock)
+    assert os.path.exists(KVMEMD)
