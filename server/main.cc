@@ -67,8 +67,9 @@ ABSL_FLAG(bool, kv_events_trusted_network, false,
           "allow KV events endpoints beyond loopback (events carry every tenant's token ids)");
 ABSL_FLAG(std::string, cluster_index, "",
           "share the prefix index's blocks with a fleet through this Redis/Valkey server "
-          "(redis://[:password@]host[:port][/db] or unix:///path; empty: none), so that "
-          "Lookup with `fleet` names the nodes that hold a prompt's longest prefix");
+          "(redis://[:password@]host[:port][/db] or unix:///path; empty: none; a password "
+          "may come from KVMEM_CLUSTER_INDEX_PASSWORD instead), so that Lookup with `fleet` "
+          "names the nodes that hold a prompt's longest prefix");
 ABSL_FLAG(std::string, cluster_node_address, "",
           "with --cluster-index: the address routers and peers reach this kvmemd at "
           "(host:port), as the index names this node");

@@ -113,8 +113,13 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(events.dropped));
   f.Counter("kvmem_kv_event_replays_total", "replay requests answered",
             static_cast<double>(events.replay_requests));
-  if (cluster_index_) {
-    const ClusterIndexTotals c = cluster_index_();
+  {  // The fleet's shared prefix index (0 without --cluster-index).
+    ClusterIndexTotals c;
+    if (cluster_index_) {
+      c = cluster_index_();
+    } else {
+      c.write_seconds = c.lookup_seconds = engine::Histogram(engine::LatencyBounds()).Read();
+    }
     MetricFamily& ops =
         f.Family("kvmem_cluster_index_updates_total",
                  "this node's claims in the fleet's prefix index, by outcome", MetricType::Counter);

@@ -56,7 +56,7 @@ class Collector final : public prometheus::Collectable {
   // Where the KV events' counters are read at each scrape (unset: all 0). Set before the
   // collector is shared.
   void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
-  // The same for the cluster index (unset: its families are not exported).
+  // The same for the cluster index (unset: all 0).
   void set_cluster_index(std::function<ClusterIndexTotals()> read) {
     cluster_index_ = std::move(read);
   }

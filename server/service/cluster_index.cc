@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <new>
 #include <utility>
 
@@ -66,9 +67,12 @@ absl::StatusOr<RedisAddress> ParseRedisUrl(absl::string_view url) {
     return a;
   }
   if (!absl::ConsumePrefix(&url, "redis://")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cluster_index: \"", EchoClientText(url),
-                     "\" is neither redis://[:password@]host[:port][/db] nor unix:///path"));
+    // Only the scheme is echoed: the rest may hold a password.
+    const size_t scheme = url.find("://");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cluster_index: \"",
+        EchoClientText(scheme == absl::string_view::npos ? "(no scheme)" : url.substr(0, scheme)),
+        "\" is neither redis://[:password@]host[:port][/db] nor unix:///path"));
   }
   if (const size_t at = url.rfind('@'); at != absl::string_view::npos) {
     absl::string_view credentials = url.substr(0, at);
@@ -163,6 +167,10 @@ struct ClusterIndex::Connection {
       c->Append({"SELECT", db});
       if (absl::Status s = expect_ok("SELECT"); !s.ok()) return s;
     }
+    // A server that wants a password refuses every command: found here, not as empty
+    // answers later.
+    c->Append({"PING"});
+    if (absl::Status s = expect_ok("PING"); !s.ok()) return s;
     return c;
   }
 };
@@ -185,6 +193,10 @@ std::string ClusterIndex::Key(absl::string_view key_prefix, absl::string_view ns
 absl::StatusOr<std::unique_ptr<ClusterIndex>> ClusterIndex::Start(ClusterIndexConfig config) {
   absl::StatusOr<RedisAddress> address = ParseRedisUrl(config.url);
   if (!address.ok()) return address.status();
+  if (const char* password = std::getenv("KVMEM_CLUSTER_INDEX_PASSWORD");
+      address->password.empty() && password != nullptr) {
+    address->password = password;  // kept out of the command line (ps shows flags)
+  }
   if (config.node.empty() || config.node.size() > 256 ||
       std::any_of(config.node.begin(), config.node.end(),
                   [](char c) { return c <= ' ' || c > '~'; })) {
@@ -265,8 +277,9 @@ void ClusterIndex::Removed(absl::string_view ns, const prefix::BlockHash& hash) 
 
 void ClusterIndex::Fail(std::unique_ptr<Connection>& connection, absl::string_view what) {
   errors_.fetch_add(1, std::memory_order_relaxed);
-  spdlog::warn("cluster index: {}: {}", std::string(what),
-               connection != nullptr ? connection->error() : std::string("no connection"));
+  spdlog::warn("cluster index: {}{}", std::string(what),
+               connection != nullptr && connection->ctx->err != 0 ? ": " + connection->error()
+                                                                  : std::string());
   connection.reset();
 }
 
@@ -287,7 +300,9 @@ bool ClusterIndex::Connected(absl::Time now) {
   writer_ = *std::move(c);
   connected_ = true;
   renew_at_ = now;  // whatever Redis lost while away (or after a restart) comes back
-  spdlog::info("cluster index: connected to {}", config_.url.substr(0, config_.url.find('@')));
+  spdlog::info("cluster index: connected to {}",  // never the password
+               address_.unix_path.empty() ? absl::StrCat(address_.host, ":", address_.port)
+                                          : address_.unix_path);
   return true;
 }
 
@@ -310,11 +325,10 @@ bool ClusterIndex::Write(absl::Span<const Op> ops, uint64_t* added, uint64_t* re
     }
     while (writer_->pending > 0) {
       Reply r = writer_->Next();
-      if (r == nullptr) {
-        Fail(writer_, "an update");
+      if (r == nullptr || r->type == REDIS_REPLY_ERROR) {
+        Fail(writer_, r == nullptr ? "an update" : std::string(r->str, r->len));
         return false;
       }
-      if (r->type == REDIS_REPLY_ERROR) errors_.fetch_add(1, std::memory_order_relaxed);
     }
     for (size_t i = begin; i < end; ++i) ++*(ops[i].add ? added : removed);
   }
@@ -332,8 +346,7 @@ bool ClusterIndex::Renew() {
   const auto drain = [&]() {
     while (writer_->pending > 0) {
       Reply r = writer_->Next();
-      if (r == nullptr) return false;
-      if (r->type == REDIS_REPLY_ERROR) errors_.fetch_add(1, std::memory_order_relaxed);
+      if (r == nullptr || r->type == REDIS_REPLY_ERROR) return false;
     }
     renewed_.fetch_add(in_flight, std::memory_order_relaxed);
     in_flight = 0;
@@ -466,7 +479,7 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
   std::unique_ptr<Connection>& c = slot->connection;
   const auto failed = [&](absl::string_view what) {
     std::string why = absl::StrCat("the cluster index did not answer: ", what,
-                                   c != nullptr ? absl::StrCat(": ", c->error()) : "");
+                                   c != nullptr && c->ctx->err != 0 ? ": " + c->error() : "");
     errors_.fetch_add(1, std::memory_order_relaxed);
     c.reset();
     lookup_retry_at_ns_.store(absl::ToUnixNanos(absl::Now() + kRetryAfter),
@@ -493,10 +506,10 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
     Reply r = c->Next();
     if (r == nullptr) return failed("a reply");
     if (r->type != REDIS_REPLY_ARRAY) {
-      // A key of another type (not ours): no holder from here on.
-      errors_.fetch_add(1, std::memory_order_relaxed);
-      running.clear();
-      continue;
+      // An error (a key of another type under ours, a server gone read-only...): no answer
+      // rather than a wrong "nobody".
+      return failed(r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len)
+                                                 : std::string("a reply that is not a list"));
     }
     if (i == 0) {
       for (size_t m = 0; m < r->elements; ++m) {

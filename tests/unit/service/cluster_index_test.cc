@@ -124,7 +124,7 @@ TEST(ClusterIndex, ALookupNeverWaitsForAnIndexThatIsNotThere) {
 // where scripts/deps.sh installs it).
 class RedisServer {
  public:
-  bool Start() {
+  bool Start(std::vector<std::string> more = {}) {
     const char* server = "/usr/bin/redis-server";
     if (access(server, X_OK) != 0) return false;
     dir_ = std::filesystem::temp_directory_path() / absl::StrCat("kvmem-redis-", getpid());
@@ -133,6 +133,7 @@ class RedisServer {
     std::vector<std::string> args = {
         server,         "--port", "0",     "--unixsocket", socket_,      "--save", "",
         "--appendonly", "no",     "--dir", dir_.string(),  "--loglevel", "warning"};
+    args.insert(args.end(), more.begin(), more.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -240,6 +241,42 @@ TEST(ClusterIndex, ClaimsFollowTheEventsUnderConcurrentLookups) {
   EXPECT_TRUE((*b)->Lookup("other", {HashOf(0)}).holders.empty());
   a->reset();  // stopped: its claims withdrawn
   EXPECT_TRUE((*b)->Lookup("ns", {HashOf(0)}).holders.empty());
+}
+
+// A password-protected Redis: without the password lookups answer "unavailable" naming
+// the refusal; with it (from the environment, off the command line) they are answered.
+TEST(ClusterIndex, AuthenticatesWithThePasswordFromTheEnvironment) {
+  RedisServer redis;
+  if (!redis.Start({"--requirepass", "p4ss"})) {
+    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
+    GTEST_SKIP() << "no redis-server";
+  }
+  ClusterIndexConfig c;
+  c.url = redis.url();
+  c.node = "a:1";
+  c.timeout = absl::Seconds(2);
+  const prefix::BlockHash h = HashOf(1);
+  {
+    absl::StatusOr<std::unique_ptr<ClusterIndex>> index = ClusterIndex::Start(c);
+    ASSERT_TRUE(index.ok()) << index.status();
+    const FleetAnswer answer = (*index)->Lookup("ns", {h});
+    EXPECT_FALSE(answer.available);
+    EXPECT_TRUE(absl::StrContains(answer.unavailable, "NOAUTH")) << answer.unavailable;
+  }
+  setenv("KVMEM_CLUSTER_INDEX_PASSWORD", "p4ss", 1);
+  absl::StatusOr<std::unique_ptr<ClusterIndex>> index = ClusterIndex::Start(c);
+  unsetenv("KVMEM_CLUSTER_INDEX_PASSWORD");
+  ASSERT_TRUE(index.ok()) << index.status();
+  (*index)->Stored({"ns", nullptr, &h, {}, nullptr});
+  std::vector<FleetHolder> holders;
+  for (int i = 0; i < 300 && holders.empty(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    const FleetAnswer answer = (*index)->Lookup("ns", {h});
+    ASSERT_TRUE(answer.available) << answer.unavailable;
+    holders = answer.holders;
+  }
+  ASSERT_EQ(holders.size(), 1u);
+  EXPECT_EQ(holders[0].node, "a:1");
 }
 
 }  // namespace
