@@ -142,6 +142,10 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(c.entries));
     f.Gauge("kvmem_cluster_index_connected", "1 while the index's writer is connected",
             c.connected ? 1.0 : 0.0);
+    f.Gauge("kvmem_cluster_index_last_renewal_seconds",
+            "how long the last renewal of every claim of this node took (a third of the TTL "
+            "is its limit)",
+            c.last_renewal_seconds);
     MetricFamily& seconds = f.Family(
         "kvmem_cluster_index_seconds",
         "cluster index round trips: a pipeline of updates (write), a fleet lookup (lookup)",

@@ -369,7 +369,9 @@ bool ClusterIndex::Renew() {
     Fail(writer_, "a renewal");
     return false;
   }
-  write_seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  write_seconds_.Observe(seconds);
+  last_renewal_seconds_.store(seconds, std::memory_order_relaxed);
   return true;
 }
 
@@ -552,6 +554,7 @@ metrics::ClusterIndexTotals ClusterIndex::counters() const {
   c.lookups_unavailable = lookups_unavailable_.load(std::memory_order_relaxed);
   c.entries = entries_.load(std::memory_order_relaxed);
   c.connected = connected_.load(std::memory_order_relaxed);
+  c.last_renewal_seconds = last_renewal_seconds_.load(std::memory_order_relaxed);
   c.write_seconds = write_seconds_.Read();
   c.lookup_seconds = lookup_seconds_.Read();
   return c;

@@ -140,6 +140,7 @@ class ClusterIndex final : public prefix::IndexEvents {
   std::atomic<uint64_t> added_{0}, removed_{0}, renewed_{0}, dropped_{0}, errors_{0};
   std::atomic<uint64_t> lookups_{0}, lookups_unavailable_{0}, entries_{0};
   std::atomic<bool> connected_{false};
+  std::atomic<double> last_renewal_seconds_{0};
   engine::Histogram write_seconds_, lookup_seconds_;
   std::thread thread_;
 };

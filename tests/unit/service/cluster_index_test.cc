@@ -1,16 +1,10 @@
-// ClusterIndex's pieces that need no Redis: the URL forms, the key of a block, the flags it
-// refuses, and a lookup that never waits on an index that is not there (the index itself,
-// on a real redis-server, is tests/python/test_cluster_index.py's).
+// ClusterIndex: the URL forms, the key of a block, the flags it refuses, a lookup that never
+// waits on an index that is not there, and on a redis-server of the test's own, claims that
+// follow the events under concurrent lookups and a password from the environment (two
+// daemons sharing one index: tests/python/test_cluster_index.py).
 #include "server/service/cluster_index.h"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cstdlib>
-#include <filesystem>
 #include <random>
 #include <string>
 #include <thread>
@@ -19,8 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "tests/testing/redis_server.h"
 
 namespace kvmem::service {
 namespace {
@@ -120,51 +113,6 @@ TEST(ClusterIndex, ALookupNeverWaitsForAnIndexThatIsNotThere) {
   EXPECT_GE(t.dropped, 1u);
 }
 
-// A redis-server of the test's own on a unix socket (none installed: skipped, except in CI,
-// where scripts/deps.sh installs it).
-class RedisServer {
- public:
-  bool Start(std::vector<std::string> more = {}) {
-    const char* server = "/usr/bin/redis-server";
-    if (access(server, X_OK) != 0) return false;
-    dir_ = std::filesystem::temp_directory_path() / absl::StrCat("kvmem-redis-", getpid());
-    std::filesystem::create_directories(dir_);
-    socket_ = (dir_ / "redis.sock").string();
-    std::vector<std::string> args = {
-        server,         "--port", "0",     "--unixsocket", socket_,      "--save", "",
-        "--appendonly", "no",     "--dir", dir_.string(),  "--loglevel", "warning"};
-    args.insert(args.end(), more.begin(), more.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t quiet;  // its warnings (overcommit) are not the test's
-    posix_spawn_file_actions_init(&quiet);
-    posix_spawn_file_actions_addopen(&quiet, 1, "/dev/null", O_WRONLY, 0);
-    posix_spawn_file_actions_addopen(&quiet, 2, "/dev/null", O_WRONLY, 0);
-    const int spawned = posix_spawn(&pid_, server, &quiet, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&quiet);
-    if (spawned != 0) return false;
-    for (int i = 0; i < 500 && !std::filesystem::exists(socket_); ++i) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return std::filesystem::exists(socket_);
-  }
-  ~RedisServer() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    std::error_code ignored;
-    if (!dir_.empty()) std::filesystem::remove_all(dir_, ignored);
-  }
-  std::string url() const { return "unix://" + socket_; }
-
- private:
-  std::filesystem::path dir_;
-  std::string socket_;
-  pid_t pid_ = 0;
-};
-
 prefix::BlockHash HashOf(uint32_t n) {
   prefix::BlockHash h{};
   for (size_t i = 0; i < 4; ++i) h[i] = static_cast<uint8_t>(n >> (8 * i));
@@ -175,7 +123,7 @@ prefix::BlockHash HashOf(uint32_t n) {
 // reclaimer drops) and lookups at once; what Redis ends up naming is what was published and
 // not removed, and a stopped node's claims are gone.
 TEST(ClusterIndex, ClaimsFollowTheEventsUnderConcurrentLookups) {
-  RedisServer redis;
+  testing::RedisServer redis;
   if (!redis.Start()) {
     if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
     GTEST_SKIP() << "no redis-server";
@@ -246,7 +194,7 @@ TEST(ClusterIndex, ClaimsFollowTheEventsUnderConcurrentLookups) {
 // A password-protected Redis: without the password lookups answer "unavailable" naming
 // the refusal; with it (from the environment, off the command line) they are answered.
 TEST(ClusterIndex, AuthenticatesWithThePasswordFromTheEnvironment) {
-  RedisServer redis;
+  testing::RedisServer redis;
   if (!redis.Start({"--requirepass", "p4ss"})) {
     if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
     GTEST_SKIP() << "no redis-server";
