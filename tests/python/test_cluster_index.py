@@ -207,6 +207,39 @@ def test_a_prompt_one_node_published_is_found_from_the_other(redis):
         b.stop()
 
 
+def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
+    tokens = tmp_path / "tokens"
+    alice_token, bob_token = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef"
+    tokens.write_text(f"alice {alice_token}\nbob {bob_token}\n")
+    auth = f"--auth_tokens={tokens}"
+    a, b = Node("ta", redis, auth), Node("tb", redis, auth)
+
+    def as_(node, token):
+        return kvmem.Client(node.target, kvmem.ClientOptions(auth_token=token, max_attempts=1))
+
+    try:
+        with as_(a, alice_token) as alice_a, as_(b, alice_token) as alice_b, \
+                as_(b, bob_token) as bob_b:
+            tokens_ = prompt(11)
+            for salt in ("", "shared-salt"):  # a client salt subdivides a tenant, never crosses
+                k = np.zeros(LAY.kv_shape(64), np.float16)
+                seq = alice_a.create_sequence(LAY, prompt=kvmem.Prompt(tokens_, cache_salt=salt,
+                                                                       model="m"))
+                seq.append(range(64), k, k, token_ids=tokens_)
+                assert seq.publish() == 64
+                p = kvmem.Prompt(tokens_, cache_salt=salt, model="m")
+                assert wait_until(lambda: alice_b.fleet_lookup(LAY, p).holders == [(a.name, 56)],
+                                  5)
+                # Bob asks for the same tokens (and the same client salt) on either node:
+                # nobody holds them, as if they were never published.
+                answer = bob_b.fleet_lookup(LAY, p)
+                assert answer.available and answer.holders == []
+                assert bob_b.lookup(LAY, p) == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_without_an_index_a_fleet_lookup_is_refused(redis):
     proc, target, sock = start_daemon("nofleet")
     try:
