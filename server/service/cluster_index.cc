@@ -495,43 +495,52 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
     c = *std::move(opened);
   }
   const std::string now_ms = absl::StrCat(absl::ToUnixMillis(start));
-  std::vector<std::string> keys;
-  keys.reserve(chain.size());
-  for (const prefix::BlockHash& h : chain) {
-    keys.push_back(Key(config_.key_prefix, ns, h));
-    if (!c->Append({"ZRANGEBYSCORE", keys.back(), now_ms, "+inf"})) return failed("a query");
-  }
-  // Who holds block 0, then who of them holds block 1 too, and so on.
+  const std::string most = absl::StrCat(kMaxHolders);
+  // Who holds block 0, then who of them holds block 1 too, and so on; asked in rounds of
+  // 8, 16, 32... blocks, so that a long prompt the fleet holds little of costs a few rounds,
+  // not a command per block.
   absl::flat_hash_map<std::string, uint64_t> held;
   std::vector<std::string> running;  // the nodes that hold every block so far
-  for (size_t i = 0; i < chain.size(); ++i) {
-    Reply r = c->Next();
-    if (r == nullptr) return failed("a reply");
-    if (r->type != REDIS_REPLY_ARRAY) {
-      // An error (a key of another type under ours, a server gone read-only...): no answer
-      // rather than a wrong "nobody".
-      return failed(r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len)
-                                                 : std::string("a reply that is not a list"));
+  absl::flat_hash_set<absl::string_view> members;
+  for (size_t begin = 0, round = 8; begin < chain.size() && (begin == 0 || !running.empty());
+       begin += round, round *= 2) {
+    const size_t end = std::min(chain.size(), begin + round);
+    for (size_t i = begin; i < end; ++i) {
+      const std::string key = Key(config_.key_prefix, ns, chain[i]);
+      if (!c->Append({"ZRANGEBYSCORE", key, now_ms, "+inf", "LIMIT", "0", most})) {
+        return failed("a query");
+      }
     }
-    if (i == 0) {
+    for (size_t i = begin; i < end; ++i) {
+      Reply r = c->Next();
+      if (r == nullptr) return failed("a reply");
+      if (r->type != REDIS_REPLY_ARRAY) {
+        // An error (a key of another type under ours, a server gone read-only...): no
+        // answer rather than a wrong "nobody".
+        return failed(r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len)
+                                                   : std::string("a reply that is not a list"));
+      }
+      if (i == 0) {
+        for (size_t m = 0; m < r->elements; ++m) {
+          const redisReply* e = r->element[m];
+          if (e->type != REDIS_REPLY_STRING) continue;
+          running.emplace_back(e->str, e->len);
+          held[running.back()] = 1;
+        }
+        continue;
+      }
+      if (running.empty()) continue;  // the round's replies are still read
+      members.clear();
       for (size_t m = 0; m < r->elements; ++m) {
         const redisReply* e = r->element[m];
-        if (e->type != REDIS_REPLY_STRING) continue;
-        running.emplace_back(e->str, e->len);
-        held[running.back()] = 1;
+        if (e->type == REDIS_REPLY_STRING) members.insert(absl::string_view(e->str, e->len));
       }
-      continue;
+      running.erase(std::remove_if(running.begin(), running.end(),
+                                   [&](const std::string& n) { return !members.contains(n); }),
+                    running.end());
+      for (const std::string& n : running) ++held[n];
     }
-    if (running.empty()) continue;  // the replies are still read
-    absl::flat_hash_set<absl::string_view> members;
-    for (size_t m = 0; m < r->elements; ++m) {
-      const redisReply* e = r->element[m];
-      if (e->type == REDIS_REPLY_STRING) members.insert(absl::string_view(e->str, e->len));
-    }
-    running.erase(std::remove_if(running.begin(), running.end(),
-                                 [&](const std::string& n) { return !members.contains(n); }),
-                  running.end());
-    for (const std::string& n : running) ++held[n];
+    if (absl::Now() - start > config_.timeout) return failed("past --cluster-index-timeout-ms");
   }
   for (auto& [node, blocks] : held) answer.holders.push_back({node, blocks});
   std::sort(answer.holders.begin(), answer.holders.end(),

@@ -99,6 +99,8 @@ class ClusterIndex final : public prefix::IndexEvents {
                          const prefix::BlockHash& hash);
   // Blocks a Lookup asks about at most (a longer chain is cut there).
   static constexpr size_t kMaxLookupBlocks = 8192;
+  // Holders a lookup reads of each block at most (a fleet's nodes; bounds a reply).
+  static constexpr size_t kMaxHolders = 1024;
 
  private:
   struct Op {

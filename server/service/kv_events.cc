@@ -359,6 +359,9 @@ void KvEventPublisher::ServeReplay() {
   } catch (const zmq::error_t& e) {
     spdlog::warn("kvmemd: KV events replay: {}", e.what());
     return;
+  } catch (const std::bad_alloc&) {  // the frames' vector: the request is dropped
+    spdlog::warn("kvmemd: KV events replay: out of memory; a request was dropped");
+    return;
   }
   {
     kvmem::MutexLock lock(&mu_);
