@@ -263,6 +263,18 @@ def test_a_killed_node_lapses_and_redis_down_blocks_nothing(redis):
         a = None
         assert wait_until(lambda: holders(b, tokens) == [], TTL + 2)
 
+        # Redis stalled (stopped, its socket still accepting): a fleet lookup gives up after
+        # --cluster-index-timeout-ms, publishing does not wait for the writer.
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            stalled = b.client.fleet_lookup(LAY, kvmem.Prompt(tokens, model="m"))
+            publish(b, prompt(9)).release()
+            assert time.monotonic() - start < 2
+            assert not stalled.available and "did not answer" in stalled.unavailable
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+
         # Redis killed: requests go on, quickly; a fleet lookup answers "unavailable".
         redis.kill()
         start = time.monotonic()
