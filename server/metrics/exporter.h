@@ -40,7 +40,7 @@ struct ClusterIndexTotals {
   uint64_t renewed = 0;  // claims renewed
   uint64_t dropped = 0;  // updates not written: Redis unreachable, a full queue, the bound
   uint64_t errors = 0;   // Redis connections lost or refused, error replies
-  uint64_t lookups = 0;
+  uint64_t lookups_answered = 0;
   uint64_t lookups_unavailable = 0;
   uint64_t entries = 0;  // blocks this node announces now
   bool connected = false;

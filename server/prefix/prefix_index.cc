@@ -12,6 +12,20 @@ PrefixIndex::~PrefixIndex() {
   for (const auto& [key, entry] : entries_) pool_->Unref(entry.blocks);
 }
 
+std::vector<std::pair<std::string, BlockHash>> PrefixIndex::Blocks() const {
+  std::vector<std::pair<std::string, BlockHash>> out;
+  kvmem::MutexLock lock(&mu_);
+  out.reserve(entries_.size());
+  for (const auto& [key, entry] : entries_) {
+    if (entry.payload != nullptr) continue;  // a document
+    const size_t ns_bytes = key.size() - sizeof(BlockHash);
+    BlockHash hash;
+    std::memcpy(hash.data(), key.data() + ns_bytes, hash.size());
+    out.emplace_back(key.substr(0, ns_bytes), hash);
+  }
+  return out;
+}
+
 std::string PrefixIndex::Key(absl::string_view ns, const BlockHash& hash) {
   // The hash has a fixed length, so namespace + hash is unambiguous.
   std::string key(ns);

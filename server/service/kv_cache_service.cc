@@ -50,9 +50,18 @@ absl::Status KvCacheService::Owns(const Principal& who, uint64_t id) const {
   return who.admin ? absl::OkStatus() : engine_->CheckOwner(id, who.tenant);
 }
 
-std::string KvCacheService::ScopedSalt(const Principal& who, const std::string& salt) {
+absl::StatusOr<std::string> KvCacheService::ScopedSalt(const Principal& who,
+                                                       const std::string& salt) {
   // A tenant name holds no '/' (Authenticator): "name/" begins no other tenant's salts.
-  return who.tenant.empty() ? salt : absl::StrCat("tenant:", who.tenant, "/", salt);
+  if (!who.tenant.empty()) return absl::StrCat("tenant:", who.tenant, "/", salt);
+  // The anonymous principal (a daemon without tokens) could otherwise name a tenant's
+  // chains on a daemon with them, through a fleet's shared index.
+  if (absl::StartsWith(salt, "tenant:")) {
+    return absl::InvalidArgumentError(
+        "cache_salt: \"tenant:\" begins the salts kvmemd gives authenticated tenants; "
+        "choose a salt that does not begin so");
+  }
+  return salt;
 }
 
 grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::GetInfoRequest*,
@@ -92,7 +101,9 @@ grpc::Status KvCacheService::CreateSequence(grpc::ServerContext* context,
         if (!lease.ok()) return lease.status();
         engine::PromptPrefix prompt;
         prompt.model = request->model();
-        prompt.salt = ScopedSalt(call->who, request->cache_salt());
+        absl::StatusOr<std::string> salt = ScopedSalt(call->who, request->cache_salt());
+        if (!salt.ok()) return salt.status();
+        prompt.salt = *std::move(salt);
         prompt.owner = call->who.tenant;
         prompt.token_ids = absl::MakeConstSpan(request->prompt_token_ids().data(),
                                                request->prompt_token_ids().size());
@@ -491,7 +502,9 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext* context, const v1::Look
   if (!layout.ok()) return ToGrpc(layout.status());
   engine::PromptPrefix prompt;
   prompt.model = request->model();
-  prompt.salt = ScopedSalt(call->who, request->cache_salt());
+  absl::StatusOr<std::string> salt = ScopedSalt(call->who, request->cache_salt());
+  if (!salt.ok()) return ToGrpc(salt.status());
+  prompt.salt = *std::move(salt);
   prompt.owner = call->who.tenant;
   prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
   prompt.document_tokens = request->document_tokens();
@@ -513,7 +526,14 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext* context, const v1::Look
   absl::StatusOr<engine::PrefixPublisher::Chain> chain =
       engine_->FleetChain(*layout, prompt, ClusterIndex::kMaxLookupBlocks);
   if (!chain.ok()) return ToGrpc(chain.status());
-  const FleetAnswer fleet = cluster_index_->Lookup(chain->ns, chain->hashes);
+  FleetAnswer fleet;
+  if (prompt.document_tokens > 0) {
+    fleet.unavailable =
+        "a prompt that starts with a document has no fleet answer (a "
+        "compressed document is its node's own)";
+  } else {
+    fleet = cluster_index_->Lookup(chain->ns, chain->hashes);
+  }
   v1::FleetAnswer* out = response->mutable_fleet();
   out->set_available(fleet.available);
   out->set_unavailable(fleet.unavailable);

@@ -72,7 +72,8 @@ class KvCacheService final : public grpc::Service {
   absl::Status Owns(const Principal& who, uint64_t id) const;
   // The prefix namespace of a request's cache salt: the tenant's, which the salt may
   // subdivide and never leave (the salt as sent on a daemon without tokens).
-  static std::string ScopedSalt(const Principal& who, const std::string& salt);
+  // A caller without a tenant may not use a salt that begins as tenants' do.
+  static absl::StatusOr<std::string> ScopedSalt(const Principal& who, const std::string& salt);
 
   // kvmemd's UCX worker, offered in GetInfo to callers that may read the pool (null: none).
   // Set before serving.

@@ -218,7 +218,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     server->index_events_.Add(server->kv_events_.get());
   }
   if (!config.cluster_index.url.empty()) {
-    absl::StatusOr<std::unique_ptr<ClusterIndex>> index = ClusterIndex::Start(config.cluster_index);
+    // A loss of events rebuilds this node's claims from the prefix index itself.
+    absl::StatusOr<std::unique_ptr<ClusterIndex>> index =
+        ClusterIndex::Start(config.cluster_index,
+                            [engine = server->engine_.get()] { return engine->PublishedBlocks(); });
     if (!index.ok()) return index.status();
     server->cluster_index_ = *std::move(index);
     server->index_events_.Add(server->cluster_index_.get());

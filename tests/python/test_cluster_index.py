@@ -100,7 +100,8 @@ class Node:
         self.proc, self.target, self.sock = start_daemon(
             f"fleet{tag}", f"--cluster_index={redis.url()}",
             f"--cluster_node_address={self.name}", f"--cluster_index_ttl_seconds={TTL}",
-            f"--metrics_listen=127.0.0.1:{self.metrics_port}", "--pool_bytes=4194304", *flags)
+            f"--metrics_listen=127.0.0.1:{self.metrics_port}", "--pool_bytes=4194304",
+            "--cluster_index_timeout_ms=1000", *flags)
         self.client = kvmem.Client(self.target)
 
     def stop(self):
@@ -131,10 +132,20 @@ def publish(node, tokens, salt=""):
     return seq
 
 
+def fleet(client, p):
+    """The fleet's holders of prompt `p`, asked until the index answers (its connections
+    open a moment after kvmemd starts, and a sanitizer build may pass the timeout once)."""
+    answer = None
+    for _ in range(100):
+        answer = client.fleet_lookup(LAY, p)
+        if answer.available:
+            return answer.holders
+        time.sleep(0.02)
+    raise AssertionError(answer.unavailable)
+
+
 def holders(node, tokens, salt=""):
-    answer = node.client.fleet_lookup(LAY, kvmem.Prompt(tokens, cache_salt=salt, model="m"))
-    assert answer.available, answer.unavailable
-    return answer.holders
+    return fleet(node.client, kvmem.Prompt(tokens, cache_salt=salt, model="m"))
 
 
 def prompt(seed, n=64):
@@ -228,12 +239,10 @@ def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
                 seq.append(range(64), k, k, token_ids=tokens_)
                 assert seq.publish() == 64
                 p = kvmem.Prompt(tokens_, cache_salt=salt, model="m")
-                assert wait_until(lambda: alice_b.fleet_lookup(LAY, p).holders == [(a.name, 56)],
-                                  5)
+                assert wait_until(lambda: fleet(alice_b, p) == [(a.name, 56)], 5)
                 # Bob asks for the same tokens (and the same client salt) on either node:
                 # nobody holds them, as if they were never published.
-                answer = bob_b.fleet_lookup(LAY, p)
-                assert answer.available and answer.holders == []
+                assert fleet(bob_b, p) == []
                 assert bob_b.lookup(LAY, p) == 0
     finally:
         a.stop()
@@ -246,6 +255,13 @@ def test_without_an_index_a_fleet_lookup_is_refused(redis):
         with kvmem.Client(target) as c:
             with pytest.raises(kvmem.FailedPreconditionError, match="--cluster-index"):
                 c.fleet_lookup(LAY, kvmem.Prompt(prompt(1), model="m"))
+            # Without tokens, a salt that names a tenant's chains (those of a daemon with
+            # tokens sharing the index) is refused, for Lookup and CreateSequence alike.
+            forged = kvmem.Prompt(prompt(1), cache_salt="tenant:alice/", model="m")
+            with pytest.raises(kvmem.InvalidArgumentError, match="cache_salt"):
+                c.lookup(LAY, forged)
+            with pytest.raises(kvmem.InvalidArgumentError, match="cache_salt"):
+                c.create_sequence(LAY, prompt=forged)
     finally:
         stop_daemon(proc, sock)
 
