@@ -81,6 +81,11 @@ ABSL_FLAG(int64_t, cluster_index_timeout_ms, 50,
           "without the fleet");
 ABSL_FLAG(uint32_t, cluster_index_connections, 4,
           "with --cluster-index: connections kept for lookups (each serves one at a time)");
+ABSL_FLAG(uint64_t, cluster_pull_max_bytes, 256ull << 20,
+          "with --cluster-index: the K/V bytes one PullPrefix may hold (a longer prefix is "
+          "refused)");
+ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,
+          "with --cluster-index: PullPrefix calls that run at once (more are refused)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
           "with --ucx: acknowledges that over TCP and shared memory (RMA emulated in software) "
           "every process that reaches the UCX worker can read and write kvmemd's memory; "
@@ -247,6 +252,8 @@ int main(int argc, char** argv) {
   config.cluster_index.ttl = absl::Seconds(absl::GetFlag(FLAGS_cluster_index_ttl_seconds));
   config.cluster_index.timeout = absl::Milliseconds(absl::GetFlag(FLAGS_cluster_index_timeout_ms));
   config.cluster_index.lookup_connections = absl::GetFlag(FLAGS_cluster_index_connections);
+  config.cluster_pull_max_bytes = absl::GetFlag(FLAGS_cluster_pull_max_bytes);
+  config.cluster_pull_concurrency = absl::GetFlag(FLAGS_cluster_pull_concurrency);
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

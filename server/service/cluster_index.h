@@ -171,7 +171,7 @@ class ClusterIndex final : public prefix::IndexEvents {
   std::unique_ptr<Connection> writer_;
   Clock::time_point retry_at_{};
   Clock::time_point renew_at_{};
-  bool rebuild_ = false;  // a loss seen, not yet rebuilt
+  bool rebuild_ = false;               // a loss seen, not yet rebuilt
   absl::flat_hash_set<Claim> mirror_;  // what this node claims
   // Lookups'.
   std::vector<std::unique_ptr<LookupSlot>> slots_;

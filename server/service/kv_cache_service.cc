@@ -217,6 +217,7 @@ void KvCacheService::RegisterMethods() {
   AddUnary("Fork", &KvCacheService::Fork);
   AddUnary("Publish", &KvCacheService::Publish);
   AddUnary("Lookup", &KvCacheService::Lookup);
+  AddUnary("PullPrefix", &KvCacheService::PullPrefix);
   AddUnary("Release", &KvCacheService::Release);
   AddUnary("KeepAlive", &KvCacheService::KeepAlive);
   AddUnary("Stats", &KvCacheService::Stats);
@@ -543,6 +544,51 @@ grpc::Status KvCacheService::Lookup(grpc::ServerContext* context, const v1::Look
     holder->set_node(h.node);
     holder->set_matched_tokens(h.blocks * B);
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::PullPrefix(grpc::ServerContext* context,
+                                        const v1::PullPrefixRequest* request,
+                                        v1::PullPrefixResponse* response) {
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  if (puller_ == nullptr) {
+    return ToGrpc(absl::FailedPreconditionError(
+        "PullPrefix: this kvmemd has no cluster index (--cluster-index)"));
+  }
+  if (!request->has_layout()) return ToGrpc(absl::InvalidArgumentError("layout: required"));
+  absl::StatusOr<engine::Layout> layout =
+      FromProto(request->layout(), engine_->config().default_block_tokens);
+  if (!layout.ok()) return ToGrpc(layout.status());
+  // The caller's token goes to the holder, which scopes the calls to the same tenant.
+  std::string bearer;
+  if (auto it = context->client_metadata().find("authorization");
+      it != context->client_metadata().end()) {
+    bearer.assign(it->second.data(), it->second.size());
+  }
+  if (auth_->enabled() && bearer.empty()) {
+    return ToGrpc(absl::FailedPreconditionError(
+        "PullPrefix: a pull acts on the holder with the caller's bearer token, and this call "
+        "came without one (a TLS certificate or a unix peer cannot be forwarded)"));
+  }
+  absl::StatusOr<std::string> salt = ScopedSalt(call->who, request->cache_salt());
+  if (!salt.ok()) return ToGrpc(salt.status());
+  engine::PromptPrefix prompt;
+  prompt.model = request->model();
+  prompt.salt = *std::move(salt);
+  prompt.owner = call->who.tenant;
+  prompt.token_ids = absl::MakeConstSpan(request->token_ids().data(), request->token_ids().size());
+  prompt.token_ids_field = "token_ids";
+  v1::Layout layout_proto = request->layout();
+  layout_proto.set_block_tokens(layout->block_tokens);
+  absl::StatusOr<PullResult> pulled = puller_->Pull(
+      layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), bearer,
+      std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1)));
+  if (!pulled.ok()) return ToGrpc(pulled.status());
+  response->set_local_tokens(pulled->local_tokens);
+  response->set_pulled_tokens(pulled->pulled_tokens);
+  response->set_from_node(pulled->from_node);
+  response->set_bytes(pulled->bytes);
   return grpc::Status::OK;
 }
 

@@ -19,6 +19,7 @@
 #include "server/service/convert.h"
 #include "server/service/error_details.h"
 #include "server/service/parsed.h"
+#include "server/service/prefix_pull.h"
 #include "server/service/request_cache.h"
 #include "server/transport/attach_socket.h"
 #include "server/transport/step_channel.h"
@@ -81,6 +82,8 @@ class KvCacheService final : public grpc::Service {
   // The fleet's shared prefix index, asked by Lookup's `fleet` (null: none). Set before
   // serving.
   void set_cluster_index(ClusterIndex* index) { cluster_index_ = index; }
+  // What PullPrefix pulls with (null: refused). Set before serving.
+  void set_prefix_puller(PrefixPuller* puller) { puller_ = puller; }
 
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
@@ -116,6 +119,8 @@ class KvCacheService final : public grpc::Service {
   grpc::Status Fork(grpc::ServerContext*, const v1::ForkRequest*, v1::ForkResponse*);
   grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*, v1::PublishResponse*);
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*);
+  grpc::Status PullPrefix(grpc::ServerContext*, const v1::PullPrefixRequest*,
+                          v1::PullPrefixResponse*);
   grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*);
   grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*, v1::KeepAliveResponse*);
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*);
@@ -224,6 +229,7 @@ class KvCacheService final : public grpc::Service {
   std::deque<std::string> method_names_;
   const transport::UcxPlane* ucx_ = nullptr;
   ClusterIndex* cluster_index_ = nullptr;
+  PrefixPuller* puller_ = nullptr;
 };
 
 }  // namespace kvmem::service

@@ -225,6 +225,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     if (!index.ok()) return index.status();
     server->cluster_index_ = *std::move(index);
     server->index_events_.Add(server->cluster_index_.get());
+    if (config.cluster_pull_concurrency < 1) {
+      return absl::InvalidArgumentError("--cluster-pull-concurrency: at least 1");
+    }
+    server->puller_ = std::make_unique<PrefixPuller>(
+        server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
+        config.cluster_pull_max_bytes, config.cluster_pull_concurrency);
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.
@@ -280,6 +286,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       server->auth_.get(), server->attach_.get());
   server->service_->set_ucx(ucx);
   server->service_->set_cluster_index(server->cluster_index_.get());
+  server->service_->set_prefix_puller(server->puller_.get());
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);

@@ -18,6 +18,7 @@
 #include "server/service/auth.h"
 #include "server/service/cluster_index.h"
 #include "server/service/kv_events.h"
+#include "server/service/prefix_pull.h"
 #include "server/transport/attach_socket.h"
 #if KVMEM_WITH_UCX
 #include "server/transport/ucx_plane.h"
@@ -85,6 +86,10 @@ struct ServerConfig {
   std::string kv_events_hash = "int";
   // The fleet's shared prefix index on Redis/Valkey (cluster_index.h); an empty url: none.
   ClusterIndexConfig cluster_index;
+  // PullPrefix (prefix_pull.h), with a cluster index: the K/V one pull may hold, and how
+  // many run at once.
+  uint64_t cluster_pull_max_bytes = 256ull << 20;
+  int cluster_pull_concurrency = 2;
 };
 
 class Server {
@@ -120,6 +125,7 @@ class Server {
   // Before the engine, whose prefix index queues into them until it is gone.
   std::unique_ptr<KvEventPublisher> kv_events_;
   std::unique_ptr<ClusterIndex> cluster_index_;
+  std::unique_ptr<PrefixPuller> puller_;
   prefix::IndexEventsFanout index_events_;
   std::unique_ptr<engine::Engine> engine_;
   // Before the service and the gRPC server, so that it outlives the interceptors and the

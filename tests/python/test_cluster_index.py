@@ -95,7 +95,8 @@ def free_port():
 
 class Node:
     def __init__(self, tag, redis, *flags):
-        self.name = f"{tag}.fleet:7000"
+        # The address peers reach it at: its own unix socket (start_daemon's path).
+        self.name = f"unix:/tmp/kvmem-py-fleet{tag}-{os.getpid()}.sock"
         self.metrics_port = free_port()
         self.proc, self.target, self.sock = start_daemon(
             f"fleet{tag}", f"--cluster_index={redis.url()}",
@@ -244,6 +245,55 @@ def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
                 # nobody holds them, as if they were never published.
                 assert fleet(bob_b, p) == []
                 assert bob_b.lookup(LAY, p) == 0
+                # Nor can Bob pull them, from the index's holder or naming Alice's node: his
+                # token goes with the pull, and A maps nothing of Alice's for him.
+                assert bob_b.pull_prefix(LAY, p).pulled_tokens == 0
+                assert bob_b.pull_prefix(LAY, p, from_node=a.name).pulled_tokens == 0
+                # Alice can: her token goes with it, and B then holds her prefix for her.
+                assert alice_b.pull_prefix(LAY, p).pulled_tokens == 56
+                assert alice_b.lookup(LAY, p) == 56
+                assert bob_b.lookup(LAY, p) == 0
+    finally:
+        a.stop()
+        b.stop()
+
+
+def read_all(seq):
+    """A sequence's K and V as {(layer, head): (positions, k, v)}."""
+    return {(s.layer, s.kv_head): (list(s.positions), bytes(s.k), bytes(s.v))
+            for s in seq.read_kv()}
+
+
+def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
+    a, b = Node("pa", redis), Node("pb", redis)
+    try:
+        tokens = prompt(21)
+        held = publish(a, tokens)  # 64 tokens: 8 blocks published
+        p = kvmem.Prompt(tokens, model="m")
+        assert wait_until(lambda: holders(b, tokens) == [(a.name, 56)], 5)
+        # B pulls what A holds of the prompt (the blocks a CreateSequence maps: 7).
+        pulled = b.client.pull_prefix(LAY, p)
+        assert (pulled.local_tokens, pulled.pulled_tokens, pulled.from_node) == (0, 56, a.name)
+        assert pulled.bytes == 56 * 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
+        # Now B holds it: a request there maps it, and its K/V are A's, byte for byte.
+        seq_b = b.client.create_sequence(LAY, prompt=p)
+        assert seq_b.reused_prefix_tokens == 56
+        seq_a = a.client.create_sequence(LAY, prompt=p)
+        assert seq_a.reused_prefix_tokens == 56
+        assert read_all(seq_b) == read_all(seq_a)
+        for s in (seq_a, seq_b):
+            s.release()
+        # The fleet sees both; a second pull finds nothing more to pull.
+        assert wait_until(lambda: holders(a, tokens) == [(a.name, 56), (b.name, 56)], 5)
+        again = b.client.pull_prefix(LAY, p)
+        assert (again.local_tokens, again.pulled_tokens) == (56, 0)
+        # From a node that is not there: the error names it, and B is unchanged.
+        before = b.client.stats().prefix_entries
+        with pytest.raises(kvmem.KvmemError, match="holder"):
+            b.client.pull_prefix(LAY, kvmem.Prompt(prompt(22), model="m"),
+                                 from_node="127.0.0.1:1")
+        assert b.client.stats().prefix_entries == before
+        held.release()
     finally:
         a.stop()
         b.stop()

@@ -18,7 +18,8 @@ except ImportError as e:  # a source checkout that was never built
                       "source tree") from e
 
 from kvmem.block_table import BlockTable, StreamTable, TableSnapshot
-from kvmem.client import BatchEntry, BatchResult, Client, ClientOptions, FleetLookup
+from kvmem.client import (BatchEntry, BatchResult, Client, ClientOptions, FleetLookup,
+                          PullResult)
 from kvmem.errors import (AbortedError, DataLossError, DeadlineExceededError,
                           FailedPreconditionError, InvalidArgumentError, KvmemError,
                           NotFoundError, OutOfRangeError, PermissionDeniedError,
@@ -36,7 +37,8 @@ __all__ = [
     "DeadlineExceededError", "FailedPreconditionError", "FleetLookup", "Info",
     "InvalidArgumentError",
     "KvmemError", "Layout", "LogitStats", "NewTokens", "NotFoundError", "OutOfRangeError",
-    "PermissionDeniedError", "PolicySpec", "Precision", "Prompt", "ResourceExhaustedError",
+    "PermissionDeniedError", "PolicySpec", "Precision", "Prompt", "PullResult",
+    "ResourceExhaustedError",
     "Sequence", "StaleEpochError", "StepArgs", "StepResult", "Stats", "StreamKv",
     "StreamSignal", "StreamTable", "TableSnapshot", "UnauthenticatedError", "UnavailableError",
     "bf16_to_float32", "float32_to_bf16",

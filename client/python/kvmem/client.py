@@ -105,6 +105,16 @@ class FleetLookup:
     holders: List[Tuple[str, int]]
 
 
+@dataclasses.dataclass(frozen=True)
+class PullResult:
+    """Client.pull_prefix's answer: the prefix the daemon held before, the tokens it pulled
+    (and published), from which node, and the K+V bytes moved."""
+    local_tokens: int
+    pulled_tokens: int
+    from_node: str
+    bytes: int
+
+
 @dataclasses.dataclass
 class BatchResult:
     """What one entry did: the append and the step are each atomic; a step that failed after
@@ -684,6 +694,17 @@ class Client:
         r = self._call(self._stub.Lookup, q)
         return FleetLookup(r.matched_tokens, r.fleet.available, r.fleet.unavailable,
                            [(h.node, h.matched_tokens) for h in r.fleet.holders])
+
+    def pull_prefix(self, layout: Layout, prompt: Prompt, from_node: str = "") -> "PullResult":
+        """Makes the daemon hold the longest prefix of the prompt another node of the fleet
+        holds (kvmemd --cluster-index), pulled from that node (`from_node`, else the one the
+        fleet's index names), so that the next create_sequence maps it."""
+        q = pb.PullPrefixRequest(cache_salt=prompt.cache_salt, model=prompt.model,
+                                 from_node=from_node)
+        convert.fill_layout(layout, q.layout)
+        q.token_ids.extend(int(t) for t in prompt.token_ids)
+        r = self._call(self._stub.PullPrefix, q)
+        return PullResult(r.local_tokens, r.pulled_tokens, r.from_node, r.bytes)
 
     def attach_shared_pool(self) -> SharedPool:
         """The daemon's pool mapped read-only, for same-host reads (kvmem.shared_pool);

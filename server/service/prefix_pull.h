@@ -1,0 +1,67 @@
+#pragma once
+// PrefixPuller: makes this kvmemd hold the longest prefix of a prompt that another node of
+// the fleet holds (the shared index says which: cluster_index.h), pulled from that node's
+// published blocks instead of recomputed by a worker (PullPrefix).
+//
+// A pull reads the holder as a client would: CreateSequence with the prompt there (which
+// maps the holder's published prefix: whole blocks, never the prompt's last token), ReadKv
+// of it, Release; then here: a sequence of the same layout and namespace that maps what
+// this node already holds, the rest appended from the pulled K/V with its token ids,
+// published, released. The result is this node's own published prefix, byte for byte the
+// holder's (K/V are read at the layout dtype: published blocks are never quantized), which
+// the next CreateSequence here maps.
+//
+// Identity: the caller's bearer token goes with the calls to the holder, so that the holder
+// scopes them to the same tenant (a fleet shares its token file); a caller identified
+// otherwise (TLS certificate, unix peer) cannot be forwarded and is refused on a daemon with
+// tenants. The channel to the holder is plaintext (a fleet's private network; TLS between
+// daemons: not yet). Memory: a pull holds the prefix's K/V (at most max_bytes) twice at most
+// while it copies it; at most max_pulls run at once.
+// Transport: gRPC (ReadKv) for now; UCX reads between daemons come with the UCX work.
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvmem/v1/kvmem.pb.h"
+#include "server/engine/engine.h"
+#include "server/service/cluster_index.h"
+
+namespace kvmem::service {
+
+struct PullResult {
+  uint64_t local_tokens = 0;   // what this node held before
+  uint64_t pulled_tokens = 0;  // published here by the pull
+  std::string from_node;
+  uint64_t bytes = 0;  // K+V bytes moved
+};
+
+class PrefixPuller {
+ public:
+  PrefixPuller(engine::Engine* engine, ClusterIndex* index, std::string self_node,
+               uint64_t max_bytes, int max_pulls)
+      : engine_(engine),
+        index_(index),
+        self_(std::move(self_node)),
+        max_bytes_(max_bytes),
+        max_pulls_(max_pulls) {}
+
+  // `prompt` is scoped (its salt the tenant's, its owner the tenant); `client_salt` is the
+  // salt as the caller sent it (the holder scopes it again from the forwarded token);
+  // `bearer` the caller's token ("" for none); `deadline` the call's.
+  absl::StatusOr<PullResult> Pull(const v1::Layout& layout_proto, const engine::Layout& layout,
+                                  const engine::PromptPrefix& prompt,
+                                  const std::string& client_salt, std::string from_node,
+                                  const std::string& bearer, absl::Time deadline);
+
+ private:
+  engine::Engine* const engine_;
+  ClusterIndex* const index_;
+  const std::string self_;
+  const uint64_t max_bytes_;
+  const int max_pulls_;
+  std::atomic<int> running_{0};
+};
+
+}  // namespace kvmem::service
