@@ -54,11 +54,8 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(
     if (!pool.ok()) return pool.status();
     store->pool_ = *std::move(pool);
   }
-  const client::Layout layout{
-      config.num_layers, config.num_kv_heads, config.head_dim, client::DType::kF32, 16,
-      config.vocab};
   absl::StatusOr<client::Sequence> seq =
-      client->CreateSequence(layout, policy, std::nullopt, prompt);
+      client->CreateSequence(LayoutOf(config), policy, std::nullopt, prompt);
   if (!seq.ok()) return seq.status();
   store->sequence_ = *seq;
   store->policy_ = policy;
@@ -70,6 +67,12 @@ absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(
   if (!table.ok()) return table.status();
   store->table_ = *std::move(table);
   return store;
+}
+
+client::Layout KvmemKvStore::LayoutOf(const ModelConfig& config) {
+  return client::Layout{
+      config.num_layers, config.num_kv_heads, config.head_dim, client::DType::kF32, 16,
+      config.vocab};
 }
 
 KvmemKvStore::~KvmemKvStore() {

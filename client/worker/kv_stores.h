@@ -50,6 +50,8 @@ class KvmemKvStore final : public KvStore {
       client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
       ReadPath path, const client::Prompt* prompt = nullptr, bool in_place = false);
   uint64_t reused_tokens() const { return sequence_.reused_prefix_tokens; }
+  // The layout the worker's sequences have (f32 K/V, blocks of 16 tokens).
+  static client::Layout LayoutOf(const ModelConfig& config);
   ~KvmemKvStore() override;
 
   absl::Status BeginForward() override;

@@ -469,6 +469,12 @@ class Client {
   // nothing).
   absl::StatusOr<uint64_t> Lookup(const Layout& layout, const Prompt& prompt,
                                   const PolicySpec& policy = {});
+  // Makes kvmemd hold the longest prefix of the prompt another node of its fleet holds
+  // (kvmemd --cluster-index), pulled from `from_node` (empty: the holder the fleet's index
+  // names); returns the tokens pulled (0: nothing to pull), which the next CreateSequence
+  // with the prompt maps.
+  absl::StatusOr<uint64_t> PullPrefix(const Layout& layout, const Prompt& prompt,
+                                      const std::string& from_node = "");
 
  private:
   struct Impl;

@@ -19,6 +19,10 @@ ABSL_FLAG(bool, prefix_cache, false,
           "mapped and not computed again) and publish its blocks as they fill; policies that "
           "do not compress the prompt only (with --prefill_chunk=16 a request that reuses a "
           "prefix gives the cold request's logits to the bit)");
+ABSL_FLAG(bool, pull_prefix, false,
+          "generate, with --prefix_cache: first ask kvmemd to pull the longest prefix of the "
+          "prompt another node of its fleet holds (PullPrefix; kvmemd --cluster-index), timed "
+          "as part of the first token");
 ABSL_FLAG(std::string, kept_positions, "",
           "generate: write to this file, after the prompt and after each decode step, a JSON "
           "line with the token fed (-1 for the prompt, whose ids it lists) and the positions "
@@ -83,6 +87,13 @@ int RunGenerate() {
     env.store = nullptr;
     env.daemon.reset();
     client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
+    if (absl::GetFlag(FLAGS_pull_prefix)) {
+      absl::StatusOr<uint64_t> pulled =
+          env.client->PullPrefix(KvmemKvStore::LayoutOf(env.model->config()), prompt);
+      if (!pulled.ok()) return Fail("pull", pulled.status());
+      std::fprintf(stderr, "pulled %llu prompt tokens from the fleet\n",
+                   static_cast<unsigned long long>(*pulled));
+    }
     absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
         KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags(),
                              &prompt, InPlaceFromFlags());
