@@ -43,25 +43,33 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(const v1::Layout& layout_proto,
   if (!local.ok()) return local.status();
   result.local_tokens = *local;
   const uint64_t B = layout.block_tokens;
-  if (from_node.empty()) {
-    absl::StatusOr<engine::PrefixPublisher::Chain> chain =
-        engine_->FleetChain(layout, prompt, ClusterIndex::kMaxLookupBlocks);
-    if (!chain.ok()) return chain.status();
-    const FleetAnswer fleet = index_->Lookup(chain->ns, chain->hashes);
-    if (!fleet.available) {
-      return absl::UnavailableError(
-          absl::StrCat("PullPrefix: the cluster index did not answer: ", fleet.unavailable));
-    }
-    for (const FleetHolder& h : fleet.holders) {  // longest first
-      if (h.node != self_ && h.blocks * B > *local) {
-        from_node = h.node;
-        break;
-      }
-    }
-    if (from_node.empty()) return result;  // nobody holds more than this node
-  } else if (from_node == self_) {
+  if (from_node == self_) {
     return absl::InvalidArgumentError("from_node: names this node (--cluster-node-address)");
   }
+  // Only a node the fleet's index names as a holder of this prompt is asked (never an
+  // address a caller made up): the longest, or the one named.
+  absl::StatusOr<engine::PrefixPublisher::Chain> chain =
+      engine_->FleetChain(layout, prompt, ClusterIndex::kMaxLookupBlocks);
+  if (!chain.ok()) return chain.status();
+  const FleetAnswer fleet = index_->Lookup(chain->ns, chain->hashes);
+  if (!fleet.available) {
+    return absl::UnavailableError(
+        absl::StrCat("PullPrefix: the cluster index did not answer: ", fleet.unavailable));
+  }
+  const FleetHolder* holder = nullptr;
+  for (const FleetHolder& h : fleet.holders) {  // longest first
+    if (h.node != self_ && h.blocks * B > *local && (from_node.empty() || h.node == from_node)) {
+      holder = &h;
+      break;
+    }
+  }
+  if (holder == nullptr) {
+    if (from_node.empty()) return result;  // nobody holds more than this node
+    return absl::FailedPreconditionError(
+        absl::StrCat("from_node: the fleet's index names no node \"", from_node.substr(0, 256),
+                     "\" holding more of this prompt than this node's ", *local, " tokens"));
+  }
+  from_node = holder->node;
   result.from_node = from_node;
   const uint64_t rows = uint64_t{layout.num_layers} * layout.num_kv_heads;
   const uint64_t row_bytes = layout.row_bytes();

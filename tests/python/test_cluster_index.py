@@ -245,10 +245,11 @@ def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
                 # nobody holds them, as if they were never published.
                 assert fleet(bob_b, p) == []
                 assert bob_b.lookup(LAY, p) == 0
-                # Nor can Bob pull them, from the index's holder or naming Alice's node: his
-                # token goes with the pull, and A maps nothing of Alice's for him.
+                # Nor can Bob pull them: for his chain the index names no holder, even when he
+                # names Alice's node (and his token would go with the pull).
                 assert bob_b.pull_prefix(LAY, p).pulled_tokens == 0
-                assert bob_b.pull_prefix(LAY, p, from_node=a.name).pulled_tokens == 0
+                with pytest.raises(kvmem.FailedPreconditionError, match="names no node"):
+                    bob_b.pull_prefix(LAY, p, from_node=a.name)
                 # Alice can: her token goes with it, and B then holds her prefix for her.
                 assert alice_b.pull_prefix(LAY, p).pulled_tokens == 56
                 assert alice_b.lookup(LAY, p) == 56
@@ -268,7 +269,7 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
     a, b = Node("pa", redis), Node("pb", redis)
     try:
         tokens = prompt(21)
-        held = publish(a, tokens)  # 64 tokens: 8 blocks published
+        publish(a, tokens)  # 64 tokens: 8 blocks published
         p = kvmem.Prompt(tokens, model="m")
         assert wait_until(lambda: holders(b, tokens) == [(a.name, 56)], 5)
         # B pulls what A holds of the prompt (the blocks a CreateSequence maps: 7).
@@ -287,15 +288,24 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         assert wait_until(lambda: holders(a, tokens) == [(a.name, 56), (b.name, 56)], 5)
         again = b.client.pull_prefix(LAY, p)
         assert (again.local_tokens, again.pulled_tokens) == (56, 0)
-        # From a node that is not there: the error names it, and B is unchanged.
+        # From an address the index does not name as a holder: refused, nothing asked of it.
         before = b.client.stats().prefix_entries
-        with pytest.raises(kvmem.KvmemError, match="holder"):
+        with pytest.raises(kvmem.FailedPreconditionError, match="names no node"):
             b.client.pull_prefix(LAY, kvmem.Prompt(prompt(22), model="m"),
                                  from_node="127.0.0.1:1")
+        # A holder gone (killed: its claims still in the index): the error names it, and B
+        # is unchanged.
+        publish(a, prompt(23))
+        assert wait_until(lambda: holders(b, prompt(23)) == [(a.name, 56)], 5)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        with pytest.raises(kvmem.KvmemError, match="holder"):
+            b.client.pull_prefix(LAY, kvmem.Prompt(prompt(23), model="m"))
         assert b.client.stats().prefix_entries == before
-        held.release()
+        a.proc = None
     finally:
-        a.stop()
+        if a.proc is not None:
+            a.stop()
         b.stop()
 
 
