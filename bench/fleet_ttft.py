@@ -12,7 +12,6 @@ Usage: python3 bench/fleet_ttft.py [--context 1024] [--repeat 3] [--decode 8]
 KVMEM_BIN: where kvmem_worker and kvmemd are (build/).
 """
 import argparse
-import importlib.util
 import os
 import shutil
 import statistics
@@ -64,14 +63,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode", type=int, default=8)
     args = ap.parse_args()
-    model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
-                           capture_output=True, text=True).stdout.strip()
-    spec = importlib.util.spec_from_file_location("kvmem_eval", ROOT / "bench" / "eval" / "eval.py")
-    harness = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench" / "eval"))
-    spec.loader.exec_module(harness)
-    prompt_args = (f"--prompt_file={harness.corpus_path()}",
-                   f"--max_prompt_tokens={args.context}")
+    model, prompt_args = prefix_ttft.model_and_prompt(args.context)
     recomputed, pulled, ratios = [], [], []
     for r in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,18 @@ def run(model, sock, prompt_args, decode):
     return int(m.group(1)), int(m.group(2)), float(m.group(3)), answer
 
 
+def model_and_prompt(context):
+    """The model file, and the worker's flags for the first `context` tokens of the Lee
+    corpus (bench/eval's text) as the prompt."""
+    model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    spec = importlib.util.spec_from_file_location("kvmem_eval", ROOT / "bench" / "eval" / "eval.py")
+    harness = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "bench" / "eval"))
+    spec.loader.exec_module(harness)
+    return model, (f"--prompt_file={harness.corpus_path()}", f"--max_prompt_tokens={context}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=1024)
@@ -47,14 +59,7 @@ def main():
     args = ap.parse_args()
     global CHUNK
     CHUNK = args.chunk
-    model = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
-                           capture_output=True, text=True).stdout.strip()
-    spec = importlib.util.spec_from_file_location("kvmem_eval", ROOT / "bench" / "eval" / "eval.py")
-    harness = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench" / "eval"))
-    spec.loader.exec_module(harness)
-    prompt_args = (f"--prompt_file={harness.corpus_path()}",
-                   f"--max_prompt_tokens={args.context}")
+    model, prompt_args = model_and_prompt(args.context)
     cold, warm, ratios = [], [], []
     for r in range(args.repeat):
         sock = f"/tmp/kvmem-ttft-{os.getpid()}-{r}.sock"

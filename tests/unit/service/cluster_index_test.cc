@@ -118,19 +118,33 @@ prefix::BlockHash HashOf(uint32_t n) {
   return h;
 }
 
+// A redis-server of the test's own (none installed: skipped, except in CI, where
+// scripts/deps.sh installs it), and a node's configuration for it.
+class ClusterIndexOnRedis : public ::testing::Test {
+ protected:
+  void Start(std::vector<std::string> more = {}) {
+    if (!redis_.Start(std::move(more))) {
+      if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
+      GTEST_SKIP() << "no redis-server";
+    }
+  }
+  ClusterIndexConfig Config(std::string node) const {
+    ClusterIndexConfig c;
+    c.url = redis_.url();
+    c.node = std::move(node);
+    c.timeout = absl::Seconds(2);
+    return c;
+  }
+  testing::RedisServer redis_;
+};
+
 // Writers (the prefix index's events, from several threads as sequences publish and the
 // reclaimer drops) and lookups at once; what Redis ends up naming is what was published and
 // not removed, and a stopped node's claims are gone.
-TEST(ClusterIndex, ClaimsFollowTheEventsUnderConcurrentLookups) {
-  testing::RedisServer redis;
-  if (!redis.Start()) {
-    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
-    GTEST_SKIP() << "no redis-server";
-  }
-  ClusterIndexConfig c;
-  c.url = redis.url();
-  c.node = "a:1";
-  c.timeout = absl::Seconds(2);
+TEST_F(ClusterIndexOnRedis, ClaimsFollowTheEventsUnderConcurrentLookups) {
+  Start();
+  if (IsSkipped() || HasFatalFailure()) return;
+  ClusterIndexConfig c = Config("a:1");
   absl::StatusOr<std::unique_ptr<ClusterIndex>> a = ClusterIndex::Start(c);
   ASSERT_TRUE(a.ok()) << a.status();
   c.node = "b:1";
@@ -192,16 +206,10 @@ TEST(ClusterIndex, ClaimsFollowTheEventsUnderConcurrentLookups) {
 
 // A password-protected Redis: without the password lookups answer "unavailable" naming
 // the refusal; with it (from the environment, off the command line) they are answered.
-TEST(ClusterIndex, AuthenticatesWithThePasswordFromTheEnvironment) {
-  testing::RedisServer redis;
-  if (!redis.Start({"--requirepass", "p4ss"})) {
-    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
-    GTEST_SKIP() << "no redis-server";
-  }
-  ClusterIndexConfig c;
-  c.url = redis.url();
-  c.node = "a:1";
-  c.timeout = absl::Seconds(2);
+TEST_F(ClusterIndexOnRedis, AuthenticatesWithThePasswordFromTheEnvironment) {
+  Start({"--requirepass", "p4ss"});
+  if (IsSkipped() || HasFatalFailure()) return;
+  ClusterIndexConfig c = Config("a:1");
   const prefix::BlockHash h = HashOf(1);
   {
     absl::StatusOr<std::unique_ptr<ClusterIndex>> index = ClusterIndex::Start(c);
@@ -244,17 +252,11 @@ size_t ClaimsIn(ClusterIndex& reader, const std::string& node, uint32_t n) {
 
 // A queue too small for a burst of events loses them; the claims come back whole from the
 // prefix index's snapshot (without it, the node would vanish from the fleet's index).
-TEST(ClusterIndex, LostEventsAreRebuiltFromTheSnapshot) {
-  testing::RedisServer redis;
-  if (!redis.Start()) {
-    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
-    GTEST_SKIP() << "no redis-server";
-  }
+TEST_F(ClusterIndexOnRedis, LostEventsAreRebuiltFromTheSnapshot) {
+  Start();
+  if (IsSkipped() || HasFatalFailure()) return;
   constexpr uint32_t kBlocks = 500;
-  ClusterIndexConfig c;
-  c.url = redis.url();
-  c.node = "a:1";
-  c.timeout = absl::Seconds(2);
+  ClusterIndexConfig c = Config("a:1");
   c.max_queued_events = 4;
   absl::StatusOr<std::unique_ptr<ClusterIndex>> a = ClusterIndex::Start(c, [] {
     std::vector<std::pair<std::string, prefix::BlockHash>> blocks;
@@ -285,24 +287,18 @@ TEST(ClusterIndex, LostEventsAreRebuiltFromTheSnapshot) {
 
 // A key of another type where one claim goes (another program's, a collision) fails that
 // claim only: the others are written, the writer stays connected.
-TEST(ClusterIndex, AnErrorReplyFailsOneClaimNotTheWriter) {
-  testing::RedisServer redis;
-  if (!redis.Start()) {
-    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
-    GTEST_SKIP() << "no redis-server";
-  }
+TEST_F(ClusterIndexOnRedis, AnErrorReplyFailsOneClaimNotTheWriter) {
+  Start();
+  if (IsSkipped() || HasFatalFailure()) return;
   const std::string foreign = ClusterIndex::Key("kvmem", "ns", HashOf(0));
-  redisContext* raw = redisConnectUnix(redis.url().substr(7).c_str());
+  redisContext* raw = redisConnectUnix(redis_.url().substr(7).c_str());
   ASSERT_TRUE(raw != nullptr && raw->err == 0);
   redisReply* r =
       static_cast<redisReply*>(redisCommand(raw, "SET %b x", foreign.data(), foreign.size()));
   ASSERT_NE(r, nullptr);
   freeReplyObject(r);
   redisFree(raw);
-  ClusterIndexConfig c;
-  c.url = redis.url();
-  c.node = "a:1";
-  c.timeout = absl::Seconds(2);
+  ClusterIndexConfig c = Config("a:1");
   absl::StatusOr<std::unique_ptr<ClusterIndex>> a = ClusterIndex::Start(c);
   ASSERT_TRUE(a.ok()) << a.status();
   for (uint32_t i = 0; i < 3; ++i) {
