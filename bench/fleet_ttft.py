@@ -39,13 +39,18 @@ def start_redis(directory):
     sys.exit("redis-server did not start")
 
 
-def start_node(name, redis_sock):
-    sock = f"/tmp/kvmem-fleet-{name}-{os.getpid()}.sock"
+def node_socket(name):
+    return f"/tmp/kvmem-fleet-{name}-{os.getpid()}.sock"
+
+
+def start_node(name, redis_sock, peers=()):
+    sock = node_socket(name)
     proc = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}", "--metrics-listen=",
                              "--pool-bytes=1073741824", "--page-bytes=262144",
                              f"--cluster-index=unix://{redis_sock}",
                              f"--cluster-node-address=unix:{sock}",
-                             "--cluster-index-timeout-ms=1000"],
+                             "--cluster-index-timeout-ms=1000",
+                             "--cluster-peers=" + ",".join(f"unix:{node_socket(p)}" for p in peers)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     proc.stdout.readline()  # READY
     return proc, sock
@@ -68,7 +73,8 @@ def main():
     for r in range(args.repeat):
         with tempfile.TemporaryDirectory() as tmp:
             redis, redis_sock = start_redis(tmp)
-            nodes = {n: start_node(f"{n}{r}", redis_sock) for n in "abc"}
+            nodes = {n: start_node(f"{n}{r}", redis_sock, [f"a{r}", f"b{r}"] if n == "c" else [])
+                     for n in "abc"}
             try:
                 _, n, a_ms, a_answer = prefix_ttft.run(model, nodes["a"][1], prompt_args,
                                                        args.decode)

@@ -84,6 +84,11 @@ ABSL_FLAG(uint32_t, cluster_index_connections, 4,
 ABSL_FLAG(uint64_t, cluster_pull_max_bytes, 256ull << 20,
           "with --cluster-index: the K/V bytes one PullPrefix may hold (a longer prefix is "
           "refused)");
+ABSL_FLAG(std::string, cluster_peers, "",
+          "with --cluster-index: comma-separated node addresses (their --cluster-node-address) "
+          "PullPrefix may pull from, when the fleet's index names them as holders; empty: no "
+          "pulls. The caller's bearer token goes to them: trusted daemons sharing this "
+          "daemon's token file only");
 ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,
           "with --cluster-index: PullPrefix calls that run at once (more are refused)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
@@ -254,6 +259,10 @@ int main(int argc, char** argv) {
   config.cluster_index.lookup_connections = absl::GetFlag(FLAGS_cluster_index_connections);
   config.cluster_pull_max_bytes = absl::GetFlag(FLAGS_cluster_pull_max_bytes);
   config.cluster_pull_concurrency = absl::GetFlag(FLAGS_cluster_pull_concurrency);
+  for (absl::string_view peer :
+       absl::StrSplit(absl::GetFlag(FLAGS_cluster_peers), ',', absl::SkipEmpty())) {
+    config.cluster_peers.emplace_back(peer);
+  }
   config.engine.table_area_bytes = absl::GetFlag(FLAGS_table_area_bytes);
   config.engine.reclaim_reserve_pages = absl::GetFlag(FLAGS_reclaim_reserve_pages);
   config.engine.parallel_batches = absl::GetFlag(FLAGS_parallel_batches);

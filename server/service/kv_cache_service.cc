@@ -582,7 +582,7 @@ grpc::Status KvCacheService::PullPrefix(grpc::ServerContext* context,
   v1::Layout layout_proto = request->layout();
   layout_proto.set_block_tokens(layout->block_tokens);
   absl::StatusOr<PullResult> pulled = puller_->Pull(
-      layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), bearer,
+      context, layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), bearer,
       std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1)));
   if (!pulled.ok()) return ToGrpc(pulled.status());
   response->set_local_tokens(pulled->local_tokens);

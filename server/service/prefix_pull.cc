@@ -2,160 +2,160 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
-#include <optional>
+#include <new>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/common/client_text.h"
+#include "server/transport/parse_cost.h"
 
 namespace kvmem::service {
 namespace {
 
+// How long the holder keeps the sequence a pull reads if the Release never comes, and how
+// long that Release may take.
+constexpr int kHolderLeaseSeconds = 30;
+constexpr absl::Duration kReleaseDeadline = absl::Seconds(2);
+
+// A holder's failure, as this node's: UNAVAILABLE (a pull may be tried again), naming the
+// holder and the call, with the holder's status bounded.
 absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::string_view call) {
-  return absl::Status(
-      static_cast<absl::StatusCode>(s.error_code()),
-      absl::StrCat("PullPrefix: the holder ", node, " answered ", call, ": ", s.error_message()));
+  return absl::UnavailableError(absl::StrCat("PullPrefix: the holder ", node, " answered ", call,
+                                             " with code ", static_cast<int>(s.error_code()), ": ",
+                                             CutMessage(s.error_message(), kMaxDetailTextBytes)));
+}
+
+absl::Status Lied(absl::string_view node, absl::string_view what) {
+  return absl::UnavailableError(
+      absl::StrCat("PullPrefix: the holder ", node, "'s answer is not the prefix: ", what));
 }
 
 }  // namespace
 
-absl::StatusOr<PullResult> PrefixPuller::Pull(const v1::Layout& layout_proto,
-                                              const engine::Layout& layout,
-                                              const engine::PromptPrefix& prompt,
-                                              const std::string& client_salt, std::string from_node,
-                                              const std::string& bearer, absl::Time deadline) {
+bool PrefixPuller::IsPeer(const std::string& node) const {
+  return std::find(peers_.begin(), peers_.end(), node) != peers_.end();
+}
+
+absl::StatusOr<PullResult> PrefixPuller::Pull(
+    grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
+    const engine::PromptPrefix& prompt, const std::string& client_salt,
+    const std::string& from_node, const std::string& bearer, absl::Time deadline) {
+  if (peers_.empty()) {
+    return absl::FailedPreconditionError(
+        "PullPrefix: this kvmemd has no peers to pull from (--cluster-peers)");
+  }
+  if (prompt.document_tokens > 0) {
+    return absl::InvalidArgumentError(
+        "document_tokens: a compressed document is its node's own; only block chains are "
+        "pulled");
+  }
+  if (from_node == self_) {
+    return absl::InvalidArgumentError("from_node: names this node (--cluster-node-address)");
+  }
   if (running_.fetch_add(1) >= max_pulls_) {
     running_.fetch_sub(1);
     return absl::ResourceExhaustedError(absl::StrCat(
         "PullPrefix: ", max_pulls_, " pulls are running already (--cluster-pull-concurrency)"));
   }
   absl::Cleanup one_less = [this] { running_.fetch_sub(1); };
-  if (prompt.document_tokens > 0) {
-    return absl::InvalidArgumentError(
-        "document_tokens: a compressed document is its node's own; only block chains are "
-        "pulled");
-  }
-  PullResult result;
-  absl::StatusOr<uint64_t> local = engine_->Lookup(layout, prompt);
-  if (!local.ok()) return local.status();
-  result.local_tokens = *local;
-  const uint64_t B = layout.block_tokens;
-  if (from_node == self_) {
-    return absl::InvalidArgumentError("from_node: names this node (--cluster-node-address)");
-  }
-  // Only a node the fleet's index names as a holder of this prompt is asked (never an
-  // address a caller made up): the longest, or the one named.
-  absl::StatusOr<engine::PrefixPublisher::Chain> chain =
-      engine_->FleetChain(layout, prompt, ClusterIndex::kMaxLookupBlocks);
-  if (!chain.ok()) return chain.status();
-  const FleetAnswer fleet = index_->Lookup(chain->ns, chain->hashes);
-  if (!fleet.available) {
-    return absl::UnavailableError(
-        absl::StrCat("PullPrefix: the cluster index did not answer: ", fleet.unavailable));
-  }
-  const FleetHolder* holder = nullptr;
-  for (const FleetHolder& h : fleet.holders) {  // longest first
-    if (h.node != self_ && h.blocks * B > *local && (from_node.empty() || h.node == from_node)) {
-      holder = &h;
-      break;
+  try {
+    absl::StatusOr<uint64_t> local = engine_->Lookup(layout, prompt);
+    if (!local.ok()) return local.status();
+    // Only a peer the fleet's index names as a holder of this prompt is asked: the longest,
+    // or the one named.
+    absl::StatusOr<engine::PrefixPublisher::Chain> chain =
+        engine_->FleetChain(layout, prompt, ClusterIndex::kMaxLookupBlocks);
+    if (!chain.ok()) return chain.status();
+    const FleetAnswer fleet = index_->Lookup(chain->ns, chain->hashes);
+    if (!fleet.available) {
+      return absl::UnavailableError(
+          absl::StrCat("PullPrefix: the cluster index did not answer: ", fleet.unavailable));
     }
+    for (const FleetHolder& h : fleet.holders) {  // longest first
+      if (h.node != self_ && IsPeer(h.node) && h.blocks * layout.block_tokens > *local &&
+          (from_node.empty() || h.node == from_node)) {
+        return PullFrom(context, layout_proto, layout, prompt, client_salt, bearer, deadline,
+                        *local, h.node);
+      }
+    }
+    if (!from_node.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "from_node: the fleet's index names no peer \"", EchoClientText(from_node),
+          "\" (--cluster-peers) holding more of this prompt than this node's ", *local, " tokens"));
+    }
+    PullResult nothing;  // no peer holds more than this node
+    nothing.local_tokens = *local;
+    return nothing;
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        "PullPrefix: out of host memory (kvmemd could not "
+        "allocate)");
   }
-  if (holder == nullptr) {
-    if (from_node.empty()) return result;  // nobody holds more than this node
-    return absl::FailedPreconditionError(
-        absl::StrCat("from_node: the fleet's index names no node \"", from_node.substr(0, 256),
-                     "\" holding more of this prompt than this node's ", *local, " tokens"));
-  }
-  from_node = holder->node;
-  result.from_node = from_node;
+}
+
+absl::StatusOr<PullResult> PrefixPuller::PullFrom(
+    grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
+    const engine::PromptPrefix& prompt, const std::string& client_salt, const std::string& bearer,
+    absl::Time deadline, uint64_t local, const std::string& holder) {
+  PullResult result;
+  result.local_tokens = local;
+  result.from_node = holder;
+  const uint64_t B = layout.block_tokens;
   const uint64_t rows = uint64_t{layout.num_layers} * layout.num_kv_heads;
   const uint64_t row_bytes = layout.row_bytes();
   const uint64_t per_token = 2 * rows * row_bytes;  // K and V of every stream
 
-  // The holder: a sequence there maps its published prefix; read it, release it.
   std::unique_ptr<v1::KvCache::Stub> stub =
-      v1::KvCache::NewStub(grpc::CreateChannel(from_node, grpc::InsecureChannelCredentials()));
-  const auto prepare = [&](grpc::ClientContext* c) {
+      v1::KvCache::NewStub(grpc::CreateChannel(holder, grpc::InsecureChannelCredentials()));
+  // The caller's cancellation goes with the calls; the deadline is this call's, capped.
+  const auto call = [&]() {
+    std::unique_ptr<grpc::ClientContext> c = grpc::ClientContext::FromServerContext(
+        *context, grpc::PropagationOptions().disable_deadline_propagation());
     c->set_deadline(absl::ToChronoTime(deadline));
     if (!bearer.empty()) c->AddMetadata("authorization", bearer);
+    return c;
   };
   v1::CreateSequenceRequest create;
   *create.mutable_layout() = layout_proto;
   create.mutable_prompt_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
   create.set_cache_salt(client_salt);
   create.set_model(prompt.model);
+  create.mutable_lease()->set_seconds(kHolderLeaseSeconds);
   v1::CreateSequenceResponse created;
-  {
-    grpc::ClientContext c;
-    prepare(&c);
-    if (grpc::Status s = stub->CreateSequence(&c, create, &created); !s.ok()) {
-      return FromHolder(s, from_node, "CreateSequence");
-    }
+  if (grpc::Status s = stub->CreateSequence(call().get(), create, &created); !s.ok()) {
+    return FromHolder(s, holder, "CreateSequence");
   }
+  // Released with a deadline of its own (the call's may be what ended the pull); else its
+  // short lease ends it.
   absl::Cleanup release_there = [&] {
     grpc::ClientContext c;
-    prepare(&c);
+    c.set_deadline(absl::ToChronoTime(absl::Now() + kReleaseDeadline));
+    if (!bearer.empty()) c.AddMetadata("authorization", bearer);
     v1::ReleaseRequest q;
     q.set_sequence_id(created.sequence_id());
     v1::ReleaseResponse a;
-    stub->Release(&c, q, &a).IgnoreError();  // else its lease ends it
+    stub->Release(&c, q, &a).IgnoreError();
   };
   const uint64_t r = created.reused_prefix_tokens();
-  if (r <= *local) return result;
+  // Whole blocks of this layout, never the prompt's last token: what a CreateSequence maps.
+  if (created.block_tokens() != B || r % B != 0 || r + 1 > prompt.token_ids.size()) {
+    return Lied(holder, absl::StrCat(r, " tokens mapped in blocks of ", created.block_tokens(),
+                                     " for a prompt of ", prompt.token_ids.size(),
+                                     " tokens in blocks of ", B));
+  }
+  if (r <= local) return result;
   if (r * per_token > max_bytes_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("PullPrefix: the holder's prefix of ", r, " tokens is ", r * per_token,
                      " bytes of K/V, more than --cluster-pull-max-bytes (", max_bytes_, ")"));
   }
-  // [L][H][r][D] each, as Append takes them.
-  std::string k(r * per_token / 2, '\0'), v(r * per_token / 2, '\0');
-  std::vector<uint64_t> filled(rows, 0);
-  {
-    grpc::ClientContext c;
-    prepare(&c);
-    v1::ReadKvRequest q;
-    q.set_sequence_id(created.sequence_id());
-    std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader = stub->ReadKv(&c, q);
-    v1::ReadKvResponse piece;
-    while (reader->Read(&piece)) {
-      const uint64_t n = static_cast<uint64_t>(piece.positions_size());
-      const uint64_t s = uint64_t{piece.layer()} * layout.num_kv_heads + piece.kv_head();
-      // Untrusted as any peer's answer: every piece where it belongs, exactly once.
-      if (piece.layer() >= layout.num_layers || piece.kv_head() >= layout.num_kv_heads ||
-          piece.first_slot() != filled[s] || filled[s] + n > r ||
-          piece.k().size() != n * row_bytes || piece.v().size() != n * row_bytes) {
-        c.TryCancel();
-        return absl::DataLossError(absl::StrCat("PullPrefix: the holder ", from_node,
-                                                "'s ReadKv is not the prefix it mapped"));
-      }
-      for (uint64_t i = 0; i < n; ++i) {
-        if (piece.positions(static_cast<int>(i)) != static_cast<int64_t>(filled[s] + i)) {
-          c.TryCancel();
-          return absl::DataLossError(absl::StrCat("PullPrefix: the holder ", from_node,
-                                                  "'s prefix does not hold positions 0..", r - 1,
-                                                  " in order"));
-        }
-      }
-      const uint64_t at = (s * r + filled[s]) * row_bytes;
-      std::memcpy(k.data() + at, piece.k().data(), n * row_bytes);
-      std::memcpy(v.data() + at, piece.v().data(), n * row_bytes);
-      filled[s] += n;
-    }
-    if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ReadKv");
-  }
-  for (uint64_t f : filled) {
-    if (f != r) {
-      return absl::DataLossError(absl::StrCat("PullPrefix: the holder ", from_node,
-                                              "'s ReadKv left a stream short of ", r, " tokens"));
-    }
-  }
-  std::move(release_there).Invoke();
-  result.bytes = r * per_token;
 
-  // Here: what this node holds is mapped, the rest appended and published.
+  // Here: a sequence that maps what this node holds; the rest comes from the holder.
   engine::PromptPrefix here = prompt;
   here.auto_publish = false;
   absl::StatusOr<engine::CreateResult> mine = engine_->CreateSequence(
@@ -165,34 +165,78 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(const v1::Layout& layout_proto,
   const uint64_t have = mine->reused_prefix_tokens;
   if (have >= r) return result;  // published here meanwhile
   const uint64_t n = r - have;
-  std::string k_rest, v_rest;
-  absl::string_view k_new = k, v_new = v;
-  if (have > 0) {  // the rows past `have` of every stream, packed
-    k_rest.resize(n * per_token / 2);
-    v_rest.resize(n * per_token / 2);
-    for (uint64_t s = 0; s < rows; ++s) {
-      std::memcpy(k_rest.data() + s * n * row_bytes, k.data() + (s * r + have) * row_bytes,
-                  n * row_bytes);
-      std::memcpy(v_rest.data() + s * n * row_bytes, v.data() + (s * r + have) * row_bytes,
-                  n * row_bytes);
-    }
-    k_new = k_rest;
-    v_new = v_rest;
-  }
+  absl::StatusOr<transport::ParseBudget::Reservation> held =
+      transport::ParseBudget::Process().Reserve(n * per_token, "PullPrefix");
+  if (!held.ok()) return held.status();
+  // The new tokens in chunks Append takes ([L][H][m][D] each, at most max_append_bytes),
+  // filled straight from the holder's pieces.
+  const uint64_t per_chunk = std::max<uint64_t>(1, engine_->config().max_append_bytes / per_token);
+  const uint64_t chunks = (n + per_chunk - 1) / per_chunk;
+  std::vector<std::string> k(chunks), v(chunks);
   std::vector<int64_t> positions(n);
   for (uint64_t i = 0; i < n; ++i) positions[i] = static_cast<int64_t>(have + i);
-  engine::AppendChunk chunk;
-  chunk.positions = positions;
-  chunk.token_ids = prompt.token_ids.subspan(have, n);
-  chunk.k = k_new;
-  chunk.v = v_new;
-  if (absl::StatusOr<engine::AppendResult> a = engine_->Append(mine->sequence_id, {chunk}, {});
+  const auto chunk_tokens = [&](uint64_t c) { return std::min(per_chunk, n - c * per_chunk); };
+  for (uint64_t c = 0; c < chunks; ++c) {
+    k[c].resize(rows * chunk_tokens(c) * row_bytes);
+    v[c].resize(rows * chunk_tokens(c) * row_bytes);
+  }
+  std::vector<uint64_t> filled(rows, 0);
+  {
+    std::unique_ptr<grpc::ClientContext> c = call();
+    v1::ReadKvRequest q;
+    q.set_sequence_id(created.sequence_id());
+    std::unique_ptr<grpc::ClientReader<v1::ReadKvResponse>> reader = stub->ReadKv(c.get(), q);
+    v1::ReadKvResponse piece;
+    while (reader->Read(&piece)) {
+      const uint64_t count = static_cast<uint64_t>(piece.positions_size());
+      const uint64_t s = uint64_t{piece.layer()} * layout.num_kv_heads + piece.kv_head();
+      // Untrusted as any peer's answer: every piece where it belongs, exactly once.
+      bool fits = piece.layer() < layout.num_layers && piece.kv_head() < layout.num_kv_heads &&
+                  piece.first_slot() == filled[s] && filled[s] + count <= r &&
+                  piece.k().size() == count * row_bytes && piece.v().size() == count * row_bytes;
+      for (uint64_t i = 0; fits && i < count; ++i) {
+        fits = piece.positions(static_cast<int>(i)) == static_cast<int64_t>(filled[s] + i);
+      }
+      if (!fits) {
+        c->TryCancel();
+        return Lied(holder, "a ReadKv piece out of place");
+      }
+      for (uint64_t t = std::max(filled[s], have); t < filled[s] + count;) {
+        const uint64_t chunk = (t - have) / per_chunk, first = chunk * per_chunk;
+        const uint64_t run = std::min(filled[s] + count, have + first + chunk_tokens(chunk)) - t;
+        const uint64_t to = (s * chunk_tokens(chunk) + (t - have - first)) * row_bytes;
+        const uint64_t from = (t - filled[s]) * row_bytes;
+        std::memcpy(k[chunk].data() + to, piece.k().data() + from, run * row_bytes);
+        std::memcpy(v[chunk].data() + to, piece.v().data() + from, run * row_bytes);
+        t += run;
+      }
+      filled[s] += count;
+    }
+    if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, holder, "ReadKv");
+  }
+  if (std::any_of(filled.begin(), filled.end(), [r](uint64_t f) { return f != r; })) {
+    return Lied(holder, absl::StrCat("a stream short of ", r, " tokens"));
+  }
+  std::move(release_there).Invoke();
+  result.bytes = r * per_token;
+
+  std::vector<engine::AppendChunk> appended(chunks);
+  for (uint64_t c = 0; c < chunks; ++c) {
+    const uint64_t first = c * per_chunk, m = chunk_tokens(c);
+    appended[c].positions = absl::MakeConstSpan(positions).subspan(first, m);
+    appended[c].token_ids = prompt.token_ids.subspan(have + first, m);
+    appended[c].k = k[c];
+    appended[c].v = v[c];
+  }
+  // All chunks or none (Append is one transaction), then published.
+  if (absl::StatusOr<engine::AppendResult> a =
+          engine_->Append(mine->sequence_id, appended, std::nullopt);
       !a.ok()) {
     return a.status();
   }
   absl::StatusOr<uint64_t> published = engine_->Publish(mine->sequence_id, r);
   if (!published.ok()) return published.status();
-  result.pulled_tokens = n;
+  result.pulled_tokens = *published > have ? std::min(*published, r) - have : 0;
   return result;
 }
 

@@ -11,19 +11,27 @@
 // holder's (K/V are read at the layout dtype: published blocks are never quantized), which
 // the next CreateSequence here maps.
 //
-// Identity: the caller's bearer token goes with the calls to the holder, so that the holder
-// scopes them to the same tenant (a fleet shares its token file); a caller identified
+// Trust: only peers this daemon was configured with (--cluster-peers) are pulled from, and
+// only when the fleet's index names them as holders of the prompt: whoever can write to
+// Redis cannot make kvmemd connect elsewhere. The caller's bearer token goes with the calls
+// to the holder, so that the holder scopes them to the same tenant: the fleet's daemons
+// must share one token file (a tenant's token naming another tenant there would map that
+// tenant's chain: the same tokens' K/V, but read across tenants). A caller identified
 // otherwise (TLS certificate, unix peer) cannot be forwarded and is refused on a daemon with
-// tenants. The channel to the holder is plaintext (a fleet's private network; TLS between
-// daemons: not yet). Memory: a pull holds the prefix's K/V (at most max_bytes) twice at most
-// while it copies it; at most max_pulls run at once.
+// tenants. The channel to a peer is plaintext (a fleet's private network; TLS between
+// daemons: not yet). The holder's answer is checked as untrusted input (whole blocks, within
+// the prompt, every piece in place). Memory: a pull holds the K/V it adds here (at most
+// max_bytes, reserved from --parse-memory-bytes with the calls' buffers); at most max_pulls
+// run at once. The caller's cancellation reaches the calls to the holder.
 // Transport: gRPC (ReadKv) for now; UCX reads between daemons come with the UCX work.
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/server_context.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "server/engine/engine.h"
 #include "server/service/cluster_index.h"
@@ -40,25 +48,35 @@ struct PullResult {
 class PrefixPuller {
  public:
   PrefixPuller(engine::Engine* engine, ClusterIndex* index, std::string self_node,
-               uint64_t max_bytes, int max_pulls)
+               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls)
       : engine_(engine),
         index_(index),
         self_(std::move(self_node)),
+        peers_(std::move(peers)),
         max_bytes_(max_bytes),
         max_pulls_(max_pulls) {}
 
   // `prompt` is scoped (its salt the tenant's, its owner the tenant); `client_salt` is the
   // salt as the caller sent it (the holder scopes it again from the forwarded token);
-  // `bearer` the caller's token ("" for none); `deadline` the call's.
-  absl::StatusOr<PullResult> Pull(const v1::Layout& layout_proto, const engine::Layout& layout,
-                                  const engine::PromptPrefix& prompt,
-                                  const std::string& client_salt, std::string from_node,
+  // `bearer` the caller's authorization header ("" for none); `deadline` the call's, capped.
+  absl::StatusOr<PullResult> Pull(grpc::ServerContext* context, const v1::Layout& layout_proto,
+                                  const engine::Layout& layout, const engine::PromptPrefix& prompt,
+                                  const std::string& client_salt, const std::string& from_node,
                                   const std::string& bearer, absl::Time deadline);
 
  private:
+  absl::StatusOr<PullResult> PullFrom(grpc::ServerContext* context, const v1::Layout& layout_proto,
+                                      const engine::Layout& layout,
+                                      const engine::PromptPrefix& prompt,
+                                      const std::string& client_salt, const std::string& bearer,
+                                      absl::Time deadline, uint64_t local,
+                                      const std::string& holder);
+  bool IsPeer(const std::string& node) const;
+
   engine::Engine* const engine_;
   ClusterIndex* const index_;
   const std::string self_;
+  const std::vector<std::string> peers_;
   const uint64_t max_bytes_;
   const int max_pulls_;
   std::atomic<int> running_{0};

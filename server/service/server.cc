@@ -225,12 +225,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     if (!index.ok()) return index.status();
     server->cluster_index_ = *std::move(index);
     server->index_events_.Add(server->cluster_index_.get());
-    if (config.cluster_pull_concurrency < 1) {
-      return absl::InvalidArgumentError("--cluster-pull-concurrency: at least 1");
+    if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
+      return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
     }
     server->puller_ = std::make_unique<PrefixPuller>(
         server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
-        config.cluster_pull_max_bytes, config.cluster_pull_concurrency);
+        config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency);
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.
@@ -442,6 +442,11 @@ Server::~Server() {
   if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
   StopPrefault();  // before the engine (and its backend) goes
+  // Nothing calls the engine now: the cluster index's writer (whose rebuild reads the
+  // engine's prefix index) stops before the engine goes.
+  if (engine_ != nullptr) engine_->set_index_events(nullptr);
+  puller_.reset();
+  cluster_index_.reset();
 }
 
 }  // namespace kvmem::service

@@ -90,6 +90,8 @@ struct ServerConfig {
   // many run at once.
   uint64_t cluster_pull_max_bytes = 256ull << 20;
   int cluster_pull_concurrency = 2;
+  // The nodes (their --cluster-node-address) PullPrefix may pull from; none: no pulls.
+  std::vector<std::string> cluster_peers;
 };
 
 class Server {

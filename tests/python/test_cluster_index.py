@@ -93,10 +93,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def address(tag):
+    """The address peers reach a node at: its own unix socket (start_daemon's path)."""
+    return f"unix:/tmp/kvmem-py-fleet{tag}-{os.getpid()}.sock"
+
+
 class Node:
-    def __init__(self, tag, redis, *flags):
-        # The address peers reach it at: its own unix socket (start_daemon's path).
-        self.name = f"unix:/tmp/kvmem-py-fleet{tag}-{os.getpid()}.sock"
+    def __init__(self, tag, redis, *flags, peers=()):
+        self.name = address(tag)
+        if peers:
+            flags = (*flags, "--cluster_peers=" + ",".join(address(p) for p in peers))
         self.metrics_port = free_port()
         self.proc, self.target, self.sock = start_daemon(
             f"fleet{tag}", f"--cluster_index={redis.url()}",
@@ -224,7 +230,7 @@ def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
     alice_token, bob_token = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef"
     tokens.write_text(f"alice {alice_token}\nbob {bob_token}\n")
     auth = f"--auth_tokens={tokens}"
-    a, b = Node("ta", redis, auth), Node("tb", redis, auth)
+    a, b = Node("ta", redis, auth), Node("tb", redis, auth, peers=["ta"])
 
     def as_(node, token):
         return kvmem.Client(node.target, kvmem.ClientOptions(auth_token=token, max_attempts=1))
@@ -248,7 +254,7 @@ def test_tenants_never_see_each_others_prefixes_across_nodes(redis, tmp_path):
                 # Nor can Bob pull them: for his chain the index names no holder, even when he
                 # names Alice's node (and his token would go with the pull).
                 assert bob_b.pull_prefix(LAY, p).pulled_tokens == 0
-                with pytest.raises(kvmem.FailedPreconditionError, match="names no node"):
+                with pytest.raises(kvmem.FailedPreconditionError, match="names no peer"):
                     bob_b.pull_prefix(LAY, p, from_node=a.name)
                 # Alice can: her token goes with it, and B then holds her prefix for her.
                 assert alice_b.pull_prefix(LAY, p).pulled_tokens == 56
@@ -266,7 +272,9 @@ def read_all(seq):
 
 
 def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
-    a, b = Node("pa", redis), Node("pb", redis)
+    # B appends at most 2 KiB of K/V a chunk: a pull of 56 tokens (7 KiB) goes in several.
+    a, b, c = (Node("pa", redis), Node("pb", redis, "--max_message_bytes=2048", peers=["pa"]),
+               Node("pc", redis))
     try:
         tokens = prompt(21)
         publish(a, tokens)  # 64 tokens: 8 blocks published
@@ -288,9 +296,19 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         assert wait_until(lambda: holders(a, tokens) == [(a.name, 56), (b.name, 56)], 5)
         again = b.client.pull_prefix(LAY, p)
         assert (again.local_tokens, again.pulled_tokens) == (56, 0)
+        # A holder that is not one of B's peers is never asked, named or not.
+        only_c = prompt(24)
+        publish(c, only_c)
+        assert wait_until(lambda: holders(b, only_c) == [(c.name, 56)], 5)
+        assert b.client.pull_prefix(LAY, kvmem.Prompt(only_c, model="m")).pulled_tokens == 0
+        with pytest.raises(kvmem.FailedPreconditionError, match="cluster-peers"):
+            b.client.pull_prefix(LAY, kvmem.Prompt(only_c, model="m"), from_node=c.name)
+        # Without peers, no pulls at all.
+        with pytest.raises(kvmem.FailedPreconditionError, match="cluster-peers"):
+            c.client.pull_prefix(LAY, p)
         # From an address the index does not name as a holder: refused, nothing asked of it.
         before = b.client.stats().prefix_entries
-        with pytest.raises(kvmem.FailedPreconditionError, match="names no node"):
+        with pytest.raises(kvmem.FailedPreconditionError, match="names no peer"):
             b.client.pull_prefix(LAY, kvmem.Prompt(prompt(22), model="m"),
                                  from_node="127.0.0.1:1")
         # A holder gone (killed: its claims still in the index): the error names it, and B
@@ -307,6 +325,7 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         if a.proc is not None:
             a.stop()
         b.stop()
+        c.stop()
 
 
 def test_without_an_index_a_fleet_lookup_is_refused(redis):
