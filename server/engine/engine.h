@@ -71,7 +71,7 @@ class Engine {
   // Who hears of the prefix index's entries (PrefixIndex::set_events); set before serving.
   void set_index_events(prefix::IndexEvents* events) { publisher_.index().set_events(events); }
   // PrefixIndex::Blocks.
-  std::vector<std::pair<std::string, prefix::BlockHash>> PublishedBlocks() const {
+  std::vector<std::pair<std::string, std::vector<prefix::BlockHash>>> PublishedBlocks() const {
     return publisher_.index().Blocks();
   }
   const EngineConfig& config() const { return config_; }

@@ -12,16 +12,18 @@ PrefixIndex::~PrefixIndex() {
   for (const auto& [key, entry] : entries_) pool_->Unref(entry.blocks);
 }
 
-std::vector<std::pair<std::string, BlockHash>> PrefixIndex::Blocks() const {
-  std::vector<std::pair<std::string, BlockHash>> out;
+std::vector<std::pair<std::string, std::vector<BlockHash>>> PrefixIndex::Blocks() const {
+  // A namespace copied once, its blocks' hashes after it (32 bytes each).
+  std::vector<std::pair<std::string, std::vector<BlockHash>>> out;
+  absl::flat_hash_map<absl::string_view, size_t> at;
   kvmem::MutexLock lock(&mu_);
-  out.reserve(entries_.size());
   for (const auto& [key, entry] : entries_) {
     if (entry.payload != nullptr) continue;  // a document
-    const size_t ns_bytes = key.size() - sizeof(BlockHash);
-    BlockHash hash;
-    std::memcpy(hash.data(), key.data() + ns_bytes, hash.size());
-    out.emplace_back(key.substr(0, ns_bytes), hash);
+    const absl::string_view ns(key.data(), key.size() - sizeof(BlockHash));
+    auto [it, added] = at.try_emplace(ns, out.size());
+    if (added) out.emplace_back(std::string(ns), std::vector<BlockHash>());
+    BlockHash& hash = out[it->second].second.emplace_back();
+    std::memcpy(hash.data(), key.data() + ns.size(), hash.size());
   }
   return out;
 }

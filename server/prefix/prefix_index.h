@@ -83,8 +83,8 @@ class PrefixIndex {
   bool Publish(absl::string_view ns, const BlockHash* parent, const BlockHash& hash,
                absl::Span<const store::BlockId> blocks, absl::Span<const int32_t> tokens = {},
                const std::string* salt = nullptr);
-  // Every published block (documents aside), by namespace and hash, as it stands now.
-  std::vector<std::pair<std::string, BlockHash>> Blocks() const;
+  // Every published block (documents aside) as it stands now, by namespace.
+  std::vector<std::pair<std::string, std::vector<BlockHash>>> Blocks() const;
   // Who hears of entries published and reclaimed (null: nobody); set before the index is
   // shared.
   void set_events(IndexEvents* events) { events_ = events; }

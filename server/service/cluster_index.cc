@@ -357,18 +357,18 @@ bool ClusterIndex::Connected(Clock::time_point now) {
 }
 
 void ClusterIndex::OpenLookupConnections() {
+  // Until one fails: a Redis that does not answer delays the writer by one attempt a turn.
   for (const std::unique_ptr<LookupSlot>& slot : slots_) {
     if (!slot->mu.TryLock()) continue;  // in use: it has a connection
     kvmem::TsanAcquire(&slot->mu);
-    if (slot->connection == nullptr) {
-      absl::StatusOr<std::unique_ptr<Connection>> c = Connection::Open(address_, kWriterTimeout);
-      if (c.ok()) {
-        slot->connection = *std::move(c);
-      } else {
-        errors_.fetch_add(1, std::memory_order_relaxed);
-      }
+    absl::Cleanup unlock = [&slot]() ABSL_NO_THREAD_SAFETY_ANALYSIS { kvmem::Unlock(&slot->mu); };
+    if (slot->connection != nullptr) continue;
+    absl::StatusOr<std::unique_ptr<Connection>> c = Connection::Open(address_, kWriterTimeout);
+    if (!c.ok()) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
+      return;
     }
-    kvmem::Unlock(&slot->mu);
+    slot->connection = *std::move(c);
   }
 }
 
@@ -376,10 +376,14 @@ bool ClusterIndex::Rebuild(std::vector<Op>* ops) {
   absl::flat_hash_set<Claim> claims;
   if (snapshot_) {
     try {
-      for (const auto& [ns, hash] : snapshot_()) {
-        Claim c{{}, hash};
-        if (!TagOf(ns, &c.tag) || claims.size() >= config_.max_entries) continue;
-        claims.insert(c);
+      for (const auto& [ns, hashes] : snapshot_()) {
+        Claim c;
+        if (!TagOf(ns, &c.tag)) continue;
+        for (const prefix::BlockHash& hash : hashes) {
+          if (claims.size() >= config_.max_entries) break;
+          c.hash = hash;
+          claims.insert(c);
+        }
       }
     } catch (const std::bad_alloc&) {
       return false;  // tried again at the next turn
@@ -619,8 +623,9 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
     absl::flat_hash_set<absl::string_view> members;
     for (size_t begin = 0, round = 8; begin < chain.size() && (begin == 0 || !running.empty());
          begin += round, round *= 2) {
+      // At least 1 ms: a zero timeval is no timeout at all to hiredis.
       const absl::Duration left = config_.timeout - (absl::Now() - start);
-      if (left <= absl::ZeroDuration() || !c->SetTimeout(left)) {
+      if (left < absl::Milliseconds(1) || !c->SetTimeout(left)) {
         return failed("past --cluster-index-timeout-ms");
       }
       const size_t end = std::min(chain.size(), begin + round);
@@ -634,10 +639,15 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
         Reply r = c->Next();
         if (r == nullptr) return failed("a reply");
         if (r->type != REDIS_REPLY_ARRAY) {
-          // An error (a key of another type under ours, a server gone read-only...): no
-          // answer rather than a wrong "nobody".
-          return failed(r->type == REDIS_REPLY_ERROR ? std::string(r->str, r->len)
-                                                     : std::string("a reply that is not a list"));
+          // An error (a key of another type under ours...): no answer rather than a wrong
+          // "nobody". The round's other replies are read, so the connection stays usable.
+          const std::string why = r->type == REDIS_REPLY_ERROR
+                                      ? CutMessage(absl::string_view(r->str, r->len), 200)
+                                      : std::string("a reply that is not a list");
+          while (c->pending > 0) {
+            if (c->Next() == nullptr) return failed(why);
+          }
+          return unavailable(absl::StrCat("the cluster index did not answer: ", why));
         }
         if (i == 0) {
           for (size_t m = 0; m < r->elements; ++m) {

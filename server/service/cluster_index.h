@@ -90,7 +90,8 @@ class ClusterIndex final : public prefix::IndexEvents {
  public:
   // Every block the prefix index holds now, by namespace (a loss of events rebuilds the
   // claims from it). Called on the writer's thread, never under the cluster index's lock.
-  using Snapshot = std::function<std::vector<std::pair<std::string, prefix::BlockHash>>()>;
+  using Snapshot =
+      std::function<std::vector<std::pair<std::string, std::vector<prefix::BlockHash>>>()>;
 
   // Checks the configuration (an error names the flag) and starts the writer thread; Redis
   // need not be up yet (the writer connects, and reconnects, by itself).

@@ -259,8 +259,9 @@ TEST_F(ClusterIndexOnRedis, LostEventsAreRebuiltFromTheSnapshot) {
   ClusterIndexConfig c = Config("a:1");
   c.max_queued_events = 4;
   absl::StatusOr<std::unique_ptr<ClusterIndex>> a = ClusterIndex::Start(c, [] {
-    std::vector<std::pair<std::string, prefix::BlockHash>> blocks;
-    for (uint32_t i = 0; i < kBlocks; ++i) blocks.emplace_back("ns", HashOf(i));
+    std::vector<std::pair<std::string, std::vector<prefix::BlockHash>>> blocks(1);
+    blocks[0].first = "ns";
+    for (uint32_t i = 0; i < kBlocks; ++i) blocks[0].second.push_back(HashOf(i));
     return blocks;
   });
   ASSERT_TRUE(a.ok()) << a.status();
