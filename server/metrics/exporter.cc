@@ -134,8 +134,7 @@ std::vector<MetricFamily> Collector::Collect() const {
     MetricFamily& lookups =
         f.Family("kvmem_cluster_index_lookups_total",
                  "fleet lookups, by whether the index answered in time", MetricType::Counter);
-    Families::Sample(lookups, static_cast<double>(c.lookups_answered),
-                     {{"result", "answered"}});
+    Families::Sample(lookups, static_cast<double>(c.lookups_answered), {{"result", "answered"}});
     Families::Sample(lookups, static_cast<double>(c.lookups_unavailable),
                      {{"result", "unavailable"}});
     f.Gauge("kvmem_cluster_index_entries", "prefix blocks this node claims in the fleet's index",

@@ -44,7 +44,7 @@ struct ClusterIndexTotals {
   uint64_t lookups_unavailable = 0;
   uint64_t entries = 0;  // blocks this node announces now
   bool connected = false;
-  double last_renewal_seconds = 0;  // the last renewal of every claim, sent and answered
+  double last_renewal_seconds = 0;             // the last renewal of every claim, sent and answered
   engine::Histogram::Snapshot write_seconds;   // a pipeline of updates, sent and answered
   engine::Histogram::Snapshot lookup_seconds;  // a fleet lookup, answered or not
 };
