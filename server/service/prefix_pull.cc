@@ -76,13 +76,25 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(
       return absl::UnavailableError(
           absl::StrCat("PullPrefix: the cluster index did not answer: ", fleet.unavailable));
     }
-    for (const FleetHolder& h : fleet.holders) {  // longest first
-      if (h.node != self_ && IsPeer(h.node) && h.blocks * layout.block_tokens > *local &&
-          (from_node.empty() || h.node == from_node)) {
-        return PullFrom(context, layout_proto, layout, prompt, client_salt, bearer, deadline,
-                        *local, h.node);
+    // Longest first; a holder that fails (gone, or lost the blocks) gives way to the next,
+    // at most kMostHolders tried.
+    constexpr int kMostHolders = 3;
+    int tried = 0;
+    absl::Status last;
+    for (const FleetHolder& h : fleet.holders) {
+      if (h.node == self_ || !IsPeer(h.node) || h.blocks * layout.block_tokens <= *local ||
+          (!from_node.empty() && h.node != from_node)) {
+        continue;
       }
+      absl::StatusOr<PullResult> pulled = PullFrom(context, layout_proto, layout, prompt,
+                                                   client_salt, bearer, deadline, *local, h.node);
+      if (pulled.ok() || !absl::IsUnavailable(pulled.status()) || ++tried == kMostHolders ||
+          context->IsCancelled()) {
+        return pulled;
+      }
+      last = pulled.status();
     }
+    if (!last.ok()) return last;
     if (!from_node.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "from_node: the fleet's index names no peer \"", EchoClientText(from_node),

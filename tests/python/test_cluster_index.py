@@ -273,8 +273,8 @@ def read_all(seq):
 
 def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
     # B appends at most 2 KiB of K/V a chunk: a pull of 56 tokens (7 KiB) goes in several.
-    a, b, c = (Node("pa", redis), Node("pb", redis, "--max_message_bytes=2048", peers=["pa"]),
-               Node("pc", redis))
+    a, c, d = Node("pa", redis), Node("pc", redis), Node("pd", redis)
+    b = Node("pb", redis, "--max_message_bytes=2048", peers=["pa", "pd"])
     try:
         tokens = prompt(21)
         publish(a, tokens)  # 64 tokens: 8 blocks published
@@ -311,21 +311,26 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         with pytest.raises(kvmem.FailedPreconditionError, match="names no peer"):
             b.client.pull_prefix(LAY, kvmem.Prompt(prompt(22), model="m"),
                                  from_node="127.0.0.1:1")
-        # A holder gone (killed: its claims still in the index): the error names it, and B
-        # is unchanged.
+        # A holder gone (killed: its claims still in the index): the next peer holding it
+        # serves the pull; with none, the error names the holder, and B is unchanged.
         publish(a, prompt(23))
+        publish(a, prompt(25))
+        publish(d, prompt(25))
         assert wait_until(lambda: holders(b, prompt(23)) == [(a.name, 56)], 5)
+        assert wait_until(lambda: len(holders(b, prompt(25))) == 2, 5)
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait()
+        a.proc = None
         with pytest.raises(kvmem.KvmemError, match="holder"):
             b.client.pull_prefix(LAY, kvmem.Prompt(prompt(23), model="m"))
         assert b.client.stats().prefix_entries == before
-        a.proc = None
+        fallback = b.client.pull_prefix(LAY, kvmem.Prompt(prompt(25), model="m"))
+        assert (fallback.pulled_tokens, fallback.from_node) == (56, d.name)
     finally:
         if a.proc is not None:
             a.stop()
-        b.stop()
-        c.stop()
+        for node in (b, c, d):
+            node.stop()
 
 
 def test_without_an_index_a_fleet_lookup_is_refused(redis):
