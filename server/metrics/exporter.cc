@@ -152,6 +152,32 @@ std::vector<MetricFamily> Collector::Collect() const {
     Families::Sample(seconds, c.write_seconds, {{"op", "write"}});
     Families::Sample(seconds, c.lookup_seconds, {{"op", "lookup"}});
   }
+  {  // PullPrefix (0 without --cluster-index)
+    PullTotals p;
+    if (pulls_) {
+      p = pulls_();
+    } else {
+      p.seconds = engine::Histogram(engine::LatencyBounds()).Read();
+    }
+    MetricFamily& pulls =
+        f.Family("kvmem_prefix_pulls_total",
+                 "PullPrefix calls past their request's checks, by result: pulled (a prefix added "
+                 "here), nothing (no peer held more), failed (the index, the holder, a limit, a "
+                 "from_node no peer matches)",
+                 MetricType::Counter);
+    const std::pair<const char*, uint64_t> results[] = {
+        {"pulled", p.pulled}, {"nothing", p.nothing}, {"failed", p.failed}};
+    for (const auto& [result, n] : results) {
+      Families::Sample(pulls, static_cast<double>(n), {{"result", result}});
+    }
+    f.Counter("kvmem_prefix_pulled_tokens_total", "prompt tokens pulled from peers and published",
+              static_cast<double>(p.tokens));
+    f.Counter("kvmem_prefix_pulled_bytes_total", "K+V bytes read from peers by PullPrefix",
+              static_cast<double>(p.bytes));
+    Families::Sample(f.Family("kvmem_prefix_pull_seconds", "a PullPrefix call, whatever its end",
+                              MetricType::Histogram),
+                     p.seconds, {});
+  }
   f.Counter("kvmem_pool_moved_bytes_total",
             "pool bytes moved by compaction, merges and copy-on-write",
             static_cast<double>(s.bytes_moved));

@@ -49,6 +49,16 @@ struct ClusterIndexTotals {
   engine::Histogram::Snapshot lookup_seconds;  // a fleet lookup, answered or not
 };
 
+// What PullPrefix (service/prefix_pull.h) has done.
+struct PullTotals {
+  uint64_t pulled = 0;                  // pulls that added a prefix here
+  uint64_t nothing = 0;                 // pulls that found nothing more to pull
+  uint64_t failed = 0;                  // pulls that failed (the holder, the index, limits)
+  uint64_t tokens = 0;                  // tokens pulled and published here
+  uint64_t bytes = 0;                   // K+V bytes read from holders
+  engine::Histogram::Snapshot seconds;  // a pull, whatever its end
+};
+
 class Collector final : public prometheus::Collectable {
  public:
   Collector(engine::Engine* engine, const RpcTelemetry* rpc, BuildInfo build)
@@ -57,6 +67,8 @@ class Collector final : public prometheus::Collectable {
   // Where the KV events' counters are read at each scrape (unset: all 0). Set before the
   // collector is shared.
   void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
+  // The same for PullPrefix (unset: all 0).
+  void set_pulls(std::function<PullTotals()> read) { pulls_ = std::move(read); }
   // The same for the cluster index (unset: all 0).
   void set_cluster_index(std::function<ClusterIndexTotals()> read) {
     cluster_index_ = std::move(read);
@@ -68,6 +80,7 @@ class Collector final : public prometheus::Collectable {
   const BuildInfo build_;
   std::function<KvEventTotals()> kv_events_;
   std::function<ClusterIndexTotals()> cluster_index_;
+  std::function<PullTotals()> pulls_;
 };
 
 // The text a scrape returns (for tests and kvmemctl-free checks).

@@ -41,7 +41,38 @@ bool PrefixPuller::IsPeer(const std::string& node) const {
   return std::find(peers_.begin(), peers_.end(), node) != peers_.end();
 }
 
+metrics::PullTotals PrefixPuller::totals() const {
+  metrics::PullTotals t;
+  t.pulled = pulled_.load(std::memory_order_relaxed);
+  t.nothing = nothing_.load(std::memory_order_relaxed);
+  t.failed = failed_.load(std::memory_order_relaxed);
+  t.tokens = tokens_.load(std::memory_order_relaxed);
+  t.bytes = bytes_.load(std::memory_order_relaxed);
+  t.seconds = seconds_.Read();
+  return t;
+}
+
 absl::StatusOr<PullResult> PrefixPuller::Pull(
+    grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
+    const engine::PromptPrefix& prompt, const std::string& client_salt,
+    const std::string& from_node, const std::string& bearer, absl::Time deadline) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<PullResult> pulled =
+      Choose(context, layout_proto, layout, prompt, client_salt, from_node, bearer, deadline);
+  seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  if (!pulled.ok()) {
+    failed_.fetch_add(1, std::memory_order_relaxed);
+  } else if (pulled->pulled_tokens == 0) {
+    nothing_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    pulled_.fetch_add(1, std::memory_order_relaxed);
+    tokens_.fetch_add(pulled->pulled_tokens, std::memory_order_relaxed);
+  }
+  if (pulled.ok()) bytes_.fetch_add(pulled->bytes, std::memory_order_relaxed);
+  return pulled;
+}
+
+absl::StatusOr<PullResult> PrefixPuller::Choose(
     grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
     const engine::PromptPrefix& prompt, const std::string& client_salt,
     const std::string& from_node, const std::string& bearer, absl::Time deadline) {

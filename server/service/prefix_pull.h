@@ -34,6 +34,7 @@
 #include "grpcpp/server_context.h"
 #include "kvmem/v1/kvmem.pb.h"
 #include "server/engine/engine.h"
+#include "server/metrics/exporter.h"
 #include "server/service/cluster_index.h"
 
 namespace kvmem::service {
@@ -54,7 +55,8 @@ class PrefixPuller {
         self_(std::move(self_node)),
         peers_(std::move(peers)),
         max_bytes_(max_bytes),
-        max_pulls_(max_pulls) {}
+        max_pulls_(max_pulls),
+        seconds_(engine::LatencyBounds()) {}
 
   // `prompt` is scoped (its salt the tenant's, its owner the tenant); `client_salt` is the
   // salt as the caller sent it (the holder scopes it again from the forwarded token);
@@ -63,8 +65,16 @@ class PrefixPuller {
                                   const engine::Layout& layout, const engine::PromptPrefix& prompt,
                                   const std::string& client_salt, const std::string& from_node,
                                   const std::string& bearer, absl::Time deadline);
+  // What the pulls have done (the metrics).
+  metrics::PullTotals totals() const;
 
  private:
+  // The holder (the longest, or the one named, falling back to the next) and the pull.
+  absl::StatusOr<PullResult> Choose(grpc::ServerContext* context, const v1::Layout& layout_proto,
+                                    const engine::Layout& layout,
+                                    const engine::PromptPrefix& prompt,
+                                    const std::string& client_salt, const std::string& from_node,
+                                    const std::string& bearer, absl::Time deadline);
   absl::StatusOr<PullResult> PullFrom(grpc::ServerContext* context, const v1::Layout& layout_proto,
                                       const engine::Layout& layout,
                                       const engine::PromptPrefix& prompt,
@@ -80,6 +90,8 @@ class PrefixPuller {
   const uint64_t max_bytes_;
   const int max_pulls_;
   std::atomic<int> running_{0};
+  std::atomic<uint64_t> pulled_{0}, nothing_{0}, failed_{0}, tokens_{0}, bytes_{0};
+  engine::Histogram seconds_;
 };
 
 }  // namespace kvmem::service

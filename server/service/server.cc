@@ -327,6 +327,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       return metrics::KvEventTotals{c.batches, c.events, c.dropped, c.replay_requests};
     });
   }
+  if (server->puller_) {
+    server->collector_->set_pulls([puller = server->puller_.get()] { return puller->totals(); });
+  }
   if (server->cluster_index_) {
     server->collector_->set_cluster_index(
         [index = server->cluster_index_.get()] { return index->counters(); });
@@ -443,7 +446,9 @@ Server::~Server() {
   if (reaper_.joinable()) reaper_.join();
   StopPrefault();  // before the engine (and its backend) goes
   // Nothing calls the engine now: the cluster index's writer (whose rebuild reads the
-  // engine's prefix index) stops before the engine goes.
+  // engine's prefix index) stops before the engine goes, and /metrics (which reads the
+  // index's and the puller's counters) before them.
+  exporter_.reset();
   if (engine_ != nullptr) engine_->set_index_events(nullptr);
   puller_.reset();
   cluster_index_.reset();

@@ -120,7 +120,7 @@ class Node:
                                       timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
-            if line.startswith("kvmem_cluster_index") and " " in line:
+            if line.startswith(("kvmem_cluster_index", "kvmem_prefix_pull")) and " " in line:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
@@ -326,6 +326,13 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         assert b.client.stats().prefix_entries == before
         fallback = b.client.pull_prefix(LAY, kvmem.Prompt(prompt(25), model="m"))
         assert (fallback.pulled_tokens, fallback.from_node) == (56, d.name)
+        m = b.metrics()
+        assert m['kvmem_prefix_pulls_total{result="pulled"}'] == 2
+        # Three refused or failed (the client retries the UNAVAILABLE one: more calls).
+        assert m['kvmem_prefix_pulls_total{result="failed"}'] >= 3
+        assert m['kvmem_prefix_pulls_total{result="nothing"}'] == 2
+        assert m["kvmem_prefix_pulled_tokens_total"] == 112
+        assert m["kvmem_prefix_pulled_bytes_total"] == 2 * pulled.bytes
     finally:
         if a.proc is not None:
             a.stop()
