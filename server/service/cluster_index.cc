@@ -614,6 +614,8 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
   };
   try {
     const std::string now_ms = absl::StrCat(c->NowMs());
+    Claim claim;  // the namespace's tag once; each block's hash in turn
+    if (!TagOf(ns, &claim.tag)) return failed("the namespace's tag");
     const std::string most = absl::StrCat(kMaxHolders);
     // Who holds block 0, then who of them holds block 1 too, and so on; asked in rounds of
     // 8, 16, 32... blocks, so that a long prompt the fleet holds little of costs a few
@@ -630,7 +632,8 @@ FleetAnswer ClusterIndex::Lookup(absl::string_view ns, absl::Span<const prefix::
       }
       const size_t end = std::min(chain.size(), begin + round);
       for (size_t i = begin; i < end; ++i) {
-        const std::string key = Key(config_.key_prefix, ns, chain[i]);
+        claim.hash = chain[i];
+        const std::string key = KeyOf(claim);
         if (!c->Append({"ZRANGEBYSCORE", key, now_ms, "+inf", "LIMIT", "0", most})) {
           return failed("a query");
         }
