@@ -113,6 +113,35 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(events.dropped));
   f.Counter("kvmem_kv_event_replays_total", "replay requests answered",
             static_cast<double>(events.replay_requests));
+  {  // Remote appends by UCX (0 without --ucx).
+    UcxTotals u;
+    if (ucx_) {
+      u = ucx_();
+    } else {
+      u.seconds = engine::Histogram(engine::LatencyBounds()).Read();
+    }
+    MetricFamily& transfers = f.Family(
+        "kvmem_ucx_transfers_total",
+        "UCX messages of remote appends' K/V, by result: landed (the append then applied or "
+        "was refused as any Append), dropped (no call announced it, malformed, too many "
+        "waiting), failed (announced, did not land: size, error, time)",
+        MetricType::Counter);
+    const std::pair<const char*, uint64_t> results[] = {
+        {"landed", u.landed}, {"dropped", u.dropped}, {"failed", u.failed}};
+    for (const auto& [result, n] : results) {
+      Families::Sample(transfers, static_cast<double>(n),
+                       {{"direction", "in"}, {"result", result}});
+    }
+    MetricFamily& bytes = f.Family("kvmem_ucx_bytes_total",
+                                   "K/V bytes landed by UCX (remote reads are one-sided and not "
+                                   "seen by kvmemd)",
+                                   MetricType::Counter);
+    Families::Sample(bytes, static_cast<double>(u.landed_bytes), {{"direction", "in"}});
+    MetricFamily& seconds = f.Family(
+        "kvmem_ucx_transfer_seconds",
+        "a remote append's K/V: from its call's announcement to landed", MetricType::Histogram);
+    Families::Sample(seconds, u.seconds, {{"direction", "in"}});
+  }
   {  // The fleet's shared prefix index (0 without --cluster-index).
     ClusterIndexTotals c;
     if (cluster_index_) {

@@ -59,6 +59,15 @@ struct PullTotals {
   engine::Histogram::Snapshot seconds;  // a pull, whatever its end
 };
 
+// What kvmemd's UCX worker (transport/ucx_plane.h) has taken in: remote appends' payloads.
+// (Remote reads are one-sided RMA gets that kvmemd does not see.)
+struct UcxTotals {
+  uint64_t landed = 0, landed_bytes = 0;
+  uint64_t dropped = 0;                 // messages no call took
+  uint64_t failed = 0;                  // announced payloads that did not land
+  engine::Histogram::Snapshot seconds;  // announcement to landed
+};
+
 class Collector final : public prometheus::Collectable {
  public:
   Collector(engine::Engine* engine, const RpcTelemetry* rpc, BuildInfo build)
@@ -69,6 +78,8 @@ class Collector final : public prometheus::Collectable {
   void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
   // The same for PullPrefix (unset: all 0).
   void set_pulls(std::function<PullTotals()> read) { pulls_ = std::move(read); }
+  // The same for the UCX worker (unset: all 0).
+  void set_ucx(std::function<UcxTotals()> read) { ucx_ = std::move(read); }
   // The same for the cluster index (unset: all 0).
   void set_cluster_index(std::function<ClusterIndexTotals()> read) {
     cluster_index_ = std::move(read);
@@ -81,6 +92,7 @@ class Collector final : public prometheus::Collectable {
   std::function<KvEventTotals()> kv_events_;
   std::function<ClusterIndexTotals()> cluster_index_;
   std::function<PullTotals()> pulls_;
+  std::function<UcxTotals()> ucx_;
 };
 
 // The text a scrape returns (for tests and kvmemctl-free checks).

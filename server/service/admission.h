@@ -37,6 +37,10 @@ struct ServiceLimits {
   // Calls of one tenant inside handlers at once (an open step channel or stream counts
   // for its life); 0: no limit.
   uint32_t tenant_max_calls = 0;
+  // A remote append's payload by UCX (AppendRequest.ucx_payload) at most, and how long its
+  // call waits for the message to land.
+  uint64_t ucx_max_payload_bytes = 256ull << 20;
+  absl::Duration ucx_payload_timeout = absl::Seconds(30);
 };
 
 // Counts the calls inside a handler. Once closed, new calls are refused; a drain waits for

@@ -109,9 +109,10 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   FillAttachTicket(*attach, std::move(grants), issuer, response->mutable_attach());
 }
 
-void DescribeUcx(const transport::UcxPlane& ucx, v1::UcxExport* out) {
+void DescribeUcx(const transport::UcxPlane& ucx, bool keys, v1::UcxExport* out) {
 #if KVMEM_WITH_UCX
   out->set_worker_address(ucx.worker_address());
+  if (!keys) return;
   out->set_pool_rkey(ucx.region(0).rkey);
   out->set_pool_address(ucx.region(0).address);
   out->set_pool_bytes(ucx.region(0).bytes);
@@ -119,6 +120,7 @@ void DescribeUcx(const transport::UcxPlane& ucx, v1::UcxExport* out) {
   out->set_epoch_board_address(ucx.region(1).address);
 #else
   (void)ucx;
+  (void)keys;
   (void)out;
 #endif
 }

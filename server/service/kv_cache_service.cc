@@ -11,6 +11,10 @@
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
 #include "server/service/daemon_info.h"
+#include "server/transport/parse_cost.h"
+#if KVMEM_WITH_UCX
+#include "server/transport/ucx_plane.h"
+#endif
 
 namespace kvmem::service {
 
@@ -71,8 +75,9 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only.
   DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr,
                  call->who.tenant);
-  // So does the pool's remote key.
-  if (call->who.admin && ucx_ != nullptr) DescribeUcx(*ucx_, response->mutable_ucx());
+  // So does the pool's remote key; the worker's address (remote appends) goes to every
+  // caller.
+  if (ucx_ != nullptr) DescribeUcx(*ucx_, call->who.admin, response->mutable_ucx());
   return grpc::Status::OK;
 }
 
@@ -133,7 +138,17 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
   return RunMutation(context, call->who, "Append", id, *request, response, held, &update,
                      [&]() -> absl::Status {
                        if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
-                       const engine::AppendChunk chunk = ChunkView(*request);
+                       engine::AppendChunk chunk = ChunkView(*request);
+                       std::shared_ptr<const transport::RemotePayload> payload;
+                       if (request->has_ucx_payload()) {
+                         absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> landed =
+                             ReceiveUcxPayload(context, *request);
+                         if (!landed.ok()) return landed.status();
+                         payload = *std::move(landed);
+                         const absl::string_view kv = payload->bytes();
+                         chunk.k = kv.substr(0, kv.size() / 2);
+                         chunk.v = kv.substr(kv.size() / 2);
+                       }
                        absl::StatusOr<engine::AppendResult> result =
                            engine_->Append(id, absl::MakeConstSpan(&chunk, 1), held);
                        if (!result.ok()) return result.status();
@@ -141,6 +156,44 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
                        update = std::move(result->table);
                        return absl::OkStatus();
                      });
+}
+
+absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> KvCacheService::ReceiveUcxPayload(
+    grpc::ServerContext* context, const v1::AppendRequest& request) {
+#if KVMEM_WITH_UCX
+  const v1::UcxPayload& p = request.ucx_payload();
+  if (ucx_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "ucx_payload: this kvmemd runs no UCX worker (kvmemd --ucx); send k and v instead");
+  }
+  if (!request.k().empty() || !request.v().empty()) {
+    return absl::InvalidArgumentError(
+        "ucx_payload: set with k or v bytes (the message carries both; leave them empty)");
+  }
+  if ((p.transfer_hi() | p.transfer_lo()) == 0) {
+    return absl::InvalidArgumentError("ucx_payload.transfer_hi/lo: 0 (draw a random id)");
+  }
+  if (p.bytes() == 0 || p.bytes() % 2 != 0 || p.bytes() > ucx_max_payload_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ucx_payload.bytes: ", p.bytes(), " is not an even count of bytes in [2, ",
+        ucx_max_payload_bytes_, "] (--ucx-max-payload-bytes): K then V, equal halves"));
+  }
+  absl::StatusOr<transport::ParseBudget::Reservation> reserved =
+      transport::ParseBudget::Process().Reserve(p.bytes(), "Append's ucx_payload");
+  if (!reserved.ok()) return reserved.status();
+  const absl::Time deadline =
+      std::min(absl::FromChrono(context->deadline()), absl::Now() + ucx_payload_timeout_);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> landed =
+      ucx_->Receive({p.transfer_hi(), p.transfer_lo()}, p.bytes(), *std::move(reserved), deadline,
+                    [context] { return context->IsCancelled(); });
+  if (landed.ok()) ucx_payload_seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  return landed;
+#else
+  (void)context;
+  (void)request;
+  return absl::FailedPreconditionError("ucx_payload: this kvmemd was built without UCX");
+#endif
 }
 
 const char* KvCacheService::MethodName(absl::string_view name) {

@@ -22,6 +22,7 @@
 #include "server/service/prefix_pull.h"
 #include "server/service/request_cache.h"
 #include "server/transport/attach_socket.h"
+#include "server/transport/remote_payload.h"
 #include "server/transport/step_channel.h"
 
 namespace kvmem::transport {
@@ -49,7 +50,9 @@ class KvCacheService final : public grpc::Service {
                "retry later or read fewer layers at a time"),
         requests_(limits.request_id_entries, limits.request_id_bytes, limits.request_id_ttl, clock),
         channels_(limits.max_step_channels, limits.step_channel_bytes),
-        tenant_calls_(limits.tenant_max_calls) {
+        tenant_calls_(limits.tenant_max_calls),
+        ucx_max_payload_bytes_(limits.ucx_max_payload_bytes),
+        ucx_payload_timeout_(limits.ucx_payload_timeout) {
     RegisterMethods();
   }
   // The full names of the methods registered ("/kvmem.v1.KvCache/GetInfo", ...).
@@ -78,13 +81,15 @@ class KvCacheService final : public grpc::Service {
 
   // kvmemd's UCX worker, offered in GetInfo to callers that may read the pool (null: none).
   // Set before serving.
-  void set_ucx(const transport::UcxPlane* ucx) { ucx_ = ucx; }
+  void set_ucx(transport::UcxPlane* ucx) { ucx_ = ucx; }
   // The fleet's shared prefix index, asked by Lookup's `fleet` (null: none). Set before
   // serving.
   void set_cluster_index(ClusterIndex* index) { cluster_index_ = index; }
   // What PullPrefix pulls with (null: refused). Set before serving.
   void set_prefix_puller(PrefixPuller* puller) { puller_ = puller; }
 
+  // Remote appends' payloads: announcement to landed.
+  engine::Histogram::Snapshot ucx_payload_seconds() const { return ucx_payload_seconds_.Read(); }
   // Closed by the server's drain.
   CallGate& gate() { return gate_; }
   // Watched by the server for idle streams.
@@ -198,6 +203,11 @@ class KvCacheService final : public grpc::Service {
     }
   }
   static absl::Status StillWanted(grpc::ServerContext* context, absl::string_view method);
+  // The K/V of an Append whose `ucx_payload` announces it, landed (UcxPlane::Receive) in
+  // memory reserved from the parse budget: refused without a UCX worker, with k or v set,
+  // or outside the limits.
+  absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> ReceiveUcxPayload(
+      grpc::ServerContext* context, const v1::AppendRequest& request);
   static std::optional<uint64_t> Scope(uint64_t scope) {
     return scope == 0 ? std::nullopt : std::optional<uint64_t>(scope);
   }
@@ -225,9 +235,12 @@ class KvCacheService final : public grpc::Service {
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
   TenantCalls tenant_calls_;
+  const uint64_t ucx_max_payload_bytes_;
+  const absl::Duration ucx_payload_timeout_;
+  engine::Histogram ucx_payload_seconds_{engine::LatencyBounds()};
   // A deque: gRPC keeps pointers to the names, which appending must not move.
   std::deque<std::string> method_names_;
-  const transport::UcxPlane* ucx_ = nullptr;
+  transport::UcxPlane* ucx_ = nullptr;
   ClusterIndex* cluster_index_ = nullptr;
   PrefixPuller* puller_ = nullptr;
 };

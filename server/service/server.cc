@@ -246,7 +246,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       transport::AttachSocket::Start({DefaultAttachSocket(config), config.attach_uids});
   if (!attach.ok()) return attach.status();
   server->attach_ = *std::move(attach);
-  const transport::UcxPlane* ucx = nullptr;
+  transport::UcxPlane* ucx = nullptr;
   if (config.ucx && !config.ucx_trusted_network) {
     return absl::InvalidArgumentError(
         "--ucx: over TCP and shared memory UCX emulates remote reads with messages its "
@@ -330,6 +330,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (server->puller_) {
     server->collector_->set_pulls([puller = server->puller_.get()] { return puller->totals(); });
   }
+#if KVMEM_WITH_UCX
+  if (server->ucx_) {
+    server->collector_->set_ucx([ucx = server->ucx_.get(), service = server->service_.get()] {
+      const transport::UcxPlane::Counters c = ucx->counters();
+      return metrics::UcxTotals{c.landed, c.landed_bytes, c.dropped, c.failed,
+                                service->ucx_payload_seconds()};
+    });
+  }
+#endif
   if (server->cluster_index_) {
     server->collector_->set_cluster_index(
         [index = server->cluster_index_.get()] { return index->counters(); });

@@ -186,6 +186,23 @@ absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendAr
                                             BlockTable* table) {
   v1::AppendRequest q;
   ToProto(args, sequence_id, &q);
+  return Append(sequence_id, q, table);
+}
+
+absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, const AppendArgs& args,
+                                            const UcxTransfer& ucx_payload, BlockTable* table) {
+  v1::AppendRequest q;
+  AppendArgs tokens = args;
+  tokens.k = tokens.v = {};  // they go by UCX
+  ToProto(tokens, sequence_id, &q);
+  q.mutable_ucx_payload()->set_transfer_hi(ucx_payload.transfer_hi);
+  q.mutable_ucx_payload()->set_transfer_lo(ucx_payload.transfer_lo);
+  q.mutable_ucx_payload()->set_bytes(ucx_payload.bytes);
+  return Append(sequence_id, q, table);
+}
+
+absl::StatusOr<AppendResult> Client::Append(uint64_t sequence_id, v1::AppendRequest& q,
+                                            BlockTable* table) {
   if (table != nullptr) HoldTable(*table, q.mutable_client_table());
   q.set_request_id(NewRequestId());
   v1::AppendResponse r;

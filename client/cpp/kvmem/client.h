@@ -23,6 +23,10 @@
 #include "absl/types/span.h"
 #include "kvmem/attach.h"
 
+namespace kvmem::v1 {
+class AppendRequest;
+}  // namespace kvmem::v1
+
 namespace kvmem::client {
 
 // Payloads of a failed call's absl::Status (absl::Status::GetPayload). Every google.rpc
@@ -170,6 +174,13 @@ struct Prompt {
 };
 
 // n new tokens. k and v are [L][H][n][D] in the layout dtype.
+// An Append's K/V sent by UCX instead of in the request (AppendRequest.ucx_payload; kvmem/
+// ucx_sender.h draws it and sends the message).
+struct UcxTransfer {
+  uint64_t transfer_hi = 0, transfer_lo = 0;
+  uint64_t bytes = 0;  // K + V
+};
+
 struct AppendArgs {
   absl::Span<const int64_t> positions;
   absl::Span<const int32_t> token_ids;
@@ -391,6 +402,10 @@ class Client {
   // `table`, when set, is kept current (see BlockTable).
   absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args,
                                       BlockTable* table = nullptr);
+  // The same with args' k and v left out of the request: `ucx_payload` announces them as a
+  // UCX message (kvmem/ucx_sender.h sends it).
+  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, const AppendArgs& args,
+                                      const UcxTransfer& ucx_payload, BlockTable* table = nullptr);
   // One client stream of chunks; the daemon applies them all or none.
   absl::StatusOr<AppendResult> AppendStream(uint64_t sequence_id,
                                             absl::Span<const AppendArgs> chunks,
@@ -479,6 +494,9 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  // Sends `q` (an Append's request, filled but for the held table and request id).
+  absl::StatusOr<AppendResult> Append(uint64_t sequence_id, v1::AppendRequest& q,
+                                      BlockTable* table);
   std::unique_ptr<Impl> impl_;
 };
 

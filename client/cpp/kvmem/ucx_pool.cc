@@ -55,6 +55,12 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
         "ucx: the daemon offers no UCX worker to this caller (kvmemd --ucx, and a caller that "
         "may read the pool)");
   }
+  if (info.ucx.pool_rkey.empty() || info.ucx.epoch_board_rkey.empty() ||
+      info.ucx.pool_address == 0 || info.ucx.epoch_board_address == 0) {
+    return absl::FailedPreconditionError(
+        "ucx: the daemon gives this caller no keys to its pool (a caller that may read the "
+        "pool gets them)");
+  }
   if (info.epoch_slots == 0 || info.epoch_stride < sizeof(uint64_t)) {
     return absl::FailedPreconditionError("ucx: the daemon describes no epoch board");
   }
@@ -90,10 +96,6 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
     created = ucp_ep_create(h.worker, &ep_params, &h.ep);
   }
   if (created != UCS_OK) return Failed("ucp_ep_create", created);
-  if (info.ucx.pool_rkey.empty() || info.ucx.epoch_board_rkey.empty() ||
-      info.ucx.pool_address == 0 || info.ucx.epoch_board_address == 0) {
-    return absl::FailedPreconditionError("ucx: the daemon's description lacks a key or address");
-  }
   if (ucs_status_t s = ucp_ep_rkey_unpack(h.ep, info.ucx.pool_rkey.data(), &h.pool); s != UCS_OK) {
     return Failed("the pool's rkey", s);
   }
