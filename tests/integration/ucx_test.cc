@@ -88,6 +88,33 @@ TEST_P(UcxTest, QuantizedBlocksReadAsReadKvReturnsThem) {
   EXPECT_TRUE(quantized);
 }
 
+TEST_P(UcxTest, ReadsEveryStreamInOneBatchAsReadKvGivesThem) {
+  auto seq = client_->CreateSequence(TestLayout(),
+                                     {"window", {{"window", 40}}, client::Precision::kInt4, 16});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  ASSERT_TRUE(AppendRange(seq->id, 0, 100).ok());
+  ASSERT_TRUE(client_->Step(seq->id, {}).ok());
+  auto table = *client_->GetBlockTable(seq->id);
+  const uint64_t gets_before = pool_->gets();
+  auto read = pool_->ReadStreams(table);
+  ASSERT_TRUE(read.ok()) << read.status();
+  auto expected = client_->ReadKv(seq->id);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  ASSERT_EQ(read->size(), expected->size());
+  for (size_t s = 0; s < read->size(); ++s) {
+    EXPECT_EQ((*read)[s].layer, (*expected)[s].layer);
+    EXPECT_EQ((*read)[s].kv_head, (*expected)[s].kv_head);
+    EXPECT_EQ((*read)[s].positions, (*expected)[s].positions);
+    EXPECT_EQ((*read)[s].k, (*expected)[s].k) << "stream " << s;
+    EXPECT_EQ((*read)[s].v, (*expected)[s].v) << "stream " << s;
+  }
+  EXPECT_GT(pool_->gets() - gets_before, kL * kH);  // the blocks' gets, and two epoch reads
+  // Evicted since: refused whole.
+  ASSERT_TRUE(AppendRange(seq->id, 100, 30).ok());
+  ASSERT_TRUE(client_->Step(seq->id, {}).ok());
+  EXPECT_EQ(pool_->ReadStreams(table).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_P(UcxTest, AStaleTableIsRefused) {
   const uint64_t id = Create("window", {{"window", 10}});
   ASSERT_TRUE(AppendRange(id, 0, 30).ok());

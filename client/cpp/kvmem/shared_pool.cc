@@ -208,37 +208,84 @@ absl::StatusOr<std::vector<BlockView>> MappedPool::StreamBlocks(const BlockTable
   return views;
 }
 
+// One stream's read: where its blocks lie and where their bytes go.
+struct MappedPool::StreamRead {
+  std::vector<BlockView> blocks;
+  std::string* k;
+  std::string* v;
+};
+
+absl::Status MappedPool::ReadInto(const BlockTable& table, std::vector<StreamRead>& reads) const {
+  if (absl::Status s = BeginRead(table); !s.ok()) return s;
+  const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
+  std::vector<OutCopy> copies;
+  // Quantized blocks are copied out whole, then dequantized here.
+  std::vector<std::string> quantized;
+  for (StreamRead& read : reads) {
+    uint64_t n = 0;
+    for (const BlockView& b : read.blocks) {
+      n += b.count;
+      if (b.precision != Precision::kLayout)
+        quantized.emplace_back(table.quantized_block_bytes, '\0');
+    }
+    read.k->resize(n * row);
+    read.v->resize(n * row);
+  }
+  size_t next = 0;
+  for (StreamRead& read : reads) {
+    uint64_t first = 0;
+    for (const BlockView& b : read.blocks) {
+      if (b.precision == Precision::kLayout) {
+        copies.push_back({read.k->data() + first * row, b.k, b.count * row});
+        copies.push_back({read.v->data() + first * row, b.v, b.count * row});
+      } else {
+        copies.push_back({quantized[next].data(), b.block, quantized[next].size()});
+        ++next;
+      }
+      first += b.count;
+    }
+  }
+  if (absl::Status s = CopyOutMany(copies); !s.ok()) return s;
+  next = 0;
+  for (StreamRead& read : reads) {
+    uint64_t first = 0;
+    for (const BlockView& b : read.blocks) {
+      if (b.precision != Precision::kLayout) {
+        BlockView host = b;
+        host.block = reinterpret_cast<const uint8_t*>(quantized[next++].data());
+        DequantizeBlock(table, host, table.layout.dtype, read.k->data() + first * row,
+                        read.v->data() + first * row);
+      }
+      first += b.count;
+    }
+  }
+  return EndRead(table);
+}
+
 absl::Status MappedPool::ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head,
                                     std::string* k, std::string* v) const {
   absl::StatusOr<std::vector<BlockView>> blocks = StreamBlocks(table, layer, kv_head);
   if (!blocks.ok()) return blocks.status();
-  if (absl::Status s = BeginRead(table); !s.ok()) return s;
-  const uint64_t row = uint64_t{table.layout.head_dim} * DTypeBytes(table.layout.dtype);
-  uint64_t n = 0;
-  for (const BlockView& b : *blocks) n += b.count;
-  k->resize(n * row);
-  v->resize(n * row);
-  std::string quantized;  // a quantized block, copied out whole and dequantized here
-  uint64_t first = 0;
-  for (const BlockView& b : *blocks) {
-    absl::Status s;
-    if (b.precision == Precision::kLayout) {
-      s = CopyOut(k->data() + first * row, b.k, b.count * row);
-      if (s.ok()) s = CopyOut(v->data() + first * row, b.v, b.count * row);
-    } else {
-      quantized.resize(table.quantized_block_bytes);
-      s = CopyOut(quantized.data(), b.block, quantized.size());
-      if (s.ok()) {
-        BlockView host = b;
-        host.block = reinterpret_cast<const uint8_t*>(quantized.data());
-        DequantizeBlock(table, host, table.layout.dtype, k->data() + first * row,
-                        v->data() + first * row);
-      }
-    }
-    if (!s.ok()) return s;
-    first += b.count;
+  std::vector<StreamRead> reads = {{*std::move(blocks), k, v}};
+  return ReadInto(table, reads);
+}
+
+absl::StatusOr<std::vector<StreamKv>> MappedPool::ReadStreams(const BlockTable& table) const {
+  std::vector<StreamKv> out(table.streams.size());
+  std::vector<StreamRead> reads;
+  reads.reserve(out.size());
+  for (size_t s = 0; s < out.size(); ++s) {
+    out[s].layer = table.streams[s].layer;
+    out[s].kv_head = table.streams[s].kv_head;
+    out[s].epoch = table.epoch;
+    out[s].positions = table.streams[s].positions;
+    absl::StatusOr<std::vector<BlockView>> blocks =
+        StreamBlocks(table, out[s].layer, out[s].kv_head);
+    if (!blocks.ok()) return blocks.status();
+    reads.push_back({*std::move(blocks), &out[s].k, &out[s].v});
   }
-  return EndRead(table);
+  if (absl::Status s = ReadInto(table, reads); !s.ok()) return s;
+  return out;
 }
 
 namespace area = v1::table_area;

@@ -87,11 +87,27 @@ class MappedPool {
   // dequantized to the layout dtype) with the full read protocol.
   absl::Status ReadStream(const BlockTable& table, uint32_t layer, uint32_t kv_head, std::string* k,
                           std::string* v) const;
+  // Every stream of the table at once (one read protocol, one batch of copies: what a
+  // remote pool's round trips make worth it), in layer-major order, as ReadKv gives them
+  // (positions from the table; epoch: the table's).
+  absl::StatusOr<std::vector<StreamKv>> ReadStreams(const BlockTable& table) const;
 
  protected:
   MappedPool() = default;
   // Copies `bytes` at `src`, an address in the mapping, to host memory at `dst`.
   virtual absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const = 0;
+  struct OutCopy {
+    void* dst;
+    const uint8_t* src;
+    uint64_t bytes;
+  };
+  // Several CopyOuts, in any order (a remote pool posts them all, then waits once).
+  virtual absl::Status CopyOutMany(absl::Span<const OutCopy> copies) const {
+    for (const OutCopy& c : copies) {
+      if (absl::Status s = CopyOut(c.dst, c.src, c.bytes); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // The copies of an in-place write: `n` tokens of every stream ([L][H][n][D] in the layout
   // dtype, `kv_bytes` each of K and V) to where `plan` says, one op per stream (its rows
   // are contiguous in a block's K plane and in its V plane, `v_plane` bytes further):
@@ -107,6 +123,9 @@ class MappedPool {
   };
   absl::StatusOr<PlannedWrites> PlanWrites(const WritePlan& plan, const BlockTable& table,
                                            uint32_t n, uint64_t kv_bytes) const;
+  // The streams' reads under one read protocol, their copies in one CopyOutMany.
+  struct StreamRead;
+  absl::Status ReadInto(const BlockTable& table, std::vector<StreamRead>& reads) const;
 
   const uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;

@@ -133,22 +133,45 @@ UcxPool::~UcxPool() {
 }
 
 absl::Status UcxPool::Get(void* dst, uint64_t address, uint64_t bytes, void* rkey) const {
+  const GetOp op{dst, address, bytes, rkey};
+  return Gets(absl::MakeConstSpan(&op, 1));
+}
+
+absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
   if (broken_) {
     return absl::UnavailableError(
         "ucx: an earlier read outlasted its deadline; connect a new pool");
   }
-  ucp_request_param_t param{};
-  ucs_status_ptr_t pending = nullptr;
-  const ucs_status_t status =
-      Wait(ucx_->worker,
-           ucp_get_nbx(ucx_->ep, dst, bytes, address, static_cast<ucp_rkey_h>(rkey), &param),
-           absl::Now() + deadline_, &pending);
-  if (pending != nullptr) {
+  // All posted, then all waited for: one round trip's latency for the batch, not one each.
+  std::vector<ucs_status_ptr_t> requests;
+  requests.reserve(ops.size());
+  ucs_status_t status = UCS_OK;
+  uint64_t bytes = 0;
+  for (const GetOp& op : ops) {
+    ucp_request_param_t param{};
+    ucs_status_ptr_t request = ucp_get_nbx(ucx_->ep, op.dst, op.bytes, op.address,
+                                           static_cast<ucp_rkey_h>(op.rkey), &param);
+    if (UCS_PTR_IS_ERR(request)) {
+      status = UCS_PTR_STATUS(request);
+      break;
+    }
+    if (request != nullptr) requests.push_back(request);
+    bytes += op.bytes;
+  }
+  const absl::Time deadline = absl::Now() + deadline_;
+  std::vector<ucs_status_ptr_t> pending;
+  for (ucs_status_ptr_t request : requests) {
+    ucs_status_ptr_t left = nullptr;
+    const ucs_status_t s = Wait(ucx_->worker, request, deadline, &left);
+    if (left != nullptr) pending.push_back(left);
+    if (status == UCS_OK) status = s;
+  }
+  if (!pending.empty()) {
     // Past the deadline: the endpoint is closed by force, which flushes what is in flight
-    // on it (a hardware transport's write into `dst` completes or is cancelled) before
-    // `dst` is handed back. A software transport writes only while this worker progresses:
-    // a request still pending after a second is left unfreed and the worker is never
-    // progressed again (the pool is broken from here on).
+    // on it (a hardware transport's write into a destination completes or is cancelled)
+    // before the destinations are handed back. A software transport writes only while
+    // this worker progresses: a request still pending after a second is left unfreed and
+    // the worker is never progressed again (the pool is broken from here on).
     ucp_request_param_t close{};
     close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     close.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -156,20 +179,38 @@ absl::Status UcxPool::Get(void* dst, uint64_t address, uint64_t bytes, void* rke
     ucs_status_ptr_t closing = nullptr;
     Wait(ucx_->worker, ucp_ep_close_nbx(ucx_->ep, &close), end, &closing);
     ucx_->ep = nullptr;
-    ucs_status_ptr_t still = nullptr;
-    Wait(ucx_->worker, pending, end, &still);
-    ucx_->abandoned = still != nullptr || closing != nullptr;
+    for (ucs_status_ptr_t request : pending) {
+      ucs_status_ptr_t still = nullptr;
+      Wait(ucx_->worker, request, end, &still);
+      ucx_->abandoned |= still != nullptr;
+    }
+    ucx_->abandoned |= closing != nullptr;
   }
   // A failed endpoint (the peer went away) and a read past its deadline both end the pool.
-  if (status != UCS_OK) broken_ = true;
   if (status != UCS_OK) {
-    return absl::UnavailableError(absl::StrCat("ucx: a get of ", bytes, " bytes failed (",
+    broken_ = true;
+    return absl::UnavailableError(absl::StrCat("ucx: gets of ", bytes, " bytes failed (",
                                                ucs_status_string(status),
                                                "); nothing read may be used"));
   }
   bytes_read_ += bytes;
-  ++gets_;
+  gets_ += ops.size();
   return absl::OkStatus();
+}
+
+absl::Status UcxPool::CopyOutMany(absl::Span<const OutCopy> copies) const {
+  std::vector<GetOp> ops;
+  ops.reserve(copies.size());
+  for (const OutCopy& c : copies) {
+    const uint64_t offset = static_cast<uint64_t>(c.src - base_);
+    if (offset > bytes_ || c.bytes > bytes_ - offset) {
+      return absl::OutOfRangeError(absl::StrCat("ucx: bytes [", offset, ", ", offset + c.bytes,
+                                                ") are outside the pool of ", bytes_));
+    }
+    ops.push_back({c.dst, reinterpret_cast<uint64_t>(c.src), c.bytes, ucx_->pool});
+  }
+  absl::MutexLock lock(&mu_);
+  return Gets(ops);
 }
 
 absl::Status UcxPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {

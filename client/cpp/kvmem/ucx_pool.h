@@ -23,6 +23,7 @@ namespace kvmem::client {
 class UcxPool final : private MappedPool {
  public:
   using MappedPool::ReadStream;
+  using MappedPool::ReadStreams;
   static absl::StatusOr<std::unique_ptr<UcxPool>> Connect(
       const Info& info, absl::Duration deadline = absl::Seconds(10));
   ~UcxPool() override;
@@ -38,10 +39,18 @@ class UcxPool final : private MappedPool {
   struct Handles;
   UcxPool();
   absl::Status CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const override;
+  absl::Status CopyOutMany(absl::Span<const OutCopy> copies) const override;
   // One get of `bytes` at the daemon's `address` in the region of `rkey` (a ucp_rkey_h),
   // waited for.
   absl::Status Get(void* dst, uint64_t address, uint64_t bytes, void* rkey) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct GetOp {
+    void* dst;
+    uint64_t address, bytes;
+    void* rkey;
+  };
+  // Gets, all posted before any is waited for; the deadline covers them all.
+  absl::Status Gets(absl::Span<const GetOp> ops) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> EpochWord(uint32_t slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Handles> ucx_;

@@ -175,24 +175,30 @@ absl::StatusOr<AppendResult> UcxSender::Append(Client& client, uint64_t sequence
   header.hi = id[0];
   header.lo = id[1];
   const UcxTransfer transfer{id[0], id[1], args.k.size() + args.v.size()};
-  ucp_dt_iov_t iov[2] = {{const_cast<char*>(args.k.data()), args.k.size()},
-                         {const_cast<char*>(args.v.data()), args.v.size()}};
+  // K and V contiguous when they lie so (one buffer: UCX's zero-copy rendezvous takes
+  // contiguous buffers only), else joined here.
+  std::string joined;
+  const char* payload = args.k.data();
+  if (args.v.data() != args.k.data() + args.k.size()) {
+    joined.reserve(args.k.size() + args.v.size());
+    joined.append(args.k).append(args.v);
+    payload = joined.data();
+  }
   auto owned = std::make_unique<Send>();
   Send& send = *owned;
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = OpenLocked(); !s.ok()) return s;
     ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = &OnSent;
     param.user_data = &send;
-    param.datatype = ucp_dt_make_iov();
     if (transfer.bytes > kRendezvousBytes) {
       param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
       param.flags = UCP_AM_SEND_FLAG_RNDV;
     }
-    ucs_status_ptr_t request = ucp_am_send_nbx(ucx_->ep, 1, &header, sizeof header, iov, 2, &param);
+    ucs_status_ptr_t request =
+        ucp_am_send_nbx(ucx_->ep, 1, &header, sizeof header, payload, transfer.bytes, &param);
     if (UCS_PTR_IS_ERR(request)) {
       CloseLocked();
       return Failed("ucp_am_send_nbx", UCS_PTR_STATUS(request));
