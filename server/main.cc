@@ -160,7 +160,11 @@ ABSL_FLAG(double, append_stream_idle_seconds, 60,
 ABSL_FLAG(uint64_t, request_id_bytes, 64ull << 20, "most bytes of responses kept for retries");
 ABSL_FLAG(uint64_t, ucx_max_payload_bytes, 256ull << 20,
           "with --ucx: the most K/V bytes one Append may announce as a UCX payload "
-          "(AppendRequest.ucx_payload; reserved from --parse-memory-bytes while it lands)");
+          "(AppendRequest.ucx_payload; reserved from --ucx-payload-memory-bytes while it lands)");
+ABSL_FLAG(uint64_t, ucx_payload_memory_bytes, 1ull << 30,
+          "with --ucx: the most bytes all announced UCX payloads may hold at once (a budget of "
+          "their own, so that calls announcing payloads they never send hold up only other "
+          "remote appends)");
 ABSL_FLAG(double, ucx_payload_timeout_seconds, 30,
           "with --ucx: how long an Append that announces a UCX payload waits for it to land");
 ABSL_FLAG(double, drain_seconds, 5,
@@ -288,6 +292,7 @@ int main(int argc, char** argv) {
   config.limits.request_id_ttl = absl::Seconds(absl::GetFlag(FLAGS_request_id_seconds));
   config.limits.request_id_bytes = absl::GetFlag(FLAGS_request_id_bytes);
   config.limits.ucx_max_payload_bytes = absl::GetFlag(FLAGS_ucx_max_payload_bytes);
+  config.limits.ucx_payload_memory_bytes = absl::GetFlag(FLAGS_ucx_payload_memory_bytes);
   config.limits.ucx_payload_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_ucx_payload_timeout_seconds));
   config.limits.append_stream_idle = absl::Seconds(absl::GetFlag(FLAGS_append_stream_idle_seconds));

@@ -146,6 +146,13 @@ class Engine {
   absl::Status CheckOwner(uint64_t sequence_id, absl::string_view owner) const {
     return registry_.CheckOwner(sequence_id, owner);
   }
+  // The layout sequence `sequence_id` was created with (fixed for its life); NOT_FOUND if
+  // it is gone.
+  absl::StatusOr<Layout> LayoutOf(uint64_t sequence_id) {
+    absl::StatusOr<SequenceRef> ref = registry_.Find(sequence_id);
+    if (!ref.ok()) return ref.status();
+    return (*ref)->layout();
+  }
   // Tenants holding a sequence or pool bytes now (Tenants::registered).
   size_t tenants_registered() const { return tenants_.registered(); }
   // SequenceRegistry::KeepAlive.

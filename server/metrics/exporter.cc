@@ -137,6 +137,13 @@ std::vector<MetricFamily> Collector::Collect() const {
                                    "seen by kvmemd)",
                                    MetricType::Counter);
     Families::Sample(bytes, static_cast<double>(u.landed_bytes), {{"direction", "in"}});
+    f.Gauge("kvmem_ucx_receives_in_flight",
+            "UCX receives of remote appends' K/V in flight (one whose call gave up stays until "
+            "UCX ends it)",
+            static_cast<double>(u.receiving));
+    f.Gauge("kvmem_ucx_held_messages",
+            "UCX messages that arrived before the call announcing them, held for it",
+            static_cast<double>(u.held));
     MetricFamily& seconds = f.Family(
         "kvmem_ucx_transfer_seconds",
         "a remote append's K/V: from its call's announcement to landed", MetricType::Histogram);

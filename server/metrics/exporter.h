@@ -65,6 +65,7 @@ struct UcxTotals {
   uint64_t landed = 0, landed_bytes = 0;
   uint64_t dropped = 0;                 // messages no call took
   uint64_t failed = 0;                  // announced payloads that did not land
+  uint64_t receiving = 0, held = 0;     // now: receives in flight, messages held
   engine::Histogram::Snapshot seconds;  // announcement to landed
 };
 

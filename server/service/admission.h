@@ -40,6 +40,8 @@ struct ServiceLimits {
   // A remote append's payload by UCX (AppendRequest.ucx_payload) at most, and how long its
   // call waits for the message to land.
   uint64_t ucx_max_payload_bytes = 256ull << 20;
+  // The buffers of announced payloads, landed or waiting, all together.
+  uint64_t ucx_payload_memory_bytes = 1ull << 30;
   absl::Duration ucx_payload_timeout = absl::Seconds(30);
 };
 

@@ -111,8 +111,9 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
 
 void DescribeUcx(const transport::UcxPlane& ucx, bool keys, v1::UcxExport* out) {
 #if KVMEM_WITH_UCX
-  out->set_worker_address(ucx.worker_address());
+  out->set_append_worker_address(ucx.append_worker_address());
   if (!keys) return;
+  out->set_worker_address(ucx.worker_address());
   out->set_pool_rkey(ucx.region(0).rkey);
   out->set_pool_address(ucx.region(0).address);
   out->set_pool_bytes(ucx.region(0).bytes);

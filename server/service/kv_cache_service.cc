@@ -137,12 +137,15 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
   std::optional<engine::TableUpdate> update;
   return RunMutation(context, call->who, "Append", id, *request, response, held, &update,
                      [&]() -> absl::Status {
-                       if (absl::Status s = Owns(call->who, id); !s.ok()) return s;
+                       if (absl::Status s = Owns(call->who, id); !s.ok()) {
+                         RefuseUcxPayload(*request);
+                         return s;
+                       }
                        engine::AppendChunk chunk = ChunkView(*request);
                        std::shared_ptr<const transport::RemotePayload> payload;
                        if (request->has_ucx_payload()) {
                          absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> landed =
-                             ReceiveUcxPayload(context, *request);
+                             ReceiveUcxPayload(context, id, *request);
                          if (!landed.ok()) return landed.status();
                          payload = *std::move(landed);
                          const absl::string_view kv = payload->bytes();
@@ -159,40 +162,81 @@ grpc::Status KvCacheService::Append(grpc::ServerContext* context, const v1::Appe
 }
 
 absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> KvCacheService::ReceiveUcxPayload(
-    grpc::ServerContext* context, const v1::AppendRequest& request) {
+    grpc::ServerContext* context, uint64_t sequence_id, const v1::AppendRequest& request) {
 #if KVMEM_WITH_UCX
   const v1::UcxPayload& p = request.ucx_payload();
   if (ucx_ == nullptr) {
     return absl::FailedPreconditionError(
         "ucx_payload: this kvmemd runs no UCX worker (kvmemd --ucx); send k and v instead");
   }
-  if (!request.k().empty() || !request.v().empty()) {
-    return absl::InvalidArgumentError(
-        "ucx_payload: set with k or v bytes (the message carries both; leave them empty)");
+  const transport::UcxPlane::TransferId id{p.transfer_hi(), p.transfer_lo()};
+  // Checked before anything is reserved or waited for; a refused call's message is dropped
+  // at once (its sender learns it).
+  absl::Status checked = [&]() -> absl::Status {
+    if (!request.k().empty() || !request.v().empty()) {
+      return absl::InvalidArgumentError(
+          "ucx_payload: set with k or v bytes (the message carries both; leave them empty)");
+    }
+    if ((id.hi | id.lo) == 0) {
+      return absl::InvalidArgumentError("ucx_payload.transfer_hi/lo: 0 (draw a random id)");
+    }
+    absl::StatusOr<engine::Layout> layout = engine_->LayoutOf(sequence_id);
+    if (!layout.ok()) return layout.status();
+    const uint64_t expected =
+        2 * uint64_t{layout->num_streams()} * request.positions_size() * layout->row_bytes();
+    if (p.bytes() != expected || expected == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ucx_payload.bytes: ", p.bytes(), " is not the K+V of ", request.positions_size(),
+          " positions in this sequence's layout (", expected, " bytes)"));
+    }
+    if (p.bytes() > ucx_max_payload_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("ucx_payload.bytes: ", p.bytes(),
+                                                     " is past --ucx-max-payload-bytes (",
+                                                     ucx_max_payload_bytes_, ")"));
+    }
+    return absl::OkStatus();
+  }();
+  if (!checked.ok()) {
+    ucx_->Refuse(id);
+    return checked;
   }
-  if ((p.transfer_hi() | p.transfer_lo()) == 0) {
-    return absl::InvalidArgumentError("ucx_payload.transfer_hi/lo: 0 (draw a random id)");
-  }
-  if (p.bytes() == 0 || p.bytes() % 2 != 0 || p.bytes() > ucx_max_payload_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ucx_payload.bytes: ", p.bytes(), " is not an even count of bytes in [2, ",
-        ucx_max_payload_bytes_, "] (--ucx-max-payload-bytes): K then V, equal halves"));
-  }
+  // Announced payloads wait in a budget of their own: calls that announce and never send
+  // hold up other remote appends at worst, not every request's parse.
   absl::StatusOr<transport::ParseBudget::Reservation> reserved =
-      transport::ParseBudget::Process().Reserve(p.bytes(), "Append's ucx_payload");
-  if (!reserved.ok()) return reserved.status();
+      ucx_budget_.Reserve(p.bytes(), "Append's ucx_payload (--ucx-payload-memory-bytes)");
+  if (!reserved.ok()) {
+    ucx_->Refuse(id);
+    return reserved.status();
+  }
   const absl::Time deadline =
       std::min(absl::FromChrono(context->deadline()), absl::Now() + ucx_payload_timeout_);
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> landed =
-      ucx_->Receive({p.transfer_hi(), p.transfer_lo()}, p.bytes(), *std::move(reserved), deadline,
-                    [context] { return context->IsCancelled(); });
+  absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> landed;
+  try {
+    landed = ucx_->Receive(id, p.bytes(), *std::move(reserved), deadline,
+                           [context] { return context->IsCancelled(); });
+  } catch (const std::bad_alloc&) {
+    ucx_->Refuse(id);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("ucx_payload.bytes: kvmemd could not allocate ", p.bytes(), " bytes"));
+  }
   if (landed.ok()) ucx_payload_seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
   return landed;
 #else
   (void)context;
+  (void)sequence_id;
   (void)request;
   return absl::FailedPreconditionError("ucx_payload: this kvmemd was built without UCX");
+#endif
+}
+
+void KvCacheService::RefuseUcxPayload(const v1::AppendRequest& request) {
+#if KVMEM_WITH_UCX
+  if (ucx_ != nullptr && request.has_ucx_payload()) {
+    ucx_->Refuse({request.ucx_payload().transfer_hi(), request.ucx_payload().transfer_lo()});
+  }
+#else
+  (void)request;
 #endif
 }
 

@@ -22,6 +22,7 @@
 #include "server/service/prefix_pull.h"
 #include "server/service/request_cache.h"
 #include "server/transport/attach_socket.h"
+#include "server/transport/parse_cost.h"
 #include "server/transport/remote_payload.h"
 #include "server/transport/step_channel.h"
 
@@ -52,6 +53,7 @@ class KvCacheService final : public grpc::Service {
         channels_(limits.max_step_channels, limits.step_channel_bytes),
         tenant_calls_(limits.tenant_max_calls),
         ucx_max_payload_bytes_(limits.ucx_max_payload_bytes),
+        ucx_budget_(limits.ucx_payload_memory_bytes),
         ucx_payload_timeout_(limits.ucx_payload_timeout) {
     RegisterMethods();
   }
@@ -204,10 +206,13 @@ class KvCacheService final : public grpc::Service {
   }
   static absl::Status StillWanted(grpc::ServerContext* context, absl::string_view method);
   // The K/V of an Append whose `ucx_payload` announces it, landed (UcxPlane::Receive) in
-  // memory reserved from the parse budget: refused without a UCX worker, with k or v set,
-  // or outside the limits.
+  // memory reserved from the announced payloads' budget: refused without a UCX worker, with
+  // k or v set, or with a size that is not the positions' K+V or passes the limits.
   absl::StatusOr<std::shared_ptr<const transport::RemotePayload>> ReceiveUcxPayload(
-      grpc::ServerContext* context, const v1::AppendRequest& request);
+      grpc::ServerContext* context, uint64_t sequence_id, const v1::AppendRequest& request);
+  // The request's announced payload will not be taken: its message is dropped at once.
+  // For a call that fails before it waits for its payload.
+  void RefuseUcxPayload(const v1::AppendRequest& request);
   static std::optional<uint64_t> Scope(uint64_t scope) {
     return scope == 0 ? std::nullopt : std::optional<uint64_t>(scope);
   }
@@ -236,6 +241,7 @@ class KvCacheService final : public grpc::Service {
   transport::StepChannelBudget channels_;
   TenantCalls tenant_calls_;
   const uint64_t ucx_max_payload_bytes_;
+  transport::ParseBudget ucx_budget_;  // announced payloads' buffers
   const absl::Duration ucx_payload_timeout_;
   engine::Histogram ucx_payload_seconds_{engine::LatencyBounds()};
   // A deque: gRPC keeps pointers to the names, which appending must not move.

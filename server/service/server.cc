@@ -334,7 +334,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (server->ucx_) {
     server->collector_->set_ucx([ucx = server->ucx_.get(), service = server->service_.get()] {
       const transport::UcxPlane::Counters c = ucx->counters();
-      return metrics::UcxTotals{c.landed, c.landed_bytes, c.dropped, c.failed,
+      return metrics::UcxTotals{c.landed,
+                                c.landed_bytes,
+                                c.dropped,
+                                c.failed,
+                                c.receiving,
+                                c.held,
                                 service->ucx_payload_seconds()};
     });
   }

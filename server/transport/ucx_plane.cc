@@ -14,9 +14,11 @@
 namespace kvmem::transport {
 
 struct UcxPlane::Handles {
-  ucp_context_h context = nullptr;
+  ucp_context_h context = nullptr;  // reads: RMA
   ucp_worker_h worker = nullptr;
   std::vector<ucp_mem_h> regions;
+  ucp_context_h am_context = nullptr;  // appends: active messages only
+  ucp_worker_h am_worker = nullptr;
 };
 
 // An announced transfer: its buffer and reservation, and how far it got. State changes
@@ -40,6 +42,7 @@ class UcxPlane::Landing final : public UcxPlane::Payload {
   bool done = false;        // landed (status OK) or failed
   bool abandoned = false;   // its call gave up: a receive in flight is cancelled
   void* request = nullptr;  // ucp's, while receiving
+  ucp_ep_h ep = nullptr;    // the sender's (reply) endpoint of that receive
   bool cancel_sent = false;
   absl::Status status;
 };
@@ -50,6 +53,7 @@ struct UcxPlane::Held {
   void* data = nullptr;  // ucp's descriptor (rendezvous) or the eager data, held
   size_t length = 0;
   bool rendezvous = false;
+  ucp_ep_h ep = nullptr;  // the sender's (reply) endpoint: a rendezvous message has one
   absl::Time arrived;
 };
 
@@ -63,35 +67,59 @@ absl::Status Failed(absl::string_view what, ucs_status_t status) {
 
 UcxPlane::UcxPlane() : ucx_(std::make_unique<Handles>()) {}
 
-absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start(const std::vector<Region>& regions,
-                                                          Options options) {
-  std::unique_ptr<UcxPlane> plane(new UcxPlane());
-  plane->options_ = options;
-  Handles& h = *plane->ucx_;
+namespace {
+
+// A context of `features` and its worker, serving one thread at a time.
+absl::Status MakeWorker(uint64_t features, ucp_context_h* context, ucp_worker_h* worker,
+                        std::string* address_out) {
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
     return Failed("ucp_config_read", s);
   }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  const ucs_status_t init = ucp_init(&params, config, &h.context);
+  params.features = features;
+  const ucs_status_t init = ucp_init(&params, config, context);
   ucp_config_release(config);
   if (init != UCS_OK) return Failed("ucp_init", init);
   ucp_worker_params_t worker_params{};
-  // Woken by every event (software RMA over TCP and shared memory arrives as messages).
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // the progress thread alone, once started
-  if (ucs_status_t s = ucp_worker_create(h.context, &worker_params, &h.worker); s != UCS_OK) {
+  if (ucs_status_t s = ucp_worker_create(*context, &worker_params, worker); s != UCS_OK) {
     return Failed("ucp_worker_create", s);
   }
   ucp_address_t* address = nullptr;
   size_t address_bytes = 0;
-  if (ucs_status_t s = ucp_worker_get_address(h.worker, &address, &address_bytes); s != UCS_OK) {
+  if (ucs_status_t s = ucp_worker_get_address(*worker, &address, &address_bytes); s != UCS_OK) {
     return Failed("ucp_worker_get_address", s);
   }
-  plane->address_.assign(reinterpret_cast<const char*>(address), address_bytes);
-  ucp_worker_release_address(h.worker, address);
+  address_out->assign(reinterpret_cast<const char*>(address), address_bytes);
+  ucp_worker_release_address(*worker, address);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start(const std::vector<Region>& regions,
+                                                          Options options) {
+  std::unique_ptr<UcxPlane> plane(new UcxPlane());
+  plane->options_ = options;
+  Handles& h = *plane->ucx_;
+  // Reads: RMA on the registered regions (software RMA over TCP and shared memory arrives as
+  // messages, so the worker is woken by every event).
+  if (absl::Status s =
+          MakeWorker(UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP, &h.context, &h.worker, &plane->address_);
+      !s.ok()) {
+    return s;
+  }
+  // Appends: active messages only, on a context without RMA, whose worker serves no get or
+  // put of anyone's (UCX installs its software RMA handlers only for UCP_FEATURE_RMA): its
+  // address can go to every tenant.
+  if (absl::Status s = MakeWorker(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP, &h.am_context, &h.am_worker,
+                                  &plane->append_address_);
+      !s.ok()) {
+    return s;
+  }
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -101,7 +129,7 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start(const std::vector<Regi
   am.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
   am.cb = &UcxPlane::OnPayload;
   am.arg = plane.get();
-  if (ucs_status_t s = ucp_worker_set_am_recv_handler(h.worker, &am); s != UCS_OK) {
+  if (ucs_status_t s = ucp_worker_set_am_recv_handler(h.am_worker, &am); s != UCS_OK) {
     return Failed("ucp_worker_set_am_recv_handler", s);
   }
   for (const Region& region : regions) {
@@ -139,24 +167,33 @@ absl::StatusOr<std::unique_ptr<UcxPlane>> UcxPlane::Start(const std::vector<Regi
 
 void UcxPlane::Progress() {
   pthread_setname_np(pthread_self(), "kvmem_ucx");
-  int efd = -1;
+  int efd = -1, am_efd = -1;
   if (ucs_status_t s = ucp_worker_get_efd(ucx_->worker, &efd); s != UCS_OK) {
     spdlog::error("--ucx: ucp_worker_get_efd: {}; remote reads over TCP will stall",
                   ucs_status_string(s));
     return;
   }
+  if (ucs_status_t s = ucp_worker_get_efd(ucx_->am_worker, &am_efd); s != UCS_OK) {
+    spdlog::error("--ucx: ucp_worker_get_efd: {}; remote appends will stall", ucs_status_string(s));
+    return;
+  }
+  // At most this many progress calls per worker between two Match calls, so that a stream
+  // of reads cannot keep matching, expiry and cancels from running.
+  constexpr int kProgressPerRound = 256;
   while (true) {
-    while (ucp_worker_progress(ucx_->worker) != 0) {
+    for (int i = 0; i < kProgressPerRound && ucp_worker_progress(ucx_->worker) != 0; ++i) {
+    }
+    for (int i = 0; i < kProgressPerRound && ucp_worker_progress(ucx_->am_worker) != 0; ++i) {
     }
     Match();
-    while (ucp_worker_progress(ucx_->worker) != 0) {
+    for (int i = 0; i < kProgressPerRound && ucp_worker_progress(ucx_->am_worker) != 0; ++i) {
     }
-    const ucs_status_t armed = ucp_worker_arm(ucx_->worker);
-    if (armed == UCS_ERR_BUSY) continue;  // more arrived meanwhile
-    pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {efd, POLLIN, 0}};
-    // Armed: the descriptor wakes this on the next event. A timeout anyway, in case a
-    // transport misses one.
-    if (poll(fds, 2, 100) < 0 && errno != EINTR) {
+    if (ucp_worker_arm(ucx_->worker) == UCS_ERR_BUSY) continue;  // more arrived meanwhile
+    if (ucp_worker_arm(ucx_->am_worker) == UCS_ERR_BUSY) continue;
+    pollfd fds[3] = {{stop_fd_, POLLIN, 0}, {efd, POLLIN, 0}, {am_efd, POLLIN, 0}};
+    // Armed: a descriptor wakes this on the next event. A timeout anyway, in case a
+    // transport misses one (and for the held messages' expiry).
+    if (poll(fds, 3, 100) < 0 && errno != EINTR) {
       spdlog::error("--ucx: poll: {}; remote reads over TCP stop", std::strerror(errno));
       return;
     }
@@ -172,24 +209,31 @@ UcxPlane::~UcxPlane() {
     progress_.join();
   }
   // No call waits any more (the service is gone); what is held or in flight ends here, on
-  // this thread, the worker's only one now.
+  // this thread, the workers' only one now.
   {
     absl::MutexLock lock(&mu_);
     for (auto& [landing, keep] : receiving_) landing->abandoned = true;
     for (auto& [id, landing] : announced_) landing->abandoned = true;
   }
-  if (ucx_->worker != nullptr) {
+  if (ucx_->am_worker != nullptr) {
     for (int i = 0; i < 100; ++i) {
       Match();
-      ucp_worker_progress(ucx_->worker);
+      ucp_worker_progress(ucx_->am_worker);
       absl::MutexLock lock(&mu_);
-      if (receiving_.empty()) break;
+      if (receiving_.empty() && closing_.empty()) break;
     }
-    absl::MutexLock lock(&mu_);
-    for (std::unique_ptr<Held>& held : held_) ucp_am_data_release(ucx_->worker, held->data);
-    held_.clear();
+    std::vector<std::unique_ptr<Held>> held;
+    {
+      absl::MutexLock lock(&mu_);
+      held.swap(held_);
+    }
+    for (std::unique_ptr<Held>& h : held) ucp_am_data_release(ucx_->am_worker, h->data);
   }
+  // A receive still in flight (a sender without peer error handling that stopped sending)
+  // ends with its worker.
   if (stop_fd_ >= 0) close(stop_fd_);
+  if (ucx_->am_worker != nullptr) ucp_worker_destroy(ucx_->am_worker);
+  if (ucx_->am_context != nullptr) ucp_cleanup(ucx_->am_context);
   for (ucp_mem_h memh : ucx_->regions) ucp_mem_unmap(ucx_->context, memh);
   if (ucx_->worker != nullptr) ucp_worker_destroy(ucx_->worker);
   if (ucx_->context != nullptr) ucp_cleanup(ucx_->context);
@@ -202,32 +246,56 @@ ucs_status_t UcxPlane::OnPayload(void* arg, const void* header, size_t header_le
   const bool rendezvous = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   const bool persistent = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
   absl::MutexLock lock(&plane->mu_);
-  bool keep = header_length == sizeof h && (rendezvous || persistent) &&
-              plane->held_.size() < kMaxHeld && !plane->stopping_.load(std::memory_order_relaxed);
+  // A rendezvous message must name its sender's endpoint (UCP_AM_SEND_FLAG_REPLY): a
+  // receive whose call gave up ends by closing it, the only end UCX gives a receive whose
+  // sender stopped sending.
+  const ucp_ep_h ep =
+      (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 ? param->reply_ep : nullptr;
+  bool keep = header_length == sizeof h && (rendezvous ? ep != nullptr : persistent) &&
+              !plane->stopping_.load(std::memory_order_relaxed);
   if (keep) {
     std::memcpy(&h, header, sizeof h);
     keep = h.magic == kPayloadMagic && h.version == 1 && (h.hi | h.lo) != 0;
   }
-  // Eager data that no call has announced yet is held only up to a bound: a client that
-  // announces large payloads sends them by rendezvous (only the header travels first).
-  if (keep && !rendezvous && length > kMaxHeldEagerBytes) {
-    auto it = plane->announced_.find(TransferId{h.hi, h.lo});
-    keep = it != plane->announced_.end();
+  const TransferId id{h.hi, h.lo};
+  if (keep) {
+    // A message its call is waiting for is taken whatever else is held; one that comes
+    // first waits only within the bounds (and eager data of at most kMaxHeldEagerBytes:
+    // a client sends more by rendezvous, where only the header comes first). Its call's
+    // size and state are checked here for eager data, which is all here already.
+    auto it = plane->announced_.find(id);
+    const Landing* waiting = it == plane->announced_.end() ? nullptr : it->second.get();
+    if (waiting == nullptr) {
+      keep = plane->held_.size() < kMaxHeld && (rendezvous || length <= kMaxHeldEagerBytes) &&
+             !plane->refused_.contains(id);
+    } else {
+      keep = !waiting->receiving && !waiting->done && (rendezvous || length == waiting->size);
+    }
   }
   for (size_t i = 0; keep && i < plane->held_.size(); ++i) {
-    keep = !(plane->held_[i]->id == TransferId{h.hi, h.lo});  // a second message of an id
+    keep = !(plane->held_[i]->id == id);  // a second message of an id
   }
-  if (!keep) {
+  std::unique_ptr<Held> held(keep ? new (std::nothrow) Held : nullptr);
+  bool stored = false;
+  if (held != nullptr) {
+    held->id = id;
+    held->data = data;
+    held->length = length;
+    held->rendezvous = rendezvous;
+    held->ep = ep;
+    held->arrived = absl::Now();
+    try {  // nothing may throw through UCX
+      plane->held_.push_back(std::move(held));
+      stored = true;
+    } catch (const std::bad_alloc&) {
+    }
+  }
+  if (!stored) {
     ++plane->counters_.dropped;
-    return UCS_OK;  // UCX releases it
+    // Released (UCX asserts that a handler returns no error: an eager message's status is
+    // not for the sender anyway); a rendezvous sender's request ends, and its call says why.
+    return UCS_OK;
   }
-  auto held = std::make_unique<Held>();
-  held->id = {h.hi, h.lo};
-  held->data = data;
-  held->length = length;
-  held->rendezvous = rendezvous;
-  held->arrived = absl::Now();
-  plane->held_.push_back(std::move(held));
   return UCS_INPROGRESS;  // Match takes it on, after this progress call
 }
 
@@ -244,7 +312,7 @@ void UcxPlane::OnReceived(void* request, ucs_status_t status, size_t length, voi
   ucp_request_free(request);
   if (status == UCS_OK && length != landing->size) status = UCS_ERR_MESSAGE_TRUNCATED;
   plane->Finish(*landing, status == UCS_OK ? absl::OkStatus()
-                                           : absl::UnavailableError(absl::StrCat(
+                                           : absl::AbortedError(absl::StrCat(
                                                  "ucx_payload: receiving the message failed (",
                                                  ucs_status_string(status), ")")));
 }
@@ -270,12 +338,15 @@ void UcxPlane::Match() {
   };
   std::vector<Start> starts;
   std::vector<void*> cancels;
+  std::vector<ucp_ep_h> closes;
   {
     absl::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
+    absl::erase_if(refused_, [&](const auto& r) { return now - r.second > options_.held_ttl; });
     for (size_t i = 0; i < held_.size();) {
       auto it = announced_.find(held_[i]->id);
-      const bool expired = now - held_[i]->arrived > options_.held_ttl;
+      const bool expired =
+          now - held_[i]->arrived > options_.held_ttl || refused_.contains(held_[i]->id);
       if ((it == announced_.end() || it->second->receiving || it->second->done) && !expired) {
         ++i;
         continue;
@@ -283,8 +354,10 @@ void UcxPlane::Match() {
       Start start{std::move(held_[i]), nullptr};
       held_[i] = std::move(held_.back());
       held_.pop_back();
+      bool failed_its_call = false;
       if (it != announced_.end() && !it->second->receiving && !it->second->done) {
         if (start.held->length != it->second->size) {
+          failed_its_call = true;
           Finish(*it->second,
                  absl::InvalidArgumentError(absl::StrCat(
                      "ucx_payload.bytes: the call announced ", it->second->size,
@@ -293,42 +366,110 @@ void UcxPlane::Match() {
           start.landing = it->second;
         }
       }
-      if (start.landing == nullptr) ++counters_.dropped;
+      if (start.landing == nullptr && !failed_its_call) ++counters_.dropped;
       starts.push_back(std::move(start));
     }
     for (auto& [landing, keep] : receiving_) {
       if (landing->abandoned && landing->request != nullptr && !landing->cancel_sent) {
         landing->cancel_sent = true;
         cancels.push_back(landing->request);
+        if (landing->ep != nullptr && !closed_.contains(landing->ep)) {
+          closed_.insert(landing->ep);
+          closes.push_back(landing->ep);
+        }
       }
     }
+    // The messages still held from an endpoint about to close go first (their descriptors
+    // are its).
+    for (size_t i = 0; i < held_.size();) {
+      if (held_[i]->ep == nullptr || !closed_.contains(held_[i]->ep)) {
+        ++i;
+        continue;
+      }
+      starts.push_back({std::move(held_[i]), nullptr});
+      held_[i] = std::move(held_.back());
+      held_.pop_back();
+      ++counters_.dropped;
+    }
   }
-  for (void* request : cancels) ucp_request_cancel(ucx_->worker, request);
+  for (void* request : cancels) ucp_request_cancel(ucx_->am_worker, request);
   for (Start& start : starts) {
+    bool closing;
+    {
+      absl::MutexLock lock(&mu_);
+      closing = start.landing == nullptr && closed_.contains(start.held->ep);
+    }
+    if (closing) {
+      ucp_am_data_release(ucx_->am_worker, start.held->data);
+      start.held.reset();
+    }
+  }
+  // A receive whose call gave up waits for data its sender may never send (a client killed
+  // mid-transfer); cancelling does not end it. Closing the sender's endpoint by force does
+  // (its requests end as cancelled): the sender's other transfers on it fail with it.
+  for (ucp_ep_h ep : closes) {
+    spdlog::warn(
+        "--ucx: closing the endpoint of a sender whose remote append's call gave up with its "
+        "data still coming");
+    ucp_request_param_t close{};
+    close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t closing = ucp_ep_close_nbx(ep, &close);
+    if (closing != nullptr && !UCS_PTR_IS_ERR(closing)) {
+      closing_.push_back({closing, ep});
+    } else {
+      absl::MutexLock lock(&mu_);
+      closed_.erase(ep);
+    }
+  }
+  for (size_t i = 0; i < closing_.size();) {
+    if (ucp_request_check_status(closing_[i].first) == UCS_INPROGRESS) {
+      ++i;
+      continue;
+    }
+    ucp_request_free(closing_[i].first);
+    {
+      absl::MutexLock lock(&mu_);
+      closed_.erase(closing_[i].second);
+    }
+    closing_[i] = closing_.back();
+    closing_.pop_back();
+  }
+  for (Start& start : starts) {
+    if (start.held == nullptr) continue;
     Held& held = *start.held;
     if (start.landing == nullptr) {
-      ucp_am_data_release(ucx_->worker, held.data);
+      ucp_am_data_release(ucx_->am_worker, held.data);
       continue;
     }
     Landing& landing = *start.landing;
+    bool abandoned;
+    {
+      absl::MutexLock lock(&mu_);
+      abandoned = landing.abandoned;  // its call gave up meanwhile
+      if (!abandoned && held.rendezvous) {
+        landing.receiving = true;
+        landing.ep = held.ep;
+        receiving_[&landing] = start.landing;
+      }
+    }
+    if (abandoned) {
+      ucp_am_data_release(ucx_->am_worker, held.data);
+      continue;
+    }
     if (!held.rendezvous) {
       std::memcpy(landing.data.get(), held.data, held.length);
-      ucp_am_data_release(ucx_->worker, held.data);
+      ucp_am_data_release(ucx_->am_worker, held.data);
       absl::MutexLock lock(&mu_);
       Finish(landing, absl::OkStatus());
       continue;
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      landing.receiving = true;
-      receiving_[&landing] = start.landing;
     }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.recv_am = &UcxPlane::OnReceived;
     param.user_data = &landing;
     ucs_status_ptr_t request =
-        ucp_am_recv_data_nbx(ucx_->worker, held.data, landing.data.get(), held.length, &param);
+        ucp_am_recv_data_nbx(ucx_->am_worker, held.data, landing.data.get(), held.length, &param);
     absl::MutexLock lock(&mu_);
     if (request != nullptr && !UCS_PTR_IS_ERR(request)) {
       landing.request = request;  // OnReceived ends it (in a later progress call)
@@ -339,7 +480,7 @@ void UcxPlane::Match() {
     landing.request = nullptr;
     const ucs_status_t status = UCS_PTR_STATUS(request);
     Finish(landing, status == UCS_OK ? absl::OkStatus()
-                                     : absl::UnavailableError(absl::StrCat(
+                                     : absl::AbortedError(absl::StrCat(
                                            "ucx_payload: receiving the message failed (",
                                            ucs_status_string(status), ")")));
   }
@@ -357,7 +498,7 @@ absl::StatusOr<std::shared_ptr<const UcxPlane::Payload>> UcxPlane::Receive(
           "not landed (draw a new id for every transfer)");
     }
   }
-  ucp_worker_signal(ucx_->worker);  // Match, now that the call has come
+  ucp_worker_signal(ucx_->am_worker);  // Match, now that the call has come
   absl::Status status;
   {
     absl::MutexLock lock(&mu_);
@@ -382,15 +523,27 @@ absl::StatusOr<std::shared_ptr<const UcxPlane::Payload>> UcxPlane::Receive(
     }
   }
   if (!status.ok()) {
-    ucp_worker_signal(ucx_->worker);  // a receive in flight is cancelled by Match
+    ucp_worker_signal(ucx_->am_worker);  // a receive in flight is cancelled by Match
     return status;
   }
   return std::shared_ptr<const Payload>(std::move(landing));
 }
 
+void UcxPlane::Refuse(TransferId id) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (refused_.size() >= 4 * kMaxHeld) return;  // bounded; the TTL drops the rest
+    refused_[id] = absl::Now();
+  }
+  ucp_worker_signal(ucx_->am_worker);
+}
+
 UcxPlane::Counters UcxPlane::counters() const {
   absl::MutexLock lock(&mu_);
-  return counters_;
+  Counters c = counters_;
+  c.receiving = receiving_.size();
+  c.held = held_.size();
+  return c;
 }
 
 }  // namespace kvmem::transport

@@ -238,8 +238,7 @@ TEST_P(UcxAppendTest, ACallWhoseMessageNeverComesTimesOutAndChangesNothing) {
   EXPECT_TRUE(absl::IsInvalidArgument(odd.status())) << odd.status();
   auto huge = client_->Append(id, {positions_, {}, k_, v_, {}, {}}, {1, 2, 1ull << 40});
   EXPECT_TRUE(absl::IsInvalidArgument(huge.status())) << huge.status();
-  EXPECT_THAT(std::string(huge.status().message()),
-              ::testing::HasSubstr("--ucx-max-payload-bytes"));
+  EXPECT_THAT(std::string(huge.status().message()), ::testing::HasSubstr("ucx_payload.bytes"));
   EXPECT_EQ(transport::ParseBudget::Process().reserved(), 0u);
 }
 
@@ -314,7 +313,7 @@ class UcxOrderTest : public UcxAppendTest {
   void SetUp() override {
     UcxAppendTest::SetUp();
     if (HasFatalFailure()) return;
-    raw_ = std::make_unique<RawSender>(client_->GetInfo()->ucx.worker_address);
+    raw_ = std::make_unique<RawSender>(client_->GetInfo()->ucx.append_worker_address);
     id_ = Create("full");
     ASSERT_TRUE(AppendRange(id_, 0, 4).ok());
     positions_ = testing::Range(4, 60);
@@ -335,8 +334,8 @@ class UcxOrderTest : public UcxAppendTest {
   }
   double Metric(const std::string& sample) {
     const std::string text = server_->RenderMetrics();
-    const size_t at = text.find(sample + " ");
-    return at == std::string::npos ? -1 : std::stod(text.substr(at + sample.size() + 1));
+    const size_t at = text.find("\n" + sample + " ");  // a sample's line, not its HELP
+    return at == std::string::npos ? -1 : std::stod(text.substr(at + sample.size() + 2));
   }
   std::unique_ptr<RawSender> raw_;
   uint64_t id_ = 0;
@@ -344,7 +343,8 @@ class UcxOrderTest : public UcxAppendTest {
 };
 
 TEST_P(UcxOrderTest, TheMessageFirstThenItsCall) {
-  ucs_status_ptr_t sent = raw_->Post(0x4B564D55, 7, 8, kv_, UCP_AM_SEND_FLAG_RNDV);
+  ucs_status_ptr_t sent =
+      raw_->Post(0x4B564D55, 7, 8, kv_, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY);
   ASSERT_FALSE(UCS_PTR_IS_ERR(sent));
   ASSERT_NE(sent, nullptr);
   // Held as its header only until the call comes: the data stays here.
@@ -364,7 +364,8 @@ TEST_P(UcxOrderTest, TheCallFirstThenItsMessage) {
   std::thread call = Announce(9, 10, kv_.size(), &result);
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ(
-      raw_->Wait(raw_->Post(0x4B564D55, 9, 10, kv_, UCP_AM_SEND_FLAG_RNDV), absl::Seconds(10)),
+      raw_->Wait(raw_->Post(0x4B564D55, 9, 10, kv_, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY),
+                 absl::Seconds(10)),
       UCS_OK);
   call.join();
   ASSERT_TRUE(result.ok()) << result.status();
@@ -377,7 +378,9 @@ TEST_P(UcxOrderTest, AMessageOfAnotherSizeFailsItsCallAndChangesNothing) {
   absl::StatusOr<client::AppendResult> result;
   std::thread call = Announce(11, 12, kv_.size(), &result);
   const std::string shorter = kv_.substr(0, kv_.size() - 2);
-  raw_->Wait(raw_->Post(0x4B564D55, 11, 12, shorter, UCP_AM_SEND_FLAG_RNDV), absl::Seconds(3));
+  raw_->Wait(
+      raw_->Post(0x4B564D55, 11, 12, shorter, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY),
+      absl::Seconds(3));
   call.join();
   EXPECT_TRUE(absl::IsInvalidArgument(result.status())) << result.status();
   EXPECT_THAT(std::string(result.status().message()), ::testing::HasSubstr("ucx_payload.bytes"));
@@ -388,8 +391,8 @@ TEST_P(UcxOrderTest, AMessageOfAnotherSizeFailsItsCallAndChangesNothing) {
 TEST_P(UcxOrderTest, MessagesNobodyCanTakeAreDropped) {
   // A header that is not a payload's; an eager message too large to hold unannounced.
   raw_->Wait(raw_->Post(0xdeadbeef, 1, 2, "abcd", 0), absl::Seconds(3));
-  const std::string large(100 << 10, 'x');
-  raw_->Wait(raw_->Post(0x4B564D55, 3, 4, large, UCP_AM_SEND_FLAG_EAGER), absl::Seconds(3));
+  ASSERT_GT(kv_.size(), client::UcxSender::kRendezvousBytes * 2);  // past the 64 KiB held
+  raw_->Wait(raw_->Post(0x4B564D55, 3, 4, kv_, UCP_AM_SEND_FLAG_EAGER), absl::Seconds(3));
   for (int i = 0;
        i < 50 && Metric("kvmem_ucx_transfers_total{direction=\"in\",result=\"dropped\"}") < 2;
        ++i) {
@@ -398,12 +401,43 @@ TEST_P(UcxOrderTest, MessagesNobodyCanTakeAreDropped) {
   EXPECT_EQ(Metric("kvmem_ucx_transfers_total{direction=\"in\",result=\"dropped\"}"), 2);
   // A call for the eager one's id finds nothing and times out; the daemon goes on.
   absl::StatusOr<client::AppendResult> result;
-  Announce(3, 4, large.size(), &result).join();
-  EXPECT_TRUE(absl::IsInvalidArgument(result.status()) || absl::IsDeadlineExceeded(result.status()))
-      << result.status();
+  Announce(3, 4, kv_.size(), &result).join();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(result.status())) << result.status();
   EXPECT_EQ(client_->GetBlockTable(id_)->streams[0].positions, testing::Range(0, 4));
   ASSERT_TRUE(sender_->Append(*client_, id_, {positions_, {}, k_, v_, {}, {}}).ok());
   ExpectContentMatchesPositions(id_);
+}
+
+TEST_P(UcxOrderTest, ARefusedCallsMessageIsDroppedAtOnce) {
+  ucs_status_ptr_t sent =
+      raw_->Post(0x4B564D55, 13, 14, kv_, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY);
+  ASSERT_FALSE(UCS_PTR_IS_ERR(sent));
+  raw_->Progress(absl::Milliseconds(100));  // held for its call
+  absl::StatusOr<client::AppendResult> result;
+  Announce(13, 14, kv_.size() + 2, &result).join();  // not the positions' K+V: refused
+  EXPECT_TRUE(absl::IsInvalidArgument(result.status())) << result.status();
+  EXPECT_THAT(std::string(result.status().message()), ::testing::HasSubstr("ucx_payload.bytes"));
+  // Dropped at once, not at the end of its 10 s: the sender hears of it.
+  const absl::Time start = absl::Now();
+  EXPECT_NE(raw_->Wait(sent, absl::Seconds(5)), UCS_INPROGRESS);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(Metric("kvmem_ucx_transfers_total{direction=\"in\",result=\"dropped\"}"), 1);
+  EXPECT_EQ(Metric("kvmem_ucx_held_messages"), 0);
+  EXPECT_EQ(client_->GetBlockTable(id_)->streams[0].positions, testing::Range(0, 4));
+}
+
+TEST_P(UcxOrderTest, ASecondMessageOfAnIdIsDroppedAndHeldOnesEndWithTheDaemon) {
+  ucs_status_ptr_t first =
+      raw_->Post(0x4B564D55, 15, 16, kv_, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY);
+  ucs_status_ptr_t second =
+      raw_->Post(0x4B564D55, 15, 16, kv_, UCP_AM_SEND_FLAG_RNDV | UCP_AM_SEND_FLAG_REPLY);
+  EXPECT_NE(raw_->Wait(second, absl::Seconds(5)), UCS_INPROGRESS);
+  EXPECT_EQ(Metric("kvmem_ucx_held_messages"), 1);
+  EXPECT_EQ(Metric("kvmem_ucx_transfers_total{direction=\"in\",result=\"dropped\"}"), 1);
+  // The first stays held; the daemon stops with it (TearDown): no hang, no leak (ASan).
+  EXPECT_EQ(ucp_request_check_status(first), UCS_INPROGRESS);
+  server_.reset();
+  EXPECT_NE(raw_->Wait(first, absl::Seconds(5)), UCS_INPROGRESS);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxOrderTest, ::testing::Values("tcp", "sm,self"),
@@ -436,11 +470,34 @@ TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
     return *client->GetInfo();
   };
   const client::Info alice = info_of("alice-token-0123456789");
-  EXPECT_FALSE(alice.ucx.worker_address.empty());  // for remote appends
+  EXPECT_FALSE(alice.ucx.append_worker_address.empty());  // remote appends
+  EXPECT_TRUE(alice.ucx.worker_address.empty());          // reads: software RMA, unchecked
   EXPECT_TRUE(alice.ucx.pool_rkey.empty());
   EXPECT_TRUE(alice.ucx.epoch_board_rkey.empty());
   EXPECT_EQ(alice.ucx.pool_address, 0u);
   EXPECT_EQ(client::UcxPool::Connect(alice).status().code(), absl::StatusCode::kFailedPrecondition);
+  {  // Alice appends by UCX to her own sequence; ops's is NOT_FOUND to her, nothing taken.
+    client::ClientOptions options;
+    options.auth_token = "alice-token-0123456789";
+    auto alice_client =
+        *client::Client::Connect(absl::StrCat("127.0.0.1:", (*server)->port()), options);
+    options.auth_token = "admin-token-0123456789";
+    auto ops_client =
+        *client::Client::Connect(absl::StrCat("127.0.0.1:", (*server)->port()), options);
+    const client::Layout layout{2, 2, 64, client::DType::kF16, 16, 1000};
+    const uint64_t mine = alice_client->CreateSequence(layout, {"full", {}})->id;
+    const uint64_t theirs = ops_client->CreateSequence(layout, {"full", {}})->id;
+    auto sender = client::UcxSender::Connect(alice);
+    ASSERT_TRUE(sender.ok()) << sender.status();
+    const std::vector<int64_t> positions = testing::Range(0, 20);
+    const std::string k = testing::Payload16(4, 0, 20, 64, 0),
+                      v = testing::Payload16(4, 0, 20, 64, 1);
+    auto appended = (*sender)->Append(*alice_client, mine, {positions, {}, k, v, {}, {}});
+    EXPECT_TRUE(appended.ok()) << appended.status();
+    auto refused = (*sender)->Append(*alice_client, theirs, {positions, {}, k, v, {}, {}});
+    EXPECT_TRUE(absl::IsNotFound(refused.status())) << refused.status();
+    EXPECT_TRUE(ops_client->GetBlockTable(theirs)->streams[0].positions.empty());
+  }
   const client::Info ops = info_of("admin-token-0123456789");
   EXPECT_FALSE(ops.ucx.worker_address.empty());
   EXPECT_FALSE(ops.ucx.pool_rkey.empty());

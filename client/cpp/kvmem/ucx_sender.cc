@@ -23,22 +23,26 @@ struct UcxSender::Handles {
 
 namespace {
 
-// One message in flight: completed by UCX's callback on the progress thread.
-struct Send {
-  absl::Notification done;
-  ucs_status_t status = UCS_OK;
-};
-
-absl::Status Failed(absl::string_view what, ucs_status_t status) {
-  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
-}
-
 // The daemon's header of a payload message (UcxPayload's wire header).
 struct PayloadHeader {
   uint32_t magic = 0x4B564D55;
   uint32_t version = 1;
   uint64_t hi = 0, lo = 0;
 };
+
+// One message in flight: completed by UCX's callback on the progress thread. The header
+// and a joined payload live here, so that a message left in flight (leaked with its Send)
+// never reads freed memory of this side's.
+struct Send {
+  absl::Notification done;
+  ucs_status_t status = UCS_OK;
+  PayloadHeader header;
+  std::string joined;
+};
+
+absl::Status Failed(absl::string_view what, ucs_status_t status) {
+  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
+}
 
 void OnSent(void* request, ucs_status_t status, void* user_data) {
   auto* send = static_cast<Send*>(user_data);
@@ -52,12 +56,12 @@ void OnSent(void* request, ucs_status_t status, void* user_data) {
 UcxSender::UcxSender() : ucx_(std::make_unique<Handles>()) {}
 
 absl::StatusOr<std::unique_ptr<UcxSender>> UcxSender::Connect(const Info& info) {
-  if (info.ucx.worker_address.empty()) {
+  if (info.ucx.append_worker_address.empty()) {
     return absl::FailedPreconditionError(
         "ucx: the daemon runs no UCX worker (kvmemd --ucx), or offers it to nobody");
   }
   std::unique_ptr<UcxSender> sender(new UcxSender());
-  sender->daemon_address_ = info.ucx.worker_address;
+  sender->daemon_address_ = info.ucx.append_worker_address;
   Handles& h = *sender->ucx_;
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
@@ -165,7 +169,9 @@ absl::StatusOr<AppendResult> UcxSender::Append(Client& client, uint64_t sequence
   if (args.k.size() != args.v.size() || args.k.empty()) {
     return absl::InvalidArgumentError("ucx: k and v must be non-empty and of one size");
   }
-  PayloadHeader header;
+  auto owned = std::make_unique<Send>();
+  Send& send = *owned;
+  PayloadHeader& header = send.header;
   uint64_t id[2] = {0, 0};
   while ((id[0] | id[1]) == 0) {
     if (getrandom(id, sizeof id, 0) != static_cast<ssize_t>(sizeof id)) {
@@ -177,26 +183,24 @@ absl::StatusOr<AppendResult> UcxSender::Append(Client& client, uint64_t sequence
   const UcxTransfer transfer{id[0], id[1], args.k.size() + args.v.size()};
   // K and V contiguous when they lie so (one buffer: UCX's zero-copy rendezvous takes
   // contiguous buffers only), else joined here.
-  std::string joined;
   const char* payload = args.k.data();
   if (args.v.data() != args.k.data() + args.k.size()) {
-    joined.reserve(args.k.size() + args.v.size());
-    joined.append(args.k).append(args.v);
-    payload = joined.data();
+    send.joined.reserve(args.k.size() + args.v.size());
+    send.joined.append(args.k).append(args.v);
+    payload = send.joined.data();
   }
-  auto owned = std::make_unique<Send>();
-  Send& send = *owned;
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status s = OpenLocked(); !s.ok()) return s;
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &OnSent;
     param.user_data = &send;
-    if (transfer.bytes > kRendezvousBytes) {
-      param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-      param.flags = UCP_AM_SEND_FLAG_RNDV;
-    }
+    // The daemon takes a rendezvous message only with this endpoint named (REPLY): it ends
+    // a receive whose call gave up by closing it.
+    param.flags = UCP_AM_SEND_FLAG_REPLY;
+    if (transfer.bytes > kRendezvousBytes) param.flags |= UCP_AM_SEND_FLAG_RNDV;
     ucs_status_ptr_t request =
         ucp_am_send_nbx(ucx_->ep, 1, &header, sizeof header, payload, transfer.bytes, &param);
     if (UCS_PTR_IS_ERR(request)) {
@@ -208,14 +212,16 @@ absl::StatusOr<AppendResult> UcxSender::Append(Client& client, uint64_t sequence
   ucp_worker_signal(ucx_->worker);  // the progress thread serves it from here
   absl::StatusOr<AppendResult> result = client.Append(sequence_id, args, transfer, table);
   // Answered OK: the daemon has the data, so the message completes at once. Failed: the
-  // daemon dropped it or is gone; a message still pending is cancelled with its endpoint.
-  if (!send.done.WaitForNotificationWithTimeout(result.ok() ? absl::Seconds(5)
-                                                            : absl::Milliseconds(0))) {
+  // daemon dropped the message (a refused call's at once, its sender told) or is gone; one
+  // still pending after a grace is cancelled with the endpoint (other threads' messages on
+  // it fail too, and the next Append opens a new one).
+  if (!send.done.WaitForNotificationWithTimeout(absl::Seconds(result.ok() ? 5 : 2))) {
     absl::MutexLock lock(&mu_);
     CloseLocked();  // cancels it: its callback runs in the close's progress
   }
   if (!send.done.WaitForNotificationWithTimeout(absl::Seconds(5))) {
-    // Neither completed nor cancelled: its state is left to it (leaked), the sender broken.
+    // Neither completed nor cancelled: its state is left to it (leaked, with the header and
+    // any joined copy; the caller's k and v are the caller's), the sender broken.
     broken_.store(true, std::memory_order_relaxed);
     (void)owned.release();
     return absl::UnavailableError("ucx: a message neither completed nor was cancelled");
