@@ -259,17 +259,18 @@ ucs_status_t UcxPlane::OnPayload(void* arg, const void* header, size_t header_le
   }
   const TransferId id{h.hi, h.lo};
   if (keep) {
-    // A message its call is waiting for is taken whatever else is held; one that comes
-    // first waits only within the bounds (and eager data of at most kMaxHeldEagerBytes:
-    // a client sends more by rendezvous, where only the header comes first). Its call's
-    // size and state are checked here for eager data, which is all here already.
+    // A message its call is waiting for is taken whatever else is held (Match, right after
+    // this progress call, fails the call if the size is not the announced one); one that
+    // comes first waits only within the bounds (and eager data of at most
+    // kMaxHeldEagerBytes: a client sends more by rendezvous, where only the header comes
+    // first).
     auto it = plane->announced_.find(id);
     const Landing* waiting = it == plane->announced_.end() ? nullptr : it->second.get();
     if (waiting == nullptr) {
       keep = plane->held_.size() < kMaxHeld && (rendezvous || length <= kMaxHeldEagerBytes) &&
              !plane->refused_.contains(id);
     } else {
-      keep = !waiting->receiving && !waiting->done && (rendezvous || length == waiting->size);
+      keep = !waiting->receiving && !waiting->done;
     }
   }
   for (size_t i = 0; keep && i < plane->held_.size(); ++i) {
@@ -304,7 +305,10 @@ void UcxPlane::OnReceived(void* request, ucs_status_t status, size_t length, voi
   UcxPlane* plane = landing->plane;
   absl::MutexLock lock(&plane->mu_);
   auto it = plane->receiving_.find(landing);
-  if (it == plane->receiving_.end()) return;
+  if (it == plane->receiving_.end()) {  // not posted by Match (cannot happen): freed anyway
+    ucp_request_free(request);
+    return;
+  }
   std::shared_ptr<Landing> keep = std::move(it->second);
   plane->receiving_.erase(it);
   landing->receiving = false;

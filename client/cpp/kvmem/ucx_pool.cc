@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvmem/ucx_worker.h"
 
 namespace kvmem::client {
 
@@ -20,9 +21,7 @@ struct UcxPool::Handles {
 
 namespace {
 
-absl::Status Failed(absl::string_view what, ucs_status_t status) {
-  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
-}
+using ucx::Failed;
 
 // Waits for `request` (a ucp request, or an immediate status) within `deadline`; past it,
 // returns UCS_ERR_TIMED_OUT with the request still in flight in `*pending` (the caller ends
@@ -67,35 +66,19 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
   std::unique_ptr<UcxPool> pool(new UcxPool());
   pool->deadline_ = deadline;
   Handles& h = *pool->ucx_;
-  ucp_config_t* config = nullptr;
-  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
-    return Failed("ucp_config_read", s);
+  if (absl::Status s = ucx::MakeWorker(UCP_FEATURE_RMA, UCS_THREAD_MODE_SINGLE,  // under mu_
+                                       &h.context, &h.worker);
+      !s.ok()) {
+    return s;
   }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA;
-  const ucs_status_t init = ucp_init(&params, config, &h.context);
-  ucp_config_release(config);
-  if (init != UCS_OK) return Failed("ucp_init", init);
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // under mu_
-  if (ucs_status_t s = ucp_worker_create(h.context, &worker_params, &h.worker); s != UCS_OK) {
-    return Failed("ucp_worker_create", s);
-  }
-  ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep_params.address = reinterpret_cast<const ucp_address_t*>(info.ucx.worker_address.data());
   // A peer that goes away fails the requests in flight instead of hanging them, where the
   // transports can tell (TCP); shared memory cannot, and there a read that outlasts the
   // deadline ends the pool instead.
-  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ucs_status_t created = ucp_ep_create(h.worker, &ep_params, &h.ep);
-  if (created == UCS_ERR_UNREACHABLE) {
-    ep_params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    created = ucp_ep_create(h.worker, &ep_params, &h.ep);
+  bool peer_errors = false;
+  if (absl::Status s = ucx::Connect(h.worker, info.ucx.worker_address, &h.ep, &peer_errors);
+      !s.ok()) {
+    return s;
   }
-  if (created != UCS_OK) return Failed("ucp_ep_create", created);
   if (ucs_status_t s = ucp_ep_rkey_unpack(h.ep, info.ucx.pool_rkey.data(), &h.pool); s != UCS_OK) {
     return Failed("the pool's rkey", s);
   }

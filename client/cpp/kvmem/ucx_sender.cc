@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "kvmem/ucx_worker.h"
 
 namespace kvmem::client {
 
@@ -40,10 +41,6 @@ struct Send {
   std::string joined;
 };
 
-absl::Status Failed(absl::string_view what, ucs_status_t status) {
-  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(status)));
-}
-
 void OnSent(void* request, ucs_status_t status, void* user_data) {
   auto* send = static_cast<Send*>(user_data);
   send->status = status;
@@ -63,24 +60,14 @@ absl::StatusOr<std::unique_ptr<UcxSender>> UcxSender::Connect(const Info& info) 
   std::unique_ptr<UcxSender> sender(new UcxSender());
   sender->daemon_address_ = info.ucx.append_worker_address;
   Handles& h = *sender->ucx_;
-  ucp_config_t* config = nullptr;
-  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
-    return Failed("ucp_config_read", s);
-  }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-  const ucs_status_t init = ucp_init(&params, config, &h.context);
-  ucp_config_release(config);
-  if (init != UCS_OK) return Failed("ucp_init", init);
-  ucp_worker_params_t worker_params{};
-  worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // under mu_
-  if (ucs_status_t s = ucp_worker_create(h.context, &worker_params, &h.worker); s != UCS_OK) {
-    return Failed("ucp_worker_create", s);
+  // Serialized: every use is under mu_ (the caller's sends, the progress thread).
+  if (absl::Status s = ucx::MakeWorker(UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                                       UCS_THREAD_MODE_SERIALIZED, &h.context, &h.worker);
+      !s.ok()) {
+    return s;
   }
   if (ucs_status_t s = ucp_worker_get_efd(h.worker, &h.efd); s != UCS_OK) {
-    return Failed("ucp_worker_get_efd", s);
+    return ucx::Failed("ucp_worker_get_efd", s);
   }
   {
     absl::MutexLock lock(&sender->mu_);
@@ -96,32 +83,20 @@ absl::StatusOr<std::unique_ptr<UcxSender>> UcxSender::Connect(const Info& info) 
 
 absl::Status UcxSender::OpenLocked() {
   if (ucx_->ep != nullptr) return absl::OkStatus();
-  ucp_ep_params_t ep_params{};
-  ep_params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  ep_params.address = reinterpret_cast<const ucp_address_t*>(daemon_address_.data());
   // A daemon that goes away fails the sends in flight where the transport can tell (TCP).
-  ep_params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  ucs_status_t created = ucp_ep_create(ucx_->worker, &ep_params, &ucx_->ep);
-  if (created == UCS_ERR_UNREACHABLE) {
-    ep_params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    created = ucp_ep_create(ucx_->worker, &ep_params, &ucx_->ep);
-  }
-  if (created != UCS_OK) {
-    ucx_->ep = nullptr;
-    return Failed("ucp_ep_create", created);
-  }
-  return absl::OkStatus();
+  return ucx::Connect(ucx_->worker, daemon_address_, &ucx_->ep, &peer_errors_);
 }
 
 void UcxSender::CloseLocked() {
   if (ucx_->ep == nullptr) return;
   ucp_request_param_t close{};
   close.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  close.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  // By force (what is in flight is cancelled) only with peer error handling, where UCX
+  // defines it; else flushed (what is in flight completes first), for a second at most.
+  close.flags = peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t closing = ucp_ep_close_nbx(ucx_->ep, &close);
   ucx_->ep = nullptr;
   if (closing == nullptr || UCS_PTR_IS_ERR(closing)) return;
-  // A forced close completes without the peer; progress until it has.
   const absl::Time end = absl::Now() + absl::Seconds(1);
   while (ucp_request_check_status(closing) == UCS_INPROGRESS && absl::Now() < end) {
     ucp_worker_progress(ucx_->worker);
@@ -205,21 +180,31 @@ absl::StatusOr<AppendResult> UcxSender::Append(Client& client, uint64_t sequence
         ucp_am_send_nbx(ucx_->ep, 1, &header, sizeof header, payload, transfer.bytes, &param);
     if (UCS_PTR_IS_ERR(request)) {
       CloseLocked();
-      return Failed("ucp_am_send_nbx", UCS_PTR_STATUS(request));
+      return ucx::Failed("ucp_am_send_nbx", UCS_PTR_STATUS(request));
     }
     if (request == nullptr) send.done.Notify();  // sent at once (callback not called)
   }
   ucp_worker_signal(ucx_->worker);  // the progress thread serves it from here
   absl::StatusOr<AppendResult> result = client.Append(sequence_id, args, transfer, table);
   // Answered OK: the daemon has the data, so the message completes at once. Failed: the
-  // daemon dropped the message (a refused call's at once, its sender told) or is gone; one
-  // still pending after a grace is cancelled with the endpoint (other threads' messages on
-  // it fail too, and the next Append opens a new one).
-  if (!send.done.WaitForNotificationWithTimeout(absl::Seconds(result.ok() ? 5 : 2))) {
+  // daemon dropped the message (a refused call's at once; any within 10 s) or is gone. One
+  // still pending after a grace is cancelled by closing the endpoint by force, where it has
+  // peer error handling (other threads' messages on it fail too; the next Append opens a
+  // new one); UCX leaves a forced close undefined without it (shared memory), so there the
+  // sender waits out the daemon's 10 s and, failing that, is left broken.
+  bool peer_errors;
+  {
+    absl::MutexLock lock(&mu_);
+    peer_errors = peer_errors_;
+  }
+  const absl::Duration grace =
+      result.ok() ? absl::Seconds(5) : (peer_errors ? absl::Seconds(2) : absl::Seconds(11));
+  if (!send.done.WaitForNotificationWithTimeout(grace) && peer_errors) {
     absl::MutexLock lock(&mu_);
     CloseLocked();  // cancels it: its callback runs in the close's progress
   }
-  if (!send.done.WaitForNotificationWithTimeout(absl::Seconds(5))) {
+  if (!send.done.WaitForNotificationWithTimeout(peer_errors ? absl::Seconds(5)
+                                                            : absl::ZeroDuration())) {
     // Neither completed nor cancelled: its state is left to it (leaked, with the header and
     // any joined copy; the caller's k and v are the caller's), the sender broken.
     broken_.store(true, std::memory_order_relaxed);

@@ -46,12 +46,14 @@ class UcxSender {
   void Progress();
   // Opens the endpoint to the daemon's worker if there is none.
   absl::Status OpenLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Closes the endpoint by force (cancelling what is in flight on it).
+  // Closes the endpoint: by force with peer error handling (cancelling what is in flight on
+  // it), else flushed within a second.
   void CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::unique_ptr<Handles> ucx_;
   std::string daemon_address_;
-  mutable absl::Mutex mu_;  // every use of the worker
+  mutable absl::Mutex mu_;                         // every use of the worker
+  bool peer_errors_ ABSL_GUARDED_BY(mu_) = false;  // the endpoint has peer error handling
   std::atomic<bool> stop_{false};
   int stop_fd_ = -1;
   std::thread progress_;
