@@ -14,6 +14,7 @@
 //   KvReader          ReadKV in pieces                              (kv_reader.h)
 //   Tenants           a cache salt's pool quota                     (tenants.h)
 //   WritePlans        where in-place K/V goes, and its commits      (write_plans.h)
+//   SequenceImport    a sequence moved here from another kvmemd     (sequence_move.h)
 // Who calls whom (nothing calls the Engine back): BatchRunner -> AppendSession, input
 // checks, PolicyDriver; PolicyDriver -> DecisionApplier -> TableVersions; AppendSession ->
 // PrefixPublisher, TableVersions, HostBudget; every room -> SequenceRegistry (lookups,
@@ -48,6 +49,7 @@
 #include "server/engine/layout.h"
 #include "server/engine/policy_driver.h"
 #include "server/engine/prefix_publisher.h"
+#include "server/engine/sequence_move.h"
 #include "server/engine/sequence_registry.h"
 #include "server/engine/table_versions.h"
 #include "server/engine/telemetry.h"
@@ -177,6 +179,26 @@ class Engine {
   // without the epoch: equal before and after a call exactly when the call changed nothing
   // a later call could see. For tests (state fingerprints around failures).
   absl::StatusOr<std::string> Fingerprint(uint64_t sequence_id);
+
+  // A sequence moved to or from another kvmemd (sequence_move.h). The holder's side:
+  // BeginExport freezes the sequence for `hold` and describes it (`scores`: each stream's,
+  // none when its policy keeps none); ExportPiece fills the piece at `cursor` and advances
+  // it (false: none left; ABORTED once the export ended or its hold lapsed); FinishExport
+  // releases the sequence (`moved`: the receiver committed; ABORTED when the hold lapsed
+  // first) or unfreezes it.
+  absl::StatusOr<MovedHeader> BeginExport(uint64_t sequence_id, absl::Duration hold,
+                                          std::vector<std::vector<float>>* scores);
+  absl::StatusOr<bool> ExportPiece(uint64_t sequence_id, uint64_t export_id,
+                                   const std::vector<std::vector<float>>& scores,
+                                   ExportCursor* cursor, MovedPiece* piece);
+  absl::StatusOr<uint64_t> FinishExport(uint64_t sequence_id, uint64_t export_id, bool moved);
+  // The receiver's side: an import of the header's sequence for `owner` (the authenticated
+  // tenant, "" for none; the header's salt checked against it by the caller), its host
+  // memory and tenant held; its pieces come through SequenceImport::Add; CommitImport makes
+  // it a sequence with `lease`.
+  absl::StatusOr<std::unique_ptr<SequenceImport>> BeginImport(MovedHeader header,
+                                                              const std::string& owner);
+  absl::StatusOr<CreateResult> CommitImport(SequenceImport& import, absl::Duration lease);
 
  private:
   Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backend,

@@ -141,13 +141,36 @@ void Stream::RecordChange(uint64_t version, size_t old_size, size_t touched_from
 
 void Stream::AdoptFrom(const Stream& other, uint64_t version) {
   *this = other;
+  StartTable(version);
+}
+
+void Stream::LoadMoved(std::vector<StreamBlock> blocks, uint64_t version,
+                       std::vector<int64_t> positions, std::vector<float> history,
+                       std::vector<float> token_entropy, std::vector<float> layer_distance,
+                       std::vector<int64_t> arrival_steps) {
+  Stream loaded;
+  loaded.token_signals_ = token_signals_;
+  loaded.arrival_steps_ = arrival_steps_;
+  loaded.positions_.Assign(std::move(positions));
+  loaded.history_.Assign(std::move(history));
+  if (token_signals_) {
+    loaded.token_entropy_.Assign(std::move(token_entropy));
+    loaded.layer_distance_.Assign(std::move(layer_distance));
+  }
+  if (arrival_steps_) loaded.arrival_step_.Assign(std::move(arrival_steps));
+  loaded.SwapBlocks(blocks, version);  // keeps the KV byte tally
+  loaded.StartTable(version);
+  *this = std::move(loaded);
+}
+
+void Stream::StartTable(uint64_t version) {
   for (StreamBlock& b : blocks_) {
     b.version = version;
     b.published_index[0] = b.published_index[1] = 0;
   }
   reindex_from_[0] = reindex_from_[1] = 0;
   changed_version_ = version;
-  // The other stream's history says nothing of this one's.
+  // Another stream's history says nothing of this one's.
   untouched_ = {};
   untouched_base_ = marked_version_ = 0;
   run_fresh_ = true;

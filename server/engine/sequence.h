@@ -128,6 +128,15 @@ class Stream {
   // stamped `version` and no index published yet (a shared compressed document mapped
   // into a new sequence). May throw; call it before the sequence is visible.
   void AdoptFrom(const Stream& other, uint64_t version);
+  // Becomes a stream moved from another kvmemd (sequence_move.h): its slots' values as they
+  // were there, and `blocks` (this daemon's ids) as a new table stamped `version` with no
+  // index published yet. The caller has checked that each column holds one value per slot
+  // (history: history_rows; the token signals and arrival steps only where this stream
+  // keeps them) and that the blocks' runs hold every slot. May throw (then nothing
+  // changed); call it before the sequence is visible.
+  void LoadMoved(std::vector<StreamBlock> blocks, uint64_t version, std::vector<int64_t> positions,
+                 std::vector<float> history, std::vector<float> token_entropy,
+                 std::vector<float> layer_distance, std::vector<int64_t> arrival_steps);
   // Host bytes of the per-slot vectors and the block list, by capacity.
   uint64_t host_bytes() const;
 
@@ -137,6 +146,9 @@ class Stream {
   // Updates the untouched run and the changed versions.
   void RecordChange(uint64_t version, size_t old_size, size_t touched_from, size_t to,
                     ptrdiff_t moved);
+  // Makes the list a new table of its own stamped `version`: no index published, no
+  // history of changes (AdoptFrom, LoadMoved).
+  void StartTable(uint64_t version);
   // Calls f(column, values per slot) on each per-slot column: what Reserve and KeepSlots
   // do to one, they do to all.
   template <typename F>
@@ -417,6 +429,25 @@ class Sequence {
   const PrefixState& prefix() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return prefix_; }
   PrefixState& mutable_prefix() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return prefix_; }
 
+  // A sequence moved here from another kvmemd (sequence_move.h) takes the holder's token
+  // ids, last position, appended tokens, steps and policy mark.
+  void AdoptMoved(std::vector<int32_t> token_ids, int64_t last_position, uint64_t appended,
+                  uint64_t steps, int64_t policy_mark) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    token_ids_ = std::move(token_ids);
+    last_position_ = last_position;
+    appended_ = appended;
+    steps_ = steps;
+    policy_mark_ = policy_mark;
+  }
+  // A move to another kvmemd in progress (Engine::BeginExport): its id, and until when
+  // (the registry clock's Unix ns) the sequence is frozen for it. id 0: none.
+  struct MoveExport {
+    uint64_t id = 0;
+    int64_t until_ns = 0;
+  };
+  const MoveExport& move_export() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return move_export_; }
+  void set_move_export(MoveExport e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { move_export_ = e; }
+
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   // KV bytes held (ALGORITHMS.md): retained slots x 2 (K,V) x bytes per element, plus the
@@ -476,6 +507,7 @@ class Sequence {
   mutable std::atomic<uint64_t> answered_version_{0};
   int newest_published_ ABSL_GUARDED_BY(mu) = 0;
   PrefixState prefix_ ABSL_GUARDED_BY(mu);
+  MoveExport move_export_ ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace kvmem::engine

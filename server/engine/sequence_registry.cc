@@ -113,6 +113,18 @@ absl::Status SequenceRegistry::NotAppending(const Sequence& seq) {
                    " has an AppendStream open; other changes wait until it ends"));
 }
 
+absl::Status SequenceRegistry::NotMoving(const Sequence& seq) const {
+  const Sequence::MoveExport& e = seq.move_export();
+  if (e.id == 0) return absl::OkStatus();
+  const int64_t left_ns = e.until_ns - absl::ToUnixNanos(clock_->Now());
+  if (left_ns <= 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sequence_id: sequence ", seq.id(),
+      " is being moved to another kvmemd (ExportSequence); changes wait until the move ends "
+      "(FinishExport, or its hold lapses in ",
+      (left_ns + 999'999'999) / 1'000'000'000, " s)"));
+}
+
 absl::StatusOr<SequenceRef> SequenceRegistry::Lock(uint64_t sequence_id) {
   absl::StatusOr<SequenceRef> found = Find(sequence_id);
   if (!found.ok()) return found.status();
@@ -130,6 +142,7 @@ absl::StatusOr<SequenceRef> SequenceRegistry::LockForChange(uint64_t sequence_id
   Sequence& seq = **ref;
   seq.mu.AssertHeld();  // locked by Lock
   if (absl::Status s = NotAppending(seq); !s.ok()) return s;
+  if (absl::Status s = NotMoving(seq); !s.ok()) return s;
   return ref;
 }
 

@@ -69,12 +69,15 @@ class SequenceRegistry {
   // DATA_LOSS if it was poisoned.
   absl::StatusOr<SequenceRef> Lock(uint64_t sequence_id);
   // Lock() for a call that changes the sequence: also FAILED_PRECONDITION while an
-  // AppendSession is open on it.
+  // AppendSession is open on it or while it is frozen for a move (NotMoving).
   absl::StatusOr<SequenceRef> LockForChange(uint64_t sequence_id);
   // The error for a locked sequence that can no longer serve (released or poisoned).
   static absl::Status Unusable(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
   // FAILED_PRECONDITION while an AppendSession is open on the sequence.
   static absl::Status NotAppending(const Sequence& seq) ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // FAILED_PRECONDITION while the sequence is frozen for a move to another kvmemd
+  // (Sequence::move_export, until its hold lapses).
+  absl::Status NotMoving(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
 
   // A requested lease checked against the limits; zero asks for the default.
   absl::StatusOr<absl::Duration> ResolveLease(absl::Duration lease) const;

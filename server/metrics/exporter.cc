@@ -214,6 +214,30 @@ std::vector<MetricFamily> Collector::Collect() const {
                               MetricType::Histogram),
                      p.seconds, {});
   }
+  {  // MoveSequence (0 without --cluster-peers)
+    MoveTotals m;
+    if (moves_) {
+      m = moves_();
+    } else {
+      m.seconds = engine::Histogram(engine::LatencyBounds()).Read();
+    }
+    MetricFamily& moves = f.Family(
+        "kvmem_sequence_moves_total",
+        "MoveSequence calls past their request's checks, by result: moved (the sequence is "
+        "here and the holder released it), unreleased (here, the holder's release unconfirmed), "
+        "failed (it stayed with the holder)",
+        MetricType::Counter);
+    const std::pair<const char*, uint64_t> results[] = {
+        {"moved", m.moved - m.unreleased}, {"unreleased", m.unreleased}, {"failed", m.failed}};
+    for (const auto& [result, n] : results) {
+      Families::Sample(moves, static_cast<double>(n), {{"result", result}});
+    }
+    f.Counter("kvmem_sequence_moved_bytes_total", "block bytes of sequences moved here",
+              static_cast<double>(m.bytes));
+    Families::Sample(f.Family("kvmem_sequence_move_seconds",
+                              "a MoveSequence call, whatever its end", MetricType::Histogram),
+                     m.seconds, {});
+  }
   f.Counter("kvmem_pool_moved_bytes_total",
             "pool bytes moved by compaction, merges and copy-on-write",
             static_cast<double>(s.bytes_moved));

@@ -59,6 +59,15 @@ struct PullTotals {
   engine::Histogram::Snapshot seconds;  // a pull, whatever its end
 };
 
+// What MoveSequence has done (service/sequence_move.h): moves into this node.
+struct MoveTotals {
+  uint64_t moved = 0;                   // sequences moved here
+  uint64_t failed = 0;                  // moves that failed (the holder, a check, a limit)
+  uint64_t unreleased = 0;              // moved, but the holder's answer to its release was lost
+  uint64_t bytes = 0;                   // block bytes moved here
+  engine::Histogram::Snapshot seconds;  // a move, whatever its end
+};
+
 // What kvmemd's UCX worker (transport/ucx_plane.h) has taken in: remote appends' payloads.
 // (Remote reads are one-sided RMA gets that kvmemd does not see.)
 struct UcxTotals {
@@ -79,6 +88,8 @@ class Collector final : public prometheus::Collectable {
   void set_kv_events(std::function<KvEventTotals()> read) { kv_events_ = std::move(read); }
   // The same for PullPrefix (unset: all 0).
   void set_pulls(std::function<PullTotals()> read) { pulls_ = std::move(read); }
+  // The same for MoveSequence (unset: all 0).
+  void set_moves(std::function<MoveTotals()> read) { moves_ = std::move(read); }
   // The same for the UCX worker (unset: all 0).
   void set_ucx(std::function<UcxTotals()> read) { ucx_ = std::move(read); }
   // The same for the cluster index (unset: all 0).
@@ -93,6 +104,7 @@ class Collector final : public prometheus::Collectable {
   std::function<KvEventTotals()> kv_events_;
   std::function<ClusterIndexTotals()> cluster_index_;
   std::function<PullTotals()> pulls_;
+  std::function<MoveTotals()> moves_;
   std::function<UcxTotals()> ucx_;
 };
 

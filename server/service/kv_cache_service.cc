@@ -315,6 +315,9 @@ void KvCacheService::RegisterMethods() {
   AddUnary("Publish", &KvCacheService::Publish);
   AddUnary("Lookup", &KvCacheService::Lookup);
   AddUnary("PullPrefix", &KvCacheService::PullPrefix);
+  AddUnary("MoveSequence", &KvCacheService::MoveSequence);
+  AddServerStreaming("ExportSequence", &KvCacheService::ExportSequence);
+  AddUnary("FinishExport", &KvCacheService::FinishExport);
   AddUnary("Release", &KvCacheService::Release);
   AddUnary("KeepAlive", &KvCacheService::KeepAlive);
   AddUnary("Stats", &KvCacheService::Stats);

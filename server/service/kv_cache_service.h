@@ -21,6 +21,7 @@
 #include "server/service/parsed.h"
 #include "server/service/prefix_pull.h"
 #include "server/service/request_cache.h"
+#include "server/service/sequence_move.h"
 #include "server/transport/attach_socket.h"
 #include "server/transport/parse_cost.h"
 #include "server/transport/remote_payload.h"
@@ -89,6 +90,8 @@ class KvCacheService final : public grpc::Service {
   void set_cluster_index(ClusterIndex* index) { cluster_index_ = index; }
   // What PullPrefix pulls with (null: refused). Set before serving.
   void set_prefix_puller(PrefixPuller* puller) { puller_ = puller; }
+  // What MoveSequence moves with (null: refused). Set before serving.
+  void set_sequence_mover(SequenceMover* mover) { mover_ = mover; }
 
   // Remote appends' payloads: announcement to landed.
   engine::Histogram::Snapshot ucx_payload_seconds() const { return ucx_payload_seconds_.Read(); }
@@ -128,6 +131,13 @@ class KvCacheService final : public grpc::Service {
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*);
   grpc::Status PullPrefix(grpc::ServerContext*, const v1::PullPrefixRequest*,
                           v1::PullPrefixResponse*);
+  // Daemon to daemon (sequence_move.cc).
+  grpc::Status MoveSequence(grpc::ServerContext*, const v1::MoveSequenceRequest*,
+                            v1::MoveSequenceResponse*);
+  grpc::Status ExportSequence(grpc::ServerContext*, const v1::ExportSequenceRequest*,
+                              grpc::ServerWriterInterface<v1::ExportSequenceResponse>*);
+  grpc::Status FinishExport(grpc::ServerContext*, const v1::FinishExportRequest*,
+                            v1::FinishExportResponse*);
   grpc::Status Release(grpc::ServerContext*, const v1::ReleaseRequest*, v1::ReleaseResponse*);
   grpc::Status KeepAlive(grpc::ServerContext*, const v1::KeepAliveRequest*, v1::KeepAliveResponse*);
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*);
@@ -249,6 +259,7 @@ class KvCacheService final : public grpc::Service {
   transport::UcxPlane* ucx_ = nullptr;
   ClusterIndex* cluster_index_ = nullptr;
   PrefixPuller* puller_ = nullptr;
+  SequenceMover* mover_ = nullptr;
 };
 
 }  // namespace kvmem::service

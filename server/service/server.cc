@@ -232,6 +232,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
         config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency);
   }
+  if (!config.cluster_peers.empty()) {
+    if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
+      return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
+    }
+    server->mover_ = std::make_unique<SequenceMover>(server->engine_.get(), config.cluster_peers,
+                                                     config.cluster_pull_max_bytes,
+                                                     config.cluster_pull_concurrency);
+  }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.
   if (std::optional<store::PoolExport> exported = server->engine_->backend().pool_export()) {
@@ -287,6 +295,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->service_->set_ucx(ucx);
   server->service_->set_cluster_index(server->cluster_index_.get());
   server->service_->set_prefix_puller(server->puller_.get());
+  server->service_->set_sequence_mover(server->mover_.get());
 
   transport::SegmentGuard::Install();  // step channels' segments may shrink under a read
   grpc::EnableDefaultHealthCheckService(true);
@@ -329,6 +338,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   }
   if (server->puller_) {
     server->collector_->set_pulls([puller = server->puller_.get()] { return puller->totals(); });
+  }
+  if (server->mover_) {
+    server->collector_->set_moves([mover = server->mover_.get()] { return mover->totals(); });
   }
 #if KVMEM_WITH_UCX
   if (server->ucx_) {
@@ -465,6 +477,7 @@ Server::~Server() {
   exporter_.reset();
   if (engine_ != nullptr) engine_->set_index_events(nullptr);
   puller_.reset();
+  mover_.reset();
   cluster_index_.reset();
 }
 

@@ -19,6 +19,7 @@
 #include "server/service/cluster_index.h"
 #include "server/service/kv_events.h"
 #include "server/service/prefix_pull.h"
+#include "server/service/sequence_move.h"
 #include "server/transport/attach_socket.h"
 #if KVMEM_WITH_UCX
 #include "server/transport/ucx_plane.h"
@@ -128,6 +129,7 @@ class Server {
   std::unique_ptr<KvEventPublisher> kv_events_;
   std::unique_ptr<ClusterIndex> cluster_index_;
   std::unique_ptr<PrefixPuller> puller_;
+  std::unique_ptr<SequenceMover> mover_;
   prefix::IndexEventsFanout index_events_;
   std::unique_ptr<engine::Engine> engine_;
   // Before the service and the gRPC server, so that it outlives the interceptors and the

@@ -569,6 +569,27 @@ absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, std::optional<absl::
                   r.epoch(),       r.table_version()};
 }
 
+absl::StatusOr<Client::Moved> Client::MoveSequence(const std::string& from_node,
+                                                   uint64_t sequence_id,
+                                                   std::optional<absl::Duration> lease) {
+  v1::MoveSequenceRequest q;
+  q.set_from_node(from_node);
+  q.set_sequence_id(sequence_id);
+  if (lease) ToProto(*lease, q.mutable_lease());
+  q.set_request_id(NewRequestId());
+  v1::MoveSequenceResponse r;
+  absl::Status s =
+      impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->MoveSequence(&c, q, &r); });
+  if (!s.ok()) return s;
+  impl_->RecordPolicy(this, r.sequence_id(), r.policy());
+  Moved moved;
+  moved.sequence = Sequence{r.sequence_id(), FromProto(r.lease()), 0, r.epoch_slot(),
+                            r.epoch(),       r.table_version()};
+  moved.bytes = r.bytes();
+  moved.source_released = r.source_released();
+  return moved;
+}
+
 absl::StatusOr<uint64_t> Client::Release(uint64_t sequence_id) {
   v1::ReleaseRequest q;
   q.set_sequence_id(sequence_id);

@@ -491,6 +491,18 @@ class Client {
   // with the prompt maps.
   absl::StatusOr<uint64_t> PullPrefix(const Layout& layout, const Prompt& prompt,
                                       const std::string& from_node = "");
+  // Moves sequence `sequence_id` of another node of kvmemd's fleet (`from_node`, one of its
+  // --cluster-peers) to this kvmemd, whole: blocks at their precision, scores and history,
+  // so that its next Step decides what the holder's would have. Returns the sequence here
+  // (a new id and table: GetBlockTable it); the holder has released its copy unless
+  // `source_released` says otherwise.
+  struct Moved {
+    Sequence sequence;
+    uint64_t bytes = 0;
+    bool source_released = false;
+  };
+  absl::StatusOr<Moved> MoveSequence(const std::string& from_node, uint64_t sequence_id,
+                                     std::optional<absl::Duration> lease = std::nullopt);
 
  private:
   struct Impl;

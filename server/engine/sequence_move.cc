@@ -1,0 +1,489 @@
+#include "server/engine/sequence_move.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/random/random.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/common/mutex.h"
+#include "server/engine/engine.h"
+#include "server/engine/guard.h"
+#include "server/engine/tenants.h"
+
+namespace kvmem::engine {
+namespace {
+
+// The holder's answers are untrusted input: an error names what was wrong with them.
+absl::Status Bad(absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's sequence ", what));
+}
+
+// The model a prefix namespace was made for (PrefixPublisher::Namespace ends with
+// " layout-precision <size>:<model>").
+std::string ModelOf(absl::string_view ns) {
+  constexpr absl::string_view kMark = " layout-precision ";
+  const size_t at = ns.rfind(kMark);
+  if (at == absl::string_view::npos) return {};
+  absl::string_view rest = ns.substr(at + kMark.size());
+  const size_t colon = rest.find(':');
+  size_t size = 0;
+  if (colon == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, colon), &size) ||
+      size != rest.size() - colon - 1) {
+    return {};
+  }
+  return std::string(rest.substr(colon + 1));
+}
+
+// Host bytes an imported sequence's state takes: the stream columns, block lists, token ids
+// and scores, as the header says they will be.
+uint64_t ImportHostBytes(const MovedHeader& h) {
+  uint64_t slots = 0, blocks = 0;
+  for (uint32_t n : h.stream_slots) slots += n;
+  for (uint32_t n : h.stream_blocks) blocks += n;
+  const uint64_t per_slot = sizeof(int64_t) + uint64_t{h.history_rows} * sizeof(float) +
+                            (h.token_signals ? 2 * sizeof(float) : 0) +
+                            (h.arrival_steps ? sizeof(int64_t) : 0) +
+                            (h.scores ? sizeof(float) : 0);
+  return sizeof(Sequence) + h.stream_slots.size() * sizeof(Stream) + slots * per_slot +
+         blocks * sizeof(StreamBlock) + h.token_ids.size() * sizeof(int32_t);
+}
+
+}  // namespace
+
+// ---- the holder's side
+
+absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Duration hold,
+                                                std::vector<std::vector<float>>* scores) {
+  return GuardHostMemory("ExportSequence", [&]() -> absl::StatusOr<MovedHeader> {
+    absl::StatusOr<SequenceRef> ref = registry_.LockForChange(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();
+    MovedHeader h;
+    h.layout = seq.layout();
+    h.policy = seq.policy_name();
+    h.params = seq.policy_params();
+    h.quant = seq.quant();
+    h.token_ids.assign(seq.token_ids().begin(), seq.token_ids().end());
+    h.last_position = seq.last_position();
+    h.appended = seq.appended();
+    h.steps = seq.steps();
+    h.policy_mark = seq.policy_mark();
+    const Sequence::PrefixState& prefix = seq.prefix();
+    h.salt = prefix.salt;
+    h.model = ModelOf(prefix.ns);
+    h.auto_publish = prefix.auto_publish;
+    h.compressed_document = prefix.compressed_document;
+    h.compressions = prefix.compressions;
+    h.mapped_prefix = prefix.mapped_prefix;
+    h.history_rows = seq.policy().history_rows();
+    h.token_signals = seq.policy().descriptor().append_signals != 0;
+    h.arrival_steps = seq.policy().descriptor().arrival_steps;
+    h.scores = seq.slots() != nullptr;
+    for (const Stream& st : seq.streams()) {
+      h.stream_slots.push_back(static_cast<uint32_t>(st.size()));
+      h.stream_blocks.push_back(static_cast<uint32_t>(st.blocks().size()));
+      for (const StreamBlock& b : st.blocks())
+        h.block_bytes += seq.format().block_bytes(b.precision);
+    }
+    scores->clear();
+    if (seq.slots() != nullptr) {
+      if (absl::Status s = seq.slots()->ReadScores(scores); !s.ok()) return s;
+    }
+    // Frozen from here: no change until FinishExport or the hold lapses.
+    h.export_id = absl::Uniform<uint64_t>(absl::BitGen(), 1, std::numeric_limits<uint64_t>::max());
+    seq.set_move_export({h.export_id, absl::ToUnixNanos(registry_.Now() + hold)});
+    registry_.Renew(seq);
+    return h;
+  });
+}
+
+absl::StatusOr<bool> Engine::ExportPiece(uint64_t sequence_id, uint64_t export_id,
+                                         const std::vector<std::vector<float>>& scores,
+                                         ExportCursor* cursor, MovedPiece* piece) {
+  return GuardHostMemory("ExportSequence", [&]() -> absl::StatusOr<bool> {
+    absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+    if (!ref.ok()) return ref.status();
+    Sequence& seq = **ref;
+    seq.mu.AssertHeld();
+    if (seq.move_export().id != export_id || registry_.NotMoving(seq).ok()) {
+      return absl::AbortedError(absl::StrCat("ExportSequence: the export of sequence ", sequence_id,
+                                             " ended or its hold lapsed"));
+    }
+    while (cursor->stream < seq.num_streams() &&
+           cursor->block >= seq.streams()[cursor->stream].blocks().size()) {
+      ++cursor->stream;
+      cursor->block = 0;
+      cursor->slot = 0;
+    }
+    if (cursor->stream >= seq.num_streams()) return false;
+    const Stream& st = seq.streams()[cursor->stream];
+    const uint32_t R = seq.policy().history_rows();
+    *piece = MovedPiece{};
+    piece->stream = cursor->stream;
+    size_t end = cursor->block;
+    uint64_t bytes = 0, slots = 0;
+    while (end < st.blocks().size()) {
+      const uint64_t b = seq.format().block_bytes(st.blocks()[end].precision);
+      if (end > cursor->block && bytes + b > kMovePieceBytes) break;
+      bytes += b;
+      slots += st.blocks()[end].count;
+      ++end;
+    }
+    piece->data.resize(bytes);
+    std::vector<store::ReadOp> reads;
+    reads.reserve(end - cursor->block);
+    uint64_t at = 0;
+    for (size_t i = cursor->block; i < end; ++i) {
+      const StreamBlock& b = st.blocks()[i];
+      piece->blocks.push_back({b.start, b.count, b.precision});
+      const uint64_t n = seq.format().block_bytes(b.precision);
+      reads.push_back({pool_->offset(b.id), piece->data.data() + at, n});
+      at += n;
+    }
+    if (absl::Status s = backend_->Read(reads); !s.ok()) return s;
+    if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    const auto slice = [&](auto span, uint64_t width, auto* out) {
+      const auto first = span.begin() + static_cast<ptrdiff_t>(cursor->slot * width);
+      out->assign(first, first + static_cast<ptrdiff_t>(slots * width));
+    };
+    slice(st.positions(), 1, &piece->positions);
+    slice(st.history(), R, &piece->history);
+    if (st.token_signals()) {
+      slice(st.token_entropy(), 1, &piece->token_entropy);
+      slice(st.layer_distance(), 1, &piece->layer_distance);
+    }
+    if (st.arrival_steps()) slice(st.arrival_step(), 1, &piece->arrival_steps);
+    if (!scores.empty()) {
+      slice(absl::MakeConstSpan(scores.at(cursor->stream)), 1, &piece->scores);
+    }
+    cursor->block = end;
+    cursor->slot += slots;
+    registry_.Renew(seq);
+    return true;
+  });
+}
+
+absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t export_id,
+                                              bool moved) {
+  absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
+  if (!ref.ok()) return ref.status();
+  Sequence& seq = **ref;
+  seq.mu.AssertHeld();
+  if (seq.move_export().id != export_id) {
+    return absl::NotFoundError(absl::StrCat("export_id: sequence ", sequence_id, " has no export ",
+                                            export_id, " (it ended)"));
+  }
+  if (!moved) {
+    seq.set_move_export({});
+    registry_.Renew(seq);
+    return uint64_t{0};
+  }
+  // Once the hold has lapsed the sequence may have changed since the receiver's copy: that
+  // copy is not this sequence any more, and this one stays.
+  if (registry_.NotMoving(seq).ok()) {
+    seq.set_move_export({});
+    return absl::AbortedError(absl::StrCat("export_id: the hold of sequence ", sequence_id,
+                                           "'s export lapsed before the move was committed"));
+  }
+  if (absl::StatusOr<std::shared_ptr<Sequence>> taken = registry_.Take(sequence_id); !taken.ok()) {
+    return taken.status();
+  }
+  return ReleaseLocked(seq);
+}
+
+// ---- the receiver's side
+
+absl::StatusOr<std::unique_ptr<SequenceImport>> Engine::BeginImport(MovedHeader header,
+                                                                    const std::string& owner) {
+  return GuardHostMemory("MoveSequence", [&]() -> absl::StatusOr<std::unique_ptr<SequenceImport>> {
+    MovedHeader& h = header;
+    if (absl::Status s = ValidateLayout(h.layout, pool_->page_bytes()); !s.ok()) {
+      return Bad(absl::StrCat("has a layout this daemon refuses: ", s.message()));
+    }
+    absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+        policy::CreatePolicy(h.policy, h.params);
+    if (!policy.ok()) {
+      return Bad(absl::StrCat("has a policy this daemon refuses: ", policy.status().message()));
+    }
+    const policy::PolicyDescriptor& d = (*policy)->descriptor();
+    if (h.quant.recent_tokens > kMaxRecentTokens) return Bad("keeps too many recent tokens");
+    const BlockFormat format(h.layout, h.quant.type);
+    if (h.quant.type && format.block_bytes(format.quant_precision()) > pool_->page_bytes()) {
+      return Bad("has quantized blocks larger than this pool's page");
+    }
+    if (h.history_rows != (*policy)->history_rows() || h.token_signals != (d.append_signals != 0) ||
+        h.arrival_steps != d.arrival_steps || h.scores != d.initial_score.has_value()) {
+      return Bad("keeps per-slot values its policy does not");
+    }
+    const size_t streams = h.layout.num_streams();
+    if (h.stream_slots.size() != streams || h.stream_blocks.size() != streams) {
+      return Bad(absl::StrCat("has ", h.stream_slots.size(), " streams, its layout ", streams));
+    }
+    if (h.token_ids.size() != h.appended || h.last_position < -1) {
+      return Bad("has token ids, appended tokens or a last position that disagree");
+    }
+    for (int32_t t : h.token_ids) {
+      if (t < -1 || (t >= 0 && static_cast<uint64_t>(t) >= h.layout.vocab_size)) {
+        return Bad(absl::StrCat("has token id ", t, " outside its vocabulary"));
+      }
+    }
+    for (size_t s = 0; s < streams; ++s) {
+      const uint64_t slots = h.stream_slots[s], blocks = h.stream_blocks[s];
+      if (slots > store::SlotBook::kMaxSlots || slots > h.appended || blocks > slots ||
+          slots > blocks * h.layout.block_tokens) {
+        return Bad(absl::StrCat("stream ", s, " has ", slots, " slots in ", blocks, " blocks"));
+      }
+    }
+    const std::string tenant_key = owner.empty() ? h.salt : owner;
+    std::shared_ptr<HostShare> share = budget_.ShareOf(tenant_key);
+    absl::StatusOr<HostReservation> host =
+        budget_.Reserve(ImportHostBytes(h), "MoveSequence", share);
+    if (!host.ok()) return host.status();
+    absl::StatusOr<store::TenantId> tenant = tenants_.Acquire(tenant_key);
+    if (!tenant.ok()) return tenant.status();
+    const ImportRooms rooms{pool_.get(), backend_.get(), &versions_, &tenants_};
+    return std::unique_ptr<SequenceImport>(new SequenceImport(rooms, std::move(header), format,
+                                                              tenant_key, owner, *tenant,
+                                                              *std::move(host), std::move(share)));
+  });
+}
+
+SequenceImport::~SequenceImport() {
+  if (committed_) return;
+  for (Staged& st : streams_) {
+    for (const StreamBlock& b : st.blocks) rooms_.pool->Unref({b.id});
+  }
+  rooms_.tenants->Release(tenant_key_);
+}
+
+uint32_t SequenceImport::NextStream(uint32_t from) const {
+  while (from < streams_.size() && streams_[from].blocks.size() >= header_.stream_blocks[from]) {
+    ++from;
+  }
+  return from;
+}
+
+bool SequenceImport::complete() const { return NextStream(0) == streams_.size(); }
+
+absl::Status SequenceImport::Check(const MovedPiece& p) const {
+  const uint32_t s = NextStream(stream_);
+  if (s == streams_.size()) return Bad("sent a piece after its last stream");
+  if (p.stream != s) {
+    return Bad(absl::StrCat("sent a piece of stream ", p.stream, " where stream ", s, " was due"));
+  }
+  const Staged& st = streams_[s];
+  if (p.blocks.empty() || st.blocks.size() + p.blocks.size() > header_.stream_blocks[s]) {
+    return Bad(absl::StrCat("sent ", p.blocks.size(), " blocks of stream ", s, " past its ",
+                            header_.stream_blocks[s]));
+  }
+  uint64_t slots = 0, bytes = 0;
+  for (const MovedBlock& b : p.blocks) {
+    const bool precision_ok = b.precision == Precision::kLayout ||
+                              (format_.quantizes() && b.precision == format_.quant_precision());
+    if (!precision_ok || b.count == 0 || b.start >= header_.layout.block_tokens ||
+        b.count > header_.layout.block_tokens - b.start) {
+      return Bad(absl::StrCat("has a block of stream ", s, " with slots [", b.start, ", +", b.count,
+                              ") at ", PrecisionName(b.precision)));
+    }
+    slots += b.count;
+    bytes += format_.block_bytes(b.precision);
+  }
+  if (st.positions.size() + slots > header_.stream_slots[s]) {
+    return Bad(
+        absl::StrCat("sent more slots of stream ", s, " than its ", header_.stream_slots[s]));
+  }
+  const bool last = st.blocks.size() + p.blocks.size() == header_.stream_blocks[s];
+  if (last && st.positions.size() + slots != header_.stream_slots[s]) {
+    return Bad(
+        absl::StrCat("sent fewer slots of stream ", s, " than its ", header_.stream_slots[s]));
+  }
+  const auto want = [&](size_t got, uint64_t n, absl::string_view what) {
+    return got == n ? absl::OkStatus()
+                    : Bad(absl::StrCat("sent ", got, " ", what, " for ", slots, " slots of stream ",
+                                       s, " (", n, " due)"));
+  };
+  if (absl::Status e = want(p.positions.size(), slots, "positions"); !e.ok()) return e;
+  if (absl::Status e = want(p.history.size(), slots * header_.history_rows, "history values");
+      !e.ok()) {
+    return e;
+  }
+  const uint64_t signals = header_.token_signals ? slots : 0;
+  if (absl::Status e = want(p.token_entropy.size(), signals, "entropies"); !e.ok()) return e;
+  if (absl::Status e = want(p.layer_distance.size(), signals, "layer distances"); !e.ok()) return e;
+  if (absl::Status e =
+          want(p.arrival_steps.size(), header_.arrival_steps ? slots : 0, "arrival steps");
+      !e.ok()) {
+    return e;
+  }
+  if (absl::Status e = want(p.scores.size(), header_.scores ? slots : 0, "scores"); !e.ok()) {
+    return e;
+  }
+  if (p.data.size() != bytes) {
+    return Bad(absl::StrCat("sent ", p.data.size(), " bytes for blocks of ", bytes));
+  }
+  // Positions increase within a stream and lie within what was appended.
+  int64_t prev = st.positions.empty() ? -1 : st.positions.back();
+  for (int64_t pos : p.positions) {
+    if (pos <= prev || pos > header_.last_position) {
+      return Bad(absl::StrCat("has stream ", s, " positions out of order or past ",
+                              header_.last_position));
+    }
+    prev = pos;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceImport::Add(const MovedPiece& p) {
+  return GuardHostMemory("MoveSequence", [&]() -> absl::Status {
+    if (absl::Status s = Check(p); !s.ok()) return s;
+    const uint32_t s = NextStream(stream_);
+    Staged& st = streams_[s];
+    // The piece's blocks: allocated (charged to the tenant), written, then the stream's.
+    std::vector<store::BlockId> ids;
+    absl::Cleanup free_ids = [&] { rooms_.pool->Unref(ids); };
+    std::vector<store::WriteOp> writes;
+    writes.reserve(p.blocks.size());
+    uint64_t at = 0;
+    for (const MovedBlock& b : p.blocks) {
+      std::vector<store::BlockId> one;
+      const uint64_t n = format_.block_bytes(b.precision);
+      if (absl::Status e = rooms_.pool->AllocateMany(static_cast<uint32_t>(n), 1, &one,
+                                                     store::BlockPool::Use::kGrow, tenant_);
+          !e.ok()) {
+        return e;
+      }
+      ids.push_back(one[0]);
+      writes.push_back({p.data.data() + at, rooms_.pool->offset(one[0]), n});
+      at += n;
+    }
+    if (absl::Status e = rooms_.backend->Write(writes); !e.ok()) return e;
+    if (absl::Status e = rooms_.backend->Synchronize(); !e.ok()) return e;
+    st.blocks.reserve(st.blocks.size() + p.blocks.size());
+    const auto append = [](auto& to, const auto& from) {
+      to.insert(to.end(), from.begin(), from.end());
+    };
+    append(st.positions, p.positions);
+    append(st.history, p.history);
+    append(st.token_entropy, p.token_entropy);
+    append(st.layer_distance, p.layer_distance);
+    append(st.arrival_steps, p.arrival_steps);
+    append(st.scores, p.scores);
+    for (size_t i = 0; i < p.blocks.size(); ++i) {
+      StreamBlock b;
+      b.id = ids[i];
+      b.start = p.blocks[i].start;
+      b.count = p.blocks[i].count;
+      b.precision = p.blocks[i].precision;
+      st.blocks.push_back(b);  // reserved: cannot throw
+    }
+    std::move(free_ids).Cancel();  // the import's now
+    stream_ = s;
+    block_count_ += p.blocks.size();
+    bytes_ += p.data.size();
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::Duration lease) {
+  return GuardHostMemory("MoveSequence", [&]() -> absl::StatusOr<CreateResult> {
+    if (import.committed_) return absl::FailedPreconditionError("MoveSequence: committed already");
+    if (!import.complete()) return Bad("ended before all its streams came");
+    const MovedHeader& h = import.header_;
+    if (import.bytes_ != h.block_bytes) {
+      return Bad(absl::StrCat("sent ", import.bytes_, " block bytes, its header ", h.block_bytes));
+    }
+    absl::StatusOr<absl::Duration> granted = registry_.ResolveLease(lease);
+    if (!granted.ok()) return granted.status();
+    absl::StatusOr<std::unique_ptr<policy::Policy>> policy =
+        policy::CreatePolicy(h.policy, h.params);
+    if (!policy.ok()) return policy.status();
+    const bool device_step = config_.device_step && (*policy)->has_kernel_step();
+    const uint32_t streams = h.layout.num_streams();
+    // The scores' home: every stream's positions, then each stream's own kept, then scored.
+    std::unique_ptr<store::SlotState> slots;
+    if (h.scores) {
+      if (device_step) {
+        absl::StatusOr<std::unique_ptr<store::SlotState>> created =
+            backend_->CreateSlotState(streams);
+        if (!created.ok()) return created.status();
+        slots = *std::move(created);
+      } else {
+        slots = store::MakeHostScoreState(streams);
+      }
+      std::vector<int64_t> all;
+      for (const SequenceImport::Staged& st : import.streams_) {
+        std::vector<int64_t> merged;
+        merged.reserve(all.size() + st.positions.size());
+        std::set_union(all.begin(), all.end(), st.positions.begin(), st.positions.end(),
+                       std::back_inserter(merged));
+        all.swap(merged);
+      }
+      if (!all.empty()) {
+        if (absl::Status s = slots->Append(all, 0.0f); !s.ok()) return s;
+        store::KeepSets keep(streams);
+        for (uint32_t s = 0; s < streams; ++s) {
+          const std::vector<int64_t>& mine = import.streams_[s].positions;
+          KeepSet set;
+          size_t j = 0;
+          for (size_t i = 0; i < all.size() && j < mine.size(); ++i) {
+            if (all[i] == mine[j]) {
+              set.Add(static_cast<uint32_t>(i));
+              ++j;
+            }
+          }
+          keep[s] = std::move(set);
+        }
+        if (absl::Status s = slots->Keep(keep); !s.ok()) return s;
+        std::vector<std::vector<float>> scores(streams);
+        for (uint32_t s = 0; s < streams; ++s) scores[s] = import.streams_[s].scores;
+        if (absl::Status s = slots->WriteScores(scores); !s.ok()) return s;
+      }
+    }
+    absl::StatusOr<TableVersions::Claimed> claimed = versions_.ClaimSlot();
+    if (!claimed.ok()) return claimed.status();
+    absl::Cleanup give_back_slot = [this, &claimed] { versions_.ReturnSlot(claimed->slot); };
+    const uint64_t id = registry_.NewId();
+    std::string name((*policy)->descriptor().name);
+    auto seq = std::make_shared<Sequence>(id, h.layout, std::move(name), h.params,
+                                          *std::move(policy), h.quant, *granted, claimed->slot,
+                                          /*parent_id=*/0, import.tenant_, import.owner_);
+    seq->set_host_share(import.share_);
+    {
+      kvmem::MutexLock lock(&seq->mu);
+      seq->set_epoch(claimed->epoch);
+      const uint64_t version = versions_.NewVersion(*seq);
+      for (uint32_t s = 0; s < streams; ++s) {
+        SequenceImport::Staged& st = import.streams_[s];
+        seq->stream(s).LoadMoved(st.blocks, version, std::move(st.positions), std::move(st.history),
+                                 std::move(st.token_entropy), std::move(st.layer_distance),
+                                 std::move(st.arrival_steps));
+      }
+      seq->set_slots(std::move(slots), device_step);
+      seq->AdoptMoved(h.token_ids, h.last_position, h.appended, h.steps, h.policy_mark);
+      Sequence::PrefixState& prefix = seq->mutable_prefix();
+      prefix.ns = PrefixPublisher::Namespace(h.layout, h.model);
+      prefix.salt = h.salt;
+      prefix.auto_publish = h.auto_publish;
+      prefix.compressed_document = h.compressed_document;
+      prefix.compressions = h.compressions;
+      prefix.mapped_prefix = h.mapped_prefix;
+      if (absl::Status s = seq->CheckInvariants(); !s.ok()) {
+        // The blocks stay the import's (it frees them); the sequence never was.
+        for (uint32_t s2 = 0; s2 < streams; ++s2) seq->stream(s2).Clear();
+        return Bad(absl::StrCat("does not hold together: ", s.message()));
+      }
+      seq->Publish();
+      budget_.Account(*seq);
+    }
+    std::move(give_back_slot).Cancel();
+    import.committed_ = true;  // the sequence holds the blocks and the tenant now
+    return Register(seq);
+  });
+}
+
+}  // namespace kvmem::engine

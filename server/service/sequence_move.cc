@@ -1,0 +1,438 @@
+#include "server/service/sequence_move.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <memory>
+#include <new>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/common/client_text.h"
+#include "server/service/convert.h"
+#include "server/service/kv_cache_service.h"
+#include "server/transport/parse_cost.h"
+
+namespace kvmem::service {
+namespace {
+
+// Most bytes one message from a holder may have: a piece (kMovePieceBytes of blocks and its
+// slots' values) or a header (token ids of a long sequence).
+constexpr int kMaxHolderMessageBytes = 64 << 20;
+// How long FinishExport may take, and how often it is tried when the holder's answer is lost.
+constexpr absl::Duration kFinishDeadline = absl::Seconds(5);
+constexpr int kFinishTries = 3;
+// The hold asked of the holder: the move's own deadline, at most this.
+constexpr absl::Duration kMaxHold = absl::Minutes(10);
+constexpr absl::Duration kDefaultHold = absl::Seconds(60);
+
+// A holder's failure, as this node's: its code (a sequence the holder does not know is
+// NOT_FOUND here too), naming the holder and the call, with the holder's message bounded.
+absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::string_view call) {
+  const auto code =
+      s.ok() ? absl::StatusCode::kUnknown : static_cast<absl::StatusCode>(s.error_code());
+  return absl::Status(code, absl::StrCat("MoveSequence: the holder ", node, " answered ", call,
+                                         ": ", CutMessage(s.error_message(), kMaxDetailTextBytes)));
+}
+
+engine::Precision FromProto(v1::Precision p) {
+  switch (p) {
+    case v1::PRECISION_INT8:
+      return engine::Precision::kInt8;
+    case v1::PRECISION_INT4:
+      return engine::Precision::kInt4;
+    case v1::PRECISION_NF4:
+      return engine::Precision::kNF4;
+    default:
+      return engine::Precision::kLayout;
+  }
+}
+
+// Whether a holder's scoped salt lies in the caller's namespace (KvCacheService::ScopedSalt).
+bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
+  if (!who.tenant.empty()) return absl::StartsWith(salt, absl::StrCat("tenant:", who.tenant, "/"));
+  return !absl::StartsWith(salt, "tenant:");
+}
+
+}  // namespace
+
+v1::SequenceHeader ToProto(const engine::MovedHeader& h) {
+  v1::SequenceHeader out;
+  out.set_export_id(h.export_id);
+  ToProto(h.layout, out.mutable_layout());
+  v1::PolicySpec* policy = out.mutable_policy();
+  policy->set_name(h.policy);
+  for (const auto& [name, value] : h.params) (*policy->mutable_params())[name] = value;
+  if (h.quant.type) policy->set_quantization(ToProto(engine::ToPrecision(*h.quant.type)));
+  policy->set_quantization_recent_tokens(h.quant.recent_tokens);
+  out.mutable_token_ids()->Add(h.token_ids.begin(), h.token_ids.end());
+  out.set_last_position(h.last_position);
+  out.set_appended(h.appended);
+  out.set_steps(h.steps);
+  out.set_policy_mark(h.policy_mark);
+  out.set_cache_salt(h.salt);
+  out.set_model(h.model);
+  out.set_auto_publish(h.auto_publish);
+  out.set_compressed_document(h.compressed_document);
+  out.set_compressions(h.compressions);
+  out.set_mapped_prefix(h.mapped_prefix);
+  out.mutable_stream_slots()->Add(h.stream_slots.begin(), h.stream_slots.end());
+  out.mutable_stream_blocks()->Add(h.stream_blocks.begin(), h.stream_blocks.end());
+  out.set_block_bytes(h.block_bytes);
+  out.set_history_rows(h.history_rows);
+  out.set_token_signals(h.token_signals);
+  out.set_arrival_steps(h.arrival_steps);
+  out.set_scores(h.scores);
+  return out;
+}
+
+void ToProto(engine::MovedPiece&& p, v1::SequencePiece* out) {
+  out->set_stream(p.stream);
+  for (const engine::MovedBlock& b : p.blocks) {
+    v1::MovedBlock* m = out->add_blocks();
+    m->set_start(b.start);
+    m->set_count(b.count);
+    m->set_precision(ToProto(b.precision));
+  }
+  out->mutable_positions()->Add(p.positions.begin(), p.positions.end());
+  out->mutable_history()->Add(p.history.begin(), p.history.end());
+  out->mutable_token_entropy()->Add(p.token_entropy.begin(), p.token_entropy.end());
+  out->mutable_layer_distance()->Add(p.layer_distance.begin(), p.layer_distance.end());
+  out->mutable_arrival_steps()->Add(p.arrival_steps.begin(), p.arrival_steps.end());
+  out->mutable_scores()->Add(p.scores.begin(), p.scores.end());
+  out->set_data(std::move(p.data));
+}
+
+absl::StatusOr<engine::MovedHeader> FromProto(const v1::SequenceHeader& h) {
+  engine::MovedHeader out;
+  out.export_id = h.export_id();
+  if (!h.has_layout() || !h.layout().has_block_tokens()) {
+    return absl::InvalidArgumentError("MoveSequence: the holder's header has no layout");
+  }
+  absl::StatusOr<engine::Layout> layout = FromProto(h.layout(), 0);
+  if (!layout.ok()) return layout.status();
+  out.layout = *layout;
+  absl::StatusOr<std::string> name = PolicyNameFromProto(h.policy());
+  if (!name.ok()) return name.status();
+  out.policy = *std::move(name);
+  out.params.insert(h.policy().params().begin(), h.policy().params().end());
+  absl::StatusOr<engine::QuantConfig> quant = QuantFromProto(h.policy());
+  if (!quant.ok()) return quant.status();
+  out.quant = *quant;
+  out.token_ids.assign(h.token_ids().begin(), h.token_ids().end());
+  out.last_position = h.last_position();
+  out.appended = h.appended();
+  out.steps = h.steps();
+  out.policy_mark = h.policy_mark();
+  out.salt = h.cache_salt();
+  out.model = h.model();
+  out.auto_publish = h.auto_publish();
+  out.compressed_document = h.compressed_document();
+  out.compressions = h.compressions();
+  out.mapped_prefix = h.mapped_prefix();
+  out.stream_slots.assign(h.stream_slots().begin(), h.stream_slots().end());
+  out.stream_blocks.assign(h.stream_blocks().begin(), h.stream_blocks().end());
+  out.block_bytes = h.block_bytes();
+  out.history_rows = h.history_rows();
+  out.token_signals = h.token_signals();
+  out.arrival_steps = h.arrival_steps();
+  out.scores = h.scores();
+  return out;
+}
+
+absl::StatusOr<engine::MovedPiece> FromProto(v1::SequencePiece&& p) {
+  engine::MovedPiece out;
+  out.stream = p.stream();
+  for (const v1::MovedBlock& b : p.blocks()) {
+    if (b.precision() < v1::PRECISION_LAYOUT || b.precision() > v1::PRECISION_NF4) {
+      return absl::InvalidArgumentError(
+          "MoveSequence: the holder's piece names a block of no known precision");
+    }
+    out.blocks.push_back({b.start(), b.count(), FromProto(b.precision())});
+  }
+  out.positions.assign(p.positions().begin(), p.positions().end());
+  out.history.assign(p.history().begin(), p.history().end());
+  out.token_entropy.assign(p.token_entropy().begin(), p.token_entropy().end());
+  out.layer_distance.assign(p.layer_distance().begin(), p.layer_distance().end());
+  out.arrival_steps.assign(p.arrival_steps().begin(), p.arrival_steps().end());
+  out.scores.assign(p.scores().begin(), p.scores().end());
+  out.data = std::move(*p.mutable_data());
+  return out;
+}
+
+metrics::MoveTotals SequenceMover::totals() const {
+  metrics::MoveTotals t;
+  t.moved = moved_.load(std::memory_order_relaxed);
+  t.failed = failed_.load(std::memory_order_relaxed);
+  t.unreleased = unreleased_.load(std::memory_order_relaxed);
+  t.bytes = bytes_.load(std::memory_order_relaxed);
+  t.seconds = seconds_.Read();
+  return t;
+}
+
+absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
+                                               const std::string& from_node, uint64_t sequence_id,
+                                               const Principal& who, const std::string& bearer,
+                                               absl::Duration lease, absl::Time deadline) {
+  if (std::find(peers_.begin(), peers_.end(), from_node) == peers_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("from_node: \"", EchoClientText(from_node),
+                     "\" is not one of this kvmemd's --cluster-peers"));
+  }
+  if (running_.fetch_add(1) >= max_moves_) {
+    running_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "MoveSequence: ", max_moves_, " moves are running already (--cluster-pull-concurrency)"));
+  }
+  absl::Cleanup one_less = [this] { running_.fetch_sub(1); };
+  const absl::Time start = absl::Now();
+  absl::StatusOr<MoveResult> moved;
+  try {
+    moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, deadline);
+  } catch (const std::bad_alloc&) {
+    moved = absl::ResourceExhaustedError("MoveSequence: out of host memory");
+  }
+  seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
+  if (!moved.ok()) {
+    failed_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    moved_.fetch_add(1, std::memory_order_relaxed);
+    bytes_.fetch_add(moved->bytes, std::memory_order_relaxed);
+    if (!moved->source_released) unreleased_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return moved;
+}
+
+absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
+                                                   const std::string& from_node,
+                                                   uint64_t sequence_id, const Principal& who,
+                                                   const std::string& bearer, absl::Duration lease,
+                                                   absl::Time deadline) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxHolderMessageBytes);
+  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
+      grpc::CreateCustomChannel(from_node, grpc::InsecureChannelCredentials(), args));
+  const auto call = [&](absl::Time until) {
+    std::unique_ptr<grpc::ClientContext> c = grpc::ClientContext::FromServerContext(
+        *context, grpc::PropagationOptions().disable_deadline_propagation());
+    c->set_deadline(absl::ToChronoTime(until));
+    if (!bearer.empty()) c->AddMetadata("authorization", bearer);
+    return c;
+  };
+  // Finishes the export there: on its own deadline (the call's may be what ended the move).
+  const auto finish = [&](uint64_t export_id, bool moved) {
+    grpc::ClientContext c;
+    c.set_deadline(absl::ToChronoTime(absl::Now() + kFinishDeadline));
+    if (!bearer.empty()) c.AddMetadata("authorization", bearer);
+    v1::FinishExportRequest q;
+    q.set_sequence_id(sequence_id);
+    q.set_export_id(export_id);
+    q.set_moved(moved);
+    v1::FinishExportResponse a;
+    return stub->FinishExport(&c, q, &a);
+  };
+
+  std::unique_ptr<grpc::ClientContext> c = call(deadline);
+  v1::ExportSequenceRequest q;
+  q.set_sequence_id(sequence_id);
+  ToProto(std::clamp(deadline - absl::Now(), absl::Seconds(1), kMaxHold), q.mutable_hold());
+  std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
+      stub->ExportSequence(c.get(), q);
+  v1::ExportSequenceResponse message;
+  if (!reader->Read(&message)) return FromHolder(reader->Finish(), from_node, "ExportSequence");
+  if (!message.has_header()) {
+    c->TryCancel();
+    reader->Finish().IgnoreError();
+    return FromHolder(grpc::Status(grpc::StatusCode::UNKNOWN, "no header first"), from_node,
+                      "ExportSequence");
+  }
+  const uint64_t export_id = message.header().export_id();
+  // From here the holder's sequence is frozen: a move that ends without a commit here
+  // unfreezes it at once.
+  bool committed = false;
+  absl::Cleanup abandon = [&] {
+    if (!committed) finish(export_id, false).IgnoreError();
+  };
+  absl::StatusOr<engine::MovedHeader> header = FromProto(message.header());
+  if (!header.ok()) {
+    c->TryCancel();
+    return header.status();
+  }
+  if (!SaltIsTheCallers(who, header->salt)) {
+    c->TryCancel();
+    return absl::InvalidArgumentError(
+        "MoveSequence: the holder's sequence is not in the caller's namespace (its cache salt "
+        "belongs to another tenant)");
+  }
+  if (header->block_bytes > max_bytes_) {
+    c->TryCancel();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("MoveSequence: the sequence holds ", header->block_bytes,
+                     " bytes of blocks, more than --cluster-pull-max-bytes (", max_bytes_, ")"));
+  }
+  absl::StatusOr<std::unique_ptr<engine::SequenceImport>> import =
+      engine_->BeginImport(*std::move(header), who.tenant);
+  if (!import.ok()) {
+    c->TryCancel();
+    return import.status();
+  }
+  while (reader->Read(&message)) {
+    absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
+    absl::Status added = piece.ok() ? (*import)->Add(*piece) : piece.status();
+    if (!added.ok()) {
+      c->TryCancel();
+      reader->Finish().IgnoreError();
+      return added;
+    }
+  }
+  if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ExportSequence");
+  absl::StatusOr<engine::CreateResult> created = engine_->CommitImport(**import, lease);
+  if (!created.ok()) return created.status();
+  MoveResult result;
+  result.created = *created;
+  for (uint32_t n : (*import)->header().stream_slots) result.slots += n;
+  result.blocks = (*import)->blocks();
+  result.bytes = (*import)->bytes();
+  result.policy = (*import)->header().policy;
+  committed = true;
+  // The holder releases its copy now. A definite refusal (its hold lapsed, the sequence was
+  // released there) undoes this one; a lost answer leaves both.
+  grpc::Status released;
+  for (int i = 0; i < kFinishTries; ++i) {
+    released = finish(export_id, true);
+    if (released.ok() || (released.error_code() != grpc::StatusCode::UNAVAILABLE &&
+                          released.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED)) {
+      break;
+    }
+  }
+  if (released.ok()) {
+    result.source_released = true;
+  } else if (released.error_code() != grpc::StatusCode::UNAVAILABLE &&
+             released.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    engine_->Release(created->sequence_id).IgnoreError();
+    return absl::AbortedError(
+        absl::StrCat("MoveSequence: the holder ", from_node, " kept its sequence (FinishExport: ",
+                     CutMessage(released.error_message(), kMaxDetailTextBytes),
+                     "); the copy here was released"));
+  }
+  return result;
+}
+
+// ---- the handlers
+
+grpc::Status KvCacheService::ExportSequence(
+    grpc::ServerContext* context, const v1::ExportSequenceRequest* request,
+    grpc::ServerWriterInterface<v1::ExportSequenceResponse>* writer) {
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
+  absl::Duration hold = kDefaultHold;
+  if (request->has_hold()) {
+    hold = absl::Seconds(request->hold().seconds()) + absl::Nanoseconds(request->hold().nanos());
+    if (hold < absl::Seconds(1) || hold > kMaxHold) {
+      return ToGrpc(absl::InvalidArgumentError(absl::StrCat("hold: ", absl::FormatDuration(hold),
+                                                            " is outside [1s, ",
+                                                            absl::FormatDuration(kMaxHold), "]")));
+    }
+  }
+  // Counted with ReadKv's streams: a receiver that stops reading is cut off.
+  absl::StatusOr<AppendStreamBudget::Lease> open = reads_.Open(context);
+  if (!open.ok()) return ToGrpc(open.status(), id);
+  std::vector<std::vector<float>> scores;
+  absl::StatusOr<engine::MovedHeader> header = engine_->BeginExport(id, hold, &scores);
+  if (!header.ok()) return ToGrpc(header.status(), id);
+  // A failure from here on leaves it frozen only until the receiver's FinishExport or the
+  // hold; the scores copy is host memory held for the stream.
+  uint64_t score_bytes = 0;
+  for (const auto& s : scores) score_bytes += s.size() * sizeof(float);
+  absl::StatusOr<transport::ParseBudget::Reservation> held =
+      transport::ParseBudget::Process().Reserve(score_bytes, "ExportSequence");
+  if (!held.ok()) {
+    engine_->FinishExport(id, header->export_id, false).IgnoreError();
+    return ToGrpc(held.status(), id);
+  }
+  v1::ExportSequenceResponse message;
+  *message.mutable_header() = ToProto(*header);
+  if (!writer->Write(message)) {
+    engine_->FinishExport(id, header->export_id, false).IgnoreError();
+    return ToGrpc(absl::CancelledError("ExportSequence: the receiver left"), id);
+  }
+  engine::ExportCursor cursor;
+  for (;;) {
+    engine::MovedPiece piece;
+    absl::StatusOr<bool> more =
+        engine_->ExportPiece(id, header->export_id, scores, &cursor, &piece);
+    if (!more.ok()) return ToGrpc(more.status(), id);
+    if (!*more) break;
+    message.Clear();
+    ToProto(std::move(piece), message.mutable_piece());
+    if (context->IsCancelled() || !writer->Write(message)) {
+      engine_->FinishExport(id, header->export_id, false).IgnoreError();
+      return ToGrpc(absl::CancelledError("ExportSequence: the receiver left"), id);
+    }
+    open->Touch();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::FinishExport(grpc::ServerContext* context,
+                                          const v1::FinishExportRequest* request,
+                                          v1::FinishExportResponse* response) {
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  const uint64_t id = request->sequence_id();
+  if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
+  absl::StatusOr<uint64_t> freed =
+      engine_->FinishExport(id, request->export_id(), request->moved());
+  if (!freed.ok()) return ToGrpc(freed.status(), id);
+  response->set_freed_blocks(*freed);
+  return grpc::Status::OK;
+}
+
+grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
+                                          const v1::MoveSequenceRequest* request,
+                                          v1::MoveSequenceResponse* response) {
+  absl::StatusOr<Admitted> call = Admit(context);
+  if (!call.ok()) return ToGrpc(call.status());
+  return RunMutation(
+      context, call->who, "MoveSequence", 0, *request, response, [&]() -> absl::Status {
+        if (mover_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "MoveSequence: this kvmemd has no peers to move from (--cluster-peers)");
+        }
+        absl::StatusOr<absl::Duration> lease = LeaseFromProto(
+            request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
+        if (!lease.ok()) return lease.status();
+        // The caller's token goes to the holder, which scopes the calls to the same tenant.
+        std::string bearer;
+        if (auto it = context->client_metadata().find("authorization");
+            it != context->client_metadata().end()) {
+          bearer.assign(it->second.data(), it->second.size());
+        }
+        if (auth_->enabled() && bearer.empty()) {
+          return absl::FailedPreconditionError(
+              "MoveSequence: a move acts on the holder with the caller's bearer token, and this "
+              "call came without one (a TLS certificate or a unix peer cannot be forwarded)");
+        }
+        absl::StatusOr<MoveResult> moved = mover_->Move(
+            context, request->from_node(), request->sequence_id(), call->who, bearer, *lease,
+            std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxHold));
+        if (!moved.ok()) return moved.status();
+        response->set_sequence_id(moved->created.sequence_id);
+        response->set_epoch_slot(moved->created.epoch_slot);
+        response->set_epoch(moved->created.epoch);
+        response->set_table_version(moved->created.version);
+        ToProto(absl::Seconds(moved->created.lease_seconds), response->mutable_lease());
+        response->set_slots(moved->slots);
+        response->set_blocks(moved->blocks);
+        response->set_bytes(moved->bytes);
+        response->set_source_released(moved->source_released);
+        response->set_policy(moved->policy);
+        return absl::OkStatus();
+      });
+}
+
+}  // namespace kvmem::service

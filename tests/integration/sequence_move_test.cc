@@ -1,0 +1,235 @@
+// MoveSequence between two kvmemd in this process: the sequence arrives whole (K/V byte for
+// byte at every precision, positions, its policy's state) and leaves the holder; a move that
+// cannot happen changes nothing on either side; tenants move only their own sequences.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kvmem/client.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/service/server.h"
+#include "tests/testing/payload.h"
+
+namespace kvmem {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint32_t kL = 2, kH = 2, kD = 64;
+constexpr char kAlice[] = "alice-token-0123456789";
+constexpr char kBob[] = "bob-token-0123456789ab";
+
+client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::kF16, 16, 49152}; }
+
+class SequenceMoveTest : public ::testing::Test {
+ protected:
+  void Start(bool tokens) {
+    if (tokens) {
+      tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_tokens.", getpid());
+      std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\n";
+    }
+    holder_ = StartOne({});
+    receiver_ = StartOne({Address(*holder_)});
+  }
+  void TearDown() override {
+    if (!tokens_.empty()) std::remove(tokens_.c_str());
+  }
+
+  std::unique_ptr<service::Server> StartOne(std::vector<std::string> peers) {
+    service::ServerConfig config;
+    config.listen = "127.0.0.1:0";
+    config.engine.pool_bytes = 32ull << 20;
+    config.engine.max_sequences = 64;
+    config.reaper_period = absl::Hours(1);
+    config.cluster_peers = std::move(peers);
+    config.auth_tokens = tokens_;
+    auto server = service::Server::Start(config);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? *std::move(server) : nullptr;
+  }
+  static std::string Address(const service::Server& s) {
+    return absl::StrCat("127.0.0.1:", s.port());
+  }
+  static std::unique_ptr<client::Client> Connect(const service::Server& s,
+                                                 const std::string& token = "") {
+    client::ClientOptions options;
+    options.deadline = absl::Seconds(20);
+    options.max_attempts = 1;
+    options.auth_token = token;
+    return *client::Client::Connect(Address(s), options);
+  }
+
+  // A sequence on the holder: 150 tokens under `policy`, stepped 30 times (attention rows
+  // and logit statistics), so that it has evicted and quantized.
+  uint64_t Prepare(client::Client& c, const client::PolicySpec& policy) {
+    auto seq = c.CreateSequence(TestLayout(), policy);
+    EXPECT_TRUE(seq.ok()) << seq.status();
+    if (!seq.ok()) return 0;
+    std::mt19937 rng(5);
+    for (int64_t t = 0; t < 180; t += t < 150 ? 150 : 1) {
+      const uint32_t n = t == 0 ? 150 : 1;
+      const std::vector<int64_t> positions = testing::Range(t, n);
+      const std::string k = testing::Payload16(kL * kH, t, n, kD, 0);
+      const std::string v = testing::Payload16(kL * kH, t, n, kD, 1);
+      EXPECT_TRUE(c.Append(seq->id, {positions, {}, k, v, {}, {}}).ok());
+      auto table = c.GetBlockTable(seq->id);
+      EXPECT_TRUE(table.ok());
+      if (!table.ok()) return 0;
+      client::StepArgs args;
+      args.epoch = table->epoch;
+      args.logit_stats = client::LogitStats{2.0f, 0.6f, 0.2f};
+      std::vector<std::vector<float>> rows;
+      for (const client::StreamTable& st : table->streams) {
+        std::vector<float> row(st.positions.size());
+        std::exponential_distribution<float> e(1.0f);
+        float sum = 0;
+        for (float& a : row) sum += (a = e(rng));
+        for (float& a : row) a /= sum;
+        rows.push_back(std::move(row));
+      }
+      rows_.push_back(rows);
+      for (size_t s = 0; s < rows.size(); ++s) {
+        args.attention.push_back(
+            {static_cast<uint32_t>(s / kH), static_cast<uint32_t>(s % kH), rows_.back()[s]});
+      }
+      auto step = c.Step(seq->id, args);
+      EXPECT_TRUE(step.ok()) << step.status();
+    }
+    return seq->id;
+  }
+
+  std::string tokens_;
+  std::unique_ptr<service::Server> holder_, receiver_;
+  std::vector<std::vector<std::vector<float>>> rows_;
+};
+
+TEST_F(SequenceMoveTest, ASequenceMovesWholeAndLeavesTheHolder) {
+  Start(false);
+  auto on_holder = Connect(*holder_), on_receiver = Connect(*receiver_);
+  const uint64_t id = Prepare(
+      *on_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt8, 32});
+  ASSERT_NE(id, 0u);
+  auto before = on_holder->ReadKv(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto table_before = on_holder->GetBlockTable(id);
+  ASSERT_TRUE(table_before.ok());
+
+  auto moved = on_receiver->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_TRUE(moved->source_released);
+  EXPECT_GT(moved->bytes, 0u);
+  EXPECT_EQ(on_holder->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(on_holder->GetStats(false)->blocks_used, 0u);
+
+  auto after = on_receiver->ReadKv(moved->sequence.id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t s = 0; s < before->size(); ++s) {
+    EXPECT_EQ((*after)[s].positions, (*before)[s].positions) << s;
+    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;  // dequantized the same: same codes
+    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
+  }
+  auto table_after = on_receiver->GetBlockTable(moved->sequence.id);
+  ASSERT_TRUE(table_after.ok());
+  for (size_t s = 0; s < table_before->streams.size(); ++s) {
+    ASSERT_EQ(table_after->streams[s].blocks.size(), table_before->streams[s].blocks.size());
+    for (size_t b = 0; b < table_before->streams[s].blocks.size(); ++b) {
+      EXPECT_EQ(table_after->streams[s].blocks[b].precision,
+                table_before->streams[s].blocks[b].precision);
+    }
+  }
+  // It goes on as a sequence of this daemon.
+  const std::vector<int64_t> positions = testing::Range(180, 1);
+  const std::string k = testing::Payload16(kL * kH, 180, 1, kD, 0);
+  const std::string v = testing::Payload16(kL * kH, 180, 1, kD, 1);
+  EXPECT_TRUE(on_receiver->Append(moved->sequence.id, {positions, {}, k, v, {}, {}}).ok());
+  ASSERT_TRUE(on_receiver->Release(moved->sequence.id).ok());
+  EXPECT_EQ(on_receiver->GetStats(false)->blocks_used, 0u);
+}
+
+TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
+  Start(false);
+  auto on_holder = Connect(*holder_), on_receiver = Connect(*receiver_);
+  const uint64_t id = Prepare(*on_holder, {"window", {{"window", 64}}});
+  ASSERT_NE(id, 0u);
+  const uint64_t blocks = on_holder->GetStats(false)->blocks_used;
+  // Not a peer; an unknown id; a holder that does not move sequences the other way.
+  auto r = on_receiver->MoveSequence("127.0.0.1:1", id);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("--cluster-peers"));
+  r = on_receiver->MoveSequence(Address(*holder_), id + 1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  r = on_holder->MoveSequence(Address(*receiver_), id);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // A sequence frozen by another move (a receiver that read its export and went away) is
+  // not moved twice, nor changed, until that move is abandoned or its hold lapses.
+  auto stub = v1::KvCache::NewStub(
+      grpc::CreateChannel(Address(*holder_), grpc::InsecureChannelCredentials()));
+  const auto export_once = [&](absl::Duration hold) -> uint64_t {
+    grpc::ClientContext c;
+    v1::ExportSequenceRequest q;
+    q.set_sequence_id(id);
+    q.mutable_hold()->set_seconds(absl::ToInt64Seconds(hold));
+    auto reader = stub->ExportSequence(&c, q);
+    v1::ExportSequenceResponse header;
+    EXPECT_TRUE(reader->Read(&header));
+    EXPECT_TRUE(header.has_header());
+    c.TryCancel();
+    reader->Finish().IgnoreError();
+    return header.header().export_id();
+  };
+  const std::vector<int64_t> positions = testing::Range(180, 1);
+  const std::string k = testing::Payload16(kL * kH, 180, 1, kD, 0);
+  const std::string v = testing::Payload16(kL * kH, 180, 1, kD, 1);
+  const uint64_t export_id = export_once(absl::Seconds(60));
+  r = on_receiver->MoveSequence(Address(*holder_), id);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("being moved"));
+  EXPECT_EQ(on_holder->Append(id, {positions, {}, k, v, {}, {}}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  {
+    grpc::ClientContext c;
+    v1::FinishExportRequest q;
+    q.set_sequence_id(id);
+    q.set_export_id(export_id);
+    v1::FinishExportResponse a;
+    ASSERT_TRUE(stub->FinishExport(&c, q, &a).ok());
+  }
+  EXPECT_EQ(on_holder->GetStats(false)->blocks_used, blocks);
+  EXPECT_EQ(on_receiver->GetStats(false)->blocks_used, 0u);
+  EXPECT_TRUE(on_holder->Append(id, {positions, {}, k, v, {}, {}}).ok());
+  // A hold that lapses unfreezes it too.
+  export_once(absl::Seconds(1));
+  absl::SleepFor(absl::Milliseconds(1100));
+  const std::vector<int64_t> next = testing::Range(181, 1);
+  const std::string k2 = testing::Payload16(kL * kH, 181, 1, kD, 0);
+  const std::string v2 = testing::Payload16(kL * kH, 181, 1, kD, 1);
+  EXPECT_TRUE(on_holder->Append(id, {next, {}, k2, v2, {}, {}}).ok());
+  // And then moves.
+  auto moved = on_receiver->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+}
+
+TEST_F(SequenceMoveTest, ATenantMovesItsOwnSequencesOnly) {
+  Start(true);
+  auto alice_holder = Connect(*holder_, kAlice), alice = Connect(*receiver_, kAlice);
+  auto bob = Connect(*receiver_, kBob);
+  const uint64_t id = Prepare(*alice_holder, {"window", {{"window", 64}}});
+  ASSERT_NE(id, 0u);
+  auto r = bob->MoveSequence(Address(*holder_), id);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  EXPECT_TRUE(alice_holder->GetBlockTable(id).ok());
+  auto moved = alice->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_TRUE(alice->GetBlockTable(moved->sequence.id).ok());
+  EXPECT_EQ(bob->GetBlockTable(moved->sequence.id).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace kvmem
