@@ -85,10 +85,14 @@ ABSL_FLAG(uint64_t, cluster_pull_max_bytes, 256ull << 20,
           "with --cluster-index: the K/V bytes one PullPrefix may hold (a longer prefix is "
           "refused)");
 ABSL_FLAG(std::string, cluster_peers, "",
-          "with --cluster-index: comma-separated node addresses (their --cluster-node-address) "
-          "PullPrefix may pull from, when the fleet's index names them as holders; empty: no "
-          "pulls. The caller's bearer token goes to them: trusted daemons sharing this "
-          "daemon's token file only");
+          "comma-separated node addresses (their --cluster-node-address) PullPrefix may pull "
+          "from, when the fleet's index names them as holders (with --cluster-index), and "
+          "MoveSequence may move sequences from; empty: neither. The caller's bearer token goes "
+          "to them: trusted daemons sharing this daemon's token file only");
+ABSL_FLAG(std::string, cluster_peer_token_file, "",
+          "a file holding the token this daemon presents to --cluster-peers for their pool's "
+          "UCX key, so that MoveSequence gets a sequence's blocks by RMA (an admin token in the "
+          "peers' --auth-tokens; the peers run --ucx); empty: moves by gRPC");
 ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,
           "with --cluster-index: PullPrefix calls that run at once (more are refused)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
@@ -268,6 +272,7 @@ int main(int argc, char** argv) {
   config.cluster_index.lookup_connections = absl::GetFlag(FLAGS_cluster_index_connections);
   config.cluster_pull_max_bytes = absl::GetFlag(FLAGS_cluster_pull_max_bytes);
   config.cluster_pull_concurrency = absl::GetFlag(FLAGS_cluster_pull_concurrency);
+  config.cluster_peer_token_file = absl::GetFlag(FLAGS_cluster_peer_token_file);
   for (absl::string_view peer :
        absl::StrSplit(absl::GetFlag(FLAGS_cluster_peers), ',', absl::SkipEmpty())) {
     config.cluster_peers.emplace_back(peer);

@@ -525,7 +525,8 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   // The word odd first: no reader accepts the tables once their blocks can be reused.
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
-  freed += pool_->Unref(seq.TakePlan());  // blocks a write plan holds
+  freed += pool_->Unref(seq.TakePlan());       // blocks a write plan holds
+  freed += pool_->Unref(seq.EndMoveExport());  // blocks a move's reader may still get
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
   }

@@ -188,8 +188,10 @@ class Engine {
   // first) or unfreezes it.
   absl::StatusOr<MovedHeader> BeginExport(uint64_t sequence_id, absl::Duration hold,
                                           std::vector<std::vector<float>>* scores);
+  // `by_offset`: the piece names its blocks' pool offsets instead of carrying their bytes,
+  // and the blocks are held until the export ends (FinishExport, a Release, the next export).
   absl::StatusOr<bool> ExportPiece(uint64_t sequence_id, uint64_t export_id,
-                                   const std::vector<std::vector<float>>& scores,
+                                   const std::vector<std::vector<float>>& scores, bool by_offset,
                                    ExportCursor* cursor, MovedPiece* piece);
   absl::StatusOr<uint64_t> FinishExport(uint64_t sequence_id, uint64_t export_id, bool moved);
   // The receiver's side: an import of the header's sequence for `owner` (the authenticated

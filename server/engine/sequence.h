@@ -441,12 +441,19 @@ class Sequence {
   }
   // A move to another kvmemd in progress (Engine::BeginExport): its id, and until when
   // (the registry clock's Unix ns) the sequence is frozen for it. id 0: none.
+  // `held`: pool references on the blocks its pieces named by offset (a reader gets them
+  // later), for the caller to give back when the export ends.
   struct MoveExport {
     uint64_t id = 0;
     int64_t until_ns = 0;
+    std::vector<store::BlockId> held;
   };
   const MoveExport& move_export() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return move_export_; }
-  void set_move_export(MoveExport e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { move_export_ = e; }
+  MoveExport& mutable_move_export() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return move_export_; }
+  // Ends the export (if any); returns its references for the caller to give back.
+  std::vector<store::BlockId> EndMoveExport() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return std::exchange(move_export_, {}).held;
+  }
 
   uint32_t max_stream_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu);
   uint64_t retained_slots() const ABSL_SHARED_LOCKS_REQUIRED(mu);

@@ -94,9 +94,12 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
     if (seq.slots() != nullptr) {
       if (absl::Status s = seq.slots()->ReadScores(scores); !s.ok()) return s;
     }
-    // Frozen from here: no change until FinishExport or the hold lapses.
+    // Frozen from here: no change until FinishExport or the hold lapses. A lapsed export's
+    // references go first.
     h.export_id = absl::Uniform<uint64_t>(absl::BitGen(), 1, std::numeric_limits<uint64_t>::max());
-    seq.set_move_export({h.export_id, absl::ToUnixNanos(registry_.Now() + hold)});
+    pool_->Unref(seq.EndMoveExport());
+    seq.mutable_move_export().id = h.export_id;
+    seq.mutable_move_export().until_ns = absl::ToUnixNanos(registry_.Now() + hold);
     registry_.Renew(seq);
     return h;
   });
@@ -104,7 +107,7 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
 
 absl::StatusOr<bool> Engine::ExportPiece(uint64_t sequence_id, uint64_t export_id,
                                          const std::vector<std::vector<float>>& scores,
-                                         ExportCursor* cursor, MovedPiece* piece) {
+                                         bool by_offset, ExportCursor* cursor, MovedPiece* piece) {
   return GuardHostMemory("ExportSequence", [&]() -> absl::StatusOr<bool> {
     absl::StatusOr<SequenceRef> ref = registry_.Lock(sequence_id);
     if (!ref.ok()) return ref.status();
@@ -134,19 +137,36 @@ absl::StatusOr<bool> Engine::ExportPiece(uint64_t sequence_id, uint64_t export_i
       slots += st.blocks()[end].count;
       ++end;
     }
-    piece->data.resize(bytes);
     std::vector<store::ReadOp> reads;
-    reads.reserve(end - cursor->block);
+    if (by_offset) {
+      // Held until the export ends: a reader may get them after this call.
+      std::vector<store::BlockId>& held = seq.mutable_move_export().held;
+      held.reserve(held.size() + (end - cursor->block));
+      piece->offsets.reserve(end - cursor->block);
+    } else {
+      piece->data.resize(bytes);
+      reads.reserve(end - cursor->block);
+    }
     uint64_t at = 0;
     for (size_t i = cursor->block; i < end; ++i) {
       const StreamBlock& b = st.blocks()[i];
       piece->blocks.push_back({b.start, b.count, b.precision});
       const uint64_t n = seq.format().block_bytes(b.precision);
-      reads.push_back({pool_->offset(b.id), piece->data.data() + at, n});
+      if (by_offset) {
+        piece->offsets.push_back(pool_->offset(b.id));
+      } else {
+        reads.push_back({pool_->offset(b.id), piece->data.data() + at, n});
+      }
       at += n;
     }
-    if (absl::Status s = backend_->Read(reads); !s.ok()) return s;
-    if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    if (by_offset) {
+      std::vector<store::BlockId>& held = seq.mutable_move_export().held;
+      for (size_t i = cursor->block; i < end; ++i) held.push_back(st.blocks()[i].id);
+      pool_->Ref(absl::MakeConstSpan(held).subspan(held.size() - (end - cursor->block)));
+    } else {
+      if (absl::Status s = backend_->Read(reads); !s.ok()) return s;
+      if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    }
     const auto slice = [&](auto span, uint64_t width, auto* out) {
       const auto first = span.begin() + static_cast<ptrdiff_t>(cursor->slot * width);
       out->assign(first, first + static_cast<ptrdiff_t>(slots * width));
@@ -179,14 +199,14 @@ absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t exp
                                             export_id, " (it ended)"));
   }
   if (!moved) {
-    seq.set_move_export({});
+    pool_->Unref(seq.EndMoveExport());
     registry_.Renew(seq);
     return uint64_t{0};
   }
   // Once the hold has lapsed the sequence may have changed since the receiver's copy: that
   // copy is not this sequence any more, and this one stays.
   if (registry_.NotMoving(seq).ok()) {
-    seq.set_move_export({});
+    pool_->Unref(seq.EndMoveExport());
     return absl::AbortedError(absl::StrCat("export_id: the hold of sequence ", sequence_id,
                                            "'s export lapsed before the move was committed"));
   }

@@ -83,6 +83,8 @@ struct MovedPiece {
   std::vector<int64_t> arrival_steps;
   std::vector<float> scores;
   std::string data;  // each block's block_bytes(precision), in order
+  // Instead of `data` (an export by offsets): each block's offset in the holder's pool.
+  std::vector<uint64_t> offsets;
 };
 
 // Where an export's next piece begins.
@@ -117,6 +119,7 @@ class SequenceImport {
   // Every stream's blocks and slots came.
   bool complete() const;
   const MovedHeader& header() const { return header_; }
+  const BlockFormat& format() const { return format_; }
   uint64_t blocks() const { return block_count_; }
   uint64_t bytes() const { return bytes_; }
 

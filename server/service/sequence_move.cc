@@ -10,6 +10,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#if KVMEM_WITH_UCX
+#include "kvmem/convert.h"
+#include "kvmem/ucx_pool.h"
+#endif
 #include "server/common/client_text.h"
 #include "server/service/convert.h"
 #include "server/service/kv_cache_service.h"
@@ -55,6 +59,32 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
   if (!who.tenant.empty()) return absl::StartsWith(salt, absl::StrCat("tenant:", who.tenant, "/"));
   return !absl::StartsWith(salt, "tenant:");
 }
+
+#if KVMEM_WITH_UCX
+// A piece by offsets: its blocks' bytes got from the holder's pool into its data, checked
+// first as untrusted input (one offset per block; each block as long as this layout says).
+absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& format,
+                       engine::MovedPiece* piece) {
+  if (piece->offsets.size() != piece->blocks.size() || !piece->data.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's piece names ",
+                                                   piece->offsets.size(), " offsets for ",
+                                                   piece->blocks.size(), " blocks"));
+  }
+  uint64_t bytes = 0;
+  for (const engine::MovedBlock& b : piece->blocks) bytes += format.block_bytes(b.precision);
+  piece->data.resize(bytes);
+  std::vector<client::UcxPool::PoolRead> reads;
+  reads.reserve(piece->blocks.size());
+  uint64_t at = 0;
+  for (size_t i = 0; i < piece->blocks.size(); ++i) {
+    const uint64_t n = format.block_bytes(piece->blocks[i].precision);
+    reads.push_back({piece->offsets[i], piece->data.data() + at, n});
+    at += n;
+  }
+  piece->offsets.clear();
+  return pool.ReadPool(reads);
+}
+#endif
 
 }  // namespace
 
@@ -103,6 +133,7 @@ void ToProto(engine::MovedPiece&& p, v1::SequencePiece* out) {
   out->mutable_arrival_steps()->Add(p.arrival_steps.begin(), p.arrival_steps.end());
   out->mutable_scores()->Add(p.scores.begin(), p.scores.end());
   out->set_data(std::move(p.data));
+  out->mutable_block_offsets()->Add(p.offsets.begin(), p.offsets.end());
 }
 
 absl::StatusOr<engine::MovedHeader> FromProto(const v1::SequenceHeader& h) {
@@ -159,6 +190,7 @@ absl::StatusOr<engine::MovedPiece> FromProto(v1::SequencePiece&& p) {
   out.arrival_steps.assign(p.arrival_steps().begin(), p.arrival_steps().end());
   out.scores.assign(p.scores().begin(), p.scores().end());
   out.data = std::move(*p.mutable_data());
+  out.offsets.assign(p.block_offsets().begin(), p.block_offsets().end());
   return out;
 }
 
@@ -175,7 +207,12 @@ metrics::MoveTotals SequenceMover::totals() const {
 absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
                                                const std::string& from_node, uint64_t sequence_id,
                                                const Principal& who, const std::string& bearer,
-                                               absl::Duration lease, absl::Time deadline) {
+                                               absl::Duration lease, const std::string& transport,
+                                               absl::Time deadline) {
+  if (transport != "" && transport != "grpc" && transport != "ucx") {
+    return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(transport),
+                                                   "\" is none of \"ucx\", \"grpc\" or empty"));
+  }
   if (std::find(peers_.begin(), peers_.end(), from_node) == peers_.end()) {
     return absl::FailedPreconditionError(
         absl::StrCat("from_node: \"", EchoClientText(from_node),
@@ -190,7 +227,7 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
   const absl::Time start = absl::Now();
   absl::StatusOr<MoveResult> moved;
   try {
-    moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, deadline);
+    moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline);
   } catch (const std::bad_alloc&) {
     moved = absl::ResourceExhaustedError("MoveSequence: out of host memory");
   }
@@ -209,11 +246,44 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
                                                    const std::string& from_node,
                                                    uint64_t sequence_id, const Principal& who,
                                                    const std::string& bearer, absl::Duration lease,
+                                                   const std::string& transport,
                                                    absl::Time deadline) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxHolderMessageBytes);
   std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
       grpc::CreateCustomChannel(from_node, grpc::InsecureChannelCredentials(), args));
+  // The holder's pool by UCX, where this daemon may read it.
+#if KVMEM_WITH_UCX
+  std::unique_ptr<client::UcxPool> ucx;
+  if (transport != "grpc" && !peer_token_.empty()) {
+    grpc::ClientContext c;
+    c.set_deadline(absl::ToChronoTime(deadline));
+    c.AddMetadata("authorization", absl::StrCat("Bearer ", peer_token_));
+    v1::GetInfoResponse info;
+    absl::StatusOr<std::unique_ptr<client::UcxPool>> pool = absl::FailedPreconditionError("");
+    if (grpc::Status s = stub->GetInfo(&c, v1::GetInfoRequest(), &info); !s.ok()) {
+      pool = FromHolder(s, from_node, "GetInfo (with --cluster-peer-token-file)");
+    } else {
+      pool = client::UcxPool::Connect(client::internal::InfoOf(info),
+                                      std::max(deadline - absl::Now(), absl::Seconds(1)));
+    }
+    if (pool.ok()) {
+      ucx = *std::move(pool);
+    } else if (transport == "ucx") {
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
+                       pool.status().message()));
+    }
+  }
+  const bool by_ucx = ucx != nullptr;
+#else
+  const bool by_ucx = false;
+#endif
+  if (transport == "ucx" && !by_ucx) {
+    return absl::FailedPreconditionError(
+        "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "
+        "without --cluster-peer-token-file)");
+  }
   const auto call = [&](absl::Time until) {
     std::unique_ptr<grpc::ClientContext> c = grpc::ClientContext::FromServerContext(
         *context, grpc::PropagationOptions().disable_deadline_propagation());
@@ -238,6 +308,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   v1::ExportSequenceRequest q;
   q.set_sequence_id(sequence_id);
   ToProto(std::clamp(deadline - absl::Now(), absl::Seconds(1), kMaxHold), q.mutable_hold());
+  q.set_block_offsets(by_ucx);
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
       stub->ExportSequence(c.get(), q);
   v1::ExportSequenceResponse message;
@@ -280,7 +351,15 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   }
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
-    absl::Status added = piece.ok() ? (*import)->Add(*piece) : piece.status();
+    absl::Status added = piece.status();
+#if KVMEM_WITH_UCX
+    if (added.ok() && by_ucx) added = GetBlocks(*ucx, (*import)->format(), &*piece);
+#endif
+    if (added.ok() && !by_ucx && !piece->offsets.empty()) {
+      added = absl::InvalidArgumentError(
+          "MoveSequence: the holder's piece names offsets where its bytes were asked for");
+    }
+    if (added.ok()) added = (*import)->Add(*piece);
     if (!added.ok()) {
       c->TryCancel();
       reader->Finish().IgnoreError();
@@ -296,6 +375,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   result.blocks = (*import)->blocks();
   result.bytes = (*import)->bytes();
   result.policy = (*import)->header().policy;
+  result.transport = by_ucx ? "ucx" : "grpc";
   committed = true;
   // The holder releases its copy now. A definite refusal (its hold lapsed, the sequence was
   // released there) undoes this one; a lost answer leaves both.
@@ -363,8 +443,8 @@ grpc::Status KvCacheService::ExportSequence(
   engine::ExportCursor cursor;
   for (;;) {
     engine::MovedPiece piece;
-    absl::StatusOr<bool> more =
-        engine_->ExportPiece(id, header->export_id, scores, &cursor, &piece);
+    absl::StatusOr<bool> more = engine_->ExportPiece(id, header->export_id, scores,
+                                                     request->block_offsets(), &cursor, &piece);
     if (!more.ok()) return ToGrpc(more.status(), id);
     if (!*more) break;
     message.Clear();
@@ -417,9 +497,10 @@ grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
               "MoveSequence: a move acts on the holder with the caller's bearer token, and this "
               "call came without one (a TLS certificate or a unix peer cannot be forwarded)");
         }
-        absl::StatusOr<MoveResult> moved = mover_->Move(
-            context, request->from_node(), request->sequence_id(), call->who, bearer, *lease,
-            std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxHold));
+        absl::StatusOr<MoveResult> moved =
+            mover_->Move(context, request->from_node(), request->sequence_id(), call->who, bearer,
+                         *lease, request->transport(),
+                         std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxHold));
         if (!moved.ok()) return moved.status();
         response->set_sequence_id(moved->created.sequence_id);
         response->set_epoch_slot(moved->created.epoch_slot);
@@ -431,6 +512,7 @@ grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
         response->set_bytes(moved->bytes);
         response->set_source_released(moved->source_released);
         response->set_policy(moved->policy);
+        response->set_transport(moved->transport);
         return absl::OkStatus();
       });
 }

@@ -16,7 +16,14 @@
 // caller's tenant's). Memory: a move holds one piece (about 2 MiB of K/V) in host memory at a
 // time, its blocks in this pool as they land (the tenant's quota applies) and the moved
 // slots' metadata from --host-metadata-bytes; at most max_bytes of blocks per move and
-// max_moves moves at once. Transport: gRPC; UCX gets of the blocks: not yet.
+// max_moves moves at once.
+//
+// Transport: the blocks come in the export's messages (gRPC), or, where this daemon can
+// read the holder's pool (both built with UCX, the holder running --ucx, and this daemon
+// given a token the holder knows as an admin's: --cluster-peer-token-file), by RMA gets
+// from it, the export naming each block's offset and holding the blocks until it ends. The
+// tenant's own calls still carry the tenant's token; only the pool's key is asked with the
+// peer token.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -39,14 +46,18 @@ struct MoveResult {
   uint64_t bytes = 0;
   bool source_released = false;
   std::string policy;
+  std::string transport;  // "ucx" or "grpc"
 };
 
 class SequenceMover {
  public:
+  // `peer_token`: what this daemon presents to a holder for its pool's UCX key ("": none,
+  // moves by gRPC).
   SequenceMover(engine::Engine* engine, std::vector<std::string> peers, uint64_t max_bytes,
-                int max_moves)
+                int max_moves, std::string peer_token = {})
       : engine_(engine),
         peers_(std::move(peers)),
+        peer_token_(std::move(peer_token)),
         max_bytes_(max_bytes),
         max_moves_(max_moves),
         seconds_(engine::LatencyBounds()) {}
@@ -56,17 +67,18 @@ class SequenceMover {
   absl::StatusOr<MoveResult> Move(grpc::ServerContext* context, const std::string& from_node,
                                   uint64_t sequence_id, const Principal& who,
                                   const std::string& bearer, absl::Duration lease,
-                                  absl::Time deadline);
+                                  const std::string& transport, absl::Time deadline);
   metrics::MoveTotals totals() const;
 
  private:
   absl::StatusOr<MoveResult> MoveFrom(grpc::ServerContext* context, const std::string& from_node,
                                       uint64_t sequence_id, const Principal& who,
                                       const std::string& bearer, absl::Duration lease,
-                                      absl::Time deadline);
+                                      const std::string& transport, absl::Time deadline);
 
   engine::Engine* const engine_;
   const std::vector<std::string> peers_;
+  const std::string peer_token_;
   const uint64_t max_bytes_;
   const int max_moves_;
   std::atomic<int> running_{0};

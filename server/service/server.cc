@@ -236,9 +236,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
       return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
     }
-    server->mover_ = std::make_unique<SequenceMover>(server->engine_.get(), config.cluster_peers,
-                                                     config.cluster_pull_max_bytes,
-                                                     config.cluster_pull_concurrency);
+    std::string peer_token;
+    if (!config.cluster_peer_token_file.empty()) {
+      std::ifstream in(config.cluster_peer_token_file);
+      if (!(in >> peer_token) || peer_token.size() < 16 || peer_token.size() > 512) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--cluster-peer-token-file: ", config.cluster_peer_token_file,
+                         " holds no token (16 to 512 printable characters without spaces)"));
+      }
+    }
+    server->mover_ = std::make_unique<SequenceMover>(
+        server->engine_.get(), config.cluster_peers, config.cluster_pull_max_bytes,
+        config.cluster_pull_concurrency, std::move(peer_token));
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.

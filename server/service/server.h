@@ -91,8 +91,13 @@ struct ServerConfig {
   // many run at once.
   uint64_t cluster_pull_max_bytes = 256ull << 20;
   int cluster_pull_concurrency = 2;
-  // The nodes (their --cluster-node-address) PullPrefix may pull from; none: no pulls.
+  // The nodes (their --cluster-node-address) PullPrefix may pull from and MoveSequence may
+  // move from; none: neither.
   std::vector<std::string> cluster_peers;
+  // A file holding the token this daemon presents to its peers for their pool's UCX key
+  // (MoveSequence by UCX: one the peers' token files name as an admin's); empty: moves by
+  // gRPC.
+  std::string cluster_peer_token_file;
 };
 
 class Server {

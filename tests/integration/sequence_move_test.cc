@@ -24,29 +24,40 @@ using ::testing::HasSubstr;
 constexpr uint32_t kL = 2, kH = 2, kD = 64;
 constexpr char kAlice[] = "alice-token-0123456789";
 constexpr char kBob[] = "bob-token-0123456789ab";
+constexpr char kPeer[] = "fleet-peer-token-0123456789";
 
 client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::kF16, 16, 49152}; }
 
 class SequenceMoveTest : public ::testing::Test {
  protected:
-  void Start(bool tokens) {
+  // `ucx`: the holder runs --ucx and the receiver presents an admin's token to it.
+  void Start(bool tokens, bool ucx = false) {
     if (tokens) {
       tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_tokens.", getpid());
-      std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\n";
+      std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\nfleet " << kPeer
+                             << " admin\n";
     }
-    holder_ = StartOne({});
+    if (ucx) {
+      peer_token_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_peer.", getpid());
+      std::ofstream(peer_token_) << kPeer << "\n";
+    }
+    holder_ = StartOne({}, ucx);
     receiver_ = StartOne({Address(*holder_)});
   }
   void TearDown() override {
     if (!tokens_.empty()) std::remove(tokens_.c_str());
+    if (!peer_token_.empty()) std::remove(peer_token_.c_str());
   }
 
-  std::unique_ptr<service::Server> StartOne(std::vector<std::string> peers) {
+  std::unique_ptr<service::Server> StartOne(std::vector<std::string> peers, bool ucx = false) {
     service::ServerConfig config;
     config.listen = "127.0.0.1:0";
     config.engine.pool_bytes = 32ull << 20;
     config.engine.max_sequences = 64;
     config.reaper_period = absl::Hours(1);
+    config.ucx = ucx;
+    config.ucx_trusted_network = ucx;
+    if (!peers.empty()) config.cluster_peer_token_file = peer_token_;
     config.cluster_peers = std::move(peers);
     config.auth_tokens = tokens_;
     auto server = service::Server::Start(config);
@@ -104,7 +115,7 @@ class SequenceMoveTest : public ::testing::Test {
     return seq->id;
   }
 
-  std::string tokens_;
+  std::string tokens_, peer_token_;
   std::unique_ptr<service::Server> holder_, receiver_;
   std::vector<std::vector<std::vector<float>>> rows_;
 };
@@ -167,8 +178,14 @@ TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
   r = on_holder->MoveSequence(Address(*receiver_), id);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("transport"));
+  r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "rdma");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   // A sequence frozen by another move (a receiver that read its export and went away) is
-  // not moved twice, nor changed, until that move is abandoned or its hold lapses.
+  // not moved twice, nor changed, until that move is abandoned or its hold lapses. (A
+  // receiver that leaves mid-export unfreezes it at once: it cannot have it whole.)
   auto stub = v1::KvCache::NewStub(
       grpc::CreateChannel(Address(*holder_), grpc::InsecureChannelCredentials()));
   const auto export_once = [&](absl::Duration hold) -> uint64_t {
@@ -177,11 +194,12 @@ TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
     q.set_sequence_id(id);
     q.mutable_hold()->set_seconds(absl::ToInt64Seconds(hold));
     auto reader = stub->ExportSequence(&c, q);
-    v1::ExportSequenceResponse header;
+    v1::ExportSequenceResponse header, piece;
     EXPECT_TRUE(reader->Read(&header));
     EXPECT_TRUE(header.has_header());
-    c.TryCancel();
-    reader->Finish().IgnoreError();
+    while (reader->Read(&piece)) {
+    }
+    EXPECT_TRUE(reader->Finish().ok());  // read whole: frozen until FinishExport or the hold
     return header.header().export_id();
   };
   const std::vector<int64_t> positions = testing::Range(180, 1);
@@ -230,6 +248,58 @@ TEST_F(SequenceMoveTest, ATenantMovesItsOwnSequencesOnly) {
   EXPECT_TRUE(alice->GetBlockTable(moved->sequence.id).ok());
   EXPECT_EQ(bob->GetBlockTable(moved->sequence.id).status().code(), absl::StatusCode::kNotFound);
 }
+
+#if KVMEM_WITH_UCX
+// The blocks by RMA gets from the holder's pool (UCX_TLS for both ends), byte for byte what
+// the export would have carried; the tenant's calls still carry the tenant's token.
+class SequenceMoveUcxTest : public SequenceMoveTest,
+                            public ::testing::WithParamInterface<const char*> {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", GetParam(), 1);
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  }
+  void TearDown() override {
+    SequenceMoveTest::TearDown();
+    unsetenv("UCX_TLS");
+  }
+};
+
+TEST_P(SequenceMoveUcxTest, BlocksComeByUcx) {
+  Start(true, true);
+  auto alice_holder = Connect(*holder_, kAlice), alice = Connect(*receiver_, kAlice);
+  const uint64_t id = Prepare(
+      *alice_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt4, 32});
+  ASSERT_NE(id, 0u);
+  auto before = alice_holder->ReadKv(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->transport, "ucx");
+  EXPECT_TRUE(moved->source_released);
+  auto after = alice->ReadKv(moved->sequence.id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t s = 0; s < before->size(); ++s) {
+    EXPECT_EQ((*after)[s].positions, (*before)[s].positions) << s;
+    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
+    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
+  }
+  // The holder gave back every block it held for the move.
+  auto fleet = Connect(*holder_, kPeer);
+  EXPECT_EQ(fleet->GetStats(false)->blocks_used, 0u);
+  // gRPC when asked for, from the same daemons.
+  const uint64_t again = Prepare(*alice_holder, {"window", {{"window", 64}}});
+  auto r = alice->MoveSequence(Address(*holder_), again, std::nullopt, "grpc");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, "grpc");
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, SequenceMoveUcxTest, ::testing::Values("tcp", "sm,self"),
+                         [](const auto& info) {
+                           return std::string(info.param[0] == 't' ? "Tcp" : "SharedMemory");
+                         });
+#endif
 
 }  // namespace
 }  // namespace kvmem

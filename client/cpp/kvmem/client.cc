@@ -571,9 +571,11 @@ absl::StatusOr<Sequence> Client::Fork(uint64_t sequence_id, std::optional<absl::
 
 absl::StatusOr<Client::Moved> Client::MoveSequence(const std::string& from_node,
                                                    uint64_t sequence_id,
-                                                   std::optional<absl::Duration> lease) {
+                                                   std::optional<absl::Duration> lease,
+                                                   const std::string& transport) {
   v1::MoveSequenceRequest q;
   q.set_from_node(from_node);
+  q.set_transport(transport);
   q.set_sequence_id(sequence_id);
   if (lease) ToProto(*lease, q.mutable_lease());
   q.set_request_id(NewRequestId());
@@ -587,6 +589,7 @@ absl::StatusOr<Client::Moved> Client::MoveSequence(const std::string& from_node,
                             r.epoch(),       r.table_version()};
   moved.bytes = r.bytes();
   moved.source_released = r.source_released();
+  moved.transport = r.transport();
   return moved;
 }
 

@@ -496,13 +496,16 @@ class Client {
   // so that its next Step decides what the holder's would have. Returns the sequence here
   // (a new id and table: GetBlockTable it); the holder has released its copy unless
   // `source_released` says otherwise.
+  // `transport`: how kvmemd gets the blocks ("ucx", "grpc"; empty: UCX where it can).
   struct Moved {
     Sequence sequence;
     uint64_t bytes = 0;
     bool source_released = false;
+    std::string transport;  // how the blocks came
   };
   absl::StatusOr<Moved> MoveSequence(const std::string& from_node, uint64_t sequence_id,
-                                     std::optional<absl::Duration> lease = std::nullopt);
+                                     std::optional<absl::Duration> lease = std::nullopt,
+                                     const std::string& transport = "");
 
  private:
   struct Impl;

@@ -181,6 +181,19 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
   return absl::OkStatus();
 }
 
+absl::Status UcxPool::ReadPool(absl::Span<const PoolRead> reads) const {
+  std::vector<OutCopy> copies;
+  copies.reserve(reads.size());
+  for (const PoolRead& r : reads) {
+    if (r.offset > bytes_) {
+      return absl::OutOfRangeError(
+          absl::StrCat("ucx: offset ", r.offset, " is outside the pool of ", bytes_));
+    }
+    copies.push_back({r.dst, base_ + r.offset, r.bytes});
+  }
+  return CopyOutMany(copies);
+}
+
 absl::Status UcxPool::CopyOutMany(absl::Span<const OutCopy> copies) const {
   std::vector<GetOp> ops;
   ops.reserve(copies.size());

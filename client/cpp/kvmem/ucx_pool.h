@@ -31,6 +31,15 @@ class UcxPool final : private MappedPool {
   // The epoch checks, read remotely (shared_pool.h's protocol).
   absl::Status BeginRead(const BlockTable& table) const override;
   absl::Status EndRead(const BlockTable& table) const override;
+  // Copies each read's pool bytes [offset, offset + bytes) into its destination, every get
+  // posted before any is waited for (a kvmemd moving another's sequence to itself reads its
+  // blocks so: MoveSequence). OUT_OF_RANGE for bytes outside the pool, nothing read.
+  struct PoolRead {
+    uint64_t offset = 0;
+    void* dst = nullptr;
+    uint64_t bytes = 0;
+  };
+  absl::Status ReadPool(absl::Span<const PoolRead> reads) const;
   // Bytes read from the daemon so far, and the gets that read them.
   uint64_t bytes_read() const;
   uint64_t gets() const;

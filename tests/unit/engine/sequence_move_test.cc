@@ -55,7 +55,8 @@ absl::StatusOr<Exported> Export(Engine& from, uint64_t id, absl::Duration hold =
   ExportCursor cursor;
   for (;;) {
     MovedPiece piece;
-    absl::StatusOr<bool> more = from.ExportPiece(id, header->export_id, scores, &cursor, &piece);
+    absl::StatusOr<bool> more =
+        from.ExportPiece(id, header->export_id, scores, false, &cursor, &piece);
     if (!more.ok()) return more.status();
     if (!*more) break;
     out.pieces.push_back(std::move(piece));
@@ -261,8 +262,45 @@ TEST_F(MoveFixture, AFrozenSequenceRefusesChangesUntilTheMoveEnds) {
   clock_.Advance(absl::Seconds(6));
   ExportCursor cursor;
   MovedPiece piece;
-  EXPECT_EQ(a_->ExportPiece(id_, h->export_id, scores, &cursor, &piece).status().code(),
+  EXPECT_EQ(a_->ExportPiece(id_, h->export_id, scores, false, &cursor, &piece).status().code(),
             absl::StatusCode::kAborted);
+}
+
+// An export by offsets holds every block it named until it ends, whichever way it ends.
+TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
+  const uint64_t blocks = a_->Stats(false).pool.blocks_used;
+  for (int end = 0; end < 3; ++end) {
+    std::vector<std::vector<float>> scores;
+    absl::StatusOr<MovedHeader> h = a_->BeginExport(id_, absl::Seconds(30), &scores);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ExportCursor cursor;
+    MovedPiece piece;
+    size_t named = 0;
+    for (;;) {
+      absl::StatusOr<bool> more = a_->ExportPiece(id_, h->export_id, scores, true, &cursor, &piece);
+      ASSERT_TRUE(more.ok()) << more.status();
+      if (!*more) break;
+      EXPECT_TRUE(piece.data.empty());
+      EXPECT_EQ(piece.offsets.size(), piece.blocks.size());
+      named += piece.blocks.size();
+    }
+    EXPECT_GT(named, 0u);
+    const uint64_t pages = a_->Stats(false).pool.pages_used;
+    if (end == 0) {  // abandoned: the references go, the blocks stay the sequence's
+      ASSERT_TRUE(a_->FinishExport(id_, h->export_id, false).ok());
+      EXPECT_EQ(a_->Stats(false).pool.blocks_used, blocks);
+    } else if (end == 1) {  // lapsed, then exported again: the lapsed one's references go
+      clock_.Advance(absl::Seconds(31));
+      absl::StatusOr<MovedHeader> again = a_->BeginExport(id_, absl::Seconds(30), &scores);
+      ASSERT_TRUE(again.ok());
+      EXPECT_EQ(a_->Stats(false).pool.pages_used, pages);
+      ASSERT_TRUE(a_->FinishExport(id_, again->export_id, false).ok());
+    } else if (end == 2) {  // moved: everything goes
+      ASSERT_TRUE(a_->FinishExport(id_, h->export_id, true).ok());
+      EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
+      return;
+    }
+  }
 }
 
 TEST_F(MoveFixture, AReleaseDuringTheMoveEndsIt) {
@@ -271,6 +309,18 @@ TEST_F(MoveFixture, AReleaseDuringTheMoveEndsIt) {
   ASSERT_TRUE(a_->Release(id_).ok());
   EXPECT_EQ(a_->FinishExport(id_, exported->header.export_id, true).status().code(),
             absl::StatusCode::kNotFound);
+  EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
+}
+
+TEST_F(MoveFixture, AReleaseGivesBackTheBlocksAnExportByOffsetsHeld) {
+  std::vector<std::vector<float>> scores;
+  absl::StatusOr<MovedHeader> h = a_->BeginExport(id_, absl::Seconds(30), &scores);
+  ASSERT_TRUE(h.ok());
+  ExportCursor cursor;
+  MovedPiece piece;
+  while (*a_->ExportPiece(id_, h->export_id, scores, true, &cursor, &piece)) {
+  }
+  ASSERT_TRUE(a_->Release(id_).ok());
   EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
 }
 
