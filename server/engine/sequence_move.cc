@@ -87,8 +87,9 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
     for (const Stream& st : seq.streams()) {
       h.stream_slots.push_back(static_cast<uint32_t>(st.size()));
       h.stream_blocks.push_back(static_cast<uint32_t>(st.blocks().size()));
-      for (const StreamBlock& b : st.blocks())
+      for (const StreamBlock& b : st.blocks()) {
         h.block_bytes += seq.format().block_bytes(b.precision);
+      }
     }
     scores->clear();
     if (seq.slots() != nullptr) {
