@@ -78,7 +78,14 @@ absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& f
   uint64_t at = 0;
   for (size_t i = 0; i < piece->blocks.size(); ++i) {
     const uint64_t n = format.block_bytes(piece->blocks[i].precision);
-    reads.push_back({piece->offsets[i], piece->data.data() + at, n});
+    // Blocks next to each other in the holder's pool (as they were allocated, mostly) are
+    // one get: they are next to each other in `data` too.
+    if (!reads.empty() && reads.back().offset + reads.back().bytes == piece->offsets[i] &&
+        reads.back().bytes + n <= (64ull << 20)) {
+      reads.back().bytes += n;
+    } else {
+      reads.push_back({piece->offsets[i], piece->data.data() + at, n});
+    }
     at += n;
   }
   piece->offsets.clear();
