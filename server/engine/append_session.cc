@@ -19,7 +19,7 @@ absl::StatusOr<std::unique_ptr<AppendSession>> AppendSession::Begin(const Append
   Sequence& seq = *ref;
   seq.mu.AssertHeld();  // callers pass a locked sequence
   if (absl::Status s = SequenceRegistry::NotAppending(seq); !s.ok()) return s;
-  if (absl::Status s = rooms.registry->NotMoving(seq); !s.ok()) return s;
+  if (absl::Status s = rooms.registry->EndLapsedExport(seq); !s.ok()) return s;
   const int64_t last_position = seq.last_position();
   // Made first: a throw here must not leave the sequence marked as appending for good.
   auto session =

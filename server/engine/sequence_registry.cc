@@ -125,6 +125,15 @@ absl::Status SequenceRegistry::NotMoving(const Sequence& seq) const {
       (left_ns + 999'999'999) / 1'000'000'000, " s)"));
 }
 
+absl::Status SequenceRegistry::EndLapsedExport(Sequence& seq) const {
+  if (absl::Status s = NotMoving(seq); !s.ok()) return s;
+  if (seq.move_export().id != 0) {
+    std::vector<store::BlockId> held = seq.EndMoveExport();
+    if (unref_) unref_(std::move(held));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SequenceRef> SequenceRegistry::Lock(uint64_t sequence_id) {
   absl::StatusOr<SequenceRef> found = Find(sequence_id);
   if (!found.ok()) return found.status();
@@ -142,7 +151,7 @@ absl::StatusOr<SequenceRef> SequenceRegistry::LockForChange(uint64_t sequence_id
   Sequence& seq = **ref;
   seq.mu.AssertHeld();  // locked by Lock
   if (absl::Status s = NotAppending(seq); !s.ok()) return s;
-  if (absl::Status s = NotMoving(seq); !s.ok()) return s;
+  if (absl::Status s = EndLapsedExport(seq); !s.ok()) return s;
   return ref;
 }
 

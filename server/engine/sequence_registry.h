@@ -5,6 +5,7 @@
 // lock is never held while waiting for a sequence's lock (lock order: Sequence::mu, then
 // the registry's).
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -78,6 +79,14 @@ class SequenceRegistry {
   // FAILED_PRECONDITION while the sequence is frozen for a move to another kvmemd
   // (Sequence::move_export, until its hold lapses).
   absl::Status NotMoving(const Sequence& seq) const ABSL_SHARED_LOCKS_REQUIRED(seq.mu);
+  // NotMoving for a call about to change the sequence: an export whose hold has lapsed ends
+  // here, its block references given back through `unref` (set_unref), so that blocks a
+  // lapsed export held do not outlive what the sequence does next.
+  absl::Status EndLapsedExport(Sequence& seq) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
+  // How EndLapsedExport gives references back (the engine's pool). Set before use.
+  void set_unref(std::function<void(std::vector<store::BlockId>)> unref) {
+    unref_ = std::move(unref);
+  }
 
   // A requested lease checked against the limits; zero asks for the default.
   absl::StatusOr<absl::Duration> ResolveLease(absl::Duration lease) const;
@@ -95,6 +104,7 @@ class SequenceRegistry {
 
  private:
   const Clock* const clock_;
+  std::function<void(std::vector<store::BlockId>)> unref_;
   const absl::Duration default_lease_;
   const absl::Duration max_lease_;
   mutable absl::Mutex mu_;

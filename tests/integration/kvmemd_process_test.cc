@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
@@ -773,3 +774,158 @@ TEST(KvmemdProcessTest, ADaemonKilledMidTransferFailsTheAppendInTime) {
   unsetenv("UCX_TLS");
 }
 #endif
+
+// MoveSequence between two kvmemd processes, one killed mid-move: the other answers in
+// bounded time and ends whole — the receiver with nothing of the move, the holder with its
+// sequence as it was (frozen no longer than the move's hold). By gRPC, and by UCX over TCP
+// where built with it.
+namespace move_kills {
+
+constexpr uint32_t kLayers = 4, kHeads = 4, kDim = 128, kTokens = 8192;  // 64 MiB of K/V
+#if KVMEM_WITH_UCX
+constexpr bool kWithUcx = true;
+#else
+constexpr bool kWithUcx = false;
+#endif
+constexpr char kFleetToken[] = "move-kill-fleet-token-0123456789";
+
+// The token file both daemons read, and the receiver's peer token: the tests' calls and the
+// receiver's GetInfo on the holder are the fleet's admin's.
+struct Tokens {
+  Tokens() {
+    const std::string dir = ::testing::TempDir();
+    file = dir + "/kvmem_move_kill_tokens." + std::to_string(getpid());
+    peer = dir + "/kvmem_move_kill_peer." + std::to_string(getpid());
+    std::ofstream(file) << "fleet " << kFleetToken << " admin\n";
+    std::ofstream(peer) << kFleetToken << "\n";
+  }
+  ~Tokens() {
+    std::remove(file.c_str());
+    std::remove(peer.c_str());
+  }
+  std::string file, peer;
+};
+
+kvmem::client::Layout MoveLayout() {
+  return kvmem::client::Layout{kLayers, kHeads, kDim, kvmem::client::DType::kF16, 16, 49152};
+}
+
+struct Pair {
+  kvmem::testing::KvmemdProcess holder, receiver;
+  std::unique_ptr<kvmem::client::Client> on_holder, on_receiver;
+  std::string holder_address;
+  uint64_t id = 0;
+};
+
+std::vector<std::string> HolderFlags(bool ucx, const Tokens& tokens) {
+  std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--pool-bytes=134217728",
+                                    "--log-level=warn", "--auth-tokens=" + tokens.file};
+  if (ucx) {
+    flags.push_back("--ucx");
+    flags.push_back("--ucx_trusted_network");
+  }
+  return flags;
+}
+
+void StartPair(bool ucx, const Tokens& tokens, Pair* p) {
+  p->holder = kvmem::testing::StartKvmemd(KVMEMD_PATH, HolderFlags(ucx, tokens));
+  ASSERT_GT(p->holder.port, 0);
+  p->holder_address = "127.0.0.1:" + std::to_string(p->holder.port);
+  p->receiver = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=134217728", "--log-level=warn",
+                    "--cluster-peers=" + p->holder_address, "--auth-tokens=" + tokens.file,
+                    "--cluster-peer-token-file=" + tokens.peer});
+  ASSERT_GT(p->receiver.port, 0);
+  kvmem::client::ClientOptions options;
+  options.deadline = absl::Seconds(4);  // a move's hold too
+  options.max_attempts = 1;
+  options.auth_token = kFleetToken;
+  p->on_holder = *kvmem::client::Client::Connect(p->holder_address, options);
+  p->on_receiver =
+      *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(p->receiver.port), options);
+  auto seq = p->on_holder->CreateSequence(MoveLayout(), {"full", {}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  p->id = seq->id;
+  const uint32_t per = 256;
+  const std::string k(size_t{kLayers} * kHeads * per * kDim * 2, '\x3c');
+  for (uint32_t t = 0; t < kTokens; t += per) {
+    const std::vector<int64_t> positions = kvmem::testing::Range(t, per);
+    ASSERT_TRUE(p->on_holder->Append(p->id, {positions, {}, k, k, {}, {}}).ok());
+  }
+}
+
+TEST(KvmemdProcessTest, AHolderKilledMidMoveFailsTheMoveInTimeAndLeavesTheReceiverEmpty) {
+  const Tokens tokens;
+  for (const bool ucx : {false, kWithUcx}) {
+    if (ucx) setenv("UCX_TLS", "tcp", 1);
+    Pair p;
+    StartPair(ucx, tokens, &p);
+    if (HasFatalFailure()) return;
+    const uint64_t baseline = p.on_receiver->GetStats(false)->host_metadata_bytes;
+    absl::StatusOr<kvmem::client::Client::Moved> moved;
+    const auto started = std::chrono::steady_clock::now();
+    std::thread move([&] { moved = p.on_receiver->MoveSequence(p.holder_address, p.id); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    kill(p.holder.pid, SIGKILL);
+    kvmem::testing::WaitExit(p.holder.pid);
+    if (p.holder.out != nullptr) fclose(p.holder.out);
+    move.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(15)) << ucx;
+    if (moved.ok()) {
+      std::fprintf(stderr, "(the move ended before the kill)\n");
+      ASSERT_TRUE(p.on_receiver->Release(moved->sequence.id).ok());
+    }
+    auto stats = p.on_receiver->GetStats(false);
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->blocks_used, 0u) << ucx;
+    EXPECT_EQ(stats->host_metadata_bytes, baseline) << ucx;
+    EXPECT_EQ(stats->sequences_active, 0u) << ucx;
+    EXPECT_EQ(kvmem::testing::StopKvmemd(p.receiver), 0);
+    unsetenv("UCX_TLS");
+  }
+}
+
+TEST(KvmemdProcessTest, AReceiverKilledMidMoveLeavesTheHolderWhole) {
+  const Tokens tokens;
+  for (const bool ucx : {false, kWithUcx}) {
+    if (ucx) setenv("UCX_TLS", "tcp", 1);
+    Pair p;
+    StartPair(ucx, tokens, &p);
+    if (HasFatalFailure()) return;
+    auto before = p.on_holder->ReadKv(p.id);
+    ASSERT_TRUE(before.ok());
+    const uint64_t blocks = p.on_holder->GetStats(false)->blocks_used;
+    std::thread move([&] { (void)p.on_receiver->MoveSequence(p.holder_address, p.id); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    kill(p.receiver.pid, SIGKILL);
+    kvmem::testing::WaitExit(p.receiver.pid);
+    if (p.receiver.out != nullptr) fclose(p.receiver.out);
+    move.join();
+    // Unfrozen within the move's hold (the call's deadline, 4 s here): appends go on.
+    const std::vector<int64_t> next = kvmem::testing::Range(kTokens, 1);
+    const std::string k(size_t{kLayers} * kHeads * kDim * 2, '\x3b');
+    const auto started = std::chrono::steady_clock::now();
+    absl::Status appended;
+    do {
+      appended = p.on_holder->Append(p.id, {next, {}, k, k, {}, {}}).status();
+      if (appended.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    } while (std::chrono::steady_clock::now() - started < std::chrono::seconds(15));
+    if (!appended.ok() && absl::IsNotFound(appended)) {
+      std::fprintf(stderr, "(the move ended before the kill)\n");
+    } else {
+      EXPECT_TRUE(appended.ok()) << ucx << ": " << appended;
+      auto after = p.on_holder->ReadKv(p.id);
+      ASSERT_TRUE(after.ok());
+      for (size_t s = 0; s < before->size(); ++s) {
+        EXPECT_EQ((*after)[s].k.substr(0, (*before)[s].k.size()), (*before)[s].k) << s;
+      }
+      // Its blocks, the one the append added in each stream, and nothing a move held.
+      EXPECT_LE(p.on_holder->GetStats(false)->blocks_used, blocks + kLayers * kHeads) << ucx;
+    }
+    EXPECT_EQ(kvmem::testing::StopKvmemd(p.holder), 0);
+    unsetenv("UCX_TLS");
+  }
+}
+
+}  // namespace move_kills

@@ -253,9 +253,15 @@ TEST_F(MoveFixture, AFrozenSequenceRefusesChangesUntilTheMoveEnds) {
   h = a_->BeginExport(id_, absl::Seconds(30), &scores);
   ASSERT_TRUE(h.ok());
   clock_.Advance(absl::Seconds(31));
-  EXPECT_TRUE(AppendOne(151).ok());
   EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kAborted);
+  EXPECT_TRUE(AppendOne(151).ok());
   EXPECT_TRUE(a_->GetBlockTable(id_).ok());
+  // A change after a lapse ends the export: a commit then finds none.
+  h = a_->BeginExport(id_, absl::Seconds(30), &scores);
+  ASSERT_TRUE(h.ok());
+  clock_.Advance(absl::Seconds(31));
+  EXPECT_TRUE(AppendOne(152).ok());
+  EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kNotFound);
   // A piece asked for after the lapse is refused as well.
   h = a_->BeginExport(id_, absl::Seconds(5), &scores);
   ASSERT_TRUE(h.ok());
@@ -269,7 +275,7 @@ TEST_F(MoveFixture, AFrozenSequenceRefusesChangesUntilTheMoveEnds) {
 // An export by offsets holds every block it named until it ends, whichever way it ends.
 TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
   const uint64_t blocks = a_->Stats(false).pool.blocks_used;
-  for (int end = 0; end < 3; ++end) {
+  for (int end = 0; end < 4; ++end) {
     std::vector<std::vector<float>> scores;
     absl::StatusOr<MovedHeader> h = a_->BeginExport(id_, absl::Seconds(30), &scores);
     ASSERT_TRUE(h.ok()) << h.status();
@@ -289,16 +295,20 @@ TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
     if (end == 0) {  // abandoned: the references go, the blocks stay the sequence's
       ASSERT_TRUE(a_->FinishExport(id_, h->export_id, false).ok());
       EXPECT_EQ(a_->Stats(false).pool.blocks_used, blocks);
-    } else if (end == 1) {  // lapsed, then exported again: the lapsed one's references go
+    } else if (end == 1) {  // lapsed, then changed: the change ends it (and its references)
+      clock_.Advance(absl::Seconds(31));
+      ASSERT_TRUE(AppendOne(150).ok());
+      EXPECT_EQ(a_->FinishExport(id_, h->export_id, false).status().code(),
+                absl::StatusCode::kNotFound);
+    } else if (end == 2) {  // lapsed, then exported again: the lapsed one's references go
       clock_.Advance(absl::Seconds(31));
       absl::StatusOr<MovedHeader> again = a_->BeginExport(id_, absl::Seconds(30), &scores);
       ASSERT_TRUE(again.ok());
       EXPECT_EQ(a_->Stats(false).pool.pages_used, pages);
       ASSERT_TRUE(a_->FinishExport(id_, again->export_id, false).ok());
-    } else if (end == 2) {  // moved: everything goes
+    } else {  // moved: everything goes
       ASSERT_TRUE(a_->FinishExport(id_, h->export_id, true).ok());
       EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
-      return;
     }
   }
 }
