@@ -90,7 +90,8 @@ int main(int argc, char** argv) {
 
   // The sequence, prefilled on the holder in 8 MiB chunks of whole tokens.
   const kvmem::client::Layout layout{L, H, D, kvmem::client::DType::kF16, 16, 49152};
-  const uint32_t per_chunk = std::max<uint32_t>(1, static_cast<uint32_t>((8ull << 20) / token_bytes));
+  const uint32_t per_chunk =
+      std::max<uint32_t>(1, static_cast<uint32_t>((8ull << 20) / token_bytes));
   std::string k(uint64_t{L} * H * per_chunk * D * 2, '\0'), v(k.size(), '\0');
   for (size_t i = 0; i < k.size(); i += 2) {
     k[i] = static_cast<char>(i * 7);
@@ -111,8 +112,12 @@ int main(int argc, char** argv) {
       for (uint32_t i = 0; i < n; ++i) positions[i] = t + i;
       const uint64_t bytes = uint64_t{L} * H * n * D * 2;
       // (The bytes' layout does not matter here, only their amount.)
-      auto a = on_holder->Append(seq->id, {positions, {}, std::string_view(k).substr(0, bytes),
-                                           std::string_view(v).substr(0, bytes), {}, {}});
+      auto a = on_holder->Append(seq->id, {positions,
+                                           {},
+                                           std::string_view(k).substr(0, bytes),
+                                           std::string_view(v).substr(0, bytes),
+                                           {},
+                                           {}});
       if (!a.ok()) {
         std::fprintf(stderr, "Append: %s\n", a.status().ToString().c_str());
         std::exit(1);
@@ -121,8 +126,9 @@ int main(int argc, char** argv) {
     return seq->id;
   };
 
-  std::printf("# MoveSequence of a %u-token %ux%ux%u f16 sequence (%.0f MiB of K/V), %d moves each\n",
-              T, L, H, D, static_cast<double>(kv_bytes) / (1 << 20), absl::GetFlag(FLAGS_repeats));
+  std::printf(
+      "# MoveSequence of a %u-token %ux%ux%u f16 sequence (%.0f MiB of K/V), %d moves each\n", T, L,
+      H, D, static_cast<double>(kv_bytes) / (1 << 20), absl::GetFlag(FLAGS_repeats));
   std::printf("%-10s %-10s %10s %10s %10s\n", "transport", "UCX_TLS", "GB/s best", "GB/s mean",
               "ms best");
   struct Row {
@@ -151,8 +157,8 @@ int main(int argc, char** argv) {
       sum += gbs;
       (void)on_receiver->Release(moved->sequence.id);
     }
-    std::printf("%-10s %-10s %10.2f %10.2f %10.1f\n", row.transport, row.tls, best,
-                sum / repeats, best_ms);
+    std::printf("%-10s %-10s %10.2f %10.2f %10.1f\n", row.transport, row.tls, best, sum / repeats,
+                best_ms);
   }
   std::remove(tokens.c_str());
   std::remove(peer.c_str());
