@@ -119,7 +119,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       batches_(&append_rooms_, &registry_, &driver_, config.parallel_batches,
                config.device_step && backend_->steps_slot_states_together()) {
   publisher_.set_budget(&budget_);
-  registry_.set_unref([this](std::vector<store::BlockId> ids) { pool_->Unref(ids); });
+  registry_.set_unref([this](const std::vector<store::BlockId>& ids) { pool_->Unref(ids); });
   // A full pool first gives back what only the prefix cache holds.
   pool_->set_reclaimer([this](uint64_t bytes, store::TenantId tenant) {
     return publisher_.index().Reclaim(bytes, tenant);

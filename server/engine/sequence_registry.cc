@@ -129,7 +129,7 @@ absl::Status SequenceRegistry::EndLapsedExport(Sequence& seq) const {
   if (absl::Status s = NotMoving(seq); !s.ok()) return s;
   if (seq.move_export().id != 0) {
     std::vector<store::BlockId> held = seq.EndMoveExport();
-    if (unref_) unref_(std::move(held));
+    if (unref_) unref_(held);
   }
   return absl::OkStatus();
 }

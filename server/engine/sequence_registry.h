@@ -84,7 +84,7 @@ class SequenceRegistry {
   // lapsed export held do not outlive what the sequence does next.
   absl::Status EndLapsedExport(Sequence& seq) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu);
   // How EndLapsedExport gives references back (the engine's pool). Set before use.
-  void set_unref(std::function<void(std::vector<store::BlockId>)> unref) {
+  void set_unref(std::function<void(const std::vector<store::BlockId>&)> unref) {
     unref_ = std::move(unref);
   }
 
@@ -104,7 +104,7 @@ class SequenceRegistry {
 
  private:
   const Clock* const clock_;
-  std::function<void(std::vector<store::BlockId>)> unref_;
+  std::function<void(const std::vector<store::BlockId>&)> unref_;
   const absl::Duration default_lease_;
   const absl::Duration max_lease_;
   mutable absl::Mutex mu_;
