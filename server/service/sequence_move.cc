@@ -382,6 +382,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   result.blocks = (*import)->blocks();
   result.bytes = (*import)->bytes();
   result.policy = (*import)->header().policy;
+  result.layout = (*import)->header().layout;
   result.transport = by_ucx ? "ucx" : "grpc";
   committed = true;
   // The holder releases its copy now. A definite refusal (its hold lapsed, the sequence was
@@ -520,6 +521,7 @@ grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
         response->set_source_released(moved->source_released);
         response->set_policy(moved->policy);
         response->set_transport(moved->transport);
+        ToProto(moved->layout, response->mutable_layout());
         return absl::OkStatus();
       });
 }

@@ -46,6 +46,7 @@ struct MoveResult {
   uint64_t bytes = 0;
   bool source_released = false;
   std::string policy;
+  engine::Layout layout;
   std::string transport;  // "ucx" or "grpc"
 };
 

@@ -340,6 +340,38 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
             node.stop()
 
 
+def test_a_sequence_moves_whole_to_another_node(redis):
+    # MoveSequence: B takes A's sequence (quantized and evicted blocks, its window's state)
+    # and A lets it go; B's copy reads as A's did and steps on.
+    a = Node("ma", redis)
+    b = Node("mb", redis, peers=["ma"])
+    try:
+        policy = kvmem.PolicySpec("window", {"window": 40}, kvmem.Precision.INT8, 8)
+        seq = a.client.create_sequence(LAY, policy)
+        k = np.random.default_rng(5).standard_normal(LAY.kv_shape(64)).astype(np.float16)
+        seq.append(range(64), k, k, token_ids=list(range(64)))
+        seq.step()
+        before = read_all(seq)
+        assert all(len(p) == 40 for p, _, _ in before.values())
+        moved = b.client.move_sequence(a.name, seq.id)
+        assert read_all(moved) == before
+        with pytest.raises(kvmem.NotFoundError):
+            a.client.get_block_table(seq.id)
+        k1 = np.random.default_rng(6).standard_normal(LAY.kv_shape(1)).astype(np.float16)
+        moved.append([64], k1, k1, token_ids=[64])
+        moved.step()
+        assert all(p == list(range(25, 65)) for p, _, _ in read_all(moved).values())
+        # Nothing to move from a node that is not a peer, or the other way round.
+        other = b.client.create_sequence(LAY)
+        with pytest.raises(kvmem.FailedPreconditionError):
+            a.client.move_sequence(b.name, other.id)
+        moved.release()
+        other.release()
+    finally:
+        b.stop()
+        a.stop()
+
+
 def test_without_an_index_a_fleet_lookup_is_refused(redis):
     proc, target, sock = start_daemon("nofleet")
     try:

@@ -706,6 +706,24 @@ class Client:
         r = self._call(self._stub.PullPrefix, q)
         return PullResult(r.local_tokens, r.pulled_tokens, r.from_node, r.bytes)
 
+    def move_sequence(self, from_node: str, sequence_id: int, lease: Optional[float] = None,
+                      transport: str = "", table_positions: Optional[bool] = None) -> Sequence:
+        """Moves sequence `sequence_id` of another node of the daemon's fleet (`from_node`,
+        one of its --cluster_peers) to this daemon, whole (blocks at their precision, scores,
+        history), so that its next step decides what the holder's would have; the holder
+        releases its copy. `transport`: "ucx", "grpc", or "" (UCX where the daemon can).
+        Returns the sequence here: a new id and table."""
+        q = pb.MoveSequenceRequest(from_node=from_node, sequence_id=sequence_id,
+                                   transport=transport, request_id=_new_request_id())
+        if lease is not None:
+            convert.duration_of(lease, q.lease)
+        r = self._call(self._stub.MoveSequence, q)
+        self._track(r.sequence_id, convert.layout_of(r.layout), r.policy)
+        positions = self.options.table_positions if table_positions is None else table_positions
+        return self._open_sequence(r.sequence_id, convert.seconds_of(r.lease), r.epoch_slot,
+                                   r.epoch, r.table_version, 0,
+                                   empty_table(r.sequence_id, positions), parent=None)
+
     def attach_shared_pool(self) -> SharedPool:
         """The daemon's pool mapped read-only, for same-host reads (kvmem.shared_pool);
         FailedPreconditionError off x86-64 or when the daemon exports no pool."""

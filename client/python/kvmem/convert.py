@@ -46,6 +46,11 @@ def fill_layout(layout: Layout, out: pb.Layout) -> None:
     out.vocab_size = layout.vocab_size
 
 
+def layout_of(m: pb.Layout) -> Layout:
+    return Layout(m.num_layers, m.num_kv_heads, m.head_dim, DType(int(m.dtype)),
+                  m.block_tokens if m.HasField("block_tokens") else None, m.vocab_size)
+
+
 def fill_policy(policy: PolicySpec, out: pb.PolicySpec) -> None:
     if policy.name is not None:
         out.name = policy.name
