@@ -194,6 +194,11 @@ class Engine {
                                    const std::vector<std::vector<float>>& scores, bool by_offset,
                                    ExportCursor* cursor, MovedPiece* piece);
   absl::StatusOr<uint64_t> FinishExport(uint64_t sequence_id, uint64_t export_id, bool moved);
+  // Whether export `export_id` of sequence `sequence_id` ended in a move a short while ago
+  // (a FinishExport repeated after its answer was lost); `owner` null: any owner's.
+  bool ExportMoved(uint64_t sequence_id, uint64_t export_id, const std::string* owner) const {
+    return moved_exports_.Moved(export_id, sequence_id, owner);
+  }
   // The receiver's side: an import of the header's sequence for `owner` (the authenticated
   // tenant, "" for none; the header's salt checked against it by the caller), its host
   // memory and tenant held; its pieces come through SequenceImport::Add; CommitImport makes
@@ -234,6 +239,7 @@ class Engine {
   std::optional<WritePlans> plans_;  // with EngineConfig::in_place_writes
   const AppendRooms append_rooms_;
   BatchRunner batches_;
+  MovedExports moved_exports_;
 };
 
 }  // namespace kvmem::engine

@@ -258,6 +258,10 @@ class Sequence {
   void set_lease_deadline_ns(int64_t ns) {
     lease_deadline_ns_.store(ns, std::memory_order_relaxed);
   }
+  // A deadline no renewal sets the lease below (a move's hold: Engine::BeginExport), so that
+  // a frozen sequence does not lapse while the receiver commits its copy.
+  int64_t lease_floor_ns() const { return lease_floor_ns_.load(std::memory_order_relaxed); }
+  void set_lease_floor_ns(int64_t ns) { lease_floor_ns_.store(ns, std::memory_order_relaxed); }
   void EnterCall() { calls_in_flight_.fetch_add(1, std::memory_order_acq_rel); }
   void LeaveCall() { calls_in_flight_.fetch_sub(1, std::memory_order_acq_rel); }
   int32_t calls_in_flight() const { return calls_in_flight_.load(std::memory_order_acquire); }
@@ -489,6 +493,7 @@ class Sequence {
   const std::string owner_;
   std::shared_ptr<HostShare> host_share_;
   std::atomic<int64_t> lease_deadline_ns_{0};
+  std::atomic<int64_t> lease_floor_ns_{0};
   std::atomic<int32_t> calls_in_flight_{0};
   std::atomic<bool> poisoned_flag_{false};
 

@@ -7,11 +7,13 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 #include "server/engine/engine.h"
 #include "server/engine/guard.h"
+#include "server/engine/input_checks.h"
 #include "server/engine/tenants.h"
 
 namespace kvmem::engine {
@@ -22,13 +24,13 @@ absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's sequence ", what));
 }
 
-// The model a prefix namespace was made for (PrefixPublisher::Namespace ends with
-// " layout-precision <size>:<model>").
-std::string ModelOf(absl::string_view ns) {
-  constexpr absl::string_view kMark = " layout-precision ";
-  const size_t at = ns.rfind(kMark);
-  if (at == absl::string_view::npos) return {};
-  absl::string_view rest = ns.substr(at + kMark.size());
+// The model a prefix namespace of `layout` was made for (PrefixPublisher::Namespace ends
+// with " layout-precision <size>:<model>"; everything before it is the layout's).
+std::string ModelOf(const Layout& layout, absl::string_view ns) {
+  std::string head = PrefixPublisher::Namespace(layout, "");
+  head.resize(head.size() - 2);  // without the empty model's "0:"
+  if (!absl::StartsWith(ns, head)) return {};
+  absl::string_view rest = ns.substr(head.size());
   const size_t colon = rest.find(':');
   size_t size = 0;
   if (colon == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, colon), &size) ||
@@ -54,6 +56,26 @@ uint64_t ImportHostBytes(const MovedHeader& h) {
 
 }  // namespace
 
+void MovedExports::Add(uint64_t export_id, uint64_t sequence_id, std::string owner) {
+  kvmem::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  while (!order_.empty() &&
+         (order_.size() >= kMost || entries_.at(order_.front()).at + kKeep < now)) {
+    entries_.erase(order_.front());
+    order_.pop_front();
+  }
+  if (entries_.emplace(export_id, Entry{sequence_id, std::move(owner), now}).second) {
+    order_.push_back(export_id);
+  }
+}
+
+bool MovedExports::Moved(uint64_t export_id, uint64_t sequence_id, const std::string* owner) const {
+  kvmem::MutexLock lock(&mu_);
+  auto it = entries_.find(export_id);
+  return it != entries_.end() && it->second.sequence_id == sequence_id &&
+         it->second.at + kKeep >= absl::Now() && (owner == nullptr || *owner == it->second.owner);
+}
+
 // ---- the holder's side
 
 absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Duration hold,
@@ -75,7 +97,7 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
     h.policy_mark = seq.policy_mark();
     const Sequence::PrefixState& prefix = seq.prefix();
     h.salt = prefix.salt;
-    h.model = ModelOf(prefix.ns);
+    h.model = ModelOf(seq.layout(), prefix.ns);
     h.auto_publish = prefix.auto_publish;
     h.compressed_document = prefix.compressed_document;
     h.compressions = prefix.compressions;
@@ -101,6 +123,8 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
     pool_->Unref(seq.EndMoveExport());
     seq.mutable_move_export().id = h.export_id;
     seq.mutable_move_export().until_ns = absl::ToUnixNanos(registry_.Now() + hold);
+    // Its lease outlasts the hold: the receiver's FinishExport must find it.
+    seq.set_lease_floor_ns(seq.move_export().until_ns);
     registry_.Renew(seq);
     return h;
   });
@@ -196,8 +220,10 @@ absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t exp
   Sequence& seq = **ref;
   seq.mu.AssertHeld();
   if (seq.move_export().id != export_id) {
-    return absl::NotFoundError(absl::StrCat("export_id: sequence ", sequence_id, " has no export ",
-                                            export_id, " (it ended)"));
+    return absl::AbortedError(absl::StrCat("export_id: sequence ", sequence_id, " has no export ",
+                                           export_id,
+                                           " (it ended: abandoned, lapsed and changed, or "
+                                           "superseded); the sequence stays here"));
   }
   if (!moved) {
     pool_->Unref(seq.EndMoveExport());
@@ -214,6 +240,7 @@ absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t exp
   if (absl::StatusOr<std::shared_ptr<Sequence>> taken = registry_.Take(sequence_id); !taken.ok()) {
     return taken.status();
   }
+  moved_exports_.Add(export_id, sequence_id, seq.owner());
   return ReleaseLocked(seq);
 }
 
@@ -253,6 +280,9 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Engine::BeginImport(MovedHeader 
         return Bad(absl::StrCat("has token id ", t, " outside its vocabulary"));
       }
     }
+    if (h.salt.size() > kMaxSaltBytes || h.model.size() > kMaxSaltBytes) {
+      return Bad(absl::StrCat("has a cache salt or model longer than ", kMaxSaltBytes, " bytes"));
+    }
     for (size_t s = 0; s < streams; ++s) {
       const uint64_t slots = h.stream_slots[s], blocks = h.stream_blocks[s];
       if (slots > store::SlotBook::kMaxSlots || slots > h.appended || blocks > slots ||
@@ -267,10 +297,13 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Engine::BeginImport(MovedHeader 
     if (!host.ok()) return host.status();
     absl::StatusOr<store::TenantId> tenant = tenants_.Acquire(tenant_key);
     if (!tenant.ok()) return tenant.status();
+    absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
     const ImportRooms rooms{pool_.get(), backend_.get(), &versions_, &tenants_};
-    return std::unique_ptr<SequenceImport>(new SequenceImport(rooms, std::move(header), format,
-                                                              tenant_key, owner, *tenant,
-                                                              *std::move(host), std::move(share)));
+    auto import = std::unique_ptr<SequenceImport>(
+        new SequenceImport(rooms, std::move(header), format, tenant_key, owner, *tenant,
+                           *std::move(host), std::move(share)));
+    std::move(give_back_tenant).Cancel();  // the import's now
+    return import;
   });
 }
 
@@ -346,6 +379,26 @@ absl::Status SequenceImport::Check(const MovedPiece& p) const {
   }
   if (p.data.size() != bytes) {
     return Bad(absl::StrCat("sent ", p.data.size(), " bytes for blocks of ", bytes));
+  }
+  if (bytes_ + bytes > header_.block_bytes) {
+    return Bad(absl::StrCat("sent more block bytes than its header's ", header_.block_bytes));
+  }
+  // Values as the engine's own inputs hold them: attention history finite in [0,
+  // kMaxAttention] (input_checks.h), scores finite or NaN (not scored yet), arrival steps
+  // within its steps.
+  for (float x : p.history) {
+    if (!(x >= 0.0f && x <= kMaxAttention)) {
+      return Bad(absl::StrCat("has stream ", s, " history value ", x));
+    }
+  }
+  for (float x : p.scores) {
+    if (std::isinf(x)) return Bad(absl::StrCat("has stream ", s, " score ", x));
+  }
+  for (int64_t a : p.arrival_steps) {
+    if (a < 0 || static_cast<uint64_t>(a) > header_.steps) {
+      return Bad(absl::StrCat("has stream ", s, " arrival step ", a, " past its ", header_.steps,
+                              " steps"));
+    }
   }
   // Positions increase within a stream and lie within what was appended.
   int64_t prev = st.positions.empty() ? -1 : st.positions.back();

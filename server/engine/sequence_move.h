@@ -19,12 +19,16 @@
 // reservation. Prefix state moves without its hashes (recomputed here from the token ids
 // when the sequence publishes) and with nothing published here yet.
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/engine/block_format.h"
 #include "server/engine/host_budget.h"
 #include "server/engine/layout.h"
@@ -92,6 +96,30 @@ struct ExportCursor {
   uint32_t stream = 0;
   size_t block = 0;   // in the stream's list
   uint64_t slot = 0;  // the stream's slot index of that block's first live slot
+};
+
+// Exports that ended in a move (FinishExport with `moved`), remembered for a while, so that
+// a receiver whose answer was lost and that asks again learns that the move happened, not
+// that the sequence is unknown (and does not drop the only copy left). At most kMost
+// entries, each kept kKeep.
+class MovedExports {
+ public:
+  static constexpr size_t kMost = 4096;
+  static constexpr absl::Duration kKeep = absl::Minutes(10);
+  void Add(uint64_t export_id, uint64_t sequence_id, std::string owner);
+  // Whether export `export_id` of sequence `sequence_id` ended in a move; `owner` null: any
+  // owner's (an admin's question).
+  bool Moved(uint64_t export_id, uint64_t sequence_id, const std::string* owner) const;
+
+ private:
+  struct Entry {
+    uint64_t sequence_id;
+    std::string owner;
+    absl::Time at;
+  };
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  std::deque<uint64_t> order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };
 
 // Most bytes of K/V the pieces of one export carry each (and at least one block).

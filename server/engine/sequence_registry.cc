@@ -1,5 +1,6 @@
 #include "server/engine/sequence_registry.h"
 
+#include <algorithm>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -166,7 +167,8 @@ absl::StatusOr<absl::Duration> SequenceRegistry::ResolveLease(absl::Duration lea
 }
 
 void SequenceRegistry::Renew(Sequence& seq) const {
-  seq.set_lease_deadline_ns(absl::ToUnixNanos(clock_->Now() + seq.lease()));
+  seq.set_lease_deadline_ns(
+      std::max(absl::ToUnixNanos(clock_->Now() + seq.lease()), seq.lease_floor_ns()));
 }
 
 std::vector<absl::Status> SequenceRegistry::KeepAlive(absl::Span<const uint64_t> sequence_ids,

@@ -30,6 +30,8 @@ constexpr absl::Duration kFinishDeadline = absl::Seconds(5);
 constexpr int kFinishTries = 3;
 // The hold asked of the holder: the move's own deadline, at most this.
 constexpr absl::Duration kMaxHold = absl::Minutes(10);
+// The longest a move may take: its hold, twice that and 10 s, within kMaxHold.
+constexpr absl::Duration kMaxMove = absl::Minutes(4);
 constexpr absl::Duration kDefaultHold = absl::Seconds(60);
 
 // A holder's failure, as this node's: its code (a sequence the holder does not know is
@@ -314,7 +316,10 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   std::unique_ptr<grpc::ClientContext> c = call(deadline);
   v1::ExportSequenceRequest q;
   q.set_sequence_id(sequence_id);
-  ToProto(std::clamp(deadline - absl::Now(), absl::Seconds(1), kMaxHold), q.mutable_hold());
+  // Held past the move's deadline by as much again: a get posted before the deadline waits at
+  // most that long (UcxPool's deadline), so every block is read before the hold can lapse.
+  ToProto(std::clamp(2 * (deadline - absl::Now()) + absl::Seconds(10), absl::Seconds(1), kMaxHold),
+          q.mutable_hold());
   q.set_block_offsets(by_ucx);
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
       stub->ExportSequence(c.get(), q);
@@ -374,8 +379,13 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     }
   }
   if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ExportSequence");
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        "MoveSequence: the move's deadline passed before its blocks were all here");
+  }
   absl::StatusOr<engine::CreateResult> created = engine_->CommitImport(**import, lease);
   if (!created.ok()) return created.status();
+  committed = true;
   MoveResult result;
   result.created = *created;
   for (uint32_t n : (*import)->header().stream_slots) result.slots += n;
@@ -384,21 +394,26 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   result.policy = (*import)->header().policy;
   result.layout = (*import)->header().layout;
   result.transport = by_ucx ? "ucx" : "grpc";
-  committed = true;
   // The holder releases its copy now. A definite refusal (its hold lapsed, the sequence was
   // released there) undoes this one; a lost answer leaves both.
+  // A definite refusal (its hold lapsed, the sequence was released there) undoes the copy
+  // here; a lost answer is asked again (a repeat of one that moved hears OK); answers lost
+  // every time, or a refusal after a lost answer (the holder may have moved it and then
+  // forgotten: restarted), leave both copies rather than risk none.
+  const auto lost = [](const grpc::Status& s) {
+    return s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+           s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+  };
   grpc::Status released;
+  bool any_lost = false;
   for (int i = 0; i < kFinishTries; ++i) {
     released = finish(export_id, true);
-    if (released.ok() || (released.error_code() != grpc::StatusCode::UNAVAILABLE &&
-                          released.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED)) {
-      break;
-    }
+    if (!lost(released)) break;
+    any_lost = true;
   }
   if (released.ok()) {
     result.source_released = true;
-  } else if (released.error_code() != grpc::StatusCode::UNAVAILABLE &&
-             released.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+  } else if (!lost(released) && !any_lost) {
     engine_->Release(created->sequence_id).IgnoreError();
     return absl::AbortedError(
         absl::StrCat("MoveSequence: the holder ", from_node, " kept its sequence (FinishExport: ",
@@ -472,6 +487,11 @@ grpc::Status KvCacheService::FinishExport(grpc::ServerContext* context,
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   const uint64_t id = request->sequence_id();
+  // A repeat of a FinishExport that moved the sequence (its answer was lost) hears so again.
+  if (request->moved() && engine_->ExportMoved(id, request->export_id(),
+                                               call->who.admin ? nullptr : &call->who.tenant)) {
+    return grpc::Status::OK;
+  }
   if (absl::Status s = Owns(call->who, id); !s.ok()) return ToGrpc(s, id);
   absl::StatusOr<uint64_t> freed =
       engine_->FinishExport(id, request->export_id(), request->moved());
@@ -508,7 +528,7 @@ grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
         absl::StatusOr<MoveResult> moved =
             mover_->Move(context, request->from_node(), request->sequence_id(), call->who, bearer,
                          *lease, request->transport(),
-                         std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxHold));
+                         std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxMove));
         if (!moved.ok()) return moved.status();
         response->set_sequence_id(moved->created.sequence_id);
         response->set_epoch_slot(moved->created.epoch_slot);

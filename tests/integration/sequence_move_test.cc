@@ -234,6 +234,41 @@ TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
   ASSERT_TRUE(moved.ok()) << moved.status();
 }
 
+// A receiver whose FinishExport answer was lost asks again and hears that the move
+// happened (not NOT_FOUND, on which it would drop the only copy left).
+TEST_F(SequenceMoveTest, ARepeatedFinishHearsTheMoveHappened) {
+  Start(false);
+  auto on_holder = Connect(*holder_);
+  const uint64_t id = Prepare(*on_holder, {"window", {{"window", 64}}});
+  ASSERT_NE(id, 0u);
+  auto stub = v1::KvCache::NewStub(
+      grpc::CreateChannel(Address(*holder_), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext c;
+  v1::ExportSequenceRequest q;
+  q.set_sequence_id(id);
+  auto reader = stub->ExportSequence(&c, q);
+  v1::ExportSequenceResponse message;
+  ASSERT_TRUE(reader->Read(&message));
+  const uint64_t export_id = message.header().export_id();
+  while (reader->Read(&message)) {
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  const auto finish = [&](uint64_t export_id, bool moved) {
+    grpc::ClientContext fc;
+    v1::FinishExportRequest fq;
+    fq.set_sequence_id(id);
+    fq.set_export_id(export_id);
+    fq.set_moved(moved);
+    v1::FinishExportResponse fa;
+    return stub->FinishExport(&fc, fq, &fa);
+  };
+  EXPECT_TRUE(finish(export_id, true).ok());
+  EXPECT_TRUE(finish(export_id, true).ok());
+  EXPECT_EQ(finish(export_id + 1, true).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(finish(export_id, false).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(on_holder->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(SequenceMoveTest, ATenantMovesItsOwnSequencesOnly) {
   Start(true);
   auto alice_holder = Connect(*holder_, kAlice), alice = Connect(*receiver_, kAlice);

@@ -1,7 +1,9 @@
 // A sequence moved between two engines (sequence_move.h): the receiver's copy holds what the
 // holder's did and steps exactly as it would have; the holder's sequence is frozen during
 // the move and gone after it; a receiver refuses a malformed export and keeps nothing of it.
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "absl/strings/match.h"
@@ -247,7 +249,7 @@ TEST_F(MoveFixture, AFrozenSequenceRefusesChangesUntilTheMoveEnds) {
   // Abandoned: changes work again, and the old export is no more.
   ASSERT_TRUE(a_->FinishExport(id_, h->export_id, false).ok());
   EXPECT_TRUE(AppendOne(150).ok());
-  EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kAborted);
 
   // A hold that lapses unfreezes it, and a late commit is refused: the holder keeps it.
   h = a_->BeginExport(id_, absl::Seconds(30), &scores);
@@ -261,7 +263,7 @@ TEST_F(MoveFixture, AFrozenSequenceRefusesChangesUntilTheMoveEnds) {
   ASSERT_TRUE(h.ok());
   clock_.Advance(absl::Seconds(31));
   EXPECT_TRUE(AppendOne(152).ok());
-  EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a_->FinishExport(id_, h->export_id, true).status().code(), absl::StatusCode::kAborted);
   // A piece asked for after the lapse is refused as well.
   h = a_->BeginExport(id_, absl::Seconds(5), &scores);
   ASSERT_TRUE(h.ok());
@@ -299,7 +301,7 @@ TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
       clock_.Advance(absl::Seconds(31));
       ASSERT_TRUE(AppendOne(150).ok());
       EXPECT_EQ(a_->FinishExport(id_, h->export_id, false).status().code(),
-                absl::StatusCode::kNotFound);
+                absl::StatusCode::kAborted);
     } else if (end == 2) {  // lapsed, then exported again: the lapsed one's references go
       clock_.Advance(absl::Seconds(31));
       absl::StatusOr<MovedHeader> again = a_->BeginExport(id_, absl::Seconds(30), &scores);
@@ -311,6 +313,24 @@ TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
       EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
     }
   }
+}
+
+// The holder remembers a move it finished (a receiver asking again after a lost answer
+// hears that it moved), for its owner only; its lease does not lapse while it is frozen.
+TEST_F(MoveFixture, AFinishedMoveIsRememberedAndAFrozenSequenceDoesNotLapse) {
+  absl::StatusOr<Exported> exported = Export(*a_, id_, absl::Minutes(5));
+  ASSERT_TRUE(exported.ok());
+  clock_.Advance(absl::Seconds(60));  // past its 10 s lease, within the hold
+  EXPECT_EQ(a_->ExpireLeases(), 0u);
+  const uint64_t export_id = exported->header.export_id;
+  EXPECT_FALSE(a_->ExportMoved(id_, export_id, nullptr));
+  ASSERT_TRUE(a_->FinishExport(id_, export_id, true).ok());
+  const std::string none, other = "mallory";
+  EXPECT_TRUE(a_->ExportMoved(id_, export_id, nullptr));
+  EXPECT_TRUE(a_->ExportMoved(id_, export_id, &none));
+  EXPECT_FALSE(a_->ExportMoved(id_, export_id, &other));
+  EXPECT_FALSE(a_->ExportMoved(id_ + 1, export_id, nullptr));
+  EXPECT_FALSE(a_->ExportMoved(id_, export_id + 1, nullptr));
 }
 
 TEST_F(MoveFixture, AReleaseDuringTheMoveEndsIt) {
@@ -363,6 +383,10 @@ TEST_F(MoveFixture, AMalformedExportIsRefusedAndLeavesNothing) {
       {"a piece missing", [](Exported& e) { e.pieces.pop_back(); }},
       {"a piece twice", [](Exported& e) { e.pieces.push_back(e.pieces.back()); }},
       {"block bytes", [](Exported& e) { e.header.block_bytes += 1; }},
+      {"fewer block bytes", [](Exported& e) { e.header.block_bytes -= 1; }},
+      {"an infinite score",
+       [](Exported& e) { e.pieces[5].scores[0] = std::numeric_limits<float>::infinity(); }},
+      {"a long salt", [](Exported& e) { e.header.salt.assign(kMaxSaltBytes + 1, 's'); }},
   };
   for (const auto& [name, lie] : lies) {
     Exported bad = *good;
@@ -386,6 +410,32 @@ TEST_F(MoveFixture, AMalformedExportIsRefusedAndLeavesNothing) {
   absl::StatusOr<CreateResult> r = Import(*b_, *good);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(Content(*b_, r->sequence_id), Content(*a_, id_));
+}
+
+// Attention history out of range (a policy that keeps it: infokv).
+TEST_F(MoveFixture, AttentionHistoryOutOfRangeIsRefused) {
+  const uint64_t id =
+      a_->CreateSequence(MoveLayout(), "infokv", {{"history", 4}}, {}, {})->sequence_id;
+  auto infokv = *policy::CreatePolicy("infokv", {{"history", 4}});
+  Workload work(infokv->descriptor(), 9);
+  ASSERT_TRUE(work.Append(*a_, id, 0, 40).ok());
+  for (int64_t t = 40; t < 44; ++t) {
+    ASSERT_TRUE(work.Append(*a_, id, t, 1).ok());
+    const BlockTable table = *a_->GetBlockTable(id);
+    StepInput in = work.Next(table);
+    in.epoch = table.epoch;
+    ASSERT_TRUE(a_->Step(id, in).ok());
+  }
+  absl::StatusOr<Exported> good = Export(*a_, id);
+  ASSERT_TRUE(good.ok());
+  ASSERT_FALSE(good->pieces[0].history.empty());
+  for (const float bad : {2.0f, -0.5f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    Exported e = *good;
+    e.pieces[0].history[0] = bad;
+    EXPECT_FALSE(Import(*b_, e).ok()) << bad;
+    EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u) << bad;
+  }
+  EXPECT_TRUE(Import(*b_, *good).ok());
 }
 
 TEST_F(MoveFixture, AReceiverWithoutRoomRefusesTheMoveAndTheHolderKeepsIt) {
