@@ -54,6 +54,23 @@ absl::Status KvCacheService::Owns(const Principal& who, uint64_t id) const {
   return who.admin ? absl::OkStatus() : engine_->CheckOwner(id, who.tenant);
 }
 
+absl::StatusOr<std::string> KvCacheService::ForwardedBearer(const grpc::ServerContext* context,
+                                                            absl::string_view method) const {
+  // The caller's token goes to the holder, which scopes the calls to the same tenant.
+  std::string bearer;
+  if (auto it = context->client_metadata().find("authorization");
+      it != context->client_metadata().end()) {
+    bearer.assign(it->second.data(), it->second.size());
+  }
+  if (auth_->enabled() && bearer.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(method,
+                     ": it acts on another node with the caller's bearer token, and this call came "
+                     "without one (a TLS certificate or a unix peer cannot be forwarded)"));
+  }
+  return bearer;
+}
+
 absl::StatusOr<std::string> KvCacheService::ScopedSalt(const Principal& who,
                                                        const std::string& salt) {
   // A tenant name holds no '/' (Authenticator): "name/" begins no other tenant's salts.
@@ -660,17 +677,8 @@ grpc::Status KvCacheService::PullPrefix(grpc::ServerContext* context,
   absl::StatusOr<engine::Layout> layout =
       FromProto(request->layout(), engine_->config().default_block_tokens);
   if (!layout.ok()) return ToGrpc(layout.status());
-  // The caller's token goes to the holder, which scopes the calls to the same tenant.
-  std::string bearer;
-  if (auto it = context->client_metadata().find("authorization");
-      it != context->client_metadata().end()) {
-    bearer.assign(it->second.data(), it->second.size());
-  }
-  if (auth_->enabled() && bearer.empty()) {
-    return ToGrpc(absl::FailedPreconditionError(
-        "PullPrefix: a pull acts on the holder with the caller's bearer token, and this call "
-        "came without one (a TLS certificate or a unix peer cannot be forwarded)"));
-  }
+  absl::StatusOr<std::string> bearer = ForwardedBearer(context, "PullPrefix");
+  if (!bearer.ok()) return ToGrpc(bearer.status());
   absl::StatusOr<std::string> salt = ScopedSalt(call->who, request->cache_salt());
   if (!salt.ok()) return ToGrpc(salt.status());
   engine::PromptPrefix prompt;
@@ -682,7 +690,7 @@ grpc::Status KvCacheService::PullPrefix(grpc::ServerContext* context,
   v1::Layout layout_proto = request->layout();
   layout_proto.set_block_tokens(layout->block_tokens);
   absl::StatusOr<PullResult> pulled = puller_->Pull(
-      context, layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), bearer,
+      context, layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), *bearer,
       std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1)));
   if (!pulled.ok()) return ToGrpc(pulled.status());
   response->set_local_tokens(pulled->local_tokens);

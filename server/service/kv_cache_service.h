@@ -81,6 +81,11 @@ class KvCacheService final : public grpc::Service {
   // subdivide and never leave (the salt as sent on a daemon without tokens).
   // A caller without a tenant may not use a salt that begins as tenants' do.
   static absl::StatusOr<std::string> ScopedSalt(const Principal& who, const std::string& salt);
+  // The caller's `authorization` value, for calls this daemon makes to another node on its
+  // behalf (PullPrefix, MoveSequence: the other node scopes them to the same tenant);
+  // FAILED_PRECONDITION when tokens are required and the call came without one.
+  absl::StatusOr<std::string> ForwardedBearer(const grpc::ServerContext* context,
+                                              absl::string_view method) const;
 
   // kvmemd's UCX worker, offered in GetInfo to callers that may read the pool (null: none).
   // Set before serving.

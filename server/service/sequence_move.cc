@@ -514,19 +514,10 @@ grpc::Status KvCacheService::MoveSequence(grpc::ServerContext* context,
         absl::StatusOr<absl::Duration> lease = LeaseFromProto(
             request->has_lease() ? &request->lease() : nullptr, "lease", engine_->config());
         if (!lease.ok()) return lease.status();
-        // The caller's token goes to the holder, which scopes the calls to the same tenant.
-        std::string bearer;
-        if (auto it = context->client_metadata().find("authorization");
-            it != context->client_metadata().end()) {
-          bearer.assign(it->second.data(), it->second.size());
-        }
-        if (auth_->enabled() && bearer.empty()) {
-          return absl::FailedPreconditionError(
-              "MoveSequence: a move acts on the holder with the caller's bearer token, and this "
-              "call came without one (a TLS certificate or a unix peer cannot be forwarded)");
-        }
+        absl::StatusOr<std::string> bearer = ForwardedBearer(context, "MoveSequence");
+        if (!bearer.ok()) return bearer.status();
         absl::StatusOr<MoveResult> moved =
-            mover_->Move(context, request->from_node(), request->sequence_id(), call->who, bearer,
+            mover_->Move(context, request->from_node(), request->sequence_id(), call->who, *bearer,
                          *lease, request->transport(),
                          std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxMove));
         if (!moved.ok()) return moved.status();
