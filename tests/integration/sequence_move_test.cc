@@ -1,8 +1,10 @@
 // MoveSequence between two kvmemd in this process: the sequence arrives whole (K/V byte for
 // byte at every precision, positions, its policy's state) and leaves the holder; a move that
 // cannot happen changes nothing on either side; tenants move only their own sequences.
+#include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -282,6 +284,88 @@ TEST_F(SequenceMoveTest, ATenantMovesItsOwnSequencesOnly) {
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_TRUE(alice->GetBlockTable(moved->sequence.id).ok());
   EXPECT_EQ(bob->GetBlockTable(moved->sequence.id).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A holder that lies: its export's header or pieces are not what a sequence of the caller's
+// can be. The receiver refuses, keeps nothing, and tells the holder to unfreeze.
+class LyingHolder final : public v1::KvCache::Service {
+ public:
+  explicit LyingHolder(std::function<void(std::vector<v1::ExportSequenceResponse>*)> lie)
+      : lie_(std::move(lie)) {}
+  grpc::Status ExportSequence(grpc::ServerContext*, const v1::ExportSequenceRequest*,
+                              grpc::ServerWriter<v1::ExportSequenceResponse>* writer) override {
+    std::vector<v1::ExportSequenceResponse> messages = truth;
+    lie_(&messages);
+    for (const auto& m : messages) writer->Write(m);
+    return grpc::Status::OK;
+  }
+  grpc::Status FinishExport(grpc::ServerContext*, const v1::FinishExportRequest* request,
+                            v1::FinishExportResponse*) override {
+    (request->moved() ? moved : abandoned).fetch_add(1);
+    return grpc::Status::OK;
+  }
+  std::vector<v1::ExportSequenceResponse> truth;  // a real holder's export
+  std::atomic<int> moved{0}, abandoned{0};
+
+ private:
+  std::function<void(std::vector<v1::ExportSequenceResponse>*)> lie_;
+};
+
+TEST_F(SequenceMoveTest, AHolderThatLiesMovesNothing) {
+  Start(true);
+  auto alice_holder = Connect(*holder_, kAlice);
+  const uint64_t id = Prepare(
+      *alice_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt8, 32});
+  ASSERT_NE(id, 0u);
+  // The truth: a real export of alice's sequence, read whole, then abandoned.
+  std::vector<v1::ExportSequenceResponse> truth;
+  {
+    auto stub = v1::KvCache::NewStub(
+        grpc::CreateChannel(Address(*holder_), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext c;
+    c.AddMetadata("authorization", absl::StrCat("Bearer ", kAlice));
+    v1::ExportSequenceRequest q;
+    q.set_sequence_id(id);
+    auto reader = stub->ExportSequence(&c, q);
+    v1::ExportSequenceResponse m;
+    while (reader->Read(&m)) truth.push_back(m);
+    ASSERT_TRUE(reader->Finish().ok());
+    ASSERT_GT(truth.size(), 2u);
+  }
+  using Lie = std::function<void(std::vector<v1::ExportSequenceResponse>*)>;
+  const std::vector<std::pair<const char*, Lie>> lies = {
+      {"bob's salt", [](auto* m) { (*m)[0].mutable_header()->set_cache_salt("tenant:bob/"); }},
+      {"no tenant's salt", [](auto* m) { (*m)[0].mutable_header()->set_cache_salt(""); }},
+      {"no header", [](auto* m) { m->erase(m->begin()); }},
+      {"a piece missing", [](auto* m) { m->pop_back(); }},
+      {"offsets instead of bytes",
+       [](auto* m) {
+         v1::SequencePiece* p = (*m)[1].mutable_piece();
+         p->clear_data();
+         for (int i = 0; i < p->blocks_size(); ++i) p->add_block_offsets(0);
+       }},
+      {"a header twice", [](auto* m) { (*m)[1] = (*m)[0]; }},
+  };
+  for (const auto& [name, lie] : lies) {
+    LyingHolder liar(lie);
+    liar.truth = truth;
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&liar);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    const std::string address = absl::StrCat("127.0.0.1:", port);
+    std::unique_ptr<service::Server> receiver = StartOne({address});
+    auto alice = Connect(*receiver, kAlice);
+    auto r = alice->MoveSequence(address, id);
+    EXPECT_FALSE(r.ok()) << name;
+    EXPECT_EQ(liar.moved.load(), 0) << name;
+    if (std::string(name) != "no header") EXPECT_EQ(liar.abandoned.load(), 1) << name;
+    auto admin = Connect(*receiver, kPeer);
+    EXPECT_EQ(admin->GetStats(false)->blocks_used, 0u) << name;
+    EXPECT_EQ(admin->GetStats(false)->sequences_active, 0u) << name;
+    server->Shutdown();
+  }
 }
 
 #if KVMEM_WITH_UCX
