@@ -427,6 +427,7 @@ absl::StatusOr<CreateResult> Engine::CreateSequenceImpl(Layout layout,
     seq->set_slots(std::move(slots), device_step);
     Sequence::PrefixState& state = seq->mutable_prefix();
     state.ns = PrefixPublisher::Namespace(layout, prompt.model);
+    state.model = prompt.model;
     state.salt = prompt.salt;
     state.auto_publish = prompt.auto_publish;
     absl::StatusOr<uint64_t> mapped = publisher_.Map(*seq, prompt, *plan, &*host, version);

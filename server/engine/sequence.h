@@ -418,6 +418,7 @@ class Sequence {
   // as it was computed (block i: hashes()[i]); how many of those blocks are published.
   struct PrefixState {
     std::string ns;
+    std::string model;  // what `ns` was made for (a move carries it: sequence_move.h)
     std::string salt;
     bool auto_publish = false;
     std::vector<prefix::BlockHash> hashes;

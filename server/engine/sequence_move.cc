@@ -7,8 +7,6 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/common/mutex.h"
 #include "server/engine/engine.h"
@@ -22,22 +20,6 @@ namespace {
 // The holder's answers are untrusted input: an error names what was wrong with them.
 absl::Status Bad(absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's sequence ", what));
-}
-
-// The model a prefix namespace of `layout` was made for (PrefixPublisher::Namespace ends
-// with " layout-precision <size>:<model>"; everything before it is the layout's).
-std::string ModelOf(const Layout& layout, absl::string_view ns) {
-  std::string head = PrefixPublisher::Namespace(layout, "");
-  head.resize(head.size() - 2);  // without the empty model's "0:"
-  if (!absl::StartsWith(ns, head)) return {};
-  absl::string_view rest = ns.substr(head.size());
-  const size_t colon = rest.find(':');
-  size_t size = 0;
-  if (colon == absl::string_view::npos || !absl::SimpleAtoi(rest.substr(0, colon), &size) ||
-      size != rest.size() - colon - 1) {
-    return {};
-  }
-  return std::string(rest.substr(colon + 1));
 }
 
 // Host bytes an imported sequence's state takes: the stream columns, block lists, token ids
@@ -97,7 +79,7 @@ absl::StatusOr<MovedHeader> Engine::BeginExport(uint64_t sequence_id, absl::Dura
     h.policy_mark = seq.policy_mark();
     const Sequence::PrefixState& prefix = seq.prefix();
     h.salt = prefix.salt;
-    h.model = ModelOf(seq.layout(), prefix.ns);
+    h.model = prefix.model;
     h.auto_publish = prefix.auto_publish;
     h.compressed_document = prefix.compressed_document;
     h.compressions = prefix.compressions;
@@ -541,6 +523,7 @@ absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::
       seq->AdoptMoved(h.token_ids, h.last_position, h.appended, h.steps, h.policy_mark);
       Sequence::PrefixState& prefix = seq->mutable_prefix();
       prefix.ns = PrefixPublisher::Namespace(h.layout, h.model);
+      prefix.model = h.model;
       prefix.salt = h.salt;
       prefix.auto_publish = h.auto_publish;
       prefix.compressed_document = h.compressed_document;

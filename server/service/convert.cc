@@ -74,6 +74,19 @@ v1::Precision ToProto(engine::Precision p) {
   return v1::PRECISION_UNSPECIFIED;
 }
 
+engine::Precision FromProto(v1::Precision p) {
+  switch (p) {
+    case v1::PRECISION_INT8:
+      return engine::Precision::kInt8;
+    case v1::PRECISION_INT4:
+      return engine::Precision::kInt4;
+    case v1::PRECISION_NF4:
+      return engine::Precision::kNF4;
+    default:
+      return engine::Precision::kLayout;
+  }
+}
+
 absl::StatusOr<std::string> PolicyNameFromProto(const v1::PolicySpec& policy) {
   if (!policy.has_name()) return std::string("full");
   if (policy.name().empty()) {

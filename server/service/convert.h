@@ -23,6 +23,9 @@ absl::StatusOr<engine::Layout> FromProto(const v1::Layout& layout, uint32_t defa
 void ToProto(const engine::Layout& layout, v1::Layout* out);
 
 v1::Precision ToProto(engine::Precision p);
+// A known precision's engine value (PRECISION_UNSPECIFIED and unknown ones: kLayout; a
+// caller that must refuse those checks first).
+engine::Precision FromProto(v1::Precision p);
 // The policy name of a spec: absent is "full"; an empty one is rejected.
 absl::StatusOr<std::string> PolicyNameFromProto(const v1::PolicySpec& policy);
 // The quantization part of a policy spec; messages name policy.quantization and

@@ -43,19 +43,6 @@ absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::str
                                          ": ", CutMessage(s.error_message(), kMaxDetailTextBytes)));
 }
 
-engine::Precision FromProto(v1::Precision p) {
-  switch (p) {
-    case v1::PRECISION_INT8:
-      return engine::Precision::kInt8;
-    case v1::PRECISION_INT4:
-      return engine::Precision::kInt4;
-    case v1::PRECISION_NF4:
-      return engine::Precision::kNF4;
-    default:
-      return engine::Precision::kLayout;
-  }
-}
-
 // Whether a holder's scoped salt lies in the caller's namespace (KvCacheService::ScopedSalt).
 bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
   if (!who.tenant.empty()) return absl::StartsWith(salt, absl::StrCat("tenant:", who.tenant, "/"));
