@@ -36,24 +36,22 @@ void LocalKvStore::Append(absl::Span<const int64_t> positions, const ForwardResu
 
 absl::StatusOr<std::unique_ptr<KvmemKvStore>> KvmemKvStore::Create(
     client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
-    ReadPath path, const client::Prompt* prompt, bool in_place) {
+    client::KvTransport transport, const client::Prompt* prompt, bool in_place) {
   std::unique_ptr<KvmemKvStore> store(new KvmemKvStore());
   store->client_ = client;
   store->config_ = config;
-  store->path_ = path;
   absl::StatusOr<client::Info> info = client->GetInfo();
   if (!info.ok()) return info.status();
   store->max_message_bytes_ = info->max_message_bytes;
   for (const client::PolicyInfo& p : info->policies) {
     if (p.name == policy.name.value_or("full")) store->policy_info_ = p;
   }
-  if (path == ReadPath::kSharedMemory) {
-    store->pool_writable_ = in_place && info->in_place_writes;
-    absl::StatusOr<std::unique_ptr<client::SharedPool>> pool =
-        client::SharedPool::Attach(*info, store->pool_writable_);
-    if (!pool.ok()) return pool.status();
-    store->pool_ = *std::move(pool);
-  }
+  absl::StatusOr<std::unique_ptr<client::KvPath>> path =
+      client::KvPath::Open(client, *info, {transport, in_place && info->in_place_writes});
+  if (!path.ok()) return path.status();
+  store->path_ = *std::move(path);
+  store->pool_ = store->path_->attached();
+  store->pool_writable_ = store->pool_ != nullptr && in_place && info->in_place_writes;
   absl::StatusOr<client::Sequence> seq =
       client->CreateSequence(LayoutOf(config), policy, std::nullopt, prompt);
   if (!seq.ok()) return seq.status();
@@ -99,7 +97,7 @@ absl::Status KvmemKvStore::Refetch() {
 }
 
 absl::Status KvmemKvStore::BeginForward() {
-  if (path_ == ReadPath::kSharedMemory) {
+  if (pool_ != nullptr) {
     absl::Status s = pool_->BeginRead(table_);
     if (absl::IsFailedPrecondition(s)) {  // changed by another client: attach again
       if (absl::Status fetched = Refetch(); !fetched.ok()) return fetched;
@@ -109,14 +107,16 @@ absl::Status KvmemKvStore::BeginForward() {
   }
   for (int attempt = 0;; ++attempt) {
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::vector<client::StreamKv>> kv = client_->ReadKv(sequence_.id, table_.epoch);
+    absl::StatusOr<std::vector<client::StreamKv>> kv = path_->Read(table_);
     read_seconds_ +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (kv.ok()) {
-      grpc_kv_ = *std::move(kv);
+      copied_kv_ = *std::move(kv);
       return absl::OkStatus();
     }
-    if (attempt > 0 || !client::CurrentEpoch(kv.status()).has_value()) return kv.status();
+    // Stale, or changed during the read: once more on a table fetched again.
+    const bool stale = absl::IsFailedPrecondition(kv.status()) || absl::IsAborted(kv.status());
+    if (attempt > 0 || !stale) return kv.status();
     if (absl::Status fetched = Refetch(); !fetched.ok()) return fetched;
   }
 }
@@ -126,13 +126,21 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
   const uint32_t D = config_.head_dim;
   out->runs.clear();
   out->scratch.clear();
-  if (path_ == ReadPath::kGrpc) {
-    const client::StreamKv& kv = grpc_kv_[s];
-    out->positions = kv.positions;
-    if (!kv.positions.empty()) {
+  if (pool_ == nullptr) {
+    if (s >= copied_kv_.size()) return absl::InternalError("worker: a stream the read lacks");
+    const client::StreamKv& kv = copied_kv_[s];
+    out->positions = kv.positions;  // ReadKv's; none from a table fetched without them
+    const uint64_t rows = kv.k.size() / (uint64_t{D} * sizeof(float));
+    if (kv.k.size() != kv.v.size() || rows * D * sizeof(float) != kv.k.size() ||
+        (!kv.positions.empty() && kv.positions.size() != rows)) {
+      return absl::InternalError(absl::StrCat("worker: stream ", s, " read as ", kv.k.size(),
+                                              " bytes of K and ", kv.v.size(), " of V for ",
+                                              kv.positions.size(), " positions"));
+    }
+    if (rows > 0) {
       out->runs.push_back({reinterpret_cast<const float*>(kv.k.data()),
                            reinterpret_cast<const float*>(kv.v.data()),
-                           static_cast<uint32_t>(kv.positions.size())});
+                           static_cast<uint32_t>(rows)});
     }
     return absl::OkStatus();
   }
@@ -164,7 +172,7 @@ absl::Status KvmemKvStore::Past(uint32_t layer, uint32_t kv_head, PastStream* ou
 }
 
 absl::Status KvmemKvStore::EndForward() {
-  if (path_ == ReadPath::kGrpc) return absl::OkStatus();
+  if (pool_ == nullptr) return absl::OkStatus();
   return pool_->EndRead(table_);
 }
 
@@ -180,7 +188,7 @@ absl::StatusOr<client::AppendResult> KvmemKvStore::Append(absl::Span<const int64
   auto signal = [](absl::Span<const float> s, uint64_t t0, uint64_t n) {
     return s.empty() ? s : s.subspan(t0, n);
   };
-  if (T <= chunk) {  // one message: K and V as they lie
+  if (T <= chunk || path_->AppendsByUcx(2 * streams * T * D * 4)) {  // K and V as they lie
     const client::AppendArgs args{
         positions,
         token_ids,
@@ -188,7 +196,7 @@ absl::StatusOr<client::AppendResult> KvmemKvStore::Append(absl::Span<const int64
         std::string_view(reinterpret_cast<const char*>(r.v.data()), r.v.size() * 4),
         token_entropy,
         layer_distance};
-    return client_->Append(sequence_.id, args, &table_);
+    return path_->Append(sequence_.id, args, &table_);
   }
   // Re-laid [L][H][T][D] as [L][H][n][D] per chunk of n tokens; one stream, all or none.
   std::vector<std::string> k, v;

@@ -1,7 +1,8 @@
 #pragma once
 // The two places a worker's KV cache can live: in the worker's own memory (the reference
 // the kvmemd path is checked against) and in kvmemd, read in place through the same-host
-// mapping of its pool (or over gRPC with ReadKv, the portable path).
+// mapping of its pool, by UCX from another host, or over gRPC with ReadKv (kvmem/kv_path.h
+// chooses).
 #include <memory>
 #include <optional>
 #include <string>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "kvmem/client.h"
+#include "kvmem/kv_path.h"
 #include "kvmem/shared_pool.h"
 #include "model.h"
 
@@ -34,13 +36,14 @@ class LocalKvStore final : public KvStore {
 //
 // The block table is fetched once, when the store attaches (Create), and then kept current
 // by the updates the daemon answers every mutating call with: Append, Compress and the
-// entries of StepBatch carry `&table()`. A forward pass reads the pool under that table's
-// epoch (same-host path) or asks ReadKv for it (gRPC path); a table found stale (another
-// client changed the sequence) is fetched again once.
+// entries of StepBatch carry `&table()`. A forward pass reads the pool in place under that
+// table's epoch (attach), or copies every stream by UCX gets or ReadKv; a table found stale
+// (another client changed the sequence) is fetched again once. A prompt's K/V goes by UCX
+// where the path says so (one message, committed whole), else in Append or AppendStream.
 class KvmemKvStore final : public KvStore {
  public:
-  enum class ReadPath { kSharedMemory, kGrpc };
-  // With `prompt`, the sequence starts with the longest published prefix of it mapped
+  // `transport`: kvmem/kv_path.h (kAuto: attach on the same host, else UCX, else gRPC). With
+  // `prompt`, the sequence starts with the longest published prefix of it mapped
   // (reused_tokens(); published again as it fills when prompt->auto_publish).
   // `in_place`: on the shared-memory path, against a kvmemd that offers it
   // (--in_place_writes), each decode step's K/V is written into the pool where the last
@@ -48,7 +51,7 @@ class KvmemKvStore final : public KvStore {
   // one is open), so that its StepBatch entry carries neither.
   static absl::StatusOr<std::unique_ptr<KvmemKvStore>> Create(
       client::Client* client, const ModelConfig& config, const client::PolicySpec& policy,
-      ReadPath path, const client::Prompt* prompt = nullptr, bool in_place = false);
+      client::KvTransport transport, const client::Prompt* prompt = nullptr, bool in_place = false);
   uint64_t reused_tokens() const { return sequence_.reused_prefix_tokens; }
   // The layout the worker's sequences have (f32 K/V, blocks of 16 tokens).
   static client::Layout LayoutOf(const ModelConfig& config);
@@ -93,8 +96,10 @@ class KvmemKvStore final : public KvStore {
   const client::PolicySpec& policy() const { return policy_; }
   const client::BlockTable& table() const { return table_; }
   client::Client* client() const { return client_; }
-  // Seconds spent reading K/V over gRPC (ReadKv) and fetching stale tables again so far.
+  // Seconds spent copying K/V out (UCX, ReadKv) and fetching stale tables again so far.
   double read_seconds() const { return read_seconds_; }
+  // The transports the store's K/V goes by, and why.
+  const client::KvPath& path() const { return *path_; }
 
  private:
   KvmemKvStore() = default;
@@ -105,15 +110,15 @@ class KvmemKvStore final : public KvStore {
   client::Sequence sequence_;
   client::PolicySpec policy_;
   client::PolicyInfo policy_info_;
-  ReadPath path_ = ReadPath::kSharedMemory;
-  std::unique_ptr<client::SharedPool> pool_;
+  std::unique_ptr<client::KvPath> path_;
+  client::SharedPool* pool_ = nullptr;  // path_'s mapping (attach), else null
   bool pool_writable_ = false;
   std::optional<client::WritePlan> plan_;  // where the next token goes (in place)
   uint64_t plan_version_ = 0;              // the table version the plan was made on
   bool plan_written_ = false;              // the last entry committed a plan
   uint64_t in_place_steps_ = 0, area_row_steps_ = 0;
   client::BlockTable table_;
-  std::vector<client::StreamKv> grpc_kv_;  // kGrpc: this forward's streams
+  std::vector<client::StreamKv> copied_kv_;  // not attached: this forward's streams
   uint64_t max_message_bytes_ = 0;
   double read_seconds_ = 0;
 };

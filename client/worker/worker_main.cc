@@ -14,7 +14,8 @@
 //
 // --cache=kvmemd (default) keeps the cache in the daemon; --cache=local keeps it in process.
 // Through kvmemd every generated token is one StepBatch (the token and the step's signals;
-// --attention_f16 sends attention rows as halves), plus ReadKv with --read_path=grpc.
+// --attention_f16 sends attention rows as halves); --transport picks how K/V moves
+// (auto: attach on the same host, else UCX where kvmemd runs --ucx, else gRPC's ReadKv).
 // Each subcommand is a file in commands/.
 #include <unistd.h>
 

@@ -109,9 +109,11 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   FillAttachTicket(*attach, std::move(grants), issuer, response->mutable_attach());
 }
 
-void DescribeUcx(const transport::UcxPlane& ucx, bool keys, v1::UcxExport* out) {
+void DescribeUcx(const transport::UcxPlane& ucx, bool keys, uint64_t max_payload_bytes,
+                 v1::UcxExport* out) {
 #if KVMEM_WITH_UCX
   out->set_append_worker_address(ucx.append_worker_address());
+  out->set_max_payload_bytes(max_payload_bytes);
   if (!keys) return;
   out->set_worker_address(ucx.worker_address());
   out->set_pool_rkey(ucx.region(0).rkey);
@@ -122,6 +124,7 @@ void DescribeUcx(const transport::UcxPlane& ucx, bool keys, v1::UcxExport* out) 
 #else
   (void)ucx;
   (void)keys;
+  (void)max_payload_bytes;
   (void)out;
 #endif
 }

@@ -33,7 +33,8 @@ void FillAttachTicket(transport::AttachSocket& attach,
                       v1::AttachTicket* ticket);
 
 // kvmemd's UCX worker as a remote reader needs it (regions: the pool, then the epoch board).
-void DescribeUcx(const transport::UcxPlane& ucx, bool keys, v1::UcxExport* out);
+void DescribeUcx(const transport::UcxPlane& ucx, bool keys, uint64_t max_payload_bytes,
+                 v1::UcxExport* out);
 
 inline constexpr uint32_t kDefaultStatsPageSize = 100;
 inline constexpr uint32_t kMaxStatsPageSize = 1000;

@@ -94,7 +94,9 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
                  call->who.tenant);
   // So does the pool's remote key; the worker's address (remote appends) goes to every
   // caller.
-  if (ucx_ != nullptr) DescribeUcx(*ucx_, call->who.admin, response->mutable_ucx());
+  if (ucx_ != nullptr) {
+    DescribeUcx(*ucx_, call->who.admin, ucx_max_payload_bytes_, response->mutable_ucx());
+  }
   return grpc::Status::OK;
 }
 

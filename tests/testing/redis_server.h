@@ -1,13 +1,17 @@
 #pragma once
 // RedisServer: a redis-server of a test's or a benchmark's own, on a unix socket in a
 // directory of its own, without persistence, killed with the object. Start() is false when
-// /usr/bin/redis-server is missing (scripts/deps.sh installs it) or did not come up.
+// /usr/bin/redis-server is missing (scripts/deps.sh installs it) or did not come up; true
+// once the server accepts a connection (its socket file exists from bind(), before listen()).
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <system_error>
@@ -44,10 +48,15 @@ class RedisServer {
     const int spawned = posix_spawn(&pid_, server, &quiet, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&quiet);
     if (spawned != 0) return false;
-    for (int i = 0; i < 500 && !std::filesystem::exists(socket_); ++i) {
+    for (int i = 0; i < 1000; ++i) {
+      if (Accepts()) return true;
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {  // exited (bad arguments): no server
+        pid_ = 0;
+        return false;
+      }
       absl::SleepFor(absl::Milliseconds(10));
     }
-    return std::filesystem::exists(socket_);
+    return false;
   }
   ~RedisServer() {
     if (pid_ > 0) {
@@ -60,6 +69,19 @@ class RedisServer {
   std::string url() const { return "unix://" + socket_; }
 
  private:
+  bool Accepts() const {
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    if (socket_.size() >= sizeof(address.sun_path)) return false;
+    std::memcpy(address.sun_path, socket_.c_str(), socket_.size() + 1);
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    const bool accepted =
+        connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+    close(fd);
+    return accepted;
+  }
+
   std::filesystem::path dir_;
   std::string socket_;
   pid_t pid_ = 0;

@@ -91,8 +91,7 @@ class WorkerTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<KvmemKvStore> Store(const client::PolicySpec& policy,
-                                      KvmemKvStore::ReadPath path) {
+  std::unique_ptr<KvmemKvStore> Store(const client::PolicySpec& policy, client::KvTransport path) {
     auto store = KvmemKvStore::Create(client_.get(), model_->config(), policy, path);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;
@@ -146,17 +145,30 @@ TEST_F(WorkerTest, GreedyAnswerIsSensible) {
 }
 
 // The worker's decode path (one StepBatch per token, the table kept by deltas) under `full`
-// gives the in-process cache's logits to the bit, on both read paths, and the table it kept
-// is the daemon's.
+// gives the in-process cache's logits to the bit, on every transport (UCX over TCP, as from
+// another host: the prompt's K/V as a message, every forward's reads by RMA gets), and the
+// table it kept is the daemon's.
 TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
+  std::vector<client::KvTransport> transports = {client::KvTransport::kAttach,
+                                                 client::KvTransport::kGrpc};
+#if KVMEM_WITH_UCX
+  setenv("UCX_TLS", "tcp", 1);  // the daemon's worker and the store's read it when made
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
+  config_.ucx = true;
+  config_.ucx_trusted_network = true;
+  Restart();
+  transports.push_back(client::KvTransport::kUcx);
+#endif
   const std::vector<int32_t> ids =
       tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
   const std::vector<int32_t> more = {9546, 30, 1743, 28, 3737};
   const auto want = RunLocal(ids, more);
-  for (auto path : {KvmemKvStore::ReadPath::kSharedMemory, KvmemKvStore::ReadPath::kGrpc}) {
+  for (auto path : transports) {
     for (bool f16 : {false, true}) {
+      SCOPED_TRACE(client::KvTransportName(path));
       auto daemon = Store({"full", {}}, path);
       ASSERT_NE(daemon, nullptr);
+      EXPECT_EQ(daemon->path().reads(), path) << daemon->path().reason();
       Session session(*model_, *daemon, daemon.get(), {32, f16});
       const auto got = Run(session, ids, more);
       ASSERT_EQ(got.size(), want.size());
@@ -170,8 +182,18 @@ TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
         EXPECT_EQ(seq.steps, more.size());  // one step per decoded token
         EXPECT_EQ(seq.appended_tokens, ids.size() + more.size());
       }
+      if (path == client::KvTransport::kUcx) {
+        // The prompt went as one message; every forward read the pool by gets.
+        const ModelConfig& m = model_->config();
+        EXPECT_EQ(daemon->path().ucx_bytes_sent(),
+                  2ull * ids.size() * m.num_layers * m.num_kv_heads * m.head_dim * sizeof(float));
+        EXPECT_GT(daemon->path().ucx_bytes_read(), 0u);
+      }
     }
   }
+#if KVMEM_WITH_UCX
+  unsetenv("UCX_TLS");
+#endif
 }
 
 // kvmemd going away in the middle of a generation does not stop it: the rest runs on an
@@ -182,7 +204,7 @@ TEST_F(WorkerTest, AGenerationOutlivesItsDaemon) {
       tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
   const std::vector<int32_t> more = {9546, 30, 1743, 28, 3737};
   const auto want = RunLocal(ids, more);
-  auto daemon = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+  auto daemon = Store({"full", {}}, client::KvTransport::kGrpc);
   ASSERT_NE(daemon, nullptr);
   Session session(*model_, *daemon, daemon.get());
   FallbackSession feeder(*model_, &session, {});
@@ -215,7 +237,7 @@ TEST_F(WorkerTest, AGenerationOutlivesARestartOfItsDaemon) {
       tokenizer_->Encode(tokenizer_->ChatPrompt("Name three colors."), true);
   const std::vector<int32_t> more = {9546, 30, 1743};
   const auto want = RunLocal(ids, more);
-  auto daemon = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+  auto daemon = Store({"full", {}}, client::KvTransport::kGrpc);
   ASSERT_NE(daemon, nullptr);
   Session session(*model_, *daemon, daemon.get());
   FallbackSession feeder(*model_, &session, {});
@@ -228,7 +250,7 @@ TEST_F(WorkerTest, AGenerationOutlivesARestartOfItsDaemon) {
     if (i == 1) {  // a new kvmemd on the same socket, where another request starts
       server_.reset();
       server_ = *service::Server::Start(config_);
-      other = Store({"full", {}}, KvmemKvStore::ReadPath::kGrpc);
+      other = Store({"full", {}}, client::KvTransport::kGrpc);
       ASSERT_NE(other, nullptr);
     }
     logits = feeder.Feed({more[i]}, false);
@@ -255,7 +277,7 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
       {{"h2o", {{"budget", 16}}}, true}};
   std::vector<std::vector<std::vector<float>>> alone;
   for (const auto& [policy, f16] : policies) {
-    auto store = Store(policy, KvmemKvStore::ReadPath::kSharedMemory);
+    auto store = Store(policy, client::KvTransport::kAttach);
     ASSERT_NE(store, nullptr);
     Session session(*model_, *store, store.get(), {32, f16});
     alone.push_back(Run(session, ids, more));
@@ -264,7 +286,7 @@ TEST_F(WorkerTest, DecodeBatchStepsEachSequenceAsAlone) {
   std::vector<std::unique_ptr<Session>> sessions;
   std::vector<std::vector<std::vector<float>>> batched(policies.size());
   for (size_t p = 0; p < policies.size(); ++p) {
-    stores.push_back(Store(policies[p].first, KvmemKvStore::ReadPath::kSharedMemory));
+    stores.push_back(Store(policies[p].first, client::KvTransport::kAttach));
     ASSERT_NE(stores.back(), nullptr);
     sessions.push_back(std::make_unique<Session>(*model_, *stores.back(), stores.back().get(),
                                                  SessionOptions{32, policies[p].second}));
@@ -316,7 +338,7 @@ TEST_F(WorkerTest, InPlaceStepsGiveTheMessagePathsLogits) {
     std::vector<std::vector<float>> want, got;
     for (bool in_place : {false, true}) {
       auto store = KvmemKvStore::Create(client_.get(), model_->config(), policy,
-                                        KvmemKvStore::ReadPath::kSharedMemory, nullptr, in_place);
+                                        client::KvTransport::kAttach, nullptr, in_place);
       ASSERT_TRUE(store.ok()) << store.status();
       ASSERT_EQ((*store)->in_place(), in_place);
       Session session(*model_, **store, store->get(), {32, f16});
@@ -342,7 +364,7 @@ TEST_F(WorkerTest, InPlaceStepsGiveTheMessagePathsLogits) {
   std::vector<Session*> all;
   for (const auto& [policy, f16] : policies) {
     stores.push_back(*KvmemKvStore::Create(client_.get(), model_->config(), policy,
-                                           KvmemKvStore::ReadPath::kSharedMemory, nullptr, true));
+                                           client::KvTransport::kAttach, nullptr, true));
     sessions.push_back(std::make_unique<Session>(*model_, *stores.back(), stores.back().get(),
                                                  SessionOptions{32, f16}));
     ASSERT_TRUE(sessions.back()->Feed(ids, true).ok());
@@ -382,7 +404,7 @@ TEST_F(WorkerTest, ReusedPrefixGivesTheColdLogits) {
   const client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
   auto Create = [&] {
     auto store = KvmemKvStore::Create(client_.get(), model_->config(), {"full", {}},
-                                      KvmemKvStore::ReadPath::kSharedMemory, &prompt);
+                                      client::KvTransport::kAttach, &prompt);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;
   };
@@ -425,7 +447,7 @@ TEST_F(WorkerTest, TableChangedElsewhereIsFetchedAgain) {
       "One two three four five six seven "
       "eight nine ten eleven twelve",
       false);
-  auto store = Store({"window", {{"window", 64}}}, KvmemKvStore::ReadPath::kSharedMemory);
+  auto store = Store({"window", {{"window", 64}}}, client::KvTransport::kAttach);
   ASSERT_NE(store, nullptr);
   Session session(*model_, *store, store.get());
   ASSERT_TRUE(session.Feed(ids, true).ok());
@@ -448,7 +470,7 @@ TEST_F(WorkerTest, Int8CacheStaysCloseAndWindowEvicts) {
       false);
   const auto want = RunLocal(ids, {});
   client::PolicySpec int8{"full", {}, client::Precision::kInt8, 16};
-  auto daemon = Store(int8, KvmemKvStore::ReadPath::kSharedMemory);
+  auto daemon = Store(int8, client::KvTransport::kAttach);
   ASSERT_NE(daemon, nullptr);
   Session session(*model_, *daemon, daemon.get());
   const auto got = Run(session, ids, {100, 200});

@@ -143,6 +143,7 @@ struct Info {
     std::string worker_address, pool_rkey, epoch_board_rkey;
     uint64_t pool_address = 0, pool_bytes = 0, epoch_board_address = 0;
     std::string append_worker_address;  // remote appends (kvmem/ucx_sender.h): every caller
+    uint64_t max_payload_bytes = 0;     // the largest such append's K/V (0: not said)
   } ucx;
 };
 

@@ -169,9 +169,10 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.table_area_slots = r.table_area().slots();
   info.attach = {r.attach().socket(), r.attach().ticket(), std::nullopt};
   if (r.has_attach()) info.attach.daemon_uid = r.attach().daemon_uid();
-  info.ucx = {r.ucx().worker_address(),       r.ucx().pool_rkey(),  r.ucx().epoch_board_rkey(),
-              r.ucx().pool_address(),         r.ucx().pool_bytes(), r.ucx().epoch_board_address(),
-              r.ucx().append_worker_address()};
+  info.ucx = {
+      r.ucx().worker_address(),        r.ucx().pool_rkey(),        r.ucx().epoch_board_rkey(),
+      r.ucx().pool_address(),          r.ucx().pool_bytes(),       r.ucx().epoch_board_address(),
+      r.ucx().append_worker_address(), r.ucx().max_payload_bytes()};
   return info;
 }
 

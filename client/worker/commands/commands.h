@@ -23,7 +23,7 @@
 ABSL_DECLARE_FLAG(std::string, model);
 ABSL_DECLARE_FLAG(std::string, target);
 ABSL_DECLARE_FLAG(std::string, cache);
-ABSL_DECLARE_FLAG(std::string, read_path);
+ABSL_DECLARE_FLAG(std::string, transport);
 ABSL_DECLARE_FLAG(std::string, policy);
 ABSL_DECLARE_FLAG(std::vector<std::string>, param);
 ABSL_DECLARE_FLAG(std::string, quantization);
@@ -63,8 +63,8 @@ absl::StatusOr<client::PolicySpec> ParsePolicy(const std::string& name,
 // --policy, --param, --quantization and --quant_recent.
 absl::StatusOr<client::PolicySpec> PolicyFromFlags();
 SessionOptions SessionOptionsFromFlags();
-// --read_path.
-KvmemKvStore::ReadPath ReadPathFromFlags();
+// --transport.
+absl::StatusOr<client::KvTransport> TransportFromFlags();
 // --in_place_writes: write K/V and rows in place when kvmemd offers it (KvmemKvStore::Create).
 bool InPlaceFromFlags();
 

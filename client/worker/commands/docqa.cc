@@ -91,9 +91,11 @@ int RunDocQa() {
     client::Prompt prompt{r.ids, "", "smollm2-135m", /*auto_publish=*/mode == "prefix"};
     if (mode == "document") prompt.document_tokens = static_cast<uint32_t>(head.size());
     const bool with_prompt = mode == "prefix" || mode == "document";
-    absl::StatusOr<std::unique_ptr<KvmemKvStore>> store = KvmemKvStore::Create(
-        c->get(), env.model->config(), *policy, KvmemKvStore::ReadPath::kSharedMemory,
-        with_prompt ? &prompt : nullptr, InPlaceFromFlags());
+    absl::StatusOr<client::KvTransport> transport = TransportFromFlags();
+    if (!transport.ok()) return Fail("create", transport.status());
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> store =
+        KvmemKvStore::Create(c->get(), env.model->config(), *policy, *transport,
+                             with_prompt ? &prompt : nullptr, InPlaceFromFlags());
     if (!store.ok()) return Fail("create", store.status());
     r.store = *std::move(store);
     r.reused = r.store->reused_tokens();

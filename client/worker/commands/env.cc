@@ -17,7 +17,10 @@ ABSL_FLAG(std::string, cache, "kvmemd", "kvmemd or local");
 ABSL_FLAG(double, daemon_deadline_seconds, 30,
           "generate: a kvmemd call that takes longer (retries included) fails, and the answer "
           "is finished with an in-process cache");
-ABSL_FLAG(std::string, read_path, "shm", "shm (same-host, in place) or grpc (ReadKv)");
+ABSL_FLAG(std::string, transport, "auto",
+          "how K/V moves with kvmemd: attach (same host, read in place), ucx (RMA gets and "
+          "messages; kvmemd --ucx), grpc (ReadKv, K/V in the Append), or auto (the first of "
+          "them that works)");
 ABSL_FLAG(std::string, policy, "confkv", "kvmemd policy");
 ABSL_FLAG(std::vector<std::string>, param, {},
           "policy parameters, comma-separated name=value pairs (one --param flag)");
@@ -108,9 +111,8 @@ SessionOptions SessionOptionsFromFlags() {
 
 bool InPlaceFromFlags() { return absl::GetFlag(FLAGS_in_place_writes); }
 
-KvmemKvStore::ReadPath ReadPathFromFlags() {
-  return absl::GetFlag(FLAGS_read_path) == "grpc" ? KvmemKvStore::ReadPath::kGrpc
-                                                  : KvmemKvStore::ReadPath::kSharedMemory;
+absl::StatusOr<client::KvTransport> TransportFromFlags() {
+  return client::ParseKvTransport(absl::GetFlag(FLAGS_transport));
 }
 
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectDaemon() {
@@ -171,9 +173,10 @@ absl::Status Setup(Env& env, bool force_local) {
   absl::StatusOr<std::unique_ptr<client::Client>> c = ConnectDaemon();
   if (!c.ok()) return c.status();
   env.client = *std::move(c);
-  absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
-      KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags(),
-                           nullptr, InPlaceFromFlags());
+  absl::StatusOr<client::KvTransport> transport = TransportFromFlags();
+  if (!transport.ok()) return transport.status();
+  absl::StatusOr<std::unique_ptr<KvmemKvStore>> d = KvmemKvStore::Create(
+      env.client.get(), env.model->config(), *policy, *transport, nullptr, InPlaceFromFlags());
   if (!d.ok()) return d.status();
   env.daemon = *std::move(d);
   env.store = env.daemon.get();

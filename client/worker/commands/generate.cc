@@ -99,13 +99,17 @@ int RunGenerate() {
                      pulled.status().ToString().c_str());
       }
     }
-    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d =
-        KvmemKvStore::Create(env.client.get(), env.model->config(), *policy, ReadPathFromFlags(),
-                             &prompt, InPlaceFromFlags());
+    absl::StatusOr<client::KvTransport> transport = TransportFromFlags();
+    if (!transport.ok()) return Fail("setup", transport.status());
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> d = KvmemKvStore::Create(
+        env.client.get(), env.model->config(), *policy, *transport, &prompt, InPlaceFromFlags());
     if (!d.ok()) return Fail("setup", d.status());
     env.daemon = *std::move(d);
     env.store = env.daemon.get();
     reused = env.daemon->reused_tokens();
+  }
+  if (env.daemon != nullptr) {
+    std::fprintf(stderr, "kv transport: %s\n", env.daemon->path().reason().c_str());
   }
   Session session(*env.model, *env.store, env.daemon.get(), SessionOptionsFromFlags());
   std::mt19937 rng(absl::GetFlag(FLAGS_seed));
@@ -181,10 +185,10 @@ int RunGenerate() {
                                                : (by_step[half - 1] + by_step[half]) / 2;
     std::printf(
         "daemon calls: %.2f ms per decode step, median %.2f, first %.2f, slowest %.2f (step %zu) "
-        "(StepBatch %s%s)\n",
+        "(StepBatch %s, K/V reads by %s)\n",
         session.daemon_ms_per_step(), median, first, slowest_ms, slowest_step,
         env.client->step_channel_batches() > 0 ? "over the step channel" : "over gRPC",
-        absl::GetFlag(FLAGS_read_path) == "grpc" ? ", ReadKv" : "");
+        std::string(client::KvTransportName(env.daemon->path().reads())).c_str());
   }
   return 0;
 }

@@ -82,9 +82,10 @@ int RunMulti() {
   };
   std::vector<Answer> answers(specs.size());
   for (size_t p = 0; p < specs.size(); ++p) {
-    absl::StatusOr<std::unique_ptr<KvmemKvStore>> store =
-        KvmemKvStore::Create(c->get(), env.model->config(), specs[p],
-                             KvmemKvStore::ReadPath::kSharedMemory, nullptr, InPlaceFromFlags());
+    absl::StatusOr<client::KvTransport> transport = TransportFromFlags();
+    if (!transport.ok()) return Fail(labels[p], transport.status());
+    absl::StatusOr<std::unique_ptr<KvmemKvStore>> store = KvmemKvStore::Create(
+        c->get(), env.model->config(), specs[p], *transport, nullptr, InPlaceFromFlags());
     if (!store.ok()) return Fail(labels[p], store.status());
     Answer& a = answers[p];
     a.store = *std::move(store);

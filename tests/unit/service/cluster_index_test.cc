@@ -135,6 +135,16 @@ class ClusterIndexOnRedis : public ::testing::Test {
     c.timeout = absl::Seconds(2);
     return c;
   }
+  // Each node's writer connects (and opens the lookups' connections) on its own thread:
+  // until then its events are dropped and its lookups unavailable. A loaded machine may take
+  // a while to get there; 10 s is the most a test waits.
+  static void WaitConnected(ClusterIndex& index) {
+    for (int i = 0; i < 1000; ++i) {
+      if (index.counters().connected && index.Lookup("ns", {HashOf(~0u)}).available) return;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    FAIL() << "the cluster index did not connect in 10 s";
+  }
   testing::RedisServer redis_;
 };
 
@@ -150,6 +160,9 @@ TEST_F(ClusterIndexOnRedis, ClaimsFollowTheEventsUnderConcurrentLookups) {
   c.node = "b:1";
   absl::StatusOr<std::unique_ptr<ClusterIndex>> b = ClusterIndex::Start(c);
   ASSERT_TRUE(b.ok()) << b.status();
+  WaitConnected(**a);
+  WaitConnected(**b);
+  if (HasFatalFailure()) return;
   constexpr uint32_t kPerThread = 300;
   std::vector<std::thread> threads;
   for (uint32_t t = 0; t < 4; ++t) {
@@ -175,7 +188,8 @@ TEST_F(ClusterIndexOnRedis, ClaimsFollowTheEventsUnderConcurrentLookups) {
     });
   }
   for (size_t i = 0; i < 4; ++i) threads[i].join();
-  for (int i = 0; i < 1000 && (*a)->counters().added + (*a)->counters().removed < 6 * kPerThread;
+  for (int i = 0; i < 1000 && ((*a)->counters().added + (*a)->counters().removed < 6 * kPerThread ||
+                               answered.load() == 0);
        ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
@@ -302,6 +316,8 @@ TEST_F(ClusterIndexOnRedis, AnErrorReplyFailsOneClaimNotTheWriter) {
   ClusterIndexConfig c = Config("a:1");
   absl::StatusOr<std::unique_ptr<ClusterIndex>> a = ClusterIndex::Start(c);
   ASSERT_TRUE(a.ok()) << a.status();
+  WaitConnected(**a);
+  if (HasFatalFailure()) return;
   for (uint32_t i = 0; i < 3; ++i) {
     const prefix::BlockHash h = HashOf(i);
     (*a)->Stored({"ns", nullptr, &h, {}, nullptr});
