@@ -691,14 +691,17 @@ grpc::Status KvCacheService::PullPrefix(grpc::ServerContext* context,
   prompt.token_ids_field = "token_ids";
   v1::Layout layout_proto = request->layout();
   layout_proto.set_block_tokens(layout->block_tokens);
+  const PullAsk ask{request->from_node(), request->transport(), request->min_tokens()};
   absl::StatusOr<PullResult> pulled = puller_->Pull(
-      context, layout_proto, *layout, prompt, request->cache_salt(), request->from_node(), *bearer,
+      context, layout_proto, *layout, prompt, request->cache_salt(), ask, *bearer,
       std::min(absl::FromChrono(context->deadline()), absl::Now() + absl::Minutes(1)));
   if (!pulled.ok()) return ToGrpc(pulled.status());
   response->set_local_tokens(pulled->local_tokens);
   response->set_pulled_tokens(pulled->pulled_tokens);
   response->set_from_node(pulled->from_node);
   response->set_bytes(pulled->bytes);
+  response->set_transport(pulled->transport);
+  response->set_holder_tokens(pulled->holder_tokens);
   return grpc::Status::OK;
 }
 

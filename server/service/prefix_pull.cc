@@ -13,6 +13,10 @@
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/common/client_text.h"
 #include "server/transport/parse_cost.h"
+#if KVMEM_WITH_UCX
+#include "kvmem/convert.h"
+#include "kvmem/ucx_pool.h"
+#endif
 
 namespace kvmem::service {
 namespace {
@@ -54,11 +58,20 @@ metrics::PullTotals PrefixPuller::totals() const {
 
 absl::StatusOr<PullResult> PrefixPuller::Pull(
     grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
-    const engine::PromptPrefix& prompt, const std::string& client_salt,
-    const std::string& from_node, const std::string& bearer, absl::Time deadline) {
+    const engine::PromptPrefix& prompt, const std::string& client_salt, const PullAsk& ask,
+    const std::string& bearer, absl::Time deadline) {
+  if (ask.transport != "" && ask.transport != "grpc" && ask.transport != "ucx") {
+    return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(ask.transport),
+                                                   "\" is none of ucx, grpc, or empty (either)"));
+  }
+  if (ask.transport == "ucx" && (pools_ == nullptr || !pools_->enabled())) {
+    return absl::FailedPreconditionError(
+        "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "
+        "without --cluster-peer-token-file)");
+  }
   const absl::Time start = absl::Now();
   absl::StatusOr<PullResult> pulled =
-      Choose(context, layout_proto, layout, prompt, client_salt, from_node, bearer, deadline);
+      Choose(context, layout_proto, layout, prompt, client_salt, ask, bearer, deadline);
   seconds_.Observe(absl::ToDoubleSeconds(absl::Now() - start));
   if (!pulled.ok()) {
     failed_.fetch_add(1, std::memory_order_relaxed);
@@ -74,8 +87,9 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(
 
 absl::StatusOr<PullResult> PrefixPuller::Choose(
     grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
-    const engine::PromptPrefix& prompt, const std::string& client_salt,
-    const std::string& from_node, const std::string& bearer, absl::Time deadline) {
+    const engine::PromptPrefix& prompt, const std::string& client_salt, const PullAsk& ask,
+    const std::string& bearer, absl::Time deadline) {
+  const std::string& from_node = ask.from_node;
   if (peers_.empty()) {
     return absl::FailedPreconditionError(
         "PullPrefix: this kvmemd has no peers to pull from (--cluster-peers)");
@@ -110,15 +124,28 @@ absl::StatusOr<PullResult> PrefixPuller::Choose(
     // Longest first; a holder that fails (gone, or lost the blocks) gives way to the next,
     // at most kMostHolders tried.
     constexpr int kMostHolders = 3;
+    // What a CreateSequence there can map: whole blocks, never the prompt's last token.
+    const uint64_t B = layout.block_tokens;
+    const uint64_t most = prompt.token_ids.empty() ? 0 : (prompt.token_ids.size() - 1) / B * B;
     int tried = 0;
     absl::Status last;
     for (const FleetHolder& h : fleet.holders) {
-      if (h.node == self_ || !IsPeer(h.node) || h.blocks * layout.block_tokens <= *local ||
+      const uint64_t claimed = std::min<uint64_t>(h.blocks, most / B) * B;
+      if (h.node == self_ || !IsPeer(h.node) || claimed <= *local ||
           (!from_node.empty() && h.node != from_node)) {
         continue;
       }
+      if (claimed - *local < ask.min_tokens) {
+        // Longest first: no holder after this one gains more either.
+        PullResult not_worth;
+        not_worth.local_tokens = *local;
+        not_worth.from_node = h.node;
+        not_worth.holder_tokens = claimed;
+        return not_worth;
+      }
       absl::StatusOr<PullResult> pulled = PullFrom(context, layout_proto, layout, prompt,
-                                                   client_salt, bearer, deadline, *local, h.node);
+                                                   client_salt, ask, bearer, deadline, *local,
+                                                   h.node);
       if (pulled.ok() || !absl::IsUnavailable(pulled.status()) || ++tried == kMostHolders ||
           context->IsCancelled()) {
         return pulled;
@@ -143,8 +170,8 @@ absl::StatusOr<PullResult> PrefixPuller::Choose(
 
 absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
-    const engine::PromptPrefix& prompt, const std::string& client_salt, const std::string& bearer,
-    absl::Time deadline, uint64_t local, const std::string& holder) {
+    const engine::PromptPrefix& prompt, const std::string& client_salt, const PullAsk& ask,
+    const std::string& bearer, absl::Time deadline, uint64_t local, const std::string& holder) {
   PullResult result;
   result.local_tokens = local;
   result.from_node = holder;
@@ -191,7 +218,8 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
                                      " for a prompt of ", prompt.token_ids.size(),
                                      " tokens in blocks of ", B));
   }
-  if (r <= local) return result;
+  result.holder_tokens = r;
+  if (r <= local || r - local < ask.min_tokens) return result;
   if (r * per_token > max_bytes_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("PullPrefix: the holder's prefix of ", r, " tokens is ", r * per_token,
@@ -224,7 +252,74 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     v[c].resize(rows * chunk_tokens(c) * row_bytes);
   }
   std::vector<uint64_t> filled(rows, 0);
-  {
+  // Rows [first, first + count) of stream s, as read (K and V at `k` and `v`), into the
+  // chunks: the new ones only (those from `have` on).
+  const auto place = [&](uint64_t s, uint64_t first, uint64_t count, const char* k_rows,
+                         const char* v_rows) {
+    for (uint64_t t = std::max(first, have); t < first + count;) {
+      const uint64_t chunk = (t - have) / per_chunk, start = chunk * per_chunk;
+      const uint64_t run = std::min(first + count, have + start + chunk_tokens(chunk)) - t;
+      const uint64_t to = (s * chunk_tokens(chunk) + (t - have - start)) * row_bytes;
+      const uint64_t from = (t - first) * row_bytes;
+      std::memcpy(k[chunk].data() + to, k_rows + from, run * row_bytes);
+      std::memcpy(v[chunk].data() + to, v_rows + from, run * row_bytes);
+      t += run;
+    }
+  };
+  std::shared_ptr<const client::UcxPool> ucx;
+  if (ask.transport != "grpc" && pools_ != nullptr && pools_->enabled()) {
+    absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool =
+        pools_->Get(*stub, holder, deadline);
+    if (pool.ok()) {
+      ucx = *std::move(pool);
+    } else if (ask.transport == "ucx") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));
+    }
+  }
+  if (ucx != nullptr) {
+#if KVMEM_WITH_UCX
+    // The holder's table (without positions: a mapped prefix holds 0 .. r-1 in every stream,
+    // checked by count), then its blocks by gets under its epoch protocol.
+    v1::GetBlockTableRequest q;
+    q.set_sequence_id(created.sequence_id());
+    v1::GetBlockTableResponse a;
+    if (grpc::Status s = stub->GetBlockTable(call().get(), q, &a); !s.ok()) {
+      return FromHolder(s, holder, "GetBlockTable");
+    }
+    const client::BlockTable table = client::internal::FromProto(a.table());
+    bool fits = table.streams.size() == rows && table.layout.num_layers == layout.num_layers &&
+                table.layout.num_kv_heads == layout.num_kv_heads &&
+                table.layout.head_dim == layout.head_dim &&
+                uint64_t{table.layout.head_dim} * client::DTypeBytes(table.layout.dtype) ==
+                    row_bytes &&
+                table.block_tokens == B;
+    for (const client::StreamTable& st : table.streams) {
+      uint64_t slots = 0;
+      for (const client::TableBlock& b : st.blocks) slots += b.count;
+      fits = fits && slots == r;
+    }
+    if (!fits) return Lied(holder, "a table that is not the prefix's");
+    // The streams as read and the chunks: both in host memory until the append.
+    absl::StatusOr<transport::ParseBudget::Reservation> streams_held =
+        transport::ParseBudget::Process().Reserve(r * per_token, "PullPrefix");
+    if (!streams_held.ok()) return streams_held.status();
+    absl::StatusOr<std::vector<client::StreamKv>> streams = ucx->ReadStreams(table);
+    if (!streams.ok()) {
+      return absl::UnavailableError(absl::StrCat("PullPrefix: reading the holder ", holder,
+                                                 "'s pool by UCX: ", streams.status().message()));
+    }
+    for (uint64_t s = 0; s < rows; ++s) {
+      const client::StreamKv& kv = (*streams)[s];
+      if (kv.k.size() != r * row_bytes || kv.v.size() != r * row_bytes) {
+        return Lied(holder, "a stream read short");
+      }
+      place(s, 0, r, kv.k.data(), kv.v.data());
+      filled[s] = r;
+    }
+    result.transport = "ucx";
+#endif
+  } else {
     std::unique_ptr<grpc::ClientContext> c = call();
     v1::ReadKvRequest q;
     q.set_sequence_id(created.sequence_id());
@@ -244,18 +339,11 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
         c->TryCancel();
         return Lied(holder, "a ReadKv piece out of place");
       }
-      for (uint64_t t = std::max(filled[s], have); t < filled[s] + count;) {
-        const uint64_t chunk = (t - have) / per_chunk, first = chunk * per_chunk;
-        const uint64_t run = std::min(filled[s] + count, have + first + chunk_tokens(chunk)) - t;
-        const uint64_t to = (s * chunk_tokens(chunk) + (t - have - first)) * row_bytes;
-        const uint64_t from = (t - filled[s]) * row_bytes;
-        std::memcpy(k[chunk].data() + to, piece.k().data() + from, run * row_bytes);
-        std::memcpy(v[chunk].data() + to, piece.v().data() + from, run * row_bytes);
-        t += run;
-      }
+      place(s, filled[s], count, piece.k().data(), piece.v().data());
       filled[s] += count;
     }
     if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, holder, "ReadKv");
+    result.transport = "grpc";
   }
   if (std::any_of(filled.begin(), filled.end(), [r](uint64_t f) { return f != r; })) {
     return Lied(holder, absl::StrCat("a stream short of ", r, " tokens"));

@@ -23,7 +23,9 @@
 // the prompt, every piece in place). Memory: a pull holds the K/V it adds here (at most
 // max_bytes, reserved from --parse-memory-bytes with the calls' buffers); at most max_pulls
 // run at once. The caller's cancellation reaches the calls to the holder.
-// Transport: gRPC (ReadKv) for now; UCX reads between daemons come with the UCX work.
+// Transport: the holder's blocks by UCX RMA gets from its pool (PeerPools: both built with
+// UCX, the holder running --ucx, this daemon given --cluster-peer-token-file), under the
+// holder's epoch protocol, else ReadKv.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -36,6 +38,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/exporter.h"
 #include "server/service/cluster_index.h"
+#include "server/service/peer_pools.h"
 
 namespace kvmem::service {
 
@@ -43,17 +46,29 @@ struct PullResult {
   uint64_t local_tokens = 0;   // what this node held before
   uint64_t pulled_tokens = 0;  // published here by the pull
   std::string from_node;
-  uint64_t bytes = 0;  // K+V bytes moved
+  uint64_t holder_tokens = 0;  // what the holder mapped of the prompt
+  uint64_t bytes = 0;          // K+V bytes moved
+  std::string transport;       // "ucx" or "grpc"; empty: nothing read
+};
+
+// What a caller asks of a pull besides the prompt (PullPrefixRequest).
+struct PullAsk {
+  std::string from_node;    // empty: the holder of the longest prefix
+  std::string transport;    // "ucx", "grpc"; empty: UCX where it can
+  uint64_t min_tokens = 0;  // the least gain worth a pull
 };
 
 class PrefixPuller {
  public:
+  // `pools`: the peers' pools by UCX (null: pulls by gRPC).
   PrefixPuller(engine::Engine* engine, ClusterIndex* index, std::string self_node,
-               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls)
+               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls,
+               PeerPools* pools = nullptr)
       : engine_(engine),
         index_(index),
         self_(std::move(self_node)),
         peers_(std::move(peers)),
+        pools_(pools),
         max_bytes_(max_bytes),
         max_pulls_(max_pulls),
         seconds_(engine::LatencyBounds()) {}
@@ -63,7 +78,7 @@ class PrefixPuller {
   // `bearer` the caller's authorization header ("" for none); `deadline` the call's, capped.
   absl::StatusOr<PullResult> Pull(grpc::ServerContext* context, const v1::Layout& layout_proto,
                                   const engine::Layout& layout, const engine::PromptPrefix& prompt,
-                                  const std::string& client_salt, const std::string& from_node,
+                                  const std::string& client_salt, const PullAsk& ask,
                                   const std::string& bearer, absl::Time deadline);
   // What the pulls have done (the metrics).
   metrics::PullTotals totals() const;
@@ -73,20 +88,21 @@ class PrefixPuller {
   absl::StatusOr<PullResult> Choose(grpc::ServerContext* context, const v1::Layout& layout_proto,
                                     const engine::Layout& layout,
                                     const engine::PromptPrefix& prompt,
-                                    const std::string& client_salt, const std::string& from_node,
+                                    const std::string& client_salt, const PullAsk& ask,
                                     const std::string& bearer, absl::Time deadline);
   absl::StatusOr<PullResult> PullFrom(grpc::ServerContext* context, const v1::Layout& layout_proto,
                                       const engine::Layout& layout,
                                       const engine::PromptPrefix& prompt,
-                                      const std::string& client_salt, const std::string& bearer,
-                                      absl::Time deadline, uint64_t local,
-                                      const std::string& holder);
+                                      const std::string& client_salt, const PullAsk& ask,
+                                      const std::string& bearer, absl::Time deadline,
+                                      uint64_t local, const std::string& holder);
   bool IsPeer(const std::string& node) const;
 
   engine::Engine* const engine_;
   ClusterIndex* const index_;
   const std::string self_;
   const std::vector<std::string> peers_;
+  PeerPools* const pools_;
   const uint64_t max_bytes_;
   const int max_pulls_;
   std::atomic<int> running_{0};

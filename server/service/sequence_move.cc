@@ -249,32 +249,18 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
       grpc::CreateCustomChannel(from_node, grpc::InsecureChannelCredentials(), args));
   // The holder's pool by UCX, where this daemon may read it.
-#if KVMEM_WITH_UCX
-  std::unique_ptr<client::UcxPool> ucx;
-  if (transport != "grpc" && !peer_token_.empty()) {
-    grpc::ClientContext c;
-    c.set_deadline(absl::ToChronoTime(deadline));
-    c.AddMetadata("authorization", absl::StrCat("Bearer ", peer_token_));
-    v1::GetInfoResponse info;
-    absl::StatusOr<std::unique_ptr<client::UcxPool>> pool = absl::FailedPreconditionError("");
-    if (grpc::Status s = stub->GetInfo(&c, v1::GetInfoRequest(), &info); !s.ok()) {
-      pool = FromHolder(s, from_node, "GetInfo (with --cluster-peer-token-file)");
-    } else {
-      pool = client::UcxPool::Connect(client::internal::InfoOf(info),
-                                      std::max(deadline - absl::Now(), absl::Seconds(1)));
-    }
+  std::shared_ptr<const client::UcxPool> ucx;
+  if (transport != "grpc" && pools_ != nullptr && pools_->enabled()) {
+    absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool =
+        pools_->Get(*stub, from_node, deadline);
     if (pool.ok()) {
       ucx = *std::move(pool);
     } else if (transport == "ucx") {
-      return absl::FailedPreconditionError(
-          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
-                       pool.status().message()));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));
     }
   }
   const bool by_ucx = ucx != nullptr;
-#else
-  const bool by_ucx = false;
-#endif
   if (transport == "ucx" && !by_ucx) {
     return absl::FailedPreconditionError(
         "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "

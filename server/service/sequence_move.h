@@ -21,9 +21,9 @@
 // Transport: the blocks come in the export's messages (gRPC), or, where this daemon can
 // read the holder's pool (both built with UCX, the holder running --ucx, and this daemon
 // given a token the holder knows as an admin's: --cluster-peer-token-file), by RMA gets
-// from it, the export naming each block's offset and holding the blocks until it ends. The
-// tenant's own calls still carry the tenant's token; only the pool's key is asked with the
-// peer token.
+// from it (PeerPools), the export naming each block's offset and holding the blocks until
+// it ends. The tenant's own calls still carry the tenant's token; only the pool's key is
+// asked with the peer token.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -36,6 +36,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/exporter.h"
 #include "server/service/auth.h"
+#include "server/service/peer_pools.h"
 
 namespace kvmem::service {
 
@@ -52,13 +53,12 @@ struct MoveResult {
 
 class SequenceMover {
  public:
-  // `peer_token`: what this daemon presents to a holder for its pool's UCX key ("": none,
-  // moves by gRPC).
+  // `pools`: the peers' pools by UCX (null: moves by gRPC).
   SequenceMover(engine::Engine* engine, std::vector<std::string> peers, uint64_t max_bytes,
-                int max_moves, std::string peer_token = {})
+                int max_moves, PeerPools* pools = nullptr)
       : engine_(engine),
         peers_(std::move(peers)),
-        peer_token_(std::move(peer_token)),
+        pools_(pools),
         max_bytes_(max_bytes),
         max_moves_(max_moves),
         seconds_(engine::LatencyBounds()) {}
@@ -79,7 +79,7 @@ class SequenceMover {
 
   engine::Engine* const engine_;
   const std::vector<std::string> peers_;
-  const std::string peer_token_;
+  PeerPools* const pools_;
   const uint64_t max_bytes_;
   const int max_moves_;
   std::atomic<int> running_{0};

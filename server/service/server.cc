@@ -217,21 +217,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     server->kv_events_ = *std::move(publisher);
     server->index_events_.Add(server->kv_events_.get());
   }
-  if (!config.cluster_index.url.empty()) {
-    // A loss of events rebuilds this node's claims from the prefix index itself.
-    absl::StatusOr<std::unique_ptr<ClusterIndex>> index =
-        ClusterIndex::Start(config.cluster_index,
-                            [engine = server->engine_.get()] { return engine->PublishedBlocks(); });
-    if (!index.ok()) return index.status();
-    server->cluster_index_ = *std::move(index);
-    server->index_events_.Add(server->cluster_index_.get());
-    if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
-      return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
-    }
-    server->puller_ = std::make_unique<PrefixPuller>(
-        server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
-        config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency);
-  }
   if (!config.cluster_peers.empty()) {
     if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
       return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
@@ -245,9 +230,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
                          " holds no token (16 to 512 printable characters without spaces)"));
       }
     }
+    server->peer_pools_ = std::make_unique<PeerPools>(std::move(peer_token));
     server->mover_ = std::make_unique<SequenceMover>(
         server->engine_.get(), config.cluster_peers, config.cluster_pull_max_bytes,
-        config.cluster_pull_concurrency, std::move(peer_token));
+        config.cluster_pull_concurrency, server->peer_pools_.get());
+  }
+  if (!config.cluster_index.url.empty()) {
+    // A loss of events rebuilds this node's claims from the prefix index itself.
+    absl::StatusOr<std::unique_ptr<ClusterIndex>> index =
+        ClusterIndex::Start(config.cluster_index,
+                            [engine = server->engine_.get()] { return engine->PublishedBlocks(); });
+    if (!index.ok()) return index.status();
+    server->cluster_index_ = *std::move(index);
+    server->index_events_.Add(server->cluster_index_.get());
+    if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
+      return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
+    }
+    server->puller_ = std::make_unique<PrefixPuller>(
+        server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
+        config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency,
+        server->peer_pools_.get());
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.

@@ -133,6 +133,7 @@ class Server {
   // Before the engine, whose prefix index queues into them until it is gone.
   std::unique_ptr<KvEventPublisher> kv_events_;
   std::unique_ptr<ClusterIndex> cluster_index_;
+  std::unique_ptr<PeerPools> peer_pools_;  // before the puller and the mover, which use it
   std::unique_ptr<PrefixPuller> puller_;
   std::unique_ptr<SequenceMover> mover_;
   prefix::IndexEventsFanout index_events_;

@@ -340,6 +340,73 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
             node.stop()
 
 
+def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, monkeypatch):
+    # A runs --ucx (no tokens: every caller may read its pool); B has A as a peer and a
+    # peer token, so B reads A's blocks by RMA gets (over TCP, as between hosts); C has A as
+    # a peer but no token: gRPC only.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+    token = tmp_path / "peer-token"
+    token.write_text("fleet-peer-token-0123456789\n")
+    a = Node("ua", redis, "--ucx", "--ucx_trusted_network")
+    b = Node("ub", redis, f"--cluster_peer_token_file={token}", peers=["ua"])
+    c = Node("uc", redis, peers=["ua"])
+    try:
+        first, second = prompt(31), prompt(32)
+        publish(a, first)
+        publish(a, second)
+        assert wait_until(lambda: holders(b, first) == [(a.name, 56)], 5)
+        assert wait_until(lambda: holders(b, second) == [(a.name, 56)], 5)
+        p = kvmem.Prompt(first, model="m")
+        # Not worth it: the holder has 56 tokens more, fewer than asked; nothing is read.
+        skipped = b.client.pull_prefix(LAY, p, min_tokens=57)
+        assert (skipped.pulled_tokens, skipped.holder_tokens, skipped.from_node,
+                skipped.transport, skipped.bytes) == (0, 56, a.name, "", 0)
+        assert b.client.lookup(LAY, p) == 0
+        # Worth it: by UCX, byte for byte A's.
+        pulled = b.client.pull_prefix(LAY, p, min_tokens=56)
+        assert (pulled.pulled_tokens, pulled.transport) == (56, "ucx"), pulled
+        assert pulled.bytes == 56 * 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
+        seq_a = a.client.create_sequence(LAY, prompt=p)
+        seq_b = b.client.create_sequence(LAY, prompt=p)
+        assert seq_b.reused_prefix_tokens == 56
+        assert read_all(seq_b) == read_all(seq_a)
+        seq_b.release()
+        # Asked for gRPC: the same bytes by ReadKv.
+        q = kvmem.Prompt(second, model="m")
+        by_grpc = b.client.pull_prefix(LAY, q, transport="grpc")
+        assert (by_grpc.pulled_tokens, by_grpc.transport) == (56, "grpc")
+        seq_b = b.client.create_sequence(LAY, prompt=q)
+        seq_a2 = a.client.create_sequence(LAY, prompt=q)
+        assert read_all(seq_b) == read_all(seq_a2)
+        for s in (seq_a, seq_a2, seq_b):
+            s.release()
+        # C cannot read A's pool: gRPC when either will do, refused when UCX is asked for.
+        assert c.client.pull_prefix(LAY, p).transport == "grpc"
+        with pytest.raises(kvmem.FailedPreconditionError, match="cluster-peer-token-file"):
+            c.client.pull_prefix(LAY, q, transport="ucx")
+        with pytest.raises(kvmem.InvalidArgumentError, match="transport"):
+            b.client.pull_prefix(LAY, q, transport="rdma")
+        # A gone: B's kept connection to its pool fails the pull in bounded time, naming the
+        # holder, and changes nothing on B.
+        third = prompt(33)
+        publish(a, third)
+        assert wait_until(lambda: holders(b, third) == [(a.name, 56)], 5)
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        a.proc = None
+        before = b.client.stats().prefix_entries
+        start = time.monotonic()
+        with pytest.raises(kvmem.KvmemError, match="holder"):
+            b.client.pull_prefix(LAY, kvmem.Prompt(third, model="m"))
+        assert time.monotonic() - start < 30
+        assert b.client.stats().prefix_entries == before
+    finally:
+        for node in (a, b, c):
+            if node.proc is not None:
+                node.stop()
+
+
 def test_a_sequence_moves_whole_to_another_node(redis):
     # MoveSequence: B takes A's sequence (quantized and evicted blocks, its window's state)
     # and A lets it go; B's copy reads as A's did and steps on.

@@ -683,19 +683,22 @@ absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prom
   return r.matched_tokens();
 }
 
-absl::StatusOr<uint64_t> Client::PullPrefix(const Layout& layout, const Prompt& prompt,
-                                            const std::string& from_node) {
+absl::StatusOr<Pulled> Client::PullPrefix(const Layout& layout, const Prompt& prompt,
+                                                  const PullOptions& options) {
   v1::PullPrefixRequest q;
   ToProto(layout, q.mutable_layout());
   q.mutable_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
   q.set_cache_salt(prompt.cache_salt);
   q.set_model(prompt.model);
-  q.set_from_node(from_node);
+  q.set_from_node(options.from_node);
+  q.set_transport(options.transport);
+  q.set_min_tokens(options.min_tokens);
   v1::PullPrefixResponse r;
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->PullPrefix(&c, q, &r); });
   if (!s.ok()) return s;
-  return r.pulled_tokens();
+  return Pulled{r.local_tokens(), r.pulled_tokens(), r.holder_tokens(), r.bytes(),
+                r.from_node(),    r.transport()};
 }
 
 }  // namespace kvmem::client

@@ -329,6 +329,20 @@ struct LayerRange {
   uint32_t begin = 0, end = 0;
 };
 
+// Client::PullPrefix's options and answer.
+struct PullOptions {
+  std::string from_node;    // the holder to pull from; empty: the one the fleet's index names
+  std::string transport;    // "ucx", "grpc"; empty: UCX where kvmemd can
+  uint64_t min_tokens = 0;  // pull only a gain of at least this many tokens
+};
+struct Pulled {
+  uint64_t local_tokens = 0;   // what kvmemd held before
+  uint64_t pulled_tokens = 0;  // pulled and published (0: nothing, or not worth it)
+  uint64_t holder_tokens = 0;  // what the holder had
+  uint64_t bytes = 0;          // K+V bytes moved
+  std::string from_node, transport;
+};
+
 struct StreamKv {
   uint32_t layer = 0, kv_head = 0;
   uint64_t epoch = 0;
@@ -487,11 +501,9 @@ class Client {
   absl::StatusOr<uint64_t> Lookup(const Layout& layout, const Prompt& prompt,
                                   const PolicySpec& policy = {});
   // Makes kvmemd hold the longest prefix of the prompt another node of its fleet holds
-  // (kvmemd --cluster-index), pulled from `from_node` (empty: the holder the fleet's index
-  // names); returns the tokens pulled (0: nothing to pull), which the next CreateSequence
-  // with the prompt maps.
-  absl::StatusOr<uint64_t> PullPrefix(const Layout& layout, const Prompt& prompt,
-                                      const std::string& from_node = "");
+  // (kvmemd --cluster-index), which the next CreateSequence with the prompt maps.
+  absl::StatusOr<Pulled> PullPrefix(const Layout& layout, const Prompt& prompt,
+                                    const PullOptions& options = PullOptions());
   // Moves sequence `sequence_id` of another node of kvmemd's fleet (`from_node`, one of its
   // --cluster-peers) to this kvmemd, whole: blocks at their precision, scores and history,
   // so that its next Step decides what the holder's would have. Returns the sequence here

@@ -256,4 +256,9 @@ uint64_t UcxPool::gets() const {
   return gets_;
 }
 
+bool UcxPool::broken() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
+}
+
 }  // namespace kvmem::client

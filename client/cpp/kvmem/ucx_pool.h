@@ -43,6 +43,9 @@ class UcxPool final : private MappedPool {
   // Bytes read from the daemon so far, and the gets that read them.
   uint64_t bytes_read() const;
   uint64_t gets() const;
+  // A read failed (the daemon went away, or a read outlasted its deadline): every read
+  // fails from then on; connect a new pool.
+  bool broken() const;
 
  private:
   struct Handles;

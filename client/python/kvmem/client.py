@@ -108,11 +108,15 @@ class FleetLookup:
 @dataclasses.dataclass(frozen=True)
 class PullResult:
     """Client.pull_prefix's answer: the prefix the daemon held before, the tokens it pulled
-    (and published), from which node, and the K+V bytes moved."""
+    (and published), from which node, the K+V bytes moved and how ("ucx", "grpc"; "" when
+    nothing was read), and the prefix the holder had (less than `min_tokens` more than the
+    daemon's own: nothing pulled)."""
     local_tokens: int
     pulled_tokens: int
     from_node: str
     bytes: int
+    transport: str = ""
+    holder_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -695,16 +699,21 @@ class Client:
         return FleetLookup(r.matched_tokens, r.fleet.available, r.fleet.unavailable,
                            [(h.node, h.matched_tokens) for h in r.fleet.holders])
 
-    def pull_prefix(self, layout: Layout, prompt: Prompt, from_node: str = "") -> "PullResult":
+    def pull_prefix(self, layout: Layout, prompt: Prompt, from_node: str = "",
+                    transport: str = "", min_tokens: int = 0) -> "PullResult":
         """Makes the daemon hold the longest prefix of the prompt another node of the fleet
         holds (kvmemd --cluster-index), pulled from that node (`from_node`, else the one the
-        fleet's index names), so that the next create_sequence maps it."""
+        fleet's index names), so that the next create_sequence maps it. `transport`: "ucx",
+        "grpc", or "" (UCX where the daemon can); `min_tokens`: pull only a gain of at least
+        that many tokens (a smaller one is cheaper to compute)."""
         q = pb.PullPrefixRequest(cache_salt=prompt.cache_salt, model=prompt.model,
-                                 from_node=from_node)
+                                 from_node=from_node, transport=transport,
+                                 min_tokens=min_tokens)
         convert.fill_layout(layout, q.layout)
         q.token_ids.extend(int(t) for t in prompt.token_ids)
         r = self._call(self._stub.PullPrefix, q)
-        return PullResult(r.local_tokens, r.pulled_tokens, r.from_node, r.bytes)
+        return PullResult(r.local_tokens, r.pulled_tokens, r.from_node, r.bytes, r.transport,
+                          r.holder_tokens)
 
     def move_sequence(self, from_node: str, sequence_id: int, lease: Optional[float] = None,
                       transport: str = "", table_positions: Optional[bool] = None) -> Sequence:

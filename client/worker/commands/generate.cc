@@ -23,6 +23,13 @@ ABSL_FLAG(bool, pull_prefix, false,
           "generate, with --prefix_cache: first ask kvmemd to pull the longest prefix of the "
           "prompt another node of its fleet holds (PullPrefix; kvmemd --cluster-index), timed "
           "as part of the first token");
+ABSL_FLAG(uint64_t, pull_min_tokens, 0,
+          "with --pull_prefix: pull only when another node holds at least this many more "
+          "tokens of the prompt (fewer are computed: cheaper; bench/RESULTS.md has the "
+          "crossover for this model)");
+ABSL_FLAG(std::string, pull_transport, "",
+          "with --pull_prefix: how kvmemd fetches the prefix from the other node: ucx, grpc, "
+          "or empty (UCX where it can)");
 ABSL_FLAG(std::string, kept_positions, "",
           "generate: write to this file, after the prompt and after each decode step, a JSON "
           "line with the token fed (-1 for the prompt, whose ids it lists) and the positions "
@@ -88,12 +95,18 @@ int RunGenerate() {
     env.daemon.reset();
     client::Prompt prompt{ids, "", "smollm2-135m", /*auto_publish=*/true};
     if (absl::GetFlag(FLAGS_pull_prefix)) {
-      absl::StatusOr<uint64_t> pulled =
-          env.client->PullPrefix(KvmemKvStore::LayoutOf(env.model->config()), prompt);
+      absl::StatusOr<client::Pulled> pulled = env.client->PullPrefix(
+          KvmemKvStore::LayoutOf(env.model->config()), prompt,
+          {"", absl::GetFlag(FLAGS_pull_transport), absl::GetFlag(FLAGS_pull_min_tokens)});
       // A failed pull costs the prefix's compute, not the request.
       if (pulled.ok()) {
-        std::fprintf(stderr, "pulled %llu prompt tokens from the fleet\n",
-                     static_cast<unsigned long long>(*pulled));
+        std::fprintf(stderr,
+                     "pulled %llu prompt tokens from the fleet (%s; held here %llu, by %s %llu)\n",
+                     static_cast<unsigned long long>(pulled->pulled_tokens),
+                     pulled->transport.empty() ? "nothing read" : pulled->transport.c_str(),
+                     static_cast<unsigned long long>(pulled->local_tokens),
+                     pulled->from_node.empty() ? "no other node" : pulled->from_node.c_str(),
+                     static_cast<unsigned long long>(pulled->holder_tokens));
       } else {
         std::fprintf(stderr, "no pull (%s): the prompt is computed\n",
                      pulled.status().ToString().c_str());
