@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <memory>
 #include <new>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
@@ -51,9 +52,11 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
 
 #if KVMEM_WITH_UCX
 // A piece by offsets: its blocks' bytes got from the holder's pool into its data, checked
-// first as untrusted input (one offset per block; each block as long as this layout says).
+// first as untrusted input (one offset per block; each block as long as this layout says;
+// no more bytes than the header has left, `left`, before any is allocated; the offsets
+// inside the pool: UcxPool). Blocks side by side in the holder's pool are one get.
 absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& format,
-                       engine::MovedPiece* piece) {
+                       uint64_t left, engine::MovedPiece* piece) {
   if (piece->offsets.size() != piece->blocks.size() || !piece->data.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's piece names ",
                                                    piece->offsets.size(), " offsets for ",
@@ -61,20 +64,18 @@ absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& f
   }
   uint64_t bytes = 0;
   for (const engine::MovedBlock& b : piece->blocks) bytes += format.block_bytes(b.precision);
+  if (bytes > left) {
+    return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's piece names ", bytes,
+                                                   " block bytes where its header has ", left,
+                                                   " left"));
+  }
   piece->data.resize(bytes);
   std::vector<client::UcxPool::PoolRead> reads;
   reads.reserve(piece->blocks.size());
   uint64_t at = 0;
   for (size_t i = 0; i < piece->blocks.size(); ++i) {
     const uint64_t n = format.block_bytes(piece->blocks[i].precision);
-    // Blocks next to each other in the holder's pool (as they were allocated, mostly) are
-    // one get: they are next to each other in `data` too.
-    if (!reads.empty() && reads.back().offset + reads.back().bytes == piece->offsets[i] &&
-        reads.back().bytes + n <= (64ull << 20)) {
-      reads.back().bytes += n;
-    } else {
-      reads.push_back({piece->offsets[i], piece->data.data() + at, n});
-    }
+    reads.push_back({piece->offsets[i], piece->data.data() + at, n});
     at += n;
   }
   piece->offsets.clear();
@@ -256,8 +257,9 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     if (pool.ok()) {
       ucx = *std::move(pool);
     } else if (transport == "ucx") {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
+                       pool.status().message()));
     }
   }
   const bool by_ucx = ucx != nullptr;
@@ -337,13 +339,16 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
     absl::Status added = piece.status();
-#if KVMEM_WITH_UCX
-    if (added.ok() && by_ucx) added = GetBlocks(*ucx, (*import)->format(), &*piece);
-#endif
     if (added.ok() && !by_ucx && !piece->offsets.empty()) {
       added = absl::InvalidArgumentError(
           "MoveSequence: the holder's piece names offsets where its bytes were asked for");
     }
+#if KVMEM_WITH_UCX
+    if (added.ok() && by_ucx) {
+      added = GetBlocks(*ucx, (*import)->format(),
+                        (*import)->header().block_bytes - (*import)->bytes(), &*piece);
+    }
+#endif
     if (added.ok()) added = (*import)->Add(*piece);
     if (!added.ok()) {
       c->TryCancel();

@@ -2,7 +2,10 @@
 
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -123,7 +126,7 @@ absl::Status UcxPool::Get(void* dst, uint64_t address, uint64_t bytes, void* rke
 absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
   if (broken_) {
     return absl::UnavailableError(
-        "ucx: an earlier read outlasted its deadline; connect a new pool");
+        "ucx: an earlier read failed or outlasted its deadline; connect a new pool");
   }
   // All posted, then all waited for: one round trip's latency for the batch, not one each.
   std::vector<ucs_status_ptr_t> requests;
@@ -195,18 +198,82 @@ absl::Status UcxPool::ReadPool(absl::Span<const PoolRead> reads) const {
 }
 
 absl::Status UcxPool::CopyOutMany(absl::Span<const OutCopy> copies) const {
-  std::vector<GetOp> ops;
-  ops.reserve(copies.size());
   for (const OutCopy& c : copies) {
     const uint64_t offset = static_cast<uint64_t>(c.src - base_);
     if (offset > bytes_ || c.bytes > bytes_ - offset) {
       return absl::OutOfRangeError(absl::StrCat("ucx: bytes [", offset, ", ", offset + c.bytes,
                                                 ") are outside the pool of ", bytes_));
     }
-    ops.push_back({c.dst, reinterpret_cast<uint64_t>(c.src), c.bytes, ucx_->pool});
   }
+  // In the pool's order, copies whose bytes follow each other there are one get: a
+  // prefilled sequence's blocks lie side by side (every stream's block in turn), so a read
+  // of it is a few large gets, not one per block and plane. A run whose destinations follow
+  // each other too lands in place; another lands in the staging buffer (kept for the next
+  // read, at most kStagingBytes) and is copied out from there.
+  std::vector<size_t> order(copies.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return copies[a].src < copies[b].src; });
+  struct Run {
+    size_t begin, end;  // into `order`
+    uint64_t bytes;
+    bool in_place;  // the destinations follow each other
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const OutCopy& c = copies[order[i]];
+    if (c.bytes == 0) continue;
+    if (!runs.empty()) {
+      Run& r = runs.back();
+      const OutCopy& last = copies[order[r.end - 1]];
+      if (last.src + last.bytes == c.src && r.bytes + c.bytes <= kMaxRunBytes) {
+        r.in_place = r.in_place && static_cast<uint8_t*>(last.dst) + last.bytes == c.dst;
+        r.bytes += c.bytes;
+        r.end = i + 1;
+        continue;
+      }
+    }
+    runs.push_back({i, i + 1, c.bytes, true});
+  }
+  std::vector<GetOp> ops;
   absl::MutexLock lock(&mu_);
-  return Gets(ops);
+  for (size_t next = 0; next < runs.size();) {
+    // The runs of one round: the in-place ones, and staged ones up to kStagingBytes.
+    ops.clear();
+    uint64_t staged = 0;
+    size_t end = next;
+    for (; end < runs.size(); ++end) {
+      const Run& r = runs[end];
+      const OutCopy& first = copies[order[r.begin]];
+      if (r.in_place) {
+        ops.push_back({first.dst, reinterpret_cast<uint64_t>(first.src), r.bytes, ucx_->pool});
+        continue;
+      }
+      if (staged > 0 && staged + r.bytes > kStagingBytes) break;
+      staged += r.bytes;
+    }
+    if (staging_.size() < staged) staging_.resize(staged);
+    uint64_t at = 0;
+    for (size_t i = next; i < end; ++i) {
+      if (runs[i].in_place) continue;
+      ops.push_back({staging_.data() + at,
+                     reinterpret_cast<uint64_t>(copies[order[runs[i].begin]].src), runs[i].bytes,
+                     ucx_->pool});
+      at += runs[i].bytes;
+    }
+    if (absl::Status s = Gets(ops); !s.ok()) return s;
+    at = 0;
+    for (size_t i = next; i < end; ++i) {
+      if (runs[i].in_place) continue;
+      for (size_t j = runs[i].begin; j < runs[i].end; ++j) {
+        const OutCopy& c = copies[order[j]];
+        std::memcpy(c.dst, staging_.data() + at, c.bytes);
+        at += c.bytes;
+      }
+    }
+    next = end;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status UcxPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) const {

@@ -9,6 +9,7 @@
 // and the pool with it (connect a new one).
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -61,6 +62,9 @@ class UcxPool final : private MappedPool {
     uint64_t address, bytes;
     void* rkey;
   };
+  // The most bytes one get of CopyOutMany's reads, and its staging buffer's size.
+  static constexpr uint64_t kMaxRunBytes = 8ull << 20;
+  static constexpr uint64_t kStagingBytes = 16ull << 20;
   // Gets, all posted before any is waited for; the deadline covers them all.
   absl::Status Gets(absl::Span<const GetOp> ops) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> EpochWord(uint32_t slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -73,6 +77,7 @@ class UcxPool final : private MappedPool {
   mutable uint64_t bytes_read_ ABSL_GUARDED_BY(mu_) = 0;
   mutable uint64_t gets_ ABSL_GUARDED_BY(mu_) = 0;
   mutable bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  mutable std::vector<uint8_t> staging_ ABSL_GUARDED_BY(mu_);  // CopyOutMany's
 };
 
 }  // namespace kvmem::client
