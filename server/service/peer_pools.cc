@@ -44,10 +44,10 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCach
   c.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
   v1::GetInfoResponse info;
   if (grpc::Status s = stub.GetInfo(&c, v1::GetInfoRequest(), &info); !s.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                        absl::StrCat("the peer ", node,
-                                     " answered GetInfo (with --cluster-peer-token-file): ",
-                                     CutMessage(s.error_message(), kMaxDetailTextBytes)));
+    return absl::Status(
+        static_cast<absl::StatusCode>(s.error_code()),
+        absl::StrCat("the peer ", node, " answered GetInfo (with --cluster-peer-token-file): ",
+                     CutMessage(s.error_message(), kMaxDetailTextBytes)));
   }
   absl::StatusOr<std::unique_ptr<client::UcxPool>> pool =
       client::UcxPool::Connect(client::internal::InfoOf(info), kReadDeadline);

@@ -56,10 +56,12 @@ metrics::PullTotals PrefixPuller::totals() const {
   return t;
 }
 
-absl::StatusOr<PullResult> PrefixPuller::Pull(
-    grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
-    const engine::PromptPrefix& prompt, const std::string& client_salt, const PullAsk& ask,
-    const std::string& bearer, absl::Time deadline) {
+absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
+                                              const v1::Layout& layout_proto,
+                                              const engine::Layout& layout,
+                                              const engine::PromptPrefix& prompt,
+                                              const std::string& client_salt, const PullAsk& ask,
+                                              const std::string& bearer, absl::Time deadline) {
   if (ask.transport != "" && ask.transport != "grpc" && ask.transport != "ucx") {
     return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(ask.transport),
                                                    "\" is none of ucx, grpc, or empty (either)"));
@@ -85,10 +87,12 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(
   return pulled;
 }
 
-absl::StatusOr<PullResult> PrefixPuller::Choose(
-    grpc::ServerContext* context, const v1::Layout& layout_proto, const engine::Layout& layout,
-    const engine::PromptPrefix& prompt, const std::string& client_salt, const PullAsk& ask,
-    const std::string& bearer, absl::Time deadline) {
+absl::StatusOr<PullResult> PrefixPuller::Choose(grpc::ServerContext* context,
+                                                const v1::Layout& layout_proto,
+                                                const engine::Layout& layout,
+                                                const engine::PromptPrefix& prompt,
+                                                const std::string& client_salt, const PullAsk& ask,
+                                                const std::string& bearer, absl::Time deadline) {
   const std::string& from_node = ask.from_node;
   if (peers_.empty()) {
     return absl::FailedPreconditionError(
@@ -143,9 +147,9 @@ absl::StatusOr<PullResult> PrefixPuller::Choose(
         not_worth.holder_tokens = claimed;
         return not_worth;
       }
-      absl::StatusOr<PullResult> pulled = PullFrom(context, layout_proto, layout, prompt,
-                                                   client_salt, ask, bearer, deadline, *local,
-                                                   h.node);
+      absl::StatusOr<PullResult> pulled =
+          PullFrom(context, layout_proto, layout, prompt, client_salt, ask, bearer, deadline,
+                   *local, h.node);
       if (pulled.ok() || !absl::IsUnavailable(pulled.status()) || ++tried == kMostHolders ||
           context->IsCancelled()) {
         return pulled;
@@ -273,8 +277,9 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     if (pool.ok()) {
       ucx = *std::move(pool);
     } else if (ask.transport == "ucx") {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
+                       pool.status().message()));
     }
   }
   if (ucx != nullptr) {
@@ -288,12 +293,12 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
       return FromHolder(s, holder, "GetBlockTable");
     }
     const client::BlockTable table = client::internal::FromProto(a.table());
-    bool fits = table.streams.size() == rows && table.layout.num_layers == layout.num_layers &&
-                table.layout.num_kv_heads == layout.num_kv_heads &&
-                table.layout.head_dim == layout.head_dim &&
-                uint64_t{table.layout.head_dim} * client::DTypeBytes(table.layout.dtype) ==
-                    row_bytes &&
-                table.block_tokens == B;
+    bool fits =
+        table.streams.size() == rows && table.layout.num_layers == layout.num_layers &&
+        table.layout.num_kv_heads == layout.num_kv_heads &&
+        table.layout.head_dim == layout.head_dim &&
+        uint64_t{table.layout.head_dim} * client::DTypeBytes(table.layout.dtype) == row_bytes &&
+        table.block_tokens == B;
     for (const client::StreamTable& st : table.streams) {
       uint64_t slots = 0;
       for (const client::TableBlock& b : st.blocks) slots += b.count;

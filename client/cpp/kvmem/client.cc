@@ -684,7 +684,7 @@ absl::StatusOr<uint64_t> Client::Lookup(const Layout& layout, const Prompt& prom
 }
 
 absl::StatusOr<Pulled> Client::PullPrefix(const Layout& layout, const Prompt& prompt,
-                                                  const PullOptions& options) {
+                                          const PullOptions& options) {
   v1::PullPrefixRequest q;
   ToProto(layout, q.mutable_layout());
   q.mutable_token_ids()->Add(prompt.token_ids.begin(), prompt.token_ids.end());
@@ -697,8 +697,8 @@ absl::StatusOr<Pulled> Client::PullPrefix(const Layout& layout, const Prompt& pr
   absl::Status s =
       impl_->Call([&](grpc::ClientContext& c) { return impl_->stub->PullPrefix(&c, q, &r); });
   if (!s.ok()) return s;
-  return Pulled{r.local_tokens(), r.pulled_tokens(), r.holder_tokens(), r.bytes(),
-                r.from_node(),    r.transport()};
+  return Pulled{r.local_tokens(), r.pulled_tokens(), r.holder_tokens(),
+                r.bytes(),        r.from_node(),     r.transport()};
 }
 
 }  // namespace kvmem::client
