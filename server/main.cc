@@ -91,8 +91,8 @@ ABSL_FLAG(std::string, cluster_peers, "",
           "to them: trusted daemons sharing this daemon's token file only");
 ABSL_FLAG(std::string, cluster_peer_token_file, "",
           "a file holding the token this daemon presents to --cluster-peers for their pool's "
-          "UCX key, so that MoveSequence gets a sequence's blocks by RMA (an admin token in the "
-          "peers' --auth-tokens; the peers run --ucx); empty: moves by gRPC");
+          "UCX key, so that MoveSequence and PullPrefix get blocks by RMA (a token the peers' "
+          "--auth-tokens name as a peer's, or an admin's; the peers run --ucx); empty: by gRPC");
 ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,
           "with --cluster-index: PullPrefix calls that run at once (more are refused)");
 ABSL_FLAG(bool, ucx_trusted_network, false,

@@ -91,11 +91,13 @@ absl::StatusOr<Authenticator::Credentials> Authenticator::Parse(absl::string_vie
       return absl::InvalidArgumentError(
           absl::StrCat("--auth-tokens: ", path, " line ", line_number, ": ", why));
     };
-    if (words.size() < 2 || words.size() > 3 || (words.size() == 3 && words[2] != "admin")) {
-      return bad("expected '<tenant> <token> [admin]' or '<tenant> uid:<n> [admin]'");
+    if (words.size() < 2 || words.size() > 3 ||
+        (words.size() == 3 && words[2] != "admin" && words[2] != "peer")) {
+      return bad("expected '<tenant> <token> [admin|peer]' or '<tenant> uid:<n> [admin|peer]'");
     }
     if (!ValidTenantName(words[0])) return bad("the tenant must be 1-64 of [A-Za-z0-9._-]");
-    Principal who{std::string(words[0]), words.size() == 3};
+    Principal who{std::string(words[0]), words.size() == 3 && words[2] == "admin",
+                  words.size() == 3 && words[2] == "peer"};
     if (absl::string_view uid_text = words[1]; absl::ConsumePrefix(&uid_text, kUidPrefix)) {
       uint32_t uid = 0;
       if (uid_text.empty() || uid_text.size() > 10 ||
@@ -169,7 +171,8 @@ absl::Status Authenticator::StillValid(const grpc::ServerContext* context, const
   const uint64_t now = generation();
   if (now == *seen) return absl::OkStatus();
   absl::StatusOr<Principal> again = Authenticate(context);
-  if (!again.ok() || again->tenant != who.tenant || again->admin != who.admin) {
+  if (!again.ok() || again->tenant != who.tenant || again->admin != who.admin ||
+      again->peer != who.peer) {
     return absl::UnauthenticatedError(
         "the token this call was authenticated with is no longer valid (the token file was "
         "reloaded); nothing of this request was applied");

@@ -16,8 +16,11 @@
 // takes each peer's uid from the kernel (SO_PEERCRED, transport::UnixPeers); a call from a
 // mapped uid needs no token, and one that carries a token must name the uid's tenant.
 //
-// The token file: one token per line, `<tenant> <token> [admin]`; a '#' that begins a word
-// starts a comment. Write a new file and rename it over the old one before SIGHUP: a reload
+// The token file: one token per line, `<tenant> <token> [admin|peer]`; a '#' that begins a
+// word starts a comment. A `peer` is another kvmemd of the fleet (its
+// --cluster-peer-token-file): it is given the pool's UCX keys (GetInfo), to read blocks
+// for MoveSequence and PullPrefix, and otherwise is the tenant it names, nothing of an
+// admin's. Write a new file and rename it over the old one before SIGHUP: a reload
 // that reads a half-written file may drop tokens.
 // A tenant name is 1-64 of [A-Za-z0-9._-]; a token is 16-512 printable characters without
 // spaces and not beginning with "uid:"; a tenant may have several tokens (rotation). kvmemd reads
@@ -43,6 +46,10 @@ struct Principal {
   std::string tenant;
   // Sees and may name every tenant's sequences (Stats lists them all).
   bool admin = false;
+  // Another kvmemd of the fleet: may read the pool by UCX (GetInfo's keys), as an admin.
+  bool peer = false;
+  // Given the pool's UCX keys, which read every tenant's blocks.
+  bool reads_pool() const { return admin || peer; }
 };
 
 class Authenticator {

@@ -92,10 +92,15 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only.
   DescribeDaemon(*engine_, version_, response, call->who.admin ? attach_ : nullptr,
                  call->who.tenant);
-  // So does the pool's remote key; the worker's address (remote appends) goes to every
-  // caller.
+  // So does the pool's remote key, to admins and peers (another kvmemd's moves and pulls),
+  // with the epoch board's shape its reads need; the worker's address (remote appends) goes
+  // to every caller.
   if (ucx_ != nullptr) {
-    DescribeUcx(*ucx_, call->who.admin, ucx_max_payload_bytes_, response->mutable_ucx());
+    DescribeUcx(*ucx_, call->who.reads_pool(), ucx_max_payload_bytes_, response->mutable_ucx());
+    if (call->who.reads_pool() && !response->has_epoch_board()) {
+      response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
+      response->mutable_epoch_board()->set_slots(engine_->epoch_board().slots());
+    }
   }
   return grpc::Status::OK;
 }

@@ -1,10 +1,11 @@
 #pragma once
 // PeerPools: the pools of this daemon's --cluster-peers, read by UCX RMA gets
 // (kvmem/ucx_pool.h) for MoveSequence and PullPrefix. A peer's pool key is asked by GetInfo
-// with the peer token (--cluster-peer-token-file: a token the peers know as an admin's; the
-// tenant's own calls still carry the tenant's token), and the connection is kept for the
-// next transfer until a read fails on it (the peer restarted or went away: connected again
-// the next time). At most one pool per configured peer; reads of one pool take turns.
+// with the peer token (--cluster-peer-token-file: a token the peers' token files name as a
+// peer's, or an admin's; the tenant's own calls still carry the tenant's token), and the connection
+// is kept for the next transfer until a read fails on it (the peer restarted or went away:
+// connected again the next time). At most one pool per configured peer; reads of one pool take
+// turns.
 #include <memory>
 #include <string>
 
@@ -32,8 +33,8 @@ class PeerPools {
   bool enabled() const;
   // The pool of `node` (`stub`: a channel to it), connected within `deadline` if need be.
   // FAILED_PRECONDITION when !enabled() or the peer offers no pool to read (not running
-  // --ucx, or the token is no admin's there); the peer's own errors otherwise. A read of
-  // the pool fails within `read_deadline` of its start.
+  // --ucx, or the token is neither a peer's nor an admin's there); the peer's own errors otherwise.
+  // A read of the pool fails within kReadDeadline of its start.
   absl::StatusOr<std::shared_ptr<const client::UcxPool>> Get(v1::KvCache::Stub& stub,
                                                              const std::string& node,
                                                              absl::Time deadline);

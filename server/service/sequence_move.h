@@ -20,7 +20,7 @@
 //
 // Transport: the blocks come in the export's messages (gRPC), or, where this daemon can
 // read the holder's pool (both built with UCX, the holder running --ucx, and this daemon
-// given a token the holder knows as an admin's: --cluster-peer-token-file), by RMA gets
+// given a token the holder knows as a peer's or an admin's: --cluster-peer-token-file), by RMA gets
 // from it (PeerPools), the export naming each block's offset and holding the blocks until
 // it ends. The tenant's own calls still carry the tenant's token; only the pool's key is
 // asked with the peer token.

@@ -95,8 +95,8 @@ struct ServerConfig {
   // move from; none: neither.
   std::vector<std::string> cluster_peers;
   // A file holding the token this daemon presents to its peers for their pool's UCX key
-  // (MoveSequence by UCX: one the peers' token files name as an admin's); empty: moves by
-  // gRPC.
+  // (MoveSequence and PullPrefix by UCX: one the peers' token files name as a peer's, or an
+  // admin's); empty: by gRPC.
   std::string cluster_peer_token_file;
 };
 

@@ -583,6 +583,14 @@ TEST_F(AuthTest, SighupReadsTheTokensAgainAndABrokenFileKeepsThem) {
   EXPECT_THAT(std::string(broken.message()), HasSubstr("line 1"));
   EXPECT_TRUE(alice_->GetInfo().ok());
   EXPECT_TRUE(Connect("carol-token-0123456789")->GetInfo().ok());
+  // A role is admin or peer; another word names the roles there are.
+  WriteTokens("carol carol-token-0123456789 root\n");
+  const absl::Status role = server_->ReloadTokens();
+  EXPECT_TRUE(absl::IsInvalidArgument(role)) << role;
+  EXPECT_THAT(std::string(role.message()), HasSubstr("[admin|peer]"));
+  WriteTokens("carol carol-token-0123456789 peer\n");
+  EXPECT_TRUE(server_->ReloadTokens().ok());
+  EXPECT_TRUE(Connect("carol-token-0123456789")->GetInfo().ok());
 }
 
 // On a unix socket the token file may name a tenant by its peers' uid (`<tenant> uid:<n>`):

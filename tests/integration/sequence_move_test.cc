@@ -32,12 +32,13 @@ client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::k
 
 class SequenceMoveTest : public ::testing::Test {
  protected:
-  // `ucx`: the holder runs --ucx and the receiver presents an admin's token to it.
+  // `ucx`: the holder runs --ucx and the receiver presents a peer's token to it.
   void Start(bool tokens, bool ucx = false) {
     if (tokens) {
       tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_tokens.", getpid());
+      // The receiver's peer token: a peer's, no admin's (it reads the pool and nothing else).
       std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\nfleet " << kPeer
-                             << " admin\n";
+                             << " peer\n";
     }
     if (ucx) {
       peer_token_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_peer.", getpid());

@@ -449,7 +449,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxOrderTest, ::testing::Values("tcp", "sm,
 // domain) is given it.
 TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
   const std::string tokens = absl::StrCat(::testing::TempDir(), "/kvmem_ucx_tokens.", getpid());
-  std::ofstream(tokens) << "alice alice-token-0123456789\nops admin-token-0123456789 admin\n";
+  std::ofstream(tokens) << "alice alice-token-0123456789\nops admin-token-0123456789 admin\n"
+                        << "fleet peer-token-0123456789ab peer\n";
   service::ServerConfig config;
   config.listen = "127.0.0.1:0";
   config.engine.pool_bytes = 8ull << 20;
@@ -497,6 +498,21 @@ TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
     auto refused = (*sender)->Append(*alice_client, theirs, {positions, {}, k, v, {}, {}});
     EXPECT_TRUE(absl::IsNotFound(refused.status())) << refused.status();
     EXPECT_TRUE(ops_client->GetBlockTable(theirs)->streams[0].positions.empty());
+    // A peer (another kvmemd's --cluster-peer-token-file) is given the pool's keys, and
+    // nothing else of an admin's: no attach, no other tenant's sequence, its own Stats.
+    const client::Info peer = info_of("peer-token-0123456789ab");
+    EXPECT_FALSE(peer.ucx.worker_address.empty());
+    EXPECT_FALSE(peer.ucx.pool_rkey.empty());
+    EXPECT_TRUE(peer.attach.ticket.empty());
+    EXPECT_TRUE(client::UcxPool::Connect(peer).ok());  // the epoch board's shape comes too
+    options.auth_token = "peer-token-0123456789ab";
+    auto peer_client =
+        *client::Client::Connect(absl::StrCat("127.0.0.1:", (*server)->port()), options);
+    EXPECT_TRUE(absl::IsNotFound(peer_client->GetBlockTable(mine).status()));
+    EXPECT_TRUE(absl::IsNotFound(peer_client->Release(theirs).status()));
+    auto stats = peer_client->GetStats(true);
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_TRUE(stats->sequences.empty());
   }
   const client::Info ops = info_of("admin-token-0123456789");
   EXPECT_FALSE(ops.ucx.worker_address.empty());
