@@ -31,11 +31,13 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCach
     return absl::FailedPreconditionError(
         "this kvmemd reads no peer's pool by UCX (no --cluster-peer-token-file)");
   }
+  std::shared_ptr<const client::UcxPool> gone;  // ended outside the lock (closing may wait)
   {
     absl::MutexLock lock(&mu_);
     if (auto it = pools_.find(node); it != pools_.end()) {
       if (!it->second->broken()) return it->second;
-      pools_.erase(it);  // a read failed on it: connected again below
+      gone = std::move(it->second);  // a read failed on it: connected again below
+      pools_.erase(it);
     }
   }
   // Connected outside the lock: a peer that does not answer holds up no other's transfer.
@@ -58,7 +60,7 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCach
   std::shared_ptr<const client::UcxPool> connected = *std::move(pool);
   absl::MutexLock lock(&mu_);
   auto [it, added] = pools_.try_emplace(node, connected);
-  if (!added && it->second->broken()) it->second = connected;
+  if (!added && it->second->broken()) std::swap(it->second, connected);  // ends after the lock
   return it->second;  // another transfer's, if it connected first
 #else
   (void)stub;

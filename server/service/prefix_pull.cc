@@ -13,6 +13,7 @@
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/common/client_text.h"
 #include "server/transport/parse_cost.h"
+#include "spdlog/spdlog.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
@@ -37,6 +38,41 @@ absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::str
 absl::Status Lied(absl::string_view node, absl::string_view what) {
   return absl::UnavailableError(
       absl::StrCat("PullPrefix: the holder ", node, "'s answer is not the prefix: ", what));
+}
+
+// Most bytes of one answer from a holder (its table of a long prefix).
+constexpr int kMaxHolderMessageBytes = 64 << 20;
+
+// Whether the holder's table is that of a mapped prefix of `tokens` tokens in `layout`:
+// every stream in layer-major order, each tokens/B whole blocks at layout precision, of the
+// layout's block size (published blocks are never quantized nor partial). Untrusted input,
+// checked on the message itself before anything reads it.
+bool IsPrefixTable(const v1::BlockTable& t, const v1::Layout& layout, uint32_t block_tokens,
+                   uint64_t block_bytes, uint64_t tokens) {
+  const uint32_t L = layout.num_layers(), H = layout.num_kv_heads();
+  if (t.block_tokens() != block_tokens || t.block_bytes() != block_bytes ||
+      t.layout().num_layers() != L || t.layout().num_kv_heads() != H ||
+      t.layout().head_dim() != layout.head_dim() || t.layout().dtype() != layout.dtype() ||
+      t.streams_size() != static_cast<int>(uint64_t{L} * H) || tokens % block_tokens != 0) {
+    return false;
+  }
+  const int blocks = static_cast<int>(tokens / block_tokens);
+  for (int s = 0; s < t.streams_size(); ++s) {
+    const v1::StreamTable& st = t.streams(s);
+    if (st.layer() != static_cast<uint32_t>(s) / H ||
+        st.kv_head() != static_cast<uint32_t>(s) % H || st.block_ids_size() != blocks ||
+        st.block_offsets_size() != blocks || st.block_precisions_size() != blocks ||
+        st.block_starts_size() != blocks || st.block_counts_size() != blocks) {
+      return false;
+    }
+    for (int b = 0; b < blocks; ++b) {
+      if (st.block_precisions(b) != v1::PRECISION_LAYOUT || st.block_starts(b) != 0 ||
+          st.block_counts(b) != block_tokens) {
+        return false;
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -184,8 +220,12 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   const uint64_t row_bytes = layout.row_bytes();
   const uint64_t per_token = 2 * rows * row_bytes;  // K and V of every stream
 
-  std::unique_ptr<v1::KvCache::Stub> stub =
-      v1::KvCache::NewStub(grpc::CreateChannel(holder, grpc::InsecureChannelCredentials()));
+  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
+      grpc::CreateCustomChannel(holder, grpc::InsecureChannelCredentials(), [] {
+        grpc::ChannelArguments args;
+        args.SetMaxReceiveMessageSize(kMaxHolderMessageBytes);
+        return args;
+      }()));
   // The caller's cancellation goes with the calls; the deadline is this call's, capped.
   const auto call = [&]() {
     std::unique_ptr<grpc::ClientContext> c = grpc::ClientContext::FromServerContext(
@@ -282,32 +322,28 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
                        pool.status().message()));
     }
   }
-  if (ucx != nullptr) {
+  // By UCX: the holder's table (without positions: a mapped prefix holds 0 .. r-1 in every
+  // stream), checked, then the blocks this node lacks by gets under the holder's epoch
+  // protocol. Where either transport will do, a failure here falls back to ReadKv.
+  const auto read_by_ucx = [&]() -> absl::Status {
 #if KVMEM_WITH_UCX
-    // The holder's table (without positions: a mapped prefix holds 0 .. r-1 in every stream,
-    // checked by count), then its blocks by gets under its epoch protocol.
     v1::GetBlockTableRequest q;
     q.set_sequence_id(created.sequence_id());
     v1::GetBlockTableResponse a;
     if (grpc::Status s = stub->GetBlockTable(call().get(), q, &a); !s.ok()) {
       return FromHolder(s, holder, "GetBlockTable");
     }
-    const client::BlockTable table = client::internal::FromProto(a.table());
-    bool fits =
-        table.streams.size() == rows && table.layout.num_layers == layout.num_layers &&
-        table.layout.num_kv_heads == layout.num_kv_heads &&
-        table.layout.head_dim == layout.head_dim &&
-        uint64_t{table.layout.head_dim} * client::DTypeBytes(table.layout.dtype) == row_bytes &&
-        table.block_tokens == B;
-    for (const client::StreamTable& st : table.streams) {
-      uint64_t slots = 0;
-      for (const client::TableBlock& b : st.blocks) slots += b.count;
-      fits = fits && slots == r;
+    if (!IsPrefixTable(a.table(), layout_proto, layout.block_tokens,
+                       2 * uint64_t{layout.block_tokens} * row_bytes, r)) {
+      return Lied(holder, "a table that is not the prefix's");
     }
-    if (!fits) return Lied(holder, "a table that is not the prefix's");
+    client::BlockTable table = client::internal::FromProto(a.table());
+    for (client::StreamTable& st : table.streams) {  // the blocks this node lacks
+      st.blocks.erase(st.blocks.begin(), st.blocks.begin() + static_cast<ptrdiff_t>(have / B));
+    }
     // The streams as read and the chunks: both in host memory until the append.
     absl::StatusOr<transport::ParseBudget::Reservation> streams_held =
-        transport::ParseBudget::Process().Reserve(r * per_token, "PullPrefix");
+        transport::ParseBudget::Process().Reserve(n * per_token, "PullPrefix");
     if (!streams_held.ok()) return streams_held.status();
     absl::StatusOr<std::vector<client::StreamKv>> streams = ucx->ReadStreams(table);
     if (!streams.ok()) {
@@ -316,15 +352,29 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     }
     for (uint64_t s = 0; s < rows; ++s) {
       const client::StreamKv& kv = (*streams)[s];
-      if (kv.k.size() != r * row_bytes || kv.v.size() != r * row_bytes) {
+      if (kv.k.size() != n * row_bytes || kv.v.size() != n * row_bytes) {
         return Lied(holder, "a stream read short");
       }
-      place(s, 0, r, kv.k.data(), kv.v.data());
+      place(s, have, n, kv.k.data(), kv.v.data());
       filled[s] = r;
     }
-    result.transport = "ucx";
+    return absl::OkStatus();
+#else
+    return absl::UnimplementedError("built without UCX");
 #endif
-  } else {
+  };
+  if (ucx != nullptr) {
+    if (absl::Status read = read_by_ucx(); read.ok()) {
+      result.transport = "ucx";
+    } else if (ask.transport == "ucx" || context->IsCancelled()) {
+      return read;
+    } else {
+      spdlog::warn("PullPrefix: {}; reading it by ReadKv instead", std::string(read.message()));
+      std::fill(filled.begin(), filled.end(), 0);
+      ucx = nullptr;
+    }
+  }
+  if (ucx == nullptr) {
     std::unique_ptr<grpc::ClientContext> c = call();
     v1::ReadKvRequest q;
     q.set_sequence_id(created.sequence_id());

@@ -78,8 +78,12 @@ absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& f
     reads.push_back({piece->offsets[i], piece->data.data() + at, n});
     at += n;
   }
+  if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
+    piece->data.clear();  // as it came: the piece may be got again
+    return s;
+  }
   piece->offsets.clear();
-  return pool.ReadPool(reads);
+  return absl::OkStatus();
 }
 #endif
 
@@ -336,6 +340,9 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     c->TryCancel();
     return import.status();
   }
+#if KVMEM_WITH_UCX
+  bool reconnected = false;
+#endif
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
     absl::Status added = piece.status();
@@ -345,8 +352,19 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     }
 #if KVMEM_WITH_UCX
     if (added.ok() && by_ucx) {
-      added = GetBlocks(*ucx, (*import)->format(),
-                        (*import)->header().block_bytes - (*import)->bytes(), &*piece);
+      const uint64_t left = (*import)->header().block_bytes - (*import)->bytes();
+      added = GetBlocks(*ucx, (*import)->format(), left, &*piece);
+      if (!added.ok() && ucx->broken() && !reconnected) {
+        // A connection kept from before the holder restarted (or one that broke): connected
+        // again, once; the export holds its blocks, so the piece is got again.
+        reconnected = true;
+        absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
+            pools_->Get(*stub, from_node, deadline);
+        if (again.ok()) {
+          ucx = *std::move(again);
+          added = GetBlocks(*ucx, (*import)->format(), left, &*piece);
+        }
+      }
     }
 #endif
     if (added.ok()) added = (*import)->Add(*piece);

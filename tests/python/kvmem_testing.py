@@ -33,6 +33,14 @@ def require_daemon():
         pytest.skip(message)
 
 
+def ucx_built():
+    """Whether kvmemd was built with UCX (WITH_UCX: on, but in the sanitizer builds and where
+    libucx is missing)."""
+    require_daemon()
+    out = subprocess.run(["ldd", str(KVMEMD)], capture_output=True, text=True)
+    return "libucp" in out.stdout
+
+
 def start_daemon(tag, *flags):
     require_daemon()
     sock = pathlib.Path(f"/tmp/kvmem-py-{tag}-{os.getpid()}.sock")

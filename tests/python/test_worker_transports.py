@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from kvmem_testing import BIN, CI, running_daemon
+from kvmem_testing import BIN, CI, running_daemon, ucx_built
 
 WORKER = BIN / "kvmem_worker"
 
@@ -23,12 +23,6 @@ def model():
             pytest.fail(message)
         pytest.skip(message)
     return path
-
-
-def ucx_built():
-    """Whether kvmemd was built with UCX (WITH_UCX, on but in the sanitizer builds)."""
-    out = subprocess.run(["ldd", str(BIN / "kvmemd")], capture_output=True, text=True)
-    return "libucp" in out.stdout
 
 
 def generate(model, target, transport, env):

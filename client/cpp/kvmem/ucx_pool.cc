@@ -69,8 +69,10 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
   std::unique_ptr<UcxPool> pool(new UcxPool());
   pool->deadline_ = deadline;
   Handles& h = *pool->ucx_;
-  if (absl::Status s = ucx::MakeWorker(UCP_FEATURE_RMA, UCS_THREAD_MODE_SINGLE,  // under mu_
-                                       &h.context, &h.worker);
+  // Serialized: every use is under mu_, from whichever thread reads (a daemon's PeerPools
+  // shares a pool between its calls' threads).
+  if (absl::Status s =
+          ucx::MakeWorker(UCP_FEATURE_RMA, UCS_THREAD_MODE_SERIALIZED, &h.context, &h.worker);
       !s.ok()) {
     return s;
   }
@@ -323,9 +325,6 @@ uint64_t UcxPool::gets() const {
   return gets_;
 }
 
-bool UcxPool::broken() const {
-  absl::MutexLock lock(&mu_);
-  return broken_;
-}
+bool UcxPool::broken() const { return broken_.load(); }
 
 }  // namespace kvmem::client

@@ -7,6 +7,7 @@
 // Reads only: the daemon registers nothing for remote writes. One read at a time per pool
 // (its worker is single-threaded); a peer that goes away fails a read within `deadline`,
 // and the pool with it (connect a new one).
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -76,7 +77,8 @@ class UcxPool final : private MappedPool {
   mutable absl::Mutex mu_;
   mutable uint64_t bytes_read_ ABSL_GUARDED_BY(mu_) = 0;
   mutable uint64_t gets_ ABSL_GUARDED_BY(mu_) = 0;
-  mutable bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  // Set under mu_; read without it (whether to connect anew must not wait for a read).
+  mutable std::atomic<bool> broken_{false};
   mutable std::vector<uint8_t> staging_ ABSL_GUARDED_BY(mu_);  // CopyOutMany's
 };
 
