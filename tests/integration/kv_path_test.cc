@@ -201,6 +201,22 @@ TEST_F(KvPathTest, AutoPicksUcxFromAnotherHost) {
   EXPECT_TRUE((*forced)->AppendsByUcx(8));
 }
 
+// A read larger than UcxPool's staging buffer: blocks side by side in the pool (K and V
+// planes, and one stream's blocks after another's) are got as runs of at most 8 MiB, in
+// rounds of at most 16 MiB staged, each copied out before the next: every byte where ReadKv
+// puts it.
+TEST_F(KvPathTest, AReadLargerThanTheStagingBufferIsExact) {
+  ASSERT_TRUE(StartWithUcx());
+  const uint64_t id = Create();
+  for (int64_t first = 0; first < 12000; first += 2000) {  // 24 MB of K/V, 4 MB a call
+    ASSERT_TRUE(AppendRange(id, first, 2000).ok());
+  }
+  auto path = Open(RemoteInfo(), client::KvTransport::kUcx);
+  ASSERT_TRUE(path.ok()) << path.status();
+  ExpectReadsAsReadKv(**path, id);
+  EXPECT_GE((*path)->ucx_bytes_read(), 12000ull * kL * kH * kD * 2 * 2);
+}
+
 // A tenant is given no key to the pool (it reads every tenant's blocks): reads by gRPC,
 // appends by UCX (the appends' worker serves every caller).
 TEST(KvPathTenantTest, ATenantReadsByGrpcAndAppendsByUcx) {
