@@ -1,6 +1,7 @@
 #include "server/engine/table_versions.h"
 
 #include <new>
+#include <random>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -8,6 +9,12 @@
 #include "spdlog/spdlog.h"
 
 namespace kvmem::engine {
+
+uint64_t TableVersions::FirstEpoch() {
+  std::random_device device;  // the kernel's randomness (getrandom)
+  const uint64_t bits = (uint64_t{device()} << 32) | device();
+  return 1 + bits % ((uint64_t{1} << 48) - 1);
+}
 
 absl::StatusOr<TableVersions::Claimed> TableVersions::ClaimSlot() {
   const uint64_t epoch = next_epoch_.fetch_add(1);

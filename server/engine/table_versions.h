@@ -109,8 +109,14 @@ class TableVersions {
   std::unique_ptr<TableBoard> tables_;  // set once, before the engine serves
   const store::BlockPool* const pool_;
   Telemetry* const telemetry_;
-  std::atomic<uint64_t> next_epoch_{1};
+  // Epochs are unique for ever, across restarts too: a table or a remote reader's
+  // connection kept from before a restart never finds its epoch again (FirstEpoch).
+  std::atomic<uint64_t> next_epoch_{FirstEpoch()};
   std::atomic<uint64_t> next_version_{1};
+
+  // A random start in [1, 2^48): a daemon would need 2^47 epochs a boot to meet another
+  // boot's (and the epoch board's words, 2 * epoch + 1, stay far from overflowing).
+  static uint64_t FirstEpoch();
 };
 
 }  // namespace kvmem::engine

@@ -92,6 +92,29 @@ std::string RawK(const client::SharedPool& pool, const client::BlockTable& table
 // reader begins, copies half the streams, the daemon compacts every stream (a new epoch), the
 // reader copies the rest — bytes that no longer match its table — and EndRead refuses the
 // whole read. The stale table is refused from then on; a fresh one reads correctly.
+// Epochs are unique across restarts too: a table kept from before kvmemd restarted names
+// blocks that now hold another sequence's K/V, and must never validate against the new
+// sequence in the same slot with the same history (epochs once restarted at 1 each boot).
+TEST_F(SharedPoolTest, ATableFromBeforeARestartNeverValidates) {
+  const uint64_t before = Create();
+  ASSERT_TRUE(AppendRange(before, 0, 40).ok());
+  auto old_table = client_->GetBlockTable(before);
+  ASSERT_TRUE(old_table.ok()) << old_table.status();
+  StartDaemon(64ull << 20);  // another boot
+  const uint64_t after = Create();
+  ASSERT_TRUE(AppendRange(after, 1000, 40).ok());
+  auto table = client_->GetBlockTable(after);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->epoch_slot, old_table->epoch_slot);  // the same slot, the same history
+  EXPECT_NE(table->epoch, old_table->epoch);
+  auto info = client_->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto pool = client::SharedPool::Attach(*info);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ((*pool)->BeginRead(*old_table).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE((*pool)->BeginRead(*table).ok());
+}
+
 TEST_F(SharedPoolTest, AReadInterruptedByARewriteIsRefused) {
   const uint64_t id = Create("window", {{"window", 10}});
   ASSERT_TRUE(AppendRange(id, 0, 40).ok());
