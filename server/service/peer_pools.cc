@@ -71,4 +71,14 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCach
 #endif
 }
 
+absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Choose(
+    PeerPools* pools, v1::KvCache::Stub& stub, const std::string& node,
+    const std::string& transport, absl::Time deadline) {
+  if (transport == "grpc" || pools == nullptr || !pools->enabled()) return nullptr;
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool = pools->Get(stub, node, deadline);
+  if (pool.ok() || transport != "ucx") return pool.ok() ? *std::move(pool) : nullptr;
+  return absl::FailedPreconditionError(absl::StrCat(
+      "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));
+}
+
 }  // namespace kvmem::service

@@ -39,6 +39,15 @@ class PeerPools {
                                                              const std::string& node,
                                                              absl::Time deadline);
 
+  // The pool a transfer from `node` asked as `transport` reads ("ucx", "grpc", "": either):
+  // null for gRPC (asked for, no pools, or none to be had when either will do);
+  // FAILED_PRECONDITION naming why when "ucx" was asked and the pool cannot be had.
+  static absl::StatusOr<std::shared_ptr<const client::UcxPool>> Choose(PeerPools* pools,
+                                                                       v1::KvCache::Stub& stub,
+                                                                       const std::string& node,
+                                                                       const std::string& transport,
+                                                                       absl::Time deadline);
+
   static constexpr absl::Duration kReadDeadline = absl::Seconds(30);
 
  private:

@@ -310,18 +310,10 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
       t += run;
     }
   };
-  std::shared_ptr<const client::UcxPool> ucx;
-  if (ask.transport != "grpc" && pools_ != nullptr && pools_->enabled()) {
-    absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool =
-        pools_->Get(*stub, holder, deadline);
-    if (pool.ok()) {
-      ucx = *std::move(pool);
-    } else if (ask.transport == "ucx") {
-      return absl::FailedPreconditionError(
-          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
-                       pool.status().message()));
-    }
-  }
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
+      PeerPools::Choose(pools_, *stub, holder, ask.transport, deadline);
+  if (!chosen.ok()) return chosen.status();
+  std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
   // By UCX: the holder's table (without positions: a mapped prefix holds 0 .. r-1 in every
   // stream), checked, then the blocks this node lacks by gets under the holder's epoch
   // protocol. Where either transport will do, a failure here falls back to ReadKv.

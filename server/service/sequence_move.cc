@@ -254,18 +254,10 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
       grpc::CreateCustomChannel(from_node, grpc::InsecureChannelCredentials(), args));
   // The holder's pool by UCX, where this daemon may read it.
-  std::shared_ptr<const client::UcxPool> ucx;
-  if (transport != "grpc" && pools_ != nullptr && pools_->enabled()) {
-    absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool =
-        pools_->Get(*stub, from_node, deadline);
-    if (pool.ok()) {
-      ucx = *std::move(pool);
-    } else if (transport == "ucx") {
-      return absl::FailedPreconditionError(
-          absl::StrCat("transport: \"ucx\": the holder's pool cannot be read by UCX: ",
-                       pool.status().message()));
-    }
-  }
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
+      PeerPools::Choose(pools_, *stub, from_node, transport, deadline);
+  if (!chosen.ok()) return chosen.status();
+  std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
   const bool by_ucx = ucx != nullptr;
   if (transport == "ucx" && !by_ucx) {
     return absl::FailedPreconditionError(
