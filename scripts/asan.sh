@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG -Wno-maybe-uninitialized" \
   -DSANITIZE=address,undefined -DWITH_UCX=OFF >/dev/null
 cmake --build build-asan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
   request_cache_test engine_stress_test daemon_test kvmemd_process_test transport_test \

@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSANITIZE=thread \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG -Wno-maybe-uninitialized" \
   -DWITH_UCX=OFF >/dev/null
 cmake --build build-tsan -j "${KVMEM_JOBS:-2}" --target block_pool_test engine_test \
   engine_stress_test daemon_test kvmemd_process_test transport_test common_test cluster_index_test

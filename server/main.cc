@@ -93,6 +93,11 @@ ABSL_FLAG(std::string, cluster_peer_token_file, "",
           "a file holding the token this daemon presents to --cluster-peers for their pool's "
           "UCX key, so that MoveSequence and PullPrefix get blocks by RMA (a token the peers' "
           "--auth-tokens name as a peer's, or an admin's; the peers run --ucx); empty: by gRPC");
+ABSL_FLAG(std::string, cluster_peer_tls_ca, "",
+          "TLS to --cluster-peers: the CA (PEM file) their server certificates are signed by "
+          "(each must name the peer's address as --cluster-peers gives it); empty: plaintext "
+          "calls to peers, bearer tokens included. No client certificate is presented: peers "
+          "that ask one (--tls-client-ca) cannot be moved or pulled from");
 ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,
           "with --cluster-index: PullPrefix calls that run at once (more are refused)");
 ABSL_FLAG(bool, ucx_trusted_network, false,
@@ -273,6 +278,7 @@ int main(int argc, char** argv) {
   config.cluster_pull_max_bytes = absl::GetFlag(FLAGS_cluster_pull_max_bytes);
   config.cluster_pull_concurrency = absl::GetFlag(FLAGS_cluster_pull_concurrency);
   config.cluster_peer_token_file = absl::GetFlag(FLAGS_cluster_peer_token_file);
+  config.cluster_peer_tls_ca = absl::GetFlag(FLAGS_cluster_peer_tls_ca);
   for (absl::string_view peer :
        absl::StrSplit(absl::GetFlag(FLAGS_cluster_peers), ',', absl::SkipEmpty())) {
     config.cluster_peers.emplace_back(peer);

@@ -40,9 +40,7 @@ absl::Status Lied(absl::string_view node, absl::string_view what) {
       absl::StrCat("PullPrefix: the holder ", node, "'s answer is not the prefix: ", what));
 }
 
-// Most bytes of one answer from a holder (its table of a long prefix).
-constexpr int kMaxHolderMessageBytes = 64 << 20;
-
+#if KVMEM_WITH_UCX
 // Whether the holder's table is that of a mapped prefix of `tokens` tokens in `layout`:
 // every stream in layer-major order, each tokens/B whole blocks at layout precision, of the
 // layout's block size (published blocks are never quantized nor partial). Untrusted input,
@@ -74,6 +72,7 @@ bool IsPrefixTable(const v1::BlockTable& t, const v1::Layout& layout, uint32_t b
   }
   return true;
 }
+#endif
 
 }  // namespace
 
@@ -102,7 +101,7 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
     return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(ask.transport),
                                                    "\" is none of ucx, grpc, or empty (either)"));
   }
-  if (ask.transport == "ucx" && (pools_ == nullptr || !pools_->enabled())) {
+  if (ask.transport == "ucx" && !links_->reads_pools()) {
     return absl::FailedPreconditionError(
         "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "
         "without --cluster-peer-token-file)");
@@ -220,12 +219,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   const uint64_t row_bytes = layout.row_bytes();
   const uint64_t per_token = 2 * rows * row_bytes;  // K and V of every stream
 
-  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
-      grpc::CreateCustomChannel(holder, grpc::InsecureChannelCredentials(), [] {
-        grpc::ChannelArguments args;
-        args.SetMaxReceiveMessageSize(kMaxHolderMessageBytes);
-        return args;
-      }()));
+  std::unique_ptr<v1::KvCache::Stub> stub = links_->Stub(holder);
   // The caller's cancellation goes with the calls; the deadline is this call's, capped.
   const auto call = [&]() {
     std::unique_ptr<grpc::ClientContext> c = grpc::ClientContext::FromServerContext(
@@ -311,7 +305,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     }
   };
   absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
-      PeerPools::Choose(pools_, *stub, holder, ask.transport, deadline);
+      links_->Choose(*stub, holder, ask.transport, deadline);
   if (!chosen.ok()) return chosen.status();
   std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
   // By UCX: the holder's table (without positions: a mapped prefix holds 0 .. r-1 in every

@@ -18,12 +18,12 @@
 // must share one token file (a tenant's token naming another tenant there would map that
 // tenant's chain: the same tokens' K/V, but read across tenants). A caller identified
 // otherwise (TLS certificate, unix peer) cannot be forwarded and is refused on a daemon with
-// tenants. The channel to a peer is plaintext (a fleet's private network; TLS between
-// daemons: not yet). The holder's answer is checked as untrusted input (whole blocks, within
-// the prompt, every piece in place). Memory: a pull holds the K/V it adds here (at most
-// max_bytes, reserved from --parse-memory-bytes with the calls' buffers); at most max_pulls
+// tenants. The channel to a peer is PeerLinks' (TLS with --cluster-peer-tls-ca, else
+// plaintext: a fleet's private network). The holder's answer is checked as untrusted input (whole
+// blocks, within the prompt, every piece in place). Memory: a pull holds the K/V it adds here (at
+// most max_bytes, reserved from --parse-memory-bytes with the calls' buffers); at most max_pulls
 // run at once. The caller's cancellation reaches the calls to the holder.
-// Transport: the holder's blocks by UCX RMA gets from its pool (PeerPools: both built with
+// Transport: the holder's blocks by UCX RMA gets from its pool (PeerLinks: both built with
 // UCX, the holder running --ucx, this daemon given --cluster-peer-token-file), under the
 // holder's epoch protocol, else ReadKv.
 #include <atomic>
@@ -38,7 +38,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/exporter.h"
 #include "server/service/cluster_index.h"
-#include "server/service/peer_pools.h"
+#include "server/service/peer_links.h"
 
 namespace kvmem::service {
 
@@ -60,15 +60,14 @@ struct PullAsk {
 
 class PrefixPuller {
  public:
-  // `pools`: the peers' pools by UCX (null: pulls by gRPC).
+  // `links`: the channels to the peers and their pools by UCX (outlives the puller).
   PrefixPuller(engine::Engine* engine, ClusterIndex* index, std::string self_node,
-               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls,
-               PeerPools* pools = nullptr)
+               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls, PeerLinks* links)
       : engine_(engine),
         index_(index),
         self_(std::move(self_node)),
         peers_(std::move(peers)),
-        pools_(pools),
+        links_(links),
         max_bytes_(max_bytes),
         max_pulls_(max_pulls),
         seconds_(engine::LatencyBounds()) {}
@@ -102,7 +101,7 @@ class PrefixPuller {
   ClusterIndex* const index_;
   const std::string self_;
   const std::vector<std::string> peers_;
-  PeerPools* const pools_;
+  PeerLinks* const links_;
   const uint64_t max_bytes_;
   const int max_pulls_;
   std::atomic<int> running_{0};

@@ -23,9 +23,6 @@
 namespace kvmem::service {
 namespace {
 
-// Most bytes one message from a holder may have: a piece (kMovePieceBytes of blocks and its
-// slots' values) or a header (token ids of a long sequence).
-constexpr int kMaxHolderMessageBytes = 64 << 20;
 // How long FinishExport may take, and how often it is tried when the holder's answer is lost.
 constexpr absl::Duration kFinishDeadline = absl::Seconds(5);
 constexpr int kFinishTries = 3;
@@ -249,13 +246,10 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
                                                    const std::string& bearer, absl::Duration lease,
                                                    const std::string& transport,
                                                    absl::Time deadline) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxHolderMessageBytes);
-  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
-      grpc::CreateCustomChannel(from_node, grpc::InsecureChannelCredentials(), args));
+  std::unique_ptr<v1::KvCache::Stub> stub = links_->Stub(from_node);
   // The holder's pool by UCX, where this daemon may read it.
   absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
-      PeerPools::Choose(pools_, *stub, from_node, transport, deadline);
+      links_->Choose(*stub, from_node, transport, deadline);
   if (!chosen.ok()) return chosen.status();
   std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
   const bool by_ucx = ucx != nullptr;
@@ -351,7 +345,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
         // again, once; the export holds its blocks, so the piece is got again.
         reconnected = true;
         absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
-            pools_->Get(*stub, from_node, deadline);
+            links_->Pool(*stub, from_node, deadline);
         if (again.ok()) {
           ucx = *std::move(again);
           added = GetBlocks(*ucx, (*import)->format(), left, &*piece);

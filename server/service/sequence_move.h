@@ -21,9 +21,9 @@
 // Transport: the blocks come in the export's messages (gRPC), or, where this daemon can
 // read the holder's pool (both built with UCX, the holder running --ucx, and this daemon
 // given a token the holder knows as a peer's or an admin's: --cluster-peer-token-file), by RMA gets
-// from it (PeerPools), the export naming each block's offset and holding the blocks until
-// it ends. The tenant's own calls still carry the tenant's token; only the pool's key is
-// asked with the peer token.
+// from it, the export naming each block's offset and holding the blocks until it ends. The
+// tenant's own calls still carry the tenant's token; only the pool's key is asked with the
+// peer token. The calls go over PeerLinks' channels (TLS with --cluster-peer-tls-ca).
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -36,7 +36,7 @@
 #include "server/engine/engine.h"
 #include "server/metrics/exporter.h"
 #include "server/service/auth.h"
-#include "server/service/peer_pools.h"
+#include "server/service/peer_links.h"
 
 namespace kvmem::service {
 
@@ -53,12 +53,12 @@ struct MoveResult {
 
 class SequenceMover {
  public:
-  // `pools`: the peers' pools by UCX (null: moves by gRPC).
+  // `links`: the channels to the peers and their pools by UCX (outlives the mover).
   SequenceMover(engine::Engine* engine, std::vector<std::string> peers, uint64_t max_bytes,
-                int max_moves, PeerPools* pools = nullptr)
+                int max_moves, PeerLinks* links)
       : engine_(engine),
         peers_(std::move(peers)),
-        pools_(pools),
+        links_(links),
         max_bytes_(max_bytes),
         max_moves_(max_moves),
         seconds_(engine::LatencyBounds()) {}
@@ -79,7 +79,7 @@ class SequenceMover {
 
   engine::Engine* const engine_;
   const std::vector<std::string> peers_;
-  PeerPools* const pools_;
+  PeerLinks* const links_;
   const uint64_t max_bytes_;
   const int max_moves_;
   std::atomic<int> running_{0};

@@ -77,6 +77,42 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
   return grpc::SslServerCredentials(options);
 }
 
+// The links to --cluster-peers: the peer token, the TLS of the calls to them. Tokens sent in
+// plaintext to a peer off this host are warned about, as kvmemd's own --listen is.
+absl::StatusOr<std::unique_ptr<PeerLinks>> Peers(const ServerConfig& config, bool tokens) {
+  std::string peer_token;
+  if (!config.cluster_peer_token_file.empty()) {
+    std::ifstream in(config.cluster_peer_token_file);
+    if (!(in >> peer_token) || peer_token.size() < 16 || peer_token.size() > 512) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cluster-peer-token-file: ", config.cluster_peer_token_file,
+                       " holds no token (16 to 512 printable characters without spaces)"));
+    }
+  }
+  std::string ca;
+  if (!config.cluster_peer_tls_ca.empty()) {
+    absl::StatusOr<std::string> pem = ReadPem(config.cluster_peer_tls_ca, "--cluster-peer-tls-ca");
+    if (!pem.ok()) return pem.status();
+    if (pem->find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cluster-peer-tls-ca: ", EchoClientText(config.cluster_peer_tls_ca),
+                       " holds no certificate"));
+    }
+    ca = *std::move(pem);
+  }
+  auto links = std::make_unique<PeerLinks>(std::move(peer_token), ca);
+  if (links->tls() || (!tokens && !links->reads_pools())) return links;
+  for (const std::string& peer : config.cluster_peers) {
+    if (!IsLocalListen(peer)) {
+      spdlog::warn(
+          "kvmemd: bearer tokens go in plaintext to the peer {} (no --cluster-peer-tls-ca): "
+          "keep the fleet on a network no one else can read",
+          peer);
+    }
+  }
+  return links;
+}
+
 // A unix-socket --listen address as kvmemd's sockets name one ("@name" abstract, else a
 // path); empty for any other --listen.
 std::string UnixAddress(absl::string_view listen) {
@@ -175,7 +211,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   }
   if (server->auth_ != nullptr && config.tls_cert.empty() && !IsLocalListen(config.listen)) {
     spdlog::warn(
-        "kvmemd: bearer tokens travel in plaintext on {} (no TLS yet): keep it on a "
+        "kvmemd: bearer tokens travel in plaintext on {} (no --tls-cert): keep it on a "
         "network no one else can read",
         config.listen);
   }
@@ -217,23 +253,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     server->kv_events_ = *std::move(publisher);
     server->index_events_.Add(server->kv_events_.get());
   }
+  if (!config.cluster_peers.empty() || !config.cluster_index.url.empty()) {
+    absl::StatusOr<std::unique_ptr<PeerLinks>> links = Peers(config, server->auth_ != nullptr);
+    if (!links.ok()) return links.status();
+    server->peer_links_ = *std::move(links);
+  }
   if (!config.cluster_peers.empty()) {
     if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
       return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
     }
-    std::string peer_token;
-    if (!config.cluster_peer_token_file.empty()) {
-      std::ifstream in(config.cluster_peer_token_file);
-      if (!(in >> peer_token) || peer_token.size() < 16 || peer_token.size() > 512) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--cluster-peer-token-file: ", config.cluster_peer_token_file,
-                         " holds no token (16 to 512 printable characters without spaces)"));
-      }
-    }
-    server->peer_pools_ = std::make_unique<PeerPools>(std::move(peer_token));
     server->mover_ = std::make_unique<SequenceMover>(
         server->engine_.get(), config.cluster_peers, config.cluster_pull_max_bytes,
-        config.cluster_pull_concurrency, server->peer_pools_.get());
+        config.cluster_pull_concurrency, server->peer_links_.get());
   }
   if (!config.cluster_index.url.empty()) {
     // A loss of events rebuilds this node's claims from the prefix index itself.
@@ -249,7 +280,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     server->puller_ = std::make_unique<PrefixPuller>(
         server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
         config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency,
-        server->peer_pools_.get());
+        server->peer_links_.get());
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.

@@ -98,6 +98,9 @@ struct ServerConfig {
   // (MoveSequence and PullPrefix by UCX: one the peers' token files name as a peer's, or an
   // admin's); empty: by gRPC.
   std::string cluster_peer_token_file;
+  // TLS of the calls to the peers (service::PeerLinks): the CA (PEM file) their server
+  // certificates are signed by; empty: plaintext.
+  std::string cluster_peer_tls_ca;
 };
 
 class Server {
@@ -133,7 +136,7 @@ class Server {
   // Before the engine, whose prefix index queues into them until it is gone.
   std::unique_ptr<KvEventPublisher> kv_events_;
   std::unique_ptr<ClusterIndex> cluster_index_;
-  std::unique_ptr<PeerPools> peer_pools_;  // before the puller and the mover, which use it
+  std::unique_ptr<PeerLinks> peer_links_;  // before the puller and the mover, which use it
   std::unique_ptr<PrefixPuller> puller_;
   std::unique_ptr<SequenceMover> mover_;
   prefix::IndexEventsFanout index_events_;

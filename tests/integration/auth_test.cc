@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +29,7 @@
 #include "kvmem/v1/step_channel.h"
 #include "server/service/server.h"
 #include "tests/testing/payload.h"
+#include "tests/testing/tls_certificates.h"
 
 namespace kvmem {
 namespace {
@@ -759,30 +759,12 @@ class TlsTest : public ::testing::Test {
   static void SetUpTestSuite() {
     // One folder per process: ctest runs each case as a process of its own, side by side.
     dir_ = absl::StrCat(::testing::TempDir(), "/kvmem_tls_test_", getpid());
-    const std::string script = absl::StrCat(
-        "set -e; rm -rf ", dir_, "; mkdir -p ", dir_, "; cd ", dir_, "\n",
-        "key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 "
-        "-out $1.key 2>/dev/null; }\n",
-        "ca() { key $1; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }\n",
-        "cert() { key $1; openssl req -new -key $1.key -out $1.csr -subj /CN=$2; "
-        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext; "
-        "openssl x509 -req -in $1.csr -CA $3.pem -CAkey $3.key -CAcreateserial -out $1.pem "
-        "-days 2 -extfile $1.ext 2>/dev/null; }\n",
-        "ca ca; ca other; cert server localhost ca; cert alice alice ca; cert bob bob ca; "
-        "cert mallory alice other\n");
-    ok_ =
-        std::system(absl::StrCat("/bin/sh -c '", absl::StrReplaceAll(script, {{"'", "'\\''"}}), "'")
-                        .c_str()) == 0;
+    ok_ = testing::MakeTestCertificates(dir_);
   }
   static void TearDownTestSuite() { std::system(absl::StrCat("rm -rf ", dir_).c_str()); }
   void SetUp() override { ASSERT_TRUE(ok_) << "openssl could not make the test certificates"; }
 
-  static std::string Pem(const std::string& name) {
-    std::ifstream in(dir_ + "/" + name);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
+  static std::string Pem(const std::string& name) { return testing::ReadTestPem(dir_, name); }
 
   void Start(const std::string& listen, const std::string& tokens = "") {
     service::ServerConfig config;

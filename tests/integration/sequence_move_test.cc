@@ -17,6 +17,7 @@
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/server.h"
 #include "tests/testing/payload.h"
+#include "tests/testing/tls_certificates.h"
 
 namespace kvmem {
 namespace {
@@ -53,8 +54,9 @@ class SequenceMoveTest : public ::testing::Test {
     if (!peer_token_.empty()) std::remove(peer_token_.c_str());
   }
 
-  std::unique_ptr<service::Server> StartOne(std::vector<std::string> peers, bool ucx = false,
-                                            int port = 0) {
+  std::unique_ptr<service::Server> StartOne(
+      std::vector<std::string> peers, bool ucx = false, int port = 0,
+      const std::function<void(service::ServerConfig&)>& configure = nullptr) {
     service::ServerConfig config;
     config.listen = absl::StrCat("127.0.0.1:", port);
     config.engine.pool_bytes = 32ull << 20;
@@ -65,6 +67,7 @@ class SequenceMoveTest : public ::testing::Test {
     if (!peers.empty()) config.cluster_peer_token_file = peer_token_;
     config.cluster_peers = std::move(peers);
     config.auth_tokens = tokens_;
+    if (configure) configure(config);
     auto server = service::Server::Start(config);
     EXPECT_TRUE(server.ok()) << server.status();
     return server.ok() ? *std::move(server) : nullptr;
@@ -287,6 +290,107 @@ TEST_F(SequenceMoveTest, ATenantMovesItsOwnSequencesOnly) {
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_TRUE(alice->GetBlockTable(moved->sequence.id).ok());
   EXPECT_EQ(bob->GetBlockTable(moved->sequence.id).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The calls between daemons over TLS (--cluster-peer-tls-ca): the receiver checks the
+// holder's certificate; the tenant's bearer token goes inside the TLS channel.
+class SequenceMoveTlsTest : public SequenceMoveTest {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_tls_test_", getpid());
+    ok_ = testing::MakeTestCertificates(dir_);
+  }
+  static void TearDownTestSuite() { std::system(absl::StrCat("rm -rf ", dir_).c_str()); }
+  void SetUp() override { ASSERT_TRUE(ok_) << "openssl could not make the test certificates"; }
+
+  // The holder serves TLS; the receiver trusts `ca`'s certificates ("": plaintext to its
+  // peers). With `tokens`, both know the tenants by bearer token.
+  void StartTls(const std::string& ca, bool tokens = false) {
+    if (tokens) {
+      tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_tls_test_tokens.", getpid());
+      std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\n";
+    }
+    holder_ = StartOne({}, false, 0, [&](service::ServerConfig& c) {
+      c.tls_cert = dir_ + "/server.pem";
+      c.tls_key = dir_ + "/server.key";
+    });
+    ASSERT_NE(holder_, nullptr);
+    receiver_ = StartOne({Address(*holder_)}, false, 0, [&](service::ServerConfig& c) {
+      if (!ca.empty()) c.cluster_peer_tls_ca = absl::StrCat(dir_, "/", ca, ".pem");
+    });
+    ASSERT_NE(receiver_, nullptr);
+  }
+  // A client of the holder over TLS.
+  static std::unique_ptr<client::Client> ConnectTls(const service::Server& s,
+                                                    const std::string& token = "") {
+    client::ClientOptions options;
+    options.deadline = absl::Seconds(20);
+    options.max_attempts = 1;
+    options.auth_token = token;
+    options.tls_root_certs = testing::ReadTestPem(dir_, "ca.pem");
+    return *client::Client::Connect(Address(s), options);
+  }
+
+  static std::string dir_;
+  static bool ok_;
+};
+std::string SequenceMoveTlsTest::dir_;
+bool SequenceMoveTlsTest::ok_ = false;
+
+TEST_F(SequenceMoveTlsTest, ASequenceMovesOverTls) {
+  StartTls("ca", /*tokens=*/true);
+  auto on_holder = ConnectTls(*holder_, kAlice), on_receiver = Connect(*receiver_, kAlice);
+  const uint64_t id = Prepare(*on_holder, {"window", {{"window", 64}}});
+  ASSERT_NE(id, 0u);
+  auto before = on_holder->ReadKv(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto r = Connect(*receiver_, kBob)->MoveSequence(Address(*holder_), id);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status();
+  auto moved = on_receiver->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(on_holder->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
+  auto after = on_receiver->ReadKv(moved->sequence.id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t s = 0; s < before->size(); ++s) {
+    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
+    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
+  }
+}
+
+// Plaintext to a holder that serves TLS, or a holder whose certificate no CA the receiver
+// trusts signed: nothing moves, nothing changes on either side.
+TEST_F(SequenceMoveTlsTest, AHolderThatCannotProveItselfMovesNothing) {
+  for (const std::string ca : {"", "other"}) {
+    SCOPED_TRACE(ca.empty() ? "plaintext" : "a certificate of another CA");
+    StartTls(ca);
+    auto on_holder = ConnectTls(*holder_), on_receiver = Connect(*receiver_);
+    const uint64_t id = Prepare(*on_holder, {"window", {{"window", 64}}});
+    ASSERT_NE(id, 0u);
+    const uint64_t blocks = on_holder->GetStats(false)->blocks_used;
+    auto r = on_receiver->MoveSequence(Address(*holder_), id);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    EXPECT_TRUE(on_holder->GetBlockTable(id).ok());
+    EXPECT_EQ(on_holder->GetStats(false)->blocks_used, blocks);
+    EXPECT_EQ(on_receiver->GetStats(false)->blocks_used, 0u);
+  }
+}
+
+// A daemon refuses peer TLS settings it cannot use, naming the flag.
+TEST_F(SequenceMoveTlsTest, PeerTlsSettingsThatCannotWorkAreRefused) {
+  const auto start = [&](const std::function<void(service::ServerConfig&)>& configure) {
+    service::ServerConfig config;
+    config.listen = "127.0.0.1:0";
+    config.engine.pool_bytes = 8ull << 20;
+    config.cluster_peers = {"127.0.0.1:1"};
+    configure(config);
+    return service::Server::Start(config).status();
+  };
+  absl::Status s = start([&](service::ServerConfig& c) { c.cluster_peer_tls_ca = dir_ + "/none"; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("--cluster-peer-tls-ca"));
+  s = start([&](service::ServerConfig& c) { c.cluster_peer_tls_ca = dir_ + "/ca.key"; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
 // A holder that lies: its export's header or pieces are not what a sequence of the caller's

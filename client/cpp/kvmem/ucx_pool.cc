@@ -69,7 +69,7 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
   std::unique_ptr<UcxPool> pool(new UcxPool());
   pool->deadline_ = deadline;
   Handles& h = *pool->ucx_;
-  // Serialized: every use is under mu_, from whichever thread reads (a daemon's PeerPools
+  // Serialized: every use is under mu_, from whichever thread reads (a daemon's PeerLinks
   // shares a pool between its calls' threads).
   if (absl::Status s =
           ucx::MakeWorker(UCP_FEATURE_RMA, UCS_THREAD_MODE_SERIALIZED, &h.context, &h.worker);

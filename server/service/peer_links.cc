@@ -1,8 +1,9 @@
-#include "server/service/peer_pools.h"
+#include "server/service/peer_links.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
 #include "server/common/client_text.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/convert.h"
@@ -11,11 +12,36 @@
 
 namespace kvmem::service {
 
-PeerPools::PeerPools(std::string peer_token) : token_(std::move(peer_token)) {}
+namespace {
 
-PeerPools::~PeerPools() = default;
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::string& tls_root_certs) {
+  if (tls_root_certs.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions tls;
+  tls.pem_root_certs = tls_root_certs;
+  return grpc::SslCredentials(tls);
+}
 
-bool PeerPools::enabled() const {
+}  // namespace
+
+PeerLinks::PeerLinks(std::string peer_token, const std::string& tls_root_certs)
+    : token_(std::move(peer_token)),
+      credentials_(Credentials(tls_root_certs)),
+      tls_(!tls_root_certs.empty()) {}
+
+PeerLinks::~PeerLinks() = default;
+
+std::unique_ptr<v1::KvCache::Stub> PeerLinks::Stub(const std::string& node) {
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<grpc::Channel>& channel = channels_[node];
+  if (channel == nullptr) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+    channel = grpc::CreateCustomChannel(node, credentials_, args);
+  }
+  return v1::KvCache::NewStub(channel);
+}
+
+bool PeerLinks::reads_pools() const {
 #if KVMEM_WITH_UCX
   return !token_.empty();
 #else
@@ -23,9 +49,9 @@ bool PeerPools::enabled() const {
 #endif
 }
 
-absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCache::Stub& stub,
-                                                                      const std::string& node,
-                                                                      absl::Time deadline) {
+absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCache::Stub& stub,
+                                                                       const std::string& node,
+                                                                       absl::Time deadline) {
 #if KVMEM_WITH_UCX
   if (token_.empty()) {
     return absl::FailedPreconditionError(
@@ -71,11 +97,11 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Get(v1::KvCach
 #endif
 }
 
-absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerPools::Choose(
-    PeerPools* pools, v1::KvCache::Stub& stub, const std::string& node,
-    const std::string& transport, absl::Time deadline) {
-  if (transport == "grpc" || pools == nullptr || !pools->enabled()) return nullptr;
-  absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool = pools->Get(stub, node, deadline);
+absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Choose(
+    v1::KvCache::Stub& stub, const std::string& node, const std::string& transport,
+    absl::Time deadline) {
+  if (transport == "grpc" || !reads_pools()) return nullptr;
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> pool = Pool(stub, node, deadline);
   if (pool.ok() || transport != "ucx") return pool.ok() ? *std::move(pool) : nullptr;
   return absl::FailedPreconditionError(absl::StrCat(
       "transport: \"ucx\": the holder's pool cannot be read by UCX: ", pool.status().message()));

@@ -1,0 +1,79 @@
+#pragma once
+// PeerLinks: this daemon's links to its --cluster-peers, for MoveSequence and PullPrefix.
+//
+// Calls: one kept gRPC channel per peer, plaintext or TLS (--cluster-peer-tls-ca: the CA
+// the peers' server certificates are signed by, so that the tenants' bearer tokens and the
+// peer token never cross the network in the clear, and go only to a peer that proves its
+// name). No client certificate is presented: a peer's tenants are known by the tokens
+// forwarded (an identity taken from a certificate cannot be forwarded).
+//
+// Pools: a peer's pool read by UCX RMA gets (kvmem/ucx_pool.h). Its key is asked by GetInfo
+// with the peer token (--cluster-peer-token-file: a token the peers' token files name as a
+// peer's, or an admin's; the tenant's own calls still carry the tenant's token), and the
+// connection is kept for the next transfer until a read fails on it (the peer restarted or
+// went away: connected again the next time). At most one pool per configured peer; reads of
+// one pool take turns.
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kvmem/v1/kvmem.grpc.pb.h"
+
+namespace kvmem::client {
+class UcxPool;
+}
+
+namespace kvmem::service {
+
+class PeerLinks {
+ public:
+  // `peer_token` empty: no peer's pool is read by UCX (transfers go by gRPC).
+  // `tls_root_certs` (PEM): the peers' server certificates are checked against them;
+  // empty: plaintext.
+  PeerLinks(std::string peer_token, const std::string& tls_root_certs);
+  ~PeerLinks();
+  PeerLinks(const PeerLinks&) = delete;
+  PeerLinks& operator=(const PeerLinks&) = delete;
+
+  // A stub over the kept channel to `node` (made at its first use; the caller has checked
+  // that `node` is a configured peer, so the channels are bounded by them).
+  std::unique_ptr<v1::KvCache::Stub> Stub(const std::string& node);
+  bool tls() const { return tls_; }
+
+  // Whether this daemon can read a peer's pool at all (built with UCX, given a peer token).
+  bool reads_pools() const;
+  // The pool of `node` (`stub`: a channel to it), connected within `deadline` if need be.
+  // FAILED_PRECONDITION when !reads_pools() or the peer offers no pool to read (not running
+  // --ucx, or the token is neither a peer's nor an admin's there); the peer's own errors otherwise.
+  // A read of the pool fails within kReadDeadline of its start.
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> Pool(v1::KvCache::Stub& stub,
+                                                              const std::string& node,
+                                                              absl::Time deadline);
+  // The pool a transfer from `node` asked as `transport` reads ("ucx", "grpc", "": either):
+  // null for gRPC (asked for, or none to be had when either will do); FAILED_PRECONDITION
+  // naming why when "ucx" was asked and the pool cannot be had.
+  absl::StatusOr<std::shared_ptr<const client::UcxPool>> Choose(v1::KvCache::Stub& stub,
+                                                                const std::string& node,
+                                                                const std::string& transport,
+                                                                absl::Time deadline);
+
+  static constexpr absl::Duration kReadDeadline = absl::Seconds(30);
+  // The largest message a peer's answer may be (a ReadKv piece, an export's blocks).
+  static constexpr int kMaxPeerMessageBytes = 64 << 20;
+
+ private:
+  const std::string token_;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  const bool tls_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<const client::UcxPool>> pools_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvmem::service
