@@ -17,7 +17,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from kvmem_testing import CI, kvmem, layout, start_daemon, stop_daemon, ucx_built, wait_until
+from kvmem_testing import (CI, kvmem, layout, make_certificates, start_daemon, stop_daemon,
+                           ucx_built, wait_until)
 
 if CI:  # scripts/python_deps.sh and scripts/deps.sh install them: missing, the run fails
     import cbor2
@@ -99,7 +100,7 @@ def address(tag):
 
 
 class Node:
-    def __init__(self, tag, redis, *flags, peers=()):
+    def __init__(self, tag, redis, *flags, peers=(), options=None):
         self.name = address(tag)
         if peers:
             flags = (*flags, "--cluster_peers=" + ",".join(address(p) for p in peers))
@@ -109,7 +110,7 @@ class Node:
             f"--cluster_node_address={self.name}", f"--cluster_index_ttl_seconds={TTL}",
             f"--metrics_listen=127.0.0.1:{self.metrics_port}", "--pool_bytes=4194304",
             "--cluster_index_timeout_ms=1000", *flags)
-        self.client = kvmem.Client(self.target)
+        self.client = kvmem.Client(self.target, options)
 
     def stop(self):
         self.client.close()
@@ -407,6 +408,42 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         for node in (a, b, c):
             if node.proc is not None:
                 node.stop()
+
+
+def test_a_prefix_is_pulled_over_tls_from_a_node_that_proves_its_name(redis, tmp_path):
+    # A serves TLS; B trusts A's CA (--cluster-peer-tls-ca): B's pulls go over TLS, the
+    # tenant's token inside. C speaks plaintext to A: its pull fails and C holds nothing.
+    make_certificates(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice alice-token-0123456789\n")
+    alice = dict(max_attempts=1, deadline=20, auth_token="alice-token-0123456789")
+    a = Node("ta", redis, f"--tls_cert={tmp_path}/server.pem",
+             f"--tls_key={tmp_path}/server.key", f"--auth_tokens={tokens}",
+             options=kvmem.ClientOptions(tls_root_certs=(tmp_path / "ca.pem").read_bytes(),
+                                         tls_server_name="localhost", **alice))
+    b = Node("tb", redis, f"--cluster_peer_tls_ca={tmp_path}/ca.pem", f"--auth_tokens={tokens}",
+             peers=["ta"], options=kvmem.ClientOptions(**alice))
+    c = Node("tc", redis, f"--auth_tokens={tokens}", peers=["ta"],
+             options=kvmem.ClientOptions(**alice))
+    try:
+        tokens_ = prompt(31)
+        held = publish(a, tokens_)
+        p = kvmem.Prompt(tokens_, model="m")
+        assert wait_until(lambda: holders(b, tokens_) == [(a.name, 56)], 5)
+        with pytest.raises(kvmem.KvmemError, match="holder"):
+            c.client.pull_prefix(LAY, p)
+        assert c.client.stats().prefix_entries == 0
+        pulled = b.client.pull_prefix(LAY, p)
+        assert (pulled.pulled_tokens, pulled.from_node) == (56, a.name)
+        seq_b = b.client.create_sequence(LAY, prompt=p)
+        seq_a = a.client.create_sequence(LAY, prompt=p)
+        assert seq_b.reused_prefix_tokens == 56
+        assert read_all(seq_b) == read_all(seq_a)
+        for s in (seq_a, seq_b, held):
+            s.release()
+    finally:
+        for node in (a, b, c):
+            node.stop()
 
 
 def test_a_sequence_moves_whole_to_another_node(redis):

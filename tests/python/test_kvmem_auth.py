@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 pytest.register_assert_rewrite("kvmem_testing")
-from kvmem_testing import KVMEMD, kvmem, layout, require_daemon, running_daemon  # noqa: E402
+from kvmem_testing import (KVMEMD, kvmem, layout, make_certificates, require_daemon,  # noqa: E402
+                           running_daemon)
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789ab"
@@ -123,16 +124,7 @@ def test_no_tokens_means_loopback_or_a_unix_socket_only():
 
 def test_tls_client_certificates_name_the_tenant(tmp_path):
     require_daemon()
-    script = """set -e
-key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out $1.key 2>/dev/null; }
-ca() { key $1; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }
-cert() { key $1; openssl req -new -key $1.key -out $1.csr -subj /CN=$2
-  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext
-  openssl x509 -req -in $1.csr -CA $3.pem -CAkey $3.key -CAcreateserial -out $1.pem -days 2 \
-    -extfile $1.ext 2>/dev/null; }
-ca ca; cert server localhost ca; cert alice alice ca; cert bob bob ca
-"""
-    subprocess.run(["/bin/sh", "-c", script], cwd=tmp_path, check=True, timeout=60)
+    make_certificates(tmp_path)
     proc = subprocess.Popen(
         [str(KVMEMD), "--listen=127.0.0.1:0", "--metrics_listen=", "--pool_prefault=false",
          "--pool_bytes=8388608", f"--tls_cert={tmp_path}/server.pem",
