@@ -41,6 +41,15 @@ absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::str
                                          ": ", CutMessage(s.error_message(), kMaxDetailTextBytes)));
 }
 
+// The holder's answer refused as untrusted input: the holder's fault, not the caller's
+// request's, so UNAVAILABLE as for a holder that fails (INVALID_ARGUMENT would tell the
+// caller to fix its request); other codes (this node's pool full) stay what they are.
+absl::Status RefusedAnswer(absl::Status s, absl::string_view node) {
+  if (!absl::IsInvalidArgument(s)) return s;
+  return absl::UnavailableError(
+      absl::StrCat("MoveSequence: the holder ", node, "'s answer is refused: ", s.message()));
+}
+
 // Whether a holder's scoped salt lies in the caller's namespace (KvCacheService::ScopedSalt).
 bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
   if (!who.tenant.empty()) return absl::StartsWith(salt, absl::StrCat("tenant:", who.tenant, "/"));
@@ -293,7 +302,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   if (!message.has_header()) {
     c->TryCancel();
     reader->Finish().IgnoreError();
-    return FromHolder(grpc::Status(grpc::StatusCode::UNKNOWN, "no header first"), from_node,
+    return FromHolder(grpc::Status(grpc::StatusCode::UNAVAILABLE, "no header first"), from_node,
                       "ExportSequence");
   }
   const uint64_t export_id = message.header().export_id();
@@ -306,13 +315,14 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   absl::StatusOr<engine::MovedHeader> header = FromProto(message.header());
   if (!header.ok()) {
     c->TryCancel();
-    return header.status();
+    return RefusedAnswer(header.status(), from_node);
   }
   if (!SaltIsTheCallers(who, header->salt)) {
     c->TryCancel();
-    return absl::InvalidArgumentError(
-        "MoveSequence: the holder's sequence is not in the caller's namespace (its cache salt "
-        "belongs to another tenant)");
+    return RefusedAnswer(
+        absl::InvalidArgumentError("its sequence is not in the caller's namespace (its cache salt "
+                                   "belongs to another tenant)"),
+        from_node);
   }
   if (header->block_bytes > max_bytes_) {
     c->TryCancel();
@@ -324,7 +334,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
       engine_->BeginImport(*std::move(header), who.tenant);
   if (!import.ok()) {
     c->TryCancel();
-    return import.status();
+    return RefusedAnswer(import.status(), from_node);
   }
 #if KVMEM_WITH_UCX
   bool reconnected = false;
@@ -357,7 +367,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     if (!added.ok()) {
       c->TryCancel();
       reader->Finish().IgnoreError();
-      return added;
+      return RefusedAnswer(added, from_node);
     }
   }
   if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ExportSequence");
@@ -366,7 +376,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
         "MoveSequence: the move's deadline passed before its blocks were all here");
   }
   absl::StatusOr<engine::CreateResult> created = engine_->CommitImport(**import, lease);
-  if (!created.ok()) return created.status();
+  if (!created.ok()) return RefusedAnswer(created.status(), from_node);
   committed = true;
   MoveResult result;
   result.created = *created;
