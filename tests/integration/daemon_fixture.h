@@ -25,7 +25,7 @@ class DaemonTest : public ::testing::Test {
     client_.reset();
     server_.reset();
     service::ServerConfig config;
-    config.listen = "127.0.0.1:0";
+    config.listen = absl::StrCat("127.0.0.1:", listen_port_);
     config.engine.pool_bytes = pool_bytes;
     config.engine.max_sequences = 64;
     config.engine.max_append_bytes = max_message_bytes;
@@ -81,6 +81,7 @@ class DaemonTest : public ::testing::Test {
   uint64_t table_area_bytes_ = 0;    // kvmemd --table_area_bytes
   uint64_t parse_memory_bytes_ = 0;  // kvmemd --parse-memory-bytes (0: the default)
   bool ucx_ = false;                 // kvmemd --ucx
+  int listen_port_ = 0;              // 0: one of its own
   engine::FakeClock clock_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> client_;

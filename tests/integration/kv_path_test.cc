@@ -217,6 +217,36 @@ TEST_F(KvPathTest, AReadLargerThanTheStagingBufferIsExact) {
   EXPECT_GE((*path)->ucx_bytes_read(), 12000ull * kL * kH * kD * 2 * 2);
 }
 
+// A daemon restarted on its address (a new UCX worker, new keys): a path's broken connection
+// to the pool is made again from the new daemon's GetInfo; UCX asked for reads by UCX again
+// at once, auto too (or by gRPC while it cannot).
+TEST_F(KvPathTest, AReaderWhoseDaemonRestartedConnectsAgain) {
+  ASSERT_TRUE(StartWithUcx());
+  client::ClientOptions options;
+  options.deadline = absl::Seconds(20);
+  // The paths' own client, which outlives the restart (the fixture's does not).
+  auto own = client::Client::Connect(absl::StrCat("127.0.0.1:", server_->port()), options);
+  ASSERT_TRUE(own.ok()) << own.status();
+  auto forced = client::KvPath::Open(own->get(), RemoteInfo(), {client::KvTransport::kUcx});
+  auto automatic = client::KvPath::Open(own->get(), RemoteInfo(), {client::KvTransport::kAuto});
+  ASSERT_TRUE(forced.ok()) << forced.status();
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  ASSERT_EQ((*automatic)->reads(), client::KvTransport::kUcx);
+  ExpectReadsAsReadKv(**forced, Mixed(client::Precision::kLayout));
+  ExpectReadsAsReadKv(**automatic, Mixed(client::Precision::kLayout));
+
+  listen_port_ = server_->port();
+  StartDaemon(64ull << 20);
+  ASSERT_FALSE(HasFatalFailure());
+  const uint64_t id = Mixed(client::Precision::kInt8);
+  for (client::KvPath* path : {forced->get(), automatic->get()}) {
+    const uint64_t before = path->ucx_bytes_read();
+    ExpectReadsAsReadKv(*path, id);
+    ExpectReadsAsReadKv(*path, id);
+    EXPECT_GT(path->ucx_bytes_read(), before);
+  }
+}
+
 // A tenant is given no key to the pool (it reads every tenant's blocks): reads by gRPC,
 // appends by UCX (the appends' worker serves every caller).
 TEST(KvPathTenantTest, ATenantReadsByGrpcAndAppendsByUcx) {

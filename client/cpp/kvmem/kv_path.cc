@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvmem/shared_pool.h"
 #if KVMEM_WITH_UCX
+#include "absl/synchronization/mutex.h"
 #include "kvmem/ucx_pool.h"
 #include "kvmem/ucx_sender.h"
 #endif
@@ -22,10 +23,21 @@ constexpr uint64_t kUcxAppendLeastBytes = 32 << 10;
 
 struct KvPath::Ucx {
 #if KVMEM_WITH_UCX
-  std::unique_ptr<UcxPool> pool;
+  // The pool reader: replaced when it breaks (a read holds the one it started with).
+  absl::Mutex mu;
+  std::shared_ptr<UcxPool> pool ABSL_GUARDED_BY(mu);
+  uint64_t bytes_read_before ABSL_GUARDED_BY(mu) = 0;  // by the readers replaced
+  absl::Time next_connect ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   std::unique_ptr<UcxSender> sender;
 #endif
 };
+
+namespace {
+
+// After a connection that could not be had, how long reads go by gRPC before trying again.
+constexpr absl::Duration kReconnectPause = absl::Seconds(5);
+
+}  // namespace
 
 absl::StatusOr<KvTransport> ParseKvTransport(absl::string_view name) {
   if (name == "auto") return KvTransport::kAuto;
@@ -56,6 +68,7 @@ absl::StatusOr<std::unique_ptr<KvPath>> KvPath::Open(Client* client, const Info&
                                                      Options options) {
   std::unique_ptr<KvPath> path(new KvPath());
   path->client_ = client;
+  path->options_ = options;
   path->ucx_ = std::make_unique<Ucx>();
   path->every_append_by_ucx_ = options.transport == KvTransport::kUcx;
   path->ucx_max_payload_bytes_ =
@@ -111,6 +124,7 @@ absl::Status KvPath::OpenReads(const Info& info, const Options& options, std::st
   } else {
     absl::StatusOr<std::unique_ptr<UcxPool>> pool = UcxPool::Connect(info, options.ucx_deadline);
     if (pool.ok()) {
+      absl::MutexLock lock(&ucx_->mu);
       ucx_->pool = *std::move(pool);
       reads_ = KvTransport::kUcx;
       if (why->empty()) *why = "asked for";
@@ -164,11 +178,61 @@ absl::Status KvPath::OpenAppends(const Info& info, const Options& options, std::
 
 absl::StatusOr<std::vector<StreamKv>> KvPath::Read(const BlockTable& table) const {
   if (attached_ != nullptr) return attached_->ReadStreams(table);
-#if KVMEM_WITH_UCX
-  if (ucx_->pool != nullptr) return ucx_->pool->ReadStreams(table);
-#endif
+  if (reads_ == KvTransport::kUcx) {
+    std::optional<absl::StatusOr<std::vector<StreamKv>>> read = ReadByUcx(table);
+    if (read.has_value()) return *std::move(read);
+  }
   return client_->ReadKv(table.sequence_id, table.epoch);
 }
+
+std::optional<absl::StatusOr<std::vector<StreamKv>>> KvPath::ReadByUcx(
+    const BlockTable& table) const {
+#if KVMEM_WITH_UCX
+  const bool asked = options_.transport == KvTransport::kUcx;
+  std::optional<absl::StatusOr<std::vector<StreamKv>>> read;
+  // A read that breaks the connection (the daemon restarted, or went away) is read once
+  // more on a new one.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    absl::StatusOr<std::shared_ptr<UcxPool>> pool = UcxReader();
+    if (!pool.ok()) return asked ? std::make_optional(pool.status()) : std::nullopt;
+    if (*pool == nullptr) return std::nullopt;
+    read = (*pool)->ReadStreams(table);
+    if (read->ok() || !(*pool)->broken()) return read;
+  }
+  return asked ? read : std::nullopt;
+#else
+  (void)table;
+  return std::nullopt;
+#endif
+}
+
+#if KVMEM_WITH_UCX
+absl::StatusOr<std::shared_ptr<UcxPool>> KvPath::UcxReader() const {
+  absl::MutexLock lock(&ucx_->mu);
+  std::shared_ptr<UcxPool>& pool = ucx_->pool;
+  if (pool != nullptr && !pool->broken()) return pool;
+  const bool asked = options_.transport == KvTransport::kUcx;
+  if (!asked && absl::Now() < ucx_->next_connect) return nullptr;
+  // Connected anew from the daemon's GetInfo (a restarted daemon has a new worker and new
+  // keys); other readers wait for it here.
+  if (pool != nullptr) ucx_->bytes_read_before += pool->bytes_read();
+  pool = nullptr;
+  absl::StatusOr<Info> info = client_->GetInfo();
+  absl::StatusOr<std::unique_ptr<UcxPool>> connected =
+      info.ok() ? UcxPool::Connect(*info, options_.ucx_deadline)
+                : absl::StatusOr<std::unique_ptr<UcxPool>>(info.status());
+  if (connected.ok()) {
+    pool = *std::move(connected);
+    return pool;
+  }
+  ucx_->next_connect = absl::Now() + kReconnectPause;
+  if (!asked) return nullptr;
+  return absl::UnavailableError(
+      absl::StrCat("transport ucx: the connection to the daemon's pool broke and cannot be made "
+                   "again: ",
+                   connected.status().message()));
+}
+#endif
 
 bool KvPath::AppendsByUcx(uint64_t kv_bytes) const {
   if (appends_ != KvTransport::kUcx || kv_bytes == 0 || kv_bytes > ucx_max_payload_bytes_) {
@@ -189,9 +253,11 @@ absl::StatusOr<AppendResult> KvPath::Append(uint64_t sequence_id, const AppendAr
 
 uint64_t KvPath::ucx_bytes_read() const {
 #if KVMEM_WITH_UCX
-  if (ucx_->pool != nullptr) return ucx_->pool->bytes_read();
-#endif
+  absl::MutexLock lock(&ucx_->mu);
+  return ucx_->bytes_read_before + (ucx_->pool != nullptr ? ucx_->pool->bytes_read() : 0);
+#else
   return 0;
+#endif
 }
 
 uint64_t KvPath::ucx_bytes_sent() const {

@@ -13,9 +13,12 @@
 // (on the same host, a StepBatch's in-place writes are the fast path; see SharedPool). kAuto
 // takes the first that works and says why in reason(); a transport asked by name that
 // cannot be had is an error naming what is missing. UCX's own transports come from its
-// environment (UCX_TLS: tcp, shared memory, CMA, ...).
+// environment (UCX_TLS: tcp, shared memory, CMA, ...). A UCX read whose connection broke
+// (the daemon restarted, or a read outlasted its deadline) connects anew for the next
+// read; meanwhile, and when connecting fails, reads go by gRPC unless UCX was asked for.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,6 +30,7 @@
 namespace kvmem::client {
 
 class SharedPool;
+class UcxPool;
 
 enum class KvTransport { kAuto, kAttach, kUcx, kGrpc };
 
@@ -62,7 +66,7 @@ class KvPath {
   // (quantized blocks dequantized to the layout dtype; positions: the table's on attach
   // and UCX, so empty for a table fetched without them). FAILED_PRECONDITION or ABORTED
   // when the table is stale or changed during the read: fetch it again; nothing read is
-  // given out.
+  // given out. Thread-safe.
   absl::StatusOr<std::vector<StreamKv>> Read(const BlockTable& table) const;
   // Whether an append of `kv_bytes` of K and V together goes by UCX.
   bool AppendsByUcx(uint64_t kv_bytes) const;
@@ -77,8 +81,14 @@ class KvPath {
   KvPath() = default;
   absl::Status OpenReads(const Info& info, const Options& options, std::string* why);
   absl::Status OpenAppends(const Info& info, const Options& options, std::string* why);
+  // Reads by UCX; nullopt where they go by gRPC instead (no connection to be had).
+  std::optional<absl::StatusOr<std::vector<StreamKv>>> ReadByUcx(const BlockTable& table) const;
+  // The pool reader, connected anew when the last one broke (at most once per pause after
+  // a failure unless UCX was asked for); null where reads go by gRPC meanwhile.
+  absl::StatusOr<std::shared_ptr<UcxPool>> UcxReader() const;
 
   Client* client_ = nullptr;
+  Options options_;
   KvTransport reads_ = KvTransport::kGrpc, appends_ = KvTransport::kGrpc;
   std::string reason_;
   uint64_t ucx_max_payload_bytes_ = 0;
