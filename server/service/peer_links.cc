@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "server/common/client_text.h"
+#include "server/transport/parse_cost.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
@@ -83,7 +84,18 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCac
     return absl::FailedPreconditionError(absl::StrCat(
         "the peer ", node, "'s pool cannot be read by UCX: ", pool.status().message()));
   }
-  std::shared_ptr<const client::UcxPool> connected = *std::move(pool);
+  // Its staging buffer counted with the calls' buffers (--parse-memory-bytes) while the
+  // pool lives: kept here, or held by a transfer after a newer one replaced it.
+  absl::StatusOr<transport::ParseBudget::Reservation> staging =
+      transport::ParseBudget::Process().Reserve(client::UcxPool::kStagingBytes,
+                                                "a peer's pool read by UCX");
+  if (!staging.ok()) return staging.status();
+  struct Held {
+    transport::ParseBudget::Reservation staging;
+    std::unique_ptr<client::UcxPool> pool;
+  };
+  auto held = std::make_shared<Held>(Held{*std::move(staging), *std::move(pool)});
+  std::shared_ptr<const client::UcxPool> connected(held, held->pool.get());
   absl::MutexLock lock(&mu_);
   auto [it, added] = pools_.try_emplace(node, connected);
   if (!added && it->second->broken()) std::swap(it->second, connected);  // ends after the lock

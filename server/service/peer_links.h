@@ -12,7 +12,9 @@
 // peer's, or an admin's; the tenant's own calls still carry the tenant's token), and the
 // connection is kept for the next transfer until a read fails on it (the peer restarted or
 // went away: connected again the next time). At most one pool per configured peer; reads of
-// one pool take turns.
+// one pool take turns; each holds its staging buffer (UcxPool::kStagingBytes) reserved from
+// --parse-memory-bytes while it lives (none to be had: the transfer goes by gRPC, or fails
+// when UCX was asked for).
 #include <memory>
 #include <string>
 

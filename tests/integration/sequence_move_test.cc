@@ -16,8 +16,12 @@
 #include "kvmem/client.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/server.h"
+#include "server/transport/parse_cost.h"
 #include "tests/testing/payload.h"
 #include "tests/testing/tls_certificates.h"
+#if KVMEM_WITH_UCX
+#include "kvmem/ucx_pool.h"
+#endif
 
 namespace kvmem {
 namespace {
@@ -520,6 +524,38 @@ TEST_P(SequenceMoveUcxTest, BlocksComeByUcx) {
   auto r = alice->MoveSequence(Address(*holder_), again, std::nullopt, "grpc");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->transport, "grpc");
+}
+
+// The receiver's kept connection to a holder's pool holds its staging buffer reserved from
+// --parse-memory-bytes; a receiver without room for it moves by gRPC, and refuses "ucx".
+TEST_P(SequenceMoveUcxTest, APeerPoolIsCountedInTheParseBudget) {
+  Start(true, true);
+  transport::ParseBudget& budget = transport::ParseBudget::Process();
+  auto alice_holder = Connect(*holder_, kAlice);
+  {
+    auto alice = Connect(*receiver_, kAlice);
+    const uint64_t idle = budget.reserved();
+    auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}),
+                                     std::nullopt, "ucx");
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(budget.reserved() - idle, client::UcxPool::kStagingBytes);  // kept for the next
+  }
+  receiver_.reset();
+  const uint64_t idle = budget.reserved();
+  receiver_ = StartOne({Address(*holder_)}, false, 0, [&](service::ServerConfig& c) {
+    c.engine.max_append_bytes = 1 << 20;  // so that a budget of 12 MiB is allowed
+    c.parse_memory_bytes = idle + (12 << 20);
+  });
+  ASSERT_NE(receiver_, nullptr);
+  auto alice = Connect(*receiver_, kAlice);
+  const uint64_t id = Prepare(*alice_holder, {"full", {}});
+  auto r = alice->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("parse-memory-bytes"));
+  r = alice->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, "grpc");
+  EXPECT_EQ(budget.reserved(), idle);
 }
 
 // A holder restarted on its address: the receiver's connection to the old one's pool, kept

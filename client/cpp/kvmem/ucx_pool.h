@@ -48,6 +48,9 @@ class UcxPool final : private MappedPool {
   // A read failed (the daemon went away, or a read outlasted its deadline): every read
   // fails from then on; connect a new pool.
   bool broken() const;
+  // The most memory a pool holds for its reads besides their destinations: CopyOutMany's
+  // staging buffer (a daemon that keeps pools reserves it from its budget: PeerLinks).
+  static constexpr uint64_t kStagingBytes = 16ull << 20;
 
  private:
   struct Handles;
@@ -63,9 +66,8 @@ class UcxPool final : private MappedPool {
     uint64_t address, bytes;
     void* rkey;
   };
-  // The most bytes one get of CopyOutMany's reads, and its staging buffer's size.
+  // The most bytes one get of CopyOutMany's reads.
   static constexpr uint64_t kMaxRunBytes = 8ull << 20;
-  static constexpr uint64_t kStagingBytes = 16ull << 20;
   // Gets, all posted before any is waited for; the deadline covers them all.
   absl::Status Gets(absl::Span<const GetOp> ops) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<uint64_t> EpochWord(uint32_t slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
