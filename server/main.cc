@@ -95,7 +95,8 @@ ABSL_FLAG(std::string, cluster_peer_token_file, "",
           "--auth-tokens name as a peer's, or an admin's; the peers run --ucx); empty: by gRPC");
 ABSL_FLAG(std::string, cluster_peer_tls_ca, "",
           "TLS to --cluster-peers: the CA (PEM file) their server certificates are signed by "
-          "(each must name the peer's address as --cluster-peers gives it); empty: plaintext "
+          "(each must name the peer's host as --cluster-peers gives it, localhost for a unix: "
+          "peer); empty: plaintext "
           "calls to peers, bearer tokens included. No client certificate is presented: peers "
           "that ask one (--tls-client-ca) cannot be moved or pulled from");
 ABSL_FLAG(int32_t, cluster_pull_concurrency, 2,

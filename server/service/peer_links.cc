@@ -5,7 +5,6 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "server/common/client_text.h"
-#include "server/transport/parse_cost.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
@@ -24,6 +23,29 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::string& tls_roo
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<PeerLinks>> PeerLinks::Create(std::string peer_token,
+                                                             const std::string& tls_root_certs,
+                                                             size_t peers) {
+  std::unique_ptr<PeerLinks> links(new PeerLinks(std::move(peer_token), tls_root_certs));
+#if KVMEM_WITH_UCX
+  if (links->reads_pools() && peers > 0) {
+    absl::StatusOr<transport::ParseBudget::Reservation> staging =
+        transport::ParseBudget::Process().Reserve(peers * client::UcxPool::kStagingBytes,
+                                                  "the peers' pools read by UCX");
+    if (!staging.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--parse-memory-bytes: cannot also hold the staging of ", peers,
+          " --cluster-peers' pools read by UCX (", client::UcxPool::kStagingBytes >> 20,
+          " MiB each): ", staging.status().message()));
+    }
+    links->staging_ = *std::move(staging);
+  }
+#else
+  (void)peers;
+#endif
+  return links;
+}
+
 PeerLinks::PeerLinks(std::string peer_token, const std::string& tls_root_certs)
     : token_(std::move(peer_token)),
       credentials_(Credentials(tls_root_certs)),
@@ -37,6 +59,9 @@ std::unique_ptr<v1::KvCache::Stub> PeerLinks::Stub(const std::string& node) {
   if (channel == nullptr) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxPeerMessageBytes);
+    // A peer back after a while is called again within seconds (gRPC's default backoff
+    // grows to two minutes, during which calls fail at once).
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     channel = grpc::CreateCustomChannel(node, credentials_, args);
   }
   return v1::KvCache::NewStub(channel);
@@ -84,18 +109,7 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCac
     return absl::FailedPreconditionError(absl::StrCat(
         "the peer ", node, "'s pool cannot be read by UCX: ", pool.status().message()));
   }
-  // Its staging buffer counted with the calls' buffers (--parse-memory-bytes) while the
-  // pool lives: kept here, or held by a transfer after a newer one replaced it.
-  absl::StatusOr<transport::ParseBudget::Reservation> staging =
-      transport::ParseBudget::Process().Reserve(client::UcxPool::kStagingBytes,
-                                                "a peer's pool read by UCX");
-  if (!staging.ok()) return staging.status();
-  struct Held {
-    transport::ParseBudget::Reservation staging;
-    std::unique_ptr<client::UcxPool> pool;
-  };
-  auto held = std::make_shared<Held>(Held{*std::move(staging), *std::move(pool)});
-  std::shared_ptr<const client::UcxPool> connected(held, held->pool.get());
+  std::shared_ptr<const client::UcxPool> connected = *std::move(pool);
   absl::MutexLock lock(&mu_);
   auto [it, added] = pools_.try_emplace(node, connected);
   if (!added && it->second->broken()) std::swap(it->second, connected);  // ends after the lock

@@ -12,9 +12,8 @@
 // peer's, or an admin's; the tenant's own calls still carry the tenant's token), and the
 // connection is kept for the next transfer until a read fails on it (the peer restarted or
 // went away: connected again the next time). At most one pool per configured peer; reads of
-// one pool take turns; each holds its staging buffer (UcxPool::kStagingBytes) reserved from
-// --parse-memory-bytes while it lives (none to be had: the transfer goes by gRPC, or fails
-// when UCX was asked for).
+// one pool take turns. The pools' staging buffers (UcxPool::kStagingBytes each) are
+// reserved from --parse-memory-bytes for every configured peer when the links are made.
 #include <memory>
 #include <string>
 
@@ -25,6 +24,7 @@
 #include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
+#include "server/transport/parse_cost.h"
 
 namespace kvmem::client {
 class UcxPool;
@@ -36,8 +36,11 @@ class PeerLinks {
  public:
   // `peer_token` empty: no peer's pool is read by UCX (transfers go by gRPC).
   // `tls_root_certs` (PEM): the peers' server certificates are checked against them;
-  // empty: plaintext.
-  PeerLinks(std::string peer_token, const std::string& tls_root_certs);
+  // empty: plaintext. `peers`: how many are configured. INVALID_ARGUMENT naming
+  // --parse-memory-bytes when it cannot hold their pools' staging.
+  static absl::StatusOr<std::unique_ptr<PeerLinks>> Create(std::string peer_token,
+                                                           const std::string& tls_root_certs,
+                                                           size_t peers);
   ~PeerLinks();
   PeerLinks(const PeerLinks&) = delete;
   PeerLinks& operator=(const PeerLinks&) = delete;
@@ -69,9 +72,12 @@ class PeerLinks {
   static constexpr int kMaxPeerMessageBytes = 64 << 20;
 
  private:
+  PeerLinks(std::string peer_token, const std::string& tls_root_certs);
+
   const std::string token_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const bool tls_;
+  transport::ParseBudget::Reservation staging_;  // every peer's pool's
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<const client::UcxPool>> pools_

@@ -10,6 +10,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/convert.h"
@@ -41,13 +42,16 @@ absl::Status FromHolder(const grpc::Status& s, absl::string_view node, absl::str
                                          ": ", CutMessage(s.error_message(), kMaxDetailTextBytes)));
 }
 
-// The holder's answer refused as untrusted input: the holder's fault, not the caller's
-// request's, so UNAVAILABLE as for a holder that fails (INVALID_ARGUMENT would tell the
-// caller to fix its request); other codes (this node's pool full) stay what they are.
+// The holder's answer refused (untrusted input that is not a sequence, or one this node's
+// settings refuse): neither the caller's request's fault (INVALID_ARGUMENT would tell it to
+// fix its request) nor a passing one (UNAVAILABLE: clients retry it, and a retry would
+// move it all again to be refused again): FAILED_PRECONDITION naming the holder. Other
+// codes (this node's pool full) stay what they are.
 absl::Status RefusedAnswer(absl::Status s, absl::string_view node) {
   if (!absl::IsInvalidArgument(s)) return s;
-  return absl::UnavailableError(
-      absl::StrCat("MoveSequence: the holder ", node, "'s answer is refused: ", s.message()));
+  return absl::FailedPreconditionError(
+      absl::StrCat("MoveSequence: the holder ", node,
+                   "'s answer is refused: ", absl::StripPrefix(s.message(), "MoveSequence: ")));
 }
 
 // Whether a holder's scoped salt lies in the caller's namespace (KvCacheService::ScopedSalt).
@@ -302,8 +306,8 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   if (!message.has_header()) {
     c->TryCancel();
     reader->Finish().IgnoreError();
-    return FromHolder(grpc::Status(grpc::StatusCode::UNAVAILABLE, "no header first"), from_node,
-                      "ExportSequence");
+    return FromHolder(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "no header first"),
+                      from_node, "ExportSequence");
   }
   const uint64_t export_id = message.header().export_id();
   // From here the holder's sequence is frozen: a move that ends without a commit here

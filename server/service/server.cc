@@ -79,7 +79,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
 
 // The links to --cluster-peers: the peer token, the TLS of the calls to them. Tokens sent in
 // plaintext to a peer off this host are warned about, as kvmemd's own --listen is.
-absl::StatusOr<std::unique_ptr<PeerLinks>> Peers(const ServerConfig& config, bool tokens) {
+absl::StatusOr<std::unique_ptr<PeerLinks>> Peers(const ServerConfig& config) {
   std::string peer_token;
   if (!config.cluster_peer_token_file.empty()) {
     std::ifstream in(config.cluster_peer_token_file);
@@ -100,8 +100,10 @@ absl::StatusOr<std::unique_ptr<PeerLinks>> Peers(const ServerConfig& config, boo
     }
     ca = *std::move(pem);
   }
-  auto links = std::make_unique<PeerLinks>(std::move(peer_token), ca);
-  if (links->tls() || (!tokens && !links->reads_pools())) return links;
+  absl::StatusOr<std::unique_ptr<PeerLinks>> links =
+      PeerLinks::Create(std::move(peer_token), ca, config.cluster_peers.size());
+  // Tokens a caller sends are forwarded whether or not this daemon checks them.
+  if (!links.ok() || (*links)->tls()) return links;
   for (const std::string& peer : config.cluster_peers) {
     if (!IsLocalListen(peer)) {
       spdlog::warn(
@@ -254,7 +256,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     server->index_events_.Add(server->kv_events_.get());
   }
   if (!config.cluster_peers.empty() || !config.cluster_index.url.empty()) {
-    absl::StatusOr<std::unique_ptr<PeerLinks>> links = Peers(config, server->auth_ != nullptr);
+    absl::StatusOr<std::unique_ptr<PeerLinks>> links = Peers(config);
     if (!links.ok()) return links.status();
     server->peer_links_ = *std::move(links);
   }

@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "kvmem/shared_pool.h"
 #include "tests/integration/daemon_fixture.h"
+#include "tests/testing/scoped_env.h"
 
 namespace kvmem {
 namespace {
@@ -250,7 +251,7 @@ TEST_F(KvPathTest, AReaderWhoseDaemonRestartedConnectsAgain) {
 // A tenant is given no key to the pool (it reads every tenant's blocks): reads by gRPC,
 // appends by UCX (the appends' worker serves every caller).
 TEST(KvPathTenantTest, ATenantReadsByGrpcAndAppendsByUcx) {
-  setenv("UCX_TLS", "tcp", 1);
+  const testing::ScopedEnv tcp("UCX_TLS", "tcp");
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   const std::string tokens = absl::StrCat(::testing::TempDir(), "/kvmem_kv_path_tokens.", getpid());
   std::ofstream(tokens) << "alice alice-token-0123456789\n";
@@ -291,7 +292,6 @@ TEST(KvPathTenantTest, ATenantReadsByGrpcAndAppendsByUcx) {
     EXPECT_EQ((*read)[s].k, testing::Expected16(s, positions, 64, 0)) << s;
     EXPECT_EQ((*read)[s].v, testing::Expected16(s, positions, 64, 1)) << s;
   }
-  unsetenv("UCX_TLS");
   std::remove(tokens.c_str());
 }
 #endif

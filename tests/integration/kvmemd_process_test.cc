@@ -39,6 +39,7 @@
 #endif
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "tests/testing/payload.h"
+#include "tests/testing/scoped_env.h"
 #include "tests/testing/unix_sockets.h"
 
 namespace {
@@ -158,7 +159,7 @@ TEST(KvmemdProcessTest, NoSegmentHasANameAndAKilledDaemonLeavesNone) {
 TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
   for (const char* tls : {"tcp", "sm,self"}) {
     SCOPED_TRACE(tls);
-    setenv("UCX_TLS", tls, 1);
+    const kvmem::testing::ScopedEnv transports("UCX_TLS", tls);
     kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
         KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
                       "--ucx_trusted_network", "--log-level=warn"});
@@ -193,7 +194,6 @@ TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
     EXPECT_FALSE((*pool)->ReadStream(table, 0, 0, &rk, &rv).ok());
     EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
   }
-  unsetenv("UCX_TLS");
 }
 #endif
 
@@ -691,7 +691,7 @@ TEST(KvmemdProcessChild, DISABLED_PostsAUcxPayloadThenStops) {
 // UcxSender's over TCP; without it the receive would stay, see ucx_plane.h), nothing
 // applies, and the next client's remote append works. Failed before the endpoint close.
 TEST(KvmemdProcessTest, AClientKilledMidTransferLeavesNothingBehind) {
-  setenv("UCX_TLS", "tcp", 1);
+  const kvmem::testing::ScopedEnv tcp("UCX_TLS", "tcp");
   kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
       KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=67108864", "--ucx",
                     "--ucx_trusted_network", "--log-level=warn"});
@@ -730,13 +730,12 @@ TEST(KvmemdProcessTest, AClientKilledMidTransferLeavesNothingBehind) {
   auto appended = (*sender)->Append(*client, seq->id, {positions, {}, kf, vf, {}, {}});
   EXPECT_TRUE(appended.ok()) << appended.status();
   EXPECT_EQ(kvmem::testing::StopKvmemd(d), 0);
-  unsetenv("UCX_TLS");
 }
 
 // A daemon killed under a remote append: the call fails within the client's time, and a
 // new daemon takes the next one.
 TEST(KvmemdProcessTest, ADaemonKilledMidTransferFailsTheAppendInTime) {
-  setenv("UCX_TLS", "tcp", 1);
+  const kvmem::testing::ScopedEnv tcp("UCX_TLS", "tcp");
   const std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--pool-bytes=268435456", "--ucx",
                                           "--ucx_trusted_network", "--log-level=warn"};
   kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(KVMEMD_PATH, flags);
@@ -771,7 +770,6 @@ TEST(KvmemdProcessTest, ADaemonKilledMidTransferFailsTheAppendInTime) {
   auto appended = sender2->Append(*client2, seq2->id, {positions, {}, k, v, {}, {}});
   EXPECT_TRUE(appended.ok()) << appended.status();
   EXPECT_EQ(kvmem::testing::StopKvmemd(again), 0);
-  unsetenv("UCX_TLS");
 }
 #endif
 
@@ -860,7 +858,8 @@ void StartPair(bool ucx, const Tokens& tokens, Pair* p) {
 TEST(KvmemdProcessTest, AHolderKilledMidMoveFailsTheMoveInTimeAndLeavesTheReceiverEmpty) {
   const Tokens tokens;
   for (const bool ucx : {false, kWithUcx}) {
-    if (ucx) setenv("UCX_TLS", "tcp", 1);
+    std::optional<kvmem::testing::ScopedEnv> tcp;
+    if (ucx) tcp.emplace("UCX_TLS", "tcp");
     Pair p;
     StartPair(ucx, tokens, &p);
     if (HasFatalFailure()) return;
@@ -884,14 +883,14 @@ TEST(KvmemdProcessTest, AHolderKilledMidMoveFailsTheMoveInTimeAndLeavesTheReceiv
     EXPECT_EQ(stats->host_metadata_bytes, baseline) << ucx;
     EXPECT_EQ(stats->sequences_active, 0u) << ucx;
     EXPECT_EQ(kvmem::testing::StopKvmemd(p.receiver), 0);
-    unsetenv("UCX_TLS");
   }
 }
 
 TEST(KvmemdProcessTest, AReceiverKilledMidMoveLeavesTheHolderWhole) {
   const Tokens tokens;
   for (const bool ucx : {false, kWithUcx}) {
-    if (ucx) setenv("UCX_TLS", "tcp", 1);
+    std::optional<kvmem::testing::ScopedEnv> tcp;
+    if (ucx) tcp.emplace("UCX_TLS", "tcp");
     Pair p;
     StartPair(ucx, tokens, &p);
     if (HasFatalFailure()) return;
@@ -928,7 +927,6 @@ TEST(KvmemdProcessTest, AReceiverKilledMidMoveLeavesTheHolderWhole) {
       EXPECT_LE(p.on_holder->GetStats(false)->blocks_used, blocks + kLayers * kHeads) << ucx;
     }
     EXPECT_EQ(kvmem::testing::StopKvmemd(p.holder), 0);
-    unsetenv("UCX_TLS");
   }
 }
 

@@ -374,6 +374,8 @@ TEST_F(SequenceMoveTlsTest, AHolderThatCannotProveItselfMovesNothing) {
     const uint64_t blocks = on_holder->GetStats(false)->blocks_used;
     auto r = on_receiver->MoveSequence(Address(*holder_), id);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+    // The holder's certificate checked and refused, not a holder out of reach.
+    if (!ca.empty()) EXPECT_THAT(r.status().message(), HasSubstr("handshake"));
     EXPECT_TRUE(on_holder->GetBlockTable(id).ok());
     EXPECT_EQ(on_holder->GetStats(false)->blocks_used, blocks);
     EXPECT_EQ(on_receiver->GetStats(false)->blocks_used, 0u);
@@ -467,10 +469,13 @@ TEST_F(SequenceMoveTest, AHolderThatLiesMovesNothing) {
     std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
     const std::string address = absl::StrCat("127.0.0.1:", port);
     std::unique_ptr<service::Server> receiver = StartOne({address});
-    auto alice = Connect(*receiver, kAlice);
+    client::ClientOptions options;  // retries as a client does by default: one move all the same
+    options.auth_token = kAlice;
+    auto alice = *client::Client::Connect(Address(*receiver), options);
     auto r = alice->MoveSequence(address, id);
-    // The holder's fault, not the request's: as for a holder that fails.
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << name << ": " << r.status();
+    // Not the request's fault, nor one a retry would mend.
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition)
+        << name << ": " << r.status();
     EXPECT_EQ(liar.moved.load(), 0) << name;
     if (std::string(name) != "no header") EXPECT_EQ(liar.abandoned.load(), 1) << name;
     auto admin = Connect(*receiver, kPeer);
@@ -526,35 +531,35 @@ TEST_P(SequenceMoveUcxTest, BlocksComeByUcx) {
   EXPECT_EQ(r->transport, "grpc");
 }
 
-// The receiver's kept connection to a holder's pool holds its staging buffer reserved from
-// --parse-memory-bytes; a receiver without room for it moves by gRPC, and refuses "ucx".
-TEST_P(SequenceMoveUcxTest, APeerPoolIsCountedInTheParseBudget) {
+// A receiver that reads its peers' pools by UCX reserves their staging buffers from
+// --parse-memory-bytes when it starts (one per configured peer), and refuses to start
+// without room for them, naming the flag.
+TEST_P(SequenceMoveUcxTest, PeerPoolsAreCountedInTheParseBudget) {
   Start(true, true);
   transport::ParseBudget& budget = transport::ParseBudget::Process();
-  auto alice_holder = Connect(*holder_, kAlice);
-  {
-    auto alice = Connect(*receiver_, kAlice);
-    const uint64_t idle = budget.reserved();
-    auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}),
-                                     std::nullopt, "ucx");
-    ASSERT_TRUE(moved.ok()) << moved.status();
-    EXPECT_EQ(budget.reserved() - idle, client::UcxPool::kStagingBytes);  // kept for the next
-  }
   receiver_.reset();
   const uint64_t idle = budget.reserved();
-  receiver_ = StartOne({Address(*holder_)}, false, 0, [&](service::ServerConfig& c) {
-    c.engine.max_append_bytes = 1 << 20;  // so that a budget of 12 MiB is allowed
-    c.parse_memory_bytes = idle + (12 << 20);
-  });
+  receiver_ = StartOne({Address(*holder_), "127.0.0.1:1"});
   ASSERT_NE(receiver_, nullptr);
+  EXPECT_EQ(budget.reserved() - idle, 2 * client::UcxPool::kStagingBytes);
   auto alice = Connect(*receiver_, kAlice);
-  const uint64_t id = Prepare(*alice_holder, {"full", {}});
-  auto r = alice->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-  EXPECT_THAT(r.status().message(), HasSubstr("parse-memory-bytes"));
-  r = alice->MoveSequence(Address(*holder_), id);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->transport, "grpc");
+  auto moved = alice->MoveSequence(
+      Address(*holder_), Prepare(*Connect(*holder_, kAlice), {"full", {}}), std::nullopt, "ucx");
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(budget.reserved() - idle, 2 * client::UcxPool::kStagingBytes);
+  receiver_.reset();
+  EXPECT_EQ(budget.reserved(), idle);
+
+  service::ServerConfig config;
+  config.listen = "127.0.0.1:0";
+  config.engine.pool_bytes = 32ull << 20;
+  config.engine.max_append_bytes = 1 << 20;  // so that a budget of 12 MiB is allowed
+  config.parse_memory_bytes = idle + (12 << 20);
+  config.cluster_peers = {Address(*holder_)};
+  config.cluster_peer_token_file = peer_token_;
+  auto refused = service::Server::Start(config);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("--parse-memory-bytes"));
   EXPECT_EQ(budget.reserved(), idle);
 }
 

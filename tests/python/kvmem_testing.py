@@ -75,19 +75,12 @@ def running_daemon(tag, *flags):
 
 
 def make_certificates(directory):
-    """TLS certificates made by the openssl command in `directory`: a CA "ca", a server
-    certificate for localhost and 127.0.0.1 ("server"), clients "alice" and "bob"; each
-    NAME as NAME.pem and NAME.key."""
-    script = """set -e
-key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out $1.key 2>/dev/null; }
-ca() { key $1; openssl req -x509 -new -key $1.key -out $1.pem -days 2 -subj /CN=$1; }
-cert() { key $1; openssl req -new -key $1.key -out $1.csr -subj /CN=$2
-  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > $1.ext
-  openssl x509 -req -in $1.csr -CA $3.pem -CAkey $3.key -CAcreateserial -out $1.pem -days 2 \
-    -extfile $1.ext 2>/dev/null; }
-ca ca; cert server localhost ca; cert alice alice ca; cert bob bob ca
-"""
-    subprocess.run(["/bin/sh", "-c", script], cwd=directory, check=True, timeout=60)
+    """TLS certificates made in `directory` by tests/testing/make_certificates.sh (a CA
+    "ca", a server certificate for localhost and 127.0.0.1 "server", clients "alice" and
+    "bob"...; each NAME as NAME.pem and NAME.key)."""
+    script = pathlib.Path(__file__).resolve().parent.parent / "testing" / "make_certificates.sh"
+    subprocess.run(["/bin/sh", str(script), str(directory)], check=True, timeout=60,
+                   stdout=subprocess.DEVNULL)
 
 
 def layout(dtype=kvmem.DType.F16, L=2, H=2, D=8, block_tokens=None):

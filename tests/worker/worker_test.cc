@@ -9,6 +9,7 @@
 #include "kv_stores.h"
 #include "model.h"
 #include "server/service/server.h"
+#include "tests/testing/scoped_env.h"
 #include "session.h"
 #include "tokenizer.h"
 
@@ -152,7 +153,8 @@ TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
   std::vector<client::KvTransport> transports = {client::KvTransport::kAttach,
                                                  client::KvTransport::kGrpc};
 #if KVMEM_WITH_UCX
-  setenv("UCX_TLS", "tcp", 1);  // the daemon's worker and the store's read it when made
+  // The daemon's worker and the store's read it when made.
+  const testing::ScopedEnv tcp("UCX_TLS", "tcp");
   setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   config_.ucx = true;
   config_.ucx_trusted_network = true;
@@ -192,7 +194,6 @@ TEST_F(WorkerTest, FullPolicyThroughKvmemdMatchesTheInProcessCache) {
     }
   }
 #if KVMEM_WITH_UCX
-  unsetenv("UCX_TLS");
 #endif
 }
 

@@ -28,6 +28,7 @@ struct KvPath::Ucx {
   std::shared_ptr<UcxPool> pool ABSL_GUARDED_BY(mu);
   uint64_t bytes_read_before ABSL_GUARDED_BY(mu) = 0;  // by the readers replaced
   absl::Time next_connect ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  bool connecting ABSL_GUARDED_BY(mu) = false;  // a reader is connecting anew
   std::unique_ptr<UcxSender> sender;
 #endif
 };
@@ -208,22 +209,33 @@ std::optional<absl::StatusOr<std::vector<StreamKv>>> KvPath::ReadByUcx(
 
 #if KVMEM_WITH_UCX
 absl::StatusOr<std::shared_ptr<UcxPool>> KvPath::UcxReader() const {
-  absl::MutexLock lock(&ucx_->mu);
-  std::shared_ptr<UcxPool>& pool = ucx_->pool;
-  if (pool != nullptr && !pool->broken()) return pool;
   const bool asked = options_.transport == KvTransport::kUcx;
-  if (!asked && absl::Now() < ucx_->next_connect) return nullptr;
+  std::shared_ptr<UcxPool> retired;  // ended outside the lock (closing may wait)
+  {
+    absl::MutexLock lock(&ucx_->mu);
+    if (asked) {
+      ucx_->mu.Await(absl::Condition(
+          +[](bool* connecting) { return !*connecting; }, &ucx_->connecting));
+    } else if (ucx_->connecting) {
+      return nullptr;  // by gRPC meanwhile
+    }
+    if (ucx_->pool != nullptr && !ucx_->pool->broken()) return ucx_->pool;
+    if (!asked && absl::Now() < ucx_->next_connect) return nullptr;
+    if (ucx_->pool != nullptr) ucx_->bytes_read_before += ucx_->pool->bytes_read();
+    retired = std::move(ucx_->pool);
+    ucx_->connecting = true;
+  }
   // Connected anew from the daemon's GetInfo (a restarted daemon has a new worker and new
-  // keys); other readers wait for it here.
-  if (pool != nullptr) ucx_->bytes_read_before += pool->bytes_read();
-  pool = nullptr;
+  // keys), outside the lock: other readers go by gRPC meanwhile (or wait, UCX asked for).
   absl::StatusOr<Info> info = client_->GetInfo();
   absl::StatusOr<std::unique_ptr<UcxPool>> connected =
       info.ok() ? UcxPool::Connect(*info, options_.ucx_deadline)
                 : absl::StatusOr<std::unique_ptr<UcxPool>>(info.status());
+  absl::MutexLock lock(&ucx_->mu);
+  ucx_->connecting = false;
   if (connected.ok()) {
-    pool = *std::move(connected);
-    return pool;
+    ucx_->pool = *std::move(connected);
+    return ucx_->pool;
   }
   ucx_->next_connect = absl::Now() + kReconnectPause;
   if (!asked) return nullptr;

@@ -14,8 +14,9 @@
 // takes the first that works and says why in reason(); a transport asked by name that
 // cannot be had is an error naming what is missing. UCX's own transports come from its
 // environment (UCX_TLS: tcp, shared memory, CMA, ...). A UCX read whose connection broke
-// (the daemon restarted, or a read outlasted its deadline) connects anew for the next
-// read; meanwhile, and when connecting fails, reads go by gRPC unless UCX was asked for.
+// (the daemon restarted, or a read outlasted its deadline) is read once more on a connection
+// made anew; while one is being made, and for 5 s after one could not be, reads go by gRPC
+// (they wait for it when UCX was asked for).
 #include <cstdint>
 #include <memory>
 #include <optional>
