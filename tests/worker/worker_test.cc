@@ -9,8 +9,8 @@
 #include "kv_stores.h"
 #include "model.h"
 #include "server/service/server.h"
-#include "tests/testing/scoped_env.h"
 #include "session.h"
+#include "tests/testing/scoped_env.h"
 #include "tokenizer.h"
 
 namespace kvmem::worker {
