@@ -79,12 +79,15 @@ class SequenceMoveTest : public ::testing::Test {
   static std::string Address(const service::Server& s) {
     return absl::StrCat("127.0.0.1:", s.port());
   }
+  // `tls_root_certs`: over TLS, trusting them.
   static std::unique_ptr<client::Client> Connect(const service::Server& s,
-                                                 const std::string& token = "") {
+                                                 const std::string& token = "",
+                                                 const std::string& tls_root_certs = "") {
     client::ClientOptions options;
     options.deadline = absl::Seconds(20);
     options.max_attempts = 1;
     options.auth_token = token;
+    options.tls_root_certs = tls_root_certs;
     return *client::Client::Connect(Address(s), options);
   }
 
@@ -327,12 +330,7 @@ class SequenceMoveTlsTest : public SequenceMoveTest {
   // A client of the holder over TLS.
   static std::unique_ptr<client::Client> ConnectTls(const service::Server& s,
                                                     const std::string& token = "") {
-    client::ClientOptions options;
-    options.deadline = absl::Seconds(20);
-    options.max_attempts = 1;
-    options.auth_token = token;
-    options.tls_root_certs = testing::ReadTestPem(dir_, "ca.pem");
-    return *client::Client::Connect(Address(s), options);
+    return Connect(s, token, testing::ReadTestPem(dir_, "ca.pem"));
   }
 
   static std::string dir_;
