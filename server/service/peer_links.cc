@@ -1,5 +1,6 @@
 #include "server/service/peer_links.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,31 +26,37 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::string& tls_roo
 
 absl::StatusOr<std::unique_ptr<PeerLinks>> PeerLinks::Create(std::string peer_token,
                                                              const std::string& tls_root_certs,
-                                                             size_t peers) {
-  std::unique_ptr<PeerLinks> links(new PeerLinks(std::move(peer_token), tls_root_certs));
+                                                             std::vector<std::string> peers) {
+  const size_t n = peers.size();
+  std::unique_ptr<PeerLinks> links(
+      new PeerLinks(std::move(peer_token), tls_root_certs, std::move(peers)));
 #if KVMEM_WITH_UCX
-  if (links->reads_pools() && peers > 0) {
+  if (links->reads_pools() && n > 0) {
     absl::StatusOr<transport::ParseBudget::Reservation> staging =
-        transport::ParseBudget::Process().Reserve(peers * client::UcxPool::kStagingBytes,
+        transport::ParseBudget::Process().Reserve(n * client::UcxPool::kStagingBytes,
                                                   "the peers' pools read by UCX");
     if (!staging.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--parse-memory-bytes: cannot also hold the staging of ", peers,
+          "--parse-memory-bytes: cannot also hold the staging of ", n,
           " --cluster-peers' pools read by UCX (", client::UcxPool::kStagingBytes >> 20,
           " MiB each): ", staging.status().message()));
     }
     links->staging_ = *std::move(staging);
   }
-#else
-  (void)peers;
 #endif
   return links;
 }
 
-PeerLinks::PeerLinks(std::string peer_token, const std::string& tls_root_certs)
+PeerLinks::PeerLinks(std::string peer_token, const std::string& tls_root_certs,
+                     std::vector<std::string> peers)
     : token_(std::move(peer_token)),
       credentials_(Credentials(tls_root_certs)),
-      tls_(!tls_root_certs.empty()) {}
+      tls_(!tls_root_certs.empty()),
+      peers_(std::move(peers)) {}
+
+bool PeerLinks::IsPeer(const std::string& node) const {
+  return std::find(peers_.begin(), peers_.end(), node) != peers_.end();
+}
 
 PeerLinks::~PeerLinks() = default;
 

@@ -16,6 +16,7 @@
 // reserved from --parse-memory-bytes for every configured peer when the links are made.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -36,17 +37,20 @@ class PeerLinks {
  public:
   // `peer_token` empty: no peer's pool is read by UCX (transfers go by gRPC).
   // `tls_root_certs` (PEM): the peers' server certificates are checked against them;
-  // empty: plaintext. `peers`: how many are configured. INVALID_ARGUMENT naming
-  // --parse-memory-bytes when it cannot hold their pools' staging.
+  // empty: plaintext. `peers`: the nodes (--cluster-peers) moved and pulled from.
+  // INVALID_ARGUMENT naming --parse-memory-bytes when it cannot hold their pools' staging.
   static absl::StatusOr<std::unique_ptr<PeerLinks>> Create(std::string peer_token,
                                                            const std::string& tls_root_certs,
-                                                           size_t peers);
+                                                           std::vector<std::string> peers);
   ~PeerLinks();
   PeerLinks(const PeerLinks&) = delete;
   PeerLinks& operator=(const PeerLinks&) = delete;
 
+  // Whether `node` is one of the peers; whether there are any.
+  bool IsPeer(const std::string& node) const;
+  bool has_peers() const { return !peers_.empty(); }
   // A stub over the kept channel to `node` (made at its first use; the caller has checked
-  // that `node` is a configured peer, so the channels are bounded by them).
+  // IsPeer, so the channels are bounded by the peers).
   std::unique_ptr<v1::KvCache::Stub> Stub(const std::string& node);
   bool tls() const { return tls_; }
 
@@ -72,11 +76,13 @@ class PeerLinks {
   static constexpr int kMaxPeerMessageBytes = 64 << 20;
 
  private:
-  PeerLinks(std::string peer_token, const std::string& tls_root_certs);
+  PeerLinks(std::string peer_token, const std::string& tls_root_certs,
+            std::vector<std::string> peers);
 
   const std::string token_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   const bool tls_;
+  const std::vector<std::string> peers_;
   transport::ParseBudget::Reservation staging_;  // every peer's pool's
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

@@ -76,10 +76,6 @@ bool IsPrefixTable(const v1::BlockTable& t, const v1::Layout& layout, uint32_t b
 
 }  // namespace
 
-bool PrefixPuller::IsPeer(const std::string& node) const {
-  return std::find(peers_.begin(), peers_.end(), node) != peers_.end();
-}
-
 metrics::PullTotals PrefixPuller::totals() const {
   metrics::PullTotals t;
   t.pulled = pulled_.load(std::memory_order_relaxed);
@@ -129,7 +125,7 @@ absl::StatusOr<PullResult> PrefixPuller::Choose(grpc::ServerContext* context,
                                                 const std::string& client_salt, const PullAsk& ask,
                                                 const std::string& bearer, absl::Time deadline) {
   const std::string& from_node = ask.from_node;
-  if (peers_.empty()) {
+  if (!links_->has_peers()) {
     return absl::FailedPreconditionError(
         "PullPrefix: this kvmemd has no peers to pull from (--cluster-peers)");
   }
@@ -170,7 +166,7 @@ absl::StatusOr<PullResult> PrefixPuller::Choose(grpc::ServerContext* context,
     absl::Status last;
     for (const FleetHolder& h : fleet.holders) {
       const uint64_t claimed = std::min<uint64_t>(h.blocks, most / B) * B;
-      if (h.node == self_ || !IsPeer(h.node) || claimed <= *local ||
+      if (h.node == self_ || !links_->IsPeer(h.node) || claimed <= *local ||
           (!from_node.empty() && h.node != from_node)) {
         continue;
       }

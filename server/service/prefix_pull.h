@@ -62,11 +62,10 @@ class PrefixPuller {
  public:
   // `links`: the channels to the peers and their pools by UCX (outlives the puller).
   PrefixPuller(engine::Engine* engine, ClusterIndex* index, std::string self_node,
-               std::vector<std::string> peers, uint64_t max_bytes, int max_pulls, PeerLinks* links)
+               uint64_t max_bytes, int max_pulls, PeerLinks* links)
       : engine_(engine),
         index_(index),
         self_(std::move(self_node)),
-        peers_(std::move(peers)),
         links_(links),
         max_bytes_(max_bytes),
         max_pulls_(max_pulls),
@@ -95,12 +94,10 @@ class PrefixPuller {
                                       const std::string& client_salt, const PullAsk& ask,
                                       const std::string& bearer, absl::Time deadline,
                                       uint64_t local, const std::string& holder);
-  bool IsPeer(const std::string& node) const;
 
   engine::Engine* const engine_;
   ClusterIndex* const index_;
   const std::string self_;
-  const std::vector<std::string> peers_;
   PeerLinks* const links_;
   const uint64_t max_bytes_;
   const int max_pulls_;

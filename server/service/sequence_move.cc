@@ -224,7 +224,7 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
     return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(transport),
                                                    "\" is none of \"ucx\", \"grpc\" or empty"));
   }
-  if (std::find(peers_.begin(), peers_.end(), from_node) == peers_.end()) {
+  if (!links_->IsPeer(from_node)) {
     return absl::FailedPreconditionError(
         absl::StrCat("from_node: \"", EchoClientText(from_node),
                      "\" is not one of this kvmemd's --cluster-peers"));

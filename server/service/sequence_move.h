@@ -54,10 +54,8 @@ struct MoveResult {
 class SequenceMover {
  public:
   // `links`: the channels to the peers and their pools by UCX (outlives the mover).
-  SequenceMover(engine::Engine* engine, std::vector<std::string> peers, uint64_t max_bytes,
-                int max_moves, PeerLinks* links)
+  SequenceMover(engine::Engine* engine, uint64_t max_bytes, int max_moves, PeerLinks* links)
       : engine_(engine),
-        peers_(std::move(peers)),
         links_(links),
         max_bytes_(max_bytes),
         max_moves_(max_moves),
@@ -78,7 +76,6 @@ class SequenceMover {
                                       const std::string& transport, absl::Time deadline);
 
   engine::Engine* const engine_;
-  const std::vector<std::string> peers_;
   PeerLinks* const links_;
   const uint64_t max_bytes_;
   const int max_moves_;

@@ -101,7 +101,7 @@ absl::StatusOr<std::unique_ptr<PeerLinks>> Peers(const ServerConfig& config) {
     ca = *std::move(pem);
   }
   absl::StatusOr<std::unique_ptr<PeerLinks>> links =
-      PeerLinks::Create(std::move(peer_token), ca, config.cluster_peers.size());
+      PeerLinks::Create(std::move(peer_token), ca, config.cluster_peers);
   // Tokens a caller sends are forwarded whether or not this daemon checks them.
   if (!links.ok() || (*links)->tls()) return links;
   for (const std::string& peer : config.cluster_peers) {
@@ -264,9 +264,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     if (config.cluster_pull_concurrency < 1 || config.cluster_pull_concurrency > 64) {
       return absl::InvalidArgumentError("--cluster-pull-concurrency: in [1, 64]");
     }
-    server->mover_ = std::make_unique<SequenceMover>(
-        server->engine_.get(), config.cluster_peers, config.cluster_pull_max_bytes,
-        config.cluster_pull_concurrency, server->peer_links_.get());
+    server->mover_ =
+        std::make_unique<SequenceMover>(server->engine_.get(), config.cluster_pull_max_bytes,
+                                        config.cluster_pull_concurrency, server->peer_links_.get());
   }
   if (!config.cluster_index.url.empty()) {
     // A loss of events rebuilds this node's claims from the prefix index itself.
@@ -281,8 +281,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     }
     server->puller_ = std::make_unique<PrefixPuller>(
         server->engine_.get(), server->cluster_index_.get(), config.cluster_index.node,
-        config.cluster_peers, config.cluster_pull_max_bytes, config.cluster_pull_concurrency,
-        server->peer_links_.get());
+        config.cluster_pull_max_bytes, config.cluster_pull_concurrency, server->peer_links_.get());
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.

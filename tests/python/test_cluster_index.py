@@ -110,7 +110,7 @@ class Node:
             f"--cluster_node_address={self.name}", f"--cluster_index_ttl_seconds={TTL}",
             f"--metrics_listen=127.0.0.1:{self.metrics_port}", "--pool_bytes=4194304",
             "--cluster_index_timeout_ms=1000", *flags)
-        self.client = kvmem.Client(self.target, options)
+        self.client = kvmem.Client(self.target, options or kvmem.ClientOptions())
 
     def stop(self):
         self.client.close()
