@@ -54,8 +54,12 @@ std::vector<int> Exchange(const std::string& bytes, const std::string* ticket) {
   message.msg_control = control;
   message.msg_controllen = sizeof control;
   const ssize_t got = recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+  const int error = got < 0 ? errno : 0;
+  // A failed recvmsg leaves the control buffer as it was (zeros): nothing to read there.
+  if (got < 0) message.msg_controllen = 0;
   std::vector<int> received;
   for (cmsghdr* h = CMSG_FIRSTHDR(&message); h != nullptr; h = CMSG_NXTHDR(&message, h)) {
+    if (h->cmsg_len < CMSG_LEN(0)) break;
     const size_t n = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < n; ++i) {
       int d = -1;
@@ -64,7 +68,8 @@ std::vector<int> Exchange(const std::string& bytes, const std::string* ticket) {
     }
   }
   close(fd);
-  FUZZ_CHECK(got == static_cast<ssize_t>(sizeof reply), "a reply of %zd bytes", got);
+  FUZZ_CHECK(got == static_cast<ssize_t>(sizeof reply), "a reply of %zd bytes (%s)", got,
+             error != 0 ? strerror(error) : "no error");
   FUZZ_CHECK(reply.magic == wire::kMagic && reply.version == wire::kVersion, "reply header");
   FUZZ_CHECK(reply.message[wire::kMessageBytes - 1] == '\0', "unterminated message");
   const bool granted = ticket != nullptr;
