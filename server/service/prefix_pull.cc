@@ -327,10 +327,14 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     absl::StatusOr<transport::ParseBudget::Reservation> streams_held =
         transport::ParseBudget::Process().Reserve(n * per_token, "PullPrefix");
     if (!streams_held.ok()) return streams_held.status();
+    const client::UcxPool::Deadline by_pull(deadline);
     absl::StatusOr<std::vector<client::StreamKv>> streams = ucx->ReadStreams(table);
     if (!streams.ok()) {
-      return absl::UnavailableError(absl::StrCat("PullPrefix: reading the holder ", holder,
-                                                 "'s pool by UCX: ", streams.status().message()));
+      return absl::Status(absl::IsDeadlineExceeded(streams.status())
+                              ? absl::StatusCode::kDeadlineExceeded
+                              : absl::StatusCode::kUnavailable,
+                          absl::StrCat("PullPrefix: reading the holder ", holder,
+                                       "'s pool by UCX: ", streams.status().message()));
     }
     for (uint64_t s = 0; s < rows; ++s) {
       const client::StreamKv& kv = (*streams)[s];

@@ -294,8 +294,8 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   std::unique_ptr<grpc::ClientContext> c = call(deadline);
   v1::ExportSequenceRequest q;
   q.set_sequence_id(sequence_id);
-  // Held past the move's deadline by as much again: a get posted before the deadline waits at
-  // most that long (UcxPool's deadline), so every block is read before the hold can lapse.
+  // Held past the move's deadline by as much again and 10 s: every get ends by the deadline
+  // (UcxPool::Deadline), so every block is read before the hold can lapse.
   ToProto(std::clamp(2 * (deadline - absl::Now()) + absl::Seconds(10), absl::Seconds(1), kMaxHold),
           q.mutable_hold());
   q.set_block_offsets(by_ucx);
@@ -342,6 +342,9 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   }
 #if KVMEM_WITH_UCX
   bool reconnected = false;
+  // The gets end by the move's deadline (cancelled, the move ends at its next piece: the
+  // export's stream is the caller's).
+  const client::UcxPool::Deadline by_move(deadline);
 #endif
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
@@ -354,7 +357,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     if (added.ok() && by_ucx) {
       const uint64_t left = (*import)->header().block_bytes - (*import)->bytes();
       added = GetBlocks(*ucx, (*import)->format(), left, &*piece);
-      if (!added.ok() && ucx->broken() && !reconnected) {
+      if (!added.ok() && ucx->broken() && !reconnected && !absl::IsDeadlineExceeded(added)) {
         // A connection kept from before the holder restarted (or one that broke): connected
         // again, once; the export holds its blocks, so the piece is got again.
         reconnected = true;

@@ -195,6 +195,55 @@ TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
     EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
   }
 }
+
+// A read for a call ends by the call's deadline (UcxPool::Deadline), not the pool's: a daemon
+// stopped mid-read (SIGSTOP: over TCP its worker answers no get) fails it in about the
+// call's time; a deadline already past fails before any get and leaves the pool whole.
+TEST(KvmemdProcessTest, AUcxReadEndsByTheCallsDeadline) {
+  const kvmem::testing::ScopedEnv transports("UCX_TLS", "tcp");
+  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
+      KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
+                    "--ucx_trusted_network", "--log-level=warn"});
+  ASSERT_GT(d.port, 0);
+  auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
+  kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};
+  auto seq = client->CreateSequence(layout, {"full", {}});
+  ASSERT_TRUE(seq.ok()) << seq.status();
+  const std::vector<int64_t> positions = kvmem::testing::Range(0, 40);
+  const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
+  const std::string v = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 1);
+  ASSERT_TRUE(client->Append(seq->id, {positions, {}, k, v, {}, {}}).ok());
+  auto info = client->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  auto pool = kvmem::client::UcxPool::Connect(*info, absl::Seconds(30));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto table = *client->GetBlockTable(seq->id);
+  std::string rk, rv;
+  {
+    const kvmem::client::UcxPool::Deadline past(absl::Now() - absl::Seconds(1));
+    EXPECT_EQ((*pool)->ReadStream(table, 0, 0, &rk, &rv).code(),
+              absl::StatusCode::kDeadlineExceeded);
+  }
+  EXPECT_FALSE((*pool)->broken());
+  const absl::Status whole = (*pool)->ReadStream(table, 0, 0, &rk, &rv);
+  ASSERT_TRUE(whole.ok()) << whole;
+  EXPECT_EQ(rk, k.substr(0, 40 * 64 * 2));
+
+  kill(d.pid, SIGSTOP);
+  const absl::Time started = absl::Now();
+  {
+    const kvmem::client::UcxPool::Deadline by_call(started + absl::Milliseconds(500));
+    const absl::Status stalled = (*pool)->ReadStream(table, 1, 1, &rk, &rv);
+    EXPECT_EQ(stalled.code(), absl::StatusCode::kDeadlineExceeded) << stalled;
+  }
+  // The read's half second and the forced close's second at most, not the pool's 30 s.
+  EXPECT_LT(absl::Now() - started, absl::Seconds(5));
+  EXPECT_TRUE((*pool)->broken());
+  kill(d.pid, SIGCONT);
+  kill(d.pid, SIGKILL);
+  kvmem::testing::WaitExit(d.pid);
+  if (d.out != nullptr) fclose(d.out);
+}
 #endif
 
 // A worker's step channel when its daemon dies outright: the batch in flight fails with

@@ -46,7 +46,16 @@ ucs_status_t Wait(ucp_worker_h worker, ucs_status_ptr_t request, absl::Time dead
   return status;
 }
 
+// The earliest end of the Deadline scopes alive on this thread.
+thread_local absl::Time call_deadline = absl::InfiniteFuture();
+
 }  // namespace
+
+UcxPool::Deadline::Deadline(absl::Time until) : outer_(call_deadline) {
+  call_deadline = std::min(outer_, until);
+}
+
+UcxPool::Deadline::~Deadline() { call_deadline = outer_; }
 
 UcxPool::UcxPool() : ucx_(std::make_unique<Handles>()) {}
 
@@ -130,6 +139,10 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
     return absl::UnavailableError(
         "ucx: an earlier read failed or outlasted its deadline; connect a new pool");
   }
+  const absl::Time by_call = call_deadline;
+  if (absl::Now() >= by_call) {
+    return absl::DeadlineExceededError("ucx: the call's deadline passed before its gets");
+  }
   // All posted, then all waited for: one round trip's latency for the batch, not one each.
   std::vector<ucs_status_ptr_t> requests;
   requests.reserve(ops.size());
@@ -146,7 +159,7 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
     if (request != nullptr) requests.push_back(request);
     bytes += op.bytes;
   }
-  const absl::Time deadline = absl::Now() + deadline_;
+  const absl::Time deadline = std::min(absl::Now() + deadline_, by_call);
   std::vector<ucs_status_ptr_t> pending;
   for (ucs_status_ptr_t request : requests) {
     ucs_status_ptr_t left = nullptr;
@@ -177,6 +190,10 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
   // A failed endpoint (the peer went away) and a read past its deadline both end the pool.
   if (status != UCS_OK) {
     broken_ = true;
+    if (status == UCS_ERR_TIMED_OUT && absl::Now() >= by_call) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "ucx: gets of ", bytes, " bytes outlasted the call's deadline; nothing read may be used"));
+    }
     return absl::UnavailableError(absl::StrCat("ucx: gets of ", bytes, " bytes failed (",
                                                ucs_status_string(status),
                                                "); nothing read may be used"));

@@ -48,6 +48,21 @@ class UcxPool final : private MappedPool {
   // A read failed (the daemon went away, or a read outlasted its deadline): every read
   // fails from then on; connect a new pool.
   bool broken() const;
+  // While one lives, every read on this thread ends by `until` at the latest (a daemon
+  // reading for a call ends by the call's deadline, not kReadDeadline later); scopes nest,
+  // the earliest applies. A read found past it fails with DEADLINE_EXCEEDED before posting
+  // anything (the pool stays whole); one that outlasts it fails so too, and ends the pool
+  // as any read past its deadline does.
+  class Deadline {
+   public:
+    explicit Deadline(absl::Time until);
+    ~Deadline();
+    Deadline(const Deadline&) = delete;
+    Deadline& operator=(const Deadline&) = delete;
+
+   private:
+    absl::Time outer_;
+  };
   // The most memory a pool holds for its reads besides their destinations: CopyOutMany's
   // staging buffer (a daemon that keeps pools reserves it from its budget: PeerLinks).
   static constexpr uint64_t kStagingBytes = 16ull << 20;
