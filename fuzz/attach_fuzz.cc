@@ -43,7 +43,10 @@ int Connect() {
 // Sends `bytes` (nothing when empty) and checks what comes back; the descriptors granted.
 std::vector<int> Exchange(const std::string& bytes, const std::string* ticket) {
   const int fd = Connect();
-  if (!bytes.empty()) (void)send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  if (!bytes.empty()) {
+    while (send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+  }
   shutdown(fd, SHUT_WR);  // said all it will: the socket answers at once
   wire::Reply reply{};
   iovec io{&reply, sizeof reply};
@@ -53,7 +56,10 @@ std::vector<int> Exchange(const std::string& bytes, const std::string* ticket) {
   message.msg_iovlen = 1;
   message.msg_control = control;
   message.msg_controllen = sizeof control;
-  const ssize_t got = recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+  ssize_t got;
+  do {  // a signal (SIGCONT after a pause, a profiler's) interrupts the wait only
+    got = recvmsg(fd, &message, MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
   const int error = got < 0 ? errno : 0;
   // A failed recvmsg leaves the control buffer as it was (zeros): nothing to read there.
   if (got < 0) message.msg_controllen = 0;

@@ -13,6 +13,8 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kvmem/v1/attach.h"
 
 namespace kvmem::client {
@@ -61,7 +63,17 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
   request.magic = wire::kMagic;
   request.version = wire::kVersion;
   std::memcpy(request.ticket, ticket.ticket.data(), wire::kTicketBytes);
-  if (send(connection, &request, sizeof request, MSG_NOSIGNAL) != sizeof request) {
+  // A signal taken while waiting (a handler without SA_RESTART: a profiler's, a worker's
+  // SIGCHLD) interrupts the wait, not the exchange: asked again, within the timeout's time.
+  const absl::Time give_up = absl::Now() + absl::DurationFromTimeval(kTimeout);
+  const auto interrupted = [&](ssize_t r) {
+    return r < 0 && errno == EINTR && absl::Now() < give_up;
+  };
+  ssize_t sent;
+  do {
+    sent = send(connection, &request, sizeof request, MSG_NOSIGNAL);
+  } while (interrupted(sent));
+  if (sent != sizeof request) {
     return absl::UnavailableError(
         absl::StrCat(what, ": sending the ticket: ", std::strerror(errno)));
   }
@@ -73,8 +85,12 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
   message.msg_iovlen = 1;
   message.msg_control = control;
   message.msg_controllen = sizeof control;
-  const ssize_t got = recvmsg(connection, &message, MSG_CMSG_CLOEXEC);
+  ssize_t got;
+  do {
+    got = recvmsg(connection, &message, MSG_CMSG_CLOEXEC);
+  } while (interrupted(got));
   const int err = errno;
+  if (got < 0) message.msg_controllen = 0;  // nothing arrived: no control data to walk
   std::vector<int> descriptors;
   for (cmsghdr* h = CMSG_FIRSTHDR(&message); h != nullptr; h = CMSG_NXTHDR(&message, h)) {
     if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) {

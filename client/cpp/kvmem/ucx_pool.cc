@@ -191,8 +191,9 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
   if (status != UCS_OK) {
     broken_ = true;
     if (status == UCS_ERR_TIMED_OUT && absl::Now() >= by_call) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "ucx: gets of ", bytes, " bytes outlasted the call's deadline; nothing read may be used"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("ucx: gets of ", bytes,
+                       " bytes outlasted the call's deadline; nothing read may be used"));
     }
     return absl::UnavailableError(absl::StrCat("ucx: gets of ", bytes, " bytes failed (",
                                                ucs_status_string(status),
