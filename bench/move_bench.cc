@@ -1,12 +1,15 @@
-// A whole sequence moved between two kvmemd (MoveSequence, daemon to daemon) in this
-// process: an 8k-token Llama-8B-shape sequence (32x8x128 f16, 1 GiB of K/V, by default),
-// moved from the holder to the receiver by gRPC (the blocks in the export's messages), by
-// UCX over TCP and by UCX over shared memory (RMA gets from the holder's pool), each
-// repeated --repeats times (the holder gets the sequence again between moves, untimed).
+// A whole sequence moved between two kvmemd (MoveSequence, daemon to daemon), the holder a
+// kvmemd process, the receiver in this one: an 8k-token Llama-8B-shape sequence (32x8x128 f16, 1
+// GiB of K/V, by default), moved from the holder to the receiver by gRPC (the blocks in the
+// export's messages), by UCX over TCP and by UCX over shared memory (RMA gets from the holder's
+// pool), each repeated --repeats times (the holder gets the sequence again between moves, untimed).
 // GB/s = 1e9 block bytes per second of the MoveSequence call, the commit and the holder's
 // release included. UCX_TLS picks the receiver's transports (a receiver per row); the
 // holder's worker offers tcp and sm. The first move of a row connects to the holder's pool;
 // the others reuse the connection (best: the fastest move; mean: all of them).
+#include <signal.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -19,15 +22,20 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "kvmem/client.h"
 #include "server/service/server.h"
+#include "tests/testing/kvmemd_process.h"
 
 ABSL_FLAG(uint32_t, tokens, 8192, "tokens of the moved sequence");
 ABSL_FLAG(uint32_t, layers, 32, "the layout's layers");
 ABSL_FLAG(uint32_t, heads, 8, "the layout's KV heads");
 ABSL_FLAG(uint32_t, dim, 128, "the layout's head dimension");
 ABSL_FLAG(int, repeats, 3, "moves per transport");
+ABSL_FLAG(std::string, kvmemd, KVMEMD_PATH, "the kvmemd binary the holder runs");
+ABSL_FLAG(std::string, rows, "grpc,ucx-tcp,ucx-sm",
+          "the rows to run (grpc, ucx-tcp, ucx-sm), comma-separated (one alone, for a profiler)");
 
 namespace {
 
@@ -58,11 +66,11 @@ std::unique_ptr<kvmem::service::Server> Start(uint64_t pool_bytes, std::vector<s
   return *std::move(server);
 }
 
-std::unique_ptr<Client> Connect(const kvmem::service::Server& s) {
+std::unique_ptr<Client> Connect(const std::string& address) {
   kvmem::client::ClientOptions options;
   options.deadline = absl::Seconds(300);
   options.auth_token = kPeerToken;
-  return *Client::Connect(absl::StrCat("127.0.0.1:", s.port()), options);
+  return *Client::Connect(address, options);
 }
 
 }  // namespace
@@ -82,10 +90,21 @@ int main(int argc, char** argv) {
   std::ofstream(tokens) << "fleet " << kPeerToken << " admin\n";
   std::ofstream(peer) << kPeerToken << "\n";
 
-  setenv("UCX_TLS", "tcp,sm,self", 1);  // the holder's worker offers both
-  std::unique_ptr<kvmem::service::Server> holder = Start(pool_bytes, {}, tokens, "");
-  const std::string holder_address = absl::StrCat("127.0.0.1:", holder->port());
-  std::unique_ptr<Client> on_holder = Connect(*holder);
+  // The holder: a kvmemd process of its own (as UCX's perftest runs its two sides), its
+  // worker offering TCP and shared memory.
+  setenv("UCX_TLS", "tcp,sm,self", 1);
+  kvmem::testing::KvmemdProcess holder = kvmem::testing::StartKvmemd(
+      absl::GetFlag(FLAGS_kvmemd).c_str(),
+      {"--listen=127.0.0.1:0", absl::StrCat("--pool_bytes=", pool_bytes), "--max_sequences=16",
+       "--max_message_bytes=67108864", "--ucx", "--ucx_trusted_network", "--pool_prefault",
+       absl::StrCat("--auth_tokens=", tokens), "--log-level=warn"});
+  if (holder.port == 0) {
+    std::fprintf(stderr, "the holder kvmemd did not start\n");
+    return 1;
+  }
+  const std::string holder_address = absl::StrCat("127.0.0.1:", holder.port);
+  std::unique_ptr<Client> on_holder = Connect(holder_address);
+  absl::SleepFor(absl::Seconds(2));  // its pool prefaulted (about 0.3 s a GiB)
 
   // The sequence, prefilled on the holder in 8 MiB chunks of whole tokens.
   const kvmem::client::Layout layout{L, H, D, kvmem::client::DType::kF16, 16, 49152};
@@ -131,16 +150,20 @@ int main(int argc, char** argv) {
   std::printf("%-10s %-10s %10s %10s %10s\n", "transport", "UCX_TLS", "GB/s best", "GB/s mean",
               "ms best");
   struct Row {
+    const char* name;
     const char* transport;
     const char* tls;
   };
-  for (const Row& row : {Row{"grpc", "tcp,sm,self"}, Row{"ucx", "tcp"}, Row{"ucx", "sm,self"}}) {
+  const std::vector<std::string> rows = absl::StrSplit(absl::GetFlag(FLAGS_rows), ',');
+  for (const Row& row : {Row{"grpc", "grpc", "tcp,sm,self"}, Row{"ucx-tcp", "ucx", "tcp"},
+                         Row{"ucx-sm", "ucx", "sm,self"}}) {
+    if (std::find(rows.begin(), rows.end(), row.name) == rows.end()) continue;
     // A receiver per row: it keeps its connection to the holder's pool (made with the
     // UCX_TLS of its first move) for the next.
     setenv("UCX_TLS", row.tls, 1);
     std::unique_ptr<kvmem::service::Server> receiver =
         Start(pool_bytes, {holder_address}, tokens, peer);
-    std::unique_ptr<Client> on_receiver = Connect(*receiver);
+    std::unique_ptr<Client> on_receiver = Connect(absl::StrCat("127.0.0.1:", receiver->port()));
     double best = 0, sum = 0, best_ms = 0;
     const int repeats = absl::GetFlag(FLAGS_repeats);
     for (int i = 0; i < repeats; ++i) {
@@ -166,5 +189,7 @@ int main(int argc, char** argv) {
   }
   std::remove(tokens.c_str());
   std::remove(peer.c_str());
+  kill(holder.pid, SIGTERM);
+  kvmem::testing::WaitExit(holder.pid);
   return 0;
 }

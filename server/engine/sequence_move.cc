@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <utility>
+#include <variant>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
@@ -13,6 +14,7 @@
 #include "server/engine/guard.h"
 #include "server/engine/input_checks.h"
 #include "server/engine/tenants.h"
+#include "server/transport/shared_segment.h"
 
 namespace kvmem::engine {
 namespace {
@@ -289,7 +291,32 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Engine::BeginImport(MovedHeader 
   });
 }
 
+SequenceImport::SequenceImport(const ImportRooms& rooms, MovedHeader header, BlockFormat format,
+                               std::string tenant_key, std::string owner, store::TenantId tenant,
+                               HostReservation host, std::shared_ptr<HostShare> share)
+    : rooms_(rooms),
+      header_(std::move(header)),
+      format_(format),
+      tenant_key_(std::move(tenant_key)),
+      owner_(std::move(owner)),
+      tenant_(tenant),
+      host_(std::move(host)),
+      share_(std::move(share)),
+      streams_(header_.stream_slots.size()) {
+  if (std::optional<store::PoolExport> pool = rooms_.backend->pool_export()) {
+    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*pool)) {
+      host_segment_ = shm->segment.lock();
+      if (host_segment_ != nullptr) host_pool_ = host_segment_->data();
+    }
+  }
+}
+
 SequenceImport::~SequenceImport() {
+  for (size_t s = 0; s < allocated_.size(); ++s) {  // the blocks no piece took
+    const std::vector<store::BlockId>& ids = allocated_[s];
+    const size_t taken = streams_[s].blocks.size();
+    if (taken < ids.size()) rooms_.pool->Unref(absl::MakeConstSpan(ids).subspan(taken));
+  }
   if (committed_) return;
   for (Staged& st : streams_) {
     for (const StreamBlock& b : st.blocks) rooms_.pool->Unref({b.id});
@@ -306,7 +333,7 @@ uint32_t SequenceImport::NextStream(uint32_t from) const {
 
 bool SequenceImport::complete() const { return NextStream(0) == streams_.size(); }
 
-absl::Status SequenceImport::Check(const MovedPiece& p) const {
+absl::Status SequenceImport::Check(const MovedPiece& p, bool landing) const {
   const uint32_t s = NextStream(stream_);
   if (s == streams_.size()) return Bad("sent a piece after its last stream");
   if (p.stream != s) {
@@ -359,7 +386,7 @@ absl::Status SequenceImport::Check(const MovedPiece& p) const {
   if (absl::Status e = want(p.scores.size(), header_.scores ? slots : 0, "scores"); !e.ok()) {
     return e;
   }
-  if (p.data.size() != bytes) {
+  if (p.data.size() != (landing ? 0 : bytes)) {
     return Bad(absl::StrCat("sent ", p.data.size(), " bytes for blocks of ", bytes));
   }
   if (bytes_ + bytes > header_.block_bytes) {
@@ -394,61 +421,154 @@ absl::Status SequenceImport::Check(const MovedPiece& p) const {
   return absl::OkStatus();
 }
 
+absl::Status SequenceImport::Allocate(const MovedPiece& p, std::vector<store::BlockId>* ids) {
+  absl::Cleanup free_ids = [&] {
+    rooms_.pool->Unref(*ids);
+    ids->clear();
+  };
+  ids->reserve(p.blocks.size());
+  std::vector<store::BlockId> run;
+  for (size_t i = 0; i < p.blocks.size();) {
+    size_t end = i + 1;
+    while (end < p.blocks.size() && p.blocks[end].precision == p.blocks[i].precision) ++end;
+    const uint64_t n = format_.block_bytes(p.blocks[i].precision);
+    run.clear();
+    if (absl::Status e = rooms_.pool->AllocateMany(static_cast<uint32_t>(n), end - i, &run,
+                                                   store::BlockPool::Use::kGrow, tenant_);
+        !e.ok()) {
+      return e;
+    }
+    ids->insert(ids->end(), run.begin(), run.end());  // reserved: cannot throw
+    i = end;
+  }
+  std::move(free_ids).Cancel();
+  return absl::OkStatus();
+}
+
+void SequenceImport::Take(const MovedPiece& p, const std::vector<store::BlockId>& ids) {
+  const uint32_t s = NextStream(stream_);
+  Staged& st = streams_[s];
+  // Room first: from the first value on, nothing may throw.
+  st.blocks.reserve(st.blocks.size() + p.blocks.size());
+  const auto room = [](auto& to, const auto& from) { to.reserve(to.size() + from.size()); };
+  room(st.positions, p.positions);
+  room(st.history, p.history);
+  room(st.token_entropy, p.token_entropy);
+  room(st.layer_distance, p.layer_distance);
+  room(st.arrival_steps, p.arrival_steps);
+  room(st.scores, p.scores);
+  const auto append = [](auto& to, const auto& from) {
+    to.insert(to.end(), from.begin(), from.end());
+  };
+  append(st.positions, p.positions);
+  append(st.history, p.history);
+  append(st.token_entropy, p.token_entropy);
+  append(st.layer_distance, p.layer_distance);
+  append(st.arrival_steps, p.arrival_steps);
+  append(st.scores, p.scores);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < p.blocks.size(); ++i) {
+    StreamBlock b;
+    b.id = ids[i];
+    b.start = p.blocks[i].start;
+    b.count = p.blocks[i].count;
+    b.precision = p.blocks[i].precision;
+    st.blocks.push_back(b);
+    bytes += format_.block_bytes(b.precision);
+  }
+  stream_ = s;
+  block_count_ += p.blocks.size();
+  bytes_ += bytes;
+}
+
 absl::Status SequenceImport::Add(const MovedPiece& p) {
   return GuardHostMemory("MoveSequence", [&]() -> absl::Status {
-    if (absl::Status s = Check(p); !s.ok()) return s;
-    const uint32_t s = NextStream(stream_);
-    Staged& st = streams_[s];
+    if (!allocated_.empty()) return Bad("sent a piece's bytes after pieces by offsets");
+    if (absl::Status s = Check(p, /*landing=*/false); !s.ok()) return s;
     // The piece's blocks: allocated (charged to the tenant), written, then the stream's.
     std::vector<store::BlockId> ids;
     absl::Cleanup free_ids = [&] { rooms_.pool->Unref(ids); };
+    if (absl::Status e = Allocate(p, &ids); !e.ok()) return e;
     std::vector<store::WriteOp> writes;
     writes.reserve(p.blocks.size());
     uint64_t at = 0;
-    for (const MovedBlock& b : p.blocks) {
-      std::vector<store::BlockId> one;
-      const uint64_t n = format_.block_bytes(b.precision);
-      if (absl::Status e = rooms_.pool->AllocateMany(static_cast<uint32_t>(n), 1, &one,
-                                                     store::BlockPool::Use::kGrow, tenant_);
-          !e.ok()) {
-        return e;
-      }
-      ids.push_back(one[0]);
-      writes.push_back({p.data.data() + at, rooms_.pool->offset(one[0]), n});
+    for (size_t i = 0; i < p.blocks.size(); ++i) {
+      const uint64_t n = format_.block_bytes(p.blocks[i].precision);
+      writes.push_back({p.data.data() + at, rooms_.pool->offset(ids[i]), n});
       at += n;
     }
     if (absl::Status e = rooms_.backend->Write(writes); !e.ok()) return e;
     if (absl::Status e = rooms_.backend->Synchronize(); !e.ok()) return e;
-    st.blocks.reserve(st.blocks.size() + p.blocks.size());
-    const auto append = [](auto& to, const auto& from) {
-      to.insert(to.end(), from.begin(), from.end());
-    };
-    append(st.positions, p.positions);
-    append(st.history, p.history);
-    append(st.token_entropy, p.token_entropy);
-    append(st.layer_distance, p.layer_distance);
-    append(st.arrival_steps, p.arrival_steps);
-    append(st.scores, p.scores);
-    for (size_t i = 0; i < p.blocks.size(); ++i) {
-      StreamBlock b;
-      b.id = ids[i];
-      b.start = p.blocks[i].start;
-      b.count = p.blocks[i].count;
-      b.precision = p.blocks[i].precision;
-      st.blocks.push_back(b);  // reserved: cannot throw
-    }
+    Take(p, ids);
     std::move(free_ids).Cancel();  // the import's now
-    stream_ = s;
-    block_count_ += p.blocks.size();
-    bytes_ += p.data.size();
     return absl::OkStatus();
   });
 }
+
+absl::StatusOr<std::vector<uint8_t*>> SequenceImport::Reserve(const MovedPiece& p) {
+  return GuardHostMemory("MoveSequence", [&]() -> absl::StatusOr<std::vector<uint8_t*>> {
+    if (!lands_in_place()) {
+      return absl::FailedPreconditionError("MoveSequence: this pool is not host memory");
+    }
+    if (absl::Status s = Check(p, /*landing=*/true); !s.ok()) return s;
+    const uint64_t layout_bytes = format_.block_bytes(Precision::kLayout);
+    uint64_t total = 0;
+    for (uint32_t n : header_.stream_blocks) total += n;
+    if (block_count_ == 0 && allocated_.empty() && header_.block_bytes == total * layout_bytes) {
+      // Every block at the layout's precision: all of them now, block index by block index.
+      std::vector<store::BlockId> ids;
+      if (absl::Status e = rooms_.pool->AllocateMany(static_cast<uint32_t>(layout_bytes), total,
+                                                     &ids, store::BlockPool::Use::kGrow, tenant_);
+          !e.ok()) {
+        return e;
+      }
+      absl::Cleanup free_ids = [&] { rooms_.pool->Unref(ids); };
+      std::vector<std::vector<store::BlockId>> allocated(streams_.size());
+      for (size_t s = 0; s < allocated.size(); ++s) allocated[s].reserve(header_.stream_blocks[s]);
+      size_t next = 0;
+      for (uint32_t b = 0; next < ids.size(); ++b) {
+        for (size_t s = 0; s < allocated.size(); ++s) {
+          if (b < header_.stream_blocks[s]) allocated[s].push_back(ids[next++]);
+        }
+      }
+      std::move(free_ids).Cancel();
+      allocated_ = std::move(allocated);
+    }
+    const size_t first = streams_[p.stream].blocks.size();
+    std::vector<store::BlockId> ids;
+    absl::Cleanup free_ids = [&] {
+      if (allocated_.empty()) rooms_.pool->Unref(ids);
+    };
+    if (!allocated_.empty()) {
+      for (size_t i = 0; i < p.blocks.size(); ++i) {
+        if (p.blocks[i].precision != Precision::kLayout) {
+          return Bad("sent a block at a precision its header's bytes leave no room for");
+        }
+      }
+      const std::vector<store::BlockId>& mine = allocated_[p.stream];
+      ids.assign(mine.begin() + static_cast<ptrdiff_t>(first),
+                 mine.begin() + static_cast<ptrdiff_t>(first + p.blocks.size()));
+    } else if (absl::Status e = Allocate(p, &ids); !e.ok()) {
+      return e;
+    }
+    std::vector<uint8_t*> at(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) at[i] = host_pool_ + rooms_.pool->offset(ids[i]);
+    Take(p, ids);
+    std::move(free_ids).Cancel();  // the import's now
+    ++unlanded_;
+    return at;
+  });
+}
+
+void SequenceImport::Landed(uint64_t pieces) { unlanded_ -= std::min(pieces, unlanded_); }
 
 absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::Duration lease) {
   return GuardHostMemory("MoveSequence", [&]() -> absl::StatusOr<CreateResult> {
     if (import.committed_) return absl::FailedPreconditionError("MoveSequence: committed already");
     if (!import.complete()) return Bad("ended before all its streams came");
+    if (import.unlanded_ != 0) {
+      return absl::FailedPreconditionError("MoveSequence: committed before its blocks landed");
+    }
     const MovedHeader& h = import.header_;
     if (import.bytes_ != h.block_bytes) {
       return Bad(absl::StrCat("sent ", import.bytes_, " block bytes, its header ", h.block_bytes));

@@ -144,6 +144,18 @@ class SequenceImport {
   // allocated (charged to the sequence's tenant) and written. An error changes nothing the
   // import holds but the piece's own blocks, freed with it; the import should be dropped.
   absl::Status Add(const MovedPiece& piece);
+  // Add for a piece by offsets whose bytes land in the pool in place (UCX gets straight into
+  // its blocks, no copy after): the piece checked (`data` empty) and taken as Add takes it,
+  // answering where each of its blocks' bytes go in this process, in the piece's order; the
+  // caller gets them there and then says so (Landed, counting pieces). Only where
+  // lands_in_place() (the pool is host memory). CommitImport refuses an import with pieces
+  // not landed. Where every block is at the layout's precision, the first Reserve
+  // allocates every block of the sequence, in the order a prefill leaves a holder's (each
+  // block index of every stream in turn), so that blocks side by side in the holder's
+  // pool land side by side here: the gets of several pieces merge into large ones.
+  bool lands_in_place() const { return host_pool_ != nullptr; }
+  absl::StatusOr<std::vector<uint8_t*>> Reserve(const MovedPiece& piece);
+  void Landed(uint64_t pieces);
   // Every stream's blocks and slots came.
   bool complete() const;
   const MovedHeader& header() const { return header_; }
@@ -160,19 +172,16 @@ class SequenceImport {
   };
   SequenceImport(const ImportRooms& rooms, MovedHeader header, BlockFormat format,
                  std::string tenant_key, std::string owner, store::TenantId tenant,
-                 HostReservation host, std::shared_ptr<HostShare> share)
-      : rooms_(rooms),
-        header_(std::move(header)),
-        format_(format),
-        tenant_key_(std::move(tenant_key)),
-        owner_(std::move(owner)),
-        tenant_(tenant),
-        host_(std::move(host)),
-        share_(std::move(share)),
-        streams_(header_.stream_slots.size()) {}
+                 HostReservation host, std::shared_ptr<HostShare> share);
   // The first stream at or after `from` that still has blocks to come.
   uint32_t NextStream(uint32_t from) const;
-  absl::Status Check(const MovedPiece& piece) const;
+  // `landing`: the piece's bytes come in place (Reserve), not in its `data`.
+  absl::Status Check(const MovedPiece& piece, bool landing) const;
+  // The piece's blocks allocated, charged to the tenant, into `ids` (all or none; a run of
+  // blocks of one precision in one allocation).
+  absl::Status Allocate(const MovedPiece& piece, std::vector<store::BlockId>* ids);
+  // The checked piece's slots and blocks (`ids`, whose bytes are written) into its stream.
+  void Take(const MovedPiece& piece, const std::vector<store::BlockId>& ids);
 
   const ImportRooms rooms_;
   const MovedHeader header_;
@@ -187,6 +196,13 @@ class SequenceImport {
   uint64_t block_count_ = 0;
   uint64_t bytes_ = 0;
   bool committed_ = false;  // the sequence owns the blocks and the tenant hold
+  // The pool's memory, where it is host memory (the CPU backend's segment): pieces land in place.
+  std::shared_ptr<const transport::SharedSegment> host_segment_;
+  uint8_t* host_pool_ = nullptr;
+  // Reserve's: every stream's blocks allocated at once (empty: each piece's when it comes),
+  // and the pieces reserved whose bytes have not landed yet.
+  std::vector<std::vector<store::BlockId>> allocated_;
+  uint64_t unlanded_ = 0;
 };
 
 }  // namespace kvmem::engine

@@ -61,19 +61,45 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
 }
 
 #if KVMEM_WITH_UCX
-// A piece by offsets: its blocks' bytes got from the holder's pool into its data, checked
-// first as untrusted input (one offset per block; each block as long as this layout says;
-// no more bytes than the header has left, `left`, before any is allocated; the offsets
-// inside the pool: UcxPool). Blocks side by side in the holder's pool are one get.
-absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& format,
-                       uint64_t left, engine::MovedPiece* piece) {
-  if (piece->offsets.size() != piece->blocks.size() || !piece->data.empty()) {
+// The bytes of pieces by offsets reserved before their gets are posted together (blocks side
+// by side in both pools are one get: several pieces' blocks make large gets).
+constexpr uint64_t kLandBytes = 64ull << 20;
+
+// Checks a piece's offsets as untrusted input: one per block.
+absl::Status CheckOffsets(const engine::MovedPiece& piece) {
+  if (piece.offsets.size() != piece.blocks.size() || !piece.data.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's piece names ",
-                                                   piece->offsets.size(), " offsets for ",
-                                                   piece->blocks.size(), " blocks"));
+                                                   piece.offsets.size(), " offsets for ",
+                                                   piece.blocks.size(), " blocks"));
   }
+  return absl::OkStatus();
+}
+
+// A piece by offsets where the import lands pieces in place: checked and taken by the import,
+// its blocks' gets added to `reads` (posted later; the offsets inside the pool: UcxPool).
+absl::Status ReservePiece(engine::SequenceImport& import, const engine::MovedPiece& piece,
+                          std::vector<client::UcxPool::PoolRead>* reads, uint64_t* bytes) {
+  if (absl::Status s = CheckOffsets(piece); !s.ok()) return s;
+  absl::StatusOr<std::vector<uint8_t*>> at = import.Reserve(piece);
+  if (!at.ok()) return at.status();
+  for (size_t i = 0; i < piece.blocks.size(); ++i) {
+    const uint64_t n = import.format().block_bytes(piece.blocks[i].precision);
+    reads->push_back({piece.offsets[i], (*at)[i], n});
+    *bytes += n;
+  }
+  return absl::OkStatus();
+}
+
+// A piece by offsets where the pool is not host memory: its blocks' bytes got into its data
+// (no more than the header has left, checked before any is allocated), then added. A failed
+// get leaves the piece as it came: it may be got again.
+absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& import,
+                      engine::MovedPiece* piece) {
+  if (absl::Status s = CheckOffsets(*piece); !s.ok()) return s;
+  const engine::BlockFormat& format = import.format();
   uint64_t bytes = 0;
   for (const engine::MovedBlock& b : piece->blocks) bytes += format.block_bytes(b.precision);
+  const uint64_t left = import.header().block_bytes - import.bytes();
   if (bytes > left) {
     return absl::InvalidArgumentError(absl::StrCat("MoveSequence: the holder's piece names ", bytes,
                                                    " block bytes where its header has ", left,
@@ -89,11 +115,11 @@ absl::Status GetBlocks(const client::UcxPool& pool, const engine::BlockFormat& f
     at += n;
   }
   if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
-    piece->data.clear();  // as it came: the piece may be got again
+    piece->data.clear();
     return s;
   }
   piece->offsets.clear();
-  return absl::OkStatus();
+  return import.Add(*piece);
 }
 #endif
 
@@ -340,11 +366,42 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     c->TryCancel();
     return RefusedAnswer(import.status(), from_node);
   }
+  const auto refuse = [&](const absl::Status& s) {
+    c->TryCancel();
+    reader->Finish().IgnoreError();
+    return RefusedAnswer(s, from_node);
+  };
 #if KVMEM_WITH_UCX
-  bool reconnected = false;
   // The gets end by the move's deadline (cancelled, the move ends at its next piece: the
   // export's stream is the caller's).
   const client::UcxPool::Deadline by_move(deadline);
+  bool reconnected = false;
+  // Gets by `run`; where the connection broke (kept from before the holder restarted, say),
+  // connected again, once, and run again: the export holds its blocks.
+  const auto get = [&](const auto& run) {
+    absl::Status s = run(*ucx);
+    if (!s.ok() && ucx->broken() && !reconnected && !absl::IsDeadlineExceeded(s)) {
+      reconnected = true;
+      absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
+          links_->Pool(*stub, from_node, deadline);
+      if (again.ok()) {
+        ucx = *std::move(again);
+        s = run(*ucx);
+      }
+    }
+    return s;
+  };
+  // Pieces landing in place, reserved as they come, their gets posted together.
+  std::vector<client::UcxPool::PoolRead> landing;
+  uint64_t landing_bytes = 0, landing_pieces = 0;
+  const auto land = [&] {
+    if (landing.empty()) return absl::OkStatus();
+    absl::Status s = get([&](const client::UcxPool& pool) { return pool.ReadPool(landing); });
+    if (s.ok()) (*import)->Landed(landing_pieces);
+    landing.clear();
+    landing_bytes = landing_pieces = 0;
+    return s;
+  };
 #endif
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
@@ -354,29 +411,23 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
           "MoveSequence: the holder's piece names offsets where its bytes were asked for");
     }
 #if KVMEM_WITH_UCX
-    if (added.ok() && by_ucx) {
-      const uint64_t left = (*import)->header().block_bytes - (*import)->bytes();
-      added = GetBlocks(*ucx, (*import)->format(), left, &*piece);
-      if (!added.ok() && ucx->broken() && !reconnected && !absl::IsDeadlineExceeded(added)) {
-        // A connection kept from before the holder restarted (or one that broke): connected
-        // again, once; the export holds its blocks, so the piece is got again.
-        reconnected = true;
-        absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
-            links_->Pool(*stub, from_node, deadline);
-        if (again.ok()) {
-          ucx = *std::move(again);
-          added = GetBlocks(*ucx, (*import)->format(), left, &*piece);
-        }
-      }
+    if (added.ok() && by_ucx && (*import)->lands_in_place()) {
+      added = ReservePiece(**import, *piece, &landing, &landing_bytes);
+      ++landing_pieces;
+      if (added.ok() && landing_bytes >= kLandBytes) added = land();
+    } else if (added.ok() && by_ucx) {
+      added = get([&](const client::UcxPool& pool) { return GetPiece(pool, **import, &*piece); });
+    } else if (added.ok()) {
+      added = (*import)->Add(*piece);
     }
-#endif
+#else
     if (added.ok()) added = (*import)->Add(*piece);
-    if (!added.ok()) {
-      c->TryCancel();
-      reader->Finish().IgnoreError();
-      return RefusedAnswer(added, from_node);
-    }
+#endif
+    if (!added.ok()) return refuse(added);
   }
+#if KVMEM_WITH_UCX
+  if (absl::Status s = land(); !s.ok()) return refuse(s);
+#endif
   if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ExportSequence");
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError(

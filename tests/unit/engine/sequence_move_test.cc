@@ -2,6 +2,7 @@
 // holder's did and steps exactly as it would have; the holder's sequence is frozen during
 // the move and gone after it; a receiver refuses a malformed export and keeps nothing of it.
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -66,20 +67,39 @@ absl::StatusOr<Exported> Export(Engine& from, uint64_t id, absl::Duration hold =
   return out;
 }
 
+// A piece's bytes landed in place as the UCX gets land them (SequenceImport::Reserve): the
+// piece without its bytes reserved, then each block's bytes copied where Reserve says.
+absl::Status LandInPlace(SequenceImport& import, const MovedPiece& piece) {
+  MovedPiece by_offsets = piece;
+  by_offsets.data.clear();
+  absl::StatusOr<std::vector<uint8_t*>> at = import.Reserve(by_offsets);
+  if (!at.ok()) return at.status();
+  uint64_t from = 0;
+  for (size_t i = 0; i < piece.blocks.size(); ++i) {
+    const uint64_t n = import.format().block_bytes(piece.blocks[i].precision);
+    std::memcpy((*at)[i], piece.data.data() + from, n);
+    from += n;
+  }
+  import.Landed(1);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CreateResult> Import(Engine& to, const Exported& exported,
-                                    const std::string& owner = "") {
+                                    const std::string& owner = "", bool landing = false) {
   absl::StatusOr<std::unique_ptr<SequenceImport>> import = to.BeginImport(exported.header, owner);
   if (!import.ok()) return import.status();
   for (const MovedPiece& piece : exported.pieces) {
-    if (absl::Status s = (*import)->Add(piece); !s.ok()) return s;
+    if (absl::Status s = landing ? LandInPlace(**import, piece) : (*import)->Add(piece); !s.ok()) {
+      return s;
+    }
   }
   return to.CommitImport(**import, absl::ZeroDuration());
 }
 
-absl::StatusOr<CreateResult> Move(Engine& from, uint64_t id, Engine& to) {
+absl::StatusOr<CreateResult> Move(Engine& from, uint64_t id, Engine& to, bool landing = false) {
   absl::StatusOr<Exported> exported = Export(from, id);
   if (!exported.ok()) return exported.status();
-  absl::StatusOr<CreateResult> moved = Import(to, *exported);
+  absl::StatusOr<CreateResult> moved = Import(to, *exported, "", landing);
   if (!moved.ok()) {
     from.FinishExport(id, exported->header.export_id, false).IgnoreError();
     return moved.status();
@@ -146,10 +166,12 @@ std::vector<MoveCase> MoveCases() {
   return cases;
 }
 
-class SequenceMoveTest : public ::testing::TestWithParam<std::tuple<MoveCase, bool>> {};
+// The cases, with the engines' device step or not, and the blocks' bytes in the pieces or
+// landed in place.
+class SequenceMoveTest : public ::testing::TestWithParam<std::tuple<MoveCase, bool, bool>> {};
 
 TEST_P(SequenceMoveTest, TheMovedSequenceStepsAsTheHoldersWouldHave) {
-  const auto& [c, device_step] = GetParam();
+  const auto& [c, device_step, landing] = GetParam();
   FakeClock clock;
   std::unique_ptr<Engine> a = MakeEngine(&clock, device_step), b = MakeEngine(&clock, device_step);
   const uint64_t id = a->CreateSequence(MoveLayout(), c.policy, c.params, c.quant, {})->sequence_id;
@@ -168,7 +190,7 @@ TEST_P(SequenceMoveTest, TheMovedSequenceStepsAsTheHoldersWouldHave) {
   const uint64_t twin = a->Fork(id, {})->sequence_id;
   const std::string before = Content(*a, id);
   const uint64_t blocks_before = a->Stats(false).pool.blocks_used;
-  absl::StatusOr<CreateResult> moved = Move(*a, id, *b);
+  absl::StatusOr<CreateResult> moved = Move(*a, id, *b, landing);
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_EQ(Content(*b, moved->sequence_id), before);
   EXPECT_EQ(a->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
@@ -200,13 +222,14 @@ TEST_P(SequenceMoveTest, TheMovedSequenceStepsAsTheHoldersWouldHave) {
   EXPECT_EQ(b->Stats(false).host_metadata_bytes, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, SequenceMoveTest,
-                         ::testing::Combine(::testing::ValuesIn(MoveCases()), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<MoveCase, bool>>& info) {
-                           return std::string(std::get<0>(info.param).policy) + "_" +
-                                  std::to_string(info.index) +
-                                  (std::get<1>(info.param) ? "_device" : "_host");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Policies, SequenceMoveTest,
+    ::testing::Combine(::testing::ValuesIn(MoveCases()), ::testing::Bool(), ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<MoveCase, bool, bool>>& info) {
+      return std::string(std::get<0>(info.param).policy) + "_" + std::to_string(info.index) +
+             (std::get<1>(info.param) ? "_device" : "_host") +
+             (std::get<2>(info.param) ? "_landed" : "_bytes");
+    });
 
 class MoveFixture : public ::testing::Test {
  protected:
@@ -388,15 +411,20 @@ TEST_F(MoveFixture, AMalformedExportIsRefusedAndLeavesNothing) {
        [](Exported& e) { e.pieces[5].scores[0] = std::numeric_limits<float>::infinity(); }},
       {"a long salt", [](Exported& e) { e.header.salt.assign(kMaxSaltBytes + 1, 's'); }},
   };
-  for (const auto& [name, lie] : lies) {
-    Exported bad = *good;
-    lie(bad);
-    absl::StatusOr<CreateResult> r = Import(*b_, bad);
-    EXPECT_FALSE(r.ok()) << name;
-    EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u) << name;
-    EXPECT_EQ(b_->Stats(false).host_metadata_bytes, 0u) << name;
-    EXPECT_EQ(b_->tenants_registered(), 0u) << name;
-    EXPECT_EQ(b_->Stats(true).sequences.size(), 0u) << name;
+  for (const bool landing : {false, true}) {
+    for (const auto& [name, lie] : lies) {
+      // Landed in place, a piece's bytes are the gets' (the offsets are the mover's to check).
+      if (landing && absl::string_view(name) == "short data") continue;
+      const std::string what = absl::StrCat(name, landing ? " (landed)" : "");
+      Exported bad = *good;
+      lie(bad);
+      absl::StatusOr<CreateResult> r = Import(*b_, bad, "", landing);
+      EXPECT_FALSE(r.ok()) << what;
+      EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u) << what;
+      EXPECT_EQ(b_->Stats(false).host_metadata_bytes, 0u) << what;
+      EXPECT_EQ(b_->tenants_registered(), 0u) << what;
+      EXPECT_EQ(b_->Stats(true).sequences.size(), 0u) << what;
+    }
   }
   // An import dropped before its commit keeps nothing either; the good one imports.
   {
@@ -410,6 +438,54 @@ TEST_F(MoveFixture, AMalformedExportIsRefusedAndLeavesNothing) {
   absl::StatusOr<CreateResult> r = Import(*b_, *good);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(Content(*b_, r->sequence_id), Content(*a_, id_));
+}
+
+// Pieces landed in place where every block is at the layout's precision: the first piece's
+// Reserve allocates every block of the sequence, an import dropped part way gives every one
+// back, a commit before the last piece landed is refused, and a piece's bytes after pieces
+// by offsets are refused.
+TEST_F(MoveFixture, PiecesLandedInPlaceCommitOnlyOnceEveryPieceLanded) {
+  const uint64_t id = a_->CreateSequence(MoveLayout(), "full", {}, {}, {})->sequence_id;
+  ASSERT_TRUE(twins::Append(*a_, id, 0, 100).ok());
+  absl::StatusOr<Exported> good = Export(*a_, id);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_GE(good->pieces.size(), 4u);
+  uint64_t blocks = 0;
+  for (uint32_t n : good->header.stream_blocks) blocks += n;
+  {
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import = b_->BeginImport(good->header, "");
+    ASSERT_TRUE(import.ok());
+    ASSERT_TRUE((*import)->lands_in_place());
+    ASSERT_TRUE(LandInPlace(**import, good->pieces[0]).ok());
+    EXPECT_EQ(b_->Stats(false).pool.blocks_used, blocks);  // every block, at once
+    EXPECT_EQ((*import)->Add(good->pieces[1]).code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u);
+  absl::StatusOr<std::unique_ptr<SequenceImport>> import = b_->BeginImport(good->header, "");
+  ASSERT_TRUE(import.ok());
+  for (const MovedPiece& piece : good->pieces) ASSERT_TRUE(LandInPlace(**import, piece).ok());
+  MovedPiece none;  // a Reserve refused changes nothing: the import still commits
+  EXPECT_FALSE((*import)->Reserve(none).ok());
+  // One piece reserved and not landed: refused.
+  (*import)->Landed(0);
+  {
+    absl::StatusOr<std::unique_ptr<SequenceImport>> partial = b_->BeginImport(good->header, "");
+    ASSERT_TRUE(partial.ok());
+    for (const MovedPiece& piece : good->pieces) {
+      MovedPiece by_offsets = piece;
+      by_offsets.data.clear();
+      ASSERT_TRUE((*partial)->Reserve(by_offsets).ok());
+    }
+    (*partial)->Landed(good->pieces.size() - 1);
+    EXPECT_EQ(b_->CommitImport(**partial, absl::ZeroDuration()).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
+  absl::StatusOr<CreateResult> r = b_->CommitImport(**import, absl::ZeroDuration());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Content(*b_, r->sequence_id), Content(*a_, id));
+  EXPECT_EQ(b_->Stats(false).pool.blocks_used, blocks);
+  ASSERT_TRUE(b_->Release(r->sequence_id).ok());
+  EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u);
 }
 
 // Attention history out of range (a policy that keeps it: infokv).
