@@ -62,8 +62,10 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
 
 #if KVMEM_WITH_UCX
 // The bytes of pieces by offsets reserved before their gets are posted together (blocks side
-// by side in both pools are one get: several pieces' blocks make large gets).
+// by side in both pools are one get: several pieces' blocks make large gets), and the most
+// blocks (the reads' host memory, whatever the blocks' size).
 constexpr uint64_t kLandBytes = 64ull << 20;
+constexpr size_t kLandBlocks = 16384;
 
 // Checks a piece's offsets as untrusted input: one per block.
 absl::Status CheckOffsets(const engine::MovedPiece& piece) {
@@ -414,7 +416,9 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     if (added.ok() && by_ucx && (*import)->lands_in_place()) {
       added = ReservePiece(**import, *piece, &landing, &landing_bytes);
       ++landing_pieces;
-      if (added.ok() && landing_bytes >= kLandBytes) added = land();
+      if (added.ok() && (landing_bytes >= kLandBytes || landing.size() >= kLandBlocks)) {
+        added = land();
+      }
     } else if (added.ok() && by_ucx) {
       added = get([&](const client::UcxPool& pool) { return GetPiece(pool, **import, &*piece); });
     } else if (added.ok()) {
