@@ -448,24 +448,18 @@ absl::Status SequenceImport::Allocate(const MovedPiece& p, std::vector<store::Bl
 void SequenceImport::Take(const MovedPiece& p, const std::vector<store::BlockId>& ids) {
   const uint32_t s = NextStream(stream_);
   Staged& st = streams_[s];
+  const auto each_value = [&](const auto& op) {
+    op(st.positions, p.positions);
+    op(st.history, p.history);
+    op(st.token_entropy, p.token_entropy);
+    op(st.layer_distance, p.layer_distance);
+    op(st.arrival_steps, p.arrival_steps);
+    op(st.scores, p.scores);
+  };
   // Room first: from the first value on, nothing may throw.
   st.blocks.reserve(st.blocks.size() + p.blocks.size());
-  const auto room = [](auto& to, const auto& from) { to.reserve(to.size() + from.size()); };
-  room(st.positions, p.positions);
-  room(st.history, p.history);
-  room(st.token_entropy, p.token_entropy);
-  room(st.layer_distance, p.layer_distance);
-  room(st.arrival_steps, p.arrival_steps);
-  room(st.scores, p.scores);
-  const auto append = [](auto& to, const auto& from) {
-    to.insert(to.end(), from.begin(), from.end());
-  };
-  append(st.positions, p.positions);
-  append(st.history, p.history);
-  append(st.token_entropy, p.token_entropy);
-  append(st.layer_distance, p.layer_distance);
-  append(st.arrival_steps, p.arrival_steps);
-  append(st.scores, p.scores);
+  each_value([](auto& to, const auto& from) { to.reserve(to.size() + from.size()); });
+  each_value([](auto& to, const auto& from) { to.insert(to.end(), from.begin(), from.end()); });
   uint64_t bytes = 0;
   for (size_t i = 0; i < p.blocks.size(); ++i) {
     StreamBlock b;

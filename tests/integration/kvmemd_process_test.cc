@@ -156,29 +156,46 @@ TEST(KvmemdProcessTest, NoSegmentHasANameAndAKilledDaemonLeavesNone) {
 // A reader in another process reads a kvmemd's pool by UCX RMA (kvmemd --ucx), over TCP and
 // over shared memory, bit-exact against ReadKv; a kvmemd killed under it fails its next read
 // within the pool's deadline.
+// A kvmemd --ucx (transports: UCX_TLS) holding one sequence of 40 tokens of a 2x2x64 f16
+// layout (K and V: Payload16 with salts 0 and 1); `sequence_id` 0 when it could not.
+struct UcxDaemon {
+  kvmem::testing::KvmemdProcess d;
+  std::unique_ptr<kvmem::client::Client> client;
+  uint64_t sequence_id = 0;
+};
+UcxDaemon StartUcxDaemon() {
+  UcxDaemon u;
+  u.d = kvmem::testing::StartKvmemd(KVMEMD_PATH,
+                                    {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
+                                     "--ucx_trusted_network", "--log-level=warn"});
+  if (u.d.port <= 0) return u;
+  u.client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(u.d.port));
+  kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};
+  auto seq = u.client->CreateSequence(layout, {"full", {}});
+  EXPECT_TRUE(seq.ok()) << seq.status();
+  if (!seq.ok()) return u;
+  const std::vector<int64_t> positions = kvmem::testing::Range(0, 40);
+  const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
+  const std::string v = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 1);
+  const absl::Status appended = u.client->Append(seq->id, {positions, {}, k, v, {}, {}}).status();
+  EXPECT_TRUE(appended.ok()) << appended;
+  if (appended.ok()) u.sequence_id = seq->id;
+  return u;
+}
+
 TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
   for (const char* tls : {"tcp", "sm,self"}) {
     SCOPED_TRACE(tls);
     const kvmem::testing::ScopedEnv transports("UCX_TLS", tls);
-    kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
-        KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
-                      "--ucx_trusted_network", "--log-level=warn"});
-    ASSERT_GT(d.port, 0);
-    auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
-    kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};
-    auto seq = client->CreateSequence(layout, {"full", {}});
-    ASSERT_TRUE(seq.ok()) << seq.status();
-    const std::vector<int64_t> positions = kvmem::testing::Range(0, 40);
-    const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
-    const std::string v = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 1);
-    const absl::Status appended = client->Append(seq->id, {positions, {}, k, v, {}, {}}).status();
-    ASSERT_TRUE(appended.ok()) << appended;
-    auto info = client->GetInfo();
+    UcxDaemon u = StartUcxDaemon();
+    ASSERT_NE(u.sequence_id, 0u);
+    kvmem::testing::KvmemdProcess& d = u.d;
+    auto info = u.client->GetInfo();
     ASSERT_TRUE(info.ok()) << info.status();
     auto pool = kvmem::client::UcxPool::Connect(*info, absl::Seconds(3));
     ASSERT_TRUE(pool.ok()) << pool.status();
-    auto table = *client->GetBlockTable(seq->id);
-    auto streams = *client->ReadKv(seq->id);
+    auto table = *u.client->GetBlockTable(u.sequence_id);
+    auto streams = *u.client->ReadKv(u.sequence_id);
     for (const kvmem::client::StreamKv& kv : streams) {
       std::string rk, rv;
       const absl::Status read = (*pool)->ReadStream(table, kv.layer, kv.kv_head, &rk, &rv);
@@ -201,23 +218,15 @@ TEST(KvmemdProcessTest, ARemoteReaderReadsThePoolByUcx) {
 // call's time; a deadline already past fails before any get and leaves the pool whole.
 TEST(KvmemdProcessTest, AUcxReadEndsByTheCallsDeadline) {
   const kvmem::testing::ScopedEnv transports("UCX_TLS", "tcp");
-  kvmem::testing::KvmemdProcess d = kvmem::testing::StartKvmemd(
-      KVMEMD_PATH, {"--listen=127.0.0.1:0", "--pool-bytes=33554432", "--ucx",
-                    "--ucx_trusted_network", "--log-level=warn"});
-  ASSERT_GT(d.port, 0);
-  auto client = *kvmem::client::Client::Connect("127.0.0.1:" + std::to_string(d.port));
-  kvmem::client::Layout layout{2, 2, 64, kvmem::client::DType::kF16, 16, 1000};
-  auto seq = client->CreateSequence(layout, {"full", {}});
-  ASSERT_TRUE(seq.ok()) << seq.status();
-  const std::vector<int64_t> positions = kvmem::testing::Range(0, 40);
-  const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
-  const std::string v = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 1);
-  ASSERT_TRUE(client->Append(seq->id, {positions, {}, k, v, {}, {}}).ok());
-  auto info = client->GetInfo();
+  UcxDaemon u = StartUcxDaemon();
+  ASSERT_NE(u.sequence_id, 0u);
+  kvmem::testing::KvmemdProcess& d = u.d;
+  auto info = u.client->GetInfo();
   ASSERT_TRUE(info.ok()) << info.status();
   auto pool = kvmem::client::UcxPool::Connect(*info, absl::Seconds(30));
   ASSERT_TRUE(pool.ok()) << pool.status();
-  auto table = *client->GetBlockTable(seq->id);
+  auto table = *u.client->GetBlockTable(u.sequence_id);
+  const std::string k = kvmem::testing::Payload16(2 * 2, 0, 40, 64, 0);
   std::string rk, rv;
   {
     const kvmem::client::UcxPool::Deadline past(absl::Now() - absl::Seconds(1));
