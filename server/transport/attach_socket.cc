@@ -27,8 +27,8 @@ namespace wire = v1::attach;
 namespace {
 
 // google.rpc.Code values of the refusals.
-constexpr uint32_t kInvalidArgument = 3, kPermissionDenied = 7, kFailedPrecondition = 9,
-                   kInternal = 13, kUnauthenticated = 16;
+constexpr uint32_t kInvalidArgument = 3, kDeadlineExceeded = 4, kPermissionDenied = 7,
+                   kFailedPrecondition = 9, kInternal = 13, kUnauthenticated = 16;
 
 // How long one peer may take to take its reply (a few hundred bytes: its socket buffer
 // holds them, so a send waits only on a peer that stopped reading mid-way).
@@ -138,8 +138,10 @@ void AttachSocket::Serve() {
   constexpr size_t kMaxUnserved = 8;
   std::deque<Pending> pending;  // in accept (= deadline) order
   std::vector<pollfd> fds;
-  auto refuse_and_close = [](int fd) {
-    Refuse(fd, kInvalidArgument, "no request in time");
+  const std::string late =
+      absl::StrCat("no request within ", absl::FormatDuration(options_.request_deadline));
+  auto refuse_and_close = [&late](int fd) {
+    Refuse(fd, kDeadlineExceeded, late);
     close(fd);
   };
   while (true) {
