@@ -527,8 +527,22 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   // The word odd first: no reader accepts the tables once their blocks can be reused.
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
-  freed += pool_->Unref(seq.TakePlan());       // blocks a write plan holds
-  freed += pool_->Unref(seq.EndMoveExport());  // blocks a move's reader may still get
+  freed += pool_->Unref(seq.TakePlan());  // blocks a write plan holds
+  // Blocks a move's reader may still get: out of circulation until the export's hold lapses.
+  const int64_t hold_until = seq.move_export().until_ns;
+  if (std::vector<store::BlockId> held = seq.EndMoveExport();
+      !held.empty() && hold_until > absl::ToUnixNanos(registry_.Now())) {
+    try {
+      kvmem::MutexLock lock(&lingering_mu_);
+      lingering_.push_back({hold_until, std::move(held)});
+    } catch (const std::bad_alloc&) {
+      // Kept out of circulation for good rather than handed to another sequence under a read.
+      spdlog::error("{} blocks of a released sequence's export kept (out of host memory)",
+                    held.size());
+    }
+  } else {
+    freed += pool_->Unref(held);
+  }
   for (const Stream& st : seq.streams()) {
     for (const StreamBlock& b : st.blocks()) freed += pool_->Unref({b.id});
   }
@@ -553,6 +567,20 @@ uint32_t Engine::ExpireLeases() {
                  absl::ToInt64Seconds(seq->lease()), freed);
   }
   telemetry_.leases_expired += expired.size();
+  std::vector<store::BlockId> lapsed;
+  {
+    const int64_t now = absl::ToUnixNanos(registry_.Now());
+    kvmem::MutexLock lock(&lingering_mu_);
+    for (auto it = lingering_.begin(); it != lingering_.end();) {
+      if (it->until_ns > now) {
+        ++it;
+        continue;
+      }
+      lapsed.insert(lapsed.end(), it->held.begin(), it->held.end());
+      it = lingering_.erase(it);
+    }
+  }
+  pool_->Unref(lapsed);
   return static_cast<uint32_t>(expired.size());
 }
 

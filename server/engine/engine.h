@@ -160,7 +160,8 @@ class Engine {
   // SequenceRegistry::KeepAlive.
   std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids,
                                       const std::string* owner = nullptr);
-  // Releases every sequence whose lease has lapsed; returns how many.
+  // Releases every sequence whose lease has lapsed; returns how many. Gives back the blocks
+  // of released sequences' exports whose hold lapsed.
   uint32_t ExpireLeases();
   // Runs ExpireLeases every `period` until `stop` is notified.
   void RunLeaseReaper(absl::Duration period, absl::Notification* stop);
@@ -240,6 +241,15 @@ class Engine {
   const AppendRooms append_rooms_;
   BatchRunner batches_;
   MovedExports moved_exports_;
+  // The blocks of exports by offsets whose sequence was released before the export ended: a
+  // receiver may still be getting them, so they stay out of circulation until the hold the
+  // export promised lapses (ExpireLeases gives them back).
+  struct Lingering {
+    int64_t until_ns;
+    std::vector<store::BlockId> held;
+  };
+  absl::Mutex lingering_mu_;
+  std::vector<Lingering> lingering_ ABSL_GUARDED_BY(lingering_mu_);
 };
 
 }  // namespace kvmem::engine

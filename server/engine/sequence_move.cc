@@ -1,10 +1,10 @@
 #include "server/engine/sequence_move.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <limits>
 #include <utility>
-#include <variant>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
@@ -14,7 +14,7 @@
 #include "server/engine/guard.h"
 #include "server/engine/input_checks.h"
 #include "server/engine/tenants.h"
-#include "server/transport/shared_segment.h"
+#include "spdlog/spdlog.h"
 
 namespace kvmem::engine {
 namespace {
@@ -34,8 +34,10 @@ uint64_t ImportHostBytes(const MovedHeader& h) {
                             (h.token_signals ? 2 * sizeof(float) : 0) +
                             (h.arrival_steps ? sizeof(int64_t) : 0) +
                             (h.scores ? sizeof(float) : 0);
+  // A block: its StreamBlock, and its id as allocated before its piece came (Reserve).
   return sizeof(Sequence) + h.stream_slots.size() * sizeof(Stream) + slots * per_slot +
-         blocks * sizeof(StreamBlock) + h.token_ids.size() * sizeof(int32_t);
+         blocks * (sizeof(StreamBlock) + sizeof(store::BlockId)) +
+         h.token_ids.size() * sizeof(int32_t);
 }
 
 }  // namespace
@@ -225,7 +227,9 @@ absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t exp
     return taken.status();
   }
   moved_exports_.Add(export_id, sequence_id, seq.owner());
-  return ReleaseLocked(seq);
+  // The receiver committed: its reads are over, the export's references go now.
+  uint64_t freed = pool_->Unref(seq.EndMoveExport());
+  return freed + ReleaseLocked(seq);
 }
 
 // ---- the receiver's side
@@ -302,14 +306,8 @@ SequenceImport::SequenceImport(const ImportRooms& rooms, MovedHeader header, Blo
       tenant_(tenant),
       host_(std::move(host)),
       share_(std::move(share)),
-      streams_(header_.stream_slots.size()) {
-  if (std::optional<store::PoolExport> pool = rooms_.backend->pool_export()) {
-    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*pool)) {
-      host_segment_ = shm->segment.lock();
-      if (host_segment_ != nullptr) host_pool_ = host_segment_->data();
-    }
-  }
-}
+      streams_(header_.stream_slots.size()),
+      host_pool_(rooms_.backend->host_pool()) {}
 
 SequenceImport::~SequenceImport() {
   for (size_t s = 0; s < allocated_.size(); ++s) {  // the blocks no piece took
@@ -554,11 +552,29 @@ absl::StatusOr<std::vector<uint8_t*>> SequenceImport::Reserve(const MovedPiece& 
   });
 }
 
-void SequenceImport::Landed(uint64_t pieces) { unlanded_ -= std::min(pieces, unlanded_); }
+void SequenceImport::Landed(uint64_t pieces) {
+  assert(pieces <= unlanded_);
+  unlanded_ -= std::min(pieces, unlanded_);
+}
+
+void SequenceImport::Forsake() {
+  uint64_t kept = 0;
+  for (size_t s = 0; s < streams_.size(); ++s) {
+    kept += std::max<uint64_t>(streams_[s].blocks.size(),
+                               s < allocated_.size() ? allocated_[s].size() : 0);
+    streams_[s].blocks.clear();
+  }
+  allocated_.clear();
+  forsaken_ = true;
+  spdlog::error(
+      "MoveSequence: {} blocks kept out of circulation for good (a get was abandoned in flight)",
+      kept);
+}
 
 absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::Duration lease) {
   return GuardHostMemory("MoveSequence", [&]() -> absl::StatusOr<CreateResult> {
     if (import.committed_) return absl::FailedPreconditionError("MoveSequence: committed already");
+    if (import.forsaken_) return absl::AbortedError("MoveSequence: its blocks were forsaken");
     if (!import.complete()) return Bad("ended before all its streams came");
     if (import.unlanded_ != 0) {
       return absl::FailedPreconditionError("MoveSequence: committed before its blocks landed");
@@ -652,7 +668,8 @@ absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::
       budget_.Account(*seq);
     }
     std::move(give_back_slot).Cancel();
-    import.committed_ = true;  // the sequence holds the blocks and the tenant now
+    import.committed_ = true;   // the sequence holds the blocks and the tenant now
+    import.allocated_.clear();  // every one taken (complete): the sequence's
     return Register(seq);
   });
 }

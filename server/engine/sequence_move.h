@@ -156,6 +156,10 @@ class SequenceImport {
   bool lands_in_place() const { return host_pool_ != nullptr; }
   absl::StatusOr<std::vector<uint8_t*>> Reserve(const MovedPiece& piece);
   void Landed(uint64_t pieces);
+  // A reader may still write into the blocks reserved (a get abandoned in flight): they
+  // stay out of circulation for good, charged to the tenant, rather than be handed to
+  // another sequence; the import can no longer commit.
+  void Forsake();
   // Every stream's blocks and slots came.
   bool complete() const;
   const MovedHeader& header() const { return header_; }
@@ -195,14 +199,13 @@ class SequenceImport {
   uint32_t stream_ = 0;  // the stream pieces come for now
   uint64_t block_count_ = 0;
   uint64_t bytes_ = 0;
-  bool committed_ = false;  // the sequence owns the blocks and the tenant hold
-  // The pool's memory, where it is host memory (the CPU backend's segment): pieces land in place.
-  std::shared_ptr<const transport::SharedSegment> host_segment_;
-  uint8_t* host_pool_ = nullptr;
+  bool committed_ = false;    // the sequence owns the blocks and the tenant hold
+  uint8_t* const host_pool_;  // the backend's host_pool(): pieces land in place
   // Reserve's: every stream's blocks allocated at once (empty: each piece's when it comes),
   // and the pieces reserved whose bytes have not landed yet.
   std::vector<std::vector<store::BlockId>> allocated_;
   uint64_t unlanded_ = 0;
+  bool forsaken_ = false;
 };
 
 }  // namespace kvmem::engine

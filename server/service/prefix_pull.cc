@@ -329,6 +329,16 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     if (!streams_held.ok()) return streams_held.status();
     const client::UcxPool::Deadline by_pull(deadline);
     absl::StatusOr<std::vector<client::StreamKv>> streams = ucx->ReadStreams(table);
+    if (!streams.ok() && ucx->broken() && !absl::IsDeadlineExceeded(streams.status())) {
+      // A connection kept from before the holder restarted, or one another call's deadline
+      // ended: connected again, once.
+      absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
+          links_->Pool(*stub, holder, deadline);
+      if (again.ok()) {
+        ucx = *std::move(again);
+        streams = ucx->ReadStreams(table);
+      }
+    }
     if (!streams.ok()) {
       return absl::Status(absl::IsDeadlineExceeded(streams.status())
                               ? absl::StatusCode::kDeadlineExceeded
@@ -352,7 +362,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   if (ucx != nullptr) {
     if (absl::Status read = read_by_ucx(); read.ok()) {
       result.transport = "ucx";
-    } else if (ask.transport == "ucx" || context->IsCancelled()) {
+    } else if (ask.transport == "ucx" || context->IsCancelled() || absl::IsDeadlineExceeded(read)) {
       return read;
     } else {
       spdlog::warn("PullPrefix: {}; reading it by ReadKv instead", std::string(read.message()));

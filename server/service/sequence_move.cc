@@ -63,7 +63,7 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
 #if KVMEM_WITH_UCX
 // The bytes of pieces by offsets reserved before their gets are posted together (blocks side
 // by side in both pools are one get: several pieces' blocks make large gets), and the most
-// blocks (the reads' host memory, whatever the blocks' size).
+// blocks (the reads' host memory, whatever the blocks' size; passed by one piece's at most).
 constexpr uint64_t kLandBytes = 64ull << 20;
 constexpr size_t kLandBlocks = 16384;
 
@@ -82,11 +82,16 @@ absl::Status CheckOffsets(const engine::MovedPiece& piece) {
 absl::Status ReservePiece(engine::SequenceImport& import, const engine::MovedPiece& piece,
                           std::vector<client::UcxPool::PoolRead>* reads, uint64_t* bytes) {
   if (absl::Status s = CheckOffsets(piece); !s.ok()) return s;
+  try {
+    reads->reserve(reads->size() + piece.blocks.size());
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("MoveSequence: out of host memory");
+  }
   absl::StatusOr<std::vector<uint8_t*>> at = import.Reserve(piece);
   if (!at.ok()) return at.status();
   for (size_t i = 0; i < piece.blocks.size(); ++i) {
     const uint64_t n = import.format().block_bytes(piece.blocks[i].precision);
-    reads->push_back({piece.offsets[i], (*at)[i], n});
+    reads->push_back({piece.offsets[i], (*at)[i], n});  // reserved: cannot throw
     *bytes += n;
   }
   return absl::OkStatus();
@@ -117,6 +122,10 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
     at += n;
   }
   if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
+    if (pool.abandoned()) {
+      // A get may still write into the piece's buffer: never freed, never reused.
+      new std::string(std::move(piece->data));
+    }
     piece->data.clear();
     return s;
   }
@@ -382,7 +391,8 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   // connected again, once, and run again: the export holds its blocks.
   const auto get = [&](const auto& run) {
     absl::Status s = run(*ucx);
-    if (!s.ok() && ucx->broken() && !reconnected && !absl::IsDeadlineExceeded(s)) {
+    if (!s.ok() && ucx->broken() && !reconnected && !absl::IsDeadlineExceeded(s) &&
+        !absl::IsAborted(s)) {
       reconnected = true;
       absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
           links_->Pool(*stub, from_node, deadline);
@@ -398,7 +408,17 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   uint64_t landing_bytes = 0, landing_pieces = 0;
   const auto land = [&] {
     if (landing.empty()) return absl::OkStatus();
-    absl::Status s = get([&](const client::UcxPool& pool) { return pool.ReadPool(landing); });
+    absl::Status s = get([&](const client::UcxPool& pool) {
+      absl::Status read = pool.ReadPool(landing);
+      // A get left in flight may still write into the blocks: read into them again or
+      // handed to another sequence, they could change under their reader.
+      if (!read.ok() && pool.abandoned()) {
+        (*import)->Forsake();
+        return absl::AbortedError(absl::StrCat("MoveSequence: reading the holder's pool: ",
+                                               read.message(), " (a get was left in flight)"));
+      }
+      return read;
+    });
     if (s.ok()) (*import)->Landed(landing_pieces);
     landing.clear();
     landing_bytes = landing_pieces = 0;

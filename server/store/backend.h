@@ -131,6 +131,10 @@ class Backend {
 
   // The same-host export of the pool, when the backend has one.
   virtual std::optional<PoolExport> pool_export() const { return std::nullopt; }
+  // The pool's bytes as this process addresses them, where they are host memory that may be
+  // written in place of Write (a move's gets land there: SequenceImport::Reserve); null
+  // where they are not (device memory).
+  virtual uint8_t* host_pool() const { return nullptr; }
 };
 
 }  // namespace kvmem::store

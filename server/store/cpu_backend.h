@@ -32,6 +32,7 @@ class CpuBackend final : public Backend {
   }
   [[nodiscard]] absl::Status Prefault(uint64_t offset, uint64_t bytes) const override;
   std::optional<PoolExport> pool_export() const override;
+  uint8_t* host_pool() const override { return segment_->data(); }
 
  private:
   explicit CpuBackend(std::shared_ptr<transport::SharedSegment> segment)

@@ -345,4 +345,9 @@ uint64_t UcxPool::gets() const {
 
 bool UcxPool::broken() const { return broken_.load(); }
 
+bool UcxPool::abandoned() const {
+  absl::MutexLock lock(&mu_);
+  return ucx_->abandoned;
+}
+
 }  // namespace kvmem::client

@@ -365,7 +365,7 @@ TEST_F(MoveFixture, AReleaseDuringTheMoveEndsIt) {
   EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
 }
 
-TEST_F(MoveFixture, AReleaseGivesBackTheBlocksAnExportByOffsetsHeld) {
+TEST_F(MoveFixture, AReleaseGivesBackTheBlocksAnExportByOffsetsHeldOnceItsHoldLapses) {
   std::vector<std::vector<float>> scores;
   absl::StatusOr<MovedHeader> h = a_->BeginExport(id_, absl::Seconds(30), &scores);
   ASSERT_TRUE(h.ok());
@@ -373,7 +373,15 @@ TEST_F(MoveFixture, AReleaseGivesBackTheBlocksAnExportByOffsetsHeld) {
   MovedPiece piece;
   while (*a_->ExportPiece(id_, h->export_id, scores, true, &cursor, &piece)) {
   }
+  // Released, its blocks stay out of circulation while a receiver may still get them: until
+  // the export's hold lapses.
   ASSERT_TRUE(a_->Release(id_).ok());
+  EXPECT_GT(a_->Stats(false).pool.blocks_used, 0u);
+  clock_.Advance(absl::Seconds(29));
+  a_->ExpireLeases();
+  EXPECT_GT(a_->Stats(false).pool.blocks_used, 0u);
+  clock_.Advance(absl::Seconds(2));
+  a_->ExpireLeases();
   EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
 }
 
@@ -466,9 +474,7 @@ TEST_F(MoveFixture, PiecesLandedInPlaceCommitOnlyOnceEveryPieceLanded) {
   for (const MovedPiece& piece : good->pieces) ASSERT_TRUE(LandInPlace(**import, piece).ok());
   MovedPiece none;  // a Reserve refused changes nothing: the import still commits
   EXPECT_FALSE((*import)->Reserve(none).ok());
-  // One piece reserved and not landed: refused.
-  (*import)->Landed(0);
-  {
+  {  // one piece reserved and not landed: refused
     absl::StatusOr<std::unique_ptr<SequenceImport>> partial = b_->BeginImport(good->header, "");
     ASSERT_TRUE(partial.ok());
     for (const MovedPiece& piece : good->pieces) {
@@ -486,6 +492,51 @@ TEST_F(MoveFixture, PiecesLandedInPlaceCommitOnlyOnceEveryPieceLanded) {
   EXPECT_EQ(b_->Stats(false).pool.blocks_used, blocks);
   ASSERT_TRUE(b_->Release(r->sequence_id).ok());
   EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u);
+}
+
+// A sequence that may quantize but holds every block at the layout's precision: its blocks
+// are allocated at once for pieces landing in place, and a piece naming a quantized block
+// (which the header's bytes leave no room for) is refused, nothing kept.
+TEST_F(MoveFixture, AQuantizedBlockWhereTheHeaderSaysNoneIsRefused) {
+  const uint64_t id =
+      a_->CreateSequence(MoveLayout(), "full", {}, {kernels::QuantType::kInt8, 1000}, {})
+          ->sequence_id;
+  ASSERT_TRUE(twins::Append(*a_, id, 0, 100).ok());
+  absl::StatusOr<Exported> good = Export(*a_, id);
+  ASSERT_TRUE(good.ok()) << good.status();
+  ASSERT_GE(good->pieces.size(), 2u);
+  Exported bad = *good;
+  bad.pieces[1].blocks[0].precision = Precision::kInt8;
+  absl::StatusOr<CreateResult> r = Import(*b_, bad, "", /*landing=*/true);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("precision"));
+  EXPECT_EQ(b_->Stats(false).pool.blocks_used, 0u);
+  EXPECT_EQ(b_->Stats(false).host_metadata_bytes, 0u);
+  r = Import(*b_, *good, "", /*landing=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(Content(*b_, r->sequence_id), Content(*a_, id));
+}
+
+// A reader that may still write into an import's blocks (a get abandoned in flight): they
+// stay allocated for good and the import cannot commit.
+TEST_F(MoveFixture, AForsakenImportKeepsItsBlocksOutOfCirculation) {
+  const uint64_t id = a_->CreateSequence(MoveLayout(), "full", {}, {}, {})->sequence_id;
+  ASSERT_TRUE(twins::Append(*a_, id, 0, 100).ok());
+  absl::StatusOr<Exported> good = Export(*a_, id);
+  ASSERT_TRUE(good.ok()) << good.status();
+  uint64_t blocks = 0;
+  for (uint32_t n : good->header.stream_blocks) blocks += n;
+  {
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import = b_->BeginImport(good->header, "");
+    ASSERT_TRUE(import.ok());
+    for (const MovedPiece& piece : good->pieces) ASSERT_TRUE(LandInPlace(**import, piece).ok());
+    (*import)->Forsake();
+    EXPECT_EQ(b_->CommitImport(**import, absl::ZeroDuration()).status().code(),
+              absl::StatusCode::kAborted);
+  }
+  EXPECT_EQ(b_->Stats(false).pool.blocks_used, blocks);
+  EXPECT_EQ(b_->Stats(false).host_metadata_bytes, 0u);
+  EXPECT_EQ(b_->Stats(true).sequences.size(), 0u);
 }
 
 // Attention history out of range (a policy that keeps it: infokv).
