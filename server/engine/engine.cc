@@ -528,13 +528,17 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   versions_.Seal(seq);
   uint64_t freed = pool_->Unref(seq.TakeOrphans());
   freed += pool_->Unref(seq.TakePlan());  // blocks a write plan holds
-  // Blocks a move's reader may still get: out of circulation until the export's hold lapses.
+  // Blocks a move's reader may still get: out of circulation until the export's hold lapses,
+  // and the tenant's hold with them (its sequences counted until then).
   const int64_t hold_until = seq.move_export().until_ns;
+  bool lingers = false;
   if (std::vector<store::BlockId> held = seq.EndMoveExport();
       !held.empty() && hold_until > absl::ToUnixNanos(registry_.Now())) {
+    lingers = true;
     try {
       kvmem::MutexLock lock(&lingering_mu_);
-      lingering_.push_back({hold_until, std::move(held)});
+      lingering_.reserve(lingering_.size() + 1);
+      lingering_.push_back({hold_until, std::move(held), TenantKey(seq)});
     } catch (const std::bad_alloc&) {
       // Kept out of circulation for good rather than handed to another sequence under a read.
       spdlog::error("{} blocks of a released sequence's export kept (out of host memory)",
@@ -549,7 +553,7 @@ uint64_t Engine::ReleaseLocked(Sequence& seq) {
   seq.Clear();
   budget_.Account(seq);
   versions_.ReturnSlot(seq.epoch_slot());
-  tenants_.Release(TenantKey(seq));  // after its blocks: a tenant holding none may go
+  if (!lingers) tenants_.Release(TenantKey(seq));  // after its blocks: a tenant holding none may go
   return freed;
 }
 
@@ -567,20 +571,24 @@ uint32_t Engine::ExpireLeases() {
                  absl::ToInt64Seconds(seq->lease()), freed);
   }
   telemetry_.leases_expired += expired.size();
-  std::vector<store::BlockId> lapsed;
+  std::vector<Lingering> lapsed;
   {
     const int64_t now = absl::ToUnixNanos(registry_.Now());
     kvmem::MutexLock lock(&lingering_mu_);
+    lapsed.reserve(lingering_.size());  // before any is taken: the moves below cannot throw
     for (auto it = lingering_.begin(); it != lingering_.end();) {
       if (it->until_ns > now) {
         ++it;
         continue;
       }
-      lapsed.insert(lapsed.end(), it->held.begin(), it->held.end());
+      lapsed.push_back(std::move(*it));
       it = lingering_.erase(it);
     }
   }
-  pool_->Unref(lapsed);
+  for (const Lingering& l : lapsed) {
+    pool_->Unref(l.held);
+    tenants_.Release(l.tenant_key);  // after its blocks: a tenant holding none may go
+  }
   return static_cast<uint32_t>(expired.size());
 }
 

@@ -247,6 +247,7 @@ class Engine {
   struct Lingering {
     int64_t until_ns;
     std::vector<store::BlockId> held;
+    std::string tenant_key;  // Tenants' hold, kept until then
   };
   absl::Mutex lingering_mu_;
   std::vector<Lingering> lingering_ ABSL_GUARDED_BY(lingering_mu_);

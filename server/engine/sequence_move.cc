@@ -227,7 +227,8 @@ absl::StatusOr<uint64_t> Engine::FinishExport(uint64_t sequence_id, uint64_t exp
     return taken.status();
   }
   moved_exports_.Add(export_id, sequence_id, seq.owner());
-  // The receiver committed: its reads are over, the export's references go now.
+  // Moved (the caller says the receiver committed: its reads are over): the export's
+  // references go now.
   uint64_t freed = pool_->Unref(seq.EndMoveExport());
   return freed + ReleaseLocked(seq);
 }

@@ -122,7 +122,7 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
     at += n;
   }
   if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
-    if (pool.abandoned()) {
+    if (absl::IsAborted(s)) {
       // A get may still write into the piece's buffer: never freed, never reused.
       new std::string(std::move(piece->data));
     }
@@ -412,7 +412,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
       absl::Status read = pool.ReadPool(landing);
       // A get left in flight may still write into the blocks: read into them again or
       // handed to another sequence, they could change under their reader.
-      if (!read.ok() && pool.abandoned()) {
+      if (absl::IsAborted(read)) {
         (*import)->Forsake();
         return absl::AbortedError(absl::StrCat("MoveSequence: reading the holder's pool: ",
                                                read.message(), " (a get was left in flight)"));

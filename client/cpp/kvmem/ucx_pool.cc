@@ -122,9 +122,13 @@ UcxPool::~UcxPool() {
     Wait(h.worker, ucp_ep_close_nbx(h.ep, &close), absl::Now() + absl::Seconds(1), &closing);
     h.abandoned |= closing != nullptr;
   }
-  // With a request abandoned in flight the worker and context are left as they are (a small
-  // leak) rather than progressed or destroyed under it.
-  if (h.abandoned) return;
+  // With a request abandoned in flight the worker, the context and the staging buffer (a
+  // destination) are left as they are (a small leak) rather than progressed or destroyed
+  // under it.
+  if (h.abandoned) {
+    new std::vector<uint8_t>(std::move(staging_));
+    return;
+  }
   if (h.worker != nullptr) ucp_worker_destroy(h.worker);
   if (h.context != nullptr) ucp_cleanup(h.context);
 }
@@ -167,6 +171,7 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
     if (left != nullptr) pending.push_back(left);
     if (status == UCS_OK) status = s;
   }
+  bool left_in_flight = false;  // by this read
   if (!pending.empty()) {
     // Past the deadline: the endpoint is closed by force, which flushes what is in flight
     // on it (a hardware transport's write into a destination completes or is cancelled)
@@ -183,13 +188,19 @@ absl::Status UcxPool::Gets(absl::Span<const GetOp> ops) const {
     for (ucs_status_ptr_t request : pending) {
       ucs_status_ptr_t still = nullptr;
       Wait(ucx_->worker, request, end, &still);
-      ucx_->abandoned |= still != nullptr;
+      left_in_flight |= still != nullptr;
     }
-    ucx_->abandoned |= closing != nullptr;
+    left_in_flight |= closing != nullptr;
+    ucx_->abandoned |= left_in_flight;
   }
   // A failed endpoint (the peer went away) and a read past its deadline both end the pool.
   if (status != UCS_OK) {
     broken_ = true;
+    if (left_in_flight) {
+      return absl::AbortedError(absl::StrCat(
+          "ucx: gets of ", bytes, " bytes were left in flight (", ucs_status_string(status),
+          "); their destinations may still be written: never use or reuse them"));
+    }
     if (status == UCS_ERR_TIMED_OUT && absl::Now() >= by_call) {
       return absl::DeadlineExceededError(
           absl::StrCat("ucx: gets of ", bytes,
@@ -344,10 +355,5 @@ uint64_t UcxPool::gets() const {
 }
 
 bool UcxPool::broken() const { return broken_.load(); }
-
-bool UcxPool::abandoned() const {
-  absl::MutexLock lock(&mu_);
-  return ucx_->abandoned;
-}
 
 }  // namespace kvmem::client

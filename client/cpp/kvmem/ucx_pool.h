@@ -46,13 +46,12 @@ class UcxPool final : private MappedPool {
   uint64_t bytes_read() const;
   uint64_t gets() const;
   // A read failed (the daemon went away, or a read outlasted its deadline): every read
-  // fails from then on; connect a new pool.
+  // fails from then on; connect a new pool. A read that fails ABORTED left a get in flight
+  // (its endpoint's forced close did not complete within a second): a transport may still
+  // write into that read's destinations, which must never be used or reused (a software
+  // transport writes only while the worker progresses, which it never does again; a
+  // hardware one may).
   bool broken() const;
-  // A failed read left a get in flight (its endpoint's forced close did not complete within
-  // a second): a transport may still write into that read's destinations, which must never
-  // be reused (a software transport writes only while the worker progresses, and it never
-  // does again; a hardware one may).
-  bool abandoned() const;
   // While one lives, every read on this thread ends by `until` at the latest (a daemon
   // reading for a call ends by the call's deadline, not the pool's `deadline` later);
   // scopes nest, the earliest applies. A scope ends on the thread it began on (nothing

@@ -335,6 +335,7 @@ TEST_F(MoveFixture, AnExportByOffsetsHoldsItsBlocksUntilItEnds) {
       ASSERT_TRUE(a_->FinishExport(id_, h->export_id, true).ok());
       EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
     }
+    EXPECT_EQ(a_->Stats(false).pool.bad_unrefs, 0u);
   }
 }
 
@@ -383,6 +384,38 @@ TEST_F(MoveFixture, AReleaseGivesBackTheBlocksAnExportByOffsetsHeldOnceItsHoldLa
   clock_.Advance(absl::Seconds(2));
   a_->ExpireLeases();
   EXPECT_EQ(a_->Stats(false).pool.blocks_used, 0u);
+  EXPECT_EQ(a_->Stats(false).pool.bad_unrefs, 0u);
+}
+
+// Blocks kept for a released sequence's export count as its tenant's sequence until they
+// go: an owner cannot pin more than --tenant-max-sequences exports' blocks by exporting and
+// releasing.
+TEST_F(MoveFixture, AReleasedSequencesExportCountsAgainstItsTenantUntilItsHoldLapses) {
+  EngineConfig config;
+  config.pool_bytes = 8 << 20;
+  config.page_bytes = 4096;
+  config.reclaim_reserve_pages = 0;
+  config.tenant_max_sequences = 1;
+  std::unique_ptr<Engine> e =
+      *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock_);
+  PromptPrefix alice;
+  alice.owner = "alice";
+  const uint64_t id = e->CreateSequence(MoveLayout(), "full", {}, {}, {}, alice)->sequence_id;
+  ASSERT_TRUE(twins::Append(*e, id, 0, 40).ok());
+  std::vector<std::vector<float>> scores;
+  absl::StatusOr<MovedHeader> h = e->BeginExport(id, absl::Seconds(30), &scores);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ExportCursor cursor;
+  MovedPiece piece;
+  while (*e->ExportPiece(id, h->export_id, scores, true, &cursor, &piece)) {
+  }
+  ASSERT_TRUE(e->Release(id).ok());
+  EXPECT_EQ(e->CreateSequence(MoveLayout(), "full", {}, {}, {}, alice).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  clock_.Advance(absl::Seconds(31));
+  e->ExpireLeases();
+  EXPECT_TRUE(e->CreateSequence(MoveLayout(), "full", {}, {}, {}, alice).ok());
+  EXPECT_EQ(e->Stats(false).pool.bad_unrefs, 0u);
 }
 
 // Every way an export can lie: refused at the header, at a piece or at the commit, and the
