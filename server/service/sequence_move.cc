@@ -124,7 +124,7 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
   if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
     if (absl::IsAborted(s)) {
       // A get may still write into the piece's buffer: never freed, never reused.
-      new std::string(std::move(piece->data));
+      client::internal::KeepForever(std::move(piece->data));
     }
     piece->data.clear();
     return s;

@@ -245,7 +245,18 @@ absl::Status MappedPool::ReadInto(const BlockTable& table, std::vector<StreamRea
       first += b.count;
     }
   }
-  if (absl::Status s = CopyOutMany(copies); !s.ok()) return s;
+  if (absl::Status s = CopyOutMany(copies); !s.ok()) {
+    if (absl::IsAborted(s)) {
+      // Gets left in flight (ucx_pool.h) may still write into the destinations: their
+      // buffers are never freed or reused.
+      internal::KeepForever(std::move(quantized));
+      for (StreamRead& read : reads) {
+        internal::KeepForever(std::move(*read.k));
+        internal::KeepForever(std::move(*read.v));
+      }
+    }
+    return s;
+  }
   next = 0;
   for (StreamRead& read : reads) {
     uint64_t first = 0;

@@ -12,12 +12,23 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvmem/client.h"
 
 namespace kvmem::client {
+
+namespace internal {
+// Moves `value` to the heap and never frees it: buffers a transport may still write into (a
+// UCX get left in flight, ucx_pool.h) must never be handed out again.
+template <typename T>
+void KeepForever(T&& value) {
+  (void)new std::decay_t<T>(std::forward<T>(value));
+}
+}  // namespace internal
 
 // One block of a stream as mapped. For layout precision, k and v point at the first live
 // slot's row ([count][head_dim] in the layout dtype each). For quantized blocks, `block`

@@ -126,7 +126,7 @@ UcxPool::~UcxPool() {
   // destination) are left as they are (a small leak) rather than progressed or destroyed
   // under it.
   if (h.abandoned) {
-    new std::vector<uint8_t>(std::move(staging_));
+    internal::KeepForever(std::move(staging_));
     return;
   }
   if (h.worker != nullptr) ucp_worker_destroy(h.worker);
