@@ -238,7 +238,7 @@ TEST(KvmemdProcessTest, AUcxReadEndsByTheCallsDeadline) {
   ASSERT_TRUE(whole.ok()) << whole;
   EXPECT_EQ(rk, k.substr(0, 40 * 64 * 2));
 
-  kill(d.pid, SIGSTOP);
+  ASSERT_TRUE(kvmem::testing::PauseKvmemd(d.pid));
   const absl::Time started = absl::Now();
   {
     const kvmem::client::UcxPool::Deadline by_call(started + absl::Milliseconds(500));

@@ -5,6 +5,7 @@ small layout, a table comparison, the manual clock, and a kvmemd started on a un
 import contextlib
 import os
 import pathlib
+import signal
 import subprocess
 import time
 
@@ -95,6 +96,21 @@ def same_table(a, b):
             assert getattr(x, column) == getattr(y, column), column
         if a.positions and b.positions:
             assert np.array_equal(x.positions, y.positions)
+
+
+def pause(proc):
+    """Stops `proc` (SIGSTOP) and waits until every thread of it has stopped: the signal is
+    delivered asynchronously, and right after it a thread may still answer a request."""
+    proc.send_signal(signal.SIGSTOP)
+
+    def stopped():
+        for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir():
+            # The state follows the command's parentheses (a name may hold spaces).
+            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+        return True
+
+    assert wait_until(stopped, 5), f"process {proc.pid} did not stop"
 
 
 def wait_until(condition, timeout=5.0):

@@ -17,8 +17,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from kvmem_testing import (CI, kvmem, layout, make_certificates, start_daemon, stop_daemon,
-                           ucx_built, wait_until)
+from kvmem_testing import (CI, kvmem, layout, make_certificates, pause, start_daemon,
+                           stop_daemon, ucx_built, wait_until)
 
 if CI:  # scripts/python_deps.sh and scripts/deps.sh install them: missing, the run fails
     import cbor2
@@ -510,7 +510,7 @@ def test_a_killed_node_lapses_and_redis_down_blocks_nothing(redis):
 
         # Redis stalled (stopped, its socket still accepting): a fleet lookup gives up after
         # --cluster-index-timeout-ms, publishing does not wait for the writer.
-        redis.proc.send_signal(signal.SIGSTOP)
+        pause(redis.proc)
         try:
             start = time.monotonic()
             stalled = b.client.fleet_lookup(LAY, kvmem.Prompt(tokens, model="m"))

@@ -64,6 +64,15 @@ inline int WaitExit(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// Stops the process (SIGSTOP) and returns once every thread of it has stopped: a signal is
+// delivered asynchronously, and right after kill() a thread may still run (answer a read)
+// for a while. False if it could not be stopped.
+inline bool PauseKvmemd(pid_t pid) {
+  if (kill(pid, SIGSTOP) != 0) return false;
+  int status = 0;
+  return waitpid(pid, &status, WUNTRACED) == pid && WIFSTOPPED(status);
+}
+
 inline int StopKvmemd(KvmemdProcess& d) {
   kill(d.pid, SIGTERM);
   const int rc = WaitExit(d.pid);

@@ -27,7 +27,9 @@ TEST(KeepSetTest, RunsAreMaximalAndIterateAsTheSlots) {
     ASSERT_EQ(set.Slots(), slots);
     ASSERT_EQ(std::vector<uint32_t>(set.begin(), set.end()), slots);
     ASSERT_TRUE(set.ValidFor(n));
-    if (!slots.empty()) ASSERT_FALSE(set.ValidFor(slots.back()));  // the last slot is out
+    if (!slots.empty()) {
+      ASSERT_FALSE(set.ValidFor(slots.back()));  // the last slot is out
+    }
     size_t runs = 0;  // one run per kept slot whose predecessor is not kept
     for (size_t i = 0; i < slots.size(); ++i) runs += i == 0 || slots[i - 1] + 1 != slots[i];
     ASSERT_EQ(set.runs().size(), runs);

@@ -47,7 +47,9 @@ struct ClientTable {
       // Slot offsets of the held blocks, to carry a kept block's positions over.
       std::vector<size_t> offset = {0};
       for (const TableBlock& b : held) offset.push_back(offset.back() + b.count);
-      if (with_positions) ASSERT_EQ(offset.back(), positions[d.stream].size());
+      if (with_positions) {
+        ASSERT_EQ(offset.back(), positions[d.stream].size());
+      }
       std::vector<TableBlock> next(d.block_count);
       std::vector<bool> filled(d.block_count, false);
       std::vector<std::vector<int64_t>> next_positions(d.block_count);

@@ -33,7 +33,9 @@ TEST(PolicyRegistryTest, KernelStepsKeepScoresAndScorelessBaselinesKeepNone) {
   for (const PolicyDescriptor& d : AllPolicies()) {
     auto policy = CreatePolicy(d.name, {});
     ASSERT_TRUE(policy.ok()) << d.name << ": " << policy.status();
-    if ((*policy)->has_kernel_step()) EXPECT_TRUE(d.initial_score.has_value()) << d.name;
+    if ((*policy)->has_kernel_step()) {
+      EXPECT_TRUE(d.initial_score.has_value()) << d.name;
+    }
   }
   // The policies that read StreamState::scores (h2o's accumulators, confkv's EMA) are
   // handed them only if they declare an initial score: a score-less one would be handed
