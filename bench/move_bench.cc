@@ -2,11 +2,12 @@
 // kvmemd process, the receiver in this one: an 8k-token Llama-8B-shape sequence (32x8x128 f16, 1
 // GiB of K/V, by default), moved from the holder to the receiver by gRPC (the blocks in the
 // export's messages), by UCX over TCP and by UCX over shared memory (RMA gets from the holder's
-// pool), each repeated --repeats times (the holder gets the sequence again between moves, untimed).
+// pool), and copied out of the holder's pool mapped read-only (attach: the same host), each
+// repeated --repeats times (the holder gets the sequence again between moves, untimed).
 // GB/s = 1e9 block bytes per second of the MoveSequence call, the commit and the holder's
 // release included. UCX_TLS picks the receiver's transports (a receiver per row); the
-// holder's worker offers tcp and sm. The first move of a row connects to the holder's pool;
-// the others reuse the connection (best: the fastest move; mean: all of them).
+// holder's worker offers tcp and sm. The first move of a row connects to (or maps) the
+// holder's pool; the others reuse it (best: the fastest move; mean: all of them).
 #include <signal.h>
 
 #include <algorithm>
@@ -34,8 +35,9 @@ ABSL_FLAG(uint32_t, heads, 8, "the layout's KV heads");
 ABSL_FLAG(uint32_t, dim, 128, "the layout's head dimension");
 ABSL_FLAG(int, repeats, 3, "moves per transport");
 ABSL_FLAG(std::string, kvmemd, KVMEMD_PATH, "the kvmemd binary the holder runs");
-ABSL_FLAG(std::string, rows, "grpc,ucx-tcp,ucx-sm",
-          "the rows to run (grpc, ucx-tcp, ucx-sm), comma-separated (one alone, for a profiler)");
+ABSL_FLAG(std::string, rows, "grpc,ucx-tcp,ucx-sm,attach",
+          "the rows to run (grpc, ucx-tcp, ucx-sm, attach), comma-separated (one alone, for a "
+          "profiler)");
 
 namespace {
 
@@ -91,12 +93,13 @@ int main(int argc, char** argv) {
   std::ofstream(peer) << kPeerToken << "\n";
 
   // The holder: a kvmemd process of its own (as UCX's perftest runs its two sides), its
-  // worker offering TCP and shared memory.
+  // worker offering TCP and shared memory. Its pool is not prefaulted: the prefill (untimed)
+  // writes the pages the moves read.
   setenv("UCX_TLS", "tcp,sm,self", 1);
   kvmem::testing::KvmemdProcess holder = kvmem::testing::StartKvmemd(
       absl::GetFlag(FLAGS_kvmemd).c_str(),
       {"--listen=127.0.0.1:0", absl::StrCat("--pool_bytes=", pool_bytes), "--max_sequences=16",
-       "--max_message_bytes=67108864", "--ucx", "--ucx_trusted_network", "--pool_prefault",
+       "--max_message_bytes=67108864", "--ucx", "--ucx_trusted_network", "--pool_prefault=false",
        absl::StrCat("--auth_tokens=", tokens), "--log-level=warn"});
   if (holder.port == 0) {
     std::fprintf(stderr, "the holder kvmemd did not start\n");
@@ -104,7 +107,6 @@ int main(int argc, char** argv) {
   }
   const std::string holder_address = absl::StrCat("127.0.0.1:", holder.port);
   std::unique_ptr<Client> on_holder = Connect(holder_address);
-  absl::SleepFor(absl::Seconds(2));  // its pool prefaulted (about 0.3 s a GiB)
 
   // The sequence, prefilled on the holder in 8 MiB chunks of whole tokens.
   const kvmem::client::Layout layout{L, H, D, kvmem::client::DType::kF16, 16, 49152};
@@ -156,11 +158,11 @@ int main(int argc, char** argv) {
   };
   const std::vector<std::string> rows = absl::StrSplit(absl::GetFlag(FLAGS_rows), ',');
   for (const Row& row : {Row{"grpc", "grpc", "tcp,sm,self"}, Row{"ucx-tcp", "ucx", "tcp"},
-                         Row{"ucx-sm", "ucx", "sm,self"}}) {
+                         Row{"ucx-sm", "ucx", "sm,self"}, Row{"attach", "attach", "-"}}) {
     if (std::find(rows.begin(), rows.end(), row.name) == rows.end()) continue;
     // A receiver per row: it keeps its connection to the holder's pool (made with the
     // UCX_TLS of its first move) for the next.
-    setenv("UCX_TLS", row.tls, 1);
+    if (std::string_view(row.tls) != "-") setenv("UCX_TLS", row.tls, 1);
     std::unique_ptr<kvmem::service::Server> receiver =
         Start(pool_bytes, {holder_address}, tokens, peer);
     std::unique_ptr<Client> on_receiver = Connect(absl::StrCat("127.0.0.1:", receiver->port()));

@@ -35,7 +35,7 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer) {
+                    const std::string& issuer, bool read_only) {
   const bool same_host = attach != nullptr;
   std::vector<transport::AttachSocket::Grant> grants;
   const engine::EngineConfig& config = engine.config();
@@ -80,7 +80,7 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   if (exported) {
     if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
       response->mutable_shared_memory()->set_segment_bytes(shm->bytes);
-      grants.push_back({v1::attach::kPool, shm->segment, config.in_place_writes});
+      grants.push_back({v1::attach::kPool, shm->segment, config.in_place_writes && !read_only});
     } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
       v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
       ipc->set_handle(cuda->handle);

@@ -19,12 +19,12 @@ class UcxPlane;
 namespace kvmem::service {
 
 // With `attach` (the same-host attach, one trust domain: kvmemd with identities offers it to
-// admins only): the shared pool, the epoch board and the table area, and a ticket for their
-// descriptors (the pool read-write with in-place writes, the rest read-only), counted as
-// `issuer`'s (the caller's tenant).
+// admins and peers only): the shared pool, the epoch board and the table area, and a ticket
+// for their descriptors (the pool read-write with in-place writes unless `read_only`, the
+// rest read-only), counted as `issuer`'s (the caller's tenant).
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer = "");
+                    const std::string& issuer = "", bool read_only = false);
 
 // A new ticket of `attach` for `grants`, counted as `issuer`'s, with what a client needs to
 // redeem it (the socket, the daemon's uid, how long it holds).

@@ -5,11 +5,13 @@
 // refuses new calls (UNAVAILABLE, nothing applied) and lets admitted ones finish.
 // Requests arrive through Parsed<T> (parsed.h): what parsing one allocates is counted and
 // reserved before it is parsed; the handlers see the plain messages.
+#include <cstdint>
 #include <deque>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/random/random.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/engine/engine.h"
 #include "server/metrics/rpc_telemetry.h"
@@ -255,6 +257,8 @@ class KvCacheService final : public grpc::Service {
   RequestCache requests_;  // retries of mutating calls (request_id)
   transport::StepChannelBudget channels_;
   TenantCalls tenant_calls_;
+  // GetInfoResponse.instance_id: random, never 0, another at each start.
+  const uint64_t instance_id_ = absl::Uniform<uint64_t>(absl::BitGen(), 1, UINT64_MAX);
   const uint64_t ucx_max_payload_bytes_;
   transport::ParseBudget ucx_budget_;  // announced payloads' buffers
   const absl::Duration ucx_payload_timeout_;

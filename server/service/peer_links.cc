@@ -5,9 +5,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
+#include "kvmem/convert.h"
+#include "kvmem/shared_pool.h"
 #include "server/common/client_text.h"
 #if KVMEM_WITH_UCX
-#include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
 #endif
 
@@ -24,13 +25,29 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::string& tls_roo
 
 }  // namespace
 
+absl::StatusOr<v1::GetInfoResponse> PeerLinks::Info(v1::KvCache::Stub& stub,
+                                                    const std::string& node,
+                                                    absl::Time deadline) const {
+  grpc::ClientContext c;
+  c.set_deadline(absl::ToChronoTime(deadline));
+  c.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+  v1::GetInfoResponse info;
+  if (grpc::Status s = stub.GetInfo(&c, v1::GetInfoRequest(), &info); !s.ok()) {
+    return absl::Status(
+        static_cast<absl::StatusCode>(s.error_code()),
+        absl::StrCat("the peer ", node, " answered GetInfo (with --cluster-peer-token-file): ",
+                     CutMessage(s.error_message(), kMaxDetailTextBytes)));
+  }
+  return info;
+}
+
 absl::StatusOr<std::unique_ptr<PeerLinks>> PeerLinks::Create(std::string peer_token,
                                                              const std::string& tls_root_certs,
                                                              std::vector<std::string> peers) {
-  const size_t n = peers.size();
   std::unique_ptr<PeerLinks> links(
       new PeerLinks(std::move(peer_token), tls_root_certs, std::move(peers)));
 #if KVMEM_WITH_UCX
+  const size_t n = links->peers_.size();
   if (links->reads_pools() && n > 0) {
     absl::StatusOr<transport::ParseBudget::Reservation> staging =
         transport::ParseBudget::Process().Reserve(n * client::UcxPool::kStagingBytes,
@@ -100,18 +117,10 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCac
     }
   }
   // Connected outside the lock: a peer that does not answer holds up no other's transfer.
-  grpc::ClientContext c;
-  c.set_deadline(absl::ToChronoTime(deadline));
-  c.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
-  v1::GetInfoResponse info;
-  if (grpc::Status s = stub.GetInfo(&c, v1::GetInfoRequest(), &info); !s.ok()) {
-    return absl::Status(
-        static_cast<absl::StatusCode>(s.error_code()),
-        absl::StrCat("the peer ", node, " answered GetInfo (with --cluster-peer-token-file): ",
-                     CutMessage(s.error_message(), kMaxDetailTextBytes)));
-  }
+  absl::StatusOr<v1::GetInfoResponse> info = Info(stub, node, deadline);
+  if (!info.ok()) return info.status();
   absl::StatusOr<std::unique_ptr<client::UcxPool>> pool =
-      client::UcxPool::Connect(client::internal::InfoOf(info), kReadDeadline);
+      client::UcxPool::Connect(client::internal::InfoOf(*info), kReadDeadline);
   if (!pool.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the peer ", node, "'s pool cannot be read by UCX: ", pool.status().message()));
@@ -128,6 +137,58 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCac
   return absl::FailedPreconditionError(
       "this kvmemd reads no peer's pool by UCX (built without UCX)");
 #endif
+}
+
+absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
+                                                        const std::string& node,
+                                                        absl::Time deadline,
+                                                        uint64_t stale_instance) {
+  if (token_.empty()) {
+    return absl::FailedPreconditionError(
+        "this kvmemd maps no peer's pool (no --cluster-peer-token-file)");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto it = mapped_.find(node); it != mapped_.end()) {
+      if (it->second.instance_id != stale_instance) return it->second;
+      mapped_.erase(it);  // the holder restarted: mapped again below
+    }
+    if (auto it = unmappable_.find(node); it != unmappable_.end()) {
+      if (absl::Now() < it->second.until) return it->second.why;
+      unmappable_.erase(it);
+    }
+  }
+  absl::StatusOr<v1::GetInfoResponse> info = Info(stub, node, deadline);
+  if (!info.ok()) return info.status();  // not remembered: the peer may be back soon
+  absl::Status why = absl::OkStatus();
+  MappedPeer peer;
+  peer.instance_id = info->instance_id();
+  if (!info->has_attach() || !info->has_shared_memory()) {
+    why = absl::FailedPreconditionError(
+        absl::StrCat("the peer ", node, " offers no mapping of its pool (",
+                     info->has_attach() ? "its pool is not in host memory"
+                                        : "the token is neither a peer's nor an admin's there",
+                     ")"));
+  } else if (peer.instance_id == 0) {
+    why = absl::FailedPreconditionError(
+        absl::StrCat("the peer ", node, " names no instance (an older kvmemd)"));
+  } else {
+    absl::StatusOr<std::unique_ptr<client::SharedPool>> pool =
+        client::SharedPool::Attach(client::internal::InfoOf(*info));
+    if (pool.ok()) {
+      peer.pool = *std::move(pool);
+    } else {
+      why = absl::FailedPreconditionError(
+          absl::StrCat("the peer ", node,
+                       "'s pool cannot be mapped (another host?): ", pool.status().message()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (!why.ok()) {
+    unmappable_[node] = {absl::Now() + kUnmappableFor, why};
+    return why;
+  }
+  return mapped_[node] = std::move(peer);
 }
 
 absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Choose(

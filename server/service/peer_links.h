@@ -7,6 +7,12 @@
 // name). No client certificate is presented: a peer's tenants are known by the tokens
 // forwarded (an identity taken from a certificate cannot be forwarded).
 //
+// Mappings: a peer on this host with its pool in host memory gives the peer token its attach
+// ticket (GetInfo), and the pool is mapped read-only (kvmem/shared_pool.h) and kept for the
+// next transfer, with the peer's instance id: an export names its daemon's, and a mapping
+// of another instance (the peer restarted on its address) is never read, but mapped again.
+// A peer that cannot be mapped (another host, a CUDA pool) is not asked again for a minute.
+//
 // Pools: a peer's pool read by UCX RMA gets (kvmem/ucx_pool.h). Its key is asked by GetInfo
 // with the peer token (--cluster-peer-token-file: a token the peers' token files name as a
 // peer's, or an admin's; the tenant's own calls still carry the tenant's token), and the
@@ -14,6 +20,7 @@
 // went away: connected again the next time). At most one pool per configured peer; reads of
 // one pool take turns. The pools' staging buffers (UcxPool::kStagingBytes each) are
 // reserved from --parse-memory-bytes for every configured peer when the links are made.
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,8 +35,9 @@
 #include "server/transport/parse_cost.h"
 
 namespace kvmem::client {
+class SharedPool;
 class UcxPool;
-}
+}  // namespace kvmem::client
 
 namespace kvmem::service {
 
@@ -71,13 +79,31 @@ class PeerLinks {
                                                                 const std::string& transport,
                                                                 absl::Time deadline);
 
+  // A peer's pool mapped read-only, and the instance of the peer that it is.
+  struct MappedPeer {
+    std::shared_ptr<const client::SharedPool> pool;
+    uint64_t instance_id = 0;
+  };
+  // The pool of `node` mapped (GetInfo with the peer token, then its attach ticket), kept
+  // from an earlier transfer unless that one is of `stale_instance` (not 0: an export named
+  // another). FAILED_PRECONDITION naming why when it cannot be (no peer token here, the
+  // peer on another host, its pool on a GPU, the token not a peer's there); the peer's own
+  // errors otherwise.
+  absl::StatusOr<MappedPeer> Mapped(v1::KvCache::Stub& stub, const std::string& node,
+                                    absl::Time deadline, uint64_t stale_instance = 0);
+
   static constexpr absl::Duration kReadDeadline = absl::Seconds(30);
+  // How long a peer found unmappable is not asked again.
+  static constexpr absl::Duration kUnmappableFor = absl::Minutes(1);
   // The largest message a peer's answer may be (a ReadKv piece, an export's blocks).
   static constexpr int kMaxPeerMessageBytes = 64 << 20;
 
  private:
   PeerLinks(std::string peer_token, const std::string& tls_root_certs,
             std::vector<std::string> peers);
+  // The peer's GetInfo, asked with the peer token.
+  absl::StatusOr<v1::GetInfoResponse> Info(v1::KvCache::Stub& stub, const std::string& node,
+                                           absl::Time deadline) const;
 
   const std::string token_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
@@ -88,6 +114,12 @@ class PeerLinks {
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<const client::UcxPool>> pools_
       ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, MappedPeer> mapped_ ABSL_GUARDED_BY(mu_);
+  struct Unmappable {
+    absl::Time until;
+    absl::Status why;
+  };
+  absl::flat_hash_map<std::string, Unmappable> unmappable_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvmem::service

@@ -6,17 +6,20 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "kvmem/shared_pool.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #if KVMEM_WITH_UCX
-#include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
 #endif
 #include "server/common/client_text.h"
+#include "server/common/parallel.h"
 #include "server/service/convert.h"
 #include "server/service/kv_cache_service.h"
 #include "server/transport/parse_cost.h"
@@ -60,7 +63,23 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
   return !absl::StartsWith(salt, "tenant:");
 }
 
-#if KVMEM_WITH_UCX
+// Reads of the holder's pool by offsets: copied out of its mapping, or UCX gets.
+using ReadPoolFn = absl::FunctionRef<absl::Status(absl::Span<const client::PoolRead>)>;
+
+// Copies reads out of a pool mapped here, the cores side by side (one core's copy of a
+// landing's 64 MiB is bound by its memory latency, not by the machine's bandwidth).
+absl::Status CopyOut(const client::SharedPool& pool, absl::Span<const client::PoolRead> reads) {
+  static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  absl::Mutex mu;
+  absl::Status first = absl::OkStatus();
+  ParallelFor(reads.size(), (reads.size() + cores - 1) / cores, [&](size_t begin, size_t end) {
+    absl::Status s = pool.ReadPool(reads.subspan(begin, end - begin));
+    absl::MutexLock lock(&mu);
+    first.Update(s);
+  });
+  return first;
+}
+
 // The bytes of pieces by offsets reserved before their gets are posted together (blocks side
 // by side in both pools are one get: several pieces' blocks make large gets), and the most
 // blocks (the reads' host memory, whatever the blocks' size; passed by one piece's at most).
@@ -80,7 +99,7 @@ absl::Status CheckOffsets(const engine::MovedPiece& piece) {
 // A piece by offsets where the import lands pieces in place: checked and taken by the import,
 // its blocks' gets added to `reads` (posted later; the offsets inside the pool: UcxPool).
 absl::Status ReservePiece(engine::SequenceImport& import, const engine::MovedPiece& piece,
-                          std::vector<client::UcxPool::PoolRead>* reads, uint64_t* bytes) {
+                          std::vector<client::PoolRead>* reads, uint64_t* bytes) {
   if (absl::Status s = CheckOffsets(piece); !s.ok()) return s;
   try {
     reads->reserve(reads->size() + piece.blocks.size());
@@ -100,7 +119,7 @@ absl::Status ReservePiece(engine::SequenceImport& import, const engine::MovedPie
 // A piece by offsets where the pool is not host memory: its blocks' bytes got into its data
 // (no more than the header has left, checked before any is allocated), then added. A failed
 // get leaves the piece as it came: it may be got again.
-absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& import,
+absl::Status GetPiece(ReadPoolFn read_pool, engine::SequenceImport& import,
                       engine::MovedPiece* piece) {
   if (absl::Status s = CheckOffsets(*piece); !s.ok()) return s;
   const engine::BlockFormat& format = import.format();
@@ -113,7 +132,7 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
                                                    " left"));
   }
   piece->data.resize(bytes);
-  std::vector<client::UcxPool::PoolRead> reads;
+  std::vector<client::PoolRead> reads;
   reads.reserve(piece->blocks.size());
   uint64_t at = 0;
   for (size_t i = 0; i < piece->blocks.size(); ++i) {
@@ -121,7 +140,7 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
     reads.push_back({piece->offsets[i], piece->data.data() + at, n});
     at += n;
   }
-  if (absl::Status s = pool.ReadPool(reads); !s.ok()) {
+  if (absl::Status s = read_pool(reads); !s.ok()) {
     if (absl::IsAborted(s)) {
       // A get may still write into the piece's buffer: never freed, never reused.
       client::internal::KeepForever(std::move(piece->data));
@@ -132,7 +151,6 @@ absl::Status GetPiece(const client::UcxPool& pool, engine::SequenceImport& impor
   piece->offsets.clear();
   return import.Add(*piece);
 }
-#endif
 
 }  // namespace
 
@@ -257,9 +275,10 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
                                                const Principal& who, const std::string& bearer,
                                                absl::Duration lease, const std::string& transport,
                                                absl::Time deadline) {
-  if (transport != "" && transport != "grpc" && transport != "ucx") {
-    return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(transport),
-                                                   "\" is none of \"ucx\", \"grpc\" or empty"));
+  if (transport != "" && transport != "grpc" && transport != "ucx" && transport != "attach") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport: \"", EchoClientText(transport),
+                     "\" is none of \"attach\", \"ucx\", \"grpc\" or empty"));
   }
   if (!links_->IsPeer(from_node)) {
     return absl::FailedPreconditionError(
@@ -297,12 +316,27 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
                                                    const std::string& transport,
                                                    absl::Time deadline) {
   std::unique_ptr<v1::KvCache::Stub> stub = links_->Stub(from_node);
-  // The holder's pool by UCX, where this daemon may read it.
-  absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
-      links_->Choose(*stub, from_node, transport, deadline);
-  if (!chosen.ok()) return chosen.status();
-  std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
+  // The holder's pool mapped (on this host), else by UCX, where this daemon may read it.
+  std::optional<PeerLinks::MappedPeer> mapped;
+  if (transport == "attach" || transport.empty()) {
+    absl::StatusOr<PeerLinks::MappedPeer> m = links_->Mapped(*stub, from_node, deadline);
+    if (m.ok()) {
+      mapped = *std::move(m);
+    } else if (transport == "attach") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport: \"attach\": the holder's pool cannot be mapped: ", m.status().message()));
+    }
+  }
+  const bool by_attach = mapped.has_value();
+  std::shared_ptr<const client::UcxPool> ucx;
+  if (!by_attach) {
+    absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
+        links_->Choose(*stub, from_node, transport, deadline);
+    if (!chosen.ok()) return chosen.status();
+    ucx = *std::move(chosen);
+  }
   const bool by_ucx = ucx != nullptr;
+  const bool by_offsets = by_attach || by_ucx;
   if (transport == "ucx" && !by_ucx) {
     return absl::FailedPreconditionError(
         "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "
@@ -335,7 +369,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   // (UcxPool::Deadline), so every block is read before the hold can lapse.
   ToProto(std::clamp(2 * (deadline - absl::Now()) + absl::Seconds(10), absl::Seconds(1), kMaxHold),
           q.mutable_hold());
-  q.set_block_offsets(by_ucx);
+  q.set_block_offsets(by_offsets);
   std::unique_ptr<grpc::ClientReader<v1::ExportSequenceResponse>> reader =
       stub->ExportSequence(c.get(), q);
   v1::ExportSequenceResponse message;
@@ -353,6 +387,21 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   absl::Cleanup abandon = [&] {
     if (!committed) finish(export_id, false).IgnoreError();
   };
+  if (by_attach && message.header().holder_instance_id() != mapped->instance_id) {
+    // The pool mapped is not the exporting daemon's (it restarted since the mapping was
+    // made, or it names no instance): mapped again, once; blocks are read only from the
+    // export's own daemon.
+    absl::StatusOr<PeerLinks::MappedPeer> again =
+        links_->Mapped(*stub, from_node, deadline, mapped->instance_id);
+    if (!again.ok() || again->instance_id != message.header().holder_instance_id()) {
+      c->TryCancel();
+      return absl::AbortedError(absl::StrCat(
+          "MoveSequence: the holder ", from_node,
+          "'s pool as mapped is not the exporting daemon's (it restarted during the move?)",
+          again.ok() ? "" : absl::StrCat(": ", again.status().message())));
+    }
+    mapped = *std::move(again);
+  }
   absl::StatusOr<engine::MovedHeader> header = FromProto(message.header());
   if (!header.ok()) {
     c->TryCancel();
@@ -385,7 +434,8 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
 #if KVMEM_WITH_UCX
   // The gets end by the move's deadline (cancelled, the move ends at its next piece: the
   // export's stream is the caller's).
-  const client::UcxPool::Deadline by_move(deadline);
+  std::optional<client::UcxPool::Deadline> by_move;
+  if (by_ucx) by_move.emplace(deadline);
   bool reconnected = false;
   // Gets by `run`; where the connection broke (kept from before the holder restarted, say),
   // connected again, once, and run again: the export holds its blocks.
@@ -403,55 +453,54 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     }
     return s;
   };
-  // Pieces landing in place, reserved as they come, their gets posted together.
-  std::vector<client::UcxPool::PoolRead> landing;
+#endif
+  const auto read_pool = [&](absl::Span<const client::PoolRead> reads) -> absl::Status {
+    if (by_attach) return CopyOut(*mapped->pool, reads);  // the export holds the blocks
+#if KVMEM_WITH_UCX
+    return get([&](const client::UcxPool& pool) { return pool.ReadPool(reads); });
+#else
+    return absl::InternalError("MoveSequence: no reader of the holder's pool");
+#endif
+  };
+  // Pieces landing in place, reserved as they come, their reads made together.
+  std::vector<client::PoolRead> landing;
   uint64_t landing_bytes = 0, landing_pieces = 0;
   const auto land = [&] {
     if (landing.empty()) return absl::OkStatus();
-    absl::Status s = get([&](const client::UcxPool& pool) {
-      absl::Status read = pool.ReadPool(landing);
-      // A get left in flight may still write into the blocks: read into them again or
-      // handed to another sequence, they could change under their reader.
-      if (absl::IsAborted(read)) {
-        (*import)->Forsake();
-        return absl::AbortedError(absl::StrCat("MoveSequence: reading the holder's pool: ",
-                                               read.message(), " (a get was left in flight)"));
-      }
-      return read;
-    });
+    absl::Status s = read_pool(landing);
+    // A get left in flight may still write into the blocks: read into them again or
+    // handed to another sequence, they could change under their reader.
+    if (absl::IsAborted(s)) {
+      (*import)->Forsake();
+      s = absl::AbortedError(absl::StrCat("MoveSequence: reading the holder's pool: ", s.message(),
+                                          " (a get was left in flight)"));
+    }
     if (s.ok()) (*import)->Landed(landing_pieces);
     landing.clear();
     landing_bytes = landing_pieces = 0;
     return s;
   };
-#endif
   while (reader->Read(&message)) {
     absl::StatusOr<engine::MovedPiece> piece = FromProto(std::move(*message.mutable_piece()));
     absl::Status added = piece.status();
-    if (added.ok() && !by_ucx && !piece->offsets.empty()) {
+    if (added.ok() && !by_offsets && !piece->offsets.empty()) {
       added = absl::InvalidArgumentError(
           "MoveSequence: the holder's piece names offsets where its bytes were asked for");
     }
-#if KVMEM_WITH_UCX
-    if (added.ok() && by_ucx && (*import)->lands_in_place()) {
+    if (added.ok() && by_offsets && (*import)->lands_in_place()) {
       added = ReservePiece(**import, *piece, &landing, &landing_bytes);
       ++landing_pieces;
       if (added.ok() && (landing_bytes >= kLandBytes || landing.size() >= kLandBlocks)) {
         added = land();
       }
-    } else if (added.ok() && by_ucx) {
-      added = get([&](const client::UcxPool& pool) { return GetPiece(pool, **import, &*piece); });
+    } else if (added.ok() && by_offsets) {
+      added = GetPiece(read_pool, **import, &*piece);
     } else if (added.ok()) {
       added = (*import)->Add(*piece);
     }
-#else
-    if (added.ok()) added = (*import)->Add(*piece);
-#endif
     if (!added.ok()) return refuse(added);
   }
-#if KVMEM_WITH_UCX
   if (absl::Status s = land(); !s.ok()) return refuse(s);
-#endif
   if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, from_node, "ExportSequence");
   if (absl::Now() > deadline) {
     return absl::DeadlineExceededError(
@@ -467,7 +516,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   result.bytes = (*import)->bytes();
   result.policy = (*import)->header().policy;
   result.layout = (*import)->header().layout;
-  result.transport = by_ucx ? "ucx" : "grpc";
+  result.transport = by_attach ? "attach" : (by_ucx ? "ucx" : "grpc");
   // The holder releases its copy now. A definite refusal (its hold lapsed, the sequence was
   // released there) undoes this one; a lost answer leaves both.
   // A definite refusal (its hold lapsed, the sequence was released there) undoes the copy
@@ -533,6 +582,7 @@ grpc::Status KvCacheService::ExportSequence(
   }
   v1::ExportSequenceResponse message;
   *message.mutable_header() = ToProto(*header);
+  message.mutable_header()->set_holder_instance_id(instance_id_);
   if (!writer->Write(message)) {
     engine_->FinishExport(id, header->export_id, false).IgnoreError();
     return ToGrpc(absl::CancelledError("ExportSequence: the receiver left"), id);

@@ -14,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvmem/client.h"
+#include "kvmem/shared_pool.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/server.h"
 #include "server/transport/parse_cost.h"
@@ -38,15 +39,16 @@ client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::k
 
 class SequenceMoveTest : public ::testing::Test {
  protected:
-  // `ucx`: the holder runs --ucx and the receiver presents a peer's token to it.
-  void Start(bool tokens, bool ucx = false) {
+  // `ucx`: the holder runs --ucx; with it or `peer`, the receiver presents a peer's token to
+  // the holder (which reads its pool by UCX, or by its mapping on this host).
+  void Start(bool tokens, bool ucx = false, bool peer = false) {
     if (tokens) {
       tokens_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_tokens.", getpid());
       // The receiver's peer token: a peer's, no admin's (it reads the pool and nothing else).
       std::ofstream(tokens_) << "alice " << kAlice << "\nbob " << kBob << "\nfleet " << kPeer
                              << " peer\nops " << kOps << " admin\n";
     }
-    if (ucx) {
+    if (ucx || peer) {
       peer_token_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_peer.", getpid());
       std::ofstream(peer_token_) << kPeer << "\n";
     }
@@ -196,6 +198,9 @@ TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
   r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_THAT(r.status().message(), HasSubstr("transport"));
+  r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "attach");
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("attach"));
   r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "rdma");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   // A sequence frozen by another move (a receiver that read its export and went away) is
@@ -480,6 +485,77 @@ TEST_F(SequenceMoveTest, AHolderThatLiesMovesNothing) {
     EXPECT_EQ(admin->GetStats(false)->blocks_used, 0u) << name;
     EXPECT_EQ(admin->GetStats(false)->sequences_active, 0u) << name;
     server->Shutdown();
+  }
+}
+
+// Two daemons on one host: the receiver maps the holder's pool read-only (the attach ticket
+// its GetInfo gives the peer token) and copies the export's blocks out of it, byte for byte
+// what the export would have carried, at every precision; by name, or first when none is.
+TEST_F(SequenceMoveTest, BlocksComeOutOfTheHoldersMapping) {
+  Start(true, false, true);
+  auto alice_holder = Connect(*holder_, kAlice), alice = Connect(*receiver_, kAlice);
+  // The ticket goes to peers (the pool read-only) and admins, never to a tenant.
+  auto peer_info = Connect(*holder_, kPeer)->GetInfo();
+  ASSERT_TRUE(peer_info.ok()) << peer_info.status();
+  EXPECT_NE(peer_info->instance_id, 0u);
+  EXPECT_FALSE(client::SharedPool::Attach(*peer_info, /*writable=*/true).ok());
+  EXPECT_TRUE(alice_holder->GetInfo()->attach.ticket.empty());
+  const std::vector<client::PolicySpec> policies = {
+      {"full", {}},
+      {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt8, 32},
+      {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt4, 32},
+      {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kNF4, 32}};
+  for (size_t i = 0; i < policies.size(); ++i) {
+    const uint64_t id = Prepare(*alice_holder, policies[i]);
+    ASSERT_NE(id, 0u);
+    auto before = alice_holder->ReadKv(id);
+    ASSERT_TRUE(before.ok()) << before.status();
+    auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, i % 2 ? "" : "attach");
+    ASSERT_TRUE(moved.ok()) << i << ": " << moved.status();
+    EXPECT_EQ(moved->transport, "attach") << i;
+    EXPECT_TRUE(moved->source_released) << i;
+    auto after = alice->ReadKv(moved->sequence.id);
+    ASSERT_TRUE(after.ok()) << after.status();
+    ASSERT_EQ(after->size(), before->size());
+    for (size_t s = 0; s < before->size(); ++s) {
+      EXPECT_EQ((*after)[s].positions, (*before)[s].positions) << i << " " << s;
+      EXPECT_EQ((*after)[s].k, (*before)[s].k) << i << " " << s;
+      EXPECT_EQ((*after)[s].v, (*before)[s].v) << i << " " << s;
+    }
+  }
+  EXPECT_EQ(Connect(*holder_, kOps)->GetStats(false)->blocks_used, 0u);
+}
+
+// A holder restarted on its address: the mapping kept from the first move is of the daemon
+// before (its pool, still mapped here, still holds that one's bytes), and the export names
+// the new daemon's instance: the pool is mapped again, the old mapping never read.
+TEST_F(SequenceMoveTest, AHolderRestartedOnItsAddressIsMappedAgain) {
+  Start(true, false, true);
+  auto alice = Connect(*receiver_, kAlice);
+  {
+    auto alice_holder = Connect(*holder_, kAlice);
+    auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}),
+                                     std::nullopt, "attach");
+    ASSERT_TRUE(moved.ok()) << moved.status();
+  }
+  const int port = holder_->port();
+  holder_.reset();
+  holder_ = StartOne({}, false, port);
+  ASSERT_NE(holder_, nullptr);
+  auto alice_holder = Connect(*holder_, kAlice);
+  const uint64_t id = Prepare(
+      *alice_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt4, 32});
+  auto before = alice_holder->ReadKv(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, "attach");
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->transport, "attach");
+  auto after = alice->ReadKv(moved->sequence.id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t s = 0; s < before->size(); ++s) {
+    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
+    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
   }
 }
 

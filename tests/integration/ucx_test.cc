@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "kvmem/shared_pool.h"
 #include "kvmem/ucx_pool.h"
 #include "kvmem/ucx_sender.h"
 #include "server/transport/parse_cost.h"
@@ -454,6 +455,7 @@ TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
   service::ServerConfig config;
   config.listen = "127.0.0.1:0";
   config.engine.pool_bytes = 8ull << 20;
+  config.engine.in_place_writes = true;  // an admin may map the pool writable; a peer not
   config.auth_tokens = tokens;
   config.ucx = true;
   // Refused unless the network is said to be trusted (software RMA checks no key).
@@ -498,12 +500,16 @@ TEST(UcxAuthTest, OnlyACallerThatMayReadThePoolGetsTheKey) {
     auto refused = (*sender)->Append(*alice_client, theirs, {positions, {}, k, v, {}, {}});
     EXPECT_TRUE(absl::IsNotFound(refused.status())) << refused.status();
     EXPECT_TRUE(ops_client->GetBlockTable(theirs)->streams[0].positions.empty());
-    // A peer (another kvmemd's --cluster-peer-token-file) is given the pool's keys, and
-    // nothing else of an admin's: no attach, no other tenant's sequence, its own Stats.
+    // A peer (another kvmemd's --cluster-peer-token-file) is given the pool's keys, and the
+    // pool read-only on this host (a move maps it), and nothing else of an admin's: no
+    // writable mapping, no other tenant's sequence, its own Stats.
     const client::Info peer = info_of("peer-token-0123456789ab");
     EXPECT_FALSE(peer.ucx.worker_address.empty());
     EXPECT_FALSE(peer.ucx.pool_rkey.empty());
-    EXPECT_TRUE(peer.attach.ticket.empty());
+    EXPECT_FALSE(peer.attach.ticket.empty());
+    EXPECT_FALSE(client::SharedPool::Attach(peer, /*writable=*/true).ok());
+    EXPECT_TRUE(client::SharedPool::Attach(info_of("admin-token-0123456789"), true).ok());
+    EXPECT_TRUE(client::SharedPool::Attach(info_of("peer-token-0123456789ab")).ok());
     EXPECT_TRUE(client::UcxPool::Connect(peer).ok());  // the epoch board's shape comes too
     options.auth_token = "peer-token-0123456789ab";
     auto peer_client =

@@ -145,6 +145,9 @@ struct Info {
     std::string append_worker_address;  // remote appends (kvmem/ucx_sender.h): every caller
     uint64_t max_payload_bytes = 0;     // the largest such append's K/V (0: not said)
   } ucx;
+  // Random at each start of kvmemd (0 from an older one): another means a restart, and
+  // what was mapped from the one before is stale.
+  uint64_t instance_id = 0;
 };
 
 struct Sequence {
@@ -509,7 +512,8 @@ class Client {
   // so that its next Step decides what the holder's would have. Returns the sequence here
   // (a new id and table: GetBlockTable it); the holder has released its copy unless
   // `source_released` says otherwise.
-  // `transport`: how kvmemd gets the blocks ("ucx", "grpc"; empty: UCX where it can).
+  // `transport`: how kvmemd gets the blocks ("attach": the holder's pool mapped, on the
+  // same host; "ucx"; "grpc"; empty: the first of those it can).
   struct Moved {
     Sequence sequence;
     uint64_t bytes = 0;

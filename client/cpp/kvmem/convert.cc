@@ -124,6 +124,7 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   info.version = r.version();
   info.backend = r.backend();
   info.device_name = r.device_name();
+  info.instance_id = r.instance_id();
   info.pool_bytes = r.pool_bytes();
   info.pool_free_bytes = r.pool_free_bytes();
   info.page_bytes = r.page_bytes();

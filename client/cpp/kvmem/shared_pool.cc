@@ -152,6 +152,34 @@ absl::Status SharedPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) 
   return absl::OkStatus();
 }
 
+absl::Status SharedPool::ReadPool(absl::Span<const PoolRead> reads) const {
+  for (const PoolRead& r : reads) {
+    if (r.offset > bytes_ || r.bytes > bytes_ - r.offset) {
+      return absl::OutOfRangeError(absl::StrCat("pool bytes [", r.offset, ", +", r.bytes,
+                                                ") lie outside the pool's ", bytes_));
+    }
+  }
+  // In the pool's order, reads that follow each other there and at their destinations are
+  // one copy (a prefilled sequence's blocks lie side by side, every stream's block in turn,
+  // and a move lands them so): a few large copies, which glibc streams past the cache,
+  // instead of one per block.
+  std::vector<const PoolRead*> order(reads.size());
+  for (size_t i = 0; i < reads.size(); ++i) order[i] = &reads[i];
+  std::sort(order.begin(), order.end(),
+            [](const PoolRead* a, const PoolRead* b) { return a->offset < b->offset; });
+  for (size_t i = 0; i < order.size();) {
+    const PoolRead& first = *order[i];
+    uint64_t bytes = first.bytes;
+    for (++i; i < order.size() && order[i]->offset == first.offset + bytes &&
+              order[i]->dst == static_cast<uint8_t*>(first.dst) + bytes;
+         ++i) {
+      bytes += order[i]->bytes;
+    }
+    std::memcpy(first.dst, base_ + first.offset, bytes);
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 kernels::ElemType ToElem(DType d) {
   return d == DType::kF32

@@ -76,6 +76,14 @@ class EpochReader {
   uint32_t slots_ = 0;
 };
 
+// One read of a daemon's pool by offset, not by table: pool bytes [offset, offset + bytes)
+// to `dst` (another kvmemd reading the blocks a sequence's export names: MoveSequence).
+struct PoolRead {
+  uint64_t offset = 0;
+  void* dst = nullptr;
+  uint64_t bytes = 0;
+};
+
 // A daemon's pool mapped into this process — host memory (SharedPool) or the GPU's
 // (CudaPool, cuda_pool.h) — and read in place under the epoch protocol above.
 class MappedPool {
@@ -156,6 +164,10 @@ class SharedPool final : public MappedPool {
   // layout or n passes the plan; OUT_OF_RANGE for a plan offset outside the pool.
   absl::Status WritePlanned(const WritePlan& plan, const BlockTable& table, uint32_t n,
                             std::string_view k, std::string_view v);
+  // Copies each read's pool bytes to its destination; OUT_OF_RANGE for bytes outside the
+  // pool, nothing read. The caller keeps the bytes from changing meanwhile (an export holds
+  // its blocks): no epoch is checked.
+  absl::Status ReadPool(absl::Span<const PoolRead> reads) const;
 
  private:
   SharedPool() = default;

@@ -36,11 +36,7 @@ class UcxPool final : private MappedPool {
   // Copies each read's pool bytes [offset, offset + bytes) into its destination, every get
   // posted before any is waited for (a kvmemd moving another's sequence to itself reads its
   // blocks so: MoveSequence). OUT_OF_RANGE for bytes outside the pool, nothing read.
-  struct PoolRead {
-    uint64_t offset = 0;
-    void* dst = nullptr;
-    uint64_t bytes = 0;
-  };
+  using PoolRead = client::PoolRead;
   absl::Status ReadPool(absl::Span<const PoolRead> reads) const;
   // Bytes read from the daemon so far, and the gets that read them.
   uint64_t bytes_read() const;

@@ -720,7 +720,8 @@ class Client:
         """Moves sequence `sequence_id` of another node of the daemon's fleet (`from_node`,
         one of its --cluster_peers) to this daemon, whole (blocks at their precision, scores,
         history), so that its next step decides what the holder's would have; the holder
-        releases its copy. `transport`: "ucx", "grpc", or "" (UCX where the daemon can).
+        releases its copy. `transport`: "attach" (the holder's pool mapped, on the same
+        host), "ucx", "grpc", or "" (the first of those the daemon can).
         Returns the sequence here: a new id and table."""
         q = pb.MoveSequenceRequest(from_node=from_node, sequence_id=sequence_id,
                                    transport=transport, request_id=_new_request_id())
