@@ -98,6 +98,11 @@ int Stats(kvmem::client::Client& client, bool sequences) {
                 stats->sequences_active, static_cast<unsigned long long>(stats->sequences_created),
                 static_cast<unsigned long long>(stats->leases_expired),
                 static_cast<unsigned long long>(stats->sequences_poisoned));
+    if (stats->blocks_forsaken > 0) {  // a move abandoned a get in flight: see the log
+      std::printf("forsaken         %llu blocks, %llu bytes kept out of use for good\n",
+                  static_cast<unsigned long long>(stats->blocks_forsaken),
+                  static_cast<unsigned long long>(stats->bytes_forsaken));
+    }
     const double saved =
         stats->full_cache_bytes > 0
             ? 100.0 * (1.0 - double(stats->kv_bytes) / double(stats->full_cache_bytes))

@@ -627,6 +627,8 @@ EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
     stats.leases_expired = telemetry_.leases_expired;
     stats.prefix = publisher_.index().stats();
     stats.sequences_poisoned = telemetry_.sequences_poisoned;
+    stats.blocks_forsaken = telemetry_.blocks_forsaken;
+    stats.bytes_forsaken = telemetry_.bytes_forsaken;
     stats.sequences_created = telemetry_.sequences_created;
     for (const auto& t : telemetry_.policies()) {
       PolicyCounts c;

@@ -355,6 +355,9 @@ struct EngineStats {
   uint64_t steps = 0;
   uint64_t leases_expired = 0;
   uint64_t sequences_poisoned = 0;
+  // Blocks (and their pool bytes) a move's receiver kept out of circulation for good: a
+  // get abandoned in flight might still write into them. Charged to their tenant.
+  uint64_t blocks_forsaken = 0, bytes_forsaken = 0;
   prefix::PrefixStats prefix;
   std::vector<SequenceSummary> sequences;
 };

@@ -287,7 +287,7 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> Engine::BeginImport(MovedHeader 
     absl::StatusOr<store::TenantId> tenant = tenants_.Acquire(tenant_key);
     if (!tenant.ok()) return tenant.status();
     absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
-    const ImportRooms rooms{pool_.get(), backend_.get(), &versions_, &tenants_};
+    const ImportRooms rooms{pool_.get(), backend_.get(), &versions_, &tenants_, &telemetry_};
     auto import = std::unique_ptr<SequenceImport>(
         new SequenceImport(rooms, std::move(header), format, tenant_key, owner, *tenant,
                            *std::move(host), std::move(share)));
@@ -559,12 +559,20 @@ void SequenceImport::Landed(uint64_t pieces) {
 }
 
 void SequenceImport::Forsake() {
-  uint64_t kept = 0;
+  uint64_t kept = 0, bytes = 0;
   for (size_t s = 0; s < streams_.size(); ++s) {
-    kept += std::max<uint64_t>(streams_[s].blocks.size(),
-                               s < allocated_.size() ? allocated_[s].size() : 0);
+    // A stream's blocks: the preallocated ones (taken or not), else those its pieces took.
+    if (s < allocated_.size() && allocated_[s].size() >= streams_[s].blocks.size()) {
+      for (store::BlockId id : allocated_[s]) bytes += rooms_.pool->block_bytes(id);
+      kept += allocated_[s].size();
+    } else {
+      for (const StreamBlock& b : streams_[s].blocks) bytes += rooms_.pool->block_bytes(b.id);
+      kept += streams_[s].blocks.size();
+    }
     streams_[s].blocks.clear();
   }
+  rooms_.telemetry->blocks_forsaken += kept;
+  rooms_.telemetry->bytes_forsaken += bytes;
   allocated_.clear();
   forsaken_ = true;
   spdlog::error(

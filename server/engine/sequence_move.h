@@ -41,6 +41,7 @@
 
 namespace kvmem::engine {
 
+class Telemetry;
 class Tenants;
 
 struct MovedBlock {
@@ -131,6 +132,7 @@ struct ImportRooms {
   store::Backend* backend;
   TableVersions* versions;
   Tenants* tenants;
+  Telemetry* telemetry;  // counts forsaken blocks
 };
 
 class SequenceImport {

@@ -90,6 +90,10 @@ class Telemetry {
   std::atomic<uint64_t> steps{0};
   std::atomic<uint64_t> leases_expired{0};
   std::atomic<uint64_t> sequences_poisoned{0};
+  // Blocks a move's receiver kept out of circulation for good (a get abandoned in flight
+  // might still write into them: SequenceImport::Forsake), and their pool bytes.
+  std::atomic<uint64_t> blocks_forsaken{0};
+  std::atomic<uint64_t> bytes_forsaken{0};
 
  private:
   std::vector<std::unique_ptr<PolicyTelemetry>> policies_;      // in registration order

@@ -249,6 +249,9 @@ std::vector<MetricFamily> Collector::Collect() const {
   f.Counter("kvmem_sequences_poisoned_total",
             "sequences poisoned by a failure past a mutation's point of no return",
             static_cast<double>(s.sequences_poisoned));
+  f.Counter("kvmem_blocks_forsaken_total",
+            "blocks a move kept out of circulation for good (a get abandoned in flight)",
+            static_cast<double>(s.blocks_forsaken));
   f.Counter("kvmem_leases_expired_total", "sequences released because their lease lapsed",
             static_cast<double>(s.leases_expired));
   f.Gauge("kvmem_kv_bytes",

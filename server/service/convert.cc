@@ -471,6 +471,8 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_table_area_misses(stats.table_area_misses);
   out->set_host_metadata_budget_bytes(stats.host_metadata_budget_bytes);
   out->set_sequences_poisoned(stats.sequences_poisoned);
+  out->set_blocks_forsaken(stats.blocks_forsaken);
+  out->set_bytes_forsaken(stats.bytes_forsaken);
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   v1::PrefixStats* prefix = out->mutable_prefix();

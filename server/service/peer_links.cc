@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "kvmem/convert.h"
@@ -150,7 +151,10 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
   {
     absl::MutexLock lock(&mu_);
     if (auto it = mapped_.find(node); it != mapped_.end()) {
-      if (it->second.instance_id != stale_instance) return it->second;
+      if (it->second.instance_id != stale_instance) {
+        it->second.used = absl::Now();
+        return it->second;
+      }
       mapped_.erase(it);  // the holder restarted: mapped again below
     }
     if (auto it = unmappable_.find(node); it != unmappable_.end()) {
@@ -160,15 +164,20 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
   }
   absl::StatusOr<v1::GetInfoResponse> info = Info(stub, node, deadline);
   if (!info.ok()) return info.status();  // not remembered: the peer may be back soon
+  // Why not, and whether that lasts (another host, a GPU pool, an older kvmemd: not asked
+  // again for a while) or may pass (the attach socket busy, a ticket pushed out).
   absl::Status why = absl::OkStatus();
+  bool remember = true;
   MappedPeer peer;
   peer.instance_id = info->instance_id();
-  if (!info->has_attach() || !info->has_shared_memory()) {
+  if (!info->has_attach()) {
+    why = absl::FailedPreconditionError(absl::StrCat(
+        "the peer ", node,
+        " offers no mapping of its pool (no attach socket, or the token is neither a peer's "
+        "nor an admin's there)"));
+  } else if (!info->has_shared_memory()) {
     why = absl::FailedPreconditionError(
-        absl::StrCat("the peer ", node, " offers no mapping of its pool (",
-                     info->has_attach() ? "its pool is not in host memory"
-                                        : "the token is neither a peer's nor an admin's there",
-                     ")"));
+        absl::StrCat("the peer ", node, "'s pool is not in host memory"));
   } else if (peer.instance_id == 0) {
     why = absl::FailedPreconditionError(
         absl::StrCat("the peer ", node, " names no instance (an older kvmemd)"));
@@ -178,17 +187,35 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
     if (pool.ok()) {
       peer.pool = *std::move(pool);
     } else {
-      why = absl::FailedPreconditionError(
-          absl::StrCat("the peer ", node,
-                       "'s pool cannot be mapped (another host?): ", pool.status().message()));
+      // A socket that does not answer here at all: another host (remembered); anything
+      // else keeps its code and is asked again next time.
+      remember = absl::StrContains(pool.status().message(), "is the daemon on this host");
+      why = absl::Status(
+          remember ? absl::StatusCode::kFailedPrecondition : pool.status().code(),
+          absl::StrCat("the peer ", node, "'s pool cannot be mapped: ", pool.status().message()));
     }
   }
   absl::MutexLock lock(&mu_);
   if (!why.ok()) {
-    unmappable_[node] = {absl::Now() + kUnmappableFor, why};
+    if (remember) unmappable_[node] = {absl::Now() + kUnmappableFor, why};
     return why;
   }
+  peer.used = absl::Now();
   return mapped_[node] = std::move(peer);
+}
+
+void PeerLinks::DropIdleMappings() {
+  std::vector<MappedPeer> gone;  // unmapped after the lock (a move may still hold one)
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (auto it = mapped_.begin(); it != mapped_.end();) {
+    if (now - it->second.used < kMappingIdle) {
+      ++it;
+      continue;
+    }
+    gone.push_back(std::move(it->second));
+    mapped_.erase(it++);
+  }
 }
 
 absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Choose(

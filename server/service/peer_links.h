@@ -11,7 +11,9 @@
 // ticket (GetInfo), and the pool is mapped read-only (kvmem/shared_pool.h) and kept for the
 // next transfer, with the peer's instance id: an export names its daemon's, and a mapping
 // of another instance (the peer restarted on its address) is never read, but mapped again.
-// A peer that cannot be mapped (another host, a CUDA pool) is not asked again for a minute.
+// A peer that cannot be mapped (another host, a CUDA pool) is not asked again for a minute;
+// a mapping no move used for a minute is dropped (it keeps the peer's pool in memory, even
+// after the peer exited: at most that long).
 //
 // Pools: a peer's pool read by UCX RMA gets (kvmem/ucx_pool.h). Its key is asked by GetInfo
 // with the peer token (--cluster-peer-token-file: a token the peers' token files name as a
@@ -83,6 +85,7 @@ class PeerLinks {
   struct MappedPeer {
     std::shared_ptr<const client::SharedPool> pool;
     uint64_t instance_id = 0;
+    absl::Time used;  // last handed out
   };
   // The pool of `node` mapped (GetInfo with the peer token, then its attach ticket), kept
   // from an earlier transfer unless that one is of `stale_instance` (not 0: an export named
@@ -91,6 +94,10 @@ class PeerLinks {
   // errors otherwise.
   absl::StatusOr<MappedPeer> Mapped(v1::KvCache::Stub& stub, const std::string& node,
                                     absl::Time deadline, uint64_t stale_instance = 0);
+  // Unmaps the pools no move has used for kMappingIdle (the reaper calls it): a mapping
+  // keeps its peer's pool in memory, even after that peer exited or restarted.
+  void DropIdleMappings();
+  static constexpr absl::Duration kMappingIdle = absl::Seconds(60);
 
   static constexpr absl::Duration kReadDeadline = absl::Seconds(30);
   // How long a peer found unmappable is not asked again.

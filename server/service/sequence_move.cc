@@ -69,6 +69,13 @@ using ReadPoolFn = absl::FunctionRef<absl::Status(absl::Span<const client::PoolR
 // Copies reads out of a pool mapped here, the cores side by side (one core's copy of a
 // landing's 64 MiB is bound by its memory latency, not by the machine's bandwidth).
 absl::Status CopyOut(const client::SharedPool& pool, absl::Span<const client::PoolRead> reads) {
+  for (const client::PoolRead& r : reads) {  // before any copy: none is made of a bad read
+    if (r.offset > pool.bytes() || r.bytes > pool.bytes() - r.offset) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MoveSequence: the holder's piece names pool bytes [", r.offset, ", +",
+                       r.bytes, ") outside its pool of ", pool.bytes()));
+    }
+  }
   static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
   absl::Mutex mu;
   absl::Status first = absl::OkStatus();

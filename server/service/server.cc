@@ -435,6 +435,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
       if (absl::Now() >= next_reap) {
         raw->engine_->ExpireLeases();
         raw->engine_->ReclaimToWatermark();
+        if (raw->peer_links_ != nullptr) raw->peer_links_->DropIdleMappings();
         next_reap = absl::Now() + period;
       }
     }

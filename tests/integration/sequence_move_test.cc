@@ -1,6 +1,10 @@
 // MoveSequence between two kvmemd in this process: the sequence arrives whole (K/V byte for
 // byte at every precision, positions, its policy's state) and leaves the holder; a move that
 // cannot happen changes nothing on either side; tenants move only their own sequences.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -13,8 +17,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kvmem/attach.h"
 #include "kvmem/client.h"
 #include "kvmem/shared_pool.h"
+#include "kvmem/v1/attach.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/service/server.h"
 #include "server/transport/parse_cost.h"
@@ -52,7 +58,7 @@ class SequenceMoveTest : public ::testing::Test {
       peer_token_ = absl::StrCat(::testing::TempDir(), "/kvmem_move_test_peer.", getpid());
       std::ofstream(peer_token_) << kPeer << "\n";
     }
-    holder_ = StartOne({}, ucx);
+    holder_ = StartOne({}, ucx, 0, holder_config_);
     receiver_ = StartOne({Address(*holder_)});
   }
   void TearDown() override {
@@ -133,6 +139,7 @@ class SequenceMoveTest : public ::testing::Test {
   }
 
   std::string tokens_, peer_token_;
+  std::function<void(service::ServerConfig&)> holder_config_;  // Start's holder's settings
   std::unique_ptr<service::Server> holder_, receiver_;
   std::vector<std::vector<std::vector<float>>> rows_;
 };
@@ -200,7 +207,7 @@ TEST_F(SequenceMoveTest, AMoveThatCannotHappenChangesNothing) {
   EXPECT_THAT(r.status().message(), HasSubstr("transport"));
   r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "attach");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-  EXPECT_THAT(r.status().message(), HasSubstr("attach"));
+  EXPECT_THAT(r.status().message(), HasSubstr("--cluster-peer-token-file"));
   r = on_receiver->MoveSequence(Address(*holder_), id, std::nullopt, "rdma");
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
   // A sequence frozen by another move (a receiver that read its export and went away) is
@@ -492,6 +499,8 @@ TEST_F(SequenceMoveTest, AHolderThatLiesMovesNothing) {
 // its GetInfo gives the peer token) and copies the export's blocks out of it, byte for byte
 // what the export would have carried, at every precision; by name, or first when none is.
 TEST_F(SequenceMoveTest, BlocksComeOutOfTheHoldersMapping) {
+  // In-place writes on: an admin may map the pool writable, a peer only read-only.
+  holder_config_ = [](service::ServerConfig& c) { c.engine.in_place_writes = true; };
   Start(true, false, true);
   auto alice_holder = Connect(*holder_, kAlice), alice = Connect(*receiver_, kAlice);
   // The ticket goes to peers (the pool read-only) and admins, never to a tenant.
@@ -499,7 +508,23 @@ TEST_F(SequenceMoveTest, BlocksComeOutOfTheHoldersMapping) {
   ASSERT_TRUE(peer_info.ok()) << peer_info.status();
   EXPECT_NE(peer_info->instance_id, 0u);
   EXPECT_FALSE(client::SharedPool::Attach(*peer_info, /*writable=*/true).ok());
+  EXPECT_TRUE(client::SharedPool::Attach(*Connect(*holder_, kOps)->GetInfo(), true).ok());
   EXPECT_TRUE(alice_holder->GetInfo()->attach.ticket.empty());
+  // The descriptor itself is read-only: no writable mapping can be made of it.
+  auto segments = client::ReceiveSegments(Connect(*holder_, kPeer)->GetInfo()->attach, "test");
+  ASSERT_TRUE(segments.ok()) << segments.status();
+  bool pool_seen = false;
+  for (const client::ReceivedSegment& seg : *segments) {
+    if (seg.kind == v1::attach::kPool) {
+      pool_seen = true;
+      EXPECT_FALSE(seg.writable);
+      EXPECT_EQ(fcntl(seg.fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+      EXPECT_EQ(mmap(nullptr, seg.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, seg.fd, 0),
+                MAP_FAILED);
+    }
+    close(seg.fd);
+  }
+  EXPECT_TRUE(pool_seen);
   const std::vector<client::PolicySpec> policies = {
       {"full", {}},
       {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt8, 32},

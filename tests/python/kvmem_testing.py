@@ -105,8 +105,12 @@ def pause(proc):
 
     def stopped():
         for task in pathlib.Path(f"/proc/{proc.pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
             # The state follows the command's parentheses (a name may hold spaces).
-            if (task / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if stat.rsplit(")", 1)[1].split()[0] != "T":
                 return False
         return True
 

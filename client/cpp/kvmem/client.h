@@ -393,6 +393,8 @@ struct Stats {
   // The table area: its heap, what the tables take of it, writes that found no room.
   uint64_t table_area_heap_bytes = 0, table_area_used_bytes = 0, table_area_misses = 0;
   uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
+  // Blocks (and bytes) a move kept out of circulation for good (a get abandoned in flight).
+  uint64_t blocks_forsaken = 0, bytes_forsaken = 0;
   // Prefix sharing: counters since the daemon started, then the index now.
   uint64_t prefix_queries = 0, prefix_hits = 0, prefix_reused_tokens = 0;
   uint64_t prefix_reclaimed_bytes = 0;

@@ -230,6 +230,8 @@ Stats StatsCountersOf(const v1::StatsResponse& r) {
   out.table_area_misses = r.table_area_misses();
   out.host_metadata_budget_bytes = r.host_metadata_budget_bytes();
   out.sequences_poisoned = r.sequences_poisoned();
+  out.blocks_forsaken = r.blocks_forsaken();
+  out.bytes_forsaken = r.bytes_forsaken();
   out.prefix_queries = r.prefix().queries_total();
   out.prefix_hits = r.prefix().hits_total();
   out.prefix_reused_tokens = r.prefix().reused_tokens_total();

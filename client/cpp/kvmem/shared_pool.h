@@ -110,6 +110,8 @@ class MappedPool {
   // remote pool's round trips make worth it), in layer-major order, as ReadKv gives them
   // (positions from the table; epoch: the table's).
   absl::StatusOr<std::vector<StreamKv>> ReadStreams(const BlockTable& table) const;
+  // The mapping's bytes (the pool's size).
+  uint64_t bytes() const { return bytes_; }
 
  protected:
   MappedPool() = default;

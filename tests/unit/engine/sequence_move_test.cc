@@ -551,7 +551,7 @@ TEST_F(MoveFixture, AQuantizedBlockWhereTheHeaderSaysNoneIsRefused) {
 }
 
 // A reader that may still write into an import's blocks (a get abandoned in flight): they
-// stay allocated for good and the import cannot commit.
+// stay allocated for good, counted, and the import cannot commit.
 TEST_F(MoveFixture, AForsakenImportKeepsItsBlocksOutOfCirculation) {
   const uint64_t id = a_->CreateSequence(MoveLayout(), "full", {}, {}, {})->sequence_id;
   ASSERT_TRUE(twins::Append(*a_, id, 0, 100).ok());
@@ -570,6 +570,9 @@ TEST_F(MoveFixture, AForsakenImportKeepsItsBlocksOutOfCirculation) {
   EXPECT_EQ(b_->Stats(false).pool.blocks_used, blocks);
   EXPECT_EQ(b_->Stats(false).host_metadata_bytes, 0u);
   EXPECT_EQ(b_->Stats(true).sequences.size(), 0u);
+  // Counted (Stats, /metrics), as the pool counts them.
+  EXPECT_EQ(b_->Stats(false).blocks_forsaken, blocks);
+  EXPECT_EQ(b_->Stats(false).bytes_forsaken, b_->Stats(false).pool.block_bytes_used);
 }
 
 // Attention history out of range (a policy that keeps it: infokv).
