@@ -138,6 +138,38 @@ class SequenceMoveTest : public ::testing::Test {
     return seq->id;
   }
 
+  // Moves a sequence by `transport` (the receiver keeps its connection to, or mapping of,
+  // the holder's pool), restarts the holder on its address (`ucx`: running --ucx), then
+  // moves a sequence of other K/V the same way and checks it arrives byte for byte.
+  void MoveAcrossAHolderRestart(const std::string& transport, bool ucx) {
+    auto alice = Connect(*receiver_, kAlice);
+    {
+      auto alice_holder = Connect(*holder_, kAlice);
+      auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}),
+                                       std::nullopt, transport);
+      ASSERT_TRUE(moved.ok()) << moved.status();
+    }
+    const int port = holder_->port();
+    holder_.reset();
+    holder_ = StartOne({}, ucx, port);
+    ASSERT_NE(holder_, nullptr);
+    auto alice_holder = Connect(*holder_, kAlice);
+    const uint64_t id = Prepare(
+        *alice_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt4, 32});
+    auto before = alice_holder->ReadKv(id);
+    ASSERT_TRUE(before.ok()) << before.status();
+    auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, transport);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(moved->transport, transport);
+    auto after = alice->ReadKv(moved->sequence.id);
+    ASSERT_TRUE(after.ok()) << after.status();
+    ASSERT_EQ(after->size(), before->size());
+    for (size_t s = 0; s < before->size(); ++s) {
+      EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
+      EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
+    }
+  }
+
   std::string tokens_, peer_token_;
   std::function<void(service::ServerConfig&)> holder_config_;  // Start's holder's settings
   std::unique_ptr<service::Server> holder_, receiver_;
@@ -556,32 +588,7 @@ TEST_F(SequenceMoveTest, BlocksComeOutOfTheHoldersMapping) {
 // the new daemon's instance: the pool is mapped again, the old mapping never read.
 TEST_F(SequenceMoveTest, AHolderRestartedOnItsAddressIsMappedAgain) {
   Start(true, false, true);
-  auto alice = Connect(*receiver_, kAlice);
-  {
-    auto alice_holder = Connect(*holder_, kAlice);
-    auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}),
-                                     std::nullopt, "attach");
-    ASSERT_TRUE(moved.ok()) << moved.status();
-  }
-  const int port = holder_->port();
-  holder_.reset();
-  holder_ = StartOne({}, false, port);
-  ASSERT_NE(holder_, nullptr);
-  auto alice_holder = Connect(*holder_, kAlice);
-  const uint64_t id = Prepare(
-      *alice_holder, {"confkv", {{"c_high", 40}, {"c_low", 72}}, client::Precision::kInt4, 32});
-  auto before = alice_holder->ReadKv(id);
-  ASSERT_TRUE(before.ok()) << before.status();
-  auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, "attach");
-  ASSERT_TRUE(moved.ok()) << moved.status();
-  EXPECT_EQ(moved->transport, "attach");
-  auto after = alice->ReadKv(moved->sequence.id);
-  ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  MoveAcrossAHolderRestart("attach", false);
 }
 
 #if KVMEM_WITH_UCX
@@ -671,31 +678,7 @@ TEST_P(SequenceMoveUcxTest, AHolderRestartedOnItsAddressIsConnectedAgain) {
     GTEST_SKIP() << "a restart in one process shows only over TCP";
   }
   Start(true, true);
-  auto alice = Connect(*receiver_, kAlice);
-  {
-    auto alice_holder = Connect(*holder_, kAlice);
-    const uint64_t id = Prepare(*alice_holder, {"window", {{"window", 64}}});
-    auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
-    ASSERT_TRUE(moved.ok()) << moved.status();
-  }
-  const int port = holder_->port();
-  holder_.reset();
-  holder_ = StartOne({}, true, port);
-  ASSERT_NE(holder_, nullptr);
-  auto alice_holder = Connect(*holder_, kAlice);
-  const uint64_t id = Prepare(*alice_holder, {"window", {{"window", 64}}});
-  auto before = alice_holder->ReadKv(id);
-  ASSERT_TRUE(before.ok()) << before.status();
-  auto moved = alice->MoveSequence(Address(*holder_), id, std::nullopt, "ucx");
-  ASSERT_TRUE(moved.ok()) << moved.status();
-  EXPECT_EQ(moved->transport, "ucx");
-  auto after = alice->ReadKv(moved->sequence.id);
-  ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  MoveAcrossAHolderRestart("ucx", true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, SequenceMoveUcxTest, ::testing::Values("tcp", "sm,self"),
