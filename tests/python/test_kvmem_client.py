@@ -83,6 +83,7 @@ def test_info_lists_policies_and_the_shared_pool(client):
     assert {"full", "window", "h2o"} <= {p.name for p in info.policies}
     assert info.policy("h2o").step_signals == ["attention_rows"]
     assert info.shm_bytes and info.epoch_slots and len(info.attach_ticket) == 32
+    assert info.instance_id != 0 and client.get_info().instance_id == info.instance_id
 
 
 @pytest.mark.parametrize("dtype", list(kvmem.DType), ids=lambda d: d.name)

@@ -152,7 +152,7 @@ def info_of(r: pb.GetInfoResponse) -> Info:
                 r.default_quantization_recent_tokens, shm.segment_bytes,
                 cuda.handle, cuda.device_uuid, cuda.pool_bytes,
                 r.epoch_board.stride, r.epoch_board.slots, r.attach.socket, r.attach.ticket,
-                r.attach.daemon_uid if r.HasField("attach") else None)
+                r.attach.daemon_uid if r.HasField("attach") else None, r.instance_id)
 
 
 def sequence_stats_of(s: pb.SequenceStats) -> SequenceStats:

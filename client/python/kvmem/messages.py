@@ -67,6 +67,9 @@ class Info:
     attach_socket: str
     attach_ticket: bytes
     attach_daemon_uid: Optional[int]  # the socket's peer must run as it (None: unchecked)
+    # Random at each start of kvmemd (0 from an older one): another means a restart, and
+    # what was mapped from the one before is stale.
+    instance_id: int = 0
 
     def policy(self, name: str) -> PolicyInfo:
         for p in self.policies:
