@@ -329,7 +329,9 @@ def test_pool_full_names_the_limit():
             # The flag as the daemon's message spells it ("--pool-bytes"; absl defines
             # --pool_bytes and kvmemd takes both).
             assert e.value.limit in ("--pool-bytes", "--pool_bytes")
-            assert client.stats().sequences_active == 0
+            stats = client.stats()
+            assert stats.sequences_active == 0
+            assert stats.blocks_forsaken == 0 and stats.bytes_forsaken == 0
     finally:
         stop_daemon(proc, sock)
 

@@ -175,7 +175,7 @@ def stats_of(r: pb.StatsResponse, sequences: list[SequenceStats]) -> Stats:
                  r.host_metadata_budget_bytes, r.sequences_poisoned, r.prefix.queries_total,
                  r.prefix.hits_total, r.prefix.reused_tokens_total,
                  r.prefix.reclaimed_bytes_total, r.prefix.entries, r.prefix.indexed_blocks,
-                 r.prefix.cached_blocks, sequences)
+                 r.prefix.cached_blocks, sequences, r.blocks_forsaken, r.bytes_forsaken)
 
 
 def kv_array(data: bytes, dtype: DType, head_dim: int) -> np.ndarray:

@@ -262,3 +262,7 @@ class Stats:
     prefix_indexed_blocks: int
     prefix_cached_blocks: int
     sequences: list[SequenceStats]
+    # Blocks (and their bytes) a move kept out of use for good: a read ended with a get in
+    # flight that might still write into them (0 on a healthy node).
+    blocks_forsaken: int = 0
+    bytes_forsaken: int = 0
