@@ -38,7 +38,7 @@ RULES_TEST = PROM_DIR / "rules" / "kvmem.rules.test.yml"
 BIN = pathlib.Path(os.environ.get("KVMEM_BIN", ROOT / "build"))
 
 ALERTS = {"KvmemPoolNearlyFull", "KvmemReclaimFailing", "KvmemStepLatencyHigh",
-          "KvmemEvictedAttentionMassSpike", "KvmemRpcErrorRate"}
+          "KvmemEvictedAttentionMassSpike", "KvmemRpcErrorRate", "KvmemBlocksForsaken"}
 
 # Grafana's built-in variables, replaced by values a real query could get.
 GRAFANA_BUILTINS = {

@@ -43,7 +43,7 @@ RULES_TEST = DEPLOY / "prometheus" / "rules" / "kvmem.rules.test.yml"
 FOREIGN = {"grafana", "prometheus"}
 PROGRAMS = {"kvmemd", "kvmem_worker", "kvmemctl"}
 ALERTS = {"KvmemPoolNearlyFull", "KvmemReclaimFailing", "KvmemStepLatencyHigh",
-          "KvmemEvictedAttentionMassSpike", "KvmemRpcErrorRate"}
+          "KvmemEvictedAttentionMassSpike", "KvmemRpcErrorRate", "KvmemBlocksForsaken"}
 
 
 def rel(path):
