@@ -26,9 +26,9 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const std::string& tls_roo
 
 }  // namespace
 
-absl::StatusOr<v1::GetInfoResponse> PeerLinks::Info(v1::KvCache::Stub& stub,
-                                                    const std::string& node,
-                                                    absl::Time deadline) const {
+absl::StatusOr<v1::GetInfoResponse> PeerLinks::PeerInfo(v1::KvCache::Stub& stub,
+                                                        const std::string& node,
+                                                        absl::Time deadline) const {
   grpc::ClientContext c;
   c.set_deadline(absl::ToChronoTime(deadline));
   c.AddMetadata("authorization", absl::StrCat("Bearer ", token_));
@@ -118,7 +118,7 @@ absl::StatusOr<std::shared_ptr<const client::UcxPool>> PeerLinks::Pool(v1::KvCac
     }
   }
   // Connected outside the lock: a peer that does not answer holds up no other's transfer.
-  absl::StatusOr<v1::GetInfoResponse> info = Info(stub, node, deadline);
+  absl::StatusOr<v1::GetInfoResponse> info = PeerInfo(stub, node, deadline);
   if (!info.ok()) return info.status();
   absl::StatusOr<std::unique_ptr<client::UcxPool>> pool =
       client::UcxPool::Connect(client::internal::InfoOf(*info), kReadDeadline);
@@ -162,7 +162,7 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
       unmappable_.erase(it);
     }
   }
-  absl::StatusOr<v1::GetInfoResponse> info = Info(stub, node, deadline);
+  absl::StatusOr<v1::GetInfoResponse> info = PeerInfo(stub, node, deadline);
   if (!info.ok()) return info.status();  // not remembered: the peer may be back soon
   // Why not, and whether that lasts (another host, a GPU pool, an older kvmemd: not asked
   // again for a while) or may pass (the attach socket busy, a ticket pushed out).

@@ -109,8 +109,8 @@ class PeerLinks {
   PeerLinks(std::string peer_token, const std::string& tls_root_certs,
             std::vector<std::string> peers);
   // The peer's GetInfo, asked with the peer token.
-  absl::StatusOr<v1::GetInfoResponse> Info(v1::KvCache::Stub& stub, const std::string& node,
-                                           absl::Time deadline) const;
+  absl::StatusOr<v1::GetInfoResponse> PeerInfo(v1::KvCache::Stub& stub, const std::string& node,
+                                               absl::Time deadline) const;
 
   const std::string token_;
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
