@@ -81,6 +81,7 @@ Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_b
   config.engine.max_sequences = 4096;
   config.engine.in_place_writes = true;
   config.engine.table_area_bytes = table_area_bytes;
+  config.prefault_pool = true;  // as kvmemd does by default
   Daemon d;
   absl::StatusOr<std::unique_ptr<kvmem::service::Server>> server =
       kvmem::service::Server::Start(config);
@@ -89,6 +90,7 @@ Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_b
     std::exit(1);
   }
   d.server = *std::move(server);
+  while (d.server->prefaulted_bytes() < pool_bytes) absl::SleepFor(absl::Milliseconds(20));
   d.client = *Client::Connect("unix:" + socket);
   return d;
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""PullPrefix by UCX and by gRPC, repeated on one node: a holder A (--ucx) publishes four
-1,024-token prompts of a SmolLM2-shape layout (30x3x64 f32: 1,008 pulled tokens are 46 MB of
-K/V); node D (A as a peer, with a peer token: RMA gets from A's pool, the connection kept
-from its first pull) and node G (A as a peer, no token: ReadKv) each pull every prompt, in
+"""PullPrefix by mapping, by UCX and by gRPC, repeated on one host: a holder A (--ucx)
+publishes four 1,024-token prompts of a SmolLM2-shape layout (30x3x64 f32: 1,008 pulled
+tokens are 46 MB of K/V); node M (A as a peer, with a peer token: A's pool mapped, the
+mapping kept from its first pull), node D (the same, asked for UCX: RMA gets from A's pool,
+the connection kept) and node G (A as a peer, no token: ReadKv) each pull every prompt, in
 turn; the time of each PullPrefix call as the client sees it. UCX_TLS for every daemon.
 
 Usage: python3 bench/pull_transports.py [--ucx_tls tcp]
@@ -43,10 +44,12 @@ def main():
                             *flags)
 
     a = node("a", "--ucx", "--ucx_trusted_network")
+    m = node("m", f"--cluster_peers={a[1]}", f"--cluster_peer_token_file={token}")
     d = node("d", f"--cluster_peers={a[1]}", f"--cluster_peer_token_file={token}")
     g = node("g", f"--cluster_peers={a[1]}")
     try:
-        on_a, on_d, on_g = kvmem.Client(a[1]), kvmem.Client(d[1]), kvmem.Client(g[1])
+        on_a, on_m = kvmem.Client(a[1]), kvmem.Client(m[1])
+        on_d, on_g = kvmem.Client(d[1]), kvmem.Client(g[1])
         layout = kvmem.Layout(30, 3, 64, kvmem.DType.F32, 16, vocab_size=50000)
         prompts = []
         for seed in range(1, 5):
@@ -62,18 +65,18 @@ def main():
             prompts.append(prompt)
         time.sleep(1.0)  # the claims reach Redis
         print(f"# UCX_TLS={args.ucx_tls}; PullPrefix ms per prompt (1,008 tokens, 46 MB)")
-        print(f"{'prompt':>6} {'ucx':>8} {'grpc':>8}")
+        print(f"{'prompt':>6} {'attach':>8} {'ucx':>8} {'grpc':>8}")
         for i, prompt in enumerate(prompts):
             row = []
-            for client, want in ((on_d, "ucx"), (on_g, "grpc")):
+            for client, want in ((on_m, "attach"), (on_d, "ucx"), (on_g, "grpc")):
                 start = time.monotonic()
-                pulled = client.pull_prefix(layout, prompt)
+                pulled = client.pull_prefix(layout, prompt, transport=want)
                 row.append((time.monotonic() - start) * 1e3)
                 if pulled.transport != want or pulled.pulled_tokens != 1008:
                     sys.exit(f"prompt {i}: {pulled}")
-            print(f"{i:>6} {row[0]:>8.1f} {row[1]:>8.1f}", flush=True)
+            print(f"{i:>6} {row[0]:>8.1f} {row[1]:>8.1f} {row[2]:>8.1f}", flush=True)
     finally:
-        for proc, _, sock in (a, d, g):
+        for proc, _, sock in (a, m, d, g):
             stop_daemon(proc, sock)
         redis.kill()
         redis.wait()

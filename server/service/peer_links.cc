@@ -9,11 +9,37 @@
 #include "kvmem/convert.h"
 #include "kvmem/shared_pool.h"
 #include "server/common/client_text.h"
+#include "server/common/parallel.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/ucx_pool.h"
 #endif
 
 namespace kvmem::service {
+
+namespace {
+// CopyOutOfMapping's loop takes chunks of this many reads (8 MiB of 8 KiB blocks), claimed
+// by the loop's threads in turn.
+constexpr size_t kCopyGrain = 1024;
+}  // namespace
+
+absl::Status CopyOutOfMapping(const client::SharedPool& pool,
+                              absl::Span<const client::PoolRead> reads, absl::string_view what) {
+  for (const client::PoolRead& r : reads) {  // before any copy: none is made of a bad read
+    if (r.offset > pool.bytes() || r.bytes > pool.bytes() - r.offset) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " names pool bytes [", r.offset, ", +",
+                                                     r.bytes, ") outside its pool of ",
+                                                     pool.bytes()));
+    }
+  }
+  absl::Mutex mu;
+  absl::Status first = absl::OkStatus();
+  ParallelFor(reads.size(), kCopyGrain, [&](size_t begin, size_t end) {
+    absl::Status s = pool.ReadPool(reads.subspan(begin, end - begin));
+    absl::MutexLock lock(&mu);
+    first.Update(s);
+  });
+  return first;
+}
 
 namespace {
 

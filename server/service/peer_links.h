@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/security/credentials.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
@@ -39,9 +40,17 @@
 namespace kvmem::client {
 class SharedPool;
 class UcxPool;
+struct PoolRead;
 }  // namespace kvmem::client
 
 namespace kvmem::service {
+
+// Copies `reads` out of a peer's pool mapped here (PeerLinks::Mapped), the cores side by
+// side (one core's copy of 64 MiB is bound by its memory latency, not by the machine's
+// bandwidth). Every read is checked against the pool before any copy: INVALID_ARGUMENT
+// beginning with `what` (whose answer named the offsets) for one outside it.
+absl::Status CopyOutOfMapping(const client::SharedPool& pool,
+                              absl::Span<const client::PoolRead> reads, absl::string_view what);
 
 class PeerLinks {
  public:

@@ -6,16 +6,20 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/block_layout.h"
+#include "kvmem/convert.h"
+#include "kvmem/shared_pool.h"
 #include "kvmem/v1/kvmem.grpc.pb.h"
 #include "server/common/client_text.h"
 #include "server/transport/parse_cost.h"
 #include "spdlog/spdlog.h"
 #if KVMEM_WITH_UCX
-#include "kvmem/convert.h"
 #include "kvmem/ucx_pool.h"
 #endif
 
@@ -40,7 +44,6 @@ absl::Status Lied(absl::string_view node, absl::string_view what) {
       absl::StrCat("PullPrefix: the holder ", node, "'s answer is not the prefix: ", what));
 }
 
-#if KVMEM_WITH_UCX
 // Whether the holder's table is that of a mapped prefix of `tokens` tokens in `layout`:
 // every stream in layer-major order, each tokens/B whole blocks at layout precision, of the
 // layout's block size (published blocks are never quantized nor partial). Untrusted input,
@@ -72,7 +75,6 @@ bool IsPrefixTable(const v1::BlockTable& t, const v1::Layout& layout, uint32_t b
   }
   return true;
 }
-#endif
 
 }  // namespace
 
@@ -93,9 +95,11 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
                                               const engine::PromptPrefix& prompt,
                                               const std::string& client_salt, const PullAsk& ask,
                                               const std::string& bearer, absl::Time deadline) {
-  if (ask.transport != "" && ask.transport != "grpc" && ask.transport != "ucx") {
-    return absl::InvalidArgumentError(absl::StrCat("transport: \"", EchoClientText(ask.transport),
-                                                   "\" is none of ucx, grpc, or empty (either)"));
+  if (ask.transport != "" && ask.transport != "grpc" && ask.transport != "ucx" &&
+      ask.transport != "attach") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport: \"", EchoClientText(ask.transport),
+                     "\" is none of \"attach\", \"ucx\", \"grpc\" or empty (any)"));
   }
   if (ask.transport == "ucx" && !links_->reads_pools()) {
     return absl::FailedPreconditionError(
@@ -286,29 +290,73 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     v[c].resize(rows * chunk_tokens(c) * row_bytes);
   }
   std::vector<uint64_t> filled(rows, 0);
-  // Rows [first, first + count) of stream s, as read (K and V at `k` and `v`), into the
-  // chunks: the new ones only (those from `have` on).
-  const auto place = [&](uint64_t s, uint64_t first, uint64_t count, const char* k_rows,
-                         const char* v_rows) {
+  // Rows [first, first + count) of stream s, the new ones only (those from `have` on), by
+  // the runs that fall in one chunk each: to(chunk, at, from, run) with `at` the run's byte
+  // offset in the chunk's K (and V), `from` its byte offset past row `first`.
+  const auto each_run = [&](uint64_t s, uint64_t first, uint64_t count, const auto& to) {
     for (uint64_t t = std::max(first, have); t < first + count;) {
       const uint64_t chunk = (t - have) / per_chunk, start = chunk * per_chunk;
       const uint64_t run = std::min(first + count, have + start + chunk_tokens(chunk)) - t;
-      const uint64_t to = (s * chunk_tokens(chunk) + (t - have - start)) * row_bytes;
-      const uint64_t from = (t - first) * row_bytes;
-      std::memcpy(k[chunk].data() + to, k_rows + from, run * row_bytes);
-      std::memcpy(v[chunk].data() + to, v_rows + from, run * row_bytes);
+      to(chunk, (s * chunk_tokens(chunk) + (t - have - start)) * row_bytes, (t - first) * row_bytes,
+         run * row_bytes);
       t += run;
     }
   };
-  absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
-      links_->Choose(*stub, holder, ask.transport, deadline);
-  if (!chosen.ok()) return chosen.status();
-  std::shared_ptr<const client::UcxPool> ucx = *std::move(chosen);
-  // By UCX: the holder's table (without positions: a mapped prefix holds 0 .. r-1 in every
-  // stream), checked, then the blocks this node lacks by gets under the holder's epoch
-  // protocol. Where either transport will do, a failure here falls back to ReadKv.
-  const auto read_by_ucx = [&]() -> absl::Status {
-#if KVMEM_WITH_UCX
+  // Rows of stream s as read (K and V at `k_rows` and `v_rows`) into the chunks.
+  const auto place = [&](uint64_t s, uint64_t first, uint64_t count, const char* k_rows,
+                         const char* v_rows) {
+    each_run(s, first, count, [&](uint64_t chunk, uint64_t at, uint64_t from, uint64_t bytes) {
+      std::memcpy(k[chunk].data() + at, k_rows + from, bytes);
+      std::memcpy(v[chunk].data() + at, v_rows + from, bytes);
+    });
+  };
+  // The holder's pool mapped (on this host), else by UCX, where this daemon may read it.
+  std::optional<PeerLinks::MappedPeer> mapped;
+  if (ask.transport == "attach" || ask.transport.empty()) {
+    absl::StatusOr<PeerLinks::MappedPeer> m = links_->Mapped(*stub, holder, deadline);
+    if (m.ok()) {
+      mapped = *std::move(m);
+    } else if (ask.transport == "attach") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport: \"attach\": the holder's pool cannot be mapped: ", m.status().message()));
+    }
+  }
+  std::shared_ptr<const client::UcxPool> ucx;
+  if (!mapped) {
+    absl::StatusOr<std::shared_ptr<const client::UcxPool>> chosen =
+        links_->Choose(*stub, holder, ask.transport, deadline);
+    if (!chosen.ok()) return chosen.status();
+    ucx = *std::move(chosen);
+  }
+  // By offsets: the holder's table (without positions: a mapped prefix holds 0 .. r-1 in
+  // every stream), checked, then the blocks this node lacks, read from the mapping or by UCX
+  // gets, under the holder's epoch protocol. Where any transport will do, a failure here
+  // falls back to ReadKv.
+  const auto read_by_offsets = [&]() -> absl::Status {
+    if (mapped) {
+      // The mapping must be of the daemon that holds the sequence, else its board's epochs
+      // are another's. A holder instance alive at the mapping (kept or made since) and again
+      // now, between the CreateSequence there and the GetBlockTable below, is the one that
+      // holds it: a restarted holder knows none of its predecessor's ids (they start at a
+      // random base), so that GetBlockTable would fail.
+      v1::GetInfoResponse info;
+      if (grpc::Status s = stub->GetInfo(call().get(), v1::GetInfoRequest(), &info); !s.ok()) {
+        return FromHolder(s, holder, "GetInfo");
+      }
+      if (info.instance_id() != mapped->instance_id) {
+        // The mapping is of an instance since gone: mapped again, once, and read only if the
+        // new mapping is of the instance just asked (alive across both asks).
+        absl::StatusOr<PeerLinks::MappedPeer> again =
+            links_->Mapped(*stub, holder, deadline, mapped->instance_id);
+        if (!again.ok() || again->instance_id != info.instance_id()) {
+          return absl::UnavailableError(absl::StrCat(
+              "PullPrefix: the holder ", holder, " restarted since its pool was mapped",
+              again.ok() ? ""
+                         : absl::StrCat(", and cannot be mapped: ", again.status().message())));
+        }
+        mapped = *std::move(again);
+      }
+    }
     v1::GetBlockTableRequest q;
     q.set_sequence_id(created.sequence_id());
     v1::GetBlockTableResponse a;
@@ -323,54 +371,87 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     for (client::StreamTable& st : table.streams) {  // the blocks this node lacks
       st.blocks.erase(st.blocks.begin(), st.blocks.begin() + static_cast<ptrdiff_t>(have / B));
     }
-    // The streams as read and the chunks: both in host memory until the append.
-    absl::StatusOr<transport::ParseBudget::Reservation> streams_held =
-        transport::ParseBudget::Process().Reserve(n * per_token, "PullPrefix");
-    if (!streams_held.ok()) return streams_held.status();
-    const client::UcxPool::Deadline by_pull(deadline);
-    absl::StatusOr<std::vector<client::StreamKv>> streams = ucx->ReadStreams(table);
-    if (!streams.ok() && ucx->broken() && !absl::IsDeadlineExceeded(streams.status())) {
-      // A connection kept from before the holder restarted, or one another call's deadline
-      // ended: connected again, once.
-      absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
-          links_->Pool(*stub, holder, deadline);
-      if (again.ok()) {
-        ucx = *std::move(again);
-        streams = ucx->ReadStreams(table);
-      }
-    }
-    if (!streams.ok()) {
-      return absl::Status(absl::IsDeadlineExceeded(streams.status())
-                              ? absl::StatusCode::kDeadlineExceeded
-                              : absl::StatusCode::kUnavailable,
-                          absl::StrCat("PullPrefix: reading the holder ", holder,
-                                       "'s pool by UCX: ", streams.status().message()));
-    }
+    // Each block's K and V rows straight into the chunks (a block holds B whole slots: its
+    // K plane, then its V plane), under one read protocol.
+    const kernels::LayoutBlock plane{static_cast<uint32_t>(B), row_bytes};
+    std::vector<client::PoolRead> reads;
+    reads.reserve(2 * rows * (n / B) + 2 * rows * chunks);
     for (uint64_t s = 0; s < rows; ++s) {
-      const client::StreamKv& kv = (*streams)[s];
-      if (kv.k.size() != n * row_bytes || kv.v.size() != n * row_bytes) {
-        return Lied(holder, "a stream read short");
+      const std::vector<client::TableBlock>& blocks = table.streams[s].blocks;
+      for (size_t j = 0; j < blocks.size(); ++j) {
+        const uint64_t off = blocks[j].offset;
+        each_run(s, have + j * B, B,
+                 [&](uint64_t chunk, uint64_t at, uint64_t from, uint64_t bytes) {
+                   reads.push_back({off + plane.k_offset(0) + from, k[chunk].data() + at, bytes});
+                   reads.push_back({off + plane.v_offset(0) + from, v[chunk].data() + at, bytes});
+                 });
       }
-      place(s, have, n, kv.k.data(), kv.v.data());
-      filled[s] = r;
     }
-    return absl::OkStatus();
+    const auto read = [&](const auto& pool) {
+      absl::Status s = pool.BeginRead(table);
+      if (s.ok()) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(pool)>, client::SharedPool>) {
+          s = CopyOutOfMapping(pool, reads,
+                               absl::StrCat("PullPrefix: the holder ", holder, "'s table"));
+        } else {
+          s = pool.ReadPool(reads);
+        }
+      }
+      if (s.ok()) s = pool.EndRead(table);  // FAILED_PRECONDITION: it changed meanwhile
+      return s;
+    };
+    absl::Status got;
+    if (mapped) {
+      got = read(*mapped->pool);
+    } else {
+#if KVMEM_WITH_UCX
+      const client::UcxPool::Deadline by_pull(deadline);
+      got = read(*ucx);
+      if (!got.ok() && ucx->broken() && !absl::IsDeadlineExceeded(got) && !absl::IsAborted(got)) {
+        // A connection kept from before the holder restarted, or one another call's deadline
+        // ended: connected again, once.
+        absl::StatusOr<std::shared_ptr<const client::UcxPool>> again =
+            links_->Pool(*stub, holder, deadline);
+        if (again.ok()) {
+          ucx = *std::move(again);
+          got = read(*ucx);
+        }
+      }
+      if (absl::IsAborted(got)) {
+        // A get left in flight may still write into the chunks: never freed, never reused.
+        client::internal::KeepForever(std::move(k));
+        client::internal::KeepForever(std::move(v));
+        return absl::AbortedError(absl::StrCat("PullPrefix: reading the holder ", holder,
+                                               "'s pool by UCX: ", got.message(),
+                                               " (a get was left in flight)"));
+      }
 #else
-    return absl::UnimplementedError("built without UCX");
+      got = absl::UnimplementedError("built without UCX");
 #endif
+    }
+    if (!got.ok()) {
+      return absl::Status(absl::IsDeadlineExceeded(got) ? absl::StatusCode::kDeadlineExceeded
+                                                        : absl::StatusCode::kUnavailable,
+                          absl::StrCat("PullPrefix: reading the holder ", holder, "'s pool ",
+                                       mapped ? "as mapped" : "by UCX", ": ", got.message()));
+    }
+    std::fill(filled.begin(), filled.end(), r);
+    return absl::OkStatus();
   };
-  if (ucx != nullptr) {
-    if (absl::Status read = read_by_ucx(); read.ok()) {
-      result.transport = "ucx";
-    } else if (ask.transport == "ucx" || context->IsCancelled() || absl::IsDeadlineExceeded(read)) {
-      return read;
+  if (mapped || ucx != nullptr) {
+    if (absl::Status read = read_by_offsets(); read.ok()) {
+      result.transport = mapped ? "attach" : "ucx";
+    } else if (!ask.transport.empty() || context->IsCancelled() || absl::IsDeadlineExceeded(read) ||
+               absl::IsAborted(read)) {
+      return read;  // ABORTED: the chunks are given up (a get may still write into them)
     } else {
       spdlog::warn("PullPrefix: {}; reading it by ReadKv instead", std::string(read.message()));
       std::fill(filled.begin(), filled.end(), 0);
+      mapped.reset();
       ucx = nullptr;
     }
   }
-  if (ucx == nullptr) {
+  if (result.transport.empty()) {
     std::unique_ptr<grpc::ClientContext> c = call();
     v1::ReadKvRequest q;
     q.set_sequence_id(created.sequence_id());

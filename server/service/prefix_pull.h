@@ -23,9 +23,11 @@
 // blocks, within the prompt, every piece in place). Memory: a pull holds the K/V it adds here (at
 // most max_bytes, reserved from --parse-memory-bytes with the calls' buffers); at most max_pulls
 // run at once. The caller's cancellation reaches the calls to the holder.
-// Transport: the holder's blocks by UCX RMA gets from its pool (PeerLinks: both built with
-// UCX, the holder running --ucx, this daemon given --cluster-peer-token-file), under the
-// holder's epoch protocol, else ReadKv.
+// Transport: the holder's blocks copied out of its pool mapped read-only (a holder on this
+// host with its pool in host memory), else by UCX RMA gets from its pool (both built with
+// UCX, the holder running --ucx), either under the holder's epoch protocol and with this
+// daemon given --cluster-peer-token-file (PeerLinks), else ReadKv. A mapping is read only
+// once the holder's instance, asked after the CreateSequence there, is the mapping's.
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -48,13 +50,13 @@ struct PullResult {
   std::string from_node;
   uint64_t holder_tokens = 0;  // what the holder mapped of the prompt
   uint64_t bytes = 0;          // K+V bytes moved
-  std::string transport;       // "ucx" or "grpc"; empty: nothing read
+  std::string transport;       // "attach", "ucx" or "grpc"; empty: nothing read
 };
 
 // What a caller asks of a pull besides the prompt (PullPrefixRequest).
 struct PullAsk {
   std::string from_node;    // empty: the holder of the longest prefix
-  std::string transport;    // "ucx", "grpc"; empty: UCX where it can
+  std::string transport;    // "attach", "ucx", "grpc"; empty: the first that can
   uint64_t min_tokens = 0;  // the least gain worth a pull
 };
 

@@ -18,7 +18,6 @@
 #include "kvmem/ucx_pool.h"
 #endif
 #include "server/common/client_text.h"
-#include "server/common/parallel.h"
 #include "server/service/convert.h"
 #include "server/service/kv_cache_service.h"
 #include "server/transport/parse_cost.h"
@@ -64,28 +63,6 @@ bool SaltIsTheCallers(const Principal& who, const std::string& salt) {
 
 // Reads of the holder's pool by offsets: copied out of its mapping, or UCX gets.
 using ReadPoolFn = absl::FunctionRef<absl::Status(absl::Span<const client::PoolRead>)>;
-
-// Copies reads out of a pool mapped here, the cores side by side (one core's copy of a
-// landing's 64 MiB is bound by its memory latency, not by the machine's bandwidth), in
-// chunks of kCopyGrain reads (8 MiB of 8 KiB blocks) that the loop's threads claim in turn.
-constexpr size_t kCopyGrain = 1024;
-absl::Status CopyOut(const client::SharedPool& pool, absl::Span<const client::PoolRead> reads) {
-  for (const client::PoolRead& r : reads) {  // before any copy: none is made of a bad read
-    if (r.offset > pool.bytes() || r.bytes > pool.bytes() - r.offset) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("MoveSequence: the holder's piece names pool bytes [", r.offset, ", +",
-                       r.bytes, ") outside its pool of ", pool.bytes()));
-    }
-  }
-  absl::Mutex mu;
-  absl::Status first = absl::OkStatus();
-  ParallelFor(reads.size(), kCopyGrain, [&](size_t begin, size_t end) {
-    absl::Status s = pool.ReadPool(reads.subspan(begin, end - begin));
-    absl::MutexLock lock(&mu);
-    first.Update(s);
-  });
-  return first;
-}
 
 // The bytes of pieces by offsets reserved before their gets are posted together (blocks side
 // by side in both pools are one get: several pieces' blocks make large gets), and the most
@@ -462,7 +439,9 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
   };
 #endif
   const auto read_pool = [&](absl::Span<const client::PoolRead> reads) -> absl::Status {
-    if (by_attach) return CopyOut(*mapped->pool, reads);  // the export holds the blocks
+    if (by_attach) {  // the export holds the blocks
+      return CopyOutOfMapping(*mapped->pool, reads, "MoveSequence: the holder's piece");
+    }
 #if KVMEM_WITH_UCX
     return get([&](const client::UcxPool& pool) { return pool.ReadPool(reads); });
 #else

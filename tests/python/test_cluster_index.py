@@ -130,9 +130,10 @@ class Node:
 LAY = layout(block_tokens=8)
 
 
-def publish(node, tokens, salt=""):
+def publish(node, tokens, salt="", seed=None):
     prompt = kvmem.Prompt(tokens, cache_salt=salt, model="m")
-    k = np.random.default_rng(len(tokens)).standard_normal(LAY.kv_shape(len(tokens)))
+    rng = np.random.default_rng(len(tokens) if seed is None else seed)
+    k = rng.standard_normal(LAY.kv_shape(len(tokens)))
     k = k.astype(np.float16)
     seq = node.client.create_sequence(LAY, prompt=prompt)
     seq.append(range(len(tokens)), k, k, token_ids=tokens)
@@ -343,8 +344,8 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
 
 def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, monkeypatch):
     # A runs --ucx (no tokens: every caller may read its pool); B has A as a peer and a
-    # peer token, so B reads A's blocks by RMA gets (over TCP, as between hosts); C has A as
-    # a peer but no token: gRPC only.
+    # peer token, so B maps A's pool (the same host) or, asked for UCX, reads A's blocks by
+    # RMA gets (over TCP, as between hosts); C has A as a peer but no token: gRPC only.
     if not ucx_built():
         pytest.skip("kvmemd was built without UCX")
     monkeypatch.setenv("UCX_TLS", "tcp")
@@ -367,7 +368,7 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
                 skipped.transport, skipped.bytes) == (0, 56, a.name, "", 0)
         assert b.client.lookup(LAY, p) == 0
         # Worth it: by UCX, byte for byte A's.
-        pulled = b.client.pull_prefix(LAY, p, min_tokens=56)
+        pulled = b.client.pull_prefix(LAY, p, transport="ucx", min_tokens=56)
         assert (pulled.pulled_tokens, pulled.transport) == (56, "ucx"), pulled
         assert pulled.bytes == 56 * 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
         seq_a = a.client.create_sequence(LAY, prompt=p)
@@ -384,10 +385,25 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         assert read_all(seq_b) == read_all(seq_a2)
         for s in (seq_a, seq_a2, seq_b):
             s.release()
-        # C cannot read A's pool: gRPC when either will do, refused when UCX is asked for.
+        # C cannot read A's pool: gRPC when any will do, refused when UCX or a mapping is
+        # asked for.
         assert c.client.pull_prefix(LAY, p).transport == "grpc"
         with pytest.raises(kvmem.FailedPreconditionError, match="cluster-peer-token-file"):
             c.client.pull_prefix(LAY, q, transport="ucx")
+        with pytest.raises(kvmem.FailedPreconditionError, match="cluster-peer-token-file"):
+            c.client.pull_prefix(LAY, q, transport="attach")
+        # B, asked for nothing in particular, maps A's pool (the same host).
+        fourth = prompt(34)
+        publish(a, fourth, seed=34)
+        assert wait_until(lambda: holders(b, fourth) == [(a.name, 56)], 5)
+        r = kvmem.Prompt(fourth, model="m")
+        mapped = b.client.pull_prefix(LAY, r)
+        assert (mapped.pulled_tokens, mapped.transport, mapped.bytes) == (56, "attach",
+                                                                          pulled.bytes)
+        seq_b, seq_a = b.client.create_sequence(LAY, prompt=r), a.client.create_sequence(LAY, prompt=r)
+        assert read_all(seq_b) == read_all(seq_a)
+        seq_a.release()
+        seq_b.release()
         with pytest.raises(kvmem.InvalidArgumentError, match="transport"):
             b.client.pull_prefix(LAY, q, transport="rdma")
         # A gone: B's kept connection to its pool fails the pull in bounded time, naming the
@@ -406,6 +422,42 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         assert b.client.stats().prefix_entries == before
     finally:
         for node in (a, b, c):
+            if node.proc is not None:
+                node.stop()
+
+
+def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(redis,
+                                                                              tmp_path):
+    # B keeps its mapping of A's pool from one pull to the next. A restarts on its address
+    # and publishes other K/V: the next pull must read the new A's pool, never the old
+    # mapping (whose memory B's mapping still holds, with the old A's blocks and epochs).
+    token = tmp_path / "peer-token"
+    token.write_text("fleet-peer-token-0123456789\n")
+    a = Node("ra", redis)
+    b = Node("rb", redis, f"--cluster_peer_token_file={token}", peers=["ra"])
+    try:
+        first, second = prompt(41), prompt(42)
+        publish(a, first, seed=41)
+        assert wait_until(lambda: holders(b, first) == [(a.name, 56)], 5)
+        p = kvmem.Prompt(first, model="m")
+        assert b.client.pull_prefix(LAY, p, transport="attach").transport == "attach"
+        seq_b, seq_a = b.client.create_sequence(LAY, prompt=p), a.client.create_sequence(LAY, prompt=p)
+        assert read_all(seq_b) == read_all(seq_a)
+        seq_a.release()
+        seq_b.release()
+        a.stop()
+        a = Node("ra", redis)
+        publish(a, second, seed=42)
+        assert wait_until(lambda: holders(b, second) == [(a.name, 56)], 5)
+        q = kvmem.Prompt(second, model="m")
+        pulled = b.client.pull_prefix(LAY, q, transport="attach")
+        assert (pulled.pulled_tokens, pulled.transport) == (56, "attach"), pulled
+        seq_b, seq_a = b.client.create_sequence(LAY, prompt=q), a.client.create_sequence(LAY, prompt=q)
+        assert read_all(seq_b) == read_all(seq_a)
+        seq_a.release()
+        seq_b.release()
+    finally:
+        for node in (a, b):
             if node.proc is not None:
                 node.stop()
 

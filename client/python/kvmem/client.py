@@ -703,9 +703,10 @@ class Client:
                     transport: str = "", min_tokens: int = 0) -> "PullResult":
         """Makes the daemon hold the longest prefix of the prompt another node of the fleet
         holds (kvmemd --cluster-index), pulled from that node (`from_node`, else the one the
-        fleet's index names), so that the next create_sequence maps it. `transport`: "ucx",
-        "grpc", or "" (UCX where the daemon can); `min_tokens`: pull only a gain of at least
-        that many tokens (a smaller one is cheaper to compute)."""
+        fleet's index names), so that the next create_sequence maps it. `transport`:
+        "attach" (the holder's pool mapped: the same host), "ucx", "grpc", or "" (the first
+        of these the daemon can); `min_tokens`: pull only a gain of at least that many tokens
+        (a smaller one is cheaper to compute)."""
         q = pb.PullPrefixRequest(cache_salt=prompt.cache_salt, model=prompt.model,
                                  from_node=from_node, transport=transport,
                                  min_tokens=min_tokens)

@@ -28,8 +28,8 @@ ABSL_FLAG(uint64_t, pull_min_tokens, 0,
           "tokens of the prompt (fewer are computed: cheaper; bench/RESULTS.md has the "
           "crossover for this model)");
 ABSL_FLAG(std::string, pull_transport, "",
-          "with --pull_prefix: how kvmemd fetches the prefix from the other node: ucx, grpc, "
-          "or empty (UCX where it can)");
+          "with --pull_prefix: how kvmemd fetches the prefix from the other node: attach "
+          "(its pool mapped: the same host), ucx, grpc, or empty (the first that can)");
 ABSL_FLAG(std::string, kept_positions, "",
           "generate: write to this file, after the prompt and after each decode step, a JSON "
           "line with the token fed (-1 for the prompt, whose ids it lists) and the positions "
