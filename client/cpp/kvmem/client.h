@@ -335,7 +335,7 @@ struct LayerRange {
 // Client::PullPrefix's options and answer.
 struct PullOptions {
   std::string from_node;    // the holder to pull from; empty: the one the fleet's index names
-  std::string transport;    // "ucx", "grpc"; empty: UCX where kvmemd can
+  std::string transport;    // "attach", "ucx", "grpc"; empty: the first kvmemd can
   uint64_t min_tokens = 0;  // pull only a gain of at least this many tokens
 };
 struct Pulled {
