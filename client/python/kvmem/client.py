@@ -108,9 +108,9 @@ class FleetLookup:
 @dataclasses.dataclass(frozen=True)
 class PullResult:
     """Client.pull_prefix's answer: the prefix the daemon held before, the tokens it pulled
-    (and published), from which node, the K+V bytes moved and how ("attach", "ucx", "grpc"; "" when
-    nothing was read), and the prefix the holder had (less than `min_tokens` more than the
-    daemon's own: nothing pulled)."""
+    (and published), from which node, the K+V bytes moved and how ("attach", "ucx", "grpc";
+    "" when nothing was read), and the prefix the holder had (less than `min_tokens` more
+    than the daemon's own: nothing pulled)."""
     local_tokens: int
     pulled_tokens: int
     from_node: str
