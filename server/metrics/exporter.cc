@@ -63,6 +63,15 @@ class Families {
   std::deque<MetricFamily> out_;  // references to families stay valid as more are added
 };
 
+// One sample per transport, each always there (0 until used).
+void SamplePeerBytes(MetricFamily& family, const PeerBytes& bytes) {
+  const std::pair<const char*, uint64_t> transports[] = {
+      {"attach", bytes.attach}, {"ucx", bytes.ucx}, {"grpc", bytes.grpc}};
+  for (const auto& [transport, n] : transports) {
+    Families::Sample(family, static_cast<double>(n), {{"transport", transport}});
+  }
+}
+
 }  // namespace
 
 std::vector<MetricFamily> Collector::Collect() const {
@@ -208,8 +217,10 @@ std::vector<MetricFamily> Collector::Collect() const {
     }
     f.Counter("kvmem_prefix_pulled_tokens_total", "prompt tokens pulled from peers and published",
               static_cast<double>(p.tokens));
-    f.Counter("kvmem_prefix_pulled_bytes_total", "K+V bytes read from peers by PullPrefix",
-              static_cast<double>(p.bytes));
+    SamplePeerBytes(
+        f.Family("kvmem_prefix_pulled_bytes_total",
+                 "K+V bytes read from peers by PullPrefix, by transport", MetricType::Counter),
+        p.bytes);
     Families::Sample(f.Family("kvmem_prefix_pull_seconds", "a PullPrefix call, whatever its end",
                               MetricType::Histogram),
                      p.seconds, {});
@@ -232,8 +243,10 @@ std::vector<MetricFamily> Collector::Collect() const {
     for (const auto& [result, n] : results) {
       Families::Sample(moves, static_cast<double>(n), {{"result", result}});
     }
-    f.Counter("kvmem_sequence_moved_bytes_total", "block bytes of sequences moved here",
-              static_cast<double>(m.bytes));
+    SamplePeerBytes(
+        f.Family("kvmem_sequence_moved_bytes_total",
+                 "block bytes of sequences moved here, by transport", MetricType::Counter),
+        m.bytes);
     Families::Sample(f.Family("kvmem_sequence_move_seconds",
                               "a MoveSequence call, whatever its end", MetricType::Histogram),
                      m.seconds, {});

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "server/engine/engine.h"
@@ -50,12 +51,22 @@ struct ClusterIndexTotals {
 };
 
 // What PullPrefix (service/prefix_pull.h) has done.
+// Bytes a transfer from another kvmemd read, by how they came: copied out of the peer's
+// pool mapped here (the same host), UCX gets, gRPC messages.
+struct PeerBytes {
+  uint64_t attach = 0, ucx = 0, grpc = 0;
+  // The counter of `transport` ("attach", "ucx", else gRPC's).
+  uint64_t& of(absl::string_view transport) {
+    return transport == "attach" ? attach : (transport == "ucx" ? ucx : grpc);
+  }
+};
+
 struct PullTotals {
   uint64_t pulled = 0;                  // pulls that added a prefix here
   uint64_t nothing = 0;                 // pulls that found nothing more to pull
   uint64_t failed = 0;                  // pulls that failed (the holder, the index, limits)
   uint64_t tokens = 0;                  // tokens pulled and published here
-  uint64_t bytes = 0;                   // K+V bytes read from holders
+  PeerBytes bytes;                      // K+V bytes read from holders
   engine::Histogram::Snapshot seconds;  // a pull, whatever its end
 };
 
@@ -64,7 +75,7 @@ struct MoveTotals {
   uint64_t moved = 0;                   // sequences moved here
   uint64_t failed = 0;                  // moves that failed (the holder, a check, a limit)
   uint64_t unreleased = 0;              // moved, but the holder's answer to its release was lost
-  uint64_t bytes = 0;                   // block bytes moved here
+  PeerBytes bytes;                      // block bytes moved here
   engine::Histogram::Snapshot seconds;  // a move, whatever its end
 };
 

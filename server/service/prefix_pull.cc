@@ -84,7 +84,10 @@ metrics::PullTotals PrefixPuller::totals() const {
   t.nothing = nothing_.load(std::memory_order_relaxed);
   t.failed = failed_.load(std::memory_order_relaxed);
   t.tokens = tokens_.load(std::memory_order_relaxed);
-  t.bytes = bytes_.load(std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&bytes_mu_);
+    t.bytes = bytes_;
+  }
   t.seconds = seconds_.Read();
   return t;
 }
@@ -118,7 +121,10 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
     pulled_.fetch_add(1, std::memory_order_relaxed);
     tokens_.fetch_add(pulled->pulled_tokens, std::memory_order_relaxed);
   }
-  if (pulled.ok()) bytes_.fetch_add(pulled->bytes, std::memory_order_relaxed);
+  if (pulled.ok() && pulled->bytes > 0) {
+    absl::MutexLock lock(&bytes_mu_);
+    bytes_.of(pulled->transport) += pulled->bytes;
+  }
   return pulled;
 }
 

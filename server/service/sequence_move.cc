@@ -249,7 +249,10 @@ metrics::MoveTotals SequenceMover::totals() const {
   t.moved = moved_.load(std::memory_order_relaxed);
   t.failed = failed_.load(std::memory_order_relaxed);
   t.unreleased = unreleased_.load(std::memory_order_relaxed);
-  t.bytes = bytes_.load(std::memory_order_relaxed);
+  {
+    absl::MutexLock lock(&bytes_mu_);
+    t.bytes = bytes_;
+  }
   t.seconds = seconds_.Read();
   return t;
 }
@@ -287,7 +290,8 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
     failed_.fetch_add(1, std::memory_order_relaxed);
   } else {
     moved_.fetch_add(1, std::memory_order_relaxed);
-    bytes_.fetch_add(moved->bytes, std::memory_order_relaxed);
+    absl::MutexLock lock(&bytes_mu_);
+    bytes_.of(moved->transport) += moved->bytes;
     if (!moved->source_released) unreleased_.fetch_add(1, std::memory_order_relaxed);
   }
   return moved;

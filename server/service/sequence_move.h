@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/server_context.h"
 #include "kvmem/v1/kvmem.pb.h"
@@ -80,7 +81,9 @@ class SequenceMover {
   const uint64_t max_bytes_;
   const int max_moves_;
   std::atomic<int> running_{0};
-  std::atomic<uint64_t> moved_{0}, failed_{0}, unreleased_{0}, bytes_{0};
+  std::atomic<uint64_t> moved_{0}, failed_{0}, unreleased_{0};
+  mutable absl::Mutex bytes_mu_;
+  metrics::PeerBytes bytes_ ABSL_GUARDED_BY(bytes_mu_);  // by transport
   engine::Histogram seconds_;
 };
 

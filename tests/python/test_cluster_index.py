@@ -121,7 +121,8 @@ class Node:
                                       timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
-            if line.startswith(("kvmem_cluster_index", "kvmem_prefix_pull")) and " " in line:
+            if line.startswith(("kvmem_cluster_index", "kvmem_prefix_pull",
+                                "kvmem_sequence_move")) and " " in line:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
@@ -334,7 +335,8 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         assert m['kvmem_prefix_pulls_total{result="failed"}'] >= 3
         assert m['kvmem_prefix_pulls_total{result="nothing"}'] == 2
         assert m["kvmem_prefix_pulled_tokens_total"] == 112
-        assert m["kvmem_prefix_pulled_bytes_total"] == 2 * pulled.bytes
+        assert m['kvmem_prefix_pulled_bytes_total{transport="grpc"}'] == 2 * pulled.bytes
+        assert m['kvmem_prefix_pulled_bytes_total{transport="attach"}'] == 0
     finally:
         if a.proc is not None:
             a.stop()
@@ -400,10 +402,15 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         mapped = b.client.pull_prefix(LAY, r)
         assert (mapped.pulled_tokens, mapped.transport, mapped.bytes) == (56, "attach",
                                                                           pulled.bytes)
-        seq_b, seq_a = b.client.create_sequence(LAY, prompt=r), a.client.create_sequence(LAY, prompt=r)
+        seq_b = b.client.create_sequence(LAY, prompt=r)
+        seq_a = a.client.create_sequence(LAY, prompt=r)
         assert read_all(seq_b) == read_all(seq_a)
         seq_a.release()
         seq_b.release()
+        # B's bytes by how they came.
+        m = b.metrics()
+        assert [m[f'kvmem_prefix_pulled_bytes_total{{transport="{t}"}}']
+                for t in ("attach", "ucx", "grpc")] == [mapped.bytes, pulled.bytes, by_grpc.bytes]
         with pytest.raises(kvmem.InvalidArgumentError, match="transport"):
             b.client.pull_prefix(LAY, q, transport="rdma")
         # A gone: B's kept connection to its pool fails the pull in bounded time, naming the
@@ -441,7 +448,8 @@ def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(r
         assert wait_until(lambda: holders(b, first) == [(a.name, 56)], 5)
         p = kvmem.Prompt(first, model="m")
         assert b.client.pull_prefix(LAY, p, transport="attach").transport == "attach"
-        seq_b, seq_a = b.client.create_sequence(LAY, prompt=p), a.client.create_sequence(LAY, prompt=p)
+        seq_b = b.client.create_sequence(LAY, prompt=p)
+        seq_a = a.client.create_sequence(LAY, prompt=p)
         assert read_all(seq_b) == read_all(seq_a)
         seq_a.release()
         seq_b.release()
@@ -452,7 +460,8 @@ def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(r
         q = kvmem.Prompt(second, model="m")
         pulled = b.client.pull_prefix(LAY, q, transport="attach")
         assert (pulled.pulled_tokens, pulled.transport) == (56, "attach"), pulled
-        seq_b, seq_a = b.client.create_sequence(LAY, prompt=q), a.client.create_sequence(LAY, prompt=q)
+        seq_b = b.client.create_sequence(LAY, prompt=q)
+        seq_a = a.client.create_sequence(LAY, prompt=q)
         assert read_all(seq_b) == read_all(seq_a)
         seq_a.release()
         seq_b.release()
@@ -513,6 +522,11 @@ def test_a_sequence_moves_whole_to_another_node(redis):
         assert all(len(p) == 40 for p, _, _ in before.values())
         moved = b.client.move_sequence(a.name, seq.id)
         assert read_all(moved) == before
+        # B has no peer token: the blocks came by gRPC.
+        m = b.metrics()
+        assert m['kvmem_sequence_moves_total{result="moved"}'] == 1
+        assert m['kvmem_sequence_moved_bytes_total{transport="grpc"}'] > 0
+        assert m['kvmem_sequence_moved_bytes_total{transport="attach"}'] == 0
         with pytest.raises(kvmem.NotFoundError):
             a.client.get_block_table(seq.id)
         k1 = np.random.default_rng(6).standard_normal(LAY.kv_shape(1)).astype(np.float16)
