@@ -345,8 +345,10 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
       // now, between the CreateSequence there and the GetBlockTable below, is the one that
       // holds it: a restarted holder knows none of its predecessor's ids (they start at a
       // random base), so that GetBlockTable would fail.
+      v1::GetInfoRequest ask_instance;
+      ask_instance.set_without_attach(true);  // no ticket issued for a question
       v1::GetInfoResponse info;
-      if (grpc::Status s = stub->GetInfo(call().get(), v1::GetInfoRequest(), &info); !s.ok()) {
+      if (grpc::Status s = stub->GetInfo(call().get(), ask_instance, &info); !s.ok()) {
         return FromHolder(s, holder, "GetInfo");
       }
       if (info.instance_id() != mapped->instance_id) {
