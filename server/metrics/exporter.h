@@ -50,7 +50,6 @@ struct ClusterIndexTotals {
   engine::Histogram::Snapshot lookup_seconds;  // a fleet lookup, answered or not
 };
 
-// What PullPrefix (service/prefix_pull.h) has done.
 // Bytes a transfer from another kvmemd read, by how they came: copied out of the peer's
 // pool mapped here (the same host), UCX gets, gRPC messages.
 struct PeerBytes {
@@ -61,6 +60,7 @@ struct PeerBytes {
   }
 };
 
+// What PullPrefix (service/prefix_pull.h) has done.
 struct PullTotals {
   uint64_t pulled = 0;                  // pulls that added a prefix here
   uint64_t nothing = 0;                 // pulls that found nothing more to pull

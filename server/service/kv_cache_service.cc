@@ -85,16 +85,14 @@ absl::StatusOr<std::string> KvCacheService::ScopedSalt(const Principal& who,
   return salt;
 }
 
-grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context,
-                                     const v1::GetInfoRequest* request,
+grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::GetInfoRequest*,
                                      v1::GetInfoResponse* response) {
   absl::StatusOr<Admitted> call = Admit(context);
   if (!call.ok()) return ToGrpc(call.status());
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only, and to peers
   // (another kvmemd on this host moving a sequence to itself) read-only.
-  const bool attaches = call->who.reads_pool() && !request->without_attach();
-  DescribeDaemon(*engine_, version_, response, attaches ? attach_ : nullptr, call->who.tenant,
-                 /*read_only=*/!call->who.admin);
+  DescribeDaemon(*engine_, version_, response, call->who.reads_pool() ? attach_ : nullptr,
+                 call->who.tenant, /*read_only=*/!call->who.admin);
   response->set_instance_id(instance_id_);
   // So does the pool's remote key, to admins and peers (another kvmemd's moves and pulls),
   // with the epoch board's shape its reads need; the worker's address (remote appends) goes
@@ -520,6 +518,7 @@ grpc::Status KvCacheService::GetBlockTable(grpc::ServerContext* context,
                              engine_->config().max_append_bytes);
   if (!table.ok()) return ToGrpc(LayersField(table.status()), request->sequence_id());
   ToProto(*table, table->layout.block_bytes(), response->mutable_table());
+  response->set_instance_id(instance_id_);
   return grpc::Status::OK;
 }
 

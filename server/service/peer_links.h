@@ -12,7 +12,7 @@
 // next transfer, with the peer's instance id: an export names its daemon's, and a mapping
 // of another instance (the peer restarted on its address) is never read, but mapped again.
 // A peer that cannot be mapped (another host, a CUDA pool) is not asked again for a minute;
-// a mapping no move used for a minute is dropped (it keeps the peer's pool in memory, even
+// a mapping no transfer used for a minute is dropped (it keeps the peer's pool in memory, even
 // after the peer exited: at most that long).
 //
 // Pools: a peer's pool read by UCX RMA gets (kvmem/ucx_pool.h). Its key is asked by GetInfo
@@ -75,6 +75,9 @@ class PeerLinks {
 
   // Whether this daemon can read a peer's pool at all (built with UCX, given a peer token).
   bool reads_pools() const;
+  // Whether it can map one (given a peer token; the peer on this host, its pool in host
+  // memory).
+  bool maps_pools() const { return !token_.empty(); }
   // The pool of `node` (`stub`: a channel to it), connected within `deadline` if need be.
   // FAILED_PRECONDITION when !reads_pools() or the peer offers no pool to read (not running
   // --ucx, or the token is neither a peer's nor an admin's there); the peer's own errors otherwise.
@@ -103,7 +106,7 @@ class PeerLinks {
   // errors otherwise.
   absl::StatusOr<MappedPeer> Mapped(v1::KvCache::Stub& stub, const std::string& node,
                                     absl::Time deadline, uint64_t stale_instance = 0);
-  // Unmaps the pools no move has used for kMappingIdle (the reaper calls it): a mapping
+  // Unmaps the pools no move or pull has used for kMappingIdle (the reaper calls it): a mapping
   // keeps its peer's pool in memory, even after that peer exited or restarted.
   void DropIdleMappings();
   static constexpr absl::Duration kMappingIdle = absl::Seconds(60);

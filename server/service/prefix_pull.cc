@@ -104,6 +104,11 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
         absl::StrCat("transport: \"", EchoClientText(ask.transport),
                      "\" is none of \"attach\", \"ucx\", \"grpc\" or empty (any)"));
   }
+  if (ask.transport == "attach" && !links_->maps_pools()) {
+    return absl::FailedPreconditionError(
+        "transport: \"attach\": this kvmemd maps no peer's pool (no "
+        "--cluster-peer-token-file)");
+  }
   if (ask.transport == "ucx" && !links_->reads_pools()) {
     return absl::FailedPreconditionError(
         "transport: \"ucx\": this kvmemd reads no peer's pool by UCX (built without UCX, or "
@@ -279,14 +284,22 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   absl::Cleanup release_here = [&] { engine_->Release(mine->sequence_id).IgnoreError(); };
   const uint64_t have = mine->reused_prefix_tokens;
   if (have >= r) return result;  // published here meanwhile
+  if (have % B != 0) {           // a mapped prefix is whole blocks: the reads below rely on it
+    return absl::InternalError(
+        absl::StrCat("PullPrefix: this node mapped ", have, " tokens, not whole blocks of ", B));
+  }
   const uint64_t n = r - have;
-  absl::StatusOr<transport::ParseBudget::Reservation> held =
-      transport::ParseBudget::Process().Reserve(n * per_token, "PullPrefix");
-  if (!held.ok()) return held.status();
   // The new tokens in chunks Append takes ([L][H][m][D] each, at most max_append_bytes),
   // filled straight from the holder's pieces.
   const uint64_t per_chunk = std::max<uint64_t>(1, engine_->config().max_append_bytes / per_token);
   const uint64_t chunks = (n + per_chunk - 1) / per_chunk;
+  // The chunks, and the reads by offsets (K and V of each block, two where a block spans
+  // two chunks), in host memory until the append.
+  const uint64_t most_reads = 2 * rows * (n / B + chunks);
+  absl::StatusOr<transport::ParseBudget::Reservation> held =
+      transport::ParseBudget::Process().Reserve(
+          n * per_token + most_reads * sizeof(client::PoolRead), "PullPrefix");
+  if (!held.ok()) return held.status();
   std::vector<std::string> k(chunks), v(chunks);
   std::vector<int64_t> positions(n);
   for (uint64_t i = 0; i < n; ++i) positions[i] = static_cast<int64_t>(have + i);
@@ -339,32 +352,6 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   // gets, under the holder's epoch protocol. Where any transport will do, a failure here
   // falls back to ReadKv.
   const auto read_by_offsets = [&]() -> absl::Status {
-    if (mapped) {
-      // The mapping must be of the daemon that holds the sequence, else its board's epochs
-      // are another's. A holder instance alive at the mapping (kept or made since) and again
-      // now, between the CreateSequence there and the GetBlockTable below, is the one that
-      // holds it: a restarted holder knows none of its predecessor's ids (they start at a
-      // random base), so that GetBlockTable would fail.
-      v1::GetInfoRequest ask_instance;
-      ask_instance.set_without_attach(true);  // no ticket issued for a question
-      v1::GetInfoResponse info;
-      if (grpc::Status s = stub->GetInfo(call().get(), ask_instance, &info); !s.ok()) {
-        return FromHolder(s, holder, "GetInfo");
-      }
-      if (info.instance_id() != mapped->instance_id) {
-        // The mapping is of an instance since gone: mapped again, once, and read only if the
-        // new mapping is of the instance just asked (alive across both asks).
-        absl::StatusOr<PeerLinks::MappedPeer> again =
-            links_->Mapped(*stub, holder, deadline, mapped->instance_id);
-        if (!again.ok() || again->instance_id != info.instance_id()) {
-          return absl::UnavailableError(absl::StrCat(
-              "PullPrefix: the holder ", holder, " restarted since its pool was mapped",
-              again.ok() ? ""
-                         : absl::StrCat(", and cannot be mapped: ", again.status().message())));
-        }
-        mapped = *std::move(again);
-      }
-    }
     v1::GetBlockTableRequest q;
     q.set_sequence_id(created.sequence_id());
     v1::GetBlockTableResponse a;
@@ -375,6 +362,19 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
                        2 * uint64_t{layout.block_tokens} * row_bytes, r)) {
       return Lied(holder, "a table that is not the prefix's");
     }
+    if (mapped && a.instance_id() != mapped->instance_id) {
+      // The table is another instance's than the mapping (the holder restarted since it was
+      // mapped, or names no instance): mapped again, once, and read only from a mapping of
+      // the table's own instance; else its board's epochs and its blocks are another's.
+      absl::StatusOr<PeerLinks::MappedPeer> again =
+          links_->Mapped(*stub, holder, deadline, mapped->instance_id);
+      if (!again.ok() || again->instance_id != a.instance_id()) {
+        return absl::UnavailableError(absl::StrCat(
+            "PullPrefix: the holder ", holder, "'s pool as mapped is not the instance of its table",
+            again.ok() ? "" : absl::StrCat(" (mapped again: ", again.status().message(), ")")));
+      }
+      mapped = *std::move(again);
+    }
     client::BlockTable table = client::internal::FromProto(a.table());
     for (client::StreamTable& st : table.streams) {  // the blocks this node lacks
       st.blocks.erase(st.blocks.begin(), st.blocks.begin() + static_cast<ptrdiff_t>(have / B));
@@ -383,7 +383,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     // K plane, then its V plane), under one read protocol.
     const kernels::LayoutBlock plane{static_cast<uint32_t>(B), row_bytes};
     std::vector<client::PoolRead> reads;
-    reads.reserve(2 * rows * (n / B) + 2 * rows * chunks);
+    reads.reserve(most_reads);
     for (uint64_t s = 0; s < rows; ++s) {
       const std::vector<client::TableBlock>& blocks = table.streams[s].blocks;
       for (size_t j = 0; j < blocks.size(); ++j) {
@@ -426,9 +426,13 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
         }
       }
       if (absl::IsAborted(got)) {
-        // A get left in flight may still write into the chunks: never freed, never reused.
+        // A get left in flight may still write into the chunks: never freed, never reused,
+        // and still counted in --parse-memory-bytes.
         client::internal::KeepForever(std::move(k));
         client::internal::KeepForever(std::move(v));
+        client::internal::KeepForever(*std::move(held));
+        spdlog::warn("PullPrefix: {} bytes of chunks kept for good (a UCX get was left in flight)",
+                     n * per_token);
         return absl::AbortedError(absl::StrCat("PullPrefix: reading the holder ", holder,
                                                "'s pool by UCX: ", got.message(),
                                                " (a get was left in flight)"));
@@ -489,7 +493,8 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
     return Lied(holder, absl::StrCat("a stream short of ", r, " tokens"));
   }
   std::move(release_there).Invoke();
-  result.bytes = r * per_token;
+  // What was read: the new tokens by offsets, every token by ReadKv.
+  result.bytes = (result.transport == "grpc" ? r : n) * per_token;
 
   std::vector<engine::AppendChunk> appended(chunks);
   for (uint64_t c = 0; c < chunks; ++c) {

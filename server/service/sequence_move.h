@@ -49,7 +49,7 @@ struct MoveResult {
   bool source_released = false;
   std::string policy;
   engine::Layout layout;
-  std::string transport;  // "ucx" or "grpc"
+  std::string transport;  // "attach", "ucx" or "grpc"
 };
 
 class SequenceMover {

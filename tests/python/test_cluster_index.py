@@ -471,6 +471,47 @@ def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(r
                 node.stop()
 
 
+def test_a_pull_by_mapping_adds_to_what_the_node_holds_in_chunks_across_blocks(redis,
+                                                                              tmp_path):
+    # B holds the prompt's first 16 tokens, A 56; B appends at most 1,536 bytes of K/V a
+    # chunk (12 tokens: every other block spans two chunks). Asked for no transport, B maps
+    # A's pool (no UCX needed) and reads only the 40 tokens it lacks, byte for byte A's.
+    token = tmp_path / "peer-token"
+    token.write_text("fleet-peer-token-0123456789\n")
+    a = Node("xa", redis)
+    b = Node("xb", redis, f"--cluster_peer_token_file={token}", "--max_message_bytes=1536",
+             peers=["xa"])
+    try:
+        tokens = prompt(51)
+        k = np.random.default_rng(51).standard_normal(LAY.kv_shape(64)).astype(np.float16)
+        for node, n in ((a, 64), (b, 17)):
+            seq = node.client.create_sequence(LAY, prompt=kvmem.Prompt(tokens[:n], model="m"))
+            part = np.ascontiguousarray(k[:, :, :n])
+            for i in range(0, n, 8):  # B's own appends stay under its 1,536 bytes
+                j = min(n, i + 8)
+                seq.append(range(i, j), part[:, :, i:j], part[:, :, i:j], token_ids=tokens[i:j])
+            assert seq.publish() == n // 8 * 8  # whole blocks
+        assert wait_until(lambda: holders(b, tokens) == [(a.name, 56), (b.name, 16)], 5)
+        p = kvmem.Prompt(tokens, model="m")
+        assert b.client.lookup(LAY, p) == 16
+        per_token = 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
+        pulled = b.client.pull_prefix(LAY, p)
+        assert (pulled.local_tokens, pulled.pulled_tokens, pulled.transport,
+                pulled.bytes) == (16, 40, "attach", 40 * per_token), pulled
+        seq_b = b.client.create_sequence(LAY, prompt=p)
+        seq_a = a.client.create_sequence(LAY, prompt=p)
+        assert seq_b.reused_prefix_tokens == 56
+        assert read_all(seq_b) == read_all(seq_a)
+        seq_a.release()
+        seq_b.release()
+        m = b.metrics()
+        assert [m[f'kvmem_prefix_pulled_bytes_total{{transport="{t}"}}']
+                for t in ("attach", "ucx", "grpc")] == [40 * per_token, 0, 0]
+    finally:
+        for node in (a, b):
+            node.stop()
+
+
 def test_a_prefix_is_pulled_over_tls_from_a_node_that_proves_its_name(redis, tmp_path):
     # A serves TLS; B trusts A's CA (--cluster-peer-tls-ca): B's pulls go over TLS, the
     # tenant's token inside. C speaks plaintext to A: its pull fails and C holds nothing.

@@ -1,5 +1,6 @@
 #include "kvmem/attach.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -141,11 +142,17 @@ absl::StatusOr<uint8_t*> MapSegment(const SegmentTicket& ticket, uint32_t kind, 
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": granted read-only (kvmemd --in-place-writes makes it writable)"));
     }
-    // A segment shorter than announced would fault (SIGBUS) where the mapping passes its end.
+    // A segment shorter than announced would fault (SIGBUS) where the mapping passes its end,
+    // and so would one shrunk later: kvmemd seals every segment's size (shared_segment.h).
     struct stat st {};
     if (r.bytes < bytes || fstat(r.fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < bytes) {
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": smaller than the ", bytes, " bytes announced"));
+    }
+    const int seals = fcntl(r.fd, F_GET_SEALS);
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ": its size is not sealed (it could shrink under a read)"));
     }
     void* data =
         mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, r.fd, 0);

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import mmap
 import os
 import platform
@@ -118,6 +119,15 @@ def _map_read_only(info: Info, kind: int, size: int, what: str) -> mmap.mmap:
                 continue
             if granted_bytes < size or os.fstat(fds[i]).st_size < size:
                 raise FailedPreconditionError(f"{what}: smaller than the {size} bytes announced")
+            # One that could shrink later would fault (SIGBUS) under a read: kvmemd seals
+            # every segment's size.
+            try:
+                seals = fcntl.fcntl(fds[i], fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise FailedPreconditionError(
+                    f"{what}: its size is not sealed (it could shrink under a read)")
             try:
                 return mmap.mmap(fds[i], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             except (OSError, ValueError) as e:

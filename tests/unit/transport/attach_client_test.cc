@@ -1,5 +1,7 @@
 // The client's side of the attach socket (kvmem/attach.h) against a stand-in daemon.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
@@ -70,6 +72,65 @@ TEST(AttachClientTest, SignalsWhileWaitingDoNotLoseTheAnswer) {
   close(listener);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound) << got.status();
   EXPECT_NE(got.status().message().find("no such ticket"), std::string::npos) << got.status();
+}
+
+// A segment granted with a size that is not sealed could be shrunk under the reader's
+// mapping (SIGBUS where a read passes the new end): refused before it is mapped, however
+// large it is now; the same segment sealed maps.
+TEST(AttachClientTest, ASegmentWhoseSizeIsNotSealedIsRefused) {
+  for (const bool sealed : {false, true}) {
+    SCOPED_TRACE(sealed ? "sealed" : "not sealed");
+    const std::string name = absl::StrCat("@kvmem-attach-seal-test-", getpid(), "-", sealed);
+    const int listener = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    ASSERT_GE(listener, 0);
+    sockaddr_un address;
+    const socklen_t length = wire::SocketAddress(name, &address);
+    ASSERT_EQ(bind(listener, reinterpret_cast<const sockaddr*>(&address), length), 0);
+    ASSERT_EQ(listen(listener, 1), 0);
+    constexpr uint64_t kBytes = 1 << 16;
+    const int segment = memfd_create("kvmem-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    ASSERT_GE(segment, 0);
+    ASSERT_EQ(ftruncate(segment, kBytes), 0);
+    if (sealed) ASSERT_EQ(fcntl(segment, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    std::thread daemon([listener, segment] {
+      const int c = accept(listener, nullptr, nullptr);
+      if (c < 0) return;
+      wire::Request request;
+      (void)recv(c, &request, sizeof request, 0);
+      wire::Reply reply{};
+      reply.magic = wire::kMagic;
+      reply.version = wire::kVersion;
+      reply.count = 1;
+      reply.segments[0] = {wire::kPool, 0, kBytes};
+      iovec data{&reply, sizeof reply};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      msghdr m{};
+      m.msg_iov = &data;
+      m.msg_iovlen = 1;
+      m.msg_control = control;
+      m.msg_controllen = sizeof control;
+      cmsghdr* c_msg = CMSG_FIRSTHDR(&m);
+      c_msg->cmsg_level = SOL_SOCKET;
+      c_msg->cmsg_type = SCM_RIGHTS;
+      c_msg->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c_msg), &segment, sizeof segment);
+      (void)sendmsg(c, &m, MSG_NOSIGNAL);
+      close(c);
+    });
+    const absl::StatusOr<uint8_t*> mapped =
+        client::MapSegment({name, std::string(wire::kTicketBytes, 'x'), std::nullopt}, wire::kPool,
+                           kBytes, /*writable=*/false, "the pool");
+    daemon.join();
+    close(listener);
+    close(segment);
+    if (sealed) {
+      ASSERT_TRUE(mapped.ok()) << mapped.status();
+      munmap(*mapped, kBytes);
+    } else {
+      EXPECT_EQ(mapped.status().code(), absl::StatusCode::kFailedPrecondition) << mapped.status();
+      EXPECT_NE(mapped.status().message().find("not sealed"), std::string::npos) << mapped.status();
+    }
+  }
 }
 
 }  // namespace
