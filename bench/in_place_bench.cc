@@ -90,7 +90,11 @@ Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_b
     std::exit(1);
   }
   d.server = *std::move(server);
-  while (d.server->prefaulted_bytes() < pool_bytes) absl::SleepFor(absl::Milliseconds(20));
+  // Until the pool is mapped, or a minute (the prefault gave up: it logged why).
+  for (const absl::Time until = absl::Now() + absl::Minutes(1);
+       d.server->prefaulted_bytes() < pool_bytes && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   d.client = *Client::Connect("unix:" + socket);
   return d;
 }

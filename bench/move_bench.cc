@@ -64,7 +64,11 @@ std::unique_ptr<kvmem::service::Server> Start(uint64_t pool_bytes, std::vector<s
     std::fprintf(stderr, "kvmemd: %s\n", server.status().ToString().c_str());
     std::exit(1);
   }
-  while ((*server)->prefaulted_bytes() < pool_bytes) absl::SleepFor(absl::Milliseconds(20));
+  // Until the pool is mapped, or a minute (the prefault gave up: it logged why).
+  for (const absl::Time until = absl::Now() + absl::Minutes(1);
+       (*server)->prefaulted_bytes() < pool_bytes && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   return *std::move(server);
 }
 

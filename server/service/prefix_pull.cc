@@ -388,6 +388,9 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
       const std::vector<client::TableBlock>& blocks = table.streams[s].blocks;
       for (size_t j = 0; j < blocks.size(); ++j) {
         const uint64_t off = blocks[j].offset;
+        if (off > UINT64_MAX - plane.bytes()) {  // the sums below must not wrap
+          return Lied(holder, absl::StrCat("a block at offset ", off));
+        }
         each_run(s, have + j * B, B,
                  [&](uint64_t chunk, uint64_t at, uint64_t from, uint64_t bytes) {
                    reads.push_back({off + plane.k_offset(0) + from, k[chunk].data() + at, bytes});
