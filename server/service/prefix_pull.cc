@@ -76,6 +76,72 @@ bool IsPrefixTable(const v1::BlockTable& t, const v1::Layout& layout, uint32_t b
   return true;
 }
 
+// The tokens [have, have + n) of every stream, as Append takes them: chunks of at most
+// per_chunk tokens, each [L][H][m][D] of K and of V (m its tokens), filled from the holder's
+// rows as they are read.
+class PullChunks {
+ public:
+  PullChunks(uint64_t streams, uint64_t row_bytes, uint64_t have, uint64_t n, uint64_t per_chunk)
+      : row_bytes_(row_bytes),
+        have_(have),
+        n_(n),
+        per_chunk_(per_chunk),
+        k_(Count(n, per_chunk)),
+        v_(k_.size()) {
+    for (uint64_t c = 0; c < k_.size(); ++c) {
+      k_[c].resize(streams * tokens(c) * row_bytes);
+      v_[c].resize(streams * tokens(c) * row_bytes);
+    }
+  }
+  static uint64_t Count(uint64_t n, uint64_t per_chunk) { return (n + per_chunk - 1) / per_chunk; }
+  uint64_t count() const { return k_.size(); }
+  uint64_t tokens(uint64_t c) const { return std::min(per_chunk_, n_ - c * per_chunk_); }
+
+  // Rows [first, first + count) of stream s, the new ones only (from `have` on), by the
+  // runs that fall in one chunk each: to(chunk K, chunk V, from, bytes), where the run goes
+  // and `from` its byte offset past row `first`.
+  template <typename To>
+  void EachRun(uint64_t s, uint64_t first, uint64_t count, const To& to) {
+    for (uint64_t t = std::max(first, have_); t < first + count;) {
+      const uint64_t c = (t - have_) / per_chunk_, start = c * per_chunk_;
+      const uint64_t run = std::min(first + count, have_ + start + tokens(c)) - t;
+      const uint64_t at = (s * tokens(c) + (t - have_ - start)) * row_bytes_;
+      to(k_[c].data() + at, v_[c].data() + at, (t - first) * row_bytes_, run * row_bytes_);
+      t += run;
+    }
+  }
+  // Rows of stream s as read (K and V at `k_rows` and `v_rows`), copied in.
+  void Place(uint64_t s, uint64_t first, uint64_t count, const char* k_rows, const char* v_rows) {
+    EachRun(s, first, count, [&](char* k, char* v, uint64_t from, uint64_t bytes) {
+      std::memcpy(k, k_rows + from, bytes);
+      std::memcpy(v, v_rows + from, bytes);
+    });
+  }
+  // The chunks as Append takes them (positions: have .. have + n - 1; token ids: the
+  // prompt's from `have`); they point into this.
+  std::vector<engine::AppendChunk> ForAppend(absl::Span<const int64_t> positions,
+                                             absl::Span<const int32_t> token_ids) const {
+    std::vector<engine::AppendChunk> out(count());
+    for (uint64_t c = 0; c < count(); ++c) {
+      const uint64_t first = c * per_chunk_, m = tokens(c);
+      out[c].positions = positions.subspan(first, m);
+      out[c].token_ids = token_ids.subspan(have_ + first, m);
+      out[c].k = k_[c];
+      out[c].v = v_[c];
+    }
+    return out;
+  }
+  // A transport may still write into the chunks (a get left in flight): never freed.
+  void KeepForever() {
+    client::internal::KeepForever(std::move(k_));
+    client::internal::KeepForever(std::move(v_));
+  }
+
+ private:
+  const uint64_t row_bytes_, have_, n_, per_chunk_;
+  std::vector<std::string> k_, v_;
+};
+
 }  // namespace
 
 metrics::PullTotals PrefixPuller::totals() const {
@@ -292,43 +358,17 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   // The new tokens in chunks Append takes ([L][H][m][D] each, at most max_append_bytes),
   // filled straight from the holder's pieces.
   const uint64_t per_chunk = std::max<uint64_t>(1, engine_->config().max_append_bytes / per_token);
-  const uint64_t chunks = (n + per_chunk - 1) / per_chunk;
   // The chunks, and the reads by offsets (K and V of each block, two where a block spans
   // two chunks), in host memory until the append.
-  const uint64_t most_reads = 2 * rows * (n / B + chunks);
+  const uint64_t most_reads = 2 * rows * (n / B + PullChunks::Count(n, per_chunk));
   absl::StatusOr<transport::ParseBudget::Reservation> held =
       transport::ParseBudget::Process().Reserve(
           n * per_token + most_reads * sizeof(client::PoolRead), "PullPrefix");
   if (!held.ok()) return held.status();
-  std::vector<std::string> k(chunks), v(chunks);
+  PullChunks chunks(rows, row_bytes, have, n, per_chunk);
   std::vector<int64_t> positions(n);
   for (uint64_t i = 0; i < n; ++i) positions[i] = static_cast<int64_t>(have + i);
-  const auto chunk_tokens = [&](uint64_t c) { return std::min(per_chunk, n - c * per_chunk); };
-  for (uint64_t c = 0; c < chunks; ++c) {
-    k[c].resize(rows * chunk_tokens(c) * row_bytes);
-    v[c].resize(rows * chunk_tokens(c) * row_bytes);
-  }
   std::vector<uint64_t> filled(rows, 0);
-  // Rows [first, first + count) of stream s, the new ones only (those from `have` on), by
-  // the runs that fall in one chunk each: to(chunk, at, from, run) with `at` the run's byte
-  // offset in the chunk's K (and V), `from` its byte offset past row `first`.
-  const auto each_run = [&](uint64_t s, uint64_t first, uint64_t count, const auto& to) {
-    for (uint64_t t = std::max(first, have); t < first + count;) {
-      const uint64_t chunk = (t - have) / per_chunk, start = chunk * per_chunk;
-      const uint64_t run = std::min(first + count, have + start + chunk_tokens(chunk)) - t;
-      to(chunk, (s * chunk_tokens(chunk) + (t - have - start)) * row_bytes, (t - first) * row_bytes,
-         run * row_bytes);
-      t += run;
-    }
-  };
-  // Rows of stream s as read (K and V at `k_rows` and `v_rows`) into the chunks.
-  const auto place = [&](uint64_t s, uint64_t first, uint64_t count, const char* k_rows,
-                         const char* v_rows) {
-    each_run(s, first, count, [&](uint64_t chunk, uint64_t at, uint64_t from, uint64_t bytes) {
-      std::memcpy(k[chunk].data() + at, k_rows + from, bytes);
-      std::memcpy(v[chunk].data() + at, v_rows + from, bytes);
-    });
-  };
   // The holder's pool mapped (on this host), else by UCX, where this daemon may read it.
   std::optional<PeerLinks::MappedPeer> mapped;
   if (ask.transport == "attach" || ask.transport.empty()) {
@@ -391,11 +431,10 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
         if (off > UINT64_MAX - plane.bytes()) {  // the sums below must not wrap
           return Lied(holder, absl::StrCat("a block at offset ", off));
         }
-        each_run(s, have + j * B, B,
-                 [&](uint64_t chunk, uint64_t at, uint64_t from, uint64_t bytes) {
-                   reads.push_back({off + plane.k_offset(0) + from, k[chunk].data() + at, bytes});
-                   reads.push_back({off + plane.v_offset(0) + from, v[chunk].data() + at, bytes});
-                 });
+        chunks.EachRun(s, have + j * B, B, [&](char* k, char* v, uint64_t from, uint64_t bytes) {
+          reads.push_back({off + plane.k_offset(0) + from, k, bytes});
+          reads.push_back({off + plane.v_offset(0) + from, v, bytes});
+        });
       }
     }
     const auto read = [&](const auto& pool) {
@@ -431,8 +470,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
       if (absl::IsAborted(got)) {
         // A get left in flight may still write into the chunks: never freed, never reused,
         // and still counted in --parse-memory-bytes.
-        client::internal::KeepForever(std::move(k));
-        client::internal::KeepForever(std::move(v));
+        chunks.KeepForever();
         client::internal::KeepForever(*std::move(held));
         spdlog::warn("PullPrefix: {} bytes of chunks kept for good (a UCX get was left in flight)",
                      n * per_token);
@@ -486,7 +524,7 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
         c->TryCancel();
         return Lied(holder, "a ReadKv piece out of place");
       }
-      place(s, filled[s], count, piece.k().data(), piece.v().data());
+      chunks.Place(s, filled[s], count, piece.k().data(), piece.v().data());
       filled[s] += count;
     }
     if (grpc::Status s = reader->Finish(); !s.ok()) return FromHolder(s, holder, "ReadKv");
@@ -499,17 +537,9 @@ absl::StatusOr<PullResult> PrefixPuller::PullFrom(
   // What was read: the new tokens by offsets, every token by ReadKv.
   result.bytes = (result.transport == "grpc" ? r : n) * per_token;
 
-  std::vector<engine::AppendChunk> appended(chunks);
-  for (uint64_t c = 0; c < chunks; ++c) {
-    const uint64_t first = c * per_chunk, m = chunk_tokens(c);
-    appended[c].positions = absl::MakeConstSpan(positions).subspan(first, m);
-    appended[c].token_ids = prompt.token_ids.subspan(have + first, m);
-    appended[c].k = k[c];
-    appended[c].v = v[c];
-  }
   // All chunks or none (Append is one transaction), then published.
-  if (absl::StatusOr<engine::AppendResult> a =
-          engine_->Append(mine->sequence_id, appended, std::nullopt);
+  if (absl::StatusOr<engine::AppendResult> a = engine_->Append(
+          mine->sequence_id, chunks.ForAppend(positions, prompt.token_ids), std::nullopt);
       !a.ok()) {
     return a.status();
   }
