@@ -17,9 +17,11 @@
 namespace kvmem::service {
 
 namespace {
+
 // CopyOutOfMapping's loop takes chunks of this many reads (8 MiB of 8 KiB blocks), claimed
 // by the loop's threads in turn.
 constexpr size_t kCopyGrain = 1024;
+
 }  // namespace
 
 absl::Status CopyOutOfMapping(const client::SharedPool& pool,

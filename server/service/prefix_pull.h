@@ -27,7 +27,8 @@
 // host with its pool in host memory), else by UCX RMA gets from its pool (both built with
 // UCX, the holder running --ucx), either under the holder's epoch protocol and with this
 // daemon given --cluster-peer-token-file (PeerLinks), else ReadKv. A mapping is read only
-// once the holder's instance, asked after the CreateSequence there, is the mapping's.
+// when it is of the instance that answered the GetBlockTable (GetBlockTableResponse's
+// instance_id), else made again, once.
 #include <atomic>
 #include <cstdint>
 #include <string>
