@@ -281,7 +281,15 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
   const absl::Time start = absl::Now();
   absl::StatusOr<MoveResult> moved;
   try {
-    moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline);
+    bool unmappable = false;
+    moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline,
+                     &unmappable);
+    if (unmappable && transport.empty() && !context->IsCancelled()) {
+      // The holder's mapping was of an instance since gone, and the exporting one cannot be
+      // mapped (the export was abandoned: the sequence is there whole): by UCX or gRPC.
+      moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline,
+                       nullptr);
+    }
   } catch (const std::bad_alloc&) {
     moved = absl::ResourceExhaustedError("MoveSequence: out of host memory");
   }
@@ -302,11 +310,11 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
                                                    uint64_t sequence_id, const Principal& who,
                                                    const std::string& bearer, absl::Duration lease,
                                                    const std::string& transport,
-                                                   absl::Time deadline) {
+                                                   absl::Time deadline, bool* unmappable) {
   std::unique_ptr<v1::KvCache::Stub> stub = links_->Stub(from_node);
   // The holder's pool mapped (on this host), else by UCX, where this daemon may read it.
   std::optional<PeerLinks::MappedPeer> mapped;
-  if (transport == "attach" || transport.empty()) {
+  if ((transport == "attach" || transport.empty()) && unmappable != nullptr) {
     absl::StatusOr<PeerLinks::MappedPeer> m = links_->Mapped(*stub, from_node, deadline);
     if (m.ok()) {
       mapped = *std::move(m);
@@ -382,6 +390,7 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     absl::StatusOr<PeerLinks::MappedPeer> again =
         links_->Mapped(*stub, from_node, deadline, mapped->instance_id);
     if (!again.ok() || again->instance_id != message.header().holder_instance_id()) {
+      *unmappable = true;  // by_attach: not null
       c->TryCancel();
       return absl::AbortedError(absl::StrCat(
           "MoveSequence: the holder ", from_node,

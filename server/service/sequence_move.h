@@ -71,10 +71,14 @@ class SequenceMover {
   metrics::MoveTotals totals() const;
 
  private:
+  // `unmappable`: null, the holder's pool is not mapped; else set when the move failed for
+  // want of a mapping of the exporting instance (the holder restarted since it was mapped,
+  // and cannot be mapped again), with nothing changed on either side.
   absl::StatusOr<MoveResult> MoveFrom(grpc::ServerContext* context, const std::string& from_node,
                                       uint64_t sequence_id, const Principal& who,
                                       const std::string& bearer, absl::Duration lease,
-                                      const std::string& transport, absl::Time deadline);
+                                      const std::string& transport, absl::Time deadline,
+                                      bool* unmappable);
 
   engine::Engine* const engine_;
   PeerLinks* const links_;

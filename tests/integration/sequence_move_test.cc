@@ -592,6 +592,54 @@ TEST_F(SequenceMoveTest, AHolderRestartedOnItsAddressIsMappedAgain) {
   MoveAcrossAHolderRestart("attach", false);
 }
 
+// A holder restarted on its address that no longer takes the peer token cannot be mapped
+// again: a move asked for no transport is not refused for it (the mapping kept from before
+// names the old instance), but made again by gRPC, the export given up unmoved; asked for
+// "attach", it is refused and the sequence stays with the holder.
+TEST_F(SequenceMoveTest, AHolderThatCannotBeMappedAgainIsMovedFromByGrpc) {
+  Start(true, false, true);
+  auto alice = Connect(*receiver_, kAlice);
+  {
+    auto alice_holder = Connect(*holder_, kAlice);
+    auto moved = alice->MoveSequence(Address(*holder_), Prepare(*alice_holder, {"full", {}}));
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    EXPECT_EQ(moved->transport, "attach");  // the mapping is kept
+  }
+  const std::string tenants_only = tokens_ + ".tenants";
+  std::ofstream(tenants_only) << "alice " << kAlice << "\nops " << kOps << " admin\n";
+  const int port = holder_->port();
+  holder_.reset();
+  holder_ =
+      StartOne({}, false, port, [&](service::ServerConfig& c) { c.auth_tokens = tenants_only; });
+  ASSERT_NE(holder_, nullptr);
+  auto alice_holder = Connect(*holder_, kAlice);
+  const uint64_t id = Prepare(*alice_holder, {"window", {{"window", 64}}});
+  auto before = alice_holder->ReadKv(id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto moved = alice->MoveSequence(Address(*holder_), id);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(moved->transport, "grpc");
+  auto after = alice->ReadKv(moved->sequence.id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ASSERT_EQ(after->size(), before->size());
+  for (size_t s = 0; s < before->size(); ++s) {
+    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
+    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
+  }
+  const uint64_t other = Prepare(*alice_holder, {"window", {{"window", 64}}});
+  auto refused = alice->MoveSequence(Address(*holder_), other, std::nullopt, "attach");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_TRUE(alice_holder
+                  ->Append(other, {testing::Range(180, 1),
+                                   {},
+                                   testing::Payload16(kL * kH, 180, 1, kD, 0),
+                                   testing::Payload16(kL * kH, 180, 1, kD, 1),
+                                   {},
+                                   {}})
+                  .ok());  // still the holder's, and not frozen
+  std::remove(tenants_only.c_str());
+}
+
 #if KVMEM_WITH_UCX
 // The blocks by RMA gets from the holder's pool (UCX_TLS for both ends), byte for byte what
 // the export would have carried; the tenant's calls still carry the tenant's token.
