@@ -90,10 +90,11 @@ Daemon Start(const std::string& name, uint64_t pool_bytes, uint64_t table_area_b
     std::exit(1);
   }
   d.server = *std::move(server);
-  // Until the pool is mapped, or a minute (the prefault gave up: it logged why).
-  for (const absl::Time until = absl::Now() + absl::Minutes(1);
-       d.server->prefaulted_bytes() < pool_bytes && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(20));
+  while (!d.server->prefault_ended()) absl::SleepFor(absl::Milliseconds(20));
+  if (d.server->prefaulted_bytes() < pool_bytes && absl::GetFlag(FLAGS_backend) == "cpu") {
+    std::fprintf(stderr, "%s: the pool is not prefaulted (%llu of %llu bytes): page faults count\n",
+                 name.c_str(), static_cast<unsigned long long>(d.server->prefaulted_bytes()),
+                 static_cast<unsigned long long>(pool_bytes));
   }
   d.client = *Client::Connect("unix:" + socket);
   return d;

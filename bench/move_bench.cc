@@ -64,10 +64,11 @@ std::unique_ptr<kvmem::service::Server> Start(uint64_t pool_bytes, std::vector<s
     std::fprintf(stderr, "kvmemd: %s\n", server.status().ToString().c_str());
     std::exit(1);
   }
-  // Until the pool is mapped, or a minute (the prefault gave up: it logged why).
-  for (const absl::Time until = absl::Now() + absl::Minutes(1);
-       (*server)->prefaulted_bytes() < pool_bytes && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(20));
+  while (!(*server)->prefault_ended()) absl::SleepFor(absl::Milliseconds(20));
+  if ((*server)->prefaulted_bytes() < pool_bytes) {
+    std::fprintf(stderr, "the pool is not prefaulted (%llu of %llu bytes): page faults count\n",
+                 static_cast<unsigned long long>((*server)->prefaulted_bytes()),
+                 static_cast<unsigned long long>(pool_bytes));
   }
   return *std::move(server);
 }

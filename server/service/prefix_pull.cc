@@ -131,7 +131,8 @@ class PullChunks {
     }
     return out;
   }
-  // A transport may still write into the chunks (a get left in flight): never freed.
+  // A transport may still write into the chunks (a get left in flight): never freed. The
+  // chunks are gone from this object: nothing but its destruction may follow.
   void KeepForever() {
     client::internal::KeepForever(std::move(k_));
     client::internal::KeepForever(std::move(v_));

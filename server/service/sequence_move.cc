@@ -284,7 +284,7 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
     bool unmappable = false;
     moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline,
                      &unmappable);
-    if (unmappable && transport.empty() && !context->IsCancelled()) {
+    if (unmappable && transport.empty() && !context->IsCancelled() && absl::Now() < deadline) {
       // The holder's mapping was of an instance since gone, and the exporting one cannot be
       // mapped (the export was abandoned: the sequence is there whole): by UCX or gRPC.
       moved = MoveFrom(context, from_node, sequence_id, who, bearer, lease, transport, deadline,
@@ -390,8 +390,11 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     absl::StatusOr<PeerLinks::MappedPeer> again =
         links_->Mapped(*stub, from_node, deadline, mapped->instance_id);
     if (!again.ok() || again->instance_id != message.header().holder_instance_id()) {
-      *unmappable = true;  // by_attach: not null
       c->TryCancel();
+      // The export given up here, so that a move made again (Move) finds the sequence
+      // unfrozen, and only then (by_attach: `unmappable` is not null).
+      std::move(abandon).Cancel();
+      *unmappable = finish(export_id, false).ok();
       return absl::AbortedError(absl::StrCat(
           "MoveSequence: the holder ", from_node,
           "'s pool as mapped is not the exporting daemon's (it restarted during the move?)",

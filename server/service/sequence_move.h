@@ -73,7 +73,8 @@ class SequenceMover {
  private:
   // `unmappable`: null, the holder's pool is not mapped; else set when the move failed for
   // want of a mapping of the exporting instance (the holder restarted since it was mapped,
-  // and cannot be mapped again), with nothing changed on either side.
+  // and cannot be mapped again) and the holder confirmed the export given up: nothing
+  // changed on either side.
   absl::StatusOr<MoveResult> MoveFrom(grpc::ServerContext* context, const std::string& from_node,
                                       uint64_t sequence_id, const Principal& who,
                                       const std::string& bearer, absl::Duration lease,

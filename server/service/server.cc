@@ -11,6 +11,7 @@
 #include <sstream>
 #include <variant>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -456,6 +457,7 @@ absl::Status Server::ReloadTokens() {
 
 void Server::PrefaultPool() {
   pthread_setname_np(pthread_self(), "kvmem_prefault");
+  absl::Cleanup ended = [this] { prefault_ended_.store(true, std::memory_order_release); };
   // In the order the pool hands pages out (lowest first), so that the pages the first
   // sequences take are mapped first; 1 MiB at a time, so that a drain stops it soon and
   // an mmap or munmap elsewhere in kvmemd (which waits for each call's hold of the address

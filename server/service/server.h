@@ -126,6 +126,9 @@ class Server {
   absl::Status ReloadTokens();
   // Bytes of the pool mapped ahead of use so far (prefault_pool); the pool's size once done.
   uint64_t prefaulted_bytes() const { return prefaulted_bytes_.load(std::memory_order_acquire); }
+  // Whether the prefault ended: done, given up (the backend cannot: a CUDA pool, a kernel
+  // before 5.14; or it failed, logged) or stopped. False without prefault_pool.
+  bool prefault_ended() const { return prefault_ended_.load(std::memory_order_acquire); }
 
  private:
   Server() = default;
@@ -162,6 +165,7 @@ class Server {
   std::thread reaper_;
   std::atomic<bool> stop_prefault_{false};
   std::atomic<uint64_t> prefaulted_bytes_{0};
+  std::atomic<bool> prefault_ended_{false};
   std::thread prefaulter_;
   bool drained_ = false;
 };

@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -25,7 +26,6 @@
 #include "server/service/server.h"
 #include "server/transport/parse_cost.h"
 #include "tests/testing/payload.h"
-#include "tests/testing/redis_server.h"
 #include "tests/testing/tls_certificates.h"
 #if KVMEM_WITH_UCX
 #include "kvmem/ucx_pool.h"
@@ -43,6 +43,18 @@ constexpr char kPeer[] = "fleet-peer-token-0123456789";
 constexpr char kOps[] = "ops-admin-token-0123456789";
 
 client::Layout TestLayout() { return client::Layout{kL, kH, kD, client::DType::kF16, 16, 49152}; }
+
+// Two reads of a sequence's K/V (its holder's before a move, the receiver's after) are the
+// same, stream by stream (quantized blocks dequantized alike: the same codes).
+void ExpectSameKv(const std::vector<client::StreamKv>& before,
+                  const std::vector<client::StreamKv>& after) {
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t s = 0; s < before.size(); ++s) {
+    EXPECT_EQ(after[s].positions, before[s].positions) << s;
+    EXPECT_EQ(after[s].k, before[s].k) << s;
+    EXPECT_EQ(after[s].v, before[s].v) << s;
+  }
+}
 
 class SequenceMoveTest : public ::testing::Test {
  protected:
@@ -164,11 +176,7 @@ class SequenceMoveTest : public ::testing::Test {
     EXPECT_EQ(moved->transport, transport);
     auto after = alice->ReadKv(moved->sequence.id);
     ASSERT_TRUE(after.ok()) << after.status();
-    ASSERT_EQ(after->size(), before->size());
-    for (size_t s = 0; s < before->size(); ++s) {
-      EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-      EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-    }
+    ExpectSameKv(*before, *after);
   }
 
   std::string tokens_, peer_token_;
@@ -197,12 +205,7 @@ TEST_F(SequenceMoveTest, ASequenceMovesWholeAndLeavesTheHolder) {
 
   auto after = on_receiver->ReadKv(moved->sequence.id);
   ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].positions, (*before)[s].positions) << s;
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;  // dequantized the same: same codes
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  ExpectSameKv(*before, *after);
   auto table_after = on_receiver->GetBlockTable(moved->sequence.id);
   ASSERT_TRUE(table_after.ok());
   for (size_t s = 0; s < table_before->streams.size(); ++s) {
@@ -398,11 +401,7 @@ TEST_F(SequenceMoveTlsTest, ASequenceMovesOverTls) {
   EXPECT_EQ(on_holder->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
   auto after = on_receiver->ReadKv(moved->sequence.id);
   ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  ExpectSameKv(*before, *after);
 }
 
 // Plaintext to a holder that serves TLS, or a holder whose certificate no CA the receiver
@@ -607,6 +606,7 @@ TEST_F(SequenceMoveTest, AHolderThatCannotBeMappedAgainIsMovedFromByGrpc) {
   }
   const std::string tenants_only = tokens_ + ".tenants";
   std::ofstream(tenants_only) << "alice " << kAlice << "\nops " << kOps << " admin\n";
+  absl::Cleanup remove_tokens = [&] { std::remove(tenants_only.c_str()); };
   const int port = holder_->port();
   holder_.reset();
   holder_ =
@@ -619,13 +619,11 @@ TEST_F(SequenceMoveTest, AHolderThatCannotBeMappedAgainIsMovedFromByGrpc) {
   auto moved = alice->MoveSequence(Address(*holder_), id);
   ASSERT_TRUE(moved.ok()) << moved.status();
   EXPECT_EQ(moved->transport, "grpc");
+  EXPECT_TRUE(moved->source_released);
+  EXPECT_EQ(alice_holder->GetBlockTable(id).status().code(), absl::StatusCode::kNotFound);
   auto after = alice->ReadKv(moved->sequence.id);
   ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  ExpectSameKv(*before, *after);
   const uint64_t other = Prepare(*alice_holder, {"window", {{"window", 64}}});
   auto refused = alice->MoveSequence(Address(*holder_), other, std::nullopt, "attach");
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
@@ -637,7 +635,6 @@ TEST_F(SequenceMoveTest, AHolderThatCannotBeMappedAgainIsMovedFromByGrpc) {
                                    {},
                                    {}})
                   .ok());  // still the holder's, and not frozen
-  std::remove(tenants_only.c_str());
 }
 
 #if KVMEM_WITH_UCX
@@ -670,12 +667,7 @@ TEST_P(SequenceMoveUcxTest, BlocksComeByUcx) {
   EXPECT_TRUE(moved->source_released);
   auto after = alice->ReadKv(moved->sequence.id);
   ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->size(), before->size());
-  for (size_t s = 0; s < before->size(); ++s) {
-    EXPECT_EQ((*after)[s].positions, (*before)[s].positions) << s;
-    EXPECT_EQ((*after)[s].k, (*before)[s].k) << s;
-    EXPECT_EQ((*after)[s].v, (*before)[s].v) << s;
-  }
+  ExpectSameKv(*before, *after);
   // The holder gave back every block it held for the move (the admin's Stats: the daemon's).
   auto ops = Connect(*holder_, kOps);
   EXPECT_EQ(ops->GetStats(false)->blocks_used, 0u);
@@ -735,96 +727,6 @@ INSTANTIATE_TEST_SUITE_P(Transports, SequenceMoveUcxTest, ::testing::Values("tcp
                            return std::string(info.param[0] == 't' ? "Tcp" : "SharedMemory");
                          });
 #endif
-
-// PullPrefix from a holder on this host maps its pool and reads the blocks this node lacks
-// straight into the append's chunks (run under the sanitizers in CI): the node holds the
-// prompt's first block already, appends at most 12 tokens a chunk (blocks of 16 span two),
-// and ends up with the holder's K/V byte for byte; the bytes count by transport.
-TEST(PrefixPullTest, AHoldersPoolIsMappedAndOnlyWhatIsMissingIsReadByteForByte) {
-  testing::RedisServer redis;
-  if (!redis.Start()) {
-    if (std::getenv("KVMEM_CI") != nullptr) FAIL() << "redis-server did not start";
-    GTEST_SKIP() << "no redis-server";
-  }
-  const std::string dir = ::testing::TempDir();
-  const std::string peer_token = absl::StrCat(dir, "/kvmem_pull_test_peer.", getpid());
-  std::ofstream(peer_token) << kPeer << "\n";
-  const auto node = [&](const char* name) {
-    return absl::StrCat("unix:", dir, "/kvmem-pull-test-", name, ".", getpid());
-  };
-  const auto start = [&](const char* name, bool puller) {
-    service::ServerConfig config;
-    config.listen = node(name);
-    config.engine.pool_bytes = 32ull << 20;
-    config.reaper_period = absl::Hours(1);
-    config.cluster_index.url = redis.url();
-    config.cluster_index.node = node(name);
-    if (puller) {
-      config.cluster_peers = {node("a")};
-      config.cluster_peer_token_file = peer_token;
-      config.engine.max_append_bytes = 12 * 2 * kL * kH * kD * 2;  // 12 tokens
-    }
-    auto server = service::Server::Start(config);
-    EXPECT_TRUE(server.ok()) << server.status();
-    return server.ok() ? *std::move(server) : nullptr;
-  };
-  std::unique_ptr<service::Server> a = start("a", false), b = start("b", true);
-  ASSERT_TRUE(a && b);
-  client::ClientOptions options;
-  options.deadline = absl::Seconds(20);
-  auto on_a = *client::Client::Connect(node("a"), options);
-  auto on_b = *client::Client::Connect(node("b"), options);
-  client::Prompt prompt;
-  for (int32_t t = 0; t < 65; ++t) prompt.token_ids.push_back(1000 + 7 * t);
-  prompt.model = "m";
-  // A publishes the whole prompt (64 tokens mapped by a CreateSequence: 4 blocks), B its
-  // first 17 tokens (1 block), each in appends of at most 8 tokens.
-  for (const auto& [c, n] : {std::pair{on_a.get(), 65}, std::pair{on_b.get(), 17}}) {
-    client::Prompt part = prompt;
-    part.token_ids.resize(n);
-    auto seq = c->CreateSequence(TestLayout(), client::PolicySpec(), std::nullopt, &part);
-    ASSERT_TRUE(seq.ok()) << seq.status();
-    for (int64_t t = 0; t < n; t += 8) {
-      const uint32_t m = static_cast<uint32_t>(std::min<int64_t>(8, n - t));
-      const std::vector<int64_t> positions = testing::Range(t, m);
-      const std::string k = testing::Payload16(kL * kH, t, m, kD, 0);
-      const std::string v = testing::Payload16(kL * kH, t, m, kD, 1);
-      ASSERT_TRUE(
-          c->Append(seq->id,
-                    {positions, absl::MakeConstSpan(part.token_ids).subspan(t, m), k, v, {}, {}})
-              .ok());
-    }
-    ASSERT_TRUE(c->Publish(seq->id).ok());
-    ASSERT_TRUE(c->Release(seq->id).ok());
-  }
-  // Pulled once the index names A (its claims reach Redis a moment after the publication).
-  absl::StatusOr<client::Pulled> pulled;
-  for (int i = 0; i < 250; ++i) {
-    pulled = on_b->PullPrefix(TestLayout(), prompt);
-    if (!pulled.ok() || pulled->pulled_tokens > 0) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(pulled.ok()) << pulled.status();
-  const uint64_t per_token = 2 * kL * kH * kD * 2;
-  EXPECT_EQ(pulled->local_tokens, 16u);
-  EXPECT_EQ(pulled->pulled_tokens, 48u);
-  EXPECT_EQ(pulled->transport, "attach");
-  EXPECT_EQ(pulled->bytes, 48 * per_token);  // only what B lacked
-  auto seq = on_b->CreateSequence(TestLayout(), client::PolicySpec(), std::nullopt, &prompt);
-  ASSERT_TRUE(seq.ok()) << seq.status();
-  EXPECT_EQ(seq->reused_prefix_tokens, 64u);
-  auto read = on_b->ReadKv(seq->id);
-  ASSERT_TRUE(read.ok()) << read.status();
-  ASSERT_EQ(read->size(), size_t{kL * kH});
-  const std::vector<int64_t> positions = testing::Range(0, 64);
-  for (const client::StreamKv& s : *read) {
-    const uint32_t stream = s.layer * kH + s.kv_head;
-    EXPECT_EQ(s.positions, positions);
-    EXPECT_TRUE(s.k == testing::Expected16(stream, positions, kD, 0)) << "K of stream " << stream;
-    EXPECT_TRUE(s.v == testing::Expected16(stream, positions, kD, 1)) << "V of stream " << stream;
-  }
-  std::remove(peer_token.c_str());
-}
 
 }  // namespace
 }  // namespace kvmem

@@ -274,6 +274,27 @@ def read_all(seq):
             for s in seq.read_kv()}
 
 
+def peer_token(directory):
+    """The flag that gives a node a peer token (its peers' pools mapped or read by UCX)."""
+    token = directory / "peer-token"
+    token.write_text("fleet-peer-token-0123456789\n")
+    return f"--cluster_peer_token_file={token}"
+
+
+def assert_same_prefix(a, b, p, tokens=None):
+    """A sequence of prompt `p` on node B maps what one on A does (`tokens` of it, when
+    given), byte for byte."""
+    seq_b = b.client.create_sequence(LAY, prompt=p)
+    seq_a = a.client.create_sequence(LAY, prompt=p)
+    try:
+        if tokens is not None:
+            assert (seq_b.reused_prefix_tokens, seq_a.reused_prefix_tokens) == (tokens, tokens)
+        assert read_all(seq_b) == read_all(seq_a)
+    finally:
+        seq_a.release()
+        seq_b.release()
+
+
 def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
     # B appends at most 2 KiB of K/V a chunk: a pull of 56 tokens (7 KiB) goes in several.
     a, c, d = Node("pa", redis), Node("pc", redis), Node("pd", redis)
@@ -288,13 +309,7 @@ def test_a_prefix_one_node_holds_is_pulled_byte_for_byte(redis):
         assert (pulled.local_tokens, pulled.pulled_tokens, pulled.from_node) == (0, 56, a.name)
         assert pulled.bytes == 56 * 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
         # Now B holds it: a request there maps it, and its K/V are A's, byte for byte.
-        seq_b = b.client.create_sequence(LAY, prompt=p)
-        assert seq_b.reused_prefix_tokens == 56
-        seq_a = a.client.create_sequence(LAY, prompt=p)
-        assert seq_a.reused_prefix_tokens == 56
-        assert read_all(seq_b) == read_all(seq_a)
-        for s in (seq_a, seq_b):
-            s.release()
+        assert_same_prefix(a, b, p, tokens=56)
         # The fleet sees both; a second pull finds nothing more to pull.
         assert wait_until(lambda: holders(a, tokens) == [(a.name, 56), (b.name, 56)], 5)
         again = b.client.pull_prefix(LAY, p)
@@ -352,10 +367,8 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         pytest.skip("kvmemd was built without UCX")
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
-    token = tmp_path / "peer-token"
-    token.write_text("fleet-peer-token-0123456789\n")
     a = Node("ua", redis, "--ucx", "--ucx_trusted_network")
-    b = Node("ub", redis, f"--cluster_peer_token_file={token}", peers=["ua"])
+    b = Node("ub", redis, peer_token(tmp_path), peers=["ua"])
     c = Node("uc", redis, peers=["ua"])
     try:
         first, second = prompt(31), prompt(32)
@@ -373,20 +386,12 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         pulled = b.client.pull_prefix(LAY, p, transport="ucx", min_tokens=56)
         assert (pulled.pulled_tokens, pulled.transport) == (56, "ucx"), pulled
         assert pulled.bytes == 56 * 2 * LAY.num_layers * LAY.num_kv_heads * LAY.head_dim * 2
-        seq_a = a.client.create_sequence(LAY, prompt=p)
-        seq_b = b.client.create_sequence(LAY, prompt=p)
-        assert seq_b.reused_prefix_tokens == 56
-        assert read_all(seq_b) == read_all(seq_a)
-        seq_b.release()
+        assert_same_prefix(a, b, p, tokens=56)
         # Asked for gRPC: the same bytes by ReadKv.
         q = kvmem.Prompt(second, model="m")
         by_grpc = b.client.pull_prefix(LAY, q, transport="grpc")
         assert (by_grpc.pulled_tokens, by_grpc.transport) == (56, "grpc")
-        seq_b = b.client.create_sequence(LAY, prompt=q)
-        seq_a2 = a.client.create_sequence(LAY, prompt=q)
-        assert read_all(seq_b) == read_all(seq_a2)
-        for s in (seq_a, seq_a2, seq_b):
-            s.release()
+        assert_same_prefix(a, b, q)
         # C cannot read A's pool: gRPC when any will do, refused when UCX or a mapping is
         # asked for.
         assert c.client.pull_prefix(LAY, p).transport == "grpc"
@@ -402,11 +407,7 @@ def test_a_prefix_is_pulled_by_ucx_as_by_grpc_when_worth_it(redis, tmp_path, mon
         mapped = b.client.pull_prefix(LAY, r)
         assert (mapped.pulled_tokens, mapped.transport, mapped.bytes) == (56, "attach",
                                                                           pulled.bytes)
-        seq_b = b.client.create_sequence(LAY, prompt=r)
-        seq_a = a.client.create_sequence(LAY, prompt=r)
-        assert read_all(seq_b) == read_all(seq_a)
-        seq_a.release()
-        seq_b.release()
+        assert_same_prefix(a, b, r)
         # B's bytes by how they came.
         m = b.metrics()
         assert [m[f'kvmem_prefix_pulled_bytes_total{{transport="{t}"}}']
@@ -438,21 +439,15 @@ def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(r
     # B keeps its mapping of A's pool from one pull to the next. A restarts on its address
     # and publishes other K/V: the next pull must read the new A's pool, never the old
     # mapping (whose memory B's mapping still holds, with the old A's blocks and epochs).
-    token = tmp_path / "peer-token"
-    token.write_text("fleet-peer-token-0123456789\n")
     a = Node("ra", redis)
-    b = Node("rb", redis, f"--cluster_peer_token_file={token}", peers=["ra"])
+    b = Node("rb", redis, peer_token(tmp_path), peers=["ra"])
     try:
         first, second = prompt(41), prompt(42)
         publish(a, first, seed=41)
         assert wait_until(lambda: holders(b, first) == [(a.name, 56)], 5)
         p = kvmem.Prompt(first, model="m")
         assert b.client.pull_prefix(LAY, p, transport="attach").transport == "attach"
-        seq_b = b.client.create_sequence(LAY, prompt=p)
-        seq_a = a.client.create_sequence(LAY, prompt=p)
-        assert read_all(seq_b) == read_all(seq_a)
-        seq_a.release()
-        seq_b.release()
+        assert_same_prefix(a, b, p)
         a.stop()
         a = Node("ra", redis)
         publish(a, second, seed=42)
@@ -460,11 +455,7 @@ def test_a_holder_restarted_on_its_address_is_mapped_again_before_a_pull_reads(r
         q = kvmem.Prompt(second, model="m")
         pulled = b.client.pull_prefix(LAY, q, transport="attach")
         assert (pulled.pulled_tokens, pulled.transport) == (56, "attach"), pulled
-        seq_b = b.client.create_sequence(LAY, prompt=q)
-        seq_a = a.client.create_sequence(LAY, prompt=q)
-        assert read_all(seq_b) == read_all(seq_a)
-        seq_a.release()
-        seq_b.release()
+        assert_same_prefix(a, b, q)
     finally:
         for node in (a, b):
             if node.proc is not None:
@@ -476,10 +467,8 @@ def test_a_pull_by_mapping_adds_to_what_the_node_holds_in_chunks_across_blocks(r
     # B holds the prompt's first 16 tokens, A 56; B appends at most 1,536 bytes of K/V a
     # chunk (12 tokens: every other block spans two chunks). Asked for no transport, B maps
     # A's pool (no UCX needed) and reads only the 40 tokens it lacks, byte for byte A's.
-    token = tmp_path / "peer-token"
-    token.write_text("fleet-peer-token-0123456789\n")
     a = Node("xa", redis)
-    b = Node("xb", redis, f"--cluster_peer_token_file={token}", "--max_message_bytes=1536",
+    b = Node("xb", redis, peer_token(tmp_path), "--max_message_bytes=1536",
              peers=["xa"])
     try:
         tokens = prompt(51)
@@ -498,12 +487,7 @@ def test_a_pull_by_mapping_adds_to_what_the_node_holds_in_chunks_across_blocks(r
         pulled = b.client.pull_prefix(LAY, p)
         assert (pulled.local_tokens, pulled.pulled_tokens, pulled.transport,
                 pulled.bytes) == (16, 40, "attach", 40 * per_token), pulled
-        seq_b = b.client.create_sequence(LAY, prompt=p)
-        seq_a = a.client.create_sequence(LAY, prompt=p)
-        assert seq_b.reused_prefix_tokens == 56
-        assert read_all(seq_b) == read_all(seq_a)
-        seq_a.release()
-        seq_b.release()
+        assert_same_prefix(a, b, p, tokens=56)
         m = b.metrics()
         assert [m[f'kvmem_prefix_pulled_bytes_total{{transport="{t}"}}']
                 for t in ("attach", "ucx", "grpc")] == [40 * per_token, 0, 0]
@@ -537,12 +521,8 @@ def test_a_prefix_is_pulled_over_tls_from_a_node_that_proves_its_name(redis, tmp
         assert c.client.stats().prefix_entries == 0
         pulled = b.client.pull_prefix(LAY, p)
         assert (pulled.pulled_tokens, pulled.from_node) == (56, a.name)
-        seq_b = b.client.create_sequence(LAY, prompt=p)
-        seq_a = a.client.create_sequence(LAY, prompt=p)
-        assert seq_b.reused_prefix_tokens == 56
-        assert read_all(seq_b) == read_all(seq_a)
-        for s in (seq_a, seq_b, held):
-            s.release()
+        assert_same_prefix(a, b, p, tokens=56)
+        held.release()
     finally:
         for node in (a, b, c):
             node.stop()

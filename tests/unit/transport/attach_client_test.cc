@@ -22,17 +22,27 @@ namespace {
 
 namespace wire = v1::attach;
 
+// A stand-in daemon's attach socket at `name`, listening; -1 when it cannot be.
+int Listen(const std::string& name) {
+  const int listener = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (listener < 0) return -1;
+  sockaddr_un address;
+  const socklen_t length = wire::SocketAddress(name, &address);
+  if (bind(listener, reinterpret_cast<const sockaddr*>(&address), length) != 0 ||
+      listen(listener, 1) != 0) {
+    close(listener);
+    return -1;
+  }
+  return listener;
+}
+
 // A client whose thread takes signals while it waits for the daemon's answer (a profiler's
 // SIGPROF, a worker's SIGCHLD: handlers without SA_RESTART) still gets the answer: an
 // interrupted wait is waited again, not taken for "no answer".
 TEST(AttachClientTest, SignalsWhileWaitingDoNotLoseTheAnswer) {
   const std::string name = absl::StrCat("@kvmem-attach-client-test-", getpid());
-  const int listener = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  const int listener = Listen(name);
   ASSERT_GE(listener, 0);
-  sockaddr_un address;
-  const socklen_t length = wire::SocketAddress(name, &address);
-  ASSERT_EQ(bind(listener, reinterpret_cast<const sockaddr*>(&address), length), 0);
-  ASSERT_EQ(listen(listener, 1), 0);
   // The stand-in takes no SIGALRM (blocked in the thread it starts with): the test's does.
   sigset_t alarm_only, before;
   sigemptyset(&alarm_only);
@@ -81,12 +91,8 @@ TEST(AttachClientTest, ASegmentWhoseSizeIsNotSealedIsRefused) {
   for (const bool sealed : {false, true}) {
     SCOPED_TRACE(sealed ? "sealed" : "not sealed");
     const std::string name = absl::StrCat("@kvmem-attach-seal-test-", getpid(), "-", sealed);
-    const int listener = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const int listener = Listen(name);
     ASSERT_GE(listener, 0);
-    sockaddr_un address;
-    const socklen_t length = wire::SocketAddress(name, &address);
-    ASSERT_EQ(bind(listener, reinterpret_cast<const sockaddr*>(&address), length), 0);
-    ASSERT_EQ(listen(listener, 1), 0);
     constexpr uint64_t kBytes = 1 << 16;
     const int segment = memfd_create("kvmem-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     ASSERT_GE(segment, 0);
