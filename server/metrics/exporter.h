@@ -4,6 +4,7 @@
 // never disagree. Names follow Prometheus's conventions: kvmem_ prefix, base units,
 // _total on counters, counters instead of ratios; labels are bounded (policies, methods,
 // codes, precisions, states; never sequence ids).
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -54,10 +55,23 @@ struct ClusterIndexTotals {
 // pool mapped here (the same host), UCX gets, gRPC messages.
 struct PeerBytes {
   uint64_t attach = 0, ucx = 0, grpc = 0;
-  // The counter of `transport` ("attach", "ucx", else gRPC's).
-  uint64_t& of(absl::string_view transport) {
-    return transport == "attach" ? attach : (transport == "ucx" ? ucx : grpc);
+};
+
+// PeerBytes as the transfers add to them, from any thread.
+class PeerByteCounter {
+ public:
+  // `transport`: "attach", "ucx", else gRPC's.
+  void Add(absl::string_view transport, uint64_t bytes) {
+    (transport == "attach" ? attach_ : (transport == "ucx" ? ucx_ : grpc_))
+        .fetch_add(bytes, std::memory_order_relaxed);
   }
+  PeerBytes Read() const {
+    return {attach_.load(std::memory_order_relaxed), ucx_.load(std::memory_order_relaxed),
+            grpc_.load(std::memory_order_relaxed)};
+  }
+
+ private:
+  std::atomic<uint64_t> attach_{0}, ucx_{0}, grpc_{0};
 };
 
 // What PullPrefix (service/prefix_pull.h) has done.

@@ -172,7 +172,7 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
                                                         const std::string& node,
                                                         absl::Time deadline,
                                                         uint64_t stale_instance) {
-  if (token_.empty()) {
+  if (!maps_pools()) {
     return absl::FailedPreconditionError(
         "this kvmemd maps no peer's pool (no --cluster-peer-token-file)");
   }

@@ -151,10 +151,7 @@ metrics::PullTotals PrefixPuller::totals() const {
   t.nothing = nothing_.load(std::memory_order_relaxed);
   t.failed = failed_.load(std::memory_order_relaxed);
   t.tokens = tokens_.load(std::memory_order_relaxed);
-  {
-    absl::MutexLock lock(&bytes_mu_);
-    t.bytes = bytes_;
-  }
+  t.bytes = bytes_.Read();
   t.seconds = seconds_.Read();
   return t;
 }
@@ -193,10 +190,7 @@ absl::StatusOr<PullResult> PrefixPuller::Pull(grpc::ServerContext* context,
     pulled_.fetch_add(1, std::memory_order_relaxed);
     tokens_.fetch_add(pulled->pulled_tokens, std::memory_order_relaxed);
   }
-  if (pulled.ok() && pulled->bytes > 0) {
-    absl::MutexLock lock(&bytes_mu_);
-    bytes_.of(pulled->transport) += pulled->bytes;
-  }
+  if (pulled.ok() && pulled->bytes > 0) bytes_.Add(pulled->transport, pulled->bytes);
   return pulled;
 }
 

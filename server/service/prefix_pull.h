@@ -35,7 +35,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/server_context.h"
 #include "kvmem/v1/kvmem.pb.h"
@@ -107,8 +106,7 @@ class PrefixPuller {
   const int max_pulls_;
   std::atomic<int> running_{0};
   std::atomic<uint64_t> pulled_{0}, nothing_{0}, failed_{0}, tokens_{0};
-  mutable absl::Mutex bytes_mu_;
-  metrics::PeerBytes bytes_ ABSL_GUARDED_BY(bytes_mu_);  // by transport
+  metrics::PeerByteCounter bytes_;
   engine::Histogram seconds_;
 };
 

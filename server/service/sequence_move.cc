@@ -249,10 +249,7 @@ metrics::MoveTotals SequenceMover::totals() const {
   t.moved = moved_.load(std::memory_order_relaxed);
   t.failed = failed_.load(std::memory_order_relaxed);
   t.unreleased = unreleased_.load(std::memory_order_relaxed);
-  {
-    absl::MutexLock lock(&bytes_mu_);
-    t.bytes = bytes_;
-  }
+  t.bytes = bytes_.Read();
   t.seconds = seconds_.Read();
   return t;
 }
@@ -298,8 +295,7 @@ absl::StatusOr<MoveResult> SequenceMover::Move(grpc::ServerContext* context,
     failed_.fetch_add(1, std::memory_order_relaxed);
   } else {
     moved_.fetch_add(1, std::memory_order_relaxed);
-    absl::MutexLock lock(&bytes_mu_);
-    bytes_.of(moved->transport) += moved->bytes;
+    bytes_.Add(moved->transport, moved->bytes);
     if (!moved->source_released) unreleased_.fetch_add(1, std::memory_order_relaxed);
   }
   return moved;

@@ -30,7 +30,6 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/server_context.h"
 #include "kvmem/v1/kvmem.pb.h"
@@ -87,8 +86,7 @@ class SequenceMover {
   const int max_moves_;
   std::atomic<int> running_{0};
   std::atomic<uint64_t> moved_{0}, failed_{0}, unreleased_{0};
-  mutable absl::Mutex bytes_mu_;
-  metrics::PeerBytes bytes_ ABSL_GUARDED_BY(bytes_mu_);  // by transport
+  metrics::PeerByteCounter bytes_;
   engine::Histogram seconds_;
 };
 
