@@ -121,6 +121,11 @@ ABSL_FLAG(double, cache_high_watermark, 0.95,
 ABSL_FLAG(uint64_t, tenant_quota_bytes, 0,
           "pool bytes the sequences of one tenant (the authenticated tenant, else one cache "
           "salt) may hold, published blocks included until reclaimed; 0: no quota");
+ABSL_FLAG(std::string, tenant_arena, "",
+          "comma-separated <tenant>:<bytes>: a part of the pool (whole pages, taken from its "
+          "end) for that authenticated tenant's blocks alone, a shared-memory segment of its "
+          "own that its same-host clients map (read-write with --in-place-writes) instead of "
+          "the pool; needs identities and the CPU backend");
 ABSL_FLAG(uint32_t, tenant_max_sequences, 0,
           "sequences one tenant (see --tenant-quota-bytes) may hold at once; 0: no limit but "
           "--max-sequences");
@@ -312,6 +317,16 @@ int main(int argc, char** argv) {
   config.grpc_max_threads = absl::GetFlag(FLAGS_grpc_max_threads);
   config.parse_memory_bytes = absl::GetFlag(FLAGS_parse_memory_bytes);
   config.attach_socket = absl::GetFlag(FLAGS_attach_socket);
+  for (absl::string_view arena :
+       absl::StrSplit(absl::GetFlag(FLAGS_tenant_arena), ',', absl::SkipEmpty())) {
+    const size_t colon = arena.rfind(':');
+    uint64_t bytes = 0;
+    if (colon == absl::string_view::npos || !absl::SimpleAtoi(arena.substr(colon + 1), &bytes)) {
+      spdlog::error("kvmemd: --tenant-arena: \"{}\" is not <tenant>:<bytes>", std::string(arena));
+      return 2;
+    }
+    config.engine.tenant_arenas.emplace_back(std::string(arena.substr(0, colon)), bytes);
+  }
   for (absl::string_view uid :
        absl::StrSplit(absl::GetFlag(FLAGS_attach_uids), ',', absl::SkipEmpty())) {
     uint32_t value = 0;

@@ -44,9 +44,48 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
   const uint64_t reserve = config.reclaim_reserve_pages >= 0
                                ? static_cast<uint64_t>(config.reclaim_reserve_pages)
                                : (pages >= 8 ? std::clamp<uint64_t>(pages / 100, 1, 256) : 0);
+  std::vector<store::ArenaSpec> arenas;
+  for (const auto& [tenant, bytes] : config.tenant_arenas) {
+    const uint64_t arena_pages = config.page_bytes == 0 ? 0 : bytes / config.page_bytes;
+    if (arena_pages == 0 || arena_pages * config.page_bytes != bytes || arena_pages >= (1u << 31)) {
+      return absl::InvalidArgumentError(absl::StrCat("--tenant-arena: ", tenant, "'s ", bytes,
+                                                     " bytes are not a whole number of pages of ",
+                                                     config.page_bytes, " bytes"));
+    }
+    const uint64_t arena_reserve =
+        config.reclaim_reserve_pages >= 0
+            ? static_cast<uint64_t>(config.reclaim_reserve_pages)
+            : (arena_pages >= 8 ? std::clamp<uint64_t>(arena_pages / 100, 1, 256) : 0);
+    arenas.push_back({absl::StrCat("the arena of tenant '", tenant.substr(0, 64), "'"),
+                      static_cast<uint32_t>(arena_pages),
+                      static_cast<uint32_t>(std::min<uint64_t>(arena_reserve, 1u << 30))});
+  }
+  if (!arenas.empty() && pool_bytes % config.page_bytes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--tenant-arena: the pool's ", pool_bytes,
+                                                   " bytes are not a whole number of pages of ",
+                                                   config.page_bytes, " bytes"));
+  }
+  const size_t num_arenas = arenas.size();
   absl::StatusOr<std::unique_ptr<store::BlockPool>> pool = store::BlockPool::Create(
-      pool_bytes, config.page_bytes, static_cast<uint32_t>(std::min<uint64_t>(reserve, 1u << 30)));
+      pool_bytes, config.page_bytes, static_cast<uint32_t>(std::min<uint64_t>(reserve, 1u << 30)),
+      std::move(arenas));
   if (!pool.ok()) return pool.status();
+  if (num_arenas > 0) {
+    // Each arena must be a segment of its own where the pool's pages put it: what a tenant's
+    // client maps is then its arena's blocks and nothing else.
+    const std::vector<store::SharedMemoryExport> pieces = backend->pool_pieces();
+    bool cut_alike = pieces.size() == num_arenas + 1;
+    for (uint32_t a = 1; cut_alike && a <= num_arenas; ++a) {
+      const std::shared_ptr<const transport::SharedSegment> segment = pieces[a].segment.lock();
+      cut_alike = segment != nullptr && pieces[a].offset == (*pool)->arena_offset(a) &&
+                  segment->bytes() == (*pool)->arena_bytes(a);
+    }
+    if (!cut_alike) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tenant-arena: the ", backend->kind(), " backend's pool is not cut into the ",
+          num_arenas, " arenas (only the CPU backend's is)"));
+    }
+  }
   absl::StatusOr<std::unique_ptr<EpochBoard>> board = EpochBoard::Create(config.max_sequences);
   if (!board.ok()) return board.status();
   absl::StatusOr<prefix::BlockHash> root = prefix::RootHash(config.prefix_hash_seed);
@@ -78,6 +117,12 @@ uint64_t HostBudgetBytes(const EngineConfig& config) {
                                         : config.pool_bytes / 2 + (64ull << 20);
 }
 
+std::vector<std::string> ArenaTenants(const EngineConfig& config) {
+  std::vector<std::string> names;
+  for (const auto& [tenant, bytes] : config.tenant_arenas) names.push_back(tenant);
+  return names;
+}
+
 std::vector<std::string> PolicyNames() {
   std::vector<std::string> names;
   for (const policy::PolicyDescriptor& d : policy::AllPolicies()) names.emplace_back(d.name);
@@ -100,7 +145,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       versions_(std::move(board), pool_.get(), &telemetry_),
       registry_(clock, config.default_lease, config.max_lease),
       tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas,
-               config.tenant_max_sequences),
+               config.tenant_max_sequences, ArenaTenants(config)),
       applier_(pool_.get(), backend_.get(), &versions_, &telemetry_, config.failpoints),
       driver_(&applier_, &versions_, &budget_, &registry_, &telemetry_, config.failpoints),
       reader_(&registry_, pool_.get(), backend_.get()),

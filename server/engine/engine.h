@@ -157,6 +157,8 @@ class Engine {
   }
   // Tenants holding a sequence or pool bytes now (Tenants::registered).
   size_t tenants_registered() const { return tenants_.registered(); }
+  // The pool arena of an authenticated tenant (0: none: its blocks are in the shared part).
+  uint32_t ArenaOf(absl::string_view tenant) const { return tenants_.ArenaOf(tenant); }
   // SequenceRegistry::KeepAlive.
   std::vector<absl::Status> KeepAlive(absl::Span<const uint64_t> sequence_ids,
                                       const std::string* owner = nullptr);

@@ -69,6 +69,10 @@ struct EngineConfig {
   // it per tenant. A tenant is PromptPrefix::owner, else the cache salt ("" included).
   uint64_t tenant_quota_bytes = 0;
   std::vector<std::pair<std::string, uint64_t>> tenant_quotas;
+  // Arenas (tenant, bytes): the pool's last pages, in order, each serving the blocks of its
+  // tenant (a PromptPrefix::owner) alone (store::BlockPool). Each a whole number of pages;
+  // the backend's pool must be cut the same way (store::Backend::pool_pieces).
+  std::vector<std::pair<std::string, uint64_t>> tenant_arenas;
   // Sequences one tenant may hold at once (fork children included); 0: no limit but
   // max_sequences.
   uint32_t tenant_max_sequences = 0;

@@ -13,6 +13,13 @@ uint64_t Tenants::QuotaOf(absl::string_view key) const {
   return quota;
 }
 
+uint32_t Tenants::ArenaOf(absl::string_view key) const {
+  for (size_t i = 0; i < arenas_.size(); ++i) {
+    if (arenas_[i] == key) return static_cast<uint32_t>(i + 1);
+  }
+  return 0;
+}
+
 absl::Status Tenants::TooMany(absl::string_view key) const {
   return absl::ResourceExhaustedError(
       absl::StrCat("tenant '", key.substr(0, 64), "' holds ", max_sequences_,
@@ -21,7 +28,8 @@ absl::Status Tenants::TooMany(absl::string_view key) const {
 
 absl::StatusOr<store::TenantId> Tenants::Acquire(absl::string_view key) {
   const uint64_t quota = QuotaOf(key);
-  if (quota == 0 && max_sequences_ == 0) return store::TenantId{0};  // nothing to count
+  const uint32_t arena = ArenaOf(key);
+  if (quota == 0 && max_sequences_ == 0 && arena == 0) return store::TenantId{0};  // none
   kvmem::MutexLock lock(&mu_);
   if (auto it = tenants_.find(key); it != tenants_.end()) {
     if (max_sequences_ > 0 && it->second.holds >= max_sequences_) return TooMany(key);
@@ -29,12 +37,12 @@ absl::StatusOr<store::TenantId> Tenants::Acquire(absl::string_view key) {
     return it->second.id;
   }
   store::TenantId id = 0;
-  if (quota > 0) {
+  if (quota > 0 || arena > 0) {
     absl::StatusOr<store::TenantId> registered =
-        pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
+        pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes", arena);
     if (!registered.ok() && absl::IsResourceExhausted(registered.status())) {
       SweepLocked();
-      registered = pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes");
+      registered = pool_->RegisterTenant(std::string(key), quota, "--tenant-quota-bytes", arena);
     }
     if (!registered.ok()) return registered.status();
     id = *registered;

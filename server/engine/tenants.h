@@ -3,7 +3,8 @@
 // (PromptPrefix::owner) when kvmemd checks identities, else the cache salt ("" included).
 // A key with a byte quota (EngineConfig::tenant_quota_bytes, tenant_quotas) is registered
 // with the pool, which charges its blocks to it; with tenant_max_sequences, every key's
-// sequences are counted and one past the limit is refused.
+// sequences are counted and one past the limit is refused. A key with an arena
+// (EngineConfig::tenant_arenas) is registered too, bound to its arena: its blocks go there.
 //
 // A tenant is held by each of its sequences (Acquire, AddHold, Release). One no sequence
 // holds stays registered while blocks are charged to it (cached prompt blocks) and is
@@ -24,12 +25,18 @@ namespace kvmem::engine {
 
 class Tenants {
  public:
+  // `arenas[i]` is the tenant bound to the pool's arena i + 1.
   Tenants(store::BlockPool* pool, uint64_t default_quota,
-          std::vector<std::pair<std::string, uint64_t>> quotas, uint32_t max_sequences)
+          std::vector<std::pair<std::string, uint64_t>> quotas, uint32_t max_sequences,
+          std::vector<std::string> arenas = {})
       : pool_(pool),
         default_quota_(default_quota),
         quotas_(std::move(quotas)),
-        max_sequences_(max_sequences) {}
+        max_sequences_(max_sequences),
+        arenas_(std::move(arenas)) {}
+
+  // The pool's arena of the key (0: none, its blocks go to the shared part).
+  uint32_t ArenaOf(absl::string_view key) const;
 
   // The key's pool tenant (0: no byte quota), held once more for a new sequence;
   // RESOURCE_EXHAUSTED when the key holds max_sequences already, or when kMaxTenants others
@@ -56,6 +63,7 @@ class Tenants {
   const uint64_t default_quota_;
   const std::vector<std::pair<std::string, uint64_t>> quotas_;
   const uint32_t max_sequences_;
+  const std::vector<std::string> arenas_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> tenants_ ABSL_GUARDED_BY(mu_);
 };

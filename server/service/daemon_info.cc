@@ -35,7 +35,7 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer, bool read_only) {
+                    const std::string& issuer, bool read_only, uint32_t piece) {
   const bool same_host = attach != nullptr;
   std::vector<transport::AttachSocket::Grant> grants;
   const engine::EngineConfig& config = engine.config();
@@ -78,9 +78,14 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   std::optional<store::PoolExport> exported;
   if (same_host) exported = backend.pool_export();
   if (exported) {
-    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
-      response->mutable_shared_memory()->set_segment_bytes(shm->bytes);
-      grants.push_back({v1::attach::kPool, shm->segment, config.in_place_writes && !read_only});
+    if (std::holds_alternative<store::SharedMemoryExport>(*exported)) {
+      const std::vector<store::SharedMemoryExport> pieces = backend.pool_pieces();
+      const store::SharedMemoryExport& shm = pieces.at(piece < pieces.size() ? piece : 0);
+      v1::SharedMemoryPool* out = response->mutable_shared_memory();
+      out->set_segment_bytes(shm.bytes);
+      out->set_piece_offset(shm.offset);
+      if (auto segment = shm.segment.lock()) out->set_piece_bytes(segment->bytes());
+      grants.push_back({v1::attach::kPool, shm.segment, config.in_place_writes && !read_only});
     } else if (const auto* cuda = std::get_if<store::CudaIpcExport>(&*exported)) {
       v1::CudaIpcPool* ipc = response->mutable_cuda_ipc();
       ipc->set_handle(cuda->handle);

@@ -22,9 +22,11 @@ namespace kvmem::service {
 // admins and peers only): the shared pool, the epoch board and the table area, and a ticket
 // for their descriptors (the pool read-write with in-place writes unless `read_only`, the
 // rest read-only), counted as `issuer`'s (the caller's tenant).
+// `piece`: which of the pool's pieces (store::Backend::pool_pieces) the ticket maps: 0, the
+// whole pool or its shared part, or a tenant's arena.
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer = "", bool read_only = false);
+                    const std::string& issuer = "", bool read_only = false, uint32_t piece = 0);
 
 // A new ticket of `attach` for `grants`, counted as `issuer`'s, with what a client needs to
 // redeem it (the socket, the daemon's uid, how long it holds).

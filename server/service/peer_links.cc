@@ -27,10 +27,10 @@ constexpr size_t kCopyGrain = 1024;
 absl::Status CopyOutOfMapping(const client::SharedPool& pool,
                               absl::Span<const client::PoolRead> reads, absl::string_view what) {
   for (const client::PoolRead& r : reads) {  // before any copy: none is made of a bad read
-    if (r.offset > pool.bytes() || r.bytes > pool.bytes() - r.offset) {
+    if (!pool.Maps(r.offset, r.bytes)) {
       return absl::InvalidArgumentError(absl::StrCat(what, " names pool bytes [", r.offset, ", +",
                                                      r.bytes, ") outside its pool of ",
-                                                     pool.bytes()));
+                                                     pool.bytes(), " as mapped"));
     }
   }
   absl::Mutex mu;
@@ -206,6 +206,10 @@ absl::StatusOr<PeerLinks::MappedPeer> PeerLinks::Mapped(v1::KvCache::Stub& stub,
   } else if (!info->has_shared_memory()) {
     why = absl::FailedPreconditionError(
         absl::StrCat("the peer ", node, "'s pool is not in host memory"));
+  } else if (info->shared_memory().piece_bytes() != 0 &&
+             info->shared_memory().piece_bytes() != info->shared_memory().segment_bytes()) {
+    why = absl::FailedPreconditionError(absl::StrCat(
+        "the peer ", node, "'s pool is cut into tenant arenas: a mapping holds only a part"));
   } else if (peer.instance_id == 0) {
     why = absl::FailedPreconditionError(
         absl::StrCat("the peer ", node, " names no instance (an older kvmemd)"));

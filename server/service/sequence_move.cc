@@ -386,11 +386,13 @@ absl::StatusOr<MoveResult> SequenceMover::MoveFrom(grpc::ServerContext* context,
     absl::StatusOr<PeerLinks::MappedPeer> again =
         links_->Mapped(*stub, from_node, deadline, mapped->instance_id);
     if (!again.ok() || again->instance_id != message.header().holder_instance_id()) {
-      c->TryCancel();
       // The export given up here, so that a move made again (Move) finds the sequence
-      // unfrozen, and only then (by_attach: `unmappable` is not null).
+      // unfrozen, and only then (by_attach: `unmappable` is not null). Before the stream is
+      // cancelled: a holder that saw the cancel first gives the export up itself, and this
+      // call would then find none to confirm.
       std::move(abandon).Cancel();
       *unmappable = finish(export_id, false).ok();
+      c->TryCancel();
       return absl::AbortedError(absl::StrCat(
           "MoveSequence: the holder ", from_node,
           "'s pool as mapped is not the exporting daemon's (it restarted during the move?)",

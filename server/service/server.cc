@@ -10,8 +10,10 @@
 #include <optional>
 #include <sstream>
 #include <variant>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -218,10 +220,34 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         "network no one else can read",
         config.listen);
   }
-  absl::StatusOr<std::unique_ptr<store::Backend>> backend =
-      store::MakeBackend(config.backend, config.engine.pool_bytes, config.cuda_device);
-  if (!backend.ok()) return backend.status();
   engine::EngineConfig engine_config = config.engine;
+  std::vector<uint64_t> arena_bytes;
+  if (!engine_config.tenant_arenas.empty()) {
+    // An arena is an authenticated tenant's: without identities a tenant is a salt any
+    // client may send.
+    if (server->auth_ == nullptr) {
+      return absl::InvalidArgumentError(
+          "--tenant-arena: arenas belong to authenticated tenants; give --auth-tokens or "
+          "--tls-client-ca");
+    }
+    if (engine_config.page_bytes == 0) {
+      return absl::InvalidArgumentError("--tenant-arena: --page-bytes is 0");
+    }
+    absl::flat_hash_set<std::string> named;
+    for (const auto& [tenant, bytes] : engine_config.tenant_arenas) {
+      if (tenant.empty() || !named.insert(tenant).second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--tenant-arena: tenant \"", EchoClientText(tenant), "\" is empty or named twice"));
+      }
+      arena_bytes.push_back(bytes);
+    }
+    // The arenas are whole pages at the pool's end: the pool is whole pages too.
+    engine_config.pool_bytes =
+        engine_config.pool_bytes / engine_config.page_bytes * engine_config.page_bytes;
+  }
+  absl::StatusOr<std::unique_ptr<store::Backend>> backend = store::MakeBackend(
+      config.backend, engine_config.pool_bytes, config.cuda_device, std::move(arena_bytes));
+  if (!backend.ok()) return backend.status();
   if (config.device_step == "auto") {
     engine_config.device_step = (*backend)->prefers_device_step();
   } else if (config.device_step == "on" || config.device_step == "off") {
@@ -286,12 +312,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   }
   if (!server->index_events_.empty()) server->engine_->set_index_events(&server->index_events_);
   // The CPU pool's segment: clients write into it only with in-place writes.
-  if (std::optional<store::PoolExport> exported = server->engine_->backend().pool_export()) {
-    if (const auto* shm = std::get_if<store::SharedMemoryExport>(&*exported)) {
-      if (auto segment = shm->segment.lock()) {
-        const absl::Status sealed = segment->Seal(/*writers_too=*/!engine_config.in_place_writes);
-        if (!sealed.ok()) return sealed;
-      }
+  for (const store::SharedMemoryExport& piece : server->engine_->backend().pool_pieces()) {
+    if (auto segment = piece.segment.lock()) {
+      const absl::Status sealed = segment->Seal(/*writers_too=*/!engine_config.in_place_writes);
+      if (!sealed.ok()) return sealed;
     }
   }
   absl::StatusOr<std::unique_ptr<transport::AttachSocket>> attach =
@@ -313,18 +337,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
         std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "(all)",
         std::getenv("UCX_NET_DEVICES") != nullptr ? std::getenv("UCX_NET_DEVICES") : "(all)");
 #if KVMEM_WITH_UCX
-    std::optional<store::PoolExport> pool = server->engine_->backend().pool_export();
-    const auto* shm = pool ? std::get_if<store::SharedMemoryExport>(&*pool) : nullptr;
-    std::shared_ptr<const transport::SharedSegment> pool_segment =
-        shm != nullptr ? shm->segment.lock() : nullptr;
+    // The whole pool, its arenas included (its pieces lie side by side).
+    const store::Backend& pool = server->engine_->backend();
     std::shared_ptr<const transport::SharedSegment> board =
         server->engine_->epoch_board().segment().lock();
-    if (pool_segment == nullptr || board == nullptr) {
+    if (pool.pool_pieces().empty() || board == nullptr) {
       return absl::InvalidArgumentError(
           "--ucx: only the CPU backend's pool is registered for remote reads so far");
     }
     absl::StatusOr<std::unique_ptr<transport::UcxPlane>> plane = transport::UcxPlane::Start(
-        {{pool_segment->data(), pool_segment->bytes()}, {board->data(), board->bytes()}});
+        {{pool.host_pool(), pool.pool_bytes()}, {board->data(), board->bytes()}});
     if (!plane.ok()) return plane.status();
     server->ucx_ = *std::move(plane);
     ucx = server->ucx_.get();

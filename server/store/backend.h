@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -71,7 +72,10 @@ struct DequantizeOp {
 struct SharedMemoryExport {
   // The pool's segment (a same-host client receives its descriptor: transport/attach_socket.h).
   std::weak_ptr<const transport::SharedSegment> segment;
-  uint64_t bytes = 0;
+  uint64_t bytes = 0;  // the pool's: what block offsets index into
+  // Where the segment's first byte lies in the pool: 0 for the whole pool; with arenas
+  // (CpuBackend's), each piece is a segment of its own, the shared part first.
+  uint64_t offset = 0;
 };
 struct CudaIpcExport {
   std::string handle;  // cudaIpcMemHandle_t bytes
@@ -131,6 +135,9 @@ class Backend {
 
   // The same-host export of the pool, when the backend has one.
   virtual std::optional<PoolExport> pool_export() const { return std::nullopt; }
+  // The pool's pieces, each a segment of its own: the whole pool in one (pool_export's), or
+  // the shared part then each arena (CpuBackend::Create's). Empty where there are none.
+  virtual std::vector<SharedMemoryExport> pool_pieces() const { return {}; }
   // The pool's bytes as this process addresses them, where they are host memory that may be
   // written in place of Write (a move's gets land there: SequenceImport::Reserve); null
   // where they are not (device memory).

@@ -10,11 +10,17 @@
 namespace kvmem::store {
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(absl::string_view name, uint64_t pool_bytes,
-                                                     int cuda_device) {
+                                                     int cuda_device,
+                                                     std::vector<uint64_t> arena_bytes) {
   if (name == "cpu") {
-    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(pool_bytes);
+    absl::StatusOr<std::unique_ptr<CpuBackend>> cpu =
+        CpuBackend::Create(pool_bytes, std::move(arena_bytes));
     if (!cpu.ok()) return cpu.status();
     return std::unique_ptr<Backend>(*std::move(cpu));
+  }
+  if (name == "cuda" && !arena_bytes.empty()) {
+    return absl::FailedPreconditionError(
+        "--tenant-arena: only the CPU backend's pool is cut into arenas so far");
   }
   if (name == "cuda") {
 #ifdef KVMEM_WITH_CUDA

@@ -14,7 +14,8 @@ uint32_t RoundUp(uint32_t bytes) {
 
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes,
                                                              uint64_t page_bytes,
-                                                             uint32_t reserve_pages) {
+                                                             uint32_t reserve_pages,
+                                                             std::vector<ArenaSpec> arenas) {
   if (page_bytes < kBlockAlignment || page_bytes % kBlockAlignment != 0 ||
       page_bytes > (1ull << 30)) {
     return absl::InvalidArgumentError(absl::StrCat("page_bytes: ", page_bytes,
@@ -32,27 +33,63 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes
         "pool_bytes: ", pool_bytes, " would hold more than 2^32 - 1 blocks of ", kBlockAlignment,
         " bytes (block ids are 32-bit); at most ", 0xffffffffull * kBlockAlignment, " bytes"));
   }
-  if (reserve_pages >= pages && reserve_pages > 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reserve_pages: ", reserve_pages, " must be less than the pool's ", pages, " pages"));
+  uint64_t arena_pages = 0;
+  for (const ArenaSpec& a : arenas) {
+    if (a.pages == 0 || a.reserve_pages >= a.pages) {
+      return absl::InvalidArgumentError(absl::StrCat(a.name, ": ", a.pages, " pages of ",
+                                                     page_bytes, " bytes, ", a.reserve_pages,
+                                                     " of them kept for quantization: too few"));
+    }
+    arena_pages += a.pages;
+  }
+  if (arena_pages >= pages) {
+    return absl::InvalidArgumentError(absl::StrCat("arenas: ", arena_pages, " pages of ",
+                                                   page_bytes, " bytes leave none of the ",
+                                                   "pool's ", pages, " to the shared part"));
+  }
+  const uint64_t shared_pages = pages - arena_pages;
+  if (reserve_pages >= shared_pages && reserve_pages > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("reserve_pages: ", reserve_pages,
+                                                   " must be less than the pool's ", shared_pages,
+                                                   arenas.empty() ? " pages" : " shared pages"));
+  }
+  std::vector<Bounds> bounds = {{"", 0, static_cast<uint32_t>(shared_pages), reserve_pages}};
+  for (ArenaSpec& a : arenas) {
+    const Bounds& before = bounds.back();
+    bounds.push_back(
+        {std::move(a.name), before.first_page + before.pages, a.pages, a.reserve_pages});
   }
   return std::unique_ptr<BlockPool>(
-      new BlockPool(page_bytes, static_cast<uint32_t>(pages), reserve_pages));
+      new BlockPool(page_bytes, static_cast<uint32_t>(pages), std::move(bounds)));
 }
 
-BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages)
+BlockPool::BlockPool(uint64_t page_bytes, uint32_t num_pages, std::vector<Bounds> bounds)
     : page_bytes_(page_bytes),
       num_pages_(num_pages),
-      reserve_pages_(reserve_pages),
+      bounds_(std::move(bounds)),
       num_chunks_((uint64_t{num_pages} * (page_bytes / kBlockAlignment) + kIdsPerChunk - 1) /
                   kIdsPerChunk),
       chunks_(std::make_unique<std::atomic<IdState*>[]>(num_chunks_)) {
   pages_.resize(num_pages);
-  free_pages_.reserve(num_pages);
-  for (uint32_t p = num_pages; p-- > 0;) free_pages_.push_back(p);
+  regions_.resize(bounds_.size());
+  for (size_t r = 0; r < bounds_.size(); ++r) {
+    std::vector<uint32_t>& free = regions_[r].free_pages;
+    free.reserve(bounds_[r].pages);
+    for (uint32_t p = bounds_[r].first_page + bounds_[r].pages; p-- > bounds_[r].first_page;) {
+      free.push_back(p);
+    }
+  }
 }
 
-absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use use) {
+uint32_t BlockPool::RegionOf(uint32_t page) const {
+  // The last region starting at or before the page (regions are in page order).
+  auto after = std::upper_bound(bounds_.begin(), bounds_.end(), page,
+                                [](uint32_t p, const Bounds& b) { return p < b.first_page; });
+  return static_cast<uint32_t>(after - bounds_.begin() - 1);
+}
+
+absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use use, uint32_t r) {
+  Region& region = regions_[r];
   // Room for a new id first, before any page changes: if making it throws (host memory),
   // nothing changed.
   if (free_ids_.empty()) {
@@ -70,22 +107,22 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
     if (free_ids_.capacity() < blocks_.capacity()) free_ids_.reserve(blocks_.capacity());
   }
   uint32_t page_index;
-  auto partial = partial_.find(class_bytes);
-  if (partial != partial_.end() && !partial->second.empty()) {
+  auto partial = region.partial.find(class_bytes);
+  if (partial != region.partial.end() && !partial->second.empty()) {
     page_index = *partial->second.begin();
   } else {
-    if (free_pages_.size() <= (use == Use::kReclaim ? 0 : reserve_pages_)) {
+    if (region.free_pages.size() <= (use == Use::kReclaim ? 0 : bounds_[r].reserve_pages)) {
       return absl::ResourceExhaustedError("no free page");
     }
     // What may throw first, while the page is still free (class 0, on the free list).
-    const uint32_t candidate = free_pages_.back();
+    const uint32_t candidate = region.free_pages.back();
     Page& page = pages_[candidate];
     const uint32_t slots = static_cast<uint32_t>(page_bytes_ / class_bytes);
     page.free_slots.resize(slots);
     for (uint32_t s = 0; s < slots; ++s) page.free_slots[s] = slots - 1 - s;
-    partial_[class_bytes].insert(candidate);
+    region.partial[class_bytes].insert(candidate);
     page_index = candidate;
-    free_pages_.pop_back();
+    region.free_pages.pop_back();
     ++pages_used_;
     page.class_bytes = class_bytes;
     page.used = 0;
@@ -94,7 +131,7 @@ absl::StatusOr<BlockId> BlockPool::AllocateOneLocked(uint32_t class_bytes, Use u
   const uint32_t slot = page.free_slots.back();
   page.free_slots.pop_back();
   ++page.used;
-  if (page.free_slots.empty()) partial_[class_bytes].erase(page_index);
+  if (page.free_slots.empty()) region.partial[class_bytes].erase(page_index);
 
   BlockId id;
   if (!free_ids_.empty()) {
@@ -120,17 +157,18 @@ void BlockPool::FreeLocked(BlockId id) {
   const uint64_t offset = state->offset.load(std::memory_order_relaxed);
   const uint32_t page_index = static_cast<uint32_t>(offset / page_bytes_);
   Page& page = pages_[page_index];
+  Region& region = regions_[RegionOf(page_index)];
   page.free_slots.push_back(static_cast<uint32_t>((offset % page_bytes_) / block.class_bytes));
   --page.used;
   if (page.used == 0) {
-    partial_[page.class_bytes].erase(page_index);
+    region.partial[page.class_bytes].erase(page_index);
     page.class_bytes = 0;
     page.free_slots.clear();
     page.free_slots.shrink_to_fit();
-    free_pages_.push_back(page_index);
+    region.free_pages.push_back(page_index);
     --pages_used_;
   } else {
-    partial_[page.class_bytes].insert(page_index);
+    region.partial[page.class_bytes].insert(page_index);
   }
   --blocks_used_;
   block_bytes_used_ -= block.class_bytes;
@@ -142,7 +180,10 @@ void BlockPool::FreeLocked(BlockId id) {
 }
 
 absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t quota_bytes,
-                                                   absl::string_view limit_flag) {
+                                                   absl::string_view limit_flag, uint32_t arena) {
+  if (arena >= bounds_.size()) {
+    return absl::InternalError(absl::StrCat("tenants: no arena ", arena, " (", arenas(), ")"));
+  }
   kvmem::MutexLock lock(&mu_);
   if (!free_tenants_.empty()) {
     const TenantId id = free_tenants_.back();
@@ -150,7 +191,7 @@ absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t qu
       return absl::InternalError(absl::StrCat("tenants: id ", id, " is free but charged"));
     }
     free_tenants_.pop_back();
-    tenants_[id] = Tenant{std::move(name), quota_bytes, 0, true};
+    tenants_[id] = Tenant{std::move(name), quota_bytes, 0, true, arena};
     return id;
   }
   if (tenants_.size() >= kMaxTenants + 1) {  // [0] is nobody
@@ -158,7 +199,7 @@ absl::StatusOr<TenantId> BlockPool::RegisterTenant(std::string name, uint64_t qu
         "tenants: ", kMaxTenants, " tenants hold pool bytes or sequences now (", limit_flag, ")"));
   }
   free_tenants_.reserve(tenants_.size() + 1);  // so that UnregisterTenant never allocates
-  tenants_.push_back(Tenant{std::move(name), quota_bytes, 0, true});
+  tenants_.push_back(Tenant{std::move(name), quota_bytes, 0, true, arena});
   return static_cast<TenantId>(tenants_.size() - 1);
 }
 
@@ -228,27 +269,37 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
   if (out->capacity() < first + count) {  // so that no push_back below throws with blocks taken
     out->reserve(std::max(first + count, 2 * out->capacity()));
   }
+  const uint32_t r = charged.region;
+  const Region& region = regions_[r];
+  const Bounds& bounds = bounds_[r];
   for (size_t i = 0; i < count; ++i) {
-    absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use);
+    absl::StatusOr<BlockId> id = AllocateOneLocked(class_bytes, use, r);
     if (!id.ok()) {
       for (size_t j = first; j < out->size(); ++j) FreeLocked((*out)[j]);
       out->resize(first);
       // What is missing, as the pool stands again: the free slots of this size class in
       // partly used pages and the free pages this use may take count against the ask.
       uint64_t room = 0;
-      if (auto p = partial_.find(class_bytes); p != partial_.end()) {
+      if (auto p = region.partial.find(class_bytes); p != region.partial.end()) {
         for (uint32_t page : p->second) room += pages_[page].free_slots.size() * class_bytes;
       }
-      const uint64_t usable = use == Use::kReclaim ? 0 : reserve_pages_;
-      if (free_pages_.size() > usable) {
-        room += (free_pages_.size() - usable) * (page_bytes_ / class_bytes) * class_bytes;
+      const uint64_t usable = use == Use::kReclaim ? 0 : bounds.reserve_pages;
+      const uint64_t free_pages = region.free_pages.size();
+      if (free_pages > usable) {
+        room += (free_pages - usable) * (page_bytes_ / class_bytes) * class_bytes;
       }
       *deficit = asked > room ? asked - room : class_bytes;
+      // A full arena is its tenant's alone to make room in (the reclaimer frees what is
+      // cached and charged to the tenant), as a quota is.
+      *over_quota = r != 0;
+      const std::string where =
+          r == 0 ? absl::StrCat("the pool of ", pool_bytes(), " bytes")
+                 : absl::StrCat(bounds.name, " of ", uint64_t{bounds.pages} * page_bytes_,
+                                " bytes (--tenant-arena)");
       return absl::ResourceExhaustedError(absl::StrCat(
           "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
-          " bytes) but the pool of ", pool_bytes(), " bytes has ", free_pages_.size(),
-          " free pages of ", page_bytes_, " bytes (", reserve_pages_,
-          " kept for quantization) and ", blocks_used_, " blocks in use"));
+          " bytes) but ", where, " has ", free_pages, " free pages of ", page_bytes_, " bytes (",
+          bounds.reserve_pages, " kept for quantization) and ", blocks_used_, " blocks in use"));
     }
     out->push_back(*id);
     // Charged block by block, so that a rollback (FreeLocked) credits exactly what was.
@@ -307,12 +358,25 @@ uint32_t BlockPool::refs(BlockId id) const {
 PoolUsage BlockPool::usage() const {
   kvmem::MutexLock lock(&mu_);
   return PoolUsage{pool_bytes(), page_bytes_,       num_pages_,     pages_used_,
-                   blocks_used_, block_bytes_used_, reserve_pages_, bad_unrefs_};
+                   blocks_used_, block_bytes_used_, ReservePages(), bad_unrefs_};
 }
 
 uint64_t BlockPool::free_bytes() const {
   kvmem::MutexLock lock(&mu_);
-  return free_pages_.size() * page_bytes_;
+  uint64_t pages = 0;
+  for (const Region& r : regions_) pages += r.free_pages.size();
+  return pages * page_bytes_;
+}
+
+uint64_t BlockPool::region_free_bytes(uint32_t region) const {
+  kvmem::MutexLock lock(&mu_);
+  return region < regions_.size() ? regions_[region].free_pages.size() * page_bytes_ : 0;
+}
+
+uint64_t BlockPool::ReservePages() const {
+  uint64_t pages = 0;
+  for (const Bounds& b : bounds_) pages += b.reserve_pages;
+  return pages;
 }
 
 }  // namespace kvmem::store

@@ -6,6 +6,11 @@
 // different layouts and precisions share the pool without external fragmentation; a page
 // returns to the free list when its last block is freed. The pool never grows.
 //
+// Arenas (kvmemd --tenant-arena): the pool's last pages may be cut into arenas, each serving
+// the blocks of one tenant alone (a tenant bound to an arena allocates only there; nobody
+// else allocates there), so that a same-host client of that tenant maps its arena and
+// nothing of the others'. The rest of the pool is the shared part.
+//
 // Blocks are reference counted from creation (Fork and prefix sharing map one physical block
 // into several streams). Thread-safe: every method but offset and refs takes the pool's
 // mutex; those two, which the decode path asks per block, read without it.
@@ -31,6 +36,14 @@ using BlockId = uint32_t;
 using TenantId = uint32_t;
 inline constexpr uint32_t kBlockAlignment = 64;
 
+// One arena: `pages` pages at the pool's end (after the arenas before it), `reserve_pages` of
+// them kept for Use::kReclaim as the pool keeps its own; `name` for messages.
+struct ArenaSpec {
+  std::string name;
+  uint32_t pages = 0;
+  uint32_t reserve_pages = 0;
+};
+
 struct PoolUsage {
   uint64_t pool_bytes = 0;
   uint64_t page_bytes = 0;
@@ -48,8 +61,11 @@ class BlockPool {
   // 2^32 - 1 blocks of the smallest size class may fit (BlockId is 32-bit and ids are
   // reused, so no id can wrap). `reserve_pages` free pages are kept for allocations that
   // reclaim memory (Use::kReclaim: quantization), so that a full pool can still shrink.
+  // `arenas` take the pool's last pages, in order (arena i is region i + 1); the shared
+  // part keeps the rest and `reserve_pages` of it, and must keep at least one page.
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(uint64_t pool_bytes, uint64_t page_bytes,
-                                                           uint32_t reserve_pages = 0);
+                                                           uint32_t reserve_pages = 0,
+                                                           std::vector<ArenaSpec> arenas = {});
 
   // What an allocation is for: kGrow may not take the last reserve_pages free pages,
   // kReclaim (work that frees more than it takes once committed) may.
@@ -67,9 +83,12 @@ class BlockPool {
                                           std::vector<BlockId>* out, Use use = Use::kGrow,
                                           TenantId tenant = 0);
   // A tenant named `name` with a quota of pool bytes (0: none); at most kMaxTenants at once
-  // (RESOURCE_EXHAUSTED naming `limit_flag`, the setting that bounds them).
+  // (RESOURCE_EXHAUSTED naming `limit_flag`, the setting that bounds them). `arena` (1 for
+  // the first of Create's arenas; 0: none) is where its blocks go, and no one else's; the
+  // caller binds each arena to one tenant name.
   absl::StatusOr<TenantId> RegisterTenant(std::string name, uint64_t quota_bytes,
-                                          absl::string_view limit_flag = "tenants");
+                                          absl::string_view limit_flag = "tenants",
+                                          uint32_t arena = 0);
   // Frees a tenant's id for another (RegisterTenant) once no block is charged to it; false
   // (and nothing changes) while one is. The caller makes sure nothing allocates for it.
   bool UnregisterTenant(TenantId tenant);
@@ -103,9 +122,33 @@ class BlockPool {
   uint64_t pool_bytes() const { return page_bytes_ * num_pages_; }
   uint64_t page_bytes() const { return page_bytes_; }
   uint64_t free_bytes() const;
+  // Arena a's first byte in the pool and its bytes (a in [1, arenas()]).
+  uint32_t arenas() const { return static_cast<uint32_t>(bounds_.size() - 1); }
+  uint64_t arena_offset(uint32_t arena) const {
+    return uint64_t{bounds_[arena].first_page} * page_bytes_;
+  }
+  uint64_t arena_bytes(uint32_t arena) const {
+    return uint64_t{bounds_[arena].pages} * page_bytes_;
+  }
+  // Pool bytes of arena a (0: the shared part) that no block holds.
+  uint64_t region_free_bytes(uint32_t region) const;
 
  private:
-  BlockPool(uint64_t page_bytes, uint32_t num_pages, uint32_t reserve_pages);
+  // The shared part (region 0) or an arena: where it lies, which never changes ...
+  struct Bounds {
+    std::string name;  // "" for the shared part
+    uint32_t first_page = 0, pages = 0, reserve_pages = 0;
+  };
+  // ... and its free pages and partial pages.
+  struct Region {
+    std::vector<uint32_t> free_pages;  // stack, lowest index on top
+    // Pages with at least one free slot, per size class; lowest page first keeps pages dense.
+    std::map<uint32_t, std::set<uint32_t>> partial;
+  };
+  BlockPool(uint64_t page_bytes, uint32_t num_pages, std::vector<Bounds> bounds);
+  uint32_t RegionOf(uint32_t page) const;
+  // Pages kept for quantization, over every region.
+  uint64_t ReservePages() const;
   bool Live(BlockId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return id < blocks_.size() && State(id)->refs.load(std::memory_order_relaxed) > 0;
   }
@@ -138,6 +181,7 @@ class BlockPool {
     uint64_t quota = 0;  // 0: none
     uint64_t used = 0;
     bool registered = false;  // [0] and unregistered ids are not
+    uint32_t region = 0;      // where its blocks go: 0, the shared part, or its arena
   };
 
   // AllocateMany without reclaiming; on RESOURCE_EXHAUSTED, *deficit is about how many more
@@ -146,20 +190,19 @@ class BlockPool {
   absl::Status AllocateManyOnce(uint32_t block_bytes, uint32_t class_bytes, size_t count,
                                 std::vector<BlockId>* out, Use use, TenantId tenant,
                                 uint64_t* deficit, bool* over_quota);
-  absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use)
+  absl::StatusOr<BlockId> AllocateOneLocked(uint32_t class_bytes, Use use, uint32_t region)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(BlockId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t page_bytes_;
   const uint32_t num_pages_;
-  const uint32_t reserve_pages_;
   Reclaimer reclaimer_;
   mutable absl::Mutex mu_;
   uint64_t bad_unrefs_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint32_t> free_pages_ ABSL_GUARDED_BY(mu_);  // stack, lowest index on top
-  // Pages with at least one free slot, per size class; lowest page first keeps pages dense.
-  std::map<uint32_t, std::set<uint32_t>> partial_ ABSL_GUARDED_BY(mu_);
+  // [0]: the shared part; then the arenas, in page order.
+  const std::vector<Bounds> bounds_;
+  std::vector<Region> regions_ ABSL_GUARDED_BY(mu_);
   std::vector<Block> blocks_ ABSL_GUARDED_BY(mu_);
   // Room for every id the pool can hand out (one per 64 bytes of pool at most).
   const size_t num_chunks_;

@@ -42,7 +42,7 @@ int Allocate(int fd, off_t bytes) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<SharedSegment>> SharedSegment::Create(const std::string& label,
-                                                                     uint64_t bytes) {
+                                                                     uint64_t bytes, uint8_t* at) {
   if (bytes == 0 || bytes > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory ", label, ": cannot map a segment of ", bytes, " bytes"));
@@ -72,7 +72,8 @@ absl::StatusOr<std::shared_ptr<SharedSegment>> SharedSegment::Create(const std::
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     return fail(absl::StatusCode::kInternal, "sealing its size", errno);
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data =
+      mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (at != nullptr ? MAP_FIXED : 0), fd, 0);
   if (data == MAP_FAILED) {
     return fail(absl::StatusCode::kResourceExhausted, absl::StrCat("mmap of ", bytes, " bytes"),
                 errno);

@@ -20,8 +20,11 @@ class SharedSegment {
   // in /proc/<pid>/maps, it opens nothing). Its memory is allocated here, not on first touch:
   // when shared memory cannot hold it the result is RESOURCE_EXHAUSTED naming the size (a
   // mapping sized by ftruncate alone would kill the daemon with SIGBUS later instead).
+  // `at`: mapped there (MAP_FIXED), over address space the caller reserved for it (its
+  // pages must be the caller's to replace); the segment unmaps it when it goes.
   static absl::StatusOr<std::shared_ptr<SharedSegment>> Create(const std::string& label,
-                                                               uint64_t bytes);
+                                                               uint64_t bytes,
+                                                               uint8_t* at = nullptr);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;

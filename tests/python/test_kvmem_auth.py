@@ -85,6 +85,45 @@ def test_a_unix_peers_uid_is_its_tenant(tmp_path):
             seq.release()
 
 
+def test_a_tenants_arena_is_all_its_mapping_reads(tokens):
+    """--tenant-arena: alice's blocks lie in her arena, her client maps that arena alone
+    (offsets taken back by the piece's start) and reads them in place as read_kv gives
+    them; bob's blocks are outside her mapping, refused."""
+    arena = 4 << 20
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\nops admin-token-0123456789 admin\n")
+    with running_daemon("arena", f"--auth_tokens={tokens}", "--pool_bytes=16777216",
+                        f"--tenant_arena=alice:{arena}") as target:
+        with connect(target, ALICE) as alice, connect(target, BOB) as bob, \
+                connect(target, "admin-token-0123456789") as ops:
+            info = alice.get_info()
+            assert (info.shm_bytes, info.shm_piece_offset, info.shm_piece_bytes) == \
+                (16 << 20, (16 << 20) - arena, arena)
+            assert bob.get_info().shm_bytes == 0  # no arena, no admin: nothing to map
+            lay = layout(D=32)
+            rng = np.random.default_rng(3)
+            k = rng.standard_normal(lay.kv_shape(40)).astype(np.float16)
+            v = rng.standard_normal(lay.kv_shape(40)).astype(np.float16)
+            hers, his = alice.create_sequence(lay), bob.create_sequence(lay)
+            hers.append(range(40), k, v)
+            his.append(range(40), k, v)
+            with alice.attach_shared_pool() as pool:
+                assert all(o >= (16 << 20) - arena for st in hers.table.streams
+                           for o in st.offsets)
+                read = pool.read_all(hers.table)
+                for s in hers.read_kv():
+                    i = s.layer * lay.num_kv_heads + s.kv_head
+                    assert read.k[i, :40].tobytes() == s.k.tobytes()
+                    mapped = pool.read_stream(hers.table, s.layer, s.kv_head)
+                    assert mapped.v.tobytes() == s.v.tobytes()
+                his_table = ops.get_block_table(his.id)
+                with pytest.raises(kvmem.OutOfRangeError):
+                    pool.read_all(his_table)
+                with pytest.raises(kvmem.OutOfRangeError):
+                    pool.read_stream(his_table, 0, 0)
+            hers.release()
+            his.release()
+
+
 def _children():
     """(pid, command line) of this process's children."""
     out = []

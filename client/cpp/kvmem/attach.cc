@@ -130,7 +130,7 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
 }
 
 absl::StatusOr<uint8_t*> MapSegment(const SegmentTicket& ticket, uint32_t kind, uint64_t bytes,
-                                    bool writable, absl::string_view what) {
+                                    bool writable, absl::string_view what, uint8_t* at) {
   absl::StatusOr<std::vector<ReceivedSegment>> received = ReceiveSegments(ticket, what);
   if (!received.ok()) return received.status();
   absl::Cleanup close_all = [&received] {
@@ -154,8 +154,8 @@ absl::StatusOr<uint8_t*> MapSegment(const SegmentTicket& ticket, uint32_t kind, 
       return absl::FailedPreconditionError(
           absl::StrCat(what, ": its size is not sealed (it could shrink under a read)"));
     }
-    void* data =
-        mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, r.fd, 0);
+    void* data = mmap(at, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                      MAP_SHARED | (at != nullptr ? MAP_FIXED : 0), r.fd, 0);
     if (data == MAP_FAILED) {
       return absl::UnavailableError(absl::StrCat(what, ": mmap: ", std::strerror(errno)));
     }

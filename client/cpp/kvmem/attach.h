@@ -36,9 +36,10 @@ absl::StatusOr<std::vector<ReceivedSegment>> ReceiveSegments(const SegmentTicket
 
 // Maps the segment of `kind` (a v1::attach::Segment) the ticket grants, at least `bytes`
 // long, read-write when `writable`; munmap(result, bytes) ends it. `what` names it in
-// errors. ReceiveSegments' errors, and FAILED_PRECONDITION when the ticket grants no such
+// errors. `at`: mapped there (MAP_FIXED) over addresses the caller reserved for it.
+// ReceiveSegments' errors, and FAILED_PRECONDITION when the ticket grants no such
 // segment, or not writable.
 absl::StatusOr<uint8_t*> MapSegment(const SegmentTicket& ticket, uint32_t kind, uint64_t bytes,
-                                    bool writable, absl::string_view what);
+                                    bool writable, absl::string_view what, uint8_t* at = nullptr);
 
 }  // namespace kvmem::client

@@ -125,6 +125,10 @@ struct Info {
   // (kvmem/shared_pool.h maps it; 0 bytes: the pool is not one) or the CUDA backend's IPC
   // handle.
   uint64_t shm_bytes = 0;
+  // What the pool's descriptor maps: pool bytes [shm_piece_offset, + shm_piece_bytes), the
+  // whole pool unless kvmemd cuts it into tenant arenas (a tenant's arena, or the shared
+  // part: SharedMemoryPool in kvmem.proto).
+  uint64_t shm_piece_offset = 0, shm_piece_bytes = 0;
   // CUDA backend: the pool's cudaIpcMemHandle_t bytes (empty otherwise), its device's UUID,
   // the mapped size (kvmem/cuda_pool.h opens it).
   std::string cuda_ipc_handle, cuda_device_uuid;

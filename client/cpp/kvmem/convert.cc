@@ -155,6 +155,10 @@ Info InfoOf(const v1::GetInfoResponse& r) {
   switch (r.pool_export_case()) {
     case v1::GetInfoResponse::kSharedMemory:
       info.shm_bytes = r.shared_memory().segment_bytes();
+      info.shm_piece_offset = r.shared_memory().piece_offset();
+      // A daemon that names no piece maps the whole pool.
+      info.shm_piece_bytes =
+          r.shared_memory().piece_bytes() != 0 ? r.shared_memory().piece_bytes() : info.shm_bytes;
       break;
     case v1::GetInfoResponse::kCudaIpc:
       info.cuda_ipc_handle = r.cuda_ipc().handle();

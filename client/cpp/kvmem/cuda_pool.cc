@@ -72,6 +72,7 @@ absl::StatusOr<std::unique_ptr<CudaPool>> CudaPool::Attach(const Info& info, boo
   pool->writable_ = writable;
   pool->base_ = static_cast<const uint8_t*>(base);
   pool->bytes_ = info.cuda_pool_bytes;
+  pool->hi_ = pool->bytes_;
   return pool;
 }
 

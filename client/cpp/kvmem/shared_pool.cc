@@ -86,12 +86,38 @@ absl::StatusOr<std::unique_ptr<SharedPool>> SharedPool::Attach(const Info& info,
   absl::StatusOr<std::unique_ptr<EpochReader>> epochs = EpochReader::Attach(info);
   if (!epochs.ok()) return epochs.status();
   pool->epochs_ = *std::move(epochs);
+  const uint64_t lo = info.shm_piece_offset;
+  const uint64_t piece = info.shm_piece_bytes != 0 ? info.shm_piece_bytes : info.shm_bytes;
+  const auto system_page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  if (lo > info.shm_bytes || piece > info.shm_bytes - lo || lo % system_page != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("shared_memory: the daemon's piece [", lo, ", +", piece, ") of its pool of ",
+                     info.shm_bytes, " bytes cannot be mapped in place"));
+  }
+  // A piece lies where its offsets say, in a range the size of the pool whose rest maps
+  // nothing (PROT_NONE), so that offsets index as they do into a whole pool.
+  uint8_t* range = nullptr;
+  if (piece != info.shm_bytes) {
+    void* reserved = mmap(nullptr, info.shm_bytes, PROT_NONE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (reserved == MAP_FAILED) {
+      return absl::UnavailableError(absl::StrCat("shared_memory: no room for ", info.shm_bytes,
+                                                 " bytes of addresses: ", std::strerror(errno)));
+    }
+    range = static_cast<uint8_t*>(reserved);
+  }
   absl::StatusOr<uint8_t*> data =
-      MapSegment(info.attach, v1::attach::kPool, info.shm_bytes, writable, "shared_memory");
-  if (!data.ok()) return data.status();
-  pool->base_ = *data;
+      MapSegment(info.attach, v1::attach::kPool, piece, writable, "shared_memory",
+                 range != nullptr ? range + lo : nullptr);
+  if (!data.ok()) {
+    if (range != nullptr) munmap(range, info.shm_bytes);
+    return data.status();
+  }
+  pool->base_ = range != nullptr ? range : *data;
   pool->bytes_ = info.shm_bytes;
-  if (writable) pool->writable_ = *data;
+  pool->lo_ = lo;
+  pool->hi_ = lo + piece;
+  if (writable) pool->writable_ = const_cast<uint8_t*>(pool->base_);
   return pool;
 }
 
@@ -115,10 +141,10 @@ absl::StatusOr<MappedPool::PlannedWrites> MappedPool::PlanWrites(const WritePlan
   out.k.reserve(streams);
   for (uint64_t s = 0; s < streams; ++s) {
     const uint64_t at = plan.block_offsets[s];
-    if (uint64_t{plan.first_slots[s]} + n > table.block_tokens || at > bytes_ ||
-        block.bytes() > bytes_ - at) {
+    if (uint64_t{plan.first_slots[s]} + n > table.block_tokens || !Maps(at, block.bytes())) {
       return absl::OutOfRangeError(absl::StrCat("WritePlanned: stream ", s, "'s block at ", at,
-                                                " lies outside the pool of ", bytes_, " bytes"));
+                                                " lies outside the mapped pool bytes [", lo_, ", ",
+                                                hi_, ")"));
     }
     out.k.push_back({s * n * row, at + block.k_offset(plan.first_slots[s]), n * row});
   }
@@ -154,9 +180,9 @@ absl::Status SharedPool::CopyOut(void* dst, const uint8_t* src, uint64_t bytes) 
 
 absl::Status SharedPool::ReadPool(absl::Span<const PoolRead> reads) const {
   for (const PoolRead& r : reads) {
-    if (r.offset > bytes_ || r.bytes > bytes_ - r.offset) {
+    if (!Maps(r.offset, r.bytes)) {
       return absl::OutOfRangeError(absl::StrCat("pool bytes [", r.offset, ", +", r.bytes,
-                                                ") lie outside the pool's ", bytes_));
+                                                ") lie outside the mapped [", lo_, ", ", hi_, ")"));
     }
   }
   // In the pool's order, reads that follow each other there and at their destinations are
@@ -204,7 +230,6 @@ absl::StatusOr<std::vector<BlockView>> MappedPool::StreamBlocks(const BlockTable
                                                                 uint32_t layer,
                                                                 uint32_t kv_head) const {
   const uint8_t* pool = base_;
-  const uint64_t pool_bytes = bytes_;
   const Layout& layout = table.layout;
   if (layer >= layout.num_layers || kv_head >= layout.num_kv_heads) {
     return absl::InvalidArgumentError(
@@ -218,8 +243,7 @@ absl::StatusOr<std::vector<BlockView>> MappedPool::StreamBlocks(const BlockTable
     const TableBlock& block = st.blocks[b];
     const uint64_t bytes =
         block.precision == Precision::kLayout ? table.block_bytes : table.quantized_block_bytes;
-    if (block.offset > pool_bytes || bytes > pool_bytes - block.offset ||
-        block.start + block.count > table.block_tokens) {
+    if (!Maps(block.offset, bytes) || block.start + block.count > table.block_tokens) {
       return absl::OutOfRangeError(
           absl::StrCat("blocks[", b, "]: offset ", block.offset, " slots [", block.start, ", ",
                        block.start + block.count, ") is outside the mapped pool or block"));

@@ -112,6 +112,11 @@ class MappedPool {
   absl::StatusOr<std::vector<StreamKv>> ReadStreams(const BlockTable& table) const;
   // The mapping's bytes (the pool's size).
   uint64_t bytes() const { return bytes_; }
+  // Whether pool bytes [offset, offset + bytes) are mapped (and so may be read): within the
+  // pool and within the piece of it this process was given (Info::shm_piece_offset).
+  bool Maps(uint64_t offset, uint64_t bytes) const {
+    return offset >= lo_ && offset <= hi_ && bytes <= hi_ - offset;
+  }
 
  protected:
   MappedPool() = default;
@@ -150,6 +155,7 @@ class MappedPool {
 
   const uint8_t* base_ = nullptr;
   uint64_t bytes_ = 0;
+  uint64_t lo_ = 0, hi_ = 0;  // the pool bytes mapped: [lo_, hi_) (Maps)
   std::unique_ptr<EpochReader> epochs_;
 };
 

@@ -104,6 +104,7 @@ absl::StatusOr<std::unique_ptr<UcxPool>> UcxPool::Connect(const Info& info,
   // base_, CopyOut turns them back into the daemon's addresses.
   pool->base_ = reinterpret_cast<const uint8_t*>(info.ucx.pool_address);
   pool->bytes_ = info.ucx.pool_bytes;
+  pool->hi_ = pool->bytes_;
   pool->board_address_ = info.ucx.epoch_board_address;
   pool->stride_ = info.epoch_stride;
   pool->slots_ = info.epoch_slots;

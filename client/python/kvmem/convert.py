@@ -152,7 +152,8 @@ def info_of(r: pb.GetInfoResponse) -> Info:
                 r.default_quantization_recent_tokens, shm.segment_bytes,
                 cuda.handle, cuda.device_uuid, cuda.pool_bytes,
                 r.epoch_board.stride, r.epoch_board.slots, r.attach.socket, r.attach.ticket,
-                r.attach.daemon_uid if r.HasField("attach") else None, r.instance_id)
+                r.attach.daemon_uid if r.HasField("attach") else None, r.instance_id,
+                shm.piece_offset, shm.piece_bytes or shm.segment_bytes)
 
 
 def sequence_stats_of(s: pb.SequenceStats) -> SequenceStats:

@@ -70,6 +70,11 @@ class Info:
     # Random at each start of kvmemd (0 from an older one): another means a restart, and
     # what was mapped from the one before is stale.
     instance_id: int = 0
+    # What the pool's descriptor maps: pool bytes [shm_piece_offset, + shm_piece_bytes);
+    # the whole pool unless kvmemd cuts it into tenant arenas (a tenant's arena, or the
+    # shared part: SharedMemoryPool in kvmem.proto). 0 bytes: the whole pool.
+    shm_piece_offset: int = 0
+    shm_piece_bytes: int = 0
 
     def policy(self, name: str) -> PolicyInfo:
         for p in self.policies:

@@ -249,7 +249,10 @@ class SharedPool:
     def __init__(self, info: Info, pool: mmap.mmap, epochs: EpochReader) -> None:
         self._map = pool
         self._bytes = np.frombuffer(pool, dtype=np.uint8)
-        self.size = info.shm_bytes
+        # The mapping holds pool bytes [_lo, _lo + size): the whole pool, or with tenant
+        # arenas the piece this caller was given; offsets are taken back by _lo.
+        self._lo = info.shm_piece_offset
+        self.size = info.shm_piece_bytes or info.shm_bytes
         self.epochs = epochs
 
     @staticmethod
@@ -260,9 +263,14 @@ class SharedPool:
         if not info.shm_bytes:
             raise FailedPreconditionError(
                 f"shared_memory: the daemon's {info.backend} backend does not export its pool")
+        piece = info.shm_piece_bytes or info.shm_bytes
+        if info.shm_piece_offset < 0 or info.shm_piece_offset + piece > info.shm_bytes:
+            raise FailedPreconditionError(
+                f"shared_memory: the daemon's piece [{info.shm_piece_offset}, +{piece}) lies "
+                f"outside its pool of {info.shm_bytes} bytes")
         epochs = EpochReader(info)
         try:
-            pool = _map_read_only(info, _SEGMENT_POOL, info.shm_bytes, "shared_memory")
+            pool = _map_read_only(info, _SEGMENT_POOL, piece, "shared_memory")
         except KvmemError:
             epochs.close()
             raise
@@ -311,14 +319,15 @@ class SharedPool:
         row = layout.head_dim * layout.dtype.itemsize
         views = []
         for b in range(st.num_blocks):
-            offset, start, count = int(st.offsets[b]), int(st.starts[b]), int(st.counts[b])
+            offset, start, count = int(st.offsets[b]) - self._lo, int(st.starts[b]), \
+                int(st.counts[b])
             precision = Precision(int(st.precisions[b]))
             size = snap.block_bytes if precision is Precision.LAYOUT else \
                 snap.quantized_block_bytes
-            if offset > self.size or size > self.size - offset or \
+            if offset < 0 or offset > self.size or size > self.size - offset or \
                     start + count > snap.block_tokens:
                 raise OutOfRangeError(
-                    f"blocks[{b}]: offset {offset} slots [{start}, {start + count}) is outside "
+                    f"blocks[{b}]: offset {offset + self._lo} slots [{start}, {start + count}) is outside "
                     "the mapped pool or block", code=grpc.StatusCode.OUT_OF_RANGE)
             block = self._bytes[offset:offset + size]
             if precision is not Precision.LAYOUT:
@@ -401,7 +410,7 @@ class SharedPool:
         # in the stream, pool row of the first K row, count).
         gathered: list[tuple[np.ndarray, ...]] = []
         for s, st in enumerate(snap.streams):
-            offsets = np.asarray(st.offsets, dtype=np.int64)
+            offsets = np.asarray(st.offsets, dtype=np.int64) - self._lo
             starts = np.asarray(st.starts, dtype=np.int64)
             lengths = np.asarray(st.counts, dtype=np.int64)
             plain = np.asarray(st.precisions, dtype=np.int64) == int(Precision.LAYOUT)
@@ -414,7 +423,7 @@ class SharedPool:
             if bad.any():
                 b = int(np.argmax(bad))
                 raise OutOfRangeError(
-                    f"stream {s} blocks[{b}]: offset {offsets[b]} slots [{starts[b]}, "
+                    f"stream {s} blocks[{b}]: offset {offsets[b] + self._lo} slots [{starts[b]}, "
                     f"{starts[b] + lengths[b]}) is outside the mapped pool or block",
                     code=grpc.StatusCode.OUT_OF_RANGE)
             at = np.cumsum(lengths) - lengths  # each block's first slot in the stream

@@ -220,5 +220,86 @@ TEST(BlockPoolTenantTest, AQuotaRefusalAsksTheReclaimerForTheTenantFirst) {
   pool->Unref(again);
 }
 
+// Arenas: the pool's last pages cut out for one tenant's blocks each.
+TEST(BlockPoolArenaTest, ATenantsBlocksStayInItsArenaAndNoOneElsesGoThere) {
+  // 16 pages: 10 shared, then arena 1 (4 pages), then arena 2 (2 pages).
+  auto pool =
+      *BlockPool::Create(16 * 4096, 4096, 0, {{"the arena of a", 4, 0}, {"the arena of b", 2, 0}});
+  ASSERT_EQ(pool->arenas(), 2u);
+  EXPECT_EQ(pool->arena_offset(1), 10u * 4096);
+  EXPECT_EQ(pool->arena_bytes(1), 4u * 4096);
+  EXPECT_EQ(pool->arena_offset(2), 14u * 4096);
+  const TenantId a = *pool->RegisterTenant("a", 0, "tenants", 1);
+  const TenantId b = *pool->RegisterTenant("b", 0, "tenants", 2);
+  const TenantId c = *pool->RegisterTenant("c", 0);  // the shared part
+  auto in = [&](BlockId id, uint64_t lo, uint64_t hi) {
+    return pool->offset(id) >= lo && pool->offset(id) + 1024 <= hi;
+  };
+  std::vector<BlockId> as, bs, cs;
+  ASSERT_TRUE(pool->AllocateMany(1024, 16, &as, BlockPool::Use::kGrow, a).ok());
+  ASSERT_TRUE(pool->AllocateMany(1024, 8, &bs, BlockPool::Use::kGrow, b).ok());
+  ASSERT_TRUE(pool->AllocateMany(1024, 40, &cs, BlockPool::Use::kGrow, c).ok());
+  for (BlockId id : as) EXPECT_TRUE(in(id, 10 * 4096, 14 * 4096)) << pool->offset(id);
+  for (BlockId id : bs) EXPECT_TRUE(in(id, 14 * 4096, 16 * 4096)) << pool->offset(id);
+  for (BlockId id : cs) EXPECT_TRUE(in(id, 0, 10 * 4096)) << pool->offset(id);
+  // Every part is full now: none takes from another, and each refusal names its part.
+  std::vector<BlockId> more;
+  absl::Status full_a = pool->AllocateMany(1024, 1, &more, BlockPool::Use::kGrow, a);
+  EXPECT_TRUE(absl::IsResourceExhausted(full_a)) << full_a;
+  EXPECT_THAT(full_a.message(), HasSubstr("the arena of a of 16384 bytes (--tenant-arena)"));
+  absl::Status full_c = pool->AllocateMany(1024, 1, &more, BlockPool::Use::kGrow, c);
+  EXPECT_TRUE(absl::IsResourceExhausted(full_c)) << full_c;
+  EXPECT_THAT(full_c.message(), HasSubstr("the pool of 65536 bytes"));
+  EXPECT_TRUE(more.empty());
+  // Freed pages go back to their own part: b's free arena gives c nothing.
+  pool->Unref(bs);
+  bs.clear();
+  EXPECT_EQ(pool->region_free_bytes(2), 2u * 4096);
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(pool->AllocateMany(1024, 1, &more, BlockPool::Use::kGrow, c)));
+  ASSERT_TRUE(pool->AllocateMany(1024, 8, &bs, BlockPool::Use::kGrow, b).ok());
+  EXPECT_EQ(pool->free_bytes(), 0u);
+  pool->Unref(as);
+  pool->Unref(bs);
+  pool->Unref(cs);
+  EXPECT_EQ(pool->free_bytes(), 16u * 4096);
+  EXPECT_EQ(pool->usage().blocks_used, 0u);
+  EXPECT_EQ(pool->usage().bad_unrefs, 0u);
+}
+
+TEST(BlockPoolArenaTest, AFullArenaAsksTheReclaimerForItsTenant) {
+  auto pool = *BlockPool::Create(8 * 4096, 4096, 0, {{"the arena of a", 2, 0}});
+  const TenantId a = *pool->RegisterTenant("a", 0, "tenants", 1);
+  std::vector<BlockId> cached;
+  ASSERT_TRUE(pool->AllocateMany(4096, 2, &cached, BlockPool::Use::kGrow, a).ok());
+  std::vector<TenantId> asked;
+  pool->set_reclaimer([&](uint64_t, TenantId tenant) -> uint64_t {
+    asked.push_back(tenant);
+    if (cached.empty()) return 0;
+    pool->Unref(cached);
+    cached.clear();
+    return 2 * 4096;
+  });
+  std::vector<BlockId> more;
+  ASSERT_TRUE(pool->AllocateMany(4096, 1, &more, BlockPool::Use::kGrow, a).ok());
+  EXPECT_EQ(asked, std::vector<TenantId>{a});
+  EXPECT_GE(pool->offset(more[0]), 6u * 4096);
+  pool->Unref(more);
+}
+
+TEST(BlockPoolArenaTest, ArenasThatLeaveNoSharedPartOrHaveNoPageAreRefused) {
+  EXPECT_EQ(BlockPool::Create(4 * 4096, 4096, 0, {{"x", 4, 0}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(4 * 4096, 4096, 0, {{"x", 0, 0}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(4 * 4096, 4096, 0, {{"x", 2, 2}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(4 * 4096, 4096, 3, {{"x", 2, 0}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto pool = *BlockPool::Create(4 * 4096, 4096, 0, {{"x", 2, 0}});
+  EXPECT_EQ(pool->RegisterTenant("y", 0, "tenants", 2).status().code(),
+            absl::StatusCode::kInternal);
+}
+
 }  // namespace
 }  // namespace kvmem::store
