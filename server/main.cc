@@ -15,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -325,7 +326,8 @@ int main(int argc, char** argv) {
       spdlog::error("kvmemd: --tenant-arena: \"{}\" is not <tenant>:<bytes>", std::string(arena));
       return 2;
     }
-    config.engine.tenant_arenas.emplace_back(std::string(arena.substr(0, colon)), bytes);
+    config.engine.tenant_arenas.emplace_back(
+        std::string(absl::StripAsciiWhitespace(arena.substr(0, colon))), bytes);
   }
   for (absl::string_view uid :
        absl::StrSplit(absl::GetFlag(FLAGS_attach_uids), ',', absl::SkipEmpty())) {

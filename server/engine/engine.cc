@@ -40,10 +40,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                      " is outside (0, ", absl::ToDoubleSeconds(config.max_lease), "]"));
   }
   const uint64_t pool_bytes = std::min(config.pool_bytes, backend->pool_bytes());
-  const uint64_t pages = config.page_bytes == 0 ? 0 : pool_bytes / config.page_bytes;
-  const uint64_t reserve = config.reclaim_reserve_pages >= 0
-                               ? static_cast<uint64_t>(config.reclaim_reserve_pages)
-                               : (pages >= 8 ? std::clamp<uint64_t>(pages / 100, 1, 256) : 0);
   std::vector<store::ArenaSpec> arenas;
   for (const auto& [tenant, bytes] : config.tenant_arenas) {
     const uint64_t arena_pages = config.page_bytes == 0 ? 0 : bytes / config.page_bytes;
@@ -60,6 +56,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& confi
                       static_cast<uint32_t>(arena_pages),
                       static_cast<uint32_t>(std::min<uint64_t>(arena_reserve, 1u << 30))});
   }
+  // The shared part's pages (the pool's, less the arenas'): its reserve is its own.
+  uint64_t pages = config.page_bytes == 0 ? 0 : pool_bytes / config.page_bytes;
+  for (const store::ArenaSpec& a : arenas) pages -= std::min<uint64_t>(pages, a.pages);
+  const uint64_t reserve = config.reclaim_reserve_pages >= 0
+                               ? static_cast<uint64_t>(config.reclaim_reserve_pages)
+                               : (pages >= 8 ? std::clamp<uint64_t>(pages / 100, 1, 256) : 0);
   if (!arenas.empty() && pool_bytes % config.page_bytes != 0) {
     return absl::InvalidArgumentError(absl::StrCat("--tenant-arena: the pool's ", pool_bytes,
                                                    " bytes are not a whole number of pages of ",
@@ -208,12 +210,19 @@ uint64_t Engine::ReclaimToWatermark() {
 }
 
 uint64_t Engine::ReclaimToWatermarkImpl() {
-  const store::PoolUsage usage = pool_->usage();
-  const double total = static_cast<double>(usage.pages_total);
-  if (static_cast<double>(usage.pages_used) <= config_.cache_high_watermark * total) return 0;
-  const double excess = static_cast<double>(usage.pages_used) - config_.cache_low_watermark * total;
-  return publisher_.index().Reclaim(
-      static_cast<uint64_t>(excess * static_cast<double>(usage.page_bytes)));
+  // Each part of the pool on its own (the shared part, each arena: one full arena is no
+  // reason to drop another tenant's cache); an arena's cache is its tenant's.
+  uint64_t freed = 0;
+  for (uint32_t r = 0; r <= pool_->arenas(); ++r) {
+    const store::BlockPool::RegionUsage usage = pool_->region_usage(r);
+    const auto total = static_cast<double>(usage.pages);
+    const auto used = static_cast<double>(usage.pages_used);
+    if (used <= config_.cache_high_watermark * total || (r != 0 && usage.tenant == 0)) continue;
+    const double excess = used - config_.cache_low_watermark * total;
+    freed += publisher_.index().Reclaim(
+        static_cast<uint64_t>(excess * static_cast<double>(pool_->page_bytes())), usage.tenant);
+  }
+  return freed;
 }
 
 absl::StatusOr<uint64_t> Engine::PublishDocument(uint64_t sequence_id) {
@@ -651,6 +660,11 @@ absl::StatusOr<uint64_t> Engine::Release(uint64_t sequence_id) {
 EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
   EngineStats stats;
   stats.pool = pool_->usage();
+  for (uint32_t a = 1; a <= pool_->arenas(); ++a) {
+    const std::string& tenant = config_.tenant_arenas[a - 1].first;
+    if (owner != nullptr && *owner != tenant) continue;
+    stats.arenas.push_back({tenant, pool_->arena_bytes(a), pool_->region_free_bytes(a)});
+  }
   if (owner != nullptr) {  // the pool's size and the owner's sequences (below), nothing more
     stats.pool =
         store::PoolUsage{stats.pool.pool_bytes, stats.pool.page_bytes, stats.pool.pages_total};

@@ -332,9 +332,18 @@ struct PolicyCounts {
   uint64_t steps = 0;
 };
 
+// A tenant's arena (EngineConfig::tenant_arenas): its size and the bytes of its free pages.
+struct ArenaUsage {
+  std::string tenant;
+  uint64_t bytes = 0;
+  uint64_t free_bytes = 0;
+};
+
 struct EngineStats {
   store::PoolUsage pool;
   uint64_t pool_free_bytes = 0;
+  // Every arena, or with an owner that owner's alone.
+  std::vector<ArenaUsage> arenas;
   uint32_t sequences_active = 0;
   uint64_t sequences_created = 0;
   uint64_t tokens_appended = 0;

@@ -95,6 +95,16 @@ std::vector<MetricFamily> Collector::Collect() const {
                    {{"state", "sequences"}});
   Families::Sample(bytes, static_cast<double>(cached_bytes), {{"state", "cached"}});
   Families::Sample(bytes, static_cast<double>(s.pool_free_bytes), {{"state", "free"}});
+  MetricFamily& arenas =
+      f.Family("kvmem_pool_arena_bytes",
+               "tenant arenas (--tenant-arena, within kvmem_pool_bytes): size and free pages",
+               MetricType::Gauge);
+  for (const engine::ArenaUsage& a : s.arenas) {
+    Families::Sample(arenas, static_cast<double>(a.bytes),
+                     {{"tenant", a.tenant}, {"state", "capacity"}});
+    Families::Sample(arenas, static_cast<double>(a.free_bytes),
+                     {{"tenant", a.tenant}, {"state", "free"}});
+  }
   MetricFamily& blocks = f.Family("kvmem_pool_blocks", "pool blocks by state (as kvmem_pool_bytes)",
                                   MetricType::Gauge);
   // The pool and the prefix index are read one after the other: clamp, never wrap.

@@ -219,17 +219,23 @@ bool PrefixIndex::ContainsDocument(absl::string_view ns, const BlockHash& key) c
 
 uint64_t PrefixIndex::Reclaim(uint64_t bytes, store::TenantId tenant) {
   kvmem::MutexLock lock(&mu_);
-  // Progress: free pages of the pool, or (for a tenant) what is charged to it.
-  auto measure = [&] { return tenant == 0 ? pool_->free_bytes() : pool_->tenant_bytes(tenant); };
+  // Progress: free pages of the shared part (the whole pool without arenas), or (for a
+  // tenant) what is charged to it.
+  auto measure = [&] {
+    return tenant == 0 ? pool_->region_free_bytes(0) : pool_->tenant_bytes(tenant);
+  };
   const uint64_t before = measure();
   auto freed = [&] {
     const uint64_t now = measure();
     if (tenant == 0) return now > before ? now - before : 0;
     return before > now ? before - now : 0;
   };
+  const bool arenas = pool_->arenas() > 0;
   auto charged_to_tenant = [&](const Entry& x) {
     for (store::BlockId id : x.blocks) {
-      if (pool_->block_tenant(id) != tenant) return false;
+      if (tenant != 0 ? pool_->block_tenant(id) != tenant : pool_->block_region(id) != 0) {
+        return false;
+      }
     }
     return true;
   };
@@ -237,7 +243,7 @@ uint64_t PrefixIndex::Reclaim(uint64_t bytes, store::TenantId tenant) {
   Entry* e = oldest_leaf_;
   while (e != nullptr && freed() < bytes) {
     Entry* next = e->newer;
-    if (!OnlyIndexed(*e) || (tenant != 0 && !charged_to_tenant(*e))) {
+    if (!OnlyIndexed(*e) || ((tenant != 0 || arenas) && !charged_to_tenant(*e))) {
       e = next;
       continue;
     }

@@ -109,7 +109,9 @@ class PrefixIndex {
   // Drops entries whose blocks only the index holds, least recently used chain end first,
   // until the pool has `bytes` more bytes of free pages or nothing more can go; returns
   // the pool bytes of the blocks it dropped (0: nothing could go). With a tenant: only
-  // entries whose blocks are all charged to it, until its charge fell by `bytes`.
+  // entries whose blocks are all charged to it, until its charge fell by `bytes`. Without
+  // one, and the pool cut into arenas (store::BlockPool): only entries whose blocks all lie
+  // in the shared part, until it has `bytes` more free (an arena's are its tenant's).
   uint64_t Reclaim(uint64_t bytes, store::TenantId tenant = 0);
 
   // The index's own memory (keys, entries, block lists), read without the lock.

@@ -473,6 +473,12 @@ void ToProto(const engine::EngineStats& stats, v1::StatsResponse* out) {
   out->set_sequences_poisoned(stats.sequences_poisoned);
   out->set_blocks_forsaken(stats.blocks_forsaken);
   out->set_bytes_forsaken(stats.bytes_forsaken);
+  for (const engine::ArenaUsage& a : stats.arenas) {
+    v1::ArenaStats* arena = out->add_arenas();
+    arena->set_tenant(a.tenant);
+    arena->set_bytes(a.bytes);
+    arena->set_free_bytes(a.free_bytes);
+  }
   out->set_steps(stats.steps);
   out->set_leases_expired(stats.leases_expired);
   v1::PrefixStats* prefix = out->mutable_prefix();

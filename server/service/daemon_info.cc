@@ -78,9 +78,10 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   std::optional<store::PoolExport> exported;
   if (same_host) exported = backend.pool_export();
   if (exported) {
-    if (std::holds_alternative<store::SharedMemoryExport>(*exported)) {
-      const std::vector<store::SharedMemoryExport> pieces = backend.pool_pieces();
-      const store::SharedMemoryExport& shm = pieces.at(piece < pieces.size() ? piece : 0);
+    const std::vector<store::SharedMemoryExport> pieces = backend.pool_pieces();
+    // A piece the backend does not have grants nothing (never another piece instead).
+    if (std::holds_alternative<store::SharedMemoryExport>(*exported) && piece < pieces.size()) {
+      const store::SharedMemoryExport& shm = pieces[piece];
       v1::SharedMemoryPool* out = response->mutable_shared_memory();
       out->set_segment_bytes(shm.bytes);
       out->set_piece_offset(shm.offset);

@@ -242,7 +242,10 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
       continue;
     }
     // An ask the whole pool could not hold leaves the cache alone.
-    if (uint64_t{count} * class_bytes > pool_bytes()) return s;
+    if (uint64_t{count} * class_bytes >
+        uint64_t{bounds_[tenant_region(tenant)].pages} * page_bytes_) {
+      return s;
+    }
     if (reclaimer_(deficit, 0) == 0) return s;
   }
 }
@@ -293,13 +296,18 @@ absl::Status BlockPool::AllocateManyOnce(uint32_t block_bytes, uint32_t class_by
       // cached and charged to the tenant), as a quota is.
       *over_quota = r != 0;
       const std::string where =
-          r == 0 ? absl::StrCat("the pool of ", pool_bytes(), " bytes")
-                 : absl::StrCat(bounds.name, " of ", uint64_t{bounds.pages} * page_bytes_,
-                                " bytes (--tenant-arena)");
+          r != 0         ? absl::StrCat(bounds.name, " of ", uint64_t{bounds.pages} * page_bytes_,
+                                        " bytes (--tenant-arena)")
+          : arenas() > 0 ? absl::StrCat("the shared part of the pool (",
+                                        uint64_t{bounds.pages} * page_bytes_, " bytes)")
+                         : absl::StrCat("the pool of ", pool_bytes(), " bytes");
+      // With arenas, nothing of the other parts: counts over the pool would tell one tenant
+      // about the others.
       return absl::ResourceExhaustedError(absl::StrCat(
           "pool: asked for ", count, " blocks of ", block_bytes, " bytes (", count * class_bytes,
           " bytes) but ", where, " has ", free_pages, " free pages of ", page_bytes_, " bytes (",
-          bounds.reserve_pages, " kept for quantization) and ", blocks_used_, " blocks in use"));
+          bounds.reserve_pages, " kept for quantization)",
+          arenas() > 0 ? "" : absl::StrCat(" and ", blocks_used_, " blocks in use")));
     }
     out->push_back(*id);
     // Charged block by block, so that a rollback (FreeLocked) credits exactly what was.
@@ -371,6 +379,23 @@ uint64_t BlockPool::free_bytes() const {
 uint64_t BlockPool::region_free_bytes(uint32_t region) const {
   kvmem::MutexLock lock(&mu_);
   return region < regions_.size() ? regions_[region].free_pages.size() * page_bytes_ : 0;
+}
+
+uint32_t BlockPool::tenant_region(TenantId tenant) const {
+  kvmem::MutexLock lock(&mu_);
+  return tenant < tenants_.size() ? tenants_[tenant].region : 0;
+}
+
+BlockPool::RegionUsage BlockPool::region_usage(uint32_t region) const {
+  RegionUsage u;
+  if (region >= bounds_.size()) return u;
+  kvmem::MutexLock lock(&mu_);
+  u.pages = bounds_[region].pages;
+  u.pages_used = u.pages - regions_[region].free_pages.size();
+  for (TenantId t = 1; region != 0 && t < tenants_.size(); ++t) {
+    if (tenants_[t].registered && tenants_[t].region == region) u.tenant = t;
+  }
+  return u;
 }
 
 uint64_t BlockPool::ReservePages() const {

@@ -132,6 +132,19 @@ class BlockPool {
   }
   // Pool bytes of arena a (0: the shared part) that no block holds.
   uint64_t region_free_bytes(uint32_t region) const;
+  // Where a block lies: 0 (the shared part) or its arena. Without the pool's mutex, for a
+  // block the caller holds a reference to (as offset).
+  uint32_t block_region(BlockId id) const {
+    return RegionOf(static_cast<uint32_t>(offset(id) / page_bytes_));
+  }
+  // The region a tenant's blocks go to (0 for the shared part, or an unknown tenant).
+  uint32_t tenant_region(TenantId tenant) const;
+  // A region's pages, those in use, and the tenant bound to it now (an arena's; 0: none).
+  struct RegionUsage {
+    uint64_t pages = 0, pages_used = 0;
+    TenantId tenant = 0;
+  };
+  RegionUsage region_usage(uint32_t region) const;
 
  private:
   // The shared part (region 0) or an arena: where it lies, which never changes ...

@@ -2,6 +2,7 @@
 // nowhere else, and its same-host clients receive that arena's descriptor and nothing of the
 // rest of the pool: they read (and, with --in-place-writes, write) their own blocks in
 // place, and another tenant's block is outside their mapping. An admin maps the shared part.
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kvmem/attach.h"
 #include "kvmem/client.h"
+#include "kvmem/kv_path.h"
 #include "kvmem/shared_pool.h"
 #include "kvmem/v1/attach.h"
 #include "server/service/server.h"
@@ -44,7 +46,7 @@ class TenantArenaTest : public ::testing::Test {
     config.listen = "127.0.0.1:0";
     config.engine.pool_bytes = kPool + 1000;  // not whole pages: the arenas' pool is made so
     config.engine.max_sequences = 64;
-    config.engine.in_place_writes = true;
+    config.engine.in_place_writes = in_place_writes_;
     config.engine.tenant_arenas = {{"alice", kArena}};
     config.reaper_period = absl::Hours(1);
     config.auth_tokens = tokens_;
@@ -78,6 +80,7 @@ class TenantArenaTest : public ::testing::Test {
     return seq->id;
   }
 
+  bool in_place_writes_ = true;
   std::string tokens_;
   std::unique_ptr<service::Server> server_;
   std::unique_ptr<client::Client> alice_, bob_, admin_;
@@ -112,6 +115,15 @@ TEST_F(TenantArenaTest, ATenantMapsItsArenaAloneAndReadsItsBlocksThere) {
     close(r.fd);
   }
   EXPECT_TRUE(pool_seen);
+  // Stats: alice sees her arena, bob none, the admin every one.
+  absl::StatusOr<client::Stats> her_stats = alice_->GetStats(false);
+  ASSERT_TRUE(her_stats.ok()) << her_stats.status();
+  ASSERT_EQ(her_stats->arenas.size(), 1u);
+  EXPECT_EQ(her_stats->arenas[0].tenant, "alice");
+  EXPECT_EQ(her_stats->arenas[0].bytes, kArena);
+  EXPECT_EQ(her_stats->arenas[0].free_bytes, kArena);
+  EXPECT_TRUE(bob_->GetStats(false)->arenas.empty());
+  EXPECT_EQ(admin_->GetStats(false)->arenas.size(), 1u);
 
   const uint64_t hers = Filled(*alice_, 40);
   const uint64_t his = Filled(*bob_, 40);
@@ -154,6 +166,21 @@ TEST_F(TenantArenaTest, ATenantMapsItsArenaAloneAndReadsItsBlocksThere) {
   EXPECT_EQ((*his_read)[3].k, (*his_sent)[3].k);
   EXPECT_EQ((*shared)->StreamBlocks(*her_table, 0, 0).status().code(),
             absl::StatusCode::kOutOfRange);
+  // The admin's path on its own choice reads what its mapping lacks by gRPC; asked for
+  // attach alone, it refuses.
+  for (const client::KvTransport t : {client::KvTransport::kAuto, client::KvTransport::kAttach}) {
+    absl::StatusOr<std::unique_ptr<client::KvPath>> path =
+        client::KvPath::Open(admin_.get(), *admin_->GetInfo(), {t});
+    ASSERT_TRUE(path.ok()) << path.status();
+    ASSERT_EQ((*path)->reads(), client::KvTransport::kAttach);
+    absl::StatusOr<std::vector<client::StreamKv>> via = (*path)->Read(*her_table);
+    if (t == client::KvTransport::kAttach) {
+      EXPECT_EQ(via.status().code(), absl::StatusCode::kOutOfRange) << via.status();
+      continue;
+    }
+    ASSERT_TRUE(via.ok()) << via.status();
+    EXPECT_EQ((*via)[2].k, (*sent)[2].k);
+  }
 }
 
 TEST_F(TenantArenaTest, AFullArenaRefusesItsTenantAndNoOneElse) {
@@ -177,6 +204,39 @@ TEST_F(TenantArenaTest, AFullArenaRefusesItsTenantAndNoOneElse) {
   // Released, alice's blocks go back to her arena.
   for (uint64_t id : hers) ASSERT_TRUE(alice_->Release(id).ok());
   EXPECT_NE(Filled(*alice_, 40), 0u);
+}
+
+// The shared part full gives back what is cached there, never what a tenant keeps cached in
+// its arena (which would free nothing the shared part can use).
+TEST_F(TenantArenaTest, AFullSharedPartLeavesTheArenasCacheAlone) {
+  client::Prompt prompt;
+  for (int32_t t = 0; t < 64; ++t) prompt.token_ids.push_back(1000 + t);
+  {
+    auto seq = alice_->CreateSequence(TestLayout(), {"full", {}}, std::nullopt, &prompt);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    const std::vector<int64_t> positions = testing::Range(0, 64);
+    const std::string k = testing::Payload16(kL * kH, 0, 64, kD, 0);
+    ASSERT_TRUE(alice_->Append(seq->id, {positions, prompt.token_ids, k, k, {}, {}}).ok());
+    ASSERT_TRUE(alice_->Publish(seq->id).ok());
+    ASSERT_TRUE(alice_->Release(seq->id).ok());  // its blocks: cached in her arena alone
+  }
+  const uint64_t cached = *alice_->Lookup(TestLayout(), prompt);
+  ASSERT_GE(cached, 48u);
+  // Bob fills the shared part.
+  absl::Status refused = absl::OkStatus();
+  for (int i = 0; i < 64 && refused.ok(); ++i) {
+    auto seq = bob_->CreateSequence(TestLayout(), {"full", {}});
+    if (!seq.ok()) {
+      refused = seq.status();
+      break;
+    }
+    const std::vector<int64_t> positions = testing::Range(0, 400);
+    const std::string k = testing::Payload16(kL * kH, 0, 400, kD, 0);
+    refused = bob_->Append(seq->id, {positions, {}, k, k, {}, {}}).status();
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(refused)) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("the shared part of the pool"));
+  EXPECT_EQ(*alice_->Lookup(TestLayout(), prompt), cached);
 }
 
 TEST_F(TenantArenaTest, InPlaceWritesLandInTheTenantsArena) {
@@ -217,6 +277,44 @@ TEST_F(TenantArenaTest, InPlaceWritesLandInTheTenantsArena) {
     EXPECT_EQ((*streams)[s].k.substr(20 * row), k.substr(s * row, row)) << s;
     EXPECT_EQ((*streams)[s].v.substr(20 * row), v.substr(s * row, row)) << s;
   }
+}
+
+class ReadOnlyArenaTest : public TenantArenaTest {
+ protected:
+  void SetUp() override {
+    in_place_writes_ = false;
+    TenantArenaTest::SetUp();
+  }
+};
+
+// Without --in-place-writes the arena's descriptor maps read-only, however it is mapped.
+TEST_F(ReadOnlyArenaTest, TheArenasDescriptorMapsReadOnly) {
+  absl::StatusOr<client::Info> info = alice_->GetInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  absl::StatusOr<std::vector<client::ReceivedSegment>> received =
+      client::ReceiveSegments(info->attach, "test");
+  ASSERT_TRUE(received.ok()) << received.status();
+  for (const client::ReceivedSegment& r : *received) {
+    if (r.kind == v1::attach::kPool) {
+      EXPECT_FALSE(r.writable);
+      EXPECT_EQ(r.bytes, kArena);
+      EXPECT_EQ(mmap(nullptr, kArena, PROT_READ | PROT_WRITE, MAP_SHARED, r.fd, 0), MAP_FAILED);
+      void* read_only = mmap(nullptr, kArena, PROT_READ, MAP_SHARED, r.fd, 0);
+      EXPECT_NE(read_only, MAP_FAILED);
+      if (read_only != MAP_FAILED) munmap(read_only, kArena);
+    }
+    close(r.fd);
+  }
+  EXPECT_EQ(client::SharedPool::Attach(*info, /*writable=*/true).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  const uint64_t hers = Filled(*alice_, 24);
+  absl::StatusOr<std::unique_ptr<client::SharedPool>> pool = client::SharedPool::Attach(*info);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  absl::StatusOr<std::vector<client::StreamKv>> read =
+      (*pool)->ReadStreams(*alice_->GetBlockTable(hers));
+  absl::StatusOr<std::vector<client::StreamKv>> sent = alice_->ReadKv(hers);
+  ASSERT_TRUE(read.ok() && sent.ok()) << read.status();
+  EXPECT_EQ((*read)[1].v, (*sent)[1].v);
 }
 
 TEST(TenantArenaConfigTest, ArenasNeedIdentitiesAndTheCpuBackend) {

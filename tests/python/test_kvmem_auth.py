@@ -99,20 +99,28 @@ def test_a_tenants_arena_is_all_its_mapping_reads(tokens):
             assert (info.shm_bytes, info.shm_piece_offset, info.shm_piece_bytes) == \
                 (16 << 20, (16 << 20) - arena, arena)
             assert bob.get_info().shm_bytes == 0  # no arena, no admin: nothing to map
-            lay = layout(D=32)
+            # Rows of 80 bytes over several 64 KiB pages: some blocks' rows line up with the
+            # piece's start and some do not (read_all's two ways of copying).
+            n = 400
+            lay = layout(D=40)
             rng = np.random.default_rng(3)
-            k = rng.standard_normal(lay.kv_shape(40)).astype(np.float16)
-            v = rng.standard_normal(lay.kv_shape(40)).astype(np.float16)
+            k = rng.standard_normal(lay.kv_shape(n)).astype(np.float16)
+            v = rng.standard_normal(lay.kv_shape(n)).astype(np.float16)
             hers, his = alice.create_sequence(lay), bob.create_sequence(lay)
-            hers.append(range(40), k, v)
-            his.append(range(40), k, v)
+            hers.append(range(n), k, v)
+            his.append(range(n), k, v)
             with alice.attach_shared_pool() as pool:
                 assert all(o >= (16 << 20) - arena for st in hers.table.streams
                            for o in st.offsets)
+                row = lay.head_dim * 2
+                rows_at = [(o - info.shm_piece_offset) % row for st in hers.table.streams
+                           for o in st.offsets]
+                assert 0 in rows_at and any(rows_at), "both ways of copying should be taken"
                 read = pool.read_all(hers.table)
                 for s in hers.read_kv():
                     i = s.layer * lay.num_kv_heads + s.kv_head
-                    assert read.k[i, :40].tobytes() == s.k.tobytes()
+                    assert read.k[i, :n].tobytes() == s.k.tobytes()
+                    assert read.v[i, :n].tobytes() == s.v.tobytes()
                     mapped = pool.read_stream(hers.table, s.layer, s.kv_head)
                     assert mapped.v.tobytes() == s.v.tobytes()
                 his_table = ops.get_block_table(his.id)

@@ -399,6 +399,12 @@ struct Stats {
   uint64_t sequences_poisoned = 0;  // failed past a point of no return (DATA_LOSS)
   // Blocks (and bytes) a move kept out of circulation for good (a get abandoned in flight).
   uint64_t blocks_forsaken = 0, bytes_forsaken = 0;
+  // Tenant arenas (kvmemd --tenant-arena): every one to an admin, a tenant's own to it.
+  struct Arena {
+    std::string tenant;
+    uint64_t bytes = 0, free_bytes = 0;
+  };
+  std::vector<Arena> arenas;
   // Prefix sharing: counters since the daemon started, then the index now.
   uint64_t prefix_queries = 0, prefix_hits = 0, prefix_reused_tokens = 0;
   uint64_t prefix_reclaimed_bytes = 0;

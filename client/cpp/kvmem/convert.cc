@@ -236,6 +236,8 @@ Stats StatsCountersOf(const v1::StatsResponse& r) {
   out.sequences_poisoned = r.sequences_poisoned();
   out.blocks_forsaken = r.blocks_forsaken();
   out.bytes_forsaken = r.bytes_forsaken();
+  for (const v1::ArenaStats& a : r.arenas())
+    out.arenas.push_back({a.tenant(), a.bytes(), a.free_bytes()});
   out.prefix_queries = r.prefix().queries_total();
   out.prefix_hits = r.prefix().hits_total();
   out.prefix_reused_tokens = r.prefix().reused_tokens_total();

@@ -178,7 +178,16 @@ absl::Status KvPath::OpenAppends(const Info& info, const Options& options, std::
 }
 
 absl::StatusOr<std::vector<StreamKv>> KvPath::Read(const BlockTable& table) const {
-  if (attached_ != nullptr) return attached_->ReadStreams(table);
+  if (attached_ != nullptr) {
+    absl::StatusOr<std::vector<StreamKv>> read = attached_->ReadStreams(table);
+    // A mapping of a piece of the pool (kvmemd's tenant arenas: an admin maps the shared
+    // part) does not hold every sequence's blocks: those elsewhere come as if nothing were
+    // mapped, unless attach alone was asked for.
+    if (read.ok() || !absl::IsOutOfRange(read.status()) ||
+        options_.transport == KvTransport::kAttach || attached_->Maps(0, attached_->bytes())) {
+      return read;
+    }
+  }
   if (reads_ == KvTransport::kUcx) {
     std::optional<absl::StatusOr<std::vector<StreamKv>>> read = ReadByUcx(table);
     if (read.has_value()) return *std::move(read);

@@ -249,7 +249,7 @@ TEST(BlockPoolArenaTest, ATenantsBlocksStayInItsArenaAndNoOneElsesGoThere) {
   EXPECT_THAT(full_a.message(), HasSubstr("the arena of a of 16384 bytes (--tenant-arena)"));
   absl::Status full_c = pool->AllocateMany(1024, 1, &more, BlockPool::Use::kGrow, c);
   EXPECT_TRUE(absl::IsResourceExhausted(full_c)) << full_c;
-  EXPECT_THAT(full_c.message(), HasSubstr("the pool of 65536 bytes"));
+  EXPECT_THAT(full_c.message(), HasSubstr("the shared part of the pool (40960 bytes)"));
   EXPECT_TRUE(more.empty());
   // Freed pages go back to their own part: b's free arena gives c nothing.
   pool->Unref(bs);

@@ -81,5 +81,49 @@ TEST(CpuBackendTest, PrefaultMapsThePoolWithoutChangingIt) {
   EXPECT_EQ(backend->Prefault(kHalf, kHalf + 1).code(), absl::StatusCode::kInternal);
 }
 
+// Arenas: pieces side by side, each a segment of its own, one range of addresses for the
+// backend's work across them.
+TEST(CpuBackendArenaTest, PiecesLieSideBySideEachItsOwnSegment) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  auto backend = *CpuBackend::Create(8 * page, {2 * page, page});
+  EXPECT_EQ(backend->pool_bytes(), 8 * page);
+  const std::vector<SharedMemoryExport> pieces = backend->pool_pieces();
+  ASSERT_EQ(pieces.size(), 3u);
+  const uint64_t offsets[] = {0, 5 * page, 7 * page}, sizes[] = {5 * page, 2 * page, page};
+  for (size_t i = 0; i < 3; ++i) {
+    auto segment = pieces[i].segment.lock();
+    ASSERT_NE(segment, nullptr);
+    EXPECT_EQ(pieces[i].offset, offsets[i]);
+    EXPECT_EQ(pieces[i].bytes, 8 * page);
+    EXPECT_EQ(segment->bytes(), sizes[i]);
+    EXPECT_EQ(segment->data(), backend->host_pool() + offsets[i]);
+  }
+  // A write across two pieces lands in both segments, and reads back whole.
+  const std::string data(64, 'a');
+  ASSERT_TRUE(backend->Write({{data.data(), 5 * page - 32, 64}}).ok());
+  // A prefault across the pieces changes no byte (each piece's part of it populated).
+  const absl::Status prefault = backend->Prefault(4 * page, 4 * page);
+  EXPECT_TRUE(prefault.ok() || absl::IsUnimplemented(prefault)) << prefault;
+  std::string out(64, '\0');
+  ASSERT_TRUE(backend->Read({{5 * page - 32, out.data(), 64}}).ok());
+  EXPECT_EQ(out, data);
+  // The arena's descriptor holds its bytes alone: its first 32 are what was written there.
+  auto arena = pieces[1].segment.lock();
+  std::string through_fd(32, '\0');
+  ASSERT_EQ(pread(arena->fd(), through_fd.data(), 32, 0), 32);
+  EXPECT_EQ(through_fd, std::string(32, 'a'));
+}
+
+TEST(CpuBackendArenaTest, ArenasThatAreNotWholePagesOrLeaveNoSharedPartAreRefused) {
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(CpuBackend::Create(8 * page, {page + 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuBackend::Create(8 * page, {8 * page}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuBackend::Create(8 * page + 1, {page}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuBackend::Create(8 * page, {0}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvmem::store
