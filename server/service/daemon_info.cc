@@ -35,7 +35,7 @@ bool ParsePageToken(absl::string_view token, uint64_t* after) {
 
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer, bool read_only, uint32_t piece) {
+                    const std::string& issuer, bool read_only, uint32_t piece, bool tables) {
   const bool same_host = attach != nullptr;
   std::vector<transport::AttachSocket::Grant> grants;
   const engine::EngineConfig& config = engine.config();
@@ -107,10 +107,10 @@ void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
   grants.push_back({v1::attach::kEpochBoard, board.segment(), false});
   response->mutable_epoch_board()->set_stride(engine::EpochBoard::kStride);
   response->mutable_epoch_board()->set_slots(board.slots());
-  if (const engine::TableBoard* tables = engine.table_board()) {
-    grants.push_back({v1::attach::kTableArea, tables->segment(), false});
-    response->mutable_table_area()->set_bytes(tables->bytes());
-    response->mutable_table_area()->set_slots(tables->slots());
+  if (const engine::TableBoard* board = tables ? engine.table_board() : nullptr) {
+    grants.push_back({v1::attach::kTableArea, board->segment(), false});
+    response->mutable_table_area()->set_bytes(board->bytes());
+    response->mutable_table_area()->set_slots(board->slots());
   }
   FillAttachTicket(*attach, std::move(grants), issuer, response->mutable_attach());
 }

@@ -23,10 +23,12 @@ namespace kvmem::service {
 // for their descriptors (the pool read-write with in-place writes unless `read_only`, the
 // rest read-only), counted as `issuer`'s (the caller's tenant).
 // `piece`: which of the pool's pieces (store::Backend::pool_pieces) the ticket maps: 0, the
-// whole pool or its shared part, or a tenant's arena.
+// whole pool or its shared part, or a tenant's arena. `tables`: the table area too (every
+// sequence's table: not for a tenant that may see only its own).
 void DescribeDaemon(const engine::Engine& engine, absl::string_view version,
                     v1::GetInfoResponse* response, transport::AttachSocket* attach,
-                    const std::string& issuer = "", bool read_only = false, uint32_t piece = 0);
+                    const std::string& issuer = "", bool read_only = false, uint32_t piece = 0,
+                    bool tables = true);
 
 // A new ticket of `attach` for `grants`, counted as `issuer`'s, with what a client needs to
 // redeem it (the socket, the daemon's uid, how long it holds).

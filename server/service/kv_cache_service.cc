@@ -91,12 +91,14 @@ grpc::Status KvCacheService::GetInfo(grpc::ServerContext* context, const v1::Get
   if (!call.ok()) return ToGrpc(call.status());
   // Mapping the pool reads every tenant's K/V: its ticket goes to admins only, and to peers
   // (another kvmemd on this host moving a sequence to itself) read-only. A tenant with an
-  // arena (--tenant-arena) maps its arena, which holds its blocks and no one else's; with
-  // arenas an admin or a peer maps the shared part.
+  // arena (--tenant-arena) maps its arena, which holds its blocks and no one else's, and the
+  // epoch board (epoch words, no ids), not the table area (every sequence's table: ids,
+  // offsets, lengths); with arenas an admin or a peer maps the shared part.
   const uint32_t arena = call->who.peer ? 0 : engine_->ArenaOf(call->who.tenant);
   DescribeDaemon(*engine_, version_, response,
                  call->who.reads_pool() || arena > 0 ? attach_ : nullptr, call->who.tenant,
-                 /*read_only=*/!call->who.admin && arena == 0, arena);
+                 /*read_only=*/!call->who.admin && arena == 0, arena,
+                 /*tables=*/call->who.reads_pool());
   response->set_instance_id(instance_id_);
   // So does the pool's remote key, to admins and peers (another kvmemd's moves and pulls),
   // with the epoch board's shape its reads need; the worker's address (remote appends) goes

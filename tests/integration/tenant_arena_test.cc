@@ -47,6 +47,7 @@ class TenantArenaTest : public ::testing::Test {
     config.engine.pool_bytes = kPool + 1000;  // not whole pages: the arenas' pool is made so
     config.engine.max_sequences = 64;
     config.engine.in_place_writes = in_place_writes_;
+    config.engine.table_area_bytes = 1 << 20;
     config.engine.tenant_arenas = {{"alice", kArena}};
     config.reaper_period = absl::Hours(1);
     config.auth_tokens = tokens_;
@@ -97,6 +98,10 @@ TEST_F(TenantArenaTest, ATenantMapsItsArenaAloneAndReadsItsBlocksThere) {
   EXPECT_EQ(bobs->shm_bytes, 0u);  // no arena, no admin: no mapping
   EXPECT_EQ(admins->shm_piece_offset, 0u);
   EXPECT_EQ(admins->shm_piece_bytes, kPool - kArena);
+  // The table area shows every sequence's table: the admin's to map, not alice's.
+  EXPECT_NE(admins->table_area_bytes, 0u);
+  EXPECT_EQ(alices->table_area_bytes, 0u);
+  EXPECT_NE(alices->epoch_slots, 0u);
 
   // What alice's ticket hands her: the arena's descriptor, of the arena's size and no more.
   absl::StatusOr<std::vector<client::ReceivedSegment>> received =
