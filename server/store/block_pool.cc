@@ -36,9 +36,9 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(uint64_t pool_bytes
   uint64_t arena_pages = 0;
   for (const ArenaSpec& a : arenas) {
     if (a.pages == 0 || a.reserve_pages >= a.pages) {
-      return absl::InvalidArgumentError(absl::StrCat(a.name, ": ", a.pages, " pages of ",
-                                                     page_bytes, " bytes, ", a.reserve_pages,
-                                                     " of them kept for quantization: too few"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tenant-arena: ", a.name, ": ", a.pages, " pages of ", page_bytes, " bytes, ",
+          a.reserve_pages, " of them kept for quantization (--reclaim-reserve-pages): too few"));
     }
     arena_pages += a.pages;
   }
@@ -236,15 +236,16 @@ absl::Status BlockPool::AllocateMany(uint32_t block_bytes, size_t count, std::ve
     absl::Status s =
         AllocateManyOnce(block_bytes, class_bytes, count, out, use, tenant, &deficit, &over_quota);
     if (s.ok() || !absl::IsResourceExhausted(s) || !reclaimer_) return s;
+    // An ask its part of the pool (the shared part, or its arena) could not hold leaves the
+    // cache alone.
+    if (uint64_t{count} * class_bytes >
+        uint64_t{bounds_[tenant_region(tenant)].pages} * page_bytes_) {
+      return s;
+    }
     if (over_quota) {
       // What is cached and charged to the tenant goes first, then the refusal.
       if (reclaimer_(deficit, tenant) == 0) return s;
       continue;
-    }
-    // An ask the whole pool could not hold leaves the cache alone.
-    if (uint64_t{count} * class_bytes >
-        uint64_t{bounds_[tenant_region(tenant)].pages} * page_bytes_) {
-      return s;
     }
     if (reclaimer_(deficit, 0) == 0) return s;
   }

@@ -272,6 +272,41 @@ TEST_F(PrefixTest, PastTheHighWatermarkTheCacheShrinksToTheLowOne) {
   EXPECT_FALSE(Engine::Create(bad, *store::CpuBackend::Create(1 << 20), &clock_).ok());
 }
 
+// With tenant arenas each part of the pool keeps its own watermark: the shared part past
+// its high mark drops what is cached there, never a tenant's cache in its arena (the whole
+// pool past the mark used to, since those were the only cached blocks).
+TEST_F(PrefixTest, TheSharedPartPastItsWatermarkLeavesAnArenasCacheAlone) {
+  MakeEngine(
+      128 * 4096,
+      [](EngineConfig& c) {
+        c.cache_high_watermark = 0.5;
+        c.cache_low_watermark = 0.4;
+        c.tenant_arenas = {{"alice", 64 * 4096}};
+      },
+      [](std::unique_ptr<store::Backend>) -> std::unique_ptr<store::Backend> {
+        return *store::CpuBackend::Create(128 * 4096, {64 * 4096});
+      });
+  const std::vector<int32_t> prompt = Tokens(257, 100);
+  PromptPrefix hers{"m", "", {}};
+  hers.owner = "alice";
+  auto created = engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), hers);
+  ASSERT_TRUE(created.ok()) << created.status();
+  ASSERT_TRUE(AppendTokens(created->sequence_id, 0, 256).ok());
+  ASSERT_TRUE(engine_->Publish(created->sequence_id, std::nullopt).ok());
+  ASSERT_TRUE(engine_->Release(created->sequence_id).ok());  // 16 of her 64 pages, cached
+  hers.token_ids = prompt;
+  ASSERT_EQ(*engine_->Lookup(TestLayout(), hers), 256u);
+  PromptPrefix his{"m", "", {}};
+  his.owner = "bob";
+  auto live = engine_->CreateSequence(TestLayout(), "full", {}, {}, absl::ZeroDuration(), his);
+  ASSERT_TRUE(live.ok()) << live.status();
+  for (int64_t at = 0; at < 960; at += 240) {  // 60 of the shared part's 64 pages
+    ASSERT_TRUE(AppendRange(live->sequence_id, at, 240).ok());
+  }
+  EXPECT_EQ(engine_->ReclaimToWatermark(), 0u);
+  EXPECT_EQ(*engine_->Lookup(TestLayout(), hers), 256u);
+}
+
 TEST_F(PrefixTest, AChainWhoseHeadWasReclaimedIsPublishedAgainFromItsStart) {
   MakeEngine(64 * 4096, [](EngineConfig& c) {
     c.cache_high_watermark = 0.01;

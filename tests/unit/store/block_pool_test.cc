@@ -280,7 +280,12 @@ TEST(BlockPoolArenaTest, AFullArenaAsksTheReclaimerForItsTenant) {
     cached.clear();
     return 2 * 4096;
   });
+  // An ask the arena could never hold is refused with its cache left alone.
   std::vector<BlockId> more;
+  EXPECT_TRUE(
+      absl::IsResourceExhausted(pool->AllocateMany(4096, 3, &more, BlockPool::Use::kGrow, a)));
+  EXPECT_TRUE(asked.empty());
+  EXPECT_EQ(cached.size(), 2u);
   ASSERT_TRUE(pool->AllocateMany(4096, 1, &more, BlockPool::Use::kGrow, a).ok());
   EXPECT_EQ(asked, std::vector<TenantId>{a});
   EXPECT_GE(pool->offset(more[0]), 6u * 4096);
