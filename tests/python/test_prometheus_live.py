@@ -45,9 +45,14 @@ def stack(tmp_path):
     procs = []
     sock = f"/tmp/kvmem-live-{os.getpid()}.sock"
     metrics_port, web_port = free_port(), free_port()
+    # Identities by the unix peer's uid (this process and its workers: an admin, no token
+    # to send), so that a tenant arena can be cut (its panel has data): 64 pages of 256 KiB.
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"ops uid:{os.getuid()} admin\n")
     kvmemd = subprocess.Popen([str(BIN / "kvmemd"), f"--listen=unix:{sock}",
                                f"--metrics-listen=127.0.0.1:{metrics_port}",
-                               "--pool-bytes=536870912", "--page-bytes=262144"],
+                               "--pool-bytes=536870912", "--page-bytes=262144",
+                               f"--auth-tokens={tokens}", "--tenant-arena=guest:16777216"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     procs.append(kvmemd)
     try:
