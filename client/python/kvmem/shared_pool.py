@@ -327,8 +327,8 @@ class SharedPool:
             if offset < 0 or offset > self.size or size > self.size - offset or \
                     start + count > snap.block_tokens:
                 raise OutOfRangeError(
-                    f"blocks[{b}]: offset {offset + self._lo} slots [{start}, {start + count}) is outside "
-                    "the mapped pool or block", code=grpc.StatusCode.OUT_OF_RANGE)
+                    f"blocks[{b}]: offset {offset + self._lo} slots [{start}, {start + count}) "
+                    "is outside the mapped pool or block", code=grpc.StatusCode.OUT_OF_RANGE)
             block = self._bytes[offset:offset + size]
             if precision is not Precision.LAYOUT:
                 views.append(BlockView(None, None, block, start, count, precision))
