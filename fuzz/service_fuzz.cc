@@ -248,12 +248,12 @@ namespace {
 std::unique_ptr<Kvmemd> Start() {
   auto d = std::make_unique<Kvmemd>();
   engine::EngineConfig config;
-  config.pool_bytes = 8ull << 20;
+  config.pool_bytes = 2ull << 20;  // small: full pools are paths to fuzz too
   config.max_sequences = 32;
   config.max_append_bytes = 1ull << 20;
   config.host_metadata_bytes = 32ull << 20;
   config.in_place_writes = true;
-  config.table_area_bytes = 1ull << 20;
+  config.table_area_bytes = 256ull << 10;
   config.parallel_batches = false;  // one input, one order
   // Reclaim gives back every cached prefix block (the end-of-input check needs them back).
   config.cache_high_watermark = config.cache_low_watermark = 1e-9;

@@ -169,8 +169,10 @@ __global__ void SelectThresholdKernel(const StreamSlice* streams, const float* s
 // Stable in-place compaction of one stream: chunk by chunk, every thread reads its slot,
 // the block scans the keep flags, then the kept slots are written at or before their old
 // index. Returns the kept count (in every thread).
-__device__ uint32_t CompactStream(StreamSlice st, const uint8_t* keep, float* scores,
-                                  int64_t* positions, uint32_t* kept_index) {
+// In place when scores_out == scores and positions_out == positions.
+__device__ uint32_t CompactStream(StreamSlice st, const uint8_t* keep, const float* scores,
+                                  const int64_t* positions, float* scores_out,
+                                  int64_t* positions_out, uint32_t* kept_index) {
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   uint32_t carry = 0;
@@ -184,8 +186,8 @@ __device__ uint32_t CompactStream(StreamSlice st, const uint8_t* keep, float* sc
     Scan(temp).ExclusiveSum(flag, rank, total);
     __syncthreads();  // every read of this chunk is done before any write
     if (flag) {
-      scores[st.offset + carry + rank] = s;
-      positions[st.offset + carry + rank] = q;
+      scores_out[st.offset + carry + rank] = s;
+      positions_out[st.offset + carry + rank] = q;
       kept_index[st.offset + carry + rank] = j;
     }
     carry += total;
@@ -196,13 +198,17 @@ __device__ uint32_t CompactStream(StreamSlice st, const uint8_t* keep, float* sc
 
 __global__ void CompactSlotsKernel(const StreamSlice* streams, const uint8_t* keep, float* scores,
                                    int64_t* positions, uint32_t* kept_index, uint32_t* kept) {
-  const uint32_t n = CompactStream(streams[blockIdx.x], keep, scores, positions, kept_index);
+  const uint32_t n =
+      CompactStream(streams[blockIdx.x], keep, scores, positions, scores, positions, kept_index);
   if (threadIdx.x == 0) kept[blockIdx.x] = n;
 }
 
 __global__ void CompactSlotsSegmentsKernel(const CompactSegment* segments, uint32_t* kept) {
   const CompactSegment g = segments[blockIdx.x];
-  const uint32_t n = CompactStream(g.slice, g.keep, g.scores, g.positions, g.kept_index);
+  float* scores_out = g.scores_out != nullptr ? g.scores_out : g.scores;
+  int64_t* positions_out = g.positions_out != nullptr ? g.positions_out : g.positions;
+  const uint32_t n = CompactStream(g.slice, g.keep, g.scores, g.positions, scores_out,
+                                   positions_out, g.kept_index);
   if (threadIdx.x == 0) kept[blockIdx.x] = n;
 }
 

@@ -116,8 +116,12 @@ struct CompactSegment {
   float* scores;
   int64_t* positions;
   uint32_t* kept_index;  // laid out as `scores`
+  // Where the kept slots go, laid out as `scores` and `positions`: arrays of their own (the
+  // sources then stay as they were), or null: in place.
+  float* scores_out = nullptr;
+  int64_t* positions_out = nullptr;
 };
-// CompactSlotsRef on every segment; segment i's kept count to kept[i].
+// CompactSlotsRef on every segment, into its outputs; segment i's kept count to kept[i].
 void CompactSlotsSegmentsRef(const CompactSegment* segments, uint32_t n, uint32_t* kept);
 
 // r_j's scale factors for one stream (see SelectTopRef), shared by both twins.

@@ -292,7 +292,18 @@ void SelectTopSegmentsRef(const StepSegment* segments, uint32_t n, const float* 
 void CompactSlotsSegmentsRef(const CompactSegment* segments, uint32_t n, uint32_t* kept) {
   for (uint32_t i = 0; i < n; ++i) {
     const CompactSegment& g = segments[i];
-    CompactSlotsRef(&g.slice, 1, g.keep, g.scores, g.positions, g.kept_index, &kept[i]);
+    float* scores = g.scores_out != nullptr ? g.scores_out : g.scores;
+    int64_t* positions = g.positions_out != nullptr ? g.positions_out : g.positions;
+    const uint64_t at = g.slice.offset;
+    uint32_t r = 0;
+    for (uint32_t j = 0; j < g.slice.length; ++j) {
+      if (!g.keep[at + j]) continue;
+      scores[at + r] = g.scores[at + j];
+      positions[at + r] = g.positions[at + j];
+      g.kept_index[at + r] = j;
+      ++r;
+    }
+    kept[i] = r;
   }
 }
 

@@ -5,6 +5,8 @@
 # merged, minimized, into fuzz/corpus/<harness>/ (commit it: CI replays that corpus). A
 # crash or a failed check leaves its input as build-fuzz/findings/<harness>-crash-*, stops
 # that harness and fails the run. FUZZ_HARNESSES picks harnesses (default: all).
+# FUZZ_TIMEOUT: libFuzzer's per-input limit in seconds (default 1,200); it counts wall time,
+# so a campaign paused (SIGSTOP) for longer than it ends on a false "timeout".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 harnesses=${FUZZ_HARNESSES:-gguf tokenizer step_channel service attach}
@@ -24,7 +26,7 @@ for h in $harnesses; do
   log=build-fuzz/$h.log
   echo "fuzz: $h, ${FUZZ_RUNS:-10000000} runs or ${FUZZ_SECONDS:-0} s (log $log)"
   if ! build-fuzz/fuzz/${h}_fuzz -runs="${FUZZ_RUNS:-10000000}" \
-      -max_total_time="${FUZZ_SECONDS:-0}" -print_final_stats=1 \
+      -max_total_time="${FUZZ_SECONDS:-0}" -timeout="${FUZZ_TIMEOUT:-1200}" -print_final_stats=1 \
       -artifact_prefix="build-fuzz/findings/$h-" "$found" "fuzz/corpus/$h" >"$log" 2>&1; then
     echo "fuzz: $h FOUND SOMETHING:"
     grep -E "ERROR|FUZZ_CHECK|SUMMARY|Test unit written" "$log" | head -20

@@ -212,7 +212,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(uint64_t pool_b
   absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(device);
   if (!memory.ok()) return memory.status();
   b->memory_ = *std::move(memory);
-  b->slot_scratch_ = MakeCudaScratchPool(b->memory_);
+  absl::StatusOr<std::shared_ptr<CudaScratchPool>> scratch = MakeCudaScratchPool(b->memory_);
+  if (!scratch.ok()) return scratch.status();
+  b->slot_scratch_ = *std::move(scratch);
   return b;
 }
 

@@ -128,7 +128,8 @@ class PinnedBuffer {
 // persists between calls, and pinned memory grows with the calls in flight, not with the
 // sequences alive (cuda_slot_state.cc).
 class CudaScratchPool;
-std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory);
+absl::StatusOr<std::shared_ptr<CudaScratchPool>> MakeCudaScratchPool(
+    std::shared_ptr<const CudaMemoryPool> memory);
 
 // A SlotState in device memory on `device` (cuda_slot_state.cc).
 absl::StatusOr<std::unique_ptr<SlotState>> MakeCudaSlotState(

@@ -1,6 +1,8 @@
 // SlotState in device memory (contract: slot_state.h). A sequence owns one device
 // allocation with what persists between calls — scores, positions, keep flags, the slices
-// of the last step — 13 bytes per slot of capacity. What a call needs only while it runs
+// of the last step, the scores before it, and a second bank of scores and positions that a
+// batched step compacts into (so that its commit only swaps the banks: no round trip) —
+// 29 bytes per slot of capacity. What a call needs only while it runs
 // (the uploaded attention rows, CompactSlots' index output, pinned host memory for the
 // transfers) comes from the backend's CudaScratchPool, its device part allocated and freed
 // in the order of the sequence's stream. Every call completes before it returns.
@@ -8,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -53,10 +56,38 @@ class CudaScratchPool final : public SlotStepper {
     PinnedBuffer host_;
   };
 
-  explicit CudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory)
-      : memory_(std::move(memory)) {}
-  // The pinned buffers go (free_, after this) with the pool's device current.
-  ~CudaScratchPool() override { (void)cudaSetDevice(memory_->device()); }
+  CudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory, cudaStream_t stream)
+      : memory_(std::move(memory)), stream_(stream) {}
+  // The deferred leases and the pinned buffers go (free_, after this) with the pool's device
+  // current, once the batches' stream has run its work.
+  ~CudaScratchPool() override {
+    (void)cudaSetDevice(memory_->device());
+    (void)cudaStreamSynchronize(stream_);
+    std::deque<std::pair<uint64_t, Lease>> leases;
+    {
+      kvmem::MutexLock lock(&mu_);
+      leases.swap(deferred_);
+    }
+    leases.clear();
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  // The stream of the batches (AppendAll, StepAll, CommitAll), whatever their states: a
+  // batch's appends may then stay queued behind the call that made them (AppendAll does not
+  // wait), the step after them running in order on the same stream and its wait covering
+  // both.
+  cudaStream_t stream() const { return stream_; }
+  // Keeps `lease` (its pinned memory read by work queued on stream()) until a wait for
+  // stream() has seen that work done; its ticket: Done(ticket) once one has. Drains first
+  // when kMaxDeferred leases are held already (so that they stay bounded). Without host
+  // memory to keep it, waits for the work instead: ticket 0, or that wait's error.
+  absl::StatusOr<uint64_t> Defer(Lease lease);
+  bool Done(uint64_t ticket) const {
+    kvmem::MutexLock lock(&mu_);
+    return ticket <= done_;
+  }
+  // Waits for stream(), then gives back the leases deferred before the wait; its status.
+  absl::Status Drain(absl::string_view what);
 
   // The Steps of CUDA slot states of this pool's device as one batch (slot_state.h).
   void StepAll(absl::Span<SlotStepCall* const> calls) override;
@@ -112,22 +143,84 @@ class CudaScratchPool final : public SlotStepper {
     free_.push_back(std::move(host));
   }
 
+  static constexpr size_t kMaxDeferred = 8;
+
   const std::shared_ptr<const CudaMemoryPool> memory_;
-  absl::Mutex mu_;
+  const cudaStream_t stream_;
+  mutable absl::Mutex mu_;
   std::vector<PinnedBuffer> free_ ABSL_GUARDED_BY(mu_);
+  // Leases whose work is queued on stream_, by ticket; tickets up to done_ are done.
+  std::deque<std::pair<uint64_t, Lease>> deferred_ ABSL_GUARDED_BY(mu_);
+  uint64_t tickets_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t done_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-std::shared_ptr<CudaScratchPool> MakeCudaScratchPool(std::shared_ptr<const CudaMemoryPool> memory) {
-  return std::make_shared<CudaScratchPool>(std::move(memory));
+absl::StatusOr<uint64_t> CudaScratchPool::Defer(Lease lease) {
+  bool full = false;
+  {
+    kvmem::MutexLock lock(&mu_);
+    full = deferred_.size() >= kMaxDeferred;
+  }
+  // Its status goes nowhere: the states whose work it covered learn nothing of a failure
+  // (on a GPU a fault is sticky: their next calls fail).
+  if (full) Drain("slot states: deferred work").IgnoreError();
+  try {
+    kvmem::MutexLock lock(&mu_);
+    deferred_.emplace_back(tickets_ + 1, std::move(lease));  // no effect if it throws
+    return ++tickets_;
+  } catch (const std::bad_alloc&) {
+    // The lease stays here, given back after the wait.
+  }
+  if (absl::Status s = Drain("slot states: deferred work"); !s.ok()) return s;
+  return 0;
+}
+
+absl::Status CudaScratchPool::Drain(absl::string_view what) {
+  uint64_t upto = 0;
+  {
+    kvmem::MutexLock lock(&mu_);
+    upto = tickets_;
+  }
+  absl::Status s = FromCuda(cudaStreamSynchronize(stream_), what);
+  // The work ran (or failed): its pinned memory is free either way. Given back outside the
+  // lock (a Lease's destructor takes it).
+  std::vector<std::pair<uint64_t, Lease>> done;
+  {
+    kvmem::MutexLock lock(&mu_);
+    done_ = std::max(done_, upto);
+    while (!deferred_.empty() && deferred_.front().first <= upto) {  // tickets ascend
+      done.push_back(std::move(deferred_.front()));
+      deferred_.pop_front();
+    }
+  }
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<CudaScratchPool>> MakeCudaScratchPool(
+    std::shared_ptr<const CudaMemoryPool> memory) {
+  if (absl::Status s = FromCuda(cudaSetDevice(memory->device()), "slot states: set device");
+      !s.ok()) {
+    return s;
+  }
+  cudaStream_t stream = nullptr;
+  if (absl::Status s = FromCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                                "slot states: stream");
+      !s.ok()) {
+    return s;
+  }
+  return std::make_shared<CudaScratchPool>(std::move(memory), stream);
 }
 
 namespace {
 
 using kernels::StreamSlice;
 
-// Byte offsets of a sequence's arrays in its allocation, for S streams of capacity C.
+// Byte offsets of a sequence's arrays in its allocation, for S streams of capacity C. Two
+// banks of [scores][positions]: `scores`/`positions` the live one, `next_*` the other (a
+// batched step compacts into it; its commit swaps the offsets).
 struct Regions {
-  uint64_t scores, positions, flags, slices, stream_max, kept, saved_scores, bytes;
+  uint64_t scores, positions, flags, slices, stream_max, kept, saved_scores, next_scores,
+      next_positions, bytes;
 
   static Regions For(uint64_t S, uint64_t C) {
     Regions r{};
@@ -144,8 +237,14 @@ struct Regions {
     r.stream_max = take(S * sizeof(float));
     r.kept = take(S * sizeof(uint32_t));
     r.saved_scores = take(S * C * sizeof(float));  // the scores before a Step (AbortStep)
+    r.next_scores = take(S * C * sizeof(float));
+    r.next_positions = take(S * C * sizeof(int64_t));
     r.bytes = at;
     return r;
+  }
+  // A bank's bytes: its scores and positions lie side by side (one copy moves both).
+  static uint64_t BankBytes(uint64_t S, uint64_t C) {
+    return Align16(S * C * sizeof(float)) + S * C * sizeof(int64_t);
   }
 };
 
@@ -182,7 +281,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   absl::Status Append(absl::Span<const int64_t> positions, float initial_score) override {
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const auto count = static_cast<uint32_t>(positions.size());
     if (absl::Status s = EnsureCapacity(count); !s.ok()) return s;
     // [positions][scores][ops] up once, then one scatter into every stream's tail.
@@ -219,6 +318,7 @@ class CudaSlotState final : public BookedSlotState {
     if (!s.ok()) return s;
     book_.Grow(count);
     pending_ = false;
+    compacted_ = false;
     return absl::OkStatus();
   }
 
@@ -228,8 +328,9 @@ class CudaSlotState final : public BookedSlotState {
                     absl::Span<const uint32_t> budget, uint32_t protect, KeepSets* keep) override {
     const uint32_t S = book_.num_streams();
     pending_ = false;
+    compacted_ = false;
     if (absl::Status s = book_.CheckStep(rows, budget); !s.ok()) return s;
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const uint64_t C = book_.capacity();
     if (C == 0) {  // nothing appended yet: every stream is empty
       *keep = KeepSets(S);
@@ -322,7 +423,8 @@ class CudaSlotState final : public BookedSlotState {
 
   absl::Status Keep(const KeepSets& keep) override {
     pending_ = false;
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    compacted_ = false;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     if (C == 0) return book_.FromKeepSets(keep, nullptr);
@@ -350,7 +452,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   absl::Status ReserveCommit() override {
-    if (absl::Status s = Bind(); !s.ok()) return s;  // the scratch is allocated on our device
+    if (absl::Status s = Ready(); !s.ok()) return s;  // the scratch is allocated on our device
     const uint64_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     const uint64_t keep_host = Align16(S * C) + S * sizeof(StreamSlice);
@@ -358,7 +460,10 @@ class CudaSlotState final : public BookedSlotState {
     return Reserve(CompactDeviceBytes(), std::max({CompactHostBytes(), keep_host, scores_host}));
   }
 
-  void EndCommit() override { reserved_.reset(); }
+  void EndCommit() override {
+    reserved_.reset();
+    compacted_ = false;
+  }
 
   absl::Status ReadScores(std::vector<std::vector<float>>* scores) override {
     return Download(regions_.scores, scores, "scores");
@@ -368,7 +473,7 @@ class CudaSlotState final : public BookedSlotState {
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     if (absl::Status s = book_.CheckScores(scores); !s.ok()) return s;
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     if (C == 0) return absl::OkStatus();
     const uint64_t bytes = S * C * sizeof(float);
     absl::StatusOr<Scratch> lease = TakeScratch(0, bytes);
@@ -387,16 +492,18 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   absl::StatusOr<std::unique_ptr<SlotState>> Clone() const override {
+    if (absl::Status s = Ready(); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<CudaSlotState>> copy =
         Create(book_.num_streams(), gpu_, scratch_);
     if (!copy.ok()) return copy.status();
     CudaSlotState& c = **copy;
     if (book_.capacity() > 0) {
       if (absl::Status s = c.Allocate(book_.capacity()); !s.ok()) return s;
-      // Scores and positions are adjacent: one device-to-device copy.
-      const uint64_t bytes = regions_.flags - regions_.scores;
+      // The live bank's scores and positions: one device-to-device copy.
+      const uint64_t bytes = Regions::BankBytes(book_.num_streams(), book_.capacity());
       absl::Status s =
-          FromCuda(cudaMemcpyAsync(c.device_, device_, bytes, cudaMemcpyDeviceToDevice, c.stream_),
+          FromCuda(cudaMemcpyAsync(c.device_ + c.regions_.scores, device_ + regions_.scores, bytes,
+                                   cudaMemcpyDeviceToDevice, c.stream_),
                    "slot state: clone");
       if (absl::Status w = c.Wait("clone"); s.ok()) s = w;
       if (!s.ok()) return s;
@@ -418,6 +525,27 @@ class CudaSlotState final : public BookedSlotState {
 
   // The current device is per thread; requests arrive on any of the server's threads.
   absl::Status Bind() const { return FromCuda(cudaSetDevice(gpu_), "slot state: set device"); }
+  // Bind, and the state's deferred work done (Settle): how every call on it starts.
+  absl::Status Ready() const {
+    if (absl::Status s = Bind(); !s.ok()) return s;
+    return Settle();
+  }
+  // A batched append of this state left queued on the pool's stream (AppendAll) is done:
+  // waited for here unless a wait for that stream saw it done already. Its failure loses
+  // the state (lost_). Fails with lost_ once lost.
+  absl::Status Settle() const {
+    if (!lost_.ok()) return lost_;
+    if (queued_ == 0) return absl::OkStatus();
+    absl::Status s = absl::OkStatus();
+    if (!scratch_->Done(queued_)) s = scratch_->Drain("slot state: a batched append");
+    Settled(s);
+    return s;
+  }
+  // What a wait that covered the queued work saw of it.
+  void Settled(const absl::Status& s) const {
+    queued_ = 0;
+    if (!s.ok() && lost_.ok()) lost_ = s;
+  }
 
   absl::Status Wait(absl::string_view what) {
     return FromCuda(cudaStreamSynchronize(stream_), absl::StrCat("slot state: ", what));
@@ -440,6 +568,7 @@ class CudaSlotState final : public BookedSlotState {
 
   // Moves every stream's live slots to an allocation of the new capacity.
   absl::Status Relayout(uint32_t capacity) override {
+    if (absl::Status s = Settle(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t old_c = book_.capacity();
     if (old_c == 0) return Allocate(capacity);
@@ -485,7 +614,7 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   absl::Status RestoreScores() override {
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const uint64_t bytes = uint64_t{book_.num_streams()} * book_.capacity() * sizeof(float);
     absl::Status s =
         FromCuda(cudaMemcpyAsync(device_ + regions_.scores, device_ + regions_.saved_scores, bytes,
@@ -496,9 +625,16 @@ class CudaSlotState final : public BookedSlotState {
   }
 
   // CompactSlots by the flags and slices in this sequence's allocation (a Step's stay there
-  // until CommitStep); the kept counts become the lengths.
+  // until CommitStep); the kept counts become the lengths. After a batched step, which
+  // compacted into the other bank already: the banks swap, nothing runs on the device.
   absl::Status Compact() override {
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (std::exchange(compacted_, false)) {
+      std::swap(regions_.scores, regions_.next_scores);
+      std::swap(regions_.positions, regions_.next_positions);
+      for (uint32_t i = 0; i < book_.num_streams(); ++i) book_.set_length(i, kept_after_[i]);
+      return absl::OkStatus();
+    }
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     absl::StatusOr<Scratch> lease = TakeScratch(CompactDeviceBytes(), CompactHostBytes());
     if (!lease.ok()) return lease.status();
@@ -524,7 +660,7 @@ class CudaSlotState final : public BookedSlotState {
   // One region to the host, split per stream.
   template <typename T>
   absl::Status Download(uint64_t region, std::vector<std::vector<T>>* out, absl::string_view what) {
-    if (absl::Status s = Bind(); !s.ok()) return s;
+    if (absl::Status s = Ready(); !s.ok()) return s;
     const uint32_t S = book_.num_streams();
     const uint64_t C = book_.capacity();
     out->assign(S, {});
@@ -588,6 +724,13 @@ class CudaSlotState final : public BookedSlotState {
     return uint64_t{book_.num_streams()} * book_.capacity() * sizeof(uint32_t);
   }
   uint64_t CompactHostBytes() const { return uint64_t{book_.num_streams()} * sizeof(uint32_t); }
+  // The step pending compacted into the other bank (StepAll), to kept_after_ slots per
+  // stream: Compact swaps the banks. Reset by anything that ends or replaces the step.
+  bool compacted_ = false;
+  std::vector<uint32_t> kept_after_;
+  // The ticket of a batched append queued on the pool's stream and not yet seen done
+  // (CudaScratchPool::Defer); 0: none.
+  mutable uint64_t queued_ = 0;
   cudaStream_t stream_ = nullptr;
   Regions regions_{};
   uint8_t* device_ = nullptr;  // Regions::For(S, capacity).bytes
@@ -595,58 +738,55 @@ class CudaSlotState final : public BookedSlotState {
 
 }  // namespace
 
-namespace {
-
-// The end of a batch's queued work: waits for `stream`; the first error of the two.
-absl::Status Waited(const absl::Status& queued, cudaStream_t stream, absl::string_view what) {
-  absl::Status waited = FromCuda(cudaStreamSynchronize(stream), what);
-  return queued.ok() ? waited : queued;
-}
-
-}  // namespace
-
 void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
-  // What each Step checks and takes before its transfers, per call: a call that fails here,
-  // or whose state holds no slot yet, is done and stays out of the batch.
+  // What each Step checks before its transfers, per call: a call that fails here, or whose
+  // state holds no slot yet, is done and stays out of the batch.
   std::vector<SlotStepCall*> batch;
   std::vector<CudaSlotState*> states;
   for (SlotStepCall* call : calls) {
     auto* state = static_cast<CudaSlotState*>(call->state);
     state->pending_ = false;
+    state->compacted_ = false;
     call->status = state->book_.CheckStep(call->rows, call->budget);
+    // Not Ready(): an append of the state queued on stream() runs before this batch there.
     if (call->status.ok()) call->status = state->Bind();
+    if (call->status.ok()) call->status = state->lost_;
     if (!call->status.ok()) continue;
     if (state->book_.capacity() == 0) {  // nothing appended yet: every stream is empty
       *call->keep = KeepSets(state->book_.num_streams());
       continue;
     }
-    // What CommitStep's compaction takes, taken now: it runs past the point of no return.
-    if (call->op.select) {
-      call->status = state->Reserve(state->CompactDeviceBytes(), state->CompactHostBytes());
-      if (!call->status.ok()) continue;
-    }
     batch.push_back(call);
     states.push_back(state);
   }
   if (batch.empty()) return;
-  // One buffer, up: [segments][rows packed]; on the device then [stream max][keep flags],
-  // the flags (state by state, capacity per stream, as Step downloads them) coming back.
-  uint64_t segments = 0, row_values = 0, flag_bytes = 0;
+  // One buffer, up: [step segments][compaction segments][rows packed]; on the device then
+  // [stream max][keep flags][kept indices][kept counts], the flags (state by state,
+  // capacity per stream, as Step downloads them) coming back. A selecting call's state is
+  // compacted to its flags into its other bank in the same round trip, so that its commit
+  // has nothing left to run on the device (CudaSlotState::Compact swaps the banks).
+  uint64_t segments = 0, compactions = 0, row_values = 0, flag_bytes = 0;
   std::vector<uint64_t> flags_at(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const SlotBook& book = states[i]->book_;
     segments += book.num_streams();
     for (const absl::Span<const float>& row : batch[i]->rows) row_values += row.size();
     flags_at[i] = flag_bytes;
-    if (batch[i]->op.select) flag_bytes += book.total_slots();
+    if (batch[i]->op.select) {
+      flag_bytes += book.total_slots();
+      compactions += book.num_streams();
+    }
   }
-  const uint64_t rows_at = Align16(segments * sizeof(kernels::StepSegment));
+  const uint64_t compact_at = Align16(segments * sizeof(kernels::StepSegment));
+  const uint64_t rows_at = Align16(compact_at + compactions * sizeof(kernels::CompactSegment));
   const uint64_t upload_bytes = rows_at + row_values * sizeof(float);
   const uint64_t max_at = Align16(upload_bytes);
   const uint64_t flags_device_at = Align16(max_at + segments * sizeof(float));
-  const uint64_t device_bytes = flags_device_at + flag_bytes;
+  const uint64_t index_at = Align16(flags_device_at + flag_bytes);
+  const uint64_t kept_at = Align16(index_at + flag_bytes * sizeof(uint32_t));
+  const uint64_t device_bytes = kept_at + compactions * sizeof(uint32_t);
   const uint64_t flags_host_at = Align16(upload_bytes);
-  cudaStream_t stream = states[0]->stream_;
+  cudaStream_t stream = stream_;
   auto fail_all = [&](const absl::Status& why) {
     for (SlotStepCall* call : batch) call->status = why;
   };
@@ -662,7 +802,9 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
   uint8_t* host = lease->host();
   uint8_t* device = lease->device();
   auto* segment = reinterpret_cast<kernels::StepSegment*>(host);
+  auto* compaction = reinterpret_cast<kernels::CompactSegment*>(host + compact_at);
   auto* packed = reinterpret_cast<float*>(host + rows_at);
+  auto* d_index = reinterpret_cast<uint32_t*>(device + index_at);
   uint64_t row_at = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const CudaSlotState& st = *states[i];
@@ -683,6 +825,14 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
                                       st.Ptr<kernels::StreamSlice>(st.regions_.slices) + s,
                                       flags_at[i] + s * C};
       row_at += row.size();
+      if (!batch[i]->op.select) continue;
+      *compaction++ = kernels::CompactSegment{slices[s],
+                                              st.Ptr<uint8_t>(st.regions_.flags),
+                                              st.Ptr<float>(st.regions_.scores),
+                                              st.Ptr<int64_t>(st.regions_.positions),
+                                              d_index + flags_at[i],
+                                              st.Ptr<float>(st.regions_.next_scores),
+                                              st.Ptr<int64_t>(st.regions_.next_positions)};
     }
   }
   const auto* d_segments = reinterpret_cast<const kernels::StepSegment*>(device);
@@ -702,19 +852,39 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
         kernels::cuda::SelectTopSegments(d_segments, n, d_max, device + flags_device_at, stream),
         "slot states: batched select");
     if (s.ok()) {
+      s = FromCuda(kernels::cuda::CompactSlotsSegments(
+                       reinterpret_cast<const kernels::CompactSegment*>(device + compact_at),
+                       static_cast<uint32_t>(compactions),
+                       reinterpret_cast<uint32_t*>(device + kept_at), stream),
+                   "slot states: batched compaction");
+    }
+    if (s.ok()) {
       s = FromCuda(cudaMemcpyAsync(host + flags_host_at, device + flags_device_at, flag_bytes,
                                    cudaMemcpyDeviceToHost, stream),
                    "slot states: keep flags download");
     }
   }
   lease->ReleaseDevice();
-  s = Waited(s, stream, "slot states: batched step");
-  for (CudaSlotState* state : states) state->saved_ = launched;
+  const absl::Status waited = Drain("slot states: batched step");
+  if (s.ok()) s = waited;
+  for (CudaSlotState* state : states) {
+    state->saved_ = launched;
+    if (state->queued_ != 0) state->Settled(waited);  // its append ran before the step
+  }
   if (!s.ok()) return fail_all(s);
   for (size_t i = 0; i < batch.size(); ++i) {
+    CudaSlotState& st = *states[i];
     try {
-      states[i]->FinishStep(batch[i]->op.select, host + flags_host_at + flags_at[i],
-                            batch[i]->keep);
+      st.FinishStep(batch[i]->op.select, host + flags_host_at + flags_at[i], batch[i]->keep);
+      if (batch[i]->op.select) {
+        // What the other bank holds: each stream's kept slots (nullopt: all of them).
+        st.kept_after_.resize(st.book_.num_streams());
+        for (uint32_t k = 0; k < st.book_.num_streams(); ++k) {
+          const std::optional<KeepSet>& keep = (*batch[i]->keep)[k];
+          st.kept_after_[k] = keep ? static_cast<uint32_t>(keep->size()) : st.book_.length(k);
+        }
+        st.compacted_ = true;
+      }
     } catch (const std::bad_alloc&) {
       // The engine aborts the step (AbortStep puts the saved scores back).
       batch[i]->status = absl::ResourceExhaustedError("slot state step: out of host memory");
@@ -727,7 +897,10 @@ void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
   uint64_t segments = 0, slots = 0;
   for (SlotState* s : all) {
     auto* state = static_cast<CudaSlotState*>(s);
-    if (!state->pending_ || !state->Bind().ok()) continue;
+    // A batched step's compaction ran with it (its commit swaps the banks).
+    if (!state->pending_ || state->compacted_ || !state->Bind().ok() || !state->lost_.ok()) {
+      continue;
+    }
     states.push_back(state);
     segments += state->book_.num_streams();
     slots += state->book_.total_slots();
@@ -738,7 +911,7 @@ void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
   const uint64_t index_at = Align16(segments * sizeof(kernels::CompactSegment));
   const uint64_t kept_at = Align16(index_at + slots * sizeof(uint32_t));
   const uint64_t kept_host_at = index_at;
-  cudaStream_t stream = states[0]->stream_;
+  cudaStream_t stream = stream_;
   absl::StatusOr<Lease> lease = Acquire(kept_at + segments * sizeof(uint32_t),
                                         kept_host_at + segments * sizeof(uint32_t), stream);
   if (!lease.ok()) return;  // each compacts in its CommitStep
@@ -776,7 +949,11 @@ void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
                  "slot states: kept download");
   }
   lease->ReleaseDevice();
-  s = Waited(s, stream, "slot states: batched compaction");
+  const absl::Status waited = Drain("slot states: batched compaction");
+  if (s.ok()) s = waited;
+  for (CudaSlotState* st : states) {
+    if (st->queued_ != 0) st->Settled(waited);
+  }
   // Nothing launched: each compacts in its CommitStep. Launched and failed, the compaction
   // may have run in part and cannot be run again: each CommitStep fails with the error.
   if (!s.ok()) {
@@ -801,6 +978,8 @@ void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
     auto* state = static_cast<CudaSlotState*>(call->state);
     const auto count = static_cast<uint32_t>(call->positions.size());
     call->status = state->Bind();
+    if (call->status.ok()) call->status = state->lost_;
+    // A relayout settles what the state has queued first.
     if (call->status.ok()) call->status = state->EnsureCapacity(count);
     if (!call->status.ok()) continue;
     batch.push_back(call);
@@ -813,7 +992,7 @@ void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
   // stream's tail of its state.
   const uint64_t ops_at = staged;
   const uint64_t total = ops_at + num_ops * sizeof(kernels::ScatterOp);
-  cudaStream_t stream = states[0]->stream_;
+  cudaStream_t stream = stream_;
   // A failure appends each alone: nothing a length covers has changed (a copy that ran
   // wrote past every length), so each Append may run again.
   auto each_alone = [&] {
@@ -853,12 +1032,21 @@ void CudaScratchPool::AppendAll(absl::Span<SlotAppendCall* const> calls) {
                  "slot states: batched append scatter");
   }
   lease->ReleaseDevice();
-  s = Waited(s, stream, "slot states: batched append");
-  if (!s.ok()) return each_alone();
+  if (!s.ok()) {
+    // What was queued ran (or failed) before the pinned memory goes back.
+    Drain("slot states: batched append").IgnoreError();
+    return each_alone();
+  }
+  // No wait: the appends stay queued on stream(), where the batch's step runs after them
+  // and waits for both; a state settles them before any call of its own (Ready).
+  const absl::StatusOr<uint64_t> ticket = Defer(*std::move(lease));
+  if (!ticket.ok()) return each_alone();  // lengths not grown yet: each may run again
   for (size_t i = 0; i < batch.size(); ++i) {
     batch[i]->status = absl::OkStatus();
     states[i]->book_.Grow(static_cast<uint32_t>(batch[i]->positions.size()));
     states[i]->pending_ = false;
+    states[i]->compacted_ = false;
+    states[i]->queued_ = *ticket;
   }
 }
 

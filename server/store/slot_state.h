@@ -214,6 +214,11 @@ class BookedSlotState : public SlotState {
   }
   absl::Status CommitStep() final {
     saved_ = false;
+    if (!lost_.ok()) {
+      pending_ = false;
+      EndCommit();
+      return lost_;
+    }
     absl::Status s = std::exchange(commit_error_, absl::OkStatus());
     if (s.ok() && pending_) s = Compact();
     pending_ = false;
@@ -223,6 +228,7 @@ class BookedSlotState : public SlotState {
   absl::Status AbortStep() final {
     pending_ = false;
     EndCommit();
+    if (!lost_.ok()) return lost_;
     // A batched compaction failed part-way: nothing to put back to.
     if (!commit_error_.ok()) return std::exchange(commit_error_, absl::OkStatus());
     if (!saved_) return absl::OkStatus();
@@ -272,6 +278,10 @@ class BookedSlotState : public SlotState {
   // A batch's compaction of the pending step failed once launched (SlotStepper::CommitAll):
   // CommitStep and AbortStep report it instead of compacting or restoring.
   absl::Status commit_error_;
+  // The state no longer holds what its book says: work it queued failed after the call
+  // that queued it had returned (a batched append on a GPU). Every later call fails with
+  // it, CommitStep and AbortStep too, so that the engine poisons the sequence.
+  mutable absl::Status lost_;
 };
 
 // The CPU implementation: flat host arrays (host_scores() is never null).

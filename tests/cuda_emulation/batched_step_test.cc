@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda_runtime_api.h"
@@ -24,10 +25,12 @@ using twins::kVocab;
 
 const Layout kLayout{kL, kH, kD, DType::kF16, kB, kVocab};
 
-std::unique_ptr<Engine> CudaEngine(FakeClock* clock, uint64_t pool_bytes) {
+std::unique_ptr<Engine> CudaEngine(FakeClock* clock, uint64_t pool_bytes,
+                                   bool in_place_writes = false) {
   EngineConfig config;
   config.pool_bytes = pool_bytes;
   config.page_bytes = 4096;
+  config.in_place_writes = in_place_writes;
   return *Engine::Create(config, *store::CudaBackend::Create(pool_bytes), clock);
 }
 
@@ -94,8 +97,10 @@ CountedBatch RunCounted(Engine& e, const std::vector<uint64_t>& ids, int64_t fir
 }
 
 // A batch of N step entries that evict nothing costs one round trip, whatever N: one
-// upload of every entry's rows and segments, UpdateScoresSegments and SelectTopSegments,
-// one download of the keep flags and one wait (and no compaction: nothing was dropped).
+// upload of every entry's rows and segments, UpdateScoresSegments, SelectTopSegments and
+// CompactSlotsSegments (into each state's other bank, whether or not a slot went: the
+// commit swaps the banks only where one did), one download of the keep flags and one wait.
+// Counted after a first batch, which may grow the pinned staging (a wait: cudaFreeHost).
 TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
   for (uint32_t n : {1u, 8u, 64u}) {
     SCOPED_TRACE(::testing::Message() << n << " entries");
@@ -104,7 +109,8 @@ TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
     const std::vector<uint64_t> ids =
         Sequences(*engine, n, "confkv", {{"c_high", 512}, {"c_low", 512}}, 40);
     std::mt19937 rng(n);
-    for (int round = 0; round < 3; ++round) {
+    for (int round = 0; round < 4; ++round) {
+      SCOPED_TRACE(::testing::Message() << "round " << round);
       const CountedBatch batch = RunCounted(*engine, ids, 0, 0, rng);
       ASSERT_TRUE(batch.out.ok()) << batch.out.status();
       for (const StepOutcome& o : *batch.out) {
@@ -112,21 +118,24 @@ TEST(BatchedStepTest, AStepBatchWaitsForTheDeviceOnceWhateverItsSize) {
         ASSERT_TRUE(o.step.has_value());
         EXPECT_EQ(o.step->evicted_tokens, 0u);
       }
+      if (round == 0) continue;
       EXPECT_EQ(batch.waits, 1u);
       EXPECT_EQ(batch.transfers, 2u);
-      EXPECT_EQ(batch.launches, 2u);
+      EXPECT_EQ(batch.launches, 3u);
     }
   }
 }
 
-// A decode batch that evicts, each entry appending its token's K/V as bytes: five round
-// trips whatever N — the K/V writes, the slot states' appends, the steps, the K/V moves, the
-// metadata compactions (DecisionApplier::ExecuteMany, store::AppendSlotStates and
-// CommitSlotStates batch what each entry did on its own) — and eight copies (seven for one
-// entry, whose compaction downloads its kept counts only). Launches vary with the waves of
-// the moves (two per wave, the sequences' side by side: Backend::MoveDisjoint). Exact, so that a
-// change to the batch's round trips shows here; the figures are in bench/RESULTS.md.
-TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
+// A decode batch that evicts, each entry appending its token's K/V as bytes: three round
+// trips whatever N — the K/V writes (the backend's Write), the steps (the slot states'
+// appends queued before them on the slot states' stream, not waited for: AppendAll; the
+// metadata compacted into each state's other bank in the same round trip: StepAll), the K/V
+// moves (DecisionApplier::ExecuteMany) — and six copies: the K/V and its op list, the
+// appends' positions, the steps' rows and segments, the keep flags back, the moves' op
+// list. Launches vary with the waves of the moves (two per wave, the sequences' side by
+// side: Backend::MoveDisjoint). Exact, so that a change to the batch's round trips shows
+// here; the figures are in bench/RESULTS.md.
+TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsThreeTimesWhateverItsSize) {
   for (uint32_t n : {1u, 8u, 64u}) {
     SCOPED_TRACE(::testing::Message() << n << " entries");
     FakeClock clock;
@@ -142,8 +151,8 @@ TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
         EXPECT_GT(o.step->evicted_tokens, 0u);
       }
       if (t < 102) continue;  // past the first steps' growth
-      EXPECT_EQ(batch.waits, 5u);
-      EXPECT_EQ(batch.transfers, n == 1 ? 7u : 8u);
+      EXPECT_EQ(batch.waits, 3u);
+      EXPECT_EQ(batch.transfers, 6u);
       // Five launches besides the moves, two per wave of the sequence whose moves take the
       // most (a compaction that shifts rows toward a block's end, as StreamPlanner::Keep
       // plans some, reads rows written earlier in the batch: a new wave); at most five seen.
@@ -151,6 +160,69 @@ TEST(BatchedStepTest, AnEvictingDecodeBatchWaitsFiveTimesWhateverItsSize) {
       if (t == 105) {
         std::printf("%u entries: %zu waits, %zu transfers, %zu launches per decode batch\n", n,
                     batch.waits, batch.transfers, batch.launches);
+      }
+    }
+  }
+}
+
+// The decode loop in place (kvmemd --in-place-writes): each entry commits the token its
+// worker wrote where the last answer's plan said, steps, and asks for the next plan. No K/V
+// crosses the call, so an evicting batch waits for the device twice whatever N — its steps
+// (behind the queued appends) and its K/V moves — with four copies: the appends' positions,
+// the steps' rows and segments, the keep flags back, the moves' op list. (What a worker
+// writes at the plan is not what this test counts: the K/V stays as the pool has it.)
+TEST(BatchedStepTest, AnInPlaceEvictingBatchWaitsTwiceWhateverItsSize) {
+  for (uint32_t n : {1u, 8u, 64u}) {
+    SCOPED_TRACE(::testing::Message() << n << " entries");
+    FakeClock clock;
+    auto engine = CudaEngine(&clock, 64 << 20, /*in_place_writes=*/true);
+    const std::vector<uint64_t> ids =
+        Sequences(*engine, n, "confkv", {{"c_high", 48}, {"c_low", 48}, {"protect", 8}}, 100);
+    std::vector<uint64_t> plans(n);
+    {
+      std::vector<StepCall> ask(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        ask[i].sequence_id = ids[i];
+        ask[i].plan_tokens = 1;
+      }
+      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(ask);
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (uint32_t i = 0; i < n; ++i) {
+        ASSERT_TRUE((*out)[i].plan.has_value() && (*out)[i].plan->ok());
+        plans[i] = (*out)[i].plan->value().id;
+      }
+    }
+    std::mt19937 rng(n);
+    for (int64_t t = 100; t < 106; ++t) {
+      std::vector<DecodeInput> inputs(n);
+      std::vector<StepCall> calls;
+      for (uint32_t i = 0; i < n; ++i) {
+        MakeEntry(*engine, ids[i], t, 1, rng, &inputs[i]);
+        inputs[i].call.append = AppendChunk{inputs[i].positions, {}, {}, {}, {}, {}};
+        inputs[i].call.plan_id = plans[i];
+        inputs[i].call.plan_tokens = 1;
+        calls.push_back(inputs[i].call);
+      }
+      const cuda_emulation::Counts start = cuda_emulation::Count();
+      absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
+      const cuda_emulation::Counts end = cuda_emulation::Count();
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (uint32_t i = 0; i < n; ++i) {
+        const StepOutcome& o = (*out)[i];
+        ASSERT_TRUE(o.status.ok()) << o.status;
+        EXPECT_GT(o.step->evicted_tokens, 0u);
+        ASSERT_TRUE(o.plan.has_value() && o.plan->ok()) << o.plan->status();
+        plans[i] = o.plan->value().id;
+      }
+      if (t < 102) continue;  // past the first steps' growth
+      EXPECT_EQ(end.waits - start.waits, 2u);
+      EXPECT_EQ(end.transfers - start.transfers, 4u);
+      // Four launches besides the moves' (two per wave; at most five waves seen above).
+      EXPECT_LE(end.launches - start.launches, 4u + 2 * 5);
+      if (t == 105) {
+        std::printf("in place, %u entries: %zu waits, %zu transfers, %zu launches per batch\n", n,
+                    end.waits - start.waits, end.transfers - start.transfers,
+                    end.launches - start.launches);
       }
     }
   }
@@ -236,6 +308,125 @@ TEST(BatchedStepTest, BatchedStepsDecideWhatTheHostPoliciesDecide) {
   EXPECT_GT(evicted, 5000u);
   EXPECT_GT(failed, 250u);  // the unknown sequence every step, and the bad rows
   for (size_t i = 0; i < g_ids.size(); ++i) twins::ExpectContent(*gpu, g_ids[i], quant[i]);
+}
+
+// A batch's slot-state appends stay queued behind it when no step of the batch waits for
+// them (append-only entries): whatever comes next on those sequences — a batched step, a
+// unary Step, a Fork — sees the appended slots (CudaSlotState::Settle), decisions and
+// tables as the host policies make them on the CPU backend.
+TEST(BatchedStepTest, QueuedAppendsAreThereForWhateverComesNext) {
+  FakeClock clock;
+  auto gpu = CudaEngine(&clock, 32 << 20);
+  EngineConfig config;
+  config.pool_bytes = 32 << 20;
+  config.page_bytes = 4096;
+  config.device_step = false;
+  auto host = *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  const policy::ParamOverrides params = {{"c_high", 48}, {"c_low", 48}, {"protect", 8}};
+  std::vector<uint64_t> g_ids = Sequences(*gpu, 4, "confkv", params, 100);
+  std::vector<uint64_t> h_ids = Sequences(*host, 4, "confkv", params, 100);
+  std::mt19937 g_rng(21), h_rng(21);
+  uint64_t evicted = 0;
+  for (int64_t t = 100; t < 148; ++t) {
+    const std::string at = "step " + std::to_string(t);
+    SCOPED_TRACE(at);
+    // The token's K/V, alone in its batch.
+    for (auto [e, ids, rng] :
+         {std::tuple{gpu.get(), &g_ids, &g_rng}, std::tuple{host.get(), &h_ids, &h_rng}}) {
+      std::vector<DecodeInput> in(ids->size());
+      std::vector<StepCall> calls;
+      for (size_t i = 0; i < ids->size(); ++i) {
+        MakeEntry(*e, (*ids)[i], t, 1, *rng, &in[i]);
+        in[i].call.step.reset();
+        calls.push_back(in[i].call);
+      }
+      absl::StatusOr<std::vector<StepOutcome>> out = e->StepBatch(calls);
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (const StepOutcome& o : *out) ASSERT_TRUE(o.status.ok()) << o.status;
+    }
+    if (t % 3 == 2) {  // a fork of a sequence whose append is still queued, stepped later
+      const uint64_t g = gpu->Fork(g_ids[0], {})->sequence_id;
+      const uint64_t h = host->Fork(h_ids[0], {})->sequence_id;
+      g_ids.push_back(g);
+      h_ids.push_back(h);
+    }
+    // Then the step: one batch, or each sequence's own Step.
+    std::vector<StepResult> g_steps, h_steps;
+    for (auto [e, ids, rng, steps] : {std::tuple{gpu.get(), &g_ids, &g_rng, &g_steps},
+                                      std::tuple{host.get(), &h_ids, &h_rng, &h_steps}}) {
+      std::vector<DecodeInput> in(ids->size());
+      std::vector<StepCall> calls;
+      for (size_t i = 0; i < ids->size(); ++i) {
+        MakeEntry(*e, (*ids)[i], t, 0, *rng, &in[i]);
+        calls.push_back(in[i].call);
+      }
+      if (t % 3 == 0) {
+        for (const StepCall& c : calls) {
+          absl::StatusOr<StepResult> r = e->Step(c.sequence_id, *c.step);
+          ASSERT_TRUE(r.ok()) << r.status();
+          steps->push_back(*r);
+        }
+      } else {
+        absl::StatusOr<std::vector<StepOutcome>> out = e->StepBatch(calls);
+        ASSERT_TRUE(out.ok()) << out.status();
+        for (const StepOutcome& o : *out) {
+          ASSERT_TRUE(o.status.ok()) << o.status;
+          steps->push_back(*o.step);
+        }
+      }
+    }
+    ASSERT_EQ(g_steps.size(), h_steps.size());
+    for (size_t i = 0; i < g_steps.size(); ++i) {
+      EXPECT_EQ(g_steps[i].evicted_tokens, h_steps[i].evicted_tokens) << "sequence " << i;
+      evicted += g_steps[i].evicted_tokens;
+    }
+    // The same slots kept (a fork's blocks may be laid out otherwise: whether a block it
+    // shares is still shared when it plans depends on the order the batch's entries run).
+    for (size_t i = 0; i < g_ids.size(); ++i) {
+      const BlockTable g = *gpu->GetBlockTable(g_ids[i]), h = *host->GetBlockTable(h_ids[i]);
+      ASSERT_EQ(g.streams.size(), h.streams.size());
+      for (size_t k = 0; k < g.streams.size(); ++k) {
+        ASSERT_EQ(g.streams[k].positions, h.streams[k].positions) << "sequence " << i;
+      }
+    }
+  }
+  EXPECT_GT(evicted, 500u);
+  for (uint64_t id : g_ids) twins::ExpectContent(*gpu, id, std::nullopt);
+}
+
+// Appends that no step follows stay queued, but not without bound: at most eight batches'
+// pinned staging is held for them (CudaScratchPool::kMaxDeferred), so that the ninth batch
+// of appends alone waits for the device once to give them back. In place, so that no K/V
+// write of the backend's waits either: 20 such batches, two waits.
+TEST(BatchedStepTest, QueuedAppendsHoldABoundedStaging) {
+  FakeClock clock;
+  auto engine = CudaEngine(&clock, 32 << 20, /*in_place_writes=*/true);
+  const std::vector<uint64_t> ids =
+      Sequences(*engine, 4, "confkv", {{"c_high", 512}, {"c_low", 512}}, 40);
+  std::vector<uint64_t> plans(ids.size(), 0);
+  std::vector<std::vector<int64_t>> positions(ids.size());
+  size_t waits = 0;
+  for (int64_t t = 40; t < 61; ++t) {
+    std::vector<StepCall> calls(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      calls[i].sequence_id = ids[i];
+      calls[i].plan_tokens = 1;
+      if (plans[i] == 0) continue;  // the first batch only asks for the plans
+      positions[i] = testing::Range(t - 1, 1);
+      calls[i].append = AppendChunk{positions[i], {}, {}, {}, {}, {}};
+      calls[i].plan_id = plans[i];
+    }
+    const cuda_emulation::Counts start = cuda_emulation::Count();
+    absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
+    if (t > 40) waits += cuda_emulation::Count().waits - start.waits;
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      ASSERT_TRUE((*out)[i].status.ok()) << (*out)[i].status;
+      ASSERT_TRUE((*out)[i].plan.has_value() && (*out)[i].plan->ok());
+      plans[i] = (*out)[i].plan->value().id;
+    }
+  }
+  EXPECT_EQ(waits, 2u);
 }
 
 // Device memory running out anywhere in a batch (every allocation in turn fails once): each

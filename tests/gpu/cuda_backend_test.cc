@@ -166,7 +166,9 @@ TEST(CudaSlotStateTest, FollowsTheModelThroughRandomScripts) {
   // One scratch pool for every state, as a backend shares it among its sequences.
   absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(0);
   ASSERT_TRUE(memory.ok()) << memory.status();
-  const std::shared_ptr<CudaScratchPool> scratch = MakeCudaScratchPool(*memory);
+  absl::StatusOr<std::shared_ptr<CudaScratchPool>> made = MakeCudaScratchPool(*memory);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::shared_ptr<CudaScratchPool> scratch = *made;
   for (uint32_t seed = 0; seed < 40; ++seed) {
     testing::RunSlotStateScript(
         [&scratch](uint32_t streams) -> std::unique_ptr<SlotState> {
@@ -187,7 +189,9 @@ TEST(CudaSlotStateTest, ReservesItsCommitOnItsOwnDevice) {
   if (VisibleDevices() < 2) GTEST_SKIP() << "one CUDA device";
   absl::StatusOr<std::shared_ptr<CudaMemoryPool>> memory = CudaMemoryPool::Create(1);
   ASSERT_TRUE(memory.ok()) << memory.status();
-  auto state = MakeCudaSlotState(64, 1, MakeCudaScratchPool(*memory));
+  absl::StatusOr<std::shared_ptr<CudaScratchPool>> scratch = MakeCudaScratchPool(*memory);
+  ASSERT_TRUE(scratch.ok()) << scratch.status();
+  auto state = MakeCudaSlotState(64, 1, *scratch);
   ASSERT_TRUE(state.ok()) << state.status();
   for (int64_t p = 0; p < 300; ++p) ASSERT_TRUE((*state)->Append({&p, 1}, 0.5f).ok());
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);

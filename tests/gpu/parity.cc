@@ -370,20 +370,32 @@ void Segments() {
       Check(BitEqual(d_slice_out[i]->Host(), slice_out[i]), "segments: slices" + t);
     }
     // The compaction to those flags, by segments: the streams that selected (a state is
-    // compacted only after a selecting step).
+    // compacted only after a selecting step); odd states into arrays of their own (a batched
+    // step's other bank), even ones in place.
     std::vector<CompactSegment> hc, dc_host;
     std::vector<std::vector<uint32_t>> index(states);
     std::vector<std::unique_ptr<DeviceArray<uint32_t>>> d_index;
+    std::vector<std::vector<float>> out_scores(states);
+    std::vector<std::vector<int64_t>> out_pos(states);
+    std::vector<std::unique_ptr<DeviceArray<float>>> d_out_scores;
+    std::vector<std::unique_ptr<DeviceArray<int64_t>>> d_out_pos;
     for (uint32_t i = 0; i < states; ++i) {
       index[i].assign(host[i].scores.size(), 0);
       d_index.push_back(std::make_unique<DeviceArray<uint32_t>>(index[i]));
+      out_scores[i].assign(host[i].scores.size(), 0.0f);
+      out_pos[i].assign(host[i].positions.size(), 0);
+      d_out_scores.push_back(std::make_unique<DeviceArray<float>>(out_scores[i]));
+      d_out_pos.push_back(std::make_unique<DeviceArray<int64_t>>(out_pos[i]));
+      const bool apart = i % 2 == 1;
       for (size_t k = 0; k < host[i].slices.size(); ++k) {
         if (!ops[(i + k) % 3].select) continue;
         const StreamSlice sl = host[i].slices[k];
-        hc.push_back(
-            {sl, keep[i].data(), host[i].scores.data(), host[i].positions.data(), index[i].data()});
-        dc_host.push_back(
-            {sl, d_keep[i]->get(), d_scores[i]->get(), d_pos[i]->get(), d_index[i]->get()});
+        hc.push_back({sl, keep[i].data(), host[i].scores.data(), host[i].positions.data(),
+                      index[i].data(), apart ? out_scores[i].data() : nullptr,
+                      apart ? out_pos[i].data() : nullptr});
+        dc_host.push_back({sl, d_keep[i]->get(), d_scores[i]->get(), d_pos[i]->get(),
+                           d_index[i]->get(), apart ? d_out_scores[i]->get() : nullptr,
+                           apart ? d_out_pos[i]->get() : nullptr});
       }
     }
     const auto nc = static_cast<uint32_t>(hc.size());
@@ -396,16 +408,19 @@ void Segments() {
     bool same = true;
     uint32_t g = 0;
     for (uint32_t i = 0; i < states; ++i) {
-      const std::vector<float> sc = d_scores[i]->Host();
-      const std::vector<int64_t> pos = d_pos[i]->Host();
+      const bool apart = i % 2 == 1;
+      const std::vector<float> sc = apart ? d_out_scores[i]->Host() : d_scores[i]->Host();
+      const std::vector<int64_t> pos = apart ? d_out_pos[i]->Host() : d_pos[i]->Host();
+      const std::vector<float>& want_sc = apart ? out_scores[i] : host[i].scores;
+      const std::vector<int64_t>& want_pos = apart ? out_pos[i] : host[i].positions;
       const std::vector<uint32_t> idx = d_index[i]->Host();
       for (size_t k = 0; k < host[i].slices.size(); ++k) {
         if (!ops[(i + k) % 3].select) continue;
         const StreamSlice sl = host[i].slices[k];
         for (uint32_t r = 0; r < kept[g]; ++r) {
           const uint32_t at = sl.offset + r;
-          same = same && idx[at] == index[i][at] && pos[at] == host[i].positions[at] &&
-                 std::memcmp(&sc[at], &host[i].scores[at], 4) == 0;
+          same = same && idx[at] == index[i][at] && pos[at] == want_pos[at] &&
+                 std::memcmp(&sc[at], &want_sc[at], 4) == 0;
         }
         ++g;
       }
