@@ -267,6 +267,8 @@ class CudaSlotState final : public BookedSlotState {
 
   ~CudaSlotState() override {
     (void)cudaSetDevice(gpu_);
+    // A queued append still writes into device_: done before it goes.
+    if (queued_ != 0 && !scratch_->Done(queued_)) scratch_->Drain("slot state: end").IgnoreError();
     reserved_.reset();  // freed on stream_, so before it goes
     if (stream_ != nullptr) {
       (void)cudaStreamSynchronize(stream_);

@@ -34,6 +34,16 @@ std::unique_ptr<Engine> CudaEngine(FakeClock* clock, uint64_t pool_bytes,
   return *Engine::Create(config, *store::CudaBackend::Create(pool_bytes), clock);
 }
 
+// The same on the CPU backend, the policies' host code deciding: what the device step must
+// match.
+std::unique_ptr<Engine> HostEngine(FakeClock* clock, uint64_t pool_bytes) {
+  EngineConfig config;
+  config.pool_bytes = pool_bytes;
+  config.page_bytes = 4096;
+  config.device_step = false;
+  return *Engine::Create(config, *store::CpuBackend::Create(pool_bytes), clock);
+}
+
 // One decode entry's inputs, kept alive for the call that reads them.
 struct DecodeInput {
   std::vector<int64_t> positions;
@@ -235,11 +245,7 @@ TEST(BatchedStepTest, AnInPlaceEvictingBatchWaitsTwiceWhateverItsSize) {
 TEST(BatchedStepTest, BatchedStepsDecideWhatTheHostPoliciesDecide) {
   FakeClock clock;
   auto gpu = CudaEngine(&clock, 32 << 20);
-  EngineConfig config;
-  config.pool_bytes = 32 << 20;
-  config.page_bytes = 4096;
-  config.device_step = false;
-  auto host = *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  auto host = HostEngine(&clock, 32 << 20);
   std::vector<uint64_t> g_ids, h_ids;
   std::vector<std::optional<kernels::QuantType>> quant;
   for (const twins::Case& c : twins::Cases()) {
@@ -317,11 +323,7 @@ TEST(BatchedStepTest, BatchedStepsDecideWhatTheHostPoliciesDecide) {
 TEST(BatchedStepTest, QueuedAppendsAreThereForWhateverComesNext) {
   FakeClock clock;
   auto gpu = CudaEngine(&clock, 32 << 20);
-  EngineConfig config;
-  config.pool_bytes = 32 << 20;
-  config.page_bytes = 4096;
-  config.device_step = false;
-  auto host = *Engine::Create(config, *store::CpuBackend::Create(config.pool_bytes), &clock);
+  auto host = HostEngine(&clock, 32 << 20);
   const policy::ParamOverrides params = {{"c_high", 48}, {"c_low", 48}, {"protect", 8}};
   std::vector<uint64_t> g_ids = Sequences(*gpu, 4, "confkv", params, 100);
   std::vector<uint64_t> h_ids = Sequences(*host, 4, "confkv", params, 100);
