@@ -43,6 +43,7 @@ class CudaScratchPool final : public SlotStepper {
     }
     uint8_t* device() const { return device_.data(); }
     uint8_t* host() const { return host_.data(); }
+    uint64_t host_bytes() const { return host_.bytes(); }
     bool Holds(uint64_t device_bytes, uint64_t host_bytes) const {
       return device_.bytes() >= device_bytes && host_.bytes() >= host_bytes;
     }
@@ -78,15 +79,16 @@ class CudaScratchPool final : public SlotStepper {
   // both.
   cudaStream_t stream() const { return stream_; }
   // Keeps `lease` (its pinned memory read by work queued on stream()) until a wait for
-  // stream() has seen that work done; its ticket: Done(ticket) once one has. Drains first
-  // when kMaxDeferred leases are held already (so that they stay bounded). Without host
-  // memory to keep it, waits for the work instead: ticket 0, or that wait's error.
+  // stream() has seen that work done; its ticket, which Seen answers for. Drains first
+  // when the leases held would pass kMaxDeferred of them or kMaxDeferredBytes (so that
+  // they stay bounded). Without host memory to keep it, waits for the work instead: ticket
+  // 0, or that wait's error.
   absl::StatusOr<uint64_t> Defer(Lease lease);
-  bool Done(uint64_t ticket) const {
-    kvmem::MutexLock lock(&mu_);
-    return ticket <= done_;
-  }
+  // How the work of `ticket` ended, once a wait for stream() has seen it: OK, or the error
+  // of a wait that covered it; nullopt while none has.
+  std::optional<absl::Status> Seen(uint64_t ticket) const;
   // Waits for stream(), then gives back the leases deferred before the wait; its status.
+  // Allocates nothing once the wait has returned (but for a failure's status).
   absl::Status Drain(absl::string_view what);
 
   // The Steps of CUDA slot states of this pool's device as one batch (slot_state.h).
@@ -137,36 +139,50 @@ class CudaScratchPool final : public SlotStepper {
   }
 
  private:
-  void GiveBack(PinnedBuffer host) {
+  void GiveBack(PinnedBuffer host) noexcept {
     if (host.data() == nullptr) return;
-    kvmem::MutexLock lock(&mu_);
-    free_.push_back(std::move(host));
+    try {
+      kvmem::MutexLock lock(&mu_);
+      free_.push_back(std::move(host));
+    } catch (const std::bad_alloc&) {
+      // Not kept: the buffer goes (cudaFreeHost).
+    }
   }
 
   static constexpr size_t kMaxDeferred = 8;
+  static constexpr uint64_t kMaxDeferredBytes = 16ull << 20;
 
   const std::shared_ptr<const CudaMemoryPool> memory_;
   const cudaStream_t stream_;
   mutable absl::Mutex mu_;
   std::vector<PinnedBuffer> free_ ABSL_GUARDED_BY(mu_);
-  // Leases whose work is queued on stream_, by ticket; tickets up to done_ are done.
+  // Leases whose work is queued on stream_, by ticket (and their pinned bytes); tickets up
+  // to done_ are done, those in [fault_from_, fault_upto_] were covered by a wait that
+  // failed with fault_ (one range over every failure: it may take a ticket that ran well
+  // for one that did not, never the other way).
   std::deque<std::pair<uint64_t, Lease>> deferred_ ABSL_GUARDED_BY(mu_);
+  uint64_t deferred_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t tickets_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t done_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t fault_from_ ABSL_GUARDED_BY(mu_) = ~uint64_t{0};
+  uint64_t fault_upto_ ABSL_GUARDED_BY(mu_) = 0;
+  cudaError_t fault_ ABSL_GUARDED_BY(mu_) = cudaSuccess;
 };
 
 absl::StatusOr<uint64_t> CudaScratchPool::Defer(Lease lease) {
   bool full = false;
   {
     kvmem::MutexLock lock(&mu_);
-    full = deferred_.size() >= kMaxDeferred;
+    full = deferred_.size() >= kMaxDeferred ||
+           deferred_bytes_ + lease.host_bytes() > kMaxDeferredBytes;
   }
-  // Its status goes nowhere: the states whose work it covered learn nothing of a failure
-  // (on a GPU a fault is sticky: their next calls fail).
+  // Its status is the tickets' it covered (Seen).
   if (full) Drain("slot states: deferred work").IgnoreError();
   try {
     kvmem::MutexLock lock(&mu_);
+    const uint64_t bytes = lease.host_bytes();
     deferred_.emplace_back(tickets_ + 1, std::move(lease));  // no effect if it throws
+    deferred_bytes_ += bytes;
     return ++tickets_;
   } catch (const std::bad_alloc&) {
     // The lease stays here, given back after the wait.
@@ -175,25 +191,45 @@ absl::StatusOr<uint64_t> CudaScratchPool::Defer(Lease lease) {
   return 0;
 }
 
+std::optional<absl::Status> CudaScratchPool::Seen(uint64_t ticket) const {
+  cudaError_t fault = cudaSuccess;
+  {
+    kvmem::MutexLock lock(&mu_);
+    if (ticket > done_) return std::nullopt;
+    if (ticket >= fault_from_ && ticket <= fault_upto_) fault = fault_;
+  }
+  return FromCuda(fault, "slot states: a batched append");
+}
+
 absl::Status CudaScratchPool::Drain(absl::string_view what) {
   uint64_t upto = 0;
   {
     kvmem::MutexLock lock(&mu_);
     upto = tickets_;
   }
-  absl::Status s = FromCuda(cudaStreamSynchronize(stream_), what);
-  // The work ran (or failed): its pinned memory is free either way. Given back outside the
-  // lock (a Lease's destructor takes it).
-  std::vector<std::pair<uint64_t, Lease>> done;
+  const cudaError_t e = cudaStreamSynchronize(stream_);
   {
     kvmem::MutexLock lock(&mu_);
+    if (e != cudaSuccess && upto > done_) {
+      fault_from_ = std::min(fault_from_, done_ + 1);
+      fault_upto_ = std::max(fault_upto_, upto);
+      fault_ = e;
+    }
     done_ = std::max(done_, upto);
-    while (!deferred_.empty() && deferred_.front().first <= upto) {  // tickets ascend
-      done.push_back(std::move(deferred_.front()));
+  }
+  // The work ran (or failed): its pinned memory is free either way. Given back one lease at
+  // a time outside the lock (a Lease's destructor takes it), allocating nothing.
+  for (;;) {
+    std::optional<Lease> lease;
+    {
+      kvmem::MutexLock lock(&mu_);
+      if (deferred_.empty() || deferred_.front().first > upto) break;  // tickets ascend
+      deferred_bytes_ -= deferred_.front().second.host_bytes();
+      lease.emplace(std::move(deferred_.front().second));
       deferred_.pop_front();
     }
   }
-  return s;
+  return FromCuda(e, what);
 }
 
 absl::StatusOr<std::shared_ptr<CudaScratchPool>> MakeCudaScratchPool(
@@ -268,7 +304,7 @@ class CudaSlotState final : public BookedSlotState {
   ~CudaSlotState() override {
     (void)cudaSetDevice(gpu_);
     // A queued append still writes into device_: done before it goes.
-    if (queued_ != 0 && !scratch_->Done(queued_)) scratch_->Drain("slot state: end").IgnoreError();
+    if (queued_ != 0 && !scratch_->Seen(queued_)) scratch_->Drain("slot state: end").IgnoreError();
     reserved_.reset();  // freed on stream_, so before it goes
     if (stream_ != nullptr) {
       (void)cudaStreamSynchronize(stream_);
@@ -538,15 +574,14 @@ class CudaSlotState final : public BookedSlotState {
   absl::Status Settle() const {
     if (!lost_.ok()) return lost_;
     if (queued_ == 0) return absl::OkStatus();
-    absl::Status s = absl::OkStatus();
-    if (!scratch_->Done(queued_)) s = scratch_->Drain("slot state: a batched append");
-    Settled(s);
-    return s;
-  }
-  // What a wait that covered the queued work saw of it.
-  void Settled(const absl::Status& s) const {
+    std::optional<absl::Status> seen = scratch_->Seen(queued_);
+    if (!seen) {
+      scratch_->Drain("slot state: a batched append").IgnoreError();  // Seen says how it went
+      seen = scratch_->Seen(queued_);
+    }
     queued_ = 0;
-    if (!s.ok() && lost_.ok()) lost_ = s;
+    if (seen && !seen->ok()) lost_ = *seen;
+    return lost_;
   }
 
   absl::Status Wait(absl::string_view what) {
@@ -565,6 +600,7 @@ class CudaSlotState final : public BookedSlotState {
     device_ = device;
     regions_ = regions;
     book_.set_capacity(capacity);
+    compacted_ = false;  // the other bank is gone
     return absl::OkStatus();
   }
 
@@ -612,6 +648,7 @@ class CudaSlotState final : public BookedSlotState {
     device_ = fresh;
     regions_ = next;
     book_.set_capacity(capacity);
+    compacted_ = false;  // the other bank is gone
     return absl::OkStatus();
   }
 
@@ -867,12 +904,11 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
     }
   }
   lease->ReleaseDevice();
+  for (CudaSlotState* state : states) state->saved_ = launched;
   const absl::Status waited = Drain("slot states: batched step");
   if (s.ok()) s = waited;
-  for (CudaSlotState* state : states) {
-    state->saved_ = launched;
-    if (state->queued_ != 0) state->Settled(waited);  // its append ran before the step
-  }
+  // Their appends ran before the step: the wait saw them (no wait here).
+  for (CudaSlotState* state : states) state->Settle().IgnoreError();
   if (!s.ok()) return fail_all(s);
   for (size_t i = 0; i < batch.size(); ++i) {
     CudaSlotState& st = *states[i];
@@ -953,9 +989,7 @@ void CudaScratchPool::CommitAll(absl::Span<SlotState* const> all) {
   lease->ReleaseDevice();
   const absl::Status waited = Drain("slot states: batched compaction");
   if (s.ok()) s = waited;
-  for (CudaSlotState* st : states) {
-    if (st->queued_ != 0) st->Settled(waited);
-  }
+  for (CudaSlotState* st : states) st->Settle().IgnoreError();  // seen by that wait
   // Nothing launched: each compacts in its CommitStep. Launched and failed, the compaction
   // may have run in part and cannot be run again: each CommitStep fails with the error.
   if (!s.ok()) {

@@ -431,6 +431,61 @@ TEST(BatchedStepTest, QueuedAppendsHoldABoundedStaging) {
   EXPECT_EQ(waits, 2u);
 }
 
+// A queued append whose work faults on the device after its batch answered (the emulated
+// kernel traps): the sequences it appended to are lost — their next step fails and poisons
+// them (their slot states lack the token their tables have) — while the others that the
+// failed wait also failed are unchanged and step again in the next batch.
+TEST(BatchedStepTest, AQueuedAppendThatFaultsPoisonsItsSequencesOnly) {
+  FakeClock clock;
+  auto engine = CudaEngine(&clock, 32 << 20);
+  const std::vector<uint64_t> ids =
+      Sequences(*engine, 4, "confkv", {{"c_high", 48}, {"c_low", 48}, {"protect", 8}}, 100);
+  std::mt19937 rng(9);
+  // Sequences 0 and 1 append alone: the K/V write's launch runs, the slot states' scatter
+  // (the batch's second launch) faults.
+  {
+    std::vector<DecodeInput> in(2);
+    std::vector<StepCall> calls;
+    for (size_t i = 0; i < 2; ++i) {
+      MakeEntry(*engine, ids[i], 100, 1, rng, &in[i]);
+      in[i].call.step.reset();
+      calls.push_back(in[i].call);
+    }
+    cuda_emulation::FaultLaunchAt(2);
+    absl::StatusOr<std::vector<StepOutcome>> out = engine->StepBatch(calls);
+    cuda_emulation::FaultLaunchAt(0);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (const StepOutcome& o : *out) ASSERT_TRUE(o.status.ok()) << o.status;  // answered
+  }
+  std::vector<BlockTable> before;
+  for (uint64_t id : ids) before.push_back(*engine->GetBlockTable(id));
+  auto step_all = [&](const std::vector<uint64_t>& which) {
+    std::vector<DecodeInput> in(which.size());
+    std::vector<StepCall> calls;
+    for (size_t i = 0; i < which.size(); ++i) {
+      MakeEntry(*engine, which[i], 0, 0, rng, &in[i]);
+      calls.push_back(in[i].call);
+    }
+    return *engine->StepBatch(calls);
+  };
+  const std::vector<StepOutcome> stepped = step_all(ids);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "sequence " << i);
+    EXPECT_FALSE(stepped[i].status.ok());  // the batch's wait failed: every step with it
+    absl::StatusOr<BlockTable> now = engine->GetBlockTable(ids[i]);
+    if (i < 2) {
+      EXPECT_FALSE(now.ok()) << "a sequence whose append was lost still serves";
+      continue;
+    }
+    ASSERT_TRUE(now.ok()) << now.status();
+    for (size_t k = 0; k < now->streams.size(); ++k) {
+      EXPECT_EQ(now->streams[k].positions, before[i].streams[k].positions);
+    }
+  }
+  const std::vector<StepOutcome> again = step_all({ids[2], ids[3]});
+  for (const StepOutcome& o : again) EXPECT_TRUE(o.status.ok()) << o.status;
+}
+
 // Device memory running out anywhere in a batch (every allocation in turn fails once): each
 // entry either applied whole or failed, and a failed one changed nothing or poisoned its
 // sequence (past its point of no return); the survivors' K/V reads back exact, the next

@@ -18,6 +18,7 @@ enum cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchFailure = 719,
   cudaErrorNotSupported = 801,
 };
 
@@ -165,6 +166,10 @@ size_t PoolUsedBytes();
 // injected since the start: InjectedFailures (a sweep stops when its run injected none).
 void FailAllocationAt(size_t n);
 size_t InjectedFailures();
+// The n-th kernel launch from now (1-based, of any thread) is accepted but runs nothing: its
+// stream reports cudaErrorLaunchFailure at its next synchronization, once (a kernel that
+// faulted after its launch returned); 0 disarms.
+void FaultLaunchAt(size_t n);
 // Since the start: the host's waits for the device (stream synchronizations, copies into
 // pageable memory, synchronous copies, frees), the copies between host and device, and the
 // kernel launches.

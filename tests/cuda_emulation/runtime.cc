@@ -73,7 +73,8 @@ struct CUmemPoolHandle_st {
 namespace {
 
 std::atomic<size_t> live{0};
-std::atomic<size_t> fail_countdown{0};  // FailAllocationAt: allocations until the failing one
+std::atomic<size_t> fail_countdown{0};   // FailAllocationAt: allocations until the failing one
+std::atomic<size_t> fault_countdown{0};  // FaultLaunchAt: launches until the faulting one
 std::atomic<size_t> injected{0};
 // What a step costs a GPU beyond its work: the times the host waits for the device, the
 // copies between them and the kernel launches (kvmem::cuda_emulation::Count).
@@ -188,6 +189,17 @@ void Launch(cudaStream_t stream, std::initializer_list<const void*> pointers,
     return;
   }
   ++launches;
+  size_t n = fault_countdown.load();
+  while (n > 0 && !fault_countdown.compare_exchange_weak(n, n - 1)) {
+  }
+  if (n == 1) {  // runs nothing and faults, as a kernel that trapped
+    CUstream_st& s = Of(stream);
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.work.push_back([&s] {
+      if (s.fault == cudaSuccess) s.fault = cudaErrorLaunchFailure;  // s.mu held by Run
+    });
+    return;
+  }
   Enqueue(stream, pointers, std::move(f));
 }
 
@@ -305,6 +317,7 @@ size_t PoolUsedBytes() {
   return bytes;
 }
 void FailAllocationAt(size_t n) { fail_countdown.store(n); }
+void FaultLaunchAt(size_t n) { fault_countdown.store(n); }
 size_t InjectedFailures() { return injected.load(); }
 Counts Count() { return {waits.load(), transfers.load(), launches.load()}; }
 }  // namespace kvmem::cuda_emulation
@@ -325,6 +338,8 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidResourceHandle";
     case cudaErrorIllegalAddress:
       return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
     case cudaErrorNotSupported:
       return "cudaErrorNotSupported";
     default:
