@@ -375,8 +375,10 @@ class CudaSlotState final : public BookedSlotState {
       return absl::OkStatus();
     }
     // Pinned: the rows packed back to back, the ops that scatter them to s * C in scratch
-    // (so that only live slots cross the bus), then the slices, which go to this sequence's
-    // allocation (CommitStep compacts by them). Scratch: [packed rows][ops][rows at s * C].
+    // (so that only live slots cross the bus), the compaction's segments (a selecting step
+    // compacts into the other bank in the same round trip: CommitStep swaps the banks), then
+    // the slices, which go to this sequence's allocation. Scratch: [packed rows][ops]
+    // [segments][rows at s * C][kept indices][kept counts].
     uint64_t live = 0;
     std::vector<kernels::CopyOp> scatter(S);
     const uint64_t laid_out_bytes = S * C * sizeof(float);
@@ -385,18 +387,17 @@ class CudaSlotState final : public BookedSlotState {
       live += rows[i].size();
     }
     const uint64_t ops_at = Align16(live * sizeof(float));
-    const uint64_t laid_out_at = Align16(ops_at + S * sizeof(kernels::CopyOp));
+    const uint64_t segments_at = Align16(ops_at + S * sizeof(kernels::CopyOp));
+    const uint64_t upload_bytes = segments_at + S * sizeof(kernels::CompactSegment);
+    const uint64_t laid_out_at = Align16(upload_bytes);
+    const uint64_t index_at = Align16(laid_out_at + laid_out_bytes);
+    const uint64_t kept_at = Align16(index_at + S * C * sizeof(uint32_t));
     for (uint32_t i = 0; i < S; ++i) scatter[i].dst = laid_out_at + uint64_t{i} * C * sizeof(float);
-    const uint64_t upload_bytes = ops_at + S * sizeof(kernels::CopyOp);
     const uint64_t slice_bytes = S * sizeof(StreamSlice);
     const uint64_t slices_at = Align16(upload_bytes);
     absl::StatusOr<CudaScratchPool::Lease> lease = scratch_->Acquire(
-        laid_out_at + laid_out_bytes, std::max(slices_at + slice_bytes, S * C), stream_);
+        kept_at + S * sizeof(uint32_t), std::max(slices_at + slice_bytes, S * C), stream_);
     if (!lease.ok()) return lease.status();
-    // What CommitStep's compaction takes, taken now: it runs past the point of no return.
-    if (step.select) {
-      if (absl::Status r = Reserve(CompactDeviceBytes(), CompactHostBytes()); !r.ok()) return r;
-    }
     uint8_t* host = lease->host();
     for (uint32_t i = 0; i < S; ++i) {
       std::copy(rows[i].begin(), rows[i].end(), reinterpret_cast<float*>(host + scatter[i].src));
@@ -404,6 +405,17 @@ class CudaSlotState final : public BookedSlotState {
     std::memcpy(host + ops_at, scatter.data(), S * sizeof(kernels::CopyOp));
     const std::vector<StreamSlice> slices = book_.Slices(budget, protect);
     std::memcpy(host + slices_at, slices.data(), slice_bytes);
+    auto* d_index = reinterpret_cast<uint32_t*>(lease->device() + index_at);
+    auto* segment = reinterpret_cast<kernels::CompactSegment*>(host + segments_at);
+    for (uint32_t i = 0; i < S; ++i) {
+      segment[i] = {slices[i],
+                    Ptr<uint8_t>(regions_.flags),
+                    Ptr<float>(regions_.scores),
+                    Ptr<int64_t>(regions_.positions),
+                    d_index,
+                    Ptr<float>(regions_.next_scores),
+                    Ptr<int64_t>(regions_.next_positions)};
+    }
     const auto* d_slices = Ptr<StreamSlice>(regions_.slices);
     // Offsets in the scatter ops are from the scratch's start, for both source and
     // destination: CopyBatch(src = dst = scratch).
@@ -446,6 +458,13 @@ class CudaSlotState final : public BookedSlotState {
                                    Ptr<uint8_t>(regions_.flags), stream_),
           "slot state: select");
       if (s.ok()) {
+        s = FromCuda(
+            kernels::cuda::CompactSlotsSegments(
+                reinterpret_cast<const kernels::CompactSegment*>(lease->device() + segments_at), S,
+                reinterpret_cast<uint32_t*>(lease->device() + kept_at), stream_),
+            "slot state: compaction");
+      }
+      if (s.ok()) {
         s = FromCuda(cudaMemcpyAsync(lease->host(), device_ + regions_.flags, S * C,
                                      cudaMemcpyDeviceToHost, stream_),
                      "slot state: keep flags download");
@@ -456,6 +475,7 @@ class CudaSlotState final : public BookedSlotState {
     if (absl::Status w = Wait("step"); s.ok()) s = w;
     if (!s.ok()) return s;
     FinishStep(step.select, lease->host(), keep);
+    if (step.select) Compacted(*keep);
     return absl::OkStatus();
   }
 
@@ -567,6 +587,15 @@ class CudaSlotState final : public BookedSlotState {
   absl::Status Ready() const {
     if (absl::Status s = Bind(); !s.ok()) return s;
     return Settle();
+  }
+  // After a selecting step that compacted into the other bank: what it holds, each
+  // stream's kept slots (nullopt: all of them); CommitStep swaps it in.
+  void Compacted(const KeepSets& keep) {
+    kept_after_.resize(book_.num_streams());
+    for (uint32_t k = 0; k < book_.num_streams(); ++k) {
+      kept_after_[k] = keep[k] ? static_cast<uint32_t>(keep[k]->size()) : book_.length(k);
+    }
+    compacted_ = true;
   }
   // A batched append of this state left queued on the pool's stream (AppendAll) is done:
   // waited for here unless a wait for that stream saw it done already. Its failure loses
@@ -914,15 +943,7 @@ void CudaScratchPool::StepAll(absl::Span<SlotStepCall* const> calls) {
     CudaSlotState& st = *states[i];
     try {
       st.FinishStep(batch[i]->op.select, host + flags_host_at + flags_at[i], batch[i]->keep);
-      if (batch[i]->op.select) {
-        // What the other bank holds: each stream's kept slots (nullopt: all of them).
-        st.kept_after_.resize(st.book_.num_streams());
-        for (uint32_t k = 0; k < st.book_.num_streams(); ++k) {
-          const std::optional<KeepSet>& keep = (*batch[i]->keep)[k];
-          st.kept_after_[k] = keep ? static_cast<uint32_t>(keep->size()) : st.book_.length(k);
-        }
-        st.compacted_ = true;
-      }
+      if (batch[i]->op.select) st.Compacted(*batch[i]->keep);
     } catch (const std::bad_alloc&) {
       // The engine aborts the step (AbortStep puts the saved scores back).
       batch[i]->status = absl::ResourceExhaustedError("slot state step: out of host memory");
