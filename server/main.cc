@@ -47,6 +47,10 @@ ABSL_FLAG(uint64_t, host_metadata_bytes, 0,
           "host memory for the sequences' per-slot metadata outside the pool (positions, "
           "scores, signals); calls that would pass it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 "
           "+ 64 MiB");
+ABSL_FLAG(uint64_t, device_metadata_bytes, 0,
+          "device memory for the slot states of the CUDA backend's device step (scores, "
+          "positions, keep flags of every sequence, outside the pool); calls that would pass "
+          "it are RESOURCE_EXHAUSTED; 0 = pool_bytes / 2 + 64 MiB");
 ABSL_FLAG(bool, parallel_batches, true, "run a StepBatch's entries on every core");
 ABSL_FLAG(bool, ucx, false,
           "run a UCX worker and register the pool and the epoch board for remote reads (RMA "
@@ -268,6 +272,7 @@ int main(int argc, char** argv) {
   config.engine.default_lease = absl::Seconds(absl::GetFlag(FLAGS_lease_seconds));
   config.engine.max_append_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   config.engine.host_metadata_bytes = absl::GetFlag(FLAGS_host_metadata_bytes);
+  config.engine.device_metadata_bytes = absl::GetFlag(FLAGS_device_metadata_bytes);
   config.engine.in_place_writes = absl::GetFlag(FLAGS_in_place_writes);
   config.ucx = absl::GetFlag(FLAGS_ucx);
   config.ucx_trusted_network = absl::GetFlag(FLAGS_ucx_trusted_network);

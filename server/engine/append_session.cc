@@ -312,7 +312,11 @@ absl::Status AppendSession::PrepareLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   absl::StatusOr<HostReservation> host =
       rooms_.budget->Reserve(growth, "Append", seq.shared_host_share());
   if (!host.ok()) return host.status();
+  absl::StatusOr<HostReservation> device =
+      rooms_.budget->ReserveDevice(seq.DeviceSlotGrowth(total), "Append");
+  if (!device.ok()) return device.status();
   commit_reservation_.emplace(*std::move(host));
+  device_reservation_.emplace(*std::move(device));
   // Room for the new slots in every per-slot vector, before anything changes: the commit
   // then only fills reserved capacity and cannot throw.
   // (Capacity grows geometrically: one token per call must not copy every vector.)
@@ -464,6 +468,7 @@ absl::StatusOr<AppendResult> AppendSession::CommitLocked(const std::optional<Hel
   if (section) section->Commit();
   rooms_.budget->Account(seq);
   commit_reservation_.reset();  // what it held is accounted now
+  device_reservation_.reset();
   rooms_.telemetry->tokens_appended += total;
   if (PolicyTelemetry* t = rooms_.telemetry->For(seq.policy_name())) {
     t->tokens_appended += total;

@@ -137,6 +137,7 @@ class AppendSession {
   OpBatch deferred_;                                   // moves and writes left to WriteMany
   bool prepared_ = false;                              // PrepareCommit took what Commit needs
   std::optional<HostReservation> commit_reservation_;  // the commit's host memory
+  std::optional<HostReservation> device_reservation_;  // its slot state's device memory
   bool slots_appended_ = false;  // the slot state holds the new slots (its length grew)
   bool committed_ = false;
 };

@@ -119,6 +119,11 @@ uint64_t HostBudgetBytes(const EngineConfig& config) {
                                         : config.pool_bytes / 2 + (64ull << 20);
 }
 
+uint64_t DeviceBudgetBytes(const EngineConfig& config) {
+  return config.device_metadata_bytes > 0 ? config.device_metadata_bytes
+                                          : config.pool_bytes / 2 + (64ull << 20);
+}
+
 std::vector<std::string> ArenaTenants(const EngineConfig& config) {
   std::vector<std::string> names;
   for (const auto& [tenant, bytes] : config.tenant_arenas) names.push_back(tenant);
@@ -143,7 +148,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<store::Backend> backe
       publisher_(pool_.get(), prefix_root),
       budget_(
           HostBudgetBytes(config), [this] { return publisher_.index().host_bytes(); },
-          config.tenant_host_metadata_bytes),
+          config.tenant_host_metadata_bytes, DeviceBudgetBytes(config)),
       versions_(std::move(board), pool_.get(), &telemetry_),
       registry_(clock, config.default_lease, config.max_lease),
       tenants_(pool_.get(), config.tenant_quota_bytes, config.tenant_quotas,
@@ -674,7 +679,8 @@ EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
     stats.stream_slots_evicted = telemetry_.stream_slots_evicted;
     stats.stream_slots_quantized = telemetry_.stream_slots_quantized;
     stats.bytes_moved = telemetry_.bytes_moved;
-    stats.slot_state_bytes = budget_.slot_state_bytes();
+    stats.device_slot_state_bytes = budget_.device_slot_state_bytes();
+    stats.slot_state_bytes = budget_.slot_state_bytes() + stats.device_slot_state_bytes;
     stats.host_metadata_bytes = budget_.host_bytes();
     stats.host_metadata_budget_bytes = budget_.budget();
     if (const TableBoard* tables = versions_.tables()) {
@@ -720,6 +726,9 @@ EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
       stats.tokens_appended += summary.appended_tokens;
       stats.steps += summary.steps;
       stats.slot_state_bytes += summary.slot_state_bytes;
+      if (seq->slots_accounted_on_device()) {
+        stats.device_slot_state_bytes += summary.slot_state_bytes;
+      }
       stats.pool.blocks_used += summary.blocks;
       stats.pool.block_bytes_used += summary.pool_bytes_held;
     }

@@ -37,6 +37,10 @@ struct EngineConfig {
   // positions, scores, signals, history, block lists); a call that would pass it is
   // RESOURCE_EXHAUSTED naming --host-metadata-bytes. 0 = pool_bytes / 2 + 64 MiB.
   uint64_t host_metadata_bytes = 0;
+  // Device memory for the slot states of a GPU backend's device step (scores, positions,
+  // flags: not host memory, not in the pool); RESOURCE_EXHAUSTED naming
+  // --device-metadata-bytes past it. 0 = pool_bytes / 2 + 64 MiB.
+  uint64_t device_metadata_bytes = 0;
   // Test hook (failpoints.h); null in production.
   Failpoints* failpoints = nullptr;
   // Free pages only quantization may take (BlockPool::Use::kReclaim), so that a full pool
@@ -356,9 +360,10 @@ struct EngineStats {
   uint64_t kv_bytes = 0;
   uint64_t full_cache_bytes = 0;
   std::vector<std::pair<std::string, uint64_t>> block_bytes_by_precision;
-  uint64_t bytes_moved = 0;          // pool bytes moved by compaction, merges and copy-on-write
-  uint64_t slot_state_bytes = 0;     // SlotState memory of all sequences (outside the pool)
-  uint64_t host_metadata_bytes = 0;  // sequences' host metadata (outside the pool)
+  uint64_t bytes_moved = 0;              // pool bytes moved by compaction, merges and copy-on-write
+  uint64_t slot_state_bytes = 0;         // SlotState memory of all sequences (outside the pool)
+  uint64_t device_slot_state_bytes = 0;  // of it, in device memory (--device-metadata-bytes)
+  uint64_t host_metadata_bytes = 0;      // sequences' host metadata (outside the pool)
   uint64_t host_metadata_budget_bytes = 0;
   // The table area (--table_area_bytes): its heap, the bytes of it the records take, and the
   // writes that found no room.

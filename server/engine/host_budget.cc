@@ -6,7 +6,7 @@
 namespace kvmem::engine {
 
 HostReservation::~HostReservation() {
-  if (budget_ != nullptr) budget_->host_reserved_ -= bytes_;
+  if (budget_ != nullptr) (device_ ? budget_->device_reserved_ : budget_->host_reserved_) -= bytes_;
   if (share_ != nullptr) share_->reserved -= bytes_;
 }
 
@@ -15,6 +15,20 @@ absl::Status HostReservation::Grow(uint64_t more, absl::string_view what) {
 }
 
 absl::Status HostBudget::Grow(HostReservation& reservation, uint64_t more, absl::string_view what) {
+  if (reservation.device_) {
+    // As below, against the device budget.
+    const uint64_t reserved = device_reserved_.fetch_add(more) + more;
+    const uint64_t used = device_slot_bytes_.load();
+    if (more > device_budget_ || used + reserved > device_budget_) {
+      device_reserved_ -= more;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": needs ", more, " more bytes of device memory for slot states; ",
+          used + reserved - more, " of the budget of ", device_budget_,
+          " bytes are in use or promised to calls in flight (--device-metadata-bytes)"));
+    }
+    reservation.bytes_ += more;
+    return absl::OkStatus();
+  }
   // Reserved first, then checked against what is in use: of two racing calls, at least the
   // second sees the first's bytes and fails, so the sum never passes the budget.
   const uint64_t reserved = host_reserved_.fetch_add(more) + more;
@@ -69,16 +83,31 @@ std::shared_ptr<HostShare> HostBudget::ShareOf(const std::string& key) {
   return share;
 }
 
+absl::StatusOr<HostReservation> HostBudget::ReserveDevice(uint64_t more, absl::string_view what) {
+  HostReservation reservation(this, nullptr, /*device=*/true);
+  if (absl::Status s = reservation.Grow(more, what); !s.ok()) return s;
+  return reservation;
+}
+
 void HostBudget::Account(Sequence& seq) {
   const uint64_t slot_bytes = seq.slots() ? seq.slots()->bytes() : 0;
   const uint64_t host = seq.released() ? 0 : seq.host_bytes();
   // Modular: shrinking subtracts.
   const uint64_t slot_delta = slot_bytes - seq.slot_bytes_accounted();
   const uint64_t host_delta = host - seq.host_bytes_accounted();
-  slot_state_bytes_ += slot_delta;
   host_bytes_ += host_delta;
-  if (HostShare* share = seq.host_share()) share->used += slot_delta + host_delta;
-  seq.set_accounted(slot_bytes, host);
+  // A sequence's slot state lives where it was made for its whole life (once it is gone,
+  // its bytes leave the total they were in).
+  const bool device =
+      seq.slots() != nullptr ? seq.slots()->in_device_memory() : seq.slots_accounted_on_device();
+  if (device) {
+    device_slot_bytes_ += slot_delta;
+    if (HostShare* share = seq.host_share()) share->used += host_delta;
+  } else {
+    slot_state_bytes_ += slot_delta;
+    if (HostShare* share = seq.host_share()) share->used += slot_delta + host_delta;
+  }
+  seq.set_accounted(slot_bytes, host, device);
 }
 
 }  // namespace kvmem::engine

@@ -10,6 +10,10 @@
 // what its calls in flight were promised, bounded apart from the daemon's budget, so that one
 // tenant cannot take all of it. The prefix index's entries and published documents are the
 // index's (reclaimed as the pool's cache), counted in the daemon's budget only.
+//
+// Slot states in device memory (a GPU backend's: SlotState::in_device_memory) are not host
+// memory: they count against a budget of their own (--device-metadata-bytes), reserved and
+// accounted the same way (ReserveDevice), daemon-wide.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -43,11 +47,13 @@ class HostReservation {
   HostReservation(HostReservation&& other) noexcept
       : budget_(std::exchange(other.budget_, nullptr)),
         share_(std::move(other.share_)),
-        bytes_(std::exchange(other.bytes_, 0)) {}
+        bytes_(std::exchange(other.bytes_, 0)),
+        device_(other.device_) {}
   HostReservation& operator=(HostReservation&& other) noexcept {
     std::swap(budget_, other.budget_);
     std::swap(share_, other.share_);
     std::swap(bytes_, other.bytes_);
+    std::swap(device_, other.device_);
     return *this;
   }
   ~HostReservation();
@@ -58,20 +64,25 @@ class HostReservation {
 
  private:
   friend class HostBudget;
-  HostReservation(HostBudget* budget, std::shared_ptr<HostShare> share)
-      : budget_(budget), share_(std::move(share)) {}
+  HostReservation(HostBudget* budget, std::shared_ptr<HostShare> share, bool device = false)
+      : budget_(budget), share_(std::move(share)), device_(device) {}
   HostBudget* budget_ = nullptr;
   std::shared_ptr<HostShare> share_;  // null: counted in the daemon's budget only
   uint64_t bytes_ = 0;
+  bool device_ = false;  // of the device budget (ReserveDevice)
 };
 
 class HostBudget {
  public:
   // `budget_bytes`: the limit; `other_bytes`: host bytes held elsewhere that count too (the
   // prefix index's entries); `tenant_bytes`: each tenant's share (0: no limit apart).
+  // `device_bytes`: the budget of slot states in device memory.
   HostBudget(uint64_t budget_bytes, std::function<uint64_t()> other_bytes,
-             uint64_t tenant_bytes = 0)
-      : budget_(budget_bytes), tenant_budget_(tenant_bytes), other_bytes_(std::move(other_bytes)) {}
+             uint64_t tenant_bytes = 0, uint64_t device_bytes = ~uint64_t{0})
+      : budget_(budget_bytes),
+        tenant_budget_(tenant_bytes),
+        device_budget_(device_bytes),
+        other_bytes_(std::move(other_bytes)) {}
 
   // The share of the tenant `key`: the same object while any sequence or call holds it.
   std::shared_ptr<HostShare> ShareOf(const std::string& key);
@@ -79,6 +90,8 @@ class HostBudget {
   // sequence's, Sequence::host_share) when given.
   absl::StatusOr<HostReservation> Reserve(uint64_t more, absl::string_view what,
                                           std::shared_ptr<HostShare> share = nullptr);
+  // The same of the device budget (RESOURCE_EXHAUSTED naming --device-metadata-bytes).
+  absl::StatusOr<HostReservation> ReserveDevice(uint64_t more, absl::string_view what);
   // An empty reservation, to grow later.
   HostReservation Empty(std::shared_ptr<HostShare> share = nullptr) {
     return HostReservation(this, std::move(share));
@@ -90,7 +103,10 @@ class HostBudget {
   uint64_t budget() const { return budget_; }
   uint64_t tenant_budget() const { return tenant_budget_; }
   uint64_t host_bytes() const { return host_bytes_.load(); }
+  // Slot states in host memory, and in device memory.
   uint64_t slot_state_bytes() const { return slot_state_bytes_.load(); }
+  uint64_t device_slot_state_bytes() const { return device_slot_bytes_.load(); }
+  uint64_t device_budget() const { return device_budget_; }
 
  private:
   friend class HostReservation;
@@ -98,6 +114,7 @@ class HostBudget {
 
   const uint64_t budget_;
   const uint64_t tenant_budget_;
+  const uint64_t device_budget_;
   const std::function<uint64_t()> other_bytes_;
   absl::Mutex shares_mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<HostShare>> shares_ ABSL_GUARDED_BY(shares_mu_);
@@ -105,6 +122,8 @@ class HostBudget {
   std::atomic<uint64_t> slot_state_bytes_{0};
   std::atomic<uint64_t> host_bytes_{0};     // Sequence::host_bytes() of every sequence
   std::atomic<uint64_t> host_reserved_{0};  // granted to calls in flight
+  std::atomic<uint64_t> device_slot_bytes_{0};
+  std::atomic<uint64_t> device_reserved_{0};
 };
 
 }  // namespace kvmem::engine

@@ -99,10 +99,16 @@ absl::StatusOr<uint64_t> PrefixPublisher::Map(Sequence& seq, const PromptPrefix&
   }
   absl::Status s = host->Grow(growth, "CreateSequence");
   if (!s.ok()) return s;
+  // A slot state in device memory: its growth from the device budget, held until it is
+  // accounted (here, once mapped).
+  absl::StatusOr<HostReservation> device =
+      budget_->ReserveDevice(seq.DeviceSlotGrowth(tokens), "CreateSequence");
+  if (!device.ok()) return device.status();
   Sequence::PrefixState& mutable_state = seq.mutable_prefix();
   mutable_state.hashes.assign(plan.hashes.begin(), plan.hashes.begin() + mapped.size());
   mutable_state.published_blocks = mapped.size();
   if (s = MapPrefix(seq, mapped, prompt.token_ids, version); !s.ok()) return s;
+  if (device->bytes() > 0) budget_->Account(seq);
   std::move(unref_mapped).Cancel();
   mutable_state.mapped_prefix = true;
   return tokens;

@@ -222,8 +222,15 @@ uint64_t Sequence::SlotGrowth(size_t tokens) const {
   for (const Stream& st : streams_) {
     bytes += st.ReserveGrowth(tokens, policy_->history_rows());
   }
-  if (slots_) bytes += slots_->AppendGrowth(static_cast<uint32_t>(tokens));
+  if (slots_ && !slots_->in_device_memory()) {
+    bytes += slots_->AppendGrowth(static_cast<uint32_t>(tokens));
+  }
   return bytes;
+}
+
+uint64_t Sequence::DeviceSlotGrowth(size_t tokens) const {
+  return slots_ && slots_->in_device_memory() ? slots_->AppendGrowth(static_cast<uint32_t>(tokens))
+                                              : 0;
 }
 
 void Sequence::RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position,

@@ -355,9 +355,16 @@ class Sequence {
   uint64_t host_bytes_accounted() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
     return host_bytes_accounted_;
   }
-  void set_accounted(uint64_t slot_bytes, uint64_t host_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // Whether slot_bytes_accounted() went to the device budget (the slot state's place, kept
+  // after the state goes so that its bytes leave the same total).
+  bool slots_accounted_on_device() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return slots_accounted_on_device_;
+  }
+  void set_accounted(uint64_t slot_bytes, uint64_t host_bytes, bool slots_on_device)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     slot_bytes_accounted_ = slot_bytes;
     host_bytes_accounted_ = host_bytes;
+    slots_accounted_on_device_ = slots_on_device;
   }
 
   absl::Span<const int32_t> token_ids() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return token_ids_; }
@@ -366,9 +373,11 @@ class Sequence {
   // Room for `more` token ids, so that RecordAppend does not allocate. May throw.
   void ReserveTokens(size_t more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Bytes by which making room for `tokens` more slots (ReserveTokens, every stream's
-  // Reserve, the slot state's Append) would raise host_bytes() and the slot state's bytes;
-  // a vector that must grow doubles, so one token can take as much as the sequence holds.
+  // Reserve, the slot state's Append) would raise host_bytes() and a host slot state's
+  // bytes; a vector that must grow doubles, so one token can take as much as the sequence
+  // holds. DeviceSlotGrowth: the same of a slot state in device memory.
   uint64_t SlotGrowth(size_t tokens) const ABSL_SHARED_LOCKS_REQUIRED(mu);
+  uint64_t DeviceSlotGrowth(size_t tokens) const ABSL_SHARED_LOCKS_REQUIRED(mu);
   // An append's commit: its token ids and last position (into reserved room).
   void RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position, uint64_t tokens)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -510,6 +519,7 @@ class Sequence {
   std::vector<std::vector<StreamBlock>> spare_lists_ ABSL_GUARDED_BY(mu);
   uint64_t slot_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
   uint64_t host_bytes_accounted_ ABSL_GUARDED_BY(mu) = 0;
+  bool slots_accounted_on_device_ ABSL_GUARDED_BY(mu) = false;
   std::vector<int32_t> token_ids_ ABSL_GUARDED_BY(mu);
   int64_t last_position_ ABSL_GUARDED_BY(mu) = -1;
   uint64_t appended_ ABSL_GUARDED_BY(mu) = 0;

@@ -313,6 +313,8 @@ class CudaSlotState final : public BookedSlotState {
     (void)cudaFree(device_);
   }
 
+  bool in_device_memory() const override { return true; }
+
   uint64_t BytesAt(uint32_t capacity) const override {
     return capacity == book_.capacity() ? regions_.bytes
                                         : Regions::For(book_.num_streams(), capacity).bytes;

@@ -109,6 +109,9 @@ class SlotState {
   virtual uint32_t length(uint32_t stream) const = 0;
   // Bytes this state holds where it lives (device memory for the CUDA backend).
   virtual uint64_t bytes() const = 0;
+  // Whether it lives in device memory (its bytes are then not host memory: the engine
+  // counts them against --device-metadata-bytes).
+  virtual bool in_device_memory() const { return false; }
   // Bytes by which Append of `count` slots would raise bytes() (0 if it would fail).
   virtual uint64_t AppendGrowth(uint32_t count) const = 0;
 

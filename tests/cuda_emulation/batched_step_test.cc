@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda_runtime_api.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/engine/engine.h"
 #include "server/store/cpu_backend.h"
@@ -484,6 +485,52 @@ TEST(BatchedStepTest, AQueuedAppendThatFaultsPoisonsItsSequencesOnly) {
   }
   const std::vector<StepOutcome> again = step_all({ids[2], ids[3]});
   for (const StepOutcome& o : again) EXPECT_TRUE(o.status.ok()) << o.status;
+}
+
+// A device step's slot states live in device memory: they count against
+// --device-metadata-bytes, not --host-metadata-bytes (issue 39: eight sequences of 2,100
+// tokens of a 32x8x4 layout were refused for host metadata on the CUDA backend while the
+// CPU backend admitted them). Past the device budget an Append is refused naming it and
+// changes nothing; released, the sequences give both back.
+TEST(BatchedStepTest, SlotStatesInDeviceMemoryCountAgainstTheirOwnBudget) {
+  const Layout layout{32, 8, 4, DType::kF16, 16, kVocab};
+  auto append = [&](Engine& e, uint64_t id, uint32_t n) {
+    const std::vector<int64_t> positions = testing::Range(0, n);
+    const std::string k = testing::PayloadF16(32 * 8, 0, n, 4, 0);
+    const std::string v = testing::PayloadF16(32 * 8, 0, n, 4, 1);
+    AppendChunk chunk{positions, {}, k, v, {}, {}};
+    return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
+  };
+  for (const uint64_t device_budget : {uint64_t{0}, uint64_t{16} << 20}) {
+    SCOPED_TRACE(::testing::Message() << "device budget " << device_budget);
+    FakeClock clock;
+    EngineConfig config;
+    config.pool_bytes = 64 << 20;
+    config.page_bytes = 4096;
+    config.host_metadata_bytes = 24 << 20;
+    config.device_metadata_bytes = device_budget;  // 0: pool / 2 + 64 MiB
+    auto engine = *Engine::Create(config, *store::CudaBackend::Create(config.pool_bytes), &clock);
+    const uint64_t id =
+        engine->CreateSequence(layout, "confkv", {{"c_high", 2048}, {"c_low", 2048}}, {}, {})
+            ->sequence_id;
+    const absl::Status s = append(*engine, id, 2100);
+    const EngineStats stats = engine->Stats(false);
+    if (device_budget == 0) {
+      ASSERT_TRUE(s.ok()) << s;
+      // 256 streams of 4,096 slots in device memory: more than the whole host budget.
+      EXPECT_GT(stats.device_slot_state_bytes, uint64_t{24} << 20);
+      EXPECT_LE(stats.host_metadata_bytes, uint64_t{24} << 20);
+    } else {
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("--device-metadata-bytes"));
+      EXPECT_EQ(engine->GetBlockTable(id)->streams[0].positions.size(), 0u);
+      EXPECT_LE(stats.device_slot_state_bytes, device_budget);
+    }
+    ASSERT_TRUE(engine->Release(id).ok());
+    const EngineStats after = engine->Stats(false);
+    EXPECT_EQ(after.device_slot_state_bytes, 0u);
+    EXPECT_EQ(after.slot_state_bytes, 0u);
+  }
 }
 
 // Device memory running out anywhere in a batch (every allocation in turn fails once): each
