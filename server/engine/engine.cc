@@ -519,10 +519,16 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
   if (absl::Status s = tenants_.AddHold(tenant_key); !s.ok()) return s;
   absl::Cleanup give_back_tenant = [this, &tenant_key] { tenants_.Release(tenant_key); };
   // The child copies the parent's host metadata and slot state: both count against the
-  // host budget (beam search forks a lot).
-  absl::StatusOr<HostReservation> host = budget_.Reserve(
-      parent.host_bytes() + parent.slot_bytes_accounted(), "Fork", parent.shared_host_share());
+  // host budget (beam search forks a lot), a slot state in device memory against the
+  // device budget.
+  const bool device_slots = parent.slots_accounted_on_device();
+  absl::StatusOr<HostReservation> host =
+      budget_.Reserve(parent.host_bytes() + (device_slots ? 0 : parent.slot_bytes_accounted()),
+                      "Fork", parent.shared_host_share());
   if (!host.ok()) return host.status();
+  absl::StatusOr<HostReservation> device =
+      budget_.ReserveDevice(device_slots ? parent.slot_bytes_accounted() : 0, "Fork");
+  if (!device.ok()) return device.status();
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots()) {
     absl::StatusOr<std::unique_ptr<store::SlotState>> copy = parent.slots()->Clone();

@@ -601,6 +601,7 @@ absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::
     const uint32_t streams = h.layout.num_streams();
     // The scores' home: every stream's positions, then each stream's own kept, then scored.
     std::unique_ptr<store::SlotState> slots;
+    HostReservation device;
     if (h.scores) {
       if (device_step) {
         absl::StatusOr<std::unique_ptr<store::SlotState>> created =
@@ -618,6 +619,13 @@ absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::
                        std::back_inserter(merged));
         all.swap(merged);
       }
+      // A slot state in device memory: what it grows to, from the device budget (held
+      // until the sequence is accounted below).
+      absl::StatusOr<HostReservation> reserved = budget_.ReserveDevice(
+          slots->in_device_memory() ? slots->AppendGrowth(static_cast<uint32_t>(all.size())) : 0,
+          "MoveSequence");
+      if (!reserved.ok()) return reserved.status();
+      device = *std::move(reserved);
       if (!all.empty()) {
         if (absl::Status s = slots->Append(all, 0.0f); !s.ok()) return s;
         store::KeepSets keep(streams);

@@ -490,8 +490,8 @@ TEST(BatchedStepTest, AQueuedAppendThatFaultsPoisonsItsSequencesOnly) {
 // A device step's slot states live in device memory: they count against
 // --device-metadata-bytes, not --host-metadata-bytes (issue 39: eight sequences of 2,100
 // tokens of a 32x8x4 layout were refused for host metadata on the CUDA backend while the
-// CPU backend admitted them). Past the device budget an Append is refused naming it and
-// changes nothing; released, the sequences give both back.
+// CPU backend admitted them). Past the device budget an Append or a Fork is refused naming
+// it and changes nothing; released, the sequences give both back.
 TEST(BatchedStepTest, SlotStatesInDeviceMemoryCountAgainstTheirOwnBudget) {
   const Layout layout{32, 8, 4, DType::kF16, 16, kVocab};
   auto append = [&](Engine& e, uint64_t id, uint32_t n) {
@@ -501,7 +501,7 @@ TEST(BatchedStepTest, SlotStatesInDeviceMemoryCountAgainstTheirOwnBudget) {
     AppendChunk chunk{positions, {}, k, v, {}, {}};
     return e.Append(id, absl::MakeConstSpan(&chunk, 1)).status();
   };
-  for (const uint64_t device_budget : {uint64_t{0}, uint64_t{16} << 20}) {
+  for (const uint64_t device_budget : {uint64_t{0}, uint64_t{48} << 20, uint64_t{16} << 20}) {
     SCOPED_TRACE(::testing::Message() << "device budget " << device_budget);
     FakeClock clock;
     EngineConfig config;
@@ -515,11 +515,23 @@ TEST(BatchedStepTest, SlotStatesInDeviceMemoryCountAgainstTheirOwnBudget) {
             ->sequence_id;
     const absl::Status s = append(*engine, id, 2100);
     const EngineStats stats = engine->Stats(false);
-    if (device_budget == 0) {
+    if (device_budget != uint64_t{16} << 20) {
       ASSERT_TRUE(s.ok()) << s;
       // 256 streams of 4,096 slots in device memory: more than the whole host budget.
       EXPECT_GT(stats.device_slot_state_bytes, uint64_t{24} << 20);
       EXPECT_LE(stats.host_metadata_bytes, uint64_t{24} << 20);
+      // A fork copies it: within the default device budget, past 48 MiB.
+      absl::StatusOr<CreateResult> fork = engine->Fork(id, {});
+      if (device_budget == 0) {
+        ASSERT_TRUE(fork.ok()) << fork.status();
+        EXPECT_EQ(engine->Stats(false).device_slot_state_bytes, 2 * stats.device_slot_state_bytes);
+        ASSERT_TRUE(engine->Release(fork->sequence_id).ok());
+      } else {
+        EXPECT_EQ(fork.status().code(), absl::StatusCode::kResourceExhausted) << fork.status();
+        EXPECT_THAT(std::string(fork.status().message()),
+                    ::testing::HasSubstr("--device-metadata-bytes"));
+        EXPECT_EQ(engine->Stats(false).device_slot_state_bytes, stats.device_slot_state_bytes);
+      }
     } else {
       EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
       EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("--device-metadata-bytes"));
