@@ -313,7 +313,7 @@ absl::Status AppendSession::PrepareLocked() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       rooms_.budget->Reserve(growth, "Append", seq.shared_host_share());
   if (!host.ok()) return host.status();
   absl::StatusOr<HostReservation> device =
-      rooms_.budget->ReserveDevice(seq.DeviceSlotGrowth(total), "Append");
+      rooms_.budget->ReserveDevice(seq.DeviceSlotGrowth(total), "Append", seq.shared_host_share());
   if (!device.ok()) return device.status();
   commit_reservation_.emplace(*std::move(host));
   device_reservation_.emplace(*std::move(device));

@@ -527,7 +527,8 @@ absl::StatusOr<CreateResult> Engine::ForkImpl(uint64_t sequence_id, absl::Durati
                       "Fork", parent.shared_host_share());
   if (!host.ok()) return host.status();
   absl::StatusOr<HostReservation> device =
-      budget_.ReserveDevice(device_slots ? parent.slot_bytes_accounted() : 0, "Fork");
+      budget_.ReserveDevice(device_slots && parent.slots() ? parent.slots()->bytes() : 0, "Fork",
+                            parent.shared_host_share());
   if (!device.ok()) return device.status();
   std::unique_ptr<store::SlotState> slots;
   if (parent.slots()) {

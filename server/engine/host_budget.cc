@@ -15,30 +15,23 @@ absl::Status HostReservation::Grow(uint64_t more, absl::string_view what) {
 }
 
 absl::Status HostBudget::Grow(HostReservation& reservation, uint64_t more, absl::string_view what) {
-  if (reservation.device_) {
-    // As below, against the device budget.
-    const uint64_t reserved = device_reserved_.fetch_add(more) + more;
-    const uint64_t used = device_slot_bytes_.load();
-    if (more > device_budget_ || used + reserved > device_budget_) {
-      device_reserved_ -= more;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          what, ": needs ", more, " more bytes of device memory for slot states; ",
-          used + reserved - more, " of the budget of ", device_budget_,
-          " bytes are in use or promised to calls in flight (--device-metadata-bytes)"));
-    }
-    reservation.bytes_ += more;
-    return absl::OkStatus();
-  }
   // Reserved first, then checked against what is in use: of two racing calls, at least the
   // second sees the first's bytes and fails, so the sum never passes the budget.
-  const uint64_t reserved = host_reserved_.fetch_add(more) + more;
-  const uint64_t used = host_bytes_.load() + slot_state_bytes_.load() + other_bytes_();
-  if (more > budget_ || used + reserved > budget_) {
-    host_reserved_ -= more;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        what, ": needs ", more, " more bytes of host metadata; ", used + reserved - more,
-        " of the budget of ", budget_, " bytes are in use or promised to calls in flight",
-        " (--host-metadata-bytes)"));
+  const bool device = reservation.device_;
+  std::atomic<uint64_t>& reserved_total = device ? device_reserved_ : host_reserved_;
+  const uint64_t reserved = reserved_total.fetch_add(more) + more;
+  const uint64_t used = device ? device_slot_bytes_.load()
+                               : host_bytes_.load() + slot_state_bytes_.load() + other_bytes_();
+  const uint64_t limit = device ? device_budget_ : budget_;
+  if (more > limit || used + reserved > limit) {
+    reserved_total -= more;
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ": needs ", more,
+                     device ? " more bytes of device memory for slot states; "
+                            : " more bytes of host metadata; ",
+                     used + reserved - more, " of the budget of ", limit,
+                     " bytes are in use or promised to calls in flight",
+                     device ? " (--device-metadata-bytes)" : " (--host-metadata-bytes)"));
   }
   HostShare* share = reservation.share_.get();
   if (share != nullptr && tenant_budget_ != 0) {
@@ -47,7 +40,7 @@ absl::Status HostBudget::Grow(HostReservation& reservation, uint64_t more, absl:
     const uint64_t held = share->used.load();
     if (more > tenant_budget_ || held + promised > tenant_budget_) {
       share->reserved -= more;
-      host_reserved_ -= more;
+      reserved_total -= more;
       return absl::ResourceExhaustedError(absl::StrCat(
           what, ": needs ", more, " more bytes of host metadata; tenant '",
           share->key.substr(0, 64), "' has ", held + promised - more, " of its ", tenant_budget_,
@@ -83,8 +76,9 @@ std::shared_ptr<HostShare> HostBudget::ShareOf(const std::string& key) {
   return share;
 }
 
-absl::StatusOr<HostReservation> HostBudget::ReserveDevice(uint64_t more, absl::string_view what) {
-  HostReservation reservation(this, nullptr, /*device=*/true);
+absl::StatusOr<HostReservation> HostBudget::ReserveDevice(uint64_t more, absl::string_view what,
+                                                          std::shared_ptr<HostShare> share) {
+  HostReservation reservation(this, std::move(share), /*device=*/true);
   if (absl::Status s = reservation.Grow(more, what); !s.ok()) return s;
   return reservation;
 }
@@ -100,13 +94,9 @@ void HostBudget::Account(Sequence& seq) {
   // its bytes leave the total they were in).
   const bool device =
       seq.slots() != nullptr ? seq.slots()->in_device_memory() : seq.slots_accounted_on_device();
-  if (device) {
-    device_slot_bytes_ += slot_delta;
-    if (HostShare* share = seq.host_share()) share->used += host_delta;
-  } else {
-    slot_state_bytes_ += slot_delta;
-    if (HostShare* share = seq.host_share()) share->used += slot_delta + host_delta;
-  }
+  (device ? device_slot_bytes_ : slot_state_bytes_) += slot_delta;
+  // A tenant's share bounds both: what its sequences hold here and on the device.
+  if (HostShare* share = seq.host_share()) share->used += slot_delta + host_delta;
   seq.set_accounted(slot_bytes, host, device);
 }
 

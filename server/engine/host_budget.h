@@ -13,7 +13,8 @@
 //
 // Slot states in device memory (a GPU backend's: SlotState::in_device_memory) are not host
 // memory: they count against a budget of their own (--device-metadata-bytes), reserved and
-// accounted the same way (ReserveDevice), daemon-wide.
+// accounted the same way (ReserveDevice); a tenant's share (below) bounds its host and
+// device bytes together.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -91,7 +92,8 @@ class HostBudget {
   absl::StatusOr<HostReservation> Reserve(uint64_t more, absl::string_view what,
                                           std::shared_ptr<HostShare> share = nullptr);
   // The same of the device budget (RESOURCE_EXHAUSTED naming --device-metadata-bytes).
-  absl::StatusOr<HostReservation> ReserveDevice(uint64_t more, absl::string_view what);
+  absl::StatusOr<HostReservation> ReserveDevice(uint64_t more, absl::string_view what,
+                                                std::shared_ptr<HostShare> share = nullptr);
   // An empty reservation, to grow later.
   HostReservation Empty(std::shared_ptr<HostShare> share = nullptr) {
     return HostReservation(this, std::move(share));

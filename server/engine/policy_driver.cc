@@ -30,8 +30,10 @@ class PolicyDriver::HostScoreCall {
   }
 
   // Before anything changes: staging room in a host slot state, or copies of a device
-  // one's (and what its commit needs, reserved). May throw std::bad_alloc.
-  absl::Status Begin(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu) {
+  // one's (and what its commit needs, reserved: its host memory from `budget`, as much as
+  // the state holds on the device, which bounds the copies and the pinned staging). May
+  // throw std::bad_alloc.
+  absl::Status Begin(Sequence& seq, HostBudget* budget) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu) {
     slots_ = seq.slots();
     if (slots_ == nullptr) return absl::OkStatus();
     host_ = slots_->host_scores();
@@ -39,6 +41,10 @@ class PolicyDriver::HostScoreCall {
       host_->PrepareStage();
       return absl::OkStatus();
     }
+    absl::StatusOr<HostReservation> copies =
+        budget->Reserve(slots_->bytes(), "host policy call", seq.shared_host_share());
+    if (!copies.ok()) return copies.status();
+    copies_reserved_ = *std::move(copies);
     // Keep and WriteScores run past the point of no return: what they need is taken now.
     if (absl::Status s = slots_->ReserveCommit(); !s.ok()) return s;
     reserved_ = true;
@@ -89,6 +95,7 @@ class PolicyDriver::HostScoreCall {
   store::SlotState* slots_ = nullptr;
   store::HostScores* host_ = nullptr;
   std::vector<std::vector<float>> copies_, next_;  // a device slot state's, for the call
+  HostReservation copies_reserved_;
   bool reserved_ = false;
 };
 
@@ -297,7 +304,7 @@ absl::StatusOr<std::unique_ptr<PolicyDriver::PendingStep>> PolicyDriver::BeginSt
   // The policy reads the committed state and stages the next (policy.h); it becomes the
   // sequence's only if the whole step applies.
   HostScoreCall scores;
-  if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
+  if (absl::Status s = scores.Begin(seq, budget_); !s.ok()) return s;
   std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
   for (size_t s = 0; s < states.size(); ++s) states[s].attention = step.rows[s];
   p->decision_ = seq.policy().Step(ctx, absl::MakeSpan(states));
@@ -403,7 +410,7 @@ absl::StatusOr<CompressResult> PolicyDriver::Compress(Sequence& seq, const Check
   // Compress runs policy code on the host: on the scores in place, or on copies of a
   // device slot state's (once per prompt, not per step).
   HostScoreCall scores;
-  if (absl::Status s = scores.Begin(seq); !s.ok()) return s;
+  if (absl::Status s = scores.Begin(seq, budget_); !s.ok()) return s;
   if (scores.copied()) Failpoints::ThrowIfHit(failpoints_, Failpoints::kHostAlloc);
   std::vector<policy::StreamState> states = StagedStreamStates(seq, scores);
   for (size_t s = 0; s < states.size(); ++s) {

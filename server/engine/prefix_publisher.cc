@@ -101,8 +101,8 @@ absl::StatusOr<uint64_t> PrefixPublisher::Map(Sequence& seq, const PromptPrefix&
   if (!s.ok()) return s;
   // A slot state in device memory: its growth from the device budget, held until it is
   // accounted (here, once mapped).
-  absl::StatusOr<HostReservation> device =
-      budget_->ReserveDevice(seq.DeviceSlotGrowth(tokens), "CreateSequence");
+  absl::StatusOr<HostReservation> device = budget_->ReserveDevice(
+      seq.DeviceSlotGrowth(tokens), "CreateSequence", seq.shared_host_share());
   if (!device.ok()) return device.status();
   Sequence::PrefixState& mutable_state = seq.mutable_prefix();
   mutable_state.hashes.assign(plan.hashes.begin(), plan.hashes.begin() + mapped.size());

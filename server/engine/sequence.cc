@@ -229,8 +229,10 @@ uint64_t Sequence::SlotGrowth(size_t tokens) const {
 }
 
 uint64_t Sequence::DeviceSlotGrowth(size_t tokens) const {
-  return slots_ && slots_->in_device_memory() ? slots_->AppendGrowth(static_cast<uint32_t>(tokens))
-                                              : 0;
+  if (!slots_ || !slots_->in_device_memory()) return 0;
+  const uint64_t growth = slots_->AppendGrowth(static_cast<uint32_t>(tokens));
+  // A growth moves the state to a new allocation beside the old one, for a moment.
+  return growth > 0 ? growth + slots_->bytes() : 0;
 }
 
 void Sequence::RecordAppend(absl::Span<const int32_t> token_ids, int64_t last_position,

@@ -623,7 +623,7 @@ absl::StatusOr<CreateResult> Engine::CommitImport(SequenceImport& import, absl::
       // until the sequence is accounted below).
       absl::StatusOr<HostReservation> reserved = budget_.ReserveDevice(
           slots->in_device_memory() ? slots->AppendGrowth(static_cast<uint32_t>(all.size())) : 0,
-          "MoveSequence");
+          "MoveSequence", import.share_);
       if (!reserved.ok()) return reserved.status();
       device = *std::move(reserved);
       if (!all.empty()) {

@@ -537,11 +537,18 @@ TEST(BatchedStepTest, SlotStatesInDeviceMemoryCountAgainstTheirOwnBudget) {
       EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("--device-metadata-bytes"));
       EXPECT_EQ(engine->GetBlockTable(id)->streams[0].positions.size(), 0u);
       EXPECT_LE(stats.device_slot_state_bytes, device_budget);
+      // The refusal kept nothing reserved: what fits still goes in.
+      EXPECT_TRUE(append(*engine, id, 100).ok());
     }
     ASSERT_TRUE(engine->Release(id).ok());
     const EngineStats after = engine->Stats(false);
     EXPECT_EQ(after.device_slot_state_bytes, 0u);
     EXPECT_EQ(after.slot_state_bytes, 0u);
+    // Nothing stays promised: a sequence as large as the first fits again.
+    const uint64_t again =
+        engine->CreateSequence(layout, "confkv", {{"c_high", 2048}, {"c_low", 2048}}, {}, {})
+            ->sequence_id;
+    EXPECT_EQ(append(*engine, again, 2100).ok(), device_budget != uint64_t{16} << 20);
   }
 }
 
