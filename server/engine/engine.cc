@@ -690,6 +690,7 @@ EngineStats Engine::Stats(bool include_sequences, const std::string* owner) {
     stats.slot_state_bytes = budget_.slot_state_bytes() + stats.device_slot_state_bytes;
     stats.host_metadata_bytes = budget_.host_bytes();
     stats.host_metadata_budget_bytes = budget_.budget();
+    stats.device_metadata_budget_bytes = budget_.device_budget();
     if (const TableBoard* tables = versions_.tables()) {
       stats.table_area_heap_bytes = tables->heap_bytes();
       stats.table_area_used_bytes = tables->heap_bytes_in_use();

@@ -296,6 +296,12 @@ std::vector<MetricFamily> Collector::Collect() const {
             static_cast<double>(s.table_area_misses));
   f.Gauge("kvmem_slot_state_bytes", "the sequences' slot state (scores, positions) in the backend",
           static_cast<double>(s.slot_state_bytes));
+  f.Gauge("kvmem_device_slot_state_bytes",
+          "of kvmem_slot_state_bytes, in device memory (the CUDA backend's device step)",
+          static_cast<double>(s.device_slot_state_bytes));
+  f.Gauge("kvmem_device_metadata_budget_bytes",
+          "the budget of kvmem_device_slot_state_bytes (--device-metadata-bytes)",
+          static_cast<double>(s.device_metadata_budget_bytes));
 
   // Per policy.
   struct PerPolicy {
