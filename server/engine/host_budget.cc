@@ -42,9 +42,12 @@ absl::Status HostBudget::Grow(HostReservation& reservation, uint64_t more, absl:
       share->reserved -= more;
       reserved_total -= more;
       return absl::ResourceExhaustedError(absl::StrCat(
-          what, ": needs ", more, " more bytes of host metadata; tenant '",
+          what, ": needs ", more,
+          device ? " more bytes of device memory for slot states; tenant '"
+                 : " more bytes of host metadata; tenant '",
           share->key.substr(0, 64), "' has ", held + promised - more, " of its ", tenant_budget_,
-          " bytes in use or promised to calls in flight (--tenant-host-metadata-bytes)"));
+          " bytes in use or promised to calls in flight (--tenant-host-metadata-bytes, which",
+          " bounds a tenant's host and device metadata together)"));
     }
   } else if (share != nullptr) {
     share->reserved += more;
