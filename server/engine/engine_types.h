@@ -364,7 +364,7 @@ struct EngineStats {
   uint64_t slot_state_bytes = 0;         // SlotState memory of all sequences (outside the pool)
   uint64_t device_slot_state_bytes = 0;  // of it, in device memory
   uint64_t device_metadata_budget_bytes = 0;  // --device-metadata-bytes
-  uint64_t host_metadata_bytes = 0;      // sequences' host metadata (outside the pool)
+  uint64_t host_metadata_bytes = 0;           // sequences' host metadata (outside the pool)
   uint64_t host_metadata_budget_bytes = 0;
   // The table area (--table_area_bytes): its heap, the bytes of it the records take, and the
   // writes that found no room.
